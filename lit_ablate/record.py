@@ -1,0 +1,118 @@
+"""The run record: the one contract between a training run and the ablation report.
+
+Callbacks write it (``RunRecorder``), the ablation runner and report read it, and neither side
+imports the other: both depend only on this module. A record is one JSON file per run::
+
+    {
+      "schema_version": 1,
+      "variant": "chunked", "seed": 0,          # set by the ablation runner, else null
+      "config": {...},                          # the resolved LightningCLI config
+      "environment": {"python": ..., "torch": ..., "lightning": ..., "transformers": ...,
+                      "device_name": ..., "device_count": ..., "world_size": ..., "git_commit": ...},
+      "warmup_steps": 2,                        # steps excluded from the summary
+      "fallbacks": ["..."],                     # every fallback a part took, in words
+      "steps": [{"step": 1, "loss": ..., "lr": ..., "step_time_s": ..., "tokens_per_sec": ...,
+                 "useful_tokens_per_sec": ..., "mfu": ..., "memory_peak_bytes": ...}, ...],
+      "summary": {
+        "status": "ok" | "error" | "oom" | "running",
+        "message": null | "the error, one line",
+        "tokens_per_sec": {"median": ..., "min": ..., "max": ..., "n": ...} | null,
+        "useful_tokens_per_sec": {...}, "tokens_per_sec_per_device": {...},
+        "useful_tokens_per_sec_per_device": {...}, "step_time_s": {...},
+        "mfu": {...} | null,                    # null when no honest peak is known
+        "peak_memory_bytes": int | null, "memory_method": str | null,
+        "final_loss": float | null
+      }
+    }
+
+A record whose status is ``running`` belongs to a run that was killed before it could finish:
+the ablation runner redoes it on resume.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+SCHEMA_VERSION = 1
+RECORD_FILENAME = "run.json"
+RECORD_PATH_ENV = "LIT_ABLATE_RUN_RECORD"
+"""Environment variable through which a launcher (the ablation runner) chooses where a run's
+record is written, without touching the run's config."""
+
+Status = Literal["ok", "error", "oom", "running"]
+FINISHED_STATUSES: tuple[str, ...] = ("ok", "error", "oom")
+
+# Per-step series that summaries are made of: series name -> summary key.
+SUMMARISED_SERIES: dict[str, str] = {
+    "tokens_per_sec": "tokens_per_sec",
+    "useful_tokens_per_sec": "useful_tokens_per_sec",
+    "tokens_per_sec_per_device": "tokens_per_sec_per_device",
+    "useful_tokens_per_sec_per_device": "useful_tokens_per_sec_per_device",
+    "step_time_s": "step_time_s",
+    "mfu": "mfu",
+}
+
+
+def spread(values: Iterable[float | None]) -> dict[str, float] | None:
+    """Median, min, max and count of the finite values, or None when there are none."""
+    finite = [float(v) for v in values if v is not None and math.isfinite(v)]
+    if not finite:
+        return None
+    return {"median": statistics.median(finite), "min": min(finite), "max": max(finite), "n": len(finite)}
+
+
+def summarize_steps(steps: Sequence[Mapping[str, Any]], warmup_steps: int) -> dict[str, Any]:
+    """Summaries over the steps after warm-up: the medians with min/max the report shows."""
+    measured = [s for s in steps if s["step"] > warmup_steps]
+    summary: dict[str, Any] = {
+        key: spread(s.get(series) for s in measured) for series, key in SUMMARISED_SERIES.items()
+    }
+    peaks = [s["memory_peak_bytes"] for s in steps if s.get("memory_peak_bytes") is not None]
+    summary["peak_memory_bytes"] = int(max(peaks)) if peaks else None
+    losses = [s["loss"] for s in steps if s.get("loss") is not None]
+    summary["final_loss"] = float(losses[-1]) if losses else None
+    return summary
+
+
+def write_record(path: str | os.PathLike[str], record: Mapping[str, Any]) -> Path:
+    """Write ``record`` as JSON atomically: a reader sees the old file or the new one, never half."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".run-", suffix=".json", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(_finite(record), f, indent=1, default=str, allow_nan=False)
+        f.write("\n")
+    os.replace(tmp, path)
+    return path
+
+
+def read_record(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a record; raises ``ValueError`` naming the file when it is not a run record."""
+    with open(path) as f:
+        record = json.load(f)
+    if not isinstance(record, dict) or record.get("schema_version") != SCHEMA_VERSION:
+        raise ValueError(f"{path}: not a lit-ablate run record (schema_version {SCHEMA_VERSION} expected)")
+    return record
+
+
+def is_finished(record: Mapping[str, Any]) -> bool:
+    """True when the run ended (well or badly) and its record is final."""
+    return record.get("summary", {}).get("status") in FINISHED_STATUSES
+
+
+def _finite(value: Any) -> Any:
+    """The record with NaN/inf (a diverged loss) as null: JSON has no NaN, and null reads as 'no value'."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
