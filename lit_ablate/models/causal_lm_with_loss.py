@@ -1,0 +1,59 @@
+"""A Hugging Face causal LM and its loss in one ``nn.Module``.
+
+The loss backends read the LM-head weight directly (fused kernels never build logits), so the
+loss must run inside the same ``forward`` as the model: a sharding wrapper (FSDP2's root) gathers
+the parameters it owns for exactly the duration of that forward. This module is what strategies
+parallelise; it holds no parallelism itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import PreTrainedModel
+
+from lit_ablate.models.losses import IGNORE_INDEX, LossBackend
+
+# Batch keys the decoder consumes; everything else in a batch is bookkeeping (labels, counts).
+MODEL_INPUT_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+class CausalLMWithLoss(nn.Module):
+    """Decoder + LM head + loss backend; ``forward(batch)`` returns the summed token loss.
+
+    Attributes:
+        lm: the Hugging Face ``...ForCausalLM`` model (``save_pretrained``, ``generate`` work on it).
+        loss_fn: a ``LossBackend``; ``z_loss_weight`` adds ``w * logsumexp(logits)^2`` per token.
+    """
+
+    def __init__(self, lm: PreTrainedModel, loss_fn: LossBackend) -> None:
+        super().__init__()
+        self.lm = lm
+        self.loss_fn = loss_fn
+
+    @property
+    def decoder_layer_types(self) -> tuple[type[nn.Module], ...]:
+        """The decoder-layer classes (from HF ``_no_split_modules``): the units strategies wrap."""
+        names = set(getattr(self.lm, "_no_split_modules", None) or ())
+        return tuple({type(m) for m in self.lm.modules() if type(m).__name__ in names})
+
+    def forward(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
+        """Returns ``(loss_sum, useful_tokens)``: fp32 sum of CE over labels != -100, and their count.
+
+        ``use_cache=False`` always: transformers only derives per-document attention from
+        ``position_ids`` when no cache exists, so a packed batch would otherwise leak across
+        documents (PLATFORM_NOTES trap 2).
+        """
+        inputs = {k: batch[k] for k in MODEL_INPUT_KEYS if batch.get(k) is not None}
+        hidden = self.lm.base_model(**inputs, use_cache=False).last_hidden_state
+        head = self.lm.get_output_embeddings()
+        labels = batch["labels"].reshape(-1)
+        loss_sum = self.loss_fn(hidden.reshape(-1, hidden.shape[-1]), head.weight, labels, head.bias)
+        return loss_sum, (labels != IGNORE_INDEX).sum()
+
+    @torch.no_grad()
+    def logits(self, input_ids: Tensor, **inputs: Tensor) -> Tensor:
+        """Full logits, for evaluation and equivalence tests (training never calls this)."""
+        return self.lm(input_ids=input_ids, use_cache=False, **inputs).logits

@@ -1,0 +1,84 @@
+"""Building a Hugging Face causal LM from YAML: a preset, a config mapping, or a checkpoint.
+
+``ModelFactory`` is what a config names under ``model.init_args.model``; it knows nothing of
+parallelism. Random initialisation draws from torch's global RNG, which the CLI seeds from
+``seed_everything``, so every rank (and every variant of a study) starts from the same weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+from lit_ablate.errors import ConfigError
+from lit_ablate.models.presets import preset_config
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelFactory:
+    """Which model to build and how.
+
+    Args:
+        preset: a named tiny shape from ``lit_ablate.models.presets`` (e.g. ``tiny-qwen3``).
+        config: a Hugging Face config mapping (``model_type`` and sizes); with a preset, its keys
+            override the preset's.
+        pretrained: a local checkpoint directory (works offline) or a hub name (needs network);
+            excludes ``preset``/``config``.
+        dtype: parameter dtype: ``float32``, ``bfloat16`` or ``float16``.
+        attn_implementation: the transformers attention backend name (``sdpa``, ``eager``, or one
+            registered by ``lit_ablate.models.attention``).
+    """
+
+    preset: str | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+    pretrained: str | None = None
+    dtype: str = "float32"
+    attn_implementation: str = "sdpa"
+
+    def __post_init__(self) -> None:
+        if self.pretrained and (self.preset or self.config):
+            raise ConfigError("model.pretrained", self.pretrained, "give either pretrained or preset/config, not both")
+        if not (self.pretrained or self.preset or self.config):
+            raise ConfigError("model", None, "set model.preset, model.config (with model_type) or model.pretrained")
+        if self.dtype not in DTYPES:
+            raise ConfigError("model.dtype", self.dtype, f"choose one of {sorted(DTYPES)}")
+        if self.preset is not None:
+            preset_config(self.preset)  # fails early on an unknown name
+        model_type = self.config.get("model_type") or (preset_config(self.preset)["model_type"] if self.preset else None)
+        if not self.pretrained and model_type not in CONFIG_MAPPING:
+            raise ConfigError(
+                "model.config.model_type", model_type, "use a transformers model type such as llama, qwen3, qwen3_moe, mixtral"
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def hf_config(self) -> PretrainedConfig:
+        """The transformers config this factory builds, without building weights."""
+        if self.pretrained:
+            config = AutoConfig.from_pretrained(self.pretrained)
+        else:
+            values = {**(preset_config(self.preset) if self.preset else {}), **self.config}
+            model_type = values.pop("model_type")
+            try:
+                config = AutoConfig.for_model(model_type, **values)
+            except (TypeError, ValueError) as err:
+                raise ConfigError("model.config", values, f"transformers rejected it: {err}") from err
+        config._attn_implementation = self.attn_implementation
+        return config
+
+    def build(self) -> PreTrainedModel:
+        """The model: random init from the current RNG state, or the checkpoint's weights."""
+        if self.pretrained:
+            return AutoModelForCausalLM.from_pretrained(
+                self.pretrained, dtype=self.torch_dtype, attn_implementation=self.attn_implementation
+            )
+        model = AutoModelForCausalLM.from_config(self.hf_config(), attn_implementation=self.attn_implementation)
+        return model.to(self.torch_dtype)
