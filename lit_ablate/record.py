@@ -45,6 +45,8 @@ RECORD_FILENAME = "run.json"
 RECORD_PATH_ENV = "LIT_ABLATE_RUN_RECORD"
 """Environment variable through which a launcher (the ablation runner) chooses where a run's
 record is written, without touching the run's config."""
+VARIANT_ENV = "LIT_ABLATE_VARIANT"
+"""Environment variable naming the study variant a run belongs to (written into its record)."""
 
 Status = Literal["ok", "error", "oom", "running"]
 FINISHED_STATUSES: tuple[str, ...] = ("ok", "error", "oom")
