@@ -1,0 +1,141 @@
+"""``RunRecorder``: writes the run record (``run.json``) that the ablation report reads."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info
+
+from lit_ablate import record as run_record
+from lit_ablate.callbacks.memory import MemoryMonitor
+from lit_ablate.callbacks.mfu import MFUMonitor
+from lit_ablate.callbacks.step_monitor import StepMonitor
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def environment(trainer: Trainer) -> dict[str, Any]:
+    """Versions and hardware: what a reader needs to know whether two records are comparable."""
+    import lightning
+    import transformers
+
+    device = trainer.strategy.root_device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
+    return {
+        "python": sys.version.split()[0], "torch": torch.__version__, "lightning": lightning.__version__,
+        "transformers": transformers.__version__, "device_type": device.type, "device_name": name,
+        "device_count": trainer.num_devices, "num_nodes": trainer.num_nodes, "world_size": trainer.world_size,
+        "cpu_count": os.cpu_count(), "hostname": platform.node(), "git_commit": _git_commit(),
+        "strategy": type(trainer.strategy).__name__, "precision": str(trainer.precision),
+    }
+
+
+class RunRecorder(StepMonitor):
+    """Collects loss, learning rate and every other ``StepMonitor``'s series into ``run.json``.
+
+    The record is written atomically at fit start (status ``running``), at the end of fit (``ok``)
+    and when fit raises (``error``, or ``oom`` for an out-of-memory error): a killed run leaves
+    ``running``, which the ablation runner redoes. The loss per step is exact across gradient
+    accumulation and data-parallel ranks: summed token losses over summed useful tokens.
+
+    Args:
+        path: where to write; default ``$LIT_ABLATE_RUN_RECORD``, else ``<log_dir>/run.json``.
+        variant: the study variant name; default ``$LIT_ABLATE_VARIANT``.
+        warmup_steps: steps excluded from the record's summary.
+    """
+
+    def __init__(self, path: str | None = None, variant: str | None = None, warmup_steps: int = 2) -> None:
+        super().__init__(warmup_steps=warmup_steps, log_to_logger=False)
+        self.path = path
+        self.variant = variant or os.environ.get(run_record.VARIANT_ENV)
+        self.resolved_config: dict[str, Any] | None = None
+        self.record_path: Path | None = None
+        self._env: dict[str, Any] = {}
+        self._started = 0.0
+
+    def _target(self, trainer: Trainer) -> Path:
+        path = self.path or os.environ.get(run_record.RECORD_PATH_ENV)
+        if path:
+            return Path(path)
+        return Path(trainer.log_dir or trainer.default_root_dir) / run_record.RECORD_FILENAME
+
+    # --- measurement ---------------------------------------------------------------------------
+    def measure(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
+        self.series.setdefault("_loss_sum", {})[step] = self.totals.loss_sum
+        self.series.setdefault("_useful_tokens", {})[step] = self.totals.useful_tokens
+        self.series.setdefault("lr", {})[step] = trainer.optimizers[0].param_groups[0]["lr"]
+
+    def finalize(self, trainer: Trainer) -> None:
+        if "_loss_sum" in self.series:
+            self._set_loss(self.reduce_over_ranks(trainer, ["_loss_sum", "_useful_tokens"]))
+
+    def _set_loss(self, sums: dict[str, dict[int, float]]) -> None:
+        self.series["loss"] = {s: (v / sums["_useful_tokens"][s] if sums["_useful_tokens"][s] else None)
+                               for s, v in sums["_loss_sum"].items()}
+
+    # --- writing ------------------------------------------------------------------------------
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._started = time.time()
+        self.record_path = self._target(trainer)
+        self._env = environment(trainer)
+        self._write(trainer, pl_module, "running", None)
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._write(trainer, pl_module, "ok", None)
+        if trainer.is_global_zero:
+            rank_zero_info(f"run record: {self.record_path}")
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if "loss" not in self.series and "_loss_sum" in self.series:
+            self._set_loss(self.series)  # this rank's view: collectives may be dead after a failure
+        status = "oom" if isinstance(exception, torch.OutOfMemoryError) else "error"
+        message = f"{type(exception).__name__}: {exception}".strip().splitlines()[0][:2000]
+        self._write(trainer, pl_module, status, message)
+
+    def _steps(self, trainer: Trainer) -> list[dict[str, Any]]:
+        series: dict[str, dict[int, Any]] = {}
+        for callback in trainer.callbacks:
+            if isinstance(callback, StepMonitor):
+                series.update({k: v for k, v in callback.series.items() if not k.startswith("_")})
+        steps = sorted({s for values in series.values() for s in values})
+        return [{"step": s, **{name: values.get(s) for name, values in series.items()}} for s in steps]
+
+    def _write(self, trainer: Trainer, pl_module: LightningModule, status: str, message: str | None) -> None:
+        if not trainer.is_global_zero or self.record_path is None:
+            return
+        steps = self._steps(trainer)
+        memory = next((c for c in trainer.callbacks if isinstance(c, MemoryMonitor)), None)
+        mfu = next((c for c in trainer.callbacks if isinstance(c, MFUMonitor)), None)
+        summary = run_record.summarize_steps(steps, self.warmup_steps)
+        summary.update(status=status, message=message, memory_method=memory.method if memory else None,
+                       mfu_peak=mfu.peak_source if mfu else None)
+        counts = getattr(pl_module, "parameter_counts", None)
+        run_record.write_record(self.record_path, {
+            "schema_version": run_record.SCHEMA_VERSION,
+            "variant": self.variant,
+            "seed": (self.resolved_config or {}).get("seed_everything"),
+            "config": self.resolved_config or {"model": dict(pl_module.hparams)},
+            "environment": self._env,
+            "model": asdict(counts) if counts is not None else None,
+            "warmup_steps": self.warmup_steps,
+            "fallbacks": list(getattr(pl_module, "fallbacks", [])),
+            "started_at": self._started,
+            "finished_at": None if status == "running" else time.time(),
+            "steps": steps,
+            "summary": summary,
+        })

@@ -1,0 +1,124 @@
+"""``StepMonitor``: the base of every per-optimizer-step measurement callback.
+
+It finds optimizer-step boundaries (a step spans ``accumulate_grad_batches`` micro-batches),
+times the step (synchronising CUDA so GPU work is inside the window), sums what the module
+reported (``StepOutput``), and keeps one value per step for each metric it records. Subclasses
+override ``measure(trainer, pl_module, step)`` and call ``record``; ``RunRecorder`` collects the
+series of every ``StepMonitor`` on the trainer into the run record. Subclass it for a custom
+metric and your metric lands in ``run.json`` and the ablation report without further wiring.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info
+
+
+@dataclass
+class StepTotals:
+    """What this rank processed during the current optimizer step."""
+
+    tokens: int = 0
+    useful_tokens: int = 0
+    flops: float = 0.0
+    loss_sum: float = 0.0
+    micro_batches: int = 0
+    start: float = 0.0
+    seconds: float = 0.0
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class StepMonitor(Callback):
+    """Base class: per-step series of named metrics, summarised after ``warmup_steps``.
+
+    Args:
+        warmup_steps: steps excluded from this monitor's end-of-fit summary line (compile and
+            allocator warm-up make first steps unrepresentative).
+        log_to_logger: also send each value to the Lightning logger (CSV/TensorBoard) and the
+            progress bar.
+    """
+
+    def __init__(self, warmup_steps: int = 2, log_to_logger: bool = True) -> None:
+        self.warmup_steps = warmup_steps
+        self.log_to_logger = log_to_logger
+        self.series: dict[str, dict[int, float | None]] = {}
+        self.totals = StepTotals()
+        self._open = False
+        self._seen_step = 0
+
+    # --- the subclass interface -------------------------------------------------------------
+    def start_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Called once at the start of each optimizer step, before the first micro-batch."""
+
+    def measure(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
+        """Called once per finished optimizer step; ``self.totals`` holds what it processed."""
+
+    def finalize(self, trainer: Trainer) -> None:
+        """Called on every rank at the end of training (collectives are allowed here)."""
+
+    def record(self, pl_module: LightningModule, name: str, step: int, value: float | None) -> None:
+        """Store ``value`` as metric ``name`` at ``step`` (and log it)."""
+        self.series.setdefault(name, {})[step] = value
+        if self.log_to_logger and value is not None:
+            pl_module.log(f"{self.log_prefix}/{name}", float(value), on_step=True, on_epoch=False)
+
+    @property
+    def log_prefix(self) -> str:
+        return type(self).__name__
+
+    # --- Lightning hooks ----------------------------------------------------------------------
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._seen_step = trainer.global_step
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._open:
+            return
+        self._open = True
+        self.totals = StepTotals()
+        self.start_step(trainer, pl_module)
+        _synchronize(pl_module.device)
+        self.totals.start = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        t = self.totals
+        if isinstance(outputs, dict) and "tokens" in outputs:
+            t.tokens += int(outputs["tokens"])
+            t.useful_tokens += int(outputs["useful_tokens"])
+            t.flops += float(outputs["flops"])
+            t.loss_sum += float(outputs["loss_sum"])
+        t.micro_batches += 1
+        if trainer.global_step == self._seen_step:
+            return  # still accumulating gradients
+        _synchronize(pl_module.device)
+        t.seconds = time.perf_counter() - t.start
+        self._seen_step = trainer.global_step
+        self._open = False
+        self.measure(trainer, pl_module, trainer.global_step)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.finalize(trainer)
+        for name, values in self.series.items():
+            measured = [v for s, v in values.items() if s > self.warmup_steps and v is not None]
+            if measured:
+                rank_zero_info(f"{self.log_prefix}: median {name} {statistics.median(measured):.4g} "
+                               f"over {len(measured)} steps after {self.warmup_steps} warm-up")
+
+    def reduce_over_ranks(self, trainer: Trainer, names: list[str]) -> dict[str, dict[int, float]]:
+        """Sum each named series over all ranks, in one collective on a stacked tensor."""
+        steps = sorted(self.series[names[0]]) if names and names[0] in self.series else []
+        local = torch.tensor([[self.series[n].get(s) or 0.0 for n in names] for s in steps],
+                             dtype=torch.float64, device=trainer.strategy.root_device)
+        summed = trainer.strategy.reduce(local, reduce_op="sum") if trainer.world_size > 1 else local
+        return {n: {s: float(summed[i, j]) for i, s in enumerate(steps)} for j, n in enumerate(names)}

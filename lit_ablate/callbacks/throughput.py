@@ -1,0 +1,44 @@
+"""``ThroughputMonitor``: step time and tokens/s, processed and useful, per device and global."""
+
+from __future__ import annotations
+
+from lightning.pytorch import LightningModule, Trainer
+
+from lit_ablate.callbacks.step_monitor import StepMonitor
+
+
+def data_parallel_size(trainer: Trainer) -> int:
+    """Ranks that see different data (TP/CP ranks share a batch, so they must not add up)."""
+    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+    return int(kwargs.get("num_replicas", trainer.world_size))
+
+
+class ThroughputMonitor(StepMonitor):
+    """Tokens per second of **processed** tokens (padding included) and **useful** tokens.
+
+    The two differ exactly by padding and masked prompt tokens, which is what a padding-vs-packing
+    or an SFT ablation must see. Per-device values come from this rank's step; global values sum
+    the tokens of every data-parallel rank (reduced once at the end of training, so no collective
+    runs inside a timed step) over this rank's step time.
+    """
+
+    def measure(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
+        t = self.totals
+        self.record(pl_module, "step_time_s", step, t.seconds)
+        self.record(pl_module, "tokens_per_sec_per_device", step, t.tokens / t.seconds)
+        self.record(pl_module, "useful_tokens_per_sec_per_device", step, t.useful_tokens / t.seconds)
+        self.series.setdefault("_tokens", {})[step] = t.tokens
+        self.series.setdefault("_useful_tokens", {})[step] = t.useful_tokens
+
+    def finalize(self, trainer: Trainer) -> None:
+        if "_tokens" not in self.series:
+            return
+        summed = self.reduce_over_ranks(trainer, ["_tokens", "_useful_tokens"])
+        replicas = trainer.world_size / data_parallel_size(trainer)  # ranks holding the same batch
+        seconds = self.series["step_time_s"]
+        for step, time_s in seconds.items():
+            self.series.setdefault("tokens_per_sec", {})[step] = summed["_tokens"][step] / replicas / time_s
+            self.series.setdefault("useful_tokens_per_sec", {})[step] = (
+                summed["_useful_tokens"][step] / replicas / time_s
+            )
+        del self.series["_tokens"], self.series["_useful_tokens"]

@@ -1,0 +1,104 @@
+"""``CausalLM``: pretraining and SFT of a Hugging Face causal LM."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+
+from lit_ablate.errors import ConfigError
+from lit_ablate.estimate import ParameterCounts, count_parameters, flops_per_token
+from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
+from lit_ablate.models.factory import ModelFactory
+from lit_ablate.models.losses import loss_backend
+from lit_ablate.modules.optim import decay_groups, warmup_cosine
+from lit_ablate.modules.step_output import StepOutput
+
+
+class CausalLM(LightningModule):
+    """Next-token training of a causal LM; the loss is averaged over *useful* tokens.
+
+    Choose it for pretraining (every token counts) and SFT (only response tokens count: the
+    data module sets prompt labels to -100). The model is built in ``configure_model`` so that a
+    sharding strategy can build and shard it without first materialising it whole.
+
+    Args:
+        model: which model to build (preset, HF config mapping, or checkpoint path).
+        loss: the cross-entropy backend (``lit_ablate.models.losses``): ``torch`` is the reference.
+        learning_rate: peak AdamW learning rate, reached after ``warmup_steps``.
+        weight_decay: decoupled decay on matrices only (not norms, biases, embeddings).
+        betas: AdamW betas.
+        warmup_steps: linear warm-up steps of the learning rate.
+        min_lr_ratio: the cosine schedule ends at this fraction of ``learning_rate``.
+    """
+
+    def __init__(
+        self,
+        model: ModelFactory,
+        loss: str = "torch",
+        learning_rate: float = 3e-3,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 10,
+        min_lr_ratio: float = 0.1,
+    ) -> None:
+        super().__init__()
+        if learning_rate <= 0:
+            raise ConfigError("model.init_args.learning_rate", learning_rate, "use a positive learning rate")
+        if warmup_steps < 0:
+            raise ConfigError("model.init_args.warmup_steps", warmup_steps, "use 0 or more warm-up steps")
+        loss_backend(loss)  # unknown names fail here, before any model is built
+        # Plain values only, so checkpoints load with torch.load(weights_only=True).
+        self.save_hyperparameters({"model": asdict(model), "loss": loss, "learning_rate": learning_rate,
+                                   "weight_decay": weight_decay, "betas": tuple(betas),
+                                   "warmup_steps": warmup_steps, "min_lr_ratio": min_lr_ratio})
+        self.factory = model
+        self.model: CausalLMWithLoss | None = None
+        self.parameter_counts: ParameterCounts | None = None
+
+    @classmethod
+    def from_hparams(cls, hparams: dict[str, Any]) -> CausalLM:
+        """Rebuild from a checkpoint's ``hyper_parameters`` (as saved by ``__init__``)."""
+        return cls(**{**hparams, "model": ModelFactory(**hparams["model"])})
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        self._check_vocabulary()
+        lm = self.factory.build()
+        self.parameter_counts = count_parameters(lm, lm.config)
+        self.model = CausalLMWithLoss(lm, loss_backend(self.hparams.loss))
+
+    def _check_vocabulary(self) -> None:
+        """A tokenizer larger than the embedding table would index out of range mid-step."""
+        tokenizer = getattr(self.trainer.datamodule, "tokenizer", None) if self._trainer else None
+        vocab = self.factory.hf_config().vocab_size
+        if tokenizer is not None and tokenizer.vocab_size > vocab:
+            raise ConfigError("model.init_args.model.config.vocab_size", vocab,
+                              f"the tokenizer has {tokenizer.vocab_size} tokens; use a vocab_size of at least that")
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Analytic training FLOPs per token at this sequence length (see ``lit_ablate.estimate``)."""
+        return flops_per_token(self.parameter_counts, self.model.lm.config, seq_len)
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> StepOutput:
+        loss_sum, useful = self.model(batch)
+        loss = loss_sum / useful.clamp(min=1)
+        self.log("train/loss", loss.detach(), prog_bar=True)
+        tokens = batch["input_ids"].numel()
+        return {"loss": loss, "loss_sum": loss_sum.detach(), "tokens": tokens, "useful_tokens": useful,
+                "flops": self.flops_per_token(batch["input_ids"].shape[-1]) * tokens}
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        loss_sum, useful = self.model(batch)
+        self.log("val/loss", loss_sum / useful.clamp(min=1), prog_bar=True, sync_dist=True)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        groups = decay_groups(self.model, self.model.lm.get_input_embeddings().weight, hp.weight_decay)
+        optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=hp.betas)
+        total = self.trainer.estimated_stepping_batches
+        scheduler = warmup_cosine(optimizer, hp.warmup_steps, int(total), hp.min_lr_ratio)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

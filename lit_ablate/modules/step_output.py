@@ -1,0 +1,25 @@
+"""What a LightningModule's ``training_step`` returns: the interface measurement callbacks read.
+
+Modules never time anything; they say what they processed. Callbacks receive this dict as
+``outputs`` in ``on_train_batch_end`` (one per micro-batch; they sum over gradient accumulation).
+A custom module that returns these keys gets every lit-ablate callback for free.
+"""
+
+from __future__ import annotations
+
+from typing import TypedDict
+
+from torch import Tensor
+
+
+class StepOutput(TypedDict):
+    loss: Tensor
+    """The loss backpropagated: this micro-batch's token loss divided by its useful tokens."""
+    loss_sum: Tensor
+    """Detached sum of the token losses (exact loss averaging across micro-batches and ranks)."""
+    tokens: int
+    """Every position in the batch, padding included: what the hardware processed."""
+    useful_tokens: Tensor
+    """Positions whose label counts in the loss: what training learned from."""
+    flops: float
+    """Analytic training FLOPs of this micro-batch (``estimate.flops_per_token`` x tokens)."""
