@@ -1,7 +1,8 @@
 """``StepMonitor``: the base of every per-optimizer-step measurement callback.
 
 It finds optimizer-step boundaries (a step spans ``accumulate_grad_batches`` micro-batches),
-times the step (synchronising CUDA so GPU work is inside the window), sums what the module
+times the step with a clock shared by all monitors (synchronising CUDA so GPU work is inside
+the window), sums what the module
 reported (``StepOutput``), and keeps one value per step for each metric it records. Subclasses
 override ``measure(trainer, pl_module, step)`` and call ``record``; ``RunRecorder`` collects the
 series of every ``StepMonitor`` on the trainer into the run record. Subclass it for a custom
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,8 +31,33 @@ class StepTotals:
     flops: float = 0.0
     loss_sum: float = 0.0
     micro_batches: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class StepClock:
+    """One timing window per optimizer step, shared by every monitor on a trainer, so that all
+    metrics of a step divide by the same seconds and no monitor's own work lands in another's
+    window. The first monitor to see a step start opens it; the first to see it end closes it."""
+
+    opened_at_step: int = -1
+    closed_at_step: int = -1
     start: float = 0.0
     seconds: float = 0.0
+
+    def open(self, step: int, device: torch.device) -> None:
+        if self.opened_at_step != step:
+            _synchronize(device)
+            self.opened_at_step, self.start = step, time.perf_counter()
+
+    def close(self, step: int, device: torch.device) -> float:
+        if self.closed_at_step != step:
+            _synchronize(device)
+            self.closed_at_step, self.seconds = step, time.perf_counter() - self.start
+        return self.seconds
+
+
+_CLOCKS: weakref.WeakKeyDictionary[Trainer, StepClock] = weakref.WeakKeyDictionary()
 
 
 def _synchronize(device: torch.device) -> None:
@@ -86,8 +113,7 @@ class StepMonitor(Callback):
         self._open = True
         self.totals = StepTotals()
         self.start_step(trainer, pl_module)
-        _synchronize(pl_module.device)
-        self.totals.start = time.perf_counter()
+        _CLOCKS.setdefault(trainer, StepClock()).open(trainer.global_step, pl_module.device)
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -101,8 +127,7 @@ class StepMonitor(Callback):
         t.micro_batches += 1
         if trainer.global_step == self._seen_step:
             return  # still accumulating gradients
-        _synchronize(pl_module.device)
-        t.seconds = time.perf_counter() - t.start
+        t.seconds = _CLOCKS[trainer].close(trainer.global_step, pl_module.device)
         self._seen_step = trainer.global_step
         self._open = False
         self.measure(trainer, pl_module, trainer.global_step)

@@ -1,0 +1,135 @@
+"""Measurement callbacks and the run record, on a tiny model with an in-memory loader."""
+
+import json
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lit_ablate.callbacks import MemoryMonitor, MFUMonitor, RunRecorder, ThroughputMonitor
+from lit_ablate.callbacks.mfu import peak_tflops_of
+from lit_ablate.models.factory import ModelFactory
+from lit_ablate.models.losses import IGNORE_INDEX
+from lit_ablate.modules import CausalLM
+
+SEQ = 32
+
+
+def _batches(n: int, batch_size: int, masked_prefix: list[int]) -> list[dict]:
+    """Batches whose rows have a different number of masked (prompt) positions each."""
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(n):
+        ids = torch.randint(0, 259, (batch_size, SEQ), generator=gen)
+        labels = torch.roll(ids, -1, 1)
+        labels[:, -1] = IGNORE_INDEX
+        labels[:, : masked_prefix[i % len(masked_prefix)]] = IGNORE_INDEX
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def _fit(tmp_path, callbacks, batches, accumulate=1, module=None, max_steps=4, lr=3e-3):
+    L.seed_everything(0)
+    module = module or CausalLM(ModelFactory(preset="tiny-llama"), learning_rate=lr, warmup_steps=0)
+    recorder = RunRecorder(path=str(tmp_path / "run.json"), warmup_steps=1)
+    trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", accumulate_grad_batches=accumulate,
+                        callbacks=[*callbacks, recorder], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, DataLoader(batches, batch_size=None))
+    return json.loads((tmp_path / "run.json").read_text()), module
+
+
+def test_throughput_counts_processed_and_useful_tokens_per_optimizer_step(tmp_path):
+    batches = _batches(8, 2, masked_prefix=[0, 10])
+    record, _ = _fit(tmp_path, [ThroughputMonitor()], batches, accumulate=2)
+    assert [s["step"] for s in record["steps"]] == [1, 2, 3, 4]
+    for s in record["steps"]:
+        i = 2 * (s["step"] - 1)
+        useful = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches[i : i + 2])
+        assert s["tokens_per_sec"] * s["step_time_s"] == pytest.approx(2 * 2 * SEQ)
+        assert s["useful_tokens_per_sec"] * s["step_time_s"] == pytest.approx(useful)
+    summary = record["summary"]
+    assert summary["status"] == "ok" and summary["tokens_per_sec"]["n"] == 3  # step 1 is warm-up
+    assert summary["tokens_per_sec"]["min"] <= summary["tokens_per_sec"]["median"] <= summary["tokens_per_sec"]["max"]
+
+
+def test_recorded_loss_is_exact_token_average_across_micro_batches(tmp_path):
+    """With a negligible learning rate the weights stay put, so each step's recorded loss must be
+    the reference CE over all useful tokens of its micro-batches (not a mean of micro-batch means)."""
+    batches = _batches(4, 2, masked_prefix=[0, 25])
+    record, module = _fit(tmp_path, [], batches, accumulate=2, max_steps=2, lr=1e-12)
+    lm = module.model.lm
+    for s in record["steps"]:
+        micro = batches[2 * (s["step"] - 1) : 2 * s["step"]]
+        logits = torch.cat([lm(input_ids=b["input_ids"]).logits.flatten(0, 1) for b in micro]).detach()
+        labels = torch.cat([b["labels"].flatten() for b in micro])
+        reference = torch.nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
+        assert s["loss"] == pytest.approx(reference.item(), rel=1e-5)
+
+
+def test_mfu_is_null_on_cpu_without_a_peak_and_exact_with_one(tmp_path):
+    batches = _batches(4, 2, masked_prefix=[0])
+    with pytest.warns(UserWarning, match="MFU not reported"):
+        record, _ = _fit(tmp_path, [MFUMonitor()], batches)
+    assert all(s["mfu"] is None for s in record["steps"]) and record["summary"]["mfu"] is None
+    assert record["summary"]["mfu_peak"].startswith("unavailable")
+
+    record, module = _fit(tmp_path, [MFUMonitor(peak_tflops=1.0), ThroughputMonitor()], batches)
+    flops_per_step = module.flops_per_token(SEQ) * 2 * SEQ
+    for s in record["steps"]:
+        assert s["mfu"] * s["step_time_s"] * 1e12 == pytest.approx(flops_per_step)
+
+
+def test_peak_table_knows_plain_h200_and_prefers_specific_names():
+    assert peak_tflops_of("NVIDIA H200") == 989.0
+    assert peak_tflops_of("NVIDIA H100 PCIe") == 756.0
+    assert peak_tflops_of("NVIDIA H100 80GB HBM3") == 989.0
+    assert peak_tflops_of("NVIDIA GB200") == 2500.0
+    assert peak_tflops_of("Intel Xeon") is None
+
+
+def test_memory_monitor_measures_cpu_peak_and_labels_it(tmp_path):
+    record, module = _fit(tmp_path, [MemoryMonitor()], _batches(4, 2, masked_prefix=[0]))
+    assert record["summary"]["memory_method"] == "cpu_process_peak_rss"
+    params = sum(p.numel() * 4 for p in module.parameters())
+    for s in record["steps"]:
+        assert s["memory_params_bytes"] == params
+        assert s["memory_optimizer_bytes"] == pytest.approx(2 * params, rel=0.01)  # AdamW: two moments
+        assert s["memory_peak_bytes"] > s["memory_params_bytes"] + s["memory_grads_bytes"]
+    assert record["summary"]["peak_memory_bytes"] == max(s["memory_peak_bytes"] for s in record["steps"])
+
+
+class _FailingModule(CausalLM):
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(ModelFactory(preset="tiny-llama"), warmup_steps=0)
+        self.error = error
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 2:
+            raise self.error
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize(("error", "status"), [(RuntimeError("boom"), "error"),
+                                               (torch.OutOfMemoryError("out of memory"), "oom")])
+def test_failed_run_still_writes_its_record(tmp_path, error, status):
+    with pytest.raises(type(error)):
+        _fit(tmp_path, [ThroughputMonitor()], _batches(4, 2, masked_prefix=[0]), module=_FailingModule(error))
+    record = json.loads((tmp_path / "run.json").read_text())
+    assert record["summary"]["status"] == status
+    assert str(error) in record["summary"]["message"]
+    assert [s["step"] for s in record["steps"]] == [1, 2]
+    assert record["steps"][-1]["loss"] is not None
+
+
+def test_record_says_running_while_training(tmp_path):
+    seen = []
+
+    class Peek(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append(json.loads((tmp_path / "run.json").read_text())["summary"]["status"])
+
+    record, _ = _fit(tmp_path, [Peek()], _batches(4, 2, masked_prefix=[0]), max_steps=2)
+    assert seen == ["running", "running"] and record["summary"]["status"] == "ok"
+    assert record["environment"]["world_size"] == 1 and record["model"]["total"] > 0
