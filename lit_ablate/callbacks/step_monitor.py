@@ -134,11 +134,17 @@ class StepMonitor(Callback):
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.finalize(trainer)
-        for name, values in self.series.items():
+        if self.log_to_logger:
+            rank_zero_info(self.summary_line())
+
+    def summary_line(self) -> str:
+        """One line: each public series' median over the steps after warm-up."""
+        medians = []
+        for name, values in sorted(self.series.items()):
             measured = [v for s, v in values.items() if s > self.warmup_steps and v is not None]
-            if measured:
-                rank_zero_info(f"{self.log_prefix}: median {name} {statistics.median(measured):.4g} "
-                               f"over {len(measured)} steps after {self.warmup_steps} warm-up")
+            if measured and not name.startswith("_"):
+                medians.append(f"{name}={statistics.median(measured):.4g}")
+        return f"{self.log_prefix} (median after {self.warmup_steps} warm-up steps): {' '.join(medians) or 'n/a'}"
 
     def reduce_over_ranks(self, trainer: Trainer, names: list[str]) -> dict[str, dict[int, float]]:
         """Sum each named series over all ranks, in one collective on a stacked tensor."""
