@@ -11,14 +11,17 @@ from __future__ import annotations
 import contextlib
 import importlib
 import io
+import re
 import sys
 from collections.abc import Callable
 
 import yaml
+from jsonargparse import ArgumentError
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lit_ablate.callbacks.run_recorder import RunRecorder
+from lit_ablate.errors import ConfigError
 
 # command -> "module:function" taking argv (without the command) and returning an exit code.
 COMMANDS: dict[str, str] = {
@@ -40,6 +43,8 @@ class LitAblateCLI(LightningCLI):
             subclass_mode_model=True,
             subclass_mode_data=True,
             save_config_kwargs={"overwrite": True},
+            # Raise instead of exiting so main() can print one line instead of a usage dump.
+            parser_kwargs={"exit_on_error": False, **{c: {"exit_on_error": False} for c in ("fit", "validate", "test")}},
             args=args,
             run=run,
         )
@@ -67,11 +72,42 @@ def _command(spec: str) -> Callable[[list[str]], int]:
     return getattr(importlib.import_module(module), function)
 
 
+_CONFIG_ERROR_LINE = re.compile(r"^\s*-?\s*([\w.\[\]/-]+=.*?: .+)$", re.MULTILINE)
+_PARSER_KEY = re.compile(r'Parser key "([^"]+)"')
+_PROBLEM = re.compile(r"Problem with given class_path '([^']+)':\s*\n\s*(.+)")
+
+
+def concise_error(message: str) -> str:
+    """One line from a jsonargparse error: our ConfigError text if it is inside, else the key
+    and the first concrete problem (jsonargparse lists every Union alternative it tried)."""
+    if found := _CONFIG_ERROR_LINE.search(message):
+        return found.group(1).strip()
+    key = _PARSER_KEY.search(message)
+    problem = _PROBLEM.search(message)
+    if key and problem:
+        return f"{key.group(1)}: cannot import {problem.group(1)!r} ({problem.group(2).strip()}); check the class_path"
+    return " ".join(line.strip() for line in message.strip().splitlines()[:3])
+
+
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if args and args[0] in COMMANDS:
         sys.exit(_command(COMMANDS[args[0]])(args[1:]))
-    LitAblateCLI(args=argv)
+    try:
+        LitAblateCLI(args=argv)
+    except ArgumentError as err:
+        sys.exit(f"lit-ablate: error: {concise_error(str(err))}")
+    except ValueError as err:  # jsonargparse wraps errors raised while instantiating classes
+        cause = _config_error_in(err)
+        if cause is None:
+            raise
+        sys.exit(f"lit-ablate: error: {cause}")
+
+
+def _config_error_in(error: BaseException | None) -> ConfigError | None:
+    while error is not None and not isinstance(error, ConfigError):
+        error = error.__cause__ or error.__context__
+    return error
 
 
 if __name__ == "__main__":

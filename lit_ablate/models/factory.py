@@ -43,17 +43,17 @@ class ModelFactory:
 
     def __post_init__(self) -> None:
         if self.pretrained and (self.preset or self.config):
-            raise ConfigError("model.pretrained", self.pretrained, "give either pretrained or preset/config, not both")
+            raise ConfigError("model.init_args.model.pretrained", self.pretrained, "give either pretrained or preset/config, not both")
         if not (self.pretrained or self.preset or self.config):
-            raise ConfigError("model", None, "set model.preset, model.config (with model_type) or model.pretrained")
+            raise ConfigError("model.init_args.model", None, "set preset, config (with model_type) or pretrained")
         if self.dtype not in DTYPES:
-            raise ConfigError("model.dtype", self.dtype, f"choose one of {sorted(DTYPES)}")
+            raise ConfigError("model.init_args.model.dtype", self.dtype, f"choose one of {sorted(DTYPES)}")
         if self.preset is not None:
             preset_config(self.preset)  # fails early on an unknown name
         model_type = self.config.get("model_type") or (preset_config(self.preset)["model_type"] if self.preset else None)
         if not self.pretrained and model_type not in CONFIG_MAPPING:
             raise ConfigError(
-                "model.config.model_type", model_type, "use a transformers model type such as llama, qwen3, qwen3_moe, mixtral"
+                "model.init_args.model.config.model_type", model_type, "use a transformers model type such as llama, qwen3, qwen3_moe, mixtral"
             )
 
     @property
@@ -70,7 +70,7 @@ class ModelFactory:
             try:
                 config = AutoConfig.for_model(model_type, **values)
             except (TypeError, ValueError) as err:
-                raise ConfigError("model.config", values, f"transformers rejected it: {err}") from err
+                raise ConfigError("model.init_args.model.config", values, f"transformers rejected it: {err}") from err
         config._attn_implementation = self.attn_implementation
         return config
 

@@ -42,5 +42,5 @@ def preset_config(name: str) -> dict[str, Any]:
     from lit_ablate.errors import ConfigError
 
     if name not in PRESETS:
-        raise ConfigError("model.preset", name, f"choose one of {sorted(PRESETS)}")
+        raise ConfigError("model.init_args.model.preset", name, f"choose one of {sorted(PRESETS)}")
     return dict(PRESETS[name])
