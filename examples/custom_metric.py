@@ -1,0 +1,33 @@
+"""A custom metric: the gradient norm before clipping, in every run record and study report.
+
+Subclass ``StepMonitor``, compute in a Lightning hook, ``record()`` once per optimizer step in
+``measure()``. Use it from YAML without touching lit-ablate:
+
+    trainer:
+      callbacks:
+        - class_path: examples.custom_metric.GradNormMonitor   # run from the repository root
+
+or on the command line: ``--trainer.callbacks+=examples.custom_metric.GradNormMonitor``.
+"""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+
+from lit_ablate.callbacks import StepMonitor
+
+
+class GradNormMonitor(StepMonitor):
+    """Global L2 norm of the gradients before clipping (a sign of instability when it spikes)."""
+
+    def __init__(self, warmup_steps: int = 2) -> None:
+        super().__init__(warmup_steps=warmup_steps)
+        self._norm: float | None = None
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer) -> None:
+        grads = [p.grad.detach().float() for p in pl_module.parameters() if p.grad is not None]
+        self._norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
+
+    def measure(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
+        self.record(pl_module, "grad_norm", step, self._norm)
