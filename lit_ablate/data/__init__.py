@@ -1,0 +1,37 @@
+"""The data layer: tokenizers, sources, formats, samplers, collators and the LightningDataModule.
+
+Public names are importable from here so configs can say ``class_path: lit_ablate.data.LMDataModule``.
+"""
+
+from lit_ablate.data.collate import Collator, PaddingCollator
+from lit_ablate.data.datamodule import ExampleDataset, LMDataModule
+from lit_ablate.data.formats import Example, build_examples, example_from_tokens
+from lit_ablate.data.packing import PackedSampler, PackingCollator, pack, pack_ffd, pack_greedy
+from lit_ablate.data.sampler import ShardedSampler
+from lit_ablate.data.sources import ArithmeticSFT, DataSource, HubDataset, LocalFiles, SyntheticText
+from lit_ablate.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+
+__all__ = [
+    "ArithmeticSFT",
+    "ByteTokenizer",
+    "Collator",
+    "DataSource",
+    "Example",
+    "ExampleDataset",
+    "HFTokenizer",
+    "HubDataset",
+    "LMDataModule",
+    "LocalFiles",
+    "PackedSampler",
+    "PackingCollator",
+    "PaddingCollator",
+    "ShardedSampler",
+    "SyntheticText",
+    "Tokenizer",
+    "build_examples",
+    "example_from_tokens",
+    "load_tokenizer",
+    "pack",
+    "pack_ffd",
+    "pack_greedy",
+]

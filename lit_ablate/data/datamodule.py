@@ -1,0 +1,149 @@
+"""``LMDataModule``: source -> tokenizer -> format -> examples -> sampler -> collator -> batches.
+
+Examples are tokenised once at ``setup`` (deterministic, so every data-parallel rank builds the
+same list) and held in memory: the sizes CPU studies and ablations use. Sharding over
+data-parallel ranks, per-epoch shuffling and exact mid-epoch resume live in the sampler; the
+layout of a batch (padding or packing) lives in the collator.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from lit_ablate.data.collate import Collator, PaddingCollator
+from lit_ablate.data.formats import OVERLONG_CHOICES, Example, Format, Overlong, build_examples
+from lit_ablate.data.sampler import ShardedSampler
+from lit_ablate.data.sources import DataSource
+from lit_ablate.data.tokenizers import load_tokenizer
+from lit_ablate.errors import ConfigError
+
+FORMATS = ("pretrain", "documents", "sft")
+
+
+class ExampleDataset(Dataset):
+    """Tokenised examples; an item is an index (one example) or a tuple of indices (a packed row)."""
+
+    def __init__(self, examples: list[Example]) -> None:
+        self.examples = examples
+        self.lengths = [len(e["input_ids"]) for e in examples]
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, item: int | tuple[int, ...]) -> Example | list[Example]:
+        if isinstance(item, tuple):
+            return [self.examples[i] for i in item]
+        return self.examples[item]
+
+
+class LMDataModule(pl.LightningDataModule):
+    """Language-model data for pretraining or SFT, padded or packed, sharded over data-parallel ranks.
+
+    Args:
+        source: where rows come from (``SyntheticText``, ``ArithmeticSFT``, ``LocalFiles``, ``HubDataset``).
+        format: ``pretrain`` (concatenate and cut into ``seq_len`` windows), ``documents`` (one
+            example per document, for packing) or ``sft`` (loss on responses only).
+        tokenizer: ``"byte"`` (built in, offline) or a Hugging Face tokenizer path or name.
+        seq_len: the longest example, in tokens.
+        batch_size: micro-batch per data-parallel rank (examples, or packed rows when packing).
+        num_workers: DataLoader worker processes.
+        collator: how examples become batches; default ``PaddingCollator()``.
+        val_examples: hold out this many examples (chosen by ``seed``) for validation.
+        shuffle: shuffle training examples each epoch (by ``seed`` and epoch).
+        seed: the data order's seed, independent of the model's.
+        overlong: what to do with examples longer than ``seq_len``: ``truncate`` or ``reject``.
+    """
+
+    def __init__(
+        self,
+        source: DataSource,
+        format: Format = "pretrain",
+        tokenizer: str = "byte",
+        seq_len: int = 128,
+        batch_size: int = 8,
+        num_workers: int = 0,
+        collator: Collator | None = None,
+        val_examples: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        overlong: Overlong = "truncate",
+    ) -> None:
+        super().__init__()
+        for key, value in (("seq_len", seq_len), ("batch_size", batch_size)):
+            if value <= 0:
+                raise ConfigError(f"data.init_args.{key}", value, "use a positive integer")
+        if num_workers < 0 or val_examples < 0:
+            raise ConfigError("data.init_args.num_workers/val_examples", (num_workers, val_examples), "use values >= 0")
+        if format not in FORMATS:
+            raise ConfigError("data.init_args.format", format, f"choose one of {FORMATS}")
+        if overlong not in OVERLONG_CHOICES:
+            raise ConfigError("data.init_args.overlong", overlong, f"choose one of {OVERLONG_CHOICES}")
+        self.source, self.format, self.seq_len, self.batch_size = source, format, seq_len, batch_size
+        self.num_workers, self.val_examples, self.shuffle, self.seed, self.overlong = num_workers, val_examples, shuffle, seed, overlong
+        self.tokenizer = load_tokenizer(tokenizer)
+        self.collator = collator if collator is not None else PaddingCollator()
+        self.collator.bind(self.tokenizer.pad_id, seq_len)
+        self.train_set: ExampleDataset | None = None
+        self.val_set: ExampleDataset | None = None
+        self._epoch, self._batches_consumed = 0, 0
+        self._resume_pending = False
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        examples = build_examples(self.source, self.tokenizer, self.format, self.seq_len, self.overlong)
+        if self.val_examples >= len(examples):
+            raise ConfigError("data.init_args.val_examples", self.val_examples, f"hold out fewer than the {len(examples)} examples")
+        held_out = set(torch.randperm(len(examples), generator=torch.Generator().manual_seed(self.seed))[: self.val_examples].tolist())
+        self.train_set = ExampleDataset([e for i, e in enumerate(examples) if i not in held_out])
+        self.val_set = ExampleDataset([e for i, e in enumerate(examples) if i in held_out])
+
+    def train_dataloader(self) -> DataLoader:
+        sampler = self._sampler(self.train_set, shuffle=self.shuffle, drop_last=True)
+        if self._resume_pending:
+            sampler.resume(self._epoch, self._batches_consumed * self.batch_size)
+            self._resume_pending = False
+        return self._loader(self.train_set, sampler, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader | list:
+        if not self.val_set:
+            return []
+        return self._loader(self.val_set, self._sampler(self.val_set, shuffle=False, drop_last=False), drop_last=False)
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Counts consumed training batches (in the main process) for exact resume."""
+        if self.trainer is not None and self.trainer.training:
+            if self.trainer.current_epoch != self._epoch:
+                self._epoch, self._batches_consumed = self.trainer.current_epoch, 0
+            self._batches_consumed += 1
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self._epoch, "batches_consumed": self._batches_consumed, "tokenizer": self.tokenizer.spec, "seed": self.seed}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume: the next training dataloader skips the batches this state had consumed."""
+        if state_dict["tokenizer"] != self.tokenizer.spec:
+            raise ConfigError(
+                "data.init_args.tokenizer", self.tokenizer.spec, f"the checkpoint was trained with {state_dict['tokenizer']!r}; use it"
+            )
+        self._epoch, self._batches_consumed = state_dict["epoch"], state_dict["batches_consumed"]
+        self._resume_pending = True
+
+    def _sampler(self, dataset: ExampleDataset, shuffle: bool, drop_last: bool) -> ShardedSampler:
+        replicas = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if self.trainer is not None else None
+        replicas = replicas or {"num_replicas": 1, "rank": 0}
+        return self.collator.sampler(
+            dataset, dataset.lengths, num_replicas=replicas["num_replicas"], rank=replicas["rank"], shuffle=shuffle,
+            seed=self.seed, drop_last=drop_last, batch_size=self.batch_size,
+        )
+
+    def _loader(self, dataset: ExampleDataset, sampler: ShardedSampler, drop_last: bool) -> DataLoader:
+        return DataLoader(
+            dataset, batch_size=self.batch_size, sampler=sampler, collate_fn=self.collator,
+            num_workers=self.num_workers, drop_last=drop_last,
+        )

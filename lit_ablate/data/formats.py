@@ -1,0 +1,121 @@
+"""Formats: how raw rows become training examples (token ids + labels already shifted).
+
+An example is ``{"input_ids": LongTensor[L], "labels": LongTensor[L]}`` with ``labels[t]`` the
+target of position ``t`` (the next token) or ``-100`` for no loss. The last position of every
+example has no target, so no label ever predicts across an example boundary: packing examples
+side by side can never leak a document into another's loss.
+
+- ``pretrain``: documents joined with ``eos`` separators and cut into ``seq_len``-token windows,
+  every position labelled (nanoGPT-style: the window's targets are the next ``seq_len`` tokens
+  of the stream; a final partial window is dropped). All examples are ``seq_len`` long.
+- ``documents``: one example per document (``bos`` + text + ``eos``), of varying length: the
+  pretraining format to pair with packing.
+- ``sft``: ``prompt``/``response`` rows or chat ``messages``; only response (assistant) tokens
+  and the closing ``eos`` are labelled.
+
+Examples longer than ``seq_len`` follow ``overlong``: ``truncate`` keeps the first ``seq_len``
+tokens (an SFT response may lose its end and its ``eos``; an example left with no labelled token
+is dropped), ``reject`` drops the example. Either way the count is logged once. ``truncate`` is
+the default because it keeps every document's start; pick ``reject`` for SFT when a clipped
+answer would teach the model to stop mid-sentence.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from lit_ablate.data.sources import Row
+from lit_ablate.data.tokenizers import Tokenizer
+from lit_ablate.errors import ConfigError
+from lit_ablate.models.losses import IGNORE_INDEX
+
+log = logging.getLogger(__name__)
+
+Format = Literal["pretrain", "documents", "sft"]
+Overlong = Literal["truncate", "reject"]
+Example = dict[str, Tensor]
+OVERLONG_CHOICES = ("truncate", "reject")
+
+
+def example_from_tokens(ids: Sequence[int], is_target: Sequence[bool]) -> Example:
+    """Input ids and shifted labels: ``labels[t] = ids[t+1]`` where ``is_target[t+1]``, else -100."""
+    labels = [nxt if target else IGNORE_INDEX for nxt, target in zip(ids[1:], is_target[1:])] + [IGNORE_INDEX]
+    return {"input_ids": torch.tensor(ids, dtype=torch.long), "labels": torch.tensor(labels, dtype=torch.long)}
+
+
+def fit_length(example: Example, max_tokens: int, overlong: Overlong) -> Example | None:
+    """The example if it fits in ``max_tokens``; else truncated (None if no label survives) or None."""
+    if len(example["input_ids"]) <= max_tokens:
+        return example
+    if overlong == "reject":
+        return None
+    labels = example["labels"][:max_tokens].clone()
+    labels[-1] = IGNORE_INDEX  # the last kept position's target was cut off
+    if not (labels != IGNORE_INDEX).any():
+        return None
+    return {"input_ids": example["input_ids"][:max_tokens], "labels": labels}
+
+
+def build_examples(rows: Iterable[Row], tokenizer: Tokenizer, fmt: Format, seq_len: int, overlong: Overlong) -> list[Example]:
+    """All examples of ``rows`` in ``fmt``; logs how many were too long and what happened to them."""
+    if fmt == "pretrain":
+        return _pretrain_windows(rows, tokenizer, seq_len)
+    token_rows = _document_tokens(rows, tokenizer) if fmt == "documents" else _sft_tokens(rows, tokenizer)
+    examples, overlong_count, total = [], 0, 0
+    for ids, is_target in token_rows:
+        total += 1
+        example = example_from_tokens(ids, is_target)
+        fitted = fit_length(example, seq_len, overlong)
+        overlong_count += fitted is not example
+        if fitted is not None:
+            examples.append(fitted)
+    if overlong_count:
+        log.warning(
+            "data (format=%s): %d of %d examples were longer than seq_len=%d; overlong=%s %s them",
+            fmt, overlong_count, total, seq_len, overlong, "kept the first seq_len tokens of" if overlong == "truncate" else "dropped",
+        )
+    if not examples:
+        raise ConfigError("data.init_args.overlong", overlong, f"no {fmt} example fits seq_len={seq_len}; raise seq_len")
+    return examples
+
+
+def _pretrain_windows(rows: Iterable[Row], tokenizer: Tokenizer, seq_len: int) -> list[Example]:
+    stream: list[int] = []
+    for row in rows:
+        stream += tokenizer.encode(_text(row)) + [tokenizer.eos_id]
+    if len(stream) < seq_len + 1:
+        raise ConfigError("data.init_args.seq_len", seq_len, f"the corpus has only {len(stream)} tokens; lower seq_len or add data")
+    tokens = torch.tensor(stream, dtype=torch.long)
+    starts = range(0, len(stream) - seq_len, seq_len)
+    return [{"input_ids": tokens[s : s + seq_len], "labels": tokens[s + 1 : s + seq_len + 1]} for s in starts]
+
+
+def _document_tokens(rows: Iterable[Row], tokenizer: Tokenizer) -> Iterable[tuple[list[int], list[bool]]]:
+    bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+    for row in rows:
+        ids = bos + tokenizer.encode(_text(row)) + [tokenizer.eos_id]
+        yield ids, [True] * len(ids)
+
+
+def _sft_tokens(rows: Iterable[Row], tokenizer: Tokenizer) -> Iterable[tuple[list[int], list[bool]]]:
+    bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+    for row in rows:
+        if "messages" in row:
+            yield tokenizer.chat(row["messages"])
+        elif "prompt" in row and "response" in row:
+            prompt = bos + tokenizer.encode(row["prompt"])
+            response = tokenizer.encode(row["response"]) + [tokenizer.eos_id]
+            yield prompt + response, [False] * len(prompt) + [True] * len(response)
+        else:
+            raise ConfigError("data.init_args.format", "sft", f"sft rows need 'prompt'+'response' or 'messages'; got {sorted(row)}")
+
+
+def _text(row: Row) -> str:
+    if "text" not in row:
+        raise ConfigError("data.init_args.format", "pretrain", f"pretraining rows need a 'text' field; got {sorted(row)}")
+    return row["text"]

@@ -1,0 +1,46 @@
+"""The sampler: which items each data-parallel rank reads, in which order, resumable mid-epoch.
+
+It subclasses ``DistributedSampler`` because Lightning replaces any other sampler when it runs
+distributed (and would then shard by *global* rank, which is wrong under tensor or expert
+parallelism). With ``W`` replicas, rank ``r`` reads items ``r, r+W, r+2W, ...`` of the epoch's
+order, so ``W`` ranks with micro-batch ``b`` see, step by step, the same items as one process with
+batch ``W*b``: data-parallel runs are comparable to single-process ones.
+
+An item is an example index, or a tuple of indices (a packed row: see ``packing.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sized
+from typing import Any
+
+from torch.utils.data import DistributedSampler
+
+
+class ShardedSampler(DistributedSampler):
+    """Shuffled (per seed and epoch) example order, sharded over data-parallel ranks.
+
+    ``resume(epoch, items)`` makes the next iteration of that epoch skip its first ``items``
+    items at the index level: nothing skipped is loaded or tokenised.
+    """
+
+    def __init__(
+        self, dataset: Sized, num_replicas: int = 1, rank: int = 0, shuffle: bool = True, seed: int = 0, drop_last: bool = False
+    ) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        self._resume: tuple[int, int] | None = None
+
+    def resume(self, epoch: int, items: int) -> None:
+        """Skip the first ``items`` items of epoch ``epoch`` (once: the next epochs start at 0)."""
+        self._resume = (epoch, items) if items > 0 else None
+
+    def rank_items(self) -> list[Any]:
+        """This rank's items for the current epoch, in order, before any resume skip."""
+        return list(super().__iter__())
+
+    def __iter__(self) -> Iterator[Any]:
+        items = self.rank_items()
+        if self._resume is not None and self._resume[0] == self.epoch:
+            items = items[self._resume[1] :]
+        self._resume = None
+        return iter(items)

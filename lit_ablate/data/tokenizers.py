@@ -1,0 +1,147 @@
+"""Tokenizers behind one small interface: the built-in byte tokenizer or any Hugging Face one.
+
+The rest of the data layer only ever sees ``Tokenizer``: ids for text, the special ids, and the
+chat rendering of SFT messages as token ids plus a per-token "train on this" flag. The byte
+tokenizer needs no download, so tests, the quickstart and CPU studies run offline.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+
+from lit_ablate.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+ChatMessages = Sequence[Mapping[str, str]]
+
+
+class Tokenizer(ABC):
+    """What the data layer needs from a tokenizer.
+
+    Attributes:
+        spec: the string it was loaded from (``"byte"`` or an HF path/name); saved in checkpoints.
+        vocab_size: ids are in ``[0, vocab_size)``; the model's vocabulary must cover it.
+        pad_id, eos_id, bos_id: special ids (``bos_id`` is None when the tokenizer has none).
+    """
+
+    spec: str
+    vocab_size: int
+    pad_id: int
+    eos_id: int
+    bos_id: int | None
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, without special tokens."""
+
+    @abstractmethod
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``; special tokens are dropped."""
+
+    def chat(self, messages: ChatMessages) -> tuple[list[int], list[bool]]:
+        """``(ids, trainable)`` for a conversation: ``trainable[i]`` is True on assistant tokens.
+
+        The built-in template: ``bos``, then per message ``<role>\\n`` + content + a newline, except
+        that an assistant turn ends with ``eos`` (trained on, so the model learns to stop).
+        """
+        ids = [self.bos_id] if self.bos_id is not None else []
+        trainable = [False] * len(ids)
+        for message in messages:
+            header = self.encode(f"<{message['role']}>\n")
+            ids += header
+            trainable += [False] * len(header)
+            is_reply = message["role"] == "assistant"
+            body = self.encode(message["content"]) + ([self.eos_id] if is_reply else self.encode("\n"))
+            ids += body
+            trainable += [is_reply] * len(body)
+        return ids, trainable
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes as ids 0..255, then ``pad=256``, ``bos=257``, ``eos=258``; vocabulary 259.
+
+    Choose it for offline runs, tests and tiny models: no download, no training, lossless.
+    """
+
+    def __init__(self) -> None:
+        self.spec = "byte"
+        self.pad_id, self.bos_id, self.eos_id = 256, 257, 258
+        self.vocab_size = 259
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face tokenizer (``AutoTokenizer``): a local directory works offline, a hub name
+    needs the network. Conversations use the tokenizer's own chat template when it has one."""
+
+    def __init__(self, spec: str) -> None:
+        from transformers import AutoTokenizer
+
+        try:
+            self.hf = AutoTokenizer.from_pretrained(spec)
+        except OSError as err:
+            raise ConfigError("data.init_args.tokenizer", spec, f"not a loadable tokenizer ({err}); use 'byte' or a path") from err
+        self.spec = spec
+        if self.hf.eos_token_id is None:
+            raise ConfigError("data.init_args.tokenizer", spec, "the tokenizer has no eos token; pick one that defines it")
+        self.eos_id = int(self.hf.eos_token_id)
+        self.bos_id = None if self.hf.bos_token_id is None else int(self.hf.bos_token_id)
+        if self.hf.pad_token_id is None:
+            log.warning("tokenizer %s has no pad token: padding with eos id %d (padding is masked, never a label)", spec, self.eos_id)
+        self.pad_id = self.eos_id if self.hf.pad_token_id is None else int(self.hf.pad_token_id)
+        self.vocab_size = len(self.hf)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=True)
+
+    def chat(self, messages: ChatMessages) -> tuple[list[int], list[bool]]:
+        """With a chat template: render the conversation, then mark each assistant turn by the text
+        it adds after the generation prompt. Each segment is tokenised separately so the mask
+        boundaries are exact; the template must render a prefix of the conversation as a prefix."""
+        if not self.hf.chat_template:
+            return super().chat(messages)
+        text = self._render(messages, generation_prompt=False)
+        cuts: list[tuple[int, bool]] = []  # (end offset in text, trainable)
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prompt = self._render(messages[:i], generation_prompt=True)
+            upto_reply = self._render(messages[: i + 1], generation_prompt=False)
+            if not (upto_reply.startswith(prompt) and text.startswith(upto_reply)):
+                raise ConfigError(
+                    "data.init_args.tokenizer", self.spec, "its chat template is not prefix-stable; use prompt/response data"
+                )
+            cuts += [(len(prompt), False), (len(upto_reply), True)]
+        cuts.append((len(text), False))
+        ids: list[int] = []
+        trainable: list[bool] = []
+        offset = 0
+        for end, is_reply in cuts:
+            segment = self.encode(text[offset:end]) if end > offset else []
+            ids += segment
+            trainable += [is_reply] * len(segment)
+            offset = max(offset, end)
+        return ids, trainable
+
+    def _render(self, messages: ChatMessages, generation_prompt: bool) -> str:
+        if not messages:
+            return ""
+        return self.hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """``"byte"`` -> ``ByteTokenizer``; anything else -> ``HFTokenizer(spec)`` (a path or hub name)."""
+    if not spec:
+        raise ConfigError("data.init_args.tokenizer", spec, "use 'byte' or a Hugging Face tokenizer path/name")
+    return ByteTokenizer() if spec == "byte" else HFTokenizer(spec)
