@@ -1,0 +1,170 @@
+"""Attention backends keep packed documents apart: a packed row computes what each document alone does.
+
+Tolerance: fp32 logits agree to atol 2e-5 (the same math under different masks and kernels;
+observed differences are ~1e-6).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lit_ablate.errors import ConfigError
+from lit_ablate.models import attention
+from lit_ablate.models.attention import check_attention_backend, cu_seqlens_from_position_ids, document_causal_mask
+from lit_ablate.models.factory import ModelFactory
+
+ATOL = 2e-5
+FORWARD_ON_CPU = ["sdpa", "eager", "sdpa_packed", "flex"]
+LENGTHS = (7, 12, 5)
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _model(attn: str, preset: str = "tiny-llama", device: str = "cpu"):
+    torch.manual_seed(0)
+    return ModelFactory(preset=preset, attn_implementation=attn).build().to(device).eval()
+
+
+def _documents(lengths=LENGTHS, seed: int = 1, device: str = "cpu") -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 259, (n,), generator=generator).to(device) for n in lengths]
+
+
+def _packed_logits(model, docs: list[torch.Tensor], **kwargs) -> torch.Tensor:
+    ids = torch.cat(docs)[None]
+    positions = torch.cat([torch.arange(len(d), device=ids.device) for d in docs])[None]
+    with torch.no_grad():
+        return model(input_ids=ids, position_ids=positions, use_cache=False, **kwargs).logits[0]
+
+
+def _alone_logits(model, docs: list[torch.Tensor]) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return [model(input_ids=d[None], use_cache=False).logits[0] for d in docs]
+
+
+def _split(logits: torch.Tensor, lengths) -> list[torch.Tensor]:
+    return list(logits.split(list(lengths)))
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
+@pytest.mark.parametrize("attn", FORWARD_ON_CPU)
+def test_packed_row_logits_equal_each_document_alone(attn, preset):
+    model, docs = _model(attn, preset), _documents()
+    for packed, alone in zip(_split(_packed_logits(model, docs), LENGTHS), _alone_logits(model, docs)):
+        torch.testing.assert_close(packed, alone, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("attn", FORWARD_ON_CPU)
+def test_changing_one_document_never_changes_another(attn):
+    model, docs = _model(attn), _documents()
+    reference = _split(_packed_logits(model, docs), LENGTHS)
+    changed = [_documents((11,), seed=9)[0], docs[1], docs[2]]  # other tokens and another length
+    after = _split(_packed_logits(model, changed), (11, *LENGTHS[1:]))
+    assert not torch.allclose(after[0][:5], reference[0][:5], atol=1e-3)  # the change is real
+    torch.testing.assert_close(after[1], reference[1], rtol=0, atol=ATOL)
+    torch.testing.assert_close(after[2], reference[2], rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_sdpa_packed_padded_batch_matches_transformers_sdpa(side):
+    docs = _documents((9, 4))
+    ids = torch.full((2, 9), 256)
+    mask = torch.zeros(2, 9, dtype=torch.long)
+    for row, d in enumerate(docs):
+        cols = slice(0, len(d)) if side == "right" else slice(9 - len(d), 9)
+        ids[row, cols], mask[row, cols] = d, 1
+    with torch.no_grad():
+        ours = _model("sdpa_packed")(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        reference = _model("sdpa")(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert torch.isfinite(ours).all()
+    real = mask.bool()
+    torch.testing.assert_close(ours[real], reference[real], rtol=0, atol=ATOL)
+
+
+def test_sdpa_packed_keeps_documents_apart_even_with_a_kv_cache():
+    """PLATFORM_NOTES trap 2: transformers derives documents from position_ids only without a
+    cache; sdpa_packed builds its mask itself, so a cache changes nothing."""
+    model, docs = _model("sdpa_packed"), _documents()
+    ids = torch.cat(docs)[None]
+    positions = torch.cat([torch.arange(len(d)) for d in docs])[None]
+    with torch.no_grad():
+        cached = model(input_ids=ids, position_ids=positions, use_cache=True).logits[0]
+    for packed, alone in zip(_split(cached, LENGTHS), _alone_logits(model, docs)):
+        torch.testing.assert_close(packed, alone, rtol=0, atol=ATOL)
+
+
+def test_sdpa_packed_greedy_generation_matches_sdpa():
+    prompt = _documents((6,))[0][None]
+    ours = _model("sdpa_packed").generate(prompt, max_new_tokens=5, do_sample=False)
+    reference = _model("sdpa").generate(prompt, max_new_tokens=5, do_sample=False)
+    assert torch.equal(ours, reference)
+
+
+def test_document_causal_mask_is_block_diagonal_and_causal():
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0]])
+    mask = document_causal_mask(positions, None, batch=1, q_len=6, kv_len=6)[0, 0]
+    docs = torch.tensor([0, 0, 0, 1, 1, 2])
+    expected = (docs[:, None] == docs[None, :]) & torch.ones(6, 6, dtype=torch.bool).tril()
+    assert torch.equal(mask, expected)
+
+
+def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None, causal=True):
+    """flash-attn's varlen contract in plain torch: causal SDPA per segment of the flat tokens."""
+    assert torch.equal(cu_q, cu_k) and cu_q.dtype == torch.int32 and max_q == int(cu_q.diff().max())
+    out = torch.empty_like(q)
+    for start, end in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+        segment = [t[start:end].transpose(0, 1)[None] for t in (q, k, v)]
+        out[start:end] = F.scaled_dot_product_attention(*segment, is_causal=causal, scale=softmax_scale, enable_gqa=True)[0].transpose(0, 1)
+    return out
+
+
+def test_fa_varlen_plumbing_with_a_reference_kernel(monkeypatch):
+    """Runs fa_varlen's flattening, segmenting and unpadding on CPU, with flash-attn's kernel
+    swapped for a plain-torch one of the same contract (the kernel itself is GPU-only)."""
+    monkeypatch.setattr(attention, "varlen_kernel", lambda: _reference_varlen)
+    model, docs = _model("fa_varlen"), _documents()
+    alone = _alone_logits(model, docs)
+    for packed, single in zip(_split(_packed_logits(model, docs), LENGTHS), alone):  # from position_ids
+        torch.testing.assert_close(packed, single, rtol=0, atol=ATOL)
+    positions = torch.cat([torch.arange(n) for n in LENGTHS])[None]
+    cu_seqlens, max_seqlen = cu_seqlens_from_position_ids(positions)
+    assert cu_seqlens.tolist() == [0, 7, 19, 24] and max_seqlen == 12
+    given = _packed_logits(model, docs, cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=12, max_length_k=12)
+    torch.testing.assert_close(given, torch.cat(alone), rtol=0, atol=ATOL)
+    ids, mask = torch.full((2, 12), 256), torch.zeros(2, 12, dtype=torch.long)  # a padded batch
+    for row, d in enumerate(docs[:2]):
+        ids[row, : len(d)], mask[row, : len(d)] = d, 1
+    with torch.no_grad():
+        padded = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    torch.testing.assert_close(padded[mask.bool()], torch.cat(alone[:2]), rtol=0, atol=ATOL)
+
+
+def test_check_attention_backend_rejects_what_cannot_run_here():
+    with pytest.raises(ConfigError, match=r"model\.init_args\.model\.attn_implementation='nope'"):
+        check_attention_backend("nope", training=False)
+    for name in ("sdpa", "eager", "sdpa_packed"):
+        check_attention_backend(name, training=True)
+    check_attention_backend("flex", training=False)  # the forward runs everywhere
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="flex attention trains only on CUDA"):
+            check_attention_backend("flex", training=True)
+        with pytest.raises(ConfigError, match="flash-attn varlen needs CUDA"):
+            check_attention_backend("fa_varlen", training=True)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("attn", ["flex", "fa_varlen"])
+def test_gpu_backends_train_packed_like_separate_documents(attn):
+    check_attention_backend(attn, training=True)
+    docs = _documents(device="cuda")
+    model = _model(attn, device="cuda").train()
+    ids = torch.cat(docs)[None]
+    positions = torch.cat([torch.arange(len(d), device="cuda") for d in docs])[None]
+    packed = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0]
+    packed.float().square().mean().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
+    reference = _model("sdpa", device="cuda")
+    for got, alone in zip(_split(packed.detach(), LENGTHS), _alone_logits(reference, docs)):
+        torch.testing.assert_close(got, alone, rtol=0, atol=1e-3)  # TF32 / fused kernels on GPU
