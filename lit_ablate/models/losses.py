@@ -5,19 +5,39 @@ already shifted (``labels[i]`` is the target of position ``i``, ``-100`` = no lo
 **sum** of per-token cross-entropy over the counted labels as an fp32 scalar. The caller divides
 by the number of useful tokens, so all backends normalise the same way and an ablation compares
 only the kernel. A fused backend never materialises the ``[tokens, vocab]`` logits.
+
+Every backend takes ``z_loss_weight`` (default 0): it adds ``z_loss_weight * logsumexp(logits)^2``
+per counted token to the returned sum (PaLM's z-loss, which keeps the softmax normaliser near 1).
+``cce`` accepts only 0: Cut Cross-Entropy does not expose the log-sum-exp.
+
+Options reach a backend as ``loss_backend(name, **options)`` (the module's ``loss_options``);
+unknown options, bad values and names raise ``ConfigError`` naming the key.
+
+``liger`` and ``cce`` import fine on a CPU machine and fail at their first kernel, so they are
+gated on ``torch.cuda.is_available()`` when they are built: call ``check_loss_backend`` at
+start-up (the ablation runner does, to mark such variants ``skipped``). One compatibility rule
+spans parts: ``check_loss_with_liger_kernels`` rejects CCE beside Liger's loss kernels patched
+into the model (two fused losses: which one trains depends on patch order).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import importlib.util
+import inspect
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from lit_ablate.errors import ConfigError
+from lit_ablate.models.chunked_cross_entropy import IGNORE_INDEX, chunked_linear_cross_entropy
 
-IGNORE_INDEX = -100
+LOSS_KEY = "model.init_args.loss"
+OPTIONS_KEY = "model.init_args.loss_options"
+GPU_EXTRA_FIX = "pip install 'lit-ablate[gpu]' on a CUDA machine"
 
 
 class LossBackend(Protocol):
@@ -26,17 +46,192 @@ class LossBackend(Protocol):
     def __call__(self, hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None = None) -> Tensor: ...
 
 
-def torch_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None = None) -> Tensor:
-    """The reference: full logits, then ``F.cross_entropy`` in fp32."""
-    logits = F.linear(hidden, weight, bias).float()
-    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+def _check_z_loss_weight(z_loss_weight: float) -> None:
+    if z_loss_weight < 0:
+        raise ConfigError(f"{OPTIONS_KEY}.z_loss_weight", z_loss_weight,
+                          "use 0 (off) or a small positive weight such as 1e-4")
 
 
-LOSS_BACKENDS: dict[str, LossBackend] = {"torch": torch_cross_entropy}
+def _require_cuda_package(backend: str, module: str, cpu_alternative: str) -> None:
+    """The fused GPU backends need their package and a CUDA device; say which is missing."""
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError(LOSS_KEY, backend, f"the '{module}' package is not installed: {GPU_EXTRA_FIX}")
+    if not torch.cuda.is_available():
+        raise ConfigError(LOSS_KEY, backend,
+                          f"{backend} needs CUDA (its Triton kernels fail on CPU); {cpu_alternative}")
 
 
-def loss_backend(name: str) -> LossBackend:
-    """The backend registered as ``name``; a clear error lists the known ones."""
+@dataclass(frozen=True)
+class TorchCrossEntropy:
+    """The reference: full ``[tokens, vocab]`` logits, then ``F.cross_entropy`` in fp32.
+
+    Choose it as the baseline every other backend is compared with, or when tokens x vocab is
+    small; its memory grows with tokens x vocab (several fp32 copies in forward and backward).
+    """
+
+    z_loss_weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_z_loss_weight(self.z_loss_weight)
+
+    def __call__(self, hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None = None) -> Tensor:
+        logits = F.linear(hidden, weight, bias).float()
+        loss = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        if self.z_loss_weight:
+            lse = torch.logsumexp(logits, dim=-1)
+            loss = loss + self.z_loss_weight * torch.where(labels != IGNORE_INDEX, lse.square(), 0.0).sum()
+        return loss
+
+
+@dataclass(frozen=True)
+class ChunkedCrossEntropy:
+    """Pure-torch linear + cross-entropy over token chunks; never holds ``[tokens, vocab]`` logits.
+
+    Choose it to cut loss memory on any device (CPU included) without extra packages. Matches
+    ``torch`` to fp32 rounding. Peak extra memory is about ``chunk_tokens x chunk_vocab x 4``
+    bytes, plus an fp32 weight-gradient accumulator (``vocab x hidden x 4``) when the weights are
+    bf16. See ``lit_ablate.models.chunked_cross_entropy`` for the algorithm.
+
+    Args:
+        chunk_tokens: tokens per chunk; smaller saves memory, larger runs bigger (faster) matmuls.
+        chunk_vocab: also split the vocabulary into chunks of this many columns (None: whole
+            vocabulary); for very large vocabularies. Costs one more logits matmul per chunk.
+        z_loss_weight: weight of ``logsumexp^2`` per counted token, added to the sum.
+        grad_in_forward: form the gradients while the forward's chunk logits exist (as Liger
+            does: as many matmuls as torch); false recomputes the logits in the backward (one
+            more matmul per chunk, but only the ``[tokens]`` log-sum-exp is kept in between, and
+            backward with ``retain_graph`` works).
+    """
+
+    chunk_tokens: int = 1024
+    chunk_vocab: int | None = None
+    z_loss_weight: float = 0.0
+    grad_in_forward: bool = True
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens < 1:
+            raise ConfigError(f"{OPTIONS_KEY}.chunk_tokens", self.chunk_tokens,
+                              "use a positive number of tokens, e.g. 1024")
+        if self.chunk_vocab is not None and self.chunk_vocab < 1:
+            raise ConfigError(f"{OPTIONS_KEY}.chunk_vocab", self.chunk_vocab, "use a positive column count or null")
+        _check_z_loss_weight(self.z_loss_weight)
+
+    def __call__(self, hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None = None) -> Tensor:
+        return chunked_linear_cross_entropy(hidden, weight, labels, bias, self.chunk_tokens, self.chunk_vocab,
+                                            self.z_loss_weight, self.grad_in_forward)
+
+
+@dataclass(frozen=True)
+class LigerFusedLinearCrossEntropy:
+    """Liger-Kernel's fused linear cross-entropy (Triton; CUDA only).
+
+    Choose it on GPUs to compare with ``chunked`` and ``cce``: it chunks tokens and computes the
+    gradients during the forward. ``z_loss_weight`` maps to Liger's ``lse_square_scale``.
+    """
+
+    z_loss_weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_z_loss_weight(self.z_loss_weight)
+        _require_cuda_package("liger", "liger_kernel", "use 'chunked' for a memory-efficient loss on CPU")
+
+    def __call__(self, hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None = None) -> Tensor:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        return liger_fused_linear_cross_entropy(
+            hidden, weight, labels, bias, ignore_index=IGNORE_INDEX,
+            lse_square_scale=self.z_loss_weight, reduction="sum",
+        ).float()
+
+
+@dataclass(frozen=True)
+class CutCrossEntropy:
+    """Apple's Cut Cross-Entropy: logits are formed block by block in on-chip memory only.
+
+    Choose it on GPUs for the smallest loss memory. ``impl="cce"`` is the Triton kernel (CUDA);
+    ``impl="torch_compile"`` is CCE's compiled reference, which also runs on CPU (a cross-check).
+    ``filter_eps`` skips gradient blocks whose softmax is below it ("high", "auto", a float, or
+    None for exact gradients). CCE does not return the log-sum-exp, so z-loss is not available.
+    """
+
+    impl: str = "cce"
+    filter_eps: float | str | None = "high"
+    z_loss_weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.impl not in ("cce", "torch_compile"):
+            raise ConfigError(f"{OPTIONS_KEY}.impl", self.impl, "use 'cce' (CUDA) or 'torch_compile'")
+        if self.z_loss_weight:
+            raise ConfigError(f"{OPTIONS_KEY}.z_loss_weight", self.z_loss_weight,
+                              "cce does not expose the log-sum-exp: use 0, or the chunked/liger/torch backend")
+        if self.impl == "cce":
+            _require_cuda_package("cce", "cut_cross_entropy",
+                                  "use 'chunked', or loss_options impl: torch_compile for CCE's CPU reference")
+        elif importlib.util.find_spec("cut_cross_entropy") is None:
+            raise ConfigError(LOSS_KEY, "cce", "the 'cut_cross_entropy' package is not installed: "
+                              "pip install 'lit-ablate[gpu]'")
+
+    def __call__(self, hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None = None) -> Tensor:
+        from cut_cross_entropy import linear_cross_entropy
+
+        bias_kwargs = {}
+        if bias is not None:
+            if "bias" not in inspect.signature(linear_cross_entropy).parameters:
+                raise ConfigError(LOSS_KEY, "cce", "the installed cut-cross-entropy takes no LM-head bias; "
+                                  "use chunked or torch for a model whose lm_head has a bias")
+            bias_kwargs["bias"] = bias
+        return linear_cross_entropy(
+            hidden, weight, labels, ignore_index=IGNORE_INDEX, reduction="sum",
+            filter_eps=self.filter_eps, impl=self.impl, **bias_kwargs,
+        ).float()
+
+
+LOSS_BACKENDS: dict[str, type[LossBackend]] = {
+    "torch": TorchCrossEntropy,
+    "chunked": ChunkedCrossEntropy,
+    "liger": LigerFusedLinearCrossEntropy,
+    "cce": CutCrossEntropy,
+}
+
+
+def loss_backend(name: str, **options: Any) -> LossBackend:
+    """Build backend ``name`` with its options; unknown names, options or values raise ConfigError.
+
+    Building also checks the backend can run here (``liger``/``cce`` need CUDA and their package).
+    """
     if name not in LOSS_BACKENDS:
-        raise ConfigError("model.loss", name, f"choose one of {sorted(LOSS_BACKENDS)}")
-    return LOSS_BACKENDS[name]
+        raise ConfigError(LOSS_KEY, name, f"choose one of {sorted(LOSS_BACKENDS)}")
+    backend = LOSS_BACKENDS[name]
+    accepted = inspect.signature(backend).parameters
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ConfigError(OPTIONS_KEY, options, f"'{name}' takes no option {unknown}; it takes {sorted(accepted)}")
+    return backend(**options)
+
+
+def check_loss_backend(name: str, **options: Any) -> None:
+    """Start-up check: raises ConfigError (with the reason and fix) if ``name`` cannot run here.
+
+    The ablation runner's compatibility registry calls it to mark GPU-only variants ``skipped``
+    on CPU; it builds nothing heavy.
+    """
+    loss_backend(name, **options)
+
+
+LIGER_LOSS_KERNELS = frozenset({"cross_entropy", "fused_linear_cross_entropy"})
+
+
+def check_loss_with_liger_kernels(loss: str, liger_kernels: Collection[str] | Mapping[str, bool]) -> None:
+    """Reject CCE when Liger's loss kernels are patched into the model.
+
+    ``liger_kernels`` names the Liger patches applied to the model (the keyword names of
+    ``apply_liger_kernel_to_*``, e.g. ``rms_norm``, ``fused_linear_cross_entropy``), as a list or
+    as a mapping of name to on/off. Both Liger's patched loss and CCE replace the LM-head loss;
+    which one trains would depend on patch order, so an ablation could silently measure the other.
+    """
+    if isinstance(liger_kernels, Mapping):
+        liger_kernels = [name for name, enabled in liger_kernels.items() if enabled]
+    clashing = sorted(LIGER_LOSS_KERNELS & set(liger_kernels))
+    if loss == "cce" and clashing:
+        raise ConfigError(LOSS_KEY, loss, f"Liger's loss kernels {clashing} are patched into the model; "
+                          "choose loss 'liger' or turn those Liger patches off")

@@ -1,0 +1,193 @@
+"""Peak memory and time of one forward+backward of the loss alone, per loss backend.
+
+Run by hand (never in CI):  python benchmarks/loss_memory.py [--full] [--dtype bfloat16]
+
+Memory is the peak of tensor bytes allocated during forward+backward above what existed before
+(the hidden states and LM-head weight are excluded; the gradients the loss produces are
+included). CUDA: allocator statistics. CPU: ``torch.distributed._tools.mem_tracker.MemTracker``
+(``torch.cuda.max_memory_allocated`` is 0 on CPU and ``tracemalloc`` cannot see tensor storage).
+Time: wall clock, and on CPU also this process's CPU time, which the CPU time ratios use because
+other jobs share the cores; the tracker's per-op cost is negligible against these matmuls.
+Ratios compare backends measured side by side in this one run, repeats interleaved.
+
+Rows: ``torch`` (reference), ``chunked`` (default options: gradients formed in the forward),
+``chunked-recompute`` (``grad_in_forward: false``), ``liger`` and ``cce`` where they can run.
+The default grid (hidden 1024, fp32, one repeat: V=32k x 4k tokens and the headline V=128k x
+8k tokens) takes about 4 minutes on an idle 2-core CPU and needs ~13 GiB of RAM for the torch
+reference. ``--full`` runs V in {32k, 128k} x tokens in {4k, 8k, 16k} x hidden in {1024, 4096}
+(meant for a GPU: the torch reference at 16k x 128k needs ~24 GiB). The last lines are
+``RESULT chunked_memory_ratio=`` and ``RESULT chunked_time_ratio=`` at V=128k, 8k tokens, the
+first hidden size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from lit_ablate.errors import ConfigError
+from lit_ablate.models.losses import LossBackend, check_loss_backend, loss_backend
+
+K = 1024
+HEADLINE = (128 * K, 8 * K)  # (vocab, tokens) of the RESULT lines
+DEFAULT_POINTS = [(32 * K, 4 * K), HEADLINE]
+FULL_POINTS = [(v, n) for v in (32 * K, 128 * K) for n in (4 * K, 8 * K, 16 * K)]
+IGNORED_FRACTION = 0.1  # labels set to -100, as prompt/padding tokens would be
+BENCHMARKED = {  # row name -> (registry name, options); chunked's chunk_tokens comes from --chunk-tokens
+    "torch": ("torch", {}),
+    "chunked": ("chunked", {}),
+    "chunked-recompute": ("chunked", {"grad_in_forward": False}),
+    "liger": ("liger", {}),
+    "cce": ("cce", {}),
+}
+
+
+@dataclass
+class Measurement:
+    vocab: int
+    tokens: int
+    hidden: int
+    backend: str
+    peak_bytes: int
+    seconds: float  # wall-clock
+    cpu_seconds: float  # this process's CPU time: robust to other jobs on a shared machine
+
+
+def make_inputs(vocab: int, tokens: int, hidden: int, dtype: torch.dtype, device: torch.device,
+                seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    h = torch.randn(tokens, hidden, generator=generator).to(device, dtype).requires_grad_()
+    w = (torch.randn(vocab, hidden, generator=generator) * 0.02).to(device, dtype).requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), generator=generator)
+    labels[torch.rand(tokens, generator=generator) < IGNORED_FRACTION] = -100
+    return h, w, labels.to(device)
+
+
+def forward_backward(loss_fn: LossBackend, h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> None:
+    loss_fn(h, w, labels).backward()
+    h.grad, w.grad = None, None
+
+
+def measure_cuda(run: Callable[[], None], device: torch.device) -> tuple[int, float, float]:
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    run()
+    torch.cuda.synchronize(device)
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    return torch.cuda.max_memory_allocated(device) - before, seconds, cpu_seconds
+
+
+def measure_cpu(run: Callable[[], None], *inputs: torch.Tensor) -> tuple[int, float, float]:
+    tracker = MemTracker()
+    tracker.track_external(*inputs)
+    with tracker:
+        before = tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
+        start, cpu_start = time.perf_counter(), time.process_time()
+        run()
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] - before, seconds, cpu_seconds
+
+
+def measure_point(backends: dict[str, LossBackend], vocab: int, tokens: int, hidden: int, dtype: torch.dtype,
+                  device: torch.device, warmup: int, repeats: int) -> list[Measurement]:
+    """All backends on the same inputs, repeats interleaved so drifting machine load hits each alike."""
+    h, w, labels = make_inputs(vocab, tokens, hidden, dtype, device)
+    samples: dict[str, list[tuple[int, float, float]]] = {name: [] for name in backends}
+    for name, loss_fn in backends.items():
+        for _ in range(warmup):
+            forward_backward(loss_fn, h, w, labels)
+    for _ in range(repeats):
+        for name, loss_fn in backends.items():
+            def run() -> None:
+                forward_backward(loss_fn, h, w, labels)
+
+            sample = measure_cuda(run, device) if device.type == "cuda" else measure_cpu(run, h, w, labels)
+            samples[name].append(sample)
+            print(f"measured {name} V={vocab} N={tokens} H={hidden}: {sample[0] / 2**20:.0f} MiB, "
+                  f"{sample[1]:.2f} s wall, {sample[2]:.2f} s cpu", flush=True)
+    return [Measurement(vocab, tokens, hidden, name, max(s[0] for s in runs),
+                        statistics.median(s[1] for s in runs), statistics.median(s[2] for s in runs))
+            for name, runs in samples.items()]
+
+
+def available_backends(rows: list[str], chunk_tokens: int) -> dict[str, LossBackend]:
+    """The requested backends that can run here; the others are reported and skipped."""
+    backends = {}
+    for row in rows:
+        name, options = BENCHMARKED[row]
+        if name == "chunked":
+            options = {**options, "chunk_tokens": chunk_tokens}
+        try:
+            check_loss_backend(name, **options)
+        except ConfigError as error:
+            print(f"skipping {row}: {error}")
+            continue
+        backends[row] = loss_backend(name, **options)
+    return backends
+
+
+def timed_seconds(m: Measurement, device: torch.device) -> float:
+    """The time ratios use CPU time on CPU (other jobs share the cores) and wall time on CUDA."""
+    return m.seconds if device.type == "cuda" else m.cpu_seconds
+
+
+def markdown_table(rows: list[Measurement], dtype: torch.dtype, device: torch.device) -> str:
+    reference = {(r.vocab, r.tokens, r.hidden): r for r in rows if r.backend == "torch"}
+    lines = ["| device | dtype | vocab | tokens | hidden | backend | peak MiB | memory × torch "
+             "| wall s | cpu s | time × torch |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ref = reference.get((r.vocab, r.tokens, r.hidden))
+        mem_ratio = f"{r.peak_bytes / ref.peak_bytes:.3f}" if ref else "n/a"
+        time_ratio = f"{timed_seconds(r, device) / timed_seconds(ref, device):.2f}" if ref else "n/a"
+        lines.append(f"| {device.type} | {str(dtype).removeprefix('torch.')} | {r.vocab} | {r.tokens} | {r.hidden} "
+                     f"| {r.backend} | {r.peak_bytes / 2**20:.0f} | {mem_ratio} | {r.seconds:.2f} "
+                     f"| {r.cpu_seconds:.2f} | {time_ratio} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--full", action="store_true", help="the whole grid (GPU-sized)")
+    parser.add_argument("--hidden", type=int, nargs="+", default=None,
+                        help="hidden sizes (default 1024; --full: 1024 4096)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--backends", nargs="+", default=list(BENCHMARKED), choices=list(BENCHMARKED))
+    parser.add_argument("--chunk-tokens", type=int, default=1024, help="chunked backend's chunk_tokens")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repeats per point (default: cpu 1, cuda 3)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    hidden_sizes = args.hidden or ([1024, 4096] if args.full else [1024])
+    points = FULL_POINTS if args.full else DEFAULT_POINTS
+    on_cuda = device.type == "cuda"
+    repeats = args.repeats or (3 if on_cuda else 1)
+    warmup = 1 if on_cuda else 0  # CUDA: Triton autotuning and cuBLAS handles; CPU: it would cost minutes
+    backends = available_backends(args.backends, args.chunk_tokens)
+    for loss_fn in backends.values():  # thread pools, allocator, kernel compilation
+        forward_backward(loss_fn, *make_inputs(1024, 256, 64, dtype, device))
+
+    rows = [m for hidden in hidden_sizes for vocab, tokens in points
+            for m in measure_point(backends, vocab, tokens, hidden, dtype, device, warmup, repeats)]
+    print()
+    print(f"{device.type}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+          f"chunk_tokens={args.chunk_tokens}, repeats={repeats}")
+    print(markdown_table(rows, dtype, device))
+    headline = {r.backend: r for r in rows if (r.vocab, r.tokens) == HEADLINE and r.hidden == hidden_sizes[0]}
+    if "torch" in headline and "chunked" in headline:
+        torch_run, chunked_run = headline["torch"], headline["chunked"]
+        print(f"RESULT chunked_memory_ratio={chunked_run.peak_bytes / torch_run.peak_bytes:.4f}")
+        print(f"RESULT chunked_time_ratio={timed_seconds(chunked_run, device) / timed_seconds(torch_run, device):.3f}")
+
+
+if __name__ == "__main__":
+    main()
