@@ -15,10 +15,18 @@ formula. Conventions (torchtitan's, stated so numbers are comparable across tech
 from __future__ import annotations
 
 from dataclasses import dataclass
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
+
+from lit_ablate.ablation.dotted import get_dotted
+
+if TYPE_CHECKING:
+    from lit_ablate.strategies.state_sharding import StateSharding
 
 
 @dataclass(frozen=True)
@@ -80,3 +88,384 @@ def count_parameters_of_config(config: PretrainedConfig) -> ParameterCounts:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return count_parameters(model, config)
+
+
+# --- per-rank memory ------------------------------------------------------------------------------
+# Bytes one rank holds at the peak of a training step: parameters, gradients and optimizer states
+# (divided by the strategy's sharding), activations saved for backward (not divided by data
+# parallelism), and the transient copies a strategy makes (gathered layers, DDP's gradient buckets).
+# The activation model counts the tensors autograd saves per token; it was calibrated against
+# torch's MemTracker on CPU for Llama/Qwen3(-MoE) shapes with SDPA (tests/test_estimate_memory.py).
+
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd_momentum", "adamw8bit")
+CHECKPOINTING = ("none", "full", "selective")
+LOSS_LOGIT_COPIES = {"torch": 3.0, "chunked": 2.0, "liger": 0.0, "cce": 0.0}
+"""fp32 ``[tokens, vocab]`` tensors alive at the loss's peak: torch keeps logits, log-softmax and the
+logits' gradient; chunked keeps two per chunk; the fused kernels keep small blocks only (not counted)."""
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes the activation model reads, taken from a transformers config and its (meta) model."""
+
+    layers: int
+    hidden: int
+    q_dim: int
+    kv_dim: int
+    intermediate: int
+    vocab: int
+    heads: int
+    qk_norm: bool
+    experts: int
+    experts_per_token: int
+    expert_intermediate: int
+    shared_expert_intermediate: int
+    layer_params: int
+    """Parameters of the largest decoder layer: what a sharded strategy gathers at a time."""
+
+
+@dataclass(frozen=True)
+class TrainingShape:
+    """What a run's memory depends on besides its model and its sharding.
+
+    Args:
+        micro_batch: sequences per rank per forward.
+        seq_len: tokens per sequence.
+        param_bytes: bytes per stored parameter (and gradient): 4 for fp32, 2 for bf16.
+        activation_bytes: bytes per saved activation: 2 under bf16/fp16 (mixed or true), else 4.
+        optimizer: ``adamw``/``adam`` (two states in the parameter dtype), ``sgd``,
+            ``sgd_momentum`` (one state), ``adamw8bit`` (two 1-byte states).
+        checkpointing: ``none``, ``full`` (every decoder layer) or ``selective`` (every
+            ``checkpoint_every``-th layer), as the mesh strategies apply it.
+        loss: the loss backend (how many ``[tokens, vocab]`` fp32 copies it keeps).
+        chunk_tokens: the chunked loss's token chunk.
+        attention: the attention backend; ``eager`` saves the ``[heads, seq]`` scores per token.
+        gradient_as_bucket_view: DDP without a second gradient copy in its buckets.
+    """
+
+    micro_batch: int
+    seq_len: int
+    param_bytes: int = 4
+    activation_bytes: int = 4
+    optimizer: str = "adamw"
+    checkpointing: str = "none"
+    checkpoint_every: int = 2
+    loss: str = "torch"
+    chunk_tokens: int = 1024
+    attention: str = "sdpa"
+    gradient_as_bucket_view: bool = False
+
+    def __post_init__(self) -> None:
+        from lit_ablate.errors import ConfigError
+
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError("--optimizer", self.optimizer, f"choose one of {list(OPTIMIZERS)}")
+        if self.checkpointing not in CHECKPOINTING:
+            raise ConfigError("activation_checkpointing", self.checkpointing, f"choose one of {list(CHECKPOINTING)}")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-rank bytes at the peak of a step, by kind."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    transient: int
+    """Gathered layers of a sharded strategy, or DDP's bucket copy of the gradients."""
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.transient
+
+
+def model_shape(config: PretrainedConfig) -> ModelShape:
+    """The shape of ``config``'s model, read from the config and a ``meta``-device build."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    layer_types = set(getattr(model, "_no_split_modules", None) or ())
+    layer_params = [sum(p.numel() for p in m.parameters()) for m in model.modules() if type(m).__name__ in layer_types]
+    layers, heads, head_dim = attention_shape(config)
+    num_experts, top_k = _experts_per_token(config)
+    return ModelShape(
+        layers=layers,
+        hidden=config.hidden_size,
+        q_dim=heads * head_dim,
+        kv_dim=(getattr(config, "num_key_value_heads", None) or heads) * head_dim,
+        intermediate=getattr(config, "intermediate_size", 0) or 0,
+        vocab=config.vocab_size,
+        heads=heads,
+        qk_norm=any(name.endswith("q_norm") for name, _ in model.named_modules()),
+        experts=num_experts,
+        experts_per_token=top_k,
+        expert_intermediate=getattr(config, "moe_intermediate_size", None) or getattr(config, "intermediate_size", 0),
+        shared_expert_intermediate=getattr(config, "shared_expert_intermediate_size", 0) or 0,
+        layer_params=max(layer_params, default=0),
+    )
+
+
+def layer_activation_elements(shape: ModelShape, training: TrainingShape) -> float:
+    """Elements one decoder layer saves per token for its backward.
+
+    Attention: the two RMSNorms' inputs and outputs (4 hidden), rotated queries, attention output
+    and its re-layout for the output projection (4 q), rotated keys and values (2 kv); q/k norms
+    add their inputs and outputs (2 q + 2 kv); eager attention adds the softmaxed scores (heads x
+    seq) and expanded keys. MLP: gate, up, activation and product (4 intermediate); an MoE layer
+    does that per routed expert with the token's gathered input and weighted output (2 hidden)
+    and keeps its router's logits, probabilities and choices (3 x experts).
+    """
+    s = shape
+    attention = 4 * s.hidden + 4 * s.q_dim + 2 * s.kv_dim
+    if s.qk_norm:
+        attention += 2 * s.q_dim + 2 * s.kv_dim
+    if training.attention == "eager":
+        attention += s.heads * training.seq_len + s.q_dim
+    if s.experts:
+        mlp = s.experts_per_token * (4 * s.expert_intermediate + 2 * s.hidden) + 3 * s.experts
+        mlp += 4 * s.shared_expert_intermediate
+    else:
+        mlp = 4 * s.intermediate
+    return float(attention + mlp)
+
+
+def activation_bytes(shape: ModelShape, training: TrainingShape) -> int:
+    """Peak bytes of activations (and the loss's logits) over one forward and backward on one rank.
+
+    Checkpointed layers keep only their input (``hidden`` per token) and recompute the rest in
+    backward, so the peak is the larger of "everything saved + the loss's logits" at the start of
+    backward and "what earlier layers saved + one layer recomputed + its gradient flow" later.
+    """
+    tokens = training.micro_batch * training.seq_len
+    per_layer = layer_activation_elements(shape, training) * training.activation_bytes
+    every = {"none": 0, "full": 1, "selective": training.checkpoint_every}[training.checkpointing]
+    checkpointed = [every > 0 and i % every == 0 for i in range(shape.layers)]
+    saved = [shape.hidden * training.activation_bytes if c else per_layer for c in checkpointed]
+    copies = LOSS_LOGIT_COPIES.get(training.loss, LOSS_LOGIT_COPIES["torch"])
+    if training.loss == "chunked":
+        copies *= min(1.0, training.chunk_tokens / tokens)
+    head = 3 * shape.hidden * training.activation_bytes + copies * shape.vocab * 4
+    candidates = [sum(saved) + head]
+    recompute = per_layer + 2 * shape.hidden * training.activation_bytes
+    candidates += [sum(saved[: i + 1]) + recompute for i, c in enumerate(checkpointed) if c]
+    return int(max(candidates) * tokens)
+
+
+def optimizer_state_bytes(optimizer: str, param_bytes: int) -> float:
+    """Optimizer-state bytes per parameter (torch keeps Adam's moments in the parameter dtype)."""
+    return {"adamw": 2.0 * param_bytes, "adam": 2.0 * param_bytes, "sgd": 0.0,
+            "sgd_momentum": float(param_bytes), "adamw8bit": 2.0}[optimizer]  # fmt: skip
+
+
+def estimate_memory(counts: ParameterCounts, shape: ModelShape, training: TrainingShape,
+                    sharding: StateSharding, world_size: int) -> MemoryEstimate:  # fmt: skip
+    """Per-rank bytes at a step's peak under ``sharding`` (divisors of params, grads, optimizer states).
+
+    Transient: a sharded strategy gathers two decoder layers at a time (the current one and the
+    prefetched next) and reduce-scatters one layer's full gradients; replicated gradients on more
+    than one rank also sit in DDP's buckets unless ``gradient_as_bucket_view``.
+    """
+    full = counts.total * training.param_bytes
+    transient = 0
+    if sharding.params > 1:
+        transient += 2 * shape.layer_params * training.param_bytes
+    if sharding.grads > 1:
+        transient += shape.layer_params * training.param_bytes
+    elif world_size > 1 and not training.gradient_as_bucket_view:
+        transient += full
+    return MemoryEstimate(
+        params=-(-full // sharding.params),
+        grads=-(-full // sharding.grads),
+        optimizer=int(counts.total * optimizer_state_bytes(training.optimizer, training.param_bytes) / sharding.optimizer),
+        activations=activation_bytes(shape, training),
+        transient=transient,
+    )
+
+
+SHARDINGS = ("ddp", "zero1", "zero2", "fsdp2", "fsdp2_no_reshard", "hsdp")
+"""The data-parallel layouts ``lit-ablate estimate`` compares: DDP, ZeRO-1/2, FSDP2 resharding after
+forward (ZeRO-3), FSDP2 keeping gathered parameters to backward, and HSDP sharding within a node."""
+OPTIMIZER_CLASSES = {"AdamW": "adamw", "Adam": "adam", "SGD": "sgd", "AdamW8bit": "adamw8bit"}
+HALF_PRECISIONS = ("bf16-mixed", "16-mixed", "bf16-true", "16-true", "bf16", "16")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def canonical_sharding(kind: str, world_size: int, gpus_per_node: int = 8) -> StateSharding:
+    """The divisors of one of ``SHARDINGS`` on ``world_size`` ranks (HSDP shards within a node)."""
+    import math
+
+    from lit_ablate.strategies.state_sharding import StateSharding, deepspeed_sharding
+
+    if kind == "fsdp2_no_reshard":
+        return StateSharding(params=1, grads=world_size, optimizer=world_size)
+    if kind == "hsdp":
+        return deepspeed_sharding(3, math.gcd(world_size, gpus_per_node))
+    return deepspeed_sharding({"ddp": 0, "zero1": 1, "zero2": 2, "fsdp2": 3}[kind], world_size)
+
+
+def _required(config: dict, key: str, fix: str) -> object:
+    from lit_ablate.errors import ConfigError
+
+    value = get_dotted(config, key)
+    if value is None:
+        raise ConfigError(key, None, fix)
+    return value
+
+
+def training_shape_of(config: dict, optimizer: str | None = None) -> TrainingShape:
+    """The ``TrainingShape`` a resolved ``fit`` config trains with (CausalLM + LMDataModule keys)."""
+    precision = str(get_dotted(config, "trainer.precision", "32-true"))
+    dtype = str(get_dotted(config, "model.init_args.model.dtype", "float32"))
+    half = precision in HALF_PRECISIONS
+    strategy_args = get_dotted(config, "trainer.strategy.init_args", {}) or {}
+    optimizer_class = str(get_dotted(config, "optimizer.class_path", "") or "").rsplit(".", 1)[-1]
+    if optimizer is None:
+        optimizer = OPTIMIZER_CLASSES.get(optimizer_class, "adamw")  # CausalLM builds AdamW itself
+        if optimizer == "sgd" and get_dotted(config, "optimizer.init_args.momentum", 0):
+            optimizer = "sgd_momentum"
+    return TrainingShape(
+        micro_batch=int(_required(config, "data.init_args.batch_size", "the estimate needs the micro-batch per rank")),
+        seq_len=int(_required(config, "data.init_args.seq_len", "the estimate needs the sequence length")),
+        param_bytes=2 if precision.endswith("-true") and half else DTYPE_BYTES.get(dtype, 4),
+        activation_bytes=2 if half else DTYPE_BYTES.get(dtype, 4),
+        optimizer=optimizer,
+        checkpointing=strategy_args.get("activation_checkpointing", "none"),
+        checkpoint_every=int(strategy_args.get("checkpoint_every", 2)),
+        loss=str(get_dotted(config, "model.init_args.loss", "torch")),
+        chunk_tokens=int(get_dotted(config, "model.init_args.loss_options.chunk_tokens", 1024)),
+        attention=str(get_dotted(config, "model.init_args.model.attn_implementation", "sdpa")),
+        gradient_as_bucket_view=bool(strategy_args.get("gradient_as_bucket_view", False)),
+    )
+
+
+def world_size_of(config: dict) -> int:
+    """Ranks of a resolved ``fit`` config: devices (an int or a list; "auto" counts as 1) x nodes."""
+    devices = get_dotted(config, "trainer.devices", 1)
+    devices = len(devices) if isinstance(devices, list) else devices if isinstance(devices, int) else 1
+    return devices * int(get_dotted(config, "trainer.num_nodes", 1) or 1)
+
+
+def configured_sharding(config: dict, world_size: int) -> StateSharding:
+    """The sharding of the config's own ``trainer.strategy`` (a name or a class_path mapping)."""
+    from lightning.pytorch.cli import instantiate_class
+
+    from lit_ablate.strategies.state_sharding import state_sharding_of
+
+    strategy = get_dotted(config, "trainer.strategy", "auto")
+    if isinstance(strategy, dict):
+        strategy = instantiate_class((), strategy)
+    return state_sharding_of(strategy, world_size)
+
+
+def model_of(config: dict) -> tuple[ParameterCounts, ModelShape]:
+    """Counts and shape of the config's ``model.init_args.model`` (a ``ModelFactory``), built on meta."""
+    from lit_ablate.models.factory import ModelFactory
+
+    factory = _required(config, "model.init_args.model", "the estimate reads a CausalLM's model: preset/config/pretrained")
+    hf_config = ModelFactory(**factory).hf_config()
+    return count_parameters_of_config(hf_config), model_shape(hf_config)
+
+
+def estimate_for_config(config: dict, world_size: int | None = None) -> MemoryEstimate:
+    """Per-rank memory of a resolved ``fit`` config under its own strategy (what the report shows)."""
+    training = training_shape_of(config)
+    world_size = world_size or world_size_of(config)
+    counts, shape = model_of(config)
+    return estimate_memory(counts, shape, training, configured_sharding(config, world_size), world_size)
+
+
+def smallest_world_size(fits: Callable[[int], bool], max_ranks: int) -> int | None:
+    """The fewest ranks (1..max_ranks) for which ``fits`` holds, or None."""
+    return next((n for n in range(1, max_ranks + 1) if fits(n)), None)
+
+
+def estimate_main(argv: list[str]) -> int:
+    """``lit-ablate estimate --config FIT.yaml [--gpu_memory_gib 80] [--dotted.key value ...]``.
+
+    Prints the per-rank breakdown at the config's world size under its own strategy and each of
+    ``SHARDINGS``, and the smallest number of GPUs of the given size that fits each.
+    """
+    import argparse
+
+    from lit_ablate.errors import ConfigError
+
+    parser = argparse.ArgumentParser(prog="lit-ablate estimate", description=estimate_main.__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="a fit config (extra --dotted.key value pairs override it)")
+    parser.add_argument("--gpu_memory_gib", type=float, default=80.0, help="memory of one GPU")
+    parser.add_argument("--usable_fraction", type=float, default=0.9,
+                        help="share of it training may use (CUDA context, allocator fragmentation take the rest)")
+    parser.add_argument("--gpus_per_node", type=int, default=8, help="HSDP shards within a node of this many GPUs")
+    parser.add_argument("--max_gpus", type=int, default=4096, help="search limit for the smallest fitting number")
+    parser.add_argument("--world_size", type=int, help="ranks for the breakdown (default: devices x num_nodes)")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, help="default: the config's (CausalLM: adamw)")
+    args, overrides = parser.parse_known_args(argv)
+    from lit_ablate.cli import resolve_fit_config
+
+    try:
+        config = resolve_fit_config(["--config", args.config, *overrides])
+        training = training_shape_of(config, args.optimizer)
+        counts, shape = model_of(config)
+        world = args.world_size or world_size_of(config)
+        budget = args.gpu_memory_gib * args.usable_fraction * GIB
+
+        def at(kind: str, n: int) -> MemoryEstimate | None:
+            try:
+                if kind == "configured":
+                    sharding = configured_sharding(config, n)
+                else:
+                    sharding = canonical_sharding(kind, n, args.gpus_per_node)
+            except ConfigError:  # the configured mesh cannot be laid out on n ranks
+                return None
+            return estimate_memory(counts, shape, training, sharding, n)
+
+        rows = []
+        for kind in ("configured", *SHARDINGS):
+            here = at(kind, world)
+            fewest = smallest_world_size(lambda n: (e := at(kind, n)) is not None and e.total <= budget, args.max_gpus)
+            rows.append((kind, here, fewest))
+    except ConfigError as err:
+        print(f"lit-ablate estimate: error: {err}", file=sys.stderr)
+        return 2
+    print(_estimate_table(config, counts, shape, training, world, rows, args))
+    return 0
+
+
+def _estimate_table(config, counts, shape, training, world, rows, args) -> str:  # noqa: ANN001 (estimate_main's locals)
+    largest = max((e.total for _, e, _ in rows if e), default=0)
+    unit, scale = ("GiB", GIB) if largest >= GIB else ("MiB", 2**20)
+    gib = lambda b: f"{b / scale:.1f}" if b >= 0.1 * scale else f"{b / scale:.2g}"  # noqa: E731
+    strategy = get_dotted(config, "trainer.strategy", "auto")
+    strategy = strategy.get("class_path", "?").rsplit(".", 1)[-1] if isinstance(strategy, dict) else strategy
+    lines = [
+        f"Model: {_count(counts.total)} parameters ({_count(counts.active)} active), {shape.layers} layers, "
+        f"hidden {shape.hidden}, vocab {shape.vocab}.",
+        f"Run: micro-batch {training.micro_batch} x {training.seq_len} tokens per rank, "
+        f"parameters {training.param_bytes} B, activations {training.activation_bytes} B, "
+        f"optimizer {training.optimizer}, checkpointing {training.checkpointing}, "
+        f"loss {training.loss}, attention {training.attention}.",
+        "",
+        f"Per rank at {world} rank(s), {unit}; last column: smallest number of {args.gpu_memory_gib:g} GiB GPUs that fit "
+        f"({args.usable_fraction:.0%} usable, HSDP shards within {args.gpus_per_node}).",
+        "",
+        "| sharding | params | grads | optimizer | activations | transient | total | GPUs needed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for kind, e, fewest in rows:
+        name = f"configured ({strategy})" if kind == "configured" else kind
+        cells = [gib(v) for v in (e.params, e.grads, e.optimizer, e.activations, e.transient, e.total)] if e else ["—"] * 6
+        need = str(fewest) if fewest else f"none up to {args.max_gpus}"
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {need} |")
+    lines += ["", "Activations are per rank and not divided by data parallelism: lower the micro-batch or "
+              "checkpoint activations when they dominate. 'none': replicated state (or HSDP's node-sized "
+              "shards) plus activations exceed a GPU at any count."]  # fmt: skip
+    return "\n".join(lines)
+
+
+def _count(n: int) -> str:
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.4g}{suffix}"
+    return str(n)

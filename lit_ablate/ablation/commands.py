@@ -1,0 +1,99 @@
+"""``lit-ablate ablate`` and ``lit-ablate report``: the study commands the CLI dispatches to.
+
+``ablate --config STUDY.yaml`` plans the study (resolve every variant, refuse a second
+variable, mark what cannot run here), runs what is not finished yet, and writes the report.
+``report DIR`` re-renders a study directory's report from its records. Both parse their own
+arguments with argparse: ``--config`` here is the study file, not a LightningCLI config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.console import Console
+
+from lit_ablate.ablation.plan import Resolver, describe, plan_study
+from lit_ablate.ablation.report import PLAN_FILENAME, write_report
+from lit_ablate.ablation.runner import run_runs
+from lit_ablate.ablation.spec import StudySpec, load_study
+from lit_ablate.errors import ConfigError
+
+EXIT_LOSS_MISMATCH = 1
+EXIT_REFUSED = 2
+EXIT_INTERRUPTED = 130
+
+
+def run_study(
+    spec: StudySpec,
+    output_dir: Path,
+    fit_command: Sequence[str] | None = None,
+    resolve: Resolver | None = None,
+    retry_failed: bool = False,
+    console: Console | None = None,
+) -> Path:
+    """Plan, run (resuming) and report one study; returns ``report.md``.
+
+    On Ctrl-C the current run is stopped, the report of what finished is written, and
+    ``KeyboardInterrupt`` propagates. ``fit_command`` and ``resolve`` default to the real CLI.
+    """
+    runs = plan_study(spec, output_dir, resolve)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / PLAN_FILENAME).write_text(json.dumps(spec.plan(), indent=1) + "\n")
+    try:
+        run_runs(runs, fit_command, retry_failed, console)
+    finally:
+        if any(output_dir.glob("runs/*/*/run.json")):
+            write_report(output_dir)
+    return output_dir / "report.md"
+
+
+def ablate_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="lit-ablate ablate", description="Run an ablation study and write its report.")
+    parser.add_argument("--config", required=True, type=Path, help="the study YAML (configs/studies/*.yaml)")
+    parser.add_argument("--output_dir", type=Path, help="where runs and the report go (default: studies/<study name>/)")
+    parser.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true",
+                        help="resolve and check every variant, print the plan, run nothing")  # fmt: skip
+    parser.add_argument("--retry-failed", "--retry_failed", dest="retry_failed", action="store_true",
+                        help="also redo runs that ended in error, oom or timeout (finished ok runs are kept)")  # fmt: skip
+    args = parser.parse_args(argv)
+    console = Console(stderr=True)
+    try:
+        spec = load_study(args.config)
+        output_dir = (args.output_dir or Path("studies") / spec.name).resolve()
+        if args.dry_run:
+            print(f"study {spec.name}: {len(spec.variants)} variants × {len(spec.seeds)} seeds -> {output_dir}")
+            print(describe(plan_study(spec, output_dir)))
+            return 0
+        report = run_study(spec, output_dir, retry_failed=args.retry_failed, console=console)
+    except ConfigError as err:
+        console.print(f"[red]study refused:[/red] {err}", markup=True, highlight=False)
+        return EXIT_REFUSED
+    except KeyboardInterrupt:
+        console.print("interrupted: finished runs are kept; run the same command again to resume")
+        return EXIT_INTERRUPTED
+    print(report.read_text())
+    print(f"report: {report}")
+    return EXIT_LOSS_MISMATCH if _loss_mismatch(report.parent) else 0
+
+
+def report_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="lit-ablate report", description="Re-render a study's report from its records.")
+    parser.add_argument("directory", type=Path, help="a study output directory (holding runs/ and study.json)")
+    args = parser.parse_args(argv)
+    try:
+        report = write_report(args.directory)
+    except FileNotFoundError as err:
+        Console(stderr=True).print(f"no report: {err}", highlight=False)
+        return EXIT_REFUSED
+    print(report.read_text())
+    print(f"report: {report}")
+    return EXIT_LOSS_MISMATCH if _loss_mismatch(args.directory) else 0
+
+
+def _loss_mismatch(directory: Path) -> bool:
+    """True when a variant's loss series failed the study's ``expect_equal_loss`` check."""
+    summary = json.loads((directory / "report.json").read_text())
+    return any((v.get("loss_agreement") or {}).get("passed") is False for v in summary["variants"])

@@ -1,0 +1,75 @@
+"""Dotted keys over a nested config: how studies name one setting (``model.init_args.loss``).
+
+A study's overrides, axes and ``vary`` prefixes are dotted keys into a LightningCLI config, the
+same spelling as a ``fit`` command-line flag without the dashes. A segment that is an integer
+indexes a list (``trainer.callbacks.0.init_args.x``).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+
+def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    """Set ``key`` in ``tree`` in place, creating the mappings on the way; the value is copied."""
+    *parents, leaf = key.split(".")
+    node: Any = tree
+    for segment in parents:
+        if isinstance(node, list):
+            node = node[_index(node, segment, key)]
+            continue
+        if not isinstance(node.get(segment), (dict, list)):
+            node[segment] = {}
+        node = node[segment]
+    if isinstance(node, list):
+        node[_index(node, leaf, key)] = copy.deepcopy(value)
+    else:
+        node[leaf] = copy.deepcopy(value)
+
+
+def get_dotted(tree: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    """The value at ``key``, or ``default`` when any segment is missing."""
+    node: Any = tree
+    for segment in key.split("."):
+        if isinstance(node, Mapping) and segment in node:
+            node = node[segment]
+        elif isinstance(node, list) and segment.isdigit() and int(segment) < len(node):
+            node = node[int(segment)]
+        else:
+            return default
+    return node
+
+
+def with_overrides(tree: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """A deep copy of ``tree`` with each dotted override applied in order."""
+    merged = copy.deepcopy(dict(tree))
+    for key, value in overrides.items():
+        set_dotted(merged, key, value)
+    return merged
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """Every leaf as ``{dotted key: value}``; mappings and lists are walked, empty ones are leaves."""
+    if isinstance(tree, Mapping) and tree:
+        items = ((str(k), v) for k, v in tree.items())
+    elif isinstance(tree, list) and tree:
+        items = ((str(i), v) for i, v in enumerate(tree))
+    else:
+        return {prefix: tree}
+    flat: dict[str, Any] = {}
+    for segment, value in items:
+        flat.update(flatten(value, f"{prefix}.{segment}" if prefix else segment))
+    return flat
+
+
+def is_under(key: str, prefix: str) -> bool:
+    """True when ``key`` is ``prefix`` or lies inside it (segment-wise, so ``a.b`` is not under ``a.bc``)."""
+    return key == prefix or key.startswith(prefix + ".")
+
+
+def _index(node: list[Any], segment: str, key: str) -> int:
+    if not segment.isdigit() or int(segment) >= len(node):
+        raise KeyError(f"{key}: segment {segment!r} does not index a list of length {len(node)}")
+    return int(segment)

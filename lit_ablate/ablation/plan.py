@@ -1,0 +1,136 @@
+"""From a study spec to the list of runs: resolve, check one variable, check what can run here.
+
+Every variant's config is resolved exactly as ``lit-ablate fit`` would resolve it (the CLI's
+``resolve_fit_config``), then the resolved configs are diffed (the single-variable check) and
+each is judged by the compatibility rules. A variant whose config does not resolve is not a
+reason to refuse the study: it is planned as a failed run carrying the resolver's message, and
+the other variants still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lit_ablate.ablation.single_variable import check_single_variable
+from lit_ablate.ablation.spec import RUNNER_KEYS, Launch, StudySpec, Variant
+from lit_ablate.compatibility import incompatibility
+
+Resolver = Callable[[list[str]], dict[str, Any]]
+"""``(fit args) -> resolved config``: what ``lit-ablate fit <args>`` would run, without running it."""
+RESOLVE_ERRORS = (ValueError, TypeError, KeyError, argparse.ArgumentError, SystemExit)
+"""What a resolver raises for a config it rejects (jsonargparse exits unless built not to)."""
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """One variant × seed: where it runs, the config it gets, and whether it can run here.
+
+    ``skip_reason`` (a compatibility rule failed) and ``invalid`` (the config does not resolve)
+    are mutually exclusive; a run with neither is launched.
+    """
+
+    variant: Variant
+    seed: int
+    run_dir: Path
+    config: dict[str, Any]
+    launch: Launch
+    skip_reason: str | None = None
+    invalid: str | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.variant.name} seed{self.seed}"
+
+
+def default_resolver() -> Resolver:
+    """The CLI's resolver (imported late: the CLI pulls in Lightning and transformers)."""
+    from lit_ablate.cli import resolve_fit_config
+
+    return resolve_fit_config
+
+
+def run_dir(output_dir: Path, variant: Variant, seed: int) -> Path:
+    return output_dir / "runs" / variant.name / f"seed{seed}"
+
+
+def trainer_root(directory: Path) -> Path:
+    """The run's ``trainer.default_root_dir``: beside, not over, the runner's own files."""
+    return directory / "trainer"
+
+
+def plan_study(spec: StudySpec, output_dir: Path, resolve: Resolver | None = None) -> list[PlannedRun]:
+    """All runs of the study, in order (variants, then seeds); raises ``ConfigError`` on a second variable."""
+    resolve = resolve or default_resolver()
+    output_dir = output_dir.resolve()
+    resolved: dict[str, dict[str, Any]] = {}
+    invalid: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="lit-ablate-plan-") as tmp:
+        for variant in spec.variants:
+            seed = spec.seeds[0]
+            path = Path(tmp) / f"{variant.name}.yaml"
+            write_config(path, spec.run_config(variant, seed, trainer_root(run_dir(output_dir, variant, seed))))
+            outcome = _resolve(resolve, path)
+            if isinstance(outcome, str):
+                invalid[variant.name] = outcome
+            else:
+                resolved[variant.name] = outcome
+    check_single_variable(resolved, spec.variables, ignored=RUNNER_KEYS)
+    runs = []
+    for variant in spec.variants:
+        for seed in spec.seeds:
+            directory = run_dir(output_dir, variant, seed)
+            config = spec.run_config(variant, seed, trainer_root(directory))
+            launch = Launch.of_config(config, variant.launch.timeout_s)
+            reason = None if variant.name in invalid else incompatibility(resolved[variant.name], launch)
+            runs.append(PlannedRun(variant, seed, directory, config, launch, reason, invalid.get(variant.name)))
+    return runs
+
+
+def _resolve(resolve: Resolver, path: Path) -> dict[str, Any] | str:
+    """The resolved config, or why it does not resolve (the parser's own message, from its stderr)."""
+    errors = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(errors):
+            resolved = resolve(["--config", str(path)])
+    except argparse.ArgumentError as err:  # jsonargparse's, from the CLI's parser: the CLI says it in one line
+        from lit_ablate.cli import concise_error
+
+        return f"config does not resolve: {concise_error(str(err))}"
+    except RESOLVE_ERRORS as err:
+        return f"config does not resolve: {type(err).__name__}: {err}"
+    if isinstance(resolved, dict):
+        return resolved
+    detail = " ".join(line.strip() for line in errors.getvalue().strip().splitlines()[-3:])
+    return f"config does not resolve: {detail or 'the fit parser rejected it'}"
+
+
+def write_config(path: Path, config: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(config_text(config))
+
+
+def config_text(config: dict[str, Any]) -> str:
+    """The YAML a run's ``config.yaml`` holds; also how resume tells whether a run's config changed."""
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+def describe(runs: Sequence[PlannedRun]) -> str:
+    """The plan in words, one line per run (``--dry-run``)."""
+    lines = []
+    for run in runs:
+        launch = run.launch
+        where = f"devices={launch.devices or 'base'} nodes={launch.num_nodes or 'base'} " \
+                f"accelerator={launch.accelerator or 'base'} timeout={launch.timeout_s:g}s"
+        overrides = ", ".join(f"{k}={v!r}" for k, v in {**run.variant.overrides, **run.variant.launch_overrides}.items())
+        state = f"  SKIP: {run.skip_reason}" if run.skip_reason else f"  FAILS: {run.invalid}" if run.invalid else ""
+        lines.append(f"{run.label:<32} {where}  [{overrides or 'base config'}]{state}")
+    return "\n".join(lines)

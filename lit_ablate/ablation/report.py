@@ -1,0 +1,187 @@
+"""The study report: ``report.md``, ``report.json`` and PNG plots, made from the records alone.
+
+It reads ``<dir>/study.json`` (the plan the runner wrote: baseline, axes, warm-up, tolerance)
+and every ``<dir>/runs/<variant>/seed<k>/run.json``; nothing else. So ``lit-ablate report DIR``
+re-renders the same files at any time, on any machine, and a study interrupted half-way still
+gets a report of what finished.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from lit_ablate.ablation.plots import write_plots
+from lit_ablate.ablation.summary import study_summary
+from lit_ablate.record import RECORD_FILENAME, read_record
+
+PLAN_FILENAME = "study.json"
+STDERR_TAIL_SHOWN = 15
+
+
+def load_runs(directory: Path) -> tuple[dict[str, Any] | None, list[tuple[str, dict[str, Any]]]]:
+    """The study plan (None when absent) and ``(relative path, record)`` of every run in ``directory``."""
+    plan_path = directory / PLAN_FILENAME
+    plan = json.loads(plan_path.read_text()) if plan_path.is_file() else None
+    planned = {v["name"] for v in plan["variants"]} if plan else None
+    runs = []
+    for path in sorted(directory.glob(f"runs/*/*/{RECORD_FILENAME}")):
+        record = read_record(path)
+        if planned is None or (record.get("variant") or path.parent.parent.name) in planned:
+            runs.append((path.relative_to(directory).as_posix(), record))
+    return plan, runs
+
+
+def write_report(directory: str | Path) -> Path:
+    """Write ``report.md``, ``report.json`` and the plots into ``directory``; returns the Markdown path."""
+    directory = Path(directory)
+    plan, runs = load_runs(directory)
+    if not runs:
+        raise FileNotFoundError(f"{directory}: no run records under runs/<variant>/<seed>/{RECORD_FILENAME}")
+    summary = study_summary(plan, runs)
+    summary["plots"] = write_plots(summary, directory)
+    (directory / "report.json").write_text(json.dumps(summary, indent=1, allow_nan=False) + "\n")
+    path = directory / "report.md"
+    path.write_text(render_markdown(summary))
+    return path
+
+
+def render_markdown(summary: Mapping[str, Any]) -> str:
+    """The report page: header, environment, the side-by-side table, loss check, plots, failures."""
+    study, variants = summary["study"], summary["variants"]
+    lines = [f"# Study `{study.get('name') or 'runs'}`", "", _environment_line(summary), ""]
+    details = [f"baseline **{study['baseline']}**"]
+    if study.get("variables"):
+        details.append("variable " + ", ".join(f"`{k}`" for k in study["variables"]))
+    if study.get("seeds"):
+        details.append(f"seeds {study['seeds']}")
+    if study.get("steps"):
+        details.append(f"{study['steps']} steps")
+    if study.get("warmup_steps") is not None:
+        details.append(f"warm-up steps excluded: {study['warmup_steps']}")
+    lines += ["; ".join(details) + ".", ""]
+    agreement = study.get("expect_equal_loss")
+    header = ["variant", "status", "tokens/s", "useful tokens/s", "step time (s)", "MFU", "peak memory",
+              "est. memory", "final loss", "Δ loss", "speed ×", "memory ×"]  # fmt: skip
+    header += ["loss = baseline"] if agreement else []
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for v in variants:
+        row = [
+            f"**{v['name']}**" if v["name"] == study["baseline"] else v["name"],
+            _status_cell(v),
+            _spread(v["tokens_per_sec"], _rate),
+            _spread(v["useful_tokens_per_sec"], _rate),
+            _spread(v["step_time_s"], lambda x: f"{x:.3g}"),
+            _spread(v["mfu"], lambda x: f"{100 * x:.1f}%") if v["mfu"] else ("n/a" if v["status"] == "ok" else "—"),
+            _memory_cell(v),
+            "—" if v["estimated_memory_bytes"] is None else _bytes(v["estimated_memory_bytes"]),
+            _spread(v["final_loss"], lambda x: f"{x:.4f}"),
+            _delta(v["loss_delta"]),
+            "—" if v["speed_ratio"] is None else f"{v['speed_ratio']:.2f}×",
+            "—" if v["memory_ratio"] is None else f"{v['memory_ratio']:.2f}×",
+        ]
+        if agreement:
+            row.append(_agreement_cell(v["loss_agreement"], v["name"] == study["baseline"]))
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", _legend(agreement), ""]
+    lines += [f"![{Path(name).stem}]({name})" for name in summary.get("plots", [])]
+    failures = [(v["name"], r) for v in variants for r in v["runs"] if r["status"] != "ok"]
+    if failures:
+        lines += ["", "## Runs that did not finish ok", ""]
+        for name, run in failures:
+            lines.append(f"- `{name}` seed {run['seed']}: **{run['status']}** — {run['message'] or 'no message'} "
+                         f"(`{run['path']}`)")  # fmt: skip
+            tail = (run.get("stderr_tail") or "").splitlines()[-STDERR_TAIL_SHOWN:]
+            if tail and run["status"] != "skipped":
+                lines += ["", "  ```text", *(f"  {line}" for line in tail), "  ```"]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _environment_line(summary: Mapping[str, Any]) -> str:
+    env = summary["environment"]
+    if not env:
+        return "Environment: not recorded."
+    parts = [f"device {env.get('device_name')} ({env.get('device_type')})"]
+    parts += [f"{k} {env[k]}" for k in ("torch", "lightning", "transformers", "python") if env.get(k)]
+    parts.append(f"commit {str(env['git_commit'])[:10]}" if env.get("git_commit") else "commit unknown")
+    if env.get("hostname"):
+        parts.append(f"host {env['hostname']}")
+    line = "Environment: " + ", ".join(parts) + "."
+    if summary["environment_mismatch"]:
+        line += f" **Warning: runs differ in {', '.join(summary['environment_mismatch'])}; compare with care.**"
+    return line
+
+
+def _status_cell(variant: Mapping[str, Any]) -> str:
+    if variant["status"] == "ok":
+        return "ok"
+    messages = sorted({r["message"] for r in variant["runs"] if r["status"] != "ok" and r["message"]})
+    text = variant["status"] + (f": {messages[0]}" if messages else "")
+    return _cell(text[:120] + ("…" if len(text) > 120 else ""))
+
+
+def _memory_cell(variant: Mapping[str, Any]) -> str:
+    stats = variant["peak_memory_bytes"]
+    if not stats:
+        return "—"
+    return _spread(stats, _bytes) + (f" ({variant['memory_method']})" if variant["memory_method"] else "")
+
+
+def _agreement_cell(result: Mapping[str, Any] | None, is_baseline: bool) -> str:
+    if is_baseline:
+        return "(reference)"
+    if not result or result["passed"] is None:
+        return "n/a" + (f": {result['reason']}" if result else "")
+    diff = f"max abs diff {result['max_abs_diff']:.2e}" if result.get("max_abs_diff") is not None else ""
+    return "pass, " + diff if result["passed"] else _cell(f"**FAIL** ({result['reason']}; {diff})")
+
+
+def _legend(agreement: Mapping[str, Any] | None) -> str:
+    text = ("tokens/s and step time: median [min–max] over every step after warm-up of every seed that "
+            "finished ok; tokens/s count all ranks, useful tokens are labels that count in the loss. "
+            "Peak memory: median [min–max] over seeds, per rank, with how it was measured (on CPU the process's "
+            "resident set, Python runtime included); est. memory: the analytic per-rank model of "
+            "`lit-ablate estimate` for the run's config. Final loss: "
+            "median over seeds. Speed ×: useful tokens/s over the baseline's; memory ×: peak over the "
+            "baseline's. MFU n/a: no honest peak FLOP/s is known for this device or precision.")  # fmt: skip
+    if agreement:
+        steps = f"the first {agreement['steps']} steps" if agreement.get("steps") else "every step"
+        text += (f" Loss = baseline: per seed, over {steps}, |loss − baseline| ≤ {agreement['atol']:g} + "
+                 f"{agreement['rtol']:g}·|baseline|.")  # fmt: skip
+    return text
+
+
+def _spread(stats: Mapping[str, float] | None, fmt) -> str:
+    if not stats:
+        return "—"
+    if stats["n"] == 1 or stats["min"] == stats["max"]:
+        return fmt(stats["median"])
+    return f"{fmt(stats['median'])} [{fmt(stats['min'])}–{fmt(stats['max'])}]"
+
+
+def _delta(x: float | None) -> str:
+    """A loss difference: 4 decimals, or scientific when it is smaller than that shows."""
+    if x is None:
+        return "—"
+    return f"{x:+.4f}" if x == 0 or abs(x) >= 5e-5 else f"{x:+.1e}"
+
+
+def _rate(x: float) -> str:
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.4g}{suffix}"
+    return f"{x:.4g}"
+
+
+def _bytes(x: float) -> str:
+    for scale, suffix in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g} {suffix}"
+    return f"{x:.0f} B"
+
+
+def _cell(text: str) -> str:
+    """Text safe inside a Markdown table cell (no pipes, no line breaks)."""
+    return text.replace("|", "\\|").replace("\n", " ")

@@ -1,0 +1,221 @@
+"""Running a planned study: one ``lit-ablate fit`` process per variant × seed, resumable.
+
+Each run gets ``<output_dir>/runs/<variant>/seed<k>/`` with ``config.yaml`` (what it ran),
+``stdout.log``/``stderr.log`` and ``run.json`` (its record, written by the run's ``RunRecorder``
+and finalised here). A run that crashes, runs out of memory or passes ``timeout_s`` is recorded
+with that status and the tail of its stderr, and the study goes on. A run is its own process
+group, so a timeout or Ctrl-C stops it with every rank Lightning's launcher started; an
+interrupted run is recorded as ``interrupted`` and redone by the next invocation, while finished
+records are never touched again (unless their config changed, or ``retry_failed``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+import lit_ablate
+from lit_ablate import record as run_record
+from lit_ablate.ablation.plan import PlannedRun, config_text, write_config
+
+DONE_STATUSES = ("ok", "error", "oom", "timeout")
+"""A run with one of these is not launched again on resume."""
+FAILED_STATUSES = ("error", "oom", "timeout")
+"""Redone on resume only with ``retry_failed``."""
+RUNNER_STATUSES = ("timeout", "skipped", "interrupted")
+"""Statuses only the runner writes (a run cannot know it was skipped, timed out or interrupted)."""
+OOM_PATTERN = re.compile(r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory|HIP out of memory")
+STDERR_TAIL_LINES = 40
+STOP_GRACE_S = 10.0
+
+
+def default_fit_command() -> list[str]:
+    """``python -m lit_ablate.cli fit``: the same interpreter and package as this runner."""
+    return [sys.executable, "-m", "lit_ablate.cli", "fit"]
+
+
+def run_runs(
+    runs: Sequence[PlannedRun],
+    fit_command: Sequence[str] | None = None,
+    retry_failed: bool = False,
+    console: Console | None = None,
+) -> list[dict[str, Any]]:
+    """Run (or resume) every planned run in order; returns their records.
+
+    Raises ``KeyboardInterrupt`` after stopping the current run, recording it as ``interrupted``.
+    """
+    fit_command = list(fit_command or default_fit_command())
+    console = console or Console(stderr=True)
+    records = []
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with _sigterm_as_interrupt(), Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("study", total=len(runs))
+        for run in runs:
+            progress.update(task, description=run.label)
+            previous = _previous_record(run)
+            if previous is not None and _is_kept(previous, retry_failed):
+                outcome = f"kept ({previous['summary']['status']})"
+                records.append(previous)
+            else:
+                started = time.monotonic()
+                records.append(execute(run, fit_command))
+                outcome = f"{records[-1]['summary']['status']} in {time.monotonic() - started:.1f}s"
+            message = records[-1]["summary"].get("message")
+            console.print(f"{run.label}: {outcome}" + (f" — {message}" if message and outcome[:2] != "ok" else ""))
+            progress.advance(task)
+    return records
+
+
+def execute(run: PlannedRun, fit_command: Sequence[str]) -> dict[str, Any]:
+    """Run one variant × seed to its final record (skipped and invalid runs are recorded, not run)."""
+    _clear(run)
+    write_config(run.run_dir / "config.yaml", run.config)
+    if run.skip_reason or run.invalid:
+        (run.run_dir / "stderr.log").write_text((run.invalid or "") + "\n")
+        status, message = ("skipped", run.skip_reason) if run.skip_reason else ("error", run.invalid)
+        return _finalise(run, None, status, message, run.invalid or "")
+    env = {
+        **os.environ,
+        run_record.RECORD_PATH_ENV: str(run.run_dir / run_record.RECORD_FILENAME),
+        run_record.VARIANT_ENV: run.variant.name,
+        "PYTHONPATH": os.pathsep.join(filter(None, [_package_root(), os.environ.get("PYTHONPATH")])),
+        "PYTHONUNBUFFERED": "1",
+    }
+    command = [*fit_command, "--config", str(run.run_dir / "config.yaml")]
+    with open(run.run_dir / "stdout.log", "w") as out, open(run.run_dir / "stderr.log", "w") as err:
+        process = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env, process_group=0)
+        try:
+            returncode = process.wait(timeout=run.launch.timeout_s)
+        except subprocess.TimeoutExpired:
+            _stop(process)
+            return _finalise(run, None, "timeout", f"exceeded launch.timeout_s={run.launch.timeout_s:g}", _tail(run))
+        except KeyboardInterrupt:
+            _stop(process)
+            _finalise(run, None, "interrupted", "stopped by Ctrl-C / SIGTERM; redone on resume", _tail(run))
+            raise
+    return _finalise(run, returncode, None, None, _tail(run))
+
+
+def _finalise(
+    run: PlannedRun, returncode: int | None, status: str | None, message: str | None, stderr_tail: str
+) -> dict[str, Any]:
+    """The run's final record: the run's own, completed with what only the runner knows.
+
+    ``status`` given: the runner decided it (skipped/timeout/interrupted/invalid). Otherwise the
+    exit code and the run's record decide: exit 0 with an ``ok`` record is ``ok``; ``oom`` when
+    the record or stderr shows an out-of-memory error; ``interrupted`` (redone on resume) when a
+    signal from outside killed the run before it recorded an outcome; else ``error``.
+    """
+    own = _read(run.run_dir / run_record.RECORD_FILENAME)
+    record = own or {
+        "schema_version": run_record.SCHEMA_VERSION, "config": run.config, "environment": {},
+        "warmup_steps": 0, "fallbacks": [], "steps": [],
+        "summary": {**run_record.summarize_steps([], 0), "memory_method": None},
+    }  # fmt: skip
+    summary = record["summary"]
+    if status is None:
+        recorded = summary.get("status")
+        if returncode == 0 and recorded == "ok":
+            status = "ok"
+        elif recorded == "oom" or OOM_PATTERN.search(stderr_tail):
+            status = "oom"
+        elif returncode is not None and returncode < 0 and recorded in (None, "running"):
+            status, message = "interrupted", f"killed by {signal.Signals(-returncode).name}; redone on resume"
+        else:
+            status = "error"
+        if status in ("error", "oom"):
+            message = (recorded in FAILED_STATUSES and summary.get("message")) or _last_line(stderr_tail)
+            if returncode == 0:
+                message = f"exited 0 without finishing its run record ({message})"
+            message = message or f"exit code {returncode}"
+    record.update(variant=run.variant.name, seed=run.seed)
+    summary.update(status=status, message=message, returncode=returncode,
+                   stderr_tail=None if status == "ok" else stderr_tail)  # fmt: skip
+    run_record.write_record(run.run_dir / run_record.RECORD_FILENAME, record)
+    return record
+
+
+def _previous_record(run: PlannedRun) -> dict[str, Any] | None:
+    """The record of an earlier invocation of this exact run (same config), if there is one."""
+    config = run.run_dir / "config.yaml"
+    if not config.is_file() or config.read_text() != config_text(run.config):
+        return None
+    return _read(run.run_dir / run_record.RECORD_FILENAME)
+
+
+def _is_kept(record: dict[str, Any], retry_failed: bool) -> bool:
+    status = record.get("summary", {}).get("status")
+    return status in DONE_STATUSES and not (retry_failed and status in FAILED_STATUSES)
+
+
+def _clear(run: PlannedRun) -> None:
+    """Remove what an earlier attempt of this run left, so its record cannot be mistaken for this one's."""
+    run.run_dir.mkdir(parents=True, exist_ok=True)
+    (run.run_dir / run_record.RECORD_FILENAME).unlink(missing_ok=True)
+    trainer_dir = Path(run.config.get("trainer", {}).get("default_root_dir", run.run_dir / "trainer"))
+    if trainer_dir.is_dir() and trainer_dir.resolve().is_relative_to(run.run_dir.resolve()):
+        shutil.rmtree(trainer_dir)
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """SIGTERM the run's process group (all its ranks), then SIGKILL what is left after a grace period."""
+    for sig, wait_s in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, None)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    try:
+        return run_record.read_record(path)
+    except ValueError:  # a truncated or foreign file: treated as no record (json errors are ValueErrors)
+        return None
+
+
+def _tail(run: PlannedRun) -> str:
+    path = run.run_dir / "stderr.log"
+    lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
+    return "\n".join(lines[-STDERR_TAIL_LINES:])
+
+
+def _last_line(text: str) -> str | None:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1][:2000] if lines else None
+
+
+def _package_root() -> str:
+    """The folder holding the ``lit_ablate`` package this runner imported (the child imports the same)."""
+    return str(Path(lit_ablate.__file__).resolve().parent.parent)
+
+
+class _sigterm_as_interrupt:
+    """While a study runs, SIGTERM to the runner stops it like Ctrl-C (runs stopped, records kept)."""
+
+    def __enter__(self) -> None:
+        self._previous = signal.signal(signal.SIGTERM, self._raise)
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGTERM, self._previous)
+
+    @staticmethod
+    def _raise(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt

@@ -1,0 +1,383 @@
+"""The study spec: one YAML file that declares an ablation (``configs/studies/*.yaml``).
+
+A study is a base ``fit`` config plus the variants that differ from it in declared keys
+(``axes:`` expanded into a product, or an explicit ``variants:`` list with ``vary:``), repeated
+over ``seeds``. Parsing validates everything before any run starts, and every mistake raises a
+``ConfigError`` naming the study key, so a typo costs a second, not a night of runs.
+
+Precedence when a run's config is assembled (later wins): the base config, the study
+``overrides``, the study ``launch``, the variant's overrides (or axis values), the variant's
+``launch``, then what the runner owns (``steps``, the seed, the output directory).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lit_ablate.ablation.dotted import get_dotted, is_under, with_overrides
+from lit_ablate.errors import ConfigError
+
+STUDY_KEYS = (
+    "name", "base", "overrides", "axes", "variants", "vary", "baseline",
+    "seeds", "steps", "warmup_steps", "launch", "expect_equal_loss",
+)  # fmt: skip
+VARIANT_KEYS = ("name", "overrides", "launch")
+MAX_AXES = 2
+LAUNCH_TRAINER_KEYS = {"devices": "trainer.devices", "num_nodes": "trainer.num_nodes", "accelerator": "trainer.accelerator"}
+"""``launch`` fields that are trainer settings (so they land in the run's config and are diffed)."""
+RUNNER_KEYS = ("trainer.max_steps", "seed_everything", "trainer.default_root_dir", "recorder.warmup_steps")
+"""Keys the runner sets for every run: never a study variable, never a single-variable violation.
+(``recorder`` is the CLI's ``RunRecorder``: the study's warm-up is also the record's.)"""
+DEFAULT_TIMEOUT_S = 3600.0
+_SAFE_NAME = re.compile(r"[^A-Za-z0-9._=,+-]")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How one run is started: ranks per node, nodes, accelerator, and its wall-clock limit.
+
+    ``None`` leaves the base config's trainer value; ``timeout_s`` bounds a run so one hung
+    variant cannot stall the study.
+    """
+
+    devices: int | None = None
+    num_nodes: int | None = None
+    accelerator: str | None = None
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def trainer_overrides(self) -> dict[str, Any]:
+        """The dotted trainer keys this launch sets."""
+        return {LAUNCH_TRAINER_KEYS[f]: getattr(self, f) for f in LAUNCH_TRAINER_KEYS if getattr(self, f) is not None}
+
+    def updated(self, values: Mapping[str, Any], key: str) -> Launch:
+        """This launch with ``values`` (a ``launch:`` mapping found at study key ``key``) applied."""
+        known = {f.name for f in fields(self)}
+        for name, value in values.items():
+            if name not in known:
+                raise ConfigError(f"{key}.{name}", value, f"launch keys are {sorted(known)}")
+        devices, nodes = values.get("devices", self.devices), values.get("num_nodes", self.num_nodes)
+        for name, value in (("devices", devices), ("num_nodes", nodes)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ConfigError(f"{key}.{name}", value, "give a positive integer")
+        timeout = values.get("timeout_s", self.timeout_s)
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+            raise ConfigError(f"{key}.timeout_s", timeout, "give a positive number of seconds")
+        accelerator = values.get("accelerator", self.accelerator)
+        if accelerator is not None and not isinstance(accelerator, str):
+            raise ConfigError(f"{key}.accelerator", accelerator, "give a Lightning accelerator name: cpu, gpu, cuda, auto")
+        return Launch(devices, nodes, accelerator, float(timeout))
+
+    @classmethod
+    def of_config(cls, config: Mapping[str, Any], timeout_s: float) -> Launch:
+        """The launch a merged run config describes (what the compatibility rules judge)."""
+        devices = get_dotted(config, "trainer.devices")
+        nodes = get_dotted(config, "trainer.num_nodes")
+        accelerator = get_dotted(config, "trainer.accelerator")
+        return cls(
+            devices=devices if isinstance(devices, int) else len(devices) if isinstance(devices, list) else None,
+            num_nodes=nodes if isinstance(nodes, int) else None,
+            accelerator=accelerator if isinstance(accelerator, str) else None,
+            timeout_s=timeout_s,
+        )
+
+
+@dataclass(frozen=True)
+class LossAgreement:
+    """``expect_equal_loss``: variants' loss series must match the baseline's over the first ``steps``.
+
+    Passes at a step when ``|loss - baseline_loss| <= atol + rtol * |baseline_loss|``.
+    """
+
+    rtol: float = 1e-4
+    atol: float = 1e-5
+    steps: int | None = None
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One arm of the study: its name, the dotted overrides it applies, and its own launch."""
+
+    name: str
+    overrides: dict[str, Any]
+    launch: Launch
+    launch_overrides: dict[str, Any] = field(default_factory=dict)
+    axis_values: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StudySpec:
+    """A parsed, validated study: everything the runner and the report need."""
+
+    name: str
+    source: Path | None
+    base: dict[str, Any]
+    base_path: Path | None
+    overrides: dict[str, Any]
+    variables: tuple[str, ...]
+    axes: dict[str, list[Any]]
+    variants: tuple[Variant, ...]
+    baseline: str
+    seeds: tuple[int, ...]
+    steps: int | None
+    warmup_steps: int | None
+    launch: Launch
+    launch_overrides: dict[str, Any]
+    expect_equal_loss: LossAgreement | None
+
+    def variant(self, name: str) -> Variant:
+        return next(v for v in self.variants if v.name == name)
+
+    def run_config(self, variant: Variant, seed: int, root_dir: str | Path) -> dict[str, Any]:
+        """The complete ``fit`` config of one run, in the documented precedence order."""
+        runner: dict[str, Any] = {"seed_everything": seed, "trainer.default_root_dir": str(root_dir)}
+        if self.steps is not None:
+            runner["trainer.max_steps"] = self.steps
+        if self.warmup_steps is not None:
+            runner["recorder.warmup_steps"] = self.warmup_steps
+        return with_overrides(
+            self.base,
+            {**self.overrides, **self.launch_overrides, **variant.overrides, **variant.launch_overrides, **runner},
+        )
+
+    def plan(self) -> dict[str, Any]:
+        """The study as plain data (written to ``study.json``; the report reads it back)."""
+        return {
+            "name": self.name,
+            "source": str(self.source) if self.source else None,
+            "baseline": self.baseline,
+            "variables": list(self.variables),
+            "axes": self.axes,
+            "seeds": list(self.seeds),
+            "steps": self.steps,
+            "warmup_steps": self.warmup_steps,
+            "expect_equal_loss": vars(self.expect_equal_loss) if self.expect_equal_loss else None,
+            "variants": [
+                {
+                    "name": v.name,
+                    "overrides": v.overrides,
+                    "launch": vars(v.launch),
+                    "axis_values": v.axis_values,
+                }
+                for v in self.variants
+            ],
+        }
+
+
+def load_study(path: str | Path) -> StudySpec:
+    """Read and validate a study file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("--config", str(path), "give the path of a study YAML (e.g. configs/studies/depth_grid.yaml)")
+    with open(path) as f:
+        raw = yaml.safe_load(f)
+    return parse_study(raw, source=path)
+
+
+def parse_study(raw: Any, source: Path | None = None) -> StudySpec:
+    """Validate a study mapping; ``source`` (the study file) anchors a relative ``base`` path."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError("study", type(raw).__name__, "a study file is a YAML mapping with base: and axes: or variants:")
+    for key in raw:
+        if key not in STUDY_KEYS:
+            raise ConfigError(str(key), raw[key], f"unknown study key; the keys are {list(STUDY_KEYS)}")
+    name = raw.get("name", source.stem if source else None)
+    if not isinstance(name, str) or not name or _SAFE_NAME.search(name):
+        raise ConfigError("name", name, "give a name of letters, digits, '.', '_', '-' (it names the output folder)")
+    base, base_path = _base(raw.get("base"), source)
+    overrides = _dotted_mapping(raw.get("overrides", {}), "overrides", study_level=True)
+    if "steps" in raw and "trainer.max_steps" in overrides:
+        raise ConfigError("overrides.trainer.max_steps", overrides["trainer.max_steps"], "set steps: or this, not both")
+    launch = Launch().updated(_mapping(raw.get("launch", {}), "launch"), "launch")
+    launch_overrides = launch.trainer_overrides()
+    if ("axes" in raw) == ("variants" in raw):
+        raise ConfigError("axes", raw.get("axes"), "give exactly one of axes: (a product of values) or variants: (a list)")
+    if "axes" in raw:
+        if "vary" in raw:
+            raise ConfigError("vary", raw["vary"], "vary: goes with variants:; with axes: the axis keys are the variables")
+        axes, variants = _expand_axes(raw["axes"], launch)
+        variables = tuple(axes)
+    else:
+        axes = {}
+        variants = _explicit_variants(raw["variants"], launch)
+        variables = _vary(raw.get("vary"), variants)
+    names = [v.name for v in variants]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ConfigError("variants", duplicates, "variant names must be unique")
+    baseline = _baseline(raw.get("baseline", names[0]), variants)
+    steps = raw.get("steps")
+    if steps is not None and not _positive_int(steps):
+        raise ConfigError("steps", steps, "give a positive integer number of optimizer steps")
+    warmup = raw.get("warmup_steps")
+    if warmup is not None and (
+        not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0 or (steps is not None and warmup >= steps)
+    ):
+        raise ConfigError("warmup_steps", warmup, "give a non-negative integer smaller than steps")
+    return StudySpec(
+        name=name,
+        source=source,
+        base=base,
+        base_path=base_path,
+        overrides=overrides,
+        variables=variables,
+        axes=axes,
+        variants=tuple(variants),
+        baseline=baseline,
+        seeds=_seeds(raw.get("seeds", [0])),
+        steps=steps,
+        warmup_steps=warmup,
+        launch=launch,
+        launch_overrides=launch_overrides,
+        expect_equal_loss=_loss_agreement(raw.get("expect_equal_loss")),
+    )
+
+
+def _base(value: Any, source: Path | None) -> tuple[dict[str, Any], Path | None]:
+    if isinstance(value, Mapping):
+        return copy.deepcopy(dict(value)), None
+    if not isinstance(value, str):
+        raise ConfigError("base", value, "give a fit config path (relative to the study file) or an inline mapping")
+    path = Path(value)
+    if not path.is_absolute() and source is not None:
+        path = source.parent / path
+    if not path.is_file():
+        raise ConfigError("base", value, f"no such file: {path} (a relative base is relative to the study file)")
+    with open(path) as f:
+        base = yaml.safe_load(f) or {}
+    if not isinstance(base, Mapping):
+        raise ConfigError("base", value, "the base must be a fit config: a YAML mapping (trainer:, model:, data:)")
+    return dict(base), path.resolve()
+
+
+def _expand_axes(raw: Any, launch: Launch) -> tuple[dict[str, list[Any]], list[Variant]]:
+    axes = _dotted_mapping(raw, "axes")
+    if not 1 <= len(axes) <= MAX_AXES:
+        raise ConfigError("axes", raw, f"declare 1 axis, or {MAX_AXES} for a grid")
+    for key, values in axes.items():
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"axes.{key}", values, "give a non-empty list of values")
+    variants = []
+    for combo in itertools.product(*(list(enumerate(v)) for v in axes.values())):
+        values = {key: value for key, (_, value) in zip(axes, combo)}
+        parts = [_value_name(key, value, index, single=len(axes) == 1) for key, (index, value) in zip(axes, combo)]
+        variants.append(Variant(name=",".join(parts), overrides=values, launch=launch, axis_values=values))
+    return {k: list(v) for k, v in axes.items()}, variants
+
+
+def _value_name(key: str, value: Any, index: int, single: bool) -> str:
+    """A readable, path-safe name for an axis value: ``torch``, ``num_hidden_layers=2``, ``FSDP2Strategy``."""
+    if isinstance(value, Mapping) and isinstance(value.get("class_path"), str):
+        text = value["class_path"].rsplit(".", 1)[-1]
+    elif isinstance(value, Mapping) or isinstance(value, list):
+        text = f"{key.rsplit('.', 1)[-1]}={index}"
+    elif isinstance(value, str) and single:
+        text = value
+    else:
+        text = f"{key.rsplit('.', 1)[-1]}={value}"
+    return _SAFE_NAME.sub("_", text)
+
+
+def _explicit_variants(raw: Any, launch: Launch) -> list[Variant]:
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError("variants", raw, "give a non-empty list of {name, overrides, launch}")
+    variants = []
+    for i, item in enumerate(raw):
+        key = f"variants[{i}]"
+        item = _mapping(item, key)
+        for k in item:
+            if k not in VARIANT_KEYS:
+                raise ConfigError(f"{key}.{k}", item[k], f"a variant has the keys {list(VARIANT_KEYS)}")
+        name = item.get("name")
+        if not isinstance(name, str) or not name or _SAFE_NAME.search(name):
+            raise ConfigError(f"{key}.name", name, "give a name of letters, digits, '.', '_', '-', '=', ','")
+        variant_launch_raw = _mapping(item.get("launch", {}), f"{key}.launch")
+        variant_launch = launch.updated(variant_launch_raw, f"{key}.launch")
+        launch_overrides = {
+            LAUNCH_TRAINER_KEYS[f]: variant_launch_raw[f] for f in LAUNCH_TRAINER_KEYS if f in variant_launch_raw
+        }
+        overrides = _dotted_mapping(item.get("overrides", {}), f"{key}.overrides")
+        variants.append(Variant(name, overrides, variant_launch, launch_overrides))
+    return variants
+
+
+def _vary(raw: Any, variants: Sequence[Variant]) -> tuple[str, ...]:
+    if raw is None:
+        raise ConfigError("vary", None, "with variants:, list the keys (or prefixes) they vary: vary: [trainer.strategy]")
+    if isinstance(raw, str):
+        raw = [raw]
+    if not isinstance(raw, list) or not raw or not all(isinstance(k, str) and k for k in raw):
+        raise ConfigError("vary", raw, "give a list of dotted keys or key prefixes")
+    for variant in variants:
+        for key in [*variant.overrides, *variant.launch_overrides]:
+            if not any(is_under(key, prefix) for prefix in raw):
+                raise ConfigError(
+                    f"variants.{variant.name}.overrides.{key}", variant.overrides.get(key, variant.launch_overrides.get(key)),
+                    f"this key is not declared as a variable; add it (or a prefix of it) to vary: {raw}",
+                )  # fmt: skip
+    return tuple(raw)
+
+
+def _baseline(raw: Any, variants: Sequence[Variant]) -> str:
+    """The baseline's variant name; with one axis, its axis value names it too (``baseline: 2``)."""
+    for variant in variants:
+        if raw == variant.name or (len(variant.axis_values) == 1 and [raw] == list(variant.axis_values.values())):
+            return variant.name
+    raise ConfigError("baseline", raw, f"name one of the variants: {[v.name for v in variants]}")
+
+
+def _seeds(raw: Any) -> tuple[int, ...]:
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        raw = [raw]
+    if not isinstance(raw, list) or not raw or not all(isinstance(s, int) and not isinstance(s, bool) for s in raw):
+        raise ConfigError("seeds", raw, "give a list of integer seeds, e.g. [0, 1, 2]")
+    if len(set(raw)) != len(raw):
+        raise ConfigError("seeds", raw, "seeds must be distinct")
+    return tuple(raw)
+
+
+def _loss_agreement(raw: Any) -> LossAgreement | None:
+    if raw is None:
+        return None
+    raw = _mapping(raw, "expect_equal_loss")
+    known = {f.name for f in fields(LossAgreement)}
+    for key, value in raw.items():
+        if key not in known:
+            raise ConfigError(f"expect_equal_loss.{key}", value, f"the keys are {sorted(known)}")
+    agreement = LossAgreement(**raw)
+    for key in ("rtol", "atol"):
+        value = getattr(agreement, key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"expect_equal_loss.{key}", value, "give a non-negative number")
+    if agreement.steps is not None and not _positive_int(agreement.steps):
+        raise ConfigError("expect_equal_loss.steps", agreement.steps, "give a positive integer (or leave it out: all steps)")
+    return agreement
+
+
+def _mapping(value: Any, key: str) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(key, value, "give a mapping")
+    return dict(value)
+
+
+def _dotted_mapping(value: Any, key: str, study_level: bool = False) -> dict[str, Any]:
+    """Dotted overrides; runner keys are refused, except ``trainer.max_steps`` for the whole study."""
+    mapping = _mapping(value, key)
+    for dotted in mapping:
+        if not isinstance(dotted, str) or not dotted or any(not s for s in dotted.split(".")):
+            raise ConfigError(f"{key}.{dotted}", mapping[dotted], "keys are dotted config keys like model.init_args.loss")
+        owned = [k for k in RUNNER_KEYS if is_under(dotted, k)]
+        if owned and not (study_level and owned == ["trainer.max_steps"] and dotted == "trainer.max_steps"):
+            raise ConfigError(f"{key}.{dotted}", mapping[dotted], "the runner sets this per run: use steps:/seeds:")
+    return mapping
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0

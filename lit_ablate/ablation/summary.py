@@ -1,0 +1,188 @@
+"""The numbers of a study report, computed from run records alone (plus the study plan).
+
+Per variant: throughput, step time and MFU as median [min, max] over every measured step of
+every successful seed (steps after warm-up); peak memory and final loss as median [min, max]
+over seeds; the ratio of each to the baseline variant; and, where the study expects it, whether
+the loss series matches the baseline's. Everything here is plain data: ``report.json`` is this
+dict, and the Markdown table and plots are drawn from it.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from lit_ablate.record import SUMMARISED_SERIES, spread
+
+ENVIRONMENT_KEYS = ("device_name", "device_type", "python", "torch", "lightning", "transformers", "git_commit", "hostname")
+"""Environment fields that must agree for records to be comparable (world size may vary by design)."""
+
+
+def study_summary(plan: Mapping[str, Any] | None, runs: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str, Any]:
+    """The report's data: ``runs`` are ``(path relative to the study dir, record)`` pairs."""
+    plan = dict(plan or {})
+    by_variant: dict[str, list[tuple[str, Mapping[str, Any]]]] = {}
+    for path, record in runs:
+        by_variant.setdefault(str(record.get("variant") or path.split("/")[1]), []).append((path, record))
+    planned = [v["name"] for v in plan.get("variants", [])]
+    names = [n for n in planned if n in by_variant] + sorted(n for n in by_variant if n not in planned)
+    baseline = plan.get("baseline") if plan.get("baseline") in by_variant else (names[0] if names else None)
+    axis_values = {v["name"]: v.get("axis_values", {}) for v in plan.get("variants", [])}
+    variants = [_variant(n, by_variant[n], plan.get("warmup_steps"), axis_values.get(n, {})) for n in names]
+    base = next((v for v in variants if v["name"] == baseline), None)
+    agreement = plan.get("expect_equal_loss")
+    for variant in variants:
+        variant.update(_relative_to(variant, base))
+        is_compared = agreement and base is not None and variant is not base
+        variant["loss_agreement"] = _loss_agreement(variant, base, agreement) if is_compared else None
+    environment, mismatched = _environment([r for _, r in runs], by_variant.get(baseline, []))
+    return {
+        "study": {k: plan.get(k) for k in ("name", "baseline", "variables", "axes", "seeds", "steps",
+                                            "warmup_steps", "expect_equal_loss")} | {"baseline": baseline},
+        "environment": environment,
+        "environment_mismatch": mismatched,
+        "variants": variants,
+    }  # fmt: skip
+
+
+def _variant(
+    name: str, runs: Sequence[tuple[str, Mapping[str, Any]]], warmup: int | None, axis_values: Mapping[str, Any]
+) -> dict[str, Any]:
+    runs = sorted(runs, key=lambda pr: (pr[1].get("seed") is None, pr[1].get("seed") or 0, pr[0]))
+    ok = [r for _, r in runs if r["summary"].get("status") == "ok"]
+    measured = [s for r in ok for s in r.get("steps", []) if s["step"] > _warmup(r, warmup)]
+    counts = [r.get("model") or {} for r in ok]
+    parameters = sorted({c["total"] for c in counts if c.get("total") is not None})
+    methods = sorted({r["summary"]["memory_method"] for r in ok if r["summary"].get("memory_method")})
+    return {
+        "name": name,
+        "axis_values": dict(axis_values),
+        "status": _status([r["summary"].get("status") for _, r in runs]),
+        **{key: spread(s.get(series) for s in measured) for series, key in SUMMARISED_SERIES.items()},
+        "peak_memory_bytes": spread(r["summary"].get("peak_memory_bytes") for r in ok),
+        "memory_method": ", ".join(methods) or None,
+        "final_loss": spread(r["summary"].get("final_loss") for r in ok),
+        **_estimate(next((r for _, r in runs if r.get("config")), None)),
+        "parameters": parameters[0] if len(parameters) == 1 else None,
+        "loss_curve": _loss_curve([r for _, r in runs if r.get("steps")]),
+        "runs": [
+            {
+                "seed": r.get("seed"),
+                "path": path,
+                "status": r["summary"].get("status"),
+                "message": r["summary"].get("message"),
+                "stderr_tail": r["summary"].get("stderr_tail"),
+                "loss": _loss_by_step(r.get("steps", [])),
+            }
+            for path, r in runs
+        ],
+    }
+
+
+def _estimate(record: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The analytic per-rank memory of the run's config (``lit_ablate.estimate``), or why there is none."""
+    from lit_ablate.errors import ConfigError
+    from lit_ablate.estimate import estimate_for_config
+
+    if record is None:
+        return {"estimated_memory_bytes": None, "estimate_note": "no run config recorded"}
+    world_size = (record.get("environment") or {}).get("world_size")
+    try:
+        estimate = estimate_for_config(dict(record["config"]), world_size)
+    except ConfigError as err:
+        return {"estimated_memory_bytes": None, "estimate_note": str(err)}
+    return {"estimated_memory_bytes": estimate.total, "estimate_note": None}
+
+
+def _loss_by_step(steps: Sequence[Mapping[str, Any]]) -> list[float | None]:
+    """The loss series with index ``i`` holding step ``i + 1`` (None where a step has no loss)."""
+    by_step = {int(s["step"]): s.get("loss") for s in steps}
+    return [by_step.get(step) for step in range(1, max(by_step, default=0) + 1)]
+
+
+def _warmup(record: Mapping[str, Any], study_warmup: int | None) -> int:
+    return study_warmup if study_warmup is not None else int(record.get("warmup_steps") or 0)
+
+
+def _status(statuses: Sequence[str | None]) -> str:
+    """``ok`` when every seed is ok, the one status they share, else counts such as ``ok 2/3, oom 1``."""
+    statuses = [s or "missing" for s in statuses]
+    if len(set(statuses)) == 1:
+        return statuses[0]
+    counts = {s: statuses.count(s) for s in dict.fromkeys(statuses)}
+    return ", ".join(f"{s} {n}/{len(statuses)}" for s, n in counts.items())
+
+
+def _loss_curve(records: Sequence[Mapping[str, Any]]) -> dict[str, list[float | None]]:
+    """Loss per step: median and range over the seeds that reached that step."""
+    per_step: dict[int, list[float]] = {}
+    for record in records:
+        for step in record["steps"]:
+            if step.get("loss") is not None and math.isfinite(step["loss"]):
+                per_step.setdefault(int(step["step"]), []).append(float(step["loss"]))
+    steps = sorted(per_step)
+    return {
+        "step": steps,
+        "median": [statistics.median(per_step[s]) for s in steps],
+        "min": [min(per_step[s]) for s in steps],
+        "max": [max(per_step[s]) for s in steps],
+    }
+
+
+def _median(stats: Mapping[str, float] | None) -> float | None:
+    return stats["median"] if stats else None
+
+
+def _relative_to(variant: Mapping[str, Any], base: Mapping[str, Any] | None) -> dict[str, float | None]:
+    """Final-loss difference and speed / memory ratios to the baseline (None where either lacks it)."""
+
+    def ratio(key: str) -> float | None:
+        mine, theirs = _median(variant[key]), _median(base[key]) if base else None
+        return mine / theirs if mine is not None and theirs else None
+
+    loss, base_loss = _median(variant["final_loss"]), _median(base["final_loss"]) if base else None
+    return {
+        "loss_delta": loss - base_loss if loss is not None and base_loss is not None else None,
+        "speed_ratio": ratio("useful_tokens_per_sec"),
+        "memory_ratio": ratio("peak_memory_bytes"),
+    }
+
+
+def _loss_agreement(
+    variant: Mapping[str, Any], base: Mapping[str, Any], tolerance: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Seed by seed, step by step: ``|loss - base| <= atol + rtol * |base|`` over the first ``steps``."""
+    rtol, atol, limit = tolerance["rtol"], tolerance["atol"], tolerance.get("steps")
+    base_curves = {r["seed"]: r["loss"] for r in base["runs"] if r["status"] == "ok"}
+    mine = {r["seed"]: r["loss"] for r in variant["runs"] if r["status"] == "ok"}
+    seeds = sorted(set(base_curves) & set(mine), key=lambda s: (s is None, s or 0))
+    if not seeds:
+        return {"passed": None, "reason": "no seed finished ok in both this variant and the baseline"}
+    worst = {"max_abs_diff": 0.0, "worst_step": None, "worst_seed": None}
+    for seed in seeds:
+        a, b = mine[seed], base_curves[seed]
+        n = limit or max(len(a), len(b))
+        if len(a) < n or len(b) < n:
+            return {"passed": False, "reason": f"seed {seed}: fewer than {n} steps to compare ({len(a)} vs {len(b)})"}
+        for step, (x, y) in enumerate(zip(a[:n], b[:n]), start=1):
+            if x is None or y is None:
+                return {"passed": False, "reason": f"seed {seed}, step {step}: no loss"}
+            diff = abs(x - y)
+            if diff > worst["max_abs_diff"]:
+                worst = {"max_abs_diff": diff, "worst_step": step, "worst_seed": seed}
+            if diff > atol + rtol * abs(y):
+                return {"passed": False, "reason": f"seed {seed}, step {step}: {x:.6g} vs {y:.6g}", **worst}
+    return {"passed": True, "reason": None, "compared_seeds": seeds, **worst}
+
+
+def _environment(
+    records: Sequence[Mapping[str, Any]], baseline_runs: Sequence[tuple[str, Mapping[str, Any]]]
+) -> tuple[dict[str, Any], list[str]]:
+    """The baseline's environment (first record that has one) and the keys on which records disagree."""
+    environments = [r.get("environment") or {} for r in records if r.get("environment")]
+    preferred = [r.get("environment") for _, r in baseline_runs if r.get("environment")]
+    shown = dict((preferred or environments or [{}])[0])
+    mismatched = [k for k in ENVIRONMENT_KEYS if len({repr(e.get(k)) for e in environments}) > 1]
+    return shown, mismatched

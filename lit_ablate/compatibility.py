@@ -1,0 +1,158 @@
+"""Which run configurations cannot run here, decided before anything is launched.
+
+One registry of rules, each ``(resolved_config, launch) -> reason | None``: a GPU-only kernel on
+CPU, flash-attn not installed, more devices than exist, a strategy that refuses this accelerator.
+The ablation runner marks a variant that breaks a rule ``skipped: <reason>`` instead of spending
+minutes on a run that can only crash; parts themselves never check which other part is active.
+Add a rule by writing one function and listing it in ``RULES``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable, Mapping
+from types import ModuleType
+from typing import Any, Protocol
+
+import torch
+
+from lit_ablate.ablation.dotted import get_dotted
+from lit_ablate.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+GPU_ACCELERATORS = ("gpu", "cuda")
+CPU_REFUSING_STRATEGIES = ("fsdp", "lightning.pytorch.strategies.FSDPStrategy", "FSDPStrategy")
+"""Lightning's FSDP1 strategy raises on CPU (PLATFORM_NOTES); a CPU FSDP1 baseline passes ``device_id`` itself."""
+
+
+class LaunchLike(Protocol):
+    devices: int | None
+    num_nodes: int | None
+    accelerator: str | None
+
+
+Rule = Callable[[Mapping[str, Any], LaunchLike], str | None]
+
+
+def _on_gpu(config: Mapping[str, Any], launch: LaunchLike) -> bool:
+    accelerator = launch.accelerator or get_dotted(config, "trainer.accelerator", "auto")
+    return accelerator in GPU_ACCELERATORS or (accelerator == "auto" and torch.cuda.is_available())
+
+
+def accelerator_present(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
+    """A GPU accelerator needs a visible CUDA device."""
+    accelerator = launch.accelerator or get_dotted(config, "trainer.accelerator", "auto")
+    if accelerator in GPU_ACCELERATORS and not torch.cuda.is_available():
+        return f"trainer.accelerator={accelerator} but no CUDA device is visible here"
+    return None
+
+
+def enough_devices(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
+    """GPU runs need as many devices per node as they ask for (CPU ranks are processes: any number)."""
+    if _on_gpu(config, launch) and launch.devices is not None and launch.devices > torch.cuda.device_count():
+        return f"needs {launch.devices} GPUs per node, {torch.cuda.device_count()} visible"
+    return None
+
+
+def single_node(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
+    """The runner starts one node; a multi-node run is launched per node (torchrun) by the user."""
+    if launch.num_nodes is not None and launch.num_nodes > 1:
+        return f"num_nodes={launch.num_nodes}: the study runner launches a single node; run each node with torchrun"
+    return None
+
+
+def strategy_accepts_cpu(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
+    """Lightning's ``FSDPStrategy`` (FSDP1) refuses the CPU accelerator."""
+    strategy = get_dotted(config, "trainer.strategy")
+    name = strategy.get("class_path") if isinstance(strategy, Mapping) else strategy
+    if name in CPU_REFUSING_STRATEGIES and not _on_gpu(config, launch):
+        return f"trainer.strategy={name} (Lightning FSDP1) refuses CPU; use FSDP2Strategy or run on GPU"
+    return None
+
+
+def loss_backend_available(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
+    """The loss kernel must run here (liger / cce need CUDA and their package): ``check_loss_backend``.
+
+    An unknown backend name is not an incompatibility of this machine but the run's own error,
+    so it is left to the run (recorded as failed with its message).
+    """
+    losses = _helper_module("lit_ablate.models.losses", ("check_loss_backend", "LOSS_BACKENDS"))
+    name = get_dotted(config, "model.init_args.loss")
+    if losses is None or not isinstance(name, str) or name not in losses.LOSS_BACKENDS:
+        return None
+    options = get_dotted(config, "model.init_args.loss_options") or {}
+    return _reason(losses.check_loss_backend, name, **options)
+
+
+def loss_kernels_exclusive(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
+    """CCE and Liger's patched loss kernels both replace the LM-head loss: only one may be active."""
+    losses = _helper_module("lit_ablate.models.losses", ("check_loss_with_liger_kernels",))
+    name = get_dotted(config, "model.init_args.loss")
+    kernels = get_dotted(config, "model.init_args.liger_kernels")
+    if losses is None or not isinstance(name, str) or not kernels:
+        return None
+    return _reason(losses.check_loss_with_liger_kernels, name, kernels)
+
+
+def attention_backend_available(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
+    """The attention backend must train here (flash-attn installed, flex backward needs CUDA).
+
+    As for losses, an unknown name is left to the run's own error.
+    """
+    attention = _helper_module(
+        "lit_ablate.models.attention", ("check_attention_backend", "TRANSFORMERS_BACKENDS", "BACKENDS")
+    )
+    name = get_dotted(config, "model.init_args.model.attn_implementation")
+    if attention is None or name not in (*attention.TRANSFORMERS_BACKENDS, *attention.BACKENDS):
+        return None
+    return _reason(attention.check_attention_backend, name, training=True)
+
+
+RULES: dict[str, Rule] = {
+    "accelerator_present": accelerator_present,
+    "enough_devices": enough_devices,
+    "single_node": single_node,
+    "strategy_accepts_cpu": strategy_accepts_cpu,
+    "loss_backend_available": loss_backend_available,
+    "loss_kernels_exclusive": loss_kernels_exclusive,
+    "attention_backend_available": attention_backend_available,
+}
+
+
+def incompatibility(config: Mapping[str, Any], launch: LaunchLike, rules: Mapping[str, Rule] = RULES) -> str | None:
+    """The first reason this run cannot run here, or None when every rule passes."""
+    for rule in rules.values():
+        reason = rule(config, launch)
+        if reason:
+            return reason
+    return None
+
+
+def _reason(check: Callable[..., Any], *args: Any, **kwargs: Any) -> str | None:
+    """A part's check raises ``ConfigError`` (key, value, fix) when it cannot run: that message is the reason."""
+    try:
+        result = check(*args, **kwargs)
+    except ConfigError as err:
+        return str(err)
+    return result if isinstance(result, str) else None
+
+
+_missing_helpers: set[str] = set()
+
+
+def _helper_module(module: str, names: tuple[str, ...]) -> ModuleType | None:
+    """A part's module if it has its own availability checks; one that has none yet is not
+    pre-checked, and that is warned once (not a silent pass)."""
+    try:
+        found = importlib.import_module(module)
+    except ImportError:
+        found = None
+    missing = [n for n in names if not hasattr(found, n)]
+    if missing:
+        if module not in _missing_helpers:
+            _missing_helpers.add(module)
+            log.warning("compatibility: %s has no %s; that part is not pre-checked", module, ", ".join(missing))
+        return None
+    return found

@@ -1,0 +1,128 @@
+"""The study report from synthetic records: the numbers, the loss check, the files, re-rendering."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from lit_ablate.ablation.commands import report_main
+from lit_ablate.ablation.report import write_report
+from lit_ablate.ablation.summary import study_summary
+from lit_ablate.record import SCHEMA_VERSION, summarize_steps, write_record
+
+AXIS = "model.init_args.model.config.num_hidden_layers"
+
+
+def make_record(variant: str, seed: int, *, speed: float, peak_mib: float, losses: list[float], status: str = "ok",
+                parameters: int = 1000, device: str = "cpu0") -> dict:  # fmt: skip
+    steps = [{"step": i + 1, "loss": loss, "tokens_per_sec": speed * (i + 1), "useful_tokens_per_sec": speed * (i + 1) / 2,
+              "step_time_s": 1.0 / (i + 1), "mfu": None, "memory_peak_bytes": int(peak_mib * 2**20)}
+             for i, loss in enumerate(losses)]  # fmt: skip
+    summary = summarize_steps(steps, 1)
+    summary.update(status=status, message=None if status == "ok" else "boom", memory_method="cpu_process_peak_rss")
+    return {"schema_version": SCHEMA_VERSION, "variant": variant, "seed": seed, "config": {}, "warmup_steps": 1,
+            "environment": {"device_name": device, "device_type": "cpu", "torch": "2.x", "git_commit": "abcdef123456"},
+            "model": {"total": parameters}, "fallbacks": [], "steps": steps, "summary": summary}  # fmt: skip
+
+
+def make_study(directory: Path, records: list[dict], plan: dict) -> Path:
+    for r in records:
+        write_record(directory / "runs" / r["variant"] / f"seed{r['seed']}" / "run.json", r)
+    (directory / "study.json").write_text(json.dumps(plan))
+    return directory
+
+
+def depth_plan(**extra) -> dict:
+    names = ["num_hidden_layers=1", "num_hidden_layers=2", "num_hidden_layers=3"]
+    return {"name": "depth", "baseline": names[0], "variables": [AXIS], "axes": {AXIS: [1, 2, 3]}, "seeds": [0, 1],
+            "steps": 4, "warmup_steps": 1, "expect_equal_loss": None,
+            "variants": [{"name": n, "axis_values": {AXIS: i + 1}} for i, n in enumerate(names)], **extra}  # fmt: skip
+
+
+def depth_records() -> list[dict]:
+    records = []
+    for layers in (1, 2, 3):
+        for seed in (0, 1):
+            losses = [5.0, 4.0, 3.0, 2.0 + 0.1 * seed - 0.2 * layers]
+            records.append(make_record(f"num_hidden_layers={layers}", seed, speed=100.0 / layers + seed,
+                                       peak_mib=100 * layers, losses=losses, parameters=1000 * layers))  # fmt: skip
+    return records
+
+
+def test_summary_medians_ratios_and_deltas():
+    runs = [(f"runs/{r['variant']}/seed{r['seed']}/run.json", r) for r in depth_records()]
+    summary = study_summary(depth_plan(), runs)
+    v1, v2, v3 = summary["variants"]
+    # steps 2..4 of seeds 0 and 1: tokens/s = speed * step with speed 100 and 101
+    assert v1["tokens_per_sec"] == {"median": 301.5, "min": 200.0, "max": 404.0, "n": 6}
+    assert v1["final_loss"]["median"] == pytest.approx(1.85)  # 1.8 and 1.9
+    assert v3["loss_delta"] == pytest.approx(-0.4)
+    expected_speed = statistics.median([s * k / 2 for s in (100 / 3, 100 / 3 + 1) for k in (2, 3, 4)]) / 150.75
+    assert v3["speed_ratio"] == pytest.approx(expected_speed)
+    assert v2["memory_ratio"] == pytest.approx(2.0)
+    assert v2["parameters"] == 2000 and v1["status"] == "ok"
+    assert v1["loss_curve"]["step"] == [1, 2, 3, 4] and v1["loss_curve"]["max"][3] == pytest.approx(1.9)
+    assert summary["environment"]["device_name"] == "cpu0" and summary["environment_mismatch"] == []
+
+
+def test_loss_agreement_within_tolerance_passes_and_outside_fails():
+    base = [4.0, 3.0, 2.0, 1.0]
+    plan = {"name": "eq", "baseline": "ddp", "expect_equal_loss": {"rtol": 1e-4, "atol": 1e-6, "steps": 3},
+            "variants": [{"name": n} for n in ("ddp", "close", "far", "late")]}  # fmt: skip
+    records = [
+        make_record("ddp", 0, speed=1, peak_mib=1, losses=base),
+        make_record("close", 0, speed=1, peak_mib=1, losses=[x * (1 + 5e-5) for x in base]),
+        make_record("far", 0, speed=1, peak_mib=1, losses=[4.0, 3.0 * (1 + 2e-4), 2.0, 1.0]),
+        make_record("late", 0, speed=1, peak_mib=1, losses=[4.0, 3.0, 2.0, 9.0]),  # differs after the checked steps
+    ]
+    summary = study_summary(plan, [(f"runs/{r['variant']}/seed0/run.json", r) for r in records])
+    by_name = {v["name"]: v["loss_agreement"] for v in summary["variants"]}
+    assert by_name["ddp"] is None
+    assert by_name["close"]["passed"] is True and by_name["close"]["max_abs_diff"] == pytest.approx(4 * 5e-5)
+    assert by_name["far"]["passed"] is False and by_name["far"]["reason"].startswith("seed 0, step 2")
+    assert by_name["late"]["passed"] is True
+
+
+def test_failed_seed_is_reported_and_left_out_of_the_numbers():
+    records = [make_record("a", 0, speed=10, peak_mib=1, losses=[3, 2, 1]),
+               make_record("a", 1, speed=1000, peak_mib=1, losses=[3, 2], status="oom")]  # fmt: skip
+    summary = study_summary(None, [("runs/a/seed0/run.json", records[0]), ("runs/a/seed1/run.json", records[1])])
+    (a,) = summary["variants"]
+    assert a["status"] == "ok 1/2, oom 1/2"
+    assert a["tokens_per_sec"]["max"] == 30.0, "the oom seed's steps are not in the throughput"
+    assert [r["status"] for r in a["runs"]] == ["ok", "oom"]
+
+
+def test_report_files_and_identical_re_render(tmp_path: Path):
+    directory = make_study(tmp_path, depth_records(), depth_plan())
+    write_report(directory)
+    produced = {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file() and p.name != "study.json"}
+    assert set(produced) == {"report.md", "report.json", "loss.png", "throughput.png", "memory.png",
+                             "vs_num_hidden_layers.png", "vs_parameters.png"}  # fmt: skip
+    text = produced["report.md"].decode()
+    assert "| **num_hidden_layers=1** | ok | 301.5 [200–404] |" in text
+    assert "| 200 MiB (cpu_process_peak_rss) |" in text and "2.00×" in text
+    assert "Environment: device cpu0 (cpu), torch 2.x, commit abcdef1234." in text
+    for path in directory.iterdir():
+        if path.is_file() and path.name != "study.json":
+            path.unlink()
+    assert report_main([str(directory)]) == 0
+    again = {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file() and p.name != "study.json"}
+    assert again == produced
+
+
+def test_report_without_plan_and_mixed_environments(tmp_path: Path):
+    records = [make_record("b", 0, speed=2, peak_mib=1, losses=[2, 1], device="gpuA"),
+               make_record("a", 0, speed=1, peak_mib=1, losses=[2, 1], device="gpuB")]  # fmt: skip
+    for r in records:
+        write_record(tmp_path / "runs" / r["variant"] / "seed0" / "run.json", r)
+    text = write_report(tmp_path).read_text()
+    assert text.index("| **a** |") < text.index("| b |"), "without a plan: variants by name, the first is the baseline"
+    assert "Warning: runs differ in device_name" in text
+
+
+def test_report_of_an_empty_directory_is_refused(tmp_path: Path):
+    assert report_main([str(tmp_path)]) == 2
