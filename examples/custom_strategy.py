@@ -48,6 +48,7 @@ def main() -> None:
         devices=2,
         strategy=FeedForwardCheckpointing(),
         max_steps=10,
+        limit_val_batches=0,
         logger=False,
         enable_checkpointing=False,
         default_root_dir="runs/custom_strategy",

@@ -1,0 +1,24 @@
+"""Strategies over one N-D device mesh (FSDP2, HSDP) and the data-parallel baselines (DDP, ZeRO-1, FSDP1).
+
+Configs select them by ``class_path`` (``lit_ablate.strategies.FSDP2Strategy``); research code
+subclasses ``MeshStrategy``/``FSDP2Strategy`` and overrides one ``apply_*`` step.
+"""
+
+from lit_ablate.strategies.ddp import DDPStrategy
+from lit_ablate.strategies.fsdp1 import FSDP1Strategy
+from lit_ablate.strategies.fsdp2 import FSDP2Strategy
+from lit_ablate.strategies.hsdp import HSDPStrategy
+from lit_ablate.strategies.mesh import MESH_DIMS, MeshStrategy, decoder_layers, resolve_mesh_sizes
+from lit_ablate.strategies.zero1 import ZeRO1Strategy
+
+__all__ = [
+    "DDPStrategy",
+    "FSDP1Strategy",
+    "FSDP2Strategy",
+    "HSDPStrategy",
+    "MESH_DIMS",
+    "MeshStrategy",
+    "ZeRO1Strategy",
+    "decoder_layers",
+    "resolve_mesh_sizes",
+]

@@ -1,0 +1,148 @@
+"""``ExpertParallelStrategy``: experts sharded over the mesh's ``ep`` dimension, the rest FSDP2."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import Trainer
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.optim import Optimizer
+
+from lit_ablate.errors import ConfigError
+from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
+from lit_ablate.models.moe import OPTIONS_KEY, MoEBlock, moe_blocks
+from lit_ablate.models.moe_dispatch import DISPATCH_MODES
+from lit_ablate.strategies.fsdp2 import FSDP2Strategy
+from lit_ablate.strategies.mesh import STRATEGY_KEY
+
+DispatchMode = Literal["all_to_all", "all_reduce"]
+
+
+class ExpertParallelStrategy(FSDP2Strategy):
+    """Expert parallelism (torchtitan's): each ``ep`` rank holds ``num_experts / ep`` experts.
+
+    Tokens travel to the ranks holding their experts and back (``dispatch: all_to_all``), or, as
+    the naive baseline, every EP rank gathers all tokens, computes its own experts and an
+    all-reduce sums the results (``dispatch: all_reduce``). Choose it when the experts' weights
+    dominate memory (each rank stores and updates only its experts) or to ablate the two schemes.
+    EP ranks read different batches, like data-parallel ranks. Expert weights are additionally
+    FSDP-sharded over ``dp_replicate x dp_shard x cp``; everything else is FSDP2-sharded over all
+    ranks as with ``FSDP2Strategy``, so ``ep`` composes with ``dp_shard`` (world = ``dp_shard x ep``).
+    Expert gradients are divided by the full data-parallel size, like every other gradient, so
+    the run trains the same model as without EP. Needs MoE blocks patched by lit-ablate
+    (``moe.experts: grouped`` or ``loop``).
+
+    Args:
+        ep: expert-parallel ranks; must divide the number of experts (``-1``: the ranks left
+            after the other mesh sizes).
+        dp_shard: FSDP ranks per expert shard (``ep x dp_shard`` ranks in all, times ``dp_replicate``).
+        dispatch: ``all_to_all`` (real EP) or ``all_reduce`` (every rank sees every token).
+        **kwargs: the other ``FSDP2Strategy`` / ``MeshStrategy`` arguments (mixed precision,
+            resharding, activation checkpointing, compile, checkpoint format, ``dp_replicate``).
+    """
+
+    def __init__(self, ep: int = -1, dp_shard: int = 1, dispatch: DispatchMode = "all_to_all", **kwargs: Any) -> None:
+        if dispatch not in DISPATCH_MODES:
+            raise ConfigError(f"{STRATEGY_KEY}.dispatch", dispatch, f"choose one of {sorted(DISPATCH_MODES)}")
+        super().__init__(ep=ep, dp_shard=dp_shard, **kwargs)
+        self.dispatch = dispatch
+
+    def build_mesh(self, device_type: str, world_size: int) -> DeviceMesh:
+        ep = self.requested_mesh_sizes["ep"]
+        if ep > world_size:
+            raise ConfigError(f"{STRATEGY_KEY}.ep", ep, f"ep cannot exceed the world size ({world_size} ranks = "
+                              f"devices x nodes); use ep <= {world_size}, or -1 for all ranks")
+        return super().build_mesh(device_type, world_size)
+
+    def apply_ep(self, model: CausalLMWithLoss) -> None:
+        """Keep this rank's slice of every expert weight (a DTensor on the ``ep`` mesh) and install the dispatcher."""
+        blocks = self._moe_blocks(model)
+        ep = self.mesh_sizes["ep"]
+        if ep == 1:
+            return
+        mesh = self.device_mesh["ep"]
+        num_experts = blocks[0].gate.num_experts
+        dispatcher = DISPATCH_MODES[self.dispatch](mesh.get_group(), num_experts)
+        first, last = dispatcher.first_local, dispatcher.first_local + dispatcher.num_local
+        for block in blocks:
+            for name in ("gate_up_proj", "down_proj"):
+                full = getattr(block.experts, name)
+                local = DTensor.from_local(full.detach()[first:last].clone(), mesh, [Shard(0)], run_check=False)
+                setattr(block.experts, name, nn.Parameter(local, requires_grad=full.requires_grad))
+            block.dispatcher = dispatcher
+
+    def apply_fsdp(self, model: CausalLMWithLoss) -> None:
+        """Experts first (over the non-EP data-parallel ranks), then the layers and the root as FSDP2 does."""
+        if self.mesh_sizes["ep"] > 1:
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.expert_fsdp_mesh()
+            kwargs = {**self.fsdp_kwargs(), "mesh": mesh}
+            for block in moe_blocks(model):
+                experts = fully_shard(block.experts, **kwargs)
+                # Each expert's gradient already sums the ep ranks' tokens (the all-to-all backward);
+                # dividing by every data-parallel rank makes it the same mean as a dense gradient.
+                experts.set_gradient_divide_factor(float(self.fsdp_mesh.size()))
+                if mesh.size() > 1:  # plain sums, then divide: gloo has no pre-multiplied sum
+                    experts.set_force_sum_reduction_for_comms(True)  # (on 1 rank torch would divide twice)
+        super().apply_fsdp(model)
+
+    def expert_fsdp_mesh(self) -> DeviceMesh:
+        """The ranks holding the same experts: ``dp_shard x cp`` (flattened), with ``dp_replicate`` for HSDP."""
+        mesh = self.device_mesh
+        dims = tuple(d for d in ("dp_shard", "cp") if self.mesh_sizes[d] > 1) or ("dp_shard",)
+        shard = mesh[dims[0]] if len(dims) == 1 else mesh[dims]._flatten("_".join(dims))
+        if self.mesh_sizes["dp_replicate"] == 1:
+            return shard
+        return DeviceMesh._concatenate([mesh["dp_replicate"], shard])
+
+    def setup(self, trainer: Trainer) -> None:
+        super().setup(trainer)
+        # Lightning clips with torch's clip_grad_norm_, which cannot combine norms of DTensors on
+        # different meshes (experts vs the rest): route the precision plugin's norm clipping here.
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
+
+    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        params = (p for group in optimizer.param_groups for p in group["params"])
+        clip_grad_norm_across_meshes(params, clip_val)
+
+    def _moe_blocks(self, model: CausalLMWithLoss) -> list[MoEBlock]:
+        blocks = moe_blocks(model)
+        if not blocks:
+            raise ConfigError(f"{OPTIONS_KEY}.experts", "hf or unset",
+                              "ExpertParallelStrategy shards lit-ablate MoE blocks: use an MoE model with "
+                              "moe.experts: grouped (or loop)")
+        num_experts, ep = blocks[0].gate.num_experts, self.mesh_sizes["ep"]
+        if num_experts % ep:
+            raise ConfigError(f"{STRATEGY_KEY}.ep", ep,
+                              f"the model has {num_experts} experts per layer; use an ep that divides {num_experts}")
+        return blocks
+
+
+@torch.no_grad()
+def clip_grad_norm_across_meshes(parameters: Iterable[Tensor], max_norm: float) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for gradients that are DTensors on several meshes.
+
+    Norms are taken per mesh (one collective each) and combined; the gradients are then scaled
+    as torch scales them (``max_norm / (total + 1e-6)``, only when below 1). Returns the total norm.
+    """
+    groups: dict[DeviceMesh | None, list[Tensor]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
+    if not groups:
+        return torch.tensor(0.0)
+    norms = []
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack([n.float().cpu() for n in norms]))
+    coef = max_norm / (float(total) + 1e-6)
+    if coef < 1.0:
+        for grads in groups.values():
+            torch._foreach_mul_(grads, coef)
+    return total

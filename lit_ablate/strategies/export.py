@@ -1,0 +1,76 @@
+"""``lit-ablate export``: a training checkpoint -> one Hugging Face model folder (safetensors).
+
+Reads either checkpoint layout Lightning writes: a sharded DCP folder (mesh strategies, FSDP1
+``sharded``; the shards are re-assembled here, in one process, without a process group) or a
+single ``.ckpt`` file (DDP, ZeRO-1, single device). The model is rebuilt from the checkpoint's
+hyper-parameters (``CausalLM.from_hparams``), so nothing but the checkpoint is needed, and saved
+with ``save_pretrained``: ``AutoModelForCausalLM.from_pretrained(output_dir)`` loads it offline.
+Only tensors are read back (``torch.load(weights_only=True)``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lit_ablate.errors import ConfigError
+
+# Lightning's name for the non-tensor part of a sharded checkpoint (loops, schedulers, hparams).
+SHARDED_METADATA_FILENAME = "meta.pt"
+
+
+def export_hf_checkpoint(ckpt_path: str | Path, output_dir: str | Path) -> Path:
+    """Write the checkpoint's model as a Hugging Face folder in ``output_dir``; returns it."""
+    from lit_ablate.modules import CausalLM
+
+    ckpt_path, output_dir = Path(ckpt_path), Path(output_dir)
+    sharded = ckpt_path.is_dir()
+    if sharded and not (ckpt_path / SHARDED_METADATA_FILENAME).is_file():
+        raise ConfigError("--ckpt_path", str(ckpt_path), f"a sharded checkpoint folder holds {SHARDED_METADATA_FILENAME}; "
+                          "give the folder Lightning wrote (e.g. .../checkpoints/last.ckpt)")
+    if not sharded and not ckpt_path.is_file():
+        raise ConfigError("--ckpt_path", str(ckpt_path), "no such checkpoint file or folder")
+    checkpoint: dict[str, Any] = torch.load(
+        ckpt_path / SHARDED_METADATA_FILENAME if sharded else ckpt_path, map_location="cpu", weights_only=True
+    )
+    if "hyper_parameters" not in checkpoint:
+        raise ConfigError("--ckpt_path", str(ckpt_path), "the checkpoint has no hyper_parameters; export reads "
+                          "checkpoints of lit_ablate.modules.CausalLM")
+    module = CausalLM.from_hparams(checkpoint["hyper_parameters"])
+    module.configure_model()
+    state = module.state_dict()
+    if sharded:
+        import torch.distributed.checkpoint as dcp
+
+        # Fills ``state`` in place (model keys only: optimizer shards are not read), in this one
+        # process by design; torch warns about the missing process group even with no_dist=True.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load({"state_dict": state}, checkpoint_id=ckpt_path, no_dist=True)
+    else:
+        state = checkpoint["state_dict"]
+    module.load_state_dict(state, strict=True)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    module.model.lm.save_pretrained(output_dir)
+    return output_dir
+
+
+def export_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="lit-ablate export", description="Export a training checkpoint as a Hugging Face model (safetensors)."
+    )
+    parser.add_argument("--ckpt_path", required=True, type=Path, help="a .ckpt file or a sharded checkpoint folder")
+    parser.add_argument("--output_dir", required=True, type=Path, help="the Hugging Face model folder to write")
+    args = parser.parse_args(argv)
+    try:
+        out = export_hf_checkpoint(args.ckpt_path, args.output_dir)
+    except ConfigError as err:
+        print(f"export refused: {err}", file=sys.stderr)
+        return 2
+    print(f"exported {args.ckpt_path} -> {out} (AutoModelForCausalLM.from_pretrained loads it)")
+    return 0

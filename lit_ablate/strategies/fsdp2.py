@@ -1,0 +1,93 @@
+"""``FSDP2Strategy``: per-parameter sharding with torch's ``fully_shard`` on the lit-ablate mesh."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import torch
+
+from lit_ablate.errors import ConfigError
+from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
+from lit_ablate.strategies.gpu_only import check_gpu_only_options
+from lit_ablate.strategies.mesh import FSDP_SHARD_DIMS, STRATEGY_KEY, MeshStrategy, decoder_layers, resolve_mesh_sizes
+from lit_ablate.strategies.state_sharding import StateSharding
+
+DTypeName = Literal["float32", "bfloat16", "float16"]
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class FSDP2Strategy(MeshStrategy):
+    """Fully sharded data parallelism (FSDP2, ``fully_shard``): each decoder layer, then the root.
+
+    Choose it to train a model whose parameters, gradients and optimizer states do not fit one
+    device replicated (ZeRO-3 with ``reshard_after_forward: true``; ZeRO-2-like with ``false``:
+    parameters stay gathered from forward to backward, one all-gather per layer fewer, more
+    memory). With ``dp_replicate > 1`` it is HSDP (see ``HSDPStrategy``). Subclasses add TP, EP or
+    CP by overriding one ``apply_*`` step of the pipeline (``MeshStrategy``).
+
+    Args:
+        reshard_after_forward: free gathered parameters after each layer's forward (ZeRO-3) or
+            keep them until its backward (ZeRO-2-like).
+        param_dtype: compute dtype of gathered parameters (``MixedPrecisionPolicy``); ``null`` = as stored.
+        reduce_dtype: dtype of the gradient reduce-scatter; ``null`` = ``param_dtype``.
+        cpu_offload: keep shards, gradients and optimizer states in host memory (GPU only: on
+            CPU there is nothing to offload from, and it is refused).
+        **kwargs: the mesh sizes (``dp_shard: -1`` by default: every rank shards), activation
+            checkpointing, compile and checkpoint format: see ``MeshStrategy``.
+    """
+
+    def __init__(
+        self,
+        reshard_after_forward: bool = True,
+        param_dtype: DTypeName | None = None,
+        reduce_dtype: DTypeName | None = None,
+        cpu_offload: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        for key, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+            if value is not None and value not in DTYPES:
+                raise ConfigError(f"{STRATEGY_KEY}.{key}", value, f"choose one of {sorted(DTYPES)} or null")
+        self.reshard_after_forward = reshard_after_forward
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype
+        self.cpu_offload = cpu_offload
+
+    def setup_environment(self) -> None:
+        check_gpu_only_options({"cpu_offload": self.cpu_offload}, self.root_device.type)
+        super().setup_environment()
+
+    def state_sharding(self, world_size: int) -> StateSharding:
+        """Dense state divided over the shard ranks (x tp); ZeRO-2-like keeps gathered params to backward."""
+        sizes = resolve_mesh_sizes(self.requested_mesh_sizes, world_size)
+        shard = math.prod(sizes[d] for d in FSDP_SHARD_DIMS) * sizes["tp"]
+        return StateSharding(params=shard if self.reshard_after_forward else sizes["tp"], grads=shard, optimizer=shard)
+
+    def fsdp_kwargs(self) -> dict:
+        """The ``fully_shard`` arguments every unit gets (mesh, resharding, precision, offload)."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+        mp_policy = MixedPrecisionPolicy(
+            param_dtype=DTYPES[self.param_dtype] if self.param_dtype else None,
+            reduce_dtype=DTYPES[self.reduce_dtype] if self.reduce_dtype else None,
+        )
+        return {
+            "mesh": self.fsdp_mesh,
+            "reshard_after_forward": self.reshard_after_forward,
+            "mp_policy": mp_policy,
+            "offload_policy": CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy(),
+        }
+
+    def apply_fsdp(self, model: CausalLMWithLoss) -> None:
+        """One FSDP unit per decoder layer (its all-gather overlaps the previous layer's compute),
+        then the root for what is left: embeddings, final norm, LM head. ``logits`` (evaluation)
+        is registered as a forward too, so it gathers the root's parameters like ``forward``."""
+        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+        kwargs = self.fsdp_kwargs()
+        for layer in decoder_layers(model):
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
+        register_fsdp_forward_method(model, "logits")
+

@@ -1,0 +1,25 @@
+"""Strategy options that need a GPU, in one place: checked by the strategies at set-up and,
+from a config alone, by the ablation runner's compatibility rules before anything launches."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from lit_ablate.errors import ConfigError
+from lit_ablate.strategies.mesh import STRATEGY_KEY
+
+
+def check_gpu_only_options(options: Mapping[str, Any], device_type: str) -> None:
+    """Raise ``ConfigError`` when ``options`` (a strategy's ``init_args``) need a GPU but the run is on ``device_type``."""
+    if device_type == "cuda":
+        return
+    if options.get("cpu_offload"):
+        raise ConfigError(
+            f"{STRATEGY_KEY}.cpu_offload", True,
+            "CPU offload moves shards from a GPU to host memory; with accelerator: cpu everything already is in host "
+            "memory. Set cpu_offload: false, or train on GPUs",
+        )
+    if options.get("comm_hook") == "bf16":
+        raise ConfigError(f"{STRATEGY_KEY}.comm_hook", "bf16",
+                          "torch's bf16 compression hook needs NCCL (GPUs); on CPU use fp16 or powersgd")

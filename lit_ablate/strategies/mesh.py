@@ -1,0 +1,332 @@
+"""One named N-D device mesh, and the ordered pipeline that applies parallelism to a built model.
+
+Every lit-ablate parallel strategy stands on one mesh with five named dimensions, outermost
+(slowest links) first::
+
+    dp_replicate  groups holding full replicas of each shard (HSDP's replicate dimension)
+    dp_shard      ranks sharding parameters, gradients and optimizer states (FSDP)
+    ep            ranks holding different experts; they read different batches
+    cp            ranks holding different slices of the same sequences
+    tp            ranks holding different slices of each matrix (innermost: fastest links)
+
+The sizes multiply to the world size; one of them may be ``-1`` (the rest). Ranks that differ
+in ``dp_replicate``, ``dp_shard`` or ``ep`` read different batches (the data-parallel group the
+sampler sees); gradients of dense parameters are reduced over ``dp_replicate x dp_shard x ep x cp``,
+so FSDP shards over ``dp_shard x ep x cp`` and replicates over ``dp_replicate``.
+
+Parallelism is applied to a model that knows nothing of it, in one order (torchtitan's):
+TP -> EP -> CP -> activation checkpointing -> compile -> FSDP (each decoder layer, then the
+root). Each step is one method; overriding one is the research-code extension point
+(``examples/custom_strategy.py``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lit_ablate.errors import ConfigError
+from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
+
+MESH_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "ep", "cp", "tp")
+"""The mesh dimensions, outermost first."""
+DATA_PARALLEL_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "ep")
+"""Ranks that differ in these dimensions read different batches."""
+FSDP_SHARD_DIMS: tuple[str, ...] = ("dp_shard", "ep", "cp")
+"""Dense parameters are sharded (and their gradients reduce-scattered) over these, flattened."""
+STRATEGY_KEY = "trainer.strategy.init_args"
+
+ActivationCheckpointing = Literal["none", "full", "selective"]
+
+
+def check_mesh_sizes(sizes: Mapping[str, int]) -> None:
+    """Each size is a positive integer or ``-1``, and at most one is ``-1``."""
+    for dim, size in sizes.items():
+        if not isinstance(size, int) or (size < 1 and size != -1):
+            raise ConfigError(f"{STRATEGY_KEY}.{dim}", size, "use a positive integer, or -1 for 'the rest of the ranks'")
+    if sum(size == -1 for size in sizes.values()) > 1:
+        raise ConfigError(STRATEGY_KEY, dict(sizes), "at most one mesh size may be -1 (the rest); give the others explicitly")
+
+
+def resolve_mesh_sizes(sizes: Mapping[str, int], world_size: int) -> dict[str, int]:
+    """The sizes of all of ``MESH_DIMS`` with ``-1`` replaced by the rest; they multiply to ``world_size``.
+
+    Dimensions missing from ``sizes`` have size 1. Raises ``ConfigError`` naming the sizes and
+    the world size when they cannot multiply to it.
+    """
+    check_mesh_sizes(sizes)
+    resolved = {dim: int(sizes.get(dim, 1)) for dim in MESH_DIMS}
+    known = math.prod(size for size in resolved.values() if size != -1)
+    rest = [dim for dim, size in resolved.items() if size == -1]
+    if rest:
+        if world_size % known:
+            raise ConfigError(
+                f"{STRATEGY_KEY}.{rest[0]}", -1,
+                f"the other mesh sizes {_shown(resolved)} multiply to {known}, which does not divide the world size "
+                f"{world_size}; change them or the number of devices",
+            )
+        resolved[rest[0]] = world_size // known
+    if math.prod(resolved.values()) != world_size:
+        raise ConfigError(
+            STRATEGY_KEY, _shown(resolved),
+            f"the mesh sizes multiply to {math.prod(resolved.values())} but the world size (devices x nodes) is "
+            f"{world_size}; make them multiply to {world_size}, or set one of them to -1",
+        )
+    return resolved
+
+
+def _shown(sizes: Mapping[str, int]) -> dict[str, int]:
+    return {dim: size for dim, size in sizes.items() if size != 1}
+
+
+def decoder_layers(model: CausalLMWithLoss) -> list[nn.Module]:
+    """The decoder layers, in order: the units that checkpointing, compile and FSDP act on."""
+    types = model.decoder_layer_types
+    layers = [m for m in model.modules() if types and isinstance(m, types)]
+    if not layers:
+        raise ConfigError(
+            "model", type(model.lm).__name__,
+            "the model declares no decoder-layer classes (Hugging Face `_no_split_modules`); "
+            "mesh strategies need them to know what to wrap",
+        )
+    return layers
+
+
+class MeshStrategy(ModelParallelStrategy):
+    """Base of the mesh strategies: the named mesh, the data-parallel sampler, the ordered pipeline.
+
+    Not selected on its own: it leaves ``apply_fsdp`` to a subclass (``FSDP2Strategy`` shards
+    with ``fully_shard``). Tensor, expert and context parallelism are steps a subclass fills in
+    (``apply_tp``, ``apply_ep``, ``apply_cp``); here a size above 1 for them is refused.
+
+    The strategy parallelises every ``CausalLMWithLoss`` that the LightningModule builds in
+    ``configure_model``. Initialisation: with more than one rank, only rank 0 builds real weights
+    (in host memory, drawing exactly what one process draws from the seeded RNG); the other ranks
+    build on the ``meta`` device. After the pipeline, every rank allocates only its shards and
+    receives their values from rank 0 (one tensor at a time). So no accelerator ever holds more
+    than its shard, and an N-rank run starts from bit-identical weights to a 1-process run, which
+    the equivalence tests and the studies' ``expect_equal_loss`` rely on. (A seeded per-shard init
+    on each rank would avoid rank 0's host copy, but would not reproduce the 1-process draws.)
+
+    Args:
+        dp_replicate: replica groups (HSDP's replicate dimension).
+        dp_shard: ranks sharding each replica's parameters, gradients and optimizer states.
+        cp: context-parallel ranks (a subclass must implement ``apply_cp``).
+        tp: tensor-parallel ranks (a subclass must implement ``apply_tp``).
+        ep: expert-parallel ranks (a subclass must implement ``apply_ep``).
+        activation_checkpointing: ``none``; ``full`` (every decoder layer recomputes its forward
+            in backward); ``selective`` (layers 0, k, 2k, ... with k = ``checkpoint_every``).
+        checkpoint_every: k for ``selective`` checkpointing.
+        compile_layers: ``torch.compile`` each decoder layer (before sharding, as torchtitan does).
+        save_distributed_checkpoint: ``True`` writes a sharded DCP folder (each rank its shards);
+            ``False`` gathers one full file on rank 0.
+        process_group_backend: ``gloo``/``nccl``; by default the device's.
+        timeout_s: collective timeout.
+    """
+
+    def __init__(
+        self,
+        dp_replicate: int = 1,
+        dp_shard: int = -1,
+        cp: int = 1,
+        tp: int = 1,
+        ep: int = 1,
+        activation_checkpointing: ActivationCheckpointing = "none",
+        checkpoint_every: int = 2,
+        compile_layers: bool = False,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout_s: float = 1800.0,
+    ) -> None:
+        super().__init__(
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        self.requested_mesh_sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "ep": ep, "cp": cp, "tp": tp}
+        check_mesh_sizes(self.requested_mesh_sizes)
+        self._check_steps_implemented({dim: size for dim, size in self.requested_mesh_sizes.items() if size > 1})
+        if activation_checkpointing not in ("none", "full", "selective"):
+            raise ConfigError(f"{STRATEGY_KEY}.activation_checkpointing", activation_checkpointing,
+                              "choose none, full or selective")
+        if checkpoint_every < 1:
+            raise ConfigError(f"{STRATEGY_KEY}.checkpoint_every", checkpoint_every, "use 1 or more")
+        self.activation_checkpointing = activation_checkpointing
+        self.checkpoint_every = checkpoint_every
+        self.compile_layers = compile_layers
+        self.mesh_sizes: dict[str, int] = {}
+        self._fsdp_mesh: DeviceMesh | None = None
+
+    # ---------------------------------------------------------------- the mesh
+    def build_mesh(self, device_type: str, world_size: int) -> DeviceMesh:
+        """Resolve the sizes against ``world_size`` and build the named mesh (all ranks call it)."""
+        self.mesh_sizes = resolve_mesh_sizes(self.requested_mesh_sizes, world_size)
+        self._check_steps_implemented(self.mesh_sizes)
+        self._device_mesh = init_device_mesh(
+            device_type, tuple(self.mesh_sizes[d] for d in MESH_DIMS), mesh_dim_names=MESH_DIMS
+        )
+        self._fsdp_mesh = self.sharding_mesh(FSDP_SHARD_DIMS)
+        return self._device_mesh
+
+    def sharding_mesh(self, shard_dims: tuple[str, ...]) -> DeviceMesh:
+        """The mesh ``fully_shard`` takes to shard over ``shard_dims`` and replicate over ``dp_replicate``.
+
+        Size-1 dimensions are dropped and the rest flattened into one shard dimension; the result
+        is 1-D (FSDP) or, with ``dp_replicate > 1``, 2-D ``(dp_replicate, shard)`` (HSDP).
+        """
+        mesh = self.device_mesh
+        dims = tuple(d for d in shard_dims if self.mesh_sizes[d] > 1) or shard_dims[:1]
+        replicate = self.mesh_sizes["dp_replicate"] > 1
+        if len(dims) == 1:
+            return mesh["dp_replicate", dims[0]] if replicate else mesh[dims[0]]
+        shard = mesh[dims]._flatten("_".join(dims))
+        # torch's bookkeeping for a flattened dim next to another dim (private in torch 2.x).
+        return DeviceMesh._concatenate([mesh["dp_replicate"], shard]) if replicate else shard
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """1-D (shard) or 2-D (replicate, shard) mesh for ``fully_shard``: FSDP when 1-D, HSDP when 2-D."""
+        if self._fsdp_mesh is None:
+            raise RuntimeError("the mesh is built in setup_environment (or build_mesh); it does not exist yet")
+        return self._fsdp_mesh
+
+    @property
+    def data_parallel_size(self) -> int:
+        return math.prod(self.mesh_sizes[d] for d in DATA_PARALLEL_DIMS)
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's index among the ranks that read different batches."""
+        coordinate = dict(zip(MESH_DIMS, self.device_mesh.get_coordinate()))
+        rank = 0
+        for dim in DATA_PARALLEL_DIMS:
+            rank = rank * self.mesh_sizes[dim] + coordinate[dim]
+        return rank
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """What ``DistributedSampler`` needs: tensor- and context-parallel peers read the same batch."""
+        return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
+
+    def _check_steps_implemented(self, sizes: Mapping[str, int]) -> None:
+        for dim, step in (("tp", "apply_tp"), ("ep", "apply_ep"), ("cp", "apply_cp")):
+            if sizes.get(dim, 1) > 1 and getattr(type(self), step) is getattr(MeshStrategy, step):
+                raise ConfigError(
+                    f"{STRATEGY_KEY}.{dim}", sizes[dim],
+                    f"{type(self).__name__} does not implement {step}; use {dim}: 1, or a strategy that implements it",
+                )
+
+    # ---------------------------------------------------------------- Lightning hooks
+    def setup_environment(self) -> None:
+        self._setup_distributed()  # Lightning's: seed reset, ranks, process group (gloo on CPU, nccl on GPU)
+        self.build_mesh(self.root_device.type, self.world_size)
+        self.lightning_module._device_mesh = self.device_mesh
+
+    def model_sharded_context(self):
+        """Where ``configure_model`` runs: on ranks other than 0 the model is built on ``meta``."""
+        if self.world_size > 1 and self.global_rank != 0:
+            return torch.device("meta")
+        return super().model_sharded_context()
+
+    def setup(self, trainer: Trainer) -> None:
+        for model in self.parallel_targets():
+            if not getattr(model, "parallelized_by", None):
+                self.parallelize(model)
+        super().setup(trainer)
+
+    def parallel_targets(self) -> list[CausalLMWithLoss]:
+        """The modules the pipeline applies to: every ``CausalLMWithLoss`` of the LightningModule."""
+        targets = [m for m in self.lightning_module.modules() if isinstance(m, CausalLMWithLoss)]
+        if not targets:
+            raise ConfigError(
+                "model", type(self.lightning_module).__name__,
+                f"{type(self).__name__} parallelises the CausalLMWithLoss a LightningModule builds in configure_model; "
+                "this module has none",
+            )
+        return targets
+
+    # ---------------------------------------------------------------- the pipeline
+    def parallelize(self, model: CausalLMWithLoss) -> CausalLMWithLoss:
+        """TP -> EP -> CP -> activation checkpointing -> compile -> FSDP, then materialise the shards."""
+        source = model.state_dict() if _rank() == 0 else {}
+        self.apply_tp(model)
+        self.apply_ep(model)
+        self.apply_cp(model)
+        self.apply_activation_checkpointing(model)
+        self.apply_compile(model)
+        self.apply_fsdp(model)
+        self.materialize(model, source)
+        model.parallelized_by = type(self).__name__
+        return model
+
+    def apply_tp(self, model: CausalLMWithLoss) -> None:
+        """Tensor parallelism over ``device_mesh["tp"]`` (a subclass's step; refused here when tp > 1)."""
+
+    def apply_ep(self, model: CausalLMWithLoss) -> None:
+        """Expert parallelism over ``device_mesh["ep"]`` (a subclass's step; refused here when ep > 1)."""
+
+    def apply_cp(self, model: CausalLMWithLoss) -> None:
+        """Context parallelism over ``device_mesh["cp"]`` (a subclass's step; refused here when cp > 1)."""
+
+    def apply_activation_checkpointing(self, model: CausalLMWithLoss) -> None:
+        """Recompute checkpointed layers' activations in backward (torch's composable ``checkpoint``).
+
+        The composable form adds hooks instead of wrapping the layer, so parameter names (and
+        therefore checkpoints and the HF export) do not change.
+        """
+        if self.activation_checkpointing == "none":
+            return
+        from torch.distributed._composable import checkpoint
+
+        every = 1 if self.activation_checkpointing == "full" else self.checkpoint_every
+        for index, layer in enumerate(decoder_layers(model)):
+            if index % every == 0:
+                checkpoint(layer)
+
+    def apply_compile(self, model: CausalLMWithLoss) -> None:
+        """``torch.compile`` each decoder layer in place (the same graph for every layer compiles once)."""
+        if self.compile_layers:
+            for layer in decoder_layers(model):
+                layer.compile()
+
+    def apply_fsdp(self, model: CausalLMWithLoss) -> None:
+        """Shard each decoder layer, then the root, over ``fsdp_mesh`` (a subclass's step)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement apply_fsdp (FSDP2Strategy does)")
+
+    def materialize(self, model: CausalLMWithLoss, source: Mapping[str, torch.Tensor]) -> None:
+        """Allocate meta shards on the device, then copy rank 0's full weights into every rank's shards.
+
+        ``source`` is rank 0's state dict captured before the pipeline (empty on other ranks).
+        Buffers (rotary frequencies, which state dicts leave out) are broadcast from rank 0 too.
+        """
+        device = self._mesh_device()
+        if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
+            model.to_empty(device=device)
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(
+            model, dict(source), options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        )
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
+
+    def _mesh_device(self) -> torch.device:
+        if self.device_mesh.device_type == "cpu":
+            return torch.device("cpu")
+        return torch.device(self.device_mesh.device_type, torch.get_device_module(self.device_mesh.device_type).current_device())
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0

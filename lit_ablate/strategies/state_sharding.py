@@ -1,0 +1,62 @@
+"""How a strategy divides training state over ranks: what the memory estimate needs per strategy.
+
+Each lit-ablate strategy answers ``state_sharding(world_size)`` itself (it knows its own
+layout); ``state_sharding_of`` also answers for Lightning's built-in strategies by name or
+instance, so ``lit-ablate estimate`` can state per-rank bytes for any configured strategy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning.pytorch.strategies import Strategy
+
+
+@dataclass(frozen=True)
+class StateSharding:
+    """Divisors of each kind of training state, per rank, at the peak of a step.
+
+    Per-rank bytes = full bytes / divisor. ``params`` counts what is resident while the step runs:
+    ZeRO-2-like sharding keeps every layer's gathered parameters from forward to backward, so its
+    params divisor is 1 (only the gradients and optimizer states stay divided). Activations are
+    not here: data parallelism does not divide a micro-batch's activations.
+    """
+
+    params: int = 1
+    grads: int = 1
+    optimizer: int = 1
+
+
+REPLICATED = StateSharding()
+
+
+def deepspeed_sharding(stage: int, world_size: int) -> StateSharding:
+    """ZeRO stage 1: optimizer states; 2: + gradients; 3: + parameters."""
+    return StateSharding(
+        params=world_size if stage >= 3 else 1,
+        grads=world_size if stage >= 2 else 1,
+        optimizer=world_size if stage >= 1 else 1,
+    )
+
+
+def fsdp1_sharding(sharding_strategy: str, world_size: int) -> StateSharding:
+    """FSDP1's ``FULL_SHARD`` is ZeRO-3, ``SHARD_GRAD_OP`` ZeRO-2, ``NO_SHARD`` DDP."""
+    stage = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 0}[sharding_strategy]
+    return deepspeed_sharding(stage, world_size)
+
+
+def state_sharding_of(strategy: Strategy | str, world_size: int) -> StateSharding:
+    """The sharding of a configured strategy: a lit-ablate strategy, a Lightning strategy, or its name."""
+    answer = getattr(strategy, "state_sharding", None)
+    if answer is not None:
+        return answer(world_size)
+    name = strategy if isinstance(strategy, str) else type(strategy).__name__
+    if name.startswith("deepspeed_stage_"):
+        return deepspeed_sharding(int(name.split("_")[2]), world_size)
+    if name == "DeepSpeedStrategy":
+        return deepspeed_sharding(int(strategy.config.get("zero_optimization", {}).get("stage", 0)), world_size)
+    if name == "FSDPStrategy":
+        return fsdp1_sharding(strategy.sharding_strategy.name, world_size)
+    if name in ("fsdp", "ModelParallelStrategy"):
+        return deepspeed_sharding(3, world_size)
+    return REPLICATED  # auto, single device, ddp and its variants: every rank holds everything

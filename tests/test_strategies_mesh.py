@@ -1,0 +1,137 @@
+"""The mesh: sizes, the data-parallel rank the sampler gets, the FSDP sub-mesh; and clear refusals."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+
+from lit_ablate.data import LMDataModule, SyntheticText
+from lit_ablate.errors import ConfigError
+from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
+from lit_ablate.models.factory import ModelFactory
+from lit_ablate.modules import CausalLM
+from lit_ablate.strategies import DDPStrategy, FSDP1Strategy, FSDP2Strategy, HSDPStrategy, ZeRO1Strategy
+from lit_ablate.strategies.export import export_main
+from lit_ablate.strategies.gpu_only import check_gpu_only_options
+from lit_ablate.strategies.mesh import resolve_mesh_sizes
+from lit_ablate.strategies.state_sharding import StateSharding, state_sharding_of
+from tests.distributed import run_ranks
+
+
+def test_minus_one_takes_the_rest_of_the_ranks():
+    assert resolve_mesh_sizes({"dp_replicate": 2, "dp_shard": -1}, 8) == {
+        "dp_replicate": 2, "dp_shard": 4, "ep": 1, "cp": 1, "tp": 1
+    }
+    assert resolve_mesh_sizes({"dp_shard": 2, "tp": 2, "cp": -1}, 8)["cp"] == 2
+
+
+@pytest.mark.parametrize(
+    ("sizes", "world_size", "fragment"),
+    [
+        ({"dp_shard": 3}, 4, "multiply to 3 but the world size (devices x nodes) is 4"),
+        ({"dp_replicate": 3, "dp_shard": -1}, 4, "does not divide the world size 4"),
+        ({"dp_shard": -1, "tp": -1}, 4, "at most one mesh size may be -1"),
+        ({"dp_shard": 0}, 4, "use a positive integer"),
+    ],
+)
+def test_mesh_sizes_that_cannot_make_the_world_size_are_refused(sizes, world_size, fragment):
+    with pytest.raises(ConfigError, match="trainer.strategy.init_args") as err:
+        resolve_mesh_sizes(sizes, world_size)
+    assert fragment in str(err.value)
+
+
+def test_parallelism_without_its_pipeline_step_is_refused_at_construction():
+    with pytest.raises(ConfigError, match=r"init_args.tp=2: FSDP2Strategy does not implement apply_tp"):
+        FSDP2Strategy(tp=2)
+    with pytest.raises(ConfigError, match="param_dtype='bf16'"):
+        FSDP2Strategy(param_dtype="bf16")
+    with pytest.raises(ConfigError, match="powersgd_start_iter=1"):
+        DDPStrategy(comm_hook="powersgd", powersgd_start_iter=1)
+
+
+class _TensorAndContextParallel(FSDP2Strategy):
+    """Pretends to implement TP and CP, to build meshes that use those dimensions."""
+
+    def apply_tp(self, model: CausalLMWithLoss) -> None: ...
+
+    def apply_cp(self, model: CausalLMWithLoss) -> None: ...
+
+
+def _mesh_layout(rank: int, world_size: int) -> dict:
+    layouts = {}
+    for name, sizes in {
+        "dp2_tp2": {"dp_shard": 2, "tp": 2},
+        "hsdp2x2": {"dp_replicate": 2, "dp_shard": 2},
+        "dp2_cp2": {"dp_shard": 2, "cp": 2},
+        "rep2_cp2": {"dp_replicate": 2, "dp_shard": 1, "cp": 2},
+    }.items():
+        strategy = _TensorAndContextParallel(**sizes)
+        strategy.build_mesh("cpu", world_size)
+        mesh = strategy.fsdp_mesh
+        layouts[name] = {
+            "sampler": strategy.distributed_sampler_kwargs,
+            "fsdp_dims": list(mesh.mesh_dim_names),
+            "fsdp_shape": list(mesh.shape),
+        }
+    return layouts
+
+
+def test_sampler_gets_the_data_parallel_rank_and_fsdp_the_right_submesh():
+    layouts = run_ranks(_mesh_layout, 4)
+    # Tensor- and context-parallel peers (innermost dims) read the same batch.
+    assert [r["dp2_tp2"]["sampler"] for r in layouts] == [{"num_replicas": 2, "rank": k} for k in (0, 0, 1, 1)]
+    assert [r["dp2_cp2"]["sampler"] for r in layouts] == [{"num_replicas": 2, "rank": k} for k in (0, 0, 1, 1)]
+    assert [r["hsdp2x2"]["sampler"]["rank"] for r in layouts] == [0, 1, 2, 3]
+    first = layouts[0]
+    assert (first["dp2_tp2"]["fsdp_dims"], first["dp2_tp2"]["fsdp_shape"]) == (["dp_shard"], [2])
+    assert (first["hsdp2x2"]["fsdp_dims"], first["hsdp2x2"]["fsdp_shape"]) == (["dp_replicate", "dp_shard"], [2, 2])
+    # Context-parallel ranks share the gradients of the same sequences: FSDP shards over them too.
+    assert (first["dp2_cp2"]["fsdp_dims"], first["dp2_cp2"]["fsdp_shape"]) == (["dp_shard_cp"], [4])
+    assert (first["rep2_cp2"]["fsdp_dims"], first["rep2_cp2"]["fsdp_shape"]) == (["dp_replicate", "cp"], [2, 2])
+
+
+def _fit_one_step(strategy: pl.strategies.Strategy) -> None:
+    module = CausalLM(ModelFactory(preset="tiny-llama"))
+    data = LMDataModule(SyntheticText(num_documents=10), seq_len=16, batch_size=2)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
+                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+    trainer.fit(module, data)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "message"),
+    [
+        (FSDP2Strategy(cpu_offload=True), "cpu_offload=True: CPU offload moves shards from a GPU to host memory"),
+        (FSDP1Strategy(cpu_offload=True), "cpu_offload=True: CPU offload moves shards from a GPU to host memory"),
+        (DDPStrategy(comm_hook="bf16"), "comm_hook='bf16': torch's bf16 compression hook needs NCCL"),
+    ],
+    ids=["fsdp2-offload", "fsdp1-offload", "ddp-bf16-hook"],
+)
+def test_gpu_only_options_fail_clearly_on_cpu_before_any_work(strategy, message):
+    with pytest.raises(ConfigError) as err:
+        _fit_one_step(strategy)
+    assert message in str(err.value)
+
+
+def test_gpu_only_options_are_judged_from_a_config_alone():
+    """What the ablation runner's compatibility rule calls, before launching a variant."""
+    check_gpu_only_options({"cpu_offload": True, "comm_hook": "bf16"}, "cuda")
+    check_gpu_only_options({"cpu_offload": False, "comm_hook": "fp16"}, "cpu")
+    with pytest.raises(ConfigError, match="cpu_offload"):
+        check_gpu_only_options({"cpu_offload": True}, "cpu")
+
+
+def test_state_sharding_per_strategy():
+    assert state_sharding_of(DDPStrategy(), 8) == StateSharding(1, 1, 1)
+    assert state_sharding_of(ZeRO1Strategy(), 8) == StateSharding(1, 1, 8)
+    assert state_sharding_of(FSDP2Strategy(reshard_after_forward=False), 8) == StateSharding(1, 8, 8)
+    assert state_sharding_of(FSDP2Strategy(), 8) == StateSharding(8, 8, 8)
+    assert state_sharding_of(HSDPStrategy(dp_replicate=2), 8) == StateSharding(4, 4, 4)
+    assert state_sharding_of(FSDP1Strategy(sharding_strategy="SHARD_GRAD_OP"), 8) == StateSharding(1, 8, 8)
+    assert state_sharding_of("deepspeed_stage_1", 8) == StateSharding(1, 1, 8)
+    assert state_sharding_of("ddp", 8) == StateSharding(1, 1, 1)
+
+
+def test_export_refuses_a_path_that_is_not_a_checkpoint(tmp_path, capsys):
+    assert export_main(["--ckpt_path", str(tmp_path), "--output_dir", str(tmp_path / "hf")]) == 2
+    assert "meta.pt" in capsys.readouterr().err
