@@ -1,0 +1,163 @@
+"""``ExpertParallelStrategy`` end to end under a Lightning ``Trainer`` on 2 forked gloo ranks.
+
+One rank group trains the tiny Qwen3-MoE three ways from seed 0 (module-scoped fixture): FSDP2
+with all experts on every rank (no EP), EP=2 with all-to-all dispatch, EP=2 with all-reduce
+dispatch. The ranks read different batches in all three, so per-rank losses must agree.
+Tolerance: the same arithmetic in another reduction order, ``LOSS_ATOL = 2e-5`` on fp32 losses.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.distributed.tensor import DTensor
+from torch.nn.utils import get_total_norm
+
+from lit_ablate.callbacks.expert_load import ExpertLoadMonitor
+from lit_ablate.data import LMDataModule, SyntheticText
+from lit_ablate.errors import ConfigError
+from lit_ablate.models.moe import MoEOptions, moe_blocks
+from lit_ablate.models.moe_dispatch import AllReduceDispatcher, AllToAllDispatcher
+from lit_ablate.strategies import FSDP2Strategy
+from lit_ablate.strategies.expert_parallel import ExpertParallelStrategy, clip_grad_norm_across_meshes
+from tests.distributed import run_ranks
+from tests.test_moe_expert_load import MoECausalLM
+
+STEPS = 4
+PROBE = {"input_ids": torch.arange(32).reshape(2, 16) % 300, "labels": (torch.arange(32).reshape(2, 16) + 1) % 300}
+LOSS_ATOL = 2e-5
+
+
+class LossSeries(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(outputs["loss"].item())
+
+
+def fit(strategy: pl.strategies.Strategy, root: Path, devices: int = 2) -> dict:
+    pl.seed_everything(0, verbose=False)
+    module = MoECausalLM(MoEOptions(experts="grouped", load_balance_weight=0.01), learning_rate=1e-2)
+    data = LMDataModule(SyntheticText(num_documents=60), seq_len=32, batch_size=2)
+    series, load = LossSeries(), ExpertLoadMonitor(log_to_logger=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, callbacks=[series, load],
+        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=root, gradient_clip_val=1.0,
+    )
+    trainer.fit(module, data)
+    loss_sum, useful = module.model(PROBE)
+    (loss_sum / useful).backward()
+    params = list(module.parameters())
+    block = moe_blocks(module)[0]
+    return {
+        "losses": series.losses,
+        "dispatcher": type(block.dispatcher).__name__,
+        "experts_per_rank": getattr(block.dispatcher, "num_local", block.gate.num_experts),
+        "experts": block.experts.gate_up_proj.shape[0],
+        "raw_counts": {s: v["moe/layer0"][:-2] for s, v in load._raw.items()},
+        "fractions": load.series["moe/layer0/expert_fraction"],
+        "grad_norm": clip_grad_norm_across_meshes(params, float("inf")).item(),
+        "torch_grad_norm": None if isinstance(strategy, ExpertParallelStrategy) else _full(get_total_norm(
+            [p.grad for p in params])).item(),
+    }
+
+
+def _full(norm: torch.Tensor) -> torch.Tensor:
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def _three_ways(rank: int, world_size: int, root: str) -> dict:
+    root = Path(root)
+    return {
+        "no_ep": fit(FSDP2Strategy(), root / "fsdp2"),
+        "all_to_all": fit(ExpertParallelStrategy(ep=2, dispatch="all_to_all"), root / "a2a"),
+        "all_reduce": fit(ExpertParallelStrategy(ep=2, dispatch="all_reduce"), root / "ar"),
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> list[dict]:
+    return run_ranks(_three_ways, 2, str(tmp_path_factory.mktemp("ep")), init_process_group=False, timeout_s=300)
+
+
+def _close(actual: list[float], expected: list[float]) -> None:
+    torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), rtol=0, atol=LOSS_ATOL)
+
+
+def test_tiny_qwen3_moe_trains_under_expert_parallelism(runs) -> None:
+    for run in runs:
+        assert run["all_to_all"]["dispatcher"] == AllToAllDispatcher.__name__
+        assert run["all_reduce"]["dispatcher"] == AllReduceDispatcher.__name__
+        assert run["all_to_all"]["experts_per_rank"] == 4 and run["no_ep"]["experts_per_rank"] == 8
+        assert run["all_to_all"]["experts"] == run["no_ep"]["experts"] == 8  # global shape, as in checkpoints
+        losses = run["all_to_all"]["losses"]
+        assert len(losses) == STEPS and losses[-1] < losses[0]
+    assert runs[0]["all_to_all"]["losses"] != runs[1]["all_to_all"]["losses"]  # EP ranks read different batches
+
+
+def test_expert_parallel_equals_no_expert_parallel(runs) -> None:
+    for run in runs:
+        _close(run["all_to_all"]["losses"], run["no_ep"]["losses"])
+
+
+def test_gradient_norm_across_expert_and_dense_meshes(runs) -> None:
+    """The clipping norm under EP (two meshes) equals torch's norm without EP (one mesh)."""
+    for run in runs:
+        assert run["no_ep"]["grad_norm"] == pytest.approx(run["no_ep"]["torch_grad_norm"], rel=1e-6)
+        for mode in ("all_to_all", "all_reduce"):
+            assert run[mode]["grad_norm"] == pytest.approx(run["no_ep"]["grad_norm"], rel=1e-4)
+
+
+def test_all_to_all_dispatch_equals_all_reduce_dispatch(runs) -> None:
+    for run in runs:
+        _close(run["all_reduce"]["losses"], run["all_to_all"]["losses"])
+
+
+def test_expert_load_in_the_record_sums_all_ranks(runs) -> None:
+    first, second = (run["all_to_all"] for run in runs)
+    for step, fractions in first["fractions"].items():
+        counts = [a + b for a, b in zip(first["raw_counts"][step], second["raw_counts"][step])]
+        assert fractions == pytest.approx([c / sum(counts) for c in counts], abs=1e-12)
+        assert second["fractions"][step] == fractions  # every rank holds the global view
+
+
+def _ep_with_dp_shard(rank: int, world_size: int, root: str) -> dict:
+    root = Path(root)
+    return {
+        "no_ep": fit(FSDP2Strategy(), root / "fsdp2", devices=world_size)["losses"],
+        "ep": fit(ExpertParallelStrategy(ep=2, dp_shard=2), root / "ep", devices=world_size)["losses"],
+    }
+
+
+def test_expert_parallel_composes_with_fsdp_sharding_of_the_experts(tmp_path) -> None:
+    """4 ranks = dp_shard 2 x ep 2: each expert shard is FSDP-sharded over 2 ranks (sum reductions)."""
+    for run in run_ranks(_ep_with_dp_shard, 4, str(tmp_path), init_process_group=False, timeout_s=300):
+        _close(run["ep"], run["no_ep"])
+
+
+def test_ep_config_errors() -> None:
+    with pytest.raises(ConfigError, match=r"dispatch='gather'"):
+        ExpertParallelStrategy(dispatch="gather")
+    with pytest.raises(ConfigError, match=r"ep=4: ep cannot exceed the world size \(2"):
+        ExpertParallelStrategy(ep=4).build_mesh("cpu", 2)
+
+
+def _ep_not_dividing_experts(rank: int, world_size: int) -> str:
+    strategy = ExpertParallelStrategy(ep=3)
+    strategy.build_mesh("cpu", world_size)
+    module = MoECausalLM(MoEOptions())
+    module.configure_model()
+    with pytest.raises(ConfigError) as error:
+        strategy.apply_ep(module.model)
+    return str(error.value)
+
+
+def test_ep_must_divide_the_number_of_experts() -> None:
+    messages = run_ranks(_ep_not_dividing_experts, 3)
+    assert "ep=3: the model has 8 experts per layer; use an ep that divides 8" in messages[0]
