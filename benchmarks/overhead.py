@@ -21,7 +21,7 @@ import lightning as L
 import torch
 
 from lit_ablate.cli import LitAblateCLI
-from lit_ablate.modules.optim import decay_groups, warmup_cosine
+from lit_ablate.modules.optim import decay_groups, decay_names, warmup_cosine
 
 QUICKSTART = str(Path(__file__).parents[1] / "configs" / "quickstart.yaml")
 WARMUP = 5
@@ -64,7 +64,7 @@ def hand_written_step(steps: int) -> float:
     module.configure_model()
     data.setup("fit")
     model, hp = module.model, module.hparams
-    optimizer = torch.optim.AdamW(decay_groups(model, model.lm.get_input_embeddings().weight, hp.weight_decay),
+    optimizer = torch.optim.AdamW(decay_groups(model, decay_names(model, model.lm.get_input_embeddings().weight), hp.weight_decay),
                                   lr=hp.learning_rate, betas=hp.betas)
     scheduler = warmup_cosine(optimizer, hp.warmup_steps, steps, hp.min_lr_ratio)
     times: list[float] = []

@@ -8,18 +8,34 @@ import torch
 from torch import nn
 
 
-def decay_groups(model: nn.Module, embedding: nn.Parameter, weight_decay: float) -> list[dict]:
+def decay_names(model: nn.Module, embedding: nn.Parameter) -> set[str]:
+    """Names of the parameters that decay: matrices, except the input embedding. Call it on the
+    unwrapped model; sharding wrappers may flatten shapes."""
+    return {name for name, p in model.named_parameters() if p.ndim >= 2 and p is not embedding}
+
+
+def decay_groups(model: nn.Module, decaying: set[str], weight_decay: float) -> list[dict]:
     """Two parameter groups: matrices decay; norms, biases and the input embedding do not.
 
     Decaying a norm's gain or a bias only pulls it toward zero without regularising capacity,
     and decaying embeddings penalises rare tokens; this split is the GPT-2/LLaMA convention.
+    Names are matched after removing wrapper prefixes (FSDP1, activation checkpointing).
     """
     decay, no_decay = [], []
-    for param in model.parameters():
+    for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        (no_decay if param.ndim < 2 or param is embedding else decay).append(param)
+        (decay if _clean(name) in decaying else no_decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.", "module.")
+
+
+def _clean(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
 
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: float):

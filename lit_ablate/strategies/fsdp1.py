@@ -80,7 +80,9 @@ class FSDP1Strategy(FSDPStrategy):
             mixed_precision=self.mixed_precision_config,
             sharding_strategy=self.sharding_strategy,
             device_id=self.root_device,
-            **self.kwargs,
+            # Original parameters (views into the flat shards) keep names and per-parameter
+            # optimizer groups: no weight decay on norms/biases/embeddings, as under FSDP2.
+            **{"use_orig_params": True, **self.kwargs},
         )
         self.precision_plugin = RootClippingFSDPPrecision(self.precision_plugin, wrapped)
         return wrapped
