@@ -13,6 +13,7 @@ import importlib
 import io
 import re
 import sys
+import warnings
 from collections.abc import Callable
 
 import yaml
@@ -29,6 +30,7 @@ COMMANDS: dict[str, str] = {
     "report": "lit_ablate.ablation.commands:report_main",
     "estimate": "lit_ablate.estimate:estimate_main",
     "generate": "lit_ablate.generate:generate_main",
+    "export": "lit_ablate.strategies.export:export_main",
 }
 
 
@@ -62,7 +64,8 @@ class LitAblateCLI(LightningCLI):
 def resolve_fit_config(args: list[str]) -> dict:
     """The resolved config that ``lit-ablate fit <args>`` would run, without running anything."""
     out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*args.*sys.argv.*")  # intentional: args are explicit
         LitAblateCLI(args=["fit", *args, "--print_config"])
     return yaml.safe_load(out.getvalue())
 

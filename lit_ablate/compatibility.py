@@ -110,11 +110,22 @@ def attention_backend_available(config: Mapping[str, Any], launch: LaunchLike) -
     return _reason(attention.check_attention_backend, name, training=True)
 
 
+def strategy_options_run_here(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
+    """GPU-only strategy options (CPU offload, bf16 gradient compression) need a GPU."""
+    from lit_ablate.strategies.gpu_only import check_gpu_only_options
+
+    options = get_dotted(config, "trainer.strategy.init_args")
+    if not isinstance(options, Mapping):
+        return None
+    return _reason(check_gpu_only_options, options, "cuda" if _on_gpu(config, launch) else "cpu")
+
+
 RULES: dict[str, Rule] = {
     "accelerator_present": accelerator_present,
     "enough_devices": enough_devices,
     "single_node": single_node,
     "strategy_accepts_cpu": strategy_accepts_cpu,
+    "strategy_options_run_here": strategy_options_run_here,
     "loss_backend_available": loss_backend_available,
     "loss_kernels_exclusive": loss_kernels_exclusive,
     "attention_backend_available": attention_backend_available,

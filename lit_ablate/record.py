@@ -14,7 +14,7 @@ imports the other: both depend only on this module. A record is one JSON file pe
       "steps": [{"step": 1, "loss": ..., "lr": ..., "step_time_s": ..., "tokens_per_sec": ...,
                  "useful_tokens_per_sec": ..., "mfu": ..., "memory_peak_bytes": ...}, ...],
       "summary": {
-        "status": "ok" | "error" | "oom" | "running",
+        "status": "ok" | "error" | "oom" | "timeout" | "running" | "interrupted" | "skipped",
         "message": null | "the error, one line",
         "tokens_per_sec": {"median": ..., "min": ..., "max": ..., "n": ...} | null,
         "useful_tokens_per_sec": {...}, "tokens_per_sec_per_device": {...},
@@ -48,8 +48,11 @@ record is written, without touching the run's config."""
 VARIANT_ENV = "LIT_ABLATE_VARIANT"
 """Environment variable naming the study variant a run belongs to (written into its record)."""
 
-Status = Literal["ok", "error", "oom", "running"]
-FINISHED_STATUSES: tuple[str, ...] = ("ok", "error", "oom")
+Status = Literal["ok", "error", "oom", "timeout", "running", "interrupted", "skipped"]
+FINISHED_STATUSES: tuple[str, ...] = ("ok", "error", "oom", "timeout")
+"""Final statuses; ``running``/``interrupted`` (killed) and ``skipped`` (could not run here) are
+redone when a study resumes. ``timeout``, ``interrupted`` and ``skipped`` are written by the
+ablation runner, which also adds ``stderr_tail`` and ``returncode`` to a failed run's summary."""
 
 # Per-step series that summaries are made of: series name -> summary key.
 SUMMARISED_SERIES: dict[str, str] = {

@@ -20,22 +20,9 @@ from lit_ablate.modules import CausalLM
 SEQ = 16
 
 
-class MoECausalLM(CausalLM):
-    """``CausalLM`` with patched MoE blocks and their auxiliary losses in the loss."""
-
-    def __init__(self, moe: MoEOptions, **kwargs) -> None:
-        super().__init__(ModelFactory(preset="tiny-qwen3-moe"), warmup_steps=0, **kwargs)
-        self.moe = moe
-
-    def configure_model(self) -> None:
-        if self.model is None:
-            super().configure_model()
-            apply_moe(self.model.lm, self.moe)
-
-    def training_step(self, batch, batch_idx):
-        out = super().training_step(batch, batch_idx)
-        out["loss"] = out["loss"] + sum(collect_aux_losses(self.model).values())
-        return out
+def MoECausalLM(moe: MoEOptions, **kwargs) -> CausalLM:
+    """The tiny Qwen3-MoE with patched blocks, built the way a config builds it (``model.moe``)."""
+    return CausalLM(ModelFactory(preset="tiny-qwen3-moe", moe=moe), warmup_steps=0, **kwargs)
 
 
 def batches(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
@@ -88,3 +75,12 @@ def test_monitor_warns_when_there_are_no_moe_blocks() -> None:
     module.configure_model()
     with pytest.warns(UserWarning, match="no lit-ablate MoE blocks"):
         ExpertLoadMonitor().on_train_start(SimpleNamespace(global_step=0), module)
+
+
+def test_module_reports_the_experts_fallback_for_the_run_record() -> None:
+    module = MoECausalLM(MoEOptions(experts="grouped"))
+    module.configure_model()
+    assert module.fallbacks == []
+    module.model.double()  # grouped_mm has no float64 CPU kernel: the experts fall back
+    module.model(batches(1)[0])
+    assert module.fallbacks == ["torch._grouped_mm does not run torch.float64 on cpu"]

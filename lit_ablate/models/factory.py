@@ -14,7 +14,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+import lit_ablate.models.attention  # noqa: F401  (registers sdpa_packed, flex, fa_varlen with transformers)
 from lit_ablate.errors import ConfigError
+from lit_ablate.models.moe import MoEOptions, apply_moe
 from lit_ablate.models.presets import preset_config
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -32,7 +34,9 @@ class ModelFactory:
             excludes ``preset``/``config``.
         dtype: parameter dtype: ``float32``, ``bfloat16`` or ``float16``.
         attn_implementation: the transformers attention backend name (``sdpa``, ``eager``, or one
-            registered by ``lit_ablate.models.attention``).
+            registered by ``lit_ablate.models.attention``: ``sdpa_packed``, ``flex``, ``fa_varlen``).
+        moe: for MoE models, the experts implementation and router losses (``MoEOptions``);
+            null leaves transformers' own MoE blocks untouched.
     """
 
     preset: str | None = None
@@ -40,8 +44,11 @@ class ModelFactory:
     pretrained: str | None = None
     dtype: str = "float32"
     attn_implementation: str = "sdpa"
+    moe: MoEOptions | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.moe, dict):  # from a checkpoint's plain-dict hyperparameters
+            self.moe = MoEOptions(**self.moe)
         if self.pretrained and (self.preset or self.config):
             raise ConfigError("model.init_args.model.pretrained", self.pretrained, "give either pretrained or preset/config, not both")
         if not (self.pretrained or self.preset or self.config):
@@ -77,8 +84,12 @@ class ModelFactory:
     def build(self) -> PreTrainedModel:
         """The model: random init from the current RNG state, or the checkpoint's weights."""
         if self.pretrained:
-            return AutoModelForCausalLM.from_pretrained(
+            model = AutoModelForCausalLM.from_pretrained(
                 self.pretrained, dtype=self.torch_dtype, attn_implementation=self.attn_implementation
             )
-        model = AutoModelForCausalLM.from_config(self.hf_config(), attn_implementation=self.attn_implementation)
-        return model.to(self.torch_dtype)
+        else:
+            model = AutoModelForCausalLM.from_config(self.hf_config(), attn_implementation=self.attn_implementation)
+            model = model.to(self.torch_dtype)
+        if self.moe is not None:
+            apply_moe(model, self.moe)
+        return model

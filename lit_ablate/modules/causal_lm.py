@@ -10,10 +10,12 @@ from lightning.pytorch import LightningModule
 
 from lit_ablate.errors import ConfigError
 from lit_ablate.estimate import ParameterCounts, count_parameters, flops_per_token
+from lit_ablate.models.attention import check_attention_backend
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.losses import loss_backend
-from lit_ablate.modules.optim import decay_groups, warmup_cosine
+from lit_ablate.models.moe import collect_aux_losses, experts_fallbacks
+from lit_ablate.modules.optim import decay_groups, decay_names, warmup_cosine
 from lit_ablate.modules.step_output import StepOutput
 
 
@@ -27,6 +29,7 @@ class CausalLM(LightningModule):
     Args:
         model: which model to build (preset, HF config mapping, or checkpoint path).
         loss: the cross-entropy backend (``lit_ablate.models.losses``): ``torch`` is the reference.
+        loss_options: the backend's options (e.g. ``{chunk_tokens: 512, z_loss_weight: 1e-4}``).
         learning_rate: peak AdamW learning rate, reached after ``warmup_steps``.
         weight_decay: decoupled decay on matrices only (not norms, biases, embeddings).
         betas: AdamW betas.
@@ -38,6 +41,7 @@ class CausalLM(LightningModule):
         self,
         model: ModelFactory,
         loss: str = "torch",
+        loss_options: dict[str, Any] | None = None,
         learning_rate: float = 3e-3,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -49,14 +53,15 @@ class CausalLM(LightningModule):
             raise ConfigError("model.init_args.learning_rate", learning_rate, "use a positive learning rate")
         if warmup_steps < 0:
             raise ConfigError("model.init_args.warmup_steps", warmup_steps, "use 0 or more warm-up steps")
-        loss_backend(loss)  # unknown names fail here, before any model is built
+        loss_backend(loss, **(loss_options or {}))  # bad names/options fail here, before any model is built
         # Plain values only, so checkpoints load with torch.load(weights_only=True).
-        self.save_hyperparameters({"model": asdict(model), "loss": loss, "learning_rate": learning_rate,
+        self.save_hyperparameters({"model": asdict(model), "loss": loss, "loss_options": dict(loss_options or {}), "learning_rate": learning_rate,
                                    "weight_decay": weight_decay, "betas": tuple(betas),
                                    "warmup_steps": warmup_steps, "min_lr_ratio": min_lr_ratio})
         self.factory = model
         self.model: CausalLMWithLoss | None = None
         self.parameter_counts: ParameterCounts | None = None
+        self._decay_names: set[str] = set()
 
     @classmethod
     def from_hparams(cls, hparams: dict[str, Any]) -> CausalLM:
@@ -67,9 +72,13 @@ class CausalLM(LightningModule):
         if self.model is not None:
             return
         self._check_vocabulary()
+        check_attention_backend(self.factory.attn_implementation, training=True)
         lm = self.factory.build()
         self.parameter_counts = count_parameters(lm, lm.config)
-        self.model = CausalLMWithLoss(lm, loss_backend(self.hparams.loss))
+        self.model = CausalLMWithLoss(lm, loss_backend(self.hparams.loss, **self.hparams.loss_options))
+        # Which parameters decay is decided now, on the unwrapped model: sharding wrappers
+        # (FSDP1's flat views) change shapes, so a later ndim test would see only vectors.
+        self._decay_names = decay_names(self.model, lm.get_input_embeddings().weight)
 
     def _check_vocabulary(self) -> None:
         """A tokenizer larger than the embedding table would index out of range mid-step."""
@@ -79,6 +88,11 @@ class CausalLM(LightningModule):
             raise ConfigError("model.init_args.model.config.vocab_size", vocab,
                               f"the tokenizer has {tokenizer.vocab_size} tokens; use a vocab_size of at least that")
 
+    @property
+    def fallbacks(self) -> list[str]:
+        """Every slower path a model part took instead of the one asked for (in the run record)."""
+        return experts_fallbacks(self.model) if self.model is not None else []
+
     def flops_per_token(self, seq_len: int) -> float:
         """Analytic training FLOPs per token at this sequence length (see ``lit_ablate.estimate``)."""
         return flops_per_token(self.parameter_counts, self.model.lm.config, seq_len)
@@ -87,8 +101,11 @@ class CausalLM(LightningModule):
         loss_sum, useful = self.model(batch)
         loss = loss_sum / useful.clamp(min=1)
         self.log("train/loss", loss.detach(), prog_bar=True)
+        aux = collect_aux_losses(self.model)  # MoE router losses: trained on, logged apart
+        for name, value in aux.items():
+            self.log(f"train/{name}", value.detach())
         tokens = batch["input_ids"].numel()
-        return {"loss": loss, "loss_sum": loss_sum.detach(), "tokens": tokens, "useful_tokens": useful,
+        return {"loss": loss + sum(aux.values()), "loss_sum": loss_sum.detach(), "tokens": tokens, "useful_tokens": useful,
                 "flops": self.flops_per_token(batch["input_ids"].shape[-1]) * tokens}
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
@@ -97,7 +114,7 @@ class CausalLM(LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
-        groups = decay_groups(self.model, self.model.lm.get_input_embeddings().weight, hp.weight_decay)
+        groups = decay_groups(self.model, self._decay_names, hp.weight_decay)
         optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=hp.betas)
         total = self.trainer.estimated_stepping_batches
         scheduler = warmup_cosine(optimizer, hp.warmup_steps, int(total), hp.min_lr_ratio)

@@ -5,6 +5,7 @@ subclasses ``MeshStrategy``/``FSDP2Strategy`` and overrides one ``apply_*`` step
 """
 
 from lit_ablate.strategies.ddp import DDPStrategy
+from lit_ablate.strategies.expert_parallel import ExpertParallelStrategy
 from lit_ablate.strategies.fsdp1 import FSDP1Strategy
 from lit_ablate.strategies.fsdp2 import FSDP2Strategy
 from lit_ablate.strategies.hsdp import HSDPStrategy
@@ -13,6 +14,7 @@ from lit_ablate.strategies.zero1 import ZeRO1Strategy
 
 __all__ = [
     "DDPStrategy",
+    "ExpertParallelStrategy",
     "FSDP1Strategy",
     "FSDP2Strategy",
     "HSDPStrategy",
