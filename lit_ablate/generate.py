@@ -32,7 +32,7 @@ def generate(ckpt_path: str, prompt: str, max_new_tokens: int = 32, temperature:
     if spec is None:
         raise ConfigError("tokenizer", None, "the checkpoint records no tokenizer; pass --tokenizer byte or a path")
     tok = load_tokenizer(spec)
-    module = CausalLM.from_hparams(checkpoint["hyper_parameters"])
+    module = CausalLM.from_hparams(checkpoint["hyper_parameters"], inference=True)
     module.configure_model()
     module.load_state_dict(checkpoint["state_dict"])
     lm = module.model.lm.eval()

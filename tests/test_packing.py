@@ -252,3 +252,49 @@ def test_ddp_two_ranks_train_on_packed_batches(tmp_path):
     losses = [s["loss"] for s in record["steps"]]
     assert record["environment"]["world_size"] == 2 and len(losses) == 12
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < 0.8 * losses[0]
+
+
+# --- torch.compile on static-shape packed rows ------------------------------------------------------
+
+
+@pytest.mark.slow  # inductor compiles the decoder layer once: ~20-40 s on 2 shared cores
+def test_compiled_layers_train_static_packed_rows_like_eager():
+    """``CausalLM(compile=True)`` on fixed-shape packed rows: the same loss and gradients as eager."""
+    from lit_ablate.modules import CausalLM
+
+    examples = _examples(n=8, seed=3)
+    packing = PackingCollator(max_tokens=160, static_shape=True)
+    packing.bind(pad_id=256, seq_len=96)
+    rows = pack_ffd(list(range(len(examples))), [len(e["input_ids"]) for e in examples], 160)
+    batch = packing([[examples[i] for i in row] for row in rows])
+    assert batch["input_ids"].shape[1] == 160
+    results = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        module = CausalLM(ModelFactory(preset="tiny-llama", attn_implementation="sdpa_packed"), compile=compiled)
+        module.configure_model()
+        loss_sum, useful = module.model(batch)
+        (loss_sum / useful).backward()
+        results[compiled] = loss_sum.detach(), {n: p.grad for n, p in module.model.named_parameters()}
+    torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-5, atol=0)
+    for name, grad in results[True][1].items():
+        torch.testing.assert_close(grad, results[False][1][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_module_compile_under_a_mesh_strategy_points_to_its_compile_step():
+    from lit_ablate.errors import ConfigError
+    from lit_ablate.modules import CausalLM
+    from lit_ablate.strategies import FSDP2Strategy
+
+    module = CausalLM(ModelFactory(preset="tiny-llama"), compile=True)
+    module._trainer = SimpleNamespace(strategy=FSDP2Strategy(), datamodule=None)
+    with pytest.raises(ConfigError, match=r"model\.init_args\.compile.*compile_layers: true"):
+        module.configure_model()
+
+
+def test_inference_rebuild_uses_sdpa_and_no_compile():
+    from lit_ablate.modules import CausalLM
+
+    trained = CausalLM(ModelFactory(preset="tiny-llama", attn_implementation="fa_varlen"), compile=True)
+    rebuilt = CausalLM.from_hparams(dict(trained.hparams), inference=True)
+    assert rebuilt.factory.attn_implementation == "sdpa" and rebuilt.hparams.compile is False

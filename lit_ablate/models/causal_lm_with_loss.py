@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
+from lit_ablate.errors import ConfigError
 from lit_ablate.models.losses import IGNORE_INDEX, LossBackend
 
 # Batch keys the decoder consumes; everything else in a batch is bookkeeping (labels, counts).
@@ -57,3 +58,16 @@ class CausalLMWithLoss(nn.Module):
     def logits(self, input_ids: Tensor, **inputs: Tensor) -> Tensor:
         """Full logits, for evaluation and equivalence tests (training never calls this)."""
         return self.lm(input_ids=input_ids, use_cache=False, **inputs).logits
+
+
+def decoder_layers(model: CausalLMWithLoss) -> list[nn.Module]:
+    """The decoder layers, in order: the units that checkpointing, compile and FSDP act on."""
+    types = model.decoder_layer_types
+    layers = [m for m in model.modules() if types and isinstance(m, types)]
+    if not layers:
+        raise ConfigError(
+            "model", type(model.lm).__name__,
+            "the model declares no decoder-layer classes (Hugging Face `_no_split_modules`); "
+            "compile and the mesh strategies need them to know what to wrap",
+        )
+    return layers

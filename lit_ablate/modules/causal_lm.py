@@ -11,7 +11,7 @@ from lightning.pytorch import LightningModule
 from lit_ablate.errors import ConfigError
 from lit_ablate.estimate import ParameterCounts, count_parameters, flops_per_token
 from lit_ablate.models.attention import check_attention_backend
-from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
+from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.losses import loss_backend
 from lit_ablate.models.moe import collect_aux_losses, experts_fallbacks
@@ -35,6 +35,9 @@ class CausalLM(LightningModule):
         betas: AdamW betas.
         warmup_steps: linear warm-up steps of the learning rate.
         min_lr_ratio: the cosine schedule ends at this fraction of ``learning_rate``.
+        compile: ``torch.compile`` each decoder layer (one graph, compiled once, reused by every
+            layer). Under a mesh strategy use its ``compile_layers`` instead, which compiles
+            after activation checkpointing as its pipeline orders it.
     """
 
     def __init__(
@@ -47,6 +50,7 @@ class CausalLM(LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 10,
         min_lr_ratio: float = 0.1,
+        compile: bool = False,
     ) -> None:
         super().__init__()
         if learning_rate <= 0:
@@ -57,16 +61,25 @@ class CausalLM(LightningModule):
         # Plain values only, so checkpoints load with torch.load(weights_only=True).
         self.save_hyperparameters({"model": asdict(model), "loss": loss, "loss_options": dict(loss_options or {}), "learning_rate": learning_rate,
                                    "weight_decay": weight_decay, "betas": tuple(betas),
-                                   "warmup_steps": warmup_steps, "min_lr_ratio": min_lr_ratio})
+                                   "warmup_steps": warmup_steps, "min_lr_ratio": min_lr_ratio, "compile": compile})
         self.factory = model
         self.model: CausalLMWithLoss | None = None
         self.parameter_counts: ParameterCounts | None = None
         self._decay_names: set[str] = set()
 
     @classmethod
-    def from_hparams(cls, hparams: dict[str, Any]) -> CausalLM:
-        """Rebuild from a checkpoint's ``hyper_parameters`` (as saved by ``__init__``)."""
-        return cls(**{**hparams, "model": ModelFactory(**hparams["model"])})
+    def from_hparams(cls, hparams: dict[str, Any], inference: bool = False) -> CausalLM:
+        """Rebuild from a checkpoint's ``hyper_parameters`` (as saved by ``__init__``).
+
+        ``inference=True`` (generate, export) builds for unpacked inputs anywhere: transformers'
+        ``sdpa`` attention, which every HF install loads and which equals the packed backends on
+        one document per row, and no compile.
+        """
+        model = dict(hparams["model"])
+        if inference:
+            hparams = {**hparams, "compile": False}
+            model["attn_implementation"] = "sdpa"
+        return cls(**{**hparams, "model": ModelFactory(**model)})
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -79,6 +92,17 @@ class CausalLM(LightningModule):
         # Which parameters decay is decided now, on the unwrapped model: sharding wrappers
         # (FSDP1's flat views) change shapes, so a later ndim test would see only vectors.
         self._decay_names = decay_names(self.model, lm.get_input_embeddings().weight)
+        if self.hparams.compile:
+            self._compile_layers()
+
+    def _compile_layers(self) -> None:
+        strategy = self.trainer.strategy if self._trainer else None
+        if hasattr(strategy, "compile_layers"):
+            raise ConfigError("model.init_args.compile", True,
+                              f"{type(strategy).__name__} has its own step: set "
+                              "trainer.strategy.init_args.compile_layers: true instead")
+        for layer in decoder_layers(self.model):
+            layer.compile()
 
     def _check_vocabulary(self) -> None:
         """A tokenizer larger than the embedding table would index out of range mid-step."""

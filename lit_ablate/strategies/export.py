@@ -41,7 +41,7 @@ def export_hf_checkpoint(ckpt_path: str | Path, output_dir: str | Path) -> Path:
     if "hyper_parameters" not in checkpoint:
         raise ConfigError("--ckpt_path", str(ckpt_path), "the checkpoint has no hyper_parameters; export reads "
                           "checkpoints of lit_ablate.modules.CausalLM")
-    module = CausalLM.from_hparams(checkpoint["hyper_parameters"])
+    module = CausalLM.from_hparams(checkpoint["hyper_parameters"], inference=True)
     module.configure_model()
     state = module.state_dict()
     if sharded:

@@ -32,11 +32,10 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lit_ablate.errors import ConfigError
-from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
+from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
 
 MESH_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "ep", "cp", "tp")
 """The mesh dimensions, outermost first."""
@@ -87,19 +86,6 @@ def resolve_mesh_sizes(sizes: Mapping[str, int], world_size: int) -> dict[str, i
 
 def _shown(sizes: Mapping[str, int]) -> dict[str, int]:
     return {dim: size for dim, size in sizes.items() if size != 1}
-
-
-def decoder_layers(model: CausalLMWithLoss) -> list[nn.Module]:
-    """The decoder layers, in order: the units that checkpointing, compile and FSDP act on."""
-    types = model.decoder_layer_types
-    layers = [m for m in model.modules() if types and isinstance(m, types)]
-    if not layers:
-        raise ConfigError(
-            "model", type(model.lm).__name__,
-            "the model declares no decoder-layer classes (Hugging Face `_no_split_modules`); "
-            "mesh strategies need them to know what to wrap",
-        )
-    return layers
 
 
 class MeshStrategy(ModelParallelStrategy):
@@ -314,7 +300,10 @@ class MeshStrategy(ModelParallelStrategy):
             model.to_empty(device=device)
         if not (dist.is_initialized() and dist.get_world_size() > 1):
             return
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+        )
 
         set_model_state_dict(
             model, dict(source), options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
