@@ -30,4 +30,4 @@ class GradNormMonitor(StepMonitor):
         self._norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
 
     def measure(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
-        self.record(pl_module, "grad_norm", step, self._norm)
+        self.record("grad_norm", step, self._norm)

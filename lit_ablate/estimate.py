@@ -14,9 +14,9 @@ formula. Conventions (torchtitan's, stated so numbers are comparable across tech
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -424,7 +424,7 @@ def estimate_main(argv: list[str]) -> int:
         rows = []
         for kind in ("configured", *SHARDINGS):
             here = at(kind, world)
-            fewest = smallest_world_size(lambda n: (e := at(kind, n)) is not None and e.total <= budget, args.max_gpus)
+            fewest = smallest_world_size(lambda n, kind=kind: (e := at(kind, n)) is not None and e.total <= budget, args.max_gpus)
             rows.append((kind, here, fewest))
     except ConfigError as err:
         print(f"lit-ablate estimate: error: {err}", file=sys.stderr)

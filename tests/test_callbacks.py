@@ -54,6 +54,25 @@ def test_throughput_counts_processed_and_useful_tokens_per_optimizer_step(tmp_pa
     assert summary["tokens_per_sec"]["min"] <= summary["tokens_per_sec"]["median"] <= summary["tokens_per_sec"]["max"]
 
 
+def test_monitor_values_reach_the_lightning_logger_every_n_steps(tmp_path):
+    """Monitors write to the loggers once per step (honouring ``log_every_n_steps``), the same
+    values as in the run record."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    L.seed_everything(0)
+    module = CausalLM(ModelFactory(preset="tiny-llama"), warmup_steps=0)
+    trainer = L.Trainer(max_steps=4, accelerator="cpu", log_every_n_steps=2, logger=CSVLogger(tmp_path, name="csv"),
+                        callbacks=[ThroughputMonitor(), RunRecorder(path=str(tmp_path / "run.json"))],
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, DataLoader(_batches(4, 2, masked_prefix=[0]), batch_size=None))
+    rows = list(csv.DictReader(open(tmp_path / "csv" / "version_0" / "metrics.csv")))
+    logged = {int(r["step"]): float(r["ThroughputMonitor/step_time_s"]) for r in rows if r.get("ThroughputMonitor/step_time_s")}
+    recorded = {s["step"]: s["step_time_s"] for s in json.loads((tmp_path / "run.json").read_text())["steps"]}
+    assert logged == {step: pytest.approx(recorded[step]) for step in (2, 4)}
+
+
 def test_recorded_loss_is_exact_token_average_across_micro_batches(tmp_path):
     """With a negligible learning rate the weights stay put, so each step's recorded loss must be
     the reference CE over all useful tokens of its micro-batches (not a mean of micro-batch means)."""

@@ -1,6 +1,5 @@
 """The `lit-ablate` command: end to end in a subprocess, config round trip, one-line errors."""
 
-import json
 import os
 import subprocess
 import sys

@@ -76,7 +76,7 @@ class ExpertLoadMonitor(StepMonitor):
                 raw[f"moe/layer{block.layer_index}"] = [*load.counts.tolist(), load.load_balance_loss, load.z_loss]
         if raw:
             self._raw[step] = raw
-            self._publish(step, raw, pl_module)
+            self._publish(step, raw, log=True)
 
     def finalize(self, trainer: Trainer) -> None:
         if trainer.world_size == 1 or not self._raw:
@@ -87,7 +87,7 @@ class ExpertLoadMonitor(StepMonitor):
         summed = trainer.strategy.reduce(local, reduce_op="sum").cpu()
         summed[..., -2:] /= trainer.world_size  # losses: the mean over ranks; counts: the sum
         for i, step in enumerate(steps):
-            self._publish(step, dict(zip(layers, summed[i].tolist())), None)
+            self._publish(step, dict(zip(layers, summed[i].tolist())), log=False)
 
     def summary_line(self) -> str:
         """The over-layers statistics only (per-layer series and expert fractions are in the record)."""
@@ -98,28 +98,27 @@ class ExpertLoadMonitor(StepMonitor):
                 medians.append(f"moe/{name}={statistics.median(measured):.4g}")
         return f"{type(self).__name__} (median after {self.warmup_steps} warm-up steps): {' '.join(medians) or 'n/a'}"
 
-    def _publish(self, step: int, raw: dict[str, list[float]], pl_module: LightningModule | None) -> None:
-        """Derive and store every series of ``step``; log them too when ``pl_module`` is given."""
+    def _publish(self, step: int, raw: dict[str, list[float]], log: bool) -> None:
+        """Derive and store every series of ``step``; queue them for the loggers when ``log``."""
         per_layer = []
         for layer, values in raw.items():
             counts, (balance, z) = values[:-2], values[-2:]
             total = sum(counts)
             fractions = [c / total if total else 0.0 for c in counts]
             self.series.setdefault(f"{layer}/expert_fraction", {})[step] = fractions
-            if pl_module is not None and self.log_to_logger and self.log_expert_fractions:
+            if log and self.log_expert_fractions:
                 for expert, fraction in enumerate(fractions):
-                    pl_module.log(f"{self.log_prefix}/{layer}/expert{expert}_fraction", fraction,
-                                  on_step=True, on_epoch=False)
+                    self.log_value(f"{layer}/expert{expert}_fraction", fraction)
             stats = {**load_statistics(counts), "load_balance_loss": balance, "z_loss": z}
             per_layer.append(stats)
             for name, value in stats.items():
-                self._store(pl_module, f"{layer}/{name}", step, value)
-        self._store(pl_module, "moe/max_over_mean", step, max(s["max_over_mean"] for s in per_layer))
+                self._store(f"{layer}/{name}", step, value, log)
+        self._store("moe/max_over_mean", step, max(s["max_over_mean"] for s in per_layer), log)
         for name in ("cv", "load_balance_loss", "z_loss"):
-            self._store(pl_module, f"moe/{name}", step, sum(s[name] for s in per_layer) / len(per_layer))
+            self._store(f"moe/{name}", step, sum(s[name] for s in per_layer) / len(per_layer), log)
 
-    def _store(self, pl_module: LightningModule | None, name: str, step: int, value: float) -> None:
-        if pl_module is None:
-            self.series.setdefault(name, {})[step] = value
+    def _store(self, name: str, step: int, value: float, log: bool) -> None:
+        if log:
+            self.record(name, step, value)
         else:
-            self.record(pl_module, name, step, value)
+            self.series.setdefault(name, {})[step] = value

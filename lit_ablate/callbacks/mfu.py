@@ -74,4 +74,4 @@ class MFUMonitor(StepMonitor):
     def measure(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
         t = self.totals
         mfu = t.flops / t.seconds / (self.peak_tflops * 1e12) if self.peak_tflops else None
-        self.record(pl_module, "mfu", step, mfu)
+        self.record("mfu", step, mfu)

@@ -24,9 +24,9 @@ class ThroughputMonitor(StepMonitor):
 
     def measure(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
         t = self.totals
-        self.record(pl_module, "step_time_s", step, t.seconds)
-        self.record(pl_module, "tokens_per_sec_per_device", step, t.tokens / t.seconds)
-        self.record(pl_module, "useful_tokens_per_sec_per_device", step, t.useful_tokens / t.seconds)
+        self.record("step_time_s", step, t.seconds)
+        self.record("tokens_per_sec_per_device", step, t.tokens / t.seconds)
+        self.record("useful_tokens_per_sec_per_device", step, t.useful_tokens / t.seconds)
         self.series.setdefault("_tokens", {})[step] = t.tokens
         self.series.setdefault("_useful_tokens", {})[step] = t.useful_tokens
 
