@@ -101,12 +101,12 @@ def measure_point(backends: dict[str, LossBackend], vocab: int, tokens: int, hid
     """All backends on the same inputs, repeats interleaved so drifting machine load hits each alike."""
     h, w, labels = make_inputs(vocab, tokens, hidden, dtype, device)
     samples: dict[str, list[tuple[int, float, float]]] = {name: [] for name in backends}
-    for name, loss_fn in backends.items():
+    for loss_fn in backends.values():
         for _ in range(warmup):
             forward_backward(loss_fn, h, w, labels)
     for _ in range(repeats):
         for name, loss_fn in backends.items():
-            def run() -> None:
+            def run(loss_fn=loss_fn) -> None:
                 forward_backward(loss_fn, h, w, labels)
 
             sample = measure_cuda(run, device) if device.type == "cuda" else measure_cpu(run, h, w, labels)
