@@ -167,6 +167,22 @@ def test_skipped_variant_gets_a_record_and_is_rechecked_on_resume(tmp_path: Path
     assert "skipped: trainer.strategy=fsdp" in (out / "report.md").read_text()
 
 
+def test_failure_that_a_rule_now_explains_becomes_skipped(tmp_path: Path, fake_fit: list[str], monkeypatch):
+    """A run that crashed before a compatibility rule knew why is recorded as skipped on resume;
+    a finished ok run is kept even if it could not run here any more."""
+    from lit_ablate import compatibility
+
+    spec = make_spec([{"name": "good"}, {"name": "crash", "overrides": {"fake.crash": True}}])
+    out = tmp_path / "study"
+    run_study(spec, out, fake_fit, fake_resolve)
+    assert record(out, "crash")["summary"]["status"] == "error"
+    monkeypatch.setitem(compatibility.RULES, "test_rule", lambda config, launch: "needs a GPU")
+    run_study(spec, out, fake_fit, fake_resolve)
+    crash = record(out, "crash")["summary"]
+    assert (crash["status"], crash["message"]) == ("skipped", "needs a GPU")
+    assert record(out, "good")["summary"]["status"] == "ok" and launches(tmp_path) == ["good 0", "crash 0"]
+
+
 def test_changed_config_and_incomplete_records_are_redone(tmp_path: Path, fake_fit: list[str]):
     spec = make_spec([{"name": "a"}, {"name": "b", "overrides": {"model.init_args.lr": 0.2}}], seeds=[0, 1])
     out = tmp_path / "study"

@@ -64,7 +64,7 @@ def run_runs(
         for run in runs:
             progress.update(task, description=run.label)
             previous = _previous_record(run)
-            if previous is not None and _is_kept(previous, retry_failed):
+            if previous is not None and _is_kept(previous, run, retry_failed):
                 outcome = f"kept ({previous['summary']['status']})"
                 records.append(previous)
             else:
@@ -154,9 +154,12 @@ def _previous_record(run: PlannedRun) -> dict[str, Any] | None:
     return _read(run.run_dir / run_record.RECORD_FILENAME)
 
 
-def _is_kept(record: dict[str, Any], retry_failed: bool) -> bool:
+def _is_kept(record: dict[str, Any], run: PlannedRun, retry_failed: bool) -> bool:
+    """Finished records stay, except failures asked to be retried or that a rule now explains (skipped)."""
     status = record.get("summary", {}).get("status")
-    return status in DONE_STATUSES and not (retry_failed and status in FAILED_STATUSES)
+    if status in FAILED_STATUSES and (retry_failed or run.skip_reason):
+        return False
+    return status in DONE_STATUSES
 
 
 def _clear(run: PlannedRun) -> None:
