@@ -12,7 +12,7 @@ import logging
 import pytest
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock, load_balancing_loss_func
 
 from lit_ablate.errors import ConfigError
@@ -146,6 +146,18 @@ def test_patching_mixtral_keeps_its_outputs() -> None:
     jittery = AutoModelForCausalLM.from_config(MixtralConfig(**{**config.to_dict(), "router_jitter_noise": 0.1}))
     with pytest.raises(ConfigError, match="jitter"):
         apply_moe(jittery, MoEOptions())
+
+
+def test_patching_olmoe_keeps_its_outputs() -> None:
+    torch.manual_seed(0)
+    config = OlmoeConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2)
+    hf = AutoModelForCausalLM.from_config(config)
+    hf.set_experts_implementation("eager")
+    patched = copy.deepcopy(hf)
+    assert len(apply_moe(patched, MoEOptions(experts="grouped"))) == 2
+    ids = torch.randint(0, 64, (1, 10))
+    _close(patched(input_ids=ids).logits, hf(input_ids=ids).logits)
 
 
 # --- router and auxiliary losses --------------------------------------------------------------
