@@ -86,6 +86,26 @@ def test_loss_agreement_within_tolerance_passes_and_outside_fails():
     assert by_name["late"]["passed"] is True
 
 
+def test_loss_agreement_across_one_axis_compares_within_the_other(tmp_path: Path):
+    """Backends x dtype grid with ``across: loss``: each backend is compared with torch at its own
+    dtype (bf16 changes the loss by design), not with the fp32 baseline."""
+    loss, dtype = "model.init_args.loss", "model.init_args.model.dtype"
+    grid = [(b, d) for b in ("torch", "chunked") for d in ("float32", "bfloat16")]
+    name = {(b, d): f"loss={b},dtype={d}" for b, d in grid}
+    plan = {"name": "lvc", "baseline": name["torch", "float32"], "axes": {loss: ["torch", "chunked"], dtype: ["float32", "bfloat16"]},
+            "expect_equal_loss": {"rtol": 1e-4, "atol": 0.0, "steps": None, "across": loss},
+            "variants": [{"name": name[b, d], "axis_values": {loss: b, dtype: d}} for b, d in grid]}  # fmt: skip
+    curves = {"float32": [4.0, 3.0, 2.0], "bfloat16": [4.1, 3.1, 2.1]}
+    records = [make_record(name[b, d], 0, speed=1, peak_mib=1, losses=curves[d]) for b, d in grid]
+    summary = study_summary(plan, [(f"runs/{r['variant']}/seed0/run.json", r) for r in records])
+    by_name = {v["name"]: v for v in summary["variants"]}
+    assert by_name[name["chunked", "bfloat16"]]["loss_reference"] == name["torch", "bfloat16"]
+    assert by_name[name["chunked", "bfloat16"]]["loss_agreement"]["passed"] is True
+    assert by_name[name["torch", "bfloat16"]]["loss_reference"] == name["torch", "bfloat16"]  # its own reference
+    text = write_report(make_study(tmp_path, records, plan)).read_text()
+    assert "loss = reference" in text and "pass vs loss=torch,dtype=bfloat16" in text and "FAIL" not in text
+
+
 def test_failed_seed_is_reported_and_left_out_of_the_numbers():
     records = [make_record("a", 0, speed=10, peak_mib=1, losses=[3, 2, 1]),
                make_record("a", 1, speed=1000, peak_mib=1, losses=[3, 2], status="oom")]  # fmt: skip

@@ -129,6 +129,7 @@ def test_relative_base_is_relative_to_the_study_file(tmp_path: Path):
         ({"overrides": {"trainer.max_steps": 9}}, "overrides.trainer.max_steps"),
         ({"expect_equal_loss": {"rtol": -1}}, "expect_equal_loss.rtol"),
         ({"expect_equal_loss": {"tol": 1}}, "expect_equal_loss.tol"),
+        ({"expect_equal_loss": {"across": "model.init_args.lr"}}, "expect_equal_loss.across"),
         ({"name": "a b"}, "name"),
     ],
 )

@@ -65,7 +65,7 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
     agreement = study.get("expect_equal_loss")
     header = ["variant", "status", "tokens/s", "useful tokens/s", "step time (s)", "MFU", "peak memory",
               "est. memory", "final loss", "Δ loss", "speed ×", "memory ×"]  # fmt: skip
-    header += ["loss = baseline"] if agreement else []
+    header += [f"loss = {_reference_word(agreement)}"] if agreement else []
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for v in variants:
         row = [
@@ -83,7 +83,7 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
             "—" if v["memory_ratio"] is None else f"{v['memory_ratio']:.2f}×",
         ]
         if agreement:
-            row.append(_agreement_cell(v["loss_agreement"], v["name"] == study["baseline"]))
+            row.append(_agreement_cell(v, study["baseline"]))
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", _legend(agreement), ""]
     lines += [f"![{Path(name).stem}]({name})" for name in summary.get("plots", [])]
@@ -129,13 +129,21 @@ def _memory_cell(variant: Mapping[str, Any]) -> str:
     return _spread(stats, _bytes) + (f" ({variant['memory_method']})" if variant["memory_method"] else "")
 
 
-def _agreement_cell(result: Mapping[str, Any] | None, is_baseline: bool) -> str:
-    if is_baseline:
+def _reference_word(agreement: Mapping[str, Any]) -> str:
+    return "reference" if agreement.get("across") else "baseline"
+
+
+def _agreement_cell(variant: Mapping[str, Any], baseline: str) -> str:
+    reference, result = variant.get("loss_reference"), variant["loss_agreement"]
+    if reference == variant["name"]:
         return "(reference)"
+    if reference is None:
+        return "n/a: no reference variant"
     if not result or result["passed"] is None:
         return "n/a" + (f": {result['reason']}" if result else "")
+    against = "" if reference == baseline else f" vs {reference}"
     diff = f"max abs diff {result['max_abs_diff']:.2e}" if result.get("max_abs_diff") is not None else ""
-    return "pass, " + diff if result["passed"] else _cell(f"**FAIL** ({result['reason']}; {diff})")
+    return f"pass{against}, " + diff if result["passed"] else _cell(f"**FAIL**{against} ({result['reason']}; {diff})")
 
 
 def _legend(agreement: Mapping[str, Any] | None) -> str:
@@ -148,8 +156,12 @@ def _legend(agreement: Mapping[str, Any] | None) -> str:
             "baseline's. MFU n/a: no honest peak FLOP/s is known for this device or precision.")  # fmt: skip
     if agreement:
         steps = f"the first {agreement['steps']} steps" if agreement.get("steps") else "every step"
-        text += (f" Loss = baseline: per seed, over {steps}, |loss − baseline| ≤ {agreement['atol']:g} + "
-                 f"{agreement['rtol']:g}·|baseline|.")  # fmt: skip
+        word = _reference_word(agreement)
+        text += (f" Loss = {word}: per seed, over {steps}, |loss − {word}| ≤ {agreement['atol']:g} + "
+                 f"{agreement['rtol']:g}·|{word}|.")  # fmt: skip
+        if agreement.get("across"):
+            text += (f" The reference of a variant differs from it only in `{agreement['across']}`, "
+                     "holding the baseline's value.")
     return text
 
 

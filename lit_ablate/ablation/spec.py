@@ -91,14 +91,19 @@ class Launch:
 
 @dataclass(frozen=True)
 class LossAgreement:
-    """``expect_equal_loss``: variants' loss series must match the baseline's over the first ``steps``.
+    """``expect_equal_loss``: variants' loss series must match a reference's over the first ``steps``.
 
-    Passes at a step when ``|loss - baseline_loss| <= atol + rtol * |baseline_loss|``.
+    Passes at a step when ``|loss - reference_loss| <= atol + rtol * |reference_loss|``. The
+    reference is the baseline, or with ``across: AXIS_KEY`` (grids) the variant that differs only
+    in that axis and holds the baseline's value of it: in a loss-backend × dtype grid,
+    ``across: model.init_args.loss`` compares backends within each dtype, since a dtype is
+    expected to change the loss.
     """
 
     rtol: float = 1e-4
     atol: float = 1e-5
     steps: int | None = None
+    across: str | None = None
 
 
 @dataclass(frozen=True)
@@ -236,7 +241,7 @@ def parse_study(raw: Any, source: Path | None = None) -> StudySpec:
         warmup_steps=warmup,
         launch=launch,
         launch_overrides=launch_overrides,
-        expect_equal_loss=_loss_agreement(raw.get("expect_equal_loss")),
+        expect_equal_loss=_loss_agreement(raw.get("expect_equal_loss"), axes),
     )
 
 
@@ -343,7 +348,7 @@ def _seeds(raw: Any) -> tuple[int, ...]:
     return tuple(raw)
 
 
-def _loss_agreement(raw: Any) -> LossAgreement | None:
+def _loss_agreement(raw: Any, axes: Mapping[str, list[Any]]) -> LossAgreement | None:
     if raw is None:
         return None
     raw = _mapping(raw, "expect_equal_loss")
@@ -358,6 +363,9 @@ def _loss_agreement(raw: Any) -> LossAgreement | None:
             raise ConfigError(f"expect_equal_loss.{key}", value, "give a non-negative number")
     if agreement.steps is not None and not _positive_int(agreement.steps):
         raise ConfigError("expect_equal_loss.steps", agreement.steps, "give a positive integer (or leave it out: all steps)")
+    if agreement.across is not None and agreement.across not in axes:
+        raise ConfigError("expect_equal_loss.across", agreement.across,
+                          f"name one of the study's axes {list(axes)} (it needs axes:, not variants:)")
     return agreement
 
 

@@ -35,8 +35,10 @@ def study_summary(plan: Mapping[str, Any] | None, runs: Sequence[tuple[str, Mapp
     agreement = plan.get("expect_equal_loss")
     for variant in variants:
         variant.update(_relative_to(variant, base))
-        is_compared = agreement and base is not None and variant is not base
-        variant["loss_agreement"] = _loss_agreement(variant, base, agreement) if is_compared else None
+        reference = _loss_reference(variant, base, variants, agreement)
+        variant["loss_reference"] = reference["name"] if reference else None
+        is_compared = reference is not None and reference is not variant
+        variant["loss_agreement"] = _loss_agreement(variant, reference, agreement) if is_compared else None
     environment, mismatched = _environment([r for _, r in runs], by_variant.get(baseline, []))
     return {
         "study": {k: plan.get(k) for k in ("name", "baseline", "variables", "axes", "seeds", "steps",
@@ -148,6 +150,21 @@ def _relative_to(variant: Mapping[str, Any], base: Mapping[str, Any] | None) -> 
         "speed_ratio": ratio("useful_tokens_per_sec"),
         "memory_ratio": ratio("peak_memory_bytes"),
     }
+
+
+def _loss_reference(
+    variant: dict[str, Any], base: dict[str, Any] | None, variants: Sequence[dict[str, Any]],
+    agreement: Mapping[str, Any] | None,
+) -> dict[str, Any] | None:
+    """The variant whose loss ``variant``'s must equal: the baseline, or (``across``) the variant
+    that differs only in that axis and holds the baseline's value of it."""
+    if not agreement or base is None:
+        return None
+    across = agreement.get("across")
+    if not across:
+        return base
+    wanted = {**variant["axis_values"], across: base["axis_values"].get(across)}
+    return next((v for v in variants if v["axis_values"] == wanted), None)
 
 
 def _loss_agreement(
