@@ -140,6 +140,37 @@ def test_fa_varlen_plumbing_with_a_reference_kernel(monkeypatch):
     torch.testing.assert_close(padded[mask.bool()], torch.cat(alone[:2]), rtol=0, atol=ATOL)
 
 
+def test_fa_varlen_takes_the_packers_segments_from_the_batch(monkeypatch):
+    """A packed batch's ``cu_seqlens`` reach the kernel as given (no recomputation from positions),
+    and the loss equals sdpa_packed's."""
+    from lit_ablate.data import PackingCollator
+    from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
+    from lit_ablate.models.losses import loss_backend
+
+    seen = []
+
+    def spying_kernel(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
+        seen.append((cu_q, max_q))
+        return _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+
+    monkeypatch.setattr(attention, "varlen_kernel", lambda: spying_kernel)
+    monkeypatch.setattr(attention, "cu_seqlens_from_position_ids", lambda *a: pytest.fail("recomputed segments"))
+    collator = PackingCollator(max_tokens=16, static_shape=True)
+    collator.bind(pad_id=256, seq_len=16)
+    docs = _documents()
+    example = [{"input_ids": d, "labels": d.roll(-1)} for d in docs]  # lengths 7, 12, 5
+    batch = collator([[example[0], example[2]], [example[1]]])
+    assert batch["cu_seqlens"].tolist() == [0, 7, 12, 16, 28, 32]  # rows padded to 16: padding is its own segment
+    losses = {}
+    for attn in ("fa_varlen", "sdpa_packed"):
+        torch.manual_seed(0)
+        model = CausalLMWithLoss(ModelFactory(preset="tiny-llama", attn_implementation=attn).build(), loss_backend("torch"))
+        with torch.no_grad():
+            losses[attn] = model(batch)[0]
+    assert seen and all(cu is batch["cu_seqlens"] and m == batch["max_seqlen"] for cu, m in seen)
+    torch.testing.assert_close(losses["fa_varlen"], losses["sdpa_packed"], rtol=1e-5, atol=0)
+
+
 def test_check_attention_backend_rejects_what_cannot_run_here():
     with pytest.raises(ConfigError, match=r"model\.init_args\.model\.attn_implementation='nope'"):
         check_attention_backend("nope", training=False)

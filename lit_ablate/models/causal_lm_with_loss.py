@@ -19,6 +19,8 @@ from lit_ablate.models.losses import IGNORE_INDEX, LossBackend
 
 # Batch keys the decoder consumes; everything else in a batch is bookkeeping (labels, counts).
 MODEL_INPUT_KEYS = ("input_ids", "attention_mask", "position_ids")
+# Attention backends that take a packed batch's segments (``cu_seq_lens_*``/``max_length_*``).
+SEGMENT_BACKENDS = ("fa_varlen",)
 
 
 class CausalLMWithLoss(nn.Module):
@@ -48,6 +50,10 @@ class CausalLMWithLoss(nn.Module):
         documents (PLATFORM_NOTES trap 2).
         """
         inputs = {k: batch[k] for k in MODEL_INPUT_KEYS if batch.get(k) is not None}
+        if batch.get("cu_seqlens") is not None and self.lm.config._attn_implementation in SEGMENT_BACKENDS:
+            # The packer's document boundaries, so the kernel need not find them (a host sync).
+            cu, longest = batch["cu_seqlens"], int(batch["max_seqlen"])
+            inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
         hidden = self.lm.base_model(**inputs, use_cache=False).last_hidden_state
         head = self.lm.get_output_embeddings()
         labels = batch["labels"].reshape(-1)
