@@ -133,31 +133,29 @@ def test_patched_qwen3_moe_model_equals_hf_eager_model(experts: str) -> None:
         _close(grads[1][name], grads[0][name])
 
 
-def test_patching_mixtral_keeps_its_outputs() -> None:
+def _assert_patching_keeps_outputs(config) -> None:
     torch.manual_seed(0)
-    config = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
     hf = AutoModelForCausalLM.from_config(config)
     hf.set_experts_implementation("eager")
     patched = copy.deepcopy(hf)
-    apply_moe(patched, MoEOptions(experts="grouped"))
+    assert len(apply_moe(patched, MoEOptions(experts="grouped"))) == config.num_hidden_layers
     ids = torch.randint(0, 64, (1, 10))
     _close(patched(input_ids=ids).logits, hf(input_ids=ids).logits)
+
+
+def test_patching_mixtral_keeps_its_outputs() -> None:
+    config = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    _assert_patching_keeps_outputs(config)
     jittery = AutoModelForCausalLM.from_config(MixtralConfig(**{**config.to_dict(), "router_jitter_noise": 0.1}))
     with pytest.raises(ConfigError, match="jitter"):
         apply_moe(jittery, MoEOptions())
 
 
 def test_patching_olmoe_keeps_its_outputs() -> None:
-    torch.manual_seed(0)
-    config = OlmoeConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2)
-    hf = AutoModelForCausalLM.from_config(config)
-    hf.set_experts_implementation("eager")
-    patched = copy.deepcopy(hf)
-    assert len(apply_moe(patched, MoEOptions(experts="grouped"))) == 2
-    ids = torch.randint(0, 64, (1, 10))
-    _close(patched(input_ids=ids).logits, hf(input_ids=ids).logits)
+    _assert_patching_keeps_outputs(OlmoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2))
 
 
 # --- router and auxiliary losses --------------------------------------------------------------

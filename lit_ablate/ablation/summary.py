@@ -176,7 +176,7 @@ def _loss_agreement(
     mine = {r["seed"]: r["loss"] for r in variant["runs"] if r["status"] == "ok"}
     seeds = sorted(set(base_curves) & set(mine), key=lambda s: (s is None, s or 0))
     if not seeds:
-        return {"passed": None, "reason": "no seed finished ok in both this variant and the baseline"}
+        return {"passed": None, "reason": "no seed finished ok in both this variant and its reference"}
     worst = {"max_abs_diff": 0.0, "worst_step": None, "worst_seed": None}
     for seed in seeds:
         a, b = mine[seed], base_curves[seed]
