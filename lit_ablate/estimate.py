@@ -75,10 +75,23 @@ def attention_shape(config: PretrainedConfig) -> tuple[int, int, int]:
     return config.num_hidden_layers, heads, head_dim
 
 
-def flops_per_token(counts: ParameterCounts, config: PretrainedConfig, seq_len: int) -> float:
-    """Training (forward + backward) FLOPs per token for sequences of ``seq_len`` tokens."""
+def flops_per_token(counts: ParameterCounts, config: PretrainedConfig, seq_len: float) -> float:
+    """Training (forward + backward) FLOPs per token at context ``seq_len`` (see ``attention_context``)."""
     layers, heads, head_dim = attention_shape(config)
     return 6.0 * counts.matmul + 12.0 * layers * heads * head_dim * seq_len
+
+
+def attention_context(row_length: int, cu_seqlens: torch.Tensor | None = None) -> float:
+    """The context length per token that ``flops_per_token`` takes for one batch.
+
+    A padded row: its length. Packed rows: each token attends only within its document, so the
+    model's attention FLOPs are ``sum(len_i^2)`` over the documents, i.e. a token-weighted mean
+    context of ``sum(len_i^2) / sum(len_i)``; using the row length would inflate packed MFU.
+    """
+    if cu_seqlens is None:
+        return float(row_length)
+    lengths = cu_seqlens.diff().double()
+    return float((lengths * lengths).sum() / lengths.sum())
 
 
 def count_parameters_of_config(config: PretrainedConfig) -> ParameterCounts:

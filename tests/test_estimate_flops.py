@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from lit_ablate.estimate import count_parameters, count_parameters_of_config, flops_per_token
+from lit_ablate.estimate import attention_context, count_parameters, count_parameters_of_config, flops_per_token
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.losses import loss_backend
@@ -44,3 +44,16 @@ def test_tied_embedding_head_is_counted_as_a_matmul():
     config = factory.hf_config()
     counts = count_parameters_of_config(config)
     assert counts.matmul == counts.active  # the shared table is the LM head: a real matmul
+
+
+def test_packed_rows_count_attention_per_document():
+    """A packed batch's FLOPs equal the sum of its documents' FLOPs run alone (the attention term is
+    per document), not the row length's, which would inflate packed MFU."""
+    model = ModelFactory(preset="tiny-llama").build()
+    counts = count_parameters(model, model.config)
+    lengths = [7, 5, 4, 12, 4]  # two rows of 16: documents and padding segments
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    packed = flops_per_token(counts, model.config, attention_context(16, cu_seqlens)) * sum(lengths)
+    alone = sum(flops_per_token(counts, model.config, n) * n for n in lengths)
+    assert packed == pytest.approx(alone, rel=1e-12)
+    assert attention_context(16) == 16.0 and attention_context(16, cu_seqlens) < 16

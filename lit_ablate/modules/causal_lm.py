@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch import LightningModule
 
 from lit_ablate.errors import ConfigError
-from lit_ablate.estimate import ParameterCounts, count_parameters, flops_per_token
+from lit_ablate.estimate import ParameterCounts, attention_context, count_parameters, flops_per_token
 from lit_ablate.models.attention import check_attention_backend
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
 from lit_ablate.models.factory import ModelFactory
@@ -59,8 +59,8 @@ class CausalLM(LightningModule):
             raise ConfigError("model.init_args.warmup_steps", warmup_steps, "use 0 or more warm-up steps")
         loss_backend(loss, **(loss_options or {}))  # bad names/options fail here, before any model is built
         # Plain values only, so checkpoints load with torch.load(weights_only=True).
-        self.save_hyperparameters({"model": asdict(model), "loss": loss, "loss_options": dict(loss_options or {}), "learning_rate": learning_rate,
-                                   "weight_decay": weight_decay, "betas": tuple(betas),
+        self.save_hyperparameters({"model": asdict(model), "loss": loss, "loss_options": dict(loss_options or {}),
+                                   "learning_rate": learning_rate, "weight_decay": weight_decay, "betas": tuple(betas),
                                    "warmup_steps": warmup_steps, "min_lr_ratio": min_lr_ratio, "compile": compile})
         self.factory = model
         self.model: CausalLMWithLoss | None = None
@@ -117,8 +117,8 @@ class CausalLM(LightningModule):
         """Every slower path a model part took instead of the one asked for (in the run record)."""
         return experts_fallbacks(self.model) if self.model is not None else []
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Analytic training FLOPs per token at this sequence length (see ``lit_ablate.estimate``)."""
+    def flops_per_token(self, seq_len: float) -> float:
+        """Analytic training FLOPs per token at this context length (see ``lit_ablate.estimate``)."""
         return flops_per_token(self.parameter_counts, self.model.lm.config, seq_len)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> StepOutput:
@@ -129,8 +129,9 @@ class CausalLM(LightningModule):
         for name, value in aux.items():
             self.log(f"train/{name}", value.detach())
         tokens = batch["input_ids"].numel()
-        return {"loss": loss + sum(aux.values()), "loss_sum": loss_sum.detach(), "tokens": tokens, "useful_tokens": useful,
-                "flops": self.flops_per_token(batch["input_ids"].shape[-1]) * tokens}
+        context = attention_context(batch["input_ids"].shape[-1], batch.get("cu_seqlens"))
+        return {"loss": loss + sum(aux.values()), "loss_sum": loss_sum.detach(), "tokens": tokens,
+                "useful_tokens": useful, "flops": self.flops_per_token(context) * tokens}
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         loss_sum, useful = self.model(batch)
