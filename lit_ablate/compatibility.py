@@ -102,10 +102,13 @@ def attention_backend_available(config: Mapping[str, Any], launch: LaunchLike) -
     As for losses, an unknown name is left to the run's own error.
     """
     attention = _helper_module(
-        "lit_ablate.models.attention", ("check_attention_backend", "TRANSFORMERS_BACKENDS", "BACKENDS")
+        "lit_ablate.models.attention",
+        ("check_attention_backend", "TRANSFORMERS_BACKENDS", "TRANSFORMERS_FLASH_BACKENDS", "BACKENDS"),
     )
     name = get_dotted(config, "model.init_args.model.attn_implementation")
-    if attention is None or name not in (*attention.TRANSFORMERS_BACKENDS, *attention.BACKENDS):
+    known = () if attention is None else (*attention.TRANSFORMERS_BACKENDS, *attention.TRANSFORMERS_FLASH_BACKENDS,
+                                          *attention.BACKENDS)
+    if name not in known:
         return None
     return _reason(attention.check_attention_backend, name, training=True)
 

@@ -194,6 +194,8 @@ def test_compatibility_rules_give_reasons():
     flex = {"model": {"init_args": {"model": {"attn_implementation": "flex"}}}}
     if not __import__("torch").cuda.is_available():
         assert "flex attention trains only on CUDA" in compatibility.incompatibility(flex, cpu)
+        fa2 = {"model": {"init_args": {"model": {"attn_implementation": "flash_attention_2"}}}}
+        assert "needs CUDA" in compatibility.incompatibility(fa2, cpu)
     # an unknown name is the run's own error (recorded failed), not a property of this machine
     assert compatibility.incompatibility({"model": {"init_args": {"loss": "nonexistent"}}}, cpu) is None
 

@@ -182,6 +182,9 @@ def test_check_attention_backend_rejects_what_cannot_run_here():
             check_attention_backend("flex", training=True)
         with pytest.raises(ConfigError, match="flash-attn varlen needs CUDA"):
             check_attention_backend("fa_varlen", training=True)
+        for name in ("flash_attention_2", "flash_attention_3"):  # transformers' own: known, CUDA only
+            with pytest.raises(ConfigError, match=f"transformers' {name} needs CUDA"):
+                check_attention_backend(name, training=True)
 
 
 @pytest.mark.gpu

@@ -15,7 +15,8 @@ model code is unchanged. Importing this module registers the names:
   (or from the padding mask). Needs CUDA and the flash-attn package.
 
 (Not ``flash_varlen``: transformers treats any implementation name containing "flash" as its
-own FlashAttention and tries to load a kernel by that name.)
+own FlashAttention and tries to load a kernel by that name.) transformers' own
+``flash_attention_2``/``flash_attention_3`` are accepted too, on CUDA with their package.
 
 Choosing a backend that cannot train here is a ``ConfigError`` from ``check_attention_backend``
 at start-up, never a silent fallback to another kernel.
@@ -37,6 +38,9 @@ from lit_ablate.errors import ConfigError
 
 ATTENTION_KEY = "model.init_args.model.attn_implementation"
 TRANSFORMERS_BACKENDS = ("sdpa", "eager")
+TRANSFORMERS_FLASH_BACKENDS = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
+"""transformers' own FlashAttention integrations (they read packed documents from ``position_ids``)
+and the package each needs; CUDA only."""
 
 
 def document_ids(position_ids: Tensor) -> Tensor:
@@ -202,7 +206,7 @@ def check_attention_backend(name: str, training: bool) -> None:
     The ablation runner calls it to mark such variants ``skipped``; the module calls it before
     building the model, so a run never falls back to another kernel silently.
     """
-    known = (*TRANSFORMERS_BACKENDS, *BACKENDS)
+    known = (*TRANSFORMERS_BACKENDS, *BACKENDS, *TRANSFORMERS_FLASH_BACKENDS)
     if name not in known:
         reserved = " (transformers reserves names containing 'flash' for its own kernels: use fa_varlen)" if "flash" in name else ""
         raise ConfigError(ATTENTION_KEY, name, f"choose one of {list(known)}{reserved}")
@@ -211,5 +215,9 @@ def check_attention_backend(name: str, training: bool) -> None:
             ATTENTION_KEY, name, "flash-attn varlen needs CUDA and the flash-attn package (pip install 'lit-ablate[gpu]'); "
             "on CPU use sdpa_packed",
         )
+    package = TRANSFORMERS_FLASH_BACKENDS.get(name)
+    if package and not (torch.cuda.is_available() and importlib.util.find_spec(package)):
+        raise ConfigError(ATTENTION_KEY, name, f"transformers' {name} needs CUDA and the {package} package; "
+                          "on CPU use sdpa_packed")
     if name == "flex" and training and not torch.cuda.is_available():
         raise ConfigError(ATTENTION_KEY, name, "flex attention trains only on CUDA (CPU has its forward only); use sdpa_packed")
