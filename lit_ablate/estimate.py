@@ -14,6 +14,7 @@ formula. Conventions (torchtitan's, stated so numbers are comparable across tech
 
 from __future__ import annotations
 
+import copy
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -96,11 +97,16 @@ def attention_context(row_length: int, cu_seqlens: torch.Tensor | None = None) -
 
 def count_parameters_of_config(config: PretrainedConfig) -> ParameterCounts:
     """Counts for a config without allocating weights (the model is built on ``meta``)."""
+    return count_parameters(meta_model(config), config)
+
+
+def meta_model(config: PretrainedConfig) -> nn.Module:
+    """``config``'s model on the ``meta`` device, with eager attention: sizes do not depend on the
+    attention implementation, and a GPU-only one (flash_attention_2) would refuse to build here."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return count_parameters(model, config)
+        return AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager")
 
 
 # --- per-rank memory ------------------------------------------------------------------------------
@@ -196,10 +202,7 @@ class MemoryEstimate:
 
 def model_shape(config: PretrainedConfig) -> ModelShape:
     """The shape of ``config``'s model, read from the config and a ``meta``-device build."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    model = meta_model(config)
     layer_types = set(getattr(model, "_no_split_modules", None) or ())
     layer_params = [sum(p.numel() for p in m.parameters()) for m in model.modules() if type(m).__name__ in layer_types]
     layers, heads, head_dim = attention_shape(config)

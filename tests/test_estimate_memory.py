@@ -123,6 +123,9 @@ def test_estimate_of_a_fit_config_and_the_command(capsys: pytest.CaptureFixture[
     estimate = estimate_for_config(config)
     model = build("tiny-llama")
     assert estimate.params == tensor_bytes(model.parameters())
+    # a GPU-only attention implementation does not stop the estimate on a machine without it
+    config["model"]["init_args"]["model"]["attn_implementation"] = "flash_attention_2"
+    assert estimate_for_config(config).params == estimate.params
     assert estimate_main(["--config", str(QUICKSTART), "--gpu_memory_gib", "0.05", "--max_gpus", "64"]) == 0
     out = capsys.readouterr().out
     assert "| fsdp2 |" in out and "| configured (auto) |" in out
