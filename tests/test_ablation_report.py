@@ -146,3 +146,17 @@ def test_report_without_plan_and_mixed_environments(tmp_path: Path):
 
 def test_report_of_an_empty_directory_is_refused(tmp_path: Path):
     assert report_main([str(tmp_path)]) == 2
+
+
+def test_a_failing_estimate_leaves_the_report_whole(monkeypatch, tmp_path: Path):
+    import lit_ablate.estimate
+
+    def broken(*args, **kwargs):
+        raise ImportError("a GPU-only package")
+
+    monkeypatch.setattr(lit_ablate.estimate, "estimate_for_config", broken)
+    records = [{**r, "config": {"trainer": {}}} for r in depth_records()]
+    directory = make_study(tmp_path, records, depth_plan())
+    summary = json.loads(write_report(directory).with_name("report.json").read_text())
+    assert {v["estimate_note"] for v in summary["variants"]} == {"estimate failed: ImportError: a GPU-only package"}
+    assert all(v["estimated_memory_bytes"] is None and v["final_loss"] for v in summary["variants"])

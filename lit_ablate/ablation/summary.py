@@ -95,6 +95,8 @@ def _estimate(record: Mapping[str, Any] | None) -> dict[str, Any]:
         estimate = estimate_for_config(dict(record["config"]), world_size)
     except ConfigError as err:
         return {"estimated_memory_bytes": None, "estimate_note": str(err)}
+    except Exception as err:  # noqa: BLE001  an advisory column must never cost the report
+        return {"estimated_memory_bytes": None, "estimate_note": f"estimate failed: {type(err).__name__}: {err}"}
     return {"estimated_memory_bytes": estimate.total, "estimate_note": None}
 
 
