@@ -35,6 +35,13 @@ def test_quickstart_fit_writes_a_record_and_generate_prints_text(tmp_path):
     assert record["environment"]["torch"] and record["summary"]["memory_method"] == "cpu_process_peak_rss"
 
     checkpoint = next(tmp_path.rglob("last.ckpt"))
+    test = _run("test", "--config", QUICKSTART, "--ckpt_path", str(checkpoint), "--trainer.default_root_dir", str(tmp_path))
+    assert test.returncode == 0, test.stderr[-2000:]
+    assert "test/loss" in test.stdout
+    from lit_ablate.modules import CausalLM
+
+    loaded = CausalLM.load_from_checkpoint(checkpoint, weights_only=True)  # Lightning's own API works too
+    assert loaded.factory.preset == "tiny-llama" and loaded.hparams.loss == "torch"
     gen = _run("generate", "--ckpt_path", str(checkpoint), "--prompt", "The ", "--max_new_tokens", "8")
     assert gen.returncode == 0, gen.stderr[-2000:]
     text = gen.stdout.strip().splitlines()[-1]

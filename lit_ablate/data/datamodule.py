@@ -52,7 +52,7 @@ class LMDataModule(pl.LightningDataModule):
         batch_size: micro-batch per data-parallel rank (examples, or packed rows when packing).
         num_workers: DataLoader worker processes.
         collator: how examples become batches; default ``PaddingCollator()``.
-        val_examples: hold out this many examples (chosen by ``seed``) for validation.
+        val_examples: hold out this many examples (chosen by ``seed``) for validation and ``test``.
         shuffle: shuffle training examples each epoch (by ``seed`` and epoch).
         seed: the data order's seed, independent of the model's.
         overlong: what to do with examples longer than ``seq_len``: ``truncate`` or ``reject``.
@@ -113,6 +113,11 @@ class LMDataModule(pl.LightningDataModule):
         if not self.val_set:
             return []
         return self._loader(self.val_set, self._sampler(self.val_set, shuffle=False, drop_last=False), drop_last=False)
+
+    def test_dataloader(self) -> DataLoader | list:
+        """The held-out examples again: ``lit-ablate test`` reports the final model on them (give
+        a data config with another source for a test set apart from validation)."""
+        return self.val_dataloader()
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Counts consumed training batches (in the main process) for exact resume."""

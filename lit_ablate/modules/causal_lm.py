@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
@@ -53,13 +54,17 @@ class CausalLM(LightningModule):
         compile: bool = False,
     ) -> None:
         super().__init__()
+        if isinstance(model, Mapping):  # a checkpoint's plain hyper-parameters (load_from_checkpoint)
+            model = ModelFactory(**model)
         if learning_rate <= 0:
             raise ConfigError("model.init_args.learning_rate", learning_rate, "use a positive learning rate")
         if warmup_steps < 0:
             raise ConfigError("model.init_args.warmup_steps", warmup_steps, "use 0 or more warm-up steps")
         loss_backend(loss, **(loss_options or {}))  # bad names/options fail here, before any model is built
-        # Plain values only, so checkpoints load with torch.load(weights_only=True).
-        self.save_hyperparameters({"model": asdict(model), "loss": loss, "loss_options": dict(loss_options or {}),
+        # Plain values only, so checkpoints load with torch.load(weights_only=True). ``_class_path``
+        # lets LightningCLI's ``--ckpt_path`` (test, validate, resumed fit) re-parse them.
+        self.save_hyperparameters({"_class_path": f"{type(self).__module__}.{type(self).__qualname__}",
+                                   "model": asdict(model), "loss": loss, "loss_options": dict(loss_options or {}),
                                    "learning_rate": learning_rate, "weight_decay": weight_decay, "betas": tuple(betas),
                                    "warmup_steps": warmup_steps, "min_lr_ratio": min_lr_ratio, "compile": compile})
         self.factory = model
@@ -75,11 +80,10 @@ class CausalLM(LightningModule):
         ``sdpa`` attention, which every HF install loads and which equals the packed backends on
         one document per row, and no compile.
         """
-        model = dict(hparams["model"])
+        hparams = {k: v for k, v in hparams.items() if not k.startswith("_")}
         if inference:
-            hparams = {**hparams, "compile": False}
-            model["attn_implementation"] = "sdpa"
-        return cls(**{**hparams, "model": ModelFactory(**model)})
+            hparams.update(compile=False, model={**hparams["model"], "attn_implementation": "sdpa"})
+        return cls(**hparams)
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -134,8 +138,16 @@ class CausalLM(LightningModule):
                 "useful_tokens": useful, "flops": self.flops_per_token(context) * tokens}
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self._log_eval_loss("val/loss", batch)
+
+    def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self._log_eval_loss("test/loss", batch)
+
+    def _log_eval_loss(self, name: str, batch: dict[str, Any]) -> None:
+        """Token-weighted: each batch weighs by its useful tokens, so the epoch value is the split's
+        summed loss over its useful tokens (per rank), not a mean of batch means."""
         loss_sum, useful = self.model(batch)
-        self.log("val/loss", loss_sum / useful.clamp(min=1), prog_bar=True, sync_dist=True)
+        self.log(name, loss_sum / useful.clamp(min=1), prog_bar=True, sync_dist=True, batch_size=int(useful))
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
