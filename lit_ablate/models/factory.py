@@ -7,7 +7,10 @@ parallelism. Random initialisation draws from torch's global RNG, which the CLI 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,6 +56,10 @@ class ModelFactory:
             raise ConfigError("model.init_args.model.pretrained", self.pretrained, "give either pretrained or preset/config, not both")
         if not (self.pretrained or self.preset or self.config):
             raise ConfigError("model.init_args.model", None, "set preset, config (with model_type) or pretrained")
+        if self.pretrained and _looks_local(self.pretrained) and not Path(self.pretrained).expanduser().is_dir():
+            raise ConfigError("model.init_args.model.pretrained", self.pretrained,
+                              "no such directory: give a local checkpoint folder (save_pretrained / lit-ablate "
+                              "export) or a hub name such as Qwen/Qwen3-0.6B")
         if self.dtype not in DTYPES:
             raise ConfigError("model.init_args.model.dtype", self.dtype, f"choose one of {sorted(DTYPES)}")
         if self.preset is not None:
@@ -70,7 +77,8 @@ class ModelFactory:
     def hf_config(self) -> PretrainedConfig:
         """The transformers config this factory builds, without building weights."""
         if self.pretrained:
-            config = AutoConfig.from_pretrained(self.pretrained)
+            with _pretrained_errors(self.pretrained):
+                config = AutoConfig.from_pretrained(self.pretrained)
         else:
             values = {**(preset_config(self.preset) if self.preset else {}), **self.config}
             model_type = values.pop("model_type")
@@ -84,12 +92,29 @@ class ModelFactory:
     def build(self) -> PreTrainedModel:
         """The model: random init from the current RNG state, or the checkpoint's weights."""
         if self.pretrained:
-            model = AutoModelForCausalLM.from_pretrained(
-                self.pretrained, dtype=self.torch_dtype, attn_implementation=self.attn_implementation
-            )
+            with _pretrained_errors(self.pretrained):
+                model = AutoModelForCausalLM.from_pretrained(
+                    self.pretrained, dtype=self.torch_dtype, attn_implementation=self.attn_implementation
+                )
         else:
             model = AutoModelForCausalLM.from_config(self.hf_config(), attn_implementation=self.attn_implementation)
             model = model.to(self.torch_dtype)
         if self.moe is not None:
             apply_moe(model, self.moe)
         return model
+
+
+def _looks_local(name: str) -> bool:
+    """A filesystem path rather than a hub name (``org/name``)."""
+    return name.startswith(("/", "./", "../", "~")) or Path(name).expanduser().exists()
+
+
+@contextmanager
+def _pretrained_errors(name: str) -> Iterator[None]:
+    """transformers' loading errors (no such hub repo, no network, not a model folder) as one line."""
+    try:
+        yield
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError("model.init_args.model.pretrained", name,
+                          f"transformers could not load it ({first}); check the folder, or the network for a hub name") from err

@@ -1,0 +1,44 @@
+"""``ModelFactory``: presets, config mappings and local checkpoints (offline), with one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lit_ablate.errors import ConfigError
+from lit_ablate.models.factory import ModelFactory
+from lit_ablate.modules import CausalLM
+
+
+def test_local_checkpoint_loads_offline_with_the_same_logits_and_the_asked_dtype(tmp_path):
+    torch.manual_seed(0)
+    original = ModelFactory(preset="tiny-qwen3").build()
+    original.save_pretrained(tmp_path / "ckpt")
+    loaded = ModelFactory(pretrained=str(tmp_path / "ckpt"), attn_implementation="sdpa_packed").build()
+    ids = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, original(input_ids=ids).logits, rtol=0, atol=1e-5)
+    assert loaded.config._attn_implementation == "sdpa_packed"
+    half = ModelFactory(pretrained=str(tmp_path / "ckpt"), dtype="bfloat16").build()
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
+
+
+def test_module_fine_tunes_from_a_local_checkpoint(tmp_path):
+    ModelFactory(preset="tiny-llama").build().save_pretrained(tmp_path / "ckpt")
+    module = CausalLM(ModelFactory(pretrained=str(tmp_path / "ckpt")), warmup_steps=0)
+    module.configure_model()
+    ids = torch.randint(0, 256, (2, 16))
+    loss_sum, useful = module.model({"input_ids": ids, "labels": ids.roll(-1, 1)})
+    (loss_sum / useful).backward()
+    assert torch.isfinite(loss_sum) and int(useful) == 32
+    assert all(p.grad is not None for p in module.model.parameters() if p.requires_grad)
+
+
+def test_a_missing_or_unloadable_checkpoint_names_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"model\.init_args\.model\.pretrained=.*no such directory"):
+        ModelFactory(pretrained=str(tmp_path / "nowhere"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"model\.init_args\.model\.pretrained=.*transformers could not load it"):
+        ModelFactory(pretrained=str(tmp_path / "empty")).build()
+    with pytest.raises(ConfigError, match="either pretrained or preset/config"):
+        ModelFactory(preset="tiny-llama", pretrained=str(tmp_path / "empty"))
