@@ -34,8 +34,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import statistics
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -87,10 +87,15 @@ def summarize_steps(steps: Sequence[Mapping[str, Any]], warmup_steps: int) -> di
 
 
 def write_record(path: str | os.PathLike[str], record: Mapping[str, Any]) -> Path:
-    """Write ``record`` as JSON atomically: a reader sees the old file or the new one, never half."""
+    """Write ``record`` as JSON atomically: a reader sees the old file or the new one, never half.
+
+    The temporary file is created with mode 0o666 so the user's umask applies, as to any file they
+    create (``tempfile.mkstemp`` would make the record owner-only).
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".run-", suffix=".json", dir=path.parent)
+    tmp = path.with_name(f".{path.stem}-{secrets.token_hex(8)}{path.suffix}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     with os.fdopen(fd, "w") as f:
         json.dump(_finite(record), f, indent=1, default=str, allow_nan=False)
         f.write("\n")
