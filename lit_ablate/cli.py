@@ -22,6 +22,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lit_ablate.callbacks.run_recorder import RunRecorder
+from lit_ablate.compatibility import check_cpu_ranks
 from lit_ablate.errors import ConfigError
 
 # command -> "module:function" taking argv (without the command) and returning an exit code.
@@ -53,6 +54,11 @@ class LitAblateCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(RunRecorder, "recorder")
+
+    def before_instantiate_classes(self) -> None:
+        """Refuse a run this machine cannot start (far more CPU ranks than cores) before any rank launches."""
+        if self.subcommand is not None:
+            check_cpu_ranks(self.config[self.subcommand].trainer)
 
     def after_instantiate_classes(self) -> None:
         self._dump_config()

@@ -1,7 +1,8 @@
 """Which run configurations cannot run here, decided before anything is launched.
 
 One registry of rules, each ``(resolved_config, launch) -> reason | None``: a GPU-only kernel on
-CPU, flash-attn not installed, more devices than exist, a strategy that refuses this accelerator.
+CPU, flash-attn not installed, more GPUs than exist or far more CPU ranks than cores, a strategy
+that refuses this accelerator.
 The ablation runner marks a variant that breaks a rule ``skipped: <reason>`` instead of spending
 minutes on a run that can only crash; parts themselves never check which other part is active.
 Add a rule by writing one function and listing it in ``RULES``.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any, Protocol
@@ -25,6 +27,12 @@ log = logging.getLogger(__name__)
 GPU_ACCELERATORS = ("gpu", "cuda")
 CPU_REFUSING_STRATEGIES = ("fsdp", "lightning.pytorch.strategies.FSDPStrategy", "FSDPStrategy")
 """Lightning's FSDP1 strategy raises on CPU (PLATFORM_NOTES); a CPU FSDP1 baseline passes ``device_id`` itself."""
+CPU_RANKS_PER_CORE = 4
+"""Most CPU ranks per usable core a run may start. A rank is a process that imports torch,
+Lightning and transformers (measured on the 2-core dev machine: ~5 s of CPU and ~0.4 GB resident
+before its first step), so 64 ranks on 2 cores spend minutes importing, need ~25 GB and then wait
+on each other in every collective. 4 per core leaves 2x headroom over the densest shipped study
+(HSDP 2x2: 4 ranks on 2 cores) and still refuses such a request."""
 
 
 class LaunchLike(Protocol):
@@ -50,10 +58,48 @@ def accelerator_present(config: Mapping[str, Any], launch: LaunchLike) -> str | 
 
 
 def enough_devices(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
-    """GPU runs need as many devices per node as they ask for (CPU ranks are processes: any number)."""
+    """GPU runs need as many devices per node as they ask for (CPU ranks: ``cpu_ranks_fit``)."""
     if _on_gpu(config, launch) and launch.devices is not None and launch.devices > torch.cuda.device_count():
         return f"needs {launch.devices} GPUs per node, {torch.cuda.device_count()} visible"
     return None
+
+
+def usable_cpu_cores() -> int:
+    """The cores this process may run on (a taskset or cgroup cpuset narrows ``os.cpu_count()``)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def check_cpu_ranks(trainer: Mapping[str, Any], cores: int | None = None) -> None:
+    """Refuse a CPU run with more ranks per node than ``CPU_RANKS_PER_CORE`` x the usable cores.
+
+    On CPU Lightning starts one process per ``trainer.devices``, whatever the core count, and
+    every rank must join every collective; far too many ranks do not fail, they hang until a
+    timeout. Raises ``ConfigError`` naming ``trainer.devices``, the ranks, the cores and the limit.
+    Used by ``lit-ablate fit`` before any rank starts and, through ``cpu_ranks_fit``, by studies.
+    """
+    accelerator = trainer.get("accelerator") or "auto"
+    devices = trainer.get("devices")
+    if isinstance(devices, str) and devices.strip().isdigit():
+        devices = int(devices)
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+    if not on_cpu or not isinstance(devices, int) or isinstance(devices, bool):
+        return  # GPUs are counted by enough_devices; a malformed value is Lightning's own error
+    cores = cores or usable_cpu_cores()
+    limit = CPU_RANKS_PER_CORE * cores
+    if devices > limit:
+        raise ConfigError(
+            "trainer.devices", devices,
+            f"on CPU every rank is a process; {devices} ranks on {cores} usable cores is more than the limit of "
+            f"{limit} ({CPU_RANKS_PER_CORE} per core), past which the run waits (rank start-up, every collective) until it times out; "
+            f"use at most {limit} devices",
+        )  # fmt: skip
+
+
+def cpu_ranks_fit(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
+    """``check_cpu_ranks`` on the run's trainer settings (launch values win, as in the run's config)."""
+    trainer = dict(get_dotted(config, "trainer", {}) or {})
+    trainer.update({k: v for k, v in (("devices", launch.devices), ("accelerator", launch.accelerator)) if v is not None})
+    return _reason(check_cpu_ranks, trainer)
 
 
 def single_node(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
@@ -86,16 +132,6 @@ def loss_backend_available(config: Mapping[str, Any], launch: LaunchLike) -> str
     return _reason(losses.check_loss_backend, name, **options)
 
 
-def loss_kernels_exclusive(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
-    """CCE and Liger's patched loss kernels both replace the LM-head loss: only one may be active."""
-    losses = _helper_module("lit_ablate.models.losses", ("check_loss_with_liger_kernels",))
-    name = get_dotted(config, "model.init_args.loss")
-    kernels = get_dotted(config, "model.init_args.liger_kernels")
-    if losses is None or not isinstance(name, str) or not kernels:
-        return None
-    return _reason(losses.check_loss_with_liger_kernels, name, kernels)
-
-
 def attention_backend_available(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
     """The attention backend must train here (flash-attn installed, flex backward needs CUDA).
 
@@ -126,11 +162,11 @@ def strategy_options_run_here(config: Mapping[str, Any], launch: LaunchLike) -> 
 RULES: dict[str, Rule] = {
     "accelerator_present": accelerator_present,
     "enough_devices": enough_devices,
+    "cpu_ranks_fit": cpu_ranks_fit,
     "single_node": single_node,
     "strategy_accepts_cpu": strategy_accepts_cpu,
     "strategy_options_run_here": strategy_options_run_here,
     "loss_backend_available": loss_backend_available,
-    "loss_kernels_exclusive": loss_kernels_exclusive,
     "attention_backend_available": attention_backend_available,
 }
 
