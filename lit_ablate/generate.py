@@ -11,7 +11,7 @@ from jsonargparse import ArgumentParser
 from lit_ablate.errors import ConfigError
 
 
-def _tokenizer_spec(checkpoint: dict[str, Any]) -> str | None:
+def recorded_tokenizer(checkpoint: dict[str, Any]) -> str | None:
     """The tokenizer the data module recorded in its state (``LMDataModule.state_dict``)."""
     for value in checkpoint.values():
         if isinstance(value, dict) and isinstance(value.get("tokenizer"), str):
@@ -28,7 +28,7 @@ def generate(ckpt_path: str, prompt: str, max_new_tokens: int = 32, temperature:
     if not Path(ckpt_path).is_file():
         raise ConfigError("ckpt_path", ckpt_path, "give the path of a .ckpt file written by lit-ablate fit")
     checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True)
-    spec = tokenizer or _tokenizer_spec(checkpoint)
+    spec = tokenizer or recorded_tokenizer(checkpoint)
     if spec is None:
         raise ConfigError("tokenizer", None, "the checkpoint records no tokenizer; pass --tokenizer byte or a path")
     tok = load_tokenizer(spec)

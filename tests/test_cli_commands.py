@@ -2,12 +2,23 @@
 estimate's exact numbers, an exported folder that Hugging Face tools load and round-trip, and a
 quiet console."""
 
+import contextlib
 import os
 import stat
+import sys
+from pathlib import Path
 
 import pytest
+import torch
 
+from lit_ablate.cli import main
+from lit_ablate.data.tokenizers import ByteTokenizer
+from lit_ablate.generate import generate
 from lit_ablate.record import write_record
+from lit_ablate.strategies.export import export_main
+
+QUICKSTART = str(Path(__file__).parents[1] / "configs" / "quickstart.yaml")
+TEXTS = ["12+7=", "héllo wörld ✓ 🤖", " two  spaces\n\ttab", "<eos> is text here", ""]
 
 UMASK = 0o007  # differs from the usual 0o022, and from mkstemp's owner-only 0o600
 
@@ -28,3 +39,85 @@ def test_run_record_is_written_with_the_users_umask(tmp_path, umask):
     path = write_record(tmp_path / "run.json", {"schema_version": 1})
     assert _mode(path) == umask == 0o660
     assert [p.name for p in tmp_path.iterdir()] == ["run.json"]  # no temporary file left behind
+
+
+@contextlib.contextmanager
+def _captured_fds(path: Path):
+    """Everything written to fds 1 and 2 (rich, logging handlers, warnings) goes to ``path``."""
+    sys.stdout.flush(), sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(path, "w") as sink:
+        os.dup2(sink.fileno(), 1), os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+            os.close(saved[0]), os.close(saved[1])
+
+
+@pytest.fixture(scope="module")
+def fit_run(tmp_path_factory) -> tuple[Path, str]:
+    """A 3-step quickstart fit in this process: (its root dir, what it printed)."""
+    root = tmp_path_factory.mktemp("fit")
+    with _captured_fds(root / "console.txt"):
+        main(["fit", "--config", QUICKSTART, "--trainer.max_steps", "3", "--trainer.default_root_dir", str(root),
+              "--recorder.path", str(root / "run.json")])
+    return root, (root / "console.txt").read_text()
+
+
+@pytest.fixture(scope="module")
+def exported(fit_run, tmp_path_factory) -> tuple[Path, Path]:
+    """(the fit's last.ckpt, the folder ``lit-ablate export`` wrote from it under UMASK)."""
+    checkpoint = next(fit_run[0].rglob("last.ckpt"))
+    out = tmp_path_factory.mktemp("export") / "hf"
+    previous = os.umask(UMASK)
+    try:
+        assert export_main(["--ckpt_path", str(checkpoint), "--output_dir", str(out)]) == 0
+    finally:
+        os.umask(previous)
+    return checkpoint, out
+
+
+def test_exported_tokenizer_round_trips_lit_ablate_ids(exported):
+    """Catches the empty tokenizer export wrote before (every text encoded to []) and ids that differ
+    from the byte tokenizer the model was trained with."""
+    from transformers import AutoTokenizer
+
+    tok, hf = ByteTokenizer(), AutoTokenizer.from_pretrained(exported[1])
+    for text in TEXTS:
+        ids = hf.encode(text, add_special_tokens=False, split_special_tokens=True)
+        assert ids == tok.encode(text), text
+        assert hf.decode(ids) == tok.decode(ids) == text
+        assert hf(text, split_special_tokens=True).input_ids == [tok.bos_id, *ids]  # as the documents/SFT formats
+    # As in any HF tokenizer, text spelling a special token is that token unless split_special_tokens:
+    assert hf.encode("<eos>!", add_special_tokens=False) == [tok.eos_id, *tok.encode("!")]
+    assert (hf.pad_token_id, hf.bos_token_id, hf.eos_token_id, len(hf)) == (tok.pad_id, tok.bos_id, tok.eos_id, tok.vocab_size)
+    assert hf.decode([tok.bos_id, *tok.encode("ok"), tok.eos_id, tok.pad_id], skip_special_tokens=True) == "ok"
+    conversation = [{"role": "system", "content": "add"}, {"role": "user", "content": "1+2="},
+                    {"role": "assistant", "content": "3"}, {"role": "user", "content": "2+2="}]
+    assert hf.apply_chat_template(conversation, tokenize=True)["input_ids"] == tok.chat(conversation)[0]
+
+
+def test_exported_folder_generates_offline_like_lit_ablate(exported):
+    """Catches config/generation_config without the tokenizer's special ids (export wrote Llama's
+    defaults bos=1, eos=2, pad=null: byte ids) and weights or decoding that differ from ``generate``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    checkpoint, folder = exported
+    tok, hf = ByteTokenizer(), AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    for config in (model.config, model.generation_config):
+        assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (tok.bos_id, tok.eos_id, tok.pad_id)
+    prompt = hf("The ", add_special_tokens=False, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**prompt, max_new_tokens=12, do_sample=False)
+    text = hf.decode(out[0, prompt.input_ids.shape[1]:], skip_special_tokens=True)
+    assert text == generate(str(checkpoint), "The ", max_new_tokens=12)
+
+
+def test_exported_weights_get_the_users_umask(exported):
+    """Catches safetensors' owner-only (0o600) weight files."""
+    files = list(exported[1].iterdir())
+    assert {f.name for f in files} >= {"model.safetensors", "config.json", "tokenizer.json"}
+    assert {f.name: _mode(f) for f in files} == {f.name: 0o660 for f in files}

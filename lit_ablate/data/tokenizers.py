@@ -8,10 +8,16 @@ tokenizer needs no download, so tests, the quickstart and CPU studies run offlin
 from __future__ import annotations
 
 import logging
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from functools import cached_property
+from typing import TYPE_CHECKING
 
 from lit_ablate.errors import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +46,11 @@ class Tokenizer(ABC):
     @abstractmethod
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``; special tokens are dropped."""
+
+    @abstractmethod
+    def save_pretrained(self, directory: str | os.PathLike[str]) -> None:
+        """Write it as a Hugging Face tokenizer folder: ``AutoTokenizer.from_pretrained`` loads it
+        offline, with the same ids and special tokens (what ``lit-ablate export`` ships)."""
 
     def chat(self, messages: ChatMessages) -> tuple[list[int], list[bool]]:
         """``(ids, trainable)`` for a conversation: ``trainable[i]`` is True on assistant tokens.
@@ -77,6 +88,43 @@ class ByteTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
+    def save_pretrained(self, directory: str | os.PathLike[str]) -> None:
+        self.hf.save_pretrained(directory)
+
+    @cached_property
+    def hf(self) -> PreTrainedTokenizerBase:
+        """The same tokenizer built with the ``tokenizers`` library: a byte-level BPE without merges
+        whose vocabulary maps byte ``b`` to id ``b`` (in GPT-2's printable byte alphabet), then the
+        special tokens at 256..258. ``encode(text, add_special_tokens=False)`` equals ``encode``;
+        with special tokens it prepends ``<bos>`` as the documents and SFT formats do. As in any HF
+        tokenizer, text that spells ``<pad>``/``<bos>``/``<eos>`` encodes to that special id unless
+        ``split_special_tokens=True`` (then it is bytes, as here). Its chat template renders
+        ``Tokenizer.chat``'s conversation format."""
+        from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+        from tokenizers import Tokenizer as RustTokenizer
+        from transformers import PreTrainedTokenizerFast
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        byte_to_char = bytes_to_unicode()
+        tokenizer = RustTokenizer(models.BPE(vocab={byte_to_char[b]: b for b in range(256)}, merges=[]))
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tokenizer.decoder = decoders.ByteLevel()  # invalid UTF-8 decodes to U+FFFD, as in decode()
+        specials = {self.pad_id: "<pad>", self.bos_id: "<bos>", self.eos_id: "<eos>"}
+        tokenizer.add_special_tokens([AddedToken(specials[i], special=True) for i in sorted(specials)])
+        tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", self.bos_id)])
+        return PreTrainedTokenizerFast(
+            tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+            chat_template=CHAT_TEMPLATE,
+        )
+
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<' + message['role'] + '>\\n' + message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% else %}{{ '\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<assistant>\\n' }}{% endif %}"
+)
+"""``Tokenizer.chat``'s built-in conversation format as a Hugging Face (Jinja) chat template."""
+
 
 class HFTokenizer(Tokenizer):
     """A Hugging Face tokenizer (``AutoTokenizer``): a local directory works offline, a hub name
@@ -104,6 +152,9 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=True)
+
+    def save_pretrained(self, directory: str | os.PathLike[str]) -> None:
+        self.hf.save_pretrained(directory)
 
     def chat(self, messages: ChatMessages) -> tuple[list[int], list[bool]]:
         """With a chat template: render the conversation, then mark each assistant turn by the text

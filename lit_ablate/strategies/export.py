@@ -5,14 +5,19 @@ Reads either checkpoint layout Lightning writes: a sharded DCP folder (mesh stra
 single ``.ckpt`` file (DDP, ZeRO-1, single device). The model is rebuilt from the checkpoint's
 hyper-parameters (``CausalLM.from_hparams``), so nothing but the checkpoint is needed, and saved
 with ``save_pretrained``: ``AutoModelForCausalLM.from_pretrained(output_dir)`` loads it offline.
+The tokenizer the run trained with (recorded in the checkpoint by the data module) is saved beside
+it, and its special ids go into the model's config and generation config, so
+``AutoTokenizer.from_pretrained`` + ``generate`` work on the folder alone.
 Only tensors are read back (``torch.load(weights_only=True)``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +29,13 @@ from lit_ablate.errors import ConfigError
 SHARDED_METADATA_FILENAME = "meta.pt"
 
 
-def export_hf_checkpoint(ckpt_path: str | Path, output_dir: str | Path) -> Path:
-    """Write the checkpoint's model as a Hugging Face folder in ``output_dir``; returns it."""
+def export_hf_checkpoint(ckpt_path: str | Path, output_dir: str | Path, tokenizer: str | None = None) -> Path:
+    """Write the checkpoint's model and tokenizer as a Hugging Face folder in ``output_dir``; returns it.
+
+    ``tokenizer`` overrides the one the checkpoint recorded (``"byte"`` or an HF path).
+    """
+    from lit_ablate.data import load_tokenizer
+    from lit_ablate.generate import recorded_tokenizer
     from lit_ablate.modules import CausalLM
 
     ckpt_path, output_dir = Path(ckpt_path), Path(output_dir)
@@ -41,6 +51,10 @@ def export_hf_checkpoint(ckpt_path: str | Path, output_dir: str | Path) -> Path:
     if "hyper_parameters" not in checkpoint:
         raise ConfigError("--ckpt_path", str(ckpt_path), "the checkpoint has no hyper_parameters; export reads "
                           "checkpoints of lit_ablate.modules.CausalLM")
+    spec = tokenizer or recorded_tokenizer(checkpoint)
+    if spec is None:
+        raise ConfigError("--tokenizer", None, "the checkpoint records no tokenizer; pass --tokenizer byte or a path")
+    tok = load_tokenizer(spec)
     module = CausalLM.from_hparams(checkpoint["hyper_parameters"], inference=True)
     module.configure_model()
     state = module.state_dict()
@@ -55,22 +69,38 @@ def export_hf_checkpoint(ckpt_path: str | Path, output_dir: str | Path) -> Path:
     else:
         state = checkpoint["state_dict"]
     module.load_state_dict(state, strict=True)
+    lm = module.model.lm
+    for config in (lm.config, lm.generation_config):
+        config.bos_token_id, config.eos_token_id, config.pad_token_id = tok.bos_id, tok.eos_id, tok.pad_id
     output_dir.mkdir(parents=True, exist_ok=True)
-    module.model.lm.save_pretrained(output_dir)
+    lm.save_pretrained(output_dir)
+    tok.save_pretrained(output_dir)
+    _apply_umask(output_dir.glob("*.safetensors"))
     return output_dir
+
+
+def _apply_umask(paths: Iterable[Path]) -> None:
+    """safetensors writes through an owner-only temporary file (mode 0o600): give the weights the mode
+    any file the user creates gets. (Python can only read the umask by setting it.)"""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in paths:
+        path.chmod(0o666 & ~umask)
 
 
 def export_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="lit-ablate export", description="Export a training checkpoint as a Hugging Face model (safetensors)."
+        prog="lit-ablate export", description="Export a training checkpoint as a Hugging Face model (safetensors).",
+        allow_abbrev=False,
     )
     parser.add_argument("--ckpt_path", required=True, type=Path, help="a .ckpt file or a sharded checkpoint folder")
     parser.add_argument("--output_dir", required=True, type=Path, help="the Hugging Face model folder to write")
+    parser.add_argument("--tokenizer", help="byte or an HF tokenizer path (default: the one the run recorded)")
     args = parser.parse_args(argv)
     try:
-        out = export_hf_checkpoint(args.ckpt_path, args.output_dir)
+        out = export_hf_checkpoint(args.ckpt_path, args.output_dir, args.tokenizer)
     except ConfigError as err:
         print(f"export refused: {err}", file=sys.stderr)
         return 2
-    print(f"exported {args.ckpt_path} -> {out} (AutoModelForCausalLM.from_pretrained loads it)")
+    print(f"exported {args.ckpt_path} -> {out} (AutoModelForCausalLM and AutoTokenizer.from_pretrained load it)")
     return 0
