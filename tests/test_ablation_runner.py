@@ -279,3 +279,17 @@ def test_undeclared_difference_refuses_the_study_before_any_run(tmp_path: Path, 
         run_study(spec, tmp_path / "study", fake_fit, resolve_adds_epochs)
     assert info.value.key == "fake.micro_batch"
     assert launches(tmp_path) == [] and not (tmp_path / "study").exists()
+
+
+def test_seeds_run_round_robin_across_variants_by_default(tmp_path: Path, fake_fit: list[str]):
+    """Drift of a shared machine must spread over all variants, not land on the last one's seeds."""
+    variants = [{"name": "a"}, {"name": "b", "overrides": {"model.init_args.lr": 0.2}}]
+    out = tmp_path / "study"
+    run_study(make_spec(variants, seeds=[0, 1]), out, fake_fit, fake_resolve)
+    assert launches(tmp_path) == ["a 0", "b 0", "a 1", "b 1"]
+    assert "run order: round-robin (the first seed of every variant, then the second" in (out / "report.md").read_text()
+    run_study(make_spec(variants, seeds=[0, 1], order="by_variant", steps=5), out, fake_fit, fake_resolve)
+    assert launches(tmp_path)[4:] == ["a 0", "a 1", "b 0", "b 1"]
+    assert "run order: variant by variant" in (out / "report.md").read_text()
+    with pytest.raises(ConfigError, match="order='random'"):
+        make_spec(variants, order="random")

@@ -68,7 +68,8 @@ def trainer_root(directory: Path) -> Path:
 
 
 def plan_study(spec: StudySpec, output_dir: Path, resolve: Resolver | None = None) -> list[PlannedRun]:
-    """All runs of the study, in order (variants, then seeds); raises ``ConfigError`` on a second variable."""
+    """All runs of the study in the order they run (``spec.order``: round-robin over variants by
+    default); raises ``ConfigError`` on a second variable."""
     resolve = resolve or default_resolver()
     output_dir = output_dir.resolve()
     resolved: dict[str, dict[str, Any]] = {}
@@ -85,13 +86,15 @@ def plan_study(spec: StudySpec, output_dir: Path, resolve: Resolver | None = Non
                 resolved[variant.name] = outcome
     check_single_variable(resolved, spec.variables, ignored=RUNNER_KEYS)
     runs = []
-    for variant in spec.variants:
-        for seed in spec.seeds:
-            directory = run_dir(output_dir, variant, seed)
-            config = spec.run_config(variant, seed, trainer_root(directory))
-            launch = Launch.of_config(config, variant.launch.timeout_s)
-            reason = None if variant.name in invalid else incompatibility(resolved[variant.name], launch)
-            runs.append(PlannedRun(variant, seed, directory, config, launch, reason, invalid.get(variant.name)))
+    pairs = [(v, s) for s in spec.seeds for v in spec.variants]
+    if spec.order == "by_variant":
+        pairs = [(v, s) for v in spec.variants for s in spec.seeds]
+    for variant, seed in pairs:
+        directory = run_dir(output_dir, variant, seed)
+        config = spec.run_config(variant, seed, trainer_root(directory))
+        launch = Launch.of_config(config, variant.launch.timeout_s)
+        reason = None if variant.name in invalid else incompatibility(resolved[variant.name], launch)
+        runs.append(PlannedRun(variant, seed, directory, config, launch, reason, invalid.get(variant.name)))
     return runs
 
 

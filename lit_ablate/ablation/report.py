@@ -18,6 +18,10 @@ from lit_ablate.ablation.summary import study_summary
 from lit_ablate.record import RECORD_FILENAME, read_record
 
 PLAN_FILENAME = "study.json"
+ORDER_WORDS = {
+    "round_robin": "round-robin (the first seed of every variant, then the second seed of every variant, ...)",
+    "by_variant": "variant by variant (every seed of a variant, then the next variant)",
+}
 STDERR_TAIL_SHOWN = 15
 
 
@@ -61,7 +65,13 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
         details.append(f"{study['steps']} steps")
     if study.get("warmup_steps") is not None:
         details.append(f"warm-up steps excluded: {study['warmup_steps']}")
+    if study.get("order"):
+        details.append(f"run order: {ORDER_WORDS.get(study['order'], study['order'])}")
+    noise = next((v["speed_noise"] for v in variants if v["name"] == study["baseline"]), None)
+    details.append(f"noise floor of speed × (baseline's run-to-run spread): {_noise(noise)}")
     lines += ["; ".join(details) + ".", ""]
+    if summary.get("problems"):
+        lines += ["**Study problems (exit code 1):**", "", *(f"- {p}" for p in summary["problems"]), ""]
     agreement = study.get("expect_equal_loss")
     header = ["variant", "status", "tokens/s", "useful tokens/s", "step time (s)", "MFU", "peak memory",
               "est. memory", "final loss", "Δ loss", "speed ×", "memory ×"]  # fmt: skip
@@ -79,7 +89,7 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
             "—" if v["estimated_memory_bytes"] is None else _bytes(v["estimated_memory_bytes"]),
             _spread(v["final_loss"], lambda x: f"{x:.4f}"),
             _delta(v["loss_delta"]),
-            "—" if v["speed_ratio"] is None else f"{v['speed_ratio']:.2f}×",
+            _speed_cell(v, study["baseline"]),
             "—" if v["memory_ratio"] is None else f"{v['memory_ratio']:.2f}×",
         ]
         if agreement:
@@ -129,6 +139,19 @@ def _memory_cell(variant: Mapping[str, Any]) -> str:
     return _spread(stats, _bytes) + (f" ({variant['memory_method']})" if variant["memory_method"] else "")
 
 
+def _speed_cell(variant: Mapping[str, Any], baseline: str) -> str:
+    ratio = variant["speed_ratio"]
+    if ratio is None:
+        return "—"
+    if variant["name"] == baseline:
+        return f"{ratio:.2f}× ± {_noise(variant['speed_noise'])}"
+    return f"{ratio:.2f}×" + (" (within noise)" if variant["speed_within_noise"] else "")
+
+
+def _noise(relative: float | None) -> str:
+    return "n/a" if relative is None else f"{100 * relative:.1f}%"
+
+
 def _reference_word(agreement: Mapping[str, Any]) -> str:
     return "reference" if agreement.get("across") else "baseline"
 
@@ -137,8 +160,8 @@ def _agreement_cell(variant: Mapping[str, Any], baseline: str) -> str:
     reference, result = variant.get("loss_reference"), variant["loss_agreement"]
     if reference == variant["name"]:
         return "(reference)"
-    if reference is None:
-        return "n/a: no reference variant"
+    if result and result.get("incomplete"):
+        return _cell(f"**INCOMPLETE** ({result['reason']})")
     if not result or result["passed"] is None:
         return "n/a" + (f": {result['reason']}" if result else "")
     against = "" if reference == baseline else f" vs {reference}"
@@ -153,7 +176,10 @@ def _legend(agreement: Mapping[str, Any] | None) -> str:
             "resident set, Python runtime included); est. memory: the analytic per-rank model of "
             "`lit-ablate estimate` for the run's config. Final loss: "
             "median over seeds. Speed ×: useful tokens/s over the baseline's; memory ×: peak over the "
-            "baseline's. MFU n/a: no honest peak FLOP/s is known for this device or precision.")  # fmt: skip
+            "baseline's; the baseline's cell gives the noise floor: its useful tokens/s medians over the first and "
+            "the second half of each ok seed's measured steps, (max − min) over the median of all its steps; a "
+            "ratio within 1 ± that floor is marked *within noise*. "
+            "MFU n/a: no honest peak FLOP/s is known for this device or precision.")  # fmt: skip
     if agreement:
         steps = f"the first {agreement['steps']} steps" if agreement.get("steps") else "every step"
         word = _reference_word(agreement)

@@ -27,7 +27,7 @@ from lit_ablate.errors import ConfigError
 
 STUDY_KEYS = (
     "name", "base", "overrides", "axes", "variants", "vary", "baseline",
-    "seeds", "steps", "warmup_steps", "launch", "expect_equal_loss",
+    "seeds", "steps", "warmup_steps", "launch", "expect_equal_loss", "order",
 )  # fmt: skip
 VARIANT_KEYS = ("name", "overrides", "launch")
 MAX_AXES = 2
@@ -37,6 +37,10 @@ RUNNER_KEYS = ("trainer.max_steps", "seed_everything", "trainer.default_root_dir
 """Keys the runner sets for every run: never a study variable, never a single-variable violation.
 (``recorder`` is the CLI's ``RunRecorder``: the study's warm-up is also the record's.)"""
 DEFAULT_TIMEOUT_S = 3600.0
+RUN_ORDERS = ("round_robin", "by_variant")
+"""``round_robin`` (default): the first seed of every variant, then the second of every variant, ...
+so slow drift of a shared machine spreads over all variants instead of landing on the last ones;
+``by_variant``: every seed of one variant, then the next variant."""
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._=,+-]")
 
 
@@ -136,6 +140,7 @@ class StudySpec:
     launch: Launch
     launch_overrides: dict[str, Any]
     expect_equal_loss: LossAgreement | None
+    order: str = RUN_ORDERS[0]
 
     def variant(self, name: str) -> Variant:
         return next(v for v in self.variants if v.name == name)
@@ -164,6 +169,7 @@ class StudySpec:
             "steps": self.steps,
             "warmup_steps": self.warmup_steps,
             "expect_equal_loss": vars(self.expect_equal_loss) if self.expect_equal_loss else None,
+            "order": self.order,
             "variants": [
                 {
                     "name": v.name,
@@ -226,6 +232,9 @@ def parse_study(raw: Any, source: Path | None = None) -> StudySpec:
         not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0 or (steps is not None and warmup >= steps)
     ):
         raise ConfigError("warmup_steps", warmup, "give a non-negative integer smaller than steps")
+    order = raw.get("order", RUN_ORDERS[0])
+    if order not in RUN_ORDERS:
+        raise ConfigError("order", order, f"give one of {list(RUN_ORDERS)}")
     return StudySpec(
         name=name,
         source=source,
@@ -242,6 +251,7 @@ def parse_study(raw: Any, source: Path | None = None) -> StudySpec:
         launch=launch,
         launch_overrides=launch_overrides,
         expect_equal_loss=_loss_agreement(raw.get("expect_equal_loss"), axes),
+        order=order,
     )
 
 

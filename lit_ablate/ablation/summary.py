@@ -2,9 +2,12 @@
 
 Per variant: throughput, step time and MFU as median [min, max] over every measured step of
 every successful seed (steps after warm-up); peak memory and final loss as median [min, max]
-over seeds; the ratio of each to the baseline variant; and, where the study expects it, whether
-the loss series matches the baseline's. Everything here is plain data: ``report.json`` is this
-dict, and the Markdown table and plots are drawn from it.
+over seeds; the ratio of each to the baseline variant, with the speed ratio judged against the
+baseline's noise floor (``speed_noise``); and, where the study expects it, whether the loss
+series matches the reference's. A study-level ``problems`` list says what makes the study's
+result untrustworthy as a whole (no variant finished ok; a loss check failed or could not be
+made), and ``lit-ablate ablate``/``report`` exit non-zero on it. Everything here is plain data:
+``report.json`` is this dict, and the Markdown table and plots are drawn from it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from typing import Any
 
 from lit_ablate.record import SUMMARISED_SERIES, spread
 
+NOISE_SERIES = "useful_tokens_per_sec"
+"""The series behind the speed ratio, and so behind its noise floor."""
 ENVIRONMENT_KEYS = ("device_name", "device_type", "python", "torch", "lightning", "transformers", "git_commit", "hostname")
 """Environment fields that must agree for records to be comparable (world size may vary by design)."""
 
@@ -27,25 +32,26 @@ def study_summary(plan: Mapping[str, Any] | None, runs: Sequence[tuple[str, Mapp
     for path, record in runs:
         by_variant.setdefault(str(record.get("variant") or path.split("/")[1]), []).append((path, record))
     planned = [v["name"] for v in plan.get("variants", [])]
-    names = [n for n in planned if n in by_variant] + sorted(n for n in by_variant if n not in planned)
-    baseline = plan.get("baseline") if plan.get("baseline") in by_variant else (names[0] if names else None)
+    names = planned + sorted(n for n in by_variant if n not in planned)  # a planned variant never run is a row too
+    baseline = plan.get("baseline") or (names[0] if names else None)  # never silently another variant
     axis_values = {v["name"]: v.get("axis_values", {}) for v in plan.get("variants", [])}
-    variants = [_variant(n, by_variant[n], plan.get("warmup_steps"), axis_values.get(n, {})) for n in names]
+    variants = [_variant(n, by_variant.get(n, []), plan.get("warmup_steps"), axis_values.get(n, {})) for n in names]
     base = next((v for v in variants if v["name"] == baseline), None)
     agreement = plan.get("expect_equal_loss")
     for variant in variants:
         variant.update(_relative_to(variant, base))
         reference = _loss_reference(variant, base, variants, agreement)
         variant["loss_reference"] = reference["name"] if reference else None
-        is_compared = reference is not None and reference is not variant
-        variant["loss_agreement"] = _loss_agreement(variant, reference, agreement) if is_compared else None
+        checked = agreement and reference is not variant
+        variant["loss_agreement"] = _loss_check(variant, reference, agreement) if checked else None
     environment, mismatched = _environment([r for _, r in runs], by_variant.get(baseline, []))
     return {
         "study": {k: plan.get(k) for k in ("name", "baseline", "variables", "axes", "seeds", "steps",
-                                            "warmup_steps", "expect_equal_loss")} | {"baseline": baseline},
+                                            "warmup_steps", "expect_equal_loss", "order")} | {"baseline": baseline},
         "environment": environment,
         "environment_mismatch": mismatched,
         "variants": variants,
+        "problems": _problems(variants),
     }  # fmt: skip
 
 
@@ -63,6 +69,7 @@ def _variant(
         "axis_values": dict(axis_values),
         "status": _status([r["summary"].get("status") for _, r in runs]),
         **{key: spread(s.get(series) for s in measured) for series, key in SUMMARISED_SERIES.items()},
+        "speed_noise": _noise_floor(ok, warmup),
         "peak_memory_bytes": spread(r["summary"].get("peak_memory_bytes") for r in ok),
         "memory_method": ", ".join(methods) or None,
         "final_loss": spread(r["summary"].get("final_loss") for r in ok),
@@ -110,8 +117,34 @@ def _warmup(record: Mapping[str, Any], study_warmup: int | None) -> int:
     return study_warmup if study_warmup is not None else int(record.get("warmup_steps") or 0)
 
 
+def _noise_floor(ok: Sequence[Mapping[str, Any]], study_warmup: int | None) -> float | None:
+    """The run-to-run spread of useful tokens/s, relative: what a speed ratio must exceed to mean anything.
+
+    Each ok seed's steps after warm-up are cut into a first and a second half (in step order),
+    and the median of each half taken; the floor is (max - min) of those half-run medians over
+    the median of every measured step. So it holds the drift within a run (a shared machine
+    slowing down) and, with several seeds, the differences between runs. None with fewer than
+    two halves (no ok seed with 2 measured steps).
+    """
+    pieces, pooled = [], []
+    for record in ok:
+        values = [float(s[NOISE_SERIES]) for s in record.get("steps", [])
+                  if s["step"] > _warmup(record, study_warmup) and s.get(NOISE_SERIES) is not None
+                  and math.isfinite(s[NOISE_SERIES])]  # fmt: skip
+        half = len(values) // 2
+        if half:
+            pieces += [statistics.median(values[:half]), statistics.median(values[half:])]
+        pooled += values
+    if len(pieces) < 2 or not statistics.median(pooled):
+        return None
+    return (max(pieces) - min(pieces)) / statistics.median(pooled)
+
+
 def _status(statuses: Sequence[str | None]) -> str:
-    """``ok`` when every seed is ok, the one status they share, else counts such as ``ok 2/3, oom 1``."""
+    """``ok`` when every seed is ok, the one status they share, else counts such as ``ok 2/3, oom 1``;
+    ``not run`` for a planned variant without a record (an interrupted study)."""
+    if not statuses:
+        return "not run"
     statuses = [s or "missing" for s in statuses]
     if len(set(statuses)) == 1:
         return statuses[0]
@@ -147,9 +180,11 @@ def _relative_to(variant: Mapping[str, Any], base: Mapping[str, Any] | None) -> 
         return mine / theirs if mine is not None and theirs else None
 
     loss, base_loss = _median(variant["final_loss"]), _median(base["final_loss"]) if base else None
+    speed, noise = ratio(NOISE_SERIES), base["speed_noise"] if base else None
     return {
         "loss_delta": loss - base_loss if loss is not None and base_loss is not None else None,
-        "speed_ratio": ratio("useful_tokens_per_sec"),
+        "speed_ratio": speed,
+        "speed_within_noise": None if speed is None or noise is None else abs(speed - 1) <= noise,
         "memory_ratio": ratio("peak_memory_bytes"),
     }
 
@@ -169,6 +204,29 @@ def _loss_reference(
     return next((v for v in variants if v["axis_values"] == wanted), None)
 
 
+def _loss_check(
+    variant: Mapping[str, Any], reference: Mapping[str, Any] | None, tolerance: Mapping[str, Any]
+) -> dict[str, Any]:
+    """``expect_equal_loss`` for one variant: pass, fail, or ``incomplete`` (never a silent pass).
+
+    A variant without an ok seed is not checked (``passed: None``; its row already says why).
+    A variant with an ok seed whose reference has no ok run of that seed (or no reference
+    variant at all) is ``incomplete``: the check it promised was not made, a study problem.
+    """
+    mine = {r["seed"] for r in variant["runs"] if r["status"] == "ok"}
+    if not mine:
+        return {"passed": None, "incomplete": False, "reason": "this variant has no ok run"}
+    if reference is None:
+        return {"passed": None, "incomplete": True, "reason": "no variant holds its reference's values"}
+    missing = sorted(mine - {r["seed"] for r in reference["runs"] if r["status"] == "ok"}, key=_seed_order)
+    result = _loss_agreement(variant, reference, tolerance)
+    if missing and result["passed"] is not False:
+        seeds = ", ".join(str(s) for s in missing)
+        return {**result, "passed": None, "incomplete": True,
+                "reason": f"reference {reference['name']} has no ok run of seed {seeds}"}  # fmt: skip
+    return {**result, "incomplete": False}
+
+
 def _loss_agreement(
     variant: Mapping[str, Any], base: Mapping[str, Any], tolerance: Mapping[str, Any]
 ) -> dict[str, Any]:
@@ -176,7 +234,7 @@ def _loss_agreement(
     rtol, atol, limit = tolerance["rtol"], tolerance["atol"], tolerance.get("steps")
     base_curves = {r["seed"]: r["loss"] for r in base["runs"] if r["status"] == "ok"}
     mine = {r["seed"]: r["loss"] for r in variant["runs"] if r["status"] == "ok"}
-    seeds = sorted(set(base_curves) & set(mine), key=lambda s: (s is None, s or 0))
+    seeds = sorted(set(base_curves) & set(mine), key=_seed_order)
     if not seeds:
         return {"passed": None, "reason": "no seed finished ok in both this variant and its reference"}
     worst = {"max_abs_diff": 0.0, "worst_step": None, "worst_seed": None}
@@ -194,6 +252,24 @@ def _loss_agreement(
             if diff > atol + rtol * abs(y):
                 return {"passed": False, "reason": f"seed {seed}, step {step}: {x:.6g} vs {y:.6g}", **worst}
     return {"passed": True, "reason": None, "compared_seeds": seeds, **worst}
+
+
+def _seed_order(seed: int | None) -> tuple[bool, int]:
+    return seed is None, seed or 0
+
+
+def _problems(variants: Sequence[Mapping[str, Any]]) -> list[str]:
+    """What makes the study's result untrustworthy as a whole, one line each (empty: none)."""
+    problems = []
+    if not any(r["status"] == "ok" for v in variants for r in v["runs"]):
+        problems.append("no variant finished ok: nothing was measured")
+    for v in variants:
+        check = v["loss_agreement"] or {}
+        if check.get("passed") is False:
+            problems.append(f"loss check failed: {v['name']}: {check['reason']}")
+        elif check.get("incomplete"):
+            problems.append(f"loss check incomplete: {v['name']}: {check['reason']}")
+    return problems
 
 
 def _environment(

@@ -1,0 +1,118 @@
+"""A study report cannot mislead: a loss check that could not be made is not a pass, a study
+where nothing finished exits non-zero, and a speed ratio is judged against the baseline's noise floor.
+
+Bugs these catch (each seen failing with the fix removed): a variant whose reference has no ok run
+"passed" by silence (exit 0); a study of only failed runs exited 0; a report without its baseline
+silently took another variant as the baseline; speed ratios had no noise floor.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_ablation_report import make_record, make_study
+
+from lit_ablate.ablation.commands import report_main
+from lit_ablate.ablation.report import write_report
+from lit_ablate.ablation.summary import study_summary
+
+EQUAL = {"rtol": 1e-4, "atol": 1e-6, "steps": None}
+LOSSES = [4.0, 3.0, 2.0]
+
+
+def plan(names: list[str], agreement: dict | None = EQUAL, baseline: str | None = None) -> dict:
+    return {"name": "t", "baseline": baseline or names[0], "expect_equal_loss": agreement, "seeds": [0, 1],
+            "warmup_steps": 1, "variants": [{"name": n} for n in names]}  # fmt: skip
+
+
+def by_name(summary: dict) -> dict:
+    return {v["name"]: v for v in summary["variants"]}
+
+
+def summarise(records: list[dict], study: dict) -> dict:
+    return study_summary(study, [(f"runs/{r['variant']}/seed{r['seed']}/run.json", r) for r in records])
+
+
+def test_reference_without_an_ok_run_makes_the_loss_check_incomplete_and_exit_1(tmp_path: Path):
+    records = [make_record("ref", 0, speed=1, peak_mib=1, losses=LOSSES, status="error"),
+               make_record("v", 0, speed=1, peak_mib=1, losses=LOSSES)]  # fmt: skip
+    summary = summarise(records, plan(["ref", "v"]))
+    check = by_name(summary)["v"]["loss_agreement"]
+    assert check["passed"] is None and check["incomplete"] is True
+    assert summary["problems"] == ["loss check incomplete: v: reference ref has no ok run of seed 0"]
+    directory = make_study(tmp_path, records, plan(["ref", "v"]))
+    assert report_main([str(directory)]) == 1, "an unchecked promise of equal losses must not exit 0"
+    text = (directory / "report.md").read_text()
+    assert "**INCOMPLETE** (reference ref has no ok run of seed 0)" in text and "Study problems (exit code 1)" in text
+
+
+def test_a_seed_the_reference_lacks_is_incomplete_but_a_mismatch_still_fails():
+    ref = [make_record("ref", 0, speed=1, peak_mib=1, losses=LOSSES),
+           make_record("ref", 1, speed=1, peak_mib=1, losses=LOSSES, status="oom")]  # fmt: skip
+    same = [make_record("same", s, speed=1, peak_mib=1, losses=LOSSES) for s in (0, 1)]
+    off = [make_record("off", s, speed=1, peak_mib=1, losses=[4.0, 3.5, 2.0]) for s in (0, 1)]
+    summary = summarise(ref + same + off, plan(["ref", "same", "off"]))
+    assert by_name(summary)["same"]["loss_agreement"]["incomplete"] is True  # seed 0 agrees, seed 1 unchecked
+    assert by_name(summary)["off"]["loss_agreement"]["passed"] is False  # a seen mismatch is a failure
+    assert summary["problems"] == ["loss check incomplete: same: reference ref has no ok run of seed 1",
+                                   "loss check failed: off: seed 0, step 2: 3.5 vs 3"]  # fmt: skip
+
+
+def test_a_variant_that_failed_itself_is_not_a_loss_problem():
+    records = [make_record("ref", 0, speed=1, peak_mib=1, losses=LOSSES),
+               make_record("broken", 0, speed=1, peak_mib=1, losses=LOSSES[:1], status="error")]  # fmt: skip
+    summary = summarise(records, plan(["ref", "broken"]))
+    assert by_name(summary)["broken"]["loss_agreement"] == {
+        "passed": None, "incomplete": False, "reason": "this variant has no ok run"}  # fmt: skip
+    assert summary["problems"] == []  # its row says error; the study goes on (a result, not a crash)
+
+
+def test_a_baseline_that_never_ran_is_not_replaced_by_another_variant():
+    records = [make_record("v", 0, speed=1, peak_mib=1, losses=LOSSES)]
+    summary = summarise(records, plan(["base", "v"]))
+    assert summary["study"]["baseline"] == "base" and by_name(summary)["base"]["status"] == "not run"
+    assert by_name(summary)["v"]["speed_ratio"] is None
+    assert summary["problems"] == ["loss check incomplete: v: reference base has no ok run of seed 0"]
+
+
+def test_a_study_where_every_variant_failed_exits_non_zero(tmp_path: Path):
+    records = [make_record(n, 0, speed=1, peak_mib=1, losses=LOSSES[:1], status=s)
+               for n, s in (("a", "error"), ("b", "oom"), ("c", "skipped"))]  # fmt: skip
+    directory = make_study(tmp_path, records, plan(["a", "b", "c"], agreement=None))
+    assert report_main([str(directory)]) == 1
+    assert json.loads((directory / "report.json").read_text())["problems"] == [
+        "no variant finished ok: nothing was measured"]  # fmt: skip
+
+
+def with_useful(record: dict, useful: list[float]) -> dict:
+    """``record`` with these useful tokens/s at steps 2.. (step 1 is warm-up)."""
+    record["steps"] = [{**record["steps"][0], "step": i + 1, "useful_tokens_per_sec": u}
+                       for i, u in enumerate([1.0, *useful])]  # fmt: skip
+    return record
+
+
+def test_noise_floor_is_the_spread_of_half_run_medians_and_marks_ratios_within_it(tmp_path: Path):
+    base = [with_useful(make_record("base", 0, speed=1, peak_mib=1, losses=[1.0]), [100, 102, 98, 101, 99, 104]),
+            with_useful(make_record("base", 1, speed=1, peak_mib=1, losses=[1.0]), [96, 97, 95, 98])]  # fmt: skip
+    # half-run medians: seed 0 -> 100 (100, 102, 98) and 101 (101, 99, 104); seed 1 -> 96.5 and 96.5;
+    # median of all ten steps 98.5; floor = (101 - 96.5) / 98.5
+    close = [with_useful(make_record("close", s, speed=1, peak_mib=1, losses=[1.0]), [98.5 * 1.04] * 4) for s in (0, 1)]
+    fast = [with_useful(make_record("fast", s, speed=1, peak_mib=1, losses=[1.0]), [98.5 * 1.05] * 4) for s in (0, 1)]
+    study = plan(["base", "close", "fast"], agreement=None)
+    summary = summarise(base + close + fast, study)
+    variants = by_name(summary)
+    assert variants["base"]["speed_noise"] == pytest.approx(4.5 / 98.5)
+    assert variants["close"]["speed_ratio"] == pytest.approx(1.04) and variants["close"]["speed_within_noise"] is True
+    assert variants["fast"]["speed_ratio"] == pytest.approx(1.05) and variants["fast"]["speed_within_noise"] is False
+    text = write_report(make_study(tmp_path, base + close + fast, study)).read_text()
+    assert "noise floor of speed × (baseline's run-to-run spread): 4.6%" in text
+    assert "| 1.00× ± 4.6% |" in text and "| 1.04× (within noise) |" in text and "| 1.05× |" in text
+
+
+def test_one_measured_step_gives_no_noise_floor():
+    base = [with_useful(make_record("base", 0, speed=1, peak_mib=1, losses=[1.0]), [100])]
+    other = [with_useful(make_record("v", 0, speed=1, peak_mib=1, losses=[1.0]), [100])]
+    variants = by_name(summarise(base + other, plan(["base", "v"], agreement=None)))
+    assert variants["base"]["speed_noise"] is None and variants["v"]["speed_within_noise"] is None
