@@ -15,10 +15,11 @@ formula. Conventions (torchtitan's, stated so numbers are comparable across tech
 from __future__ import annotations
 
 import copy
+import json
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -77,22 +78,27 @@ def attention_shape(config: PretrainedConfig) -> tuple[int, int, int]:
 
 
 def flops_per_token(counts: ParameterCounts, config: PretrainedConfig, seq_len: float) -> float:
-    """Training (forward + backward) FLOPs per token at context ``seq_len`` (see ``attention_context``)."""
+    """Training (forward + backward) FLOPs per token at context ``seq_len`` (see ``batch_model_flops``)."""
     layers, heads, head_dim = attention_shape(config)
     return 6.0 * counts.matmul + 12.0 * layers * heads * head_dim * seq_len
 
 
-def attention_context(row_length: int, cu_seqlens: torch.Tensor | None = None) -> float:
-    """The context length per token that ``flops_per_token`` takes for one batch.
+def batch_model_flops(batch: Mapping[str, Any], flops_per_token: Callable[[float], float]) -> float:
+    """Model FLOPs of one batch: each document's real tokens at its own context; padding counts nothing.
 
-    A padded row: its length. Packed rows: each token attends only within its document, so the
-    model's attention FLOPs are ``sum(len_i^2)`` over the documents, i.e. a token-weighted mean
-    context of ``sum(len_i^2) / sum(len_i)``; using the row length would inflate packed MFU.
+    ``document_lengths`` (a host-side list the collators attach: one entry per padded row's
+    example, or per packed row's document) gives the lengths without reading a device tensor, so
+    no host synchronisation happens inside a step. Since ``flops_per_token`` is linear in the
+    context, this equals ``flops_per_token(sum(len^2) / sum(len)) * sum(len)``: the token-weighted
+    mean context, which is what keeps packed rows from claiming attention across documents. A
+    batch without ``document_lengths`` counts every position as a token of a row-long document.
     """
-    if cu_seqlens is None:
-        return float(row_length)
-    lengths = cu_seqlens.diff().double()
-    return float((lengths * lengths).sum() / lengths.sum())
+    lengths = batch.get("document_lengths")
+    if lengths is None:
+        rows, width = batch["input_ids"].shape[0], batch["input_ids"].shape[-1]
+        lengths = [width] * rows
+    tokens = sum(lengths)
+    return flops_per_token(sum(n * n for n in lengths) / tokens) * tokens if tokens else 0.0
 
 
 def count_parameters_of_config(config: PretrainedConfig) -> ParameterCounts:
@@ -399,16 +405,18 @@ def smallest_world_size(fits: Callable[[int], bool], max_ranks: int) -> int | No
 
 
 def estimate_main(argv: list[str]) -> int:
-    """``lit-ablate estimate --config FIT.yaml [--gpu_memory_gib 80] [--dotted.key value ...]``.
+    """``lit-ablate estimate --config FIT.yaml [--gpu_memory_gib 80] [--json] [--dotted.key value ...]``.
 
     Prints the per-rank breakdown at the config's world size under its own strategy and each of
-    ``SHARDINGS``, and the smallest number of GPUs of the given size that fits each.
+    ``SHARDINGS``, and the smallest number of GPUs of the given size that fits each; ``--json``
+    prints the same numbers (exact counts and bytes) as one JSON object instead of the table.
     """
     import argparse
 
     from lit_ablate.errors import ConfigError
 
-    parser = argparse.ArgumentParser(prog="lit-ablate estimate", description=estimate_main.__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="lit-ablate estimate", description=estimate_main.__doc__.split("\n")[0],
+                                     allow_abbrev=False)
     parser.add_argument("--config", required=True, help="a fit config (extra --dotted.key value pairs override it)")
     parser.add_argument("--gpu_memory_gib", type=float, default=80.0, help="memory of one GPU")
     parser.add_argument("--usable_fraction", type=float, default=0.9,
@@ -417,6 +425,7 @@ def estimate_main(argv: list[str]) -> int:
     parser.add_argument("--max_gpus", type=int, default=4096, help="search limit for the smallest fitting number")
     parser.add_argument("--world_size", type=int, help="ranks for the breakdown (default: devices x num_nodes)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, help="default: the config's (CausalLM: adamw)")
+    parser.add_argument("--json", action="store_true", help="print the numbers as JSON (bytes, exact counts)")
     args, overrides = parser.parse_known_args(argv)
     from lit_ablate.cli import resolve_fit_config
 
@@ -445,39 +454,65 @@ def estimate_main(argv: list[str]) -> int:
     except ConfigError as err:
         print(f"lit-ablate estimate: error: {err}", file=sys.stderr)
         return 2
-    print(_estimate_table(config, counts, shape, training, world, rows, args))
+    summary = _estimate_summary(config, counts, shape, training, world, rows, args)
+    print(json.dumps(summary, indent=1) if args.json else _estimate_table(summary))
     return 0
 
 
-def _estimate_table(config, counts, shape, training, world, rows, args) -> str:  # noqa: ANN001 (estimate_main's locals)
-    largest = max((e.total for _, e, _ in rows if e), default=0)
-    unit, scale = ("GiB", GIB) if largest >= GIB else ("MiB", 2**20)
-    gib = lambda b: f"{b / scale:.1f}" if b >= 0.1 * scale else f"{b / scale:.2g}"  # noqa: E731
+MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "transient", "total")
+"""The per-rank byte counts of one sharding, in the table's column order."""
+
+
+def _estimate_summary(config, counts, shape, training, world, rows, args) -> dict[str, Any]:  # noqa: ANN001 (estimate_main's locals)
+    """Everything ``estimate`` reports, in exact numbers: what ``--json`` prints and the table renders."""
     strategy = get_dotted(config, "trainer.strategy", "auto")
     strategy = strategy.get("class_path", "?").rsplit(".", 1)[-1] if isinstance(strategy, dict) else strategy
+    return {
+        "model": {"parameters": counts.total, "active_parameters": counts.active, "layers": shape.layers,
+                  "hidden": shape.hidden, "vocab": shape.vocab},
+        "run": asdict(training),
+        "world_size": world, "strategy": strategy, "gpu_memory_gib": args.gpu_memory_gib,
+        "usable_fraction": args.usable_fraction, "gpus_per_node": args.gpus_per_node, "max_gpus": args.max_gpus,
+        "shardings": [{"sharding": kind, "bytes_per_rank": {k: getattr(e, k) for k in MEMORY_KINDS} if e else None,
+                       "gpus_needed": fewest} for kind, e, fewest in rows],
+    }  # fmt: skip
+
+
+def _estimate_table(summary: dict[str, Any]) -> str:
+    model, training, shardings = summary["model"], summary["run"], summary["shardings"]
+    largest = max((s["bytes_per_rank"]["total"] for s in shardings if s["bytes_per_rank"]), default=0)
+    unit, scale = ("GiB", GIB) if largest >= GIB else ("MiB", 2**20)
     lines = [
-        f"Model: {_count(counts.total)} parameters ({_count(counts.active)} active), {shape.layers} layers, "
-        f"hidden {shape.hidden}, vocab {shape.vocab}.",
-        f"Run: micro-batch {training.micro_batch} x {training.seq_len} tokens per rank, "
-        f"parameters {training.param_bytes} B, activations {training.activation_bytes} B, "
-        f"optimizer {training.optimizer}, checkpointing {training.checkpointing}, "
-        f"loss {training.loss}, attention {training.attention}.",
+        f"Model: {_count(model['parameters'])} parameters ({model['parameters']:,}), "
+        f"{_count(model['active_parameters'])} active ({model['active_parameters']:,}), {model['layers']} layers, "
+        f"hidden {model['hidden']}, vocab {model['vocab']}.",
+        f"Run: micro-batch {training['micro_batch']} x {training['seq_len']} tokens per rank, "
+        f"parameters {training['param_bytes']} B, activations {training['activation_bytes']} B, "
+        f"optimizer {training['optimizer']}, checkpointing {training['checkpointing']}, "
+        f"loss {training['loss']}, attention {training['attention']}.",
         "",
-        f"Per rank at {world} rank(s), {unit}; last column: smallest number of {args.gpu_memory_gib:g} GiB GPUs that fit "
-        f"({args.usable_fraction:.0%} usable, HSDP shards within {args.gpus_per_node}).",
+        f"Per rank at {summary['world_size']} rank(s), {unit}; last column: smallest number of "
+        f"{summary['gpu_memory_gib']:g} GiB GPUs that fit ({summary['usable_fraction']:.0%} usable, HSDP shards "
+        f"within {summary['gpus_per_node']}).",
         "",
-        "| sharding | params | grads | optimizer | activations | transient | total | GPUs needed |",
+        "| sharding | " + " | ".join(MEMORY_KINDS) + " | GPUs needed |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for kind, e, fewest in rows:
-        name = f"configured ({strategy})" if kind == "configured" else kind
-        cells = [gib(v) for v in (e.params, e.grads, e.optimizer, e.activations, e.transient, e.total)] if e else ["—"] * 6
-        need = str(fewest) if fewest else f"none up to {args.max_gpus}"
+    for row in shardings:
+        name = f"configured ({summary['strategy']})" if row["sharding"] == "configured" else row["sharding"]
+        memory = row["bytes_per_rank"]
+        cells = [_memory_cell(memory[k], scale) for k in MEMORY_KINDS] if memory else ["—"] * len(MEMORY_KINDS)
+        need = str(row["gpus_needed"]) if row["gpus_needed"] else f"none up to {summary['max_gpus']}"
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {need} |")
     lines += ["", "Activations are per rank and not divided by data parallelism: lower the micro-batch or "
               "checkpoint activations when they dominate. 'none': replicated state (or HSDP's node-sized "
               "shards) plus activations exceed a GPU at any count."]  # fmt: skip
     return "\n".join(lines)
+
+
+def _memory_cell(num_bytes: int, scale: int) -> str:
+    """A table cell: bytes in the table's unit (``scale`` bytes), 1 decimal, 2 significant digits below 0.1."""
+    return f"{num_bytes / scale:.1f}" if num_bytes >= 0.1 * scale else f"{num_bytes / scale:.2g}"
 
 
 def _count(n: int) -> str:

@@ -3,6 +3,7 @@ estimate's exact numbers, an exported folder that Hugging Face tools load and ro
 quiet console."""
 
 import contextlib
+import json
 import os
 import stat
 import sys
@@ -11,9 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_ablate.cli import main
+from lit_ablate.cli import main, resolve_fit_config
 from lit_ablate.data.tokenizers import ByteTokenizer
+from lit_ablate.estimate import GIB, MEMORY_KINDS, estimate_for_config, estimate_main
 from lit_ablate.generate import generate
+from lit_ablate.models.factory import ModelFactory
 from lit_ablate.record import write_record
 from lit_ablate.strategies.export import export_main
 
@@ -121,3 +124,26 @@ def test_exported_weights_get_the_users_umask(exported):
     files = list(exported[1].iterdir())
     assert {f.name for f in files} >= {"model.safetensors", "config.json", "tokenizer.json"}
     assert {f.name: _mode(f) for f in files} == {f.name: 0o660 for f in files}
+
+
+def test_estimate_prints_the_exact_parameter_count_and_the_same_numbers_as_json(capsys):
+    """Catches a count only given rounded ("869.5k") and a --json that disagrees with the table."""
+    exact = sum(p.numel() for p in ModelFactory(preset="tiny-llama").build().parameters())
+    args = ["--config", QUICKSTART, "--gpu_memory_gib", "0.05", "--max_gpus", "8"]
+    assert estimate_main(args) == 0
+    table = capsys.readouterr().out
+    assert f"parameters ({exact:,})" in table
+    assert estimate_main([*args, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["model"]["parameters"] == exact and summary["world_size"] == 1
+    reference = estimate_for_config(resolve_fit_config(["--config", QUICKSTART]))  # the report's own estimate
+    assert summary["shardings"][0]["bytes_per_rank"] == {k: getattr(reference, k) for k in MEMORY_KINDS}
+    unit = 2**20  # the table is in MiB for a tiny model
+    assert "MiB" in table and summary["shardings"][0]["bytes_per_rank"]["total"] < GIB
+    for row in summary["shardings"]:
+        name = "configured (auto)" if row["sharding"] == "configured" else row["sharding"]
+        line = next(line for line in table.splitlines() if line.startswith(f"| {name} |"))
+        cells = [c.strip() for c in line.strip("|").split("|")][1:]
+        table_mib = [float(c) for c in cells[: len(MEMORY_KINDS)]]  # cells are rounded to 0.1 MiB or 2 significant digits
+        assert table_mib == pytest.approx([row["bytes_per_rank"][k] / unit for k in MEMORY_KINDS], rel=0.05, abs=0.05)
+        assert cells[-1] == (str(row["gpus_needed"]) if row["gpus_needed"] else "none up to 8")
