@@ -21,7 +21,7 @@ from lit_ablate.callbacks import StepMonitor
 class GradNormMonitor(StepMonitor):
     """Global L2 norm of the gradients before clipping (a sign of instability when it spikes)."""
 
-    def __init__(self, warmup_steps: int = 2) -> None:
+    def __init__(self, warmup_steps: int | None = None) -> None:
         super().__init__(warmup_steps=warmup_steps)
         self._norm: float | None = None
 

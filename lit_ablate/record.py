@@ -11,16 +11,19 @@ imports the other: both depend only on this module. A record is one JSON file pe
                       "device_name": ..., "device_count": ..., "world_size": ..., "git_commit": ...},
       "warmup_steps": 2,                        # steps excluded from the summary
       "fallbacks": ["..."],                     # every fallback a part took, in words
-      "steps": [{"step": 1, "loss": ..., "lr": ..., "step_time_s": ..., "tokens_per_sec": ...,
-                 "useful_tokens_per_sec": ..., "mfu": ..., "memory_peak_bytes": ...}, ...],
+      "steps": [{"step": 1, "loss": ..., "lr": ..., "step_time_s": ..., "data_wait_s": ...,
+                 "tokens_per_sec": ..., "useful_tokens_per_sec": ..., "mfu": ...,
+                 "memory_peak_bytes": ..., "memory_peak_bytes_per_rank": [...]}, ...],
       "summary": {
         "status": "ok" | "error" | "oom" | "timeout" | "running" | "interrupted" | "skipped",
         "message": null | "the error, one line",
         "tokens_per_sec": {"median": ..., "min": ..., "max": ..., "n": ...} | null,
         "useful_tokens_per_sec": {...}, "tokens_per_sec_per_device": {...},
-        "useful_tokens_per_sec_per_device": {...}, "step_time_s": {...},
+        "useful_tokens_per_sec_per_device": {...}, "step_time_s": {...}, "data_wait_s": {...},
+        "data_wait_share": float | null,        # summed data wait / summed step time after warm-up
         "mfu": {...} | null,                    # null when no honest peak is known
-        "peak_memory_bytes": int | null, "memory_method": str | null,
+        "peak_memory_bytes": int | null,        # the largest over steps and ranks
+        "peak_memory_bytes_per_rank": [int] | null, "memory_method": str | null,
         "final_loss": float | null
       }
     }
@@ -61,6 +64,7 @@ SUMMARISED_SERIES: dict[str, str] = {
     "tokens_per_sec_per_device": "tokens_per_sec_per_device",
     "useful_tokens_per_sec_per_device": "useful_tokens_per_sec_per_device",
     "step_time_s": "step_time_s",
+    "data_wait_s": "data_wait_s",
     "mfu": "mfu",
 }
 
@@ -79,8 +83,13 @@ def summarize_steps(steps: Sequence[Mapping[str, Any]], warmup_steps: int) -> di
     summary: dict[str, Any] = {
         key: spread(s.get(series) for s in measured) for series, key in SUMMARISED_SERIES.items()
     }
+    waits = [(s.get("data_wait_s"), s.get("step_time_s")) for s in measured]
+    waits = [(w, t) for w, t in waits if w is not None and t]
+    summary["data_wait_share"] = sum(w for w, _ in waits) / sum(t for _, t in waits) if waits else None
     peaks = [s["memory_peak_bytes"] for s in steps if s.get("memory_peak_bytes") is not None]
     summary["peak_memory_bytes"] = int(max(peaks)) if peaks else None
+    per_rank = [s["memory_peak_bytes_per_rank"] for s in steps if s.get("memory_peak_bytes_per_rank")]
+    summary["peak_memory_bytes_per_rank"] = [int(max(column)) for column in zip(*per_rank)] if per_rank else None
     losses = [s["loss"] for s in steps if s.get("loss") is not None]
     summary["final_loss"] = float(losses[-1]) if losses else None
     return summary

@@ -1,6 +1,7 @@
 """Measurement callbacks and the run record, on a tiny model with an in-memory loader."""
 
 import json
+import time
 
 import lightning as L
 import pytest
@@ -87,17 +88,74 @@ def test_recorded_loss_is_exact_token_average_across_micro_batches(tmp_path):
         assert s["loss"] == pytest.approx(reference.item(), rel=1e-5)
 
 
-def test_mfu_is_null_on_cpu_without_a_peak_and_exact_with_one(tmp_path):
+def test_mfu_is_null_on_cpu_without_a_peak_and_exact_with_one(tmp_path, recwarn):
     batches = _batches(4, 2, masked_prefix=[0])
-    with pytest.warns(UserWarning, match="MFU not reported"):
-        record, _ = _fit(tmp_path, [MFUMonitor()], batches)
+    record, _ = _fit(tmp_path, [MFUMonitor()], batches)
     assert all(s["mfu"] is None for s in record["steps"]) and record["summary"]["mfu"] is None
-    assert record["summary"]["mfu_peak"].startswith("unavailable")
+    assert record["summary"]["mfu_peak"].startswith("unavailable: no peak is known for device type 'cpu'")
+    assert not [w for w in recwarn if "MFU" in str(w.message)]  # expected on a CPU: recorded, not warned
 
     record, module = _fit(tmp_path, [MFUMonitor(peak_tflops=1.0), ThroughputMonitor()], batches)
     flops_per_step = module.flops_per_token(SEQ) * 2 * SEQ
     for s in record["steps"]:
         assert s["mfu"] * s["step_time_s"] * 1e12 == pytest.approx(flops_per_step)
+
+
+def test_mfu_counts_real_tokens_only_and_fp8_follows_the_config(tmp_path):
+    """Padding positions are not model FLOPs; an fp8 run is never divided by a bf16 peak, and it
+    is the config (the module's fp8 switch), not a callback flag, that says so."""
+    batches = _batches(4, 2, masked_prefix=[0])
+    for b in batches:
+        b["document_lengths"] = [SEQ, SEQ // 2]  # the second row: half of it is padding
+    record, module = _fit(tmp_path, [MFUMonitor(peak_tflops=1.0), ThroughputMonitor()], batches)
+    flops_per_step = module.flops_per_token(SEQ) * SEQ + module.flops_per_token(SEQ // 2) * SEQ // 2
+    for s in record["steps"]:
+        assert s["mfu"] * s["step_time_s"] * 1e12 == pytest.approx(flops_per_step)
+
+    class Fp8LM(CausalLM):
+        computes_in_fp8 = True
+
+    with pytest.warns(UserWarning, match="fp8"):
+        record, _ = _fit(tmp_path, [MFUMonitor()], batches, module=Fp8LM(ModelFactory(preset="tiny-llama")))
+    assert record["summary"]["mfu"] is None and "fp8" in record["summary"]["mfu_peak"]
+
+
+class _SlowBatches(torch.utils.data.Dataset):
+    """Batches that take ``delay`` seconds each to produce: a slow collator."""
+
+    def __init__(self, batches: list[dict], delay: float) -> None:
+        self.batches, self.delay = batches, delay
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i: int) -> dict:
+        time.sleep(self.delay)
+        return self.batches[i]
+
+
+def test_step_time_includes_every_micro_batch_fetch_and_data_wait_shows_it(tmp_path):
+    """The clock runs from one optimizer step's end to the next: a step of two micro-batches pays
+    for fetching both (the old clock opened after the first was fetched), and ``data_wait_s``
+    shows that part. Lower bounds only: sleeping guarantees at least ``delay``."""
+    delay = 0.05
+    L.seed_everything(0)
+    module = CausalLM(ModelFactory(preset="tiny-llama"), warmup_steps=0)
+    recorder = RunRecorder(path=str(tmp_path / "run.json"), warmup_steps=1)
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", accumulate_grad_batches=2, callbacks=[ThroughputMonitor(), recorder],
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, DataLoader(_SlowBatches(_batches(6, 2, masked_prefix=[0]), delay), batch_size=None))
+    record = json.loads((tmp_path / "run.json").read_text())
+    for s in record["steps"]:
+        assert s["data_wait_s"] >= 2 * delay and s["step_time_s"] > s["data_wait_s"]
+    assert 0 < record["summary"]["data_wait_share"] < 1
+
+
+def test_console_and_record_summarise_the_same_warmup(tmp_path):
+    monitor = ThroughputMonitor()
+    _fit(tmp_path, [monitor], _batches(4, 2, masked_prefix=[0]))
+    assert monitor.warmup_steps == 1  # the recorder's (``_fit`` sets recorder.warmup_steps=1)
+    assert "median after 1 warm-up steps" in monitor.summary_line()
 
 
 def test_peak_table_knows_plain_h200_and_prefers_specific_names():

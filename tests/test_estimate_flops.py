@@ -1,10 +1,12 @@
 """Analytic FLOPs per token (what MFU divides) against torch's FLOP counter."""
 
+import functools
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from lit_ablate.estimate import attention_context, count_parameters, count_parameters_of_config, flops_per_token
+from lit_ablate.estimate import batch_model_flops, count_parameters, count_parameters_of_config, flops_per_token
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.losses import loss_backend
@@ -46,14 +48,28 @@ def test_tied_embedding_head_is_counted_as_a_matmul():
     assert counts.matmul == counts.active  # the shared table is the LM head: a real matmul
 
 
-def test_packed_rows_count_attention_per_document():
+def test_batch_flops_count_each_document_at_its_own_context_and_no_padding():
     """A packed batch's FLOPs equal the sum of its documents' FLOPs run alone (the attention term is
-    per document), not the row length's, which would inflate packed MFU."""
+    per document), not the row length's, which would inflate packed MFU; padding counts nothing."""
     model = ModelFactory(preset="tiny-llama").build()
     counts = count_parameters(model, model.config)
-    lengths = [7, 5, 4, 12, 4]  # two rows of 16: documents and padding segments
-    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    packed = flops_per_token(counts, model.config, attention_context(16, cu_seqlens)) * sum(lengths)
-    alone = sum(flops_per_token(counts, model.config, n) * n for n in lengths)
-    assert packed == pytest.approx(alone, rel=1e-12)
-    assert attention_context(16) == 16.0 and attention_context(16, cu_seqlens) < 16
+    per_token = functools.partial(flops_per_token, counts, model.config)
+    lengths = [7, 5, 12, 4]  # documents of two packed rows of 16 (4 padding positions)
+    batch = {"input_ids": torch.zeros(2, 16, dtype=torch.long), "document_lengths": lengths}
+    alone = sum(per_token(n) * n for n in lengths)
+    assert batch_model_flops(batch, per_token) == pytest.approx(alone, rel=1e-12)
+    row_long = {"input_ids": torch.zeros(2, 16, dtype=torch.long)}  # no lengths: every position, row-long context
+    assert batch_model_flops(row_long, per_token) == pytest.approx(per_token(16) * 32, rel=1e-12)
+
+
+def test_collators_report_document_lengths_without_padding():
+    from lit_ablate.data import PackingCollator, PaddingCollator
+
+    examples = [{"input_ids": torch.arange(n), "labels": torch.arange(n)} for n in (3, 5, 2)]
+    padding = PaddingCollator(pad_to_multiple_of=8)
+    padding.bind(pad_id=0, seq_len=16)
+    assert padding(examples)["document_lengths"] == [3, 5, 2]
+    packing = PackingCollator(max_tokens=16, static_shape=True)
+    packing.bind(pad_id=0, seq_len=16)
+    batch = packing([examples[:2], examples[2:]])
+    assert batch["document_lengths"] == [3, 5, 2] and batch["input_ids"].shape == (2, 16)

@@ -37,7 +37,8 @@ class LossSeries(Callback):
         self.losses: list[float] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.losses.append(outputs["loss"].item())
+        # This rank's micro-batch mean (the backpropagated loss is scaled by StepObjective).
+        self.losses.append((outputs["loss_sum"] / outputs["useful_tokens"]).item())
 
 
 def fit(strategy: pl.strategies.Strategy, root: Path, devices: int = 2) -> dict:

@@ -31,13 +31,14 @@ PROBE = torch.arange(24).reshape(2, 12) % 300  # token ids whose logits the expo
 
 
 class LossSeries(Callback):
-    """The loss this rank backpropagated, per optimizer step."""
+    """This rank's token-mean loss, per optimizer step."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.losses.append(outputs["loss"].item())
+        # This rank's micro-batch mean (the backpropagated loss is scaled by StepObjective).
+        self.losses.append((outputs["loss_sum"] / outputs["useful_tokens"]).item())
 
 
 def fit(

@@ -47,7 +47,7 @@ class ExpertLoadMonitor(StepMonitor):
         log_to_logger: send the scalar series to the Lightning logger.
     """
 
-    def __init__(self, log_expert_fractions: bool = True, warmup_steps: int = 2, log_to_logger: bool = True) -> None:
+    def __init__(self, log_expert_fractions: bool = True, warmup_steps: int | None = None, log_to_logger: bool = True) -> None:
         super().__init__(warmup_steps=warmup_steps, log_to_logger=log_to_logger)
         self.log_expert_fractions = log_expert_fractions
         self.blocks: list[MoEBlock] = []

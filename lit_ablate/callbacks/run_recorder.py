@@ -18,7 +18,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lit_ablate import record as run_record
 from lit_ablate.callbacks.memory import MemoryMonitor
 from lit_ablate.callbacks.mfu import MFUMonitor
-from lit_ablate.callbacks.step_monitor import StepMonitor
+from lit_ablate.callbacks.step_monitor import DEFAULT_WARMUP_STEPS, StepMonitor
 
 
 def _git_commit() -> str | None:
@@ -56,10 +56,12 @@ class RunRecorder(StepMonitor):
     Args:
         path: where to write; default ``$LIT_ABLATE_RUN_RECORD``, else ``<log_dir>/run.json``.
         variant: the study variant name; default ``$LIT_ABLATE_VARIANT``.
-        warmup_steps: steps excluded from the record's summary.
+        warmup_steps: steps excluded from the record's summary, and from the console summary of
+            every monitor that does not set its own.
     """
 
-    def __init__(self, path: str | None = None, variant: str | None = None, warmup_steps: int = 2) -> None:
+    def __init__(self, path: str | None = None, variant: str | None = None,
+                 warmup_steps: int = DEFAULT_WARMUP_STEPS) -> None:
         super().__init__(warmup_steps=warmup_steps, log_to_logger=False)
         self.path = path
         self.variant = variant or os.environ.get(run_record.VARIANT_ENV)
@@ -90,6 +92,9 @@ class RunRecorder(StepMonitor):
 
     # --- writing ------------------------------------------------------------------------------
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        for callback in trainer.callbacks:
+            if isinstance(callback, StepMonitor) and callback.warmup_steps is None:
+                callback.warmup_steps = self.warmup_steps  # one warm-up for the console and the record
         self._started = time.time()
         self.record_path = self._target(trainer)
         self._env = environment(trainer)

@@ -6,7 +6,9 @@ laid out as tensors (``__call__``). The data module never asks which collator it
 
 Every batch follows the batch contract: ``input_ids`` and ``labels`` (already shifted, -100 = no
 loss) of shape ``[B, T]``, plus ``attention_mask`` for padded batches, or ``position_ids``,
-``cu_seqlens`` and ``max_seqlen`` for packed ones.
+``cu_seqlens`` and ``max_seqlen`` for packed ones, and ``document_lengths``: a host-side list of
+the real (non-padding) length of every example in the batch, which the FLOPs count reads
+without touching a device tensor.
 """
 
 from __future__ import annotations
@@ -78,4 +80,5 @@ class PaddingCollator(Collator):
         for row, example in enumerate(items):
             n = len(example["input_ids"])
             input_ids[row, :n], labels[row, :n], attention_mask[row, :n] = example["input_ids"], example["labels"], 1
-        return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+        return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask,
+                "document_lengths": [len(e["input_ids"]) for e in items]}

@@ -216,5 +216,6 @@ class PackingCollator(Collator):
             "position_ids": torch.stack(position_ids),
             "cu_seqlens": cu_seqlens,
             "max_seqlen": max(doc_lengths),
+            "document_lengths": [len(e["input_ids"]) for row in rows for e in row],
         }
 

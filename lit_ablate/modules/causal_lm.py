@@ -10,22 +10,26 @@ import torch
 from lightning.pytorch import LightningModule
 
 from lit_ablate.errors import ConfigError
-from lit_ablate.estimate import ParameterCounts, attention_context, count_parameters, flops_per_token
+from lit_ablate.estimate import ParameterCounts, batch_model_flops, count_parameters, flops_per_token
 from lit_ablate.models.attention import check_attention_backend
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.losses import loss_backend
 from lit_ablate.models.moe import collect_aux_losses, experts_fallbacks
 from lit_ablate.modules.optim import decay_groups, decay_names, warmup_cosine
+from lit_ablate.modules.step_objective import StepObjective
 from lit_ablate.modules.step_output import StepOutput
 
 
 class CausalLM(LightningModule):
-    """Next-token training of a causal LM; the loss is averaged over *useful* tokens.
+    """Next-token training of a causal LM; each optimizer step trains the mean over its *useful* tokens.
 
     Choose it for pretraining (every token counts) and SFT (only response tokens count: the
-    data module sets prompt labels to -100). The model is built in ``configure_model`` so that a
-    sharding strategy can build and shard it without first materialising it whole.
+    data module sets prompt labels to -100). The objective of a step is the sum of token losses
+    over all its micro-batches and data-parallel ranks divided by their useful tokens, whatever
+    the accumulation, the number of ranks or the packing (``StepObjective``). The model is built
+    in ``configure_model`` so that a sharding strategy can build and shard it without first
+    materialising it whole.
 
     Args:
         model: which model to build (preset, HF config mapping, or checkpoint path).
@@ -71,6 +75,7 @@ class CausalLM(LightningModule):
         self.model: CausalLMWithLoss | None = None
         self.parameter_counts: ParameterCounts | None = None
         self._decay_names: set[str] = set()
+        self.objective = StepObjective()
 
     @classmethod
     def from_hparams(cls, hparams: dict[str, Any], inference: bool = False) -> CausalLM:
@@ -127,15 +132,30 @@ class CausalLM(LightningModule):
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> StepOutput:
         loss_sum, useful = self.model(batch)
-        loss = loss_sum / useful.clamp(min=1)
-        self.log("train/loss", loss.detach(), prog_bar=True)
         aux = collect_aux_losses(self.model)  # MoE router losses: trained on, logged apart
         for name, value in aux.items():
             self.log(f"train/{name}", value.detach())
-        tokens = batch["input_ids"].numel()
-        context = attention_context(batch["input_ids"].shape[-1], batch.get("cu_seqlens"))
-        return {"loss": loss + sum(aux.values()), "loss_sum": loss_sum.detach(), "tokens": tokens,
-                "useful_tokens": useful, "flops": self.flops_per_token(context) * tokens}
+        strategy = self.trainer.strategy if self._trainer else None
+        loss = self.objective.backward_loss(loss_sum, useful, sum(aux.values(), 0.0), strategy)
+        return {"loss": loss, "loss_sum": loss_sum.detach(), "tokens": batch["input_ids"].numel(),
+                "useful_tokens": useful, "flops": batch_model_flops(batch, self.flops_per_token)}
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
+        """Rescale the step's gradients to the global token mean right after its last backward,
+        inside the closure: before clipping and before any ``on_before_optimizer_step`` hook."""
+
+        def closure():
+            result = optimizer_closure()
+            params = (p for group in optimizer.param_groups for p in group["params"])
+            self.objective.normalize_gradients(params, self.trainer.strategy, self.trainer.accumulate_grad_batches)
+            return result
+
+        optimizer.step(closure=closure)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.objective.last_step_loss is not None:  # an optimizer step just finished
+            self.log("train/loss", self.objective.last_step_loss, prog_bar=True)
+            self.objective.last_step_loss = None
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         self._log_eval_loss("val/loss", batch)

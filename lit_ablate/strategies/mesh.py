@@ -152,6 +152,7 @@ class MeshStrategy(ModelParallelStrategy):
         self.compile_layers = compile_layers
         self.mesh_sizes: dict[str, int] = {}
         self._fsdp_mesh: DeviceMesh | None = None
+        self._gradient_mean_mesh: DeviceMesh | None = None
 
     # ---------------------------------------------------------------- the mesh
     def build_mesh(self, device_type: str, world_size: int) -> DeviceMesh:
@@ -162,6 +163,8 @@ class MeshStrategy(ModelParallelStrategy):
             device_type, tuple(self.mesh_sizes[d] for d in MESH_DIMS), mesh_dim_names=MESH_DIMS
         )
         self._fsdp_mesh = self.sharding_mesh(FSDP_SHARD_DIMS)
+        if self.mesh_sizes["tp"] > 1:  # all ranks must create the flattened group together
+            self._gradient_mean_mesh = self._device_mesh[tuple(d for d in MESH_DIMS if d != "tp")]._flatten("dp_cp")
         return self._device_mesh
 
     def sharding_mesh(self, shard_dims: tuple[str, ...]) -> DeviceMesh:
@@ -198,6 +201,26 @@ class MeshStrategy(ModelParallelStrategy):
         for dim in DATA_PARALLEL_DIMS:
             rank = rank * self.mesh_sizes[dim] + coordinate[dim]
         return rank
+
+    @property
+    def batch_replicas(self) -> int:
+        """Ranks that process the very same tokens (tensor-parallel peers): throughput and MFU
+        count their tokens once. Context-parallel ranks hold different slices, so they add up."""
+        return self.mesh_sizes["tp"]
+
+    @property
+    def gradient_mean_group(self) -> tuple[dist.ProcessGroup | None, int]:
+        """The ranks whose gradients are averaged (every one but tensor-parallel peers), and how
+        many: ``StepObjective`` sums each step's useful tokens over them. Dense and expert
+        gradients alike are divided by this size (``ExpertParallelStrategy`` sets its experts'
+        divide factor to it), including context-parallel ranks, whose shards of one sequence
+        would otherwise be averaged instead of summed."""
+        size = self.world_size // self.mesh_sizes["tp"]
+        if size == 1:
+            return None, 1
+        if self.mesh_sizes["tp"] == 1:
+            return dist.group.WORLD, size
+        return self._gradient_mean_mesh.get_group(), size
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:

@@ -1,0 +1,133 @@
+"""``StepObjective``: every optimizer step trains the *global* mean over the step's loss units.
+
+The objective of one optimizer step is the sum of per-unit losses (token losses for language
+modelling, pair losses for DPO) over all micro-batches and data-parallel (and context-parallel)
+ranks of the step, divided by the number of those units. Dividing each micro-batch by its own
+count, as Lightning's accumulation and DDP/FSDP's gradient averaging then average again, trains a
+*mean of means*: a different model whenever counts differ between micro-batches or ranks (SFT,
+packing, DPO). transformers fixed the same bug with ``num_items_in_batch``; torchtitan fetches a
+step's micro-batches first and all-reduces their count.
+
+lit-ablate works on any data module (streaming ones included), so it cannot read ahead. Instead
+each micro-batch backpropagates its loss *sum* divided by a run constant ``c``; after the step's
+last backward, one all-reduce sums the step's units ``N`` over the ranks whose gradients the
+strategy averages (``W`` of them), and the gradients are multiplied by ``W * A * c / N``, which
+undoes Lightning's division by ``accumulate_grad_batches`` (``A``) and the strategy's division
+by ``W`` exactly once. This happens inside the optimizer closure, so gradient clipping, every
+``on_before_optimizer_step`` hook and the optimizer see the gradient of the true objective.
+
+``c`` is a power of two near the units of one micro-batch (agreed by all ranks on the first
+step): dividing by a power of two is exact in floating point, so the result does not depend on
+it, while the backpropagated loss keeps the magnitude of a per-unit mean (fp16 loss scaling
+behaves as usual).
+
+Extra per-micro-batch losses (MoE router losses) are weighted by their micro-batch's units, like
+the unit losses: the step's objective is ``sum_mb(loss_sum_mb + units_mb * extra_mb) / N``, which
+is the plain mean of the extras when micro-batches hold equal counts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import Strategy
+from torch import Tensor
+from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
+
+from lit_ablate.errors import ConfigError
+
+
+def gradient_mean_group(strategy: Strategy) -> tuple[ProcessGroup | None, int]:
+    """The ranks whose gradients the strategy averages, and how many they are.
+
+    A strategy whose averaging group is not every rank (tensor-parallel peers share a batch and
+    are not averaged) says so with a ``gradient_mean_group`` attribute (see ``MeshStrategy``);
+    Lightning's own strategies (DDP, FSDP1, ...) average over every rank.
+    """
+    own = getattr(strategy, "gradient_mean_group", None)
+    if own is not None:
+        return own
+    if strategy.world_size > 1 and dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD, strategy.world_size
+    return None, 1
+
+
+class StepObjective:
+    """Accumulates one optimizer step's loss units and rescales its gradients to the global mean.
+
+    Use: ``loss = objective.backward_loss(loss_sum, units, extra, strategy)`` in ``training_step`` (return
+    it as the loss), and ``objective.normalize_gradients(...)`` after the step's last backward
+    (``CausalLM.optimizer_step`` wraps the optimizer closure for this).
+    """
+
+    def __init__(self) -> None:
+        self.scale: float | None = None
+        self._units: Tensor | None = None
+        self._loss_sum: Tensor | None = None
+        self.last_step_loss: Tensor | None = None
+        """The finished step's exact loss (sum over ranks / units over ranks), for logging."""
+
+    def backward_loss(self, loss_sum: Tensor, units: Tensor, extra: Tensor | float, strategy: Strategy | None) -> Tensor:
+        """The loss to backpropagate for one micro-batch: ``(loss_sum + units * extra) / c``.
+
+        ``units`` is this micro-batch's count (a tensor: it stays on the device, no host sync).
+        """
+        if self.scale is None:
+            group = gradient_mean_group(strategy)[0] if strategy is not None else None
+            self.scale = _agreed_power_of_two(int(units), loss_sum.device, group)
+        self._units = units.detach() if self._units is None else self._units + units.detach()
+        detached = loss_sum.detach().float()
+        self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
+        return (loss_sum + units * extra) / self.scale
+
+    @torch.no_grad()
+    def normalize_gradients(self, parameters: Iterable[torch.nn.Parameter], strategy: Strategy,
+                            accumulate_grad_batches: int) -> None:
+        """Multiply the step's gradients by ``W * A * c / N`` (see the module docstring) and reset."""
+        if self._units is None:
+            return  # the step backpropagated nothing (training_step returned None)
+        group, size = gradient_mean_group(strategy)
+        # float64: exact unit counts far beyond the 2^24 tokens per step where float32 would round.
+        totals = torch.stack([self._units.double(), self._loss_sum.double()])
+        if group is not None:
+            dist.all_reduce(totals, group=group)
+        units, loss_sum = totals[0], totals[1]
+        factor = ((size * accumulate_grad_batches * self.scale) / units.clamp(min=1)).float()
+        grads, trainable = [], False
+        for p in parameters:
+            trainable |= p.requires_grad
+            if p.grad is not None:
+                grads.append(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
+        if trainable and not grads:
+            raise ConfigError("trainer.strategy", type(strategy).__name__,
+                              "lit-ablate rescales each step's gradients to the global token mean after backward, and "
+                              "this strategy keeps gradients outside param.grad (e.g. DeepSpeed); use DDPStrategy, "
+                              "ZeRO1Strategy, FSDP1Strategy or FSDP2Strategy")
+        for dtype_device_group in _by_dtype_and_device(grads).values():
+            torch._foreach_mul_(dtype_device_group, factor.to(dtype_device_group[0].device))
+        self.last_step_loss = loss_sum / units.clamp(min=1)
+        self._units = self._loss_sum = None
+
+
+def _by_dtype_and_device(tensors: list[Tensor]) -> dict[tuple, list[Tensor]]:
+    groups: dict[tuple, list[Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return groups
+
+
+def _agreed_power_of_two(local_units: int, device: torch.device, group: ProcessGroup | None) -> float:
+    """The largest first-micro-batch unit count over the ranks, rounded to a power of two (>= 1).
+
+    Runs once per fit; every rank must use the same constant, or the strategy's gradient average
+    would weigh the ranks differently.
+    """
+    if group is not None:
+        value = torch.tensor([float(local_units)], device=device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+        local_units = int(value.item())
+    return float(2 ** round(math.log2(max(local_units, 1))))
