@@ -7,13 +7,15 @@ parallelism. Random initialisation draws from torch's global RNG, which the CLI 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -23,6 +25,12 @@ from lit_ablate.models.moe import MoEOptions, apply_moe
 from lit_ablate.models.presets import preset_config
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CONFIG_KEY = "model.init_args.model.config"
+SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "moe_intermediate_size", "num_experts", "num_local_experts",
+             "num_experts_per_tok", "max_position_embeddings")  # fmt: skip
+"""Config sizes that must be positive integers when given: transformers accepts 0 or negative values
+and the model then fails (or trains nothing) deep inside its first step."""
 
 
 @dataclass
@@ -69,6 +77,9 @@ class ModelFactory:
             raise ConfigError(
                 "model.init_args.model.config.model_type", model_type, "use a transformers model type such as llama, qwen3, qwen3_moe, mixtral"
             )
+        if not self.pretrained:
+            check_model_shape(model_type, self._config_values())
+            self.hf_config()  # what transformers itself rejects, also before any build
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -80,14 +91,19 @@ class ModelFactory:
             with _pretrained_errors(self.pretrained):
                 config = AutoConfig.from_pretrained(self.pretrained)
         else:
-            values = {**(preset_config(self.preset) if self.preset else {}), **self.config}
+            values = self._config_values()
             model_type = values.pop("model_type")
             try:
                 config = AutoConfig.for_model(model_type, **values)
-            except (TypeError, ValueError) as err:
-                raise ConfigError("model.init_args.model.config", values, f"transformers rejected it: {err}") from err
+            except (TypeError, ValueError, StrictDataclassError) as err:
+                reason = str(err).strip().splitlines()[-1].strip() if str(err).strip() else type(err).__name__
+                raise ConfigError(CONFIG_KEY, self.config, f"transformers rejected it: {reason}") from err
         config._attn_implementation = self.attn_implementation
         return config
+
+    def _config_values(self) -> dict[str, Any]:
+        """The preset's config mapping with ``config`` applied over it."""
+        return {**(preset_config(self.preset) if self.preset else {}), **self.config}
 
     def build(self) -> PreTrainedModel:
         """The model: random init from the current RNG state, or the checkpoint's weights."""
@@ -102,6 +118,42 @@ class ModelFactory:
         if self.moe is not None:
             apply_moe(model, self.moe)
         return model
+
+
+def check_model_shape(model_type: str, values: Mapping[str, Any]) -> None:
+    """Sizes that cannot make a model, refused before transformers sees them: non-positive sizes,
+    no decoder layer, key/value heads that do not split the query heads, a hidden size the heads
+    do not divide (when the model type derives ``head_dim`` from it), more routed experts per
+    token than experts."""
+    for key in SIZE_KEYS:
+        value = values.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            need = "a model needs at least 1 decoder layer" if key == "num_hidden_layers" else "use a positive integer"
+            raise ConfigError(f"{CONFIG_KEY}.{key}", value, need)
+    heads, kv_heads, hidden = values.get("num_attention_heads"), values.get("num_key_value_heads"), values.get("hidden_size")
+    if heads and kv_heads and heads % kv_heads:
+        divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+        raise ConfigError(f"{CONFIG_KEY}.num_key_value_heads", kv_heads,
+                          f"must divide num_attention_heads={heads} (each key/value head serves a group of query heads); "
+                          f"use one of {divisors}")
+    if heads and hidden and hidden % heads and values.get("head_dim") is None and _derives_head_dim(model_type):
+        raise ConfigError(f"{CONFIG_KEY}.hidden_size", hidden,
+                          f"must be a multiple of num_attention_heads={heads} ({model_type} uses head_dim = hidden_size / "
+                          f"heads); use {hidden - hidden % heads} or {hidden - hidden % heads + heads}, or set head_dim")
+    experts = values.get("num_experts") or values.get("num_local_experts")
+    top_k = values.get("num_experts_per_tok")
+    if experts and top_k and top_k > experts:
+        raise ConfigError(f"{CONFIG_KEY}.num_experts_per_tok", top_k, f"route to at most the {experts} experts there are")
+
+
+def _derives_head_dim(model_type: str) -> bool:
+    """Whether ``model_type``'s config computes ``head_dim`` from ``hidden_size`` when it is not given
+    (llama, mistral, mixtral: a ``head_dim`` field defaulting to None, or no field at all) rather
+    than defaulting it to a number (qwen3: 128)."""
+    config_class = CONFIG_MAPPING[model_type]
+    if not dataclasses.is_dataclass(config_class):
+        return True
+    return next((f.default for f in dataclasses.fields(config_class) if f.name == "head_dim"), None) is None
 
 
 def _looks_local(name: str) -> bool:
