@@ -24,7 +24,8 @@ imports the other: both depend only on this module. A record is one JSON file pe
         "mfu": {...} | null,                    # null when no honest peak is known
         "peak_memory_bytes": int | null,        # the largest over steps and ranks
         "peak_memory_bytes_per_rank": [int] | null, "memory_method": str | null,
-        "final_loss": float | null
+        "final_loss": float | null,
+        "exact_match": float | null             # ExactMatchEvaluator's accuracy after the last step
       }
     }
 
@@ -68,6 +69,12 @@ SUMMARISED_SERIES: dict[str, str] = {
     "mfu": "mfu",
 }
 
+# Evaluations of the model (not of a step's speed): the summary keeps the value after the last
+# step, the model a run ends with. Series name -> summary key.
+FINAL_VALUE_SERIES: dict[str, str] = {
+    "exact_match": "exact_match",
+}
+
 
 def spread(values: Iterable[float | None]) -> dict[str, float] | None:
     """Median, min, max and count of the finite values, or None when there are none."""
@@ -92,6 +99,9 @@ def summarize_steps(steps: Sequence[Mapping[str, Any]], warmup_steps: int) -> di
     summary["peak_memory_bytes_per_rank"] = [int(max(column)) for column in zip(*per_rank)] if per_rank else None
     losses = [s["loss"] for s in steps if s.get("loss") is not None]
     summary["final_loss"] = float(losses[-1]) if losses else None
+    for series, key in FINAL_VALUE_SERIES.items():
+        values = [s[series] for s in steps if s.get(series) is not None]
+        summary[key] = float(values[-1]) if values else None
     return summary
 
 

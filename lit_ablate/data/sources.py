@@ -9,6 +9,7 @@ synthetic sources generate deterministic corpora offline, so tests and CPU studi
 from __future__ import annotations
 
 import glob
+import json
 import math
 import os
 import random
@@ -91,31 +92,43 @@ class ArithmeticSFT(DataSource):
     """Prompt/response pairs whose answers are checkable: ``{"prompt": "12+7=", "response": "19"}``.
 
     Choose it for SFT tests and studies: the response is a function of the prompt, so a trained
-    model's accuracy is measurable, and loss masking mistakes show up as a loss that cannot fall.
+    model's accuracy is measurable (``ExactMatchEvaluator``), and loss masking mistakes show up as
+    a loss that cannot fall. The problems are distinct, so a held-out split (``val_examples``)
+    asks only problems the model never trained on: its accuracy measures arithmetic learned, not
+    answers memorised.
 
     Args:
-        num_examples: how many pairs.
+        num_examples: how many distinct problems; at most ``(max_operand + 1)**2 * len(operators)``.
         max_operand: operands are drawn from ``[0, max_operand]``.
         operators: which of ``+``, ``-``, ``*`` to draw from.
         seed: the pairs are a pure function of the arguments.
     """
+
+    _APPLY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
     def __init__(self, num_examples: int = 1000, max_operand: int = 99, operators: str = "+-", seed: int = 0) -> None:
         if num_examples <= 0:
             raise ConfigError(f"{_SOURCE_KEY}.num_examples", num_examples, "use a positive number of examples")
         if max_operand < 0:
             raise ConfigError(f"{_SOURCE_KEY}.max_operand", max_operand, "use a non-negative bound")
-        if not operators or set(operators) - set("+-*"):
+        if not operators or set(operators) - set(self._APPLY):
             raise ConfigError(f"{_SOURCE_KEY}.operators", operators, "use a non-empty string of '+', '-', '*'")
+        operators = "".join(dict.fromkeys(operators))
+        problems = (max_operand + 1) ** 2 * len(operators)
+        if num_examples > problems:
+            raise ConfigError(f"{_SOURCE_KEY}.num_examples", num_examples,
+                              f"max_operand={max_operand} with operators {operators!r} gives only {problems} distinct "
+                              "problems; ask for fewer or raise max_operand")
         self.num_examples, self.max_operand, self.operators, self.seed = num_examples, max_operand, operators, seed
 
     def __iter__(self) -> Iterator[Row]:
         rng = random.Random(self.seed)
-        apply = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
-        for _ in range(self.num_examples):
-            a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
-            op = rng.choice(self.operators)
-            yield {"prompt": f"{a}{op}{b}=", "response": str(apply[op](a, b))}
+        side = self.max_operand + 1
+        for problem in rng.sample(range(side * side * len(self.operators)), self.num_examples):
+            operator, pair = divmod(problem, side * side)
+            a, b = divmod(pair, side)
+            op = self.operators[operator]
+            yield {"prompt": f"{a}{op}{b}=", "response": str(self._APPLY[op](a, b))}
 
 
 class LocalFiles(DataSource):
@@ -147,9 +160,49 @@ class LocalFiles(DataSource):
 
     def __iter__(self) -> Iterator[Row]:
         from datasets import load_dataset
+        from datasets.exceptions import DatasetGenerationError
 
-        dataset = load_dataset(self.builder, data_files=self.files, split="train")
+        try:
+            dataset = load_dataset(self.builder, data_files=self.files, split="train")
+        except DatasetGenerationError as err:
+            raise ConfigError(f"{_SOURCE_KEY}.path", self.path, _unreadable(self.files, err)) from err
         yield from _rows(dataset, self.text_field, self.max_rows, f"{_SOURCE_KEY}.path", self.path)
+
+
+def _unreadable(files: list[str], error: Exception) -> str:
+    """Why ``datasets`` could not read ``files``: for JSON, the first bad line by file and line number
+    (``datasets`` only says "an error occurred"), found by re-reading the files on this error path."""
+    for file in files:
+        if bad := _first_bad_json_line(file):
+            return f"{bad}; fix or remove that line"
+    cause = error.__cause__ or error
+    first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    return f"datasets could not read it ({type(cause).__name__}: {first}); check the files"
+
+
+def _first_bad_json_line(file: str) -> str | None:
+    """``line N of FILE is not ...`` for the first line of a ``.jsonl`` that is not a JSON object (or
+    the position of the error in a ``.json``); None for other files or when every line parses."""
+    kind = os.path.splitext(file)[1].lower()
+    if kind not in (".json", ".jsonl"):
+        return None
+    with open(file, "rb") as f:
+        if kind == ".json":
+            try:
+                json.loads(f.read())
+            except ValueError as bad:  # json.JSONDecodeError, or UnicodeDecodeError
+                return f"line {getattr(bad, 'lineno', 1)} of {file} is not valid JSON ({getattr(bad, 'msg', bad)})"
+            return None
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except ValueError as bad:
+                return f"line {number} of {file} is not valid JSON ({getattr(bad, 'msg', bad)})"
+            if not isinstance(value, dict):
+                return f"line {number} of {file} is a JSON {type(value).__name__}, not an object"
+    return None
 
 
 class HubDataset(DataSource):

@@ -1,0 +1,156 @@
+"""``ExactMatchEvaluator``: greedy answers to held-out SFT prompts, scored whole (eos included)."""
+
+import json
+
+import lightning as L
+import pytest
+import torch
+
+from lit_ablate.callbacks import ExactMatchEvaluator, RunRecorder
+from lit_ablate.callbacks.exact_match import exact_match, greedy_continuation, prompt_and_answer
+from lit_ablate.data import ArithmeticSFT, LMDataModule
+from lit_ablate.data.formats import build_examples
+from lit_ablate.data.tokenizers import ByteTokenizer
+from lit_ablate.errors import ConfigError
+from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
+from lit_ablate.models.factory import ModelFactory
+from lit_ablate.models.losses import loss_backend
+from lit_ablate.modules import CausalLM
+from lit_ablate.record import summarize_steps
+
+TOK = ByteTokenizer()
+STEPS = 30
+
+
+def _pairs(rows):
+    return [prompt_and_answer(e) for e in build_examples(rows, TOK, "sft", seq_len=64, overlong="reject")]
+
+
+def _answering(answers: dict[tuple[int, ...], list[int]]):
+    """Logits of a fake model that continues each known prompt with ``answers[prompt]``, then pads."""
+
+    def logits_of(ids: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(*ids.shape, TOK.vocab_size)
+        for row, seq in enumerate(ids.tolist()):
+            prompt = next(tuple(seq[:k]) for k in range(len(seq), 0, -1) if tuple(seq[:k]) in answers)
+            answer, done = answers[prompt], len(seq) - len(prompt)
+            out[row, -1, answer[done] if done < len(answer) else TOK.pad_id] = 1.0
+        return out
+
+    return logits_of
+
+
+def test_prompt_and_answer_split_an_sft_example_where_its_labels_start():
+    rows = [{"prompt": "12+7=", "response": "19"}, {"messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+        {"role": "user", "content": "and?"}, {"role": "assistant", "content": "no"}]}]
+    (prompt, answer), (chat_prompt, chat_answer) = _pairs(rows)
+    assert prompt == [TOK.bos_id, *TOK.encode("12+7=")] and answer == [*TOK.encode("19"), TOK.eos_id]
+    assert TOK.decode(chat_prompt) == "<user>\nhi\n<assistant>\n"  # the first assistant turn only
+    assert chat_answer == [*TOK.encode("yo"), TOK.eos_id]
+
+
+def test_exact_match_counts_an_answer_only_when_every_token_and_the_eos_match():
+    """Prompts of several lengths (several batches, one smaller than batch_size); a fake model that
+    is right on some prompts and wrong in each way that matters on the others."""
+    pairs = _pairs(ArithmeticSFT(num_examples=40, max_operand=20, operators="+", seed=1))
+    assert len({len(p) for p, _ in pairs}) > 1
+    right = {tuple(p): a for p, a in pairs}
+    digit = TOK.encode("7")[0]
+    wrong = {
+        "wrong digit": lambda a: [TOK.encode("1")[0] if a[0] != TOK.encode("1")[0] else digit, *a[1:]],
+        "no eos (keeps going)": lambda a: [*a[:-1], digit, TOK.eos_id],
+        "stops one token early": lambda a: [*a[:-2], TOK.eos_id],
+    }
+    assert exact_match(_answering(right), pairs, batch_size=8, num_classes=TOK.vocab_size) == 1.0
+    for name, spoil in wrong.items():
+        spoiled = {p: spoil(a) for p, a in right.items()}
+        assert exact_match(_answering(spoiled), pairs, batch_size=8, num_classes=TOK.vocab_size) == 0.0, name
+    # Every third prompt answered wrongly: the score is exactly the fraction answered right.
+    mixed = {p: (wrong["wrong digit"](a) if i % 3 == 0 else a) for i, (p, a) in enumerate(right.items())}
+    expected = sum(1 for i in range(len(pairs)) if i % 3) / len(pairs)
+    assert exact_match(_answering(mixed), pairs, batch_size=8, num_classes=TOK.vocab_size) == pytest.approx(expected)
+
+
+def test_greedy_continuation_equals_transformers_greedy_generate():
+    """The evaluator's decoding loop (whole sequence each step, no cache) against HF ``generate``
+    (KV cache). Catches e.g. reading the logits of the first position instead of the last."""
+    torch.manual_seed(0)
+    lm = ModelFactory(preset="tiny-qwen3").build().eval()
+    model = CausalLMWithLoss(lm, loss_backend("torch"))
+    prompts = torch.randint(0, 256, (3, 6))
+    ours = greedy_continuation(model.logits, prompts, new_tokens=5)
+    with torch.no_grad():
+        theirs = lm.generate(prompts, max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=TOK.pad_id)
+    assert theirs.shape == (3, 11)
+    assert torch.equal(ours, theirs[:, 6:])
+
+
+def _fit_with_evaluator(tmp_path, steps: int, data: LMDataModule, evaluator: ExactMatchEvaluator):
+    L.seed_everything(0)
+    module = CausalLM(ModelFactory(preset="tiny-qwen3"), learning_rate=1e-2, warmup_steps=0)
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        callbacks=[evaluator, RunRecorder(path=str(tmp_path / "run.json"))])
+    trainer.fit(module, datamodule=data)
+    return json.loads((tmp_path / "run.json").read_text()), module
+
+
+def _generate_accuracy(module: CausalLM, rows) -> float:
+    """Independent reference: transformers' ``generate`` (KV cache, stops at eos) on each prompt
+    text, the decoded answer compared as a string; it must have ended with eos."""
+    correct = 0
+    for row in rows:
+        ids = torch.tensor([[TOK.bos_id, *TOK.encode(row["prompt"])]])
+        with torch.no_grad():
+            out = module.model.lm.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=TOK.eos_id,
+                                           pad_token_id=TOK.pad_id)[0, ids.shape[1]:].tolist()
+        correct += TOK.eos_id in out and TOK.decode(out[: out.index(TOK.eos_id)]) == row["response"]
+    return correct / len(rows)
+
+
+def test_evaluator_records_the_accuracy_that_generate_gives_in_the_run_record(tmp_path):
+    """Scored on given rows (all problems, trained ones included, so a short run gets some right)."""
+    source = ArithmeticSFT(num_examples=36, max_operand=5, operators="+", seed=0)
+    data = LMDataModule(source, format="sft", seq_len=16, batch_size=8)
+    evaluator = ExactMatchEvaluator(examples=source, batch_size=5)
+    record, module = _fit_with_evaluator(tmp_path, STEPS, data, evaluator)
+    reference = _generate_accuracy(module, list(source))
+    assert 0 < reference < 1  # long enough to answer some prompts, not all: a real check
+    assert record["summary"]["exact_match"] == pytest.approx(reference)
+    last = record["steps"][-1]
+    assert last["step"] == STEPS and last["exact_match"] == pytest.approx(reference)
+    assert evaluator.summary_line().endswith(f"({round(reference * 36)}/36 prompts)")
+
+
+def test_evaluator_refuses_data_it_cannot_score_before_training(tmp_path):
+    def fit(data):
+        trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, callbacks=[ExactMatchEvaluator()])
+        trainer.fit(CausalLM(ModelFactory(preset="tiny-qwen3")), datamodule=data)
+
+    with pytest.raises(ConfigError, match="data.init_args.format='pretrain'"):
+        fit(LMDataModule(ArithmeticSFT(num_examples=40), format="pretrain", seq_len=8, val_examples=4))
+    with pytest.raises(ConfigError, match="data.init_args.val_examples=0"):
+        fit(LMDataModule(ArithmeticSFT(num_examples=40), format="sft", seq_len=16))
+    with pytest.raises(ConfigError, match="max_examples"):
+        ExactMatchEvaluator(max_examples=0)
+
+
+def test_arithmetic_held_out_problems_are_never_trained_on():
+    """Held-out accuracy must measure arithmetic, not recall: drawing problems with replacement
+    (as ArithmeticSFT once did) puts copies of held-out problems in the training split."""
+    data = LMDataModule(ArithmeticSFT(num_examples=400, max_operand=19, operators="+"), format="sft", seq_len=16,
+                        val_examples=100)
+    data.setup("fit")
+    prompts = [{TOK.decode(prompt_and_answer(e)[0]) for e in split.examples} for split in (data.train_set, data.val_set)]
+    assert len(prompts[0]) == 300 and len(prompts[1]) == 100 and not prompts[0] & prompts[1]
+    with pytest.raises(ConfigError, match="num_examples=401.*only 400 distinct problems"):
+        ArithmeticSFT(num_examples=401, max_operand=19, operators="++")
+
+
+def test_record_summary_keeps_the_accuracy_after_the_last_evaluation():
+    steps = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5, "exact_match": 0.25},
+             {"step": 3, "loss": 1.2}, {"step": 4, "loss": 1.0, "exact_match": 0.75}]
+    assert summarize_steps(steps, warmup_steps=3)["exact_match"] == 0.75  # not warm-up filtered, not a median
+    assert summarize_steps(steps[:1], warmup_steps=0)["exact_match"] is None
