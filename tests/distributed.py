@@ -1,8 +1,14 @@
-"""Run a function on N real ranks from a test: forked processes, a gloo process group, results back.
+"""Run a function on N real ranks from a test: a gloo process group, results back, hangs fail fast.
 
-Forking from the test process (which has already imported torch, transformers and lightning)
-starts a 2-rank group in well under a second, where ``torchrun`` pays ~10 s of imports per
-launch (PLATFORM_NOTES). Usage::
+Ranks start from a *forkserver*, never by forking the test process. The test process may already
+have run ``torch.compile`` (single-process compile tests run in it) or started threads (OpenMP,
+inductor's compile pool); a child forked from it inherits inductor's async-compile state but not
+its worker threads, and its first compile waits forever on a Future (PLATFORM_NOTES trap 4). The
+forkserver is a fresh interpreter, started once per test session, that imports torch, lightning,
+transformers and lit_ablate and never computes anything, so every rank forked from it is clean
+and still starts in about a second (``spawn`` would pay ~8 s of imports per rank). So ``fn`` and
+``args`` must be picklable: a module-level function and plain values. The ranks see the test
+process's environment as of the call, not its in-memory state (seeds, monkeypatches). Usage::
 
     from tests.distributed import run_ranks
 
@@ -16,28 +22,46 @@ launch (PLATFORM_NOTES). Usage::
 
 ``fn(rank, world_size, *args)`` runs on every rank; whatever it returns comes back in rank order.
 Return values travel through ``torch.save``/``torch.load(weights_only=True)``, so keep them to
-tensors, numbers, strings, and lists/tuples/dicts of those. An exception on any rank fails the
-test with that rank's traceback; a rank that hangs is killed after ``timeout_s``.
+tensors, numbers, strings, and lists/tuples/dicts of those.
+
+Failures surface at once, with every rank's Python stack, instead of at pytest's timeout: a rank
+that raises or dies fails the call as soon as it exits (its traceback, or the stack
+``faulthandler`` wrote on a fatal signal); on ``timeout_s`` the helper has each live rank dump its
+stack (``faulthandler`` on SIGUSR1), kills the ranks and raises ``TimeoutError`` with the stacks.
 
 For a Lightning ``Trainer`` inside the ranks, pass ``init_process_group=False``: the rendezvous
 environment (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``NODE_RANK``) is set either way, so Lightning sees an externally launched job (as under
-torchrun) and creates the process group itself.
+torchrun) and creates the process group itself. Use strategy ``ddp``, never ``ddp_fork``/
+``ddp_spawn``, which would start processes from the test process itself.
 """
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
+import multiprocessing
 import os
+import pickle
+import signal
 import socket
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
+from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+# Imported once by the forkserver, so a rank pays only for what its test module adds.
+PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.tensor", "transformers", "lightning.pytorch",
+           "lit_ablate.cli"]
+STACK_SIGNAL = signal.SIGUSR1
+STACK_WAIT_S = 5.0  # a rank writes its stack within milliseconds of the signal unless it is stopped
 
 
 def free_port() -> int:
@@ -55,28 +79,111 @@ def run_ranks(
     timeout_s: float = 120.0,
 ) -> list[Any]:
     """``[fn(0, world_size, *args), ..., fn(world_size - 1, world_size, *args)]``, each on its own rank."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)  # takes effect when the server starts (the first call)
     port = free_port()
-    with tempfile.TemporaryDirectory(prefix="ranks-") as out:
-        context = mp.start_processes(
-            _rank_main,
-            args=(fn, world_size, port, out, init_process_group, args),
-            nprocs=world_size,
-            start_method="fork",
-            join=False,
-        )
-        deadline = time.monotonic() + timeout_s
-        while not context.join(timeout=max(0.0, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                for process in context.processes:
-                    if process.is_alive():
-                        process.kill()
-                raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish in {timeout_s:.0f} s")
-        return [torch.load(Path(out) / f"{rank}.pt", weights_only=True) for rank in range(world_size)]
+    with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
+        out = Path(tmp)
+        processes = [
+            context.Process(
+                target=_rank_main, name=f"rank {rank}", daemon=True,
+                args=(rank, fn, world_size, port, tmp, init_process_group, args, dict(os.environ)),
+            )
+            for rank in range(world_size)
+        ]
+        try:
+            for process in processes:
+                _start(process, fn)
+            _wait(processes, fn, out, timeout_s)
+        finally:
+            for process in processes:
+                if process.pid is not None and process.exitcode is None:
+                    process.kill()
+                    process.join()
+        return [torch.load(out / f"{rank}.pt", weights_only=True) for rank in range(world_size)]
+
+
+def _start(process: BaseProcess, fn: Callable[..., Any]) -> None:
+    try:
+        process.start()
+    except (AttributeError, TypeError, pickle.PicklingError) as error:  # a local function, a lambda, an open file
+        raise TypeError(
+            f"run_ranks({fn.__qualname__}, ...) could not send the function or its arguments to the ranks ({error}); "
+            "ranks start from a forkserver: pass a module-level function and picklable arguments"
+        ) from error
+
+
+def _wait(processes: list[BaseProcess], fn: Callable[..., Any], out: Path, timeout_s: float) -> None:
+    """Return when every rank exited cleanly; raise with every rank's story at the first failure or the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        failed = [rank for rank, process in enumerate(processes) if process.exitcode not in (None, 0)]
+        if failed:
+            ranks = ", ".join(map(str, failed))
+            raise RuntimeError(_report(f"{fn.__qualname__} failed on rank {ranks}", processes, out))
+        running = [process for process in processes if process.exitcode is None]
+        if not running:
+            return
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(_report(f"{fn.__qualname__} did not finish in {timeout_s:g} s", processes, out))
+        wait([process.sentinel for process in running], timeout=remaining)
+
+
+def _report(headline: str, processes: list[BaseProcess], out: Path) -> str:
+    """One section per rank: its traceback, its fatal-signal stack, or (still running) its stack now."""
+    running = [rank for rank, process in enumerate(processes) if process.exitcode is None]
+    for rank in running:
+        with contextlib.suppress(ProcessLookupError):  # it may have exited since
+            os.kill(processes[rank].pid, STACK_SIGNAL)
+    stacks = {rank: _read_when_written(out / f"{rank}.stack", processes[rank]) for rank in running}
+    for rank in running:
+        processes[rank].kill()
+        processes[rank].join()
+    sections = [f"{headline} ({len(processes)} ranks)"]
+    for rank, process in enumerate(processes):
+        error_file, stack_file = out / f"{rank}.error", out / f"{rank}.stack"
+        if error_file.exists():
+            sections.append(f"--- rank {rank}: raised\n{error_file.read_text()}")
+        elif stacks.get(rank):
+            sections.append(f"--- rank {rank}: still running (killed); its stack:\n{stacks[rank]}")
+        elif process.exitcode == 0:
+            sections.append(f"--- rank {rank}: finished")
+        else:
+            code = process.exitcode
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            stack = stack_file.read_text() if stack_file.exists() else ""
+            sections.append(f"--- rank {rank}: {how}\n{stack or '(no stack written)'}")
+    return "\n".join(sections)
+
+
+def _read_when_written(path: Path, process: BaseProcess) -> str:
+    """The stack a rank writes on ``STACK_SIGNAL``, once its size stops changing (or the rank exited)."""
+    deadline, size = time.monotonic() + STACK_WAIT_S, -1
+    while time.monotonic() < deadline and process.exitcode is None:
+        current = path.stat().st_size if path.exists() else 0
+        if current and current == size:
+            break
+        size = current
+        time.sleep(0.05)
+    return path.read_text() if path.exists() else ""
 
 
 def _rank_main(
-    rank: int, fn: Callable[..., Any], world_size: int, port: int, out: str, init_process_group: bool, args: tuple
+    rank: int,
+    fn: Callable[..., Any],
+    world_size: int,
+    port: int,
+    out: str,
+    init_process_group: bool,
+    args: tuple,
+    environ: dict[str, str],
 ) -> None:
+    stack_file = open(Path(out) / f"{rank}.stack", "w")  # noqa: SIM115 (faulthandler writes to it until exit)
+    faulthandler.enable(stack_file, all_threads=True)
+    faulthandler.register(STACK_SIGNAL, stack_file, all_threads=True)
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -88,10 +195,13 @@ def _rank_main(
         GROUP_RANK="0",
     )
     torch.set_num_threads(1)  # the ranks share two cores; oversubscription only slows them down
-    if init_process_group:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
+        if init_process_group:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
+    except BaseException:
+        (Path(out) / f"{rank}.error").write_text(traceback.format_exc())
+        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

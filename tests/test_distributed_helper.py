@@ -1,0 +1,98 @@
+"""``tests.distributed.run_ranks`` fails fast: a hang or a crash on one rank is an error naming it, in seconds.
+
+Without this, a deadlocked rank (PLATFORM_NOTES trap 4) holds the suite until pytest's timeout and
+says nothing about where it stopped. The timeouts below are seconds; the assertions check the
+error's text, never how long it took (the machine is shared).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed import run_ranks
+
+
+def _rank_sum(rank: int, world_size: int, value: float) -> float:
+    t = torch.tensor([value * (rank + 1)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _sleep_forever_on_rank_1() -> None:
+    while True:
+        time.sleep(0.1)
+
+
+def _one_rank_sleeps(rank: int, world_size: int) -> None:
+    if rank == 1:
+        _sleep_forever_on_rank_1()
+    dist.barrier()  # rank 0 waits here for a rank that never comes
+
+
+def _one_rank_raises(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise ValueError("rank 1 refuses this batch")
+    dist.barrier()
+
+
+def _one_rank_dies(rank: int, world_size: int) -> None:
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSEGV)
+    dist.barrier()
+
+
+def _compiled_square(rank: int, world_size: int) -> float:
+    return torch.compile(lambda x: x * x)(torch.tensor([rank + 2.0])).item()
+
+
+def test_results_come_back_in_rank_order():
+    assert run_ranks(_rank_sum, 2, 1.5) == [4.5, 4.5]
+
+
+def test_a_hanging_rank_times_out_with_every_rank_stack():
+    with pytest.raises(TimeoutError, match="did not finish in 3 s") as error:
+        run_ranks(_one_rank_sleeps, 2, timeout_s=3)
+    rank_0, rank_1 = str(error.value).split("--- rank 1")
+    assert "_sleep_forever_on_rank_1" in rank_1 and "still running" in rank_1
+    assert "--- rank 0: still running" in rank_0 and "barrier" in rank_0
+
+
+def test_a_raising_rank_fails_at_once_with_its_traceback():
+    with pytest.raises(RuntimeError, match="failed on rank") as error:  # rank 0 may fail too, once rank 1 is gone
+        run_ranks(_one_rank_raises, 2, timeout_s=60)
+    rank_1 = str(error.value).split("--- rank 1: raised")[1]
+    assert "_one_rank_raises" in rank_1 and "ValueError: rank 1 refuses this batch" in rank_1
+
+
+def test_a_rank_killed_by_a_signal_fails_with_its_fatal_stack():
+    with pytest.raises(RuntimeError, match="failed on rank") as error:
+        run_ranks(_one_rank_dies, 2, timeout_s=60)
+    rank_1 = str(error.value).split("--- rank 1: killed by SIGSEGV")[1]
+    assert "Segmentation fault" in rank_1 and "_one_rank_dies" in rank_1
+
+
+def test_a_local_function_is_refused_with_the_reason():
+    def local(rank: int, world_size: int) -> None:
+        pass
+
+    with pytest.raises(TypeError, match="module-level function"):
+        run_ranks(local, 2)
+
+
+@pytest.mark.slow  # three cold inductor compiles: ~15-80 s on 2 shared cores
+def test_ranks_compile_after_the_test_process_compiled(tmp_path, monkeypatch):
+    """Trap 4: ranks forked from a process that compiled wait forever in their first compile.
+
+    An empty inductor cache (inherited by the ranks through the environment) makes the test
+    process and both ranks really compile; with a warm cache the ranks would load the kernel and
+    never reach the async-compile pool that a forked child inherits without its threads. With
+    ``fork`` instead of the forkserver this test times out (rank stacks in ``Future.result``)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    assert torch.compile(lambda x: x + 1)(torch.tensor([1.0])).item() == 2.0
+    assert run_ranks(_compiled_square, 2, init_process_group=False, timeout_s=240) == [4.0, 9.0]
