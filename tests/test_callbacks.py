@@ -214,3 +214,36 @@ def test_record_says_running_while_training(tmp_path):
     record, _ = _fit(tmp_path, [Peek()], _batches(4, 2, masked_prefix=[0]), max_steps=2)
     assert seen == ["running", "running"] and record["summary"]["status"] == "ok"
     assert record["environment"]["world_size"] == 1 and record["model"]["total"] > 0
+
+
+class _Ballast(L.Callback):
+    """Rank 1 holds an extra 256 MiB during every step: the largest peak is not rank 0's."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == 1:
+            self.ballast = torch.ones(64 * 2**20)  # 256 MiB, touched so it is resident
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.ballast = None
+
+
+def _two_rank_memory(rank: int, world_size: int, path: str) -> None:
+    L.seed_everything(0)
+    module = CausalLM(ModelFactory(preset="tiny-llama"), warmup_steps=0)
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=2, strategy="ddp", use_distributed_sampler=False,
+                        callbacks=[_Ballast(), MemoryMonitor(), RunRecorder(path=path, warmup_steps=1)], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, DataLoader(_batches(3, 2, masked_prefix=[0]), batch_size=None))
+
+
+def test_memory_peak_is_the_largest_over_ranks_and_each_rank_is_kept(tmp_path):
+    from tests.distributed import run_ranks
+
+    path = tmp_path / "run.json"
+    run_ranks(_two_rank_memory, 2, str(path), init_process_group=False, timeout_s=300)
+    record = json.loads(path.read_text())
+    for s in record["steps"]:
+        rank0, rank1 = s["memory_peak_bytes_per_rank"]
+        assert rank1 > rank0 + 200 * 2**20  # the ballast is seen on rank 1 ...
+        assert s["memory_peak_bytes"] == rank1  # ... and is the step's peak, though rank 0 writes the record
+    assert record["summary"]["peak_memory_bytes"] == max(record["summary"]["peak_memory_bytes_per_rank"])

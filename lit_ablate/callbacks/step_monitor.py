@@ -222,7 +222,7 @@ class StepMonitor(Callback):
         """One line: each public series' median over the steps after warm-up."""
         medians = []
         for name, values in sorted(self.series.items()):
-            measured = [v for s, v in values.items() if s > self.warmup_steps and v is not None]
+            measured = [v for s, v in values.items() if s > self.warmup_steps and isinstance(v, (int, float))]
             if measured and not name.startswith("_"):
                 medians.append(f"{name}={statistics.median(measured):.4g}")
         return f"{self.log_prefix} (median after {self.warmup_steps} warm-up steps): {' '.join(medians) or 'n/a'}"
