@@ -82,7 +82,7 @@ class LightningRecorder(L.Callback):
         self.run.times.append(clock())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self._losses.append(outputs["loss"].detach())
+        self._losses.append((outputs["loss_sum"] / outputs["useful_tokens"]).detach())  # backprop loss is rescaled
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.run.losses = [float(x) for x in self._losses]
