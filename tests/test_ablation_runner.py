@@ -39,6 +39,11 @@ def write(status, steps, message=None):
         "environment": {"device_name": "fake", "device_type": "cpu", "torch": "x"}, "model": {"total": 1000},
         "warmup_steps": 1, "fallbacks": [], "steps": steps, "summary": summary})
 write("running", [])
+if os.environ.get("FAKE_RANK") and os.environ.get("FAKE_HANG") == variant:  # a second rank, as Lightning's launcher
+    import subprocess                                                      # starts one: a child, same group
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    with open(os.environ[R.RECORD_PATH_ENV] + ".rank.pid", "w") as pid:
+        pid.write(str(rank.pid))
 with open(os.environ[R.RECORD_PATH_ENV] + ".pid", "w") as pid:
     pid.write(str(os.getpid()))
 if os.environ.get("FAKE_HANG") == variant:
@@ -71,10 +76,16 @@ def fake_resolve(args: list[str]) -> dict | None:
 
 @pytest.fixture
 def fake_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    return install_fake_fit(tmp_path, monkeypatch)
+
+
+def install_fake_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The stand-in fit command, logging its launches to ``tmp_path/launches.log``."""
     script = tmp_path / "fake_fit.py"
     script.write_text(FAKE_FIT)
     monkeypatch.setenv("FAKE_LAUNCH_LOG", str(tmp_path / "launches.log"))
     monkeypatch.delenv("FAKE_HANG", raising=False)
+    monkeypatch.delenv("FAKE_RANK", raising=False)
     return [sys.executable, str(script)]
 
 

@@ -4,7 +4,8 @@ Each run gets ``<output_dir>/runs/<variant>/seed<k>/`` with ``config.yaml`` (wha
 ``stdout.log``/``stderr.log`` and ``run.json`` (its record, written by the run's ``RunRecorder``
 and finalised here). A run that crashes, runs out of memory or passes ``timeout_s`` is recorded
 with that status and the tail of its stderr, and the study goes on. A run is its own process
-group, so a timeout or Ctrl-C stops it with every rank Lightning's launcher started; an
+group, so a timeout, Ctrl-C, SIGTERM or SIGHUP stops it with every rank Lightning's launcher
+started, and it never outlives the runner, even a SIGKILLed one (``single_writer``); an
 interrupted run is recorded as ``interrupted`` and redone by the next invocation, while finished
 records are never touched again (unless their config changed, or ``retry_failed``).
 """
@@ -28,6 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 import lit_ablate
 from lit_ablate import record as run_record
 from lit_ablate.ablation.plan import PlannedRun, config_text, write_config
+from lit_ablate.ablation.single_writer import GroupReaper, RunLock, die_with_runner, run_lock
 
 DONE_STATUSES = ("ok", "error", "oom", "timeout")
 """A run with one of these is not launched again on resume."""
@@ -78,7 +80,16 @@ def run_runs(
 
 
 def execute(run: PlannedRun, fit_command: Sequence[str]) -> dict[str, Any]:
-    """Run one variant × seed to its final record (skipped and invalid runs are recorded, not run)."""
+    """Run one variant × seed to its final record (skipped and invalid runs are recorded, not run).
+
+    Everything happens under the run folder's lock (``single_writer``): no other runner, and no
+    leftover process of an earlier run, writes into the folder meanwhile.
+    """
+    with run_lock(run.run_dir) as lock:
+        return _execute_locked(run, fit_command, lock)
+
+
+def _execute_locked(run: PlannedRun, fit_command: Sequence[str], lock: RunLock) -> dict[str, Any]:
     _clear(run)
     write_config(run.run_dir / "config.yaml", run.config)
     if run.skip_reason or run.invalid:
@@ -94,7 +105,10 @@ def execute(run: PlannedRun, fit_command: Sequence[str]) -> dict[str, Any]:
     }
     command = [*fit_command, "--config", str(run.run_dir / "config.yaml")]
     with open(run.run_dir / "stdout.log", "w") as out, open(run.run_dir / "stderr.log", "w") as err:
-        process = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env, process_group=0)
+        process = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env,
+                                   process_group=0, preexec_fn=die_with_runner())  # fmt: skip
+        lock.started(process.pid)  # its own process group: pgid == pid
+        reaper = GroupReaper(process.pid)
         try:
             returncode = process.wait(timeout=run.launch.timeout_s)
         except subprocess.TimeoutExpired:
@@ -104,6 +118,8 @@ def execute(run: PlannedRun, fit_command: Sequence[str]) -> dict[str, Any]:
             _stop(process)
             _finalise(run, None, "interrupted", "stopped by Ctrl-C / SIGTERM; redone on resume", _tail(run))
             raise
+        finally:
+            reaper.done()
     return _finalise(run, returncode, None, None, _tail(run))
 
 
@@ -211,13 +227,18 @@ def _package_root() -> str:
 
 
 class _sigterm_as_interrupt:
-    """While a study runs, SIGTERM to the runner stops it like Ctrl-C (runs stopped, records kept)."""
+    """While a study runs, SIGTERM or SIGHUP (terminal closed) to the runner stops it like Ctrl-C
+    (runs stopped, records kept). A signal ignored on entry stays ignored (``nohup``)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
     def __enter__(self) -> None:
-        self._previous = signal.signal(signal.SIGTERM, self._raise)
+        watched = [sig for sig in self.SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN]
+        self._previous = {sig: signal.signal(sig, self._raise) for sig in watched}
 
     def __exit__(self, *exc: object) -> None:
-        signal.signal(signal.SIGTERM, self._previous)
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
     @staticmethod
     def _raise(signum: int, frame: object) -> None:
