@@ -10,6 +10,9 @@ is invisible when counts are equal. Each step holds the same four examples in ev
     packed     1 process, each micro-batch one packed row (sdpa_packed) x accumulate 2
     ddp/zero1/fsdp1/fsdp2/hsdp  2 ranks, micro-batch 2 each (rank 0 the long rows, rank 1 the short)
     ddp_accumulate  2 ranks, micro-batch 1 x accumulate 2
+    ep         the tiny Qwen3-MoE, 2 ranks with expert parallelism (all-to-all), against the MoE
+               model's own 1-process reference (router aux losses off: they are per micro-batch
+               statistics, weighted by useful tokens, so they equal a one-batch aux only when off)
 
 After 5 steps at a real learning rate, per-step losses and every weight must equal the
 reference's. ``test_the_old_per_micro_batch_mean_fails_these_checks`` puts the old division
@@ -38,9 +41,11 @@ from torch.utils.data import DataLoader
 from lit_ablate.data import PackingCollator, PaddingCollator
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.losses import IGNORE_INDEX
+from lit_ablate.models.moe import MoEOptions
 from lit_ablate.modules import CausalLM
 from lit_ablate.modules.step_objective import StepObjective
 from lit_ablate.strategies import DDPStrategy, FSDP1Strategy, FSDP2Strategy, HSDPStrategy, ZeRO1Strategy
+from lit_ablate.strategies.expert_parallel import ExpertParallelStrategy
 from tests.distributed import run_ranks
 
 STEPS = 5
@@ -113,11 +118,12 @@ class StepLosses(Callback):
             self.losses.append(pl_module.objective.last_step_loss.item())
 
 
-def fit(variant: str, strategy="auto", devices: int = 1, rank: int = 0, old: bool = False) -> dict:
+def fit(variant: str, strategy="auto", devices: int = 1, rank: int = 0, old: bool = False, moe: bool = False) -> dict:
     pl.seed_everything(0, verbose=False)
     attention = "sdpa_packed" if variant == "packed" else "sdpa"
-    module = CausalLM(ModelFactory(preset="tiny-llama", attn_implementation=attention), learning_rate=1e-2,
-                      warmup_steps=0, weight_decay=0.1)
+    factory = (ModelFactory(preset="tiny-qwen3-moe", moe=MoEOptions(experts="grouped", load_balance_weight=0.0))
+               if moe else ModelFactory(preset="tiny-llama", attn_implementation=attention))
+    module = CausalLM(factory, learning_rate=1e-2, warmup_steps=0, weight_decay=0.1)
     if old:
         module.objective = PerMicroBatchMean()
     losses = StepLosses()
@@ -136,12 +142,13 @@ def fit(variant: str, strategy="auto", devices: int = 1, rank: int = 0, old: boo
 STRATEGIES = {
     "ddp": DDPStrategy, "zero1": ZeRO1Strategy, "fsdp1": FSDP1Strategy, "fsdp2": FSDP2Strategy,
     "hsdp": lambda: HSDPStrategy(dp_replicate=2, dp_shard=1), "ddp_accumulate": DDPStrategy,
+    "ep": lambda: ExpertParallelStrategy(ep=2, dispatch="all_to_all"),
 }
 
 
 def _two_rank_fits(rank: int, world_size: int, names: list[str], old: bool) -> dict:
-    return {name: fit(name if name == "ddp_accumulate" else "ranks", STRATEGIES[name](), devices=2, rank=rank, old=old)
-            for name in names}
+    return {name: fit(name if name == "ddp_accumulate" else "ranks", STRATEGIES[name](), devices=2, rank=rank, old=old,
+                      moe=name == "ep") for name in names}
 
 
 def assert_same_training(run: dict, reference: dict) -> None:
@@ -157,6 +164,11 @@ def assert_same_training(run: dict, reference: dict) -> None:
 @pytest.fixture(scope="module")
 def reference() -> dict:
     return fit("reference")
+
+
+@pytest.fixture(scope="module")
+def moe_reference() -> dict:
+    return fit("reference", moe=True)
 
 
 def test_the_data_has_unequal_useful_tokens_per_micro_batch_and_rank():
@@ -177,14 +189,14 @@ def test_one_process_variants_train_the_reference_model(reference, variant):
 
 @pytest.fixture(scope="module")
 def two_rank_runs() -> list[dict]:
-    names = ["ddp", "zero1", "fsdp1", "fsdp2", "hsdp", "ddp_accumulate"]
-    return run_ranks(_two_rank_fits, 2, names, False, init_process_group=False, timeout_s=400)
+    names = ["ddp", "zero1", "fsdp1", "fsdp2", "hsdp", "ddp_accumulate", "ep"]
+    return run_ranks(_two_rank_fits, 2, names, False, init_process_group=False, timeout_s=500)
 
 
-@pytest.mark.parametrize("name", ["ddp", "zero1", "fsdp1", "fsdp2", "hsdp", "ddp_accumulate"])
-def test_two_rank_strategies_train_the_reference_model(reference, two_rank_runs, name):
+@pytest.mark.parametrize("name", ["ddp", "zero1", "fsdp1", "fsdp2", "hsdp", "ddp_accumulate", "ep"])
+def test_two_rank_strategies_train_the_reference_model(reference, moe_reference, two_rank_runs, name):
     for rank_run in two_rank_runs:  # every rank ends with the same weights and logs the same step loss
-        assert_same_training(rank_run[name], reference)
+        assert_same_training(rank_run[name], moe_reference if name == "ep" else reference)
 
 
 def test_the_old_per_micro_batch_mean_fails_these_checks(reference):
