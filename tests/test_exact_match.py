@@ -16,7 +16,8 @@ from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.losses import loss_backend
 from lit_ablate.modules import CausalLM
-from lit_ablate.record import summarize_steps
+from lit_ablate.ablation.report import write_report
+from lit_ablate.record import summarize_steps, write_record
 
 TOK = ByteTokenizer()
 STEPS = 30
@@ -154,3 +155,32 @@ def test_record_summary_keeps_the_accuracy_after_the_last_evaluation():
              {"step": 3, "loss": 1.2}, {"step": 4, "loss": 1.0, "exact_match": 0.75}]
     assert summarize_steps(steps, warmup_steps=3)["exact_match"] == 0.75  # not warm-up filtered, not a median
     assert summarize_steps(steps[:1], warmup_steps=0)["exact_match"] is None
+
+
+def _study_with_accuracy(tmp_path, accuracies: dict[str, list[float]] | None):
+    """Two-variant study records; with ``accuracies``, each seed's last step carries ``exact_match``."""
+    from tests.test_ablation_report import make_record
+
+    plan = {"name": "acc", "baseline": "a", "variables": ["x"], "axes": {"x": [1, 2]}, "seeds": [0, 1], "steps": 3,
+            "warmup_steps": 1, "expect_equal_loss": None,
+            "variants": [{"name": n, "axis_values": {"x": i}} for i, n in enumerate("ab")]}
+    for name in "ab":
+        for seed in (0, 1):
+            record = make_record(name, seed, speed=100.0, peak_mib=100, losses=[3.0, 2.0, 1.0])
+            if accuracies:
+                record["steps"][-1]["exact_match"] = accuracies[name][seed]
+                record["summary"] = {**summarize_steps(record["steps"], 1), "status": "ok"}
+            write_record(tmp_path / "runs" / name / f"seed{seed}" / "run.json", record)
+    (tmp_path / "study.json").write_text(json.dumps(plan))
+    return (tmp_path / "report.md").read_text() if write_report(tmp_path) else None
+
+
+def test_report_has_an_accuracy_column_only_when_runs_were_evaluated(tmp_path):
+    text = _study_with_accuracy(tmp_path / "with", {"a": [0.5, 0.75], "b": [0.25, 0.25]})
+    header, _, row_a, row_b = [[cell.strip() for cell in line.strip("|").split("|")]
+                               for line in text.splitlines() if line.startswith("|")]
+    column = header.index("exact match")
+    assert row_a[column] == "62.5% [50.0%–75.0%]" and row_b[column] == "25.0%"
+    summary = json.loads((tmp_path / "with" / "report.json").read_text())
+    assert summary["variants"][0]["exact_match"] == {"median": 0.625, "min": 0.5, "max": 0.75, "n": 2}
+    assert "exact match" not in _study_with_accuracy(tmp_path / "without", None)

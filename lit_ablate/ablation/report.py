@@ -23,6 +23,8 @@ ORDER_WORDS = {
     "by_variant": "variant by variant (every seed of a variant, then the next variant)",
 }
 STDERR_TAIL_SHOWN = 15
+ACCURACY_LEGEND = (" Exact match: the share of held-out prompts whose greedy answer was entirely right after the "
+                   "last step (`ExactMatchEvaluator`), median [min–max] over seeds.")
 
 
 def load_runs(directory: Path) -> tuple[dict[str, Any] | None, list[tuple[str, dict[str, Any]]]]:
@@ -75,6 +77,8 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
     agreement = study.get("expect_equal_loss")
     header = ["variant", "status", "tokens/s", "useful tokens/s", "step time (s)", "MFU", "peak memory",
               "est. memory", "final loss", "Δ loss", "speed ×", "memory ×"]  # fmt: skip
+    accuracy = any(v["exact_match"] for v in variants)  # a column only when some run was evaluated
+    header += ["exact match"] if accuracy else []
     header += [f"loss = {_reference_word(agreement)}"] if agreement else []
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for v in variants:
@@ -92,10 +96,12 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
             _speed_cell(v, study["baseline"]),
             "—" if v["memory_ratio"] is None else f"{v['memory_ratio']:.2f}×",
         ]
+        if accuracy:
+            row.append(_spread(v["exact_match"], lambda x: f"{100 * x:.1f}%"))
         if agreement:
             row.append(_agreement_cell(v, study["baseline"]))
         lines.append("| " + " | ".join(row) + " |")
-    lines += ["", _legend(agreement), ""]
+    lines += ["", _legend(agreement) + (ACCURACY_LEGEND if accuracy else ""), ""]
     lines += [f"![{Path(name).stem}]({name})" for name in summary.get("plots", [])]
     failures = [(v["name"], r) for v in variants for r in v["runs"] if r["status"] != "ok"]
     if failures:

@@ -1,8 +1,9 @@
 """The numbers of a study report, computed from run records alone (plus the study plan).
 
 Per variant: throughput, step time and MFU as median [min, max] over every measured step of
-every successful seed (steps after warm-up); peak memory and final loss as median [min, max]
-over seeds; the ratio of each to the baseline variant, with the speed ratio judged against the
+every successful seed (steps after warm-up); peak memory, final loss and an evaluation's accuracy
+(``exact_match``, when the runs had an ``ExactMatchEvaluator``) as median [min, max] over seeds;
+the ratio of each to the baseline variant, with the speed ratio judged against the
 baseline's noise floor (``speed_noise``); and, where the study expects it, whether the loss
 series matches the reference's. A study-level ``problems`` list says what makes the study's
 result untrustworthy as a whole (no variant finished ok; a loss check failed or could not be
@@ -17,7 +18,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lit_ablate.record import SUMMARISED_SERIES, spread
+from lit_ablate.record import FINAL_VALUE_SERIES, SUMMARISED_SERIES, spread
 
 NOISE_SERIES = "useful_tokens_per_sec"
 """The series behind the speed ratio, and so behind its noise floor."""
@@ -73,6 +74,7 @@ def _variant(
         "peak_memory_bytes": spread(r["summary"].get("peak_memory_bytes") for r in ok),
         "memory_method": ", ".join(methods) or None,
         "final_loss": spread(r["summary"].get("final_loss") for r in ok),
+        **{key: spread(r["summary"].get(key) for r in ok) for key in FINAL_VALUE_SERIES.values()},  # exact_match
         **_estimate(next((r for _, r in runs if r.get("config")), None)),
         "parameters": parameters[0] if len(parameters) == 1 else None,
         "loss_curve": _loss_curve([r for _, r in runs if r.get("steps")]),
