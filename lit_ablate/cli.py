@@ -3,11 +3,14 @@
 ``fit``/``validate``/``test`` are a ``LightningCLI``: model, data, strategy and callbacks from
 YAML (``class_path``/``init_args``), every key overridable (``--trainer.max_steps 20``). The CLI
 always adds a ``RunRecorder`` (configured under ``recorder:``) so every run leaves a run record.
-``ablate``, ``report``, ``estimate`` and ``generate`` are plain commands dispatched here.
+``ablate``, ``report``, ``estimate``, ``generate`` and ``export`` are plain commands dispatched
+here; ``lit-ablate --help`` lists them all (``SUMMARIES``). No parser accepts an abbreviated option
+(``--trainer.max_step`` is an error, not ``max_steps``).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib
 import io
@@ -21,6 +24,7 @@ from jsonargparse import ArgumentError
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from lit_ablate import __version__
 from lit_ablate.callbacks.run_recorder import RunRecorder
 from lit_ablate.compatibility import check_cpu_ranks
 from lit_ablate.errors import ConfigError
@@ -33,6 +37,22 @@ COMMANDS: dict[str, str] = {
     "generate": "lit_ablate.generate:generate_main",
     "export": "lit_ablate.strategies.export:export_main",
 }
+# Every command's one line, in the order ``lit-ablate --help`` lists them.
+SUMMARIES: dict[str, str] = {
+    "fit": "train from a YAML config (any key: --trainer.max_steps 20)",
+    "validate": "held-out loss of a checkpoint (--ckpt_path)",
+    "test": "held-out loss of a checkpoint, as test/loss (--ckpt_path)",
+    "generate": "sample text from a fit checkpoint",
+    "ablate": "run a study (variants x seeds, resumable), write its report",
+    "report": "re-render a study's report from its run records",
+    "estimate": "parameters and per-rank memory of a config, per sharding",
+    "export": "a checkpoint as a Hugging Face folder (weights, tokenizer)",
+}
+
+
+PARSER_KWARGS = {"exit_on_error": False, "allow_abbrev": False}
+"""Every parser raises instead of exiting (``main`` prints one line, not a usage dump) and takes
+options only by their full name."""
 
 
 class LitAblateCLI(LightningCLI):
@@ -47,10 +67,22 @@ class LitAblateCLI(LightningCLI):
             subclass_mode_data=True,
             save_config_kwargs={"overwrite": True},
             # Raise instead of exiting so main() can print one line instead of a usage dump.
-            parser_kwargs={"exit_on_error": False, **{c: {"exit_on_error": False} for c in ("fit", "validate", "test")}},
+            parser_kwargs={**PARSER_KWARGS,
+                           **{c: {**PARSER_KWARGS, "description": SUMMARIES[c]} for c in self.subcommands()}},
             args=args,
             run=run,
         )
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """``fit``, ``validate`` and ``test``; not ``predict``. Lightning's predict runs a
+        ``predict_step`` over a prediction dataloader and returns its outputs in memory: for a causal
+        LM that means a second, batch-shaped inference path (prompts as a data set, a decoding
+        loop, a writer) beside ``generate``, which already turns a prompt into text with the run's
+        tokenizer, and ``export``, which hands the model to Hugging Face tooling for batch
+        inference. A command that only crashes (``Trainer.predict requires forward method``) or
+        duplicates those is worse than none, so the CLI does not offer it."""
+        return {name: skip for name, skip in LightningCLI.subcommands().items() if name != "predict"}
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(RunRecorder, "recorder")
@@ -98,8 +130,26 @@ def concise_error(message: str) -> str:
     return " ".join(line.strip() for line in message.strip().splitlines()[:3])
 
 
+def _top_level_parser() -> argparse.ArgumentParser:
+    """``lit-ablate --help`` (every command, one line each) and ``--version``."""
+    parser = argparse.ArgumentParser(
+        prog="lit-ablate", description="Ablation studies of LLM training techniques on PyTorch Lightning.",
+        epilog="`lit-ablate COMMAND --help` lists a command's options.", allow_abbrev=False,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+    for name, summary in SUMMARIES.items():
+        commands.add_parser(name, help=summary, add_help=False)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help", "--version"):
+        parser = _top_level_parser()
+        parser.parse_args(args[:1])  # prints the help or the version and exits
+        parser.print_help(sys.stderr)
+        sys.exit(2)
     if args and args[0] in COMMANDS:
         sys.exit(_command(COMMANDS[args[0]])(args[1:]))
     try:

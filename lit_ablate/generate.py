@@ -46,7 +46,7 @@ def generate(ckpt_path: str, prompt: str, max_new_tokens: int = 32, temperature:
 
 
 def generate_main(argv: list[str]) -> int:
-    parser = ArgumentParser(prog="lit-ablate generate", description=__doc__)
+    parser = ArgumentParser(prog="lit-ablate generate", description=__doc__, allow_abbrev=False)
     parser.add_function_arguments(generate)
     args = parser.parse_args(argv)
     print(args.prompt + generate(**vars(args)))

@@ -3,8 +3,10 @@ estimate's exact numbers, an exported folder that Hugging Face tools load and ro
 quiet console."""
 
 import contextlib
+import importlib.metadata
 import json
 import os
+import re
 import stat
 import sys
 from pathlib import Path
@@ -12,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_ablate.cli import main, resolve_fit_config
+from lit_ablate import __version__
+from lit_ablate.cli import COMMANDS, SUMMARIES, LitAblateCLI, main, resolve_fit_config
 from lit_ablate.data.tokenizers import ByteTokenizer
 from lit_ablate.estimate import GIB, MEMORY_KINDS, estimate_for_config, estimate_main
 from lit_ablate.generate import generate
@@ -43,6 +46,57 @@ def test_run_record_is_written_with_the_users_umask(tmp_path, umask):
     assert _mode(path) == umask == 0o660
     assert [p.name for p in tmp_path.iterdir()] == ["run.json"]  # no temporary file left behind
 
+
+def _exit_code(argv: list[str]) -> int | str | None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    return exit_info.value.code
+
+
+def test_help_lists_every_command_on_one_line_and_version_prints_the_package_version(capsys):
+    """Catches a help that lists LightningCLI's subcommands only, a command missing from it, a
+    ``predict`` that is offered but crashes, and a version that drifts from the installed package."""
+    assert _exit_code(["--help"]) == 0
+    help_text = capsys.readouterr().out
+    commands = {*COMMANDS, *LitAblateCLI.subcommands()}
+    assert commands == set(SUMMARIES) >= {"fit", "validate", "test", "generate", "ablate", "report", "estimate", "export"}
+    for command, summary in SUMMARIES.items():
+        assert re.search(rf"^ +{command} +{re.escape(summary)}$", help_text, re.MULTILINE), command
+    assert "predict" not in help_text and "predict" not in LitAblateCLI.subcommands()
+    assert _exit_code(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"lit-ablate {__version__}" == f"lit-ablate {importlib.metadata.version('lit-ablate')}"
+    assert _exit_code([]) == 2 and "export" in capsys.readouterr().err  # no command: the help, as an error
+
+
+ABBREVIATED = [  # each command with an unambiguous prefix of one of its options (``--hel`` of --help)
+    ["fit", "--config", QUICKSTART, "--hel"],
+    ["validate", "--config", QUICKSTART, "--hel"],
+    ["test", "--config", QUICKSTART, "--hel"],
+    ["generate", "--ckpt_path", "x.ckpt", "--prompt", "1+1=", "--hel"],
+    ["ablate", "--config", "study.yaml", "--hel"],
+    ["report", "study_dir", "--hel"],
+    ["estimate", "--config", QUICKSTART, "--hel"],
+    ["export", "--ckpt_path", "x.ckpt", "--output_dir", "out", "--hel"],
+]
+
+
+@pytest.mark.parametrize("argv", ABBREVIATED, ids=[a[0] for a in ABBREVIATED])
+def test_every_command_refuses_an_abbreviated_option(argv, capsys):
+    """Catches a parser built without allow_abbrev=False: it would print the help and exit 0."""
+    try:
+        code: int | str | None = main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    except Exception as err:  # noqa: BLE001 (a traceback also refuses; its one-line form is test_bad_inputs's job)
+        code = str(err)
+    said = f"{code} {capsys.readouterr()}"
+    assert code not in (0, None) and re.search(r"\bhel\b", said), said[-400:]
+
+
+def test_trainer_max_step_is_not_taken_for_max_steps(capsys):
+    """The issue's example: ``--trainer.max_step 20`` silently became ``max_steps``."""
+    code = _exit_code(["fit", "--config", QUICKSTART, "--trainer.max_step", "20", "--print_config"])
+    assert code not in (0, None) and re.search(r"trainer\.max_step(?!s)", str(code)), code
 
 @contextlib.contextmanager
 def _captured_fds(path: Path):

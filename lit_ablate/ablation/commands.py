@@ -51,7 +51,8 @@ def run_study(
 
 
 def ablate_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lit-ablate ablate", description="Run an ablation study and write its report.")
+    parser = argparse.ArgumentParser(prog="lit-ablate ablate", description="Run an ablation study and write its report.",
+                                     allow_abbrev=False)
     parser.add_argument("--config", required=True, type=Path, help="the study YAML (configs/studies/*.yaml)")
     parser.add_argument("--output_dir", type=Path, help="where runs and the report go (default: studies/<study name>/)")
     parser.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true",
@@ -80,7 +81,8 @@ def ablate_main(argv: list[str]) -> int:
 
 
 def report_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lit-ablate report", description="Re-render a study's report from its records.")
+    parser = argparse.ArgumentParser(prog="lit-ablate report", description="Re-render a study's report from its records.",
+                                     allow_abbrev=False)
     parser.add_argument("directory", type=Path, help="a study output directory (holding runs/ and study.json)")
     args = parser.parse_args(argv)
     try:
