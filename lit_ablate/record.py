@@ -9,7 +9,8 @@ imports the other: both depend only on this module. A record is one JSON file pe
       "config": {...},                          # the resolved LightningCLI config
       "environment": {"python": ..., "torch": ..., "lightning": ..., "transformers": ...,
                       "device_name": ..., "device_count": ..., "world_size": ..., "git_commit": ...},
-      "warmup_steps": 2,                        # steps excluded from the summary
+      "warmup_steps": 3,                        # steps excluded from the summary
+      "resumed_from": null | {"checkpoint": "path", "step_offset": 3},  # a resumed fit: its steps are offset + 1, ...
       "fallbacks": ["..."],                     # every fallback a part took, in words
       "steps": [{"step": 1, "loss": ..., "lr": ..., "step_time_s": ..., "data_wait_s": ...,
                  "tokens_per_sec": ..., "useful_tokens_per_sec": ..., "mfu": ...,

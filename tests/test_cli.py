@@ -42,7 +42,9 @@ def test_quickstart_fit_writes_a_record_and_generate_prints_text(tmp_path):
     resumed = _run("fit", "--config", QUICKSTART, "--trainer.max_steps", "7", "--ckpt_path", str(checkpoint),
                    "--trainer.default_root_dir", str(tmp_path), env={RECORD_PATH_ENV: str(resumed_path)})
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert [s["step"] for s in read_record(resumed_path)["steps"]] == [6, 7]  # resumed after step 5
+    resumed_record = read_record(resumed_path)
+    assert [s["step"] for s in resumed_record["steps"]] == [6, 7]  # resumed after step 5
+    assert resumed_record["resumed_from"] == {"checkpoint": str(checkpoint), "step_offset": 5}
     from lit_ablate.modules import CausalLM
 
     loaded = CausalLM.load_from_checkpoint(checkpoint, weights_only=True)  # Lightning's own API works too

@@ -51,7 +51,9 @@ class RunRecorder(StepMonitor):
     The record is written atomically at fit start (status ``running``), at the end of fit (``ok``)
     and when fit raises (``error``, or ``oom`` for an out-of-memory error): a killed run leaves
     ``running``, which the ablation runner redoes. The loss per step is exact across gradient
-    accumulation and data-parallel ranks: summed token losses over summed useful tokens.
+    accumulation and data-parallel ranks: summed token losses over summed useful tokens. A fit
+    resumed from a checkpoint records only its own steps (numbered on from the checkpoint's) and
+    says where it came from in ``resumed_from``, so a report can stitch the series together.
 
     Args:
         path: where to write; default ``$LIT_ABLATE_RUN_RECORD``, else ``<log_dir>/run.json``.
@@ -69,6 +71,7 @@ class RunRecorder(StepMonitor):
         self.record_path: Path | None = None
         self._env: dict[str, Any] = {}
         self._started = 0.0
+        self._resumed_from: dict[str, Any] | None = None
 
     def _target(self, trainer: Trainer) -> Path:
         path = self.path or os.environ.get(run_record.RECORD_PATH_ENV)
@@ -99,6 +102,11 @@ class RunRecorder(StepMonitor):
         self.record_path = self._target(trainer)
         self._env = environment(trainer)
         self._write(trainer, pl_module, "running", None)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        if trainer.ckpt_path:  # the step counter is restored by now: the first step here is offset + 1
+            self._resumed_from = {"checkpoint": str(trainer.ckpt_path), "step_offset": trainer.global_step}
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._write(trainer, pl_module, "ok", None)
@@ -141,6 +149,7 @@ class RunRecorder(StepMonitor):
             "fallbacks": list(getattr(pl_module, "fallbacks", [])),
             "started_at": self._started,
             "finished_at": None if status == "running" else time.time(),
+            "resumed_from": self._resumed_from,
             "steps": steps,
             "summary": summary,
         })
