@@ -14,7 +14,8 @@ from torch import Tensor
 
 class StepOutput(TypedDict):
     loss: Tensor
-    """The loss backpropagated: this micro-batch's token loss divided by its useful tokens."""
+    """The loss backpropagated (``StepObjective.backward_loss``): this micro-batch's share of the
+    step's objective, up to a constant that the gradient rescaling at the step's end removes."""
     loss_sum: Tensor
     """Detached sum of the token losses (exact loss averaging across micro-batches and ranks)."""
     tokens: int
@@ -22,4 +23,5 @@ class StepOutput(TypedDict):
     useful_tokens: Tensor
     """Positions whose label counts in the loss: what training learned from."""
     flops: float
-    """Analytic training FLOPs of this micro-batch (``estimate.flops_per_token`` x tokens)."""
+    """Analytic training FLOPs of this micro-batch's real tokens (``estimate.batch_model_flops``:
+    padding excluded, each document at its own context)."""
