@@ -26,6 +26,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lit_ablate import __version__
 from lit_ablate.callbacks.run_recorder import RunRecorder
+from lit_ablate.checkpoint_model import check_same_model, checkpoint_model_section
 from lit_ablate.compatibility import check_cpu_ranks
 from lit_ablate.errors import ConfigError
 
@@ -86,6 +87,18 @@ class LitAblateCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(RunRecorder, "recorder")
+
+    def _parse_ckpt_path(self) -> None:
+        """Replaces LightningCLI's, which lets a checkpoint's hyper-parameters override the config's
+        model section without a word: here a checkpoint (file or sharded folder) whose model differs
+        from the config's is refused naming every differing key, and a matching one leaves the config
+        as parsed (``lit_ablate.checkpoint_model``)."""
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        section = checkpoint_model_section(ckpt_path) if ckpt_path else None
+        if section is not None:
+            theirs = self.parser.parse_object({subcommand: {"model": section}}, self.config)[subcommand].model
+            check_same_model(self.config[subcommand].model.as_dict(), theirs.as_dict(), ckpt_path)
 
     def before_instantiate_classes(self) -> None:
         """Refuse a run this machine cannot start (far more CPU ranks than cores) before any rank launches."""
