@@ -24,7 +24,6 @@ from lit_ablate.models.losses import (
     ChunkedCrossEntropy,
     TorchCrossEntropy,
     check_loss_backend,
-    check_loss_with_liger_kernels,
     loss_backend,
 )
 
@@ -234,15 +233,6 @@ def test_cce_rejects_z_loss_and_unknown_impl() -> None:
     with pytest.raises(ConfigError, match="impl='triton'"):
         check_loss_backend("cce", impl="triton")
 
-
-def test_cce_beside_liger_loss_kernels_is_rejected() -> None:
-    with pytest.raises(ConfigError, match="fused_linear_cross_entropy"):
-        check_loss_with_liger_kernels("cce", {"rms_norm", "fused_linear_cross_entropy"})
-    check_loss_with_liger_kernels("cce", {"rms_norm", "swiglu"})
-    check_loss_with_liger_kernels("liger", {"fused_linear_cross_entropy"})
-    with pytest.raises(ConfigError, match="cross_entropy"):
-        check_loss_with_liger_kernels("cce", {"cross_entropy": True, "rms_norm": True})
-    check_loss_with_liger_kernels("cce", {"fused_linear_cross_entropy": False, "rms_norm": True})
 
 
 @pytest.mark.parametrize(("study", "second_axis", "variants"), [

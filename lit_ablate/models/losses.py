@@ -15,16 +15,15 @@ unknown options, bad values and names raise ``ConfigError`` naming the key.
 
 ``liger`` and ``cce`` import fine on a CPU machine and fail at their first kernel, so they are
 gated on ``torch.cuda.is_available()`` when they are built: call ``check_loss_backend`` at
-start-up (the ablation runner does, to mark such variants ``skipped``). One compatibility rule
-spans parts: ``check_loss_with_liger_kernels`` rejects CCE beside Liger's loss kernels patched
-into the model (two fused losses: which one trains depends on patch order).
+start-up (the ablation runner does, to mark such variants ``skipped``). lit-ablate patches no
+Liger kernels into models (only the ``liger`` loss backend uses Liger), so CCE can never run
+beside a Liger loss kernel.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import inspect
-from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -217,21 +216,3 @@ def check_loss_backend(name: str, **options: Any) -> None:
     """
     loss_backend(name, **options)
 
-
-LIGER_LOSS_KERNELS = frozenset({"cross_entropy", "fused_linear_cross_entropy"})
-
-
-def check_loss_with_liger_kernels(loss: str, liger_kernels: Collection[str] | Mapping[str, bool]) -> None:
-    """Reject CCE when Liger's loss kernels are patched into the model.
-
-    ``liger_kernels`` names the Liger patches applied to the model (the keyword names of
-    ``apply_liger_kernel_to_*``, e.g. ``rms_norm``, ``fused_linear_cross_entropy``), as a list or
-    as a mapping of name to on/off. Both Liger's patched loss and CCE replace the LM-head loss;
-    which one trains would depend on patch order, so an ablation could silently measure the other.
-    """
-    if isinstance(liger_kernels, Mapping):
-        liger_kernels = [name for name, enabled in liger_kernels.items() if enabled]
-    clashing = sorted(LIGER_LOSS_KERNELS & set(liger_kernels))
-    if loss == "cce" and clashing:
-        raise ConfigError(LOSS_KEY, loss, f"Liger's loss kernels {clashing} are patched into the model; "
-                          "choose loss 'liger' or turn those Liger patches off")
