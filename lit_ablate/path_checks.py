@@ -1,0 +1,59 @@
+"""Paths a user gives on the command line, checked before any work: a folder or file that will be
+written must be writable, a checkpoint to read must be one Lightning wrote.
+
+Without these, an unwritable ``default_root_dir`` fails after the model is built and a text file
+given as ``--ckpt_path`` fails as a pickle error deep inside ``torch.load``. Each check raises
+``ConfigError`` naming the option, the path and the fix.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import zipfile
+from pathlib import Path
+
+from lit_ablate.errors import ConfigError
+
+SHARDED_METADATA_FILENAME = "meta.pt"
+"""Lightning's name for the non-tensor part of a sharded (DCP folder) checkpoint."""
+
+
+def writable_dir(key: str, path: str | Path) -> Path:
+    """``path`` as a folder that exists (created if missing) and accepts new files."""
+    folder = Path(path).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(key, str(path), "it is a file, not a folder; give a folder path")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as err:
+        raise ConfigError(key, str(path), f"cannot write there ({err.strerror or err}); choose a writable folder") from err
+    return folder
+
+
+def writable_file(key: str, path: str | Path) -> Path:
+    """``path`` as a file that can be (re)written: not a folder, in a writable folder."""
+    file = Path(path).expanduser()
+    if file.is_dir():
+        raise ConfigError(key, str(path), "it is a folder; give a file path (e.g. .../run.json)")
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=file.parent).close()
+    except OSError as err:
+        raise ConfigError(key, str(path), f"cannot write there ({err.strerror or err}); choose a writable path") from err
+    return file
+
+
+def checkpoint_path(key: str, path: str | Path) -> Path:
+    """``path`` as a Lightning checkpoint: a ``torch.save`` file (a zip archive) or a sharded folder
+    holding ``meta.pt``. Cheap: only the archive's directory is read, never the tensors."""
+    checkpoint = Path(path).expanduser()
+    fix = "give a .ckpt file or sharded checkpoint folder written by lit-ablate fit (e.g. .../checkpoints/last.ckpt)"
+    if checkpoint.is_dir():
+        if not (checkpoint / SHARDED_METADATA_FILENAME).is_file():
+            raise ConfigError(key, str(path), f"a folder without {SHARDED_METADATA_FILENAME} is not a sharded checkpoint; {fix}")
+    elif not checkpoint.is_file():
+        raise ConfigError(key, str(path), f"no such file or folder; {fix}")
+    elif not zipfile.is_zipfile(checkpoint):
+        raise ConfigError(key, str(path), f"not a checkpoint (torch.save writes a zip archive); {fix}")
+    return checkpoint
