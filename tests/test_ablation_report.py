@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from lit_ablate.ablation.commands import report_main
-from lit_ablate.ablation.report import write_report
+from lit_ablate.ablation.report import render_markdown, write_report
 from lit_ablate.ablation.summary import study_summary
 from lit_ablate.record import SCHEMA_VERSION, summarize_steps, write_record
 
@@ -160,3 +160,16 @@ def test_a_failing_estimate_leaves_the_report_whole(monkeypatch, tmp_path: Path)
     summary = json.loads(write_report(directory).with_name("report.json").read_text())
     assert {v["estimate_note"] for v in summary["variants"]} == {"estimate failed: ImportError: a GPU-only package"}
     assert all(v["estimated_memory_bytes"] is None and v["final_loss"] for v in summary["variants"])
+
+
+def test_data_wait_share_is_a_column_per_variant(tmp_path):
+    """The report shows what share of step time went to waiting for data (a slow collator)."""
+    records = depth_records()
+    for r in records:  # a quarter of every step waiting for data in seed 0, half in seed 1
+        for s in r["steps"]:
+            s["data_wait_s"] = s["step_time_s"] * (0.25 if r["seed"] == 0 else 0.5)
+        r["summary"] = {**summarize_steps(r["steps"], 1), **{k: r["summary"][k] for k in ("status", "message", "memory_method")}}
+    summary = study_summary(depth_plan(), [(f"runs/{r['variant']}/seed{r['seed']}/run.json", r) for r in records])
+    assert summary["variants"][0]["data_wait_share"] == {"median": 0.375, "min": 0.25, "max": 0.5, "n": 2}
+    table = render_markdown(summary)
+    assert "| data wait |" in table and "37.5% [25.0%–50.0%]" in table

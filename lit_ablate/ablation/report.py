@@ -75,7 +75,7 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
     if summary.get("problems"):
         lines += ["**Study problems (exit code 1):**", "", *(f"- {p}" for p in summary["problems"]), ""]
     agreement = study.get("expect_equal_loss")
-    header = ["variant", "status", "tokens/s", "useful tokens/s", "step time (s)", "MFU", "peak memory",
+    header = ["variant", "status", "tokens/s", "useful tokens/s", "step time (s)", "data wait", "MFU", "peak memory",
               "est. memory", "final loss", "Δ loss", "speed ×", "memory ×"]  # fmt: skip
     accuracy = any(v["exact_match"] for v in variants)  # a column only when some run was evaluated
     header += ["exact match"] if accuracy else []
@@ -88,6 +88,7 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
             _spread(v["tokens_per_sec"], _rate),
             _spread(v["useful_tokens_per_sec"], _rate),
             _spread(v["step_time_s"], lambda x: f"{x:.3g}"),
+            _spread(v.get("data_wait_share"), lambda x: f"{100 * x:.1f}%"),
             _spread(v["mfu"], lambda x: f"{100 * x:.1f}%") if v["mfu"] else ("n/a" if v["status"] == "ok" else "—"),
             _memory_cell(v),
             "—" if v["estimated_memory_bytes"] is None else _bytes(v["estimated_memory_bytes"]),
@@ -177,7 +178,9 @@ def _agreement_cell(variant: Mapping[str, Any], baseline: str) -> str:
 
 def _legend(agreement: Mapping[str, Any] | None) -> str:
     text = ("tokens/s and step time: median [min–max] over every step after warm-up of every seed that "
-            "finished ok; tokens/s count all ranks, useful tokens are labels that count in the loss. "
+            "finished ok; tokens/s count all ranks, useful tokens are labels that count in the loss. Step time "
+            "runs from one optimizer step's end to the next; data wait: the share of it spent between "
+            "micro-batches (fetching, collating and moving batches), median [min–max] over seeds. "
             "Peak memory: median [min–max] over seeds, per rank, with how it was measured (on CPU the process's "
             "resident set, Python runtime included); est. memory: the analytic per-rank model of "
             "`lit-ablate estimate` for the run's config. Final loss: "

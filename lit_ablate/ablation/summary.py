@@ -70,6 +70,7 @@ def _variant(
         "axis_values": dict(axis_values),
         "status": _status([r["summary"].get("status") for _, r in runs]),
         **{key: spread(s.get(series) for s in measured) for series, key in SUMMARISED_SERIES.items()},
+        "data_wait_share": spread(r["summary"].get("data_wait_share") for r in ok),
         "speed_noise": _noise_floor(ok, warmup),
         "peak_memory_bytes": spread(r["summary"].get("peak_memory_bytes") for r in ok),
         "memory_method": ", ".join(methods) or None,
