@@ -228,11 +228,7 @@ def test_datamodule_resume_skips_consumed_rows():
 # --- data-parallel training with packing ----------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_ddp_two_ranks_train_on_packed_batches(tmp_path):
-    """2 gloo ranks (ddp_fork), packed SFT rows under sdpa_packed: the loss falls and stays finite."""
-    import json
-
+def _fit_packed_ddp(rank: int, world_size: int, path: str) -> None:
     import lightning as L
 
     from lit_ablate.callbacks import RunRecorder
@@ -244,10 +240,20 @@ def test_ddp_two_ranks_train_on_packed_batches(tmp_path):
     )
     module = CausalLM(ModelFactory(preset="tiny-llama", attn_implementation="sdpa_packed"), warmup_steps=2)
     trainer = L.Trainer(
-        max_steps=12, accelerator="cpu", devices=2, strategy="ddp_fork", logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[RunRecorder(path=str(tmp_path / "run.json"))],
+        max_steps=12, accelerator="cpu", devices=world_size, strategy="ddp", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[RunRecorder(path=path)],
     )
     trainer.fit(module, data)
+
+
+@pytest.mark.slow
+def test_ddp_two_ranks_train_on_packed_batches(tmp_path):
+    """2 gloo ranks (Lightning ddp under ``run_ranks``), packed SFT rows, sdpa_packed: the loss falls, stays finite."""
+    import json
+
+    from tests.distributed import run_ranks
+
+    run_ranks(_fit_packed_ddp, 2, str(tmp_path / "run.json"), init_process_group=False)
     record = json.loads((tmp_path / "run.json").read_text())
     losses = [s["loss"] for s in record["steps"]]
     assert record["environment"]["world_size"] == 2 and len(losses) == 12
