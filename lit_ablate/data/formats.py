@@ -36,6 +36,8 @@ from lit_ablate.models.losses import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
 
+SOURCE_ROWS_KEY = "data.init_args.source"
+"""Where bad rows come from, as the config names it (row numbers count from 1 in the source's order)."""
 Format = Literal["pretrain", "documents", "sft"]
 Overlong = Literal["truncate", "reject"]
 Example = dict[str, Tensor]
@@ -66,22 +68,29 @@ def build_examples(rows: Iterable[Row], tokenizer: Tokenizer, fmt: Format, seq_l
     if fmt == "pretrain":
         return _pretrain_windows(rows, tokenizer, seq_len)
     token_rows = _document_tokens(rows, tokenizer) if fmt == "documents" else _sft_tokens(rows, tokenizer)
-    examples, overlong_count, total = [], 0, 0
+    examples, overlong_count, dropped, total = [], 0, 0, 0
     for ids, is_target in token_rows:
         total += 1
         example = example_from_tokens(ids, is_target)
         fitted = fit_length(example, seq_len, overlong)
         overlong_count += fitted is not example
+        dropped += fitted is None
         if fitted is not None:
             examples.append(fitted)
     if overlong_count:
-        log.warning(
-            "data (format=%s): %d of %d examples were longer than seq_len=%d; overlong=%s %s them",
-            fmt, overlong_count, total, seq_len, overlong, "kept the first seq_len tokens of" if overlong == "truncate" else "dropped",
-        )
+        log.warning("data (format=%s): %d of %d examples were longer than seq_len=%d; overlong=%s %s",
+                    fmt, overlong_count, total, seq_len, overlong, _overlong_outcome(overlong, overlong_count, dropped, seq_len))
     if not examples:
         raise ConfigError("data.init_args.overlong", overlong, f"no {fmt} example fits seq_len={seq_len}; raise seq_len")
     return examples
+
+
+def _overlong_outcome(overlong: Overlong, overlong_count: int, dropped: int, seq_len: int) -> str:
+    """What happened to the overlong examples, in words: truncation drops those left with no label."""
+    if overlong == "reject":
+        return "dropped them"
+    kept = f"kept the first {seq_len} tokens of {overlong_count - dropped}"
+    return f"{kept} and dropped {dropped} with no labelled token left" if dropped else kept
 
 
 def _pretrain_windows(rows: Iterable[Row], tokenizer: Tokenizer, seq_len: int) -> list[Example]:
@@ -103,19 +112,34 @@ def _document_tokens(rows: Iterable[Row], tokenizer: Tokenizer) -> Iterable[tupl
 
 
 def _sft_tokens(rows: Iterable[Row], tokenizer: Tokenizer) -> Iterable[tuple[list[int], list[bool]]]:
+    """A file may mix chat rows and prompt/response rows: ``datasets`` gives every row every column,
+    so the form of a row is the one whose fields are not None."""
     bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
-    for row in rows:
-        if "messages" in row:
-            yield tokenizer.chat(row["messages"])
-        elif "prompt" in row and "response" in row:
+    for number, row in enumerate(rows, start=1):
+        if row.get("messages") is not None:
+            yield tokenizer.chat(_checked_messages(row["messages"], number))
+        elif isinstance(row.get("prompt"), str) and isinstance(row.get("response"), str):
             prompt = bos + tokenizer.encode(row["prompt"])
             response = tokenizer.encode(row["response"]) + [tokenizer.eos_id]
             yield prompt + response, [False] * len(prompt) + [True] * len(response)
         else:
-            raise ConfigError("data.init_args.format", "sft", f"sft rows need 'prompt'+'response' or 'messages'; got {sorted(row)}")
+            present = sorted(k for k, v in row.items() if v is not None)
+            raise ConfigError(f"{SOURCE_ROWS_KEY} row {number}", present,
+                              "an sft row needs 'prompt' and 'response' strings, or 'messages'; fix or remove the row")
+
+
+def _checked_messages(messages: object, number: int) -> list[dict[str, str]]:
+    """The row's chat messages, each with a string ``role`` and ``content`` (JSON ``null`` is not text)."""
+    if not isinstance(messages, list) or not messages:
+        raise ConfigError(f"{SOURCE_ROWS_KEY} row {number} messages", messages, "give a non-empty list of {role, content} messages")
+    for index, message in enumerate(messages):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str) and isinstance(message.get("content"), str)):
+            raise ConfigError(f"{SOURCE_ROWS_KEY} row {number} messages[{index}]", message,
+                              "every chat message needs a string 'role' and a string 'content'; fix or remove the row")
+    return messages
 
 
 def _text(row: Row) -> str:
-    if "text" not in row:
+    if not isinstance(row.get("text"), str):
         raise ConfigError("data.init_args.format", "pretrain", f"pretraining rows need a 'text' field; got {sorted(row)}")
     return row["text"]

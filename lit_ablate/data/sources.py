@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import math
 import os
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from lit_ablate.errors import ConfigError
@@ -22,6 +24,7 @@ from lit_ablate.errors import ConfigError
 Row = dict[str, Any]
 
 _SOURCE_KEY = "data.init_args.source.init_args"
+_JSON_BUILDER_LOGGER = "datasets.packaged_modules.json.json"
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 
 
@@ -163,10 +166,31 @@ class LocalFiles(DataSource):
         from datasets.exceptions import DatasetGenerationError
 
         try:
-            dataset = load_dataset(self.builder, data_files=self.files, split="train")
+            with _quiet_local_load():
+                dataset = load_dataset(self.builder, data_files=self.files, split="train")
         except DatasetGenerationError as err:
             raise ConfigError(f"{_SOURCE_KEY}.path", self.path, _unreadable(self.files, err)) from err
         yield from _rows(dataset, self.text_field, self.max_rows, f"{_SOURCE_KEY}.path", self.path)
+
+
+@contextmanager
+def _quiet_local_load() -> Iterator[None]:
+    """``datasets`` reading local files, without its "Generating train split" bars (the in-memory
+    sizes this data module tokenises read in well under a second) and without the JSON builder's
+    own log of a parse error it raises right after (``_unreadable`` reports that once, by line)."""
+    import datasets
+
+    bars_were_off = datasets.are_progress_bars_disabled()
+    json_log = logging.getLogger(_JSON_BUILDER_LOGGER)
+    level = json_log.level
+    datasets.disable_progress_bars()
+    json_log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        json_log.setLevel(level)
+        if not bars_were_off:
+            datasets.enable_progress_bars()
 
 
 def _unreadable(files: list[str], error: Exception) -> str:
