@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +10,23 @@ import torch
 from jsonargparse import ArgumentParser
 
 from lit_ablate.errors import ConfigError
+from lit_ablate.path_checks import SHARDED_METADATA_FILENAME, checkpoint_path
+
+
+def load_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
+    """A ``fit`` checkpoint read with ``weights_only=True``: the ``.ckpt`` file, or a sharded folder's
+    ``meta.pt`` (hyper-parameters and data state, no weights). Anything else is a one-line error."""
+    path = checkpoint_path("--ckpt_path", ckpt_path)
+    try:
+        checkpoint = torch.load(path / SHARDED_METADATA_FILENAME if path.is_dir() else path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as err:  # a zip torch.save did not write, or a cut one
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError("--ckpt_path", str(ckpt_path), f"torch cannot read it as a checkpoint ({first}); "
+                          "give a checkpoint written by lit-ablate fit") from err
+    if not isinstance(checkpoint, dict) or "hyper_parameters" not in checkpoint:
+        raise ConfigError("--ckpt_path", str(ckpt_path), "it holds no hyper_parameters; give a checkpoint of "
+                          "lit_ablate.modules.CausalLM written by lit-ablate fit")
+    return checkpoint
 
 
 def recorded_tokenizer(checkpoint: dict[str, Any]) -> str | None:
@@ -25,13 +43,17 @@ def generate(ckpt_path: str, prompt: str, max_new_tokens: int = 32, temperature:
     from lit_ablate.data import load_tokenizer
     from lit_ablate.modules import CausalLM
 
-    if not Path(ckpt_path).is_file():
-        raise ConfigError("ckpt_path", ckpt_path, "give the path of a .ckpt file written by lit-ablate fit")
-    checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+    check_sampling(prompt, max_new_tokens, temperature, top_k)
+    if Path(ckpt_path).is_dir():
+        raise ConfigError("--ckpt_path", ckpt_path, "generate reads a single-file .ckpt; turn a sharded folder into "
+                          "a model folder with lit-ablate export and sample from that with transformers")
+    checkpoint = load_checkpoint(ckpt_path)
     spec = tokenizer or recorded_tokenizer(checkpoint)
     if spec is None:
-        raise ConfigError("tokenizer", None, "the checkpoint records no tokenizer; pass --tokenizer byte or a path")
+        raise ConfigError("--tokenizer", None, "the checkpoint records no tokenizer; pass --tokenizer byte or a path")
     tok = load_tokenizer(spec)
+    if not tok.encode(prompt):
+        raise ConfigError("--prompt", prompt, "it encodes to no tokens; give text to continue")
     module = CausalLM.from_hparams(checkpoint["hyper_parameters"], inference=True)
     module.configure_model()
     module.load_state_dict(checkpoint["state_dict"])
@@ -45,8 +67,20 @@ def generate(ckpt_path: str, prompt: str, max_new_tokens: int = 32, temperature:
     return tok.decode(out[0, input_ids.shape[1]:].tolist())
 
 
+def check_sampling(prompt: str, max_new_tokens: int, temperature: float, top_k: int | None) -> None:
+    """Sampling settings that would crash or silently do nothing inside ``transformers.generate``."""
+    if not prompt:
+        raise ConfigError("--prompt", prompt, "give text to continue (generation needs at least one token)")
+    if max_new_tokens < 1:
+        raise ConfigError("--max_new_tokens", max_new_tokens, "generate at least 1 token")
+    if temperature < 0:
+        raise ConfigError("--temperature", temperature, "use 0 for greedy decoding or a positive value to sample")
+    if top_k is not None and top_k < 1:
+        raise ConfigError("--top_k", top_k, "use a positive k, or leave it unset to sample from every token")
+
+
 def generate_main(argv: list[str]) -> int:
-    parser = ArgumentParser(prog="lit-ablate generate", description=__doc__, allow_abbrev=False)
+    parser = ArgumentParser(prog="lit-ablate generate", description=__doc__, exit_on_error=False, allow_abbrev=False)
     parser.add_function_arguments(generate)
     args = parser.parse_args(argv)
     print(args.prompt + generate(**vars(args)))

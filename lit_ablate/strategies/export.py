@@ -21,12 +21,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from lit_ablate.errors import ConfigError
-
-# Lightning's name for the non-tensor part of a sharded checkpoint (loops, schedulers, hparams).
-SHARDED_METADATA_FILENAME = "meta.pt"
+from lit_ablate.path_checks import writable_dir
 
 
 def export_hf_checkpoint(ckpt_path: str | Path, output_dir: str | Path, tokenizer: str | None = None) -> Path:
@@ -35,22 +31,13 @@ def export_hf_checkpoint(ckpt_path: str | Path, output_dir: str | Path, tokenize
     ``tokenizer`` overrides the one the checkpoint recorded (``"byte"`` or an HF path).
     """
     from lit_ablate.data import load_tokenizer
-    from lit_ablate.generate import recorded_tokenizer
+    from lit_ablate.generate import load_checkpoint, recorded_tokenizer
     from lit_ablate.modules import CausalLM
 
     ckpt_path, output_dir = Path(ckpt_path), Path(output_dir)
     sharded = ckpt_path.is_dir()
-    if sharded and not (ckpt_path / SHARDED_METADATA_FILENAME).is_file():
-        raise ConfigError("--ckpt_path", str(ckpt_path), f"a sharded checkpoint folder holds {SHARDED_METADATA_FILENAME}; "
-                          "give the folder Lightning wrote (e.g. .../checkpoints/last.ckpt)")
-    if not sharded and not ckpt_path.is_file():
-        raise ConfigError("--ckpt_path", str(ckpt_path), "no such checkpoint file or folder")
-    checkpoint: dict[str, Any] = torch.load(
-        ckpt_path / SHARDED_METADATA_FILENAME if sharded else ckpt_path, map_location="cpu", weights_only=True
-    )
-    if "hyper_parameters" not in checkpoint:
-        raise ConfigError("--ckpt_path", str(ckpt_path), "the checkpoint has no hyper_parameters; export reads "
-                          "checkpoints of lit_ablate.modules.CausalLM")
+    checkpoint: dict[str, Any] = load_checkpoint(ckpt_path)
+    writable_dir("--output_dir", output_dir)
     spec = tokenizer or recorded_tokenizer(checkpoint)
     if spec is None:
         raise ConfigError("--tokenizer", None, "the checkpoint records no tokenizer; pass --tokenizer byte or a path")
