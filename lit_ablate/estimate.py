@@ -430,10 +430,14 @@ def estimate_main(argv: list[str]) -> int:
     from lit_ablate.cli import resolve_fit_config
 
     try:
+        _check_estimate_arguments(args)
         config = resolve_fit_config(["--config", args.config, *overrides])
         training = training_shape_of(config, args.optimizer)
         counts, shape = model_of(config)
         world = args.world_size or world_size_of(config)
+        if world < 1:
+            raise ConfigError("trainer.devices", get_dotted(config, "trainer.devices"), "use a positive number of devices per node")
+        configured_sharding(config, world)  # the configured mesh must lay out on the ranks asked for
         budget = args.gpu_memory_gib * args.usable_fraction * GIB
 
         def at(kind: str, n: int) -> MemoryEstimate | None:
@@ -457,6 +461,21 @@ def estimate_main(argv: list[str]) -> int:
     summary = _estimate_summary(config, counts, shape, training, world, rows, args)
     print(json.dumps(summary, indent=1) if args.json else _estimate_table(summary))
     return 0
+
+
+def _check_estimate_arguments(args: Any) -> None:
+    """Numbers ``estimate`` would otherwise turn into a table of nonsense (or silently replace:
+    ``--world_size 0`` used to mean "the config's")."""
+    from lit_ablate.errors import ConfigError
+
+    for name in ("world_size", "gpus_per_node", "max_gpus"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name}", value, "use a positive number of GPUs")
+    if not args.gpu_memory_gib > 0:
+        raise ConfigError("--gpu_memory_gib", args.gpu_memory_gib, "give one GPU's memory in GiB, e.g. 80")
+    if not 0 < args.usable_fraction <= 1:
+        raise ConfigError("--usable_fraction", args.usable_fraction, "give a share in (0, 1], e.g. 0.9")
 
 
 MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "transient", "total")
