@@ -13,13 +13,16 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+import yaml
 from rich.console import Console
+from rich.markup import escape
 
-from lit_ablate.ablation.plan import Resolver, describe, plan_study
+from lit_ablate.ablation.plan import PlannedRun, Resolver, describe, plan_study
 from lit_ablate.ablation.report import PLAN_FILENAME, write_report
 from lit_ablate.ablation.runner import run_runs
 from lit_ablate.ablation.spec import StudySpec, load_study
 from lit_ablate.errors import ConfigError
+from lit_ablate.path_checks import writable_dir
 
 EXIT_LOSS_MISMATCH = 1
 EXIT_REFUSED = 2
@@ -39,7 +42,7 @@ def run_study(
     On Ctrl-C the current run is stopped, the report of what finished is written, and
     ``KeyboardInterrupt`` propagates. ``fit_command`` and ``resolve`` default to the real CLI.
     """
-    runs = plan_study(spec, output_dir, resolve)
+    runs = check_some_variant_resolves(plan_study(spec, output_dir, resolve))
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / PLAN_FILENAME).write_text(json.dumps(spec.plan(), indent=1) + "\n")
     try:
@@ -48,6 +51,24 @@ def run_study(
         if any(output_dir.glob("runs/*/*/run.json")):
             write_report(output_dir)
     return output_dir / "report.md"
+
+
+def check_some_variant_resolves(runs: list[PlannedRun]) -> list[PlannedRun]:
+    """``runs``, unless not one of them resolves: then the base config (or an override every variant
+    shares) is wrong, and a study of failed runs would only hide it behind a report."""
+    if runs and all(run.invalid for run in runs):
+        names = list(dict.fromkeys(run.variant.name for run in runs))
+        raise ConfigError("variants", names, f"no variant's config resolves ({names[0]}: {runs[0].invalid}); "
+                          "fix the base config or the overrides")
+    return runs
+
+
+def _load_study(path: Path) -> StudySpec:
+    """``load_study`` with a YAML syntax error as a one-line ``ConfigError``."""
+    try:
+        return load_study(path)
+    except yaml.YAMLError as err:
+        raise ConfigError("--config", str(path), f"not valid YAML ({' '.join(str(err).split())}); fix the study file") from err
 
 
 def ablate_main(argv: list[str]) -> int:
@@ -62,15 +83,17 @@ def ablate_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     console = Console(stderr=True)
     try:
-        spec = load_study(args.config)
+        spec = _load_study(args.config)
         output_dir = (args.output_dir or Path("studies") / spec.name).resolve()
         if args.dry_run:
+            runs = check_some_variant_resolves(plan_study(spec, output_dir))
             print(f"study {spec.name}: {len(spec.variants)} variants × {len(spec.seeds)} seeds -> {output_dir}")
-            print(describe(plan_study(spec, output_dir)))
+            print(describe(runs))
             return 0
+        writable_dir("--output_dir", output_dir)
         report = run_study(spec, output_dir, retry_failed=args.retry_failed, console=console)
     except ConfigError as err:
-        console.print(f"[red]study refused:[/red] {err}", markup=True, highlight=False)
+        console.print(f"[red]study refused:[/red] {escape(str(err))}", markup=True, highlight=False, soft_wrap=True)
         return EXIT_REFUSED
     except KeyboardInterrupt:
         console.print("interrupted: finished runs are kept; run the same command again to resume")
