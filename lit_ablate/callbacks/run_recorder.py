@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_ablate import record as run_record
@@ -98,10 +99,14 @@ class RunRecorder(StepMonitor):
         for callback in trainer.callbacks:
             if isinstance(callback, StepMonitor) and callback.warmup_steps is None:
                 callback.warmup_steps = self.warmup_steps  # one warm-up for the console and the record
+        self._begin_record(trainer)
+        self._write(trainer, pl_module, "running", None)
+
+    def _begin_record(self, trainer: Trainer) -> None:
+        """When the run started, where its record goes and what it runs on."""
         self._started = time.time()
         self.record_path = self._target(trainer)
         self._env = environment(trainer)
-        self._write(trainer, pl_module, "running", None)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
@@ -114,6 +119,8 @@ class RunRecorder(StepMonitor):
             rank_zero_info(f"run record: {self.record_path}")
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if self.record_path is None and trainer.state.fn == TrainerFn.FITTING:
+            self._begin_record(trainer)  # fit failed before on_fit_start (data set-up, model build, checkpoint load)
         if "loss" not in self.series and "_loss_sum" in self.series:
             self._set_loss(self.series)  # this rank's view: collectives may be dead after a failure
         status = "oom" if isinstance(exception, torch.OutOfMemoryError) else "error"
