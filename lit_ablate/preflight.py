@@ -1,0 +1,63 @@
+"""Checks of a parsed ``fit``/``validate``/``test`` config that need nothing built: trainer values
+Lightning accepts but cannot run (or runs as nothing), and the paths the run will read or write.
+
+``LitAblateCLI`` calls ``check_ckpt_path`` before it reads the checkpoint and ``check_run_config``
+before it instantiates any class, so these mistakes cost a second and one line naming the key, not
+a model build followed by a stack trace.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from lit_ablate import record as run_record
+from lit_ablate.compatibility import GPU_ACCELERATORS
+from lit_ablate.errors import ConfigError
+from lit_ablate.path_checks import checkpoint_path, writable_dir, writable_file
+
+LIGHTNING_CKPT_NAMES = ("last", "best", "hpc")
+
+
+def check_run_config(subcommand: str, config: Mapping[str, Any]) -> None:
+    """Raise ``ConfigError`` for the first value of ``config`` (one subcommand's namespace) that
+    cannot run: see ``check_trainer`` and the path checks of ``lit_ablate.path_checks``."""
+    trainer = config.get("trainer") or {}
+    check_trainer(trainer, fitting=subcommand == "fit")
+    if trainer.get("default_root_dir"):
+        writable_dir("trainer.default_root_dir", trainer["default_root_dir"])
+    if subcommand == "fit":
+        record_path = (config.get("recorder") or {}).get("path")
+        if record_path:
+            writable_file("recorder.path", record_path)
+        elif os.environ.get(run_record.RECORD_PATH_ENV):
+            writable_file(run_record.RECORD_PATH_ENV, os.environ[run_record.RECORD_PATH_ENV])
+
+
+def check_ckpt_path(ckpt_path: str | os.PathLike | None) -> None:
+    """A ``--ckpt_path`` must be a checkpoint Lightning wrote, or one of the names Lightning resolves
+    itself (``last``, ``best``, ``hpc``, ``registry...``)."""
+    name = str(ckpt_path or "")
+    if name and name not in LIGHTNING_CKPT_NAMES and not name.startswith("registry"):
+        checkpoint_path("--ckpt_path", name)
+
+
+def check_trainer(trainer: Mapping[str, Any], fitting: bool) -> None:
+    """Trainer values that fail late or silently: no GPU for a GPU accelerator, and (when fitting)
+    ``accumulate_grad_batches`` below 1 (a division by zero mid-loop) or ``max_steps`` 0 (a
+    "successful" run that trains nothing)."""
+    accelerator = trainer.get("accelerator")
+    if accelerator in GPU_ACCELERATORS and not torch.cuda.is_available():
+        raise ConfigError("trainer.accelerator", accelerator,
+                          "no CUDA device is visible here (torch.cuda.is_available() is False); use cpu or auto")
+    if not fitting:
+        return
+    accumulate = trainer.get("accumulate_grad_batches")
+    if isinstance(accumulate, int) and accumulate < 1:
+        raise ConfigError("trainer.accumulate_grad_batches", accumulate, "use 1 (no accumulation) or more micro-batches per step")
+    max_steps = trainer.get("max_steps")
+    if isinstance(max_steps, int) and (max_steps == 0 or max_steps < -1):
+        raise ConfigError("trainer.max_steps", max_steps, "train at least 1 step, or -1 to stop by max_epochs")
