@@ -1,0 +1,57 @@
+"""Two rules every test obeys, enforced here rather than remembered in each test file.
+
+1. Tests never write into the checkout. The whole session runs with its working directory in
+   pytest's temp dir, so whatever a test writes by a relative path (a shipped config's
+   ``default_root_dir: runs/...``, Lightning's ``lightning_logs/``, a CLI subprocess started
+   without ``cwd``) lands there: a leftover ``runs/sft_tiny/lightning_logs/version_0`` once sent
+   a user's own run to ``version_1``. Tests find repository files through ``Path(__file__)``.
+2. Tests never fork the pytest process (fork without exec). A child forked after this process
+   compiled or started threads inherits their state but not the threads, and can wait forever
+   (PLATFORM_NOTES trap 4; Lightning's ``ddp_fork`` hung here too). Ranks come from
+   ``tests.distributed.run_ranks`` (a forkserver); a test that forks anyway fails, naming itself.
+   ``subprocess`` (fork + exec) and DataLoader workers (no compile, no collectives) are fine.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Iterator
+
+import pytest
+
+_forks: list[str] = []  # "<test and phase>: <where it forked>", recorded in the parent before each fork
+_ALLOWED_FORKERS = ("subprocess.py", "torch/utils/data/")
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+
+pytest_plugins = ["pytester"]  # tests/test_conftest_rules.py runs these rules on small test files
+
+
+def _note_fork() -> None:
+    stack = traceback.extract_stack()[:-1]
+    if not any(allowed in frame.filename for frame in stack for allowed in _ALLOWED_FORKERS):
+        caller = next((f for f in reversed(stack) if f.filename.startswith(_TESTS)), stack[-1])
+        _forks.append(f"{os.environ.get('PYTEST_CURRENT_TEST', '?')}: {caller.filename}:{caller.lineno}")
+
+
+os.register_at_fork(before=_note_fork)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[pytest.TestReport]:
+    report = yield
+    if _forks:
+        where = "\n".join(dict.fromkeys(_forks))  # one line per place, not per rank
+        _forks.clear()
+        report.outcome = "failed"
+        report.longrepr = (f"forked the pytest process (PLATFORM_NOTES trap 4):\n{where}\n"
+                           "start ranks with tests.distributed.run_ranks (Lightning: strategy 'ddp' inside it)")
+    return report
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cwd_outside_the_checkout(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    before = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("cwd"))
+    yield
+    os.chdir(before)
