@@ -14,21 +14,25 @@ import argparse
 import contextlib
 import importlib
 import io
+import os
 import re
 import sys
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import yaml
 from jsonargparse import ArgumentError
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.loggers import CSVLogger
 
 from lit_ablate import __version__
 from lit_ablate.callbacks.run_recorder import RunRecorder
 from lit_ablate.checkpoint_model import check_same_model, checkpoint_model_section
 from lit_ablate.compatibility import check_cpu_ranks
+from lit_ablate.console import console_trainer_args, silence_tips
 from lit_ablate.errors import ConfigError
 from lit_ablate.preflight import check_ckpt_path, check_run_config
 
@@ -89,6 +93,27 @@ class LitAblateCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(RunRecorder, "recorder")
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """The trainer, printing and writing only what informs (``lit_ablate.console``).
+
+        Where the config leaves ``trainer.logger`` unset: fit logs CSV under ``default_root_dir``
+        (Lightning's own choice without TensorBoard, made explicit so it does not warn about it);
+        validate and test print their metrics and write nothing (no logger, no saved config), so
+        evaluating a checkpoint adds no ``lightning_logs/version_N`` beside the run that wrote it.
+        """
+        silence_tips()
+        trainer_args = {**self._get(self.config_init, "trainer", default={}), **kwargs}
+        configured = trainer_args.get("callbacks") or []
+        callbacks = list(configured) if isinstance(configured, list) else [configured]
+        if self.subcommand in ("validate", "test"):
+            self.save_config_callback = None
+            if trainer_args.get("logger") is None:
+                kwargs["logger"] = False
+        elif trainer_args.get("logger") is None:
+            kwargs["logger"] = CSVLogger(save_dir=trainer_args.get("default_root_dir") or os.getcwd())
+        kwargs.update(console_trainer_args(trainer_args, callbacks))
+        return super().instantiate_trainer(**kwargs)
 
     def _parse_ckpt_path(self) -> None:
         """Replaces LightningCLI's, which lets a checkpoint's hyper-parameters override the config's

@@ -73,8 +73,9 @@ def test_expert_load_in_the_run_record_matches_the_routing(tmp_path) -> None:
 def test_monitor_warns_when_there_are_no_moe_blocks() -> None:
     module = CausalLM(ModelFactory(preset="tiny-llama"))
     module.configure_model()
+    monitor = ExpertLoadMonitor()
     with pytest.warns(UserWarning, match="no lit-ablate MoE blocks"):
-        ExpertLoadMonitor().on_train_start(SimpleNamespace(global_step=0), module)
+        monitor.on_train_start(SimpleNamespace(global_step=0, callbacks=[monitor]), module)
 
 
 def test_module_reports_the_experts_fallback_for_the_run_record() -> None:
