@@ -2,12 +2,12 @@
 estimate's exact numbers, an exported folder that Hugging Face tools load and round-trip, and a
 quiet console."""
 
-import contextlib
 import importlib.metadata
 import json
 import os
 import re
 import stat
+import subprocess
 import sys
 from pathlib import Path
 
@@ -98,29 +98,14 @@ def test_trainer_max_step_is_not_taken_for_max_steps(capsys):
     code = _exit_code(["fit", "--config", QUICKSTART, "--trainer.max_step", "20", "--print_config"])
     assert code not in (0, None) and re.search(r"trainer\.max_step(?!s)", str(code)), code
 
-@contextlib.contextmanager
-def _captured_fds(path: Path):
-    """Everything written to fds 1 and 2 (rich, logging handlers, warnings) goes to ``path``."""
-    sys.stdout.flush(), sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    with open(path, "w") as sink:
-        os.dup2(sink.fileno(), 1), os.dup2(sink.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stdout.flush(), sys.stderr.flush()
-            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
-            os.close(saved[0]), os.close(saved[1])
-
-
 @pytest.fixture(scope="module")
 def fit_run(tmp_path_factory) -> tuple[Path, str]:
-    """A 3-step quickstart fit in this process: (its root dir, what it printed)."""
+    """A 3-step quickstart fit as a user runs it (a subprocess): (its root dir, what it printed)."""
     root = tmp_path_factory.mktemp("fit")
-    with _captured_fds(root / "console.txt"):
-        main(["fit", "--config", QUICKSTART, "--trainer.max_steps", "3", "--trainer.default_root_dir", str(root),
-              "--recorder.path", str(root / "run.json")])
-    return root, (root / "console.txt").read_text()
+    fit = subprocess.run([sys.executable, "-m", "lit_ablate.cli", "fit", "--config", QUICKSTART, "--trainer.max_steps", "3",
+                          "--trainer.log_every_n_steps", "1", "--trainer.default_root_dir", str(root)], capture_output=True, text=True, cwd=root, timeout=600)
+    assert fit.returncode == 0, fit.stderr[-2000:]
+    return root, fit.stdout + fit.stderr
 
 
 @pytest.fixture(scope="module")
@@ -201,3 +186,28 @@ def test_estimate_prints_the_exact_parameter_count_and_the_same_numbers_as_json(
         table_mib = [float(c) for c in cells[: len(MEMORY_KINDS)]]  # cells are rounded to 0.1 MiB or 2 significant digits
         assert table_mib == pytest.approx([row["bytes_per_rank"][k] / unit for k in MEMORY_KINDS], rel=0.05, abs=0.05)
         assert cells[-1] == (str(row["gpus_needed"]) if row["gpus_needed"] else "none up to 8")
+
+
+def test_fit_prints_no_noise_and_keeps_what_informs(fit_run):
+    """Catches each line a user learned to ignore: Lightning's litlogger tip, the tensorboardX notice,
+    ``Epoch 0/-2`` (max_epochs -1 under max_steps), ``v_num: 0.000`` and ``Total FLOPs: 0``."""
+    root, printed = fit_run
+    for noise in ("Tip:", "litlogger", "tensorboardX", "v_num", "FLOPs", "Trainer already configured"):
+        assert noise not in printed, noise
+    assert not re.search(r"Epoch \d+/-\d", printed)
+    informs = ["Parameters: 869 K (869 K trainable)", "Epoch 0", "train/loss", "`Trainer.fit` stopped: `max_steps=3`",
+               f"run record: {root}/lightning_logs/version_0/run.json"]
+    assert [line for line in informs if line not in printed] == []
+    assert (root / "lightning_logs" / "version_0" / "metrics.csv").is_file()  # fit still logs CSV
+
+
+@pytest.mark.parametrize("command", ["validate", "test"])
+def test_validate_and_test_add_no_version_folder(fit_run, command, capsys):
+    """Catches an evaluation that makes lightning_logs/version_1 (holding a config.yaml and one metric),
+    which sends the user's next fit to version_2."""
+    root = fit_run[0]
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    main([command, "--config", QUICKSTART, "--ckpt_path", str(next(root.rglob("last.ckpt"))),
+          "--trainer.default_root_dir", str(root), "--trainer.limit_val_batches", "2", "--trainer.limit_test_batches", "2"])
+    assert f"{command.replace('validate', 'val')}/loss" in capsys.readouterr().out  # the metrics are printed
+    assert sorted(p.relative_to(root) for p in root.rglob("*")) == before

@@ -1,0 +1,103 @@
+"""What a run prints: Lightning's progress bar and model summary without the lines that never inform.
+
+Each fix sits where the noise comes from in Lightning (2.6), not in a filter over stdout:
+
+- ``v_num: 0.000`` in the progress bar is the logger's version (``ProgressBar.get_metrics``);
+  the run's folder already says it.
+- ``Epoch 0/-2``: with ``max_steps`` and no ``max_epochs``, Lightning sets ``max_epochs = -1``
+  and ``RichProgressBar`` prints ``max_epochs - 1``.
+- ``Total FLOPs: 0`` and a FLOPs column of zeros: Lightning counts FLOPs only by running the
+  module's ``example_input_array``, which lit-ablate's modules do not set (their FLOPs are
+  analytic and per batch, reported by ``MFUMonitor``).
+- ``💡 Tip: ... litlogger``: an advertisement Lightning logs on every ``Trainer`` through its
+  rank-zero logger, with no flag to turn it off; a logging filter drops exactly those records.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelSummary, ProgressBar, RichModelSummary, RichProgressBar
+from lightning.pytorch.utilities.model_summary.model_summary import get_formatted_model_size, get_human_readable_count
+
+TIP_PREFIX = "💡 Tip"
+RANK_ZERO_LOGGER = "lightning.pytorch.utilities.rank_zero"
+
+
+class QuietProgressBar(RichProgressBar):
+    """Lightning's rich progress bar without the logger version and without a negative epoch count."""
+
+    def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
+        items = super().get_metrics(trainer, pl_module)
+        items.pop("v_num", None)
+        return items
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        # Lightning's only hook for this text is this private method.
+        max_epochs = self.trainer.max_epochs
+        if max_epochs is not None and max_epochs >= 0:
+            return super()._get_train_description(current_epoch)
+        return f"Epoch {current_epoch}".ljust(len(self.validation_description))
+
+
+class ParameterSummary(RichModelSummary):
+    """Lightning's model summary (layers, parameter counts, size, train/eval modes) without FLOPs."""
+
+    @staticmethod
+    def summarize(
+        summary_data: list[tuple[str, list[str]]],
+        total_parameters: int,
+        trainable_parameters: int,
+        model_size: float,
+        total_training_modes: dict[str, int],
+        total_flops: int,
+        **summarize_kwargs: Any,
+    ) -> None:
+        from rich import get_console
+        from rich.table import Table
+
+        columns = [(name, values) for name, values in summary_data if name != "FLOPs"]
+        table = Table(header_style=summarize_kwargs.get("header_style", "bold magenta"))
+        for name, _ in columns:
+            table.add_column(name, justify="right" if name == "Params" else "left", style="dim" if name == " " else None)
+        for row in zip(*(values for _, values in columns)):
+            table.add_row(*row)
+        console = get_console()
+        console.print(table)
+        console.print(
+            f"Parameters: {get_human_readable_count(total_parameters)} "
+            f"({get_human_readable_count(trainable_parameters)} trainable), {get_formatted_model_size(model_size)} MB; "
+            f"modules: {total_training_modes['train']} train, {total_training_modes['eval']} eval",
+            highlight=False,
+        )
+
+
+def console_trainer_args(trainer_args: Mapping[str, Any], callbacks: list[Callback]) -> dict[str, Any]:
+    """``Trainer`` arguments that put ``QuietProgressBar`` and ``ParameterSummary`` where Lightning
+    would add its own default bar and summary (none among ``callbacks``, not turned off, not
+    ``barebones``). With our summary, Lightning's is turned off: it would log that it skips its own."""
+    if trainer_args.get("barebones"):
+        return {"callbacks": callbacks}
+    extra: list[Callback] = []
+    args: dict[str, Any] = {}
+    if trainer_args.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+        extra.append(QuietProgressBar())
+    if trainer_args.get("enable_model_summary") is not False and not any(isinstance(c, ModelSummary) for c in callbacks):
+        extra.append(ParameterSummary())
+        args["enable_model_summary"] = False
+    return {"callbacks": callbacks + extra, **args}
+
+
+class _DropTips(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(TIP_PREFIX)
+
+
+def silence_tips() -> None:
+    """Drop Lightning's "💡 Tip" advertisements (litlogger, litmodels) from its rank-zero logger; idempotent."""
+    logger = logging.getLogger(RANK_ZERO_LOGGER)
+    if not any(isinstance(f, _DropTips) for f in logger.filters):
+        logger.addFilter(_DropTips())
