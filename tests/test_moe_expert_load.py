@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -74,8 +73,12 @@ def test_monitor_warns_when_there_are_no_moe_blocks() -> None:
     module = CausalLM(ModelFactory(preset="tiny-llama"))
     module.configure_model()
     monitor = ExpertLoadMonitor()
+
+    class Trainer:  # what on_train_start reads (a plain class: the step clock keeps a weak reference to it)
+        global_step, callbacks = 0, [monitor]
+
     with pytest.warns(UserWarning, match="no lit-ablate MoE blocks"):
-        monitor.on_train_start(SimpleNamespace(global_step=0, callbacks=[monitor]), module)
+        monitor.on_train_start(Trainer(), module)
 
 
 def test_module_reports_the_experts_fallback_for_the_run_record() -> None:
