@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import importlib
 import io
+import logging
 import os
 import re
 import sys
@@ -57,6 +58,8 @@ SUMMARIES: dict[str, str] = {
 }
 
 
+SEED_LOGGER = "lightning.fabric.utilities.seed"
+"""The logger of Lightning's ``seed_everything`` (its "Seed set to N" line)."""
 PARSER_KWARGS = {"exit_on_error": False, "allow_abbrev": False}
 """Every parser raises instead of exiting (``main`` prints one line, not a usage dump) and takes
 options only by their full name."""
@@ -114,6 +117,18 @@ class LitAblateCLI(LightningCLI):
             kwargs["logger"] = CSVLogger(save_dir=trainer_args.get("default_root_dir") or os.getcwd())
         kwargs.update(console_trainer_args(trainer_args, callbacks))
         return super().instantiate_trainer(**kwargs)
+
+    def _set_seed(self) -> None:
+        """Lightning's seeding without its "Seed set to N" log line: the seed is in the config and the
+        run record, and a config refused right after (``before_instantiate_classes``, a model shape)
+        would otherwise print two lines instead of its one."""
+        seed_log = logging.getLogger(SEED_LOGGER)
+        level = seed_log.level
+        seed_log.setLevel(logging.WARNING)
+        try:
+            super()._set_seed()
+        finally:
+            seed_log.setLevel(level)
 
     def _parse_ckpt_path(self) -> None:
         """Replaces LightningCLI's, which lets a checkpoint's hyper-parameters override the config's
