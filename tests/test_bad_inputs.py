@@ -1,0 +1,287 @@
+"""Every bad input is one line on stderr that names the key: a table of them, run in-process.
+
+Each row is a command line (files it needs are written to ``tmp_path``); the CLI must exit with a
+non-zero code and write exactly one non-empty line to stderr (what it printed plus the exit message
+Python prints), containing every expected fragment: the key, the value, and for some the fix. Rows
+fail before anything heavy is built (data rows read a two-line file), so the table runs in seconds.
+Before this table existed, 27 of these rows ended in a traceback, several were accepted (``max_steps
+0``, zero decoder layers, ``--world_size 0``) and the jsonargparse rows blamed the class_path.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lit_ablate.cli import main
+from lit_ablate.data import LocalFiles, build_examples, load_tokenizer
+from lit_ablate.record import read_record
+
+CONFIGS = Path(__file__).parents[1] / "configs"
+QUICKSTART = str(CONFIGS / "quickstart.yaml")
+SFT = str(CONFIGS / "sft_tiny.yaml")
+FSDP2 = str(CONFIGS / "fsdp2_tiny.yaml")
+FIT = ["fit", "--config", QUICKSTART, "--trainer.max_steps", "1"]
+
+Build = Callable[[Path], list[str]]
+
+
+def _file(tmp: Path, name: str, text: str) -> str:
+    path = tmp / name
+    path.write_text(text)
+    return str(path)
+
+
+def _model(**config) -> Build:
+    """fit with the quickstart's tiny-llama and ``config`` over its sizes."""
+    def build(tmp: Path) -> list[str]:
+        model = {"class_path": "lit_ablate.modules.CausalLM", "init_args": {"model": {"config": config}}}
+        return [*FIT, "--trainer.default_root_dir", str(tmp), "--config", _file(tmp, "model.yaml", yaml.safe_dump({"model": model}))]
+    return build
+
+
+def _estimate_model(**config) -> Build:
+    return lambda tmp: ["estimate", "--config", QUICKSTART, "--model.init_args.model.config", json.dumps(config)]
+
+
+def _sft_file(*rows: object) -> Build:
+    """fit on a local JSONL of ``rows`` (a str row is written as it is: a malformed line)."""
+    def build(tmp: Path) -> list[str]:
+        lines = [row if isinstance(row, str) else json.dumps(row) for row in rows]
+        path = _file(tmp, "rows.jsonl", "\n".join(lines) + "\n")
+        return ["fit", "--config", SFT, "--trainer.max_steps", "1", "--trainer.default_root_dir", str(tmp),
+                "--data.init_args.val_examples", "0", "--data.init_args.source", "lit_ablate.data.LocalFiles",
+                "--data.init_args.source.path", path]
+    return build
+
+
+def _fit(*args: str) -> Build:
+    return lambda tmp: [*FIT, "--trainer.default_root_dir", str(tmp), *[a.replace("{tmp}", str(tmp)) for a in args]]
+
+
+def _args(*args: str) -> Build:
+    return lambda tmp: [a.replace("{tmp}", str(tmp)) for a in args]
+
+
+def _text_file(tmp: Path) -> str:
+    return _file(tmp, "notes.ckpt", "not a checkpoint\n")
+
+
+def _fake_checkpoint(tmp: Path) -> str:
+    """A real torch.save archive with hyper-parameters: passes the checkpoint checks, so a row can
+    reach the next argument's check without training anything."""
+    path = tmp / "fake.ckpt"
+    torch.save({"hyper_parameters": {"model": {"preset": "tiny-llama"}}, "state_dict": {}}, path)
+    return str(path)
+
+
+def _study(study: dict) -> Build:
+    def build(tmp: Path) -> list[str]:
+        return ["ablate", "--config", _file(tmp, "study.yaml", yaml.safe_dump(study)), "--output_dir", str(tmp / "study")]
+    return build
+
+
+GENERATE = ["generate", "--ckpt_path", "{tmp}/missing.ckpt", "--prompt", "12+7="]
+CHAT = [{"role": "user", "content": "1+1="}]
+
+ROWS: dict[str, tuple[Build, tuple[str, ...]]] = {
+    # --- model shape: refused when ModelFactory is made, before anything is built -----------------
+    "hidden_not_divisible_by_heads": (_model(hidden_size=130), ("model.init_args.model.config.hidden_size=130", "num_attention_heads=4")),
+    "kv_heads_not_dividing_heads": (_model(num_key_value_heads=3), ("config.num_key_value_heads=3", "[1, 2, 4]")),
+    "negative_hidden_size": (_model(hidden_size=-8), ("config.hidden_size=-8", "positive")),
+    "zero_heads": (_model(num_attention_heads=0), ("config.num_attention_heads=0",)),
+    "zero_vocab": (_model(vocab_size=0), ("config.vocab_size=0",)),
+    "zero_intermediate_size": (_model(intermediate_size=0), ("config.intermediate_size=0",)),
+    "zero_decoder_layers": (_model(num_hidden_layers=0), ("config.num_hidden_layers=0", "decoder layer")),
+    "more_experts_per_token_than_experts": (
+        _fit("--model.init_args.model.preset", "tiny-qwen3-moe", "--model.init_args.model.config", '{"num_experts_per_tok": 9}'),
+        ("config.num_experts_per_tok=9", "8 experts"),
+    ),
+    "estimate_hidden_not_divisible": (_estimate_model(hidden_size=130), ("config.hidden_size=130",)),
+    "estimate_zero_decoder_layers": (_estimate_model(num_hidden_layers=0), ("config.num_hidden_layers=0",)),
+    # --- data: the file and line, the row and message -------------------------------------------
+    "malformed_jsonl_line": (_sft_file({"prompt": "1+1=", "response": "2"}, '{"prompt": "2+2=", "respo'),
+                             ("data.init_args.source.init_args.path", "line 2 of", "rows.jsonl", "not valid JSON")),
+    "chat_message_without_content": (_sft_file({"messages": [*CHAT, {"role": "assistant"}]}),
+                                     ("data.init_args.source row 1 messages[1]", "'content'")),
+    "chat_message_with_null_content": (_sft_file({"messages": [{"role": "user", "content": None}]}),
+                                       ("data.init_args.source row 1 messages[0]", "None", "'content'")),
+    "sft_row_without_response": (_sft_file({"prompt": "1+1=", "response": "2"}, {"prompt": "2+2="}),
+                                 ("data.init_args.source row 2", "'prompt'", "'response'")),
+    # --- jsonargparse: the key, the expected type and the value, not "cannot import" ---------------
+    "wrong_type_in_init_args": (_fit("--data.init_args.batch_size", "abc"), ("data.init_args.batch_size='abc'", "expected int")),
+    "unknown_key_in_init_args_yaml": (
+        lambda tmp: [*FIT, "--config", _file(tmp, "unknown.yaml", "data:\n  init_args:\n    batch_sizee: 4\n")],
+        ("data.init_args.batch_sizee", "did you mean batch_size"),
+    ),
+    "wrong_type_in_model_init_args": (_fit("--model.init_args.learning_rate", "fast"),
+                                      ("model.init_args.learning_rate='fast'", "expected float")),
+    "wrong_type_two_classes_deep": (_fit("--data.init_args.source.init_args.num_documents", "many"),
+                                    ("data.init_args.source.init_args.num_documents='many'", "expected int")),
+    "unknown_key_two_classes_deep": (_fit("--data.init_args.source.init_args.num_docs", "3"),
+                                     ("data.init_args.source.init_args.num_docs", "did you mean num_documents")),
+    "value_outside_a_literal": (_fit("--data.init_args.format", "sftt"),
+                                ("data.init_args.format='sftt'", "one of ['pretrain', 'documents', 'sft']")),
+    "unknown_trainer_key": (_fit("--trainer.max_stepz", "3"), ("trainer.max_stepz", "did you mean max_steps")),
+    "unknown_class_path": (_fit("--data.init_args.source", "lit_ablate.data.NoSuchSource"),
+                           ("data.init_args.source", "cannot import 'lit_ablate.data.NoSuchSource'")),
+    "missing_fit_config": (_args("fit", "--config", "{tmp}/missing.yaml"), ("--config", "missing.yaml")),
+    "fit_config_not_yaml": (lambda tmp: ["fit", "--config", _file(tmp, "bad.yaml", "trainer: [a\n")],
+                            ("--config", "not valid YAML", "line 2")),
+    # --- files ------------------------------------------------------------------------------------
+    "unwritable_default_root_dir": (lambda tmp: [*FIT, "--trainer.default_root_dir", _text_file(tmp) + "/runs"],
+                                    ("trainer.default_root_dir=", "notes.ckpt/runs", "cannot write")),
+    "unwritable_recorder_path": (lambda tmp: [*FIT, "--trainer.default_root_dir", str(tmp), "--recorder.path", _text_file(tmp) + "/run.json"],
+                                 ("recorder.path=", "cannot write")),
+    "recorder_path_is_a_folder": (_fit("--recorder.path", "{tmp}"), ("recorder.path=", "is a folder")),
+    "fit_missing_checkpoint": (_fit("--ckpt_path", "{tmp}/missing.ckpt"), ("--ckpt_path=", "missing.ckpt", "no such file")),
+    "fit_text_file_as_checkpoint": (lambda tmp: [*FIT, "--ckpt_path", _text_file(tmp)], ("--ckpt_path=", "notes.ckpt", "not a checkpoint")),
+    "validate_missing_checkpoint": (_args("validate", "--config", QUICKSTART, "--ckpt_path", "{tmp}/missing.ckpt"),
+                                    ("--ckpt_path=", "no such file")),
+    "test_text_file_as_checkpoint": (lambda tmp: ["test", "--config", QUICKSTART, "--ckpt_path", _text_file(tmp)],
+                                     ("--ckpt_path=", "not a checkpoint")),
+    "generate_missing_checkpoint": (_args(*GENERATE), ("--ckpt_path=", "missing.ckpt", "no such file")),
+    "generate_text_file_as_checkpoint": (lambda tmp: ["generate", "--ckpt_path", _text_file(tmp), "--prompt", "hi"],
+                                         ("--ckpt_path=", "not a checkpoint")),
+    "generate_archive_without_hyperparameters": (
+        lambda tmp: (torch.save({"weights": torch.zeros(1)}, tmp / "w.pt"), ["generate", "--ckpt_path", str(tmp / "w.pt"), "--prompt", "hi"])[1],
+        ("--ckpt_path=", "no hyper_parameters"),
+    ),
+    "export_missing_checkpoint": (_args("export", "--ckpt_path", "{tmp}/missing.ckpt", "--output_dir", "{tmp}/hf"),
+                                  ("--ckpt_path=", "no such file")),
+    "export_text_file_as_checkpoint": (lambda tmp: ["export", "--ckpt_path", _text_file(tmp), "--output_dir", str(tmp / "hf")],
+                                       ("--ckpt_path=", "not a checkpoint")),
+    "export_onto_an_existing_file": (lambda tmp: ["export", "--ckpt_path", _fake_checkpoint(tmp), "--output_dir", _text_file(tmp)],
+                                     ("--output_dir=", "notes.ckpt", "is a file")),
+    "export_unwritable_output_dir": (lambda tmp: ["export", "--ckpt_path", _fake_checkpoint(tmp), "--output_dir", _text_file(tmp) + "/hf"],
+                                     ("--output_dir=", "cannot write")),
+    # --- trainer ----------------------------------------------------------------------------------
+    "accumulate_zero_batches": (_fit("--trainer.accumulate_grad_batches", "0"), ("trainer.accumulate_grad_batches=0",)),
+    "zero_max_steps": (_fit("--trainer.max_steps", "0"), ("trainer.max_steps=0", "at least 1 step")),
+    "gpu_accelerator_without_gpu": (_fit("--trainer.accelerator", "gpu"), ("trainer.accelerator='gpu'", "no CUDA device")),
+    # --- generate ---------------------------------------------------------------------------------
+    "generate_zero_new_tokens": (_args(*GENERATE, "--max_new_tokens", "0"), ("--max_new_tokens=0",)),
+    "generate_negative_new_tokens": (_args(*GENERATE, "--max_new_tokens", "-3"), ("--max_new_tokens=-3",)),
+    "generate_negative_temperature": (_args(*GENERATE, "--temperature", "-1"), ("--temperature=-1.0",)),
+    "generate_top_k_zero": (_args(*GENERATE, "--temperature", "1", "--top_k", "0"), ("--top_k=0",)),
+    "generate_empty_prompt": (_args("generate", "--ckpt_path", "{tmp}/missing.ckpt", "--prompt", ""), ("--prompt=''",)),
+    "generate_wrong_type": (_args(*GENERATE, "--max_new_tokens", "many"), ("max_new_tokens='many'", "expected int")),
+    # --- estimate ---------------------------------------------------------------------------------
+    "estimate_missing_config": (_args("estimate", "--config", "{tmp}/missing.yaml"), ("--config", "missing.yaml")),
+    "estimate_config_not_yaml": (lambda tmp: ["estimate", "--config", _file(tmp, "bad.yaml", "trainer: [a\n")],
+                                 ("--config", "not valid YAML")),
+    "estimate_unknown_key": (_args("estimate", "--config", QUICKSTART, "--trainer.max_stepz", "3"), ("trainer.max_stepz",)),
+    "estimate_zero_world_size": (_args("estimate", "--config", QUICKSTART, "--world_size", "0"), ("--world_size=0",)),
+    "estimate_negative_gpu_memory": (_args("estimate", "--config", QUICKSTART, "--gpu_memory_gib", "-1"), ("--gpu_memory_gib=-1.0",)),
+    "estimate_usable_fraction_above_one": (_args("estimate", "--config", QUICKSTART, "--usable_fraction", "2"),
+                                           ("--usable_fraction=2.0",)),
+    "estimate_mesh_not_the_world_size": (_args("estimate", "--config", FSDP2, "--world_size", "3",
+                                               "--trainer.strategy.init_args.dp_shard", "2"),
+                                         ("trainer.strategy.init_args", "multiply to 2", "world size", "is 3")),
+    # --- ablate -----------------------------------------------------------------------------------
+    "study_not_yaml": (lambda tmp: ["ablate", "--config", _file(tmp, "study.yaml", "name: x\nbase: [a\n"), "--dry-run"],
+                       ("--config=", "study.yaml", "not valid YAML")),
+    "study_where_no_variant_resolves": (
+        _study({"name": "broken", "base": QUICKSTART, "steps": 1, "axes": {"data.init_args.batch_size": ["abc", "xyz"]}}),
+        ("variants=['abc', 'xyz']", "no variant's config resolves", "data.init_args.batch_size='abc'"),
+    ),
+    "study_unwritable_output_dir": (
+        lambda tmp: ["ablate", "--config", str(CONFIGS / "studies" / "depth_grid.yaml"), "--output_dir", _text_file(tmp) + "/out"],
+        ("--output_dir=", "cannot write"),
+    ),
+}
+
+
+def _stderr_lines(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[object, list[str]]:
+    """``(exit code, non-empty stderr lines)`` of ``lit-ablate argv``; a string exit code is what
+    Python prints to stderr on exit (status 1)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    code, err = exit_info.value.code, capsys.readouterr().err
+    if isinstance(code, str):
+        code, err = 1, err + code + "\n"
+    return code, [line for line in err.splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("row", list(ROWS))
+def test_bad_input_is_one_line_naming_the_key(row: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    build, expected = ROWS[row]
+    if row == "gpu_accelerator_without_gpu" and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the row needs one that has none")
+    code, lines = _stderr_lines(build(tmp_path), capsys)
+    assert code not in (0, None), lines
+    assert len(lines) == 1, lines
+    missing = [fragment for fragment in expected if fragment not in lines[0]]
+    assert not missing, f"{missing} not in: {lines[0]}"
+
+
+@pytest.mark.parametrize(("argv", "key"), [
+    (["estimate", "--config", "missing.yaml"], "--config"),
+    ([*FIT, "--model.init_args.model.config", '{"num_hidden_layers": 0}'], "config.num_hidden_layers=0"),
+])
+def test_a_real_process_prints_one_line(argv: list[str], key: str, tmp_path: Path) -> None:
+    """What a user's terminal shows, loggers included (in-process, Lightning's log handlers write
+    past capsys): ``estimate`` printed 98 lines of traceback, ``fit`` a "Seed set to 0" line before
+    the error."""
+    done = subprocess.run([sys.executable, "-m", "lit_ablate.cli", *argv], capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}, timeout=300)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode != 0 and len(lines) == 1, done.stderr
+    assert key in lines[0]
+
+
+@pytest.mark.parametrize("failure", ["data_set_up", "model_build"])
+def test_an_error_before_training_still_writes_the_run_record(failure: str, tmp_path: Path, capsys) -> None:
+    """A fit that fails in data set-up (a bad chat row) or in the model build (a vocabulary smaller
+    than the tokenizer's) still leaves run.json with status error and the one-line message, as the
+    record's contract promises (it used to be written only from on_fit_start on)."""
+    record = tmp_path / "run.json"
+    if failure == "data_set_up":
+        argv = [*_sft_file({"messages": [*CHAT, {"role": "assistant", "content": None}]})(tmp_path), "--recorder.path", str(record)]
+        key = "data.init_args.source row 1 messages[1]"
+    else:
+        argv = [*_fit("--model.init_args.model.config", '{"vocab_size": 100}')(tmp_path), "--recorder.path", str(record)]
+        key = "model.init_args.model.config.vocab_size=100"
+    code, lines = _stderr_lines(argv, capsys)
+    assert code not in (0, None) and key in lines[-1]
+    summary = read_record(record)["summary"]
+    assert summary["status"] == "error"
+    assert key in summary["message"] and summary["message"].startswith("ConfigError: ")
+
+
+def test_a_file_mixing_chat_and_prompt_response_rows_trains_both(tmp_path: Path) -> None:
+    """``datasets`` gives every row every column (a prompt/response row has ``messages: None``): each
+    row must still be read in its own form, giving exactly the examples of the two files apart."""
+    chat = {"messages": [*CHAT, {"role": "assistant", "content": "2"}]}
+    pair = {"prompt": "3+4=", "response": "7"}
+    tok = load_tokenizer("byte")
+
+    def examples(name: str, rows: list[dict]) -> list[list[int]]:
+        path = _file(tmp_path, name, "".join(json.dumps(r) + "\n" for r in rows))
+        return [e["labels"].tolist() for e in build_examples(LocalFiles(path), tok, "sft", 64, "truncate")]
+
+    mixed = examples("mixed.jsonl", [chat, pair, chat])
+    assert mixed == [*examples("chat.jsonl", [chat]), *examples("pair.jsonl", [pair]), *examples("chat2.jsonl", [chat])]
+    assert all(any(label != -100 for label in labels) for labels in mixed)  # each row kept its answer
+
+
+def test_overlong_truncate_says_how_many_it_dropped(caplog) -> None:
+    """Truncation drops an example whose labels all fall past seq_len; the log must count those as
+    dropped, not claim it kept the first seq_len tokens of every overlong example."""
+    rows = [{"prompt": "1+1=", "response": "2"}, {"prompt": "long prompt: ", "response": "a much longer answer"},
+            {"prompt": "x" * 40, "response": "y"}]
+    with caplog.at_level(logging.WARNING, logger="lit_ablate.data.formats"):
+        kept = build_examples(rows, load_tokenizer("byte"), "sft", 16, "truncate")
+    assert len(kept) == 2
+    assert "2 of 3 examples were longer than seq_len=16; overlong=truncate kept the first 16 tokens of 1 " \
+           "and dropped 1 with no labelled token left" in caplog.text
