@@ -8,6 +8,7 @@ a model build followed by a stack trace.
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -27,6 +28,7 @@ def check_run_config(subcommand: str, config: Mapping[str, Any]) -> None:
     cannot run: see ``check_trainer`` and the path checks of ``lit_ablate.path_checks``."""
     trainer = config.get("trainer") or {}
     check_trainer(trainer, fitting=subcommand == "fit")
+    check_mesh(trainer)
     if trainer.get("default_root_dir"):
         writable_dir("trainer.default_root_dir", trainer["default_root_dir"])
     if subcommand == "fit":
@@ -35,6 +37,22 @@ def check_run_config(subcommand: str, config: Mapping[str, Any]) -> None:
             writable_file("recorder.path", record_path)
         elif os.environ.get(run_record.RECORD_PATH_ENV):
             writable_file(run_record.RECORD_PATH_ENV, os.environ[run_record.RECORD_PATH_ENV])
+
+
+def check_mesh(trainer: Mapping[str, Any]) -> None:
+    """A mesh strategy's sizes must make the world size (devices x nodes). Checked here, before
+    Lightning starts the ranks: the strategy itself can only check once every rank runs."""
+    strategy = trainer.get("strategy")
+    devices, nodes = trainer.get("devices"), trainer.get("num_nodes") or 1
+    if not (hasattr(strategy, "get") and strategy.get("class_path")) or not isinstance(devices, int) or isinstance(devices, bool):
+        return  # a strategy by name, or devices Lightning counts itself ("auto", a list of ids)
+    from lit_ablate.strategies.mesh import MESH_DIMS, MeshStrategy, resolve_mesh_sizes
+
+    module, _, name = strategy["class_path"].rpartition(".")
+    if not issubclass(getattr(importlib.import_module(module), name), MeshStrategy):
+        return
+    init_args = strategy.get("init_args") or {}
+    resolve_mesh_sizes({dim: init_args[dim] for dim in MESH_DIMS if init_args.get(dim) is not None}, devices * nodes)
 
 
 def check_ckpt_path(ckpt_path: str | os.PathLike | None) -> None:

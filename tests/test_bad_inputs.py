@@ -168,6 +168,9 @@ ROWS: dict[str, tuple[Build, tuple[str, ...]]] = {
     "accumulate_zero_batches": (_fit("--trainer.accumulate_grad_batches", "0"), ("trainer.accumulate_grad_batches=0",)),
     "zero_max_steps": (_fit("--trainer.max_steps", "0"), ("trainer.max_steps=0", "at least 1 step")),
     "gpu_accelerator_without_gpu": (_fit("--trainer.accelerator", "gpu"), ("trainer.accelerator='gpu'", "no CUDA device")),
+    "fit_mesh_not_the_world_size": (_args("fit", "--config", FSDP2, "--trainer.default_root_dir", "{tmp}",
+                                          "--trainer.strategy.init_args.dp_shard", "3"),
+                                    ("trainer.strategy.init_args", "multiply to 3", "world size", "is 2")),
     # --- generate ---------------------------------------------------------------------------------
     "generate_zero_new_tokens": (_args(*GENERATE, "--max_new_tokens", "0"), ("--max_new_tokens=0",)),
     "generate_negative_new_tokens": (_args(*GENERATE, "--max_new_tokens", "-3"), ("--max_new_tokens=-3",)),
