@@ -10,6 +10,10 @@ model code is unchanged. Importing this module registers the names:
   trains everywhere, CPU included; independent of the cache.
 - ``flex``: ``flex_attention`` under a document ``BlockMask`` built once per forward. The
   forward runs anywhere; training needs CUDA (CPU has no flex backward).
+- ``ring`` / ``allgather``: context-parallel attention over a sequence sharded across ranks
+  (``lit_ablate.models.context_parallel_attention``; ``ContextParallelStrategy`` selects them
+  during its steps). On one process they equal ``sdpa_packed``. The ring's block kernel is
+  ATen's CPU flash-attention op: CPU only so far.
 - ``fa_varlen``: flash-attn's ``flash_attn_varlen_func`` over the flattened tokens, segments
   from the batch's ``cu_seq_lens_q``/``max_length_q`` when given, else from ``position_ids``
   (or from the padding mask). Needs CUDA and the flash-attn package.
@@ -35,6 +39,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
 
 from lit_ablate.errors import ConfigError
+from lit_ablate.models.context_parallel_attention import allgather_attention_backend, ring_attention_backend
 
 ATTENTION_KEY = "model.init_args.model.attn_implementation"
 TRANSFORMERS_BACKENDS = ("sdpa", "eager")
@@ -192,6 +197,8 @@ BACKENDS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
     "sdpa_packed": (sdpa_packed_attention, _passthrough_padding_mask),
     "flex": (flex_document_attention, flex_block_mask),
     "fa_varlen": (fa_varlen_attention, _passthrough_padding_mask),
+    "ring": (ring_attention_backend, _passthrough_padding_mask),
+    "allgather": (allgather_attention_backend, _passthrough_padding_mask),
 }
 """Our backends: name -> (attention function, the once-per-forward mask function)."""
 
