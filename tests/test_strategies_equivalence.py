@@ -141,5 +141,5 @@ def test_the_custom_strategy_example_trains_the_same_model(reference):
 
 @pytest.mark.slow  # inductor compiles the decoder layer on each rank: 20-60 s on 2 shared cores
 def test_fsdp2_with_compiled_layers_equals_one_process(reference):
-    results = run_ranks(_sharded_run, 2, {"compile_layers": True}, timeout_s=600)
+    results = run_ranks(_sharded_run, 2, {"compile_layers": True}, timeout_s=300)
     assert_matches(results[0], reference)
