@@ -21,17 +21,18 @@ from lit_ablate.errors import ConfigError
 from lit_ablate.path_checks import checkpoint_path, writable_dir, writable_file
 
 LIGHTNING_CKPT_NAMES = ("last", "best", "hpc")
+"""``--ckpt_path`` values Lightning resolves to a file itself (with ``registry...``)."""
 
 
 def check_run_config(subcommand: str, config: Mapping[str, Any]) -> None:
     """Raise ``ConfigError`` for the first value of ``config`` (one subcommand's namespace) that
-    cannot run: see ``check_trainer`` and the path checks of ``lit_ablate.path_checks``."""
+    cannot run: ``check_trainer``, ``check_mesh`` and, for ``fit``, the folders it will write."""
     trainer = config.get("trainer") or {}
     check_trainer(trainer, fitting=subcommand == "fit")
     check_mesh(trainer)
-    if trainer.get("default_root_dir"):
-        writable_dir("trainer.default_root_dir", trainer["default_root_dir"])
-    if subcommand == "fit":
+    if subcommand == "fit":  # validate and test write nothing (lit_ablate.console)
+        if trainer.get("default_root_dir"):
+            writable_dir("trainer.default_root_dir", trainer["default_root_dir"])
         record_path = (config.get("recorder") or {}).get("path")
         if record_path:
             writable_file("recorder.path", record_path)
