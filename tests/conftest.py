@@ -1,4 +1,4 @@
-"""Two rules every test obeys, enforced here rather than remembered in each test file.
+"""Rules every test obeys, enforced here rather than remembered in each test file.
 
 1. Tests never write into the checkout. The whole session runs with its working directory in
    pytest's temp dir, so whatever a test writes by a relative path (a shipped config's
@@ -10,6 +10,10 @@
    (PLATFORM_NOTES trap 4; Lightning's ``ddp_fork`` hung here too). Ranks come from
    ``tests.distributed.run_ranks`` (a forkserver); a test that forks anyway fails, naming itself.
    ``subprocess`` (fork + exec) and DataLoader workers (no compile, no collectives) are fine.
+3. One intra-op thread per process (``OMP_NUM_THREADS=1`` unless set, read when torch loads,
+   inherited by CLI subprocesses; ranks set it too). On 2 cores shared with ranks and other work,
+   two OpenMP threads per process wait on each other: a 5-step tiny-Llama fit took 2-9 s with 2
+   threads and 0.3 s with 1 on a loaded machine; test_moe.py + test_packing.py 30-68 s vs 20 s.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from collections.abc import Iterator
 
 import pytest
 
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before any test module imports torch (rule 3)
 _forks: list[str] = []  # "<test and phase>: <where it forked>", recorded in the parent before each fork
 _ALLOWED_FORKERS = ("subprocess.py", "torch/utils/data/")
 _TESTS = os.path.dirname(os.path.abspath(__file__))

@@ -7,9 +7,11 @@ directory out of the checkout.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
 CONFTEST = (Path(__file__).parent / "conftest.py").read_text()
 
@@ -52,3 +54,8 @@ def test_tests_run_outside_the_checkout(run_tests, pytester: pytest.Pytester):
     )
     result.assert_outcomes(passed=1)
     assert not (pytester.path / "runs").exists()
+
+
+def test_this_process_runs_the_thread_count_the_environment_sets():
+    """Rule 3: the variable is set before torch loads, so it takes effect (1 unless the user set it)."""
+    assert torch.get_num_threads() == int(os.environ["OMP_NUM_THREADS"])
