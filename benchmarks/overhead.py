@@ -11,8 +11,8 @@ from other jobs on a shared machine only ever adds time, so the best run is the 
 real cost.
 
 `lit-ablate fit` and `Trainer` run as users run them: progress bar on, logging every
-``log_every_n_steps`` (5) steps (lit-ablate: the quickstart's callbacks and Lightning's default
-CSV logger; Trainer: its default console logging, ``report_to="none"``), checkpoints at the end,
+``log_every_n_steps`` (5) steps (lit-ablate: its rich progress bar, the quickstart's callbacks
+and its CSV logger; Trainer: its tqdm bar and console logging, ``report_to="none"``), checkpoints at the end,
 no validation on either side. Two things differ from a default Trainer, both so that it does the
 same work: the optimizer and schedule are passed in (``optimizers=``; Trainer's own AdamW would
 decay the embedding and its warm-up starts at LR 0), and the dataset is lit-ablate's epoch order
@@ -28,12 +28,20 @@ work, and CPU time does not count the time other jobs hold the core, which on a 
 machine moves wall-clock medians by 20 %. ``--clock wall --threads 2`` times wall clock instead
 (use it on a quiet or GPU machine).
 
+``--profile`` runs each side once and prints where its step time goes instead: main-thread CPU
+time inside each part of the step (each part net of the parts it calls, so the rows add up to the
+step; about 2 us of timer per call), the time of other threads (progress-bar redraws), and the
+rest (the loop's own code and Lightning's hook dispatch).
+
     python benchmarks/overhead.py [--steps 60] [--repeats 4] [--clock cpu|wall] [--threads 1]
+    python benchmarks/overhead.py --profile [--steps 200]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import functools
 import statistics
 import sys
 import tempfile
@@ -43,10 +51,16 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.loops.optimization.automatic import Closure
+from lightning.pytorch.trainer import call as lightning_call
+from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
+from torch.utils.data.dataloader import _BaseDataLoaderIter
 from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_callback import CallbackHandler
 
 from lit_ablate.cli import LitAblateCLI
 from lit_ablate.data.collate import Collator
+from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.modules.optim import decay_groups, decay_names, warmup_cosine
 
 QUICKSTART = str(Path(__file__).parents[1] / "configs" / "quickstart.yaml")
@@ -99,15 +113,16 @@ class TrainerRecorder(TrainerCallback):
 
 
 class ShiftedLabels:
-    """lit-ablate's collator for Trainer: its labels are already shifted, so they also go in as
-    ``shift_labels``, which transformers' causal-LM loss (and Trainer's token count) then uses as is."""
+    """lit-ablate's collator for Trainer, keeping the model inputs only (Trainer passes every key to
+    the model). Its labels are already shifted, so they also go in as ``shift_labels``, which
+    transformers' causal-LM loss (and Trainer's token count) then uses as is."""
 
     def __init__(self, collator: Collator) -> None:
         self.collator = collator
 
     def __call__(self, examples: list[dict]) -> dict:
         batch = self.collator(examples)
-        return {**batch, "shift_labels": batch["labels"]}
+        return {**{k: batch[k] for k in ("input_ids", "attention_mask", "labels")}, "shift_labels": batch["labels"]}
 
 
 def _cli(steps: int, root: str) -> LitAblateCLI:
@@ -134,6 +149,8 @@ def lit_ablate_run(steps: int) -> Run:
         cli = _cli(steps, root)
         recorder = LightningRecorder()
         cli.trainer.callbacks.append(recorder)
+        if profiler is not None:
+            profiler.wrap_hooks(cli.trainer.callbacks, cli.model)
         cli.trainer.fit(cli.model, cli.datamodule)
     return recorder.run
 
@@ -168,11 +185,135 @@ def hf_trainer_run(steps: int) -> Run:
             logging_steps=cli.trainer.log_every_n_steps, max_grad_norm=cli.trainer.gradient_clip_val,
             train_sampling_strategy="sequential", dataloader_drop_last=True, use_cpu=True,
         )
+        if profiler is not None:
+            module.model.lm.forward = profiler.wrap("model forward + loss", module.model.lm.forward)
         trainer = Trainer(model=module.model.lm, args=args, train_dataset=ordered, data_collator=ShiftedLabels(data.collator),
                           optimizers=(optimizer, scheduler), callbacks=[recorder])
         trainer.train()
     recorder.run.losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     return recorder.run
+
+
+class ExclusiveTimes:
+    """Main-thread CPU time inside wrapped functions, each net of the wrapped functions it calls, so
+    that the parts add up to the step. Not cProfile: its per-call cost would inflate exactly the
+    Python-heavy parts (hooks, logging) this is meant to measure."""
+
+    def __init__(self) -> None:
+        self.totals: collections.Counter[str] = collections.Counter()
+        self.marks: list[tuple[float, float, collections.Counter[str]]] = []
+        self._open: list[list[float]] = []  # [start, time inside wrapped callees] per active call
+
+    def wrap(self, label: str, fn):
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            self._open.append([time.thread_time(), 0.0])
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                start, inner = self._open.pop()
+                spent = time.thread_time() - start
+                self.totals[label] += spent - inner
+                if self._open:
+                    self._open[-1][1] += spent
+
+        return timed
+
+    def patch(self, owner, name: str, label: str) -> None:
+        setattr(owner, name, self.wrap(label, getattr(owner, name)))
+
+    def wrap_hooks(self, callbacks: list[L.Callback], module: L.LightningModule) -> None:
+        """Each callback's and the module's own hooks (only those their classes define: Lightning
+        treats a hook as overridden when its code differs from the base class's)."""
+        for callback in callbacks:
+            if isinstance(callback, LightningRecorder):
+                continue
+            for hook in TRAIN_HOOKS:
+                if getattr(type(callback), hook) is not getattr(L.Callback, hook):
+                    setattr(callback, hook, self.wrap(f"callback {type(callback).__name__}", getattr(callback, hook)))
+        for hook in ("training_step", "optimizer_step", *TRAIN_HOOKS):
+            if hook in vars(type(module)):
+                setattr(module, hook, self.wrap(f"{type(module).__name__}'s own hooks", getattr(module, hook)))
+
+    def mark(self) -> float:
+        """The step clock in profile mode: keeps a snapshot of the totals at each step start."""
+        self.marks.append((time.thread_time(), time.process_time(), self.totals.copy()))
+        return self.marks[-1][1]
+
+    def per_step(self) -> dict[str, float]:
+        """Milliseconds per step of every part between the first step after warm-up and the last mark."""
+        (thread0, process0, totals0), (thread1, process1, totals1) = self.marks[WARMUP], self.marks[-1]
+        steps = len(self.marks) - 1 - WARMUP
+        parts = {label: (totals1[label] - totals0[label]) / steps * 1e3 for label in totals1}
+        main_thread = (thread1 - thread0) / steps * 1e3
+        parts[REST] = main_thread - sum(v for k, v in parts.items() if k != REST)  # its wrapped part, and the unwrapped
+        parts["other threads (progress-bar redraws)"] = (process1 - process0) / steps * 1e3 - main_thread
+        return parts
+
+
+TRAIN_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
+               "on_before_optimizer_step", "on_before_zero_grad")
+COMPUTE = ("model forward + loss", "backward", "AdamW step", "clip_grad_norm_", "zero_grad", "LR schedule",
+           "data: DataLoader + collate")
+REST = "the rest: loop code, hook dispatch"
+CLOSURE = "optimizer closure's own code (a module's gradient rescale, Lightning's plumbing)"
+profiler: ExclusiveTimes | None = None
+
+
+def install_profiler() -> ExclusiveTimes:
+    """Wrap the parts every side shares (compute, data) and the framework parts worth naming."""
+    times = ExclusiveTimes()
+    adam_step = torch.optim.Adam.step
+
+    def step(optimizer, closure=None):  # Lightning runs forward and backward inside the step's closure
+        if closure is not None:
+            closure = times.wrap(CLOSURE, closure)
+        return adam_step(optimizer, closure)
+
+    torch.optim.Adam.step = times.wrap("AdamW step", step)
+    for owner, name, label in (
+        (CausalLMWithLoss, "forward", "model forward + loss"),
+        (torch.autograd, "backward", "backward"),
+        (torch.nn.utils, "clip_grad_norm_", "clip_grad_norm_"),
+        (torch.optim.Optimizer, "zero_grad", "zero_grad"),
+        (torch.nn.Module, "zero_grad", "zero_grad"),
+        (torch.optim.lr_scheduler.LRScheduler, "step", "LR schedule"),
+        (_BaseDataLoaderIter, "__next__", "data: DataLoader + collate"),
+        (L.LightningModule, "log", "Lightning: LightningModule.log"),
+        (_LoggerConnector, "on_batch_start", "Lightning: logger connector"),
+        (_LoggerConnector, "on_batch_end", "Lightning: logger connector"),
+        (_LoggerConnector, "update_train_step_metrics", "Lightning: logger connector"),
+        (Closure, "__call__", REST),
+        (CallbackHandler, "call_event", "Trainer: callbacks (progress bar, printer)"),
+        (Trainer, "_maybe_log_save_evaluate", "Trainer: logging"),
+        (Trainer, "training_step", "Trainer: training_step, compute_loss"),
+        (Trainer, "get_batch_samples", "Trainer: batch fetch, token count"),
+    ):
+        times.patch(owner, name, label)
+    for name in ("_call_callback_hooks", "_call_lightning_module_hook", "_call_strategy_hook"):
+        times.patch(lightning_call, name, REST)
+    return times
+
+
+def profile(steps: int) -> None:
+    global profiler, clock
+    profiler = install_profiler()
+    clock = profiler.mark
+    columns = {}
+    for name, run in (("hand-written", hand_written_run), ("lit-ablate fit", lit_ablate_run),
+                      ("Trainer", hf_trainer_run)):
+        profiler.marks, profiler.totals = [], collections.Counter()
+        run(steps)
+        columns[name] = profiler.per_step()
+    labels = [*COMPUTE, *sorted({k for c in columns.values() for k in c} - set(COMPUTE))]
+    print(f"\nmain-thread CPU ms per step, {steps} steps after {WARMUP} warm-up, one torch thread; "
+          "each part net of the parts it calls\n")
+    print(f"| part | {' | '.join(columns)} |\n|---|{'---|' * len(columns)}")
+    for label in labels:
+        print(f"| {label} | " + " | ".join(f"{c[label]:.3f}" if label in c else "" for c in columns.values()) + " |")
+    for name, parts in (("compute and data", COMPUTE), ("everything else", [k for k in labels if k not in COMPUTE])):
+        print(f"| **{name}** | " + " | ".join(f"**{sum(c.get(k, 0.0) for k in parts):.2f}**" for c in columns.values()) + " |")
+    print("| **step** | " + " | ".join(f"**{sum(c.values()):.2f}**" for c in columns.values()) + " |")
 
 
 def window_means(losses: list[float], window: int) -> list[float]:
@@ -192,10 +333,13 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--profile", action="store_true", help="where each side's step time goes (one run each)")
     args = parser.parse_args(argv)
     global clock
     clock = CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
+    if args.profile:
+        return profile(args.steps)
     sides = {"hand-written PyTorch": hand_written_run, "lit-ablate fit": lit_ablate_run,
              "transformers Trainer": hf_trainer_run}
     runs: dict[str, list[Run]] = {name: [] for name in sides}
@@ -222,6 +366,7 @@ def main(argv: list[str]) -> None:
         raise SystemExit("loss curves differ beyond the tolerance: the loops did not do the same work")
     print(f"\nRESULT overhead_ratio={best['lit-ablate fit'] / best['hand-written PyTorch']:.3f}")
     print(f"RESULT vs_hf_trainer_ratio={best['lit-ablate fit'] / best['transformers Trainer']:.3f}")
+
 
 if __name__ == "__main__":
     main(sys.argv[1:])
