@@ -150,11 +150,23 @@ def test_arithmetic_held_out_problems_are_never_trained_on():
         ArithmeticSFT(num_examples=401, max_operand=19, operators="++")
 
 
+def test_padded_operands_are_the_same_problems_at_fixed_digit_places():
+    plain = list(ArithmeticSFT(num_examples=50, max_operand=99, operators="+-"))
+    padded = list(ArithmeticSFT(num_examples=50, max_operand=99, operators="+-", pad_operands=True))
+    assert [r["response"] for r in padded] == [r["response"] for r in plain]
+    for p, q in zip(padded, plain):
+        a, op, b = p["prompt"][:2], p["prompt"][2], p["prompt"][3:5]
+        assert p["prompt"] == f"{a}{op}{b}=" and a.isdigit() and b.isdigit()
+        assert q["prompt"] == f"{int(a)}{op}{int(b)}="
+    assert any(r["prompt"] != q["prompt"] for r, q in zip(padded, plain))  # some operand below 10 was padded
+
+
 def test_record_summary_keeps_the_accuracy_after_the_last_evaluation():
-    steps = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5, "exact_match": 0.25},
-             {"step": 3, "loss": 1.2}, {"step": 4, "loss": 1.0, "exact_match": 0.75}]
-    assert summarize_steps(steps, warmup_steps=3)["exact_match"] == 0.75  # not warm-up filtered, not a median
-    assert summarize_steps(steps[:1], warmup_steps=0)["exact_match"] is None
+    """The model a run ends with, not a median or the best of its evaluations."""
+    steps = [{"step": 1, "loss": 2.0, "exact_match": 0.5}, {"step": 2, "loss": 1.5, "exact_match": 0.9},
+             {"step": 3, "loss": 1.2}, {"step": 4, "loss": 1.0, "exact_match": 0.25}]
+    assert summarize_steps(steps, warmup_steps=1)["exact_match"] == 0.25
+    assert summarize_steps(steps[2:3], warmup_steps=0)["exact_match"] is None  # never evaluated
 
 
 def _study_with_accuracy(tmp_path, accuracies: dict[str, list[float]] | None):
@@ -184,3 +196,49 @@ def test_report_has_an_accuracy_column_only_when_runs_were_evaluated(tmp_path):
     summary = json.loads((tmp_path / "with" / "report.json").read_text())
     assert summary["variants"][0]["exact_match"] == {"median": 0.625, "min": 0.5, "max": 0.75, "n": 2}
     assert "exact match" not in _study_with_accuracy(tmp_path / "without", None)
+
+
+def _evaluate_under_mesh_strategies(rank: int, world_size: int, root: str) -> dict:
+    """FSDP2: fit with the evaluator, return its value and the full weights (rank 0). FSDP1: refused."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from lit_ablate.strategies import FSDP1Strategy, FSDP2Strategy
+
+    source = ArithmeticSFT(num_examples=36, max_operand=5, operators="+", seed=0)
+
+    def fit(strategy) -> tuple[CausalLM, ExactMatchEvaluator]:
+        L.seed_everything(0, verbose=False)
+        module = CausalLM(ModelFactory(preset="tiny-qwen3"), learning_rate=1e-2, warmup_steps=0)
+        evaluator = ExactMatchEvaluator(examples=source, batch_size=5)
+        trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=STEPS,
+                            callbacks=[evaluator], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=root)
+        trainer.fit(module, datamodule=LMDataModule(source, format="sft", seq_len=16, batch_size=4))
+        return module, evaluator
+
+    module, evaluator = fit(FSDP2Strategy())
+    state = get_model_state_dict(module.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    try:
+        fit(FSDP1Strategy())
+        refused = None
+    except ConfigError as err:
+        refused = str(err)
+    return {"exact_match": evaluator.series["exact_match"][STEPS], "state": state if rank == 0 else None,
+            "refused": refused}
+
+
+@pytest.mark.slow
+def test_under_fsdp2_every_rank_records_the_accuracy_of_the_gathered_model(tmp_path):
+    """Both ranks generate for every prompt (each forward all-gathers the shards), so both record
+    the value that the full weights give in one process; FSDP1 is refused with a clear line."""
+    from tests.distributed import run_ranks
+
+    results = run_ranks(_evaluate_under_mesh_strategies, 2, str(tmp_path), init_process_group=False, timeout_s=300)
+    module = CausalLM(ModelFactory(preset="tiny-qwen3"))
+    module.configure_model()
+    module.model.load_state_dict(results[0]["state"])
+    reference = _generate_accuracy(module.eval(), list(ArithmeticSFT(num_examples=36, max_operand=5, operators="+")))
+    assert 0 < reference < 1
+    assert [r["exact_match"] for r in results] == [pytest.approx(reference)] * 2
+    for r in results:
+        assert r["refused"].startswith("trainer.strategy='FSDP1Strategy'") and "FSDP2Strategy" in r["refused"]

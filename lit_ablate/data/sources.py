@@ -105,11 +105,17 @@ class ArithmeticSFT(DataSource):
         max_operand: operands are drawn from ``[0, max_operand]``.
         operators: which of ``+``, ``-``, ``*`` to draw from.
         seed: the pairs are a pure function of the arguments.
+        pad_operands: write each operand with as many digits as ``max_operand`` (``12+07=``), so a
+            digit's place value is fixed by its position: a tiny model then learns multi-digit
+            addition in a fraction of the steps it needs to find the places of ``12+7=``.
     """
 
     _APPLY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
-    def __init__(self, num_examples: int = 1000, max_operand: int = 99, operators: str = "+-", seed: int = 0) -> None:
+    def __init__(
+        self, num_examples: int = 1000, max_operand: int = 99, operators: str = "+-", seed: int = 0,
+        pad_operands: bool = False,
+    ) -> None:
         if num_examples <= 0:
             raise ConfigError(f"{_SOURCE_KEY}.num_examples", num_examples, "use a positive number of examples")
         if max_operand < 0:
@@ -123,6 +129,7 @@ class ArithmeticSFT(DataSource):
                               f"max_operand={max_operand} with operators {operators!r} gives only {problems} distinct "
                               "problems; ask for fewer or raise max_operand")
         self.num_examples, self.max_operand, self.operators, self.seed = num_examples, max_operand, operators, seed
+        self.width = len(str(max_operand)) if pad_operands else 0
 
     def __iter__(self) -> Iterator[Row]:
         rng = random.Random(self.seed)
@@ -131,7 +138,7 @@ class ArithmeticSFT(DataSource):
             operator, pair = divmod(problem, side * side)
             a, b = divmod(pair, side)
             op = self.operators[operator]
-            yield {"prompt": f"{a}{op}{b}=", "response": str(self._APPLY[op](a, b))}
+            yield {"prompt": f"{a:0{self.width}d}{op}{b:0{self.width}d}=", "response": str(self._APPLY[op](a, b))}
 
 
 class LocalFiles(DataSource):
