@@ -45,7 +45,8 @@ class MFUMonitor(StepMonitor):
     a FLOP counter cannot see do not bias a comparison. Which tokens count: every real token of
     the rank's batch (padding positions are not model FLOPs), each at its own document's
     context; tensor-parallel peers, which process the same tokens, each count their share
-    (``1/tp``). When no honest peak is known (a CPU, an unlisted GPU, an fp8 run against a bf16
+    (``1/tp``), and so do context-parallel ranks, which share each batch (``1/cp``: the
+    strategy's ``flops_share``). When no honest peak is known (a CPU, an unlisted GPU, an fp8 run against a bf16
     table) MFU is recorded as unavailable (null) with the reason in the run record's
     ``mfu_peak``, rather than invented.
 
@@ -61,7 +62,8 @@ class MFUMonitor(StepMonitor):
         self._flops_share = 1.0
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._flops_share = 1.0 / batch_replicas(trainer)
+        # A strategy whose ranks share one batch's FLOPs says so (ContextParallelStrategy: 1 / cp).
+        self._flops_share = getattr(trainer.strategy, "flops_share", 1.0) / batch_replicas(trainer)
         if self.peak_tflops is not None:
             self.peak_source = "peak_tflops (user)"
         elif runs_in_fp8(trainer, pl_module):

@@ -1,9 +1,11 @@
-"""Strategies over one N-D device mesh (FSDP2, HSDP) and the data-parallel baselines (DDP, ZeRO-1, FSDP1).
+"""Strategies over one N-D device mesh (FSDP2, HSDP, expert and context parallelism) and the
+data-parallel baselines (DDP, ZeRO-1, FSDP1).
 
 Configs select them by ``class_path`` (``lit_ablate.strategies.FSDP2Strategy``); research code
 subclasses ``MeshStrategy``/``FSDP2Strategy`` and overrides one ``apply_*`` step.
 """
 
+from lit_ablate.strategies.context_parallel import ContextParallelStrategy
 from lit_ablate.strategies.ddp import DDPStrategy
 from lit_ablate.strategies.expert_parallel import ExpertParallelStrategy
 from lit_ablate.strategies.fsdp1 import FSDP1Strategy
@@ -13,6 +15,7 @@ from lit_ablate.strategies.mesh import MESH_DIMS, MeshStrategy, decoder_layers, 
 from lit_ablate.strategies.zero1 import ZeRO1Strategy
 
 __all__ = [
+    "ContextParallelStrategy",
     "DDPStrategy",
     "ExpertParallelStrategy",
     "FSDP1Strategy",
