@@ -3,15 +3,18 @@
 Public names are importable from here so configs can say ``class_path: lit_ablate.data.LMDataModule``.
 """
 
+from lit_ablate.data.arithmetic_preference import ArithmeticPreference
 from lit_ablate.data.collate import Collator, PaddingCollator
 from lit_ablate.data.datamodule import ExampleDataset, LMDataModule
 from lit_ablate.data.formats import Example, build_examples, example_from_tokens
 from lit_ablate.data.packing import PackedSampler, PackingCollator, pack, pack_ffd, pack_greedy
+from lit_ablate.data.preference_collate import PreferencePackingCollator, PreferencePaddingCollator
 from lit_ablate.data.sampler import ShardedSampler
 from lit_ablate.data.sources import ArithmeticSFT, DataSource, HubDataset, LocalFiles, SyntheticText
 from lit_ablate.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
+    "ArithmeticPreference",
     "ArithmeticSFT",
     "ByteTokenizer",
     "Collator",
@@ -25,6 +28,8 @@ __all__ = [
     "PackedSampler",
     "PackingCollator",
     "PaddingCollator",
+    "PreferencePackingCollator",
+    "PreferencePaddingCollator",
     "ShardedSampler",
     "SyntheticText",
     "Tokenizer",

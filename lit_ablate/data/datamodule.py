@@ -16,12 +16,14 @@ from torch.utils.data import DataLoader, Dataset
 
 from lit_ablate.data.collate import Collator, PaddingCollator
 from lit_ablate.data.formats import OVERLONG_CHOICES, Example, Format, Overlong, build_examples
+from lit_ablate.data.preference import PreferenceFormat, build_preference_examples
+from lit_ablate.data.preference_collate import PreferenceCollator, PreferencePaddingCollator
 from lit_ablate.data.sampler import ShardedSampler
 from lit_ablate.data.sources import DataSource
 from lit_ablate.data.tokenizers import load_tokenizer
 from lit_ablate.errors import ConfigError
 
-FORMATS = ("pretrain", "documents", "sft")
+FORMATS = ("pretrain", "documents", "sft", "preference")
 
 
 class ExampleDataset(Dataset):
@@ -46,12 +48,14 @@ class LMDataModule(pl.LightningDataModule):
     Args:
         source: where rows come from (``SyntheticText``, ``ArithmeticSFT``, ``LocalFiles``, ``HubDataset``).
         format: ``pretrain`` (concatenate and cut into ``seq_len`` windows), ``documents`` (one
-            example per document, for packing) or ``sft`` (loss on responses only).
+            example per document, for packing), ``sft`` (loss on responses only) or
+            ``preference`` (chosen/rejected pairs for ``DPO``; ``lit_ablate.data.preference``).
         tokenizer: ``"byte"`` (built in, offline) or a Hugging Face tokenizer path or name.
-        seq_len: the longest example, in tokens.
-        batch_size: micro-batch per data-parallel rank (examples, or packed rows when packing).
+        seq_len: the longest example, in tokens (``preference``: the longest prompt + response).
+        batch_size: micro-batch per data-parallel rank (examples or pairs, or packed rows when packing).
         num_workers: DataLoader worker processes.
-        collator: how examples become batches; default ``PaddingCollator()``.
+        collator: how examples become batches; default ``PaddingCollator()`` (``preference``:
+            ``PreferencePaddingCollator()``; a preference format needs a preference collator).
         val_examples: hold out this many examples (chosen by ``seed``) for validation and ``test``.
         shuffle: shuffle training examples each epoch (by ``seed`` and epoch).
         seed: the data order's seed, independent of the model's.
@@ -61,7 +65,7 @@ class LMDataModule(pl.LightningDataModule):
     def __init__(
         self,
         source: DataSource,
-        format: Format = "pretrain",
+        format: Format | PreferenceFormat = "pretrain",
         tokenizer: str = "byte",
         seq_len: int = 128,
         batch_size: int = 8,
@@ -85,7 +89,14 @@ class LMDataModule(pl.LightningDataModule):
         self.source, self.format, self.seq_len, self.batch_size = source, format, seq_len, batch_size
         self.num_workers, self.val_examples, self.shuffle, self.seed, self.overlong = num_workers, val_examples, shuffle, seed, overlong
         self.tokenizer = load_tokenizer(tokenizer)
-        self.collator = collator if collator is not None else PaddingCollator()
+        preference = format == "preference"
+        if collator is None:
+            collator = PreferencePaddingCollator() if preference else PaddingCollator()
+        if preference != isinstance(collator, PreferenceCollator):
+            raise ConfigError("data.init_args.collator", type(collator).__name__,
+                              "format preference needs PreferencePaddingCollator or PreferencePackingCollator, and "
+                              "other formats need PaddingCollator or PackingCollator")
+        self.collator = collator
         self.collator.bind(self.tokenizer.pad_id, seq_len)
         self.train_set: ExampleDataset | None = None
         self.val_set: ExampleDataset | None = None
@@ -95,7 +106,10 @@ class LMDataModule(pl.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
-        examples = build_examples(self.source, self.tokenizer, self.format, self.seq_len, self.overlong)
+        if self.format == "preference":
+            examples = build_preference_examples(self.source, self.tokenizer, self.seq_len, self.overlong)
+        else:
+            examples = build_examples(self.source, self.tokenizer, self.format, self.seq_len, self.overlong)
         if self.val_examples >= len(examples):
             raise ConfigError("data.init_args.val_examples", self.val_examples, f"hold out fewer than the {len(examples)} examples")
         held_out = set(torch.randperm(len(examples), generator=torch.Generator().manual_seed(self.seed))[: self.val_examples].tolist())

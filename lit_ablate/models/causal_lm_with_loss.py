@@ -49,16 +49,20 @@ class CausalLMWithLoss(nn.Module):
         ``position_ids`` when no cache exists, so a packed batch would otherwise leak across
         documents (PLATFORM_NOTES trap 2).
         """
+        hidden = self.hidden_states(batch)
+        head = self.lm.get_output_embeddings()
+        labels = batch["labels"].reshape(-1)
+        loss_sum = self.loss_fn(hidden.reshape(-1, hidden.shape[-1]), head.weight, labels, head.bias)
+        return loss_sum, (labels != IGNORE_INDEX).sum()
+
+    def hidden_states(self, batch: dict[str, Any]) -> Tensor:
+        """The decoder's last hidden states ``[B, T, H]`` for the batch's model inputs."""
         inputs = {k: batch[k] for k in MODEL_INPUT_KEYS if batch.get(k) is not None}
         if batch.get("cu_seqlens") is not None and self.lm.config._attn_implementation in SEGMENT_BACKENDS:
             # The packer's document boundaries, so the kernel need not find them (a host sync).
             cu, longest = batch["cu_seqlens"], int(batch["max_seqlen"])
             inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
-        hidden = self.lm.base_model(**inputs, use_cache=False).last_hidden_state
-        head = self.lm.get_output_embeddings()
-        labels = batch["labels"].reshape(-1)
-        loss_sum = self.loss_fn(hidden.reshape(-1, hidden.shape[-1]), head.weight, labels, head.bias)
-        return loss_sum, (labels != IGNORE_INDEX).sum()
+        return self.lm.base_model(**inputs, use_cache=False).last_hidden_state
 
     @torch.no_grad()
     def logits(self, input_ids: Tensor, **inputs: Tensor) -> Tensor:

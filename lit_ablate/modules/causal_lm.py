@@ -6,8 +6,8 @@ from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
-import torch
 from lightning.pytorch import LightningModule
+from transformers import PreTrainedModel
 
 from lit_ablate.errors import ConfigError
 from lit_ablate.estimate import ParameterCounts, batch_model_flops, count_parameters, flops_per_token
@@ -16,7 +16,7 @@ from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_laye
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.losses import loss_backend
 from lit_ablate.models.moe import collect_aux_losses, experts_fallbacks
-from lit_ablate.modules.optim import decay_groups, decay_names, warmup_cosine
+from lit_ablate.modules.optim import build_optimizer, check_optimizer, decay_groups, decay_names, warmup_cosine
 from lit_ablate.modules.step_objective import StepObjective
 from lit_ablate.modules.step_output import StepOutput
 
@@ -35,7 +35,11 @@ class CausalLM(LightningModule):
         model: which model to build (preset, HF config mapping, or checkpoint path).
         loss: the cross-entropy backend (``lit_ablate.models.losses``): ``torch`` is the reference.
         loss_options: the backend's options (e.g. ``{chunk_tokens: 512, z_loss_weight: 1e-4}``).
-        learning_rate: peak AdamW learning rate, reached after ``warmup_steps``.
+        optimizer: ``adamw`` (torch), ``bnb_adamw8bit``, ``bnb_paged_adamw8bit``, ``bnb_paged_adamw``
+            (bitsandbytes) or ``torchao_adamw8bit`` (``lit_ablate.modules.optim``); one that cannot
+            run under the run's strategy is refused before the model is built.
+        optimizer_options: the optimizer class's own extra arguments (e.g. ``{min_8bit_size: 0}``).
+        learning_rate: peak learning rate, reached after ``warmup_steps``.
         weight_decay: decoupled decay on matrices only (not norms, biases, embeddings).
         betas: AdamW betas.
         warmup_steps: linear warm-up steps of the learning rate.
@@ -50,6 +54,8 @@ class CausalLM(LightningModule):
         model: ModelFactory,
         loss: str = "torch",
         loss_options: dict[str, Any] | None = None,
+        optimizer: str = "adamw",
+        optimizer_options: dict[str, Any] | None = None,
         learning_rate: float = 3e-3,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -65,13 +71,16 @@ class CausalLM(LightningModule):
         if warmup_steps < 0:
             raise ConfigError("model.init_args.warmup_steps", warmup_steps, "use 0 or more warm-up steps")
         loss_backend(loss, **(loss_options or {}))  # bad names/options fail here, before any model is built
+        check_optimizer(optimizer)  # the strategy is checked in configure_model
         # Plain values only, so checkpoints load with torch.load(weights_only=True). ``_class_path``
         # lets LightningCLI's ``--ckpt_path`` (test, validate, resumed fit) re-parse them.
         self.save_hyperparameters({"_class_path": f"{type(self).__module__}.{type(self).__qualname__}",
                                    "model": asdict(model), "loss": loss, "loss_options": dict(loss_options or {}),
+                                   "optimizer": optimizer, "optimizer_options": dict(optimizer_options or {}),
                                    "learning_rate": learning_rate, "weight_decay": weight_decay, "betas": tuple(betas),
                                    "warmup_steps": warmup_steps, "min_lr_ratio": min_lr_ratio, "compile": compile})
         self.factory = model
+        self.optimizer_name, self.optimizer_options = optimizer, dict(optimizer_options or {})
         self.model: CausalLMWithLoss | None = None
         self.parameter_counts: ParameterCounts | None = None
         self._decay_names: set[str] = set()
@@ -95,14 +104,21 @@ class CausalLM(LightningModule):
             return
         self._check_vocabulary()
         check_attention_backend(self.factory.attn_implementation, training=True)
+        if self._trainer:
+            check_optimizer(self.optimizer_name, self.trainer.strategy, self.trainer.strategy.root_device.type)
         lm = self.factory.build()
         self.parameter_counts = count_parameters(lm, lm.config)
-        self.model = CausalLMWithLoss(lm, loss_backend(self.hparams.loss, **self.hparams.loss_options))
+        self.model = self.trained_module(lm)
         # Which parameters decay is decided now, on the unwrapped model: sharding wrappers
         # (FSDP1's flat views) change shapes, so a later ndim test would see only vectors.
         self._decay_names = decay_names(self.model, lm.get_input_embeddings().weight)
         if self.hparams.compile:
             self._compile_layers()
+
+    def trained_module(self, lm: PreTrainedModel) -> CausalLMWithLoss:
+        """The module training runs and strategies parallelise, around the freshly built ``lm``
+        (a hook: ``DPO`` returns sequence log-probabilities instead of a token loss)."""
+        return CausalLMWithLoss(lm, loss_backend(self.hparams.loss, **self.hparams.loss_options))
 
     def _compile_layers(self) -> None:
         strategy = self.trainer.strategy if self._trainer else None
@@ -172,7 +188,7 @@ class CausalLM(LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
         groups = decay_groups(self.model, self._decay_names, hp.weight_decay)
-        optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=hp.betas)
+        optimizer = build_optimizer(self.optimizer_name, groups, hp.learning_rate, hp.betas, self.optimizer_options)
         total = self.trainer.estimated_stepping_batches
         scheduler = warmup_cosine(optimizer, hp.warmup_steps, int(total), hp.min_lr_ratio)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,0 +1,69 @@
+"""``PreferenceMonitor``: per-step DPO metrics (rewards, reward accuracy, log-probs, pair loss)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch import LightningModule, Trainer
+
+from lit_ablate.callbacks.step_monitor import StepMonitor
+from lit_ablate.modules.dpo import PREFERENCE_STATS
+
+MEANS = {
+    "dpo_loss": "loss", "reward_accuracy": "correct", "rewards_chosen": "reward_chosen",
+    "rewards_rejected": "reward_rejected", "logps_chosen": "logps_chosen", "logps_rejected": "logps_rejected",
+}
+"""Series recorded per step: the mean over the step's pairs of each of ``PREFERENCE_STATS``."""
+
+
+class PreferenceMonitor(StepMonitor):
+    """Rewards of chosen and rejected responses, their margin, reward accuracy (share of pairs
+    whose chosen response earns the higher implicit reward), mean sequence log-probs and the
+    exact pair-mean loss of every optimizer step, into the run record and the loggers.
+
+    Use it with ``DPO``, which reports per-pair sums with each micro-batch (``outputs["preference"]``).
+    Values are exact means over the step's pairs: summed over micro-batches, and over ranks once
+    at the end of training (during training the loggers get this rank's values), as
+    ``ThroughputMonitor`` does. Reward accuracy above 0.5 on data with a checkable preference
+    (``ArithmeticPreference``) is the sign that preference training works.
+    """
+
+    def __init__(self, warmup_steps: int | None = None, log_to_logger: bool = True) -> None:
+        super().__init__(warmup_steps=warmup_steps, log_to_logger=log_to_logger)
+        self._sums: Any = 0.0
+
+    def start_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._sums = 0.0
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if isinstance(outputs, dict) and "preference" in outputs:
+            self._sums = self._sums + outputs["preference"]
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def measure(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
+        if not hasattr(self._sums, "tolist"):
+            return  # the module reported no preference statistics (not a DPO module)
+        sums = dict(zip(PREFERENCE_STATS, self._sums.tolist()))
+        for name, value in sums.items():
+            self.series.setdefault(f"_{name}", {})[step] = value
+        self._record_means(step, sums)
+
+    def finalize(self, trainer: Trainer) -> None:
+        if "_pairs" not in self.series:
+            return
+        summed = self.reduce_over_ranks(trainer, [f"_{name}" for name in PREFERENCE_STATS])
+        for step in summed["_pairs"]:
+            self._record_means(step, {name: summed[f"_{name}"][step] for name in PREFERENCE_STATS}, log=False)
+        for name in PREFERENCE_STATS:
+            del self.series[f"_{name}"]
+
+    def _record_means(self, step: int, sums: dict[str, float], log: bool = True) -> None:
+        pairs = sums["pairs"]
+        means = {series: sums[stat] / pairs if pairs else None for series, stat in MEANS.items()}
+        means["reward_margin"] = None if not pairs else (sums["reward_chosen"] - sums["reward_rejected"]) / pairs
+        for name, value in means.items():
+            if log:
+                self.record(name, step, value)
+            else:
+                self.series.setdefault(name, {})[step] = value

@@ -1,0 +1,273 @@
+"""``DPO``: preference training (DPO, IPO, hinge, SimPO) of a causal LM, padded or packed."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from torch import Tensor
+from torchmetrics import MeanMetric
+from transformers import PreTrainedModel
+
+from lit_ablate.data.datamodule import LMDataModule
+from lit_ablate.data.preference_collate import PreferencePaddingCollator
+from lit_ablate.errors import ConfigError
+from lit_ablate.estimate import batch_model_flops
+from lit_ablate.models.factory import ModelFactory
+from lit_ablate.models.logprobs import logprob_backend
+from lit_ablate.models.losses import IGNORE_INDEX
+from lit_ablate.models.moe import collect_aux_losses
+from lit_ablate.models.sequence_logprobs import SequenceLogProbs
+from lit_ablate.modules.causal_lm import CausalLM
+from lit_ablate.modules.preference_loss import LossType, PairLosses, PreferenceLoss
+from lit_ablate.modules.step_output import StepOutput
+
+Reference = Literal["frozen", "precomputed", "none"]
+REFERENCES = ("frozen", "precomputed", "none")
+REFERENCE_FORWARD_SHARE = 1 / 3
+"""A forward pass is a third of a training step's FLOPs (2N of 6N, and 4 of 12 attention units)."""
+PREFERENCE_STATS = ("pairs", "loss", "correct", "reward_chosen", "reward_rejected", "logps_chosen", "logps_rejected")
+"""What ``training_step`` reports per micro-batch under ``outputs["preference"]`` (sums over its
+pairs, in this order), for ``PreferenceMonitor``."""
+PROBE_ATOL = 1e-4
+"""A cached reference log-prob must match a fresh computation of the same pair this closely (fp32
+sums of a few hundred token log-probs in another batch layout differ by ~1e-5 at most)."""
+_KEY = "model.init_args"
+
+
+class DPO(CausalLM):
+    """Preference optimisation of a causal LM; each optimizer step trains the mean over its pairs.
+
+    The model, strategies, optimizer, schedule, exact step objective and run record are
+    ``CausalLM``'s; what differs is the step: per pair, the summed response log-probabilities of
+    the chosen and the rejected sequence under the policy (and the reference) go into a
+    preference loss. The objective of a step is the sum of pair losses over all its micro-batches
+    and data-parallel ranks divided by the number of pairs (``StepObjective`` with pairs as units).
+
+    Args:
+        model: which model to build (preset, HF config mapping, or checkpoint path); the policy
+            starts from it and so does the reference.
+        loss_type: ``sigmoid`` (DPO), ``ipo``, ``hinge`` or ``simpo`` (reference-free).
+        beta: inverse temperature of the implicit reward.
+        label_smoothing: conservative DPO/SimPO: the assumed share of flipped labels.
+        gamma: SimPO's target reward margin.
+        reference: ``frozen``: a copy of the initial model, built and sharded by the run's
+            strategy, never stepped, in eval mode, run without gradients; ``precomputed``: its
+            log-probabilities computed once before training and looked up (no second model in
+            memory during training); ``none``: no reference (log-ratios against 0; required by
+            ``simpo``).
+        reference_cache: with ``precomputed``, a file that keeps the log-probabilities for later
+            runs (the runs of a study): reused when it holds the same pairs and its values match
+            a fresh computation of the first pair, written otherwise.
+        logprobs: the log-probability backend (``lit_ablate.models.logprobs``): ``torch`` or ``chunked``.
+        logprobs_options: the backend's options (e.g. ``{chunk_tokens: 512}``).
+        learning_rate, weight_decay, betas, warmup_steps, min_lr_ratio, compile: as ``CausalLM``.
+    """
+
+    def __init__(
+        self,
+        model: ModelFactory,
+        loss_type: LossType = "sigmoid",
+        beta: float = 0.1,
+        label_smoothing: float = 0.0,
+        gamma: float = 0.5,
+        reference: Reference = "frozen",
+        reference_cache: str | None = None,
+        logprobs: str = "torch",
+        logprobs_options: dict[str, Any] | None = None,
+        learning_rate: float = 5e-4,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 10,
+        min_lr_ratio: float = 0.1,
+        compile: bool = False,
+    ) -> None:
+        super().__init__(model, learning_rate=learning_rate, weight_decay=weight_decay, betas=betas,
+                         warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, compile=compile)
+        self.preference_loss = PreferenceLoss(loss_type, beta, label_smoothing, gamma)
+        if reference not in REFERENCES:
+            raise ConfigError(f"{_KEY}.reference", reference, f"choose one of {REFERENCES}")
+        if self.preference_loss.reference_free and reference != "none":
+            raise ConfigError(f"{_KEY}.reference", reference, f"{loss_type} uses no reference model: set reference: none")
+        if reference_cache is not None and reference != "precomputed":
+            raise ConfigError(f"{_KEY}.reference_cache", reference_cache, "only reference: precomputed uses a cache")
+        logprob_backend(logprobs, **(logprobs_options or {}))  # bad names/options fail before any model is built
+        self.save_hyperparameters({
+            "_class_path": f"{type(self).__module__}.{type(self).__qualname__}", "model": asdict(self.factory),
+            "loss_type": loss_type, "beta": beta, "label_smoothing": label_smoothing, "gamma": gamma,
+            "reference": reference, "reference_cache": reference_cache, "logprobs": logprobs,
+            "logprobs_options": dict(logprobs_options or {}), "learning_rate": learning_rate,
+            "weight_decay": weight_decay, "betas": tuple(betas), "warmup_steps": warmup_steps,
+            "min_lr_ratio": min_lr_ratio, "compile": compile})
+        self.reference: SequenceLogProbs | None = None
+        self.reference_logps: Tensor | None = None
+        """``precomputed``: ``[pairs in the data set, 2]`` reference log-probs (chosen, rejected)."""
+        self.eval_reward_accuracy = MeanMetric()
+
+    # --- the model --------------------------------------------------------------------------
+    def trained_module(self, lm: PreTrainedModel) -> SequenceLogProbs:
+        """The policy; with ``reference: frozen`` also the reference, a copy taken before any
+        training (or sharding: the strategy parallelises both alike)."""
+        backend = logprob_backend(self.hparams.logprobs, **self.hparams.logprobs_options)
+        if self.hparams.reference == "frozen":
+            self.reference = SequenceLogProbs(copy.deepcopy(lm), backend).requires_grad_(False).eval()
+        return SequenceLogProbs(lm, backend)
+
+    def train(self, mode: bool = True) -> DPO:
+        """Lightning switches the whole module to train mode; the reference stays in eval mode."""
+        super().train(mode)
+        if self.reference is not None:
+            self.reference.eval()
+        return self
+
+    def flops_per_pair_batch(self, batch: dict[str, Any]) -> float:
+        """Policy training FLOPs of the batch's real tokens, plus the frozen reference's forward."""
+        policy = batch_model_flops(batch, self.flops_per_token)
+        return policy * (1 + REFERENCE_FORWARD_SHARE) if self.reference is not None else policy
+
+    # --- the step ---------------------------------------------------------------------------
+    def pair_losses(self, batch: dict[str, Any]) -> tuple[PairLosses, Tensor, Tensor]:
+        """``(pair losses and rewards, policy logps [2P], response tokens [2P])`` of a batch."""
+        logps, tokens = self.model(batch)
+        reference = self.reference_sequence_logps(batch, logps)
+        pairs = int(batch["num_pairs"])
+        result = self.preference_loss(logps[:pairs], logps[pairs:], reference[:pairs], reference[pairs:],
+                                      tokens[:pairs], tokens[pairs:])
+        return result, logps.detach(), tokens
+
+    def reference_sequence_logps(self, batch: dict[str, Any], like: Tensor) -> Tensor:
+        """The reference's ``[2P]`` sequence log-probs for the batch (chosen, then rejected)."""
+        if self.hparams.reference == "frozen":
+            with torch.no_grad():
+                return self.reference(batch)[0]
+        if self.hparams.reference == "precomputed":
+            if self.reference_logps is None:
+                raise RuntimeError("reference: precomputed, but no reference log-probs were computed (on_fit_start)")
+            return self.reference_logps[batch["pair_index"]].t().reshape(-1).to(like.device)
+        return torch.zeros_like(like)
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> StepOutput:
+        result, logps, _ = self.pair_losses(batch)
+        aux = collect_aux_losses(self.model)  # MoE router losses: trained on, logged apart
+        for name, value in aux.items():
+            self.log(f"train/{name}", value.detach())
+        pairs = torch.tensor(int(batch["num_pairs"]), device=logps.device)
+        loss_sum = result.losses.sum()
+        strategy = self.trainer.strategy if self._trainer else None
+        loss = self.objective.backward_loss(loss_sum, pairs, sum(aux.values(), 0.0), strategy)
+        return {"loss": loss, "loss_sum": loss_sum.detach(), "tokens": batch["input_ids"].numel(),
+                "useful_tokens": (batch["labels"] != IGNORE_INDEX).sum(), "flops": self.flops_per_pair_batch(batch),
+                "loss_units": pairs, "preference": self._statistics(result, logps, pairs)}
+
+    @staticmethod
+    def _statistics(result: PairLosses, logps: Tensor, pairs: Tensor) -> Tensor:
+        """``PREFERENCE_STATS`` summed over the micro-batch's pairs: one small device tensor."""
+        n = int(pairs)
+        return torch.stack([pairs.float(), result.losses.detach().sum(),
+                            (result.chosen_rewards > result.rejected_rewards).float().sum(),
+                            result.chosen_rewards.sum(), result.rejected_rewards.sum(),
+                            logps[:n].sum(), logps[n:].sum()]).double()
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self._log_eval("val", batch)
+
+    def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self._log_eval("test", batch)
+
+    def _log_eval(self, split: str, batch: dict[str, Any]) -> None:
+        """Pair-weighted means over the split (each batch weighs by its pairs)."""
+        result, _, _ = self.pair_losses(batch)
+        pairs = int(batch["num_pairs"])
+        self.log(f"{split}/loss", result.losses.mean(), prog_bar=True, sync_dist=True, batch_size=pairs)
+        self.log(f"{split}/reward_margin", (result.chosen_rewards - result.rejected_rewards).mean(), sync_dist=True,
+                 batch_size=pairs)
+        self.eval_reward_accuracy.update((result.chosen_rewards > result.rejected_rewards).float())
+        self.log(f"{split}/reward_accuracy", self.eval_reward_accuracy, prog_bar=True)
+
+    # --- precomputed reference log-probs ----------------------------------------------------
+    def on_fit_start(self) -> None:
+        if self.hparams.reference == "precomputed":
+            if self.reference_logps is None:
+                self.reference_logps = self.precompute_reference(self.trainer.datamodule)
+            self.reference_logps = self.reference_logps.to(self.device)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.reference_logps is not None:  # a resumed fit's policy is no longer the reference
+            checkpoint["dpo_reference_logps"] = self.reference_logps.cpu()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if "dpo_reference_logps" in checkpoint:
+            self.reference_logps = checkpoint["dpo_reference_logps"]
+
+    def precompute_reference(self, data: LMDataModule) -> Tensor:
+        """``[pairs, 2]`` reference log-probs (chosen, rejected) of every pair of ``data`` (set up),
+        indexed by ``pair_index``: from ``reference_cache`` when it holds them, else computed with
+        the current model, which must still be the initial one (and then cached)."""
+        pairs = sorted([*data.train_set.examples, *data.val_set.examples], key=lambda p: int(p["pair_index"]))
+        collator = PreferencePaddingCollator()
+        collator.bind(data.tokenizer.pad_id, data.seq_len)
+        fingerprint = _pairs_fingerprint(pairs)
+        path = Path(self.hparams.reference_cache) if self.hparams.reference_cache else None
+        if path is not None and path.is_file():
+            cached = torch.load(path, weights_only=True)
+            if cached.get("pairs_sha256") != fingerprint:
+                raise ConfigError(f"{_KEY}.reference_cache", str(path),
+                                  "it was computed for other preference pairs; delete it or give another path")
+            probe = self._sequence_logps_of(pairs[:1], collator, data.batch_size)
+            if not torch.allclose(probe, cached["logps"][:1].to(probe), rtol=0, atol=PROBE_ATOL):
+                raise ConfigError(f"{_KEY}.reference_cache", str(path),
+                                  "its log-probs differ from this run's initial model (another model, seed or "
+                                  "dtype?); delete it or give another path")
+            return cached["logps"]
+        logps = self._sequence_logps_of(pairs, collator, data.batch_size)
+        if path is not None and (self._trainer is None or self.trainer.is_global_zero):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"pairs_sha256": fingerprint, "logps": logps.cpu()}, path)
+        return logps
+
+    @torch.no_grad()
+    def _sequence_logps_of(self, pairs: list[dict[str, Tensor]], collator: PreferencePaddingCollator,
+                           batch_size: int) -> Tensor:
+        """``[len(pairs), 2]`` log-probs under the current model (the reference before training).
+
+        Data-parallel ranks split the pairs; all ranks run the same number of forwards (a
+        sharded model gathers its layers collectively), then one all-reduce joins the shares.
+        """
+        strategy = self.trainer.strategy if self._trainer is not None else None
+        replicas = getattr(strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
+        count, rank = replicas["num_replicas"], replicas["rank"]
+        mine = list(range(rank, len(pairs), count))
+        batches = [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
+        steps = torch.tensor(len(batches), device=self.device)
+        world = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if world:
+            dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+        out = torch.zeros(len(pairs), 2, device=self.device)
+        was_training = self.model.training
+        self.model.eval()
+        for step in range(int(steps)):
+            indices = batches[step] if step < len(batches) else [0]  # a rank out of pairs keeps its peers company
+            batch = move_data_to_device(collator([pairs[i] for i in indices]), self.device)
+            logps = self.model(batch)[0].float().reshape(2, -1).t()
+            if step < len(batches):
+                out[indices] = logps
+        self.model.train(was_training)
+        if world:  # each pair was computed by one data-parallel replica, by each of its ranks
+            dist.all_reduce(out)
+            out /= dist.get_world_size() // count
+        return out
+
+
+def _pairs_fingerprint(pairs: list[dict[str, Tensor]]) -> str:
+    """SHA-256 of every pair's tokens, labels and layout: which pairs a cache belongs to."""
+    digest = hashlib.sha256()
+    for pair in pairs:
+        for key in ("input_ids", "labels", "chosen_tokens", "prompt_tokens", "pair_index"):
+            digest.update(pair[key].numpy().tobytes())
+    return digest.hexdigest()
