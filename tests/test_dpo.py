@@ -1,0 +1,205 @@
+"""DPO layouts and distribution train the same model: packed == padded, prefix-shared == unshared
+(loss and every gradient, for every loss type), and 2-rank FSDP2 == one process over training
+steps with unequal pair lengths and counts per rank.
+
+The pairs come from ``ArithmeticPreference`` with worked examples before the question, so
+prompt lengths (and with them the pair lengths) differ a lot. The policy is perturbed away from
+its reference (0.02 x noise) so that log-ratios, rewards and their gradients are far from 0.
+
+Tolerances (fp32): layouts run the same math in other shapes, so losses agree to ~1e-7 and
+gradients to ~1e-6 relative (``GRAD_RTOL`` = max |diff| / max |value| per tensor). Training runs
+use ``tests/test_step_objective.py``'s tolerances (Adam magnifies rounding: ~1e-4 on single
+elements whose gradient is near 0).
+
+Bugs put in on purpose, and which test saw them:
+- packed rows whose rejected documents are summed into the chosen sequence (``sequence_ids``
+  of the rejected doc = the chosen's): ``test_packed_equals_padded`` fails for every loss;
+- ``position_ids`` counting on across the documents of a row (attention and RoPE leak across
+  documents): ``test_packed_equals_padded`` fails;
+- a branch mask that lets the rejected branch see the chosen one (``key_branch <= query_branch``):
+  ``test_prefix_shared_equals_unshared`` fails for every loss;
+- the per-micro-batch mean (each micro-batch divided by its own pairs, then averaged again):
+  ``test_fsdp2_two_ranks_equal_one_process`` and ``test_accumulation_equals_one_batch`` fail.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.utils.data import DataLoader
+
+from lit_ablate.data import ArithmeticPreference, LMDataModule, PreferencePackingCollator, PreferencePaddingCollator
+from lit_ablate.models.factory import ModelFactory
+from lit_ablate.modules import DPO
+from lit_ablate.strategies import FSDP2Strategy
+from tests.distributed import run_ranks
+from tests.test_step_objective import LOSS_ATOL, WEIGHT_MAX_ATOL, WEIGHT_MEAN_ATOL, PerMicroBatchMean, StepLosses
+
+LOSS_TYPES = {"sigmoid": {"label_smoothing": 0.1}, "ipo": {}, "hinge": {}, "simpo": {"reference": "none"}}
+GRAD_RTOL = 2e-5
+SEQ_LEN = 96
+
+
+def pairs(count: int = 6, seed: int = 0) -> list[dict]:
+    data = LMDataModule(ArithmeticPreference(num_examples=count, max_operand=30, median_shots=2.0, seed=seed),
+                        format="preference", seq_len=SEQ_LEN, shuffle=False)
+    data.setup()
+    return data.train_set.examples
+
+
+def padded(items: list[dict]) -> dict:
+    collator = PreferencePaddingCollator()
+    collator.bind(256, SEQ_LEN)
+    return collator(items)
+
+
+def packed(items: list[dict], prefix_sharing: bool = False, max_tokens: int | None = None) -> dict:
+    collator = PreferencePackingCollator(within_batch=True, prefix_sharing=prefix_sharing, max_tokens=max_tokens)
+    collator.bind(256, SEQ_LEN)
+    return collator(items)
+
+
+def module(kind: str, attention: str) -> DPO:
+    """A DPO module whose policy is the seeded tiny Llama moved 0.02 x noise away from its reference."""
+    options = dict(LOSS_TYPES[kind])
+    torch.manual_seed(0)
+    dpo = DPO(ModelFactory(preset="tiny-llama", attn_implementation=attention), loss_type=kind, beta=0.5,
+              reference=options.pop("reference", "frozen"), **options)
+    dpo.configure_model()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in dpo.model.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=generator))
+    return dpo
+
+
+def loss_and_grads(dpo: DPO, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    result, _, _ = dpo.pair_losses(batch)
+    loss = result.losses.mean()
+    named = [(n, p) for n, p in dpo.model.named_parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, [p for _, p in named])
+    return loss.detach(), {n: g for (n, _), g in zip(named, grads)}
+
+
+def assert_same(got: tuple, want: tuple) -> None:
+    assert got[0].item() == pytest.approx(want[0].item(), abs=1e-6, rel=0)
+    for name, value in want[1].items():
+        error = ((got[1][name] - value).abs().max() / value.abs().max().clamp(min=1e-30)).item()
+        assert error <= GRAD_RTOL, f"{name}: relative gradient error {error:.1e}"
+
+
+def test_pairs_have_unequal_lengths_and_packed_rows_hold_several_pairs():
+    items = pairs()
+    lengths = [len(p["input_ids"]) for p in items]
+    assert max(lengths) > 2 * min(lengths), lengths
+    batch = packed(items, max_tokens=2 * SEQ_LEN)
+    assert batch["input_ids"].shape[0] < len(items) and batch["num_pairs"] == len(items)
+
+
+@pytest.mark.parametrize("kind", list(LOSS_TYPES))
+def test_packed_equals_padded(kind: str) -> None:
+    """Several pairs per packed row (sdpa_packed) against TRL's padded layout (sdpa)."""
+    items = pairs()
+    want = loss_and_grads(module(kind, "sdpa"), padded(items))
+    got = loss_and_grads(module(kind, "sdpa_packed"), packed(items, max_tokens=2 * SEQ_LEN))
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("kind", list(LOSS_TYPES))
+def test_prefix_shared_equals_unshared(kind: str) -> None:
+    """Each pair's prompt computed once under the branch mask (sdpa) against two full sequences."""
+    items = pairs()
+    want = loss_and_grads(module(kind, "sdpa_packed"), packed(items))
+    shared = packed(items, prefix_sharing=True)
+    assert shared["input_ids"].ne(256).sum() < packed(items)["input_ids"].ne(256).sum()  # fewer tokens computed
+    assert_same(loss_and_grads(module(kind, "sdpa"), shared), want)
+
+
+def test_prefix_sharing_refuses_a_backend_without_its_mask() -> None:
+    from lit_ablate.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="attn_implementation='sdpa_packed': prefix sharing needs"):
+        module("sigmoid", "sdpa_packed").pair_losses(packed(pairs(2), prefix_sharing=True))
+
+
+# --- training: accumulation and 2-rank FSDP2 against one process ------------------------------
+STEPS = 4
+
+
+def step_pairs() -> list[list[dict]]:
+    """Per step, four pairs: three long ones then one short one (so micro-batches and ranks that
+    split them 3 + 1 differ in pair count and in tokens)."""
+    items = sorted(pairs(4 * STEPS, seed=3), key=lambda p: -len(p["input_ids"]))
+    long, short = items[: 3 * STEPS], items[3 * STEPS :]
+    return [long[3 * s : 3 * s + 3] + [short[s]] for s in range(STEPS)]
+
+
+def micro_batches(variant: str, rank: int = 0) -> list[dict]:
+    steps = step_pairs()
+    if variant == "reference":
+        return [padded(step) for step in steps]
+    if variant == "accumulate":
+        return [padded(part) for step in steps for part in (step[:3], step[3:])]
+    if variant == "packed":
+        return [packed(step) for step in steps]
+    return [padded(step[:3] if rank == 0 else step[3:]) for step in steps]  # ranks: 3 pairs vs 1
+
+
+def fit(variant: str, strategy="auto", devices: int = 1, rank: int = 0, old: bool = False) -> dict:
+    pl.seed_everything(0, verbose=False)
+    attention = "sdpa_packed" if variant == "packed" else "sdpa"
+    dpo = DPO(ModelFactory(preset="tiny-llama", attn_implementation=attention), beta=0.5, learning_rate=1e-2,
+              warmup_steps=0, weight_decay=0.1)
+    if old:
+        dpo.objective = PerMicroBatchMean()
+    losses = StepLosses()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, callbacks=[losses],
+        accumulate_grad_batches=2 if variant == "accumulate" else 1, gradient_clip_val=1.0, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        use_distributed_sampler=False, num_sanity_val_steps=0,
+    )
+    trainer.fit(dpo, DataLoader(micro_batches(variant, rank), batch_size=None))
+    weights = get_model_state_dict(trainer.strategy.model, options=StateDictOptions(full_state_dict=True))
+    return {"losses": losses.losses, "weights": {k: v.detach().clone() for k, v in weights.items()}}
+
+
+def assert_same_training(run: dict, reference: dict) -> None:
+    assert len(run["losses"]) == STEPS
+    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(reference["losses"]), rtol=0, atol=LOSS_ATOL)
+    for name, value in reference["weights"].items():
+        difference = (run["weights"][name] - value).abs()
+        assert difference.mean() <= WEIGHT_MEAN_ATOL and difference.max() <= WEIGHT_MAX_ATOL, (
+            f"{name}: mean |diff| {difference.mean():.2e}, max {difference.max():.2e}")
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    run = fit("reference")
+    assert run["losses"][-1] < run["losses"][0]  # it trains: the comparisons below are not of a frozen model
+    return run
+
+
+@pytest.mark.parametrize("variant", ["accumulate", "packed"])
+def test_accumulation_and_packing_equal_one_batch(reference, variant: str) -> None:
+    assert_same_training(fit(variant), reference)
+
+
+def _two_ranks(rank: int, world_size: int, old: bool) -> dict:
+    return fit("ranks", FSDP2Strategy(), devices=2, rank=rank, old=old)
+
+
+def test_fsdp2_two_ranks_equal_one_process(reference) -> None:
+    """Both the policy and the frozen reference are sharded; rank 0 holds three long pairs per
+    step, rank 1 one short pair."""
+    for run in run_ranks(_two_ranks, 2, False, init_process_group=False, timeout_s=300):
+        assert_same_training(run, reference)
+
+
+def test_the_per_micro_batch_mean_fails_these_checks(reference) -> None:
+    with pytest.raises(AssertionError):
+        assert_same_training(fit("accumulate", old=True), reference)
+    with pytest.raises(AssertionError):
+        assert_same_training(run_ranks(_two_ranks, 2, True, init_process_group=False, timeout_s=300)[0], reference)
