@@ -14,7 +14,10 @@ imports the other: both depend only on this module. A record is one JSON file pe
       "fallbacks": ["..."],                     # every fallback a part took, in words
       "steps": [{"step": 1, "loss": ..., "lr": ..., "step_time_s": ..., "data_wait_s": ...,
                  "tokens_per_sec": ..., "useful_tokens_per_sec": ..., "mfu": ...,
-                 "memory_peak_bytes": ..., "memory_peak_bytes_per_rank": [...]}, ...],
+                 "memory_peak_bytes": ..., "memory_peak_bytes_per_rank": [...],
+                 "tensor_peak_bytes": ..., "tensor_peak_bytes_per_rank": [...],  # see below
+                 "tensor_breakdown": null | {"method": ..., "rank": r, "at_peak": {category: bytes},
+                                             "max": {category: bytes}, "forward_backward_max": bytes}}, ...],
       "summary": {
         "status": "ok" | "error" | "oom" | "timeout" | "running" | "interrupted" | "skipped",
         "message": null | "the error, one line",
@@ -25,6 +28,11 @@ imports the other: both depend only on this module. A record is one JSON file pe
         "mfu": {...} | null,                    # null when no honest peak is known
         "peak_memory_bytes": int | null,        # the largest over steps and ranks
         "peak_memory_bytes_per_rank": [int] | null, "memory_method": str | null,
+        "peak_tensor_bytes": int | null,        # the largest tensor peak over steps and ranks
+        "peak_tensor_bytes_per_rank": [int] | null,
+        "tensor_method": "cpu_tracked_tensors" | "cuda_max_allocated" | null,
+        "tensor_breakdown": null | {"step": s, "method": ..., "rank": r, "at_peak": {...}, "max": {...},
+                                    "forward_backward_max": bytes},  # the tracked step with the largest peak
         "final_loss": float | null,
         "exact_match": float | null             # ExactMatchEvaluator's accuracy after the last step
       }
@@ -32,6 +40,22 @@ imports the other: both depend only on this module. A record is one JSON file pe
 
 A record whose status is ``running`` belongs to a run that was killed before it could finish:
 the ablation runner redoes it on resume.
+
+Memory has two measurements (``MemoryMonitor``). ``memory_peak_bytes`` is the process peak every
+step: the CUDA allocator's peak allocated bytes, or on CPU the process's peak resident set
+(``memory_method`` says which; on CPU it includes the Python runtime, ~0.5 GB). ``tensor_peak_bytes``
+is the peak of tensor bytes the rank holds: on CUDA the allocator's peak again (every step), on
+CPU the ``TensorCategoryTracker``'s, only on the tracked steps (the last warm-up steps, never timed).
+``tensor_breakdown`` (tracked steps) splits it into categories: ``params``, ``grads``,
+``optimizer`` (what the rank itself holds: its shard under FSDP/ZeRO), ``activations`` (made in
+forward or recomputed in backward), ``temporaries`` (made in backward or the optimizer update),
+``transient`` (what a parallel strategy adds: gathered parameters and their full gradients,
+communication buffers, DDP's gradient buckets), any category the module declares (``reference``),
+and on CUDA ``untracked`` (allocator peak minus tracked bytes). ``at_peak`` is the composition at
+the moment of the peak (it adds up to the tracked peak), ``max`` each category's own largest
+value during the step, and ``forward_backward_max`` the largest activations + temporaries during
+forward and backward: the quantity the estimator's activation model predicts. Per-rank values
+are in rank order; the breakdown is the rank's with the largest tracked peak.
 """
 
 from __future__ import annotations
@@ -98,12 +122,28 @@ def summarize_steps(steps: Sequence[Mapping[str, Any]], warmup_steps: int) -> di
     summary["peak_memory_bytes"] = int(max(peaks)) if peaks else None
     per_rank = [s["memory_peak_bytes_per_rank"] for s in steps if s.get("memory_peak_bytes_per_rank")]
     summary["peak_memory_bytes_per_rank"] = [int(max(column)) for column in zip(*per_rank)] if per_rank else None
+    summary.update(tensor_peak_summary(steps))
     losses = [s["loss"] for s in steps if s.get("loss") is not None]
     summary["final_loss"] = float(losses[-1]) if losses else None
     for series, key in FINAL_VALUE_SERIES.items():
         values = [s[series] for s in steps if s.get(series) is not None]
         summary[key] = float(values[-1]) if values else None
     return summary
+
+
+def tensor_peak_summary(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The tensor peak over the steps that have one (and each rank's), and the breakdown by
+    category of the tracked step with the largest tracked peak."""
+    peaks = [s["tensor_peak_bytes"] for s in steps if s.get("tensor_peak_bytes") is not None]
+    per_rank = [s["tensor_peak_bytes_per_rank"] for s in steps if s.get("tensor_peak_bytes_per_rank")]
+    tracked = [(s["step"], s["tensor_breakdown"]) for s in steps if s.get("tensor_breakdown")]
+    step, breakdown = max(tracked, key=lambda t: sum(t[1]["at_peak"].values()), default=(None, None))
+    return {
+        "peak_tensor_bytes": int(max(peaks)) if peaks else None,
+        "peak_tensor_bytes_per_rank": [int(max(column)) for column in zip(*per_rank)] if per_rank else None,
+        "tensor_method": breakdown["method"] if breakdown else None,
+        "tensor_breakdown": {"step": step, **breakdown} if breakdown else None,
+    }
 
 
 def write_record(path: str | os.PathLike[str], record: Mapping[str, Any]) -> Path:

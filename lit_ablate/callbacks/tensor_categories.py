@@ -1,0 +1,219 @@
+"""``TensorCategoryTracker``: the bytes of tensors one rank holds during a training step, by what they are for.
+
+torch's ``MemTracker`` (a ``TorchDispatchMode``) sees every storage that an operator creates or
+resizes, and keeps a running total per category. Its own categories do not survive a Lightning
+step or a sharding strategy, so this subclass assigns them itself:
+
+- MemTracker marks everything created inside ``optimizer.step`` as optimizer state, and Lightning
+  runs forward and backward *inside* ``optimizer.step(closure)``: activations would be counted as
+  optimizer states. Here the phase (forward, backward, update) is set by the caller at the step's
+  boundaries, and optimizer states are the tensors in ``optimizer.state`` (``ZeroRedundancyOptimizer``:
+  its local optimizer's, so only this rank's shard).
+- MemTracker registers gradient hooks on every parameter a module uses, which FSDP1's parameter
+  views refuse, and it never sees FSDP2's sharded gradients (assigned after the reduce-scatter,
+  not accumulated). Here roles are *claimed* from what the rank holds at each module's forward,
+  after each module's backward and before the update: the storages of registered parameters, of
+  their ``.grad`` and of the optimizer states.
+
+A parameter storage the rank held when tracking began (its shard under FSDP, the whole tensor
+under DDP) is ``params``; one that appears during the step (a layer's gathered parameters under
+FSDP1 or FSDP2) is ``transient``, as are their full gradients, every buffer FSDP2's copy-in/out
+operators touch, and storages made before tracking that an operator writes into (DDP's gradient
+buckets). Other collectives' outputs keep the phase's category: tensor, expert and context
+parallelism communicate activations. Parameters of submodules named in ``extra`` (e.g. DPO's
+frozen reference model) count in their own category, gathered or not.
+
+Checked on 2 gloo ranks (tests/test_memory_categories.py): FSDP2's DTensor shards, FSDP1's flat
+parameter shards and ``ZeroRedundancyOptimizer``'s state shards are counted as the halves each
+rank holds. Not seen on CPU: tensors made before tracking and never written during a step (on
+CUDA the allocator's peak includes them; the difference is reported as ``untracked``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.distributed._tools.common_utils import get_untyped_storages
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _UpdateType
+from torch.optim import Optimizer
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries", "transient")
+"""The built-in categories, in the order reports stack them."""
+Phase = Literal["forward", "backward", "update"]
+_FSDP_NAMESPACE = "fsdp"
+"""FSDP2's copy-in/out operators: every tensor they touch is a communication buffer or a gathered
+parameter. (Other collectives are not: tensor/expert/context parallelism send activations.)"""
+_TOTAL = "Total"
+
+
+def optimizer_states(optimizer: Optimizer) -> list[torch.Tensor]:
+    """The state tensors this rank keeps for ``optimizer`` (a wrapper's inner optimizer included:
+    ``ZeroRedundancyOptimizer`` keeps its shard's states in ``.optim``)."""
+    states = [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    inner = getattr(optimizer, "optim", None)
+    return states + optimizer_states(inner) if isinstance(inner, Optimizer) else states
+
+
+class TensorCategoryTracker(MemTracker):
+    """Peak tensor bytes of one step on ``device``, its composition, and each category's own maximum.
+
+    Usage: ``enter()`` one step before the first measured step (a priming step: buffers made before
+    training become known when first written), ``start_measuring()`` at each measured step's start,
+    ``new_micro_batch()`` before each micro-batch, ``set_phase`` at the step's boundaries, ``exit()``
+    after the last; at a measured step's end read ``peak``, ``at_peak`` (bytes per
+    category at the moment of the peak; they add up to ``peak``), ``maxima`` (each category's
+    largest value during the step) and ``forward_backward_max`` (activations + temporaries, the
+    most they reach together during forward and backward: what an activation model predicts).
+
+    Args:
+        module: the trained module (every parameter it registers, at any moment, is claimed).
+        optimizers: the step's optimizers.
+        device: where the counted tensors live (a GPU run also makes small host tensors).
+        extra: category name -> submodules whose parameters count there instead of ``params``.
+    """
+
+    def __init__(self, module: nn.Module, optimizers: Sequence[Optimizer], device: torch.device,
+                 extra: Mapping[str, Sequence[nn.Module]] | None = None) -> None:
+        super().__init__()
+        extra = dict(extra or {})
+        self.module, self.optimizers, self.device = module, list(optimizers), device
+        self.categories: tuple[str, ...] = (*CATEGORIES, *extra)
+        self._ref_class = self.categories  # MemTracker keys its running totals by these
+        self._extra_of = {id(m): name for name, tops in extra.items() for top in tops for m in top.modules()}
+        self._own: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._writes_untracked = False
+        self.phase: Phase = "forward"
+        self.peak = 0
+        self.at_peak: dict[str, int] = dict.fromkeys(self.categories, 0)
+        self.maxima: dict[str, int] = dict.fromkeys(self.categories, 0)
+        self.forward_backward_max = 0
+
+    # --- the caller's interface -----------------------------------------------------------------
+    def enter(self) -> None:
+        """Start counting: what the rank holds now is its own state (parameters, gradients, optimizer)."""
+        for p in [*self.module.parameters(), *self.module.buffers()]:
+            for storage in get_untyped_storages(p):
+                self._own[storage] = True
+        self.__enter__()
+        self.claim()
+
+    def exit(self) -> None:
+        """Stop counting and drop every weak reference (no callbacks fire during later steps)."""
+        self.__exit__(None, None, None)
+        self._WINFO.clear()
+        self._own.clear()
+        self.memory_tracking.clear()
+
+    def start_measuring(self) -> None:
+        """A measured step starts: peaks restart from what is held now. A storage that outlived the
+        previous step without being a parameter, gradient or optimizer state is a buffer a strategy
+        keeps (DDP's gradient buckets, allocated before training and first written in the priming
+        step's backward): ``transient`` from now on. So the tracker should be entered one step early."""
+        for winfo, _ in list(self._WINFO.values()):
+            if winfo.reftype in ("activations", "temporaries"):
+                old, winfo.reftype = winfo.reftype, "transient"
+                self._update_snap(_UpdateType.REF, winfo, old_reftype=old)
+        self.claim()
+        now = self._curr_mem_snap.get(self.device, {})
+        self.at_peak = {c: now.get(c, 0) for c in self.categories}
+        self.maxima = dict(self.at_peak)
+        self.peak = now.get(_TOTAL, 0)
+        self.forward_backward_max = 0
+
+    def new_micro_batch(self) -> None:
+        """A micro-batch starts: forward phase, and MemTracker's per-module records restart (it
+        refuses a second call of the root module otherwise)."""
+        self.reset_mod_stats()
+        self.set_phase("forward")
+
+    def set_phase(self, phase: Phase) -> None:
+        """Tensors made from now on are ``activations`` (forward, or recomputed in backward) or
+        ``temporaries`` (backward, update); roles are claimed again at each change."""
+        self.phase = phase
+        self.claim()
+
+    def claim(self) -> None:
+        """Re-categorise what the rank holds now: parameters, their gradients, optimizer states."""
+        for module in self.module.modules():
+            extra = self._extra_of.get(id(module))
+            for tensors, owned in ((module.parameters(recurse=False), "params"), (module.buffers(recurse=False), "params")):
+                for p in tensors:
+                    own = any(s in self._own for s in get_untyped_storages(p))
+                    self._update_and_maybe_create_winfos(p, extra or (owned if own else "transient"))
+                    grad = getattr(p, "grad", None)
+                    if grad is not None:
+                        self._update_and_maybe_create_winfos(grad, extra or ("grads" if own else "transient"))
+        for optimizer in self.optimizers:
+            for state in optimizer_states(optimizer):
+                self._update_and_maybe_create_winfos(state, "optimizer")
+
+    # --- MemTracker overrides -------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (MemTracker's signature)
+        # An operator that writes into a storage nobody tracked yet: a buffer made before the step
+        # (DDP's gradient buckets, FSDP's gathered-parameter storages, resized outside operators).
+        self._writes_untracked = func._schema.is_mutable
+        try:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+        finally:
+            self._writes_untracked = False
+        if func.namespace == _FSDP_NAMESPACE:  # FSDP's all-gather/reduce-scatter buffers, in and out
+            for t in tree_flatten((args, kwargs, out))[0]:
+                if isinstance(t, torch.Tensor):
+                    self._recategorise(t, ("activations", "temporaries"), "transient")
+        return out
+
+    def _recategorise(self, t: torch.Tensor, current: tuple[str, ...], category: str) -> None:
+        for storage in get_untyped_storages(t):
+            winfo, _ = self._WINFO.get(storage, (None, None))
+            if winfo is not None and winfo.reftype in current:
+                old, winfo.reftype = winfo.reftype, category
+                self._update_snap(_UpdateType.REF, winfo, old_reftype=old)
+
+    def _track(self, reftype: Any, t: torch.Tensor) -> None:
+        """A storage an operator produced: categorise it by the phase (MemTracker's ``reftype``
+        says only whether autograd is running backward outside a recomputation)."""
+        if self._writes_untracked:
+            category = "transient"
+        elif reftype is _MemRefType.ACT and (self.phase == "forward" or self._in_ac):
+            category = "activations"
+        else:
+            category = "temporaries"
+        super()._track(category, t)
+
+    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
+        """At a module's first forward: claim roles (a sharded layer's parameters are gathered now)."""
+        self.claim()
+        return 0, 0
+
+    def _post_bw_hook(self, module: nn.Module, args: Any) -> None:
+        """After a module's backward: its gradients exist (FSDP2's reduce-scattered shards too)."""
+        super()._post_bw_hook(module, args)
+        self.claim()
+
+    def _register_global_optimizer_hook(self) -> None:
+        """No optimizer hooks: under Lightning forward and backward run inside ``optimizer.step``."""
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        """Per-module peaks are not needed; the step's peak is kept in ``_update_snap``."""
+
+    def _update_snap(self, u_type: Any, winfo: Any, old_mem_consumed: int | None = None,
+                     old_reftype: Any = None) -> None:
+        super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+        if winfo.device != self.device:
+            return
+        now = self._curr_mem_snap.get(winfo.device)
+        if now is None:  # MemTracker drops a device whose total reaches zero
+            return
+        for category in (winfo.reftype, old_reftype):
+            if category is not None and now[category] > self.maxima[category]:
+                self.maxima[category] = now[category]
+        if self.phase != "update":
+            self.forward_backward_max = max(self.forward_backward_max, now["activations"] + now["temporaries"])
+        if now[_TOTAL] > self.peak:
+            self.peak = now[_TOTAL]
+            self.at_peak = {c: now[c] for c in self.categories}

@@ -1,0 +1,188 @@
+"""The measured tensor peak by category (``MemoryMonitor`` + ``TensorCategoryTracker``) shows what
+each technique changes, as a ratio it predicts, on real runs (2 gloo ranks where a strategy needs them).
+
+Expected ratios and tolerances (measured here, tiny Llama, micro-batch 4 x 32 tokens per rank):
+
+- FSDP2 and FSDP1 (ZeRO-3) on 2 ranks hold half of DDP's parameter, gradient and optimizer bytes
+  per rank: measured 0.5000 (params 0.50004: buffers are not sharded); tolerance 2%.
+- ZeRO-1 on 2 ranks: optimizer states 0.5 of DDP's (measured 0.518 on the larger rank:
+  ``ZeroRedundancyOptimizer`` partitions whole tensors), tolerance 0.05; parameters and gradients
+  exactly DDP's (the bucket copy and the gathered layers are ``transient``, not counted here).
+- Full activation checkpointing: the activation category falls to 0.26 of no checkpointing
+  (the layers' inputs plus one recomputed layer); asserted below 0.4.
+- ``chunked`` loss at a 8192-token vocabulary: forward+backward activations and temporaries
+  0.60 of ``torch``'s (torch keeps three ``[tokens, vocab]`` fp32 copies, chunked one chunk's
+  plus an fp32 LM-head gradient formed in the forward); asserted below 0.75.
+
+Seen failing with the technique broken on purpose: counting every parameter storage as the
+rank's own (``TensorCategoryTracker.claim`` without the ``_own`` test) puts FSDP's gathered
+layers into ``params`` (ratios 0.82 and 1.05: fails); reading only ``optimizer.state`` (not ZeRO's
+``.optim``) gives ZeRO-1 zero optimizer bytes (fails); the checkpointed variant without
+checkpointing gives ratio 1.0; the chunked variant with ``loss: torch`` gives 1.0.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lit_ablate.callbacks import MemoryMonitor, RunRecorder
+from lit_ablate.callbacks.memory import declared_categories
+from lit_ablate.models.factory import ModelFactory
+from lit_ablate.modules import CausalLM
+from tests.distributed import run_ranks
+from tests.test_callbacks import _batches
+
+STRATEGIES = ("ddp", "zero1", "fsdp2", "fsdp1", "fsdp2_checkpointed")
+STATE = ("params", "grads", "optimizer")
+
+
+def _strategy(name: str):
+    from lit_ablate.strategies import DDPStrategy, FSDP1Strategy, FSDP2Strategy, ZeRO1Strategy
+
+    return {"ddp": DDPStrategy, "zero1": ZeRO1Strategy, "fsdp2": FSDP2Strategy, "fsdp1": FSDP1Strategy,
+            "fsdp2_checkpointed": lambda: FSDP2Strategy(activation_checkpointing="full")}[name]()
+
+
+def _fit(root: str, name: str, devices: int, module: CausalLM | None = None, steps: int = 4, warmup: int = 3,
+         monitor: MemoryMonitor | None = None) -> dict:
+    """A short fit with a MemoryMonitor; the run record (written by rank 0)."""
+    L.seed_everything(0)
+    module = module or CausalLM(ModelFactory(preset="tiny-llama"), warmup_steps=0)
+    path = f"{root}/{name}.json"
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=devices,
+                        strategy=_strategy(name) if devices > 1 else "auto", use_distributed_sampler=False,
+                        callbacks=[monitor or MemoryMonitor(), RunRecorder(path=path, warmup_steps=warmup)],
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, DataLoader(_batches(steps, 4, masked_prefix=[0]), batch_size=None))
+    with open(path) as f:
+        return json.load(f) if trainer.is_global_zero else {}
+
+
+def _fit_each_strategy(rank: int, world_size: int, root: str) -> None:
+    for name in STRATEGIES:
+        _fit(root, name, world_size)
+
+
+@pytest.fixture(scope="module")
+def two_rank_records(tmp_path_factory) -> dict[str, dict]:
+    root = tmp_path_factory.mktemp("memory")
+    run_ranks(_fit_each_strategy, 2, str(root), init_process_group=False, timeout_s=600)
+    return {name: json.loads((root / f"{name}.json").read_text()) for name in STRATEGIES}
+
+
+def _maxima(record: dict) -> dict[str, int]:
+    return record["summary"]["tensor_breakdown"]["max"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharded", ["fsdp2", "fsdp1"])
+def test_fully_sharded_ranks_hold_half_the_state_of_ddp(two_rank_records, sharded):
+    ddp, fsdp = _maxima(two_rank_records["ddp"]), _maxima(two_rank_records[sharded])
+    for category in STATE:
+        assert fsdp[category] / ddp[category] == pytest.approx(0.5, rel=0.02), category
+    # the layers FSDP gathers for compute are counted, as transient copies
+    assert fsdp["transient"] > 0
+    summary = two_rank_records[sharded]["summary"]
+    assert summary["peak_tensor_bytes"] < two_rank_records["ddp"]["summary"]["peak_tensor_bytes"]
+
+
+@pytest.mark.slow
+def test_zero1_halves_the_optimizer_states_only(two_rank_records):
+    ddp, zero1 = _maxima(two_rank_records["ddp"]), _maxima(two_rank_records["zero1"])
+    assert zero1["optimizer"] / ddp["optimizer"] == pytest.approx(0.5, abs=0.05)
+    assert zero1["params"] == ddp["params"] and zero1["grads"] == ddp["grads"]
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_lowers_the_activation_category(two_rank_records):
+    plain, checkpointed = _maxima(two_rank_records["fsdp2"]), _maxima(two_rank_records["fsdp2_checkpointed"])
+    assert checkpointed["activations"] / plain["activations"] < 0.4
+    assert checkpointed["params"] == plain["params"]
+
+
+@pytest.mark.slow
+def test_ddp_buckets_and_each_ranks_peak_are_kept(two_rank_records):
+    """DDP's gradient buckets exist before training; the priming step makes them visible: one
+    gradient-sized transient copy. Every rank's peak is kept; the summary shows the largest."""
+    ddp = two_rank_records["ddp"]
+    assert _maxima(ddp)["transient"] == pytest.approx(_maxima(ddp)["grads"], rel=0.01)
+    summary = ddp["summary"]
+    assert len(summary["peak_tensor_bytes_per_rank"]) == 2
+    assert summary["peak_tensor_bytes"] == max(summary["peak_tensor_bytes_per_rank"])
+
+
+def test_chunked_loss_lowers_activations_and_temporaries_at_a_large_vocabulary(tmp_path):
+    working = {}
+    for loss, options in (("torch", {}), ("chunked", {"chunk_tokens": 32})):
+        module = CausalLM(ModelFactory(preset="tiny-llama", config={"vocab_size": 8192}), loss=loss,
+                          loss_options=options, warmup_steps=0)
+        record = _fit(str(tmp_path), loss, 1, module=module, steps=3)
+        working[loss] = record["summary"]["tensor_breakdown"]["forward_backward_max"]
+    assert working["chunked"] / working["torch"] < 0.75
+
+
+def test_only_warm_up_steps_are_tracked_and_the_tracker_is_gone_after(tmp_path):
+    """Tracked: the last two warm-up steps (4, 5), primed by step 3; the timed steps after them
+    carry no breakdown and no dispatch mode stays active."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    record = _fit(str(tmp_path), "run", 1, steps=7, warmup=5, monitor=MemoryMonitor(tracked_steps=2))
+    tracked = [s["step"] for s in record["steps"] if s.get("tensor_breakdown")]
+    assert tracked == [4, 5]
+    assert [s["step"] for s in record["steps"] if s.get("tensor_peak_bytes")] == [4, 5]
+    assert _get_current_dispatch_mode() is None
+    summary = record["summary"]
+    assert summary["peak_tensor_bytes"] == max(s["tensor_peak_bytes"] for s in record["steps"] if s.get("tensor_peak_bytes"))
+    breakdown = summary["tensor_breakdown"]
+    assert sum(breakdown["at_peak"].values()) == summary["peak_tensor_bytes"]  # the categories make the peak
+    assert summary["tensor_method"] == "cpu_tracked_tensors"
+    assert breakdown["max"]["optimizer"] >= 2 * breakdown["max"]["grads"] > 0  # AdamW: two moments
+    assert summary["peak_memory_bytes"] > summary["peak_tensor_bytes"]  # RSS: the Python runtime on top
+
+
+def test_too_few_warm_up_steps_track_nothing_and_say_so(tmp_path):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        record = _fit(str(tmp_path), "run", 1, steps=3, warmup=1)
+    assert not any(s.get("tensor_breakdown") for s in record["steps"])
+    assert record["summary"]["peak_tensor_bytes"] is None
+    assert any("recorder.warmup_steps to 2 or more" in str(w.message) for w in seen)
+
+
+class _WithFrozenCopy(CausalLM):
+    """A policy and a frozen copy run without gradients each step, as DPO's reference model."""
+
+    memory_categories = {"reference": ["reference"]}
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        import copy
+
+        self.reference = copy.deepcopy(self.model).requires_grad_(False)
+
+    def training_step(self, batch, batch_idx):
+        with torch.no_grad():
+            self.reference(batch)
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_module_counts_named_submodules_in_a_category_of_their_own(tmp_path):
+    module = _WithFrozenCopy(ModelFactory(preset="tiny-llama"), warmup_steps=0)
+    record = _fit(str(tmp_path), "run", 1, module=module, steps=3)
+    maxima = record["summary"]["tensor_breakdown"]["max"]
+    own = sum(t.numel() * 4 for t in [*module.model.parameters(), *module.model.buffers()])
+    assert maxima["reference"] == own  # the copy: its parameters and buffers, nothing else
+    assert maxima["params"] == own  # the policy alone
+
+
+def test_a_declared_category_may_not_reuse_a_built_in_name():
+    module = CausalLM(ModelFactory(preset="tiny-llama"))
+    module.memory_categories = {"params": ["model"]}
+    with pytest.raises(ValueError, match="built-in category"):
+        declared_categories(module)
