@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +21,12 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 import lit_ablate.models.attention  # noqa: F401  (registers sdpa_packed, flex, fa_varlen with transformers)
 from lit_ablate.errors import ConfigError
+from lit_ablate.models.adapters import OPTIONS_KEY as ADAPTER_KEY
+from lit_ablate.models.adapters import AdapterOptions, apply_adapters
 from lit_ablate.models.moe import MoEOptions, apply_moe
 from lit_ablate.models.presets import preset_config
+from lit_ablate.models.quantization import OPTIONS_KEY as QUANTIZATION_KEY
+from lit_ablate.models.quantization import QuantizationOptions, quantize_linears
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CONFIG_KEY = "model.init_args.model.config"
@@ -48,6 +52,10 @@ class ModelFactory:
             registered by ``lit_ablate.models.attention``: ``sdpa_packed``, ``flex``, ``fa_varlen``).
         moe: for MoE models, the experts implementation and router losses (``MoEOptions``);
             null leaves transformers' own MoE blocks untouched.
+        adapter: train low-rank adapters (peft LoRA/DoRA/rsLoRA, ``AdapterOptions``) on the frozen
+            model instead of the model itself; null trains every weight.
+        quantization: store the frozen base's linear layers in bitsandbytes 4-bit or 8-bit
+            (``QuantizationOptions``; with an adapter: QLoRA); null keeps ``dtype``. Needs ``adapter``.
     """
 
     preset: str | None = None
@@ -56,10 +64,20 @@ class ModelFactory:
     dtype: str = "float32"
     attn_implementation: str = "sdpa"
     moe: MoEOptions | None = None
+    adapter: AdapterOptions | None = None
+    quantization: QuantizationOptions | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):  # from a checkpoint's plain-dict hyperparameters
             self.moe = MoEOptions(**self.moe)
+        if isinstance(self.adapter, dict):
+            self.adapter = AdapterOptions(**self.adapter)
+        if isinstance(self.quantization, dict):
+            self.quantization = QuantizationOptions(**self.quantization)
+        if self.quantization is not None and self.adapter is None:
+            raise ConfigError(QUANTIZATION_KEY, asdict(self.quantization),
+                              f"quantised weights are frozen and cannot train: add an {ADAPTER_KEY} section (QLoRA), "
+                              "or drop quantization")
         if self.pretrained and (self.preset or self.config):
             raise ConfigError("model.init_args.model.pretrained", self.pretrained, "give either pretrained or preset/config, not both")
         if not (self.pretrained or self.preset or self.config):
@@ -106,7 +124,25 @@ class ModelFactory:
         return {**(preset_config(self.preset) if self.preset else {}), **self.config}
 
     def build(self) -> PreTrainedModel:
-        """The model: random init from the current RNG state, or the checkpoint's weights."""
+        """The model: random init from the current RNG state, or the checkpoint's weights; then MoE
+        blocks, quantised linear layers and adapters, in that order.
+
+        A quantised model is built with real weights even where a sharding strategy asks for the
+        ``meta`` device (ranks other than 0): quantisation must read the weights, and it is done
+        once, before sharding. Every rank then holds the same quantised weights (the same seed or
+        checkpoint), and the strategy still copies rank 0's state into every shard.
+        """
+        if self.quantization is None:
+            model = self._build_base()
+        else:
+            with torch.device("cpu"):
+                model = self._build_base()
+                quantize_linears(model, self.quantization)
+        if self.adapter is not None:
+            apply_adapters(model, self.adapter)
+        return model
+
+    def _build_base(self) -> PreTrainedModel:
         if self.pretrained:
             with _pretrained_errors(self.pretrained):
                 model = AutoModelForCausalLM.from_pretrained(

@@ -1,11 +1,86 @@
-"""AdamW with decoupled weight decay and a warm-up + cosine learning-rate schedule."""
+"""The optimizer chosen in YAML (AdamW, 8-bit AdamW of bitsandbytes or torchao), decoupled weight
+decay groups, and a warm-up + cosine learning-rate schedule.
+
+8-bit AdamW keeps both moments as 8-bit codes with one scale per block (2 bytes per parameter
+instead of 8 in fp32); both libraries keep tensors under 4096 elements in fp32 (bitsandbytes'
+``min_8bit_size``, torchao's fixed threshold), so small adapters barely shrink. Whether an
+optimizer can update the parameters a strategy hands it is decided before the model is built
+(``optimizer_refusal``) and by the study runner's compatibility rule, not discovered at step 1.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import math
+from typing import Any
 
 import torch
+from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 from torch import nn
+
+from lit_ablate.errors import ConfigError
+
+OPTIMIZER_KEY = "model.init_args.optimizer"
+OPTIMIZERS: dict[str, str] = {
+    "adamw": "torch.optim.AdamW",
+    "bnb_adamw8bit": "bitsandbytes.optim.AdamW8bit",
+    "bnb_paged_adamw8bit": "bitsandbytes.optim.PagedAdamW8bit",
+    "bnb_paged_adamw": "bitsandbytes.optim.PagedAdamW",
+    "torchao_adamw8bit": "torchao.optim.AdamW8bit",
+}
+"""Config name -> optimizer class. All take ``(params, lr, betas, weight_decay, ...)``."""
+STATE_BYTES_PER_PARAMETER = {"adamw": None, "bnb_adamw8bit": 2.0, "bnb_paged_adamw8bit": 2.0, "bnb_paged_adamw": 8.0,
+                             "torchao_adamw8bit": 2.0}  # fmt: skip
+"""Optimizer-state bytes per (large enough) parameter; None: two moments in the parameter's dtype."""
+SMALL_TENSOR_ELEMENTS = 4096
+"""Both 8-bit libraries keep the states of tensors with fewer elements in fp32."""
+
+
+def optimizer_refusal(name: str, strategy: Strategy | type | None = None, device_type: str | None = None) -> str | None:
+    """Why optimizer ``name`` cannot run under ``strategy`` (an instance or class) on ``device_type``, or None
+    (what is not given is not checked).
+
+    - bitsandbytes' optimizers index plain tensors: under a strategy whose parameters are
+      DTensors (FSDP2, HSDP, expert/context parallel: every ``ModelParallelStrategy``) they fail
+      at the first step ("mixed torch.Tensor and DTensor"); torchao's AdamW8bit handles DTensors.
+    - Paged optimizers page their states through CUDA unified memory; on CPU bitsandbytes quietly
+      runs the unpaged one, which would label a variant with what it did not do.
+    - A library that is not installed.
+    """
+    if name not in OPTIMIZERS:
+        return f"choose one of {list(OPTIMIZERS)}"
+    library = OPTIMIZERS[name].split(".")[0]
+    if importlib.util.find_spec(library) is None:
+        return f"{library} is not installed: pip install {library}"
+    strategy_class = strategy if isinstance(strategy, type) or strategy is None else type(strategy)
+    if library == "bitsandbytes" and strategy_class is not None and issubclass(strategy_class, ModelParallelStrategy):
+        return (f"bitsandbytes' optimizers cannot update the DTensor parameters of {strategy_class.__name__} "
+                "('mixed torch.Tensor and DTensor'); use torchao_adamw8bit, which shards its states with them")  # fmt: skip
+    if "paged" in name and device_type not in (None, "cuda"):
+        return f"paged optimizers need CUDA unified memory; on {device_type} bitsandbytes would run the unpaged one: use bnb_adamw8bit"
+    return None
+
+
+def check_optimizer(name: str, strategy: Strategy | type | None = None, device_type: str | None = None) -> None:
+    """Raise ``ConfigError`` naming ``model.init_args.optimizer`` when ``optimizer_refusal`` has a reason."""
+    reason = optimizer_refusal(name, strategy, device_type)
+    if reason:
+        raise ConfigError(OPTIMIZER_KEY, name, reason)
+
+
+def build_optimizer(name: str, groups: list[dict], lr: float, betas: tuple[float, float],
+                    options: dict[str, Any] | None = None) -> torch.optim.Optimizer:  # fmt: skip
+    """Optimizer ``name`` over parameter ``groups`` (their ``weight_decay`` wins over the default).
+
+    ``options`` are the class's own extra arguments (e.g. bitsandbytes' ``min_8bit_size``,
+    torchao's ``block_size``); an unknown one is refused naming ``model.init_args.optimizer_options``.
+    """
+    module, _, cls_name = OPTIMIZERS[name].rpartition(".")
+    cls = getattr(importlib.import_module(module), cls_name)
+    try:
+        return cls(groups, lr=lr, betas=betas, **(options or {}))
+    except TypeError as err:
+        raise ConfigError("model.init_args.optimizer_options", options, f"{OPTIMIZERS[name]} refused them: {err}") from err
 
 
 def decay_names(model: nn.Module, embedding: nn.Parameter) -> set[str]:

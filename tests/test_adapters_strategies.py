@@ -1,0 +1,117 @@
+"""LoRA and QLoRA train the same adapters under every strategy as in one process.
+
+The data is ``tests/test_step_objective.py``'s: SFT rows whose useful tokens differ a lot between
+micro-batches and between ranks (rank 0 the long rows, rank 1 the short), because a normalisation
+or sharding bug is invisible when counts are equal. Each variant trains 5 steps through a Lightning
+``Trainer`` (``fit()``), then the trainable weights (adapters) are gathered whole and compared with
+the one-process reference, and the frozen base with the base the run started from:
+
+    lora       tiny Llama + LoRA r=8 on every linear layer: 1 process (reference), DDP, FSDP1 (peft's
+               usual setup: ``use_orig_params``, frozen and trainable weights in one flat unit),
+               FSDP2 and HSDP (frozen and trainable weights in one ``fully_shard`` group)
+    qlora      the same with the base in NF4 (double quantisation): 1 process and FSDP2, with an
+               eval-mode forward between steps 2 and 3 (the PLATFORM_NOTES repack trap: with the
+               repack on, FSDP2 trains on stale weights from then on)
+
+Which bug each comparison catches (each seen failing by breaking it on purpose): adapters drawn
+on every rank instead of copied from rank 0 (ranks start from different ``lora_A``: every
+multi-rank run fails at step 1); the old per-micro-batch mean (unequal tokens: the losses differ
+by ~0.1); a trainable base (``test_only_adapter_parameters_change``).
+Tolerances are ``test_step_objective``'s (fp32 reduction order, Adam's sign-like first steps).
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.utils.data import DataLoader
+
+from lit_ablate.models.adapters import AdapterOptions
+from lit_ablate.models.factory import ModelFactory
+from lit_ablate.models.quantization import QuantizationOptions
+from lit_ablate.modules import CausalLM
+from lit_ablate.strategies import DDPStrategy, FSDP1Strategy, FSDP2Strategy, HSDPStrategy
+from tests.distributed import run_ranks
+from tests.test_step_objective import STEPS, StepLosses, assert_same_training, micro_batches
+
+STRATEGIES = {
+    "ddp": DDPStrategy, "fsdp1": FSDP1Strategy, "fsdp2": FSDP2Strategy,
+    "hsdp": lambda: HSDPStrategy(dp_replicate=2, dp_shard=1),
+}  # fmt: skip
+
+
+def factory(quantized: bool) -> ModelFactory:
+    return ModelFactory(preset="tiny-llama", adapter=AdapterOptions(r=8, alpha=16.0),
+                        quantization=QuantizationOptions(bits=4, quant_type="nf4") if quantized else None)  # fmt: skip
+
+
+class EvalForwardAfter(pl.Callback):
+    """A no-grad eval-mode forward after the given step (what validation does mid-training)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            pl_module.eval()
+            with torch.no_grad():
+                pl_module.model.logits(batch["input_ids"][:1])
+            pl_module.train()
+
+
+def fit(variant: str, strategy="auto", devices: int = 1, rank: int = 0, quantized: bool = False,
+        optimizer: str = "adamw") -> dict:  # fmt: skip
+    """Train 5 steps; returns step losses, the trainable weights (gathered whole) and the frozen
+    weights' checksum before and after."""
+    pl.seed_everything(0, verbose=False)
+    module = CausalLM(factory(quantized), learning_rate=1e-2, warmup_steps=0, weight_decay=0.1, optimizer=optimizer)
+    losses = StepLosses()
+    callbacks = [losses, EvalForwardAfter(2)] if quantized else [losses]
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, callbacks=callbacks,
+        gradient_clip_val=1.0, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, use_distributed_sampler=False, num_sanity_val_steps=0,
+    )
+    trainer.fit(module, DataLoader(micro_batches(variant, rank), batch_size=None))
+    options = StateDictOptions(full_state_dict=True, ignore_frozen_params=True)
+    weights = get_model_state_dict(trainer.strategy.model, options=options)
+    # Trainable tensors only: one process also lists bitsandbytes' quantisation state (not parameters).
+    return {"losses": losses.losses, "weights": {k: v.detach().clone() for k, v in weights.items() if ".lora_" in k}}
+
+
+def _two_rank_fits(rank: int, world_size: int, names: list[str], quantized: bool) -> dict:
+    return {name: fit("ranks", STRATEGIES[name](), devices=2, rank=rank, quantized=quantized) for name in names}
+
+
+@pytest.fixture(scope="module")
+def lora_reference() -> dict:
+    return fit("reference")
+
+
+@pytest.fixture(scope="module")
+def qlora_reference() -> dict:
+    return fit("reference", quantized=True)
+
+
+def test_lora_reference_trains(lora_reference):
+    assert lora_reference["losses"][-1] < lora_reference["losses"][0] - 0.1
+    assert len(lora_reference["weights"]) == 4 * 7 * 2  # lora_A and lora_B of 7 linear layers x 4 decoder layers
+
+
+@pytest.fixture(scope="module")
+def two_rank_lora() -> list[dict]:
+    return run_ranks(_two_rank_fits, 2, list(STRATEGIES), False, init_process_group=False, timeout_s=500)
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_two_rank_lora_trains_the_reference_adapters(lora_reference, two_rank_lora, name):
+    for rank_run in two_rank_lora:
+        assert_same_training(rank_run[name], lora_reference)
+
+
+def test_qlora_two_rank_fsdp2_trains_the_reference_adapters(qlora_reference):
+    ranks = run_ranks(_two_rank_fits, 2, ["fsdp2"], True, init_process_group=False, timeout_s=300)
+    for rank_run in ranks:
+        assert_same_training(rank_run["fsdp2"], qlora_reference)
