@@ -167,6 +167,8 @@ class TrainingShape:
         chunk_tokens: the chunked loss's token chunk.
         attention: the attention backend; ``eager`` saves the ``[heads, seq]`` scores per token.
         gradient_as_bucket_view: DDP without a second gradient copy in its buckets.
+        context_parallel: ranks each sequence is split over (``ContextParallelStrategy``'s cp).
+        context_parallel_impl: ``ring`` or ``allgather`` (what the exchange keeps in memory).
     """
 
     micro_batch: int
@@ -180,6 +182,8 @@ class TrainingShape:
     chunk_tokens: int = 1024
     attention: str = "sdpa"
     gradient_as_bucket_view: bool = False
+    context_parallel: int = 1
+    context_parallel_impl: str = "ring"
 
     def __post_init__(self) -> None:
         from lit_ablate.errors import ConfigError
@@ -260,8 +264,9 @@ def activation_bytes(shape: ModelShape, training: TrainingShape) -> int:
     Checkpointed layers keep only their input (``hidden`` per token) and recompute the rest in
     backward, so the peak is the larger of "everything saved + the loss's logits" at the start of
     backward and "what earlier layers saved + one layer recomputed + its gradient flow" later.
+    Under context parallelism a rank holds ``seq_len / cp`` tokens of each sequence.
     """
-    tokens = training.micro_batch * training.seq_len
+    tokens = training.micro_batch * -(-training.seq_len // training.context_parallel)
     per_layer = layer_activation_elements(shape, training) * training.activation_bytes
     every = {"none": 0, "full": 1, "selective": training.checkpoint_every}[training.checkpointing]
     checkpointed = [every > 0 and i % every == 0 for i in range(shape.layers)]
@@ -302,9 +307,33 @@ def estimate_memory(counts: ParameterCounts, shape: ModelShape, training: Traini
         params=-(-full // sharding.params),
         grads=-(-full // sharding.grads),
         optimizer=int(counts.total * optimizer_state_bytes(training.optimizer, training.param_bytes) / sharding.optimizer),
-        activations=activation_bytes(shape, training),
-        transient=transient,
+        activations=activation_bytes(shape, training) + context_parallel_bytes(shape, training)[0],
+        transient=transient + context_parallel_bytes(shape, training)[1],
     )
+
+
+def context_parallel_bytes(shape: ModelShape, training: TrainingShape) -> tuple[int, int]:
+    """``(saved, exchange)``: bytes per rank that context parallelism adds besides its per-rank tokens.
+
+    ``activation_bytes`` already counts a rank's ``seq_len / cp`` tokens. ``allgather`` keeps every
+    layer's gathered K/V (the whole sequence) for backward (``saved``); its exchange holds one
+    layer's gathered K/V and, in backward, their gradient before the reduce-scatter. The ring
+    saves nothing more than SDPA; its exchange, one layer at a time, holds the K/V block in hand
+    and the one arriving, with fp32 output and log-sum-exp accumulators in forward, and in backward
+    fp32 dQ and three fp32 dK/dV blocks (this rank's contribution, the partial sum arriving, the
+    one leaving). Measured against MemTracker on 2 ranks in tests/test_context_parallel_estimate.py.
+    """
+    cp = training.context_parallel
+    if cp == 1:
+        return 0, 0
+    local = training.micro_batch * -(-training.seq_len // cp)
+    whole = training.micro_batch * training.seq_len
+    kv = 2 * shape.kv_dim * training.activation_bytes  # one token's K and V
+    if training.context_parallel_impl == "allgather":
+        return shape.layers * kv * (whole - local), 2 * kv * whole
+    forward = 2 * kv * local + (shape.q_dim + shape.heads) * 4 * local
+    backward = 2 * kv * local + 3 * 2 * shape.kv_dim * 4 * local + shape.q_dim * 4 * local
+    return 0, max(forward, backward)
 
 
 SHARDINGS = ("ddp", "zero1", "zero2", "fsdp2", "fsdp2_no_reshard", "hsdp")
@@ -360,7 +389,25 @@ def training_shape_of(config: dict, optimizer: str | None = None) -> TrainingSha
         chunk_tokens=int(get_dotted(config, "model.init_args.loss_options.chunk_tokens", 1024)),
         attention=str(get_dotted(config, "model.init_args.model.attn_implementation", "sdpa")),
         gradient_as_bucket_view=bool(strategy_args.get("gradient_as_bucket_view", False)),
+        **dict(zip(("context_parallel", "context_parallel_impl"), context_parallel_of(config))),
     )
+
+
+def context_parallel_of(config: dict) -> tuple[int, str]:
+    """``(cp ranks, cp_impl)`` of the config's strategy at the config's world size (``(1, "ring")``
+    for a strategy without context parallelism)."""
+    from lightning.pytorch.cli import instantiate_class
+
+    from lit_ablate.strategies.mesh import resolve_mesh_sizes
+
+    strategy = get_dotted(config, "trainer.strategy", "auto")
+    if not isinstance(strategy, dict):
+        return 1, "ring"
+    instance = instantiate_class((), strategy)
+    sizes = getattr(instance, "requested_mesh_sizes", {})
+    if sizes.get("cp", 1) == 1:
+        return 1, "ring"
+    return resolve_mesh_sizes(sizes, world_size_of(config))["cp"], instance.cp_impl
 
 
 def world_size_of(config: dict) -> int:

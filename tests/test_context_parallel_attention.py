@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lit_ablate.models import ring_attention as ring_module
+from lit_ablate.models import block_attention as block_module
 from lit_ablate.models.attention import document_causal_mask
 from lit_ablate.models.chunk_masks import ChunkMasks
 from lit_ablate.models.context_parallel_attention import (
@@ -130,7 +130,7 @@ def _merge_without_neg_inf(rank: int, world_size: int) -> dict[str, torch.Tensor
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, block.causal, attn_mask=block.additive(q.dtype), scale=scale)
 
-    ring_module.block_forward = block_forward
+    block_module.block_forward = block_forward
     return _sharded(rank, world_size, "ring", "zigzag", "packed")
 
 

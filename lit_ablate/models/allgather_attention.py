@@ -4,10 +4,9 @@ The simple alternative to the ring (Llama 3's choice for long-context training):
 of the stacked K/V per layer, whose autograd backward is a reduce-scatter that sums every rank's
 dK/dV into the owner's shard. K and V travel as *one* tensor, because two autograd collectives in
 one backward can run in different orders on different ranks and silently mix up gradients
-(PLATFORM_NOTES trap 1). Each query chunk attends only to the keys up to its own end, with
-SDPA under the chunk's mask (causal, documents, padding), so ``zigzag`` balances the work as it
-does for the ring. It holds the whole sequence's K/V per layer for backward: more memory than the
-ring, fewer and larger messages.
+(PLATFORM_NOTES trap 1). The local attention is ``block_attention`` (the ring's kernels and
+block skipping, so ``zigzag`` balances the work as it does for the ring). It keeps the whole
+sequence's K/V per layer for backward: more memory than the ring, fewer and larger messages.
 """
 
 from __future__ import annotations
@@ -15,10 +14,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from lit_ablate.models.block_attention import block_attention
 from lit_ablate.models.chunk_masks import ChunkMasks
 
 
@@ -34,12 +33,4 @@ def allgather_attention(q: Tensor, k: Tensor, v: Tensor, masks: ChunkMasks, grou
     if size > 1:
         gathered = funcol.all_gather_single_autograd(kv, gather_dim=0, group=group)
         kv = masks.layout.unshard(list(gathered.chunk(size, dim=0)), dim=-2)
-    c = masks.chunk_len
-    outs = []
-    for slot, chunk in masks.slots(rank):
-        end = (chunk + 1) * c
-        outs.append(F.scaled_dot_product_attention(
-            q.narrow(-2, slot * c, c), kv[0, ..., :end, :], kv[1, ..., :end, :], attn_mask=masks.prefix(chunk),
-            scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-        ))
-    return torch.cat(outs, dim=-2)
+    return block_attention(q, kv, masks, rank, scale)

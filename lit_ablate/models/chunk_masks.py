@@ -97,14 +97,3 @@ class ChunkMasks:
             return None
         rows = mask.any(-1)
         return BlockMask(mask=mask[:, None], rows=None if bool(rows.all()) else rows[:, None])
-
-    def prefix(self, q_chunk: int) -> Tensor:
-        """``[B, 1, chunk_len, (q_chunk + 1) * chunk_len]`` boolean mask of ``q_chunk``'s queries
-        against every key up to the end of that chunk (the keys it can see at all)."""
-        s_q = self.chunk_segments(q_chunk)
-        s_k = torch.cat([self.chunk_segments(c) for c in range(q_chunk + 1)], dim=-1)
-        q_pos = torch.arange(q_chunk * self.chunk_len, (q_chunk + 1) * self.chunk_len, device=s_q.device)
-        k_pos = torch.arange(s_k.shape[-1], device=s_q.device)
-        causal = k_pos[None, :] <= q_pos[:, None]
-        mask = causal & (s_q[:, :, None] == s_k[:, None, :]) & (s_k[:, None, :] != PADDING_SEGMENT)
-        return (mask | (k_pos[None, :] == q_pos[:, None]))[:, None]
