@@ -33,7 +33,7 @@ time inside each part of the step (each part net of the parts it calls, so the r
 step; about 2 us of timer per call), the time of other threads (progress-bar redraws), and the
 rest (the loop's own code and Lightning's hook dispatch).
 
-    python benchmarks/overhead.py [--steps 60] [--repeats 4] [--clock cpu|wall] [--threads 1]
+    python benchmarks/overhead.py [--steps 60] [--repeats 3] [--clock cpu|wall] [--threads 1]
     python benchmarks/overhead.py --profile [--steps 200]
 """
 
@@ -330,7 +330,7 @@ def max_gap(a: list[float], b: list[float]) -> float:
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--profile", action="store_true", help="where each side's step time goes (one run each)")

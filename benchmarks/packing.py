@@ -3,26 +3,43 @@
 Run by hand (never in CI):  python benchmarks/packing.py [--device cuda] [--max-len 4096]
 
 The same examples (log-normal lengths with a long tail, capped at ``--max-len``) go through one
-forward+backward of a tiny model per batch, once padded (``PaddingCollator``, ``--batch-size``
-examples per batch, padded to the longest) and once packed (``PackingCollator`` rows of
-``--max-len`` tokens, FFD and greedy, ``--rows`` rows per batch). Every layout sees each example
-exactly once, so useful tokens (labels that count) are identical and the ratio of times is the
-ratio of useful tokens/s. Layouts alternate repeat by repeat (side by side in one run); the
-median repeat is reported, by wall-clock and by this process's CPU time (robust to other jobs on
-a shared machine). The defaults (200 examples, median 64, tail to 1024: the issue's 4k
-scaled down 4x) take ~40 s on an idle 2-core CPU and a few minutes on a loaded one; on a GPU try
-``--device cuda --examples 2000 --median 400 --max-len 4096 --batch-size 4 --rows 4`` (bf16).
-The last lines are ``RESULT packing_speedup=<FFD-packed over padded useful tokens/s, CPU time>``
-and the same for greedy packing.
+forward+backward of a tiny model per batch, in four layouts:
+
+- padding, arrival order: ``--batch-size`` examples per batch as they come, padded to the longest
+  (``PaddingCollator``);
+- padding, length-grouped: what transformers users get with ``group_by_length``: a shuffled order
+  cut into megabatches of 50 batches, each sorted by length, so a batch holds examples of similar
+  length (the idea of transformers' ``LengthGroupedSampler``, written here; at the default 200
+  examples one megabatch holds them all, so it is a full sort: grouping's best case);
+- packing, greedy and FFD: ``PackingCollator`` rows of ``--max-len`` tokens, ``--rows`` rows per
+  batch, with ``sdpa_packed`` attention (documents kept apart).
+
+Every layout sees each example exactly once, so useful tokens (labels that count) are identical
+and the ratio of times is the ratio of useful tokens/s. The timed region is the whole data path of
+an epoch plus the model: the layout's plan (the order for grouping, the bin packing for packing),
+collating every batch, and forward+backward; the data part is also shown on its own. Layouts
+alternate repeat by repeat (side by side in one run); the median repeat is reported, by
+wall-clock and by this process's CPU time (robust to other jobs on a shared machine), with one
+torch thread by default (``--threads``: with two, idle threads spin while other jobs hold the
+cores, which adds CPU time that is not the layout's). The defaults (200 examples, median 64,
+tail to 1024: the issue's 4k scaled down 4x; 2 repeats) take about 45 s of CPU, under a minute
+on an idle 2-core machine and a few on a loaded one; on a GPU try ``--device cuda --examples
+2000 --median 400 --max-len 4096 --batch-size 4 --rows 4`` (bf16). The last lines are
+``RESULT packing_speedup=<FFD-packed over arrival-order padding, useful tokens/s, CPU time>``,
+``RESULT packing_speedup_vs_grouped=<FFD-packed over length-grouped padding>`` and greedy packing's
+speedup over arrival-order padding.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import random
 import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -34,7 +51,8 @@ from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.losses import IGNORE_INDEX, loss_backend
 
-Batches = list[dict]
+Plan = list[list]  # the items of each batch: examples (padding) or rows of examples (packing)
+MEGABATCH_BATCHES = 50  # transformers' LengthGroupedSampler default (megabatch_mult)
 
 
 def skewed_examples(n: int, median: int, sigma: float, max_len: int, seed: int) -> list[dict[str, torch.Tensor]]:
@@ -48,18 +66,32 @@ def skewed_examples(n: int, median: int, sigma: float, max_len: int, seed: int) 
     return examples
 
 
-def padded_batches(examples: list, batch_size: int) -> Batches:
-    collator = _bound(PaddingCollator())
-    return [collator(examples[i : i + batch_size]) for i in range(0, len(examples), batch_size)]
+def _batches(items: list, per_batch: int) -> Plan:
+    return [items[i : i + per_batch] for i in range(0, len(items), per_batch)]
 
 
-def packed_batches(examples: list, max_len: int, rows_per_batch: int, strategy: str) -> Batches:
-    collator = _bound(PackingCollator(max_tokens=max_len, strategy=strategy))
+def arrival_order_plan(examples: list, batch_size: int) -> Plan:
+    return _batches(examples, batch_size)
+
+
+def length_grouped_order(lengths: list[int], batch_size: int, seed: int) -> list[int]:
+    """A shuffled order in which consecutive ``batch_size`` examples have similar lengths: the
+    permutation is cut into megabatches of ``MEGABATCH_BATCHES`` batches, each sorted longest first
+    (transformers' ``group_by_length`` idea; it also swaps the longest example to the very front,
+    which only moves one example and is left out here)."""
+    order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed)).tolist()
+    size = MEGABATCH_BATCHES * batch_size
+    return [i for start in range(0, len(order), size) for i in sorted(order[start : start + size], key=lambda i: -lengths[i])]
+
+
+def length_grouped_plan(examples: list, batch_size: int) -> Plan:
+    order = length_grouped_order([len(e["input_ids"]) for e in examples], batch_size, seed=0)
+    return _batches([examples[i] for i in order], batch_size)
+
+
+def packed_plan(examples: list, max_len: int, rows_per_batch: int, strategy: str) -> Plan:
     rows = pack(list(range(len(examples))), [len(e["input_ids"]) for e in examples], max_len, strategy, window=1000)
-    return [
-        collator([[examples[i] for i in row] for row in rows[r : r + rows_per_batch]])
-        for r in range(0, len(rows), rows_per_batch)
-    ]
+    return _batches([[examples[i] for i in row] for row in rows], rows_per_batch)
 
 
 def _bound(collator: Collator) -> Collator:
@@ -67,17 +99,43 @@ def _bound(collator: Collator) -> Collator:
     return collator
 
 
-def run_epoch(model: CausalLMWithLoss, batches: Batches, device: torch.device) -> tuple[float, float]:
-    """(wall seconds, process CPU seconds) of forward+backward over all batches."""
+@dataclass
+class Layout:
+    """How one row of the table turns examples into batches, and the attention it trains with."""
+
+    attention: str
+    plan: Callable[[], Plan]
+    collator: Collator
+
+
+@dataclass
+class Epoch:
+    wall: float  # seconds: plan + collation + forward/backward
+    cpu: float  # this process's CPU seconds, same region
+    data_cpu: float  # CPU seconds of the plan and collation alone
+    processed: int  # tokens through the model, padding included
+    useful: int  # tokens whose labels count: the same in every layout, or it saw other examples
+    batches: int
+
+
+def run_epoch(model: CausalLMWithLoss, layout: Layout, device: torch.device, limit: int | None = None) -> Epoch:
+    """One pass over the examples: plan, then collate and forward+backward each batch, all timed."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     wall, cpu = time.perf_counter(), time.process_time()
-    for batch in batches:
+    plan = layout.plan()[:limit]
+    data_cpu, processed, useful_tokens = time.process_time() - cpu, 0, 0
+    for items in plan:
+        collating = time.process_time()
+        batch = layout.collator(items)
+        data_cpu += time.process_time() - collating
+        processed += batch["input_ids"].numel()
         batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         loss_sum, useful = model(batch)
         (loss_sum / useful).backward()
+        useful_tokens = useful_tokens + useful
     sync()
-    return time.perf_counter() - wall, time.process_time() - cpu
+    return Epoch(time.perf_counter() - wall, time.process_time() - cpu, data_cpu, processed, int(useful_tokens), len(plan))
 
 
 def main() -> None:
@@ -88,48 +146,60 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=1024, help="longest example = packed row capacity")
     parser.add_argument("--batch-size", type=int, default=8, help="examples per padded batch")
     parser.add_argument("--rows", type=int, default=2, help="packed rows per batch")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--preset", default="tiny-llama")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--packed-attention", default=None, help="default: fa_varlen on CUDA if installed, else sdpa_packed")
     args = parser.parse_args()
 
     device = torch.device(args.device)
+    torch.set_num_threads(args.threads)
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     packed_attention = args.packed_attention or _best_packed_attention(device)
     examples = skewed_examples(args.examples, args.median, args.sigma, args.max_len, seed=0)
-    layouts: dict[str, tuple[str, Batches]] = {
-        "padding": ("sdpa", padded_batches(examples, args.batch_size)),
-        "packing greedy": (packed_attention, packed_batches(examples, args.max_len, args.rows, "greedy")),
-        "packing ffd": (packed_attention, packed_batches(examples, args.max_len, args.rows, "ffd")),
+    padding = _bound(PaddingCollator())
+    layouts: dict[str, Layout] = {
+        "padding, arrival order": Layout("sdpa", lambda: arrival_order_plan(examples, args.batch_size), padding),
+        "padding, length-grouped": Layout("sdpa", lambda: length_grouped_plan(examples, args.batch_size), padding),
+        **{f"packing {strategy}": Layout(packed_attention, functools.partial(packed_plan, examples, args.max_len, args.rows, strategy),
+                                         _bound(PackingCollator(max_tokens=args.max_len, strategy=strategy)))
+           for strategy in ("greedy", "ffd")},
     }
-    models = {name: _model(args.preset, dtype, attn, device) for name, (attn, _) in layouts.items()}
+    models = {name: _model(args.preset, dtype, layout.attention, device) for name, layout in layouts.items()}
     useful = sum(int((e["labels"] != IGNORE_INDEX).sum()) for e in examples)
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in layouts}
-    for name, (_, batches) in layouts.items():  # warm-up: first-call costs out of the measurement
-        run_epoch(models[name], batches[:1], device)
+    epochs: dict[str, list[Epoch]] = {name: [] for name in layouts}
+    for name, layout in layouts.items():  # warm-up: first-call costs out of the measurement
+        run_epoch(models[name], layout, device, limit=1)
     for _ in range(args.repeats):
-        for name, (_, batches) in layouts.items():
-            times[name].append(run_epoch(models[name], batches, device))
+        for name, layout in layouts.items():
+            epochs[name].append(run_epoch(models[name], layout, device))
+            if epochs[name][-1].useful != useful:
+                raise SystemExit(f"{name} trained on {epochs[name][-1].useful} useful tokens, not {useful}: not the same examples")
 
     lengths = [len(e["input_ids"]) for e in examples]
     print(f"\n{len(examples)} examples, lengths median {statistics.median(lengths):.0f} / mean {statistics.mean(lengths):.0f}"
-          f" / max {max(lengths)}, {useful} useful tokens; {args.preset} {dtype} on {device.type}; "
-          f"median of {args.repeats} repeats\n")
+          f" / max {max(lengths)}, {useful} useful tokens; {args.preset} {dtype} on {device.type}, {args.threads} torch thread(s); "
+          f"median of {args.repeats} repeats; every row's time includes its plan and collation\n")
     print("| layout | attention | batches | processed tokens | useful/processed | wall s | useful tok/s (wall) "
-          "| CPU s | useful tok/s (CPU) | speedup (CPU) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| CPU s | of which data | useful tok/s (CPU) | speedup (CPU) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     rates: dict[str, float] = {}
-    for name, (attn, batches) in layouts.items():
-        processed = sum(b["input_ids"].numel() for b in batches)
-        wall = statistics.median(t[0] for t in times[name])
-        cpu = statistics.median(t[1] for t in times[name])
+    baseline = next(iter(layouts))
+    for name, layout in layouts.items():
+        first = epochs[name][0]
+        wall = statistics.median(e.wall for e in epochs[name])
+        cpu = statistics.median(e.cpu for e in epochs[name])
+        data = statistics.median(e.data_cpu for e in epochs[name])
         rates[name] = useful / cpu
-        print(f"| {name} | {attn} | {len(batches)} | {processed} | {useful / processed:.1%} | {wall:.2f} | "
-              f"{useful / wall:,.0f} | {cpu:.2f} | {useful / cpu:,.0f} | {rates[name] / rates['padding']:.2f}x |")
-    print()
-    print(f"RESULT packing_speedup={rates['packing ffd'] / rates['padding']:.2f}")
-    print(f"RESULT greedy_packing_speedup={rates['packing greedy'] / rates['padding']:.2f}")
+        print(f"| {name} | {layout.attention} | {first.batches} | {first.processed} | {useful / first.processed:.1%} | "
+              f"{wall:.2f} | {useful / wall:,.0f} | {cpu:.2f} | {data:.3f} | {useful / cpu:,.0f} | "
+              f"{rates[name] / rates[baseline]:.2f}x |")
+    print("\nspeedup: useful tokens/s (CPU time) over padding in arrival order. packing_speedup_vs_grouped compares")
+    print("FFD packing with length-grouped padding, the baseline transformers users get from group_by_length.\n")
+    print(f"RESULT packing_speedup={rates['packing ffd'] / rates['padding, arrival order']:.2f}")
+    print(f"RESULT packing_speedup_vs_grouped={rates['packing ffd'] / rates['padding, length-grouped']:.2f}")
+    print(f"RESULT greedy_packing_speedup={rates['packing greedy'] / rates['padding, arrival order']:.2f}")
 
 
 def _best_packed_attention(device: torch.device) -> str:
