@@ -251,3 +251,13 @@ def test_batches_are_padded_to_the_chunk_multiple_and_sharded_with_explicit_posi
 def test_unknown_options_are_refused_naming_the_key(key, value):
     with pytest.raises(ConfigError, match=f"trainer.strategy.init_args.{key}"):
         ContextParallelStrategy(**{key: value})
+
+
+def test_batches_it_cannot_shard_are_refused_naming_the_strategy():
+    """A preference (DPO) batch reduces per sequence: sharded, each rank would hold partial sums."""
+    batch = micro_batches("packed")[0]
+    strategy = ContextParallelStrategy(cp=2)
+    with pytest.raises(ConfigError, match="'sequence_ids'.*DPO"):
+        strategy.shard_batch({**batch, "sequence_ids": torch.zeros_like(batch["input_ids"])})
+    with pytest.raises(ConfigError, match="input_ids and"):
+        strategy.shard_batch({"chosen_input_ids": batch["input_ids"]})

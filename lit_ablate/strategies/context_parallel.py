@@ -53,8 +53,9 @@ class ContextParallelStrategy(FSDP2Strategy):
     Args:
         cp: context-parallel ranks (``-1``: the ranks left after the other mesh sizes).
         cp_impl: ``ring`` (K/V passed rank to rank, point to point, overlapped with the block
-            computation; CPU block kernel only so far) or ``allgather`` (one all-gather of K/V
-            per layer, reduce-scatter of dK/dV in backward; more memory, fewer messages).
+            computation) or ``allgather`` (one all-gather of K/V per layer, reduce-scatter of
+            dK/dV in backward; more memory, fewer messages). Both compute their blocks with
+            ATen's CPU flash-attention op: CPU only so far.
         cp_layout: ``zigzag`` (each rank holds a head and a tail chunk: equal causal attention
             work on every rank) or ``contiguous`` (rank r holds the r-th slice: the last rank does
             ``2 cp - 1`` times the attention work of the first).
@@ -76,10 +77,10 @@ class ContextParallelStrategy(FSDP2Strategy):
         self._cp_models: list[CausalLMWithLoss] = []
 
     def setup_environment(self) -> None:
-        if self.cp_impl == "ring" and self.root_device.type != "cpu":
-            raise ConfigError(f"{STRATEGY_KEY}.cp_impl", "ring",
-                              "the ring's block kernel is ATen's CPU flash-attention op, CPU only so far; "
-                              f"on {self.root_device.type} use cp_impl: allgather")
+        if self.root_device.type != "cpu":
+            raise ConfigError("trainer.accelerator", self.root_device.type,
+                              "context-parallel attention computes its blocks with ATen's CPU flash-attention op; "
+                              "a GPU block kernel (flash-attn, flex) is not built yet: run it on CPU")
         super().setup_environment()
 
     @property
@@ -122,6 +123,12 @@ class ContextParallelStrategy(FSDP2Strategy):
                               "context parallelism shards batches with input_ids and (already shifted) labels, "
                               "as lit-ablate's collators make them; use another strategy for this module")
         rows, length = batch["input_ids"].shape
+        for key, value in batch.items():
+            if key not in SEQUENCE_KEYS and torch.is_tensor(value) and value.shape[:2] == (rows, length):
+                raise ConfigError("trainer.strategy", type(self).__name__,
+                                  f"the batch has another per-token tensor, {key!r}: a module that reduces per "
+                                  "sequence (DPO's sequence log-probs) would see each rank's partial sums; context "
+                                  f"parallelism supports language-model batches ({', '.join(SEQUENCE_KEYS)})")
         sequences = {key: batch[key] for key in SEQUENCE_KEYS if batch.get(key) is not None}
         if "position_ids" not in sequences:
             sequences["position_ids"] = torch.arange(length, device=batch["input_ids"].device).expand(rows, length)

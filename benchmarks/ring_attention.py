@@ -1,0 +1,185 @@
+"""Context-parallel attention (ring, all-gather) against one-process SDPA: time and memory per rank.
+
+Run by hand (never in CI):
+    python benchmarks/ring_attention.py [--lengths 2048 4096 8192] [--cp 2 4] [--repeats 3]
+
+One causal attention call of a Llama-like shape (batch 1, 8 query heads, 2 key/value heads (GQA),
+head dim 64, fp32): forward and backward of a random output gradient, over ``L`` tokens. Rows:
+
+- ``sdpa``: one process, torch's SDPA on the whole sequence (the reference);
+- ``ring cp=N`` / ``allgather cp=N``: N gloo ranks (processes), zigzag layout, each holding L/N
+  tokens, through the attention backend exactly as transformers calls it in training (segment
+  exchange and chunk masks included).
+
+Columns: per rank, the CPU time of one call (median over repeats, the busiest rank) and, beside
+it, its share of the one-process time (ideal: 1/N); the wall time of the slowest rank (what a
+training step waits for); the peak of tensor memory during one call (MemTracker, measured in
+an extra untimed call) and its share of the one-process peak. Every CP row is checked against
+SDPA at the first length before anything is timed (max |difference| of output and gradients).
+Every process uses one thread. CPU time is the honest measure on a shared 2-core machine: 4 ranks
+on 2 cores wait for each other, which stretches wall time but not the work each does; on a
+machine with a core per rank the wall time approaches the CPU time. No GPU path exists yet:
+lit-ablate's context-parallel block kernel is ATen's CPU flash-attention op (``--device cuda``
+is refused), so the seed's 4xH100 FA2/FA3/flex table cannot be made with this code.
+
+The last lines are ``RESULT <impl>_cp<N>_time_share_L<L>=`` and ``..._memory_share_L<L>=`` at the
+longest length: a rank's CPU time and peak memory over the one-process call's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from lit_ablate.models.context_parallel_attention import (
+    CONTEXT_PARALLEL_ATTRIBUTE,
+    CONTEXT_PARALLEL_BACKENDS,
+    ContextParallelGroup,
+)
+from lit_ablate.models.sequence_layout import SequenceLayout
+
+BATCH, HEADS, KV_HEADS, HEAD_DIM = 1, 8, 2, 64
+
+
+def whole_inputs(length: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(length)
+    return {
+        "q": torch.randn(BATCH, HEADS, length, HEAD_DIM, generator=gen),
+        "k": torch.randn(BATCH, KV_HEADS, length, HEAD_DIM, generator=gen),
+        "v": torch.randn(BATCH, KV_HEADS, length, HEAD_DIM, generator=gen),
+        "grad": torch.randn(BATCH, HEADS, length, HEAD_DIM, generator=gen),
+    }
+
+
+def sdpa_call(x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    q, k, v = (x[n].clone().requires_grad_() for n in "qkv")
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    out.backward(x["grad"])
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def peak_bytes(call) -> int:
+    tracker = MemTracker()
+    with tracker:
+        call()
+    return next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"]
+
+
+def measure(call, repeats: int, barrier=None) -> tuple[float, float]:
+    """Median (CPU seconds, wall seconds) of ``call`` over ``repeats``, after one warm-up call."""
+    call()
+    cpu, wall = [], []
+    for _ in range(repeats):
+        if barrier:
+            barrier()
+        c0, w0 = time.process_time(), time.perf_counter()
+        call()
+        cpu.append(time.process_time() - c0)
+        wall.append(time.perf_counter() - w0)
+    return statistics.median(cpu), statistics.median(wall)
+
+
+def _rank(rank: int, world: int, impl: str, lengths: list[int], repeats: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    layout = SequenceLayout("zigzag", world)
+    module = nn.Module()
+    setattr(module, CONTEXT_PARALLEL_ATTRIBUTE, ContextParallelGroup(dist.group.WORLD, layout, rank))
+    backend = CONTEXT_PARALLEL_BACKENDS[impl]
+    results = {}
+    for index, length in enumerate(lengths):
+        x = {n: layout.shard(t, rank, dim=2) for n, t in whole_inputs(length).items()}
+        positions = layout.shard(torch.arange(length)[None], rank)
+
+        def call(x=x, positions=positions):
+            q, k, v = (x[n].clone().requires_grad_() for n in "qkv")
+            out, _ = backend(module, q, k, v, None, position_ids=positions)
+            out.transpose(1, 2).backward(x["grad"])
+            return out.transpose(1, 2).detach(), q.grad, k.grad, v.grad
+
+        if index == 0:  # correct before timed: against SDPA on the whole sequence
+            mine = call()
+            whole = sdpa_call(whole_inputs(length))
+            error = max((m - layout.shard(w, rank, dim=2)).abs().max().item() for m, w in zip(mine, whole))
+        else:
+            error = None
+        cpu, wall = measure(call, repeats, barrier=dist.barrier)
+        dist.barrier()
+        results[length] = {"cpu_s": cpu, "wall_s": wall, "peak_bytes": peak_bytes(call), "max_error": error}
+    Path(out_dir, f"{impl}-{world}-{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
+    parser.add_argument("--cp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--impls", nargs="+", default=sorted(CONTEXT_PARALLEL_BACKENDS))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    args = parser.parse_args()
+    if args.device != "cpu":
+        raise SystemExit("no GPU path: lit-ablate's context-parallel block kernel is ATen's CPU flash-attention op")
+    for n in args.cp:
+        if any(length % (2 * n) for length in args.lengths):
+            raise SystemExit(f"--lengths must be multiples of 2 x cp = {2 * n} (zigzag)")
+    torch.set_num_threads(1)
+    reference = {}
+    for length in args.lengths:
+        x = whole_inputs(length)
+        cpu, wall = measure(lambda x=x: sdpa_call(x), args.repeats)
+        reference[length] = {"cpu_s": cpu, "wall_s": wall, "peak_bytes": peak_bytes(lambda x=x: sdpa_call(x))}
+    rows = []
+    with tempfile.TemporaryDirectory() as out_dir:
+        for impl in args.impls:
+            for world in args.cp:
+                mp.start_processes(_rank, args=(world, impl, args.lengths, args.repeats, free_port(), out_dir),
+                                   nprocs=world, start_method="spawn")  # fmt: skip
+                ranks = [json.loads(Path(out_dir, f"{impl}-{world}-{r}.json").read_text()) for r in range(world)]
+                rows.append((impl, world, ranks))
+    print(f"torch {torch.__version__}, 1 thread per process, {os.cpu_count()} CPUs; batch {BATCH}, {HEADS} heads "
+          f"({KV_HEADS} kv), head dim {HEAD_DIM}, fp32, causal, forward + backward; medians of {args.repeats}\n")
+    print("| length | row | CPU s / rank (busiest) | share of sdpa | wall s (slowest rank) | peak MiB / rank | "
+          "share of sdpa | max abs error |")
+    print("|---|---|---|---|---|---|---|---|")
+    for length in args.lengths:
+        ref = reference[length]
+        print(f"| {length} | sdpa | {ref['cpu_s']:.3f} | 1 | {ref['wall_s']:.3f} | {ref['peak_bytes'] / 2**20:.1f} | 1 | |")
+        for impl, world, ranks in rows:
+            per = [r[str(length)] for r in ranks]
+            cpu, wall, peak = max(p["cpu_s"] for p in per), max(p["wall_s"] for p in per), max(p["peak_bytes"] for p in per)
+            errors = [p["max_error"] for p in per if p["max_error"] is not None]
+            error = f"{max(errors):.1e}" if errors else ""
+            print(f"| {length} | {impl} cp={world} | {cpu:.3f} | {cpu / ref['cpu_s']:.2f} | {wall:.3f} | "
+                  f"{peak / 2**20:.1f} | {peak / ref['peak_bytes']:.2f} | {error} |")
+    longest = args.lengths[-1]
+    print()
+    for impl, world, ranks in rows:
+        per = [r[str(longest)] for r in ranks]
+        ref = reference[longest]
+        print(f"RESULT {impl}_cp{world}_time_share_L{longest}={max(p['cpu_s'] for p in per) / ref['cpu_s']:.3f}")
+        print(f"RESULT {impl}_cp{world}_memory_share_L{longest}={max(p['peak_bytes'] for p in per) / ref['peak_bytes']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
