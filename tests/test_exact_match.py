@@ -1,6 +1,7 @@
 """``ExactMatchEvaluator``: greedy answers to held-out SFT prompts, scored whole (eos included)."""
 
 import json
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -242,3 +243,28 @@ def test_under_fsdp2_every_rank_records_the_accuracy_of_the_gathered_model(tmp_p
     assert [r["exact_match"] for r in results] == [pytest.approx(reference)] * 2
     for r in results:
         assert r["refused"].startswith("trainer.strategy='FSDP1Strategy'") and "FSDP2Strategy" in r["refused"]
+
+
+@pytest.mark.slow
+def test_the_sft_example_recipe_learns_addition_it_never_saw(tmp_path):
+    """configs/sft_tiny.yaml's model, optimiser settings and data format, scaled down to one-digit
+    addition so it runs in ~30 s: 70 problems trained, 30 held out. A guess that ignores the
+    operands is right at most 10% of the time (the commonest sum, 9, is 10 of the 100 problems);
+    measured at 300 steps: 63-73% over seeds 0-2. (The full example: README, SFT paragraph.)"""
+    import yaml
+
+    config = yaml.safe_load((Path(__file__).parents[1] / "configs" / "sft_tiny.yaml").read_text())
+    model, data = config["model"]["init_args"], config["data"]["init_args"]
+    source = {**data["source"]["init_args"], "num_examples": 100, "max_operand": 9}
+    L.seed_everything(0)
+    module = CausalLM(ModelFactory(**model["model"]), learning_rate=model["learning_rate"],
+                      warmup_steps=model["warmup_steps"])
+    evaluator = ExactMatchEvaluator()
+    trainer = L.Trainer(max_steps=300, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        limit_val_batches=0, gradient_clip_val=config["trainer"]["gradient_clip_val"],
+                        callbacks=[evaluator, RunRecorder(path=str(tmp_path / "run.json"))])
+    trainer.fit(module, datamodule=LMDataModule(ArithmeticSFT(**source), format="sft", seq_len=data["seq_len"],
+                                                batch_size=16, val_examples=30))
+    accuracy = json.loads((tmp_path / "run.json").read_text())["summary"]["exact_match"]
+    assert accuracy >= 0.4, f"{accuracy:.0%} of 30 held-out one-digit sums: not clearly above the 10% of a guess"

@@ -166,9 +166,13 @@ class ExactMatchEvaluator(StepMonitor):
 
 
 def _check_can_generate(trainer: Trainer, pl_module: LightningModule) -> None:
-    """FSDP1 keeps parameters in flattened shards that only its own wrapped forward gathers."""
+    """The module must expose ``CausalLMWithLoss.logits`` as ``model.logits``; FSDP1 keeps
+    parameters in flattened shards that only its own wrapped forward gathers."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
+    if not callable(getattr(getattr(pl_module, "model", None), "logits", None)):
+        raise ConfigError("model", type(pl_module).__name__,
+                          "ExactMatchEvaluator generates with a causal LM module: use lit_ablate.modules.CausalLM")
     if any(isinstance(m, FullyShardedDataParallel) for m in trainer.strategy.model.modules()):
         raise ConfigError("trainer.strategy", type(trainer.strategy).__name__,
                           "ExactMatchEvaluator cannot generate under FSDP1; use FSDP2Strategy, DDP or one process")
