@@ -45,14 +45,17 @@ import os
 import pickle
 import signal
 import socket
+import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing import forkserver
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -86,8 +89,7 @@ def run_ranks(
     timeout_s: float = 120.0,
 ) -> list[Any]:
     """``[fn(0, world_size, *args), ..., fn(world_size - 1, world_size, *args)]``, each on its own rank."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(PRELOAD)  # takes effect when the server starts (the first call)
+    context = _forkserver()
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
         out = Path(tmp)
@@ -108,6 +110,17 @@ def run_ranks(
                     process.kill()
                     process.join()
         return [torch.load(out / f"{rank}.pt", weights_only=True) for rank in range(world_size)]
+
+
+def _forkserver() -> multiprocessing.context.BaseContext:
+    """The forkserver context, its server (started by the first call) importing from this process's
+    ``sys.path``: Python 3.11's forkserver ignores it, and would import lit_ablate from wherever it
+    is installed rather than from the checkout under test."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    with mock.patch.dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, sys.path))):
+        forkserver.ensure_running()
+    return context
 
 
 def _start(process: BaseProcess, fn: Callable[..., Any]) -> None:
