@@ -165,6 +165,8 @@ class TrainingShape:
             ``checkpoint_every``-th layer), as the mesh strategies apply it.
         loss: the loss backend (how many ``[tokens, vocab]`` fp32 copies it keeps).
         chunk_tokens: the chunked loss's token chunk.
+        loss_grad_in_forward: the chunked loss forms its gradients in the forward (its default, as
+            Liger always does), so they are held until the backward.
         attention: the attention backend; ``eager`` saves the ``[heads, seq]`` scores per token.
         gradient_as_bucket_view: DDP without a second gradient copy in its buckets.
         context_parallel: ranks each sequence is split over (``ContextParallelStrategy``'s cp).
@@ -180,6 +182,7 @@ class TrainingShape:
     checkpoint_every: int = 2
     loss: str = "torch"
     chunk_tokens: int = 1024
+    loss_grad_in_forward: bool = True
     attention: str = "sdpa"
     gradient_as_bucket_view: bool = False
     context_parallel: int = 1
@@ -275,10 +278,28 @@ def activation_bytes(shape: ModelShape, training: TrainingShape) -> int:
     if training.loss == "chunked":
         copies *= min(1.0, training.chunk_tokens / tokens)
     head = 3 * shape.hidden * training.activation_bytes + copies * shape.vocab * 4
+    held = loss_gradient_bytes(shape, training)
+    head += held / tokens
     candidates = [sum(saved) + head]
     recompute = per_layer + 2 * shape.hidden * training.activation_bytes
     candidates += [sum(saved[: i + 1]) + recompute for i, c in enumerate(checkpointed) if c]
     return int(max(candidates) * tokens)
+
+
+def loss_gradient_bytes(shape: ModelShape, training: TrainingShape) -> int:
+    """Bytes of LM-head gradients a loss forms in the forward and holds until the backward: the
+    chunked loss (``grad_in_forward``) and Liger accumulate ``d weight`` (``[vocab, hidden]``; fp32
+    for chunked, the weight's dtype for Liger) and ``d hidden`` (``[tokens, hidden]``). Found by
+    measuring (tests/test_estimate_memory.py): at a large vocabulary the weight gradient is as
+    large as the chunks the loss saves."""
+    tokens = training.micro_batch * training.seq_len
+    if training.loss == "chunked" and training.loss_grad_in_forward:
+        weight_bytes = 4
+    elif training.loss == "liger":
+        weight_bytes = training.param_bytes
+    else:
+        return 0
+    return shape.vocab * shape.hidden * weight_bytes + tokens * shape.hidden * training.activation_bytes
 
 
 def optimizer_state_bytes(optimizer: str, param_bytes: int) -> float:
@@ -292,15 +313,20 @@ def estimate_memory(counts: ParameterCounts, shape: ModelShape, training: Traini
     """Per-rank bytes at a step's peak under ``sharding`` (divisors of params, grads, optimizer states).
 
     Transient: a sharded strategy gathers two decoder layers at a time (the current one and the
-    prefetched next) and reduce-scatters one layer's full gradients; replicated gradients on more
-    than one rank also sit in DDP's buckets unless ``gradient_as_bucket_view``.
+    prefetched next) and keeps the root's parameters (embeddings, final norm, LM head) gathered
+    from forward to backward; sharded gradients exist in full twice for the unit being reduced (its
+    gradients and the reduce-scatter buffer they are copied into), the largest unit being a layer
+    or the root; replicated gradients on more than one rank also sit in DDP's buckets unless
+    ``gradient_as_bucket_view``. Measured against FSDP2/FSDP1 on 2 ranks in
+    tests/test_estimate_memory.py.
     """
     full = counts.total * training.param_bytes
+    root = max(0, counts.total - shape.layers * shape.layer_params)
     transient = 0
     if sharding.params > 1:
-        transient += 2 * shape.layer_params * training.param_bytes
+        transient += (2 * shape.layer_params + root) * training.param_bytes
     if sharding.grads > 1:
-        transient += shape.layer_params * training.param_bytes
+        transient += 2 * max(shape.layer_params, root) * training.param_bytes
     elif world_size > 1 and not training.gradient_as_bucket_view:
         transient += full
     return MemoryEstimate(
@@ -334,6 +360,31 @@ def context_parallel_bytes(shape: ModelShape, training: TrainingShape) -> tuple[
     forward = 2 * kv * local + (shape.q_dim + shape.heads) * 4 * local
     backward = 2 * kv * local + 3 * 2 * shape.kv_dim * 4 * local + shape.q_dim * 4 * local
     return 0, max(forward, backward)
+
+
+AGREEMENT_FACTORS: dict[str, float] = {"params": 1.05, "grads": 1.05, "optimizer": 1.1, "activations": 1.3,
+                                        "transient": 2.0}
+"""How far (either way) an estimated category may be from the measured one and still agree: the
+state categories are exact byte counts (buffers and ZeRO-1's whole-tensor partitions make the
+small difference); activations are a per-token model of what autograd saves; transient copies
+depend on when a strategy frees its buffers. Checked on several shapes and strategies in
+tests/test_estimate_memory.py; every study report marks the categories that disagree."""
+
+
+def compare_with_measured(estimate: MemoryEstimate, breakdown: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per category: estimated and measured bytes, their ratio and whether it is within
+    ``AGREEMENT_FACTORS``. ``breakdown`` is a run record's ``tensor_breakdown``: each state
+    category's maximum over the step, and for ``activations`` the most activations and
+    temporaries reach together during forward and backward (what ``activation_bytes`` models)."""
+    measured = {**{c: int(breakdown["max"].get(c, 0)) for c in ("params", "grads", "optimizer", "transient")},
+                "activations": int(breakdown["forward_backward_max"])}
+    out = {}
+    for category, factor in AGREEMENT_FACTORS.items():
+        estimated, actual = getattr(estimate, category), measured[category]
+        ratio = estimated / actual if actual else None
+        agrees = estimated == 0 if ratio is None else 1 / factor <= ratio <= factor
+        out[category] = {"estimated": estimated, "measured": actual, "ratio": ratio, "agrees": agrees}
+    return out
 
 
 SHARDINGS = ("ddp", "zero1", "zero2", "fsdp2", "fsdp2_no_reshard", "hsdp")
@@ -387,6 +438,7 @@ def training_shape_of(config: dict, optimizer: str | None = None) -> TrainingSha
         checkpoint_every=int(strategy_args.get("checkpoint_every", 2)),
         loss=str(get_dotted(config, "model.init_args.loss", "torch")),
         chunk_tokens=int(get_dotted(config, "model.init_args.loss_options.chunk_tokens", 1024)),
+        loss_grad_in_forward=bool(get_dotted(config, "model.init_args.loss_options.grad_in_forward", True)),
         attention=str(get_dotted(config, "model.init_args.model.attn_implementation", "sdpa")),
         gradient_as_bucket_view=bool(strategy_args.get("gradient_as_bucket_view", False)),
         **dict(zip(("context_parallel", "context_parallel_impl"), context_parallel_of(config))),

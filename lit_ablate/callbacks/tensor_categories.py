@@ -49,6 +49,11 @@ _FSDP_NAMESPACE = "fsdp"
 """FSDP2's copy-in/out operators: every tensor they touch is a communication buffer or a gathered
 parameter. (Other collectives are not: tensor/expert/context parallelism send activations.)"""
 _TOTAL = "Total"
+_ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+                torch.ops.aten.new_empty.default, torch.ops.aten.empty_like.default}
+"""Operators that only allocate: their output's role is known once the next operator writes it
+(FSDP's all-gather and reduce-scatter buffers are made by ``torch.empty``, then filled by FSDP's
+copy-in operators, which make them ``transient``)."""
 
 
 def optimizer_states(optimizer: Optimizer) -> list[torch.Tensor]:
@@ -86,7 +91,7 @@ class TensorCategoryTracker(MemTracker):
         self._ref_class = self.categories  # MemTracker keys its running totals by these
         self._extra_of = {id(m): name for name, tops in extra.items() for top in tops for m in top.modules()}
         self._own: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self._writes_untracked = False
+        self._untracked_is_transient = False
         self.phase: Phase = "forward"
         self.peak = 0
         self.at_peak: dict[str, int] = dict.fromkeys(self.categories, 0)
@@ -151,20 +156,24 @@ class TensorCategoryTracker(MemTracker):
         for optimizer in self.optimizers:
             for state in optimizer_states(optimizer):
                 self._update_and_maybe_create_winfos(state, "optimizer")
+        self._update_statistics()
 
     # --- MemTracker overrides -------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (MemTracker's signature)
-        # An operator that writes into a storage nobody tracked yet: a buffer made before the step
-        # (DDP's gradient buckets, FSDP's gathered-parameter storages, resized outside operators).
-        self._writes_untracked = func._schema.is_mutable
+        # An operator that writes into or views a storage nobody tracked yet: a buffer made before
+        # tracking or outside operators (DDP's gradient buckets, FSDP's gathered-parameter storages
+        # grown by resize_, buffers a collective's backend allocated itself).
+        self._untracked_is_transient = func._schema.is_mutable or func.is_view
         try:
             out = super().__torch_dispatch__(func, types, args, kwargs)
         finally:
-            self._writes_untracked = False
+            self._untracked_is_transient = False
         if func.namespace == _FSDP_NAMESPACE:  # FSDP's all-gather/reduce-scatter buffers, in and out
             for t in tree_flatten((args, kwargs, out))[0]:
                 if isinstance(t, torch.Tensor):
                     self._recategorise(t, ("activations", "temporaries"), "transient")
+        if func not in _ALLOCATIONS:  # an empty buffer is counted once the operator that fills it ran
+            self._update_statistics()
         return out
 
     def _recategorise(self, t: torch.Tensor, current: tuple[str, ...], category: str) -> None:
@@ -177,7 +186,7 @@ class TensorCategoryTracker(MemTracker):
     def _track(self, reftype: Any, t: torch.Tensor) -> None:
         """A storage an operator produced: categorise it by the phase (MemTracker's ``reftype``
         says only whether autograd is running backward outside a recomputation)."""
-        if self._writes_untracked:
+        if self._untracked_is_transient:
             category = "transient"
         elif reftype is _MemRefType.ACT and (self.phase == "forward" or self._in_ac):
             category = "activations"
@@ -204,13 +213,16 @@ class TensorCategoryTracker(MemTracker):
     def _update_snap(self, u_type: Any, winfo: Any, old_mem_consumed: int | None = None,
                      old_reftype: Any = None) -> None:
         super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
-        if winfo.device != self.device:
+        if u_type is _UpdateType.SIZE and old_mem_consumed is not None and winfo.mem_consumed > old_mem_consumed:
+            self._update_statistics()  # a storage grown outside any operator (FSDP's resize_ to gather)
+
+    def _update_statistics(self) -> None:
+        """Peak, its composition and each category's maximum, from the running totals now."""
+        now = self._curr_mem_snap.get(self.device)
+        if now is None:  # nothing held on the device (MemTracker drops a device whose total is zero)
             return
-        now = self._curr_mem_snap.get(winfo.device)
-        if now is None:  # MemTracker drops a device whose total reaches zero
-            return
-        for category in (winfo.reftype, old_reftype):
-            if category is not None and now[category] > self.maxima[category]:
+        for category in self.categories:
+            if now[category] > self.maxima[category]:
                 self.maxima[category] = now[category]
         if self.phase != "update":
             self.forward_backward_max = max(self.forward_backward_max, now["activations"] + now["temporaries"])
