@@ -14,10 +14,11 @@ the one-process reference, and the frozen base with the base the run started fro
                repack on, FSDP2 trains on stale weights from then on)
 
 Which bug each comparison catches (each seen failing by breaking it on purpose): adapters drawn
-on every rank instead of copied from rank 0 (ranks start from different ``lora_A``: every
-multi-rank run fails at step 1); the old per-micro-batch mean (unequal tokens: the losses differ
-by ~0.1); a trainable base (``test_only_adapter_parameters_change``).
-Tolerances are ``test_step_objective``'s (fp32 reduction order, Adam's sign-like first steps).
+on a rank instead of copied from rank 0 (rank 1 re-drawing its ``lora_A`` after ``materialize``:
+B starts at zero, so step 1 agrees and the step losses differ by 0.06 from step 2 on); the
+eval-mode repack left on (``support_avx512bf16_for_cpu = True``: QLoRA FSDP2 losses differ by 0.17
+from step 3, after the eval forward). Tolerances are ``test_step_objective``'s (fp32 reduction
+order, Adam's sign-like first steps).
 """
 
 from __future__ import annotations

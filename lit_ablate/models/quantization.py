@@ -28,9 +28,6 @@ OPTIONS_KEY = "model.init_args.model.quantization"
 """Where ``QuantizationOptions`` sit in a fit config (named in error messages)."""
 QUANT_TYPES = ("nf4", "fp4")
 COMPUTE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-NF4_HALF_GAP = 0.5 * 0.2773
-"""Half the widest gap between neighbouring NF4 code values (0.7230 -> 1.0): no weight moves further
-than this times its block's absolute maximum when quantised (the stated NF4 error bound)."""
 
 
 @dataclass
@@ -81,6 +78,35 @@ class QuantizationOptions:
             return 8.0
         scales = 8 / self.blocksize + 32 / (self.blocksize * 256) if self.double_quant else 32 / self.blocksize
         return 4.0 + scales
+
+
+def quantization_refusal(options: QuantizationOptions | None, strategy: object) -> str | None:
+    """Why quantised weights cannot train under ``strategy`` (an instance or class), or None.
+
+    - FSDP1 flattens each unit's parameters into one tensor and cannot flatten the packed integer
+      weights with the float ones ("Cannot flatten integer dtype tensors").
+    - 8-bit layers under a DTensor strategy (FSDP2, HSDP, ...): ``Linear8bitLt`` keeps its scales
+      outside the parameter and cannot take them back from the copy a strategy loads into each
+      rank; 4-bit layers can (``_load_quant_state``).
+    """
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    if options is None or strategy is None:
+        return None
+    strategy_class = strategy if isinstance(strategy, type) else type(strategy)
+    if issubclass(strategy_class, FSDPStrategy):
+        return (f"{strategy_class.__name__} (FSDP1) cannot flatten quantised integer weights with float ones; "
+                "use FSDP2Strategy (QLoRA shards there) or DDP")  # fmt: skip
+    if options.bits == 8 and issubclass(strategy_class, ModelParallelStrategy):
+        return f"8-bit layers cannot be sharded by {strategy_class.__name__}; use bits: 4 (QLoRA), or DDP"
+    return None
+
+
+def check_quantization(options: QuantizationOptions | None, strategy: object) -> None:
+    """Raise ``ConfigError`` naming ``model.init_args.model.quantization`` when ``quantization_refusal`` has a reason."""
+    reason = quantization_refusal(options, strategy)
+    if reason:
+        raise ConfigError(OPTIONS_KEY, {"bits": options.bits}, reason)
 
 
 def quantized_linear_names(model: nn.Module, options: QuantizationOptions) -> list[str]:

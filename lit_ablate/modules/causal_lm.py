@@ -16,6 +16,7 @@ from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_laye
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.losses import loss_backend
 from lit_ablate.models.moe import collect_aux_losses, experts_fallbacks
+from lit_ablate.models.quantization import check_quantization
 from lit_ablate.modules.optim import build_optimizer, check_optimizer, decay_groups, decay_names, warmup_cosine
 from lit_ablate.modules.step_objective import StepObjective
 from lit_ablate.modules.step_output import StepOutput
@@ -106,6 +107,7 @@ class CausalLM(LightningModule):
         check_attention_backend(self.factory.attn_implementation, training=True)
         if self._trainer:
             check_optimizer(self.optimizer_name, self.trainer.strategy, self.trainer.strategy.root_device.type)
+            check_quantization(self.factory.quantization, self.trainer.strategy)
         lm = self.factory.build()
         self.parameter_counts = count_parameters(lm, lm.config)
         self.model = self.trained_module(lm)
