@@ -203,44 +203,50 @@ def _evaluate_under_mesh_strategies(rank: int, world_size: int, root: str) -> di
     """FSDP2: fit with the evaluator, return its value and the full weights (rank 0). FSDP1: refused."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from lit_ablate.strategies import FSDP1Strategy, FSDP2Strategy
+    from lit_ablate.strategies import ContextParallelStrategy, FSDP1Strategy, FSDP2Strategy
 
     source = ArithmeticSFT(num_examples=36, max_operand=5, operators="+", seed=0)
 
-    def fit(strategy) -> tuple[CausalLM, ExactMatchEvaluator]:
+    def fit(strategy, batch_size: int = 4) -> tuple[CausalLM, ExactMatchEvaluator]:
         L.seed_everything(0, verbose=False)
         module = CausalLM(ModelFactory(preset="tiny-qwen3"), learning_rate=1e-2, warmup_steps=0)
         evaluator = ExactMatchEvaluator(examples=source, batch_size=5)
         trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=STEPS,
                             callbacks=[evaluator], logger=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=root)
-        trainer.fit(module, datamodule=LMDataModule(source, format="sft", seq_len=16, batch_size=4))
+        trainer.fit(module, datamodule=LMDataModule(source, format="sft", seq_len=16, batch_size=batch_size))
         return module, evaluator
 
-    module, evaluator = fit(FSDP2Strategy())
-    state = get_model_state_dict(module.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    results = {}
+    # 8 examples per step either way: 4 per data-parallel rank, or all 8 shared by the cp ranks
+    for name, strategy, batch in (("fsdp2", FSDP2Strategy(), 4), ("cp", ContextParallelStrategy(cp=world_size), 8)):
+        module, evaluator = fit(strategy, batch)
+        state = get_model_state_dict(module.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        results[name] = {"exact_match": evaluator.series["exact_match"][STEPS], "state": state if rank == 0 else None}
     try:
         fit(FSDP1Strategy())
-        refused = None
+        results["refused"] = None
     except ConfigError as err:
-        refused = str(err)
-    return {"exact_match": evaluator.series["exact_match"][STEPS], "state": state if rank == 0 else None,
-            "refused": refused}
+        results["refused"] = str(err)
+    return results
 
 
 @pytest.mark.slow
-def test_under_fsdp2_every_rank_records_the_accuracy_of_the_gathered_model(tmp_path):
-    """Both ranks generate for every prompt (each forward all-gathers the shards), so both record
+def test_under_fsdp2_and_context_parallel_every_rank_records_the_accuracy_of_the_gathered_model(tmp_path):
+    """Both ranks generate for every prompt (each forward all-gathers the shards; under context
+    parallelism with the configured attention on whole sequences, outside steps), so both record
     the value that the full weights give in one process; FSDP1 is refused with a clear line."""
     from tests.distributed import run_ranks
 
     results = run_ranks(_evaluate_under_mesh_strategies, 2, str(tmp_path), init_process_group=False, timeout_s=300)
-    module = CausalLM(ModelFactory(preset="tiny-qwen3"))
-    module.configure_model()
-    module.model.load_state_dict(results[0]["state"])
-    reference = _generate_accuracy(module.eval(), list(ArithmeticSFT(num_examples=36, max_operand=5, operators="+")))
-    assert 0 < reference < 1
-    assert [r["exact_match"] for r in results] == [pytest.approx(reference)] * 2
+    for name in ("fsdp2", "cp"):
+        module = CausalLM(ModelFactory(preset="tiny-qwen3"))
+        module.configure_model()
+        module.model.load_state_dict(results[0][name]["state"])
+        rows = list(ArithmeticSFT(num_examples=36, max_operand=5, operators="+"))
+        reference = _generate_accuracy(module.eval(), rows)
+        assert 0 < reference < 1, name
+        assert [r[name]["exact_match"] for r in results] == [pytest.approx(reference)] * 2, name
     for r in results:
         assert r["refused"].startswith("trainer.strategy='FSDP1Strategy'") and "FSDP2Strategy" in r["refused"]
 

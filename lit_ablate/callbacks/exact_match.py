@@ -94,8 +94,9 @@ class ExactMatchEvaluator(StepMonitor):
 
     Every rank generates for every prompt, in the same batches: a sharded model (FSDP2, HSDP,
     expert parallel) gathers its parameters inside each forward, so all ranks must take part in
-    each one. FSDP1 (flattened parameters) cannot run the model outside its training forward and
-    is refused at the start of fit.
+    each one. Context parallelism attends with its ring only inside steps, so here every rank runs
+    whole sequences. FSDP1 (flattened parameters) cannot run the model outside its training
+    forward and is refused at the start of fit.
 
     Args:
         examples: rows to evaluate on (``prompt``/``response`` or chat ``messages``), tokenised with
