@@ -1,6 +1,7 @@
 """The report's figures, drawn headless (matplotlib Agg) from the study summary alone.
 
-Loss curves overlaid; throughput and peak-memory bars with min-max whiskers; and, for a numeric
+Loss curves overlaid; throughput and peak-memory bars with min-max whiskers; the measured
+tensor categories stacked beside the estimator's; and, for a numeric
 axis, final loss and useful tokens/s against the axis value (and against the parameter count
 when it varies, as in a depth grid). Same summary in, same PNG bytes out.
 """
@@ -30,8 +31,10 @@ def write_plots(summary: Mapping[str, Any], directory: Path) -> list[str]:
         written.append(_loss_curves(variants, directory / "loss.png"))
     if any(v["useful_tokens_per_sec"] or v["tokens_per_sec"] for v in variants):
         written.append(_throughput_bars(variants, directory / "throughput.png"))
-    if any(v["peak_memory_bytes"] for v in variants):
+    if any(v["peak_memory_bytes"] or v.get("peak_tensor_bytes") for v in variants):
         written.append(_memory_bars(variants, directory / "memory.png"))
+    if any(v.get("tensor_breakdown") for v in variants):
+        written.append(_memory_categories(variants, directory / "memory_categories.png"))
     axes = summary["study"].get("axes") or {}
     for key, values in axes.items():
         if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in values):
@@ -96,11 +99,51 @@ def _throughput_bars(variants: Sequence[Mapping[str, Any]], path: Path) -> str:
 
 
 def _memory_bars(variants: Sequence[Mapping[str, Any]], path: Path) -> str:
+    """The report's main memory column: the tensor peak (or, for records without it, the process peak)."""
     fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(variants) + 2), 4.5))
-    _bars(ax, variants, "peak_memory_bytes", 2**20, 0.0, 0.6, "peak")
-    methods = sorted({v["memory_method"] for v in variants if v["memory_method"]})
-    ax.set(ylabel="MiB", title=f"Peak memory per rank ({', '.join(methods) or 'method unknown'})")
+    key, method = ("peak_tensor_bytes", "tensor_method") if any(v.get("peak_tensor_bytes") for v in variants) else \
+        ("peak_memory_bytes", "memory_method")
+    _bars(ax, variants, key, 2**20, 0.0, 0.6, "peak")
+    methods = sorted({v[method] for v in variants if v.get(method)})
+    what = "Peak tensor memory" if key == "peak_tensor_bytes" else "Peak memory"
+    ax.set(ylabel="MiB", title=f"{what} per rank ({', '.join(methods) or 'method unknown'})")
     _variant_axis(ax, variants)
+    return _save(fig, path)
+
+
+MEASURED_COLORS = {"params": "#1f77b4", "grads": "#ff7f0e", "optimizer": "#2ca02c", "activations": "#d62728",
+                   "temporaries": "#e377c2", "transient": "#9467bd", "untracked": "#7f7f7f"}
+"""One colour per category, shared by the measured and the estimated bars (the estimator's
+activations include what is measured as temporaries during forward and backward)."""
+
+
+def _memory_categories(variants: Sequence[Mapping[str, Any]], path: Path) -> str:
+    """Per variant two stacked bars: the measured categories at the tensor peak (median over seeds;
+    they add up to the peak) and, hatched beside them, the estimator's categories (each at its own
+    peak, so their sum is the estimator's total)."""
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(variants) + 3), 5))
+    categories = list(MEASURED_COLORS)
+    for v in variants:  # categories a module declared (a DPO reference) come after the built-in ones
+        categories += [c for c in (v.get("tensor_breakdown") or {}).get("at_peak", {}) if c not in categories]
+    colors = {c: MEASURED_COLORS.get(c, f"C{i}") for i, c in enumerate(categories)}
+    labelled: set[str] = set()
+    for i, v in enumerate(variants):
+        for offset, values, hatch in ((-0.2, (v.get("tensor_breakdown") or {}).get("at_peak"), None),
+                                      (0.2, v.get("estimated_memory_categories"), "//")):
+            bottom = 0.0
+            for category in categories:
+                height = (values or {}).get(category, 0) / 2**20
+                if height:
+                    label = category if category not in labelled else None
+                    labelled.add(category)
+                    ax.bar(i + offset, height, 0.38, bottom=bottom, color=colors[category], hatch=hatch,
+                           edgecolor="white" if hatch is None else "black", linewidth=0.3, label=label)
+                    bottom += height
+    ax.set(ylabel="MiB per rank", title="Tensor memory by category: measured at the peak (left, plain) and "
+           "estimated (right, hatched)")
+    ax.title.set_fontsize("medium")
+    _variant_axis(ax, variants)
+    ax.legend(fontsize="small", ncols=2)
     return _save(fig, path)
 
 

@@ -75,8 +75,9 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
     if summary.get("problems"):
         lines += ["**Study problems (exit code 1):**", "", *(f"- {p}" for p in summary["problems"]), ""]
     agreement = study.get("expect_equal_loss")
-    header = ["variant", "status", "tokens/s", "useful tokens/s", "step time (s)", "data wait", "MFU", "peak memory",
-              "est. memory", "final loss", "Δ loss", "speed ×", "memory ×"]  # fmt: skip
+    header = ["variant", "status", "tokens/s", "useful tokens/s", "step time (s)", "data wait", "MFU",
+              "peak tensor memory", "process peak", "est. memory", "est. ÷ measured", "final loss", "Δ loss", "speed ×",
+              "memory ×"]  # fmt: skip
     accuracy = any(v["exact_match"] for v in variants)  # a column only when some run was evaluated
     header += ["exact match"] if accuracy else []
     header += [f"loss = {_reference_word(agreement)}"] if agreement else []
@@ -90,8 +91,10 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
             _spread(v["step_time_s"], lambda x: f"{x:.3g}"),
             _spread(v.get("data_wait_share"), lambda x: f"{100 * x:.1f}%"),
             _spread(v["mfu"], lambda x: f"{100 * x:.1f}%") if v["mfu"] else ("n/a" if v["status"] == "ok" else "—"),
+            _spread(v.get("peak_tensor_bytes"), _bytes),
             _memory_cell(v),
             "—" if v["estimated_memory_bytes"] is None else _bytes(v["estimated_memory_bytes"]),
+            _estimate_check_cell(v.get("estimate_vs_measured")),
             _spread(v["final_loss"], lambda x: f"{x:.4f}"),
             _delta(v["loss_delta"]),
             _speed_cell(v, study["baseline"]),
@@ -146,6 +149,18 @@ def _memory_cell(variant: Mapping[str, Any]) -> str:
     return _spread(stats, _bytes) + (f" ({variant['memory_method']})" if variant["memory_method"] else "")
 
 
+def _estimate_check_cell(comparison: Mapping[str, Any] | None) -> str:
+    """The estimator's categories that disagree with the measured ones beyond their factor."""
+    if not comparison:
+        return "—"
+    off = [f"{c} {_ratio(r)}" for c, r in comparison.items() if not r["agrees"]]
+    return "; ".join(off) if off else "agrees"
+
+
+def _ratio(result: Mapping[str, Any]) -> str:
+    return f"×{result['ratio']:.2f}" if result["ratio"] is not None else f"{_bytes(result['estimated'])} vs 0"
+
+
 def _speed_cell(variant: Mapping[str, Any], baseline: str) -> str:
     ratio = variant["speed_ratio"]
     if ratio is None:
@@ -181,10 +196,14 @@ def _legend(agreement: Mapping[str, Any] | None) -> str:
             "finished ok; tokens/s count all ranks, useful tokens are labels that count in the loss. Step time "
             "runs from one optimizer step's end to the next; data wait: the share of it spent between "
             "micro-batches (fetching, collating and moving batches), median [min–max] over seeds. "
-            "Peak memory: median [min–max] over seeds, per rank, with how it was measured (on CPU the process's "
-            "resident set, Python runtime included); est. memory: the analytic per-rank model of "
-            "`lit-ablate estimate` for the run's config. Final loss: "
-            "median over seeds. Speed ×: useful tokens/s over the baseline's; memory ×: peak over the "
+            "Peak tensor memory: the most tensor bytes one rank held (the largest rank), median [min–max] over "
+            "seeds: on CPU counted by `MemoryMonitor`'s tensor tracker on the last warm-up step(s), on CUDA the "
+            "allocator's peak allocated bytes; memory.png shows it, memory_categories.png its categories. Process "
+            "peak: the secondary measure, with its method (on CPU the process's resident set, ~0.5 GB of Python "
+            "runtime included, so it hides what a technique changes). Est. memory: the analytic per-rank model of "
+            "`lit-ablate estimate` for the run's config; est. ÷ measured: its categories that differ from the "
+            f"measured ones by more than their stated factor ({_factors()}), or *agrees*. Final loss: "
+            "median over seeds. Speed ×: useful tokens/s over the baseline's; memory ×: peak tensor memory over the "
             "baseline's; the baseline's cell gives the noise floor: its useful tokens/s medians over the first and "
             "the second half of each ok seed's measured steps, (max − min) over the median of all its steps; a "
             "ratio within 1 ± that floor is marked *within noise*. "
@@ -198,6 +217,12 @@ def _legend(agreement: Mapping[str, Any] | None) -> str:
             text += (f" The reference of a variant differs from it only in `{agreement['across']}`, "
                      "holding the baseline's value.")
     return text
+
+
+def _factors() -> str:
+    from lit_ablate.estimate import AGREEMENT_FACTORS
+
+    return ", ".join(f"{c} ×{f:g}" for c, f in AGREEMENT_FACTORS.items())
 
 
 def _spread(stats: Mapping[str, float] | None, fmt) -> str:

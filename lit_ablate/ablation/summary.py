@@ -1,7 +1,8 @@
 """The numbers of a study report, computed from run records alone (plus the study plan).
 
 Per variant: throughput, step time and MFU as median [min, max] over every measured step of
-every successful seed (steps after warm-up); peak memory, final loss and an evaluation's accuracy
+every successful seed (steps after warm-up); the tensor peak (with its categories, and the
+estimator's categories against them), the process peak, final loss and an evaluation's accuracy
 (``exact_match``, when the runs had an ``ExactMatchEvaluator``) as median [min, max] over seeds;
 the ratio of each to the baseline variant, with the speed ratio judged against the
 baseline's noise floor (``speed_noise``); and, where the study expects it, whether the loss
@@ -65,6 +66,7 @@ def _variant(
     counts = [r.get("model") or {} for r in ok]
     parameters = sorted({c["total"] for c in counts if c.get("total") is not None})
     methods = sorted({r["summary"]["memory_method"] for r in ok if r["summary"].get("memory_method")})
+    breakdowns = [r["summary"]["tensor_breakdown"] for r in ok if r["summary"].get("tensor_breakdown")]
     return {
         "name": name,
         "axis_values": dict(axis_values),
@@ -72,11 +74,15 @@ def _variant(
         **{key: spread(s.get(series) for s in measured) for series, key in SUMMARISED_SERIES.items()},
         "data_wait_share": spread(r["summary"].get("data_wait_share") for r in ok),
         "speed_noise": _noise_floor(ok, warmup),
+        "peak_tensor_bytes": spread(r["summary"].get("peak_tensor_bytes") for r in ok),
+        "tensor_method": ", ".join(sorted({r["summary"]["tensor_method"] for r in ok if r["summary"].get("tensor_method")}))
+                         or None,
+        "tensor_breakdown": _median_breakdown(breakdowns),
         "peak_memory_bytes": spread(r["summary"].get("peak_memory_bytes") for r in ok),
         "memory_method": ", ".join(methods) or None,
         "final_loss": spread(r["summary"].get("final_loss") for r in ok),
         **{key: spread(r["summary"].get(key) for r in ok) for key in FINAL_VALUE_SERIES.values()},  # exact_match
-        **_estimate(next((r for _, r in runs if r.get("config")), None)),
+        **_estimate(next((r for _, r in runs if r.get("config")), None), breakdowns),
         "parameters": parameters[0] if len(parameters) == 1 else None,
         "loss_curve": _loss_curve([r for _, r in runs if r.get("steps")]),
         "runs": [
@@ -93,21 +99,36 @@ def _variant(
     }
 
 
-def _estimate(record: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The analytic per-rank memory of the run's config (``lit_ablate.estimate``), or why there is none."""
+def _estimate(record: Mapping[str, Any] | None, breakdowns: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
+    """The analytic per-rank memory of the run's config (``lit_ablate.estimate``), or why there is
+    none: its total, its categories, and each category against the measured one (first ok seed)."""
     from lit_ablate.errors import ConfigError
-    from lit_ablate.estimate import estimate_for_config
+    from lit_ablate.estimate import compare_with_measured, estimate_for_config
 
+    none = {"estimated_memory_bytes": None, "estimated_memory_categories": None, "estimate_vs_measured": None}
     if record is None:
-        return {"estimated_memory_bytes": None, "estimate_note": "no run config recorded"}
+        return {**none, "estimate_note": "no run config recorded"}
     world_size = (record.get("environment") or {}).get("world_size")
     try:
         estimate = estimate_for_config(dict(record["config"]), world_size)
     except ConfigError as err:
-        return {"estimated_memory_bytes": None, "estimate_note": str(err)}
+        return {**none, "estimate_note": str(err)}
     except Exception as err:  # noqa: BLE001  an advisory column must never cost the report
-        return {"estimated_memory_bytes": None, "estimate_note": f"estimate failed: {type(err).__name__}: {err}"}
-    return {"estimated_memory_bytes": estimate.total, "estimate_note": None}
+        return {**none, "estimate_note": f"estimate failed: {type(err).__name__}: {err}"}
+    categories = {k: getattr(estimate, k) for k in ("params", "grads", "optimizer", "activations", "transient")}
+    return {"estimated_memory_bytes": estimate.total, "estimated_memory_categories": categories,
+            "estimate_vs_measured": compare_with_measured(estimate, breakdowns[0]) if breakdowns else None,
+            "estimate_note": None}
+
+
+def _median_breakdown(breakdowns: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The measured categories over seeds: the median of each number (``at_peak``, ``max``,
+    ``forward_backward_max``); None when no run tracked its tensors."""
+    if not breakdowns:
+        return None
+    median = {kind: {c: statistics.median(b[kind].get(c, 0) for b in breakdowns) for c in breakdowns[0][kind]}
+              for kind in ("at_peak", "max")}
+    return {**median, "forward_backward_max": statistics.median(b["forward_backward_max"] for b in breakdowns)}
 
 
 def _loss_by_step(steps: Sequence[Mapping[str, Any]]) -> list[float | None]:
@@ -188,8 +209,15 @@ def _relative_to(variant: Mapping[str, Any], base: Mapping[str, Any] | None) -> 
         "loss_delta": loss - base_loss if loss is not None and base_loss is not None else None,
         "speed_ratio": speed,
         "speed_within_noise": None if speed is None or noise is None else abs(speed - 1) <= noise,
-        "memory_ratio": ratio("peak_memory_bytes"),
+        "memory_ratio": ratio(_main_memory(variant, base)),
     }
+
+
+def _main_memory(variant: Mapping[str, Any], base: Mapping[str, Any] | None) -> str:
+    """The memory the ratio compares: the tensor peak when both have it (older records, or a
+    platform without tracking, fall back to the process peak)."""
+    both = variant.get("peak_tensor_bytes") and base and base.get("peak_tensor_bytes")
+    return "peak_tensor_bytes" if both else "peak_memory_bytes"
 
 
 def _loss_reference(
