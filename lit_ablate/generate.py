@@ -31,10 +31,24 @@ def load_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
 
 def recorded_tokenizer(checkpoint: dict[str, Any]) -> str | None:
     """The tokenizer the data module recorded in its state (``LMDataModule.state_dict``)."""
+    return _data_state(checkpoint).get("tokenizer")
+
+
+def prompt_ids(tokenizer: Any, prompt: str, checkpoint: dict[str, Any]) -> list[int]:
+    """The prompt's ids, begun as the run's training examples began: with BOS for the formats whose
+    examples start with it (an SFT model never saw ``12+07=`` without it, and answers it wrongly)."""
+    from lit_ablate.data.formats import BOS_FIRST_FORMATS
+
+    starts_with_bos = _data_state(checkpoint).get("format") in BOS_FIRST_FORMATS and tokenizer.bos_id is not None
+    return ([tokenizer.bos_id] if starts_with_bos else []) + tokenizer.encode(prompt)
+
+
+def _data_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """What ``LMDataModule.state_dict`` saved (empty for a checkpoint of another data module)."""
     for value in checkpoint.values():
         if isinstance(value, dict) and isinstance(value.get("tokenizer"), str):
-            return value["tokenizer"]
-    return None
+            return value
+    return {}
 
 
 def generate(ckpt_path: str, prompt: str, max_new_tokens: int = 32, temperature: float = 0.0,
@@ -59,7 +73,7 @@ def generate(ckpt_path: str, prompt: str, max_new_tokens: int = 32, temperature:
     module.load_state_dict(checkpoint["state_dict"])
     lm = module.model.lm.eval()
     torch.manual_seed(seed)
-    input_ids = torch.tensor([tok.encode(prompt)])
+    input_ids = torch.tensor([prompt_ids(tok, prompt, checkpoint)])
     sampling = {"do_sample": True, "temperature": temperature, "top_k": top_k} if temperature > 0 else {"do_sample": False}
     with torch.no_grad():
         out = lm.generate(input_ids, max_new_tokens=max_new_tokens, eos_token_id=tok.eos_id,

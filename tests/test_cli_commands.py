@@ -211,3 +211,17 @@ def test_validate_and_test_add_no_version_folder(fit_run, command, capsys):
           "--trainer.default_root_dir", str(root), "--trainer.limit_val_batches", "2", "--trainer.limit_test_batches", "2"])
     assert f"{command.replace('validate', 'val')}/loss" in capsys.readouterr().out  # the metrics are printed
     assert sorted(p.relative_to(root) for p in root.rglob("*")) == before
+
+
+@pytest.mark.parametrize(("data_format", "with_bos"), [("sft", True), ("documents", True), ("preference", True),
+                                                       ("pretrain", False), (None, False)])
+def test_generate_starts_the_prompt_as_the_run_started_its_examples(data_format, with_bos):
+    """An SFT model trained on ``bos + 38+45=`` answers a bare ``38+45=`` wrongly (the 95% SFT
+    example gave ``11111`` for ``99+99=``): generate begins the prompt as the run's format did."""
+    from lit_ablate.data import load_tokenizer
+    from lit_ablate.generate import prompt_ids
+
+    tok = load_tokenizer("byte")
+    state = {"tokenizer": "byte", **({"format": data_format} if data_format else {})}
+    ids = prompt_ids(tok, "38+45=", {"LMDataModule": state, "state_dict": {}})
+    assert ids == ([tok.bos_id] if with_bos else []) + tok.encode("38+45=")

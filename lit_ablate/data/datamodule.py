@@ -142,7 +142,8 @@ class LMDataModule(pl.LightningDataModule):
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self._epoch, "batches_consumed": self._batches_consumed, "tokenizer": self.tokenizer.spec, "seed": self.seed}
+        return {"epoch": self._epoch, "batches_consumed": self._batches_consumed, "tokenizer": self.tokenizer.spec,
+                "seed": self.seed, "format": self.format}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume: the next training dataloader skips the batches this state had consumed."""

@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 SOURCE_ROWS_KEY = "data.init_args.source"
 """Where bad rows come from, as the config names it (row numbers count from 1 in the source's order)."""
 Format = Literal["pretrain", "documents", "sft"]
+BOS_FIRST_FORMATS: tuple[str, ...] = ("documents", "sft", "preference")
+"""Formats whose examples start with the tokenizer's BOS token (``pretrain`` windows start anywhere
+in the token stream): ``generate`` starts a prompt the same way."""
 Overlong = Literal["truncate", "reject"]
 Example = dict[str, Tensor]
 OVERLONG_CHOICES = ("truncate", "reject")
