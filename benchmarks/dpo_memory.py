@@ -1,0 +1,112 @@
+"""Peak memory of DPO's log-prob + loss computation: ``torch`` against ``chunked`` log-probs.
+
+Run by hand (never in CI):  python benchmarks/dpo_memory.py [--tokens 1024] [--chunk-tokens 128]
+
+At the LM-head sizes of the seed study (Qwen3-32B: hidden 5120, vocabulary 151,936, fp32), one
+forward + backward of: per-token label log-probs from the final hidden states and the LM-head
+weight, per-sequence sums, the sigmoid DPO loss over the pairs (reference log-probs given), and
+its gradients with respect to the hidden states and the weight. The seed study used 10k chosen +
+5k rejected tokens; this machine (2 cores, ~20 GiB free) runs ``--tokens`` split the same way
+(2/3 chosen, 1/3 rejected, over 4 pairs, a fifth of each sequence a masked prompt): 1,024 by
+default, where the torch reference needs ~8 GiB and ~2 minutes. On a GPU, add Liger's fused
+linear DPO as a third row (it needs CUDA) and use the seed's 15k tokens.
+
+Memory (CPU: ``torch.distributed._tools.mem_tracker.MemTracker``, tensor bytes; CUDA: allocator
+peak) is the peak allocated during forward + backward above the inputs (hidden states, weight,
+labels). Two numbers per backend:
+
+- ``peak``: everything, including the gradients the computation produces (``d weight`` is
+  vocabulary x hidden fp32 = 3.1 GB here, the same for every backend);
+- ``working``: ``peak`` minus those two gradients, i.e. what the log-prob computation itself
+  needs (logits, their softmax and gradient for torch; one chunk of them and the log-sum-exp for
+  chunked). The gradients are the parameter/activation gradients any training step holds, so
+  ``working`` is what a backend choice changes: ``RESULT dpo_chunked_memory_ratio`` is its ratio
+  (goal <= 0.15); ``RESULT dpo_chunked_peak_ratio`` is the ratio of ``peak``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from lit_ablate.models.logprobs import logprob_backend
+from lit_ablate.modules.preference_loss import PreferenceLoss
+
+HIDDEN, VOCAB = 5120, 151_936
+PAIRS = 4
+PROMPT_SHARE = 0.2
+
+
+def make_inputs(tokens: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Hidden states, weight, shifted labels and the sequence index of each token (4 pairs,
+    chosen sequences twice the length of rejected ones, a prompt share of each masked)."""
+    generator = torch.Generator().manual_seed(seed)
+    chosen, rejected = [tokens * 2 // 3 // PAIRS] * PAIRS, [tokens // 3 // PAIRS] * PAIRS
+    lengths = chosen + rejected
+    sequence_ids = torch.cat([torch.full((n,), s) for s, n in enumerate(lengths)])
+    labels = torch.randint(0, VOCAB, (len(sequence_ids),), generator=generator)
+    start = 0
+    for n in lengths:
+        labels[start : start + int(n * PROMPT_SHARE)] = -100
+        start += n
+    return {
+        "hidden": torch.randn(len(labels), HIDDEN, generator=generator).requires_grad_(),
+        "weight": (torch.randn(VOCAB, HIDDEN, generator=generator) * 0.02).requires_grad_(),
+        "labels": labels, "sequence_ids": sequence_ids,
+        "reference": -torch.rand(2 * PAIRS, generator=generator) * 10,
+    }
+
+
+def logprob_and_loss(backend, inputs: dict[str, torch.Tensor]) -> None:
+    per_token = backend(inputs["hidden"], inputs["weight"], inputs["labels"])
+    logps = per_token.new_zeros(2 * PAIRS).index_add(0, inputs["sequence_ids"], per_token)
+    counts = torch.bincount(inputs["sequence_ids"][inputs["labels"] != -100], minlength=2 * PAIRS)
+    ref = inputs["reference"]
+    result = PreferenceLoss("sigmoid", beta=0.1)(logps[:PAIRS], logps[PAIRS:], ref[:PAIRS], ref[PAIRS:],
+                                                 counts[:PAIRS], counts[PAIRS:])
+    result.losses.mean().backward()
+
+
+def measure(name: str, options: dict, inputs: dict[str, torch.Tensor]) -> dict[str, float]:
+    backend = logprob_backend(name, **options)
+    inputs["hidden"].grad = inputs["weight"].grad = None
+    cpu = torch.device("cpu")
+    tracker = MemTracker()
+    tracker.track_external(inputs["hidden"], inputs["weight"], inputs["labels"])
+    with tracker:
+        before = tracker.get_tracker_snapshot("current")[cpu]["Total"]
+        start, cpu_start = time.perf_counter(), time.process_time()
+        logprob_and_loss(backend, inputs)
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    peak = tracker.get_tracker_snapshot("peak")[cpu]["Total"] - before
+    gradients = sum(t.grad.numel() * t.grad.element_size() for t in (inputs["hidden"], inputs["weight"]))
+    return {"peak": peak, "working": peak - gradients, "seconds": seconds, "cpu_seconds": cpu_seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=1024, help="tokens of all sequences together")
+    parser.add_argument("--chunk-tokens", type=int, default=128, help="chunked: tokens per chunk")
+    parser.add_argument("--chunk-vocab", type=int, default=None, help="chunked: vocabulary columns per chunk")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    inputs = make_inputs(args.tokens)
+    rows = {"torch": measure("torch", {}, inputs),
+            "chunked": measure("chunked", {"chunk_tokens": args.chunk_tokens, "chunk_vocab": args.chunk_vocab}, inputs)}
+    gib = 2**30
+    print(f"DPO log-prob + loss, hidden {HIDDEN}, vocabulary {VOCAB}, fp32, {len(inputs['labels'])} tokens "
+          f"({PAIRS} pairs), chunk_tokens {args.chunk_tokens}, chunk_vocab {args.chunk_vocab}\n")
+    print("| backend | peak above inputs (GiB) | working: peak - gradients (GiB) | wall (s) | cpu (s) |")
+    print("|---|---|---|---|---|")
+    for name, row in rows.items():
+        print(f"| {name} | {row['peak'] / gib:.3f} | {row['working'] / gib:.3f} | {row['seconds']:.1f} | "
+              f"{row['cpu_seconds']:.1f} |")
+    print(f"\nRESULT dpo_chunked_memory_ratio={rows['chunked']['working'] / rows['torch']['working']:.3f}")
+    print(f"RESULT dpo_chunked_peak_ratio={rows['chunked']['peak'] / rows['torch']['peak']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
