@@ -280,7 +280,7 @@ def test_resume_skips_exactly_the_consumed_batches_without_loading_them():
     dm.trainer.training = False  # validation batches are not training progress
     dm.on_before_batch_transfer(batch, 0)
     state = dm.state_dict()
-    assert state == {"epoch": 0, "batches_consumed": 3, "tokenizer": "byte", "seed": 0}
+    assert state == {"epoch": 0, "batches_consumed": 3, "tokenizer": "byte", "seed": 0, "format": "pretrain"}
 
     resumed = _datamodule()
     resumed.load_state_dict(state)
