@@ -10,7 +10,7 @@ is compared with one process reading the same micro-batches: per-step losses wit
 tolerances. Variants: ring and allgather, zigzag and contiguous, tiny Llama and tiny Qwen3 (GQA,
 q/k norms), padded and packed batches (documents kept apart under CP), full activation
 checkpointing (layers recomputed in backward must attend as in the forward), and on 4 ranks
-FSDP2 over dp_shard=2 x cp=2 and cp=4.
+FSDP2 over dp_shard=2 x cp=2, HSDP (dp_replicate=2 x cp=2) and cp=4.
 
 Measured (fp32, lr 1e-3): losses differ by at most 2e-6; gradients by at most 1.2e-7 on the
 first step and 9e-6 on the last (gradient entries up to ~0.8); weights by at most 8e-5.
@@ -120,7 +120,8 @@ class WithoutContextParallelRanksInW(ContextParallelStrategy):
 
 
 # name -> (preset, data, strategy class, arguments); every rank of the run is context-parallel
-# unless dp_shard says otherwise (then rank // cp is the data-parallel rank: cp is the inner mesh dim).
+# unless dp_shard or dp_replicate say otherwise (then rank // cp is the data-parallel rank: cp is
+# the inner mesh dimension).
 TWO_RANK_RUNS = {
     "ring-zigzag-llama-checkpointed": ("tiny-llama", "reference", ContextParallelStrategy,
                                        {"cp": 2, "cp_impl": "ring", "activation_checkpointing": "full"}),
@@ -135,6 +136,8 @@ TWO_RANK_RUNS = {
 FOUR_RANK_RUNS = {
     "fsdp2-dp_shard2-x-ring-cp2": ("tiny-llama", "ranks", ContextParallelStrategy, {"dp_shard": 2, "cp": 2}),
     "allgather-cp4-qwen3-packed": ("tiny-qwen3", "packed", ContextParallelStrategy, {"cp": 4, "cp_impl": "allgather"}),
+    "hsdp-dp_replicate2-x-allgather-cp2": ("tiny-llama", "ranks", ContextParallelStrategy,
+                                           {"dp_replicate": 2, "cp": 2, "cp_impl": "allgather", "cp_layout": "contiguous"}),
 }
 REFERENCE_DATA = {"reference": "reference", "ranks": "reference", "packed": "packed"}
 """The one-process run each variant's data equals: the data-parallel ranks' rows make up the 4-row step."""

@@ -37,7 +37,7 @@ class ContextParallelStrategy(FSDP2Strategy):
     attention layer. Each batch is cut along the sequence on the device, after the collator shifted
     the labels on the whole sequence; ``position_ids`` are made explicit (packed documents keep
     theirs), so rotary embeddings and document boundaries stay those of the whole sequence. While
-    the strategy runs a step (forward and backward, validation and test steps), the model's
+    the strategy runs a step (forward and backward; validation, test and predict steps), the model's
     attention is the context-parallel backend ``cp_impl``; outside steps (generation) it is the
     configured one. Parameters are FSDP2-sharded over ``dp_shard x cp`` (HSDP with
     ``dp_replicate``); the step's gradients are the global token mean over every rank
@@ -168,6 +168,10 @@ class ContextParallelStrategy(FSDP2Strategy):
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.context_parallel_attention():
             return super().test_step(*args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.context_parallel_attention():
+            return super().predict_step(*args, **kwargs)
 
 
 def attention_modules(model: CausalLMWithLoss) -> list[nn.Module]:
