@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
@@ -89,21 +90,24 @@ class CausalLM(LightningModule):
 
     @classmethod
     def from_hparams(cls, hparams: dict[str, Any], inference: bool = False) -> CausalLM:
-        """Rebuild from a checkpoint's ``hyper_parameters`` (as saved by ``__init__``).
+        """Rebuild from a checkpoint's ``hyper_parameters`` (as saved by ``__init__``), as the class
+        that saved them (``_class_path``: ``CausalLM`` or a subclass such as ``DPO``).
 
         ``inference=True`` (generate, export) builds for unpacked inputs anywhere: transformers'
         ``sdpa`` attention, which every HF install loads and which equals the packed backends on
         one document per row, and no compile.
         """
+        module_class = _saved_class(hparams.get("_class_path")) or cls
         hparams = {k: v for k, v in hparams.items() if not k.startswith("_")}
         if inference:
             hparams.update(compile=False, model={**hparams["model"], "attn_implementation": "sdpa"})
-        return cls(**hparams)
+        return module_class(**hparams)
 
     def configure_model(self) -> None:
         if self.model is not None:
             return
         self._check_vocabulary()
+        self._check_compile_step()
         check_attention_backend(self.factory.attn_implementation, training=True)
         if self._trainer:
             check_optimizer(self.optimizer_name, self.trainer.strategy, self.trainer.strategy.root_device.type)
@@ -115,21 +119,21 @@ class CausalLM(LightningModule):
         # (FSDP1's flat views) change shapes, so a later ndim test would see only vectors.
         self._decay_names = decay_names(self.model, lm.get_input_embeddings().weight)
         if self.hparams.compile:
-            self._compile_layers()
+            for layer in decoder_layers(self.model):
+                layer.compile()
 
     def trained_module(self, lm: PreTrainedModel) -> CausalLMWithLoss:
         """The module training runs and strategies parallelise, around the freshly built ``lm``
         (a hook: ``DPO`` returns sequence log-probabilities instead of a token loss)."""
         return CausalLMWithLoss(lm, loss_backend(self.hparams.loss, **self.hparams.loss_options))
 
-    def _compile_layers(self) -> None:
+    def _check_compile_step(self) -> None:
+        """A mesh strategy compiles in its own pipeline step (after activation checkpointing)."""
         strategy = self.trainer.strategy if self._trainer else None
-        if hasattr(strategy, "compile_layers"):
+        if self.hparams.compile and hasattr(strategy, "compile_layers"):
             raise ConfigError("model.init_args.compile", True,
                               f"{type(strategy).__name__} has its own step: set "
                               "trainer.strategy.init_args.compile_layers: true instead")
-        for layer in decoder_layers(self.model):
-            layer.compile()
 
     def _check_vocabulary(self) -> None:
         """A tokenizer larger than the embedding table would index out of range mid-step."""
@@ -194,3 +198,14 @@ class CausalLM(LightningModule):
         total = self.trainer.estimated_stepping_batches
         scheduler = warmup_cosine(optimizer, hp.warmup_steps, int(total), hp.min_lr_ratio)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _saved_class(path: str | None) -> type[CausalLM] | None:
+    """The ``CausalLM`` subclass a checkpoint's ``_class_path`` names (None: not recorded)."""
+    if not path:
+        return None
+    module, _, name = path.rpartition(".")
+    saved = getattr(importlib.import_module(module), name, None) if module else None
+    if not (isinstance(saved, type) and issubclass(saved, CausalLM)):
+        raise ConfigError("--ckpt_path", path, "the checkpoint was not written by a lit-ablate CausalLM or subclass")
+    return saved
