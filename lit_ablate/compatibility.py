@@ -159,6 +159,49 @@ def strategy_options_run_here(config: Mapping[str, Any], launch: LaunchLike) -> 
     return _reason(check_gpu_only_options, options, "cuda" if _on_gpu(config, launch) else "cpu")
 
 
+def _strategy_class(config: Mapping[str, Any]) -> type | None:
+    """The class of ``trainer.strategy``: a ``class_path`` mapping or a Lightning registry name (None
+    for ``auto``, an unknown name or one that does not import: the run reports those itself)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    strategy = get_dotted(config, "trainer.strategy")
+    if isinstance(strategy, Mapping):
+        module, _, name = str(strategy.get("class_path", "")).rpartition(".")
+        try:
+            return getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError):
+            return None
+    return StrategyRegistry[strategy]["strategy"] if strategy in StrategyRegistry else None
+
+
+def optimizer_runs_here(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
+    """The optimizer must update the strategy's parameters on this device (bitsandbytes' 8-bit
+    AdamW cannot update FSDP2's DTensors; paged optimizers need CUDA): ``optimizer_refusal``."""
+    from lit_ablate.modules.optim import OPTIMIZERS, optimizer_refusal
+
+    name = get_dotted(config, "model.init_args.optimizer")
+    if name not in OPTIMIZERS:  # default AdamW, or an unknown name: the run's own error
+        return None
+    reason = optimizer_refusal(name, _strategy_class(config), "cuda" if _on_gpu(config, launch) else "cpu")
+    return f"model.init_args.optimizer={name}: {reason}" if reason else None
+
+
+def quantization_runs_under_strategy(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
+    """Quantised base weights the strategy cannot shard (FSDP1 flat parameters, 8-bit under
+    DTensor strategies): ``quantization_refusal``."""
+    from lit_ablate.models.quantization import QuantizationOptions, quantization_refusal
+
+    options = get_dotted(config, "model.init_args.model.quantization")
+    if not isinstance(options, Mapping):
+        return None
+    try:
+        options = QuantizationOptions(**options)
+    except (ConfigError, TypeError):  # a malformed section is the run's own error
+        return None
+    reason = quantization_refusal(options, _strategy_class(config))
+    return f"model.init_args.model.quantization: {reason}" if reason else None
+
+
 RULES: dict[str, Rule] = {
     "accelerator_present": accelerator_present,
     "enough_devices": enough_devices,
@@ -168,6 +211,8 @@ RULES: dict[str, Rule] = {
     "strategy_options_run_here": strategy_options_run_here,
     "loss_backend_available": loss_backend_available,
     "attention_backend_available": attention_backend_available,
+    "optimizer_runs_here": optimizer_runs_here,
+    "quantization_runs_under_strategy": quantization_runs_under_strategy,
 }
 
 

@@ -51,7 +51,7 @@ def optimizer_refusal(name: str, strategy: Strategy | type | None = None, device
         return f"choose one of {list(OPTIMIZERS)}"
     library = OPTIMIZERS[name].split(".")[0]
     if importlib.util.find_spec(library) is None:
-        return f"{library} is not installed: pip install {library}"
+        return f"{library} is not installed: pip install {library} (torchao: lit-ablate[optim8bit])"
     strategy_class = strategy if isinstance(strategy, type) or strategy is None else type(strategy)
     if library == "bitsandbytes" and strategy_class is not None and issubclass(strategy_class, ModelParallelStrategy):
         return (f"bitsandbytes' optimizers cannot update the DTensor parameters of {strategy_class.__name__} "
