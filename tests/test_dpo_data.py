@@ -220,3 +220,19 @@ def test_reward_accuracy_rises_on_arithmetic_pairs():
     assert list(monitor.series["dpo_loss"].values()) == pytest.approx(losses, abs=1e-6)
     margin = monitor.series["reward_margin"][40]
     assert margin == pytest.approx(monitor.series["rewards_chosen"][40] - monitor.series["rewards_rejected"][40])
+
+
+def test_a_dpo_checkpoint_rebuilds_as_dpo_for_generate_and_export():
+    """``CausalLM.from_hparams`` (what generate and export call) builds the class that saved the
+    hyper-parameters, so a DPO checkpoint's state dict (policy and reference) loads strictly."""
+    from lit_ablate.modules import CausalLM
+
+    dpo = tiny_dpo(loss_type="ipo", beta=0.2)
+    dpo.configure_model()
+    rebuilt = CausalLM.from_hparams(dict(dpo.hparams), inference=True)
+    assert type(rebuilt) is DPO and rebuilt.hparams.loss_type == "ipo"
+    rebuilt.configure_model()
+    rebuilt.load_state_dict(dpo.state_dict(), strict=True)
+    with pytest.raises(ConfigError, match="not written by a lit-ablate CausalLM"):
+        CausalLM.from_hparams({**dict(dpo.hparams), "_class_path": "collections.OrderedDict"})
+

@@ -67,7 +67,8 @@ class DPO(CausalLM):
             a fresh computation of the first pair, written otherwise.
         logprobs: the log-probability backend (``lit_ablate.models.logprobs``): ``torch`` or ``chunked``.
         logprobs_options: the backend's options (e.g. ``{chunk_tokens: 512}``).
-        learning_rate, weight_decay, betas, warmup_steps, min_lr_ratio, compile: as ``CausalLM``.
+        optimizer, optimizer_options, learning_rate, weight_decay, betas, warmup_steps, min_lr_ratio,
+            compile: as ``CausalLM``.
     """
 
     def __init__(
@@ -81,6 +82,8 @@ class DPO(CausalLM):
         reference_cache: str | None = None,
         logprobs: str = "torch",
         logprobs_options: dict[str, Any] | None = None,
+        optimizer: str = "adamw",
+        optimizer_options: dict[str, Any] | None = None,
         learning_rate: float = 5e-4,
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -88,8 +91,9 @@ class DPO(CausalLM):
         min_lr_ratio: float = 0.1,
         compile: bool = False,
     ) -> None:
-        super().__init__(model, learning_rate=learning_rate, weight_decay=weight_decay, betas=betas,
-                         warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, compile=compile)
+        super().__init__(model, optimizer=optimizer, optimizer_options=optimizer_options, learning_rate=learning_rate,
+                         weight_decay=weight_decay, betas=betas, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio,
+                         compile=compile)
         self.preference_loss = PreferenceLoss(loss_type, beta, label_smoothing, gamma)
         if reference not in REFERENCES:
             raise ConfigError(f"{_KEY}.reference", reference, f"choose one of {REFERENCES}")
@@ -98,11 +102,14 @@ class DPO(CausalLM):
         if reference_cache is not None and reference != "precomputed":
             raise ConfigError(f"{_KEY}.reference_cache", reference_cache, "only reference: precomputed uses a cache")
         logprob_backend(logprobs, **(logprobs_options or {}))  # bad names/options fail before any model is built
+        for key in ("loss", "loss_options"):  # CausalLM's token-loss backend: not a DPO option
+            self.hparams.pop(key)
         self.save_hyperparameters({
             "_class_path": f"{type(self).__module__}.{type(self).__qualname__}", "model": asdict(self.factory),
             "loss_type": loss_type, "beta": beta, "label_smoothing": label_smoothing, "gamma": gamma,
             "reference": reference, "reference_cache": reference_cache, "logprobs": logprobs,
-            "logprobs_options": dict(logprobs_options or {}), "learning_rate": learning_rate,
+            "logprobs_options": dict(logprobs_options or {}), "optimizer": optimizer,
+            "optimizer_options": dict(optimizer_options or {}), "learning_rate": learning_rate,
             "weight_decay": weight_decay, "betas": tuple(betas), "warmup_steps": warmup_steps,
             "min_lr_ratio": min_lr_ratio, "compile": compile})
         self.reference: SequenceLogProbs | None = None
