@@ -9,7 +9,12 @@ formula. Conventions (torchtitan's, stated so numbers are comparable across tech
   over a full ``S x S`` score matrix (no discount for causal masking, no recompute counted);
 - ``N_matmul`` is the active parameter count minus the input-embedding table (a lookup, not a
   matmul). With tied embeddings the same table *is* the LM head, a real matmul, so it is counted;
-- MoE: expert parameters count ``top_k / num_experts`` of their size — only routed experts run.
+- MoE: expert parameters count ``top_k / num_experts`` of their size — only routed experts run;
+- a frozen base (adapters, ``lit_ablate.models.adapters``) needs no weight gradients: a frozen matmul
+  costs ``4 N`` per token (forward 2N + the input gradient 2N that reaches earlier adapters), a
+  trainable one ``6 N``, so ``6 * N_matmul`` becomes ``6 * N_trainable_matmul + 4 * N_frozen_matmul``
+  (LoRA's own matrices are trainable matmuls). Dequantising a 4/8-bit base (QLoRA) and DoRA's
+  weight norms are elementwise overhead, not model FLOPs, and are not counted (as recompute is not).
 """
 
 from __future__ import annotations
@@ -44,6 +49,18 @@ class ParameterCounts:
     """Parameters one token uses: ``total`` with experts scaled by ``top_k / num_experts``."""
     matmul: int
     """Active parameters that take part in a matmul: what ``6 * N`` counts."""
+    trainable: int
+    """Parameters that get gradients and optimizer states (``total`` unless the base is frozen)."""
+    adapter: int
+    """Adapter weights (LoRA matrices, DoRA magnitudes, trainable copies of ``modules_to_save``)."""
+    trainable_matmul: int
+    """Trainable parameters that take part in a matmul (``6 N``; the rest of ``matmul`` costs ``4 N``)."""
+    quantized: int
+    """Frozen base weights stored quantised (bitsandbytes 4/8-bit), counted as weights, not bytes."""
+    quantized_bytes: int
+    """Their storage: packed weights plus scales."""
+    small_trainable: int
+    """Trainable parameters in tensors under 4096 elements, whose 8-bit optimizer states stay fp32."""
 
 
 def _is_experts(module: nn.Module) -> bool:
@@ -56,9 +73,29 @@ def _experts_per_token(config: PretrainedConfig) -> tuple[int, int]:
     return int(num_experts), int(getattr(config, "num_experts_per_tok", 0) or 0)
 
 
-def count_parameters(model: nn.Module, config: PretrainedConfig) -> ParameterCounts:
-    """Counts for a built model (``meta`` device is fine: only shapes are read)."""
-    total = sum(p.numel() for p in model.parameters())
+def count_parameters(model: nn.Module, config: PretrainedConfig, quantization: Any = None) -> ParameterCounts:
+    """Counts for a built model (``meta`` device is fine: only shapes are read).
+
+    A quantised model counts each packed weight as the weights it holds. ``quantization``
+    (``QuantizationOptions``) describes a model not quantised yet (a ``meta`` build for the
+    estimate): the linear layers it would quantise are counted as quantised.
+    """
+    from lit_ablate.models.adapters import adapter_parameter_names
+    from lit_ablate.models.quantization import is_quantized, quantized_linear_names
+    from lit_ablate.modules.optim import SMALL_TENSOR_ELEMENTS
+
+    names = adapter_parameter_names(model)
+    stored = [(p, _quantized_weights(p)) for p in model.parameters() if is_quantized(p)]
+    if stored:
+        quantized = sum(n for _, n in stored)
+        quantized_bytes = sum(_quantized_bytes(p) for p, _ in stored)
+    elif quantization is not None:  # the base layers quantize_linears replaces before adapters are injected
+        quantized = sum(model.get_submodule(n).weight.numel() for n in quantized_linear_names(model, quantization)
+                        if f"{n}.weight" not in names)  # fmt: skip
+        quantized_bytes = int(quantized * quantization.bits_per_weight / 8)
+    else:
+        quantized = quantized_bytes = 0
+    total = sum(p.numel() for p in model.parameters() if not is_quantized(p)) + sum(n for _, n in stored)
     embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is embed
@@ -67,7 +104,29 @@ def count_parameters(model: nn.Module, config: PretrainedConfig) -> ParameterCou
     inactive = experts - (experts * top_k // num_experts if num_experts else experts)
     active = total - inactive
     matmul = active - (0 if tied else embed.numel())
-    return ParameterCounts(total=total, embedding=embed.numel(), experts=experts, active=active, matmul=matmul)
+    trainable_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    trainable = sum(p.numel() for _, p in trainable_params)
+    trainable_matmul = matmul if trainable == total else sum(
+        p.numel() for _, p in trainable_params if p.ndim >= 2 and (tied or p is not embed))
+    return ParameterCounts(
+        total=total, embedding=embed.numel(), experts=experts, active=active, matmul=matmul, trainable=trainable,
+        adapter=sum(p.numel() for n, p in model.named_parameters() if n in names),
+        trainable_matmul=trainable_matmul, quantized=quantized, quantized_bytes=quantized_bytes,
+        small_trainable=sum(p.numel() for _, p in trainable_params if p.numel() < SMALL_TENSOR_ELEMENTS),
+    )  # fmt: skip
+
+
+def _quantized_weights(param: torch.Tensor) -> int:
+    """Weights a bitsandbytes parameter holds: its 4-bit ``quant_state`` knows the unpacked shape."""
+    state = getattr(param, "quant_state", None)
+    return state.shape.numel() if state is not None and state.shape is not None else param.numel()
+
+
+def _quantized_bytes(param: torch.Tensor) -> int:
+    """Storage of a bitsandbytes parameter: packed codes, plus a 4-bit weight's scales (nested too)."""
+    state = getattr(param, "quant_state", None)
+    scales = [] if state is None else [state.absmax, state.code] + ([state.state2.absmax, state.state2.code] if state.nested else [])
+    return param.numel() * param.element_size() + sum(t.numel() * t.element_size() for t in scales)
 
 
 def attention_shape(config: PretrainedConfig) -> tuple[int, int, int]:
@@ -80,7 +139,8 @@ def attention_shape(config: PretrainedConfig) -> tuple[int, int, int]:
 def flops_per_token(counts: ParameterCounts, config: PretrainedConfig, seq_len: float) -> float:
     """Training (forward + backward) FLOPs per token at context ``seq_len`` (see ``batch_model_flops``)."""
     layers, heads, head_dim = attention_shape(config)
-    return 6.0 * counts.matmul + 12.0 * layers * heads * head_dim * seq_len
+    frozen = counts.matmul - counts.trainable_matmul
+    return 6.0 * counts.trainable_matmul + 4.0 * frozen + 12.0 * layers * heads * head_dim * seq_len
 
 
 def batch_model_flops(batch: Mapping[str, Any], flops_per_token: Callable[[float], float]) -> float:
@@ -308,6 +368,14 @@ def optimizer_state_bytes(optimizer: str, param_bytes: int) -> float:
             "sgd_momentum": float(param_bytes), "adamw8bit": 2.0}[optimizer]  # fmt: skip
 
 
+def optimizer_bytes(counts: ParameterCounts, training: TrainingShape) -> float:
+    """Optimizer-state bytes of the trainable parameters; 8-bit AdamW keeps the states of tensors
+    under 4096 elements in fp32 (``ParameterCounts.small_trainable``: most LoRA matrices of small models)."""
+    if training.optimizer == "adamw8bit":
+        return (counts.trainable - counts.small_trainable) * 2.0 + counts.small_trainable * 8.0
+    return counts.trainable * optimizer_state_bytes(training.optimizer, training.param_bytes)
+
+
 def estimate_memory(counts: ParameterCounts, shape: ModelShape, training: TrainingShape,
                     sharding: StateSharding, world_size: int) -> MemoryEstimate:  # fmt: skip
     """Per-rank bytes at a step's peak under ``sharding`` (divisors of params, grads, optimizer states).
@@ -320,19 +388,21 @@ def estimate_memory(counts: ParameterCounts, shape: ModelShape, training: Traini
     ``gradient_as_bucket_view``. Measured against FSDP2/FSDP1 on 2 ranks in
     tests/test_estimate_memory.py.
     """
-    full = counts.total * training.param_bytes
+    full = (counts.total - counts.quantized) * training.param_bytes + counts.quantized_bytes
+    stored = full / counts.total  # bytes per parameter: quantised base weights pack tighter
+    trained = counts.trainable * training.param_bytes  # a frozen base has no gradients or optimizer states
     root = max(0, counts.total - shape.layers * shape.layer_params)
     transient = 0
     if sharding.params > 1:
-        transient += (2 * shape.layer_params + root) * training.param_bytes
+        transient += int((2 * shape.layer_params + root) * stored)
     if sharding.grads > 1:
-        transient += 2 * max(shape.layer_params, root) * training.param_bytes
+        transient += int(2 * max(shape.layer_params, root) * training.param_bytes * counts.trainable / counts.total)
     elif world_size > 1 and not training.gradient_as_bucket_view:
-        transient += full
+        transient += trained
     return MemoryEstimate(
         params=-(-full // sharding.params),
-        grads=-(-full // sharding.grads),
-        optimizer=int(counts.total * optimizer_state_bytes(training.optimizer, training.param_bytes) / sharding.optimizer),
+        grads=-(-trained // sharding.grads),
+        optimizer=int(optimizer_bytes(counts, training) / sharding.optimizer),
         activations=activation_bytes(shape, training) + context_parallel_bytes(shape, training)[0],
         transient=transient + context_parallel_bytes(shape, training)[1],
     )
@@ -430,7 +500,9 @@ def training_shape_of(config: dict, optimizer: str | None = None) -> TrainingSha
     strategy_args = get_dotted(config, "trainer.strategy.init_args", {}) or {}
     optimizer_class = str(get_dotted(config, "optimizer.class_path", "") or "").rsplit(".", 1)[-1]
     if optimizer is None:
-        optimizer = OPTIMIZER_CLASSES.get(optimizer_class, "adamw")  # CausalLM builds AdamW itself
+        # CausalLM builds its optimizer itself (model.init_args.optimizer, default AdamW)
+        optimizer = OPTIMIZER_CLASSES.get(optimizer_class, "adamw8bit" if "8bit" in str(
+            get_dotted(config, "model.init_args.optimizer", "adamw")) else "adamw")  # fmt: skip
         if optimizer == "sgd" and get_dotted(config, "optimizer.init_args.momentum", 0):
             optimizer = "sgd_momentum"
     return TrainingShape(
@@ -490,9 +562,17 @@ def model_of(config: dict) -> tuple[ParameterCounts, ModelShape]:
     """Counts and shape of the config's ``model.init_args.model`` (a ``ModelFactory``), built on meta."""
     from lit_ablate.models.factory import ModelFactory
 
-    factory = _required(config, "model.init_args.model", "the estimate reads a CausalLM's model: preset/config/pretrained")
-    hf_config = ModelFactory(**factory).hf_config()
-    return count_parameters_of_config(hf_config), model_shape(hf_config)
+    factory = ModelFactory(**_required(config, "model.init_args.model",
+                                       "the estimate reads a CausalLM's model: preset/config/pretrained"))  # fmt: skip
+    hf_config = factory.hf_config()
+    if factory.adapter is None:
+        return count_parameters_of_config(hf_config), model_shape(hf_config)
+    from lit_ablate.models.adapters import apply_adapters
+
+    model = meta_model(hf_config)
+    with torch.device("meta"):
+        apply_adapters(model, factory.adapter)
+    return count_parameters(model, hf_config, factory.quantization), model_shape(hf_config)
 
 
 def estimate_for_config(config: dict, world_size: int | None = None) -> MemoryEstimate:
@@ -591,7 +671,8 @@ def _estimate_summary(config, counts, shape, training, world, rows, args) -> dic
     strategy = get_dotted(config, "trainer.strategy", "auto")
     strategy = strategy.get("class_path", "?").rsplit(".", 1)[-1] if isinstance(strategy, dict) else strategy
     return {
-        "model": {"parameters": counts.total, "active_parameters": counts.active, "layers": shape.layers,
+        "model": {"parameters": counts.total, "active_parameters": counts.active, "trainable_parameters": counts.trainable,
+                  "quantized_parameters": counts.quantized, "layers": shape.layers,
                   "hidden": shape.hidden, "vocab": shape.vocab},
         "run": asdict(training),
         "world_size": world, "strategy": strategy, "gpu_memory_gib": args.gpu_memory_gib,
@@ -607,7 +688,8 @@ def _estimate_table(summary: dict[str, Any]) -> str:
     unit, scale = ("GiB", GIB) if largest >= GIB else ("MiB", 2**20)
     lines = [
         f"Model: {_count(model['parameters'])} parameters ({model['parameters']:,}), "
-        f"{_count(model['active_parameters'])} active ({model['active_parameters']:,}), {model['layers']} layers, "
+        f"{_count(model['active_parameters'])} active ({model['active_parameters']:,}), "
+        f"{_count(model['trainable_parameters'])} trainable, {_count(model['quantized_parameters'])} quantised, {model['layers']} layers, "
         f"hidden {model['hidden']}, vocab {model['vocab']}.",
         f"Run: micro-batch {training['micro_batch']} x {training['seq_len']} tokens per rank, "
         f"parameters {training['param_bytes']} B, activations {training['activation_bytes']} B, "

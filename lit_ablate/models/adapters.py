@@ -14,6 +14,7 @@ exactly its base model until the first optimizer step.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -100,6 +101,8 @@ def apply_adapters(model: nn.Module, options: AdapterOptions) -> nn.Module:
 
 def adapter_parameter_names(model: nn.Module) -> set[str]:
     """Names of the adapter weights: peft's LoRA parts and the trainable copies of ``modules_to_save``."""
+    if "peft" not in sys.modules:  # nothing can have injected adapters (and importing peft costs seconds)
+        return set()
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils import ModulesToSaveWrapper
 
