@@ -15,6 +15,8 @@ exactly its base model until the first optimizer step.
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -130,3 +132,21 @@ def has_adapters(model: nn.Module) -> bool:
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     return any(isinstance(m, BaseTunerLayer) for m in model.modules())
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Inside the block ``model`` computes its frozen base alone: every peft layer's adapters are off
+    (peft's ``enable_adapters(False)``, what ``PeftModel.disable_adapter`` does), and back on after.
+    peft also clears the adapters' ``requires_grad`` while off and restores it when they come back."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    layers = [m for m in model.modules() if isinstance(m, (BaseTunerLayer, ModulesToSaveWrapper))]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)

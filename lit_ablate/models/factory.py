@@ -123,9 +123,10 @@ class ModelFactory:
         """The preset's config mapping with ``config`` applied over it."""
         return {**(preset_config(self.preset) if self.preset else {}), **self.config}
 
-    def build(self) -> PreTrainedModel:
+    def build(self, with_adapters: bool = True) -> PreTrainedModel:
         """The model: random init from the current RNG state, or the checkpoint's weights; then MoE
-        blocks, quantised linear layers and adapters, in that order.
+        blocks, quantised linear layers and adapters, in that order (``with_adapters=False``: the
+        frozen base alone, for peft's own ``PeftModel`` at export).
 
         A quantised model is built with real weights even where a sharding strategy asks for the
         ``meta`` device (ranks other than 0): quantisation must read the weights, and it is done
@@ -138,7 +139,7 @@ class ModelFactory:
             with torch.device("cpu"):
                 model = self._build_base()
                 quantize_linears(model, self.quantization)
-        if self.adapter is not None:
+        if self.adapter is not None and with_adapters:
             apply_adapters(model, self.adapter)
         return model
 

@@ -9,6 +9,14 @@ The tokenizer the run trained with (recorded in the checkpoint by the data modul
 it, and its special ids go into the model's config and generation config, so
 ``AutoTokenizer.from_pretrained`` + ``generate`` work on the folder alone.
 Only tensors are read back (``torch.load(weights_only=True)``).
+
+A run that trained adapters (``model.adapter``) is exported through peft's own ``PeftModel`` around
+the same base: by default a peft adapter folder (``adapter_config.json`` +
+``adapter_model.safetensors``, loadable with ``PeftModel.from_pretrained``; a base built from a
+config, which no file holds, is written beside it in ``base_model/`` and named as the adapter's
+base), or with ``--merge`` one plain Hugging Face model with the adapters merged into its weights
+(``merge_and_unload``). A quantised (QLoRA) base exports as an adapter folder over its
+``pretrained`` checkpoint; merging into it is refused (peft would requantise the merged weights).
 """
 
 from __future__ import annotations
@@ -18,17 +26,24 @@ import os
 import sys
 import warnings
 from collections.abc import Iterable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from lit_ablate.errors import ConfigError
+from lit_ablate.models.adapters import ADAPTER_NAME, has_adapters
 from lit_ablate.path_checks import writable_dir
 
+BASE_MODEL_DIR = "base_model"
+"""Where an adapter export writes a base that was built from a config (no other file holds it)."""
 
-def export_hf_checkpoint(ckpt_path: str | Path, output_dir: str | Path, tokenizer: str | None = None) -> Path:
+
+def export_hf_checkpoint(ckpt_path: str | Path, output_dir: str | Path, tokenizer: str | None = None,
+                         merge: bool = False) -> Path:  # fmt: skip
     """Write the checkpoint's model and tokenizer as a Hugging Face folder in ``output_dir``; returns it.
 
-    ``tokenizer`` overrides the one the checkpoint recorded (``"byte"`` or an HF path).
+    ``tokenizer`` overrides the one the checkpoint recorded (``"byte"`` or an HF path). ``merge``:
+    an adapter run as one model with merged weights instead of a peft adapter folder.
     """
     from lit_ablate.data import load_tokenizer
     from lit_ablate.generate import load_checkpoint, recorded_tokenizer
@@ -43,6 +58,7 @@ def export_hf_checkpoint(ckpt_path: str | Path, output_dir: str | Path, tokenize
         raise ConfigError("--tokenizer", None, "the checkpoint records no tokenizer; pass --tokenizer byte or a path")
     tok = load_tokenizer(spec)
     module = CausalLM.from_hparams(checkpoint["hyper_parameters"], inference=True)
+    _check_merge(module, merge)
     module.configure_model()
     state = module.state_dict()
     if sharded:
@@ -60,10 +76,49 @@ def export_hf_checkpoint(ckpt_path: str | Path, output_dir: str | Path, tokenize
     for config in (lm.config, lm.generation_config):
         config.bos_token_id, config.eos_token_id, config.pad_token_id = tok.bos_id, tok.eos_id, tok.pad_id
     output_dir.mkdir(parents=True, exist_ok=True)
-    lm.save_pretrained(output_dir)
+    if has_adapters(lm):
+        _save_adapters(module, output_dir, merge)
+    else:
+        lm.save_pretrained(output_dir)
     tok.save_pretrained(output_dir)
     _apply_umask(output_dir.glob("*.safetensors"))
     return output_dir
+
+
+def _check_merge(module: Any, merge: bool) -> None:
+    factory = module.factory
+    if merge and factory.adapter is None:
+        raise ConfigError("--merge", True, "the run trained no adapters: export it without --merge")
+    if merge and factory.quantization is not None:
+        raise ConfigError("--merge", True, "the base is quantised: peft would requantise the merged weights; export the "
+                          "adapter folder and merge it into the full-precision base (PeftModel.merge_and_unload)")
+    if factory.quantization is not None and not factory.pretrained:
+        raise ConfigError("model.init_args.model.quantization", asdict(factory.quantization),
+                          "a quantised base built from a config exists only quantised, which no Hugging Face folder "
+                          "holds; export QLoRA runs over a pretrained base")
+
+
+def _save_adapters(module: Any, output_dir: Path, merge: bool) -> None:
+    """The trained model as peft's ``PeftModel`` (the factory's base, the trained state loaded into it),
+    saved as an adapter folder (with ``base_model/`` when the base came from a config) or merged."""
+    from peft import get_peft_model
+
+    factory, trained = module.factory, module.model.lm
+    base = factory.build(with_adapters=False)
+    base.config, base.generation_config = trained.config, trained.generation_config  # the tokenizer's special ids
+    peft_model = get_peft_model(base, factory.adapter.lora_config(), adapter_name=ADAPTER_NAME)
+    peft_model.base_model.model.load_state_dict(trained.state_dict(), strict=True)
+    if merge:
+        peft_model.merge_and_unload().save_pretrained(output_dir)
+        _apply_umask(output_dir.glob("*.safetensors"))
+        return
+    if not factory.pretrained:
+        peft_model.peft_config[ADAPTER_NAME].base_model_name_or_path = str((output_dir / BASE_MODEL_DIR).resolve())
+    peft_model.save_pretrained(output_dir)
+    _apply_umask(output_dir.glob("*.safetensors"))
+    if not factory.pretrained:
+        peft_model.unload().save_pretrained(output_dir / BASE_MODEL_DIR)
+        _apply_umask((output_dir / BASE_MODEL_DIR).glob("*.safetensors"))
 
 
 def _apply_umask(paths: Iterable[Path]) -> None:
@@ -83,9 +138,11 @@ def export_main(argv: list[str]) -> int:
     parser.add_argument("--ckpt_path", required=True, type=Path, help="a .ckpt file or a sharded checkpoint folder")
     parser.add_argument("--output_dir", required=True, type=Path, help="the Hugging Face model folder to write")
     parser.add_argument("--tokenizer", help="byte or an HF tokenizer path (default: the one the run recorded)")
+    parser.add_argument("--merge", action="store_true",
+                        help="an adapter run: one model with the adapters merged (default: a peft adapter folder)")
     args = parser.parse_args(argv)
     try:
-        out = export_hf_checkpoint(args.ckpt_path, args.output_dir, args.tokenizer)
+        out = export_hf_checkpoint(args.ckpt_path, args.output_dir, args.tokenizer, args.merge)
     except ConfigError as err:
         print(f"export refused: {err}", file=sys.stderr)
         return 2
