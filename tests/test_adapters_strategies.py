@@ -116,3 +116,10 @@ def test_qlora_two_rank_fsdp2_trains_the_reference_adapters(qlora_reference):
     ranks = run_ranks(_two_rank_fits, 2, ["fsdp2"], True, init_process_group=False, timeout_s=300)
     for rank_run in ranks:
         assert_same_training(rank_run["fsdp2"], qlora_reference)
+
+
+def test_fsdp1_peft_trains_the_same_adapters_as_fsdp2_lora(two_rank_lora):
+    """The fsdp1_peft_vs_fsdp2_lora study's premise: peft under FSDP1 (use_orig_params, one flat
+    unit per layer mixing frozen and trainable weights) and LoRA under FSDP2 are the same training."""
+    for rank_run in two_rank_lora:
+        assert_same_training(rank_run["fsdp1"], rank_run["fsdp2"])
