@@ -117,6 +117,34 @@ def test_prefix_shared_equals_unshared(kind: str) -> None:
     assert_same(loss_and_grads(module(kind, "sdpa"), shared), want)
 
 
+def test_adapter_disabled_reference_equals_a_frozen_copy() -> None:
+    """With LoRA adapters, ``reference: adapter`` (the policy with its adapters switched off) is the
+    frozen base, as a frozen copy taken at initialisation is (adapters start at B = 0). The
+    adapters are moved away from 0 first, so the policy differs from its reference; the adapters
+    must be on again afterwards (same gradients). Seen failing with the adapters left on during
+    the reference forward (the reference then equals the policy: zero rewards)."""
+    from lit_ablate.models.adapters import AdapterOptions
+
+    def adapted(reference: str) -> DPO:
+        torch.manual_seed(0)
+        dpo = DPO(ModelFactory(preset="tiny-llama", adapter=AdapterOptions(r=4)), beta=0.5, reference=reference)
+        dpo.configure_model()
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in dpo.model.parameters():
+                if p.requires_grad:
+                    p.add_(0.05 * torch.randn(p.shape, generator=generator))
+        return dpo
+
+    batch = padded(pairs(4))
+    frozen, adapter = adapted("frozen"), adapted("adapter")
+    assert adapter.reference is None  # no second model
+    assert_same(loss_and_grads(adapter, batch), loss_and_grads(frozen, batch))
+    result, _, _ = adapter.pair_losses(batch)
+    assert result.chosen_rewards.abs().max() > 1e-3
+    assert all(p.requires_grad for n, p in adapter.model.named_parameters() if "lora_" in n)
+
+
 def test_prefix_sharing_refuses_a_backend_without_its_mask() -> None:
     from lit_ablate.errors import ConfigError
 
@@ -147,11 +175,16 @@ def micro_batches(variant: str, rank: int = 0) -> list[dict]:
     return [padded(step[:3] if rank == 0 else step[3:]) for step in steps]  # ranks: 3 pairs vs 1
 
 
-def fit(variant: str, strategy="auto", devices: int = 1, rank: int = 0, old: bool = False) -> dict:
+def fit(variant: str, strategy="auto", devices: int = 1, rank: int = 0, old: bool = False, lora: bool = False) -> dict:
+    """``lora``: LoRA adapters on the policy and ``reference: adapter`` (the policy, adapters off)."""
+    from lit_ablate.models.adapters import AdapterOptions
+
     pl.seed_everything(0, verbose=False)
     attention = "sdpa_packed" if variant == "packed" else "sdpa"
-    dpo = DPO(ModelFactory(preset="tiny-llama", attn_implementation=attention), beta=0.5, learning_rate=1e-2,
-              warmup_steps=0, weight_decay=0.1)
+    factory = ModelFactory(preset="tiny-llama", attn_implementation=attention,
+                           adapter=AdapterOptions(r=4) if lora else None)
+    dpo = DPO(factory, beta=0.5, learning_rate=1e-2, warmup_steps=0, weight_decay=0.1,
+              reference="adapter" if lora else "frozen")
     if old:
         dpo.objective = PerMicroBatchMean()
     losses = StepLosses()
@@ -187,8 +220,8 @@ def test_accumulation_and_packing_equal_one_batch(reference, variant: str) -> No
     assert_same_training(fit(variant), reference)
 
 
-def _two_ranks(rank: int, world_size: int, old: bool) -> dict:
-    return fit("ranks", FSDP2Strategy(), devices=2, rank=rank, old=old)
+def _two_ranks(rank: int, world_size: int, old: bool, lora: bool = False) -> dict:
+    return fit("ranks", FSDP2Strategy(), devices=2, rank=rank, old=old, lora=lora)
 
 
 def test_fsdp2_two_ranks_equal_one_process(reference) -> None:
@@ -196,6 +229,15 @@ def test_fsdp2_two_ranks_equal_one_process(reference) -> None:
     step, rank 1 one short pair."""
     for run in run_ranks(_two_ranks, 2, False, init_process_group=False, timeout_s=300):
         assert_same_training(run, reference)
+
+
+def test_fsdp2_two_ranks_with_adapter_reference_equal_one_process() -> None:
+    """LoRA policy, reference = the same sharded model with its adapters switched off each step."""
+    single = fit("reference", lora=True)
+    assert single["losses"][0] == pytest.approx(0.6931472, abs=1e-6)  # step 1: policy = reference (B = 0)
+    assert all(value.abs().max() > 0 for name, value in single["weights"].items() if "lora_B" in name)  # trained
+    for run in run_ranks(_two_ranks, 2, False, True, init_process_group=False, timeout_s=300):
+        assert_same_training(run, single)
 
 
 def test_the_per_micro_batch_mean_fails_these_checks(reference) -> None:

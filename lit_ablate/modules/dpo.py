@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal
@@ -11,7 +13,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
-from torch import Tensor
+from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from transformers import PreTrainedModel
 
@@ -28,8 +30,10 @@ from lit_ablate.modules.causal_lm import CausalLM
 from lit_ablate.modules.preference_loss import LossType, PairLosses, PreferenceLoss
 from lit_ablate.modules.step_output import StepOutput
 
-Reference = Literal["frozen", "precomputed", "none"]
-REFERENCES = ("frozen", "precomputed", "none")
+Reference = Literal["frozen", "adapter", "precomputed", "none"]
+REFERENCES = ("frozen", "adapter", "precomputed", "none")
+RUNS_REFERENCE = ("frozen", "adapter")
+"""References computed by a forward in every step (their FLOPs count)."""
 REFERENCE_FORWARD_SHARE = 1 / 3
 """A forward pass is a third of a training step's FLOPs (2N of 6N, and 4 of 12 attention units)."""
 PREFERENCE_STATS = ("pairs", "loss", "correct", "reward_chosen", "reward_rejected", "logps_chosen", "logps_rejected")
@@ -58,7 +62,9 @@ class DPO(CausalLM):
         label_smoothing: conservative DPO/SimPO: the assumed share of flipped labels.
         gamma: SimPO's target reward margin.
         reference: ``frozen``: a copy of the initial model, built and sharded by the run's
-            strategy, never stepped, in eval mode, run without gradients; ``precomputed``: its
+            strategy, never stepped, in eval mode, run without gradients; ``adapter`` (with
+            ``model.adapter``): the policy itself with its LoRA adapters switched off, i.e. the
+            frozen base, without a second copy in memory; ``precomputed``: its
             log-probabilities computed once before training and looked up (no second model in
             memory during training); ``none``: no reference (log-ratios against 0; required by
             ``simpo``).
@@ -99,6 +105,9 @@ class DPO(CausalLM):
             raise ConfigError(f"{_KEY}.reference", reference, f"choose one of {REFERENCES}")
         if self.preference_loss.reference_free and reference != "none":
             raise ConfigError(f"{_KEY}.reference", reference, f"{loss_type} uses no reference model: set reference: none")
+        if reference == "adapter" and self.factory.adapter is None:
+            raise ConfigError(f"{_KEY}.reference", reference, "the adapter-disabled policy needs adapters: set "
+                              "model.init_args.model.adapter, or use reference: frozen")
         if reference_cache is not None and reference != "precomputed":
             raise ConfigError(f"{_KEY}.reference_cache", reference_cache, "only reference: precomputed uses a cache")
         logprob_backend(logprobs, **(logprobs_options or {}))  # bad names/options fail before any model is built
@@ -136,7 +145,7 @@ class DPO(CausalLM):
     def flops_per_pair_batch(self, batch: dict[str, Any]) -> float:
         """Policy training FLOPs of the batch's real tokens, plus the frozen reference's forward."""
         policy = batch_model_flops(batch, self.flops_per_token)
-        return policy * (1 + REFERENCE_FORWARD_SHARE) if self.reference is not None else policy
+        return policy * (1 + REFERENCE_FORWARD_SHARE) if self.hparams.reference in RUNS_REFERENCE else policy
 
     # --- the step ---------------------------------------------------------------------------
     def pair_losses(self, batch: dict[str, Any]) -> tuple[PairLosses, Tensor, Tensor]:
@@ -153,6 +162,9 @@ class DPO(CausalLM):
         if self.hparams.reference == "frozen":
             with torch.no_grad():
                 return self.reference(batch)[0]
+        if self.hparams.reference == "adapter":
+            with torch.no_grad(), _adapters_disabled(self.model):
+                return self.model(batch)[0]
         if self.hparams.reference == "precomputed":
             if self.reference_logps is None:
                 raise RuntimeError("reference: precomputed, but no reference log-probs were computed (on_fit_start)")
@@ -278,3 +290,21 @@ def _pairs_fingerprint(pairs: list[dict[str, Tensor]]) -> str:
         for key in ("input_ids", "labels", "chosen_tokens", "prompt_tokens", "pair_index"):
             digest.update(pair[key].numpy().tobytes())
     return digest.hexdigest()
+
+
+@contextmanager
+def _adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """The model's frozen base for the duration: every peft adapter layer (and trainable module
+    copy) switched off, then on again (peft's ``enable_adapters``, as ``disable_adapter`` does)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    layers = [m for m in model.modules() if isinstance(m, (BaseTunerLayer, ModulesToSaveWrapper))]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+
