@@ -186,3 +186,22 @@ def test_a_declared_category_may_not_reuse_a_built_in_name():
     module.memory_categories = {"params": ["model"]}
     with pytest.raises(ValueError, match="built-in category"):
         declared_categories(module)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_tensor_peak_is_the_allocators_and_the_categories_add_up_to_it(tmp_path):
+    """Every step has the allocator's peak; the tracked step's categories plus ``untracked``
+    (tensors made before tracking that no operator wrote) are that peak."""
+    L.seed_everything(0)
+    module = CausalLM(ModelFactory(preset="tiny-llama"), warmup_steps=0)
+    trainer = L.Trainer(max_steps=4, accelerator="gpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[MemoryMonitor(), RunRecorder(path=str(tmp_path / "run.json"), warmup_steps=3)])
+    trainer.fit(module, DataLoader(_batches(4, 4, masked_prefix=[0]), batch_size=None))
+    record = json.loads((tmp_path / "run.json").read_text())
+    assert record["summary"]["tensor_method"] == "cuda_max_allocated"
+    assert all(s["tensor_peak_bytes"] == s["memory_peak_bytes"] > 0 for s in record["steps"])
+    step3 = record["steps"][2]
+    assert sum(step3["tensor_breakdown"]["at_peak"].values()) >= step3["tensor_peak_bytes"] * 0.99
+    assert step3["tensor_breakdown"]["at_peak"]["untracked"] >= 0
