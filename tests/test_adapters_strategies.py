@@ -9,7 +9,7 @@ the one-process reference, and the frozen base with the base the run started fro
     lora       tiny Llama + LoRA r=8 on every linear layer: 1 process (reference), DDP, FSDP1 (peft's
                usual setup: ``use_orig_params``, frozen and trainable weights in one flat unit),
                FSDP2 and HSDP (frozen and trainable weights in one ``fully_shard`` group)
-    qlora      the same with the base in NF4 (double quantisation): 1 process and FSDP2, with an
+    qlora      the same with the base in NF4 (double quantisation): 1 process, FSDP2 and DDP, with an
                eval-mode forward between steps 2 and 3 (the PLATFORM_NOTES repack trap: with the
                repack on, FSDP2 trains on stale weights from then on)
 
@@ -112,10 +112,11 @@ def test_two_rank_lora_trains_the_reference_adapters(lora_reference, two_rank_lo
         assert_same_training(rank_run[name], lora_reference)
 
 
-def test_qlora_two_rank_fsdp2_trains_the_reference_adapters(qlora_reference):
-    ranks = run_ranks(_two_rank_fits, 2, ["fsdp2"], True, init_process_group=False, timeout_s=300)
+def test_qlora_two_rank_fsdp2_and_ddp_train_the_reference_adapters(qlora_reference):
+    ranks = run_ranks(_two_rank_fits, 2, ["fsdp2", "ddp"], True, init_process_group=False, timeout_s=300)
     for rank_run in ranks:
         assert_same_training(rank_run["fsdp2"], qlora_reference)
+        assert_same_training(rank_run["ddp"], qlora_reference)
 
 
 def test_fsdp1_peft_trains_the_same_adapters_as_fsdp2_lora(two_rank_lora):
