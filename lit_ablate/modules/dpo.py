@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal
@@ -13,7 +11,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
-from torch import Tensor, nn
+from torch import Tensor
 from torchmetrics import MeanMetric
 from transformers import PreTrainedModel
 
@@ -21,6 +19,7 @@ from lit_ablate.data.datamodule import LMDataModule
 from lit_ablate.data.preference_collate import PreferencePaddingCollator
 from lit_ablate.errors import ConfigError
 from lit_ablate.estimate import batch_model_flops
+from lit_ablate.models.adapters import adapters_disabled
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.logprobs import logprob_backend
 from lit_ablate.models.losses import IGNORE_INDEX
@@ -163,7 +162,7 @@ class DPO(CausalLM):
             with torch.no_grad():
                 return self.reference(batch)[0]
         if self.hparams.reference == "adapter":
-            with torch.no_grad(), _adapters_disabled(self.model):
+            with torch.no_grad(), adapters_disabled(self.model):
                 return self.model(batch)[0]
         if self.hparams.reference == "precomputed":
             if self.reference_logps is None:
@@ -290,21 +289,4 @@ def _pairs_fingerprint(pairs: list[dict[str, Tensor]]) -> str:
         for key in ("input_ids", "labels", "chosen_tokens", "prompt_tokens", "pair_index"):
             digest.update(pair[key].numpy().tobytes())
     return digest.hexdigest()
-
-
-@contextmanager
-def _adapters_disabled(model: nn.Module) -> Iterator[None]:
-    """The model's frozen base for the duration: every peft adapter layer (and trainable module
-    copy) switched off, then on again (peft's ``enable_adapters``, as ``disable_adapter`` does)."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-    from peft.utils import ModulesToSaveWrapper
-
-    layers = [m for m in model.modules() if isinstance(m, (BaseTunerLayer, ModulesToSaveWrapper))]
-    for layer in layers:
-        layer.enable_adapters(False)
-    try:
-        yield
-    finally:
-        for layer in layers:
-            layer.enable_adapters(True)
 
