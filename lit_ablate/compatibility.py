@@ -183,7 +183,18 @@ def optimizer_runs_here(config: Mapping[str, Any], launch: LaunchLike) -> str | 
     if name not in OPTIMIZERS:  # default AdamW, or an unknown name: the run's own error
         return None
     reason = optimizer_refusal(name, _strategy_class(config), "cuda" if _on_gpu(config, launch) else "cpu")
+    if not reason and name.startswith("torchao") and _tracks_tensors(config):
+        reason = ("torchao's 8-bit AdamW compiles its update (torch.compile, fullgraph), which torch refuses while "
+                  "MemoryMonitor's tensor tracker (a dispatch mode) runs; give that variant MemoryMonitor "
+                  "init_args: {tracked_steps: 0}")  # fmt: skip
     return f"model.init_args.optimizer={name}: {reason}" if reason else None
+
+
+def _tracks_tensors(config: Mapping[str, Any]) -> bool:
+    """Whether ``trainer.callbacks`` holds a ``MemoryMonitor`` that tracks tensors (its default)."""
+    callbacks = get_dotted(config, "trainer.callbacks") or []
+    return any(isinstance(c, Mapping) and str(c.get("class_path", "")).endswith("MemoryMonitor")
+               and (c.get("init_args") or {}).get("tracked_steps", 1) != 0 for c in callbacks)  # fmt: skip
 
 
 def quantization_runs_under_strategy(config: Mapping[str, Any], launch: LaunchLike) -> str | None:

@@ -158,3 +158,18 @@ def test_studies_skip_optimizers_and_quantization_the_strategy_cannot_run(config
     if "paged" not in reason:  # the others run under DDP (paged ones need a GPU whatever the strategy)
         config["trainer"]["strategy"] = "ddp"
         assert compatibility.incompatibility(config, Launch(accelerator="cpu"), rules) is None
+
+
+@needs_torchao
+def test_torchao_beside_the_tensor_tracker_is_skipped_with_the_fix():
+    """torch.compile (torchao's update) refuses to run under MemoryMonitor's tracker: seen as a crash at
+    the first tracked step of the optimizer_states study before this rule."""
+    from lit_ablate import compatibility
+    from lit_ablate.ablation.spec import Launch
+
+    monitor = {"class_path": "lit_ablate.callbacks.MemoryMonitor"}
+    config = {"model": {"init_args": {"optimizer": "torchao_adamw8bit"}}, "trainer": {"callbacks": [monitor]}}
+    reason = compatibility.optimizer_runs_here(config, Launch(accelerator="cpu"))
+    assert "give that variant MemoryMonitor init_args: {tracked_steps: 0}" in reason
+    monitor["init_args"] = {"tracked_steps": 0}
+    assert compatibility.optimizer_runs_here(config, Launch(accelerator="cpu")) is None
