@@ -35,7 +35,8 @@ from lit_ablate.models.factory import ModelFactory
 from lit_ablate.modules import DPO
 from lit_ablate.strategies import FSDP2Strategy
 from tests.distributed import run_ranks
-from tests.test_step_objective import LOSS_ATOL, WEIGHT_MAX_ATOL, WEIGHT_MEAN_ATOL, PerMicroBatchMean, StepLosses
+from tests.test_step_objective import PerMicroBatchMean, StepLosses
+from tests.test_step_objective import assert_same_training as step_objective_check
 
 LOSS_TYPES = {"sigmoid": {"label_smoothing": 0.1}, "ipo": {}, "hinge": {}, "simpo": {"reference": "none"}}
 GRAD_RTOL = 2e-5
@@ -200,12 +201,7 @@ def fit(variant: str, strategy="auto", devices: int = 1, rank: int = 0, old: boo
 
 
 def assert_same_training(run: dict, reference: dict) -> None:
-    assert len(run["losses"]) == STEPS
-    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(reference["losses"]), rtol=0, atol=LOSS_ATOL)
-    for name, value in reference["weights"].items():
-        difference = (run["weights"][name] - value).abs()
-        assert difference.mean() <= WEIGHT_MEAN_ATOL and difference.max() <= WEIGHT_MAX_ATOL, (
-            f"{name}: mean |diff| {difference.mean():.2e}, max {difference.max():.2e}")
+    step_objective_check(run, reference, steps=STEPS)
 
 
 @pytest.fixture(scope="module")
