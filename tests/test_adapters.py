@@ -197,3 +197,21 @@ def test_quantization_a_strategy_cannot_shard_is_refused(bits, strategy, reason)
     with pytest.raises(ConfigError, match=rf"model\.init_args\.model\.quantization=.*{reason}"):
         check_quantization(QuantizationOptions(bits=bits), strategy)
     check_quantization(QuantizationOptions(bits=4), FSDP2Strategy)  # QLoRA under FSDP2 is fine
+
+
+@pytest.mark.parametrize(("study", "skipped"), [
+    ("fsdp1_peft_vs_fsdp2_lora", set()), ("lora_rank_targets", set()), ("lora_vs_qlora_vs_full", set()),
+    ("optimizer_states", {"fsdp2_bnb_adamw8bit"}),
+])  # fmt: skip
+def test_the_adapter_studies_plan_on_cpu(study, skipped, tmp_path):
+    """Every variant resolves as ``fit`` would; only bitsandbytes under FSDP2 is skipped (and torchao's
+    variants where torchao is not installed), with the reason."""
+    from pathlib import Path
+
+    from lit_ablate.ablation.plan import plan_study
+    from lit_ablate.ablation.spec import load_study
+
+    runs = plan_study(load_study(Path(__file__).parents[1] / "configs" / "studies" / f"{study}.yaml"), tmp_path)
+    assert [r.variant.name for r in runs if r.invalid] == []
+    found = {r.variant.name for r in runs if r.skip_reason and "torchao is not installed" not in r.skip_reason}
+    assert found == skipped
