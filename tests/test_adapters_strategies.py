@@ -9,7 +9,7 @@ the one-process reference, and the frozen base with the base the run started fro
     lora       tiny Llama + LoRA r=8 on every linear layer: 1 process (reference), DDP, FSDP1 (peft's
                usual setup: ``use_orig_params``, frozen and trainable weights in one flat unit),
                FSDP2 and HSDP (frozen and trainable weights in one ``fully_shard`` group)
-    qlora      the same with the base in NF4 (double quantisation): 1 process, FSDP2 and DDP, with an
+    qlora      the same with the base in NF4 (double quantisation): 1 process, FSDP2, HSDP and DDP, with an
                eval-mode forward between steps 2 and 3 (the PLATFORM_NOTES repack trap: with the
                repack on, FSDP2 trains on stale weights from then on)
 
@@ -102,6 +102,11 @@ def test_lora_reference_trains(lora_reference):
 
 
 @pytest.fixture(scope="module")
+def two_rank_qlora() -> list[dict]:
+    return run_ranks(_two_rank_fits, 2, ["fsdp2", "hsdp", "ddp"], True, init_process_group=False, timeout_s=500)
+
+
+@pytest.fixture(scope="module")
 def two_rank_lora() -> list[dict]:
     return run_ranks(_two_rank_fits, 2, list(STRATEGIES), False, init_process_group=False, timeout_s=500)
 
@@ -112,11 +117,10 @@ def test_two_rank_lora_trains_the_reference_adapters(lora_reference, two_rank_lo
         assert_same_training(rank_run[name], lora_reference)
 
 
-def test_qlora_two_rank_fsdp2_and_ddp_train_the_reference_adapters(qlora_reference):
-    ranks = run_ranks(_two_rank_fits, 2, ["fsdp2", "ddp"], True, init_process_group=False, timeout_s=300)
-    for rank_run in ranks:
-        assert_same_training(rank_run["fsdp2"], qlora_reference)
-        assert_same_training(rank_run["ddp"], qlora_reference)
+@pytest.mark.parametrize("name", ["fsdp2", "hsdp", "ddp"])
+def test_two_rank_qlora_trains_the_reference_adapters(qlora_reference, two_rank_qlora, name):
+    for rank_run in two_rank_qlora:
+        assert_same_training(rank_run[name], qlora_reference)
 
 
 def test_fsdp1_peft_trains_the_same_adapters_as_fsdp2_lora(two_rank_lora):
