@@ -1,3 +1,5 @@
 """lit-ablate: ablation studies of LLM training techniques on PyTorch Lightning."""
 
 __version__ = "0.1.0"
+
+from lit_ablate import library_noise  # noqa: E402,F401  (before any optional library is imported)
