@@ -186,7 +186,8 @@ def test_flops_count_the_reference_forward():
     ({"loss_type": "simpo"}, "reference='frozen': simpo uses no reference model"),
     ({"loss_type": "hinge", "label_smoothing": 0.1}, "label_smoothing=0.1: hinge has no label smoothing"),
     ({"beta": 0.0}, "beta=0.0"),
-    ({"reference": "adapter"}, "reference='adapter': choose one of"),
+    ({"reference": "adapter"}, "reference='adapter': the adapter-disabled policy needs adapters"),
+    ({"reference": "copy"}, "reference='copy': choose one of"),
     ({"reference_cache": "x.pt"}, "only reference: precomputed"),
     ({"logprobs": "liger"}, "logprobs='liger': choose one of"),
 ])
