@@ -127,12 +127,25 @@ def test_chunked_loss_lowers_activations_and_temporaries_at_a_large_vocabulary(t
     assert working["chunked"] / working["torch"] < 0.75
 
 
-def test_only_warm_up_steps_are_tracked_and_the_tracker_is_gone_after(tmp_path):
+def test_only_warm_up_steps_are_tracked_and_the_tracker_is_gone_after(tmp_path, monkeypatch):
     """Tracked: the last two warm-up steps (4, 5), primed by step 3; the timed steps after them
-    carry no breakdown and no dispatch mode stays active."""
+    carry no breakdown, no dispatch mode stays active, and the tear-down runs while the step
+    clock is paused (it is not charged to the first timed step)."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+    from lit_ablate.callbacks import step_monitor
+    from lit_ablate.callbacks.tensor_categories import TensorCategoryTracker
+
+    paused_at_exit = []
+    exit_ = TensorCategoryTracker.exit
+
+    def exit_and_look(self):
+        paused_at_exit.append(all(c._pause_start is not None for c in step_monitor._CLOCKS.values()))
+        exit_(self)
+
+    monkeypatch.setattr(TensorCategoryTracker, "exit", exit_and_look)
     record = _fit(str(tmp_path), "run", 1, steps=7, warmup=5, monitor=MemoryMonitor(tracked_steps=2))
+    assert paused_at_exit == [True]
     tracked = [s["step"] for s in record["steps"] if s.get("tensor_breakdown")]
     assert tracked == [4, 5]
     assert [s["step"] for s in record["steps"] if s.get("tensor_peak_bytes")] == [4, 5]

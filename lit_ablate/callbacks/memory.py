@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 from typing import Any
 
@@ -198,11 +199,15 @@ class MemoryMonitor(StepMonitor):
 
     def _stop_tracking(self, trainer: Trainer) -> None:
         """Tear down after the last tracked step. The step clock closed that step already, so the
-        tear-down (dropping every weak reference) is paused out of the next, timed, step."""
+        tear-down is paused out of the next, timed, step: dropping every weak reference, and a
+        garbage collection of the many small objects tracking made (else a later one would land
+        in a timed step)."""
         tracker, self._tracker = self._tracker, None
         clock = step_clock(trainer)
         clock.pause()
         tracker.exit()
+        del tracker
+        gc.collect()
         clock.resume()
 
     def _keep_tracked(self, step: int) -> None:
