@@ -94,7 +94,8 @@ class MemoryMonitor(StepMonitor):
 
     Args:
         warmup_steps: as ``StepMonitor``; the tracked steps are its last ones.
-        tracked_steps: how many warm-up steps to track (0: none).
+        tracked_steps: how many warm-up steps to track (0: none; needed when the step compiles code
+            under the tracker, which torch refuses: torchao's ``AdamW8bit`` compiles its update).
     """
 
     def __init__(self, warmup_steps: int | None = None, tracked_steps: int = 1) -> None:
