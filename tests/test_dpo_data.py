@@ -237,3 +237,24 @@ def test_a_dpo_checkpoint_rebuilds_as_dpo_for_generate_and_export():
     with pytest.raises(ConfigError, match="not written by a lit-ablate CausalLM"):
         CausalLM.from_hparams({**dict(dpo.hparams), "_class_path": "collections.OrderedDict"})
 
+
+
+@pytest.mark.parametrize("config,extra", [
+    ("dpo_tiny.yaml", []),
+    ("dpo_multipack.yaml", ["--trainer.devices", "1"]),  # one rank here: the test process must not launch ranks
+])
+def test_shipped_configs_fit_and_record_preference_metrics(config: str, extra: list[str], tmp_path, monkeypatch):
+    """Both DPO configs run as shipped (a few steps) and their run records hold the monitor's series."""
+    from pathlib import Path
+
+    from lit_ablate.cli import main
+    from lit_ablate.record import RECORD_PATH_ENV, read_record
+
+    record = tmp_path / "run.json"
+    monkeypatch.setenv(RECORD_PATH_ENV, str(record))
+    path = Path(__file__).parents[1] / "configs" / config
+    main(["fit", "--config", str(path), "--trainer.max_steps", "4", "--trainer.default_root_dir", str(tmp_path),
+          "--trainer.limit_val_batches", "0", *extra])
+    steps = read_record(record)["steps"]
+    assert [s["step"] for s in steps] == [1, 2, 3, 4]
+    assert all(0 <= s["reward_accuracy"] <= 1 and s["dpo_loss"] > 0 and s["useful_tokens_per_sec"] > 0 for s in steps)
