@@ -236,6 +236,34 @@ def test_fsdp2_two_ranks_with_adapter_reference_equal_one_process() -> None:
         assert_same_training(run, single)
 
 
+def precomputed_reference(rank: int = 0, world_size: int = 1) -> torch.Tensor:
+    """The reference log-probs a ``reference: precomputed`` fit computes before its first step."""
+    pl.seed_everything(0, verbose=False)
+    data = LMDataModule(ArithmeticPreference(num_examples=23, max_operand=30, median_shots=2.0), format="preference",
+                        seq_len=SEQ_LEN, batch_size=2, val_examples=3)
+    dpo = DPO(ModelFactory(preset="tiny-llama"), reference="precomputed")
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=FSDP2Strategy() if world_size > 1 else "auto",
+                         max_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0)
+    trainer.fit(dpo, data)
+    return dpo.reference_logps.cpu()
+
+
+def _precomputed_on_ranks(rank: int, world_size: int) -> torch.Tensor:
+    return precomputed_reference(rank, world_size)
+
+
+def test_precomputed_reference_on_two_sharded_ranks_equals_one_process() -> None:
+    """Ranks split the pairs (23: an odd count, so one rank runs an extra dummy forward to keep
+    the sharded model's collectives in step), then join their shares: every rank holds every
+    pair's values (training and held-out), equal to one process's. Seen failing with the join
+    left out (each rank then holds only its own pairs' values, zeros elsewhere)."""
+    single = precomputed_reference()
+    assert single.shape == (23, 2) and (single < 0).all()
+    for ranks_result in run_ranks(_precomputed_on_ranks, 2, init_process_group=False, timeout_s=300):
+        torch.testing.assert_close(ranks_result, single, rtol=0, atol=1e-5)
+
+
 def test_the_per_micro_batch_mean_fails_these_checks(reference) -> None:
     with pytest.raises(AssertionError):
         assert_same_training(fit("accumulate", old=True), reference)
