@@ -258,3 +258,6 @@ def test_shipped_configs_fit_and_record_preference_metrics(config: str, extra: l
     steps = read_record(record)["steps"]
     assert [s["step"] for s in steps] == [1, 2, 3, 4]
     assert all(0 <= s["reward_accuracy"] <= 1 and s["dpo_loss"] > 0 and s["useful_tokens_per_sec"] > 0 for s in steps)
+    # The record's loss is the step's pair mean (StepOutput.loss_units), the monitor's dpo_loss;
+    # divided by response tokens instead it was several times smaller.
+    assert [s["loss"] for s in steps] == pytest.approx([s["dpo_loss"] for s in steps], rel=1e-4)

@@ -83,15 +83,15 @@ class RunRecorder(StepMonitor):
     # --- measurement ---------------------------------------------------------------------------
     def measure(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
         self.series.setdefault("_loss_sum", {})[step] = self.totals.loss_sum
-        self.series.setdefault("_useful_tokens", {})[step] = self.totals.useful_tokens
+        self.series.setdefault("_loss_units", {})[step] = self.totals.loss_units
         self.series.setdefault("lr", {})[step] = trainer.optimizers[0].param_groups[0]["lr"]
 
     def finalize(self, trainer: Trainer) -> None:
         if "_loss_sum" in self.series:
-            self._set_loss(self.reduce_over_ranks(trainer, ["_loss_sum", "_useful_tokens"]))
+            self._set_loss(self.reduce_over_ranks(trainer, ["_loss_sum", "_loss_units"]))
 
     def _set_loss(self, sums: dict[str, dict[int, float]]) -> None:
-        self.series["loss"] = {s: (v / sums["_useful_tokens"][s] if sums["_useful_tokens"][s] else None)
+        self.series["loss"] = {s: (v / sums["_loss_units"][s] if sums["_loss_units"][s] else None)
                                for s, v in sums["_loss_sum"].items()}
 
     # --- writing ------------------------------------------------------------------------------

@@ -36,6 +36,8 @@ class StepTotals:
 
     tokens: int = 0
     useful_tokens: Any = 0
+    loss_units: Any = 0
+    """What ``loss_sum`` averages over: useful tokens, or e.g. DPO's pairs (``StepOutput.loss_units``)."""
     flops: float = 0.0
     loss_sum: Any = 0.0
     micro_batches: int = 0
@@ -46,12 +48,14 @@ class StepTotals:
         if isinstance(outputs, dict) and "tokens" in outputs:
             self.tokens += int(outputs["tokens"])
             self.useful_tokens = self.useful_tokens + outputs["useful_tokens"]
+            self.loss_units = self.loss_units + outputs.get("loss_units", outputs["useful_tokens"])
             self.flops += float(outputs["flops"])
             self.loss_sum = self.loss_sum + outputs["loss_sum"]
         self.micro_batches += 1
 
     def finish(self, seconds: float, data_wait_seconds: float) -> None:
         self.useful_tokens, self.loss_sum = int(self.useful_tokens), float(self.loss_sum)
+        self.loss_units = int(self.loss_units)
         self.seconds, self.data_wait_seconds = seconds, data_wait_seconds
 
 

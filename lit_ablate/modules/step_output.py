@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TypedDict
 
 from torch import Tensor
+from typing_extensions import NotRequired  # typing has it from Python 3.11; lit-ablate supports 3.10
 
 
 class StepOutput(TypedDict):
@@ -22,6 +23,8 @@ class StepOutput(TypedDict):
     """Every position in the batch, padding included: what the hardware processed."""
     useful_tokens: Tensor
     """Positions whose label counts in the loss: what training learned from."""
+    loss_units: NotRequired[Tensor]
+    """What ``loss_sum`` averages over when it is not ``useful_tokens`` (DPO: preference pairs)."""
     flops: float
     """Analytic training FLOPs of this micro-batch's real tokens (``estimate.batch_model_flops``:
     padding excluded, each document at its own context)."""
