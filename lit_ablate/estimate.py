@@ -23,7 +23,7 @@ import copy
 import json
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -355,8 +355,9 @@ def loss_gradient_bytes(shape: ModelShape, training: TrainingShape) -> int:
     chunked loss (``grad_in_forward``) and Liger accumulate ``d weight`` (``[vocab, hidden]``; fp32
     for chunked, the weight's dtype for Liger) and ``d hidden`` (``[tokens, hidden]``). Found by
     measuring (tests/test_estimate_memory.py): at a large vocabulary the weight gradient is as
-    large as the chunks the loss saves."""
-    tokens = training.micro_batch * training.seq_len
+    large as the chunks the loss saves. Under context parallelism ``d hidden`` covers a rank's
+    ``seq_len / cp`` tokens."""
+    tokens = training.micro_batch * -(-training.seq_len // training.context_parallel)
     if training.loss == "chunked" and training.loss_grad_in_forward:
         weight_bytes = 4
     elif training.loss == "liger":
@@ -496,8 +497,9 @@ def _required(config: dict, key: str, fix: str) -> object:
     return value
 
 
-def training_shape_of(config: dict, optimizer: str | None = None) -> TrainingShape:
-    """The ``TrainingShape`` a resolved ``fit`` config trains with (CausalLM + LMDataModule keys)."""
+def training_shape_of(config: dict, optimizer: str | None = None, world_size: int | None = None) -> TrainingShape:
+    """The ``TrainingShape`` a resolved ``fit`` config trains with (CausalLM + LMDataModule keys) on
+    ``world_size`` ranks (default: the config's; a ``cp: -1`` strategy splits sequences over them)."""
     precision = str(get_dotted(config, "trainer.precision", "32-true"))
     dtype = str(get_dotted(config, "model.init_args.model.dtype", "float32"))
     half = precision in HALF_PRECISIONS
@@ -522,13 +524,13 @@ def training_shape_of(config: dict, optimizer: str | None = None) -> TrainingSha
         loss_grad_in_forward=bool(get_dotted(config, "model.init_args.loss_options.grad_in_forward", True)),
         attention=str(get_dotted(config, "model.init_args.model.attn_implementation", "sdpa")),
         gradient_as_bucket_view=bool(strategy_args.get("gradient_as_bucket_view", False)),
-        **dict(zip(("context_parallel", "context_parallel_impl"), context_parallel_of(config))),
+        **dict(zip(("context_parallel", "context_parallel_impl"), context_parallel_of(config, world_size))),
     )
 
 
-def context_parallel_of(config: dict) -> tuple[int, str]:
-    """``(cp ranks, cp_impl)`` of the config's strategy at the config's world size (``(1, "ring")``
-    for a strategy without context parallelism)."""
+def context_parallel_of(config: dict, world_size: int | None = None) -> tuple[int, str]:
+    """``(cp ranks, cp_impl)`` of the config's strategy on ``world_size`` ranks (default: the
+    config's; ``(1, "ring")`` for a strategy without context parallelism)."""
     from lightning.pytorch.cli import instantiate_class
 
     from lit_ablate.strategies.mesh import resolve_mesh_sizes
@@ -540,7 +542,7 @@ def context_parallel_of(config: dict) -> tuple[int, str]:
     sizes = getattr(instance, "requested_mesh_sizes", {})
     if sizes.get("cp", 1) == 1:
         return 1, "ring"
-    return resolve_mesh_sizes(sizes, world_size_of(config))["cp"], instance.cp_impl
+    return resolve_mesh_sizes(sizes, world_size or world_size_of(config))["cp"], instance.cp_impl
 
 
 def world_size_of(config: dict) -> int:
@@ -581,8 +583,8 @@ def model_of(config: dict) -> tuple[ParameterCounts, ModelShape]:
 
 def estimate_for_config(config: dict, world_size: int | None = None) -> MemoryEstimate:
     """Per-rank memory of a resolved ``fit`` config under its own strategy (what the report shows)."""
-    training = training_shape_of(config)
     world_size = world_size or world_size_of(config)
+    training = training_shape_of(config, world_size=world_size)
     counts, shape = model_of(config)
     return estimate_memory(counts, shape, training, configured_sharding(config, world_size), world_size)
 
@@ -620,23 +622,25 @@ def estimate_main(argv: list[str]) -> int:
     try:
         _check_estimate_arguments(args)
         config = resolve_fit_config(["--config", args.config, *overrides])
-        training = training_shape_of(config, args.optimizer)
-        counts, shape = model_of(config)
         world = args.world_size or world_size_of(config)
         if world < 1:
             raise ConfigError("trainer.devices", get_dotted(config, "trainer.devices"), "use a positive number of devices per node")
+        training = training_shape_of(config, args.optimizer, world)
+        counts, shape = model_of(config)
         configured_sharding(config, world)  # the configured mesh must lay out on the ranks asked for
         budget = args.gpu_memory_gib * args.usable_fraction * GIB
 
         def at(kind: str, n: int) -> MemoryEstimate | None:
             try:
+                run = training
                 if kind == "configured":
                     sharding = configured_sharding(config, n)
+                    run = replace(training, context_parallel=context_parallel_of(config, n)[0])  # cp: -1 grows with n
                 else:
                     sharding = canonical_sharding(kind, n, args.gpus_per_node)
             except ConfigError:  # the configured mesh cannot be laid out on n ranks
                 return None
-            return estimate_memory(counts, shape, training, sharding, n)
+            return estimate_memory(counts, shape, run, sharding, n)
 
         rows = []
         for kind in ("configured", *SHARDINGS):

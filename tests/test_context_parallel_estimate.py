@@ -22,6 +22,8 @@ from lit_ablate.estimate import (
     activation_bytes,
     context_parallel_bytes,
     estimate_for_config,
+    estimate_main,
+    loss_gradient_bytes,
     model_shape,
     training_shape_of,
 )
@@ -83,3 +85,31 @@ def test_a_config_s_context_parallelism_reaches_the_estimate():
     one, ring, gather = estimate_for_config(config(1, "ring")), estimate_for_config(config(4, "ring")), estimate_for_config(config(4, "allgather"))
     assert ring.activations < one.activations / 3 and ring.params == -(-one.params // 4)
     assert gather.activations > ring.activations and ring.transient > 0
+    # --world_size (or the report's world size) resolves cp: -1 as the strategy would on that many ranks
+    assert estimate_for_config(config(1, "ring"), world_size=4) == ring
+
+
+def test_estimate_world_size_resolves_cp_minus_one(tmp_path, capsys):
+    """Catches ``estimate --world_size 4`` resolving ``cp: -1`` at the config's one device (cp 1:
+    the whole sequence's activations on every rank)."""
+    import json
+
+    import yaml
+
+    strategy = {"class_path": "lit_ablate.strategies.ContextParallelStrategy", "init_args": {"cp": -1}}
+    path = tmp_path / "cp.yaml"
+    path.write_text(yaml.safe_dump(with_overrides(yaml.safe_load(QUICKSTART.read_text()), {"trainer.strategy": strategy})))
+    assert estimate_main(["--config", str(path), "--world_size", "4", "--max_gpus", "8", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["world_size"] == 4 and summary["run"]["context_parallel"] == 4
+
+
+def test_loss_gradients_held_in_the_forward_count_a_rank_s_tokens():
+    """The chunked loss holds ``d hidden`` for the tokens it saw: a rank's ``seq_len / cp`` under CP
+    (catches the whole sequence counted on every rank); ``d weight`` stays whole."""
+    shape = model_shape(ModelFactory(preset="tiny-llama").hf_config())
+    one, two = (loss_gradient_bytes(shape, TrainingShape(micro_batch=BATCH, seq_len=SEQ, loss="chunked", context_parallel=cp))
+                for cp in (1, 2))  # fmt: skip
+    weight = shape.vocab * shape.hidden * 4
+    assert one - weight == BATCH * SEQ * shape.hidden * 4
+    assert two - weight == BATCH * SEQ // 2 * shape.hidden * 4
