@@ -3,7 +3,7 @@
 ``fit``/``validate``/``test`` are a ``LightningCLI``: model, data, strategy and callbacks from
 YAML (``class_path``/``init_args``), every key overridable (``--trainer.max_steps 20``). The CLI
 always adds a ``RunRecorder`` (configured under ``recorder:``) so every run leaves a run record.
-``ablate``, ``report``, ``estimate``, ``generate`` and ``export`` are plain commands dispatched
+``ablate``, ``report``, ``estimate``, ``peak``, ``generate`` and ``export`` are plain commands dispatched
 here; ``lit-ablate --help`` lists them all (``SUMMARIES``). No parser accepts an abbreviated option
 (``--trainer.max_step`` is an error, not ``max_steps``).
 """
@@ -42,6 +42,7 @@ COMMANDS: dict[str, str] = {
     "ablate": "lit_ablate.ablation.commands:ablate_main",
     "report": "lit_ablate.ablation.commands:report_main",
     "estimate": "lit_ablate.estimate:estimate_main",
+    "peak": "lit_ablate.matmul_ceiling:peak_main",
     "generate": "lit_ablate.generate:generate_main",
     "export": "lit_ablate.strategies.export:export_main",
 }
@@ -54,6 +55,7 @@ SUMMARIES: dict[str, str] = {
     "ablate": "run a study (variants x seeds, resumable), write its report",
     "report": "re-render a study's report from its run records",
     "estimate": "parameters and per-rank memory of a config, per sharding",
+    "peak": "this device's spec peak and measured matmul ceiling",
     "export": "a checkpoint as a Hugging Face folder (weights, tokenizer)",
 }
 

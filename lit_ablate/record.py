@@ -13,7 +13,7 @@ imports the other: both depend only on this module. A record is one JSON file pe
       "resumed_from": null | {"checkpoint": "path", "step_offset": 3},  # a resumed fit: its steps are offset + 1, ...
       "fallbacks": ["..."],                     # every fallback a part took, in words
       "steps": [{"step": 1, "loss": ..., "lr": ..., "step_time_s": ..., "data_wait_s": ...,
-                 "tokens_per_sec": ..., "useful_tokens_per_sec": ..., "mfu": ...,
+                 "tokens_per_sec": ..., "useful_tokens_per_sec": ..., "mfu": ..., "mfu_measured": ...,
                  "memory_peak_bytes": ..., "memory_peak_bytes_per_rank": [...],
                  "tensor_peak_bytes": ..., "tensor_peak_bytes_per_rank": [...],  # see below
                  "tensor_breakdown": null | {"method": ..., "rank": r, "at_peak": {category: bytes},
@@ -25,7 +25,11 @@ imports the other: both depend only on this module. A record is one JSON file pe
         "useful_tokens_per_sec": {...}, "tokens_per_sec_per_device": {...},
         "useful_tokens_per_sec_per_device": {...}, "step_time_s": {...}, "data_wait_s": {...},
         "data_wait_share": float | null,        # summed data wait / summed step time after warm-up
-        "mfu": {...} | null,                    # null when no honest peak is known
+        "mfu": {...} | null,                    # vs the spec peak; null when no honest peak is known
+        "mfu_measured": {...} | null,           # vs the measured matmul ceiling (lit_ablate.matmul_ceiling)
+        "mfu_peak": str | null,                 # where mfu's peak came from, or why there is none
+        "mfu_ceilings": null | {"mfu": {"tflops": float | null, "source": str},   # each MFU's denominator
+                                "mfu_measured": {"tflops": float | null, "source": str}},
         "peak_memory_bytes": int | null,        # the largest over steps and ranks
         "peak_memory_bytes_per_rank": [int] | null, "memory_method": str | null,
         "peak_tensor_bytes": int | null,        # the largest tensor peak over steps and ranks
@@ -92,6 +96,7 @@ SUMMARISED_SERIES: dict[str, str] = {
     "step_time_s": "step_time_s",
     "data_wait_s": "data_wait_s",
     "mfu": "mfu",
+    "mfu_measured": "mfu_measured",
 }
 
 # Evaluations of the model (not of a step's speed): the summary keeps the value after the last

@@ -1,4 +1,4 @@
-"""``MFUMonitor``: model FLOPs utilisation against a known per-device peak."""
+"""``MFUMonitor``: model FLOPs utilisation against the spec peak and the measured matmul ceiling."""
 
 from __future__ import annotations
 
@@ -8,7 +8,11 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 
 from lit_ablate.callbacks.step_monitor import StepMonitor, batch_replicas
+from lit_ablate.errors import ConfigError
+from lit_ablate.matmul_ceiling import measured_ceiling
 
+PEAK_DTYPE = "bfloat16"
+"""The dtype of the table's peaks."""
 # Dense bf16 peak TFLOP/s (no 2:4 sparsity), matched against torch.cuda.get_device_name() in
 # order: the first key contained in the lower-cased name wins, so specific names come first.
 PEAK_BF16_TFLOPS: dict[str, float] = {
@@ -38,32 +42,69 @@ def runs_in_fp8(trainer: Trainer, pl_module: LightningModule) -> bool:
     return "transformer-engine" in str(trainer.precision) or bool(getattr(pl_module, "computes_in_fp8", False))
 
 
+def run_dtype(trainer: Trainer, pl_module: LightningModule) -> torch.dtype:
+    """The dtype the run's matmuls compute in: the precision plugin's half type, else the parameters'."""
+    precision = str(trainer.precision)
+    if "bf16" in precision:
+        return torch.bfloat16
+    if precision.startswith("16"):
+        return torch.float16
+    return next((p.dtype for p in pl_module.parameters() if p.is_floating_point()), torch.float32)
+
+
 class MFUMonitor(StepMonitor):
-    """MFU = model FLOPs this rank computed in the step / step time / device peak.
+    """MFU = model FLOPs this rank computed in the step / step time / a peak, against two peaks.
+
+    ``mfu`` divides by the device's spec-sheet peak (dense bf16, ``PEAK_BF16_TFLOPS``, or
+    ``peak_tflops``); ``mfu_measured`` by the measured matmul ceiling of the run's device, dtype and
+    threads (``lit_ablate.matmul_ceiling``: measured once per machine, cached; ``lit-ablate peak``
+    prints it). The spec peak is the number papers quote but is unreachable in practice and
+    unknown for a CPU; the measured ceiling exists on every device and says how close the run gets
+    to what the hardware really does, so it compares across devices. The run record names each
+    denominator and its value (``summary.mfu_ceilings``).
 
     FLOPs are analytic (``lit_ablate.estimate``), never counted from kernels, so fused kernels that
     a FLOP counter cannot see do not bias a comparison. Which tokens count: every real token of
     the rank's batch (padding positions are not model FLOPs), each at its own document's
     context; tensor-parallel peers, which process the same tokens, each count their share
     (``1/tp``), and so do context-parallel ranks, which share each batch (``1/cp``: the
-    strategy's ``flops_share``). When no honest peak is known (a CPU, an unlisted GPU, an fp8 run against a bf16
-    table) MFU is recorded as unavailable (null) with the reason in the run record's
-    ``mfu_peak``, rather than invented.
+    strategy's ``flops_share``). When no honest peak is known (a CPU, an unlisted GPU, an fp8 run
+    against a bf16 table) ``mfu`` is recorded as unavailable (null) with the reason in the run
+    record's ``mfu_peak``, rather than invented; under fp8 ``mfu_measured`` is too (no fp8 ceiling
+    is measured), unless ``ceiling_tflops`` is given.
 
     Args:
-        peak_tflops: per-device peak to divide by; overrides the table (and is the only way to
-            get MFU on CPU or under fp8: give the peak of the precision the run computes in).
+        peak_tflops: per-device peak to divide ``mfu`` by; overrides the table (and is the only way
+            to get ``mfu`` on CPU or under fp8: give the peak of the precision the run computes in).
+        ceiling_tflops: the ceiling to divide ``mfu_measured`` by instead of measuring one (e.g. what
+            ``lit-ablate peak`` printed on a node like this one).
+        measure_ceiling: measure the ceiling when ``ceiling_tflops`` is not given (a few seconds, once
+            per device, dtype, torch version and thread count; before the first step, never timed).
+            ``false``: ``mfu_measured`` is null.
     """
 
-    def __init__(self, peak_tflops: float | None = None, warmup_steps: int | None = None) -> None:
+    def __init__(self, peak_tflops: float | None = None, ceiling_tflops: float | None = None,
+                 measure_ceiling: bool = True, warmup_steps: int | None = None) -> None:
         super().__init__(warmup_steps=warmup_steps)
+        for key, value in (("peak_tflops", peak_tflops), ("ceiling_tflops", ceiling_tflops)):
+            if value is not None and not value > 0:
+                raise ConfigError(f"MFUMonitor.{key}", value, "give the device's TFLOP/s, a positive number, or null")
         self.peak_tflops = peak_tflops
         self.peak_source: str | None = None
+        self.ceiling_tflops = ceiling_tflops
+        self.measure_ceiling = measure_ceiling
+        self.ceiling: float | None = None
+        """The measured ceiling in use (TFLOP/s), or the one given; None when unavailable."""
+        self.ceiling_source: str | None = None
         self._flops_share = 1.0
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # A strategy whose ranks share one batch's FLOPs says so (ContextParallelStrategy: 1 / cp).
         self._flops_share = getattr(trainer.strategy, "flops_share", 1.0) / batch_replicas(trainer)
+        self._set_peak(trainer, pl_module)
+        self._set_ceiling(trainer, pl_module)
+
+    def _set_peak(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.peak_tflops is not None:
             self.peak_source = "peak_tflops (user)"
         elif runs_in_fp8(trainer, pl_module):
@@ -85,7 +126,29 @@ class MFUMonitor(StepMonitor):
         if warn:
             warnings.warn(f"MFUMonitor: MFU not reported: {why}", stacklevel=2)
 
+    def _set_ceiling(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.ceiling_tflops is not None:
+            self.ceiling, self.ceiling_source = self.ceiling_tflops, "ceiling_tflops (user)"
+        elif runs_in_fp8(trainer, pl_module):
+            self.ceiling, self.ceiling_source = None, "unavailable: the run computes in fp8; set ceiling_tflops"
+        elif not self.measure_ceiling:
+            self.ceiling, self.ceiling_source = None, "unavailable: measure_ceiling is false; set ceiling_tflops"
+        else:
+            dtype = run_dtype(trainer, pl_module)
+            if trainer.world_size > 1:  # one rank per node measures, alone on its CPUs, then all read its cache
+                if trainer.local_rank == 0:
+                    measured_ceiling(pl_module.device, dtype)
+                trainer.strategy.barrier("MFUMonitor.ceiling")
+            measured = measured_ceiling(pl_module.device, dtype)
+            self.ceiling, self.ceiling_source = measured.tflops, f"measured: {measured.describe()}"
+
+    def ceilings(self) -> dict[str, dict[str, float | str | None]]:
+        """Each MFU series' denominator (TFLOP/s) and where it came from: what the run record keeps."""
+        return {"mfu": {"tflops": self.peak_tflops, "source": self.peak_source},
+                "mfu_measured": {"tflops": self.ceiling, "source": self.ceiling_source}}
+
     def measure(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
         t = self.totals
-        mfu = t.flops * self._flops_share / t.seconds / (self.peak_tflops * 1e12) if self.peak_tflops else None
-        self.record("mfu", step, mfu)
+        flops_per_second = t.flops * self._flops_share / t.seconds
+        self.record("mfu", step, flops_per_second / (self.peak_tflops * 1e12) if self.peak_tflops else None)
+        self.record("mfu_measured", step, flops_per_second / (self.ceiling * 1e12) if self.ceiling else None)

@@ -143,7 +143,7 @@ class RunRecorder(StepMonitor):
         mfu = next((c for c in trainer.callbacks if isinstance(c, MFUMonitor)), None)
         summary = run_record.summarize_steps(steps, self.warmup_steps)
         summary.update(status=status, message=message, memory_method=memory.method if memory else None,
-                       mfu_peak=mfu.peak_source if mfu else None)
+                       mfu_peak=mfu.peak_source if mfu else None, mfu_ceilings=mfu.ceilings() if mfu else None)
         counts = getattr(pl_module, "parameter_counts", None)
         run_record.write_record(self.record_path, {
             "schema_version": run_record.SCHEMA_VERSION,

@@ -1,0 +1,210 @@
+"""The measured matmul ceiling: the FLOP/s this device really reaches on large matmuls.
+
+A spec-sheet peak is unreachable in practice (an H100 SXM's best bf16 matmul reaches about 80%
+of its 989 TFLOP/s) and unknown for a CPU, so MFU against it is hard to compare across devices
+and missing on the machines most tests and examples run on. The ceiling here is measured instead:
+a short sweep of a few large matmul shapes in the run's dtype, on the run's device, with the
+intra-op threads the process uses; the best sustained rate of any shape wins. It is cached on disk
+per (device name, dtype, torch version, threads), so a machine measures it once (a few seconds)
+and every later run reads it. ``lit-ablate peak`` prints it beside the spec peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+CACHE_DIR_ENV = "LIT_ABLATE_CACHE_DIR"
+"""Directory of lit-ablate's per-machine cache (default ``$XDG_CACHE_HOME/lit-ablate``, else
+``~/.cache/lit-ablate``); the ceilings live in its ``matmul_ceiling/`` folder."""
+
+SWEEPS: dict[str, tuple[tuple[int, int, int], ...]] = {
+    "cpu": ((1024, 1024, 1024), (2048, 2048, 2048), (4096, 512, 2048)),
+    "cuda": ((4096, 4096, 4096), (8192, 8192, 8192), (16384, 4096, 16384)),
+}
+"""``(m, k, n)`` shapes per device type: large enough to be compute-bound (a ``k = 512`` shape too,
+the width of a small model's projections), small enough that the sweep takes seconds."""
+SECONDS_PER_SHAPE = {"cpu": 0.5, "cuda": 0.3}
+WINDOW_SECONDS = {"cpu": 0.1, "cuda": 0.05}
+"""Each shape runs back-to-back windows of at least this long for ``SECONDS_PER_SHAPE``; the best
+window's rate is the shape's sustained rate (a window, not one call, so clock ramps and one slow
+call on a shared machine neither inflate nor sink it)."""
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class MatmulCeiling:
+    """The best sustained matmul rate measured on one device, in one dtype, with some threads."""
+
+    tflops: float
+    device_name: str
+    device_type: str
+    dtype: str
+    torch: str
+    threads: int | None
+    """Intra-op threads on a CPU (None on a GPU, where they do not matter)."""
+    shape: tuple[int, int, int]
+    """The ``(m, k, n)`` that reached it."""
+    measured_at: float
+    sweep_seconds: float
+
+    def describe(self) -> str:
+        threads = f", {self.threads} thread(s)" if self.threads is not None else ""
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.measured_at))
+        return (f"{self.dtype} {'x'.join(map(str, self.shape))} matmuls on {self.device_name}{threads}, "
+                f"torch {self.torch}, measured {when}")
+
+
+def device_name(device: torch.device) -> str:
+    """What the device is: the GPU's name, or the CPU's model name (``/proc/cpuinfo``)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "cpu" and os.path.isfile("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+        if model:
+            return model
+    return platform.processor() or platform.machine() or device.type
+
+
+def cache_dir() -> Path:
+    """Where ceilings are cached: ``$LIT_ABLATE_CACHE_DIR/matmul_ceiling``."""
+    root = os.environ.get(CACHE_DIR_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lit-ablate"
+    return Path(root) / "matmul_ceiling"
+
+
+def cache_path(device: torch.device, dtype: torch.dtype) -> Path:
+    """The cache file of this device, dtype, torch version and (CPU) thread count."""
+    key = {"device_name": device_name(device), "dtype": _dtype_name(dtype), "torch": torch.__version__,
+           "threads": _threads(device)}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / f"{device.type}-{key['dtype']}-{digest}.json"
+
+
+def measured_ceiling(device: torch.device | str, dtype: torch.dtype, remeasure: bool = False) -> MatmulCeiling:
+    """The cached ceiling of ``device`` and ``dtype`` with the current threads; measured (and
+    cached) when there is none yet, or when ``remeasure`` asks for a fresh one."""
+    device = torch.device(device)
+    path = cache_path(device, dtype)
+    if path.is_file() and not remeasure:
+        data = json.loads(path.read_text())
+        return MatmulCeiling(**{**data, "shape": tuple(data["shape"])})
+    started = time.time()
+    tflops, shape = measure_matmul_ceiling(device, dtype)
+    ceiling = MatmulCeiling(tflops=tflops, device_name=device_name(device), device_type=device.type,
+                            dtype=_dtype_name(dtype), torch=torch.__version__, threads=_threads(device), shape=shape,
+                            measured_at=started, sweep_seconds=time.time() - started)  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")  # atomic: ranks of one node may write it at once
+    tmp.write_text(json.dumps(asdict(ceiling), indent=1) + "\n")
+    os.replace(tmp, path)
+    return ceiling
+
+
+def measure_matmul_ceiling(
+    device: torch.device, dtype: torch.dtype, shapes: tuple[tuple[int, int, int], ...] | None = None,
+    seconds_per_shape: float | None = None, window_seconds: float | None = None,
+) -> tuple[float, tuple[int, int, int]]:
+    """``(TFLOP/s, shape)``: the best sustained rate of ``A @ B`` over ``shapes`` (``2 m k n`` FLOPs each)."""
+    kind = device.type if device.type in SWEEPS else "cuda"
+    shapes = shapes or SWEEPS[kind]
+    budget = SECONDS_PER_SHAPE[kind] if seconds_per_shape is None else seconds_per_shape
+    window = WINDOW_SECONDS[kind] if window_seconds is None else window_seconds
+    best, best_shape = 0.0, shapes[0]
+    for m, k, n in shapes:
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        out = torch.empty(m, n, device=device, dtype=dtype)
+        start = time.perf_counter()
+        _timed(a, b, out, 1)  # warm-up: kernel choice, page faults
+        per_call = _timed(a, b, out, 1)
+        calls = max(1, int(window / max(per_call, 1e-9)))
+        while True:
+            rate = 2 * m * k * n * calls / _timed(a, b, out, calls) / 1e12
+            if rate > best:
+                best, best_shape = rate, (m, k, n)
+            if time.perf_counter() - start >= budget:
+                break
+    return best, best_shape
+
+
+def _timed(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, repeats: int) -> float:
+    """Seconds of ``repeats`` back-to-back ``a @ b`` (the device drained before and after)."""
+    _synchronize(a.device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        torch.matmul(a, b, out=out)
+    _synchronize(a.device)
+    return time.perf_counter() - start
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _threads(device: torch.device) -> int | None:
+    return torch.get_num_threads() if device.type == "cpu" else None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def peak_main(argv: list[str]) -> int:
+    """``lit-ablate peak [--device cuda:0] [--dtype bfloat16] [--threads N] [--remeasure] [--json]``.
+
+    Prints the device's spec-sheet peak (when the table knows it) and its measured matmul ceiling:
+    the two denominators of ``MFUMonitor``'s ``mfu`` and ``mfu_measured``.
+    """
+    from lit_ablate.callbacks.mfu import PEAK_DTYPE, peak_tflops_of
+    from lit_ablate.errors import ConfigError
+
+    parser = argparse.ArgumentParser(prog="lit-ablate peak", description=peak_main.__doc__.split("\n")[0],
+                                     allow_abbrev=False)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu, cuda or cuda:N (default: cuda when there is one)")
+    parser.add_argument("--dtype", choices=list(DTYPES), help="matmul dtype (default: bfloat16 on a GPU, float32 on CPU)")
+    parser.add_argument("--threads", type=int, help="intra-op threads on CPU (default: torch's, as a run uses)")
+    parser.add_argument("--remeasure", action="store_true", help="measure again and replace the cached value")
+    parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    args = parser.parse_args(argv)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise ConfigError("--device", args.device, "use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
+        raise ConfigError("--device", args.device, "use cpu, or cuda on a machine with a CUDA GPU")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ConfigError("--threads", args.threads, "use a positive number of threads")
+        torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    name = device_name(device)
+    spec = peak_tflops_of(name) if device.type == "cuda" else None
+    ceiling = measured_ceiling(device, dtype, remeasure=args.remeasure)
+    if args.json:
+        print(json.dumps({"spec_peak_tflops": spec, "spec_peak_dtype": PEAK_DTYPE, "measured": asdict(ceiling),
+                          "cache_file": str(cache_path(device, dtype))}, indent=1))  # fmt: skip
+        return 0
+    print(f"Device: {name} ({device.type})")
+    print(f"Spec peak ({PEAK_DTYPE}, dense): " + (f"{spec:g} TFLOP/s" if spec else
+          "unknown (not in the peak table; MFUMonitor's peak_tflops sets one)"))  # fmt: skip
+    print(f"Measured ceiling: {ceiling.tflops:.4g} TFLOP/s ({ceiling.describe()})")
+    if spec:
+        print(f"Measured / spec: {ceiling.tflops / spec:.2f}")
+    print(f"Cached in {cache_path(device, dtype)} (--remeasure replaces it)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(peak_main(sys.argv[1:]))
