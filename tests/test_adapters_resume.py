@@ -17,6 +17,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.data import DataLoader
 
+from lit_ablate.callbacks.adapter_checkpoint import AdapterCheckpoint
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.modules import CausalLM
 from lit_ablate.strategies import FSDP2Strategy
@@ -27,14 +28,14 @@ QUANTIZED = {"bits": 4, "quant_type": "nf4"}
 
 
 def fit(root: str, steps: int, quantized: bool, ckpt_path: str | None = None, strategy="auto", devices: int = 1,
-        rank: int = 0) -> dict:  # fmt: skip
-    pl.seed_everything(0, verbose=False)
+        rank: int = 0, callbacks: tuple = (), seed: int = 0) -> dict:  # fmt: skip
+    pl.seed_everything(seed, verbose=False)
     factory = ModelFactory(preset="tiny-llama", adapter={"r": 8}, quantization=QUANTIZED if quantized else None)
     # A constant learning rate: the cosine schedule's length is max_steps, which the first part differs in.
     module = CausalLM(factory, learning_rate=1e-2, warmup_steps=0, weight_decay=0.1, min_lr_ratio=1.0)
     losses = StepLosses()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, callbacks=[losses], logger=False,
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, callbacks=[losses, *callbacks], logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, default_root_dir=root,
         use_distributed_sampler=False, num_sanity_val_steps=0,
     )
@@ -67,9 +68,21 @@ def _fsdp2_resume(rank: int, world_size: int, root: str, quantized: bool) -> dic
     first = fit(root, 2, quantized, strategy=FSDP2Strategy(), devices=2, rank=rank)
     resumed = fit(root, 4, quantized, ckpt_path=f"{root}/step2.ckpt", strategy=FSDP2Strategy(), devices=2, rank=rank)
     straight = fit(f"{root}/straight", 4, quantized, strategy=FSDP2Strategy(), devices=2, rank=rank)
-    return {"first": first, "resumed": resumed, "straight": straight}
+    # The same resume from adapter-only checkpoints (tests/test_adapters_checkpoint.py), one file gathered on rank 0.
+    one_file = {"strategy": FSDP2Strategy(save_distributed_checkpoint=False), "devices": 2, "rank": rank}
+    adapters_first = fit(f"{root}/adapters", 2, quantized, callbacks=(AdapterCheckpoint(),), **one_file)
+    one_file["strategy"] = FSDP2Strategy(save_distributed_checkpoint=False)
+    adapters_resumed = fit(f"{root}/adapters", 4, quantized, ckpt_path=f"{root}/adapters/step2.ckpt",
+                           callbacks=(AdapterCheckpoint(),), **one_file)  # fmt: skip
+    return {"first": first, "resumed": resumed, "straight": straight, "adapters_first": adapters_first,
+            "adapters_resumed": adapters_resumed}  # fmt: skip
 
 
+@pytest.mark.slow  # ~45 s on a loaded 2-core machine: 5 Trainer runs per rank
 def test_fsdp2_qlora_resumes_from_a_sharded_checkpoint_exactly(tmp_path):
+    """Also: from an adapter-only checkpoint (``AdapterCheckpoint``), which holds no frozen weight."""
     for run in run_ranks(_fsdp2_resume, 2, str(tmp_path), True, init_process_group=False, timeout_s=400):
         assert_resumed_exactly(run["first"], run["resumed"], run["straight"])
+        assert_resumed_exactly(run["adapters_first"], run["adapters_resumed"], run["straight"])
+    state = torch.load(tmp_path / "adapters" / "step2.ckpt", weights_only=True)["state_dict"]
+    assert state and all(".lora_" in k for k in state)
