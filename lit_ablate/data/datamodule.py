@@ -1,17 +1,22 @@
 """``LMDataModule``: source -> tokenizer -> format -> examples -> sampler -> collator -> batches.
 
-Examples are tokenised once at ``setup`` (deterministic, so every data-parallel rank builds the
-same list) and held in memory: the sizes CPU studies and ablations use. Sharding over
+Examples are tokenised at ``setup`` (deterministic, so every data-parallel rank has the same list),
+by one of two storages: ``memory`` tokenises in every rank of every run and holds each example as
+a tensor (the sizes CPU studies and tests use), ``cache`` tokenises once into memory-mapped files
+that every rank and run with the same data settings reuses (``token_cache.py``). Sharding over
 data-parallel ranks, per-epoch shuffling and exact mid-epoch resume live in the sampler; the
 layout of a batch (padding or packing) lives in the collator.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import Any, Literal
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset
 
 from lit_ablate.data.collate import Collator, PaddingCollator
@@ -20,10 +25,13 @@ from lit_ablate.data.preference import PreferenceFormat, build_preference_exampl
 from lit_ablate.data.preference_collate import PreferenceCollator, PreferencePaddingCollator
 from lit_ablate.data.sampler import ShardedSampler
 from lit_ablate.data.sources import DataSource
+from lit_ablate.data.token_cache import CachedExampleDataset, open_or_build
 from lit_ablate.data.tokenizers import load_tokenizer
 from lit_ablate.errors import ConfigError
 
 FORMATS = ("pretrain", "documents", "sft", "preference")
+Storage = Literal["memory", "cache"]
+STORAGES = ("memory", "cache")
 
 
 class ExampleDataset(Dataset):
@@ -60,6 +68,12 @@ class LMDataModule(pl.LightningDataModule):
         shuffle: shuffle training examples each epoch (by ``seed`` and epoch).
         seed: the data order's seed, independent of the model's.
         overlong: what to do with examples longer than ``seq_len``: ``truncate`` or ``reject``.
+        storage: ``memory`` (tokenise in every rank, hold examples as tensors: up to tens of MB of
+            text) or ``cache`` (tokenise once into memory-mapped files shared by every rank and run;
+            per-rank memory does not grow with the corpus beyond one int32 length per example).
+        cache_dir: where ``cache`` keeps its entries; default ``$LIT_ABLATE_DATA_CACHE``, else
+            ``~/.cache/lit_ablate/data``.
+        tokenize_workers: processes that tokenise while a ``cache`` entry is built (0: this one).
     """
 
     def __init__(
@@ -75,6 +89,9 @@ class LMDataModule(pl.LightningDataModule):
         shuffle: bool = True,
         seed: int = 0,
         overlong: Overlong = "truncate",
+        storage: Storage = "memory",
+        cache_dir: str | None = None,
+        tokenize_workers: int = 0,
     ) -> None:
         super().__init__()
         for key, value in (("seq_len", seq_len), ("batch_size", batch_size)):
@@ -86,6 +103,11 @@ class LMDataModule(pl.LightningDataModule):
             raise ConfigError("data.init_args.format", format, f"choose one of {FORMATS}")
         if overlong not in OVERLONG_CHOICES:
             raise ConfigError("data.init_args.overlong", overlong, f"choose one of {OVERLONG_CHOICES}")
+        if storage not in STORAGES:
+            raise ConfigError("data.init_args.storage", storage, f"choose one of {STORAGES}")
+        if tokenize_workers < 0:
+            raise ConfigError("data.init_args.tokenize_workers", tokenize_workers, "use 0 (this process) or more")
+        self.storage, self.cache_dir, self.tokenize_workers = storage, cache_dir, tokenize_workers
         self.source, self.format, self.seq_len, self.batch_size = source, format, seq_len, batch_size
         self.num_workers, self.val_examples, self.shuffle, self.seed, self.overlong = num_workers, val_examples, shuffle, seed, overlong
         self.tokenizer = load_tokenizer(tokenizer)
@@ -98,23 +120,43 @@ class LMDataModule(pl.LightningDataModule):
                               "other formats need PaddingCollator or PackingCollator")
         self.collator = collator
         self.collator.bind(self.tokenizer.pad_id, seq_len)
-        self.train_set: ExampleDataset | None = None
-        self.val_set: ExampleDataset | None = None
+        self.train_set: ExampleDataset | CachedExampleDataset | None = None
+        self.val_set: ExampleDataset | CachedExampleDataset | None = None
+        self.setup_record: dict[str, Any] | None = None
+        """How set-up went (``storage``, ``seconds``, ``cache_hit``, ``cache_path``, ``examples``): the run record's ``data``."""
         self._epoch, self._batches_consumed = 0, 0
         self._resume_pending = False
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
-        if self.format == "preference":
+        start = time.perf_counter()
+        store, hit, examples = None, None, []
+        if self.storage == "cache":
+            store, hit = open_or_build(self.cache_dir, self.source, self.tokenizer, self.format, self.seq_len,
+                                       self.overlong, workers=self.tokenize_workers)
+        elif self.format == "preference":
             examples = build_preference_examples(self.source, self.tokenizer, self.seq_len, self.overlong)
         else:
             examples = build_examples(self.source, self.tokenizer, self.format, self.seq_len, self.overlong)
-        if self.val_examples >= len(examples):
-            raise ConfigError("data.init_args.val_examples", self.val_examples, f"hold out fewer than the {len(examples)} examples")
-        held_out = set(torch.randperm(len(examples), generator=torch.Generator().manual_seed(self.seed))[: self.val_examples].tolist())
-        self.train_set = ExampleDataset([e for i, e in enumerate(examples) if i not in held_out])
-        self.val_set = ExampleDataset([e for i, e in enumerate(examples) if i in held_out])
+        count = len(store) if store is not None else len(examples)
+        if self.val_examples >= count:
+            raise ConfigError("data.init_args.val_examples", self.val_examples, f"hold out fewer than the {count} examples")
+        held_out = torch.randperm(count, generator=torch.Generator().manual_seed(self.seed))[: self.val_examples].tolist() \
+            if self.val_examples else []
+        if store is not None:
+            self.train_set = CachedExampleDataset(store, np.array(held_out, dtype=np.int64), keep_held_out=False)
+            self.val_set = CachedExampleDataset(store, np.array(held_out, dtype=np.int64), keep_held_out=True)
+        else:
+            held = set(held_out)
+            self.train_set = ExampleDataset([e for i, e in enumerate(examples) if i not in held])
+            self.val_set = ExampleDataset([e for i, e in enumerate(examples) if i in held])
+        seconds = time.perf_counter() - start
+        self.setup_record = {"storage": self.storage, "seconds": seconds, "cache_hit": hit, "examples": count,
+                             "cache_path": str(store.directory) if store is not None else None}
+        if store is not None or seconds >= 10:
+            how = "" if store is None else f" (token cache {'hit' if hit else 'built'}: {store.directory})"
+            rank_zero_info(f"data: {count} {self.format} examples in {seconds:.1f} s{how}")
 
     def train_dataloader(self) -> DataLoader:
         sampler = self._sampler(self.train_set, shuffle=self.shuffle, drop_last=True)

@@ -23,7 +23,8 @@ answer would teach the model to stop mid-sentence.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Literal
 
 import torch
@@ -70,22 +71,38 @@ def build_examples(rows: Iterable[Row], tokenizer: Tokenizer, fmt: Format, seq_l
     """All examples of ``rows`` in ``fmt``; logs how many were too long and what happened to them."""
     if fmt == "pretrain":
         return _pretrain_windows(rows, tokenizer, seq_len)
-    token_rows = _document_tokens(rows, tokenizer) if fmt == "documents" else _sft_tokens(rows, tokenizer)
-    examples, overlong_count, dropped, total = [], 0, 0, 0
+    counts: Counter[str] = Counter()
+    examples = list(iter_examples(rows, tokenizer, fmt, seq_len, overlong, counts))
+    report_overlong(fmt, counts, seq_len, overlong, kept=len(examples))
+    return examples
+
+
+def iter_examples(
+    rows: Iterable[Row], tokenizer: Tokenizer, fmt: Format, seq_len: int, overlong: Overlong, counts: Counter[str],
+    first_row: int = 1,
+) -> Iterator[Example]:
+    """The ``documents`` or ``sft`` examples of ``rows`` one at a time, adding to ``counts`` the rows
+    (``total``), the ``overlong`` examples and those ``dropped``. ``first_row`` numbers the rows in
+    error messages when ``rows`` is a batch of a larger source (the token cache builds in batches)."""
+    token_rows = _document_tokens(rows, tokenizer) if fmt == "documents" else _sft_tokens(rows, tokenizer, first_row)
     for ids, is_target in token_rows:
-        total += 1
+        counts["total"] += 1
         example = example_from_tokens(ids, is_target)
         fitted = fit_length(example, seq_len, overlong)
-        overlong_count += fitted is not example
-        dropped += fitted is None
+        counts["overlong"] += fitted is not example
+        counts["dropped"] += fitted is None
         if fitted is not None:
-            examples.append(fitted)
-    if overlong_count:
-        log.warning("data (format=%s): %d of %d examples were longer than seq_len=%d; overlong=%s %s",
-                    fmt, overlong_count, total, seq_len, overlong, _overlong_outcome(overlong, overlong_count, dropped, seq_len))
-    if not examples:
+            yield fitted
+
+
+def report_overlong(fmt: Format, counts: Counter[str], seq_len: int, overlong: Overlong, kept: int) -> None:
+    """Log once what ``overlong`` did (``iter_examples``' counts); no example kept is a config error."""
+    if counts["overlong"]:
+        log.warning("data (format=%s): %d of %d examples were longer than seq_len=%d; overlong=%s %s", fmt,
+                    counts["overlong"], counts["total"], seq_len, overlong,
+                    _overlong_outcome(overlong, counts["overlong"], counts["dropped"], seq_len))
+    if not kept:
         raise ConfigError("data.init_args.overlong", overlong, f"no {fmt} example fits seq_len={seq_len}; raise seq_len")
-    return examples
 
 
 def _overlong_outcome(overlong: Overlong, overlong_count: int, dropped: int, seq_len: int) -> str:
@@ -96,12 +113,23 @@ def _overlong_outcome(overlong: Overlong, overlong_count: int, dropped: int, seq
     return f"{kept} and dropped {dropped} with no labelled token left" if dropped else kept
 
 
-def _pretrain_windows(rows: Iterable[Row], tokenizer: Tokenizer, seq_len: int) -> list[Example]:
+def pretrain_stream(rows: Iterable[Row], tokenizer: Tokenizer) -> list[int]:
+    """The ``pretrain`` token stream: every document's tokens followed by ``eos``."""
     stream: list[int] = []
     for row in rows:
         stream += tokenizer.encode(_text(row)) + [tokenizer.eos_id]
-    if len(stream) < seq_len + 1:
-        raise ConfigError("data.init_args.seq_len", seq_len, f"the corpus has only {len(stream)} tokens; lower seq_len or add data")
+    return stream
+
+
+def check_stream_length(tokens: int, seq_len: int) -> None:
+    """A stream too short for one window (it needs ``seq_len + 1`` tokens) is a config error."""
+    if tokens < seq_len + 1:
+        raise ConfigError("data.init_args.seq_len", seq_len, f"the corpus has only {tokens} tokens; lower seq_len or add data")
+
+
+def _pretrain_windows(rows: Iterable[Row], tokenizer: Tokenizer, seq_len: int) -> list[Example]:
+    stream = pretrain_stream(rows, tokenizer)
+    check_stream_length(len(stream), seq_len)
     tokens = torch.tensor(stream, dtype=torch.long)
     starts = range(0, len(stream) - seq_len, seq_len)
     return [{"input_ids": tokens[s : s + seq_len], "labels": tokens[s + 1 : s + seq_len + 1]} for s in starts]
@@ -114,11 +142,11 @@ def _document_tokens(rows: Iterable[Row], tokenizer: Tokenizer) -> Iterable[tupl
         yield ids, [True] * len(ids)
 
 
-def _sft_tokens(rows: Iterable[Row], tokenizer: Tokenizer) -> Iterable[tuple[list[int], list[bool]]]:
+def _sft_tokens(rows: Iterable[Row], tokenizer: Tokenizer, first_row: int = 1) -> Iterable[tuple[list[int], list[bool]]]:
     """A file may mix chat rows and prompt/response rows: ``datasets`` gives every row every column,
     so the form of a row is the one whose fields are not None."""
     bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
-    for number, row in enumerate(rows, start=1):
+    for number, row in enumerate(rows, start=first_row):
         if row.get("messages") is not None:
             yield tokenizer.chat(_checked_messages(row["messages"], number))
         elif isinstance(row.get("prompt"), str) and isinstance(row.get("response"), str):

@@ -19,6 +19,7 @@ import logging
 from collections.abc import Sequence, Sized
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -68,9 +69,17 @@ PACKERS = {"ffd": pack_ffd, "greedy": pack_greedy}
 
 
 def pack(order: Sequence[int], lengths: Sequence[int], max_tokens: int, strategy: PackingStrategy, window: int) -> list[list[int]]:
-    """Rows of example indices, packing each ``window`` consecutive examples of ``order`` on its own."""
+    """Rows of example indices, packing each ``window`` consecutive examples of ``order`` on its own.
+
+    ``order`` and ``lengths`` may be numpy arrays (a token cache's millions of examples): each window
+    is packed over a Python list of its own lengths, so nothing per example is held beyond them."""
     packer = PACKERS[strategy]
-    return [row for start in range(0, len(order), window) for row in packer(order[start : start + window], lengths, max_tokens)]
+    rows: list[list[int]] = []
+    for start in range(0, len(order), window):
+        indices = [int(i) for i in order[start : start + window]]
+        local = [int(lengths[i]) for i in indices]
+        rows += [[indices[j] for j in row] for row in packer(range(len(indices)), local, max_tokens)]
+    return rows
 
 
 def balance_across_ranks(rows: list[list[int]], lengths: Sequence[int], num_replicas: int, rows_per_rank: int) -> list[list[list[int]]]:
@@ -92,6 +101,11 @@ def balance_across_ranks(rows: list[list[int]], lengths: Sequence[int], num_repl
     return per_rank
 
 
+def _flatten(rows: list[list[int]]) -> np.ndarray:
+    """The example indices of ``rows``, row after row."""
+    return np.fromiter((i for row in rows for i in row), dtype=np.int64)
+
+
 class PackedSampler(ShardedSampler):
     """Yields packed rows (tuples of example indices) for this data-parallel rank.
 
@@ -107,11 +121,11 @@ class PackedSampler(ShardedSampler):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
         self.lengths, self.max_tokens, self.strategy, self.window = lengths, max_tokens, strategy, window
         self.overlong, self.batch_size = overlong, batch_size
-        self._capped = [min(n, max_tokens) for n in lengths]  # a truncated example's length
+        self._capped = np.minimum(np.asarray(lengths, dtype=np.int64), max_tokens)  # a truncated example's length
         self._rows_epoch: int | None = None
         self._rows: list[tuple[int, ...]] = []
         self.efficiency = 0.0
-        too_long = sum(n > max_tokens for n in lengths)
+        too_long = int((np.asarray(lengths) > max_tokens).sum())
         if too_long and rank == 0:
             log.warning(
                 "packing: %d of %d examples are longer than max_tokens=%d; overlong=%s %s them",
@@ -121,17 +135,18 @@ class PackedSampler(ShardedSampler):
     def epoch_rows(self) -> list[list[int]]:
         """All ranks' rows for the current epoch, before balancing: every kept example once."""
         if self.shuffle:
-            order = torch.randperm(len(self.lengths), generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+            order = torch.randperm(len(self.lengths), generator=torch.Generator().manual_seed(self.seed + self.epoch)).numpy()
         else:
-            order = list(range(len(self.lengths)))
+            order = np.arange(len(self.lengths))
         if self.overlong == "reject":
-            order = [i for i in order if self.lengths[i] <= self.max_tokens]
+            order = order[np.asarray(self.lengths)[order] <= self.max_tokens]
         return pack(order, self._capped, self.max_tokens, self.strategy, self.window)
 
     def rank_items(self) -> list[tuple[int, ...]]:
         if self._rows_epoch != self.epoch:
             rows = self.epoch_rows()
-            self.efficiency = sum(self._capped[i] for r in rows for i in r) / max(1, len(rows) * self.max_tokens)
+            packed = int(self._capped[_flatten(rows)].sum()) if rows else 0
+            self.efficiency = packed / max(1, len(rows) * self.max_tokens)
             if self.drop_last:
                 rows = rows[: len(rows) - len(rows) % self.num_replicas]
             elif rows:

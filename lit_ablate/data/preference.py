@@ -31,7 +31,8 @@ forms that do not share a prefix) stop set-up with one line naming the row.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Literal
 
 import torch
@@ -87,35 +88,52 @@ def shared_pair_tokens(pair: Example) -> int:
 
 def build_preference_examples(rows: Iterable[Row], tokenizer: Tokenizer, seq_len: int, overlong: Overlong) -> list[Example]:
     """All pairs of ``rows``; logs what overlong handling did, with counts."""
-    examples: list[Example] = []
-    total = overlong_count = prompt_cut = responses_cut = rejected = equal_after_cut = 0
-    for number, row in enumerate(rows, start=1):
-        total += 1
+    counts: Counter[str] = Counter()
+    examples = list(iter_preference_examples(rows, tokenizer, seq_len, overlong, counts))
+    report_preference_overlong(counts, seq_len, overlong, kept=len(examples))
+    return examples
+
+
+def iter_preference_examples(
+    rows: Iterable[Row], tokenizer: Tokenizer, seq_len: int, overlong: Overlong, counts: Counter[str], first_row: int = 1,
+) -> Iterator[Example]:
+    """The pairs of ``rows`` one at a time, adding what overlong handling did to ``counts``.
+    ``pair_index`` counts the pairs kept from these rows; ``first_row`` numbers the rows in errors
+    (the token cache builds in batches and renumbers the pairs)."""
+    kept = 0
+    for number, row in enumerate(rows, start=first_row):
+        counts["total"] += 1
         prompt, chosen, rejected_ids = _pair_tokens(row, number, tokenizer)
         longest = max(len(chosen), len(rejected_ids))
         if len(prompt) + longest > seq_len:
-            overlong_count += 1
+            counts["overlong"] += 1
             if overlong == "reject":
-                rejected += 1
+                counts["rejected"] += 1
                 continue
             keep = max(1, seq_len - longest)
             if keep < len(prompt):
-                prompt, prompt_cut = prompt[-keep:], prompt_cut + 1
+                prompt = prompt[-keep:]
+                counts["prompt_cut"] += 1
             room = seq_len - len(prompt)
             if longest > room:
-                chosen, rejected_ids, responses_cut = chosen[:room], rejected_ids[:room], responses_cut + 1
+                chosen, rejected_ids = chosen[:room], rejected_ids[:room]
+                counts["responses_cut"] += 1
             if chosen == rejected_ids:
-                equal_after_cut += 1
+                counts["equal_after_cut"] += 1
                 continue
-        examples.append(pair_example(prompt, chosen, rejected_ids, len(examples)))
-    if overlong_count:
+        yield pair_example(prompt, chosen, rejected_ids, kept)
+        kept += 1
+
+
+def report_preference_overlong(counts: Counter[str], seq_len: int, overlong: Overlong, kept: int) -> None:
+    """Log once what ``overlong`` did (``iter_preference_examples``' counts); no pair kept is a config error."""
+    if counts["overlong"]:
         log.warning("data (format=preference): %d of %d pairs had a sequence longer than seq_len=%d; overlong=%s: "
                     "%d prompts cut from the start, %d pairs' responses cut at the end, %d pairs dropped as too long, "
-                    "%d dropped because their cut responses became equal", overlong_count, total, seq_len, overlong,
-                    prompt_cut, responses_cut, rejected, equal_after_cut)
-    if not examples:
+                    "%d dropped because their cut responses became equal", counts["overlong"], counts["total"], seq_len,
+                    overlong, counts["prompt_cut"], counts["responses_cut"], counts["rejected"], counts["equal_after_cut"])
+    if not kept:
         raise ConfigError("data.init_args.seq_len", seq_len, "no preference pair fits it; raise seq_len")
-    return examples
 
 
 def _pair_tokens(row: Row, number: int, tokenizer: Tokenizer) -> tuple[list[int], list[int], list[int]]:

@@ -11,9 +11,11 @@ An item is an example index, or a tuple of indices (a packed row: see ``packing.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sized
+from collections.abc import Iterator, Sequence, Sized
 from typing import Any
 
+import numpy as np
+import torch
 from torch.utils.data import DistributedSampler
 
 
@@ -34,13 +36,21 @@ class ShardedSampler(DistributedSampler):
         """Skip the first ``items`` items of epoch ``epoch`` (once: the next epochs start at 0)."""
         self._resume = (epoch, items) if items > 0 else None
 
-    def rank_items(self) -> list[Any]:
-        """This rank's items for the current epoch, in order, before any resume skip."""
-        return list(super().__iter__())
+    def rank_items(self) -> Sequence[Any]:
+        """This rank's items for the current epoch, in order, before any resume skip.
+
+        ``DistributedSampler``'s order (the same permutation, padding and stride), as one int64
+        array instead of Python lists: 8 bytes per example, for data sets of millions of them."""
+        if self.shuffle:
+            order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + self.epoch)).numpy()
+        else:
+            order = np.arange(len(self.dataset))
+        order = np.resize(order, self.total_size)  # drop_last cuts, otherwise the order repeats to fill
+        return order[self.rank : self.total_size : self.num_replicas]
 
     def __iter__(self) -> Iterator[Any]:
         items = self.rank_items()
         if self._resume is not None and self._resume[0] == self.epoch:
             items = items[self._resume[1] :]
         self._resume = None
-        return iter(items)
+        return (int(i) for i in items) if isinstance(items, np.ndarray) else iter(items)

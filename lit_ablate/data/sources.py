@@ -34,6 +34,13 @@ class DataSource(ABC):
     @abstractmethod
     def __iter__(self) -> Iterator[Row]: ...
 
+    def fingerprint(self) -> dict[str, Any]:
+        """What decides its rows, for the token cache's key: the class and its arguments (another
+        source in an argument by its own fingerprint). A source whose rows depend on anything else
+        (files, a server) must add it, as ``LocalFiles`` adds each file's size and modification time."""
+        return {"class": f"{type(self).__module__}.{type(self).__qualname__}",
+                "args": {k: v.fingerprint() if isinstance(v, DataSource) else v for k, v in sorted(vars(self).items())}}
+
 
 class SyntheticText(DataSource):
     """A deterministic pretraining corpus with learnable structure, generated offline.
@@ -167,6 +174,11 @@ class LocalFiles(DataSource):
             raise ConfigError(f"{_SOURCE_KEY}.path", path, f"the dataset has no rows: {empty[0]} is empty")
         self.builder = _FILE_BUILDERS[kinds.pop()]
         self.path, self.text_field, self.max_rows = path, text_field, max_rows
+
+    def fingerprint(self) -> dict[str, Any]:
+        """Its arguments and every file's path, size and modification time: a changed file changes it."""
+        stats = [(os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in self.files]
+        return {**super().fingerprint(), "files": stats}
 
     def __iter__(self) -> Iterator[Row]:
         from datasets import load_dataset

@@ -7,6 +7,7 @@ tokenizer needs no download, so tests, the quickstart and CPU studies run offlin
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from abc import ABC, abstractmethod
@@ -46,6 +47,12 @@ class Tokenizer(ABC):
     @abstractmethod
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``; special tokens are dropped."""
+
+    def identity(self) -> str:
+        """What decides its ids, for the token cache's key: a tokenizer that would encode any text
+        differently must give another identity (the built-in byte tokenizer is fixed by its code,
+        which the cache key covers through lit-ablate's version)."""
+        return self.spec
 
     @abstractmethod
     def save_pretrained(self, directory: str | os.PathLike[str]) -> None:
@@ -146,6 +153,13 @@ class HFTokenizer(Tokenizer):
             log.warning("tokenizer %s has no pad token: padding with eos id %d (padding is masked, never a label)", spec, self.eos_id)
         self.pad_id = self.eos_id if self.hf.pad_token_id is None else int(self.hf.pad_token_id)
         self.vocab_size = len(self.hf)
+
+    def identity(self) -> str:
+        """The spec and a hash of the tokenizer's full definition (vocabulary, merges, normalizer,
+        special tokens, chat template): a tokenizer retrained at the same path is another identity."""
+        definition = self.hf.backend_tokenizer.to_str() if self.hf.is_fast else repr(sorted(self.hf.get_vocab().items()))
+        parts = [definition, str(self.hf.chat_template), repr((self.pad_id, self.bos_id, self.eos_id))]
+        return f"{self.spec}@{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:16]}"
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=False))
