@@ -157,6 +157,7 @@ class RunRecorder(StepMonitor):
             "started_at": self._started,
             "finished_at": None if status == "running" else time.time(),
             "resumed_from": self._resumed_from,
+            "data": getattr(trainer.datamodule, "setup_record", None),
             "steps": steps,
             "summary": summary,
         })

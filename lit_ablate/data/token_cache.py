@@ -65,6 +65,8 @@ DEFAULT_CACHE_DIR = "~/.cache/lit_ablate/data"
 LAYOUT_VERSION = 1
 """The on-disk layout; part of the key, so a layout change never reads an old entry."""
 PROGRESS_EVERY_S = 10.0
+BATCH_ROWS = 1000
+"""Rows tokenised per batch (per task of a worker)."""
 _PAIR_FIELDS = ("chosen_tokens", "prompt_tokens")
 
 
@@ -166,7 +168,7 @@ class _LazyExamples(Sequence):
 
 def open_or_build(
     cache_dir: str | None, source: DataSource, tokenizer: Tokenizer, fmt: str, seq_len: int, overlong: Overlong,
-    workers: int = 0, batch_rows: int = 1000,
+    workers: int = 0,
 ) -> tuple[TokenStore, bool]:
     """``(store, hit)``: the entry for these settings, built first if it does not exist (``hit`` False
     only in the process that built it). Overlong handling is logged as the in-memory path logs it."""
@@ -179,7 +181,7 @@ def open_or_build(
         with _exclusive(root / f"{name}.lock"):
             hit = entry.is_dir()  # another process built it while this one waited
             if not hit:
-                _build(entry, inputs, source, tokenizer, fmt, seq_len, overlong, workers, batch_rows)
+                _build(entry, inputs, source, tokenizer, fmt, seq_len, overlong, workers)
     store = TokenStore(entry)
     counts = Counter(store.meta["counts"])
     if fmt == "preference":
@@ -201,7 +203,7 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
 
 
 def _build(entry: Path, inputs: dict, source: DataSource, tokenizer: Tokenizer, fmt: str, seq_len: int,
-           overlong: Overlong, workers: int, batch_rows: int) -> None:
+           overlong: Overlong, workers: int) -> None:
     """Tokenise ``source`` into a temporary directory next to ``entry``, then rename it into place."""
     tmp = entry.with_name(f".{entry.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     tmp.mkdir()
@@ -209,7 +211,7 @@ def _build(entry: Path, inputs: dict, source: DataSource, tokenizer: Tokenizer, 
         writer = _Writer(tmp, fmt, seq_len)
         progress = _Progress(entry)
         args = (tokenizer, fmt, seq_len, overlong)
-        batches = _batches(source, batch_rows)
+        batches = _batches(source, BATCH_ROWS)
         if workers > 0:
             context = multiprocessing.get_context("forkserver")
             with context.Pool(workers, initializer=_init_worker, initargs=args) as pool:
