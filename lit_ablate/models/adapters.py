@@ -53,6 +53,10 @@ class AdapterOptions:
         use_dora: DoRA: a learned magnitude per output row on top of the low-rank direction update.
         use_rslora: rank-stabilised scaling ``alpha / sqrt(r)``, so a larger rank does not shrink
             the update.
+        experts_r: LoRA on the routed experts of lit-ablate's MoE blocks (``model.moe.experts: loop``
+            or ``grouped``; ``lit_ablate.models.expert_adapters``): each expert's rank, or ``r/top_k``
+            (``r // num_experts_per_tok``: a token's active experts together add rank ``r``, the
+            same trainable capacity per token as a dense layer's adapter); null: experts stay frozen.
     """
 
     method: Literal["lora"] = "lora"
@@ -63,6 +67,7 @@ class AdapterOptions:
     modules_to_save: list[str] = field(default_factory=list)
     use_dora: bool = False
     use_rslora: bool = False
+    experts_r: int | Literal["r/top_k"] | None = None
 
     def __post_init__(self) -> None:
         if self.method != "lora":
@@ -78,6 +83,20 @@ class AdapterOptions:
                               "give a list of module names, e.g. [q_proj, v_proj], or all-linear")
         if not self.target_modules:
             raise ConfigError(f"{OPTIONS_KEY}.target_modules", self.target_modules, "name at least one module, or all-linear")
+        if self.experts_r is not None:
+            self._check_expert_options()
+
+    def _check_expert_options(self) -> None:
+        key = f"{OPTIONS_KEY}.experts_r"
+        if self.experts_r != "r/top_k" and (not isinstance(self.experts_r, int) or isinstance(self.experts_r, bool)
+                                            or self.experts_r < 1):  # fmt: skip
+            raise ConfigError(key, self.experts_r, "use a positive integer rank, r/top_k, or null (no expert adapters)")
+        if self.dropout:
+            raise ConfigError(f"{OPTIONS_KEY}.dropout", self.dropout, "expert adapters are added to the expert weights, "
+                              "where no activation can be dropped: use dropout 0 with experts_r")
+        if self.use_dora:
+            raise ConfigError(f"{OPTIONS_KEY}.use_dora", True, "DoRA is not built for expert adapters: drop use_dora "
+                              "or experts_r")
 
     def lora_config(self):  # noqa: ANN201 (peft's LoraConfig; imported lazily with peft)
         """peft's ``LoraConfig`` for these options."""
@@ -103,7 +122,32 @@ def apply_adapters(model: nn.Module, options: AdapterOptions) -> nn.Module:
     except ValueError as err:
         reason = str(err).strip().splitlines()[0]
         raise ConfigError(f"{OPTIONS_KEY}.target_modules", options.target_modules, f"peft refused it: {reason}") from err
+    if options.experts_r is not None:
+        apply_expert_adapters(model, options)
     return model
+
+
+def apply_expert_adapters(model: nn.Module, options: AdapterOptions) -> None:
+    """An ``ExpertLoRA`` on every ``RoutedExperts`` of ``model`` (the experts' weights stay frozen)."""
+    from lit_ablate.models.expert_adapters import ExpertLoRA
+    from lit_ablate.models.moe_experts import RoutedExperts
+
+    experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
+    if not experts:
+        raise ConfigError(f"{OPTIONS_KEY}.experts_r", options.experts_r,
+                          "the model has no lit-ablate MoE experts: use an MoE model with model.init_args.model.moe: "
+                          "{experts: grouped} (or loop), or drop experts_r")  # fmt: skip
+    r = options.experts_r
+    if r == "r/top_k":
+        top_k = model.config.num_experts_per_tok
+        r = options.r // top_k
+        if r < 1:
+            raise ConfigError(f"{OPTIONS_KEY}.experts_r", "r/top_k", f"r={options.r} is below top_k={top_k}: use r >= "
+                              f"{top_k} or an integer experts_r")  # fmt: skip
+    for module in experts:
+        module.gate_up_proj.requires_grad_(False)
+        module.down_proj.requires_grad_(False)
+        module.adapters = ExpertLoRA(module.gate_up_proj, module.down_proj, r, options.alpha, options.use_rslora)
 
 
 def adapter_parameter_names(model: nn.Module) -> set[str]:
@@ -113,8 +157,13 @@ def adapter_parameter_names(model: nn.Module) -> set[str]:
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils import ModulesToSaveWrapper
 
+    from lit_ablate.models.expert_adapters import ExpertLoRA
+
     names = set()
     for prefix, module in model.named_modules():
+        if isinstance(module, ExpertLoRA):
+            names.update(f"{prefix}.{name}" for name, _ in module.named_parameters())
+            continue
         if isinstance(module, BaseTunerLayer):
             parts = [getattr(module, part) for part in ADAPTER_PARTS if hasattr(module, part)]
         elif isinstance(module, ModulesToSaveWrapper):
@@ -133,10 +182,12 @@ def _named_parameters_of(owner: nn.Module, part: nn.Module) -> list[tuple[str, n
 
 
 def has_adapters(model: nn.Module) -> bool:
-    """Whether peft adapter layers were injected into ``model``."""
+    """Whether adapters (peft's layers, expert LoRA) were injected into ``model``."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    return any(isinstance(m, BaseTunerLayer) for m in model.modules())
+    from lit_ablate.models.expert_adapters import ExpertLoRA
+
+    return any(isinstance(m, (BaseTunerLayer, ExpertLoRA)) for m in model.modules())
 
 
 @contextmanager
@@ -147,7 +198,9 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils import ModulesToSaveWrapper
 
-    layers = [m for m in model.modules() if isinstance(m, (BaseTunerLayer, ModulesToSaveWrapper))]
+    from lit_ablate.models.expert_adapters import ExpertLoRA
+
+    layers = [m for m in model.modules() if isinstance(m, (BaseTunerLayer, ModulesToSaveWrapper, ExpertLoRA))]
     for layer in layers:
         layer.enable_adapters(False)
     try:

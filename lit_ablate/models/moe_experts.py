@@ -109,10 +109,22 @@ class RoutedExperts(nn.Module):
         self.implementation = implementation
         self.fallback: str | None = None
         """Why ``grouped`` ran the padded-bmm path, if it did (for the run record)."""
+        self.adapters: nn.Module | None = None
+        """Expert LoRA (``lit_ablate.models.expert_adapters.ExpertLoRA``), set by ``apply_adapters``."""
 
     def forward(self, tokens: Tensor, counts: Tensor) -> Tensor:
         gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
+        if self.adapters is not None:
+            gate_up, down = self.adapters(gate_up, down)
         return self._experts_fn(tokens, gate_up, down)(tokens, counts, gate_up, down, self.act_fn)
+
+    def expert_dim_parameters(self) -> list[tuple[nn.Module, str]]:
+        """``(owner, name)`` of every parameter whose first dimension is the expert, which expert
+        parallelism slices: the two weights and their adapters."""
+        owners = [(self, "gate_up_proj"), (self, "down_proj")]
+        if self.adapters is not None:
+            owners += [(self.adapters, name) for name, _ in self.adapters.named_parameters(recurse=False)]
+        return owners
 
     def _experts_fn(self, tokens: Tensor, gate_up: Tensor, down: Tensor) -> ExpertsFn:
         if self.implementation == "loop":

@@ -69,10 +69,10 @@ class ExpertParallelStrategy(FSDP2Strategy):
         dispatcher = DISPATCH_MODES[self.dispatch](mesh.get_group(), num_experts)
         first, last = dispatcher.first_local, dispatcher.first_local + dispatcher.num_local
         for block in blocks:
-            for name in ("gate_up_proj", "down_proj"):
-                full = getattr(block.experts, name)
+            for owner, name in block.experts.expert_dim_parameters():  # the weights and their expert LoRA
+                full = getattr(owner, name)
                 local = DTensor.from_local(full.detach()[first:last].clone(), mesh, [Shard(0)], run_check=False)
-                setattr(block.experts, name, nn.Parameter(local, requires_grad=full.requires_grad))
+                setattr(owner, name, nn.Parameter(local, requires_grad=full.requires_grad))
             block.dispatcher = dispatcher
 
     def apply_fsdp(self, model: CausalLMWithLoss) -> None:

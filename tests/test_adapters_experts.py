@@ -1,0 +1,138 @@
+"""LoRA on MoE experts (``AdapterOptions.experts_r``, ``lit_ablate.models.expert_adapters``).
+
+- With every ``B`` at zero the adapted model's logits are the base model's, bit for bit.
+- With random ``B`` the experts compute, per expert ``e`` and row ``x``, the LoRA formula on the
+  activations: ``x W_e^T + s (x A_e^T) B_e^T`` (a reference written independently of the
+  weight-merging implementation), within fp32 rounding (1e-5), for ``loop`` and ``grouped``; and
+  loop == grouped in outputs and adapter gradients. Seen failing with the scaling left out, and
+  with ``r/top_k`` silently using ``r``.
+- Expert parallelism (EP=2, all-to-all) trains the same expert adapters as FSDP2 without EP on 2
+  ranks, each rank with its own batches of unequal length: equal losses over 3 steps (``LOSS_ATOL``
+  of ``tests/test_moe_expert_parallel.py``). With the adapters left unsliced under EP it fails
+  (a shape mismatch on every rank).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lit_ablate.errors import ConfigError
+from lit_ablate.models.adapters import AdapterOptions, adapter_parameter_names, adapters_disabled
+from lit_ablate.models.expert_adapters import ExpertLoRA
+from lit_ablate.models.factory import ModelFactory
+from lit_ablate.models.moe import MoEOptions, moe_blocks
+from lit_ablate.modules import CausalLM
+from lit_ablate.strategies import FSDP2Strategy
+from lit_ablate.strategies.expert_parallel import ExpertParallelStrategy
+from tests.distributed import run_ranks
+from tests.test_moe_expert_parallel import LOSS_ATOL, LossSeries
+
+IDS = torch.arange(48).reshape(2, 24) % 250
+ADAPTER = {"r": 4, "alpha": 8.0, "target_modules": ["q_proj"], "experts_r": "r/top_k"}
+
+
+def build(experts: str, adapter: dict | None = ADAPTER, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return ModelFactory(preset="tiny-qwen3-moe", moe=MoEOptions(experts=experts), adapter=adapter).build()
+
+
+def test_expert_adapters_start_at_the_base_model():
+    base, adapted = build("grouped", adapter=None), build("grouped")
+    torch.manual_seed(1)
+    assert torch.equal(base(IDS).logits, adapted(IDS).logits)
+    lora = [m for m in adapted.modules() if isinstance(m, ExpertLoRA)]
+    assert len(lora) == adapted.config.num_hidden_layers and lora[0].gate_up_A.shape[1] == 4 // 2  # r / top_k
+    trainable = {n for n, p in adapted.named_parameters() if p.requires_grad}
+    assert trainable == adapter_parameter_names(adapted) and any(".experts.adapters." in n for n in trainable)
+
+
+def _random_b(model: torch.nn.Module) -> None:
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for lora in (m for m in model.modules() if isinstance(m, ExpertLoRA)):
+            lora.gate_up_B.normal_(0, 0.05)
+            lora.down_B.normal_(0, 0.05)
+
+
+def _reference(experts, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The LoRA formula on activations, one expert at a time."""
+    lora, out = experts.adapters, []
+    for e, rows in enumerate(tokens.split(counts.tolist())):
+        gate_up = F.linear(rows, experts.gate_up_proj[e]) + lora.scaling * (rows @ lora.gate_up_A[e].T) @ lora.gate_up_B[e].T
+        gate, up = gate_up.chunk(2, dim=-1)
+        hidden = experts.act_fn(gate) * up
+        out.append(F.linear(hidden, experts.down_proj[e]) + lora.scaling * (hidden @ lora.down_A[e].T) @ lora.down_B[e].T)
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("implementation", ["loop", "grouped"])
+def test_expert_adapters_compute_lora_per_expert(implementation):
+    model = build(implementation)
+    _random_b(model)
+    experts = moe_blocks(model)[0].experts
+    torch.manual_seed(3)
+    counts = torch.tensor([3, 0, 5, 1, 2, 0, 4, 1])  # an expert without tokens too
+    tokens = torch.randn(int(counts.sum()), model.config.hidden_size)
+    torch.testing.assert_close(experts(tokens, counts), _reference(experts, tokens, counts), rtol=1e-5, atol=1e-5)
+    with adapters_disabled(model):  # DPO's reference forward: the base experts alone
+        base = experts(tokens, counts)
+    experts.adapters = None
+    assert torch.equal(base, experts(tokens, counts))
+
+
+def test_loop_and_grouped_expert_adapters_agree_in_values_and_gradients():
+    results = {}
+    for implementation in ("loop", "grouped"):
+        model = build(implementation)
+        _random_b(model)
+        loss = model(IDS, labels=IDS).loss
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if ".experts.adapters." in n}
+        results[implementation] = (loss.detach(), grads)
+    torch.testing.assert_close(results["loop"][0], results["grouped"][0], rtol=1e-6, atol=1e-6)
+    assert results["loop"][1].keys() == results["grouped"][1].keys()
+    for name, grad in results["loop"][1].items():
+        torch.testing.assert_close(grad, results["grouped"][1][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_expert_adapter_options_are_checked():
+    with pytest.raises(ConfigError, match="experts_r"):
+        AdapterOptions(experts_r=0)
+    with pytest.raises(ConfigError, match="dropout"):
+        AdapterOptions(experts_r=2, dropout=0.1)
+    with pytest.raises(ConfigError, match="no lit-ablate MoE experts"):
+        ModelFactory(preset="tiny-llama", adapter={"experts_r": 2}).build()
+
+
+def _fit(strategy: pl.strategies.Strategy, root: Path, rank: int) -> dict:
+    pl.seed_everything(0, verbose=False)
+    factory = ModelFactory(preset="tiny-qwen3-moe", moe=MoEOptions(experts="grouped"), adapter=ADAPTER)
+    module = CausalLM(factory, learning_rate=1e-2, warmup_steps=0)
+    generator = torch.Generator().manual_seed(10 + rank)  # each rank its own batches
+    batches = [torch.randint(0, 250, (2, 16 + 4 * i), generator=generator) for i in range(3)]  # unequal tokens
+    series = LossSeries()
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=3, callbacks=[series], logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         default_root_dir=root, use_distributed_sampler=False, num_sanity_val_steps=0)  # fmt: skip
+    trainer.fit(module, torch.utils.data.DataLoader([{"input_ids": b, "labels": b.roll(-1, 1)} for b in batches],
+                                                    batch_size=None))  # fmt: skip
+    lora = moe_blocks(module.model)[0].experts.adapters
+    return {"losses": series.losses, "mesh": lora.gate_up_A.device_mesh.mesh_dim_names,
+            "moved": float(lora.gate_up_B.to_local().abs().max())}  # fmt: skip
+
+
+def _ep_vs_no_ep(rank: int, world_size: int, root: str) -> dict:
+    return {"no_ep": _fit(FSDP2Strategy(), Path(root) / "fsdp2", rank),
+            "ep": _fit(ExpertParallelStrategy(ep=2, dispatch="all_to_all"), Path(root) / "ep", rank)}  # fmt: skip
+
+
+def test_expert_parallel_trains_the_same_expert_adapters(tmp_path):
+    for run in run_ranks(_ep_vs_no_ep, 2, str(tmp_path), init_process_group=False, timeout_s=300):
+        assert len(run["ep"]["losses"]) == 3 and run["ep"]["moved"] > 0  # the expert adapters trained
+        assert "ep" in run["ep"]["mesh"] and "ep" not in run["no_ep"]["mesh"]  # sliced with their experts
+        torch.testing.assert_close(run["ep"]["losses"], run["no_ep"]["losses"], rtol=0, atol=LOSS_ATOL)
