@@ -1,0 +1,144 @@
+"""The measured matmul ceiling (cache, sweep, ``lit-ablate peak``) and ``MFUMonitor``'s two MFU figures.
+
+No test measures a real ceiling beyond a tiny sweep: the measurement is replaced by a counting
+fake with a known value, which is also what lets the tests check which denominator each MFU used.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lit_ablate import matmul_ceiling
+from lit_ablate.callbacks import MFUMonitor, ThroughputMonitor
+from lit_ablate.callbacks.mfu import run_dtype
+from lit_ablate.errors import ConfigError
+from tests.test_callbacks import SEQ, _batches, _fit
+
+FAKE_TFLOPS = 0.004
+
+
+@pytest.fixture
+def measurements(tmp_path, monkeypatch) -> list[tuple[str, torch.dtype, int]]:
+    """A fresh cache dir and a fake sweep returning ``FAKE_TFLOPS``; the list of what it measured."""
+    monkeypatch.setenv(matmul_ceiling.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    calls = []
+
+    def fake(device, dtype, *args, **kwargs):
+        calls.append((device.type, dtype, torch.get_num_threads()))
+        return FAKE_TFLOPS, (8, 8, 8)
+
+    monkeypatch.setattr(matmul_ceiling, "measure_matmul_ceiling", fake)
+    return calls
+
+
+def test_a_tiny_sweep_measures_a_positive_rate_on_one_of_its_shapes():
+    shapes = ((64, 64, 64), (32, 128, 16))
+    tflops, shape = matmul_ceiling.measure_matmul_ceiling(torch.device("cpu"), torch.float32, shapes,
+                                                          seconds_per_shape=0.01, window_seconds=0.002)
+    assert tflops > 0 and shape in shapes
+
+
+def test_the_ceiling_is_measured_once_per_device_dtype_and_threads_then_read_from_the_cache(measurements, tmp_path):
+    """Catches a cache that is never read (a sweep on every run), or one shared across dtypes or
+    thread counts (a bf16 or 1-thread ceiling silently used for an fp32 or 2-thread run)."""
+    first = matmul_ceiling.measured_ceiling("cpu", torch.float32)
+    again = matmul_ceiling.measured_ceiling("cpu", torch.float32)
+    assert len(measurements) == 1 and first == again and first.tflops == FAKE_TFLOPS > 0
+    assert matmul_ceiling.cache_path(torch.device("cpu"), torch.float32).parent == tmp_path / "cache" / "matmul_ceiling"
+    assert json.loads(matmul_ceiling.cache_path(torch.device("cpu"), torch.float32).read_text())["tflops"] == FAKE_TFLOPS
+
+    matmul_ceiling.measured_ceiling("cpu", torch.bfloat16)
+    assert len(measurements) == 2 and measurements[-1][1] == torch.bfloat16
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        other = matmul_ceiling.measured_ceiling("cpu", torch.float32)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(measurements) == 3 and other.threads == threads + 1
+    matmul_ceiling.measured_ceiling("cpu", torch.float32, remeasure=True)
+    assert len(measurements) == 4
+
+
+def test_mfu_measured_divides_the_same_flops_by_the_measured_ceiling_and_mfu_by_the_spec_peak(measurements, tmp_path):
+    """Each figure is flops / (step time x its own denominator): catches ``mfu_measured`` divided
+    by the spec peak (or ``mfu`` by the ceiling), which the ratio of the two would expose as 1."""
+    peak = 1.0
+    record, module = _fit(tmp_path, [MFUMonitor(peak_tflops=peak), ThroughputMonitor()], _batches(4, 2, [0]))
+    flops_per_step = module.flops_per_token(SEQ) * 2 * SEQ
+    for s in record["steps"]:
+        assert s["mfu"] * s["step_time_s"] * peak * 1e12 == pytest.approx(flops_per_step, rel=1e-9)
+        assert s["mfu_measured"] * s["step_time_s"] * FAKE_TFLOPS * 1e12 == pytest.approx(flops_per_step, rel=1e-9)
+        assert s["mfu_measured"] / s["mfu"] == pytest.approx(peak / FAKE_TFLOPS, rel=1e-9)
+    summary = record["summary"]
+    assert summary["mfu_measured"]["n"] == 3 and summary["mfu"]["n"] == 3  # step 1 is warm-up
+    ceilings = summary["mfu_ceilings"]
+    assert ceilings["mfu"] == {"tflops": peak, "source": "peak_tflops (user)"}
+    assert ceilings["mfu_measured"]["tflops"] == FAKE_TFLOPS
+    assert ceilings["mfu_measured"]["source"].startswith(f"measured: float32 8x8x8 matmuls on {matmul_ceiling.device_name(torch.device('cpu'))}")
+    assert measurements == [("cpu", torch.float32, torch.get_num_threads())]  # the run's dtype and threads, once
+
+
+def test_a_device_without_a_spec_peak_still_gets_mfu_measured(measurements, tmp_path):
+    record, _ = _fit(tmp_path, [MFUMonitor()], _batches(4, 2, [0]))
+    assert all(s["mfu"] is None and s["mfu_measured"] > 0 for s in record["steps"])
+    summary = record["summary"]
+    assert summary["mfu"] is None and summary["mfu_measured"]["median"] > 0
+    assert summary["mfu_ceilings"]["mfu"]["tflops"] is None
+    assert summary["mfu_ceilings"]["mfu"]["source"].startswith("unavailable: no peak is known for device type 'cpu'")
+
+
+def _started(monitor: MFUMonitor, precision: str = "32-true", dtype: torch.dtype = torch.float32,
+             fp8: bool = False) -> MFUMonitor:
+    """``monitor.on_fit_start`` against a one-process CPU trainer and a one-parameter module."""
+    trainer = SimpleNamespace(strategy=SimpleNamespace(), precision=precision, world_size=1, local_rank=0)
+    module = SimpleNamespace(device=torch.device("cpu"), computes_in_fp8=fp8,
+                             parameters=lambda: iter([torch.nn.Parameter(torch.zeros(2, dtype=dtype))]))
+    monitor.on_fit_start(trainer, module)
+    return monitor
+
+
+def test_the_ceiling_follows_the_run_dtype_a_given_ceiling_or_none_under_fp8(measurements):
+    """Catches an fp32 ceiling for a bf16 run (half the rate on many CPUs, a quarter on GPUs),
+    a measurement although the user gave the ceiling, and an fp8 run divided by a bf16 ceiling."""
+    _started(MFUMonitor(), precision="bf16-mixed")
+    _started(MFUMonitor(), dtype=torch.bfloat16)  # a bf16 model under 32-true computes in bf16
+    assert [dtype for _, dtype, _ in measurements] == [torch.bfloat16]  # the second read the cache
+    assert _started(MFUMonitor(), precision="16-mixed").ceiling == FAKE_TFLOPS
+    assert measurements[-1][1] == torch.float16
+
+    given = _started(MFUMonitor(ceiling_tflops=2.5))
+    assert given.ceiling == 2.5 and given.ceiling_source == "ceiling_tflops (user)" and len(measurements) == 2
+    off = _started(MFUMonitor(measure_ceiling=False))
+    assert off.ceiling is None and "measure_ceiling" in off.ceiling_source and len(measurements) == 2
+    with pytest.warns(UserWarning, match="fp8"):
+        fp8 = _started(MFUMonitor(), fp8=True)
+    assert fp8.ceiling is None and "fp8" in fp8.ceiling_source and len(measurements) == 2
+    assert run_dtype(SimpleNamespace(precision="32-true"), SimpleNamespace(parameters=lambda: iter([]))) == torch.float32
+    with pytest.raises(ConfigError, match="MFUMonitor.ceiling_tflops"):
+        MFUMonitor(ceiling_tflops=0)
+
+
+def test_peak_command_prints_the_spec_peak_and_the_cached_ceiling(measurements, capsys):
+    from lit_ablate.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["peak"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and len(measurements) == 1
+    assert f"Measured ceiling: {FAKE_TFLOPS:.4g} TFLOP/s (float32 8x8x8 matmuls" in out
+    assert "Spec peak (bfloat16, dense): unknown" in out
+    assert matmul_ceiling.peak_main(["--json", "--dtype", "float32"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["measured"]["tflops"] == FAKE_TFLOPS and printed["spec_peak_tflops"] is None
+    assert len(measurements) == 1  # the second call read the cache
+    with pytest.raises(SystemExit) as exit_info:
+        main(["peak", "--remeas"])  # no abbreviated options
+    assert exit_info.value.code not in (0, None) and "--remeas" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["peak", "--threads", "0"])
+    assert "--threads=0" in str(exit_info.value.code)
