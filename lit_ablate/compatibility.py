@@ -119,7 +119,8 @@ def strategy_accepts_cpu(config: Mapping[str, Any], launch: LaunchLike) -> str |
 
 
 def loss_backend_available(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
-    """The loss kernel must run here (liger / cce need CUDA and their package): ``check_loss_backend``.
+    """The loss kernel must run here (liger / cce need CUDA and their package, or the Triton
+    interpreter opt-in at fp32/fp16; cce's kernel does not train in float32): ``check_loss_backend``.
 
     An unknown backend name is not an incompatibility of this machine but the run's own error,
     so it is left to the run (recorded as failed with its message).
@@ -129,7 +130,19 @@ def loss_backend_available(config: Mapping[str, Any], launch: LaunchLike) -> str
     if losses is None or not isinstance(name, str) or name not in losses.LOSS_BACKENDS:
         return None
     options = get_dotted(config, "model.init_args.loss_options") or {}
-    return _reason(losses.check_loss_backend, name, **options)
+    return _reason(losses.check_loss_backend, name, compute_dtype=_compute_dtype(config), **options)
+
+
+def _compute_dtype(config: Mapping[str, Any]) -> str | None:
+    """The dtype the loss's hidden states will have: the 16-bit precision if one is set, else the
+    parameter dtype (None for a value the run itself will refuse)."""
+    precision = str(get_dotted(config, "trainer.precision", "32-true"))
+    if precision.startswith("bf16"):
+        return "bfloat16"
+    if precision.startswith("16"):
+        return "float16"
+    dtype = get_dotted(config, "model.init_args.model.dtype", "float32")
+    return dtype if dtype in ("float32", "float16", "bfloat16") else None
 
 
 def attention_backend_available(config: Mapping[str, Any], launch: LaunchLike) -> str | None:

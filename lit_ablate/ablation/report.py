@@ -128,6 +128,8 @@ def _environment_line(summary: Mapping[str, Any]) -> str:
     parts.append(f"commit {str(env['git_commit'])[:10]}" if env.get("git_commit") else "commit unknown")
     if env.get("hostname"):
         parts.append(f"host {env['hostname']}")
+    if env.get("triton_kernels"):
+        parts.append(f"Triton kernels {env['triton_kernels']}")
     line = "Environment: " + ", ".join(parts) + "."
     if summary["environment_mismatch"]:
         line += f" **Warning: runs differ in {', '.join(summary['environment_mismatch'])}; compare with care.**"

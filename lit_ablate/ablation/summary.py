@@ -23,7 +23,8 @@ from lit_ablate.record import FINAL_VALUE_SERIES, SUMMARISED_SERIES, spread
 
 NOISE_SERIES = "useful_tokens_per_sec"
 """The series behind the speed ratio, and so behind its noise floor."""
-ENVIRONMENT_KEYS = ("device_name", "device_type", "python", "torch", "lightning", "transformers", "git_commit", "hostname")
+ENVIRONMENT_KEYS = ("device_name", "device_type", "python", "torch", "lightning", "transformers", "git_commit", "hostname",
+                    "triton_kernels")
 """Environment fields that must agree for records to be comparable (world size may vary by design)."""
 
 

@@ -20,6 +20,7 @@ from lit_ablate import record as run_record
 from lit_ablate.callbacks.memory import MemoryMonitor
 from lit_ablate.callbacks.mfu import MFUMonitor
 from lit_ablate.callbacks.step_monitor import DEFAULT_WARMUP_STEPS, StepMonitor
+from lit_ablate.models import triton_interpreter
 
 
 def _git_commit() -> str | None:
@@ -43,6 +44,7 @@ def environment(trainer: Trainer) -> dict[str, Any]:
         "device_count": trainer.num_devices, "num_nodes": trainer.num_nodes, "world_size": trainer.world_size,
         "cpu_count": os.cpu_count(), "hostname": platform.node(), "git_commit": _git_commit(),
         "strategy": type(trainer.strategy).__name__, "precision": str(trainer.precision),
+        "triton_kernels": triton_interpreter.kernel_mode(),
     }
 
 

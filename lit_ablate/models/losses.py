@@ -14,10 +14,11 @@ Options reach a backend as ``loss_backend(name, **options)`` (the module's ``los
 unknown options, bad values and names raise ``ConfigError`` naming the key.
 
 ``liger`` and ``cce`` import fine on a CPU machine and fail at their first kernel, so they are
-gated on ``torch.cuda.is_available()`` when they are built: call ``check_loss_backend`` at
-start-up (the ablation runner does, to mark such variants ``skipped``). lit-ablate patches no
-Liger kernels into models (only the ``liger`` loss backend uses Liger), so CCE can never run
-beside a Liger loss kernel.
+gated on ``torch.cuda.is_available()`` when they are built, unless ``LIT_ABLATE_TRITON_INTERPRET=1``
+runs their kernels through Triton's interpreter (``lit_ablate.models.triton_interpreter``; fp32 /
+fp16 only): call ``check_loss_backend`` at start-up (the ablation runner does, to mark variants
+that cannot run here ``skipped``). lit-ablate patches no Liger kernels into models (only the
+``liger`` loss backend uses Liger), so CCE can never run beside a Liger loss kernel.
 """
 
 from __future__ import annotations
@@ -32,11 +33,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lit_ablate.errors import ConfigError
+from lit_ablate.models import triton_interpreter
 from lit_ablate.models.chunked_cross_entropy import IGNORE_INDEX, chunked_linear_cross_entropy
 
 LOSS_KEY = "model.init_args.loss"
 OPTIONS_KEY = "model.init_args.loss_options"
 GPU_EXTRA_FIX = "pip install 'lit-ablate[gpu]' on a CUDA machine"
+DTYPE_KEY = "model.init_args.model.dtype"
 
 
 class LossBackend(Protocol):
@@ -51,13 +54,19 @@ def _check_z_loss_weight(z_loss_weight: float) -> None:
                           "use 0 (off) or a small positive weight such as 1e-4")
 
 
-def _require_cuda_package(backend: str, module: str, cpu_alternative: str) -> None:
-    """The fused GPU backends need their package and a CUDA device; say which is missing."""
+def _require_kernel_package(backend: str, module: str, cpu_alternative: str) -> None:
+    """The fused Triton backends need their package and a CUDA device, or the interpreter opt-in."""
+    interpreted = triton_interpreter.requested()
     if importlib.util.find_spec(module) is None:
-        raise ConfigError(LOSS_KEY, backend, f"the '{module}' package is not installed: {GPU_EXTRA_FIX}")
-    if not torch.cuda.is_available():
+        fix = triton_interpreter.INSTALL_FIX if interpreted else GPU_EXTRA_FIX
+        raise ConfigError(LOSS_KEY, backend, f"the '{module}' package is not installed: {fix}")
+    if interpreted:
+        triton_interpreter.enable(module)
+    elif not torch.cuda.is_available():
         raise ConfigError(LOSS_KEY, backend,
-                          f"{backend} needs CUDA (its Triton kernels fail on CPU); {cpu_alternative}")
+                          f"{backend} needs CUDA (its Triton kernels fail on CPU); {cpu_alternative}; or set "
+                          f"{triton_interpreter.OPT_IN_ENV}=1 to run its kernels through Triton's interpreter "
+                          f"(tiny shapes, fp32/fp16; {triton_interpreter.INSTALL_FIX})")
 
 
 @dataclass(frozen=True)
@@ -122,7 +131,7 @@ class ChunkedCrossEntropy:
 
 @dataclass(frozen=True)
 class LigerFusedLinearCrossEntropy:
-    """Liger-Kernel's fused linear cross-entropy (Triton; CUDA only).
+    """Liger-Kernel's fused linear cross-entropy (Triton; CUDA, or interpreted on CPU).
 
     Choose it on GPUs to compare with ``chunked`` and ``cce``: it chunks tokens and computes the
     gradients during the forward. ``z_loss_weight`` maps to Liger's ``lse_square_scale``.
@@ -132,9 +141,15 @@ class LigerFusedLinearCrossEntropy:
 
     def __post_init__(self) -> None:
         _check_z_loss_weight(self.z_loss_weight)
-        _require_cuda_package("liger", "liger_kernel", "use 'chunked' for a memory-efficient loss on CPU")
+        _require_kernel_package("liger", "liger_kernel", "use 'chunked' for a memory-efficient loss on CPU")
+
+    def check_compute_dtype(self, dtype: torch.dtype, training: bool = True) -> None:
+        """Refuse bf16 under the interpreter (silently wrong there)."""
+        if triton_interpreter.requested():
+            triton_interpreter.refuse_bf16(dtype)
 
     def __call__(self, hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None = None) -> Tensor:
+        self.check_compute_dtype(hidden.dtype)
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
         return liger_fused_linear_cross_entropy(
@@ -147,8 +162,9 @@ class LigerFusedLinearCrossEntropy:
 class CutCrossEntropy:
     """Apple's Cut Cross-Entropy: logits are formed block by block in on-chip memory only.
 
-    Choose it on GPUs for the smallest loss memory. ``impl="cce"`` is the Triton kernel (CUDA);
-    ``impl="torch_compile"`` is CCE's compiled reference, which also runs on CPU (a cross-check).
+    Choose it on GPUs for the smallest loss memory. ``impl="cce"`` is the Triton kernel (CUDA, or
+    interpreted on CPU); its backward takes only fp16/bf16 hidden states, so training in float32
+    is refused. ``impl="torch_compile"`` is CCE's compiled reference, which also runs on CPU.
     ``filter_eps`` skips gradient blocks whose softmax is below it ("high", "auto", a float, or
     None for exact gradients). CCE does not return the log-sum-exp, so z-loss is not available.
     """
@@ -164,13 +180,14 @@ class CutCrossEntropy:
             raise ConfigError(f"{OPTIONS_KEY}.z_loss_weight", self.z_loss_weight,
                               "cce does not expose the log-sum-exp: use 0, or the chunked/liger/torch backend")
         if self.impl == "cce":
-            _require_cuda_package("cce", "cut_cross_entropy",
-                                  "use 'chunked', or loss_options impl: torch_compile for CCE's CPU reference")
+            _require_kernel_package("cce", "cut_cross_entropy",
+                                    "use 'chunked', or loss_options impl: torch_compile for CCE's CPU reference")
         elif importlib.util.find_spec("cut_cross_entropy") is None:
             raise ConfigError(LOSS_KEY, "cce", "the 'cut_cross_entropy' package is not installed: "
                               "pip install 'lit-ablate[gpu]'")
 
     def __call__(self, hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None = None) -> Tensor:
+        self.check_compute_dtype(hidden.dtype, training=hidden.requires_grad or weight.requires_grad)
         from cut_cross_entropy import linear_cross_entropy
 
         bias_kwargs = {}
@@ -183,6 +200,17 @@ class CutCrossEntropy:
             hidden, weight, labels, ignore_index=IGNORE_INDEX, reduction="sum",
             filter_eps=self.filter_eps, impl=self.impl, **bias_kwargs,
         ).float()
+
+    def check_compute_dtype(self, dtype: torch.dtype, training: bool = True) -> None:
+        """The Triton kernel: bf16 is refused under the interpreter, and training in float32 always
+        (CCE's backward asserts fp16/bf16 hidden states, cut-cross-entropy 25.1)."""
+        if self.impl != "cce":
+            return
+        if triton_interpreter.requested():
+            triton_interpreter.refuse_bf16(dtype)
+        if dtype == torch.float32 and training:
+            raise ConfigError(DTYPE_KEY, "float32", "cce's Triton backward takes only float16/bfloat16 hidden states: "
+                              "use bfloat16 (CUDA) or float16, or loss_options impl: torch_compile for float32")
 
 
 LOSS_BACKENDS: dict[str, type[LossBackend]] = {
@@ -208,11 +236,16 @@ def loss_backend(name: str, **options: Any) -> LossBackend:
     return backend(**options)
 
 
-def check_loss_backend(name: str, **options: Any) -> None:
+def check_loss_backend(name: str, compute_dtype: str | None = None, **options: Any) -> None:
     """Start-up check: raises ConfigError (with the reason and fix) if ``name`` cannot run here.
 
-    The ablation runner's compatibility registry calls it to mark GPU-only variants ``skipped``
-    on CPU; it builds nothing heavy.
+    ``compute_dtype`` (``float32`` / ``float16`` / ``bfloat16``: the dtype the hidden states will
+    have) also refuses what only fails at the first step: bf16 under the interpreter, cce's kernel
+    training in float32. The ablation runner's compatibility registry calls it to mark variants
+    that cannot run here ``skipped``; it builds nothing heavy.
     """
-    loss_backend(name, **options)
+    backend = loss_backend(name, **options)
+    check_dtype = getattr(backend, "check_compute_dtype", None)
+    if check_dtype is not None and compute_dtype is not None:
+        check_dtype(getattr(torch, compute_dtype))
 

@@ -1,0 +1,144 @@
+"""The ``liger`` and ``cce`` loss kernels against ``torch``: on CPU through Triton's interpreter, on CUDA compiled.
+
+One set of cases (``tests/loss_kernel_cases.py``) serves both. On CPU it runs once, in a fresh
+process with ``LIT_ABLATE_TRITON_INTERPRET=1``: the interpreter must be switched on before triton
+is imported, and this pytest process imported triton compiled long ago (Lightning imports it).
+The tests need the ``kernels-cpu`` extra (triton, liger-kernel, cut-cross-entropy, numpy,
+packaging) and skip with that reason without it.
+
+Tolerances (max abs difference over max abs reference value): liger in fp32 1e-5 on CPU (measured
+<= 6e-7); on CUDA 1e-4 / 1e-3 (TF32 dots). cce in fp16 against torch on fp32 copies of the same
+fp16 inputs: loss 1e-4 (measured 1.2e-5), gradients 2e-3 (measured 4.5e-4, fp16 output rounding).
+
+Broken on purpose once (each made the named tests fail, then was restored):
+- liger ``reduction="mean"`` instead of ``"sum"`` (Liger's default): every liger case but all_ignored.
+- liger without ``lse_square_scale``: liger_z_loss_bias.
+- liger without the bias: liger_bias_mean and liger_z_loss_bias (d_bias is then None: fails).
+- cce without ``reduction="sum"`` (CCE's default is mean): every cce case.
+- cce's ``ignore_index`` changed to 0 (a label value): the cce cases (ignored labels then count).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lit_ablate.errors import ConfigError
+from lit_ablate.models import triton_interpreter
+
+TESTS = Path(__file__).resolve().parent
+CASES_SCRIPT = TESTS / "loss_kernel_cases.py"
+KERNEL_PACKAGES = ("triton", "liger_kernel", "cut_cross_entropy", "numpy")
+MISSING = [p for p in KERNEL_PACKAGES if importlib.util.find_spec(p) is None]
+needs_kernels = pytest.mark.skipif(bool(MISSING), reason=f"{', '.join(MISSING)} not installed: "
+                                   f"{triton_interpreter.INSTALL_FIX} runs the liger/cce kernels interpreted on CPU")
+TOLERANCES = {  # device -> backend -> (loss, gradients)
+    "cpu": {"liger": (1e-5, 1e-5), "cce": (1e-4, 2e-3)},
+    "cuda": {"liger": (1e-4, 1e-3), "cce": (1e-4, 2e-3)},
+}
+CASE_NAMES = ["liger_odd_shape_ignored_sum", "liger_bias_mean", "liger_z_loss_bias", "liger_all_ignored",
+              "cce_odd_shape_ignored_sum", "cce_mean", "cce_default_filter_eps"]
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, Any]:
+    """Every case, computed once by a fresh interpreted process (~10-20 s, mostly imports)."""
+    env = {**os.environ, triton_interpreter.OPT_IN_ENV: "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS.parent), os.environ.get("PYTHONPATH")]))}
+    env.pop("TRITON_INTERPRET", None)  # the opt-in alone must switch the interpreter on
+    done = subprocess.run([sys.executable, str(CASES_SCRIPT), "cpu"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def assert_parity(errors: dict[str, float], backend: str, device: str, case: str) -> None:
+    loss_tol, grad_tol = TOLERANCES[device][backend]
+    assert errors["loss"] <= loss_tol, (case, errors)
+    expected = {"d_hidden", "d_weight"} | ({"d_bias"} if "bias" in case else set())
+    assert expected <= set(errors), (case, "gradients missing", errors)
+    for grad in expected:
+        assert errors[grad] <= grad_tol, (case, grad, errors)
+    assert errors["grad_dtypes_match_inputs"] == 1.0, (case, "gradients not in the inputs' dtype")
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", CASE_NAMES)
+def test_interpreted_kernel_matches_torch(interpreted: dict[str, Any], case: str) -> None:
+    assert interpreted["kernel_mode"] == "interpreted"
+    assert_parity(interpreted["parity"][case], case.split("_")[0], "cpu", case)
+
+
+@needs_kernels
+def test_interpreted_all_ignored_gives_zero_loss_and_grads(interpreted: dict[str, Any]) -> None:
+    errors = interpreted["parity"]["liger_all_ignored"]
+    assert errors["loss_abs"] == 0.0 and errors["loss"] == 0.0 and errors["d_hidden"] == errors["d_weight"] == 0.0
+
+
+@needs_kernels
+def test_interpreter_refuses_bf16_and_cce_float32_in_one_line(interpreted: dict[str, Any]) -> None:
+    """bf16 is silently wrong under the interpreter; cce's backward asserts fp16/bf16 hidden states
+    (on CUDA too); this cut-cross-entropy takes no bias. Each: one ConfigError line naming key and fix."""
+    refusals = interpreted["refusals"]
+    for name in ("liger_bf16_check", "liger_bf16_call", "cce_bf16_check"):
+        assert refusals[name].startswith("model.init_args.model.dtype='bfloat16': Triton's interpreter"), name
+        assert "use float32 (liger) or float16 (cce)" in refusals[name]
+    for name in ("cce_float32_check", "cce_float32_call"):
+        assert refusals[name].startswith("model.init_args.model.dtype='float32': cce's Triton backward"), name
+    assert "takes no LM-head bias" in refusals["cce_bias"]
+    assert refusals["liger_float32_check"] == refusals["cce_float16_check"] == ""
+    assert all("\n" not in message for message in refusals.values())
+
+
+@needs_kernels
+def test_libdevice_gap_and_shim(interpreted: dict[str, Any]) -> None:
+    """While triton's interpreter returns None for ``libdevice.log1p`` the shim is needed and must be
+    exact; once this fails with gap_open False, triton closed the gap: delete the libdevice shim
+    (``LIBDEVICE_SHIMS`` in lit_ablate/models/triton_interpreter.py) and this test."""
+    gap = interpreted["libdevice"]
+    assert gap["gap_open"], f"triton {triton_interpreter.TRITON_VERSION}'s interpreter now runs libdevice: remove the shim"
+    assert gap["shim_error"] <= 1e-6
+
+
+def test_opt_in_refuses_another_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shims patch interpreter internals checked on one triton version only."""
+    monkeypatch.setattr(triton_interpreter.importlib.metadata, "version", lambda name: "3.10.0")
+    with pytest.raises(ConfigError, match="triton 3.10.0 is installed.*3.9.0 only"):
+        triton_interpreter.enable("liger_kernel")
+
+
+def test_opt_in_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only exactly 1 turns it on; a typo is refused rather than read as off."""
+    monkeypatch.delenv(triton_interpreter.OPT_IN_ENV, raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not triton_interpreter.requested()
+    assert triton_interpreter.kernel_mode() in ("compiled", None)
+    monkeypatch.setenv(triton_interpreter.OPT_IN_ENV, "yes")
+    with pytest.raises(ConfigError, match="LIT_ABLATE_TRITON_INTERPRET='yes'"):
+        triton_interpreter.requested()
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict[str, Any]:
+    """Every case on CUDA, compiled, in this process (no opt-in: the kernels compile as for users)."""
+    if triton_interpreter.requested():
+        pytest.fail(f"unset {triton_interpreter.OPT_IN_ENV} to test the compiled kernels")
+    from tests.loss_kernel_cases import parity_errors
+
+    return parity_errors("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (compiled Triton kernels)")
+@needs_kernels
+@pytest.mark.parametrize("case", CASE_NAMES)
+def test_compiled_kernel_matches_torch(compiled: dict[str, Any], case: str) -> None:
+    assert_parity(compiled[case], case.split("_")[0], "cuda", case)
