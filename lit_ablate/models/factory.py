@@ -23,6 +23,8 @@ import lit_ablate.models.attention  # noqa: F401  (registers sdpa_packed, flex, 
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.adapters import OPTIONS_KEY as ADAPTER_KEY
 from lit_ablate.models.adapters import AdapterOptions, apply_adapters
+from lit_ablate.models.fp8 import OPTIONS_KEY as FP8_KEY
+from lit_ablate.models.fp8 import Fp8Options, convert_fp8, resolve_emulation
 from lit_ablate.models.moe import MoEOptions, apply_moe
 from lit_ablate.models.presets import preset_config
 from lit_ablate.models.quantization import OPTIONS_KEY as QUANTIZATION_KEY
@@ -56,6 +58,8 @@ class ModelFactory:
             model instead of the model itself; null trains every weight.
         quantization: store the frozen base's linear layers in bitsandbytes 4-bit or 8-bit
             (``QuantizationOptions``; with an adapter: QLoRA); null keeps ``dtype``. Needs ``adapter``.
+        fp8: train the linear layers' matmuls in fp8 (torchao float8 recipes, ``Fp8Options``;
+            emulated where no fp8 kernel runs); null computes in ``dtype``.
     """
 
     preset: str | None = None
@@ -66,6 +70,7 @@ class ModelFactory:
     moe: MoEOptions | None = None
     adapter: AdapterOptions | None = None
     quantization: QuantizationOptions | None = None
+    fp8: Fp8Options | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):  # from a checkpoint's plain-dict hyperparameters
@@ -74,6 +79,11 @@ class ModelFactory:
             self.adapter = AdapterOptions(**self.adapter)
         if isinstance(self.quantization, dict):
             self.quantization = QuantizationOptions(**self.quantization)
+        if isinstance(self.fp8, dict):
+            self.fp8 = Fp8Options(**self.fp8)
+        if self.fp8 is not None and self.quantization is not None:
+            raise ConfigError(FP8_KEY, asdict(self.fp8), f"fp8 and {QUANTIZATION_KEY} both replace the base's linear "
+                              "layers; choose one (fp8 + LoRA trains adapters over an fp8 base)")
         if self.quantization is not None and self.adapter is None:
             raise ConfigError(QUANTIZATION_KEY, asdict(self.quantization),
                               f"quantised weights are frozen and cannot train: add an {ADAPTER_KEY} section (QLoRA), "
@@ -123,10 +133,11 @@ class ModelFactory:
         """The preset's config mapping with ``config`` applied over it."""
         return {**(preset_config(self.preset) if self.preset else {}), **self.config}
 
-    def build(self, with_adapters: bool = True) -> PreTrainedModel:
+    def build(self, with_adapters: bool = True, device: torch.device | None = None) -> PreTrainedModel:
         """The model: random init from the current RNG state, or the checkpoint's weights; then MoE
-        blocks, quantised linear layers and adapters, in that order (``with_adapters=False``: the
-        frozen base alone, for peft's own ``PeftModel`` at export).
+        blocks, quantised or fp8 linear layers and adapters, in that order (``with_adapters=False``:
+        the frozen base alone, for peft's own ``PeftModel`` at export). ``device`` is where the model
+        will train: it decides whether fp8 is emulated (default: the current CUDA device, else CPU).
 
         A quantised model is built with real weights even where a sharding strategy asks for the
         ``meta`` device (ranks other than 0): quantisation must read the weights, and it is done
@@ -139,6 +150,10 @@ class ModelFactory:
             with torch.device("cpu"):
                 model = self._build_base()
                 quantize_linears(model, self.quantization)
+        if self.fp8 is not None:
+            if device is None:
+                device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+            convert_fp8(model, self.fp8, emulate=resolve_emulation(self.fp8, device)[0])
         if self.adapter is not None and with_adapters:
             apply_adapters(model, self.adapter)
         return model

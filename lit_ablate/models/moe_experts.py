@@ -12,6 +12,7 @@ the per-expert matmuls are issued, which is what an experts ablation measures:
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -26,8 +27,10 @@ ExpertsFn = Callable[[Tensor, Tensor, Tensor, Tensor, Activation], Tensor]
 """``(tokens sorted by expert [M, H], counts [E], gate_up [E, 2I, H], down [E, H, I], act) -> [M, H]``"""
 
 
-def loop_experts(tokens: Tensor, counts: Tensor, gate_up: Tensor, down: Tensor, act: Activation) -> Tensor:
-    """The reference: each expert's contiguous rows through its own MLP, one matmul at a time.
+def loop_experts(tokens: Tensor, counts: Tensor, gate_up: Tensor, down: Tensor, act: Activation,
+                 linear: Callable[[Tensor, Tensor], Tensor] = F.linear) -> Tensor:
+    """The reference: each expert's contiguous rows through its own MLP, one matmul at a time
+    (``linear``: ``F.linear``, or fp8's ``Fp8Matmul`` once ``lit_ablate.models.fp8`` converted the experts).
 
     Experts with no tokens still run on an empty slice, so their weights get zero (not missing)
     gradients, as with ``grouped``: an optimizer then updates both the same way. The weights are
@@ -35,9 +38,9 @@ def loop_experts(tokens: Tensor, counts: Tensor, gate_up: Tensor, down: Tensor, 
     whose backward would materialise a full-size zero gradient for every expert.
     """
     outputs = [
-        F.linear(act(gate) * up, w_down)
+        linear(act(gate) * up, w_down)
         for rows, w_gate_up, w_down in zip(tokens.split(counts.tolist()), gate_up.unbind(0), down.unbind(0))
-        for gate, up in [F.linear(rows, w_gate_up).chunk(2, dim=-1)]
+        for gate, up in [linear(rows, w_gate_up).chunk(2, dim=-1)]
     ]
     return torch.cat(outputs)
 
@@ -109,6 +112,8 @@ class RoutedExperts(nn.Module):
         self.implementation = implementation
         self.fallback: str | None = None
         """Why ``grouped`` ran the padded-bmm path, if it did (for the run record)."""
+        self.linear: Callable[[Tensor, Tensor], Tensor] = F.linear
+        """The matmul ``loop`` calls per expert (fp8 conversion replaces it)."""
         self.adapters: nn.Module | None = None
         """Expert LoRA (``lit_ablate.models.expert_adapters.ExpertLoRA``), set by ``apply_adapters``."""
 
@@ -128,7 +133,7 @@ class RoutedExperts(nn.Module):
 
     def _experts_fn(self, tokens: Tensor, gate_up: Tensor, down: Tensor) -> ExpertsFn:
         if self.implementation == "loop":
-            return loop_experts
+            return functools.partial(loop_experts, linear=self.linear)
         self.fallback = grouped_mm_unsupported(tokens, gate_up, down)
         if self.fallback is None:
             return grouped_mm_experts

@@ -8,6 +8,7 @@ from dataclasses import asdict
 from typing import Any
 
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_warn
 from transformers import PreTrainedModel
 
 from lit_ablate.errors import ConfigError
@@ -15,6 +16,7 @@ from lit_ablate.estimate import ParameterCounts, batch_model_flops, count_parame
 from lit_ablate.models.attention import check_attention_backend
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
 from lit_ablate.models.factory import ModelFactory
+from lit_ablate.models.fp8 import check_fp8, resolve_emulation
 from lit_ablate.models.losses import loss_backend
 from lit_ablate.models.moe import collect_aux_losses, experts_fallbacks
 from lit_ablate.models.quantization import check_quantization
@@ -87,6 +89,9 @@ class CausalLM(LightningModule):
         self.parameter_counts: ParameterCounts | None = None
         self._decay_names: set[str] = set()
         self.objective = StepObjective()
+        self.fp8_kernels: str | None = None
+        """``real`` or ``emulated`` once an fp8 model is built (in the run record's environment), else None."""
+        self._fp8_emulated_because: str | None = None
 
     @classmethod
     def from_hparams(cls, hparams: dict[str, Any], inference: bool = False) -> CausalLM:
@@ -99,8 +104,8 @@ class CausalLM(LightningModule):
         """
         module_class = _saved_class(hparams.get("_class_path")) or cls
         hparams = {k: v for k, v in hparams.items() if not k.startswith("_")}
-        if inference:
-            hparams.update(compile=False, model={**hparams["model"], "attn_implementation": "sdpa"})
+        if inference:  # fp8 layers keep nn.Linear's state-dict keys: inference computes in the model's dtype
+            hparams.update(compile=False, model={**hparams["model"], "attn_implementation": "sdpa", "fp8": None})
         return module_class(**hparams)
 
     def configure_model(self) -> None:
@@ -112,7 +117,15 @@ class CausalLM(LightningModule):
         if self._trainer:
             check_optimizer(self.optimizer_name, self.trainer.strategy, self.trainer.strategy.root_device.type)
             check_quantization(self.factory.quantization, self.trainer.strategy)
-        lm = self.factory.build()
+            check_fp8(self.factory.fp8, self.trainer.strategy)
+        device = self.trainer.strategy.root_device if self._trainer else self.device
+        if self.factory.fp8 is not None:
+            emulated, why = resolve_emulation(self.factory.fp8, device)
+            self.fp8_kernels = "emulated" if emulated else "real"
+            if emulated and self.factory.fp8.emulate == "auto":  # a fallback: warned once and recorded
+                self._fp8_emulated_because = why
+                rank_zero_warn(f"fp8 is emulated in fp32 matmuls (same numerics, no speed-up): {why}")
+        lm = self.factory.build(device=device)
         self.parameter_counts = count_parameters(lm, lm.config)
         self.model = self.trained_module(lm)
         # Which parameters decay is decided now, on the unwrapped model: sharding wrappers
@@ -146,7 +159,13 @@ class CausalLM(LightningModule):
     @property
     def fallbacks(self) -> list[str]:
         """Every slower path a model part took instead of the one asked for (in the run record)."""
-        return experts_fallbacks(self.model) if self.model is not None else []
+        emulation = [f"fp8 emulated in fp32 matmuls: {self._fp8_emulated_because}"] if self._fp8_emulated_because else []
+        return (experts_fallbacks(self.model) if self.model is not None else []) + emulation
+
+    @property
+    def computes_in_fp8(self) -> bool:
+        """Whether real fp8 kernels run the converted matmuls (``MFUMonitor`` then divides by an fp8 peak)."""
+        return self.fp8_kernels == "real"
 
     def flops_per_token(self, seq_len: float) -> float:
         """Analytic training FLOPs per token at this context length (see ``lit_ablate.estimate``)."""

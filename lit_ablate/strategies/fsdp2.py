@@ -9,6 +9,7 @@ import torch
 
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
+from lit_ablate.models.fp8 import precompute_fp8_scales
 from lit_ablate.strategies.gpu_only import check_gpu_only_options
 from lit_ablate.strategies.mesh import FSDP_SHARD_DIMS, STRATEGY_KEY, MeshStrategy, decoder_layers, resolve_mesh_sizes
 from lit_ablate.strategies.state_sharding import StateSharding
@@ -57,6 +58,13 @@ class FSDP2Strategy(MeshStrategy):
     def setup_environment(self) -> None:
         check_gpu_only_options({"cpu_offload": self.cpu_offload}, self.root_device.type)
         super().setup_environment()
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """The step, then fp8 all-gather's weight scales for the next step (one all-reduce for all
+        fp8 layers; nothing without ``model.fp8.fsdp_all_gather``)."""
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        precompute_fp8_scales(self.lightning_module)
+        return output
 
     def state_sharding(self, world_size: int) -> StateSharding:
         """Dense state divided over the shard ranks (x tp); ZeRO-2-like keeps gathered params to backward."""
