@@ -240,6 +240,17 @@ RULES: dict[str, Rule] = {
 }
 
 
+MACHINE_RULES = ("accelerator_present", "enough_devices", "cpu_ranks_fit", "single_node", "loss_backend_available",
+                 "attention_backend_available")  # fmt: skip
+"""Rules that judge this machine (its CUDA devices, cores and packages), not the run. A study
+submitted to a cluster skips them (``cluster_rules``): the partition's size is checked instead,
+and each job's own start-up judges its node."""
+
+
+def cluster_rules() -> dict[str, Rule]:
+    return {name: rule for name, rule in RULES.items() if name not in MACHINE_RULES}
+
+
 def incompatibility(config: Mapping[str, Any], launch: LaunchLike, rules: Mapping[str, Rule] = RULES) -> str | None:
     """The first reason this run cannot run here, or None when every rule passes."""
     for rule in rules.values():

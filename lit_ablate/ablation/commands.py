@@ -36,6 +36,7 @@ def run_study(
     resolve: Resolver | None = None,
     retry_failed: bool = False,
     console: Console | None = None,
+    wait: bool = True,
 ) -> Path:
     """Plan, run (resuming) and report one study; returns ``report.md``.
 
@@ -46,7 +47,7 @@ def run_study(
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / PLAN_FILENAME).write_text(json.dumps(spec.plan(), indent=1) + "\n")
     try:
-        run_runs(runs, fit_command, retry_failed, console)
+        run_runs(runs, fit_command, retry_failed, console, wait)
     finally:
         if any(output_dir.glob("runs/*/*/run.json")):
             write_report(output_dir)
@@ -80,6 +81,8 @@ def ablate_main(argv: list[str]) -> int:
                         help="resolve and check every variant, print the plan, run nothing")  # fmt: skip
     parser.add_argument("--retry-failed", "--retry_failed", dest="retry_failed", action="store_true",
                         help="also redo runs that ended in error, oom or timeout (finished ok runs are kept)")  # fmt: skip
+    parser.add_argument("--no-wait", "--no_wait", dest="no_wait", action="store_true",
+                        help="launch.executor slurm: submit, print the queue and return; the same command collects later")  # fmt: skip
     args = parser.parse_args(argv)
     console = Console(stderr=True)
     try:
@@ -91,7 +94,7 @@ def ablate_main(argv: list[str]) -> int:
             print(describe(runs))
             return 0
         writable_dir("--output_dir", output_dir)
-        report = run_study(spec, output_dir, retry_failed=args.retry_failed, console=console)
+        report = run_study(spec, output_dir, retry_failed=args.retry_failed, console=console, wait=not args.no_wait)
     except ConfigError as err:
         console.print(f"[red]study refused:[/red] {escape(str(err))}", markup=True, highlight=False, soft_wrap=True)
         return EXIT_REFUSED

@@ -14,7 +14,7 @@ import contextlib
 import io
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ import yaml
 
 from lit_ablate.ablation.single_variable import check_single_variable
 from lit_ablate.ablation.spec import RUNNER_KEYS, Launch, StudySpec, Variant
-from lit_ablate.compatibility import incompatibility
+from lit_ablate.compatibility import cluster_rules, incompatibility
 
 Resolver = Callable[[list[str]], dict[str, Any]]
 """``(fit args) -> resolved config``: what ``lit-ablate fit <args>`` would run, without running it."""
@@ -92,10 +92,20 @@ def plan_study(spec: StudySpec, output_dir: Path, resolve: Resolver | None = Non
     for variant, seed in pairs:
         directory = run_dir(output_dir, variant, seed)
         config = spec.run_config(variant, seed, trainer_root(directory))
-        launch = Launch.of_config(config, variant.launch.timeout_s)
-        reason = None if variant.name in invalid else incompatibility(resolved[variant.name], launch)
+        launch = variant.launch.with_config(config)
+        reason = None if variant.name in invalid else _incompatibility(resolved[variant.name], launch)
         runs.append(PlannedRun(variant, seed, directory, config, launch, reason, invalid.get(variant.name)))
     return runs
+
+
+def _incompatibility(config: dict[str, Any], launch: Launch) -> str | None:
+    """Why the run cannot run where it goes: this machine, or (``executor: slurm``) the cluster,
+    whose nodes are judged as GPU nodes when the partition has GPUs and the accelerator is auto."""
+    if launch.executor == "local":
+        return incompatibility(config, launch)
+    if launch.slurm and launch.slurm.gpus_per_node and (launch.accelerator or "auto") == "auto":
+        launch = replace(launch, accelerator="gpu")
+    return incompatibility(config, launch, cluster_rules())
 
 
 def _resolve(resolve: Resolver, path: Path) -> dict[str, Any] | str:

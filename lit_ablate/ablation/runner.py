@@ -35,8 +35,9 @@ DONE_STATUSES = ("ok", "error", "oom", "timeout")
 """A run with one of these is not launched again on resume."""
 FAILED_STATUSES = ("error", "oom", "timeout")
 """Redone on resume only with ``retry_failed``."""
-RUNNER_STATUSES = ("timeout", "skipped", "interrupted")
-"""Statuses only the runner writes (a run cannot know it was skipped, timed out or interrupted)."""
+RUNNER_STATUSES = ("timeout", "skipped", "interrupted", "preempted")
+"""Statuses only the runner writes (a run cannot know it was skipped, timed out, interrupted or
+pre-empted by a scheduler). ``interrupted`` and ``preempted`` runs are redone on resume."""
 OOM_PATTERN = re.compile(r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory|HIP out of memory")
 STDERR_TAIL_LINES = 40
 STOP_GRACE_S = 10.0
@@ -52,21 +53,29 @@ def run_runs(
     fit_command: Sequence[str] | None = None,
     retry_failed: bool = False,
     console: Console | None = None,
+    wait: bool = True,
 ) -> list[dict[str, Any]]:
     """Run (or resume) every planned run in order; returns their records.
 
     Raises ``KeyboardInterrupt`` after stopping the current run, recording it as ``interrupted``.
+    Runs with ``launch.executor: slurm`` go to the scheduler instead (``slurm.run_on_cluster``;
+    ``wait=False`` submits and returns).
     """
     fit_command = list(fit_command or default_fit_command())
     console = console or Console(stderr=True)
+    if any(run.launch.executor == "slurm" for run in runs):
+        from lit_ablate.ablation.slurm import run_on_cluster
+
+        with _sigterm_as_interrupt():
+            return run_on_cluster(runs, fit_command, retry_failed, wait, console)
     records = []
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with _sigterm_as_interrupt(), Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("study", total=len(runs))
         for run in runs:
             progress.update(task, description=run.label)
-            previous = _previous_record(run)
-            if previous is not None and _is_kept(previous, run, retry_failed):
+            previous = previous_record(run)
+            if previous is not None and is_kept(previous, run, retry_failed):
                 outcome = f"kept ({previous['summary']['status']})"
                 records.append(previous)
             else:
@@ -89,21 +98,39 @@ def execute(run: PlannedRun, fit_command: Sequence[str]) -> dict[str, Any]:
         return _execute_locked(run, fit_command, lock)
 
 
-def _execute_locked(run: PlannedRun, fit_command: Sequence[str], lock: RunLock) -> dict[str, Any]:
+def prepare(run: PlannedRun) -> dict[str, Any] | None:
+    """Clear what an earlier attempt left and write the run's config; a run that cannot start
+    (skipped or invalid) gets its final record here, which is returned."""
     _clear(run)
     write_config(run.run_dir / "config.yaml", run.config)
     if run.skip_reason or run.invalid:
         (run.run_dir / "stderr.log").write_text((run.invalid or "") + "\n")
         status, message = ("skipped", run.skip_reason) if run.skip_reason else ("error", run.invalid)
-        return _finalise(run, None, status, message, run.invalid or "")
-    env = {
-        **os.environ,
+        return finalise(run, None, status, message, run.invalid or "")
+    return None
+
+
+def run_environment(run: PlannedRun) -> dict[str, str]:
+    """What the run's fit process gets on top of the runner's environment (where it records, as
+    which variant, and this runner's ``lit_ablate`` package first on its path)."""
+    return {
         run_record.RECORD_PATH_ENV: str(run.run_dir / run_record.RECORD_FILENAME),
         run_record.VARIANT_ENV: run.variant.name,
         "PYTHONPATH": os.pathsep.join(filter(None, [_package_root(), os.environ.get("PYTHONPATH")])),
         "PYTHONUNBUFFERED": "1",
     }
-    command = [*fit_command, "--config", str(run.run_dir / "config.yaml")]
+
+
+def fit_arguments(run: PlannedRun, fit_command: Sequence[str]) -> list[str]:
+    return [*fit_command, "--config", str(run.run_dir / "config.yaml")]
+
+
+def _execute_locked(run: PlannedRun, fit_command: Sequence[str], lock: RunLock) -> dict[str, Any]:
+    unrunnable = prepare(run)
+    if unrunnable is not None:
+        return unrunnable
+    env = {**os.environ, **run_environment(run)}
+    command = fit_arguments(run, fit_command)
     with open(run.run_dir / "stdout.log", "w") as out, open(run.run_dir / "stderr.log", "w") as err:
         process = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env,
                                    process_group=0, preexec_fn=die_with_runner())  # fmt: skip
@@ -113,18 +140,18 @@ def _execute_locked(run: PlannedRun, fit_command: Sequence[str], lock: RunLock) 
             returncode = process.wait(timeout=run.launch.timeout_s)
         except subprocess.TimeoutExpired:
             _stop(process)
-            return _finalise(run, None, "timeout", f"exceeded launch.timeout_s={run.launch.timeout_s:g}", _tail(run))
+            return finalise(run, None, "timeout", f"exceeded launch.timeout_s={run.launch.timeout_s:g}", stderr_tail(run))
         except KeyboardInterrupt:
             _stop(process)
-            _finalise(run, None, "interrupted", "stopped by Ctrl-C / SIGTERM; redone on resume", _tail(run))
+            finalise(run, None, "interrupted", "stopped by Ctrl-C / SIGTERM; redone on resume", stderr_tail(run))
             raise
         finally:
             reaper.done()
-    return _finalise(run, returncode, None, None, _tail(run))
+    return finalise(run, returncode, None, None, stderr_tail(run))
 
 
-def _finalise(
-    run: PlannedRun, returncode: int | None, status: str | None, message: str | None, stderr_tail: str
+def finalise(
+    run: PlannedRun, returncode: int | None, status: str | None, message: str | None, tail: str
 ) -> dict[str, Any]:
     """The run's final record: the run's own, completed with what only the runner knows.
 
@@ -144,25 +171,25 @@ def _finalise(
         recorded = summary.get("status")
         if returncode == 0 and recorded == "ok":
             status = "ok"
-        elif recorded == "oom" or OOM_PATTERN.search(stderr_tail):
+        elif recorded == "oom" or OOM_PATTERN.search(tail):
             status = "oom"
         elif returncode is not None and returncode < 0 and recorded in (None, "running"):
             status, message = "interrupted", f"killed by {signal.Signals(-returncode).name}; redone on resume"
         else:
             status = "error"
         if status in ("error", "oom"):
-            message = (recorded in FAILED_STATUSES and summary.get("message")) or _last_line(stderr_tail)
+            message = (recorded in FAILED_STATUSES and summary.get("message")) or _last_line(tail)
             if returncode == 0:
                 message = f"exited 0 without finishing its run record ({message})"
             message = message or f"exit code {returncode}"
     record.update(variant=run.variant.name, seed=run.seed)
     summary.update(status=status, message=message, returncode=returncode,
-                   stderr_tail=None if status == "ok" else stderr_tail)  # fmt: skip
+                   stderr_tail=None if status == "ok" else tail)  # fmt: skip
     run_record.write_record(run.run_dir / run_record.RECORD_FILENAME, record)
     return record
 
 
-def _previous_record(run: PlannedRun) -> dict[str, Any] | None:
+def previous_record(run: PlannedRun) -> dict[str, Any] | None:
     """The record of an earlier invocation of this exact run (same config), if there is one."""
     config = run.run_dir / "config.yaml"
     if not config.is_file() or config.read_text() != config_text(run.config):
@@ -170,7 +197,7 @@ def _previous_record(run: PlannedRun) -> dict[str, Any] | None:
     return _read(run.run_dir / run_record.RECORD_FILENAME)
 
 
-def _is_kept(record: dict[str, Any], run: PlannedRun, retry_failed: bool) -> bool:
+def is_kept(record: dict[str, Any], run: PlannedRun, retry_failed: bool) -> bool:
     """Finished records stay, except failures asked to be retried or that a rule now explains (skipped)."""
     status = record.get("summary", {}).get("status")
     if status in FAILED_STATUSES and (retry_failed or run.skip_reason):
@@ -210,7 +237,7 @@ def _read(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def _tail(run: PlannedRun) -> str:
+def stderr_tail(run: PlannedRun) -> str:
     path = run.run_dir / "stderr.log"
     lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
     return "\n".join(lines[-STDERR_TAIL_LINES:])

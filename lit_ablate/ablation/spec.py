@@ -16,13 +16,14 @@ import copy
 import itertools
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from lit_ablate.ablation.dotted import get_dotted, is_under, with_overrides
+from lit_ablate.ablation.slurm_settings import SlurmSettings
 from lit_ablate.errors import ConfigError
 
 STUDY_KEYS = (
@@ -44,18 +45,26 @@ so slow drift of a shared machine spreads over all variants instead of landing o
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._=,+-]")
 
 
+EXECUTORS = ("local", "slurm")
+"""``local``: each run a subprocess of the runner; ``slurm``: each run one job (``SlurmSettings``)."""
+
+
 @dataclass(frozen=True)
 class Launch:
-    """How one run is started: ranks per node, nodes, accelerator, and its wall-clock limit.
+    """How one run is started: ranks per node, nodes, accelerator, its wall-clock limit, and where.
 
     ``None`` leaves the base config's trainer value; ``timeout_s`` bounds a run so one hung
-    variant cannot stall the study.
+    variant cannot stall the study (on SLURM it is the job's time limit). ``executor: slurm``
+    submits each run as a job with the ``slurm`` settings (a variant's ``launch.slurm`` keys
+    override the study's, key by key).
     """
 
     devices: int | None = None
     num_nodes: int | None = None
     accelerator: str | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
+    executor: str = EXECUTORS[0]
+    slurm: SlurmSettings | None = None
 
     def trainer_overrides(self) -> dict[str, Any]:
         """The dotted trainer keys this launch sets."""
@@ -77,19 +86,27 @@ class Launch:
         accelerator = values.get("accelerator", self.accelerator)
         if accelerator is not None and not isinstance(accelerator, str):
             raise ConfigError(f"{key}.accelerator", accelerator, "give a Lightning accelerator name: cpu, gpu, cuda, auto")
-        return Launch(devices, nodes, accelerator, float(timeout))
+        executor = values.get("executor", self.executor)
+        if executor not in EXECUTORS:
+            raise ConfigError(f"{key}.executor", executor, f"give one of {list(EXECUTORS)}")
+        slurm = self.slurm
+        if "slurm" in values:
+            slurm = (slurm or SlurmSettings()).updated(_mapping(values["slurm"], f"{key}.slurm"), f"{key}.slurm")
+        if executor == "slurm" and slurm is None:
+            slurm = SlurmSettings()
+        return Launch(devices, nodes, accelerator, float(timeout), executor, slurm)
 
-    @classmethod
-    def of_config(cls, config: Mapping[str, Any], timeout_s: float) -> Launch:
-        """The launch a merged run config describes (what the compatibility rules judge)."""
+    def with_config(self, config: Mapping[str, Any]) -> Launch:
+        """This launch with the ranks, nodes and accelerator a merged run config describes (what
+        the compatibility rules judge and the executor requests)."""
         devices = get_dotted(config, "trainer.devices")
         nodes = get_dotted(config, "trainer.num_nodes")
         accelerator = get_dotted(config, "trainer.accelerator")
-        return cls(
+        return replace(
+            self,
             devices=devices if isinstance(devices, int) else len(devices) if isinstance(devices, list) else None,
             num_nodes=nodes if isinstance(nodes, int) else None,
             accelerator=accelerator if isinstance(accelerator, str) else None,
-            timeout_s=timeout_s,
         )
 
 
@@ -174,7 +191,7 @@ class StudySpec:
                 {
                     "name": v.name,
                     "overrides": v.overrides,
-                    "launch": vars(v.launch),
+                    "launch": asdict(v.launch),
                     "axis_values": v.axis_values,
                 }
                 for v in self.variants

@@ -1,0 +1,168 @@
+"""Studies on a cluster (``launch.executor: slurm``): submitit's local executor runs a study end to
+end through the submission path, and a stand-in SLURM (``sbatch``/``sacct``/``scancel``/``srun``
+scripts on PATH) checks what would be asked of the scheduler, the partition check, tracking and
+resume across invocations, without a cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+from test_ablation_runner import fake_fit, fake_resolve, launches, make_spec, record  # noqa: F401 (fake_fit: a fixture)
+
+from lit_ablate.ablation.commands import run_study
+from lit_ablate.ablation.slurm import JOB_FILENAME
+from lit_ablate.errors import ConfigError
+
+pytest.importorskip("submitit", reason="submitit not installed (pip install 'lit-ablate[slurm]')")
+
+FAKE_SBATCH = r"""#!{python}
+import pathlib, shutil, sys
+root = pathlib.Path({root!r})
+counter = root / "next_id"
+job_id = int(counter.read_text()) if counter.exists() else 1001
+counter.write_text(str(job_id + 1))
+(root / "submissions").mkdir(exist_ok=True)
+shutil.copy(sys.argv[-1], root / "submissions" / f"{{job_id}}.sh")
+print(f"Submitted batch job {{job_id}}")
+"""
+FAKE_SACCT = r"""#!{python}
+import json, pathlib, sys
+states = json.loads((pathlib.Path({root!r}) / "states.json").read_text() or "{{}}")
+ids = [sys.argv[i + 1] for i, a in enumerate(sys.argv) if a == "-j"]
+print("JobID|State|NodeList")
+for job_id in ids:
+    print(f"{{job_id}}|{{states.get(job_id, 'PENDING')}}|node1")
+"""
+FAKE_SCANCEL = r"""#!{python}
+import pathlib, sys
+with open(pathlib.Path({root!r}) / "cancelled", "a") as log:
+    log.write(" ".join(sys.argv[1:]) + "\n")
+"""
+
+
+@pytest.fixture
+def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A stand-in SLURM on PATH; returns its folder (``submissions/<id>.sh``, ``states.json``, ``cancelled``)."""
+    import submitit
+
+    root = tmp_path / "slurm"
+    (root / "bin").mkdir(parents=True)
+    (root / "states.json").write_text("{}")
+    for name, text in (("sbatch", FAKE_SBATCH), ("sacct", FAKE_SACCT), ("scancel", FAKE_SCANCEL), ("srun", "#!/bin/sh\n")):
+        path = root / "bin" / name
+        path.write_text(text.format(python=sys.executable, root=str(root)))
+        path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{root / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(submitit.SlurmJob, "watcher", submitit.slurm.slurm.SlurmInfoWatcher(delay_s=60))
+    return root
+
+
+def submitted(root: Path) -> dict[str, str]:
+    folder = root / "submissions"
+    return {p.stem: p.read_text() for p in sorted(folder.glob("*.sh"))} if folder.is_dir() else {}
+
+
+def set_states(root: Path, states: dict[str, str]) -> None:
+    (root / "states.json").write_text(json.dumps(states))
+
+
+def test_local_cluster_runs_a_study_like_the_local_executor(tmp_path: Path, fake_fit: list[str]):
+    """Same records and report through submitit's local executor as through the local runner;
+    resume keeps finished runs (catches: a job's run folder, logs or record differing from a local run's)."""
+    variants = [{"name": "slow"}, {"name": "fast", "overrides": {"fake.speed": 2}}]
+    local = run_study(make_spec(variants), tmp_path / "local", fake_fit, fake_resolve)
+    launch = {"executor": "slurm", "slurm": {"cluster": "local", "poll_s": 0.2}}
+    out = tmp_path / "cluster"
+    report = run_study(make_spec(variants, launch=launch), out, fake_fit, fake_resolve)
+    for variant in ("slow", "fast"):
+        ran, reference = record(out, variant), record(tmp_path / "local", variant)
+        assert ran["summary"]["status"] == "ok", ran["summary"]
+        assert [s["loss"] for s in ran["steps"]] == [s["loss"] for s in reference["steps"]]
+        assert ran["job"]["cluster"] == "local" and ran["job"]["state"] == "FINISHED"
+        run_dir = out / "runs" / variant / "seed0"
+        assert (run_dir / "stdout.log").is_file() and (run_dir / "stderr.log").is_file()
+        assert json.loads((run_dir / JOB_FILENAME).read_text())["job_id"]
+    assert report.read_text().count("\n| ") == local.read_text().count("\n| ")
+    assert launches(tmp_path).count("fast 0") == 2  # once locally, once through the local cluster
+    run_study(make_spec(variants, launch=launch), out, fake_fit, fake_resolve)
+    assert launches(tmp_path).count("fast 0") == 2, "a finished run is never submitted again"
+
+
+def test_a_two_node_gpu_variant_asks_sbatch_for_its_resources(tmp_path: Path, fake_fit: list[str], fake_slurm: Path):
+    """What submitit passes to sbatch for a 2-node x 8-GPU variant (catches: tasks per node not
+    equal to the ranks Lightning's SLURM environment expects, GPUs or time limit not requested)."""
+    launch = {"executor": "slurm", "devices": 8, "num_nodes": 2, "timeout_s": 5400,
+              "slurm": {"partition": "h100", "account": "ablate", "gpus_per_node": 8, "max_nodes": 4,
+                        "cpus_per_task": 12, "sbatch": {"qos": "high"}, "setup": ["module load cuda"]}}  # fmt: skip
+    spec = make_spec([{"name": "a"}, {"name": "b", "overrides": {"model.init_args.lr": 0.2}}], launch=launch)
+    run_study(spec, tmp_path / "study", fake_fit, fake_resolve, wait=False)
+    jobs = submitted(fake_slurm)
+    assert sorted(jobs) == ["1001", "1002"]
+    script = jobs["1001"]
+    for line in ("--nodes=2", "--ntasks-per-node=8", "--gpus-per-node=8", "--partition=h100", "--account=ablate",
+                 "--cpus-per-task=12", "--time=90", "--qos=high", "--job-name=lit-ablate.a.seed0"):
+        assert f"#SBATCH {line}\n" in script, line
+    assert "module load cuda" in script and "srun" in script
+    assert launches(tmp_path) == [], "nothing ran here: the jobs are the scheduler's"
+
+
+def test_a_variant_larger_than_the_partition_is_refused_before_anything_is_submitted(
+    tmp_path: Path, fake_fit: list[str], fake_slurm: Path
+):
+    launch = {"executor": "slurm", "devices": 8, "slurm": {"gpus_per_node": 8}}
+    spec = make_spec([{"name": "fits"}, {"name": "too_big", "launch": {"devices": 16}}], launch=launch,
+                     vary=["trainer.devices"])  # fmt: skip
+    with pytest.raises(ConfigError, match=r"variants.too_big.launch.*16 GPUs per node.*have 8.*nothing was submitted"):
+        run_study(spec, tmp_path / "study", fake_fit, fake_resolve, wait=False)
+    assert submitted(fake_slurm) == {}
+
+
+def test_rerun_resubmits_only_the_preempted_run_and_never_a_queued_one(tmp_path: Path, fake_fit: list[str], fake_slurm: Path):
+    """Across invocations: a queued or running job is never submitted twice, a pre-empted one is
+    recorded with the scheduler's reason and resubmitted (catches: resubmitting every unfinished run,
+    or losing the pre-emption)."""
+    launch = {"executor": "slurm", "slurm": {"partition": "cpu"}}
+    spec = make_spec([{"name": "a"}, {"name": "b", "overrides": {"model.init_args.lr": 0.2}}], launch=launch)
+    out = tmp_path / "study"
+    run_study(spec, out, fake_fit, fake_resolve, wait=False)
+    assert sorted(submitted(fake_slurm)) == ["1001", "1002"]
+    set_states(fake_slurm, {"1001": "RUNNING", "1002": "PENDING"})
+    run_study(spec, out, fake_fit, fake_resolve, wait=False)
+    assert sorted(submitted(fake_slurm)) == ["1001", "1002"], "queued and running jobs are not submitted again"
+    set_states(fake_slurm, {"1001": "PREEMPTED", "1002": "RUNNING"})
+    run_study(spec, out, fake_fit, fake_resolve, wait=False)
+    assert sorted(submitted(fake_slurm)) == ["1001", "1002", "1003"]
+    assert "--job-name=lit-ablate.a.seed0" in submitted(fake_slurm)["1003"]
+    preempted = json.loads((out / "runs" / "a" / "seed0" / JOB_FILENAME).read_text())
+    assert preempted["job_id"] == "1003"
+    set_states(fake_slurm, {"1003": "TIMEOUT", "1002": "RUNNING"})
+    run_study(spec, out, fake_fit, fake_resolve, wait=False)
+    timed_out = record(out, "a")["summary"]
+    assert timed_out["status"] == "timeout" and "scheduler: TIMEOUT" in timed_out["message"]
+    run_study(spec, out, fake_fit, fake_resolve, wait=False)
+    assert len(submitted(fake_slurm)) == 3, "a timed-out run is redone only with --retry-failed"
+
+
+def test_a_changed_config_cancels_its_earlier_job(tmp_path: Path, fake_fit: list[str], fake_slurm: Path):
+    launch = {"executor": "slurm", "slurm": {"partition": "cpu"}}
+    out = tmp_path / "study"
+    run_study(make_spec([{"name": "a"}], launch=launch), out, fake_fit, fake_resolve, wait=False)
+    run_study(make_spec([{"name": "a", "overrides": {"model.init_args.lr": 0.3}}], launch=launch), out, fake_fit,
+              fake_resolve, wait=False)  # fmt: skip
+    assert (fake_slurm / "cancelled").read_text().split() == ["1001"]
+    assert sorted(submitted(fake_slurm)) == ["1001", "1002"]
+
+
+def test_slurm_settings_are_checked_when_the_study_is_read():
+    with pytest.raises(ConfigError, match=r"launch.slurm.max_job.*launch.slurm keys are"):
+        make_spec([{"name": "a"}], launch={"executor": "slurm", "slurm": {"max_job": 2}})
+    with pytest.raises(ConfigError, match=r"variants\[0\].launch.slurm.gpus_per_node=0"):
+        make_spec([{"name": "a", "launch": {"slurm": {"gpus_per_node": 0}}}], launch={"executor": "slurm"})
+    with pytest.raises(ConfigError, match=r"launch.executor='pbs'"):
+        make_spec([{"name": "a"}], launch={"executor": "pbs"})
