@@ -16,6 +16,10 @@ target logit, then drops them. The gradients come from the same chunk logits, fo
 
 With vocabulary chunks a row's log-sum-exp is only known after all its vocabulary chunks, so the
 gradient pass recomputes the logits in both modes.
+
+Public building blocks (also used by ``lit_ablate.models.logprobs``' chunked label log-probs, whose
+gradient is this one with the signs of a log-probability): ``chunk_logits``, ``target_in_chunk``
+and ``ChunkGradients``.
 """
 
 from __future__ import annotations
@@ -62,13 +66,18 @@ def chunked_linear_cross_entropy(
     )
 
 
-def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, v0: int, v1: int) -> Tensor:
-    """fp32 logits of one chunk, rounded like the reference: matmul in the input dtype, then fp32."""
+def chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, v0: int, v1: int) -> Tensor:
+    """fp32 logits of vocabulary columns ``[v0, v1)`` for ``hidden`` ``[n, H]``: ``[n, v1 - v0]``.
+
+    Rounded like the torch reference (matmul in the input dtype, then fp32), so chunked and full
+    logits agree bit for bit per element."""
     return F.linear(hidden, weight[v0:v1], None if bias is None else bias[v0:v1]).float()
 
 
-def _target_in_chunk(labels: Tensor, v0: int, v1: int) -> tuple[Tensor, Tensor]:
-    """Column of each row's target inside vocab chunk ``[v0, v1)`` (clamped) and whether it is there."""
+def target_in_chunk(labels: Tensor, v0: int, v1: int) -> tuple[Tensor, Tensor]:
+    """``(column [n, 1], inside [n])``: each row's target column inside vocab chunk ``[v0, v1)``
+    (clamped into it, so it can always be gathered) and whether the target really is in the chunk
+    (multiply gathered values by ``inside``). Labels of ``-100`` are never inside."""
     inside = (labels >= v0) & (labels < v1)
     return (labels - v0).clamp(0, v1 - v0 - 1).unsqueeze(1), inside
 
@@ -81,8 +90,15 @@ def _add_matmul(accumulator: Tensor, a: Tensor, b: Tensor) -> None:
         accumulator.add_(a @ b)
 
 
-class _Gradients:
-    """Gradient accumulators for the inputs that need one (fp32 where the inputs are lower precision)."""
+class ChunkGradients:
+    """Gradient accumulators of ``hidden``, ``weight`` and ``bias`` for a loss whose gradient with
+    respect to a token's logits is ``softmax_scale * softmax - row_scale * onehot(label)``.
+
+    Cross-entropy uses ``softmax_scale = row_scale = grad`` per counted token; a label
+    log-probability uses both scales negated. Feed every token chunk once (``add_token_chunk``),
+    then take the gradients (``finished``). Accumulators are fp32 where the inputs are lower
+    precision. ``needs`` says which of the three inputs need a gradient (autograd's
+    ``ctx.needs_input_grad``)."""
 
     def __init__(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, needs: tuple[bool, ...]) -> None:
         self.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -104,10 +120,10 @@ class _Gradients:
         for v0 in range(0, vocab, chunk_vocab):
             v1 = min(v0 + chunk_vocab, vocab)
             if probs is None:
-                probs = _chunk_logits(h, weight, bias, v0, v1).sub_(lse[:, None]).exp_()
+                probs = chunk_logits(h, weight, bias, v0, v1).sub_(lse[:, None]).exp_()
             # d loss / d logits = (1 + 2 z lse) * softmax - onehot(target), per counted row.
             grad_logits = probs.mul_(softmax_scale[:, None])
-            column, inside = _target_in_chunk(labels, v0, v1)
+            column, inside = target_in_chunk(labels, v0, v1)
             grad_logits.scatter_add_(1, column, (-row_scale * inside).unsqueeze(1))
             if self.bias is not None:
                 self.bias[v0:v1] += grad_logits.sum(dim=0)
@@ -145,7 +161,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         counted = labels != IGNORE_INDEX
         lse = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
         target_logit = torch.zeros(n_tokens, dtype=torch.float32, device=hidden.device)
-        grads = _Gradients(hidden, weight, bias, ctx.needs_input_grad[:3]) if grad_in_forward else None
+        grads = ChunkGradients(hidden, weight, bias, ctx.needs_input_grad[:3]) if grad_in_forward else None
         # One vocab chunk and gradients now: its softmax is still at hand, no recompute needed.
         keep_softmax = grads is not None and chunk_vocab >= vocab
         for t0 in range(0, n_tokens, chunk_tokens):
@@ -153,8 +169,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             lse_c = torch.full((t1 - t0,), float("-inf"), dtype=torch.float32, device=hidden.device)
             for v0 in range(0, vocab, chunk_vocab):
                 v1 = min(v0 + chunk_vocab, vocab)
-                logits = _chunk_logits(hidden[t0:t1], weight, bias, v0, v1)
-                column, inside = _target_in_chunk(labels[t0:t1], v0, v1)
+                logits = chunk_logits(hidden[t0:t1], weight, bias, v0, v1)
+                column, inside = target_in_chunk(labels[t0:t1], v0, v1)
                 target_logit[t0:t1] += logits.gather(1, column).squeeze(1) * inside
                 # exp(logits - row max) in place: no second [chunk, vocab] buffer.
                 row_max = logits.amax(dim=1)
@@ -187,7 +203,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grads, ctx.grads = ctx.grads, None
             return (*grads.finished(grad_loss), *not_differentiable)
         hidden, weight, bias, labels, lse = ctx.saved_tensors
-        grads = _Gradients(hidden, weight, bias, ctx.needs_input_grad[:3])
+        grads = ChunkGradients(hidden, weight, bias, ctx.needs_input_grad[:3])
         counted = labels != IGNORE_INDEX
         for t0 in range(0, hidden.shape[0], ctx.chunk_tokens):
             t1 = min(t0 + ctx.chunk_tokens, hidden.shape[0])

@@ -11,7 +11,8 @@ at counted positions, exactly 0 elsewhere. Sequence sums are the caller's (``Seq
 - ``chunked``: never holds ``[tokens, vocab]`` logits (see ``chunked_label_logprobs``).
 
 Liger-Kernel's fused linear DPO fuses the loss into the LM head (one padded ``[chosen; rejected]``
-batch, its own loss formulas), so it does not fit this per-token contract; it is not offered here.
+batch, its own loss formulas), so it does not fit this per-token contract: it is the ``liger``
+choice of the same key, built by ``lit_ablate.models.liger_dpo`` (``FUSED_BACKENDS``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lit_ablate.errors import ConfigError
-from lit_ablate.models.chunked_cross_entropy import IGNORE_INDEX, _chunk_logits, _Gradients, _target_in_chunk
+from lit_ablate.models.chunked_cross_entropy import IGNORE_INDEX, ChunkGradients, chunk_logits, target_in_chunk
 
 LOGPROBS_KEY = "model.init_args.logprobs"
 OPTIONS_KEY = "model.init_args.logprobs_options"
@@ -103,8 +104,8 @@ class _ChunkedLabelLogProbs(torch.autograd.Function):
             lse_c = torch.full((t1 - t0,), float("-inf"), dtype=torch.float32, device=hidden.device)
             for v0 in range(0, vocab, chunk_vocab):
                 v1 = min(v0 + chunk_vocab, vocab)
-                logits = _chunk_logits(hidden[t0:t1], weight, bias, v0, v1)
-                column, inside = _target_in_chunk(labels[t0:t1], v0, v1)
+                logits = chunk_logits(hidden[t0:t1], weight, bias, v0, v1)
+                column, inside = target_in_chunk(labels[t0:t1], v0, v1)
                 target[t0:t1] += logits.gather(1, column).squeeze(1) * inside
                 lse_c = torch.logaddexp(lse_c, torch.logsumexp(logits, dim=1))
                 del logits  # one chunk of logits at a time
@@ -116,7 +117,7 @@ class _ChunkedLabelLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_logprobs: Tensor) -> tuple[Tensor | None, ...]:
         hidden, weight, bias, labels, lse = ctx.saved_tensors
-        grads = _Gradients(hidden, weight, bias, ctx.needs_input_grad[:3])
+        grads = ChunkGradients(hidden, weight, bias, ctx.needs_input_grad[:3])
         # d logp / d logits = onehot - softmax: the cross-entropy gradient with both scales negated.
         scale = -(grad_logprobs.float() * (labels != IGNORE_INDEX))
         for t0 in range(0, hidden.shape[0], ctx.chunk_tokens):
@@ -127,12 +128,14 @@ class _ChunkedLabelLogProbs(torch.autograd.Function):
 
 
 LOGPROB_BACKENDS: dict[str, type[LogProbBackend]] = {"torch": TorchLogProbs, "chunked": ChunkedLogProbs}
+FUSED_BACKENDS = ("liger",)
+"""Choices of the same key that fuse the loss too (``lit_ablate.models.liger_dpo``), not per-token backends."""
 
 
 def logprob_backend(name: str, **options: Any) -> LogProbBackend:
     """Build backend ``name`` with its options; unknown names or options raise ``ConfigError``."""
     if name not in LOGPROB_BACKENDS:
-        raise ConfigError(LOGPROBS_KEY, name, f"choose one of {sorted(LOGPROB_BACKENDS)}")
+        raise ConfigError(LOGPROBS_KEY, name, f"choose one of {sorted(LOGPROB_BACKENDS) + list(FUSED_BACKENDS)}")
     backend = LOGPROB_BACKENDS[name]
     accepted = inspect.signature(backend).parameters
     unknown = sorted(set(options) - set(accepted))

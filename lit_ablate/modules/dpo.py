@@ -21,10 +21,11 @@ from lit_ablate.errors import ConfigError
 from lit_ablate.estimate import batch_model_flops
 from lit_ablate.models.adapters import adapters_disabled
 from lit_ablate.models.factory import ModelFactory
-from lit_ablate.models.logprobs import logprob_backend
+from lit_ablate.models.liger_dpo import LIGER, LigerDPOPolicy, liger_dpo_loss
+from lit_ablate.models.logprobs import TorchLogProbs, logprob_backend
 from lit_ablate.models.losses import IGNORE_INDEX
 from lit_ablate.models.moe import collect_aux_losses
-from lit_ablate.models.sequence_logprobs import SequenceLogProbs
+from lit_ablate.models.sequence_logprobs import PairStep, SequenceLogProbs
 from lit_ablate.modules.causal_lm import CausalLM
 from lit_ablate.modules.preference_loss import LossType, PairLosses, PreferenceLoss
 from lit_ablate.modules.step_output import StepOutput
@@ -70,8 +71,10 @@ class DPO(CausalLM):
         reference_cache: with ``precomputed``, a file that keeps the log-probabilities for later
             runs (the runs of a study): reused when it holds the same pairs and its values match
             a fresh computation of the first pair, written otherwise.
-        logprobs: the log-probability backend (``lit_ablate.models.logprobs``): ``torch`` or ``chunked``.
-        logprobs_options: the backend's options (e.g. ``{chunk_tokens: 512}``).
+        logprobs: the log-probability backend (``lit_ablate.models.logprobs``): ``torch`` or ``chunked``;
+            or ``liger``: Liger-Kernel's fused linear DPO loss (``lit_ablate.models.liger_dpo``: padded
+            batches, ``sigmoid``/``hinge``, reference ``frozen``/``none``; anything else is refused).
+        logprobs_options: the backend's options (e.g. ``{chunk_tokens: 512}``; liger: ``{chunk_pairs, compile}``).
         optimizer, optimizer_options, learning_rate, weight_decay, betas, warmup_steps, min_lr_ratio,
             compile: as ``CausalLM``.
     """
@@ -109,7 +112,11 @@ class DPO(CausalLM):
                               "model.init_args.model.adapter, or use reference: frozen")
         if reference_cache is not None and reference != "precomputed":
             raise ConfigError(f"{_KEY}.reference_cache", reference_cache, "only reference: precomputed uses a cache")
-        logprob_backend(logprobs, **(logprobs_options or {}))  # bad names/options fail before any model is built
+        # bad names/options/combinations fail before any model is built
+        self.fused_loss = liger_dpo_loss(beta, loss_type, label_smoothing, reference, **(logprobs_options or {})) \
+            if logprobs == LIGER else None
+        if self.fused_loss is None:
+            logprob_backend(logprobs, **(logprobs_options or {}))
         for key in ("loss", "loss_options"):  # CausalLM's token-loss backend: not a DPO option
             self.hparams.pop(key)
         self.save_hyperparameters({
@@ -128,11 +135,14 @@ class DPO(CausalLM):
     # --- the model --------------------------------------------------------------------------
     def trained_module(self, lm: PreTrainedModel) -> SequenceLogProbs:
         """The policy; with ``reference: frozen`` also the reference, a copy taken before any
-        training (or sharding: the strategy parallelises both alike)."""
-        backend = logprob_backend(self.hparams.logprobs, **self.hparams.logprobs_options)
-        if self.hparams.reference == "frozen":
+        training (or sharding: the strategy parallelises both alike). Under ``logprobs: liger`` the
+        reference only supplies its hidden states; the fused loss reads its head from the policy."""
+        frozen = self.hparams.reference == "frozen"
+        backend = TorchLogProbs() if self.fused_loss else logprob_backend(self.hparams.logprobs,
+                                                                          **self.hparams.logprobs_options)
+        if frozen:
             self.reference = SequenceLogProbs(copy.deepcopy(lm), backend).requires_grad_(False).eval()
-        return SequenceLogProbs(lm, backend)
+        return LigerDPOPolicy(lm, self.fused_loss, frozen) if self.fused_loss else SequenceLogProbs(lm, backend)
 
     def train(self, mode: bool = True) -> DPO:
         """Lightning switches the whole module to train mode; the reference stays in eval mode."""
@@ -147,8 +157,24 @@ class DPO(CausalLM):
         return policy * (1 + REFERENCE_FORWARD_SHARE) if self.hparams.reference in RUNS_REFERENCE else policy
 
     # --- the step ---------------------------------------------------------------------------
+    def pair_step(self, batch: dict[str, Any]) -> PairStep:
+        """The batch's summed pair loss (what is trained) and per-pair log-probs and rewards."""
+        if self.fused_loss is not None:
+            reference_hidden = None
+            if self.reference is not None:
+                with torch.no_grad():
+                    reference_hidden = self.reference(batch, hidden_only=True)
+            return self.model(batch, reference_hidden)
+        result, logps, _ = self.pair_losses(batch)
+        pairs = int(batch["num_pairs"])
+        return PairStep(result.losses.sum(), logps[:pairs], logps[pairs:], result.chosen_rewards,
+                        result.rejected_rewards)
+
     def pair_losses(self, batch: dict[str, Any]) -> tuple[PairLosses, Tensor, Tensor]:
-        """``(pair losses and rewards, policy logps [2P], response tokens [2P])`` of a batch."""
+        """``(pair losses and rewards, policy logps [2P], response tokens [2P])`` of a batch (the
+        per-token backends; the fused Liger loss gives only their sum: ``pair_step``)."""
+        if self.fused_loss is not None:
+            raise RuntimeError("logprobs: liger computes only the sum of the pair losses: use pair_step")
         logps, tokens = self.model(batch)
         reference = self.reference_sequence_logps(batch, logps)
         pairs = int(batch["num_pairs"])
@@ -171,26 +197,24 @@ class DPO(CausalLM):
         return torch.zeros_like(like)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> StepOutput:
-        result, logps, _ = self.pair_losses(batch)
+        step = self.pair_step(batch)
         aux = collect_aux_losses(self.model)  # MoE router losses: trained on, logged apart
         for name, value in aux.items():
             self.log(f"train/{name}", value.detach())
-        pairs = torch.tensor(int(batch["num_pairs"]), device=logps.device)
-        loss_sum = result.losses.sum()
+        pairs = torch.tensor(int(batch["num_pairs"]), device=step.loss_sum.device)
         strategy = self.trainer.strategy if self._trainer else None
-        loss = self.objective.backward_loss(loss_sum, pairs, sum(aux.values(), 0.0), strategy)
-        return {"loss": loss, "loss_sum": loss_sum.detach(), "tokens": batch["input_ids"].numel(),
+        loss = self.objective.backward_loss(step.loss_sum, pairs, sum(aux.values(), 0.0), strategy)
+        return {"loss": loss, "loss_sum": step.loss_sum.detach(), "tokens": batch["input_ids"].numel(),
                 "useful_tokens": (batch["labels"] != IGNORE_INDEX).sum(), "flops": self.flops_per_pair_batch(batch),
-                "loss_units": pairs, "preference": self._statistics(result, logps, pairs)}
+                "loss_units": pairs, "preference": self._statistics(step, pairs)}
 
     @staticmethod
-    def _statistics(result: PairLosses, logps: Tensor, pairs: Tensor) -> Tensor:
+    def _statistics(step: PairStep, pairs: Tensor) -> Tensor:
         """``PREFERENCE_STATS`` summed over the micro-batch's pairs: one small device tensor."""
-        n = int(pairs)
-        return torch.stack([pairs.float(), result.losses.detach().sum(),
-                            (result.chosen_rewards > result.rejected_rewards).float().sum(),
-                            result.chosen_rewards.sum(), result.rejected_rewards.sum(),
-                            logps[:n].sum(), logps[n:].sum()]).double()
+        return torch.stack([pairs.float(), step.loss_sum.detach(),
+                            (step.chosen_rewards > step.rejected_rewards).float().sum(),
+                            step.chosen_rewards.sum(), step.rejected_rewards.sum(),
+                            step.chosen_logps.sum(), step.rejected_logps.sum()]).double()
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         self._log_eval("val", batch)
@@ -200,12 +224,12 @@ class DPO(CausalLM):
 
     def _log_eval(self, split: str, batch: dict[str, Any]) -> None:
         """Pair-weighted means over the split (each batch weighs by its pairs)."""
-        result, _, _ = self.pair_losses(batch)
+        step = self.pair_step(batch)
         pairs = int(batch["num_pairs"])
-        self.log(f"{split}/loss", result.losses.mean(), prog_bar=True, sync_dist=True, batch_size=pairs)
-        self.log(f"{split}/reward_margin", (result.chosen_rewards - result.rejected_rewards).mean(), sync_dist=True,
+        self.log(f"{split}/loss", step.loss_sum / pairs, prog_bar=True, sync_dist=True, batch_size=pairs)
+        self.log(f"{split}/reward_margin", (step.chosen_rewards - step.rejected_rewards).mean(), sync_dist=True,
                  batch_size=pairs)
-        self.eval_reward_accuracy.update((result.chosen_rewards > result.rejected_rewards).float())
+        self.eval_reward_accuracy.update((step.chosen_rewards > step.rejected_rewards).float())
         self.log(f"{split}/reward_accuracy", self.eval_reward_accuracy, prog_bar=True)
 
     # --- precomputed reference log-probs ----------------------------------------------------
