@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,6 +32,7 @@ def check_run_config(subcommand: str, config: Mapping[str, Any]) -> None:
     check_trainer(trainer, fitting=subcommand == "fit")
     check_mesh(trainer)
     if subcommand == "fit":  # validate and test write nothing (lit_ablate.console)
+        check_parts_compatible(config)
         if trainer.get("default_root_dir"):
             writable_dir("trainer.default_root_dir", trainer["default_root_dir"])
         record_path = (config.get("recorder") or {}).get("path")
@@ -38,6 +40,36 @@ def check_run_config(subcommand: str, config: Mapping[str, Any]) -> None:
             writable_file("recorder.path", record_path)
         elif os.environ.get(run_record.RECORD_PATH_ENV):
             writable_file(run_record.RECORD_PATH_ENV, os.environ[run_record.RECORD_PATH_ENV])
+
+
+FIT_RULES: dict[str, str] = {
+    "strategy_accepts_cpu": "trainer.strategy",
+    "strategy_options_run_here": "trainer.strategy.init_args",
+    "optimizer_runs_here": "model.init_args.optimizer",
+    "quantization_runs_under_strategy": "model.init_args.model.quantization",
+}
+"""The study compatibility rules (``lit_ablate.compatibility.RULES``) about one run's own parts, and the
+key each one names. The others are about launching a study (devices, nodes) or are checked when the
+model is constructed, before any rank starts (loss and attention backends)."""
+
+
+def check_parts_compatible(config: Mapping[str, Any]) -> None:
+    """Raise ``ConfigError`` when a part cannot run with another or here: an optimizer the strategy's
+    parameters or the memory tracker refuse, a quantised base the strategy cannot shard, a strategy or
+    strategy option this device lacks. The same rules skip such variants in studies; here they stop
+    ``fit`` before any rank starts or any model is built, in one line, instead of at step 1."""
+    from types import SimpleNamespace
+
+    from lit_ablate.ablation.dotted import get_dotted
+    from lit_ablate.compatibility import RULES
+
+    plain = config.as_dict() if hasattr(config, "as_dict") else config
+    launch = SimpleNamespace(devices=None, num_nodes=None, accelerator=None)  # the config's own trainer values
+    for rule, key in FIT_RULES.items():
+        reason = RULES[rule](plain, launch)
+        if reason:
+            fix = re.sub(rf"^{re.escape(key)}(=[^:]*)?: ", "", reason)  # the rule's own "key=value: " prefix
+            raise ConfigError(key, get_dotted(plain, key), fix)
 
 
 def check_mesh(trainer: Mapping[str, Any]) -> None:
