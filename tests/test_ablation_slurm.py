@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_ablation_runner import fake_fit, fake_resolve, launches, make_spec, record  # noqa: F401 (fake_fit: a fixture)
+from test_ablation_runner import fake_resolve, install_fake_fit, launches, make_spec, record
 
 from lit_ablate.ablation.commands import run_study
 from lit_ablate.ablation.slurm import JOB_FILENAME
@@ -44,6 +44,11 @@ import pathlib, sys
 with open(pathlib.Path({root!r}) / "cancelled", "a") as log:
     log.write(" ".join(sys.argv[1:]) + "\n")
 """
+
+
+@pytest.fixture
+def fake_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    return install_fake_fit(tmp_path, monkeypatch)
 
 
 @pytest.fixture
@@ -166,3 +171,31 @@ def test_slurm_settings_are_checked_when_the_study_is_read():
         make_spec([{"name": "a", "launch": {"slurm": {"gpus_per_node": 0}}}], launch={"executor": "slurm"})
     with pytest.raises(ConfigError, match=r"launch.executor='pbs'"):
         make_spec([{"name": "a"}], launch={"executor": "pbs"})
+
+
+@pytest.mark.parametrize("answer", ["y", None])
+def test_ctrl_c_asks_whether_to_cancel_the_submitted_jobs(tmp_path: Path, fake_fit: list[str], fake_slurm: Path,
+                                                          monkeypatch: pytest.MonkeyPatch, answer: str | None):
+    """On a terminal, "y" cancels every submitted job (recorded interrupted, redone on resume);
+    without a terminal the jobs are left queued for the next invocation to collect."""
+    from lit_ablate.ablation import slurm
+
+    def interrupt(seconds: float) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(slurm.time, "sleep", interrupt)
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: answer is not None)
+    monkeypatch.setattr(slurm.Console, "input", lambda self, prompt: answer)
+    spec = make_spec([{"name": "a"}, {"name": "b", "overrides": {"model.init_args.lr": 0.2}}],
+                     launch={"executor": "slurm", "slurm": {"partition": "cpu"}})  # fmt: skip
+    out = tmp_path / "study"
+    with pytest.raises(KeyboardInterrupt):
+        run_study(spec, out, fake_fit, fake_resolve)
+    cancelled = (fake_slurm / "cancelled").read_text().split() if (fake_slurm / "cancelled").exists() else []
+    if answer == "y":
+        assert sorted(cancelled) == ["1001", "1002"]
+        assert record(out, "a")["summary"]["status"] == "interrupted"
+    else:
+        assert cancelled == []
+        run_study(spec, out, fake_fit, fake_resolve, wait=False)
+        assert sorted(submitted(fake_slurm)) == ["1001", "1002"], "left running: collected, not resubmitted"
