@@ -226,6 +226,33 @@ def quantization_runs_under_strategy(config: Mapping[str, Any], launch: LaunchLi
     return f"model.init_args.model.quantization: {reason}" if reason else None
 
 
+def preference_parts_fit(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
+    """DPO's parts must agree: ``DPO`` trains on ``format: preference`` (and only it does), prefix
+    sharing needs an attention backend that takes its branch mask (``sdpa``/``eager``: varlen and
+    packed kernels know documents, not branches), and ``logprobs: liger`` sums one sequence per
+    padded row (no packed rows)."""
+    from lit_ablate.models.prefix_sharing import MASK_BACKENDS
+
+    model = str(get_dotted(config, "model.class_path", ""))
+    dpo = model.rpartition(".")[2] == "DPO"
+    data_format = get_dotted(config, "data.init_args.format")
+    if dpo and data_format not in (None, "preference"):
+        return f"data.init_args.format={data_format}: DPO trains on preference pairs; use format: preference"
+    if model and not dpo and data_format == "preference":
+        return f"data.init_args.format=preference: {model} trains on tokens; preference pairs need lit_ablate.modules.DPO"
+    collator = get_dotted(config, "data.init_args.collator")
+    collator = collator if isinstance(collator, Mapping) else {}
+    packed = str(collator.get("class_path", "")).endswith("PreferencePackingCollator")
+    attention = get_dotted(config, "model.init_args.model.attn_implementation", "sdpa")
+    if packed and (collator.get("init_args") or {}).get("prefix_sharing") and attention not in MASK_BACKENDS:
+        return (f"model.init_args.model.attn_implementation={attention}: prefix sharing masks the rejected branch "
+                f"off the chosen one, which only {MASK_BACKENDS} take; use one of them or prefix_sharing: false")
+    if dpo and packed and get_dotted(config, "model.init_args.logprobs") == "liger":
+        return ("model.init_args.logprobs=liger: Liger's fused DPO sums one sequence per padded row; use "
+                "PreferencePaddingCollator, or logprobs: chunked for packed rows")
+    return None
+
+
 RULES: dict[str, Rule] = {
     "accelerator_present": accelerator_present,
     "enough_devices": enough_devices,
@@ -237,6 +264,7 @@ RULES: dict[str, Rule] = {
     "attention_backend_available": attention_backend_available,
     "optimizer_runs_here": optimizer_runs_here,
     "quantization_runs_under_strategy": quantization_runs_under_strategy,
+    "preference_parts_fit": preference_parts_fit,
 }
 
 

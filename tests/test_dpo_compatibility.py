@@ -1,0 +1,55 @@
+"""The compatibility rule of DPO's parts (``lit_ablate.compatibility.preference_parts_fit``): the
+shipped DPO configs pass it, and each invalid combination is refused with the key and the fix
+(prefix sharing under an attention backend that cannot take its branch mask, Liger's fused DPO on
+packed rows, DPO on token data and a token model on preference data)."""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from lit_ablate.compatibility import RULES, incompatibility, preference_parts_fit
+
+CONFIGS = Path(__file__).parent.parent / "configs"
+LAUNCH = SimpleNamespace(devices=None, num_nodes=None, accelerator=None)
+
+
+def config(name: str, **changes: object) -> dict:
+    tree = yaml.safe_load((CONFIGS / name).read_text())
+    for key, value in changes.items():
+        node = tree
+        *path, last = key.split(".")
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = copy.deepcopy(value)
+    return tree
+
+
+def test_shipped_dpo_configs_pass() -> None:
+    assert "preference_parts_fit" in RULES
+    for name in ("dpo_tiny.yaml", "dpo_multipack.yaml"):
+        assert preference_parts_fit(config(name), LAUNCH) is None, name
+
+
+@pytest.mark.parametrize("name,changes,expected", [
+    ("dpo_multipack.yaml", {"data.init_args.collator.init_args.prefix_sharing": True},
+     r"attn_implementation=sdpa_packed: prefix sharing .*\('sdpa', 'eager'\)"),
+    ("dpo_multipack.yaml", {"model.init_args.logprobs": "liger"}, r"logprobs=liger: .*PreferencePaddingCollator"),
+    ("dpo_tiny.yaml", {"data.init_args.format": "sft"}, r"format=sft: DPO trains on preference pairs"),
+    ("dpo_tiny.yaml", {"model.class_path": "lit_ablate.modules.CausalLM"}, r"format=preference: .*DPO"),
+])
+def test_invalid_dpo_combinations_are_refused(name: str, changes: dict, expected: str) -> None:
+    reason = incompatibility(config(name, **changes), LAUNCH, {"preference_parts_fit": preference_parts_fit})
+    assert reason is not None
+    assert re.search(expected, reason), reason
+
+
+def test_prefix_sharing_under_sdpa_passes() -> None:
+    tree = config("dpo_multipack.yaml", **{"data.init_args.collator.init_args.prefix_sharing": True,
+                                           "model.init_args.model.attn_implementation": "sdpa"})
+    assert preference_parts_fit(tree, LAUNCH) is None
