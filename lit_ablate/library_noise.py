@@ -5,7 +5,10 @@ installed) tries to load its CUDA/GPU C extensions at import and logs one "Faile
 ..._C_*.so" warning per library when they cannot load (a CPU machine, or wheels built for another
 Python), and registering its enums with torch's pytree makes torch log a deprecation line per
 enum. Its optimizers use neither; on stderr they would turn every one-line refusal of a bad config
-into five lines. Only those exact messages are filtered; everything else both libraries log stays.
+into five lines. bitsandbytes (imported by peft) warns on every CPU import that an optional kernel
+package is missing ("Failed to load CPU gemm_4bit_forward from kernels-community"), which changes
+nothing here (its own CPU kernels run). Only those exact messages are filtered; everything else these
+libraries log stays.
 """
 
 from __future__ import annotations
@@ -26,3 +29,10 @@ def _not_enum_constant_deprecation(record: logging.LogRecord) -> bool:
 
 
 logging.getLogger("torch.utils._pytree").addFilter(_not_enum_constant_deprecation)
+
+
+def _not_bitsandbytes_kernel_package(record: logging.LogRecord) -> bool:
+    return "gemm_4bit_forward from kernels-community" not in record.getMessage()
+
+
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_not_bitsandbytes_kernel_package)

@@ -14,7 +14,6 @@ exactly its base model until the first optimizer step.
 
 from __future__ import annotations
 
-import logging
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,10 +28,6 @@ OPTIONS_KEY = "model.init_args.model.adapter"
 """Where ``AdapterOptions`` sit in a fit config (named in error messages)."""
 ADAPTER_NAME = "default"
 """peft's adapter name: the one adapter a run trains."""
-logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
-    lambda record: "gemm_4bit_forward from kernels-community" not in record.getMessage())
-"""bitsandbytes (imported by peft) warns on every CPU import that an optional kernel package is missing,
-which changes nothing here (PLATFORM_NOTES: harmless); kept off stderr so a refused config stays one line."""
 ADAPTER_PARTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
 """Submodules of peft's LoRA layers that hold adapter weights (DoRA adds the magnitude vector)."""
 
