@@ -86,8 +86,9 @@ def enable(package: str) -> None:
     if installed != TRITON_VERSION:
         raise ConfigError(OPT_IN_ENV, "1", f"triton {installed} is installed; the interpreter shims are checked on "
                           f"triton {TRITON_VERSION} only: {INSTALL_FIX}")
+    if importlib.util.find_spec("numpy") is None:
+        raise ConfigError(OPT_IN_ENV, "1", f"Triton's interpreter computes with numpy, which is not installed: {INSTALL_FIX}")
     os.environ["TRITON_INTERPRET"] = "1"
-    _install_libdevice_shims()
     import triton.language as tl
 
     module, name = KERNELS[package]
@@ -96,6 +97,7 @@ def enable(package: str) -> None:
             raise ConfigError(OPT_IN_ENV, "1", f"{owner} was imported before the opt-in took effect, so its kernels are "
                               f"compiled: set {OPT_IN_ENV}=1 in the environment before Python starts and import "
                               "lit_ablate before lightning, torch._dynamo or triton (or set TRITON_INTERPRET=1 too)")
+    _install_libdevice_shims()
 
 
 def refuse_bf16(dtype: Any) -> None:
