@@ -1,0 +1,188 @@
+"""``TensorParallelStrategy``: every weight matrix split over the mesh's ``tp`` ranks, the rest FSDP2."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.pytorch import Trainer
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+from torch.optim import Optimizer
+
+from lit_ablate.errors import ConfigError
+from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
+from lit_ablate.models.losses import LOSS_KEY, OPTIONS_KEY, TorchCrossEntropy
+from lit_ablate.strategies.expert_parallel import clip_grad_norm_across_meshes
+from lit_ablate.strategies.fsdp2 import FSDP2Strategy
+from lit_ablate.strategies.mesh import STRATEGY_KEY
+from lit_ablate.strategies.tensor_parallel_plans import Plan, layer_plan_for, root_plan
+
+
+class TensorParallelStrategy(FSDP2Strategy):
+    """Tensor parallelism (Megatron's layout, DTensor's ``parallelize_module``), optionally sequence
+    parallel, composed with FSDP2 over ``dp_shard`` (2-D: world = ``dp_shard x tp``, x ``dp_replicate``).
+
+    Choose it when one layer's matrices or activations are too large for one device, or to ablate
+    it against FSDP at the same world size: the ``tp`` ranks of a group read the same batch and each
+    holds ``1 / tp`` of every attention and MLP matrix, of the embedding and of the LM head, and of the
+    activations inside each block. The plan per model family is in ``tensor_parallel_plans``; a
+    subclass overrides ``layer_plan``/``root_plan``. The loss is cross-entropy over the
+    vocabulary-sharded logits (torch's ``loss_parallel``: each rank forms only its vocabulary
+    columns), so it needs the ``torch`` loss backend (without z-loss); the fused backends take a
+    whole LM-head weight and are refused.
+
+    Args:
+        tp: tensor-parallel ranks (``-1``: the ranks left after the other mesh sizes). Must divide
+            the attention heads, the key/value heads and the vocabulary.
+        sequence_parallel: also split the residual stream between blocks along the sequence (the
+            norms run on ``1 / tp`` of the tokens). Needs every rank to see the whole sequence's
+            ``position_ids`` (the strategy makes them explicit) and a length divisible by ``tp``;
+            padded (``attention_mask``) and packed batches are refused.
+        dp_shard: FSDP ranks beside the tensor-parallel ones; they read different batches.
+        **kwargs: the other ``FSDP2Strategy`` / ``MeshStrategy`` arguments (mixed precision,
+            resharding, activation checkpointing, compile, checkpoint format, ``dp_replicate``).
+    """
+
+    def __init__(self, tp: int = -1, sequence_parallel: bool = False, dp_shard: int = 1, **kwargs: Any) -> None:
+        super().__init__(tp=tp, dp_shard=dp_shard, **kwargs)
+        self.sequence_parallel = sequence_parallel
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self.device_mesh["tp"]
+
+    # ---------------------------------------------------------------- the pipeline step
+    def apply_tp(self, model: CausalLMWithLoss) -> None:
+        """Split the decoder layers, embedding and LM head over ``tp``; the loss reads vocabulary shards."""
+        if self.mesh_sizes["tp"] == 1:
+            return
+        self.check_model(model)
+        mesh = self.tp_mesh
+        for layer in decoder_layers(model):
+            _parallelize(layer, mesh, self.layer_plan(model, layer))
+        _parallelize(model.lm, mesh, self.root_plan(model))
+        model.loss_fn = VocabParallelCrossEntropy(model.loss_fn, mesh)
+
+    def layer_plan(self, model: CausalLMWithLoss, layer: nn.Module) -> Plan:
+        """One decoder layer's plan: the model family's (``tensor_parallel_plans.LAYER_PLANS``)."""
+        return layer_plan_for(model.lm.config.model_type)(layer, self.sequence_parallel)
+
+    def root_plan(self, model: CausalLMWithLoss) -> Plan:
+        """Embedding, final norm and LM head."""
+        return root_plan(self.sequence_parallel)
+
+    def check_model(self, model: CausalLMWithLoss) -> None:
+        """Refuse what this layout cannot split, naming the key: head counts, vocabulary, tied
+        embeddings, a loss backend that needs the whole LM-head weight."""
+        config, tp = model.lm.config, self.mesh_sizes["tp"]
+        for name in ("num_attention_heads", "num_key_value_heads", "vocab_size"):
+            value = getattr(config, name)
+            if value % tp:
+                raise ConfigError(f"{STRATEGY_KEY}.tp", tp, f"the model's {name} is {value}; use a tp that divides it")
+        if getattr(config, "tie_word_embeddings", False):
+            raise ConfigError("model.init_args.model.tie_word_embeddings", True,
+                              "tensor parallelism splits the embedding and the LM head separately; untie them")
+        loss = model.loss_fn
+        if not isinstance(loss, TorchCrossEntropy):
+            raise ConfigError(LOSS_KEY, type(loss).__name__,
+                              "tensor parallelism computes the loss on vocabulary-sharded logits (loss_parallel), "
+                              "which only the 'torch' backend does; use loss: torch")
+        if loss.z_loss_weight:
+            raise ConfigError(f"{OPTIONS_KEY}.z_loss_weight", loss.z_loss_weight,
+                              "z-loss needs the log-sum-exp over the whole vocabulary, which tensor parallelism "
+                              "never gathers; use 0")
+        if model.lm.get_output_embeddings().bias is not None:
+            raise ConfigError("model", type(model.lm).__name__, "an LM head with a bias is not split yet; use tp: 1")
+
+    # ---------------------------------------------------------------- batches and steps
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        if self.sequence_parallel and self.mesh_sizes["tp"] > 1:
+            batch = self.sequence_parallel_batch(batch)
+        return batch
+
+    def sequence_parallel_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """The batch with explicit ``position_ids``: under sequence parallelism the decoder sees only
+        this rank's slice of the embeddings and would number the positions of the slice from 0."""
+        tp = self.mesh_sizes["tp"]
+        rows, length = batch["input_ids"].shape
+        if length % tp:
+            raise ConfigError(f"{STRATEGY_KEY}.sequence_parallel", True,
+                              f"a batch has length {length}, not divisible by tp={tp}; pad to a multiple of {tp} "
+                              "(data pad_to_multiple_of) or set sequence_parallel: false")
+        for key in ("attention_mask", "cu_seqlens"):
+            if batch.get(key) is not None:
+                raise ConfigError(f"{STRATEGY_KEY}.sequence_parallel", True,
+                                  f"the batch carries {key!r} (padded or packed): the decoder builds its mask from "
+                                  "the local slice's length; use unpadded, unpacked batches or sequence_parallel: false")
+        if batch.get("position_ids") is None:
+            batch = {**batch, "position_ids": torch.arange(length, device=batch["input_ids"].device).expand(rows, -1)}
+        return batch
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.vocabulary_parallel_loss():
+            return super().training_step(*args, **kwargs)
+
+    def backward(self, *args: Any, **kwargs: Any) -> Any:
+        with self.vocabulary_parallel_loss():  # loss_parallel's backward must run inside it too
+            return super().backward(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.vocabulary_parallel_loss():
+            return super().validation_step(*args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.vocabulary_parallel_loss():
+            return super().test_step(*args, **kwargs)
+
+    @contextmanager
+    def vocabulary_parallel_loss(self) -> Iterator[None]:
+        """Within: cross-entropy on vocabulary-sharded logits reduces over ``tp`` (forward and backward)."""
+        if self.mesh_sizes.get("tp", 1) == 1:
+            yield
+            return
+        with loss_parallel():
+            yield
+
+    # ---------------------------------------------------------------- clipping
+    def setup(self, trainer: Trainer) -> None:
+        super().setup(trainer)
+        # Tensor-parallel weights are DTensors on (dp, tp) meshes, the replicated ones on dp only:
+        # torch's clip_grad_norm_ cannot combine them.
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
+
+    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        clip_grad_norm_across_meshes((p for group in optimizer.param_groups for p in group["params"]), clip_val)
+
+
+@dataclass(frozen=True)
+class VocabParallelCrossEntropy:
+    """The ``torch`` loss backend on a vocabulary-sharded LM head: each rank multiplies the hidden
+    states by its rows of the head and keeps its logit columns; ``loss_parallel`` combines the
+    ranks' log-sum-exps and target logits (a few numbers per token), never the logits.
+
+    Must run (forward and backward) inside ``TensorParallelStrategy.vocabulary_parallel_loss``.
+    """
+
+    inner: TorchCrossEntropy
+    mesh: DeviceMesh
+
+    def __call__(self, hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None = None) -> Tensor:
+        if not isinstance(hidden, DTensor):
+            hidden = DTensor.from_local(hidden, self.mesh, [Replicate()], run_check=False)
+        # A copy, not a view: FSDP2 warns that an in-place op on a view its root returns drops its hook.
+        return self.inner(hidden, weight, labels, bias).to_local().clone()
+
+
+def _parallelize(module: nn.Module, mesh: DeviceMesh, plan: Plan) -> None:
+    """Apply ``plan``'s styles in order. Each rank only slices what it holds (``src_data_rank=None``):
+    ranks other than 0 hold ``meta`` weights, and ``materialize`` copies rank 0's values afterwards."""
+    for name, styles in plan.items():
+        for style in styles if isinstance(styles, tuple) else (styles,):
+            parallelize_module(module, mesh, {name: style}, src_data_rank=None)
