@@ -15,6 +15,9 @@ formula. Conventions (torchtitan's, stated so numbers are comparable across tech
   trainable one ``6 N``, so ``6 * N_matmul`` becomes ``6 * N_trainable_matmul + 4 * N_frozen_matmul``
   (LoRA's own matrices are trainable matmuls). Dequantising a 4/8-bit base (QLoRA) and DoRA's
   weight norms are elementwise overhead, not model FLOPs, and are not counted (as recompute is not).
+- DPO (``lit_ablate.modules.DPO``) trains on both sequences of each pair (a micro-batch of ``P`` pairs
+  is ``2 P`` sequences); a frozen or adapter-disabled reference adds a forward (``2 N`` per token, a
+  third of a training step: ``preference_flops_factor``); a precomputed one ran once before training.
 """
 
 from __future__ import annotations
@@ -101,13 +104,17 @@ def count_parameters(model: nn.Module, config: PretrainedConfig, quantization: A
     tied = head is not None and head.weight is embed
     experts = sum(p.numel() for m in model.modules() if _is_experts(m) for p in m.parameters(recurse=False))
     num_experts, top_k = _experts_per_token(config)
-    inactive = experts - (experts * top_k // num_experts if num_experts else experts)
-    active = total - inactive
+    active_experts = experts * top_k // num_experts if num_experts else 0
+    # Expert LoRA (models.expert_adapters) is merged into the expert weights once per step, not applied
+    # per token; the adapted expert weights then get a full weight gradient: 6 N on the active experts.
+    expert_lora = 0
+    active = total - (experts - active_experts) - expert_lora
     matmul = active - (0 if tied else embed.numel())
     trainable_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     trainable = sum(p.numel() for _, p in trainable_params)
     trainable_matmul = matmul if trainable == total else sum(
-        p.numel() for _, p in trainable_params if p.ndim >= 2 and (tied or p is not embed))
+        p.numel() for _, p in trainable_params if p.ndim >= 2 and (tied or p is not embed)) - expert_lora + (
+        active_experts if expert_lora else 0)  # fmt: skip
     return ParameterCounts(
         total=total, embedding=embed.numel(), experts=experts, active=active, matmul=matmul, trainable=trainable,
         adapter=sum(p.numel() for n, p in model.named_parameters() if n in names),
@@ -141,6 +148,17 @@ def flops_per_token(counts: ParameterCounts, config: PretrainedConfig, seq_len: 
     layers, heads, head_dim = attention_shape(config)
     frozen = counts.matmul - counts.trainable_matmul
     return 6.0 * counts.trainable_matmul + 4.0 * frozen + 12.0 * layers * heads * head_dim * seq_len
+
+
+REFERENCE_FORWARD_SHARE = 1 / 3
+"""A forward pass is a third of a training step's FLOPs (2N of 6N, and 4 of 12 attention units)."""
+REFERENCES_RUN_EACH_STEP = ("frozen", "adapter")
+"""DPO references computed by a forward in every step (their FLOPs count)."""
+
+
+def preference_flops_factor(reference: str) -> float:
+    """DPO's model FLOPs per policy training FLOP with ``reference`` (frozen/adapter: one more forward)."""
+    return 1 + REFERENCE_FORWARD_SHARE if reference in REFERENCES_RUN_EACH_STEP else 1.0
 
 
 def batch_model_flops(batch: Mapping[str, Any], flops_per_token: Callable[[float], float]) -> float:
@@ -184,12 +202,13 @@ def meta_model(config: PretrainedConfig) -> nn.Module:
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd_momentum", "adamw8bit")
 CHECKPOINTING = ("none", "full", "selective")
-LOSS_LOGIT_COPIES = {"torch": 3.0, "chunked": 1.0, "liger": 0.0, "cce": 0.0}
+LOSS_LOGIT_COPIES = {"torch": 3.0, "chunked": 1.0, "liger": 0.0, "cce": 0.0, "liger_dpo": 3.0}
 """fp32 ``[tokens, vocab]`` tensors alive at the loss's peak: torch keeps logits, log-softmax and the
 logits' gradient; chunked one chunk's (softmax and its gradient are formed in place; half-precision
 weights add the chunk's half-precision logits and gradient, ``HALF_CHUNK_COPIES``: measured
 against the liger_vs_cce study at a 32768 vocabulary); the fused kernels keep small blocks only
-(not counted)."""
+(not counted). Liger's fused DPO (``liger_dpo``) runs ``torch.func`` on ``2 x chunk_pairs`` whole
+sequences at a time: their fp32 logits, log-softmax and gradient (``chunk_tokens`` = those tokens)."""
 HALF_CHUNK_COPIES = 0.5
 GIB = 2**30
 
@@ -235,6 +254,9 @@ class TrainingShape:
         gradient_as_bucket_view: DDP without a second gradient copy in its buckets.
         context_parallel: ranks each sequence is split over (``ContextParallelStrategy``'s cp).
         context_parallel_impl: ``ring`` or ``allgather`` (what the exchange keeps in memory).
+        reference: DPO's reference model (``none`` for a language model): ``frozen`` keeps a second
+            copy of the parameters, sharded like them, without gradients or optimizer states;
+            ``precomputed`` (two fp32 numbers per pair) and ``adapter`` (the same weights) add nothing.
     """
 
     micro_batch: int
@@ -251,6 +273,7 @@ class TrainingShape:
     gradient_as_bucket_view: bool = False
     context_parallel: int = 1
     context_parallel_impl: str = "ring"
+    reference: str = "none"
 
     def __post_init__(self) -> None:
         from lit_ablate.errors import ConfigError
@@ -271,10 +294,12 @@ class MemoryEstimate:
     activations: int
     transient: int
     """Gathered layers of a sharded strategy, or DDP's bucket copy of the gradients."""
+    reference: int = 0
+    """A frozen DPO reference's parameters (and Liger's copy of its LM head)."""
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.transient
+        return self.params + self.grads + self.optimizer + self.activations + self.transient + self.reference
 
 
 def model_shape(config: PretrainedConfig) -> ModelShape:
@@ -339,6 +364,8 @@ def activation_bytes(shape: ModelShape, training: TrainingShape) -> int:
     checkpointed = [every > 0 and i % every == 0 for i in range(shape.layers)]
     saved = [shape.hidden * training.activation_bytes if c else per_layer for c in checkpointed]
     copies = LOSS_LOGIT_COPIES.get(training.loss, LOSS_LOGIT_COPIES["torch"])
+    if training.loss == "liger_dpo":
+        copies *= min(1.0, training.chunk_tokens / tokens)
     if training.loss == "chunked":
         copies = (copies + (HALF_CHUNK_COPIES if training.activation_bytes < 4 else 0.0)) * min(1.0, training.chunk_tokens / tokens)
     head = 3 * shape.hidden * training.activation_bytes + copies * shape.vocab * 4
@@ -360,7 +387,7 @@ def loss_gradient_bytes(shape: ModelShape, training: TrainingShape) -> int:
     tokens = training.micro_batch * -(-training.seq_len // training.context_parallel)
     if training.loss == "chunked" and training.loss_grad_in_forward:
         weight_bytes = 4
-    elif training.loss == "liger":
+    elif training.loss in ("liger", "liger_dpo"):
         weight_bytes = training.param_bytes
     else:
         return 0
@@ -410,7 +437,18 @@ def estimate_memory(counts: ParameterCounts, shape: ModelShape, training: Traini
         optimizer=int(optimizer_bytes(counts, training) / sharding.optimizer),
         activations=activation_bytes(shape, training) + context_parallel_bytes(shape, training)[0],
         transient=transient + context_parallel_bytes(shape, training)[1],
+        reference=reference_bytes(shape, training, full, sharding.params),
     )
+
+
+def reference_bytes(shape: ModelShape, training: TrainingShape, param_bytes: int, shards: int) -> int:
+    """A frozen DPO reference: the parameters again (``param_bytes`` in all, sharded as the policy's),
+    plus, under Liger's fused DPO, the copy of its initial LM head that Liger reads (sharded too).
+    Its no-grad forward frees each layer's activations as it goes (not counted)."""
+    if training.reference != "frozen":
+        return 0
+    head = shape.vocab * shape.hidden * training.param_bytes if training.loss == "liger_dpo" else 0
+    return -(-(param_bytes + head) // shards)
 
 
 def context_parallel_bytes(shape: ModelShape, training: TrainingShape) -> tuple[int, int]:
@@ -511,7 +549,7 @@ def training_shape_of(config: dict, optimizer: str | None = None, world_size: in
             get_dotted(config, "model.init_args.optimizer", "adamw")) else "adamw")  # fmt: skip
         if optimizer == "sgd" and get_dotted(config, "optimizer.init_args.momentum", 0):
             optimizer = "sgd_momentum"
-    return TrainingShape(
+    shape = TrainingShape(
         micro_batch=int(_required(config, "data.init_args.batch_size", "the estimate needs the micro-batch per rank")),
         seq_len=int(_required(config, "data.init_args.seq_len", "the estimate needs the sequence length")),
         param_bytes=2 if precision.endswith("-true") and half else DTYPE_BYTES.get(dtype, 4),
@@ -526,6 +564,29 @@ def training_shape_of(config: dict, optimizer: str | None = None, world_size: in
         gradient_as_bucket_view=bool(strategy_args.get("gradient_as_bucket_view", False)),
         **dict(zip(("context_parallel", "context_parallel_impl"), context_parallel_of(config, world_size))),
     )
+    if str(get_dotted(config, "model.class_path", "")).endswith("DPO"):
+        shape = replace(shape, **_preference_shape(config, shape.micro_batch, shape.seq_len))
+    return shape
+
+
+def _preference_shape(config: dict, batch_size: int, seq_len: int) -> dict[str, Any]:
+    """DPO's ``TrainingShape`` fields: its rows (padded: 2 sequences per pair; packed across the data
+    set: ``batch_size`` rows of ``max_tokens``), its log-prob backend and its reference."""
+    collator = get_dotted(config, "data.init_args.collator") or {}
+    collator = collator if isinstance(collator, dict) else {}
+    options = collator.get("init_args") or {}
+    if str(collator.get("class_path", "")).endswith("PreferencePackingCollator") and not options.get("within_batch"):
+        rows = {"micro_batch": batch_size, "seq_len": int(options.get("max_tokens") or 2 * seq_len)}
+    else:
+        rows = {"micro_batch": 2 * batch_size, "seq_len": seq_len}
+    backend = str(get_dotted(config, "model.init_args.logprobs", "torch"))
+    logprobs_options = get_dotted(config, "model.init_args.logprobs_options") or {}
+    if backend == "liger":
+        loss = {"loss": "liger_dpo", "chunk_tokens": 2 * int(logprobs_options.get("chunk_pairs", 1)) * seq_len}
+    else:  # the chunked log-probs keep only the log-sum-exp and recompute chunks in the backward
+        loss = {"loss": backend, "chunk_tokens": int(logprobs_options.get("chunk_tokens", 1024)),
+                "loss_grad_in_forward": False}
+    return {**rows, **loss, "reference": str(get_dotted(config, "model.init_args.reference", "frozen"))}
 
 
 def context_parallel_of(config: dict, world_size: int | None = None) -> tuple[int, str]:
@@ -577,6 +638,10 @@ def model_of(config: dict) -> tuple[ParameterCounts, ModelShape]:
 
     model = meta_model(hf_config)
     with torch.device("meta"):
+        if factory.moe is not None:  # expert adapters sit on lit-ablate's experts
+            from lit_ablate.models.moe import apply_moe
+
+            apply_moe(model, factory.moe)
         apply_adapters(model, factory.adapter)
     return count_parameters(model, hf_config, factory.quantization), model_shape(hf_config)
 
@@ -587,6 +652,44 @@ def estimate_for_config(config: dict, world_size: int | None = None) -> MemoryEs
     training = training_shape_of(config, world_size=world_size)
     counts, shape = model_of(config)
     return estimate_memory(counts, shape, training, configured_sharding(config, world_size), world_size)
+
+
+def predicted_step_seconds(config: dict, ceiling_tflops: float, world_size: int | None = None) -> float:
+    """One optimizer step of a resolved ``fit`` config if every model FLOP ran at ``ceiling_tflops``
+    (the measured matmul ceiling, ``lit_ablate.matmul_ceiling``): a rank's FLOPs per step over it.
+
+    The FLOPs are the ones ``MFUMonitor`` divides (``flops_per_token``; a rank's ``1 / cp`` and
+    ``1 / tp`` share), for ``micro_batch x seq_len x accumulate_grad_batches`` tokens at the full
+    ``seq_len`` context: padded or packed data compute less, so for them the prediction is an upper
+    bound. What a measured step takes beyond it is not matmul at the ceiling: communication,
+    memory-bound kernels (norms, attention softmax, the optimizer), data and framework overhead.
+    """
+    from lit_ablate.errors import ConfigError
+    from lit_ablate.models.factory import ModelFactory
+
+    module = str(get_dotted(config, "model.class_path", ""))
+    if not module.endswith("CausalLM"):
+        raise ConfigError("model.class_path", module, "step time is predicted for CausalLM runs only")
+    world_size = world_size or world_size_of(config)
+    training = training_shape_of(config, world_size=world_size)
+    counts, _ = model_of(config)
+    hf_config = ModelFactory(**get_dotted(config, "model.init_args.model")).hf_config()
+    accumulate = int(get_dotted(config, "trainer.accumulate_grad_batches", 1) or 1)
+    share = 1.0 / (training.context_parallel * mesh_size_of(config, "tp", world_size))
+    tokens = training.micro_batch * training.seq_len * accumulate
+    return flops_per_token(counts, hf_config, training.seq_len) * tokens * share / (ceiling_tflops * 1e12)
+
+
+def mesh_size_of(config: dict, dim: str, world_size: int) -> int:
+    """The size of mesh dimension ``dim`` (``tp``, ``cp``, ...) of the config's strategy on
+    ``world_size`` ranks; 1 for a strategy without a device mesh."""
+    from lightning.pytorch.cli import instantiate_class
+
+    from lit_ablate.strategies.mesh import resolve_mesh_sizes
+
+    strategy = get_dotted(config, "trainer.strategy", "auto")
+    sizes = getattr(instantiate_class((), strategy), "requested_mesh_sizes", {}) if isinstance(strategy, dict) else {}
+    return resolve_mesh_sizes(sizes, world_size)[dim] if sizes.get(dim, 1) != 1 else 1
 
 
 def smallest_world_size(fits: Callable[[int], bool], max_ranks: int) -> int | None:
@@ -670,7 +773,7 @@ def _check_estimate_arguments(args: Any) -> None:
         raise ConfigError("--usable_fraction", args.usable_fraction, "give a share in (0, 1], e.g. 0.9")
 
 
-MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "transient", "total")
+MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "transient", "reference", "total")
 """The per-rank byte counts of one sharding, in the table's column order."""
 
 
@@ -709,7 +812,7 @@ def _estimate_table(summary: dict[str, Any]) -> str:
         f"within {summary['gpus_per_node']}).",
         "",
         "| sharding | " + " | ".join(MEMORY_KINDS) + " | GPUs needed |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---" * (len(MEMORY_KINDS) + 2) + "|",
     ]
     for row in shardings:
         name = f"configured ({summary['strategy']})" if row["sharding"] == "configured" else row["sharding"]

@@ -21,8 +21,7 @@ from tests.test_callbacks import SEQ, _batches, _fit
 FAKE_TFLOPS = 0.004
 
 
-@pytest.fixture
-def measurements(tmp_path, monkeypatch) -> list[tuple[str, torch.dtype, int]]:
+def _fake_measurement(tmp_path, monkeypatch) -> list[tuple[str, torch.dtype, int]]:
     """A fresh cache dir and a fake sweep returning ``FAKE_TFLOPS``; the list of what it measured."""
     monkeypatch.setenv(matmul_ceiling.CACHE_DIR_ENV, str(tmp_path / "cache"))
     calls = []
@@ -33,6 +32,21 @@ def measurements(tmp_path, monkeypatch) -> list[tuple[str, torch.dtype, int]]:
 
     monkeypatch.setattr(matmul_ceiling, "measure_matmul_ceiling", fake)
     return calls
+
+
+@pytest.fixture
+def measurements(tmp_path, monkeypatch) -> list[tuple[str, torch.dtype, int]]:
+    return _fake_measurement(tmp_path, monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def peaked_run(tmp_path_factory):
+    """One 4-step tiny-Llama fit with a spec peak of 1 TFLOP/s and the fake ceiling: (record, module, measurements)."""
+    tmp_path = tmp_path_factory.mktemp("peaked")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        calls = _fake_measurement(tmp_path, monkeypatch)
+        record, module = _fit(tmp_path, [MFUMonitor(peak_tflops=1.0), ThroughputMonitor()], _batches(4, 2, [0]))
+    return record, module, calls
 
 
 def test_a_tiny_sweep_measures_a_positive_rate_on_one_of_its_shapes():
@@ -64,11 +78,11 @@ def test_the_ceiling_is_measured_once_per_device_dtype_and_threads_then_read_fro
     assert len(measurements) == 4
 
 
-def test_mfu_measured_divides_the_same_flops_by_the_measured_ceiling_and_mfu_by_the_spec_peak(measurements, tmp_path):
+def test_mfu_measured_divides_the_same_flops_by_the_measured_ceiling_and_mfu_by_the_spec_peak(peaked_run):
     """Each figure is flops / (step time x its own denominator): catches ``mfu_measured`` divided
     by the spec peak (or ``mfu`` by the ceiling), which the ratio of the two would expose as 1."""
     peak = 1.0
-    record, module = _fit(tmp_path, [MFUMonitor(peak_tflops=peak), ThroughputMonitor()], _batches(4, 2, [0]))
+    record, module, measurements = peaked_run
     flops_per_step = module.flops_per_token(SEQ) * 2 * SEQ
     for s in record["steps"]:
         assert s["mfu"] * s["step_time_s"] * peak * 1e12 == pytest.approx(flops_per_step, rel=1e-9)
@@ -142,3 +156,33 @@ def test_peak_command_prints_the_spec_peak_and_the_cached_ceiling(measurements, 
     with pytest.raises(SystemExit) as exit_info:
         main(["peak", "--threads", "0"])
     assert "--threads=0" in str(exit_info.value.code)
+
+
+def test_the_report_shows_both_mfu_figures_and_the_step_time_predicted_at_the_measured_ceiling(peaked_run, tmp_path):
+    """The estimator predicts, from the config alone, the FLOPs the monitor counted on the batches
+    (full rows: exactly flops / ceiling = mfu_measured x step time); the report sets it beside the
+    measured step time. Catches a prediction that forgets accumulation or divides by another ceiling."""
+    from lit_ablate.ablation.report import write_report
+    from lit_ablate.estimate import predicted_step_seconds
+
+    record, _, _ = peaked_run
+    config = {"model": {"class_path": "lit_ablate.modules.CausalLM", "init_args": {"model": {"preset": "tiny-llama"}}},
+              "data": {"init_args": {"batch_size": 2, "seq_len": SEQ}}, "trainer": {"devices": 1}}  # _fit's run
+    predicted = predicted_step_seconds(config, FAKE_TFLOPS)
+    for s in record["steps"]:
+        assert predicted == pytest.approx(s["mfu_measured"] * s["step_time_s"], rel=1e-9)
+    accumulated = {**config, "trainer": {"devices": 1, "accumulate_grad_batches": 2}}
+    assert predicted_step_seconds(accumulated, FAKE_TFLOPS) == pytest.approx(2 * predicted, rel=1e-12)
+
+    run = tmp_path / "runs" / "base" / "seed0" / "run.json"
+    run.parent.mkdir(parents=True)
+    run.write_text(json.dumps({**record, "variant": "base", "seed": 0, "config": config}))
+    markdown = write_report(tmp_path).read_text()
+    variant = json.loads((tmp_path / "report.json").read_text())["variants"][0]
+    assert variant["predicted_step_time_s"] == pytest.approx(predicted, rel=1e-9)
+    header, _, row = markdown.split("\n## ")[0].split("| variant |")[1].split("\n")[:3]
+    cells = dict(zip(("variant |" + header).split(" | "), row.strip("| ").split(" | ")))
+    measured = variant["step_time_s"]["median"]
+    assert cells["predicted step (s)"] == f"{predicted:.3g} (measured ×{measured / predicted:.2f})"
+    assert cells["MFU (measured)"].startswith(f"{100 * variant['mfu_measured']['median']:.1f}%")
+    assert cells["MFU (spec)"].startswith(f"{100 * variant['mfu']['median']:.1f}%")

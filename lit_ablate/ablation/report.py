@@ -75,7 +75,8 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
     if summary.get("problems"):
         lines += ["**Study problems (exit code 1):**", "", *(f"- {p}" for p in summary["problems"]), ""]
     agreement = study.get("expect_equal_loss")
-    header = ["variant", "status", "tokens/s", "useful tokens/s", "step time (s)", "data wait", "MFU",
+    header = ["variant", "status", "tokens/s", "useful tokens/s", "step time (s)", "predicted step (s)", "data wait",
+              "MFU (spec)", "MFU (measured)",
               "peak tensor memory", "process peak", "est. memory", "est. ÷ measured", "final loss", "Δ loss", "speed ×",
               "memory ×"]  # fmt: skip
     accuracy = any(v["exact_match"] for v in variants)  # a column only when some run was evaluated
@@ -89,8 +90,10 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
             _spread(v["tokens_per_sec"], _rate),
             _spread(v["useful_tokens_per_sec"], _rate),
             _spread(v["step_time_s"], lambda x: f"{x:.3g}"),
+            _predicted_cell(v),
             _spread(v.get("data_wait_share"), lambda x: f"{100 * x:.1f}%"),
-            _spread(v["mfu"], lambda x: f"{100 * x:.1f}%") if v["mfu"] else ("n/a" if v["status"] == "ok" else "—"),
+            _mfu_cell(v, "mfu"),
+            _mfu_cell(v, "mfu_measured"),
             _spread(v.get("peak_tensor_bytes"), _bytes),
             _memory_cell(v),
             "—" if v["estimated_memory_bytes"] is None else _bytes(v["estimated_memory_bytes"]),
@@ -142,6 +145,20 @@ def _status_cell(variant: Mapping[str, Any]) -> str:
     messages = sorted({r["message"] for r in variant["runs"] if r["status"] != "ok" and r["message"]})
     text = variant["status"] + (f": {messages[0]}" if messages else "")
     return _cell(text[:120] + ("…" if len(text) > 120 else ""))
+
+
+def _mfu_cell(variant: Mapping[str, Any], key: str) -> str:
+    if variant.get(key):
+        return _spread(variant[key], lambda x: f"{100 * x:.1f}%")
+    return "n/a" if variant["status"] == "ok" else "—"
+
+
+def _predicted_cell(variant: Mapping[str, Any]) -> str:
+    """The estimator's step time at the measured ceiling, and the measured median as a multiple of it."""
+    predicted, measured = variant.get("predicted_step_time_s"), variant["step_time_s"]
+    if predicted is None:
+        return "—"
+    return f"{predicted:.3g}" + (f" (measured ×{measured['median'] / predicted:.2f})" if measured else "")
 
 
 def _memory_cell(variant: Mapping[str, Any]) -> str:
@@ -209,7 +226,12 @@ def _legend(agreement: Mapping[str, Any] | None) -> str:
             "baseline's; the baseline's cell gives the noise floor: its useful tokens/s medians over the first and "
             "the second half of each ok seed's measured steps, (max − min) over the median of all its steps; a "
             "ratio within 1 ± that floor is marked *within noise*. "
-            "MFU n/a: no honest peak FLOP/s is known for this device or precision.")  # fmt: skip
+            "MFU (spec): model FLOPs/s over the device's spec-sheet peak (n/a: none is known for this device "
+            "or precision); MFU (measured): over the matmul ceiling measured on the run's device, dtype and "
+            "threads (`lit-ablate peak`). Predicted step: the run config's model FLOPs per rank and step at that "
+            "ceiling (`lit-ablate estimate`'s model; padded or packed data compute less, so an upper bound for "
+            "them), with the measured step time as a multiple of it: the excess is communication, "
+            "memory-bound work and overhead.")  # fmt: skip
     if agreement:
         steps = f"the first {agreement['steps']} steps" if agreement.get("steps") else "every step"
         word = _reference_word(agreement)

@@ -1,8 +1,9 @@
 """The numbers of a study report, computed from run records alone (plus the study plan).
 
-Per variant: throughput, step time and MFU as median [min, max] over every measured step of
-every successful seed (steps after warm-up); the tensor peak (with its categories, and the
-estimator's categories against them), the process peak, final loss and an evaluation's accuracy
+Per variant: throughput, step time and MFU (against the spec peak and the measured matmul
+ceiling) as median [min, max] over every measured step of every successful seed (steps after
+warm-up), and the step time the estimator predicts at the measured ceiling; the tensor peak
+(with its categories, and the estimator's categories against them), the process peak, final loss and an evaluation's accuracy
 (``exact_match``, when the runs had an ``ExactMatchEvaluator``) as median [min, max] over seeds;
 the ratio of each to the baseline variant, with the speed ratio judged against the
 baseline's noise floor (``speed_noise``); and, where the study expects it, whether the loss
@@ -84,6 +85,7 @@ def _variant(
         "final_loss": spread(r["summary"].get("final_loss") for r in ok),
         **{key: spread(r["summary"].get(key) for r in ok) for key in FINAL_VALUE_SERIES.values()},  # exact_match
         **_estimate(next((r for _, r in runs if r.get("config")), None), breakdowns),
+        **_predicted_step_time(next((r for r in ok if r.get("config")), None)),
         "parameters": parameters[0] if len(parameters) == 1 else None,
         "loss_curve": _loss_curve([r for _, r in runs if r.get("steps")]),
         "runs": [
@@ -120,6 +122,27 @@ def _estimate(record: Mapping[str, Any] | None, breakdowns: Sequence[Mapping[str
     return {"estimated_memory_bytes": estimate.total, "estimated_memory_categories": categories,
             "estimate_vs_measured": compare_with_measured(estimate, breakdowns[0]) if breakdowns else None,
             "estimate_note": None}
+
+
+def _predicted_step_time(record: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The estimator's step time at the run's measured matmul ceiling (``predicted_step_seconds``,
+    first ok seed), or why there is none: set beside the measured step time, the gap is what is
+    not matmul at the ceiling (communication, memory-bound kernels, overhead)."""
+    from lit_ablate.errors import ConfigError
+    from lit_ablate.estimate import predicted_step_seconds
+
+    ceilings = (record or {}).get("summary", {}).get("mfu_ceilings") or {}
+    ceiling = (ceilings.get("mfu_measured") or {}).get("tflops")
+    if record is None or not ceiling:
+        return {"predicted_step_time_s": None, "predicted_note": "no measured matmul ceiling recorded (MFUMonitor)"}
+    world_size = (record.get("environment") or {}).get("world_size")
+    try:
+        return {"predicted_step_time_s": predicted_step_seconds(dict(record["config"]), ceiling, world_size),
+                "predicted_note": None}
+    except ConfigError as err:
+        return {"predicted_step_time_s": None, "predicted_note": str(err)}
+    except Exception as err:  # noqa: BLE001  an advisory column must never cost the report
+        return {"predicted_step_time_s": None, "predicted_note": f"prediction failed: {type(err).__name__}: {err}"}
 
 
 def _median_breakdown(breakdowns: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
