@@ -136,3 +136,22 @@ def test_expert_parallel_trains_the_same_expert_adapters(tmp_path):
         assert len(run["ep"]["losses"]) == 3 and run["ep"]["moved"] > 0  # the expert adapters trained
         assert "ep" in run["ep"]["mesh"] and "ep" not in run["no_ep"]["mesh"]  # sliced with their experts
         torch.testing.assert_close(run["ep"]["losses"], run["no_ep"]["losses"], rtol=0, atol=LOSS_ATOL)
+
+
+def test_expert_adapter_counts_and_flops():
+    """Expert LoRA merges into the expert weights once per step, so its matrices are not per-token matmuls,
+    and the adapted active experts get a full weight gradient (6 N, not a frozen 4 N); the estimator's meta
+    build (MoE blocks, then adapters) counts the same as the built model."""
+    from lit_ablate.estimate import count_parameters, model_of
+
+    model = build("grouped")
+    counts, plain = count_parameters(model, model.config), count_parameters(build("grouped", adapter=None), model.config)
+    expert_lora = sum(p.numel() for n, p in model.named_parameters() if ".experts.adapters." in n)
+    attention_lora = counts.adapter - expert_lora
+    assert expert_lora > 0 and counts.trainable == counts.adapter
+    assert counts.matmul == plain.matmul + attention_lora  # q_proj's LoRA is per token; expert LoRA is not
+    active_experts = plain.experts * model.config.num_experts_per_tok // model.config.num_experts
+    assert counts.trainable_matmul == attention_lora + active_experts
+    config = {"model": {"init_args": {"model": {"preset": "tiny-qwen3-moe", "moe": {"experts": "grouped"},
+                                                "adapter": ADAPTER}}}}  # fmt: skip
+    assert model_of(config)[0] == counts
