@@ -107,7 +107,7 @@ def count_parameters(model: nn.Module, config: PretrainedConfig, quantization: A
     active_experts = experts * top_k // num_experts if num_experts else 0
     # Expert LoRA (models.expert_adapters) is merged into the expert weights once per step, not applied
     # per token; the adapted expert weights then get a full weight gradient: 6 N on the active experts.
-    expert_lora = 0
+    expert_lora = sum(p.numel() for m in model.modules() if type(m).__name__ == "ExpertLoRA" for p in m.parameters())
     active = total - (experts - active_experts) - expert_lora
     matmul = active - (0 if tied else embed.numel())
     trainable_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
