@@ -38,9 +38,10 @@ from lit_ablate.callbacks import MFUMonitor, ThroughputMonitor
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.losses import IGNORE_INDEX
+from lit_ablate.models.moe import MoEOptions
 from lit_ablate.models.sequence_layout import SequenceLayout
 from lit_ablate.modules import CausalLM
-from lit_ablate.strategies import ContextParallelStrategy
+from lit_ablate.strategies import ContextParallelStrategy, ExpertContextParallelStrategy
 from tests.distributed import run_ranks
 from tests.test_step_objective import STEPS, WEIGHT_MAX_ATOL, WEIGHT_MEAN_ATOL, StepLosses, micro_batches
 
@@ -74,7 +75,9 @@ def fit(preset: str, data: str, strategy="auto", devices: int = 1, rank: int = 0
     rows per step, accumulated; ``ranks``: this data-parallel rank's 2 rows of each step)."""
     pl.seed_everything(0, verbose=False)
     attention = "sdpa_packed" if data == "packed" else "sdpa"
-    module = CausalLM(ModelFactory(preset=preset, attn_implementation=attention), learning_rate=LEARNING_RATE, warmup_steps=0)
+    moe = MoEOptions(experts="grouped", load_balance_weight=0.0) if preset.endswith("-moe") else None  # see EXPERT_RUN
+    module = CausalLM(ModelFactory(preset=preset, attn_implementation=attention, moe=moe), learning_rate=LEARNING_RATE,
+                      warmup_steps=0)  # fmt: skip
     losses, grads = StepLosses(), StepGradients()
     throughput, mfu = ThroughputMonitor(warmup_steps=0), MFUMonitor(peak_tflops=1.0, warmup_steps=0)
     trainer = pl.Trainer(
@@ -95,13 +98,13 @@ def fit(preset: str, data: str, strategy="auto", devices: int = 1, rank: int = 0
             "weights": {k: v.detach().clone() for k, v in weights.items()}}
 
 
-def assert_same_training(run: dict, reference: dict) -> None:
+def assert_same_training(run: dict, reference: dict, loss_atol: float = LOSS_ATOL, grad_atol: dict = GRAD_ATOL) -> None:
     assert len(run["losses"]) == STEPS
-    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(reference["losses"]), rtol=0, atol=LOSS_ATOL)
+    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(reference["losses"]), rtol=0, atol=loss_atol)
     for step, grads in reference["grads"].items():
         assert sorted(run["grads"][step]) == sorted(grads)
         for name, grad in grads.items():
-            torch.testing.assert_close(run["grads"][step][name], grad, rtol=0, atol=GRAD_ATOL[step],
+            torch.testing.assert_close(run["grads"][step][name], grad, rtol=0, atol=grad_atol[step],
                                        msg=lambda m, n=name, s=step: f"step {s} gradient of {n}: {m}")
     for name, value in reference["weights"].items():
         difference = (run["weights"][name] - value).abs()
@@ -138,7 +141,21 @@ FOUR_RANK_RUNS = {
     "allgather-cp4-qwen3-packed": ("tiny-qwen3", "packed", ContextParallelStrategy, {"cp": 4, "cp_impl": "allgather"}),
     "hsdp-dp_replicate2-x-allgather-cp2": ("tiny-llama", "ranks", ContextParallelStrategy,
                                            {"dp_replicate": 2, "cp": 2, "cp_impl": "allgather", "cp_layout": "contiguous"}),
+    "ep2-x-ring-cp2-qwen3-moe": ("tiny-qwen3-moe", "ranks", ExpertContextParallelStrategy, {"ep": 2, "cp": 2}),
 }
+EXPERT_RUN = "ep2-x-ring-cp2-qwen3-moe"
+"""EP x CP (the ep ranks read different batches; tokens travel to their experts over ep) with
+gradient clipping, whose norm spans the experts' (cp, ep) DTensors. The load-balancing loss is off:
+it is a statistic of each rank's tokens (a shard's under CP, as a micro-batch's under DP), so it
+differs from one process's by design.
+
+Tolerances (``EXPERT_TOLERANCES``): the first step's gradients as tight as the dense runs'; losses
+within 5e-5 and last-step gradients within 5e-4, because routing is discontinuous: by step 3 Adam
+has turned ~1e-7 gradient differences into ~1e-5 weight differences, enough to flip one token's
+near-tied top-2 choice (measured: step 3's loss off by 1.3e-5 and the embedding gradient by 1.1e-4
+at step 4, the other steps within 4e-7; with lr 1e-9, so that weights stay equal, every step's
+loss agrees within 1e-6)."""
+EXPERT_TOLERANCES = {"loss_atol": 5e-5, "grad_atol": {0: 1e-6, STEPS - 1: 5e-4}}
 REFERENCE_DATA = {"reference": "reference", "ranks": "reference", "packed": "packed"}
 """The one-process run each variant's data equals: the data-parallel ranks' rows make up the 4-row step."""
 
@@ -209,8 +226,9 @@ def test_throughput_and_mfu_count_each_token_once_across_the_cp_group(references
 @pytest.mark.slow  # 4 gloo ranks on 2 cores
 @pytest.mark.parametrize("name", list(FOUR_RANK_RUNS))
 def test_four_ranks_train_the_one_process_model(references, four_rank_runs, name):
+    tolerances = EXPERT_TOLERANCES if name == EXPERT_RUN else {}
     for rank_run in four_rank_runs:
-        assert_same_training(rank_run[name], reference_of(FOUR_RANK_RUNS[name], references))
+        assert_same_training(rank_run[name], reference_of(FOUR_RANK_RUNS[name], references), **tolerances)
 
 
 @pytest.fixture(scope="module")

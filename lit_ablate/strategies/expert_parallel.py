@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Trainer
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -127,20 +128,31 @@ class ExpertParallelStrategy(FSDP2Strategy):
 def clip_grad_norm_across_meshes(parameters: Iterable[Tensor], max_norm: float) -> Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for gradients that are DTensors on several meshes.
 
-    Norms are taken per mesh (one collective each) and combined; the gradients are then scaled
-    as torch scales them (``max_norm / (total + 1e-6)``, only when below 1). Returns the total norm.
+    Each gradient's squared norm is summed locally, then over the mesh dimensions it is sharded
+    on (one all-reduce per dimension and group of gradients), and the groups' sums combine into the
+    total. Not through DTensor's own norm: for expert weights sharded over ``ep`` and then by FSDP
+    over ``cp`` its mesh is ``(cp, ep)``, against the root mesh's order, which torch's
+    redistribution refuses. The gradients are then scaled as torch scales them
+    (``max_norm / (total + 1e-6)``, only when below 1). Returns the total norm.
     """
-    groups: dict[DeviceMesh | None, list[Tensor]] = {}
+    groups: dict[tuple, list[Tensor]] = {}
     for p in parameters:
         if p.grad is not None:
-            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
+            key = (p.grad.device_mesh, tuple(p.grad.placements)) if isinstance(p.grad, DTensor) else (None, ())
+            groups.setdefault(key, []).append(p.grad)
     if not groups:
         return torch.tensor(0.0)
-    norms = []
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total = torch.linalg.vector_norm(torch.stack([n.float().cpu() for n in norms]))
+    squares = []
+    for (mesh, placements), grads in groups.items():
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        square = torch.stack([t.detach().float().square().sum() for t in local]).sum()
+        for dim, placement in enumerate(placements):
+            if placement.is_partial():
+                raise NotImplementedError(f"gradient norm of partial DTensor gradients (mesh {mesh})")
+            if placement.is_shard():
+                dist.all_reduce(square, group=mesh.get_group(dim))
+        squares.append(square.cpu())
+    total = torch.stack(squares).sum().sqrt()
     coef = max_norm / (float(total) + 1e-6)
     if coef < 1.0:
         for grads in groups.values():
