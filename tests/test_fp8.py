@@ -112,18 +112,20 @@ def test_fp8_with_quantised_weights_grouped_experts_or_all_gather_without_fsdp2_
 
 
 def fit(steps: int = 5, fp8: dict | None = None, ckpt_path: str | None = None, root: str | None = None,
-        adapter: dict | None = None, strategy="auto", devices: int = 1, rank: int = 0) -> dict:  # fmt: skip
-    """Train the step-objective data (a constant learning rate); returns step losses and weights."""
+        adapter: dict | None = None, strategy="auto", devices: int = 1, rank: int = 0, accumulate: int = 1) -> dict:  # fmt: skip
+    """Train the step-objective data (a constant learning rate); returns step losses and weights.
+    ``accumulate=2``: each step's two halves as micro-batches, the very rows each of 2 ranks reads."""
     pl.seed_everything(0, verbose=False)
     factory = ModelFactory(preset="tiny-llama", config=TINY, fp8=fp8, adapter=adapter)
     module = CausalLM(factory, learning_rate=1e-2, warmup_steps=0, weight_decay=0.1, min_lr_ratio=1.0)
     losses = StepLosses()
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, callbacks=[losses], gradient_clip_val=1.0,
+        accumulate_grad_batches=accumulate,
         logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
         default_root_dir=root, use_distributed_sampler=False, num_sanity_val_steps=0,
     )  # fmt: skip
-    batches = micro_batches("reference" if devices == 1 else "ranks", rank)
+    batches = micro_batches("ranks" if devices > 1 else "accumulate" if accumulate > 1 else "reference", rank)
     start = 2 if ckpt_path else 0  # Lightning restarts a plain DataLoader at its first item (see test_adapters_resume)
     trainer.fit(module, DataLoader(batches[start:] + batches[:start], batch_size=None), ckpt_path=ckpt_path)
     if root:
@@ -133,6 +135,8 @@ def fit(steps: int = 5, fp8: dict | None = None, ckpt_path: str | None = None, r
     weights = get_model_state_dict(trainer.strategy.model, options=StateDictOptions(full_state_dict=True))
     return {"losses": losses.losses, "weights": {k: v.detach().clone() for k, v in weights.items()},
             "fp8_kernels": module.fp8_kernels, "fallbacks": module.fallbacks,
+            "fp8_gathered": sum(type(getattr(p, "_local_tensor", p)).__name__ == "WeightWithDynamicFloat8CastTensor"
+                                for p in module.parameters()),
             "converted": sorted(type(m).__name__ for m in module.model.modules() if "Float8" in type(m).__name__)}  # fmt: skip
 
 
