@@ -76,6 +76,10 @@ def test_the_ceiling_is_measured_once_per_device_dtype_and_threads_then_read_fro
     assert len(measurements) == 3 and other.threads == threads + 1
     matmul_ceiling.measured_ceiling("cpu", torch.float32, remeasure=True)
     assert len(measurements) == 4
+    matmul_ceiling.cache_path(torch.device("cpu"), torch.float32).write_text('{"tflops": 1.0}')  # another version's
+    with pytest.warns(UserWarning, match="unreadable cached ceiling"):
+        assert matmul_ceiling.measured_ceiling("cpu", torch.float32).tflops == FAKE_TFLOPS
+    assert len(measurements) == 5
 
 
 def test_mfu_measured_divides_the_same_flops_by_the_measured_ceiling_and_mfu_by_the_spec_peak(peaked_run):
