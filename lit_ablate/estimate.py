@@ -414,7 +414,8 @@ def estimate_memory(counts: ParameterCounts, shape: ModelShape, training: Traini
 
     Transient: a sharded strategy gathers two decoder layers at a time (the current one and the
     prefetched next) and keeps the root's parameters (embeddings, final norm, LM head) gathered
-    from forward to backward; sharded gradients exist in full twice for the unit being reduced (its
+    from forward to backward (without resharding after forward, every layer's: ``gathered``);
+    sharded gradients exist in full twice for the unit being reduced (its
     gradients and the reduce-scatter buffer they are copied into), the largest unit being a layer
     or the root; replicated gradients on more than one rank also sit in DDP's buckets unless
     ``gradient_as_bucket_view``. Measured against FSDP2/FSDP1 on 2 ranks in
@@ -425,7 +426,9 @@ def estimate_memory(counts: ParameterCounts, shape: ModelShape, training: Traini
     trained = counts.trainable * training.param_bytes  # a frozen base has no gradients or optimizer states
     root = max(0, counts.total - shape.layers * shape.layer_params)
     transient = 0
-    if sharding.params > 1:
+    if sharding.gathered is not None:  # every layer's gathered parameters, kept from forward to backward
+        transient += -(-full // sharding.gathered)
+    elif sharding.params > 1:
         transient += int((2 * shape.layer_params + root) * stored)
     if sharding.grads > 1:
         transient += int(2 * max(shape.layer_params, root) * training.param_bytes * counts.trainable / counts.total)
@@ -520,7 +523,7 @@ def canonical_sharding(kind: str, world_size: int, gpus_per_node: int = 8) -> St
     from lit_ablate.strategies.state_sharding import StateSharding, deepspeed_sharding
 
     if kind == "fsdp2_no_reshard":
-        return StateSharding(params=1, grads=world_size, optimizer=world_size)
+        return StateSharding(params=world_size, grads=world_size, optimizer=world_size, gathered=1)
     if kind == "hsdp":
         return deepspeed_sharding(3, math.gcd(world_size, gpus_per_node))
     return deepspeed_sharding({"ddp": 0, "zero1": 1, "zero2": 2, "fsdp2": 3}[kind], world_size)

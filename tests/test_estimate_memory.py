@@ -109,7 +109,8 @@ def test_sharding_divides_state_and_adds_the_transients():
     assert counts.total - shape.layers * shape.layer_params == root
     assert fsdp.params == full // 4 and fsdp.transient == (4 * shape.layer_params + root) * 4  # + 2 layers' grads
     assert shape.layer_params == sum(p.numel() for p in model.lm.model.layers[0].parameters())
-    assert canonical_sharding("fsdp2_no_reshard", 4) == StateSharding(params=1, grads=4, optimizer=4)
+    no_reshard = estimate_memory(counts, shape, training, canonical_sharding("fsdp2_no_reshard", 4), 4)
+    assert no_reshard.params == full // 4 and no_reshard.transient == full + 2 * max(shape.layer_params, root) * 4
     assert canonical_sharding("hsdp", 16, gpus_per_node=8) == StateSharding(params=8, grads=8, optimizer=8)
     # the smallest count whose per-rank total fits a budget between the 2- and 3-rank totals
     totals = {n: estimate_memory(counts, shape, training, canonical_sharding("fsdp2", n), n).total for n in (2, 3)}
@@ -145,6 +146,7 @@ MEASURED_RUNS = [
     ("llama_fsdp1", "tiny-llama", {"num_hidden_layers": 2}, None, "FSDP1Strategy", {}),
     ("qwen3_fsdp2_chunked", "tiny-qwen3", {"vocab_size": 16384}, {"chunk_tokens": 32}, "FSDP2Strategy", {}),
     ("moe_fsdp2_selective", "tiny-qwen3-moe", {}, None, "FSDP2Strategy", {"activation_checkpointing": "selective"}),
+    ("llama_fsdp2_no_reshard", "tiny-llama", {}, None, "FSDP2Strategy", {"reshard_after_forward": False}),
 ]
 MICRO_BATCH, SEQ = 4, 32
 
@@ -188,7 +190,8 @@ def test_every_estimated_category_is_within_its_factor_of_the_measured_one(measu
     transient 0.97-1.83. Seen failing (each alone): the transient model of before this test (two
     gathered layers + one layer of gradients: the root's gathered embeddings/LM head and its full
     gradients twice were missing; 0.06 at a 16384-token vocabulary) and the chunked loss without
-    its forward-formed LM-head gradient (activations 0.63)."""
+    its forward-formed LM-head gradient (activations 0.63), and FSDP2 without resharding counted as
+    full parameters instead of stored shards plus a gathered transient copy (params 2.0)."""
     from lit_ablate import strategies
     from lit_ablate.estimate import AGREEMENT_FACTORS, compare_with_measured
     from lit_ablate.strategies.state_sharding import state_sharding_of

@@ -16,15 +16,20 @@ from lightning.pytorch.strategies import Strategy
 class StateSharding:
     """Divisors of each kind of training state, per rank, at the peak of a step.
 
-    Per-rank bytes = full bytes / divisor. ``params`` counts what is resident while the step runs:
-    ZeRO-2-like sharding keeps every layer's gathered parameters from forward to backward, so its
-    params divisor is 1 (only the gradients and optimizer states stay divided). Activations are
-    not here: data parallelism does not divide a micro-batch's activations.
+    Per-rank bytes = full bytes / divisor. ``params`` counts the stored parameters (DeepSpeed's
+    ZeRO-2 keeps full replicas: divisor 1; FSDP's no-reshard mode stores shards and keeps a gathered
+    copy, ``gathered``). Activations are not here: data parallelism does not divide a
+    micro-batch's activations.
     """
 
     params: int = 1
     grads: int = 1
     optimizer: int = 1
+    gathered: int | None = None
+    """Parameters kept gathered from each layer's forward to its backward (FSDP's ZeRO-2-like
+    mode): the divisor of that gathered copy (1, or the tensor-parallel size), which exists beside
+    the stored shards and is a transient at the step's peak (the tensor tracker sees it so). None:
+    gathered layer by layer and freed after use."""
 
 
 REPLICATED = StateSharding()
@@ -40,9 +45,11 @@ def deepspeed_sharding(stage: int, world_size: int) -> StateSharding:
 
 
 def fsdp1_sharding(sharding_strategy: str, world_size: int) -> StateSharding:
-    """FSDP1's ``FULL_SHARD`` is ZeRO-3, ``SHARD_GRAD_OP`` ZeRO-2, ``NO_SHARD`` DDP."""
-    stage = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 0}[sharding_strategy]
-    return deepspeed_sharding(stage, world_size)
+    """FSDP1's ``FULL_SHARD`` is ZeRO-3, ``NO_SHARD`` DDP; ``SHARD_GRAD_OP`` stores shards like
+    ZeRO-3 but keeps each unit's gathered parameters from forward to backward."""
+    if sharding_strategy == "SHARD_GRAD_OP":
+        return StateSharding(params=world_size, grads=world_size, optimizer=world_size, gathered=1)
+    return deepspeed_sharding({"FULL_SHARD": 3, "NO_SHARD": 0}[sharding_strategy], world_size)
 
 
 def state_sharding_of(strategy: Strategy | str, world_size: int) -> StateSharding:
