@@ -65,6 +65,20 @@ class ExpertLoRA(nn.Module):
         return f"experts={experts}, r={r}, scaling={self.scaling:g}"
 
 
+@torch.no_grad()
+def merge_expert_adapters(model: nn.Module) -> None:
+    """Add every expert adapter's update into its experts' weights and drop the adapters (export ``--merge``):
+    the experts then compute what they computed with the adapters, in the Hugging Face layout."""
+    from lit_ablate.models.moe_experts import RoutedExperts
+
+    for experts in model.modules():
+        if isinstance(experts, RoutedExperts) and experts.adapters is not None:
+            gate_up, down = experts.adapters(experts.gate_up_proj, experts.down_proj)
+            experts.gate_up_proj.copy_(gate_up)
+            experts.down_proj.copy_(down)
+            experts.adapters = None
+
+
 def _uniform_init(a: Tensor) -> Tensor:
     """peft's ``lora_A`` init per expert: ``kaiming_uniform_(a=sqrt(5))`` of an ``[r, in]`` matrix,
     i.e. uniform in ``+-1/sqrt(in)`` (torch's fan-in of a 3-D tensor would also count the expert dim)."""

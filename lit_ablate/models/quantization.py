@@ -171,6 +171,26 @@ def _load_quant_state(module: nn.Module, state_dict: dict, prefix: str, *args: o
         module.weight.quant_state = state
 
 
+def dequantized_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s state dict as the same model without quantisation holds it: every 4-bit weight
+    dequantised (bitsandbytes' ``dequantize_4bit``: exactly the matrix each forward multiplies by),
+    its quantisation-state entries dropped. What ``export --merge`` merges the adapters into."""
+    import bitsandbytes as bnb
+    from bitsandbytes.functional import dequantize_4bit
+
+    state = model.state_dict()
+    for name, module in model.named_modules():
+        if isinstance(module, bnb.nn.Linear8bitLt):
+            raise ConfigError("--merge", True, "merging into an 8-bit base is not built; export the adapter folder "
+                              "over the pretrained base")  # fmt: skip
+        if isinstance(module, bnb.nn.Linear4bit):
+            key = f"{name}.weight"
+            for entry in [k for k in state if k.startswith(key + ".")]:
+                del state[entry]
+            state[key] = dequantize_4bit(module.weight.data, module.weight.quant_state)
+    return state
+
+
 def is_quantized(param: torch.Tensor) -> bool:
     """Whether a parameter holds bitsandbytes-quantised storage (4-bit packed or int8)."""
     return param.dtype in (torch.uint8, torch.int8)

@@ -16,12 +16,17 @@ the same base: by default a peft adapter folder (``adapter_config.json`` +
 config, which no file holds, is written beside it in ``base_model/`` and named as the adapter's
 base), or with ``--merge`` one plain Hugging Face model with the adapters merged into its weights
 (``merge_and_unload``). A quantised (QLoRA) base exports as an adapter folder over its
-``pretrained`` checkpoint; merging into it is refused (peft would requantise the merged weights).
+``pretrained`` checkpoint, or with ``--merge`` (config-built bases too) as a plain full-precision
+model: the 4-bit weights are dequantised (what every forward multiplied by), then the adapters merged
+into them (peft's own merge into a 4-bit layer would requantise the sum). Expert adapters
+(``experts_r``) are lit-ablate's own, which a peft adapter folder cannot hold: they export with
+``--merge`` (added into the expert weights).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import warnings
@@ -31,7 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from lit_ablate.errors import ConfigError
-from lit_ablate.models.adapters import ADAPTER_NAME, has_adapters
+from lit_ablate.models.adapters import ADAPTER_NAME, apply_expert_adapters, has_adapters
+from lit_ablate.models.expert_adapters import merge_expert_adapters
+from lit_ablate.models.quantization import dequantized_state_dict
 from lit_ablate.path_checks import writable_dir
 
 BASE_MODEL_DIR = "base_model"
@@ -89,13 +96,16 @@ def _check_merge(module: Any, merge: bool) -> None:
     factory = module.factory
     if merge and factory.adapter is None:
         raise ConfigError("--merge", True, "the run trained no adapters: export it without --merge")
-    if merge and factory.quantization is not None:
-        raise ConfigError("--merge", True, "the base is quantised: peft would requantise the merged weights; export the "
-                          "adapter folder and merge it into the full-precision base (PeftModel.merge_and_unload)")
+    if merge:
+        return
     if factory.quantization is not None and not factory.pretrained:
         raise ConfigError("model.init_args.model.quantization", asdict(factory.quantization),
                           "a quantised base built from a config exists only quantised, which no Hugging Face folder "
-                          "holds; export QLoRA runs over a pretrained base")
+                          "holds; export with --merge (dequantised and merged), or train over a pretrained base")
+    if factory.adapter is not None and factory.adapter.experts_r is not None:
+        raise ConfigError("model.init_args.model.adapter.experts_r", factory.adapter.experts_r,
+                          "expert adapters are lit-ablate's own and a peft adapter folder cannot hold them; "
+                          "export with --merge")  # fmt: skip
 
 
 def _save_adapters(module: Any, output_dir: Path, merge: bool) -> None:
@@ -104,12 +114,22 @@ def _save_adapters(module: Any, output_dir: Path, merge: bool) -> None:
     from peft import get_peft_model
 
     factory, trained = module.factory, module.model.lm
-    base = factory.build(with_adapters=False)
+    state = trained.state_dict()
+    if merge:  # a full-precision base (a QLoRA base dequantised), with the expert adapters to merge too
+        base = dataclasses.replace(factory, quantization=None).build(with_adapters=False)
+        if factory.adapter.experts_r is not None:
+            apply_expert_adapters(base, factory.adapter)
+        if factory.quantization is not None:
+            state = dequantized_state_dict(trained)
+    else:
+        base = factory.build(with_adapters=False)
     base.config, base.generation_config = trained.config, trained.generation_config  # the tokenizer's special ids
     peft_model = get_peft_model(base, factory.adapter.lora_config(), adapter_name=ADAPTER_NAME)
-    peft_model.base_model.model.load_state_dict(trained.state_dict(), strict=True)
+    peft_model.base_model.model.load_state_dict(state, strict=True)
     if merge:
-        peft_model.merge_and_unload().save_pretrained(output_dir)
+        merged = peft_model.merge_and_unload()
+        merge_expert_adapters(merged)
+        merged.save_pretrained(output_dir)
         _apply_umask(output_dir.glob("*.safetensors"))
         return
     if not factory.pretrained:
