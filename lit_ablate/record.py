@@ -11,6 +11,7 @@ imports the other: both depend only on this module. A record is one JSON file pe
                       "device_name": ..., "device_count": ..., "world_size": ..., "git_commit": ...,
                       "triton_kernels": "compiled" | "interpreted" | null},  # interpreted: CPU opt-in
                                                 # (LIT_ABLATE_TRITON_INTERPRET=1); null: no triton
+                      "fp8": "real" | "emulated" | null,  # which fp8 matmuls ran (lit_ablate.models.fp8)
       "warmup_steps": 3,                        # steps excluded from the summary
       "resumed_from": null | {"checkpoint": "path", "step_offset": 3},  # a resumed fit: its steps are offset + 1, ...
       "fallbacks": ["..."],                     # every fallback a part took, in words

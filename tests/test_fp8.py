@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
+from lit_ablate.callbacks.mfu import PEAK_BF16_TFLOPS, MFUMonitor
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.fp8 import Fp8Options, convert_fp8, fp8_linear_names, resolve_emulation
@@ -195,3 +198,36 @@ def test_resume_is_exact(tmp_path):
     assert first["losses"] + resumed["losses"] == straight["losses"]
     for name, value in straight["weights"].items():
         assert torch.equal(resumed["weights"][name], value), name
+
+
+def _mfu_started(module_attrs: dict, device: str, monkeypatch) -> MFUMonitor:
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA H100 80GB HBM3")
+    trainer = SimpleNamespace(strategy=SimpleNamespace(), precision="bf16-mixed", world_size=1, local_rank=0)
+    module = SimpleNamespace(device=torch.device(device), **module_attrs)
+    monitor = MFUMonitor(measure_ceiling=False)
+    monitor.on_fit_start(trainer, module)
+    return monitor
+
+
+def test_mfu_divides_by_an_fp8_peak_only_when_real_fp8_kernels_ran(monkeypatch):
+    """Catches an emulated run divided by a peak (bf16's or fp8's) and a real fp8 run divided by bf16's."""
+    emulated = _mfu_started({"fp8_kernels": "emulated", "computes_in_fp8": False}, "cuda", monkeypatch)
+    assert emulated.peak_tflops is None and "fp8 is emulated" in emulated.peak_source
+    real = _mfu_started({"fp8_kernels": "real", "computes_in_fp8": True}, "cuda", monkeypatch)
+    assert real.peak_tflops == 2 * PEAK_BF16_TFLOPS["h100"] and real.peak_source.startswith("table (fp8)")
+    bf16 = _mfu_started({"fp8_kernels": None, "computes_in_fp8": False}, "cuda", monkeypatch)
+    assert bf16.peak_tflops == PEAK_BF16_TFLOPS["h100"]
+
+
+def test_the_run_record_says_which_fp8_ran(tmp_path):
+    from lit_ablate.callbacks import RunRecorder
+    from lit_ablate.record import read_record
+
+    pl.seed_everything(0, verbose=False)
+    module = CausalLM(ModelFactory(preset="tiny-llama", config=TINY, fp8={}), learning_rate=1e-2, warmup_steps=0)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=1, callbacks=[RunRecorder(path=str(tmp_path / "run.json"))],
+                         logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer.fit(module, DataLoader(micro_batches("reference")[:1], batch_size=None))
+    record = read_record(tmp_path / "run.json")
+    assert record["environment"]["fp8"] == "emulated"
+    assert any(f.startswith("fp8 emulated in fp32 matmuls: fp8 kernels need a CUDA GPU") for f in record["fallbacks"])

@@ -28,12 +28,15 @@ PEAK_BF16_TFLOPS: dict[str, float] = {
     "mi325x": 1307.0,
     "mi355x": 2500.0,
 }
+PEAK_FP8_TFLOPS: dict[str, float] = {key: 2 * peak for key, peak in PEAK_BF16_TFLOPS.items() if key != "a100"}
+"""Dense fp8 peaks: twice bf16's on every listed part with fp8 tensor cores (Hopper, Blackwell, MI300
+series: their spec sheets); the A100 has none."""
 
 
-def peak_tflops_of(device_name: str) -> float | None:
-    """The table's bf16 peak for a device name, or None when the device is not in it."""
+def peak_tflops_of(device_name: str, table: dict[str, float] = PEAK_BF16_TFLOPS) -> float | None:
+    """The table's peak (bf16 by default) for a device name, or None when the device is not in it."""
     name = device_name.lower()
-    return next((peak for key, peak in PEAK_BF16_TFLOPS.items() if key in name), None)
+    return next((peak for key, peak in table.items() if key in name), None)
 
 
 def runs_in_fp8(trainer: Trainer, pl_module: LightningModule) -> bool:
@@ -107,8 +110,15 @@ class MFUMonitor(StepMonitor):
     def _set_peak(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.peak_tflops is not None:
             self.peak_source = "peak_tflops (user)"
+        elif getattr(pl_module, "fp8_kernels", None) == "emulated":  # lit_ablate.models.fp8 on a device without fp8 kernels
+            self._unavailable("fp8 is emulated (fp32 matmuls of fp8-rounded operands): no fp8 peak applies", warn=False)
         elif runs_in_fp8(trainer, pl_module):
-            self._unavailable("the run computes in fp8 and the table holds bf16 peaks; set peak_tflops", warn=True)
+            name = torch.cuda.get_device_name(pl_module.device) if pl_module.device.type == "cuda" else pl_module.device.type
+            self.peak_tflops = peak_tflops_of(name, PEAK_FP8_TFLOPS)
+            if self.peak_tflops is None:
+                self._unavailable(f"the run computes in fp8 and {name!r} is not in the fp8 peak table; set peak_tflops", warn=True)
+            else:
+                self.peak_source = f"table (fp8): {name}"
         elif pl_module.device.type != "cuda":
             # Expected on a CPU: recorded, not warned about on every run.
             self._unavailable(f"no peak is known for device type {pl_module.device.type!r}; set peak_tflops", warn=False)

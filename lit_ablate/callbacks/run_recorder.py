@@ -45,6 +45,7 @@ def environment(trainer: Trainer) -> dict[str, Any]:
         "cpu_count": os.cpu_count(), "hostname": platform.node(), "git_commit": _git_commit(),
         "strategy": type(trainer.strategy).__name__, "precision": str(trainer.precision),
         "triton_kernels": triton_interpreter.kernel_mode(),
+        "fp8": getattr(trainer.lightning_module, "fp8_kernels", None),  # real / emulated fp8 matmuls, or null
     }
 
 
