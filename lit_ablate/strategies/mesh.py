@@ -215,7 +215,7 @@ class MeshStrategy(ModelParallelStrategy):
         gradients alike are divided by this size (``ExpertParallelStrategy`` sets its experts'
         divide factor to it), including context-parallel ranks, whose shards of one sequence
         would otherwise be averaged instead of summed."""
-        size = self.world_size // self.mesh_sizes["tp"]
+        size = math.prod(self.mesh_sizes.values()) // self.mesh_sizes["tp"]  # also before a Trainer sets world_size
         if size == 1:
             return None, 1
         if self.mesh_sizes["tp"] == 1:
