@@ -1,4 +1,4 @@
-"""Data set-up at scale: time and peak memory per rank of the in-memory path.
+"""Data set-up at scale: time and peak memory per rank, in-memory path vs token cache.
 
 Run by hand (never in CI):  python benchmarks/data_setup.py [--mb 8 32] [--seq-len 128]
 
@@ -6,15 +6,24 @@ The script writes a generated JSONL corpus of each size in ``--mb`` (documents o
 ``SyntheticText``'s grammar, log-normal lengths) to a temporary directory, then runs
 ``LMDataModule.setup`` (``LocalFiles`` source, byte tokenizer, ``pretrain`` format) in a fresh
 Python process per measurement, as one rank of a run would, and reads that process's peak
-resident set (``ru_maxrss``) before and after set-up and one epoch's first 20 batches. The data
-layer's memory is the growth over the process's peak after imports.
+resident set (``VmHWM``) before and after set-up and one epoch's first 20 batches. The data
+layer's memory is the growth over the process's peak after imports; the private (anonymous) RSS
+at the end is shown too.
 
 Each process measures one path:
 
-- ``memory``: today's path, every example a Python-held tensor in every rank.
+- ``memory``: ``storage: memory``, every example a Python-held tensor in every rank;
+- ``build``: ``storage: cache`` with an empty cache directory (tokenise and write the entry);
+- ``hit``: ``storage: cache`` again (what every other rank and run of a study pays).
 
-The defaults (8 and 32 MB) run in about a minute on an idle 2-core machine; the issue's "few
-hundred MB" is ``--mb 64 256`` (the in-memory path then needs ~5 GB per rank and minutes).
+Then the largest corpus is built again with ``--workers`` tokenising processes, for tokens/s of
+tokenisation with 1 vs N processes. The defaults (8 and 32 MB) take 1-2 minutes on an idle
+2-core machine; the issue's "few hundred MB" is ``--mb 64 256`` (the in-memory path then needs
+~7 GB per rank; ``--skip-memory`` measures only the cache).
+
+Last lines: ``RESULT data_setup_cache_hit_ratio=<hit set-up / in-memory set-up, largest corpus>``,
+``RESULT data_rss_mib_per_gib_corpus=<slope of the cache hit's RSS growth over corpus size>`` (and
+the in-memory path's slope), ``RESULT data_tokenise_tokens_per_s_workers_<N>=...``.
 """
 
 from __future__ import annotations
@@ -23,7 +32,6 @@ import argparse
 import json
 import math
 import random
-import resource
 import subprocess
 import sys
 import tempfile
@@ -49,28 +57,39 @@ def generate_corpus(path: Path, megabytes: float, seed: int = 0) -> int:
     return written
 
 
-def _max_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+def _status_mib(field: str) -> float:
+    """A ``/proc/self/status`` field in MiB. ``VmHWM`` (peak RSS) rather than ``ru_maxrss``, which a
+    child process inherits from its parent; ``RssAnon``: the private part (not mapped file pages,
+    which are shared with every rank reading the same cache and which the kernel can drop)."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(f"{field}:"))
+    return int(line.split()[1]) / 1024
 
 
-def measure(path: str, mode: str, seq_len: int) -> dict[str, float]:
+def measure(path: str, mode: str, seq_len: int, cache_dir: str, workers: int) -> dict[str, float]:
     """One rank's set-up of ``path`` by ``mode``, in this (fresh) process."""
     from lit_ablate.data import LMDataModule, LocalFiles
 
-    before = _max_rss_mib()
+    before = _status_mib("VmHWM")
     start = time.perf_counter()
-    dm = LMDataModule(LocalFiles(path), format="pretrain", seq_len=seq_len, batch_size=8)
+    storage = "memory" if mode == "memory" else "cache"
+    dm = LMDataModule(LocalFiles(path), format="pretrain", seq_len=seq_len, batch_size=8, storage=storage,
+                      cache_dir=cache_dir, tokenize_workers=workers)
     dm.setup("fit")
     setup_s = time.perf_counter() - start
     loader = iter(dm.train_dataloader())
     tokens = sum(int(next(loader)["input_ids"].numel()) for _ in range(BATCHES))
-    return {"setup_s": setup_s, "rss_before_mib": before, "rss_peak_mib": _max_rss_mib(),
-            "examples": len(dm.train_set), "batch_tokens": tokens}
+    if mode != "memory" and dm.setup_record["cache_hit"] != (mode == "hit"):
+        raise RuntimeError(f"{mode}: expected cache_hit={mode == 'hit'}, got {dm.setup_record}")
+    return {"setup_s": setup_s, "rss_before_mib": before, "rss_peak_mib": _status_mib("VmHWM"),
+            "anon_after_mib": _status_mib("RssAnon"),
+            "examples": len(dm.train_set), "tokens": int(sum(dm.train_set.lengths)), "batch_tokens": tokens}
 
 
-def run_child(path: Path, mode: str, seq_len: int) -> dict[str, float]:
+def run_child(path: Path, mode: str, seq_len: int, cache_dir: Path, workers: int = 0) -> dict[str, float]:
     out = subprocess.run(
-        [sys.executable, __file__, "--child", mode, "--corpus", str(path), "--seq-len", str(seq_len)],
+        [sys.executable, __file__, "--child", mode, "--corpus", str(path), "--seq-len", str(seq_len),
+         "--cache-dir", str(cache_dir), "--workers", str(workers)],
         check=True, capture_output=True, text=True,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -87,27 +106,46 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=float, nargs="+", default=[8, 32], help="corpus sizes in MB (two or more)")
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--child", choices=["memory"], help=argparse.SUPPRESS)
+    parser.add_argument("--workers", type=int, default=2, help="tokenising processes for the 1-vs-N comparison")
+    parser.add_argument("--skip-memory", action="store_true", help="measure only the token cache")
+    parser.add_argument("--child", choices=["memory", "build", "hit"], help=argparse.SUPPRESS)
     parser.add_argument("--corpus", help=argparse.SUPPRESS)
+    parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure(args.corpus, args.child, args.seq_len)))
+        print(json.dumps(measure(args.corpus, args.child, args.seq_len, args.cache_dir, args.workers)))
         return
-    rows = []
+    rows: dict[tuple[str, float], dict] = {}
+    modes = ["build", "hit"] if args.skip_memory else ["memory", "build", "hit"]
+    print(f"{'corpus':>9} {'path':>7} {'set-up s':>9} {'peak RSS MiB':>13} {'+ over imports':>15} {'anon MiB':>9} "
+          f"{'examples':>9}")
     with tempfile.TemporaryDirectory(prefix="data_setup-") as tmp:
         for mb in args.mb:
             corpus = Path(tmp) / f"corpus_{mb:g}mb.jsonl"
-            size = generate_corpus(corpus, mb)
-            result = run_child(corpus, "memory", args.seq_len)
-            growth = result["rss_peak_mib"] - result["rss_before_mib"]
-            rows.append((size / 1e6, "memory", result, growth))
-            print(f"{size / 1e6:7.1f} MB  memory  set-up {result['setup_s']:7.2f} s  peak RSS {result['rss_peak_mib']:8.0f} MiB"
-                  f"  (+{growth:.0f} MiB over imports)  {result['examples']} examples", flush=True)
-    memory = [r for r in rows if r[1] == "memory"]
-    if len(memory) >= 2:
-        print(f"RESULT data_rss_mib_per_gib_corpus_memory={slope_mib_per_gib([r[0] for r in memory], [r[3] for r in memory]):.0f}")
-        per_mb = sum(r[2]["setup_s"] for r in memory) / sum(r[0] for r in memory)
-        print(f"RESULT data_setup_s_per_mb_memory={per_mb:.3f}")
+            size = generate_corpus(corpus, mb) / 1e6
+            for mode in modes:
+                result = run_child(corpus, mode, args.seq_len, Path(tmp) / f"cache_{mb:g}")
+                result["growth_mib"] = result["rss_peak_mib"] - result["rss_before_mib"]
+                rows[mode, size] = result
+                print(f"{size:7.1f}MB {mode:>7} {result['setup_s']:9.2f} {result['rss_peak_mib']:13.0f} "
+                      f"{result['growth_mib']:15.0f} {result['anon_after_mib']:9.0f} {result['examples']:9d}", flush=True)
+        largest = max(size for _, size in rows)
+        speeds = {1: rows["build", largest]["tokens"] / rows["build", largest]["setup_s"]}
+        result = run_child(Path(tmp) / f"corpus_{max(args.mb):g}mb.jsonl", "build", args.seq_len,
+                           Path(tmp) / "cache_workers", args.workers)
+        speeds[args.workers] = result["tokens"] / result["setup_s"]
+        for workers, speed in speeds.items():
+            print(f"tokenise + write, {workers} process(es): {speed:,.0f} tokens/s")
+    sizes = sorted({size for _, size in rows})
+    if "memory" in modes:
+        print(f"RESULT data_setup_cache_hit_ratio={rows['hit', largest]['setup_s'] / rows['memory', largest]['setup_s']:.4f}")
+    if len(sizes) >= 2:
+        for mode, name in (("hit", "data_rss_mib_per_gib_corpus"), ("memory", "data_rss_mib_per_gib_corpus_memory")):
+            if mode in modes:
+                slope = slope_mib_per_gib(sizes, [rows[mode, size]["growth_mib"] for size in sizes])
+                print(f"RESULT {name}={slope:.0f}")
+    for workers, speed in speeds.items():
+        print(f"RESULT data_tokenise_tokens_per_s_workers_{workers}={speed:.0f}")
 
 
 if __name__ == "__main__":
