@@ -67,9 +67,9 @@ def reference(case: str) -> dict[str, torch.Tensor]:
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
-def _sharded(rank: int, world_size: int, impl: str, layout_name: str, case: str) -> dict[str, torch.Tensor]:
+def _sharded(rank: int, world_size: int, impl: str, layout_name: str, case: str, device: str = "cpu") -> dict[str, torch.Tensor]:
     layout = SequenceLayout(layout_name, world_size)
-    x = inputs(case)
+    x = {name: t.to(device) for name, t in inputs(case).items()}
     q, k, v = (layout.shard(x[n], rank, dim=2).requires_grad_() for n in "qkv")
     module = nn.Module()
     setattr(module, CONTEXT_PARALLEL_ATTRIBUTE, ContextParallelGroup(dist.group.WORLD, layout, rank))
@@ -77,7 +77,7 @@ def _sharded(rank: int, world_size: int, impl: str, layout_name: str, case: str)
     out, _ = CONTEXT_PARALLEL_BACKENDS[impl](module, q, k, v, padding, position_ids=layout.shard(x["position_ids"], rank))
     out = out.transpose(1, 2)
     out.backward(layout.shard(x["grad"], rank, dim=2))
-    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    return {"out": out.detach().cpu(), "dq": q.grad.cpu(), "dk": k.grad.cpu(), "dv": v.grad.cpu()}
 
 
 def _all_cases(rank: int, world_size: int) -> dict[str, dict[str, torch.Tensor]]:
@@ -85,7 +85,8 @@ def _all_cases(rank: int, world_size: int) -> dict[str, dict[str, torch.Tensor]]
             for impl in IMPLS for layout in LAYOUTS for case in DOCUMENTS}  # fmt: skip
 
 
-def assert_equals_reference(shards: list[dict[str, torch.Tensor]], layout: SequenceLayout, case: str) -> None:
+def assert_equals_reference(shards: list[dict[str, torch.Tensor]], layout: SequenceLayout, case: str,
+                            atol: float = ATOL) -> None:  # fmt: skip
     expected = reference(case)
     real = inputs(case)["padding"].bool()[:, None, :, None]
     for name in ("out", "dq", "dk", "dv"):
@@ -93,12 +94,12 @@ def assert_equals_reference(shards: list[dict[str, torch.Tensor]], layout: Seque
         want = expected[name]
         if name in ("out", "dq"):
             got, want = got * real, want * real
-        torch.testing.assert_close(got, want, rtol=0, atol=ATOL, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(got, want, rtol=0, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
-    return run_ranks(_all_cases, 2)
+    return run_ranks(_all_cases_then_cuda_kernels, 2)
 
 
 @pytest.mark.parametrize("case", list(DOCUMENTS))
@@ -163,3 +164,117 @@ def test_zigzag_balances_attention_work(size):
     assert len(set(zigzag)) == 1, zigzag
     c = T // size
     assert contiguous == [r * c * c + c * (c + 1) // 2 for r in range(size)]
+
+
+# --- the CUDA block kernels ---------------------------------------------------------------------
+# On CPU: the CUDA kernels' adapters (``cuda_block_forward``/``_backward``: K/V heads expanded for
+# the kernel and their gradients summed back, the bias laid out as the kernel reads it, the padded
+# log-sum-exp cut and re-padded, rows that see no key zeroed) run against stand-ins of torch's
+# CUDA memory-efficient op, written from its contract (its meta registration's shapes, the
+# flash-attention backward from the whole output and log-sum-exp) and strict about it: equal
+# heads, a [B, H, Q, K] bias with 16-aligned rows, a log-sum-exp padded to 32 queries (NaN in the
+# padding), NaN output for rows that see no key (the worst a kernel may return). Then ring and
+# all-gather through them must equal full SDPA as the CPU kernel does. Seen failing with the adapter
+# broken on purpose (by hand, once each): summing dK/dV over the wrong head axis (``view(b, groups,
+# h // groups, ...)``: dk/dv off by O(1), GQA); not zeroing rows that see no key (packed and padded
+# outputs NaN). On a GPU the real op runs (``@pytest.mark.gpu``, 1 GPU, and 2 GPUs over NCCL).
+
+GPU_ATOL = 1e-4
+"""fp32 on a GPU: another kernel's summation order (and no TF32 in the memory-efficient kernel)."""
+
+
+def _scores(q, k, bias, is_causal, scale):
+    scores = (q @ k.transpose(-1, -2)) * (scale or q.shape[-1] ** -0.5)
+    if bias is not None:
+        scores = scores + bias
+    if is_causal:
+        scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    return scores
+
+
+def _padded_rows(q):
+    return -(-q.shape[2] // 32) * 32
+
+
+def _efficient_attention_stand_in(q, k, v, bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, scale=None):
+    assert q.shape[1] == k.shape[1] == v.shape[1], "the memory-efficient kernel wants equal query and key heads"
+    assert bias is None or (bias.shape == (*q.shape[:3], k.shape[2]) and bias.stride(-2) % 16 == 0), "bias layout"
+    assert compute_log_sumexp and dropout_p == 0.0
+    scores = _scores(q, k, bias, is_causal, scale)
+    lse = torch.nn.functional.pad(scores.logsumexp(-1), (0, _padded_rows(q) - q.shape[2]), value=float("nan"))
+    no_seed = torch.zeros((), dtype=torch.long)
+    return torch.softmax(scores, -1) @ v, lse, no_seed, no_seed  # softmax of a row without keys: NaN
+
+
+def _efficient_attention_backward_stand_in(grad_out, q, k, v, bias, out, lse, seed, offset, dropout_p, grad_input_mask,
+                                           is_causal=False, scale=None):  # fmt: skip
+    assert q.shape[1] == k.shape[1] and lse.shape[-1] == _padded_rows(q), "heads or log-sum-exp layout"
+    p = torch.exp(_scores(q, k, bias, is_causal, scale) - lse[..., : q.shape[2], None])
+    ds = p * (grad_out @ v.transpose(-1, -2) - (grad_out * out).sum(-1, keepdim=True))
+    s = scale or q.shape[-1] ** -0.5
+    return ds @ k * s, ds.transpose(-1, -2) @ q * s, p.transpose(-1, -2) @ grad_out, None
+
+
+def _use_cuda_kernels_on_cpu(set_attribute) -> None:
+    set_attribute(block_module.BLOCK_KERNELS, "cpu", block_module.BLOCK_KERNELS["cuda"])
+    set_attribute(torch.ops.aten, "_scaled_dot_product_efficient_attention", _efficient_attention_stand_in)
+    set_attribute(torch.ops.aten, "_scaled_dot_product_efficient_attention_backward",
+                  _efficient_attention_backward_stand_in)  # fmt: skip
+
+
+def _set(target, name, value) -> None:
+    if isinstance(target, dict):
+        target[name] = value
+    else:
+        setattr(target, name, value)
+
+
+def _all_cases_then_cuda_kernels(rank: int, world_size: int) -> dict[str, dict[str, torch.Tensor]]:
+    """``_all_cases``, then (one rank group for both) ring and all-gather through the CUDA kernels."""
+    cases = _all_cases(rank, world_size)
+    _use_cuda_kernels_on_cpu(_set)  # a rank process of its own: nothing to restore
+    return cases | {f"cuda_kernels-{impl}-{case}": _sharded(rank, world_size, impl, "zigzag", case)
+                    for impl in IMPLS for case in ("packed", "padded")}  # fmt: skip
+
+
+def test_cuda_block_kernels_compute_full_attention_on_one_rank(monkeypatch):
+    """One rank, zigzag: two chunks, so three blocks merge per call (masked, causal, skipped)."""
+    _use_cuda_kernels_on_cpu(lambda target, name, value: (monkeypatch.setitem if isinstance(target, dict)
+                                                          else monkeypatch.setattr)(target, name, value))  # fmt: skip
+    for impl in IMPLS:
+        for case in DOCUMENTS:
+            assert_equals_reference([_sharded(0, 1, impl, "zigzag", case)], SequenceLayout("zigzag", 1), case)
+
+
+def test_cuda_block_kernels_compute_full_attention_on_two_ranks(two_ranks):
+    for name in (n for n in two_ranks[0] if n.startswith("cuda_kernels-")):
+        assert_equals_reference([r[name] for r in two_ranks], SequenceLayout("zigzag", 2), name.split("-")[2])
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gpu_block_kernels_equal_full_attention(impl):
+    """The real memory-efficient op on one GPU (zigzag over one rank: merged blocks, every case)."""
+    for case in DOCUMENTS:
+        got = _sharded(0, 1, impl, "zigzag", case, device="cuda")
+        assert_equals_reference([got], SequenceLayout("zigzag", 1), case, atol=GPU_ATOL)
+
+
+def _on_gpus(rank: int, world_size: int) -> dict[str, dict[str, torch.Tensor]]:
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world_size)
+    return {f"{impl}-{layout}-{case}": _sharded(rank, world_size, impl, layout, case, device="cuda")
+            for impl in IMPLS for layout in LAYOUTS for case in DOCUMENTS}  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_gpu_ring_and_allgather_on_two_gpus_equal_one_process():
+    shards = run_ranks(_on_gpus, 2, init_process_group=False)
+    for name in shards[0]:
+        _, layout, case = name.split("-")
+        assert_equals_reference([s[name] for s in shards], SequenceLayout(layout, 2), case, atol=GPU_ATOL)

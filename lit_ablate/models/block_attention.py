@@ -1,8 +1,9 @@
 """Attention of query chunks over key chunks, one block kernel per (query chunk, key chunk) pair.
 
 What both context-parallel implementations compute once the keys are at hand: every pair runs
-through ATen's CPU flash-attention op, which takes a mask and returns the block's log-sum-exp;
-blocks are merged by their log-sum-exps in fp32, so the result is the softmax over all keys.
+through a kernel that takes a mask and returns the block's log-sum-exp (on CPU ATen's flash op,
+on CUDA torch's memory-efficient op: ``BLOCK_KERNELS``); blocks are merged by their log-sum-exps
+in fp32, so the result is the softmax over all keys.
 Pairs where no query sees a key are skipped and the others run unmasked or plain causal when
 they can (``ChunkMasks.block``), so no ``[T, T]`` mask is ever built or saved. The backward
 recomputes each block from the *whole* output and log-sum-exp (the flash-attention backward).
@@ -13,7 +14,8 @@ Written by hand because torch's ``context_parallel`` has no CPU path (PLATFORM_N
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor
@@ -26,12 +28,11 @@ chunk the whole sequence."""
 
 
 def block_forward(q: Tensor, k: Tensor, v: Tensor, block: BlockMask, scale: float | None) -> tuple[Tensor, Tensor]:
-    """One block's ``(output, fp32 log-sum-exp)``; rows that see no key get a log-sum-exp of -inf
-    (the kernel reports 0 for them, which a merge would count as weight)."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, block.causal, attn_mask=block.additive(q.dtype), scale=scale
-    )
+    """One block's ``(output, fp32 log-sum-exp)``; rows that see no key get an output of 0 and a
+    log-sum-exp of -inf (kernels report 0 or NaN for them, which a merge would count as weight)."""
+    out, lse = BLOCK_KERNELS[q.device.type][0](q, k, v, block, scale)
     if block.rows is not None:
+        out = out.masked_fill(~block.rows[..., None], 0.0)
         lse = lse.masked_fill(~block.rows, float("-inf"))
     return out, lse
 
@@ -40,9 +41,83 @@ def block_backward(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, block: BlockMask, scale: float | None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One block's ``(dq, dk, dv)`` given the *whole* attention's output and log-sum-exp."""
+    return BLOCK_KERNELS[q.device.type][1](grad_out, q, k, v, out, lse, block, scale)
+
+
+def cpu_block_forward(q: Tensor, k: Tensor, v: Tensor, block: BlockMask, scale: float | None) -> tuple[Tensor, Tensor]:
+    """ATen's CPU flash op: GQA, masks of the query's dtype and the log-sum-exp built in."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, block.causal, attn_mask=block.additive(q.dtype), scale=scale
+    )
+
+
+def cpu_block_backward(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, block: BlockMask, scale: float | None
+) -> tuple[Tensor, Tensor, Tensor]:
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         grad_out, q, k, v, out, lse, 0.0, block.causal, attn_mask=block.additive(q.dtype), scale=scale
     )
+
+
+def cuda_block_forward(q: Tensor, k: Tensor, v: Tensor, block: BlockMask, scale: float | None) -> tuple[Tensor, Tensor]:
+    """torch's CUDA memory-efficient op (``_scaled_dot_product_efficient_attention``): the CUDA
+    kernel in every torch build that takes a mask and returns the log-sum-exp (flash has no mask).
+    Its contract, handled here: equal query and key heads (K/V expanded for the kernel only, never
+    on the wire), a ``[B, H, Q, K]`` bias whose rows are 16-element aligned, and a log-sum-exp
+    padded to a multiple of 32 queries (except on ROCm), cut back here."""
+    groups = q.shape[1] // k.shape[1]
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q.contiguous(), _expand_heads(k, groups), _expand_heads(v, groups), _efficient_bias(block, q, k), True,
+        0.0, block.causal, scale=scale,
+    )  # fmt: skip
+    return out, lse[..., : q.shape[-2]]
+
+
+def cuda_block_backward(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, block: BlockMask, scale: float | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    groups = q.shape[1] // k.shape[1]
+    rows = q.shape[-2]
+    padded = rows if torch.version.hip else math.ceil(rows / 32) * 32
+    lse = torch.nn.functional.pad(lse, (0, padded - rows))
+    no_dropout = torch.zeros((), dtype=torch.long)  # seed and offset: unread without dropout
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        grad_out.contiguous(), q.contiguous(), _expand_heads(k, groups), _expand_heads(v, groups),
+        _efficient_bias(block, q, k), out.contiguous(), lse.contiguous(), no_dropout, no_dropout, 0.0,
+        [True, True, True, False], block.causal, scale=scale,
+    )  # fmt: skip
+    return dq, _sum_heads(dk, groups), _sum_heads(dv, groups)
+
+
+def _expand_heads(t: Tensor, groups: int) -> Tensor:
+    """``[B, H_kv, T, D]`` -> ``[B, H_kv * groups, T, D]``, query head h using K/V head h // groups (GQA)."""
+    b, h, n, d = t.shape
+    return t[:, :, None].expand(b, h, groups, n, d).reshape(b, h * groups, n, d).contiguous()
+
+
+def _sum_heads(t: Tensor, groups: int) -> Tensor:
+    """The gradient of ``_expand_heads``: each K/V head sums its query heads' gradients."""
+    b, h, n, d = t.shape
+    return t.view(b, h // groups, groups, n, d).sum(2)
+
+
+def _efficient_bias(block: BlockMask, q: Tensor, k: Tensor) -> Tensor | None:
+    """The block's mask as the memory-efficient kernel reads a bias: ``[B, H, Q, K]`` (heads
+    broadcast), each row starting on a 16-element boundary (allocated wider, then cut)."""
+    if block.mask is None:
+        return None
+    b, _, rows, keys = block.mask.shape
+    aligned = torch.zeros((b, 1, rows, math.ceil(keys / 16) * 16), dtype=q.dtype, device=q.device)
+    bias = aligned[..., :keys].masked_fill_(~block.mask, float("-inf"))
+    return bias.expand(b, q.shape[1], rows, keys)
+
+
+BlockKernel = tuple[Callable[..., tuple[Tensor, Tensor]], Callable[..., tuple[Tensor, Tensor, Tensor]]]
+BLOCK_KERNELS: dict[str, BlockKernel] = {
+    "cpu": (cpu_block_forward, cpu_block_backward),
+    "cuda": (cuda_block_forward, cuda_block_backward),
+}
+"""Device type -> ``(forward, backward)`` block kernels (``ContextParallelStrategy`` refuses other devices)."""
 
 
 def merge_block(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:

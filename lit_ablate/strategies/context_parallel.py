@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from lit_ablate.errors import ConfigError
+from lit_ablate.models.block_attention import BLOCK_KERNELS
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
 from lit_ablate.models.context_parallel_attention import (
     CONTEXT_PARALLEL_ATTRIBUTE,
@@ -55,7 +56,7 @@ class ContextParallelStrategy(FSDP2Strategy):
         cp_impl: ``ring`` (K/V passed rank to rank, point to point, overlapped with the block
             computation) or ``allgather`` (one all-gather of K/V per layer, reduce-scatter of
             dK/dV in backward; more memory, fewer messages). Both compute their blocks with
-            ATen's CPU flash-attention op: CPU only so far.
+            ATen's flash-attention op on CPU and torch's memory-efficient op on CUDA.
         cp_layout: ``zigzag`` (each rank holds a head and a tail chunk: equal causal attention
             work on every rank) or ``contiguous`` (rank r holds the r-th slice: the last rank does
             ``2 cp - 1`` times the attention work of the first).
@@ -77,10 +78,10 @@ class ContextParallelStrategy(FSDP2Strategy):
         self._cp_models: list[CausalLMWithLoss] = []
 
     def setup_environment(self) -> None:
-        if self.root_device.type != "cpu":
+        if self.root_device.type not in BLOCK_KERNELS:
             raise ConfigError("trainer.accelerator", self.root_device.type,
-                              "context-parallel attention computes its blocks with ATen's CPU flash-attention op; "
-                              "a GPU block kernel (flash-attn, flex) is not built yet: run it on CPU")
+                              f"context-parallel attention has block kernels for {' and '.join(BLOCK_KERNELS)} "
+                              "devices only (ATen's CPU flash op, torch's CUDA memory-efficient op); use one of them")
         super().setup_environment()
 
     @property
