@@ -189,7 +189,7 @@ def test_flops_count_the_reference_forward():
     ({"reference": "adapter"}, "reference='adapter': the adapter-disabled policy needs adapters"),
     ({"reference": "copy"}, "reference='copy': choose one of"),
     ({"reference_cache": "x.pt"}, "only reference: precomputed"),
-    ({"logprobs": "liger"}, "logprobs='liger': choose one of"),
+    ({"logprobs": "fused"}, "logprobs='fused': choose one of"),
 ])
 def test_bad_module_options_name_the_key(kwargs: dict, message: str):
     with pytest.raises(ConfigError, match=message):

@@ -32,15 +32,16 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None
 
 
 def perturbed(loss_type: str, reference: str, logprobs: str, options: dict | None = None) -> DPO:
-    """The tiny Llama policy moved 0.02 x noise away from its (frozen) initial weights."""
+    """The tiny Llama policy moved 0.02 x noise away from its (frozen) initial weights (as ``tests/test_dpo.module``)."""
     torch.manual_seed(0)
     dpo = DPO(ModelFactory(preset="tiny-llama", attn_implementation="sdpa"), loss_type=loss_type, beta=0.5,
               reference=reference, logprobs=logprobs, logprobs_options=options)
     dpo.configure_model()
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        for p in dpo.model.parameters():
-            p.add_(0.02 * torch.randn(p.shape, generator=generator))
+        for p in dpo.model.parameters():  # not Liger's frozen copy of the reference head
+            if p.requires_grad:
+                p.add_(0.02 * torch.randn(p.shape, generator=generator))
     return dpo
 
 

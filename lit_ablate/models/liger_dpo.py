@@ -17,9 +17,11 @@ refused when the run is configured (``check_liger_dpo``) rather than computed di
   be passed in (Liger only takes reference hidden states), nor, for now, the adapter-disabled
   policy (untested).
 
-The frozen reference's LM-head weight is read by Liger as one tensor; it is kept as a frozen copy
-of the initial head beside the policy (``LigerDPOPolicy.reference_head``: ``vocab x hidden`` more
-per rank, never sharded), so no sharding wrapper has to hand out a gathered parameter.
+The frozen reference's LM-head weight is read by Liger as one tensor inside the policy's forward; it
+is kept as a frozen copy of the initial head inside the policy (``LigerDPOPolicy.reference_head``,
+parameters without gradients: a sharding strategy shards it with the policy's root and gathers it
+for the forward, as it does the policy's own head), so no wrapper has to hand out a gathered
+parameter of another module. DPO counts it in the ``reference`` memory category.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from lit_ablate.errors import ConfigError
@@ -115,10 +117,11 @@ class LigerDPOPolicy(SequenceLogProbs):
     def __init__(self, lm: PreTrainedModel, loss_fn: LigerDPOLoss, frozen_reference: bool) -> None:
         super().__init__(lm, loss_fn)
         head = lm.get_output_embeddings()
-        self.register_buffer("reference_head", head.weight.detach().clone() if frozen_reference else None,
-                             persistent=False)
-        self.register_buffer("reference_bias", None if head.bias is None or not frozen_reference
-                             else head.bias.detach().clone(), persistent=False)
+        self.reference_head = nn.Linear(head.in_features, head.out_features, bias=head.bias is not None,
+                                        device=head.weight.device, dtype=head.weight.dtype) if frozen_reference else None
+        if self.reference_head is not None:
+            self.reference_head.load_state_dict(head.state_dict())
+            self.reference_head.requires_grad_(False)
 
     def forward(self, batch: dict[str, Any], reference_hidden: Tensor | None = None) -> PairStep:  # type: ignore[override]
         check_padded_batch(batch)
@@ -126,8 +129,7 @@ class LigerDPOPolicy(SequenceLogProbs):
         head = self.lm.get_output_embeddings()
         reference = None
         if reference_hidden is not None:
-            reference = (reference_hidden.to(hidden.dtype), self.reference_head.to(head.weight.dtype),
-                         None if self.reference_bias is None else self.reference_bias.to(head.weight.dtype))
+            reference = (reference_hidden.to(hidden.dtype), self.reference_head.weight, self.reference_head.bias)
         return self.loss_fn(hidden, head.weight, batch["labels"], head.bias, reference)
 
 

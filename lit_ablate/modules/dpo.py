@@ -18,7 +18,7 @@ from transformers import PreTrainedModel
 from lit_ablate.data.datamodule import LMDataModule
 from lit_ablate.data.preference_collate import PreferencePaddingCollator
 from lit_ablate.errors import ConfigError
-from lit_ablate.estimate import batch_model_flops
+from lit_ablate.estimate import batch_model_flops, preference_flops_factor
 from lit_ablate.models.adapters import adapters_disabled
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.liger_dpo import LIGER, LigerDPOPolicy, liger_dpo_loss
@@ -32,10 +32,6 @@ from lit_ablate.modules.step_output import StepOutput
 
 Reference = Literal["frozen", "adapter", "precomputed", "none"]
 REFERENCES = ("frozen", "adapter", "precomputed", "none")
-RUNS_REFERENCE = ("frozen", "adapter")
-"""References computed by a forward in every step (their FLOPs count)."""
-REFERENCE_FORWARD_SHARE = 1 / 3
-"""A forward pass is a third of a training step's FLOPs (2N of 6N, and 4 of 12 attention units)."""
 PREFERENCE_STATS = ("pairs", "loss", "correct", "reward_chosen", "reward_rejected", "logps_chosen", "logps_rejected")
 """What ``training_step`` reports per micro-batch under ``outputs["preference"]`` (sums over its
 pairs, in this order), for ``PreferenceMonitor``."""
@@ -78,6 +74,9 @@ class DPO(CausalLM):
         optimizer, optimizer_options, learning_rate, weight_decay, betas, warmup_steps, min_lr_ratio,
             compile: as ``CausalLM``.
     """
+
+    memory_categories = {"reference": ["reference", "model.reference_head"]}
+    """``MemoryMonitor`` counts the frozen reference (and Liger's copy of its head) apart from ``params``."""
 
     def __init__(
         self,
@@ -153,8 +152,7 @@ class DPO(CausalLM):
 
     def flops_per_pair_batch(self, batch: dict[str, Any]) -> float:
         """Policy training FLOPs of the batch's real tokens, plus the frozen reference's forward."""
-        policy = batch_model_flops(batch, self.flops_per_token)
-        return policy * (1 + REFERENCE_FORWARD_SHARE) if self.hparams.reference in RUNS_REFERENCE else policy
+        return batch_model_flops(batch, self.flops_per_token) * preference_flops_factor(self.hparams.reference)
 
     # --- the step ---------------------------------------------------------------------------
     def pair_step(self, batch: dict[str, Any]) -> PairStep:
