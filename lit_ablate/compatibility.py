@@ -253,6 +253,23 @@ def preference_parts_fit(config: Mapping[str, Any], launch: LaunchLike) -> str |
     return None
 
 
+def fp8_runs_here(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
+    """fp8 with ``emulate: false`` needs fp8 kernels on this device; fp8 all-gather needs FSDP2:
+    ``resolve_emulation`` and ``fp8_refusal``."""
+    from lit_ablate.models.fp8 import Fp8Options, fp8_refusal, resolve_emulation
+
+    options = get_dotted(config, "model.init_args.model.fp8")
+    if not isinstance(options, Mapping):
+        return None
+    try:
+        options = Fp8Options(**options)
+    except (ConfigError, TypeError):  # a malformed section is the run's own error
+        return None
+    reason = _reason(resolve_emulation, options, torch.device("cuda" if _on_gpu(config, launch) else "cpu"))
+    reason = reason or fp8_refusal(options, _strategy_class(config))
+    return f"model.init_args.model.fp8: {reason}" if reason and not reason.startswith("model.") else reason
+
+
 RULES: dict[str, Rule] = {
     "accelerator_present": accelerator_present,
     "enough_devices": enough_devices,
@@ -264,6 +281,7 @@ RULES: dict[str, Rule] = {
     "attention_backend_available": attention_backend_available,
     "optimizer_runs_here": optimizer_runs_here,
     "quantization_runs_under_strategy": quantization_runs_under_strategy,
+    "fp8_runs_here": fp8_runs_here,
     "preference_parts_fit": preference_parts_fit,
 }
 

@@ -231,3 +231,16 @@ def test_the_run_record_says_which_fp8_ran(tmp_path):
     record = read_record(tmp_path / "run.json")
     assert record["environment"]["fp8"] == "emulated"
     assert any(f.startswith("fp8 emulated in fp32 matmuls: fp8 kernels need a CUDA GPU") for f in record["fallbacks"])
+
+
+def test_a_study_skips_fp8_without_kernels_or_fp8_all_gather_without_fsdp2():
+    from lit_ablate.compatibility import incompatibility
+
+    launch = SimpleNamespace(devices=1, num_nodes=1, accelerator="cpu")
+    config = {"trainer": {"accelerator": "cpu"}, "model": {"init_args": {"model": {"fp8": {"emulate": False}}}}}
+    assert incompatibility(config, launch).startswith("model.init_args.model.fp8.emulate=False: fp8 kernels need a CUDA GPU")
+    config["model"]["init_args"]["model"]["fp8"] = {"fsdp_all_gather": True}
+    config["trainer"]["strategy"] = "ddp"
+    assert "fp8 all-gather happens inside FSDP2" in incompatibility(config, launch)
+    config["trainer"]["strategy"] = {"class_path": "lit_ablate.strategies.FSDP2Strategy"}
+    assert incompatibility(config, launch) is None
