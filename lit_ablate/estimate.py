@@ -254,6 +254,9 @@ class TrainingShape:
         gradient_as_bucket_view: DDP without a second gradient copy in its buckets.
         context_parallel: ranks each sequence is split over (``ContextParallelStrategy``'s cp).
         context_parallel_impl: ``ring`` or ``allgather`` (what the exchange keeps in memory).
+        tensor_parallel: ranks each matrix is split over (``TensorParallelStrategy``'s tp): the
+            heads, the MLP width and the loss's vocabulary columns per rank are divided by it.
+        sequence_parallel: the residual stream (the norms' activations) is split by ``tp`` too.
         reference: DPO's reference model (``none`` for a language model): ``frozen`` keeps a second
             copy of the parameters, sharded like them, without gradients or optimizer states;
             ``precomputed`` (two fp32 numbers per pair) and ``adapter`` (the same weights) add nothing.
@@ -273,6 +276,8 @@ class TrainingShape:
     gradient_as_bucket_view: bool = False
     context_parallel: int = 1
     context_parallel_impl: str = "ring"
+    tensor_parallel: int = 1
+    sequence_parallel: bool = False
     reference: str = "none"
 
     def __post_init__(self) -> None:
@@ -347,6 +352,13 @@ def layer_activation_elements(shape: ModelShape, training: TrainingShape) -> flo
         mlp += 4 * s.shared_expert_intermediate
     else:
         mlp = 4 * s.intermediate
+    # Tensor parallelism: each rank keeps its heads and its slice of the MLP width (MoE blocks stay
+    # whole); the norms' 4 hidden only under sequence parallelism.
+    tp = training.tensor_parallel
+    if tp > 1:
+        norms = 4 * s.hidden
+        attention = (attention - norms) / tp + norms / (tp if training.sequence_parallel else 1)
+        mlp = mlp if s.experts else mlp / tp
     return float(attention + mlp)
 
 
@@ -368,7 +380,7 @@ def activation_bytes(shape: ModelShape, training: TrainingShape) -> int:
         copies *= min(1.0, training.chunk_tokens / tokens)
     if training.loss == "chunked":
         copies = (copies + (HALF_CHUNK_COPIES if training.activation_bytes < 4 else 0.0)) * min(1.0, training.chunk_tokens / tokens)
-    head = 3 * shape.hidden * training.activation_bytes + copies * shape.vocab * 4
+    head = 3 * shape.hidden * training.activation_bytes + copies * shape.vocab / training.tensor_parallel * 4
     held = loss_gradient_bytes(shape, training)
     head += held / tokens
     candidates = [sum(saved) + head]
@@ -498,6 +510,7 @@ def compare_with_measured(estimate: MemoryEstimate, breakdown: Mapping[str, Any]
     backward (what ``activation_bytes`` models)."""
     measured = {**{c: int(breakdown["max"].get(c, 0)) for c in ("params", "grads", "optimizer", "transient")},
                 "activations": int(breakdown["forward_backward_max"])}
+    measured["params"] += int(breakdown["max"].get("frozen_params", 0))  # the estimate's params: trainable and frozen
     negligible = NEGLIGIBLE_SHARE * sum(breakdown["at_peak"].values())
     out = {}
     for category, factor in AGREEMENT_FACTORS.items():
@@ -566,6 +579,7 @@ def training_shape_of(config: dict, optimizer: str | None = None, world_size: in
         attention=str(get_dotted(config, "model.init_args.model.attn_implementation", "sdpa")),
         gradient_as_bucket_view=bool(strategy_args.get("gradient_as_bucket_view", False)),
         **dict(zip(("context_parallel", "context_parallel_impl"), context_parallel_of(config, world_size))),
+        **dict(zip(("tensor_parallel", "sequence_parallel"), tensor_parallel_of(config, world_size))),
     )
     if str(get_dotted(config, "model.class_path", "")).endswith("DPO"):
         shape = replace(shape, **_preference_shape(config, shape.micro_batch, shape.seq_len))
@@ -607,6 +621,24 @@ def context_parallel_of(config: dict, world_size: int | None = None) -> tuple[in
     if sizes.get("cp", 1) == 1:
         return 1, "ring"
     return resolve_mesh_sizes(sizes, world_size or world_size_of(config))["cp"], instance.cp_impl
+
+
+def tensor_parallel_of(config: dict, world_size: int | None = None) -> tuple[int, bool]:
+    """``(tp ranks, sequence_parallel)`` of the config's strategy on ``world_size`` ranks (default:
+    the config's; ``(1, False)`` for a strategy without tensor parallelism)."""
+    from lightning.pytorch.cli import instantiate_class
+
+    from lit_ablate.strategies.mesh import resolve_mesh_sizes
+
+    strategy = get_dotted(config, "trainer.strategy", "auto")
+    if not isinstance(strategy, dict):
+        return 1, False
+    instance = instantiate_class((), strategy)
+    sizes = getattr(instance, "requested_mesh_sizes", {})
+    if sizes.get("tp", 1) == 1:
+        return 1, False
+    tp = resolve_mesh_sizes(sizes, world_size or world_size_of(config))["tp"]
+    return tp, bool(getattr(instance, "sequence_parallel", False)) and tp > 1
 
 
 def world_size_of(config: dict) -> int:

@@ -170,7 +170,7 @@ def fit(strategy, devices: int, root: Path) -> Seen:
 
 
 def _lightning_tp(rank: int, world_size: int, root: str) -> dict:
-    seen = fit(TensorParallelStrategy(tp=2), 2, Path(root))
+    seen = fit(TensorParallelStrategy(tp=2, sequence_parallel=True), 2, Path(root))
     return {"losses": seen.losses, "batches": seen.batches}
 
 
@@ -216,8 +216,12 @@ def test_sequence_parallel_makes_positions_explicit_and_refuses_padded_batches()
     strategy = strategy_on(2, sequence_parallel=True)
     batch = strategy.sequence_parallel_batch({"input_ids": torch.zeros(2, 8, dtype=torch.long)})
     assert batch["position_ids"].tolist() == [list(range(8))] * 2
+    unpadded = strategy.sequence_parallel_batch({"input_ids": torch.zeros(2, 8), "attention_mask": torch.ones(2, 8)})
+    assert "attention_mask" not in unpadded  # all ones: the decoder's causal mask is the same without it
+    padded = torch.ones(2, 8)
+    padded[1, 6:] = 0
     with pytest.raises(ConfigError, match="attention_mask"):
-        strategy.sequence_parallel_batch({"input_ids": torch.zeros(2, 8), "attention_mask": torch.ones(2, 8)})
+        strategy.sequence_parallel_batch({"input_ids": torch.zeros(2, 8), "attention_mask": padded})
     with pytest.raises(ConfigError, match="not divisible by tp=2"):
         strategy.sequence_parallel_batch({"input_ids": torch.zeros(2, 7)})
 

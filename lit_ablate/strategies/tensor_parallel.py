@@ -43,7 +43,7 @@ class TensorParallelStrategy(FSDP2Strategy):
         sequence_parallel: also split the residual stream between blocks along the sequence (the
             norms run on ``1 / tp`` of the tokens). Needs every rank to see the whole sequence's
             ``position_ids`` (the strategy makes them explicit) and a length divisible by ``tp``;
-            padded (``attention_mask``) and packed batches are refused.
+            padded (an ``attention_mask`` with zeros) and packed batches are refused.
         dp_shard: FSDP ranks beside the tensor-parallel ones; they read different batches.
         **kwargs: the other ``FSDP2Strategy`` / ``MeshStrategy`` arguments (mixed precision,
             resharding, activation checkpointing, compile, checkpoint format, ``dp_replicate``).
@@ -108,19 +108,24 @@ class TensorParallelStrategy(FSDP2Strategy):
         return batch
 
     def sequence_parallel_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """The batch with explicit ``position_ids``: under sequence parallelism the decoder sees only
-        this rank's slice of the embeddings and would number the positions of the slice from 0."""
+        """The batch with explicit ``position_ids`` and without an all-ones ``attention_mask``: under
+        sequence parallelism the decoder sees only this rank's slice of the embeddings and would
+        number the positions of the slice from 0, and build its mask for the slice's length. A mask
+        with padding (or a packed batch) is refused: that mask cannot be built from the slice."""
         tp = self.mesh_sizes["tp"]
         rows, length = batch["input_ids"].shape
         if length % tp:
             raise ConfigError(f"{STRATEGY_KEY}.sequence_parallel", True,
                               f"a batch has length {length}, not divisible by tp={tp}; pad to a multiple of {tp} "
                               "(data pad_to_multiple_of) or set sequence_parallel: false")
-        for key in ("attention_mask", "cu_seqlens"):
-            if batch.get(key) is not None:
+        mask = batch.get("attention_mask")
+        for key, present in (("attention_mask", mask is not None and not bool(mask.all())),
+                             ("cu_seqlens", batch.get("cu_seqlens") is not None)):
+            if present:
                 raise ConfigError(f"{STRATEGY_KEY}.sequence_parallel", True,
                                   f"the batch carries {key!r} (padded or packed): the decoder builds its mask from "
                                   "the local slice's length; use unpadded, unpacked batches or sequence_parallel: false")
+        batch = {key: value for key, value in batch.items() if key != "attention_mask"}  # all ones: no mask needed
         if batch.get("position_ids") is None:
             batch = {**batch, "position_ids": torch.arange(length, device=batch["input_ids"].device).expand(rows, -1)}
         return batch
