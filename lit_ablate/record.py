@@ -108,6 +108,8 @@ SUMMARISED_SERIES: dict[str, str] = {
 # step, the model a run ends with. Series name -> summary key.
 FINAL_VALUE_SERIES: dict[str, str] = {
     "exact_match": "exact_match",
+    "reward_accuracy": "reward_accuracy",  # DPO (PreferenceMonitor): the last step's pairs
+    "reward_margin": "reward_margin",
 }
 
 

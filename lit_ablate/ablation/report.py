@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from lit_ablate.ablation.loss_divergence import loss_divergence_section
 from lit_ablate.ablation.plots import write_plots
 from lit_ablate.ablation.summary import study_summary
 from lit_ablate.record import RECORD_FILENAME, read_record
@@ -25,6 +26,8 @@ ORDER_WORDS = {
 STDERR_TAIL_SHOWN = 15
 ACCURACY_LEGEND = (" Exact match: the share of held-out prompts whose greedy answer was entirely right after the "
                    "last step (`ExactMatchEvaluator`), median [min–max] over seeds.")
+PREFERENCE_LEGEND = (" Reward accuracy / margin (DPO, `PreferenceMonitor`): the share of the last step's pairs whose "
+                     "chosen response earns the higher implicit reward, and their mean reward margin, median over seeds.")
 
 
 def load_runs(directory: Path) -> tuple[dict[str, Any] | None, list[tuple[str, dict[str, Any]]]]:
@@ -81,6 +84,8 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
               "memory ×"]  # fmt: skip
     accuracy = any(v["exact_match"] for v in variants)  # a column only when some run was evaluated
     header += ["exact match"] if accuracy else []
+    preference = any(v.get("reward_accuracy") for v in variants)  # DPO runs
+    header += ["reward accuracy", "reward margin"] if preference else []
     header += [f"loss = {_reference_word(agreement)}"] if agreement else []
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for v in variants:
@@ -105,11 +110,16 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
         ]
         if accuracy:
             row.append(_spread(v["exact_match"], lambda x: f"{100 * x:.1f}%"))
+        if preference:
+            row += [_spread(v.get("reward_accuracy"), lambda x: f"{100 * x:.1f}%"),
+                    _spread(v.get("reward_margin"), lambda x: f"{x:.3g}")]
         if agreement:
             row.append(_agreement_cell(v, study["baseline"]))
         lines.append("| " + " | ".join(row) + " |")
-    lines += ["", _legend(agreement) + (ACCURACY_LEGEND if accuracy else ""), ""]
+    lines += ["", _legend(agreement) + (ACCURACY_LEGEND if accuracy else "") + (PREFERENCE_LEGEND if preference else ""),
+              ""]
     lines += [f"![{Path(name).stem}]({name})" for name in summary.get("plots", [])]
+    lines += loss_divergence_section(summary)
     failures = [(v["name"], r) for v in variants for r in v["runs"] if r["status"] != "ok"]
     if failures:
         lines += ["", "## Runs that did not finish ok", ""]
