@@ -2,6 +2,7 @@
 
 Run by hand (never in CI):
     python benchmarks/ring_attention.py [--lengths 2048 4096 8192] [--cp 2 4] [--repeats 3]
+    python benchmarks/ring_attention.py --device cuda --dtype bfloat16 --lengths 8192 16384 32768 --cp 2 4
 
 One causal attention call of a Llama-like shape (batch 1, 8 query heads, 2 key/value heads (GQA),
 head dim 64, fp32): forward and backward of a random output gradient, over ``L`` tokens. Rows:
@@ -18,9 +19,12 @@ an extra untimed call) and its share of the one-process peak. Every CP row is ch
 SDPA at the first length before anything is timed (max |difference| of output and gradients).
 Every process uses one thread. CPU time is the honest measure on a shared 2-core machine: 4 ranks
 on 2 cores wait for each other, which stretches wall time but not the work each does; on a
-machine with a core per rank the wall time approaches the CPU time. No GPU path exists yet:
-lit-ablate's context-parallel block kernel is ATen's CPU flash-attention op (``--device cuda``
-is refused), so the seed's 4xH100 FA2/FA3/flex table cannot be made with this code.
+machine with a core per rank the wall time approaches the CPU time.
+
+``--device cuda``: one GPU per rank (NCCL), the one-process row on GPU 0 (torch's SDPA, which
+picks flash attention for half precision); the time columns are then GPU wall time (synchronised,
+not CPU time) and memory is ``torch.cuda.max_memory_allocated`` during the call. lit-ablate's GPU
+block kernel is torch's memory-efficient op, so the seed's FA2/FA3/flex rows are not made here.
 
 The last lines are ``RESULT <impl>_cp<N>_time_share_L<L>=`` and ``..._memory_share_L<L>=`` at the
 longest length: a rank's CPU time and peak memory over the one-process call's.
@@ -54,56 +58,73 @@ from lit_ablate.models.sequence_layout import SequenceLayout
 BATCH, HEADS, KV_HEADS, HEAD_DIM = 1, 8, 2, 64
 
 
-def whole_inputs(length: int) -> dict[str, torch.Tensor]:
+def whole_inputs(length: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(length)
-    return {
+    x = {
         "q": torch.randn(BATCH, HEADS, length, HEAD_DIM, generator=gen),
         "k": torch.randn(BATCH, KV_HEADS, length, HEAD_DIM, generator=gen),
         "v": torch.randn(BATCH, KV_HEADS, length, HEAD_DIM, generator=gen),
         "grad": torch.randn(BATCH, HEADS, length, HEAD_DIM, generator=gen),
     }
+    return {name: t.to(device, dtype) for name, t in x.items()}
 
 
 def sdpa_call(x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
     q, k, v = (x[n].clone().requires_grad_() for n in "qkv")
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    if q.is_cuda:  # not every CUDA SDPA kernel takes GQA: the one-process row expands K/V itself
+        k, v = (t.repeat_interleave(HEADS // KV_HEADS, dim=1) for t in (k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=not q.is_cuda)
     out.backward(x["grad"])
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def peak_bytes(call) -> int:
+def peak_bytes(call, device: str = "cpu") -> int:
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        call()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
     tracker = MemTracker()
     with tracker:
         call()
     return next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"]
 
 
-def measure(call, repeats: int, barrier=None) -> tuple[float, float]:
-    """Median (CPU seconds, wall seconds) of ``call`` over ``repeats``, after one warm-up call."""
+def measure(call, repeats: int, barrier=None, device: str = "cpu") -> tuple[float, float]:
+    """Median (work seconds, wall seconds) of ``call`` over ``repeats``, after one warm-up call.
+    Work is CPU time on CPU and the synchronised wall time on a GPU."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     call()
-    cpu, wall = [], []
+    work, wall = [], []
     for _ in range(repeats):
         if barrier:
             barrier()
+        sync()
         c0, w0 = time.process_time(), time.perf_counter()
         call()
-        cpu.append(time.process_time() - c0)
+        sync()
         wall.append(time.perf_counter() - w0)
-    return statistics.median(cpu), statistics.median(wall)
+        work.append(wall[-1] if device == "cuda" else time.process_time() - c0)
+    return statistics.median(work), statistics.median(wall)
 
 
-def _rank(rank: int, world: int, impl: str, lengths: list[int], repeats: int, port: int, out_dir: str) -> None:
+def _rank(rank: int, world: int, impl: str, lengths: list[int], repeats: int, port: int, out_dir: str, device: str,
+          dtype: str) -> None:  # fmt: skip
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world)
     layout = SequenceLayout("zigzag", world)
     module = nn.Module()
     setattr(module, CONTEXT_PARALLEL_ATTRIBUTE, ContextParallelGroup(dist.group.WORLD, layout, rank))
     backend = CONTEXT_PARALLEL_BACKENDS[impl]
     results = {}
     for index, length in enumerate(lengths):
-        x = {n: layout.shard(t, rank, dim=2) for n, t in whole_inputs(length).items()}
-        positions = layout.shard(torch.arange(length)[None], rank)
+        x = {n: layout.shard(t, rank, dim=2) for n, t in whole_inputs(length, device, getattr(torch, dtype)).items()}
+        positions = layout.shard(torch.arange(length, device=device)[None], rank)
 
         def call(x=x, positions=positions):
             q, k, v = (x[n].clone().requires_grad_() for n in "qkv")
@@ -113,13 +134,13 @@ def _rank(rank: int, world: int, impl: str, lengths: list[int], repeats: int, po
 
         if index == 0:  # correct before timed: against SDPA on the whole sequence
             mine = call()
-            whole = sdpa_call(whole_inputs(length))
+            whole = sdpa_call(whole_inputs(length, device, getattr(torch, dtype)))
             error = max((m - layout.shard(w, rank, dim=2)).abs().max().item() for m, w in zip(mine, whole))
         else:
             error = None
-        cpu, wall = measure(call, repeats, barrier=dist.barrier)
+        cpu, wall = measure(call, repeats, barrier=dist.barrier, device=device)
         dist.barrier()
-        results[length] = {"cpu_s": cpu, "wall_s": wall, "peak_bytes": peak_bytes(call), "max_error": error}
+        results[length] = {"cpu_s": cpu, "wall_s": wall, "peak_bytes": peak_bytes(call, device), "max_error": error}
     Path(out_dir, f"{impl}-{world}-{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
@@ -137,29 +158,33 @@ def main() -> None:
     parser.add_argument("--impls", nargs="+", default=sorted(CONTEXT_PARALLEL_BACKENDS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args()
-    if args.device != "cpu":
-        raise SystemExit("no GPU path: lit-ablate's context-parallel block kernel is ATen's CPU flash-attention op")
+    if args.device == "cuda" and torch.cuda.device_count() < max(args.cp):
+        raise SystemExit(f"--device cuda needs a GPU per rank: {torch.cuda.device_count()} GPUs for cp up to {max(args.cp)}")
     for n in args.cp:
         if any(length % (2 * n) for length in args.lengths):
             raise SystemExit(f"--lengths must be multiples of 2 x cp = {2 * n} (zigzag)")
     torch.set_num_threads(1)
     reference = {}
     for length in args.lengths:
-        x = whole_inputs(length)
-        cpu, wall = measure(lambda x=x: sdpa_call(x), args.repeats)
-        reference[length] = {"cpu_s": cpu, "wall_s": wall, "peak_bytes": peak_bytes(lambda x=x: sdpa_call(x))}
+        x = whole_inputs(length, args.device, getattr(torch, args.dtype))
+        cpu, wall = measure(lambda x=x: sdpa_call(x), args.repeats, device=args.device)
+        reference[length] = {"cpu_s": cpu, "wall_s": wall, "peak_bytes": peak_bytes(lambda x=x: sdpa_call(x), args.device)}
+    del x  # the one-process tensors leave GPU 0 before rank 0 starts there
     rows = []
     with tempfile.TemporaryDirectory() as out_dir:
         for impl in args.impls:
             for world in args.cp:
-                mp.start_processes(_rank, args=(world, impl, args.lengths, args.repeats, free_port(), out_dir),
-                                   nprocs=world, start_method="spawn")  # fmt: skip
+                mp.start_processes(_rank, args=(world, impl, args.lengths, args.repeats, free_port(), out_dir, args.device,
+                                                args.dtype), nprocs=world, start_method="spawn")  # fmt: skip
                 ranks = [json.loads(Path(out_dir, f"{impl}-{world}-{r}.json").read_text()) for r in range(world)]
                 rows.append((impl, world, ranks))
-    print(f"torch {torch.__version__}, 1 thread per process, {os.cpu_count()} CPUs; batch {BATCH}, {HEADS} heads "
-          f"({KV_HEADS} kv), head dim {HEAD_DIM}, fp32, causal, forward + backward; medians of {args.repeats}\n")
-    print("| length | row | CPU s / rank (busiest) | share of sdpa | wall s (slowest rank) | peak MiB / rank | "
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"1 thread per process, {os.cpu_count()} CPUs"
+    print(f"torch {torch.__version__}, {where}; batch {BATCH}, {HEADS} heads ({KV_HEADS} kv), head dim {HEAD_DIM}, "
+          f"{args.dtype}, causal, forward + backward; medians of {args.repeats}\n")
+    work = "GPU s" if args.device == "cuda" else "CPU s"
+    print(f"| length | row | {work} / rank (busiest) | share of sdpa | wall s (slowest rank) | peak MiB / rank | "
           "share of sdpa | max abs error |")
     print("|---|---|---|---|---|---|---|---|")
     for length in args.lengths:

@@ -26,6 +26,8 @@ ORDER_WORDS = {
 STDERR_TAIL_SHOWN = 15
 ACCURACY_LEGEND = (" Exact match: the share of held-out prompts whose greedy answer was entirely right after the "
                    "last step (`ExactMatchEvaluator`), median [min–max] over seeds.")
+TRAINABLE_LEGEND = (" Trainable params: the parameters the optimizer updates (an adapter run's adapters; its frozen "
+                    "base is not counted), from the run record's model counts.")
 PREFERENCE_LEGEND = (" Reward accuracy / margin (DPO, `PreferenceMonitor`): the share of the last step's pairs whose "
                      "chosen response earns the higher implicit reward, and their mean reward margin, median over seeds.")
 
@@ -82,6 +84,8 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
               "MFU (spec)", "MFU (measured)",
               "peak tensor memory", "process peak", "est. memory", "est. ÷ measured", "final loss", "Δ loss", "speed ×",
               "memory ×"]  # fmt: skip
+    adapters = any(v.get("trainable_parameters") not in (None, v["parameters"]) for v in variants)  # a frozen base
+    header += ["trainable params"] if adapters else []
     accuracy = any(v["exact_match"] for v in variants)  # a column only when some run was evaluated
     header += ["exact match"] if accuracy else []
     preference = any(v.get("reward_accuracy") for v in variants)  # DPO runs
@@ -108,6 +112,8 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
             _speed_cell(v, study["baseline"]),
             "—" if v["memory_ratio"] is None else f"{v['memory_ratio']:.2f}×",
         ]
+        if adapters:
+            row.append("—" if v.get("trainable_parameters") is None else _rate(v["trainable_parameters"]))
         if accuracy:
             row.append(_spread(v["exact_match"], lambda x: f"{100 * x:.1f}%"))
         if preference:
@@ -116,7 +122,7 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
         if agreement:
             row.append(_agreement_cell(v, study["baseline"]))
         lines.append("| " + " | ".join(row) + " |")
-    lines += ["", _legend(agreement) + (ACCURACY_LEGEND if accuracy else "") + (PREFERENCE_LEGEND if preference else ""),
+    lines += ["", _legend(agreement) + (TRAINABLE_LEGEND if adapters else "") + (ACCURACY_LEGEND if accuracy else "") + (PREFERENCE_LEGEND if preference else ""),
               ""]
     lines += [f"![{Path(name).stem}]({name})" for name in summary.get("plots", [])]
     lines += loss_divergence_section(summary)

@@ -67,6 +67,7 @@ def _variant(
     measured = [s for r in ok for s in r.get("steps", []) if s["step"] > _warmup(r, warmup)]
     counts = [r.get("model") or {} for r in ok]
     parameters = sorted({c["total"] for c in counts if c.get("total") is not None})
+    trainable = sorted({c["trainable"] for c in counts if c.get("trainable") is not None})
     methods = sorted({r["summary"]["memory_method"] for r in ok if r["summary"].get("memory_method")})
     breakdowns = [r["summary"]["tensor_breakdown"] for r in ok if r["summary"].get("tensor_breakdown")]
     return {
@@ -87,6 +88,7 @@ def _variant(
         **_estimate(next((r for _, r in runs if r.get("config")), None), breakdowns),
         **_predicted_step_time(next((r for r in ok if r.get("config")), None)),
         "parameters": parameters[0] if len(parameters) == 1 else None,
+        "trainable_parameters": trainable[0] if len(trainable) == 1 else None,
         "loss_curve": _loss_curve([r for _, r in runs if r.get("steps")]),
         "runs": [
             {
