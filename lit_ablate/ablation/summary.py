@@ -20,6 +20,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from lit_ablate.ablation.loss_divergence import loss_delta_by_step
 from lit_ablate.record import FINAL_VALUE_SERIES, SUMMARISED_SERIES, spread
 
 NOISE_SERIES = "useful_tokens_per_sec"
@@ -44,6 +45,7 @@ def study_summary(plan: Mapping[str, Any] | None, runs: Sequence[tuple[str, Mapp
     agreement = plan.get("expect_equal_loss")
     for variant in variants:
         variant.update(_relative_to(variant, base))
+        variant["loss_delta_by_step"] = loss_delta_by_step(variant, base)
         reference = _loss_reference(variant, base, variants, agreement)
         variant["loss_reference"] = reference["name"] if reference else None
         checked = agreement and reference is not variant
@@ -84,6 +86,7 @@ def _variant(
         "peak_memory_bytes": spread(r["summary"].get("peak_memory_bytes") for r in ok),
         "memory_method": ", ".join(methods) or None,
         "final_loss": spread(r["summary"].get("final_loss") for r in ok),
+        "fp8": ", ".join(sorted({r["environment"]["fp8"] for r in ok if (r.get("environment") or {}).get("fp8")})) or None,
         **{key: spread(r["summary"].get(key) for r in ok) for key in FINAL_VALUE_SERIES.values()},  # exact_match
         **_estimate(next((r for _, r in runs if r.get("config")), None), breakdowns),
         **_predicted_step_time(next((r for r in ok if r.get("config")), None)),
