@@ -17,7 +17,6 @@ from lit_ablate.estimate import (
     attention_shape,
     count_parameters,
     estimate_memory,
-    flops_per_token,
     model_of,
     optimizer_state_bytes,
 )
@@ -121,3 +120,47 @@ def test_count_parameters_reads_a_quantised_model_without_options():
     counts = count_parameters(built, built.config)
     assert counts.quantized == LINEAR_WEIGHTS and counts.quantized_bytes >= LINEAR_WEIGHTS  # int8: a byte each + row scales
     assert all(p.dtype == torch.int8 for n, p in built.named_parameters() if n.endswith("base_layer.weight"))
+
+
+def test_memory_breakdown_splits_frozen_and_trainable_parameters(tmp_path):
+    """A LoRA run's tracked tensor breakdown and per-step state bytes count the frozen base apart
+    (``frozen_params``) from the trainable adapters (``params``, with the buffers), exactly; the
+    estimator's params (both together) still agree with them. Seen failing with frozen parameters
+    counted as ``params`` (the frozen bytes were 0)."""
+    from lit_ablate.estimate import compare_with_measured, estimate_for_config
+    from lit_ablate.modules import CausalLM
+    from tests.test_memory_categories import _fit
+
+    module = CausalLM(ModelFactory(preset="tiny-llama", adapter={"r": 8, "target_modules": ["q_proj", "v_proj"]}),
+                      warmup_steps=0)  # fmt: skip
+    record = _fit(str(tmp_path), "lora", 1, module=module)
+    nbytes = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
+    frozen = nbytes(p for p in module.parameters() if not p.requires_grad)
+    trainable = nbytes(p for p in module.parameters() if p.requires_grad)
+    maxima = record["summary"]["tensor_breakdown"]["max"]
+    assert maxima["frozen_params"] == frozen > 10 * trainable
+    assert maxima["params"] == trainable + nbytes(module.buffers())
+    assert all(s["memory_frozen_params_bytes"] == frozen and s["memory_params_bytes"] == trainable
+               for s in record["steps"])  # fmt: skip
+    config = {"model": {"init_args": {"model": {"preset": "tiny-llama", "adapter": {"r": 8, "target_modules": [
+        "q_proj", "v_proj"]}}}}, "data": {"init_args": {"batch_size": 4, "seq_len": 16}}}  # fmt: skip
+    assert compare_with_measured(estimate_for_config(config, 1), record["summary"]["tensor_breakdown"])["params"]["agrees"]
+
+
+def test_study_report_shows_trainable_parameters(tmp_path):
+    """An adapter study's report has a trainable-parameter column (from the run records' counts),
+    re-made here from the shipped moe_lora_fsdp1_vs_ep records."""
+    import shutil
+    from pathlib import Path
+
+    from lit_ablate.ablation.report import load_runs, render_markdown
+    from lit_ablate.ablation.summary import study_summary
+
+    shipped = Path(__file__).parents[1] / "benchmarks" / "results" / "moe_lora_fsdp1_vs_ep"
+    shutil.copytree(shipped, tmp_path / "study", ignore=shutil.ignore_patterns("*.png", "report.*"))
+    table = render_markdown(study_summary(*load_runs(tmp_path / "study")))
+    lines = table.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| variant"))
+    column = lines[start].split(" | ").index("trainable params")
+    rows = [line.split(" | ") for line in lines[start + 2:start + 5]]
+    assert len(rows) == 3 and all(row[column] == "98.3k" for row in rows)  # 98304 adapter weights of 1.56M

@@ -23,13 +23,16 @@ def _tensor_bytes(tensors) -> int:
 
 
 def tensor_breakdown(pl_module: LightningModule) -> dict[str, int]:
-    """Bytes of parameters, gradients and optimizer states held by this rank (local shards)."""
-    params = [p.to_local() if hasattr(p, "to_local") else p for p in pl_module.parameters()]
+    """Bytes of trainable and frozen parameters, gradients and optimizer states held by this rank (local shards)."""
+    local = [(p.to_local() if hasattr(p, "to_local") else p, p.requires_grad) for p in pl_module.parameters()]
+    params = [t for t, trains in local if trains]
+    frozen = [t for t, trains in local if not trains]
     grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
     grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
     states = [v.to_local() if hasattr(v, "to_local") else v
               for optimizer in pl_module.trainer.optimizers for v in optimizer_states(optimizer)]
-    return {"params": _tensor_bytes(params), "grads": _tensor_bytes(grads), "optimizer": _tensor_bytes(states)}
+    return {"params": _tensor_bytes(params), "frozen_params": _tensor_bytes(frozen), "grads": _tensor_bytes(grads),
+            "optimizer": _tensor_bytes(states)}
 
 
 MEMORY_CATEGORIES_ATTRIBUTE = "memory_categories"
@@ -72,8 +75,8 @@ class MemoryMonitor(StepMonitor):
       interpreter and libraries (~0.5 GB), and the ``memory_method`` field says so. Beside it, the
       bytes of parameters, gradients and optimizer states this rank holds (local shards), counted
       on the first two measured steps (the optimizer creates its states in the first) and reused.
-    - On the *tracked steps*, the tensor peak by category (``TensorCategoryTracker``): parameters,
-      gradients, optimizer states, activations, temporaries, transient copies (gathered layers,
+    - On the *tracked steps*, the tensor peak by category (``TensorCategoryTracker``): trainable
+      parameters (and buffers), frozen parameters (an adapter run's base), gradients, optimizer states, activations, temporaries, transient copies (gathered layers,
       communication buffers) and any category the module declares (``memory_categories``, e.g. a
       DPO reference model). Tracking runs a ``TorchDispatchMode`` over every operator, which slows a
       step several-fold, so it measures only the last ``tracked_steps`` warm-up steps (never the

@@ -21,7 +21,10 @@ FSDP1 or FSDP2) is ``transient``, as are their full gradients, every buffer FSDP
 operators touch, and storages made before tracking that an operator writes into (DDP's gradient
 buckets). Other collectives' outputs keep the phase's category: tensor, expert and context
 parallelism communicate activations. Parameters of submodules named in ``extra`` (e.g. DPO's
-frozen reference model) count in their own category, gathered or not.
+frozen reference model) count in their own category, gathered or not. Parameters the rank holds
+that do not train (a LoRA/QLoRA base, decided once when tracking begins, so an adapter switched off
+for a reference forward stays trainable) are ``frozen_params``; ``params`` holds the trainable ones
+and the buffers.
 
 Checked on 2 gloo ranks (tests/test_memory_categories.py): FSDP2's DTensor shards, FSDP1's flat
 parameter shards and ``ZeroRedundancyOptimizer``'s state shards are counted as the halves each
@@ -42,7 +45,7 @@ from torch.optim import Optimizer
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries", "transient")
+CATEGORIES = ("params", "frozen_params", "grads", "optimizer", "activations", "temporaries", "transient")
 """The built-in categories, in the order reports stack them."""
 Phase = Literal["forward", "backward", "update"]
 _FSDP_NAMESPACE = "fsdp"
@@ -91,6 +94,7 @@ class TensorCategoryTracker(MemTracker):
         self._ref_class = self.categories  # MemTracker keys its running totals by these
         self._extra_of = {id(m): name for name, tops in extra.items() for top in tops for m in top.modules()}
         self._own: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._frozen: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._untracked_is_transient = False
         self.phase: Phase = "forward"
         self.peak = 0
@@ -104,6 +108,8 @@ class TensorCategoryTracker(MemTracker):
         for p in [*self.module.parameters(), *self.module.buffers()]:
             for storage in get_untyped_storages(p):
                 self._own[storage] = True
+                if isinstance(p, nn.Parameter) and not p.requires_grad:
+                    self._frozen[storage] = True
         self.__enter__()
         self.claim()
 
@@ -112,6 +118,7 @@ class TensorCategoryTracker(MemTracker):
         self.__exit__(None, None, None)
         self._WINFO.clear()
         self._own.clear()
+        self._frozen.clear()
         self.memory_tracking.clear()
 
     def start_measuring(self) -> None:
@@ -148,8 +155,11 @@ class TensorCategoryTracker(MemTracker):
             extra = self._extra_of.get(id(module))
             for tensors, owned in ((module.parameters(recurse=False), "params"), (module.buffers(recurse=False), "params")):
                 for p in tensors:
-                    own = any(s in self._own for s in get_untyped_storages(p))
-                    self._update_and_maybe_create_winfos(p, extra or (owned if own else "transient"))
+                    storages = get_untyped_storages(p)
+                    own = any(s in self._own for s in storages)
+                    frozen = any(s in self._frozen for s in storages)
+                    self._update_and_maybe_create_winfos(p, extra or (("frozen_params" if frozen else owned) if own
+                                                                      else "transient"))  # fmt: skip
                     grad = getattr(p, "grad", None)
                     if grad is not None:
                         self._update_and_maybe_create_winfos(grad, extra or ("grads" if own else "transient"))
