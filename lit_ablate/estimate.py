@@ -395,12 +395,13 @@ def loss_gradient_bytes(shape: ModelShape, training: TrainingShape) -> int:
     for chunked, the weight's dtype for Liger) and ``d hidden`` (``[tokens, hidden]``). Found by
     measuring (tests/test_estimate_memory.py): at a large vocabulary the weight gradient is as
     large as the chunks the loss saves. Under context parallelism ``d hidden`` covers a rank's
-    ``seq_len / cp`` tokens."""
+    ``seq_len / cp`` tokens. Liger's fused DPO holds two ``d weight``: its accumulator and the one
+    ``torch.func`` returns for the current chunk (benchmarks/dpo_memory.py measured it)."""
     tokens = training.micro_batch * -(-training.seq_len // training.context_parallel)
     if training.loss == "chunked" and training.loss_grad_in_forward:
         weight_bytes = 4
     elif training.loss in ("liger", "liger_dpo"):
-        weight_bytes = training.param_bytes
+        weight_bytes = training.param_bytes * (2 if training.loss == "liger_dpo" else 1)
     else:
         return 0
     return shape.vocab * shape.hidden * weight_bytes + tokens * shape.hidden * training.activation_bytes
