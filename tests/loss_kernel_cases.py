@@ -101,7 +101,7 @@ def refusals() -> dict[str, str]:
         "cce_bf16_check": lambda: check_loss_backend("cce", compute_dtype="bfloat16"),
         "cce_float32_check": lambda: check_loss_backend("cce", compute_dtype="float32"),
         "cce_float32_call": lambda: loss_backend("cce")(*_float32_call_args()),
-        "cce_bias": lambda: loss_backend("cce")(*_float32_call_args(torch.float16), torch.zeros(5, dtype=torch.float16)),
+        "cce_bias": lambda: loss_backend("cce")(*_float32_call_args(torch.float16), torch.zeros(5).half()),
         "liger_float32_check": lambda: check_loss_backend("liger", compute_dtype="float32"),
         "cce_float16_check": lambda: check_loss_backend("cce", compute_dtype="float16"),
     }

@@ -105,7 +105,7 @@ def test_libdevice_gap_and_shim(interpreted: dict[str, Any]) -> None:
     exact; once this fails with gap_open False, triton closed the gap: delete the libdevice shim
     (``LIBDEVICE_SHIMS`` in lit_ablate/models/triton_interpreter.py) and this test."""
     gap = interpreted["libdevice"]
-    assert gap["gap_open"], f"triton {triton_interpreter.TRITON_VERSION}'s interpreter now runs libdevice: remove the shim"
+    assert gap["gap_open"], f"triton {triton_interpreter.TRITON_VERSION}'s interpreter runs libdevice: remove the shim"
     assert gap["shim_error"] <= 1e-6
 
 
@@ -114,6 +114,20 @@ def test_opt_in_refuses_another_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(triton_interpreter.importlib.metadata, "version", lambda name: "3.10.0")
     with pytest.raises(ConfigError, match="triton 3.10.0 is installed.*3.9.0 only"):
         triton_interpreter.enable("liger_kernel")
+
+
+@needs_kernels
+def test_opt_in_refused_when_triton_was_imported_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process imported triton before any opt-in (Lightning does): the switch cannot work any
+    more, and saying so beats a kernel failing deep inside the interpreter (seen without this check:
+    'Cannot call @triton.jit'd outside of the scope of a kernel' at CCE's first launch)."""
+    import triton.language as tl
+
+    assert not triton_interpreter._is_interpreted(tl.cdiv)
+    monkeypatch.setenv(triton_interpreter.OPT_IN_ENV, "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # restored after the test: enable sets it
+    with pytest.raises(ConfigError, match="triton was imported before the opt-in took effect"):
+        triton_interpreter.enable("cut_cross_entropy")
 
 
 def test_opt_in_values(monkeypatch: pytest.MonkeyPatch) -> None:

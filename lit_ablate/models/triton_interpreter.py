@@ -87,15 +87,16 @@ def enable(package: str) -> None:
         raise ConfigError(OPT_IN_ENV, "1", f"triton {installed} is installed; the interpreter shims are checked on "
                           f"triton {TRITON_VERSION} only: {INSTALL_FIX}")
     if importlib.util.find_spec("numpy") is None:
-        raise ConfigError(OPT_IN_ENV, "1", f"Triton's interpreter computes with numpy, which is not installed: {INSTALL_FIX}")
+        raise ConfigError(OPT_IN_ENV, "1", f"Triton's interpreter computes with numpy (not installed): {INSTALL_FIX}")
     os.environ["TRITON_INTERPRET"] = "1"
     import triton.language as tl
 
     module, name = KERNELS[package]
-    for owner, kernel in (("triton", tl.cdiv), (package, getattr(importlib.import_module(module), name))):
-        if not _is_interpreted(kernel):
-            raise ConfigError(OPT_IN_ENV, "1", f"{owner} was imported before the opt-in took effect, so its kernels are "
-                              f"compiled: set {OPT_IN_ENV}=1 in the environment before Python starts and import "
+    kernels = (("triton", lambda: tl.cdiv), (package, lambda: getattr(importlib.import_module(module), name)))
+    for owner, kernel in kernels:  # triton first: a refusal leaves the package unimported
+        if not _is_interpreted(kernel()):
+            raise ConfigError(OPT_IN_ENV, "1", f"{owner} was imported before the opt-in took effect, so its kernels "
+                              f"are compiled: set {OPT_IN_ENV}=1 in the environment before Python starts and import "
                               "lit_ablate before lightning, torch._dynamo or triton (or set TRITON_INTERPRET=1 too)")
     _install_libdevice_shims()
 
