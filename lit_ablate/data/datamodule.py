@@ -3,7 +3,9 @@
 Examples are tokenised at ``setup`` (deterministic, so every data-parallel rank has the same list),
 by one of two storages: ``memory`` tokenises in every rank of every run and holds each example as
 a tensor (the sizes CPU studies and tests use), ``cache`` tokenises once into memory-mapped files
-that every rank and run with the same data settings reuses (``token_cache.py``). Sharding over
+that every rank and run with the same data settings reuses (``token_cache.py``); a third,
+``stream``, never materialises the data and tokenises in the DataLoader's workers (``streaming.py``).
+Sharding over
 data-parallel ranks, per-epoch shuffling and exact mid-epoch resume live in the sampler; the
 layout of a batch (padding or packing) lives in the collator.
 """
@@ -25,13 +27,14 @@ from lit_ablate.data.preference import PreferenceFormat, build_preference_exampl
 from lit_ablate.data.preference_collate import PreferenceCollator, PreferencePaddingCollator
 from lit_ablate.data.sampler import ShardedSampler
 from lit_ablate.data.sources import DataSource
+from lit_ablate.data.streaming import StreamingExamples
 from lit_ablate.data.token_cache import CachedExampleDataset, open_or_build
 from lit_ablate.data.tokenizers import load_tokenizer
 from lit_ablate.errors import ConfigError
 
 FORMATS = ("pretrain", "documents", "sft", "preference")
-Storage = Literal["memory", "cache"]
-STORAGES = ("memory", "cache")
+Storage = Literal["memory", "cache", "stream"]
+STORAGES = ("memory", "cache", "stream")
 
 
 class ExampleDataset(Dataset):
@@ -70,7 +73,9 @@ class LMDataModule(pl.LightningDataModule):
         overlong: what to do with examples longer than ``seq_len``: ``truncate`` or ``reject``.
         storage: ``memory`` (tokenise in every rank, hold examples as tensors: up to tens of MB of
             text) or ``cache`` (tokenise once into memory-mapped files shared by every rank and run;
-            per-rank memory does not grow with the corpus beyond one int32 length per example).
+            per-rank memory does not grow with the corpus beyond one int32 length per example) or
+            ``stream`` (tokenise on the fly in the ``num_workers`` DataLoader workers, endless epochs:
+            set ``trainer.max_steps``; padding only, no held-out split, source order).
         cache_dir: where ``cache`` keeps its entries; default ``$LIT_ABLATE_DATA_CACHE``, else
             ``~/.cache/lit_ablate/data``.
         tokenize_workers: processes that tokenise while a ``cache`` entry is built (0: this one).
@@ -107,6 +112,11 @@ class LMDataModule(pl.LightningDataModule):
             raise ConfigError("data.init_args.storage", storage, f"choose one of {STORAGES}")
         if tokenize_workers < 0:
             raise ConfigError("data.init_args.tokenize_workers", tokenize_workers, "use 0 (this process) or more")
+        if storage == "stream" and (format == "preference" or not isinstance(collator, (PaddingCollator, type(None)))
+                                    or val_examples):
+            raise ConfigError("data.init_args.storage", storage,
+                              "a stream serves pretrain/documents/sft examples with PaddingCollator and no val_examples "
+                              "(packing and preference pairs need the whole data set's lengths): use storage: cache")
         self.storage, self.cache_dir, self.tokenize_workers = storage, cache_dir, tokenize_workers
         self.source, self.format, self.seq_len, self.batch_size = source, format, seq_len, batch_size
         self.num_workers, self.val_examples, self.shuffle, self.seed, self.overlong = num_workers, val_examples, shuffle, seed, overlong
@@ -129,6 +139,9 @@ class LMDataModule(pl.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
+            return
+        if self.storage == "stream":
+            self.setup_record = {"storage": "stream", "seconds": 0.0, "cache_hit": None, "examples": None, "cache_path": None}
             return
         start = time.perf_counter()
         store, hit, examples = None, None, []
@@ -159,6 +172,8 @@ class LMDataModule(pl.LightningDataModule):
             rank_zero_info(f"data: {count} {self.format} examples in {seconds:.1f} s{how}")
 
     def train_dataloader(self) -> DataLoader:
+        if self.storage == "stream":
+            return self._stream_loader()
         sampler = self._sampler(self.train_set, shuffle=self.shuffle, drop_last=True)
         if self._resume_pending:
             sampler.resume(self._epoch, self._batches_consumed * self.batch_size)
@@ -184,8 +199,9 @@ class LMDataModule(pl.LightningDataModule):
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self._epoch, "batches_consumed": self._batches_consumed, "tokenizer": self.tokenizer.spec,
-                "seed": self.seed, "format": self.format}
+        state = {"epoch": self._epoch, "batches_consumed": self._batches_consumed, "tokenizer": self.tokenizer.spec,
+                 "seed": self.seed, "format": self.format}
+        return state | ({"stream_workers": self.num_workers} if self.storage == "stream" else {})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume: the next training dataloader skips the batches this state had consumed."""
@@ -193,12 +209,31 @@ class LMDataModule(pl.LightningDataModule):
             raise ConfigError(
                 "data.init_args.tokenizer", self.tokenizer.spec, f"the checkpoint was trained with {state_dict['tokenizer']!r}; use it"
             )
+        if self.storage == "stream" and state_dict.get("stream_workers") != self.num_workers:
+            raise ConfigError("data.init_args.num_workers", self.num_workers,
+                              f"a stream resumes exactly only with the workers it was saved with: use "
+                              f"{state_dict.get('stream_workers')}")
         self._epoch, self._batches_consumed = state_dict["epoch"], state_dict["batches_consumed"]
         self._resume_pending = True
 
-    def _sampler(self, dataset: ExampleDataset, shuffle: bool, drop_last: bool) -> ShardedSampler:
+    def _replicas(self) -> dict[str, int]:
         replicas = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if self.trainer is not None else None
-        replicas = replicas or {"num_replicas": 1, "rank": 0}
+        return replicas or {"num_replicas": 1, "rank": 0}
+
+    def _stream_loader(self) -> DataLoader:
+        """This rank's stream, resumed after the batches a checkpoint had consumed."""
+        max_steps = getattr(self.trainer, "max_steps", None)
+        if max_steps is not None and max_steps < 0:
+            raise ConfigError("trainer.max_steps", max_steps, "a stream has no epoch end: set trainer.max_steps")
+        skip = self._batches_consumed if self._resume_pending else 0
+        self._resume_pending = False
+        replicas = self._replicas()
+        dataset = StreamingExamples(self.source, self.tokenizer, self.format, self.seq_len, self.overlong, self.batch_size,
+                                    rank=replicas["rank"], num_replicas=replicas["num_replicas"], skip_batches=skip)
+        return DataLoader(dataset, batch_size=self.batch_size, collate_fn=self.collator, num_workers=self.num_workers)
+
+    def _sampler(self, dataset: ExampleDataset, shuffle: bool, drop_last: bool) -> ShardedSampler:
+        replicas = self._replicas()
         return self.collator.sampler(
             dataset, dataset.lengths, num_replicas=replicas["num_replicas"], rank=replicas["rank"], shuffle=shuffle,
             seed=self.seed, drop_last=drop_last, batch_size=self.batch_size,

@@ -25,6 +25,7 @@ Row = dict[str, Any]
 
 _SOURCE_KEY = "data.init_args.source.init_args"
 _JSON_BUILDER_LOGGER = "datasets.packaged_modules.json.json"
+_STREAM_BATCH = 1000  # rows per Arrow batch read from a stream
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 
 
@@ -33,6 +34,11 @@ class DataSource(ABC):
 
     @abstractmethod
     def __iter__(self) -> Iterator[Row]: ...
+
+    def stream_rows(self) -> Iterator[Row]:
+        """The same rows, read without materialising the data set (``storage: stream``): file and
+        hub sources read through ``datasets`` streaming; generated sources are streams already."""
+        return iter(self)
 
     def fingerprint(self) -> dict[str, Any]:
         """What decides its rows, for the token cache's key: the class and its arguments (another
@@ -191,6 +197,13 @@ class LocalFiles(DataSource):
             raise ConfigError(f"{_SOURCE_KEY}.path", self.path, _unreadable(self.files, err)) from err
         yield from _rows(dataset, self.text_field, self.max_rows, f"{_SOURCE_KEY}.path", self.path)
 
+    def stream_rows(self) -> Iterator[Row]:
+        from datasets import load_dataset
+
+        with _quiet_local_load():
+            dataset = load_dataset(self.builder, data_files=self.files, split="train", streaming=True)
+        yield from _streamed_rows(dataset, self.text_field, self.max_rows)
+
 
 @contextmanager
 def _quiet_local_load() -> Iterator[None]:
@@ -270,6 +283,27 @@ class HubDataset(DataSource):
 
         dataset = load_dataset(self.name, self.subset, split=self.split)
         yield from _rows(dataset, self.text_field, self.max_rows, f"{_SOURCE_KEY}.name", self.name)
+
+    def stream_rows(self) -> Iterator[Row]:
+        from datasets import load_dataset
+
+        dataset = load_dataset(self.name, self.subset, split=self.split, streaming=True)
+        yield from _streamed_rows(dataset, self.text_field, self.max_rows)
+
+
+def _streamed_rows(dataset: Any, text_field: str, max_rows: int | None) -> Iterator[Row]:
+    """A streamed dataset's rows with ``text_field`` renamed to ``text`` (no length or columns to check up front).
+
+    Read through ``iter(batch_size=...)``: iterating the dataset itself inside a DataLoader worker
+    would shard it over the workers by file (``datasets`` does that by itself), and the stream
+    shards by row (``streaming.py``)."""
+    rows = (dict(zip(batch, values)) for batch in dataset.iter(batch_size=_STREAM_BATCH) for values in zip(*batch.values()))
+    for i, row in enumerate(rows):
+        if max_rows is not None and i >= max_rows:
+            return
+        if text_field != "text" and text_field in row:
+            row["text"] = row.pop(text_field)
+        yield row
 
 
 def _rows(dataset: Any, text_field: str, max_rows: int | None, key: str, value: str) -> Iterator[Row]:

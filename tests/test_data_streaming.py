@@ -1,0 +1,106 @@
+"""``storage: stream``: local files read with ``datasets`` streaming and tokenised in DataLoader
+workers; every example exactly once per epoch over 2 ranks x 2 workers; mid-epoch resume exact.
+
+Seen failing with a bug put in, one at a time:
+- slots counted per worker only, ignoring the rank (both ranks read the same rows): the
+  exactly-once test fails (every example seen twice);
+- a resumed DataLoader's worker ``w`` taking worker ``w``'s part instead of worker
+  ``(w + consumed) mod K``'s (the bug this design first had): the resume tests fail for an odd
+  number of consumed batches, and the Lightning resume test fails.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lit_ablate.data import ArithmeticSFT, LMDataModule, LocalFiles, PackingCollator, PaddingCollator, build_examples
+from lit_ablate.data.streaming import StreamingExamples, worker_batches_consumed
+from lit_ablate.data.tokenizers import ByteTokenizer
+from lit_ablate.errors import ConfigError
+
+
+def _sft_file(tmp_path, rows: int = 45) -> str:
+    path = tmp_path / "sft.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in ArithmeticSFT(num_examples=rows, seed=7)))
+    return str(path)
+
+
+def _loader(path: str, rank: int, *, workers: int = 2, skip: int = 0, epochs: int | None = 1, batch: int = 2) -> DataLoader:
+    dataset = StreamingExamples(LocalFiles(path), ByteTokenizer(), "sft", 32, "truncate", batch, rank=rank,
+                                num_replicas=2, skip_batches=skip, epochs=epochs)
+    collator = PaddingCollator()
+    collator.bind(256, 32)
+    return DataLoader(dataset, batch_size=batch, collate_fn=collator, num_workers=workers)
+
+
+def _sequences(batches) -> list[tuple[int, ...]]:
+    return [tuple(row[mask.bool()].tolist()) for b in batches for row, mask in zip(b["input_ids"], b["attention_mask"])]
+
+
+def test_two_ranks_of_two_workers_see_every_example_once_per_epoch(tmp_path):
+    path = _sft_file(tmp_path)
+    seen = Counter(s for rank in range(2) for s in _sequences(_loader(path, rank)))
+    reference = build_examples(LocalFiles(path), ByteTokenizer(), "sft", 32, "truncate")
+    assert seen == Counter(tuple(e["input_ids"].tolist()) for e in reference)  # no duplicate, no gap
+
+
+def test_worker_shares_of_consumed_batches_add_up():
+    for workers in (1, 2, 3):
+        for batches in range(10):
+            shares = [worker_batches_consumed(batches, k, workers) for k in range(workers)]
+            assert sum(shares) == batches and max(shares) - min(shares) <= 1
+
+
+@pytest.mark.parametrize("consumed", [3, 4, 13])  # odd, even, and past the end of the first epoch
+def test_resume_continues_with_the_next_batch_of_the_rank(tmp_path, consumed):
+    path = _sft_file(tmp_path, rows=40)  # 20 rows per rank: 10 batches of 2 per epoch
+    uninterrupted = list(zip(range(consumed + 4), _loader(path, 1, epochs=None)))
+    resumed = list(zip(range(4), _loader(path, 1, skip=consumed, epochs=None)))
+    for (_, want), (_, got) in zip(uninterrupted[consumed:], resumed, strict=True):
+        assert torch.equal(got["input_ids"], want["input_ids"]) and torch.equal(got["labels"], want["labels"])
+
+
+class _BatchRecorder(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(()))
+        self.seen: list[torch.Tensor] = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append(batch["input_ids"].clone())
+        return self.weight * batch["input_ids"].float().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def _fit(path: str, root, max_steps: int, ckpt_path: str | None = None) -> list[torch.Tensor]:
+    module = _BatchRecorder()
+    checkpoints = pl.callbacks.ModelCheckpoint(dirpath=root, every_n_train_steps=3, save_top_k=-1)
+    trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[checkpoints], num_sanity_val_steps=0)
+    dm = LMDataModule(LocalFiles(path), format="sft", seq_len=32, batch_size=2, num_workers=2, storage="stream")
+    trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
+    return module.seen
+
+
+def test_lightning_resume_of_a_stream_continues_exactly(tmp_path):
+    path = _sft_file(tmp_path, rows=12)  # 6 batches of 2 per epoch: 8 steps cross an epoch boundary
+    uninterrupted = _fit(path, tmp_path / "a", max_steps=8)
+    _fit(path, tmp_path / "b", max_steps=3)
+    (checkpoint,) = (tmp_path / "b").glob("*.ckpt")
+    resumed = _fit(path, tmp_path / "c", max_steps=8, ckpt_path=str(checkpoint))
+    assert len(resumed) == 5
+    assert all(torch.equal(a, b) for a, b in zip(resumed, uninterrupted[3:], strict=True))
+
+
+@pytest.mark.parametrize("options", [{"format": "preference"}, {"collator": PackingCollator()}, {"val_examples": 2}])
+def test_a_stream_refuses_what_needs_the_whole_data_set(tmp_path, options):
+    with pytest.raises(ConfigError, match="data.init_args.storage='stream'"):
+        LMDataModule(LocalFiles(_sft_file(tmp_path)), storage="stream", **({"format": "sft"} | options))
