@@ -142,7 +142,8 @@ class CachedExampleDataset(Dataset):
         if keep_held_out:
             self._map, self.lengths = held_out, np.asarray(store.lengths[held_out])
         else:  # item i is store index i + (held-out indices at or before it): one search in a small array
-            self._map, self.lengths = None, np.delete(np.asarray(store.lengths), held_out)
+            self._map = None
+            self.lengths = np.delete(store.lengths, held_out) if len(held_out) else store.lengths
             self._shift = held_out - np.arange(len(held_out))
 
     def __len__(self) -> int:
