@@ -33,7 +33,7 @@ def loss_divergence_section(summary: Mapping[str, Any]) -> list[str]:
     last = max(s for v in rows for s in v["loss_delta_by_step"]["step"])
     shown = sorted({1, *(max(1, round(f * last)) for f in SHOWN_FRACTIONS)})
     fp8 = any(v.get("fp8") for v in summary["variants"])
-    header = ["variant", *(["fp8 matmuls"] if fp8 else []), *(f"Δ step {s}" for s in shown), "max |Δ| (step)"]
+    header = ["variant", *(["fp8 matmuls"] if fp8 else []), *(f"Δ step {s}" for s in shown), "largest abs Δ (step)"]
     lines = ["", f"## Loss difference from the baseline ({summary['study']['baseline']}) by step", "",
              "Δ = the variant's loss minus the baseline's at the same step (median over seeds)."
              + (" fp8 matmuls: `real` fp8 kernels, or `emulated` (fp8-rounded operands multiplied in fp32: fp8's "
