@@ -28,9 +28,9 @@ def _bytes(state: dict) -> int:
 
 def test_adapter_checkpoint_holds_adapters_only_and_resumes_exactly(tmp_path):
     root = str(tmp_path)
-    first = fit(root, 2, True, callbacks=(AdapterCheckpoint(),))  # QLoRA: the 4-bit base is rebuilt, not saved
-    resumed = fit(root, 4, True, ckpt_path=f"{root}/step2.ckpt", callbacks=(AdapterCheckpoint(),))
-    assert_resumed_exactly(first, resumed, fit(f"{root}/straight", 4, True))
+    first = fit(root, 2, False, callbacks=(AdapterCheckpoint(),))  # QLoRA: in test_adapters_resume's FSDP2 test
+    resumed = fit(root, 4, False, ckpt_path=f"{root}/step2.ckpt", callbacks=(AdapterCheckpoint(),))
+    assert_resumed_exactly(first, resumed, fit(f"{root}/straight", 4, False))
 
     saved = torch.load(f"{root}/step2.ckpt", weights_only=True)
     state = saved["state_dict"]
@@ -40,7 +40,7 @@ def test_adapter_checkpoint_holds_adapters_only_and_resumes_exactly(tmp_path):
     assert saved[FINGERPRINT_KEY]  # one sum per frozen weight
     full = torch.load(f"{root}/straight/step4.ckpt", weights_only=True)
     frozen = _bytes(full["state_dict"]) - _bytes(state)
-    # The file shrinks by the frozen base's bytes (packed 4-bit weights, scales, LM head), up to pickling slack.
+    # The file shrinks by the frozen base's bytes, up to pickling slack.
     shrink = os.path.getsize(f"{root}/straight/step4.ckpt") - os.path.getsize(f"{root}/step2.ckpt")
     assert frozen > _bytes(state) and shrink > 0.95 * frozen, (shrink, frozen)
 
@@ -55,3 +55,36 @@ def test_adapter_checkpoint_refuses_another_base(tmp_path):
 def test_adapter_checkpoint_refuses_sharded_checkpoints(tmp_path):
     with pytest.raises(ConfigError, match="save_distributed_checkpoint"):
         fit(str(tmp_path), 1, False, strategy=FSDP2Strategy(), callbacks=(AdapterCheckpoint(),))
+
+
+def test_an_adapter_only_checkpoint_exports_over_its_pretrained_base(tmp_path):
+    """Export reads an adapter-only checkpoint over the ``pretrained:`` folder it names (fingerprint
+    checked), with the trained logits; over a config-built base, which no file holds, it is refused."""
+    import lightning.pytorch as pl
+    from peft import PeftModel
+    from torch.utils.data import DataLoader
+    from transformers import AutoModelForCausalLM
+
+    from lit_ablate.models.factory import ModelFactory
+    from lit_ablate.modules import CausalLM
+    from lit_ablate.strategies.export import export_hf_checkpoint
+    from tests.test_step_objective import micro_batches
+
+    torch.manual_seed(0)
+    ModelFactory(preset="tiny-llama").build().save_pretrained(tmp_path / "base")
+    pl.seed_everything(0, verbose=False)
+    module = CausalLM(ModelFactory(pretrained=str(tmp_path / "base"), adapter={"r": 8}), learning_rate=1e-2, warmup_steps=0)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, default_root_dir=tmp_path, callbacks=[AdapterCheckpoint()])  # fmt: skip
+    trainer.fit(module, DataLoader(micro_batches("reference"), batch_size=None))
+    trainer.save_checkpoint(tmp_path / "adapters.ckpt")
+    ids = torch.arange(40).reshape(2, 20) % 250
+    trained = module.eval().model.logits(ids)
+    out = export_hf_checkpoint(tmp_path / "adapters.ckpt", tmp_path / "adapter", tokenizer="byte")
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), out)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, trained, rtol=0, atol=0)
+
+    fit(str(tmp_path / "config"), 1, False, callbacks=(AdapterCheckpoint(),))
+    with pytest.raises(ConfigError, match="no file holds that base"):
+        export_hf_checkpoint(tmp_path / "config" / "step1.ckpt", tmp_path / "refused", tokenizer="byte")

@@ -65,17 +65,21 @@ class AdapterCheckpoint(Callback):
         checkpoint[FINGERPRINT_KEY] = base_fingerprint(pl_module)
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        saved = checkpoint.get(FINGERPRINT_KEY)
-        if saved is None:
-            return  # a full checkpoint: the base came from it
-        built = base_fingerprint(pl_module)
-        differing = sorted(k for k in saved.keys() | built.keys()
-                           if k not in saved or k not in built
-                           or not math.isclose(saved[k], built[k], rel_tol=FINGERPRINT_RTOL, abs_tol=1e-12))  # fmt: skip
-        if differing:
-            raise ConfigError("--ckpt_path", trainer.ckpt_path,
-                              f"its adapters trained on another base ({len(differing)} frozen weights differ, e.g. "
-                              f"{differing[0]}): resume with the run's model config and seed_everything seed")  # fmt: skip
+        if FINGERPRINT_KEY in checkpoint:  # else a full checkpoint: the base came from it
+            check_same_base(checkpoint, pl_module, trainer.ckpt_path,
+                            "resume with the run's model config and seed_everything seed")  # fmt: skip
+
+
+def check_same_base(checkpoint: dict[str, Any], pl_module: LightningModule, ckpt_path: object, fix: str) -> None:
+    """Raise ``ConfigError`` naming ``--ckpt_path`` when ``pl_module``'s frozen weights are not the base
+    an adapter-only ``checkpoint`` was trained on (``base_fingerprint``); ``fix`` says what to do."""
+    saved, built = checkpoint[FINGERPRINT_KEY], base_fingerprint(pl_module)
+    differing = sorted(k for k in saved.keys() | built.keys()
+                       if k not in saved or k not in built
+                       or not math.isclose(saved[k], built[k], rel_tol=FINGERPRINT_RTOL, abs_tol=1e-12))  # fmt: skip
+    if differing:
+        raise ConfigError("--ckpt_path", str(ckpt_path), f"its adapters trained on another base ({len(differing)} "
+                          f"frozen weights differ, e.g. {differing[0]}): {fix}")  # fmt: skip
 
 
 def trainable_names(pl_module: LightningModule) -> set[str]:

@@ -8,7 +8,8 @@ with ``save_pretrained``: ``AutoModelForCausalLM.from_pretrained(output_dir)`` l
 The tokenizer the run trained with (recorded in the checkpoint by the data module) is saved beside
 it, and its special ids go into the model's config and generation config, so
 ``AutoTokenizer.from_pretrained`` + ``generate`` work on the folder alone.
-Only tensors are read back (``torch.load(weights_only=True)``).
+Only tensors are read back (``torch.load(weights_only=True)``). An adapter-only checkpoint
+(``AdapterCheckpoint``) exports over its ``pretrained:`` base, checked against the base's fingerprint.
 
 A run that trained adapters (``model.adapter``) is exported through peft's own ``PeftModel`` around
 the same base: by default a peft adapter folder (``adapter_config.json`` +
@@ -35,6 +36,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from lit_ablate.callbacks.adapter_checkpoint import FINGERPRINT_KEY, check_same_base
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.adapters import ADAPTER_NAME, apply_expert_adapters, has_adapters
 from lit_ablate.models.expert_adapters import merge_expert_adapters
@@ -78,7 +80,14 @@ def export_hf_checkpoint(ckpt_path: str | Path, output_dir: str | Path, tokenize
             dcp.load({"state_dict": state}, checkpoint_id=ckpt_path, no_dist=True)
     else:
         state = checkpoint["state_dict"]
-    module.load_state_dict(state, strict=True)
+    adapter_only = FINGERPRINT_KEY in checkpoint
+    if adapter_only and not module.factory.pretrained:
+        raise ConfigError("--ckpt_path", str(ckpt_path), "an adapter-only checkpoint (AdapterCheckpoint) of a base built "
+                          "from a config: no file holds that base; export a full checkpoint (train without "
+                          "AdapterCheckpoint), or train over a pretrained base")  # fmt: skip
+    module.load_state_dict(state, strict=not adapter_only)  # adapter-only: the base is the pretrained folder's
+    if adapter_only:
+        check_same_base(checkpoint, module, ckpt_path, "the pretrained folder changed since training")
     lm = module.model.lm
     for config in (lm.config, lm.generation_config):
         config.bos_token_id, config.eos_token_id, config.pad_token_id = tok.bos_id, tok.eos_id, tok.pad_id
