@@ -241,3 +241,29 @@ def test_clipping_under_tp_x_dp_shard_is_refused_until_its_norm_is_right():
     strategy._fsdp_mesh = SimpleNamespace(size=lambda: 2)
     with pytest.raises(ConfigError, match="trainer.gradient_clip_val"):
         strategy.setup(SimpleNamespace(gradient_clip_val=1.0))
+
+
+def test_a_config_s_tensor_parallelism_reaches_the_estimate():
+    """tp: -1 resolves against the devices; weights, gradients and optimizer states are divided by tp,
+    activations by less (the norms stay whole without sequence parallelism), and by more with it.
+    Catches the estimate ignoring tp (it was equal to one rank's before this model)."""
+    import yaml
+
+    from lit_ablate.ablation.dotted import with_overrides
+    from lit_ablate.estimate import estimate_for_config, training_shape_of
+    from tests.test_estimate_memory import QUICKSTART
+
+    base = yaml.safe_load(QUICKSTART.read_text())
+
+    def config(devices: int, sequence_parallel: bool = False) -> dict:
+        strategy = {"class_path": "lit_ablate.strategies.TensorParallelStrategy",
+                    "init_args": {"tp": -1, "sequence_parallel": sequence_parallel}}  # fmt: skip
+        return with_overrides(base, {"trainer.devices": devices, "trainer.strategy": strategy})
+
+    shape = training_shape_of(config(2, sequence_parallel=True))
+    assert (shape.tensor_parallel, shape.sequence_parallel) == (2, True)
+    one, tp2, tp2_sp = (estimate_for_config(config(1)), estimate_for_config(config(2)),
+                        estimate_for_config(config(2, sequence_parallel=True)))
+    assert tp2.params == -(-one.params // 2) and tp2.optimizer == one.optimizer // 2
+    assert one.activations / 2 < tp2.activations < one.activations
+    assert tp2_sp.activations < tp2.activations
