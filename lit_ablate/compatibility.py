@@ -270,6 +270,18 @@ def fp8_runs_here(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
     return f"model.init_args.model.fp8: {reason}" if reason and not reason.startswith("model.") else reason
 
 
+def tensor_parallel_loss_fits(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
+    """Tensor parallelism takes only the ``torch`` loss backend without z-loss (vocabulary-sharded logits)."""
+    from lit_ablate.strategies.tensor_parallel import TensorParallelStrategy, check_tensor_parallel_loss
+
+    strategy = _strategy_class(config)
+    tp = get_dotted(config, "trainer.strategy.init_args.tp", -1)
+    if strategy is None or not issubclass(strategy, TensorParallelStrategy) or tp == 1:
+        return None
+    return _reason(check_tensor_parallel_loss, str(get_dotted(config, "model.init_args.loss", "torch")),
+                   float(get_dotted(config, "model.init_args.loss_options.z_loss_weight", 0.0) or 0.0))
+
+
 RULES: dict[str, Rule] = {
     "accelerator_present": accelerator_present,
     "enough_devices": enough_devices,
@@ -283,6 +295,7 @@ RULES: dict[str, Rule] = {
     "quantization_runs_under_strategy": quantization_runs_under_strategy,
     "fp8_runs_here": fp8_runs_here,
     "preference_parts_fit": preference_parts_fit,
+    "tensor_parallel_loss_fits": tensor_parallel_loss_fits,
 }
 
 

@@ -267,3 +267,20 @@ def test_a_config_s_tensor_parallelism_reaches_the_estimate():
     assert tp2.params == -(-one.params // 2) and tp2.optimizer == one.optimizer // 2
     assert one.activations / 2 < tp2.activations < one.activations
     assert tp2_sp.activations < tp2.activations
+
+
+def test_a_study_skips_tensor_parallelism_with_a_fused_loss_up_front():
+    """The ablation runner's compatibility check gives the strategy's own one-line reason."""
+    from lit_ablate import compatibility
+    from lit_ablate.ablation.spec import Launch
+
+    def config(loss: str, tp: int = 2) -> dict:
+        return {"trainer": {"accelerator": "cpu", "devices": 2,
+                            "strategy": {"class_path": "lit_ablate.strategies.TensorParallelStrategy",
+                                         "init_args": {"tp": tp}}},
+                "model": {"init_args": {"loss": loss}}}
+
+    reason = compatibility.incompatibility(config("chunked"), Launch(devices=2, accelerator="cpu"))
+    assert "model.init_args.loss" in reason and "use loss: torch" in reason
+    assert compatibility.incompatibility(config("torch"), Launch(devices=2, accelerator="cpu")) is None
+    assert compatibility.incompatibility(config("chunked", tp=1), Launch(devices=2, accelerator="cpu")) is None

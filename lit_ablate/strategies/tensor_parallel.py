@@ -89,14 +89,8 @@ class TensorParallelStrategy(FSDP2Strategy):
             raise ConfigError("model.init_args.model.tie_word_embeddings", True,
                               "tensor parallelism splits the embedding and the LM head separately; untie them")
         loss = model.loss_fn
-        if not isinstance(loss, TorchCrossEntropy):
-            raise ConfigError(LOSS_KEY, type(loss).__name__,
-                              "tensor parallelism computes the loss on vocabulary-sharded logits (loss_parallel), "
-                              "which only the 'torch' backend does; use loss: torch")
-        if loss.z_loss_weight:
-            raise ConfigError(f"{OPTIONS_KEY}.z_loss_weight", loss.z_loss_weight,
-                              "z-loss needs the log-sum-exp over the whole vocabulary, which tensor parallelism "
-                              "never gathers; use 0")
+        check_tensor_parallel_loss(type(loss).__name__ if not isinstance(loss, TorchCrossEntropy) else "torch",
+                                   getattr(loss, "z_loss_weight", 0.0))
         if model.lm.get_output_embeddings().bias is not None:
             raise ConfigError("model", type(model.lm).__name__, "an LM head with a bias is not split yet; use tp: 1")
 
@@ -170,6 +164,18 @@ class TensorParallelStrategy(FSDP2Strategy):
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         clip_grad_norm_across_meshes((p for group in optimizer.param_groups for p in group["params"]), clip_val)
+
+
+def check_tensor_parallel_loss(loss: str, z_loss_weight: float = 0.0) -> None:
+    """Only the ``torch`` backend, without z-loss, computes on vocabulary-sharded logits. Raises
+    ``ConfigError`` naming the key (also the ablation runner's up-front check, ``compatibility``)."""
+    if loss != "torch":
+        raise ConfigError(LOSS_KEY, loss, "tensor parallelism computes the loss on vocabulary-sharded logits "
+                          "(loss_parallel), which only the 'torch' backend does; use loss: torch")
+    if z_loss_weight:
+        raise ConfigError(f"{OPTIONS_KEY}.z_loss_weight", z_loss_weight,
+                          "z-loss needs the log-sum-exp over the whole vocabulary, which tensor parallelism "
+                          "never gathers; use 0")
 
 
 @dataclass(frozen=True)
