@@ -149,7 +149,7 @@ def clip_grad_norm_across_meshes(parameters: Iterable[Tensor], max_norm: float) 
         for dim, placement in enumerate(placements):
             if placement.is_partial():
                 raise NotImplementedError(f"gradient norm of partial DTensor gradients (mesh {mesh})")
-            if placement.is_shard():
+            if not placement.is_replicate():  # Shard, or FSDP's _StridedShard (which is_shard() does not count)
                 dist.all_reduce(square, group=mesh.get_group(dim))
         squares.append(square.cpu())
     total = torch.stack(squares).sum().sqrt()
