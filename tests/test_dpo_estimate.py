@@ -81,3 +81,16 @@ def test_fit_counts_the_frozen_reference_apart(tmp_path) -> None:
     assert all(s["loss"] > 0 for s in record["steps"])  # the fused loss trained through Lightning
     estimate = estimate_for_config(config(logprobs="liger"))
     assert estimate.reference == pytest.approx(maxima["reference"], rel=0.01)
+
+
+@pytest.mark.parametrize("logprobs", ["torch", "liger"])
+def test_memory_categories_resolve_for_each_backend(logprobs: str) -> None:
+    """The declared ``reference`` paths exist for every policy (a missing one crashed MemoryMonitor)."""
+    from lit_ablate.callbacks.memory import declared_categories
+
+    if logprobs == "liger" and importlib.util.find_spec("liger_kernel") is None:
+        pytest.skip("liger-kernel is not installed")
+    dpo = DPO(ModelFactory(preset="tiny-llama"), logprobs=logprobs)
+    dpo.configure_model()
+    modules = declared_categories(dpo)["reference"]
+    assert modules[0] is dpo.reference and len(modules) == (2 if logprobs == "liger" else 1)

@@ -100,3 +100,17 @@ def test_liger_missing_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
                         find_spec(name, *a))
     with pytest.raises(ConfigError, match=r"model\.init_args\.logprobs='liger'.*lit-ablate\[gpu\]"):
         DPO(ModelFactory(preset="tiny-llama"), logprobs="liger")
+
+
+def test_liger_fit_refuses_a_packing_collator_before_the_first_step(tmp_path) -> None:
+    import lightning.pytorch as L
+
+    from lit_ablate.data import ArithmeticPreference, LMDataModule, PreferencePackingCollator
+
+    module = DPO(ModelFactory(preset="tiny-llama"), logprobs="liger")
+    data = LMDataModule(ArithmeticPreference(num_examples=8, max_operand=9), format="preference", seq_len=64,
+                        batch_size=2, val_examples=0, collator=PreferencePackingCollator())
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    with pytest.raises(ConfigError, match=r"data\.init_args\.collator='PreferencePackingCollator'"):
+        trainer.fit(module, data)

@@ -43,6 +43,8 @@ LIGER_REFERENCES = ("frozen", "none")
 INSTALL_FIX = ("pip install 'lit-ablate[gpu]' (on a machine without CUDA: 'lit-ablate[kernels-cpu]'); Liger's "
                "fused DPO is plain torch and runs on CPU too")
 _KEY = "model.init_args"
+PADDED_ONLY_FIX = ("logprobs: liger needs one sequence per row: use lit_ablate.data.PreferencePaddingCollator, or "
+                   "logprobs: chunked for packing")
 
 
 def check_liger_dpo(loss_type: str, label_smoothing: float, reference: str) -> None:
@@ -63,8 +65,7 @@ def check_liger_dpo(loss_type: str, label_smoothing: float, reference: str) -> N
 def check_padded_batch(batch: dict[str, Any]) -> None:
     """Liger sums log-probs per row: a packed or prefix-shared batch would mix sequences."""
     if batch.get("cu_seqlens") is not None or batch.get("branch_ids") is not None:
-        raise ConfigError("data.init_args.collator", "packed preference rows", "logprobs: liger needs one sequence "
-                          "per row: use lit_ablate.data.PreferencePaddingCollator, or logprobs: chunked for packing")
+        raise ConfigError("data.init_args.collator", "packed preference rows", PADDED_ONLY_FIX)
 
 
 @dataclass(frozen=True)

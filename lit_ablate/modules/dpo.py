@@ -21,7 +21,7 @@ from lit_ablate.errors import ConfigError
 from lit_ablate.estimate import batch_model_flops, preference_flops_factor
 from lit_ablate.models.adapters import adapters_disabled
 from lit_ablate.models.factory import ModelFactory
-from lit_ablate.models.liger_dpo import LIGER, LigerDPOPolicy, liger_dpo_loss
+from lit_ablate.models.liger_dpo import LIGER, PADDED_ONLY_FIX, LigerDPOPolicy, liger_dpo_loss
 from lit_ablate.models.logprobs import TorchLogProbs, logprob_backend
 from lit_ablate.models.losses import IGNORE_INDEX
 from lit_ablate.models.moe import collect_aux_losses
@@ -75,9 +75,6 @@ class DPO(CausalLM):
             compile: as ``CausalLM``.
     """
 
-    memory_categories = {"reference": ["reference", "model.reference_head"]}
-    """``MemoryMonitor`` counts the frozen reference (and Liger's copy of its head) apart from ``params``."""
-
     def __init__(
         self,
         model: ModelFactory,
@@ -127,6 +124,8 @@ class DPO(CausalLM):
             "weight_decay": weight_decay, "betas": tuple(betas), "warmup_steps": warmup_steps,
             "min_lr_ratio": min_lr_ratio, "compile": compile})
         self.reference: SequenceLogProbs | None = None
+        self.memory_categories = {"reference": ["reference", *(["model.reference_head"] if self.fused_loss else [])]}
+        """``MemoryMonitor`` counts the frozen reference (and Liger's copy of its head) apart from ``params``."""
         self.reference_logps: Tensor | None = None
         """``precomputed``: ``[pairs in the data set, 2]`` reference log-probs (chosen, rejected)."""
         self.eval_reward_accuracy = MeanMetric()
@@ -232,6 +231,9 @@ class DPO(CausalLM):
 
     # --- precomputed reference log-probs ----------------------------------------------------
     def on_fit_start(self) -> None:
+        collator = getattr(getattr(self.trainer, "datamodule", None), "collator", None)
+        if self.fused_loss is not None and collator is not None and not isinstance(collator, PreferencePaddingCollator):
+            raise ConfigError("data.init_args.collator", type(collator).__name__, PADDED_ONLY_FIX)
         if self.hparams.reference == "precomputed":
             if self.reference_logps is None:
                 self.reference_logps = self.precompute_reference(self.trainer.datamodule)
