@@ -67,10 +67,12 @@ class FSDP2Strategy(MeshStrategy):
         return output
 
     def state_sharding(self, world_size: int) -> StateSharding:
-        """Dense state divided over the shard ranks (x tp); ZeRO-2-like keeps gathered params to backward."""
+        """Dense state divided over the shard ranks (x tp); without resharding after forward each
+        layer's gathered parameters (divided by tp only) stay from its forward to its backward."""
         sizes = resolve_mesh_sizes(self.requested_mesh_sizes, world_size)
         shard = math.prod(sizes[d] for d in FSDP_SHARD_DIMS) * sizes["tp"]
-        return StateSharding(params=shard if self.reshard_after_forward else sizes["tp"], grads=shard, optimizer=shard)
+        gathered = None if self.reshard_after_forward else sizes["tp"]
+        return StateSharding(params=shard, grads=shard, optimizer=shard, gathered=gathered)
 
     def fsdp_kwargs(self) -> dict:
         """The ``fully_shard`` arguments every unit gets (mesh, resharding, precision, offload)."""
