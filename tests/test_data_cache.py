@@ -34,6 +34,7 @@ from lit_ablate.data import (
     token_cache,
 )
 from lit_ablate.data.sources import DataSource
+from lit_ablate.errors import ConfigError
 from tests.distributed import _forkserver, run_ranks
 from tests.test_data import _tiny_hf_tokenizer
 
@@ -76,6 +77,7 @@ def test_cached_examples_and_batches_equal_the_in_memory_ones(fmt, tmp_path, mon
     assert again.setup_record["cache_hit"] is True and again.setup_record["cache_path"] == cached.setup_record["cache_path"]
 
 
+@pytest.mark.slow  # a worker pool on 2 loaded cores: 8-25 s
 def test_tokenize_workers_build_the_same_entry(tmp_path, monkeypatch):
     _forkserver()  # workers fork from the test session's preloaded forkserver (else each imports torch: ~7 s)
     monkeypatch.setattr(token_cache, "BATCH_ROWS", 16)
@@ -140,6 +142,12 @@ def test_a_retrained_tokenizer_at_the_same_path_is_another_entry(tmp_path):
                           cache_dir=str(tmp_path / "cache"))
     second.setup()
     assert second.setup_record["cache_hit"] is False
+
+
+@pytest.mark.parametrize(("key", "value"), [("storage", "disk"), ("tokenize_workers", -1), ("tokenize_workers", 2)])
+def test_bad_storage_options_name_the_key(key, value):
+    with pytest.raises(ConfigError, match=rf"data\.init_args\.{key}={value!r}"):
+        LMDataModule(SyntheticText(num_documents=4), **{key: value})
 
 
 def test_cache_dir_comes_from_the_config_then_the_environment(tmp_path, monkeypatch):

@@ -110,8 +110,10 @@ class LMDataModule(pl.LightningDataModule):
             raise ConfigError("data.init_args.overlong", overlong, f"choose one of {OVERLONG_CHOICES}")
         if storage not in STORAGES:
             raise ConfigError("data.init_args.storage", storage, f"choose one of {STORAGES}")
-        if tokenize_workers < 0:
-            raise ConfigError("data.init_args.tokenize_workers", tokenize_workers, "use 0 (this process) or more")
+        if tokenize_workers < 0 or (tokenize_workers and storage != "cache"):
+            raise ConfigError("data.init_args.tokenize_workers", tokenize_workers,
+                              "use 0 (this process) or more, and only with storage: cache (a stream tokenises in "
+                              "num_workers; memory in the rank itself)")
         if storage == "stream" and (format == "preference" or not isinstance(collator, (PaddingCollator, type(None)))
                                     or val_examples):
             raise ConfigError("data.init_args.storage", storage,
