@@ -293,3 +293,10 @@ def test_two_gpus_train_the_one_process_model():
     reference = fit("tiny-qwen3", "packed", accelerator="gpu")
     for run in run_ranks(_two_gpus, 2, init_process_group=False, timeout_s=600):
         assert_same_training(run, reference, loss_atol=10 * LOSS_ATOL, grad_atol={s: 10 * a for s, a in GRAD_ATOL.items()})
+
+
+def test_a_device_without_block_kernels_is_refused_naming_the_accelerator(monkeypatch):
+    """CPU and CUDA have block kernels; any other device stops at start-up with the key to change."""
+    monkeypatch.setattr(ContextParallelStrategy, "root_device", property(lambda self: torch.device("mps")))
+    with pytest.raises(ConfigError, match="trainer.accelerator.*cpu and cuda"):
+        ContextParallelStrategy(cp=2).setup_environment()
