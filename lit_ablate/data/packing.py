@@ -51,17 +51,30 @@ def pack_greedy(order: Sequence[int], lengths: Sequence[int], max_tokens: int) -
 def pack_ffd(order: Sequence[int], lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     """First-fit decreasing: longest first, each into the earliest-opened row with room.
 
-    A plain scan of the open rows: O(examples x rows) per window, which the window bounds."""
+    The earliest row with room is found in a max-tree of the rows' free space: O(log window) per
+    example, where a scan of the open rows grows with the window. The tree's leaves
+    past the open rows are empty rows, so the leftmost leaf with room is the first open row that
+    fits, or else the next new row."""
+    items = sorted(order, key=lambda i: -lengths[i])  # stable: ties keep arrival order
+    size = 1
+    while size < len(items):
+        size *= 2
+    free = [max_tokens] * (2 * size)  # free[node]: the most room in any row under that node
     rows: list[list[int]] = []
-    free: list[int] = []
-    for i in sorted(order, key=lambda i: -lengths[i]):  # stable: ties keep arrival order
-        row = next((r for r, room in enumerate(free) if room >= lengths[i]), None)
-        if row is None:
-            row = len(rows)
+    for i in items:
+        need = lengths[i]
+        node = 1
+        if need > max_tokens:  # overlong: alone in a new row
+            node = size + len(rows)
+        while node < size:
+            node = 2 * node if free[2 * node] >= need else 2 * node + 1
+        if node - size == len(rows):
             rows.append([])
-            free.append(max_tokens)
-        rows[row].append(i)
-        free[row] -= lengths[i]
+        rows[node - size].append(i)
+        free[node] -= need
+        while node > 1:
+            node //= 2
+            free[node] = max(free[2 * node], free[2 * node + 1])
     return rows
 
 
