@@ -144,11 +144,13 @@ def clip_grad_norm_across_meshes(parameters: Iterable[Tensor], max_norm: float) 
         return torch.tensor(0.0)
     squares = []
     for (mesh, placements), grads in groups.items():
+        if any(placement.is_partial() for placement in placements):  # not a sum of local squares: DTensor's norm
+            norm = torch.nn.utils.get_total_norm(grads)
+            squares.append(norm.full_tensor().float().square().cpu())
+            continue
         local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
         square = torch.stack([t.detach().float().square().sum() for t in local]).sum()
         for dim, placement in enumerate(placements):
-            if placement.is_partial():
-                raise NotImplementedError(f"gradient norm of partial DTensor gradients (mesh {mesh})")
             if not placement.is_replicate():  # Shard, or FSDP's _StridedShard (which is_shard() does not count)
                 dist.all_reduce(square, group=mesh.get_group(dim))
         squares.append(square.cpu())
