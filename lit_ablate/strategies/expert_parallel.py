@@ -132,7 +132,8 @@ def clip_grad_norm_across_meshes(parameters: Iterable[Tensor], max_norm: float) 
     on (one all-reduce per dimension and group of gradients), and the groups' sums combine into the
     total. Not through DTensor's own norm: for expert weights sharded over ``ep`` and then by FSDP
     over ``cp`` its mesh is ``(cp, ep)``, against the root mesh's order, which torch's
-    redistribution refuses. The gradients are then scaled as torch scales them
+    redistribution refuses (gradients with a ``Partial`` placement, not sums of local squares, still
+    take DTensor's norm). The gradients are then scaled as torch scales them
     (``max_norm / (total + 1e-6)``, only when below 1). Returns the total norm.
     """
     groups: dict[tuple, list[Tensor]] = {}
