@@ -173,8 +173,9 @@ def peak_main(argv: list[str]) -> int:
     from lit_ablate.callbacks.mfu import PEAK_DTYPE, peak_tflops_of
     from lit_ablate.errors import ConfigError
 
-    parser = argparse.ArgumentParser(prog="lit-ablate peak", description=peak_main.__doc__.split("\n")[0],
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        prog="lit-ablate peak", allow_abbrev=False,
+        description="This device's spec peak and measured matmul ceiling: MFUMonitor's two denominators.")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cpu, cuda or cuda:N (default: cuda when there is one)")
     parser.add_argument("--dtype", choices=list(DTYPES), help="matmul dtype (default: bfloat16 on a GPU, float32 on CPU)")
