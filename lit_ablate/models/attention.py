@@ -12,8 +12,8 @@ model code is unchanged. Importing this module registers the names:
   forward runs anywhere; training needs CUDA (CPU has no flex backward).
 - ``ring`` / ``allgather``: context-parallel attention over a sequence sharded across ranks
   (``lit_ablate.models.context_parallel_attention``; ``ContextParallelStrategy`` selects them
-  during its steps). On one process they equal ``sdpa_packed``. Their block kernel is ATen's
-  CPU flash-attention op: CPU only so far.
+  during its steps). On one process they equal ``sdpa_packed``. Their block kernels: ATen's CPU
+  flash op, torch's CUDA memory-efficient op (``block_attention.BLOCK_KERNELS``).
 - ``fa_varlen``: flash-attn's ``flash_attn_varlen_func`` over the flattened tokens, segments
   from the batch's ``cu_seq_lens_q``/``max_length_q`` when given, else from ``position_ids``
   (or from the padding mask). Needs CUDA and the flash-attn package.
