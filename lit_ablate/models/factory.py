@@ -81,6 +81,8 @@ class ModelFactory:
             self.quantization = QuantizationOptions(**self.quantization)
         if isinstance(self.fp8, dict):
             self.fp8 = Fp8Options(**self.fp8)
+        if self.fp8 is not None and self.fp8.emulate is False and not torch.cuda.is_available():
+            resolve_emulation(self.fp8, torch.device("cpu"))  # no fp8 kernel anywhere here: refused before any build
         if self.fp8 is not None and self.quantization is not None:
             raise ConfigError(FP8_KEY, asdict(self.fp8), f"fp8 and {QUANTIZATION_KEY} both replace the base's linear "
                               "layers; choose one (fp8 + LoRA trains adapters over an fp8 base)")
@@ -108,6 +110,9 @@ class ModelFactory:
         if not self.pretrained:
             check_model_shape(model_type, self._config_values())
             self.hf_config()  # what transformers itself rejects, also before any build
+        if self.fp8 is not None and not self.pretrained:
+            with torch.device("meta"):  # what fp8 cannot convert (sizes, experts), refused before any real build
+                convert_fp8(self._build_base(), self.fp8, emulate=True)
 
     @property
     def torch_dtype(self) -> torch.dtype:

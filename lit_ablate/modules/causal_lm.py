@@ -122,10 +122,11 @@ class CausalLM(LightningModule):
         if self.factory.fp8 is not None:
             emulated, why = resolve_emulation(self.factory.fp8, device)
             self.fp8_kernels = "emulated" if emulated else "real"
-            if emulated and self.factory.fp8.emulate == "auto":  # a fallback: warned once and recorded
+            if emulated and self.factory.fp8.emulate == "auto":  # a fallback: warned (once built) and recorded
                 self._fp8_emulated_because = why
-                rank_zero_warn(f"fp8 is emulated in fp32 matmuls (same numerics, no speed-up): {why}")
         lm = self.factory.build(device=device)
+        if self._fp8_emulated_because:
+            rank_zero_warn(f"fp8 is emulated in fp32 matmuls (same numerics, no speed-up): {self._fp8_emulated_because}")
         self.parameter_counts = count_parameters(lm, lm.config)
         self.model = self.trained_module(lm)
         # Which parameters decay is decided now, on the unwrapped model: sharding wrappers
