@@ -244,3 +244,17 @@ def test_a_study_skips_fp8_without_kernels_or_fp8_all_gather_without_fsdp2():
     assert "fp8 all-gather happens inside FSDP2" in incompatibility(config, launch)
     config["trainer"]["strategy"] = {"class_path": "lit_ablate.strategies.FSDP2Strategy"}
     assert incompatibility(config, launch) is None
+
+
+@pytest.mark.parametrize(("fp8", "config", "expected"), [
+    ("{emulate: false}", "{}", "model.init_args.model.fp8.emulate=False: fp8 kernels need a CUDA GPU"),
+    ("{target_modules: [down_proj]}", "{intermediate_size: 100}", "down_proj: sizes 100 -> 128 are not multiples of 16"),
+])  # fmt: skip
+def test_the_cli_refuses_bad_fp8_combinations_in_one_line(fp8, config, expected, capsys):
+    from tests.test_bad_inputs import CONFIGS, _stderr_lines
+
+    if "emulate" in fp8 and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the row needs one that has none")
+    code, lines = _stderr_lines(["fit", "--config", str(CONFIGS / "quickstart.yaml"), "--model.init_args.model.fp8", fp8,
+                                 "--model.init_args.model.config", config], capsys)  # fmt: skip
+    assert code not in (0, None) and len(lines) == 1 and expected in lines[0], lines
