@@ -198,7 +198,7 @@ def optimizer_runs_here(config: Mapping[str, Any], launch: LaunchLike) -> str | 
     reason = optimizer_refusal(name, _strategy_class(config), "cuda" if _on_gpu(config, launch) else "cpu")
     if not reason and name.startswith("torchao") and _tracks_tensors(config):
         reason = ("torchao's 8-bit AdamW compiles its update (torch.compile, fullgraph), which torch refuses while "
-                  "MemoryMonitor's tensor tracker (a dispatch mode) runs; give that variant MemoryMonitor "
+                  "MemoryMonitor's tensor tracker (a dispatch mode) runs; give its MemoryMonitor "
                   "init_args: {tracked_steps: 0}")  # fmt: skip
     return f"model.init_args.optimizer={name}: {reason}" if reason else None
 

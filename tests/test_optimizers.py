@@ -170,6 +170,6 @@ def test_torchao_beside_the_tensor_tracker_is_skipped_with_the_fix():
     monitor = {"class_path": "lit_ablate.callbacks.MemoryMonitor"}
     config = {"model": {"init_args": {"optimizer": "torchao_adamw8bit"}}, "trainer": {"callbacks": [monitor]}}
     reason = compatibility.optimizer_runs_here(config, Launch(accelerator="cpu"))
-    assert "give that variant MemoryMonitor init_args: {tracked_steps: 0}" in reason
+    assert "give its MemoryMonitor init_args: {tracked_steps: 0}" in reason
     monitor["init_args"] = {"tracked_steps": 0}
     assert compatibility.optimizer_runs_here(config, Launch(accelerator="cpu")) is None
