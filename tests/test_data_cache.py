@@ -13,6 +13,7 @@ Seen failing with a bug put in, one at a time:
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -75,6 +76,29 @@ def test_cached_examples_and_batches_equal_the_in_memory_ones(fmt, tmp_path, mon
             assert torch.equal(got[key], value) if isinstance(value, torch.Tensor) else got[key] == value, key
     again = _setup(tmp_path, fmt, storage="cache")
     assert again.setup_record["cache_hit"] is True and again.setup_record["cache_path"] == cached.setup_record["cache_path"]
+
+
+def test_a_mixed_sft_file_read_as_a_stream_caches_the_in_memory_examples(tmp_path):
+    rows = [{"prompt": "1+1=", "response": "2"},
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+            {"prompt": "late column ", "response": "ok", "source": 3}] * 4
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    built = {}
+    for storage in ("memory", "cache"):
+        built[storage] = LMDataModule(LocalFiles(str(path)), format="sft", seq_len=64, storage=storage,
+                                      cache_dir=str(tmp_path / "cache"))
+        built[storage].setup()
+    for got, want in zip(built["cache"].train_set.examples, built["memory"].train_set.examples, strict=True):
+        assert all(torch.equal(got[key], want[key]) for key in want)
+
+
+def test_a_bad_line_stops_the_build_naming_it(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "fine"}\n{"text": oops}\n')
+    with pytest.raises(ConfigError, match="line 2 of .*bad.jsonl is not valid JSON"):
+        LMDataModule(LocalFiles(str(path)), format="documents", storage="cache", cache_dir=str(tmp_path)).setup()
+    assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == []  # no entry and no temporary left
 
 
 @pytest.mark.slow  # a worker pool on 2 loaded cores: 8-25 s

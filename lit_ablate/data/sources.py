@@ -202,7 +202,10 @@ class LocalFiles(DataSource):
 
         with _quiet_local_load():
             dataset = load_dataset(self.builder, data_files=self.files, split="train", streaming=True)
-        yield from _streamed_rows(dataset, self.text_field, self.max_rows)
+            try:
+                yield from _streamed_rows(dataset, self.text_field, self.max_rows)
+            except ValueError as err:  # pyarrow's parse errors (ArrowInvalid), met only when the bad line is read
+                raise ConfigError(f"{_SOURCE_KEY}.path", self.path, _unreadable(self.files, err)) from err
 
 
 @contextmanager

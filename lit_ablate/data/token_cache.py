@@ -251,8 +251,10 @@ def _build(entry: Path, inputs: dict, source: DataSource, tokenizer: Tokenizer, 
 
 
 def _batches(source: DataSource, batch_rows: int) -> Iterator[tuple[list[Row], int]]:
-    """``(rows, number of the first row)`` in the source's order, ``batch_rows`` at a time."""
-    rows, first = iter(source), 1
+    """``(rows, number of the first row)`` in the source's order, ``batch_rows`` at a time. Read as a
+    stream: ``LocalFiles`` would otherwise first convert the whole corpus into ``datasets``' own
+    Arrow cache (a second full copy on disk) before the first row is tokenised."""
+    rows, first = source.stream_rows(), 1
     while batch := list(islice(rows, batch_rows)):
         yield batch, first
         first += len(batch)
