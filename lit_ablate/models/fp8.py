@@ -29,7 +29,6 @@ all-reduce after each optimizer step (``FSDP2Strategy`` calls it).
 
 from __future__ import annotations
 
-import logging
 import sys
 from dataclasses import dataclass, field
 from typing import Literal
@@ -39,8 +38,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lit_ablate.errors import ConfigError
-
-log = logging.getLogger(__name__)
 
 OPTIONS_KEY = "model.init_args.model.fp8"
 """Where ``Fp8Options`` sit in a fit config (named in error messages)."""
@@ -128,7 +125,7 @@ def fp8_linear_names(model: nn.Module, options: Fp8Options) -> list[str]:
     """Names of the ``nn.Linear`` layers ``convert_fp8`` converts.
 
     Raises ``ConfigError`` when ``target_modules`` names a layer fp8 cannot take (a size not a
-    multiple of 16, a router) or matches nothing.
+    multiple of 16, a router); ``convert_fp8`` refuses a selection that leaves nothing to convert.
     """
     explicit = not isinstance(options.target_modules, str)
     names = []
