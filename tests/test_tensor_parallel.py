@@ -29,6 +29,7 @@ from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.losses import loss_backend
 from lit_ablate.modules import CausalLM
 from lit_ablate.strategies.mesh import resolve_mesh_sizes
+from lit_ablate.strategies.tensor_context_parallel import TensorContextParallelStrategy
 from lit_ablate.strategies.tensor_parallel import TensorParallelStrategy
 from tests.distributed import run_ranks
 from tests.test_strategies_equivalence import PARAM_ATOL, fixed_batch, full_weights, rows_of
@@ -226,10 +227,38 @@ def test_sequence_parallel_makes_positions_explicit_and_refuses_padded_batches()
         strategy.sequence_parallel_batch({"input_ids": torch.zeros(2, 7)})
 
 
-def test_tp_with_context_parallel_is_refused_with_the_fix():
-    """TP x CP is not composed yet: the mesh strategy says so up front instead of training something else."""
+def _tp_x_cp_gradients(rank: int, world_size: int) -> dict:
+    strategy = TensorContextParallelStrategy(tp=2, cp=2)
+    strategy.build_mesh("cpu", world_size)
+    model = strategy.parallelize(build("tiny-qwen3", meta=rank != 0))
+    batch = strategy.shard_batch(fixed_batch())  # this cp rank's slice of every sequence
+    with strategy.context_parallel_attention(), strategy.vocabulary_parallel_loss():
+        loss_sum, useful = model(batch)
+        sums = torch.stack([loss_sum.detach(), useful.float()])
+        dist.all_reduce(sums, group=strategy.device_mesh["cp"].get_group())
+        # the global token mean; x cp undoes FSDP's averaging over the cp ranks (StepObjective's job in a fit)
+        (loss_sum / sums[1] * strategy.mesh_sizes["cp"]).backward()
+    return {"loss": (sums[0] / sums[1]).item(), "grads": {name: _full(p.grad) for name, p in model.named_parameters()}}
+
+
+def test_tp2_x_cp2_gradients_equal_one_process():
+    """4 ranks: cp=2 ranks share each sequence (ring attention over their TP rank's heads), tp=2 split
+    the matrices. One step's loss and every gradient (q/k norms included) against one process."""
+    reference = build("tiny-qwen3")
+    loss_sum, useful = reference(fixed_batch())
+    (loss_sum / useful).backward()
+    results = run_ranks(_tp_x_cp_gradients, 4)
+    for result in results:
+        assert result["loss"] == pytest.approx((loss_sum / useful).item(), abs=LOSS_ATOL)
+        for name, p in reference.named_parameters():
+            torch.testing.assert_close(result["grads"][name], p.grad, rtol=0, atol=GRAD_ATOL, msg=name)
+
+
+def test_tp_with_context_parallel_needs_the_combined_strategy():
     with pytest.raises(ConfigError, match="trainer.strategy.init_args.cp.*does not implement apply_cp"):
         TensorParallelStrategy(tp=2, cp=2)
+    with pytest.raises(ConfigError, match="sequence_parallel"):
+        TensorContextParallelStrategy(tp=2, cp=2, sequence_parallel=True)
 
 
 def test_clipping_under_tp_x_dp_shard_is_refused_until_its_norm_is_right():

@@ -13,6 +13,7 @@ from lit_ablate.strategies.fsdp1 import FSDP1Strategy
 from lit_ablate.strategies.fsdp2 import FSDP2Strategy
 from lit_ablate.strategies.hsdp import HSDPStrategy
 from lit_ablate.strategies.mesh import MESH_DIMS, MeshStrategy, decoder_layers, resolve_mesh_sizes
+from lit_ablate.strategies.tensor_context_parallel import TensorContextParallelStrategy
 from lit_ablate.strategies.tensor_parallel import TensorParallelStrategy
 from lit_ablate.strategies.zero1 import ZeRO1Strategy
 
@@ -26,6 +27,7 @@ __all__ = [
     "HSDPStrategy",
     "MESH_DIMS",
     "MeshStrategy",
+    "TensorContextParallelStrategy",
     "TensorParallelStrategy",
     "ZeRO1Strategy",
     "decoder_layers",
