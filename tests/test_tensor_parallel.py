@@ -132,9 +132,20 @@ def test_qwen3_q_k_norm_gradients_are_reduced_over_tp(two_ranks, references):
             torch.testing.assert_close(run["qwen3_sp"]["norm_grads"][name], grad, rtol=0, atol=GRAD_ATOL, msg=name)
 
 
-def test_tp2_x_dp_shard2_equals_one_process(references):
+def _four_ranks(rank: int, world_size: int) -> dict:
+    return {"tp_dp": _tensor_parallel_run(rank, world_size, "tiny-qwen3", {"tp": 2, "dp_shard": 2,
+                                                                           "sequence_parallel": True}),
+            "tp_cp": _tp_x_cp_gradients(rank, world_size)}
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict]:
+    return run_ranks(_four_ranks, 4)
+
+
+def test_tp2_x_dp_shard2_equals_one_process(references, four_ranks):
     """2-D: FSDP2 over dp_shard, TP inside; the TP peers read the same rows, dp_shard ranks different ones."""
-    results = run_ranks(_tensor_parallel_run, 4, "tiny-qwen3", {"tp": 2, "dp_shard": 2, "sequence_parallel": True})
+    results = [run["tp_dp"] for run in four_ranks]
     assert_same_training(results[0], references["tiny-qwen3"])
     assert [r["sampler"]["rank"] for r in results] == [0, 0, 1, 1]  # ranks 0, 1 are one TP group
     assert {r["sampler"]["num_replicas"] for r in results} == {2}
@@ -241,14 +252,13 @@ def _tp_x_cp_gradients(rank: int, world_size: int) -> dict:
     return {"loss": (sums[0] / sums[1]).item(), "grads": {name: _full(p.grad) for name, p in model.named_parameters()}}
 
 
-def test_tp2_x_cp2_gradients_equal_one_process():
+def test_tp2_x_cp2_gradients_equal_one_process(four_ranks):
     """4 ranks: cp=2 ranks share each sequence (ring attention over their TP rank's heads), tp=2 split
     the matrices. One step's loss and every gradient (q/k norms included) against one process."""
     reference = build("tiny-qwen3")
     loss_sum, useful = reference(fixed_batch())
     (loss_sum / useful).backward()
-    results = run_ranks(_tp_x_cp_gradients, 4)
-    for result in results:
+    for result in (run["tp_cp"] for run in four_ranks):
         assert result["loss"] == pytest.approx((loss_sum / useful).item(), abs=LOSS_ATOL)
         for name, p in reference.named_parameters():
             torch.testing.assert_close(result["grads"][name], p.grad, rtol=0, atol=GRAD_ATOL, msg=name)
