@@ -120,7 +120,8 @@ def strategy_accepts_cpu(config: Mapping[str, Any], launch: LaunchLike) -> str |
 
 def loss_backend_available(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
     """The loss kernel must run here (liger / cce need CUDA and their package, or the Triton
-    interpreter opt-in at fp32/fp16; cce's kernel does not train in float32): ``check_loss_backend``.
+    interpreter opt-in at fp32/fp16; cce's kernel does not train in float32): ``check_loss_backend``;
+    and a loss that runs torch.compile cannot run under MemoryMonitor's tensor tracker.
 
     An unknown backend name is not an incompatibility of this machine but the run's own error,
     so it is left to the run (recorded as failed with its message).
@@ -130,7 +131,13 @@ def loss_backend_available(config: Mapping[str, Any], launch: LaunchLike) -> str
     if losses is None or not isinstance(name, str) or name not in losses.LOSS_BACKENDS:
         return None
     options = get_dotted(config, "model.init_args.loss_options") or {}
-    return _reason(losses.check_loss_backend, name, compute_dtype=_compute_dtype(config), **options)
+    reason = _reason(losses.check_loss_backend, name, compute_dtype=_compute_dtype(config), **options)
+    if reason is None and _tracks_tensors(config) and getattr(losses.loss_backend(name, **options),
+                                                              "uses_torch_compile", False):
+        reason = (f"model.init_args.loss={name} runs torch.compile (CCE's filter_eps vocabulary sort in backward, or "
+                  "impl torch_compile), which torch refuses while MemoryMonitor's tensor tracker (a dispatch mode) "
+                  "runs; give MemoryMonitor init_args: {tracked_steps: 0}, or loss_options filter_eps: null")
+    return reason
 
 
 def _compute_dtype(config: Mapping[str, Any]) -> str | None:
