@@ -92,13 +92,14 @@ def _tensor_parallel_run(rank: int, world_size: int, preset: str, strategy_kwarg
 
 def _two_ranks(rank: int, world_size: int) -> dict:
     return {"llama": _tensor_parallel_run(rank, world_size, "tiny-llama", {}),
-            "qwen3_sp": _tensor_parallel_run(rank, world_size, "tiny-qwen3", {"sequence_parallel": True})}
+            "qwen3_sp": _tensor_parallel_run(rank, world_size, "tiny-qwen3", {"sequence_parallel": True}),
+            "qwen3_moe_sp": _tensor_parallel_run(rank, world_size, "tiny-qwen3-moe", {"sequence_parallel": True})}
 
 
 @pytest.fixture(scope="module")
 def references() -> dict[str, dict]:
     """One process, the whole batch, per model family."""
-    return {preset: train(build(preset), fixed_batch()) for preset in ("tiny-llama", "tiny-qwen3")}
+    return {preset: train(build(preset), fixed_batch()) for preset in ("tiny-llama", "tiny-qwen3", "tiny-qwen3-moe")}
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +122,11 @@ def test_tp2_llama_equals_one_process(two_ranks, references):
 
 def test_tp2_sequence_parallel_qwen3_equals_one_process(two_ranks, references):
     assert_same_training(two_ranks[0]["qwen3_sp"], references["tiny-qwen3"])
+
+
+def test_tp2_sequence_parallel_qwen3_moe_equals_one_process(two_ranks, references):
+    """The dense parts split, each MoE block whole on both TP ranks (gathered sequence in, slice out)."""
+    assert_same_training(two_ranks[0]["qwen3_moe_sp"], references["tiny-qwen3-moe"])
 
 
 def test_qwen3_q_k_norm_gradients_are_reduced_over_tp(two_ranks, references):
