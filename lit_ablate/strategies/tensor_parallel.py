@@ -118,7 +118,8 @@ class TensorParallelStrategy(FSDP2Strategy):
             if present:
                 raise ConfigError(f"{STRATEGY_KEY}.sequence_parallel", True,
                                   f"the batch carries {key!r} (padded or packed): the decoder builds its mask from "
-                                  "the local slice's length; use unpadded, unpacked batches or sequence_parallel: false")
+                                  "the local slice's length; use unpadded, unpacked batches or "
+                                  "sequence_parallel: false")
         batch = {key: value for key, value in batch.items() if key != "attention_mask"}  # all ones: no mask needed
         if batch.get("position_ids") is None:
             batch = {**batch, "position_ids": torch.arange(length, device=batch["input_ids"].device).expand(rows, -1)}
