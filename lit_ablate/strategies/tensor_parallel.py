@@ -35,7 +35,9 @@ class TensorParallelStrategy(FSDP2Strategy):
     subclass overrides ``layer_plan``/``root_plan``. The loss is cross-entropy over the
     vocabulary-sharded logits (torch's ``loss_parallel``: each rank forms only its vocabulary
     columns), so it needs the ``torch`` loss backend (without z-loss); the fused backends take a
-    whole LM-head weight and are refused.
+    whole LM-head weight and are refused. Gradient clipping is refused once FSDP shards over more
+    than one rank: the shared norm (``clip_grad_norm_across_meshes``) misses FSDP's strided shards of
+    a TP shard; with ``dp_shard: 1`` it clips by the exact global norm.
 
     Args:
         tp: tensor-parallel ranks (``-1``: the ranks left after the other mesh sizes). Must divide
