@@ -7,8 +7,8 @@ Tolerances as in ``test_strategies_equivalence`` (weights: Adam amplifies reduct
 of near-zero gradients), losses within 1e-5 (measured: ~5e-7).
 
 Bugs these catch (each seen failing): Qwen3's per-head ``q_norm``/``k_norm`` gradients left partial
-per TP rank (plan entries removed: grads off by ~3e-3); TP peers given different rows; the
-vocabulary-parallel loss outside ``loss_parallel`` in backward.
+per TP rank (plan entries removed: grads off by ~3e-3, under tp alone and tp x cp); TP peers given
+different rows (losses off by 0.8).
 """
 
 from __future__ import annotations
