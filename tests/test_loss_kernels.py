@@ -54,7 +54,8 @@ CUDA_CASE_NAMES = [*CASE_NAMES, "liger_bf16_cuda", "cce_bf16_cuda"]
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, Any]:
-    """Every case, computed once by a fresh interpreted process (~10-20 s, mostly imports)."""
+    """Every case, computed once by a fresh interpreted process: ~12 s of CPU (imports, the kernels in
+    Python, CCE's compiled vocabulary sort), 20 s wall on a quiet 2-core machine, so its tests are slow."""
     env = {**os.environ, triton_interpreter.OPT_IN_ENV: "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS.parent), os.environ.get("PYTHONPATH")]))}
     env.pop("TRITON_INTERPRET", None)  # the opt-in alone must switch the interpreter on
@@ -74,6 +75,7 @@ def assert_parity(errors: dict[str, float], backend: str, device: str, case: str
     assert errors["grad_dtypes_match_inputs"] == 1.0, (case, "gradients not in the inputs' dtype")
 
 
+@pytest.mark.slow
 @needs_kernels
 @pytest.mark.parametrize("case", CASE_NAMES)
 def test_interpreted_kernel_matches_torch(interpreted: dict[str, Any], case: str) -> None:
@@ -81,12 +83,14 @@ def test_interpreted_kernel_matches_torch(interpreted: dict[str, Any], case: str
     assert_parity(interpreted["parity"][case], case.split("_")[0], "cpu", case)
 
 
+@pytest.mark.slow
 @needs_kernels
 def test_interpreted_all_ignored_gives_zero_loss_and_grads(interpreted: dict[str, Any]) -> None:
     errors = interpreted["parity"]["liger_all_ignored"]
     assert errors["loss_abs"] == 0.0 and errors["loss"] == 0.0 and errors["d_hidden"] == errors["d_weight"] == 0.0
 
 
+@pytest.mark.slow
 @needs_kernels
 def test_interpreter_refuses_bf16_and_cce_float32_in_one_line(interpreted: dict[str, Any]) -> None:
     """bf16 is silently wrong under the interpreter; cce's backward asserts fp16/bf16 hidden states
@@ -102,6 +106,7 @@ def test_interpreter_refuses_bf16_and_cce_float32_in_one_line(interpreted: dict[
     assert all("\n" not in message for message in refusals.values())
 
 
+@pytest.mark.slow
 @needs_kernels
 def test_libdevice_gap_and_shim(interpreted: dict[str, Any]) -> None:
     """While triton's interpreter returns None for ``libdevice.log1p`` the shim is needed and must be
