@@ -47,10 +47,13 @@ FIT_RULES: dict[str, str] = {
     "strategy_options_run_here": "trainer.strategy.init_args",
     "optimizer_runs_here": "model.init_args.optimizer",
     "quantization_runs_under_strategy": "model.init_args.model.quantization",
+    "loss_backend_available": "model.init_args.loss",
 }
 """The study compatibility rules (``lit_ablate.compatibility.RULES``) about one run's own parts, and the
 key each one names. The others are about launching a study (devices, nodes) or are checked when the
-model is constructed, before any rank starts (loss and attention backends)."""
+model is constructed, before any rank starts (attention backends). The loss backend's rule is here
+too: besides what its construction checks, it knows what other parts refuse it (CCE's compiled
+backward under MemoryMonitor's tensor tracker)."""
 
 
 def check_parts_compatible(config: Mapping[str, Any]) -> None:

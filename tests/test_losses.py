@@ -243,6 +243,19 @@ def test_cce_compiling_under_the_tensor_tracker_is_skipped_with_the_fix() -> Non
     assert loss_backend_available(config, launch) is None
 
 
+def test_plain_fit_refuses_cce_compiling_under_the_tensor_tracker_in_one_line(tmp_path, capsys) -> None:
+    """The same rule runs in ``fit``'s preflight: one line naming the key and the fix, before any rank
+    starts (without it, torch's compile error surfaced at the first backward)."""
+    pytest.importorskip("cut_cross_entropy", reason="cut-cross-entropy not installed (pip install 'lit-ablate[gpu]')")
+    from tests.test_bad_inputs import CONFIGS, _stderr_lines
+
+    code, lines = _stderr_lines(["fit", "--config", str(CONFIGS / "quickstart.yaml"), "--trainer.max_steps", "1",
+                                 "--trainer.default_root_dir", str(tmp_path), "--model.init_args.loss", "cce",
+                                 "--model.init_args.loss_options", '{"impl": "torch_compile"}'], capsys)  # fmt: skip
+    assert code not in (0, None) and len(lines) == 1, lines
+    assert "model.init_args.loss='cce'" in lines[0] and "tracked_steps: 0" in lines[0], lines[0]
+
+
 def test_cce_rejects_z_loss_and_unknown_impl() -> None:
     with pytest.raises(ConfigError, match="z_loss_weight.*log-sum-exp"):
         check_loss_backend("cce", z_loss_weight=1e-4)
