@@ -16,6 +16,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 
+import lit_ablate
 from lit_ablate import record as run_record
 from lit_ablate.callbacks.memory import MemoryMonitor
 from lit_ablate.callbacks.mfu import MFUMonitor
@@ -24,8 +25,11 @@ from lit_ablate.models import triton_interpreter
 
 
 def _git_commit() -> str | None:
+    """The commit of the lit-ablate checkout that runs (not of the working directory: a study's runs
+    start wherever the user is); None for an installed package."""
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(lit_ablate.__file__).resolve().parent)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
