@@ -190,3 +190,20 @@ def test_the_report_shows_both_mfu_figures_and_the_step_time_predicted_at_the_me
     assert cells["predicted step (s)"] == f"{predicted:.3g} (measured ×{measured / predicted:.2f})"
     assert cells["MFU (measured)"].startswith(f"{100 * variant['mfu_measured']['median']:.1f}%")
     assert cells["MFU (spec)"].startswith(f"{100 * variant['mfu']['median']:.1f}%")
+
+
+def test_a_ceiling_below_what_the_run_reached_is_reported_once():
+    """A ceiling cached while the machine was busy makes ``mfu_measured`` exceed 1 (seen: 1.9 with a
+    ceiling measured at load 15): the user is told to remeasure, once, not on every step."""
+    from lit_ablate.callbacks.step_monitor import StepTotals
+
+    monitor = _started(MFUMonitor(ceiling_tflops=0.5))
+    monitor.log_to_logger = False
+    monitor.totals = StepTotals(flops=1e12, seconds=1.0)
+    with pytest.warns(UserWarning, match=r"mfu_measured=2.00 > 1: the ceiling \(ceiling_tflops \(user\)\)") as warned:
+        monitor.measure(None, None, 1)
+        monitor.measure(None, None, 2)
+    assert len([w for w in warned if "mfu_measured" in str(w.message)]) == 1
+    monitor.totals = StepTotals(flops=1e11, seconds=1.0)
+    monitor.measure(None, None, 3)
+    assert monitor.series["mfu_measured"] == {1: 2.0, 2: 2.0, 3: pytest.approx(0.2)}

@@ -99,6 +99,7 @@ class MFUMonitor(StepMonitor):
         self.ceiling: float | None = None
         """The measured ceiling in use (TFLOP/s), or the one given; None when unavailable."""
         self.ceiling_source: str | None = None
+        self._warned_low_ceiling = False
         self._flops_share = 1.0
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -161,4 +162,10 @@ class MFUMonitor(StepMonitor):
         t = self.totals
         flops_per_second = t.flops * self._flops_share / t.seconds
         self.record("mfu", step, flops_per_second / (self.peak_tflops * 1e12) if self.peak_tflops else None)
-        self.record("mfu_measured", step, flops_per_second / (self.ceiling * 1e12) if self.ceiling else None)
+        measured = flops_per_second / (self.ceiling * 1e12) if self.ceiling else None
+        self.record("mfu_measured", step, measured)
+        if measured is not None and measured > 1.0 and not self._warned_low_ceiling:
+            self._warned_low_ceiling = True  # a ceiling measured while the device was busy: say so once
+            warnings.warn(f"MFUMonitor: mfu_measured={measured:.2f} > 1: the ceiling ({self.ceiling_source}) is "
+                          "below what this run reached; measure it on an idle device (`lit-ablate peak --remeasure`) "
+                          "or give ceiling_tflops", stacklevel=2)
