@@ -39,6 +39,12 @@ WINDOW_SECONDS = {"cpu": 0.1, "cuda": 0.05}
 """Each shape runs back-to-back windows of at least this long for ``SECONDS_PER_SHAPE``; the best
 window's rate is the shape's sustained rate (a window, not one call, so clock ramps and one slow
 call on a shared machine neither inflate nor sink it)."""
+PROBE_SHAPE = (256, 256, 256)
+MAX_CALL_SECONDS = {"cpu": 2.0, "cuda": 1.0}
+"""A shape is swept only if one call of it, predicted from a small probe's rate, takes at most this
+long: a CPU without fast half-precision matmuls runs float16 at a few GFLOP/s or less, where the
+sweep's largest shapes took minutes per call (and the probe's rate bounds the big shapes' from below,
+so fast dtypes keep every shape)."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
@@ -123,6 +129,7 @@ def measure_matmul_ceiling(
     shapes = shapes or SWEEPS[kind]
     budget = SECONDS_PER_SHAPE[kind] if seconds_per_shape is None else seconds_per_shape
     window = WINDOW_SECONDS[kind] if window_seconds is None else window_seconds
+    shapes = _affordable(shapes, device, dtype, MAX_CALL_SECONDS[kind])
     best, best_shape = 0.0, shapes[0]
     for m, k, n in shapes:
         a = torch.randn(m, k, device=device, dtype=dtype)
@@ -139,6 +146,18 @@ def measure_matmul_ceiling(
             if time.perf_counter() - start >= budget:
                 break
     return best, best_shape
+
+
+def _affordable(shapes: tuple[tuple[int, int, int], ...], device: torch.device, dtype: torch.dtype,
+                max_call_seconds: float) -> tuple[tuple[int, int, int], ...]:
+    """The shapes whose one call, at the probe shape's rate, stays under ``max_call_seconds`` (the
+    probe itself when none does)."""
+    m, k, n = PROBE_SHAPE
+    a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
+    out = torch.empty(m, n, device=device, dtype=dtype)
+    _timed(a, b, out, 1)
+    rate = 2 * m * k * n / max(_timed(a, b, out, 2) / 2, 1e-9)
+    return tuple(s for s in shapes if 2 * s[0] * s[1] * s[2] / rate <= max_call_seconds) or (PROBE_SHAPE,)
 
 
 def _timed(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, repeats: int) -> float:

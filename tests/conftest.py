@@ -56,7 +56,17 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
 
 @pytest.fixture(scope="session", autouse=True)
 def _cwd_outside_the_checkout(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Tests (and the processes they start) run in a temporary directory, with lit-ablate's caches
+    (matmul ceilings, tokenised data) in temporary ones too: never in the checkout or the user's home."""
     before = os.getcwd()
     os.chdir(tmp_path_factory.mktemp("cwd"))
+    caches = {"LIT_ABLATE_CACHE_DIR": "cache", "LIT_ABLATE_DATA_CACHE": "data_cache"}
+    saved = {name: os.environ.get(name) for name in caches}
+    os.environ.update({name: str(tmp_path_factory.mktemp(folder)) for name, folder in caches.items()})
     yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     os.chdir(before)

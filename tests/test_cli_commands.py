@@ -59,7 +59,8 @@ def test_help_lists_every_command_on_one_line_and_version_prints_the_package_ver
     assert _exit_code(["--help"]) == 0
     help_text = capsys.readouterr().out
     commands = {*COMMANDS, *LitAblateCLI.subcommands()}
-    assert commands == set(SUMMARIES) >= {"fit", "validate", "test", "generate", "ablate", "report", "estimate", "export"}
+    assert commands == set(SUMMARIES) >= {"fit", "validate", "test", "generate", "ablate", "report", "estimate", "export",
+                                          "peak"}
     for command, summary in SUMMARIES.items():
         assert re.search(rf"^ +{command} +{re.escape(summary)}$", help_text, re.MULTILINE), command
     assert "predict" not in help_text and "predict" not in LitAblateCLI.subcommands()
@@ -77,6 +78,7 @@ ABBREVIATED = [  # each command with an unambiguous prefix of one of its options
     ["report", "study_dir", "--hel"],
     ["estimate", "--config", QUICKSTART, "--hel"],
     ["export", "--ckpt_path", "x.ckpt", "--output_dir", "out", "--hel"],
+    ["peak", "--hel"],
 ]
 
 
