@@ -1,6 +1,6 @@
-"""Peak memory of DPO's log-prob + loss computation: ``torch`` against ``chunked`` log-probs.
+"""Peak memory of DPO's log-prob + loss computation: ``torch`` against ``chunked`` log-probs and ``liger``.
 
-Run by hand (never in CI):  python benchmarks/dpo_memory.py [--tokens 1024] [--chunk-tokens 128]
+Run by hand (never in CI):  python benchmarks/dpo_memory.py [--tokens 1024] [--chunk-tokens 128] [--backends ...]
 
 At the LM-head sizes of the seed study (Qwen3-32B: hidden 5120, vocabulary 151,936, fp32), one
 forward + backward of: per-token label log-probs from the final hidden states and the LM-head
@@ -8,8 +8,14 @@ weight, per-sequence sums, the sigmoid DPO loss over the pairs (reference log-pr
 its gradients with respect to the hidden states and the weight. The seed study used 10k chosen +
 5k rejected tokens; this machine (2 cores, ~20 GiB free) runs ``--tokens`` split the same way
 (2/3 chosen, 1/3 rejected, over 4 pairs, a fifth of each sequence a masked prompt): 1,024 by
-default, where the torch reference needs ~8 GiB and ~2 minutes. On a GPU, add Liger's fused
-linear DPO as a third row (it needs CUDA) and use the seed's 15k tokens.
+default, where the torch reference needs ~8 GiB and ~2 minutes. On a GPU use the seed's 15k tokens.
+
+``liger`` (``lit_ablate.models.liger_dpo``: Liger-Kernel's fused linear DPO, plain torch, so it
+runs on CPU too; skipped when liger-kernel is not installed) takes the same sequences padded to
+the longest (``[2 x pairs, longest, hidden]``: its only layout) and no reference (it cannot take
+precomputed log-probs; a frozen reference adds its hidden states and a no-grad chunk), one pair
+per chunk (``chunk_pairs: 1``, its default): its peak is one chunk's full-vocabulary logits, their
+log-softmax and gradient, beside the gradients it forms in the forward.
 
 Memory (CPU: ``torch.distributed._tools.mem_tracker.MemTracker``, tensor bytes; CUDA: allocator
 peak) is the peak allocated during forward + backward above the inputs (hidden states, weight,
@@ -26,23 +32,31 @@ labels). Two numbers per backend:
   ``RESULT dpo_chunked_memory_ratio`` is its ratio (goal <= 0.15); ``RESULT
   dpo_chunked_peak_ratio`` is the ratio of ``peak``.
 
-Measured on the 2-core CPU (1,024 tokens, chunk_tokens 128)::
+Measured on the 2-core CPU (1,024 tokens asked: 1,020 in 4 pairs; chunk_tokens 128, chunk_pairs 1)::
 
     | backend | peak above inputs (GiB) | working: peak - gradients (GiB) | wall (s) | cpu (s) |
-    | torch   | 3.495 | 0.577 | 175.6 | 58.1 |
-    | chunked | 2.990 | 0.072 | 205.5 | 96.0 |
+    | torch   | 3.495 | 0.577 | 30.3 | 56.4 |
+    | chunked | 2.990 | 0.072 | 74.1 | 95.4 |
+    | liger   | 6.406 | 3.482 | 42.9 | 81.7 |
     RESULT dpo_chunked_memory_ratio=0.126
     RESULT dpo_chunked_peak_ratio=0.856
+    RESULT dpo_liger_memory_ratio=6.031
+    RESULT dpo_chunked_vs_liger_memory_ratio=0.021
+
+Liger's working memory is a second ``[vocab, hidden]`` weight gradient (``torch.func`` returns each
+chunk's beside Liger's accumulator) plus one chunk's full-vocabulary logits.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import time
 
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from lit_ablate.models.liger_dpo import LigerDPOLoss
 from lit_ablate.models.logprobs import logprob_backend
 from lit_ablate.modules.preference_loss import PreferenceLoss
 
@@ -81,8 +95,32 @@ def logprob_and_loss(backend, inputs: dict[str, torch.Tensor]) -> None:
     result.losses.mean().backward()
 
 
+def padded(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same sequences as ``[2 x pairs, longest]`` rows (Liger's layout), padding labelled -100."""
+    sequences = inputs["sequence_ids"]
+    lengths = torch.bincount(sequences, minlength=2 * PAIRS)
+    longest = int(lengths.max())
+    position = torch.arange(len(sequences)) - torch.cumsum(lengths, 0)[sequences] + lengths[sequences]
+    hidden = inputs["hidden"].new_zeros(2 * PAIRS, longest, HIDDEN)
+    hidden[sequences, position] = inputs["hidden"].detach()
+    labels = torch.full((2 * PAIRS, longest), -100)
+    labels[sequences, position] = inputs["labels"]
+    return {"hidden": hidden.requires_grad_(), "weight": inputs["weight"], "labels": labels}
+
+
+def liger_loss(options: dict, inputs: dict[str, torch.Tensor]) -> None:
+    step = LigerDPOLoss(beta=0.1, loss_type="sigmoid", **options)(inputs["hidden"], inputs["weight"], inputs["labels"],
+                                                                   None, None)
+    (step.loss_sum / PAIRS).backward()
+
+
 def measure(name: str, options: dict, inputs: dict[str, torch.Tensor]) -> dict[str, float]:
-    backend = logprob_backend(name, **options)
+    if name == "liger":
+        inputs = padded(inputs)
+        run = lambda: liger_loss(options, inputs)  # noqa: E731
+    else:
+        backend = logprob_backend(name, **options)
+        run = lambda: logprob_and_loss(backend, inputs)  # noqa: E731
     inputs["hidden"].grad = inputs["weight"].grad = None
     cpu = torch.device("cpu")
     tracker = MemTracker()
@@ -90,7 +128,7 @@ def measure(name: str, options: dict, inputs: dict[str, torch.Tensor]) -> dict[s
     with tracker:
         before = tracker.get_tracker_snapshot("current")[cpu]["Total"]
         start, cpu_start = time.perf_counter(), time.process_time()
-        logprob_and_loss(backend, inputs)
+        run()
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     peak = tracker.get_tracker_snapshot("peak")[cpu]["Total"] - before
     gradients = sum(t.grad.numel() * t.grad.element_size() for t in (inputs["hidden"], inputs["weight"]))
@@ -102,11 +140,17 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1024, help="tokens of all sequences together")
     parser.add_argument("--chunk-tokens", type=int, default=128, help="chunked: tokens per chunk")
     parser.add_argument("--chunk-vocab", type=int, default=None, help="chunked: vocabulary columns per chunk")
+    parser.add_argument("--chunk-pairs", type=int, default=1, help="liger: pairs per chunk")
+    parser.add_argument("--backends", nargs="+", default=["torch", "chunked", "liger"],
+                        choices=["torch", "chunked", "liger"], help="rows to measure (liger: when installed)")
     args = parser.parse_args()
     torch.manual_seed(0)
     inputs = make_inputs(args.tokens)
-    rows = {"torch": measure("torch", {}, inputs),
-            "chunked": measure("chunked", {"chunk_tokens": args.chunk_tokens, "chunk_vocab": args.chunk_vocab}, inputs)}
+    options = {"torch": {}, "chunked": {"chunk_tokens": args.chunk_tokens, "chunk_vocab": args.chunk_vocab},
+               "liger": {"chunk_pairs": args.chunk_pairs}}
+    liger_missing = importlib.util.find_spec("liger_kernel") is None
+    rows = {name: measure(name, options[name], inputs) for name in args.backends
+            if not (name == "liger" and liger_missing)}
     gib = 2**30
     print(f"DPO log-prob + loss, hidden {HIDDEN}, vocabulary {VOCAB}, fp32, {len(inputs['labels'])} tokens "
           f"({PAIRS} pairs), chunk_tokens {args.chunk_tokens}, chunk_vocab {args.chunk_vocab}\n")
@@ -115,8 +159,12 @@ def main() -> None:
     for name, row in rows.items():
         print(f"| {name} | {row['peak'] / gib:.3f} | {row['working'] / gib:.3f} | {row['seconds']:.1f} | "
               f"{row['cpu_seconds']:.1f} |")
-    print(f"\nRESULT dpo_chunked_memory_ratio={rows['chunked']['working'] / rows['torch']['working']:.3f}")
-    print(f"RESULT dpo_chunked_peak_ratio={rows['chunked']['peak'] / rows['torch']['peak']:.3f}")
+    if {"torch", "chunked"} <= set(rows):
+        print(f"\nRESULT dpo_chunked_memory_ratio={rows['chunked']['working'] / rows['torch']['working']:.3f}")
+        print(f"RESULT dpo_chunked_peak_ratio={rows['chunked']['peak'] / rows['torch']['peak']:.3f}")
+    if {"torch", "chunked", "liger"} <= set(rows):
+        print(f"RESULT dpo_liger_memory_ratio={rows['liger']['working'] / rows['torch']['working']:.3f}")
+        print(f"RESULT dpo_chunked_vs_liger_memory_ratio={rows['chunked']['working'] / rows['liger']['working']:.3f}")
 
 
 if __name__ == "__main__":
