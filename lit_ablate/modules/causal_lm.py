@@ -173,11 +173,12 @@ class CausalLM(LightningModule):
         return flops_per_token(self.parameter_counts, self.model.lm.config, seq_len)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> StepOutput:
-        loss_sum, useful = self.model(batch)
+        strategy = self.trainer.strategy if self._trainer else None
+        pipeline = getattr(strategy, "pipeline_forward_backward", None)  # runs forward and backward of its stages
+        loss_sum, useful = pipeline(self.model, batch, self.objective) if pipeline else self.model(batch)
         aux = collect_aux_losses(self.model)  # MoE router losses: trained on, logged apart
         for name, value in aux.items():
             self.log(f"train/{name}", value.detach())
-        strategy = self.trainer.strategy if self._trainer else None
         loss = self.objective.backward_loss(loss_sum, useful, sum(aux.values(), 0.0), strategy)
         return {"loss": loss, "loss_sum": loss_sum.detach(), "tokens": batch["input_ids"].numel(),
                 "useful_tokens": useful, "flops": batch_model_flops(batch, self.flops_per_token)}

@@ -1,0 +1,345 @@
+"""``PipelineParallelStrategy``: the decoder layers split into consecutive stages, one stage per rank.
+
+Each rank keeps only its stage: the first stage the embeddings and the first layers, the last
+stage the last layers, the final norm, the LM head and the loss. One training step splits the
+batch into micro-batches and runs them through ``torch.distributed.pipelining``'s schedule
+(``gpipe``: all forwards, then all backwards; ``1f1b``: one forward, one backward in the steady
+state, so fewer micro-batches' activations are alive at once). The schedule runs forward *and*
+backward inside ``CausalLM.training_step``; this strategy's ``backward`` then has nothing left to do.
+
+The step objective is the one process's (``StepObjective``): the last stage backpropagates each
+micro-batch's token-loss *sum* divided by the run constant ``c``, and after the step every stage
+multiplies its gradients by ``c / N`` (``N``: the step's useful tokens, which every rank counts
+itself, since every rank reads the same batch). The step's loss sum is broadcast from the last
+stage, so every rank logs and records the same loss.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Trainer
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lit_ablate.errors import ConfigError
+from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
+from lit_ablate.models.losses import IGNORE_INDEX
+from lit_ablate.modules.step_objective import StepObjective, _agreed_power_of_two
+from lit_ablate.strategies.mesh import MESH_DIMS, STRATEGY_KEY, MeshStrategy
+
+Schedule = Literal["gpipe", "1f1b"]
+SUPPORTED_MODEL_TYPES = ("llama", "qwen3")
+"""Families whose decoder takes ``inputs_embeds`` unchanged (Gemma, for one, rescales them)."""
+
+
+class PipelineParallelStrategy(MeshStrategy):
+    """Pipeline parallelism over ``pp`` ranks: each holds one stage of consecutive decoder layers.
+
+    Choose it to compare pipeline schedules and split points in a study, or to train a model whose
+    layers do not fit one device. Every rank reads the same batch; the ``microbatches`` of a step
+    flow through the stages under the schedule. Only pure pipeline parallelism is built: the world
+    size equals ``pp`` (no data, tensor, context or expert parallelism beside it), Llama and Qwen3
+    dense models without tied embeddings, unpacked batches, no gradient clipping, no gradient
+    accumulation (micro-batches play that part), no validation or test loop, and only ``CausalLM``
+    (not ``DPO``); each is refused with the key to change.
+
+    Args:
+        pp: pipeline stages (ranks); ``-1``: every rank.
+        schedule: ``gpipe`` or ``1f1b``.
+        microbatches: micro-batches per step; must divide the batch size (and, for ``1f1b``,
+            be at least ``pp``).
+        split_points: the decoder-layer index at which each stage after the first starts
+            (``pp - 1`` increasing indices); ``null``: balanced by parameter count, embeddings
+            counted on the first stage and norm + LM head on the last.
+        dp_replicate, dp_shard, cp, tp, ep: must be 1 (accepted so a config that sets them is refused by name).
+        save_distributed_checkpoint, process_group_backend, timeout_s: see ``MeshStrategy``.
+    """
+
+    def __init__(
+        self,
+        pp: int = -1,
+        schedule: Schedule = "1f1b",
+        microbatches: int = 2,
+        split_points: list[int] | None = None,
+        dp_replicate: int = 1,
+        dp_shard: int = 1,
+        cp: int = 1,
+        tp: int = 1,
+        ep: int = 1,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout_s: float = 1800.0,
+    ) -> None:
+        for key, size in (("dp_replicate", dp_replicate), ("dp_shard", dp_shard), ("cp", cp), ("tp", tp), ("ep", ep)):
+            if size != 1:
+                raise ConfigError(f"{STRATEGY_KEY}.{key}", size,
+                                  "PipelineParallelStrategy does not compose with other mesh dimensions yet; use 1")
+        super().__init__(dp_shard=1, save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend, timeout_s=timeout_s)
+        if not isinstance(pp, int) or (pp < 1 and pp != -1):
+            raise ConfigError(f"{STRATEGY_KEY}.pp", pp, "use a positive number of stages, or -1 for every rank")
+        if schedule not in ("gpipe", "1f1b"):
+            raise ConfigError(f"{STRATEGY_KEY}.schedule", schedule, "choose gpipe or 1f1b")
+        if not isinstance(microbatches, int) or microbatches < 1:
+            raise ConfigError(f"{STRATEGY_KEY}.microbatches", microbatches, "use 1 or more micro-batches")
+        self.requested_pp = pp
+        self.schedule_name = schedule
+        self.microbatches = microbatches
+        self.split_points = None if split_points is None else list(split_points)
+        self.pp = 1
+        self.stage_index = 0
+        self.stage_layers: list[int] = []
+        self._schedule = None
+        self._pipelined: CausalLMWithLoss | None = None
+        self._loss_scale = 1.0
+        self._pending_gradients: list[tuple[nn.Parameter, Tensor]] = []
+
+    # ---------------------------------------------------------------- the mesh
+    def build_mesh(self, device_type: str, world_size: int) -> DeviceMesh:
+        """A 1-D ``pp`` mesh over every rank (the other dimensions are size 1)."""
+        pp = world_size if self.requested_pp == -1 else self.requested_pp
+        if pp != world_size:
+            raise ConfigError(f"{STRATEGY_KEY}.pp", self.requested_pp,
+                              f"the world size (devices x nodes) is {world_size}; pure pipeline parallelism needs "
+                              f"pp equal to it (or -1)")
+        if self.schedule_name == "1f1b" and self.microbatches < pp:
+            raise ConfigError(f"{STRATEGY_KEY}.microbatches", self.microbatches,
+                              f"1f1b needs at least pp={pp} micro-batches to fill the pipeline; raise it or use gpipe")
+        self.pp = pp
+        self.mesh_sizes = dict.fromkeys(MESH_DIMS, 1)
+        self._device_mesh = init_device_mesh(device_type, (pp,), mesh_dim_names=("pp",))
+        self.stage_index = self._device_mesh.get_local_rank("pp")
+        return self._device_mesh
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return 0  # every stage reads the same batch
+
+    @property
+    def batch_replicas(self) -> int:
+        """Every stage reads the same batch: throughput and MFU count it once."""
+        return self.pp
+
+    @property
+    def gradient_mean_group(self) -> tuple[dist.ProcessGroup | None, int]:
+        """No rank averages gradients with another: each parameter lives on one stage."""
+        return None, 1
+
+    # ---------------------------------------------------------------- Lightning hooks
+    def setup(self, trainer: Trainer) -> None:
+        if trainer.gradient_clip_val:
+            raise ConfigError("trainer.gradient_clip_val", trainer.gradient_clip_val,
+                              "clipping needs the norm over all stages, which is not built; use null")
+        if trainer.accumulate_grad_batches != 1:
+            raise ConfigError("trainer.accumulate_grad_batches", trainer.accumulate_grad_batches,
+                              f"use 1 and raise {STRATEGY_KEY}.microbatches (the pipeline's own accumulation)")
+        if len(self.parallel_targets()) != 1:
+            raise ConfigError("model", type(self.lightning_module).__name__,
+                              "pipeline parallelism is built for CausalLM (one token-loss model) only")
+        super().setup(trainer)
+
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """The schedule already ran every micro-batch's backward inside ``training_step``: the
+        gradients it computed are handed over here, with Lightning's hooks around."""
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        self.deliver_gradients()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        raise ConfigError("trainer.limit_val_batches", "> 0",
+                          "pipeline-parallel evaluation is not built; set trainer.limit_val_batches: 0")
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        raise ConfigError("trainer.strategy", type(self).__name__,
+                          "pipeline-parallel evaluation is not built; test with another strategy")
+
+    # ---------------------------------------------------------------- the stages
+    def parallelize(self, model: CausalLMWithLoss) -> CausalLMWithLoss:
+        """Keep this rank's stage of ``model`` (parameter names unchanged), fill it from rank 0, build the schedule."""
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        self.check_model(model)
+        layers = decoder_layers(model)
+        points = self.split_points if self.split_points is not None else balanced_split_points(
+            [_numel(layer) for layer in layers], self.pp,
+            _numel(model.lm.get_input_embeddings()), _numel(model.lm.get_output_embeddings()))
+        check_split_points(points, len(layers), self.pp)
+        bounds = [0, *points, len(layers)]
+        self.stage_layers = list(range(bounds[self.stage_index], bounds[self.stage_index + 1]))
+        everything = dict(itertools.chain(model.named_parameters(), model.named_buffers()))
+        everything = {name: (t.shape, t.dtype, t if not t.is_meta else None) for name, t in everything.items()}
+        self._keep_stage(model, layers)
+        self._fill_from_rank0(model, everything)
+        stage = PipelineStage(StageModule(model, self.stage_index == 0), self.stage_index, self.pp, self._mesh_device(),
+                              group=self.device_mesh.get_group("pp"))
+        schedule_class = ScheduleGPipe if self.schedule_name == "gpipe" else Schedule1F1B
+        # Every rank passes the loss (only the last computes it): without one, torch runs no backward.
+        self._schedule = schedule_class(stage, self.microbatches, loss_fn=self._last_stage_loss,
+                                        scale_grads=False)  # StepObjective divides by the step's tokens
+        self._pipelined = model
+        model.parallelized_by = type(self).__name__
+        return model
+
+    def check_model(self, model: CausalLMWithLoss) -> None:
+        """Refuse what the stage split cannot hold (each with the key to change)."""
+        if type(model) is not CausalLMWithLoss:
+            raise ConfigError("model", type(model).__name__,
+                              "pipeline parallelism is built for CausalLM (one token-loss model) only")
+        config = model.lm.config
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError("model.init_args.model", config.model_type,
+                              f"pipeline stages are built for {', '.join(SUPPORTED_MODEL_TYPES)} models")
+        if getattr(config, "tie_word_embeddings", False):
+            raise ConfigError("model.init_args.model.config.tie_word_embeddings", True,
+                              "the embeddings (first stage) and LM head (last stage) cannot share one matrix; use false")
+        if config.num_hidden_layers < self.pp:
+            raise ConfigError(f"{STRATEGY_KEY}.pp", self.pp,
+                              f"the model has {config.num_hidden_layers} decoder layers; use at most that many stages")
+
+    def _keep_stage(self, model: CausalLMWithLoss, layers: list[nn.Module]) -> None:
+        """Replace other stages' layers by pass-throughs (indices and names stay), drop the ends not here."""
+        decoder = model.lm.base_model
+        for index in range(len(layers)):
+            if index not in self.stage_layers:
+                decoder.layers[index] = PassThrough()
+        if self.stage_index != 0:
+            decoder.embed_tokens = None
+        if self.stage_index != self.pp - 1:
+            decoder.norm = nn.Identity()
+            model.lm.lm_head = None
+
+    def _fill_from_rank0(self, model: CausalLMWithLoss, everything: dict[str, tuple]) -> None:
+        """Rank 0 built the whole model: broadcast every tensor, each rank keeps those of its stage."""
+        device = self._mesh_device()
+        if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
+            model.to_empty(device=device)
+        local = dict(itertools.chain(model.named_parameters(), model.named_buffers()))
+        for name, (shape, dtype, full) in everything.items():
+            value = full.detach().to(device) if full is not None else torch.empty(shape, dtype=dtype, device=device)
+            dist.broadcast(value, src=0)
+            if name in local:
+                with torch.no_grad():
+                    local[name].copy_(value)
+
+    def _last_stage_loss(self, hidden: Tensor, labels: Tensor) -> Tensor:
+        """One micro-batch's token-loss sum over the run constant ``c`` (the schedule backpropagates it)."""
+        head = self._pipelined.lm.get_output_embeddings()
+        loss_sum = self._pipelined.loss_fn(hidden.reshape(-1, hidden.shape[-1]), head.weight, labels.reshape(-1), head.bias)
+        return loss_sum / self._loss_scale
+
+    # ---------------------------------------------------------------- one step
+    def pipeline_forward_backward(self, model: CausalLMWithLoss, batch: dict[str, Any],
+                                  objective: StepObjective) -> tuple[Tensor, Tensor]:
+        """Forward and backward of every micro-batch through the stages; ``(loss_sum, useful_tokens)``
+        of the whole batch, the same on every rank (``CausalLM.training_step`` calls it)."""
+        if model is not self._pipelined:
+            raise RuntimeError("the pipeline was built for another model")
+        batch = pipeline_batch(batch)
+        labels = batch["labels"]
+        if labels.shape[0] % self.microbatches:
+            raise ConfigError(f"{STRATEGY_KEY}.microbatches", self.microbatches,
+                              f"the batch has {labels.shape[0]} rows; use a divisor of the batch size")
+        units = [(chunk != IGNORE_INDEX).sum() for chunk in labels.tensor_split(self.microbatches)]
+        if objective.scale is None:  # every rank reads the same batch, so all agree without communication
+            objective.scale = _agreed_power_of_two(int(units[0]), labels.device, None)
+        self._loss_scale = objective.scale
+        for p in model.parameters():  # Lightning zeroes the previous step's gradients only after training_step
+            p.grad = None
+        losses: list[Tensor] = []
+        if self.stage_index == 0:
+            self._schedule.step(batch["input_ids"], return_outputs=False)
+        elif self.stage_index == self.pp - 1:
+            self._schedule.step(target=labels, losses=losses, return_outputs=False)
+        else:
+            self._schedule.step(return_outputs=False)
+        # Lightning zeroes gradients between training_step and backward: keep them aside until then.
+        self._pending_gradients = [(p, p.grad) for p in model.parameters() if p.grad is not None]
+        for p, _ in self._pending_gradients:
+            p.grad = None
+        if losses:
+            loss_sum = (torch.stack([loss.detach() for loss in losses]).sum() * objective.scale).float()
+        else:
+            loss_sum = torch.zeros((), device=labels.device)
+        dist.broadcast(loss_sum, group=self.device_mesh.get_group("pp"), group_src=self.pp - 1)
+        return loss_sum, torch.stack(units).sum()
+
+    def deliver_gradients(self) -> None:
+        """Put the gradients of the last ``pipeline_forward_backward`` on the parameters."""
+        for p, grad in self._pending_gradients:
+            p.grad = grad
+        self._pending_gradients = []
+
+
+class StageModule(nn.Module):
+    """One stage's forward: token ids (first stage) or the previous stage's hidden states in, hidden states out.
+
+    The decoder's own forward runs (masks, rotary positions); the pass-through layers and the
+    identity norm make it compute only this stage's part.
+    """
+
+    def __init__(self, model: CausalLMWithLoss, first: bool) -> None:
+        super().__init__()
+        self.model = model
+        self.first = first
+
+    def forward(self, x: Tensor) -> Tensor:
+        inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
+        return self.model.lm.base_model(**inputs, use_cache=False).last_hidden_state
+
+
+class PassThrough(nn.Module):
+    """Stands in for a decoder layer another stage holds (the layer list keeps its length and names)."""
+
+    def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return hidden_states
+
+
+def pipeline_batch(batch: dict[str, Any]) -> dict[str, Any]:
+    """The batch the stages take: token ids and labels; right padding (causal, labels -100) needs no mask."""
+    if batch.get("position_ids") is not None or batch.get("cu_seqlens") is not None:
+        raise ConfigError("data.init_args.packing", True, "packed batches are not built for pipeline parallelism; "
+                          "use unpacked batches")
+    mask = batch.get("attention_mask")
+    if mask is not None and bool((mask[:, 1:] > mask[:, :-1]).any()):
+        raise ConfigError("data", "attention_mask", "pipeline parallelism takes right-padded batches only")
+    return {"input_ids": batch["input_ids"], "labels": batch["labels"]}
+
+
+def check_split_points(points: list[int], num_layers: int, stages: int) -> None:
+    """``stages - 1`` strictly increasing layer indices in ``1 .. num_layers - 1``."""
+    inside = all(0 < p < num_layers for p in points)
+    if len(points) != stages - 1 or not inside or any(b <= a for a, b in itertools.pairwise(points)):
+        raise ConfigError(f"{STRATEGY_KEY}.split_points", points,
+                          f"give {stages - 1} increasing decoder-layer indices between 1 and {num_layers - 1} "
+                          "(where stages 2.. start), or null to balance by parameter count")
+
+
+def balanced_split_points(layer_sizes: list[int], stages: int, head: int, tail: int) -> list[int]:
+    """Split points minimising the largest stage's parameter count (``head`` on the first stage,
+    ``tail`` on the last), each stage at least one layer."""
+    n = len(layer_sizes)
+    prefix = list(itertools.accumulate(layer_sizes, initial=0))
+
+    def size(start: int, end: int) -> int:
+        return prefix[end] - prefix[start] + (head if start == 0 else 0) + (tail if end == n else 0)
+
+    @functools.cache
+    def best(start: int, k: int) -> tuple[int, tuple[int, ...]]:
+        if k == 1:
+            return size(start, n), ()
+        return min((max(size(start, end), best(end, k - 1)[0]), (end, *best(end, k - 1)[1]))
+                   for end in range(start + 1, n - k + 2))
+
+    return list(best(0, stages)[1])
+
+
+def _numel(module: nn.Module | None) -> int:
+    return sum(p.numel() for p in module.parameters()) if module is not None else 0
