@@ -35,8 +35,8 @@ def _study(tmp_path, preference: dict[str, list[tuple[float, float]]] | None) ->
 
 def test_report_shows_the_last_steps_reward_accuracy_and_margin(tmp_path):
     text = _study(tmp_path / "dpo", {"a": [(0.5, 0.1), (0.75, 0.3)], "b": [(1.0, 2.0), (1.0, 2.0)]})
-    header, _, row_a, row_b = [[cell.strip() for cell in line.strip("|").split("|")]
-                               for line in text.splitlines() if line.startswith("|")]
+    table = text[text.index("| variant"):].split("\n\n")[0]  # the variants table (other tables follow)
+    header, _, row_a, row_b = [[cell.strip() for cell in line.strip("|").split("|")] for line in table.splitlines()]
     accuracy, margin = header.index("reward accuracy"), header.index("reward margin")
     assert row_a[accuracy] == "62.5% [50.0%–75.0%]" and row_b[accuracy] == "100.0%"
     assert row_a[margin] == "0.2 [0.1–0.3]" and row_b[margin] == "2"

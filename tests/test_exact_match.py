@@ -190,8 +190,8 @@ def _study_with_accuracy(tmp_path, accuracies: dict[str, list[float]] | None):
 
 def test_report_has_an_accuracy_column_only_when_runs_were_evaluated(tmp_path):
     text = _study_with_accuracy(tmp_path / "with", {"a": [0.5, 0.75], "b": [0.25, 0.25]})
-    header, _, row_a, row_b = [[cell.strip() for cell in line.strip("|").split("|")]
-                               for line in text.splitlines() if line.startswith("|")]
+    table = text[text.index("| variant"):].split("\n\n")[0]  # the variants table (other tables follow)
+    header, _, row_a, row_b = [[cell.strip() for cell in line.strip("|").split("|")] for line in table.splitlines()]
     column = header.index("exact match")
     assert row_a[column] == "62.5% [50.0%–75.0%]" and row_b[column] == "25.0%"
     summary = json.loads((tmp_path / "with" / "report.json").read_text())
