@@ -10,7 +10,8 @@ stage within 1e-5 (measured: ~1e-7).
 Bugs these catch (each seen failing): each micro-batch's loss taken as its token mean instead of
 its sum (losses off by 3.1); torch's default ``scale_grads=True``, dividing the gradients by the
 micro-batch count again (losses off by 0.06-0.2 at step 3); the schedule's gradients of the
-matrices not handed over to Lightning's backward (the fit test: off by 0.7).
+matrices not handed over to Lightning's backward (the fit test: off by 0.7); the resumed run not
+reading the checkpoint (off by 0.55).
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ class Seen(Callback):
         self.losses.append((outputs["loss_sum"] / outputs["useful_tokens"]).item())
 
 
-def fit(strategy, devices: int, root: Path) -> Seen:
+def fit(strategy, devices: int, root: Path, steps: int = 3, ckpt_path: str | None = None) -> Seen:
     pl.seed_everything(0, verbose=False)
     # Adam amplifies the summation-order difference of micro-batches: at 1e-2 the third loss drifted 8e-5
     # (one process splitting its own batch in two drifts 5e-6 the same way); the SGD tests above are exact.
@@ -145,26 +146,39 @@ def fit(strategy, devices: int, root: Path) -> Seen:
     data = LMDataModule(SyntheticText(num_documents=40), seq_len=32, batch_size=2)
     seen = Seen()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=3, callbacks=[seen],
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, callbacks=[seen],
         logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
         limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=root,
     )
-    trainer.fit(module, data)
+    trainer.fit(module, data, ckpt_path=ckpt_path)
+    if ckpt_path is None:
+        trainer.save_checkpoint(root / "last.ckpt")
     return seen
 
 
-def _lightning_pp(rank: int, world_size: int, root: str) -> list[float]:
-    return fit(PipelineParallelStrategy(pp=2, schedule="1f1b", microbatches=2), 2, Path(root)).losses
+def _lightning_pp(rank: int, world_size: int, root: str) -> dict:
+    def strategy() -> PipelineParallelStrategy:
+        return PipelineParallelStrategy(pp=2, schedule="1f1b", microbatches=2)
+
+    whole = fit(strategy(), 2, Path(root) / "whole").losses
+    fit(strategy(), 2, Path(root) / "cut", steps=2)
+    resumed = fit(strategy(), 2, Path(root) / "resumed", ckpt_path=str(Path(root) / "cut" / "last.ckpt")).losses
+    return {"losses": whole, "resumed": resumed}
 
 
 def test_lightning_fit_with_pp2_equals_one_device(tmp_path):
     """Inside Lightning's loop: both stages read the batch one process reads, the schedule's backward
-    replaces Lightning's, the objective rescales every stage, and every rank records the same loss."""
+    replaces Lightning's, the objective rescales every stage, and every rank records the same loss.
+    A run saved after 2 steps and resumed for a third continues as one device resumed the same way."""
     reference = fit("auto", 1, tmp_path / "one")
+    fit("auto", 1, tmp_path / "one-cut", steps=2)
+    resumed = fit("auto", 1, tmp_path / "one-resumed", ckpt_path=str(tmp_path / "one-cut" / "last.ckpt")).losses
     ranks = run_ranks(_lightning_pp, 2, str(tmp_path / "pp"), init_process_group=False, timeout_s=300)
     assert reference.losses[-1] < reference.losses[0] - 1e-3, "the model did not train"
-    for losses in ranks:
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference.losses), rtol=0, atol=ATOL)
+    for run in ranks:
+        torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(reference.losses), rtol=0, atol=ATOL)
+        # each stage saves and reloads only its own weights and optimizer state (sharded DCP folder)
+        torch.testing.assert_close(torch.tensor(run["resumed"]), torch.tensor(resumed), rtol=0, atol=ATOL)
 
 
 # ---------------------------------------------------------------- refusals and the split, one process
@@ -189,8 +203,8 @@ def test_split_points_out_of_range_are_refused(points, stages):
 def test_tied_embeddings_and_other_families_are_refused():
     strategy = PipelineParallelStrategy(pp=2)
     strategy.pp = 2
-    tied = CausalLMWithLoss(ModelFactory(preset="tiny-llama", config={"tie_word_embeddings": True}).build(device="meta"),
-                            loss_backend("torch"))
+    lm = ModelFactory(preset="tiny-llama", config={"tie_word_embeddings": True}).build(device="meta")
+    tied = CausalLMWithLoss(lm, loss_backend("torch"))
     with pytest.raises(ConfigError, match="tie_word_embeddings"):
         strategy.check_model(tied)
     with pytest.raises(ConfigError, match="qwen3_moe"):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -57,7 +58,8 @@ class PipelineParallelStrategy(MeshStrategy):
             (``pp - 1`` increasing indices); ``null``: balanced by parameter count, embeddings
             counted on the first stage and norm + LM head on the last.
         dp_replicate, dp_shard, cp, tp, ep: must be 1 (accepted so a config that sets them is refused by name).
-        save_distributed_checkpoint, process_group_backend, timeout_s: see ``MeshStrategy``.
+        process_group_backend, timeout_s: see ``MeshStrategy``. Checkpoints are sharded DCP folders
+            (each stage writes its own weights and optimizer state).
     """
 
     def __init__(
@@ -71,7 +73,6 @@ class PipelineParallelStrategy(MeshStrategy):
         cp: int = 1,
         tp: int = 1,
         ep: int = 1,
-        save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout_s: float = 1800.0,
     ) -> None:
@@ -79,7 +80,7 @@ class PipelineParallelStrategy(MeshStrategy):
             if size != 1:
                 raise ConfigError(f"{STRATEGY_KEY}.{key}", size,
                                   "PipelineParallelStrategy does not compose with other mesh dimensions yet; use 1")
-        super().__init__(dp_shard=1, save_distributed_checkpoint=save_distributed_checkpoint,
+        super().__init__(dp_shard=1, save_distributed_checkpoint=True,  # a full file would hold stage 0 only
                          process_group_backend=process_group_backend, timeout_s=timeout_s)
         if not isinstance(pp, int) or (pp < 1 and pp != -1):
             raise ConfigError(f"{STRATEGY_KEY}.pp", pp, "use a positive number of stages, or -1 for every rank")
@@ -153,6 +154,39 @@ class PipelineParallelStrategy(MeshStrategy):
         self.post_backward(closure_loss)
         return closure_loss
 
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Each stage reads its own weights and optimizer state from the sharded folder.
+
+        Lightning's loader looks for a module with DTensor parameters; a stage's are plain tensors.
+        """
+        from lightning.fabric.strategies.model_parallel import _METADATA_FILENAME
+        from torch.distributed.checkpoint import load
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        path = Path(self.broadcast(checkpoint_path))
+        if not (path / _METADATA_FILENAME).is_file():
+            raise ConfigError("ckpt_path", str(path), "a pipeline-parallel run resumes from the sharded checkpoint "
+                              "folder such a run saves")
+        optimizers = {f"optimizer_{index}": optimizer for index, optimizer in enumerate(self.optimizers)}
+        templates = {key: get_optimizer_state_dict(self.model, optimizer) for key, optimizer in optimizers.items()}
+        state = {"state_dict": get_model_state_dict(self.model),
+                 **{key: {"state": t["state"], "param_groups": t["param_groups"]} for key, t in templates.items()}}
+        load(state, checkpoint_id=path)
+        set_model_state_dict(self.model, state["state_dict"])
+        for key, optimizer in optimizers.items():
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict={
+                "state": state[key]["state"], "param_groups": templates[key]["param_groups"]})
+            # DCP keeps one copy of an object every rank saves under the same key (the param groups,
+            # which list one stage's parameters): take only their hyperparameters (lr, betas, ...).
+            for group, saved in zip(optimizer.param_groups, state[key]["param_groups"], strict=True):
+                group.update({k: v for k, v in saved.items() if k != "params"})
+        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         raise ConfigError("trainer.limit_val_batches", "> 0",
                           "pipeline-parallel evaluation is not built; set trainer.limit_val_batches: 0")
@@ -199,7 +233,8 @@ class PipelineParallelStrategy(MeshStrategy):
                               f"pipeline stages are built for {', '.join(SUPPORTED_MODEL_TYPES)} models")
         if getattr(config, "tie_word_embeddings", False):
             raise ConfigError("model.init_args.model.config.tie_word_embeddings", True,
-                              "the embeddings (first stage) and LM head (last stage) cannot share one matrix; use false")
+                              "the embeddings (first stage) and LM head (last stage) cannot share one matrix; "
+                              "use false")
         if config.num_hidden_layers < self.pp:
             raise ConfigError(f"{STRATEGY_KEY}.pp", self.pp,
                               f"the model has {config.num_hidden_layers} decoder layers; use at most that many stages")
@@ -232,7 +267,8 @@ class PipelineParallelStrategy(MeshStrategy):
     def _last_stage_loss(self, hidden: Tensor, labels: Tensor) -> Tensor:
         """One micro-batch's token-loss sum over the run constant ``c`` (the schedule backpropagates it)."""
         head = self._pipelined.lm.get_output_embeddings()
-        loss_sum = self._pipelined.loss_fn(hidden.reshape(-1, hidden.shape[-1]), head.weight, labels.reshape(-1), head.bias)
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        loss_sum = self._pipelined.loss_fn(hidden, head.weight, labels.reshape(-1), head.bias)
         return loss_sum / self._loss_scale
 
     # ---------------------------------------------------------------- one step
