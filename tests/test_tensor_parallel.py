@@ -161,25 +161,43 @@ def test_tp2_x_dp_shard2_equals_one_process(references, four_ranks):
 
 # ---------------------------------------------------------------- under a Lightning Trainer
 class Seen(Callback):
-    """Per step: this rank's token-mean loss and a checksum of the batch it read."""
+    """Per step: the global token-mean loss, a checksum of the global batch and the gradient norm
+    before clipping (from gathered gradients, not the strategy's norm); the gathered weights at the end."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.batches: list[int] = []
+        self.norms: list[float] = []
+        self.weights: dict[str, torch.Tensor] = {}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # Lightning clips after this hook
+        grads = [_full(p.grad) for p in pl_module.parameters() if p.grad is not None]
+        self.norms.append(torch.stack([g.float().square().sum() for g in grads]).sum().sqrt().item())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.losses.append((outputs["loss_sum"] / outputs["useful_tokens"]).item())
-        self.batches.append(int(batch["input_ids"].sum()))
+        sums = torch.stack([outputs["loss_sum"].detach().float(), outputs["useful_tokens"].float(),
+                            batch["input_ids"].sum().float()])
+        if dist.is_initialized():  # every rank's share; a TP group's replicas are counted batch_replicas times
+            dist.all_reduce(sums)
+            sums[2] /= dist.get_world_size() // trainer.strategy.data_parallel_size
+        self.losses.append((sums[0] / sums[1]).item())
+        self.batches.append(int(sums[2]))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.weights = full_weights(pl_module)
 
 
-def fit(strategy, devices: int, root: Path) -> Seen:
+CLIP = 0.5  # below every step's gradient norm (asserted): clipping scales every step
+
+
+def fit(strategy, devices: int, root: Path, batch_size: int = 2) -> Seen:
     pl.seed_everything(0, verbose=False)
     module = CausalLM(ModelFactory(preset="tiny-qwen3"), learning_rate=1e-2, warmup_steps=1)
-    data = LMDataModule(SyntheticText(num_documents=40), seq_len=32, batch_size=2)
+    data = LMDataModule(SyntheticText(num_documents=40), seq_len=32, batch_size=batch_size)
     seen = Seen()
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=3, callbacks=[seen],
-        gradient_clip_val=0.5,  # TP gradients live on two meshes: the strategy must clip by the global norm
+        gradient_clip_val=CLIP,  # TP gradients live on two meshes: the strategy must clip by the global norm
         logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
         limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=root,
     )
@@ -187,19 +205,30 @@ def fit(strategy, devices: int, root: Path) -> Seen:
     return seen
 
 
-def _lightning_tp(rank: int, world_size: int, root: str) -> dict:
-    seen = fit(TensorParallelStrategy(tp=2, sequence_parallel=True), 2, Path(root))
-    return {"losses": seen.losses, "batches": seen.batches}
+def _lightning_tp(rank: int, world_size: int, root: str, strategy_kwargs: dict) -> dict:
+    seen = fit(TensorParallelStrategy(tp=2, sequence_parallel=True, **strategy_kwargs), world_size, Path(root))
+    return {"losses": seen.losses, "batches": seen.batches, "norms": seen.norms, "weights": seen.weights if rank == 0 else {}}
 
 
-def test_lightning_fit_with_tp2_equals_one_device(tmp_path):
-    """The sampler gives both TP peers the batch one process reads; clipping and the loss context
-    hold inside Lightning's loop."""
-    reference = fit("auto", 1, tmp_path / "one")
-    ranks = run_ranks(_lightning_tp, 2, str(tmp_path / "tp"), init_process_group=False, timeout_s=300)
+@pytest.mark.parametrize("dp_shard", [1, 2], ids=["tp2", "tp2_x_dp_shard2"])
+def test_lightning_fit_with_tp2_equals_one_device(tmp_path, dp_shard):
+    """The sampler gives both TP peers the batch one process reads (dp_shard ranks: their halves of
+    it); clipping and the loss context hold inside Lightning's loop. Every step is clipped, so the
+    shared norm over the TP and FSDP meshes must be the global one: with FSDP's ``_StridedShard``
+    counted as replicated in ``clip_grad_norm_across_meshes`` (the bug that had clipping refused
+    under tp x dp_shard) the tp2_x_dp_shard2 case fails (seen: pre-clip norms off by 1.5e-3 from
+    step 2, losses by 1.2e-3 at step 3)."""
+    reference = fit("auto", 1, tmp_path / "one", batch_size=2 * dp_shard)
+    ranks = run_ranks(_lightning_tp, 2 * dp_shard, str(tmp_path / "tp"), {"dp_shard": dp_shard},
+                      init_process_group=False, timeout_s=300)
+    assert min(reference.norms) > CLIP, "clipping never scaled the gradients"
     for run in ranks:
         assert run["batches"] == reference.batches
+        torch.testing.assert_close(torch.tensor(run["norms"]), torch.tensor(reference.norms), rtol=1e-5, atol=0)
         torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(reference.losses), rtol=0, atol=LOSS_ATOL)
+    assert sorted(ranks[0]["weights"]) == sorted(reference.weights)
+    for name, weight in reference.weights.items():
+        torch.testing.assert_close(ranks[0]["weights"][name], weight, rtol=0, atol=PARAM_ATOL, msg=name)
 
 
 # ---------------------------------------------------------------- refusals, one process
@@ -277,15 +306,13 @@ def test_tp_with_context_parallel_needs_the_combined_strategy():
         TensorContextParallelStrategy(tp=2, cp=2, sequence_parallel=True)
 
 
-def test_clipping_under_tp_x_dp_shard_is_refused_until_its_norm_is_right():
-    """Measured: with clipping, tp=2 x dp_shard=2 drifted 1.2e-3 from one device by step 3 (the norm
-    skips FSDP's strided shards); without clipping it equals one device. A refusal, not a wrong run."""
+def test_clipping_under_tp_x_cp_is_refused_until_a_fit_proves_it():
+    """TP x CP has no clipped fit against one device (tp x dp_shard has: the Lightning test above);
+    a refusal naming the key, not an unproven run."""
     from types import SimpleNamespace
 
-    strategy = strategy_on(4, tp=2, dp_shard=2)
-    strategy._fsdp_mesh = SimpleNamespace(size=lambda: 2)
     with pytest.raises(ConfigError, match="trainer.gradient_clip_val"):
-        strategy.setup(SimpleNamespace(gradient_clip_val=1.0))
+        TensorContextParallelStrategy(tp=2, cp=2).setup(SimpleNamespace(gradient_clip_val=1.0))
 
 
 def test_a_config_s_tensor_parallelism_reaches_the_estimate():

@@ -35,9 +35,8 @@ class TensorParallelStrategy(FSDP2Strategy):
     subclass overrides ``layer_plan``/``root_plan``. The loss is cross-entropy over the
     vocabulary-sharded logits (torch's ``loss_parallel``: each rank forms only its vocabulary
     columns), so it needs the ``torch`` loss backend (without z-loss); the fused backends take a
-    whole LM-head weight and are refused. Gradient clipping is refused once FSDP shards over more
-    than one rank: the shared norm (``clip_grad_norm_across_meshes``) misses FSDP's strided shards of
-    a TP shard; with ``dp_shard: 1`` it clips by the exact global norm.
+    whole LM-head weight and are refused. Gradient clipping takes the global norm over the TP and
+    FSDP meshes together (``clip_grad_norm_across_meshes``: FSDP's strided shards of a TP shard included).
 
     Args:
         tp: tensor-parallel ranks (``-1``: the ranks left after the other mesh sizes). Must divide
@@ -154,12 +153,6 @@ class TensorParallelStrategy(FSDP2Strategy):
 
     # ---------------------------------------------------------------- clipping
     def setup(self, trainer: Trainer) -> None:
-        if trainer.gradient_clip_val and self.mesh_sizes["tp"] > 1 and self.fsdp_mesh.size() > 1:
-            # FSDP2 shards a TP shard again along the same dim (_StridedShard): clip_grad_norm_across_meshes
-            # reduces only Shard dims, so the norm would miss the other FSDP ranks (measured: loss off by 1e-3).
-            raise ConfigError("trainer.gradient_clip_val", trainer.gradient_clip_val,
-                              "gradient clipping under tp x dp_shard (or dp_replicate) does not take the norm over "
-                              "the FSDP ranks yet; set it to null, or use tp alone (dp_shard: 1)")
         super().setup(trainer)
         # Tensor-parallel weights are DTensors on (dp, tp) meshes, the replicated ones on dp only:
         # torch's clip_grad_norm_ cannot combine them.
