@@ -42,15 +42,17 @@ def check_run_config(subcommand: str, config: Mapping[str, Any]) -> None:
             writable_file(run_record.RECORD_PATH_ENV, os.environ[run_record.RECORD_PATH_ENV])
 
 
-FIT_RULES: dict[str, str] = {
+FIT_RULES: dict[str, str | None] = {
     "strategy_accepts_cpu": "trainer.strategy",
     "strategy_options_run_here": "trainer.strategy.init_args",
     "optimizer_runs_here": "model.init_args.optimizer",
     "quantization_runs_under_strategy": "model.init_args.model.quantization",
     "loss_backend_available": "model.init_args.loss",
+    "preference_parts_fit": None,
 }
 """The study compatibility rules (``lit_ablate.compatibility.RULES``) about one run's own parts, and the
-key each one names. The others are about launching a study (devices, nodes) or are checked when the
+key each one names (None: the rule's reason starts with the key it is about, ``key=value: ...``,
+as DPO's does for its attention, log-prob backend or data format). The others are about launching a study (devices, nodes) or are checked when the
 model is constructed, before any rank starts (attention backends). The loss backend's rule is here
 too: besides what its construction checks, it knows what other parts refuse it (CCE's compiled
 backward under MemoryMonitor's tensor tracker)."""
@@ -71,8 +73,9 @@ def check_parts_compatible(config: Mapping[str, Any]) -> None:
     for rule, key in FIT_RULES.items():
         reason = RULES[rule](plain, launch)
         if reason:
-            fix = re.sub(rf"^{re.escape(key)}(=[^:]*)?: ", "", reason)  # the rule's own "key=value: " prefix
-            raise ConfigError(key, get_dotted(plain, key), fix)
+            named = key or re.match(r"[\w.]+", reason).group()
+            fix = re.sub(rf"^{re.escape(named)}(=[^:]*)?: ", "", reason)  # the rule's own "key=value: " prefix
+            raise ConfigError(named, get_dotted(plain, named), fix)
 
 
 def check_mesh(trainer: Mapping[str, Any]) -> None:

@@ -53,3 +53,16 @@ def test_prefix_sharing_under_sdpa_passes() -> None:
     tree = config("dpo_multipack.yaml", **{"data.init_args.collator.init_args.prefix_sharing": True,
                                            "model.init_args.model.attn_implementation": "sdpa"})
     assert preference_parts_fit(tree, LAUNCH) is None
+
+
+def test_fit_refuses_them_in_one_line_naming_the_rule_s_own_key(tmp_path: Path, capsys) -> None:
+    """``fit``'s preflight runs the same rule before any rank starts; the key comes from the reason
+    (before, prefix sharing under sdpa_packed failed at the first training step)."""
+    from tests.test_bad_inputs import _stderr_lines
+
+    code, lines = _stderr_lines(["fit", "--config", str(CONFIGS / "dpo_multipack.yaml"), "--trainer.max_steps", "1",
+                                 "--trainer.default_root_dir", str(tmp_path),
+                                 "--data.init_args.collator.init_args.prefix_sharing", "true"], capsys)  # fmt: skip
+    assert code not in (0, None) and len(lines) == 1, lines
+    assert lines[0].startswith("lit-ablate: error: model.init_args.model.attn_implementation='sdpa_packed': "), lines[0]
+    assert "prefix_sharing: false" in lines[0] and not any(tmp_path.iterdir())
