@@ -177,9 +177,9 @@ class Seen(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         sums = torch.stack([outputs["loss_sum"].detach().float(), outputs["useful_tokens"].float(),
                             batch["input_ids"].sum().float()])
-        if dist.is_initialized():  # every rank's share; a TP group's replicas are counted batch_replicas times
+        if dist.is_initialized():  # every rank's share (dp rows, cp slices); TP peers read the same tokens
             dist.all_reduce(sums)
-            sums[2] /= dist.get_world_size() // trainer.strategy.data_parallel_size
+            sums[2] /= trainer.strategy.batch_replicas
         self.losses.append((sums[0] / sums[1]).item())
         self.batches.append(int(sums[2]))
 
@@ -206,20 +206,24 @@ def fit(strategy, devices: int, root: Path, batch_size: int = 2) -> Seen:
 
 
 def _lightning_tp(rank: int, world_size: int, root: str, strategy_kwargs: dict) -> dict:
-    seen = fit(TensorParallelStrategy(tp=2, sequence_parallel=True, **strategy_kwargs), world_size, Path(root))
+    strategy = (TensorContextParallelStrategy(tp=2, **strategy_kwargs) if "cp" in strategy_kwargs
+                else TensorParallelStrategy(tp=2, sequence_parallel=True, **strategy_kwargs))
+    seen = fit(strategy, world_size, Path(root))
     return {"losses": seen.losses, "batches": seen.batches, "norms": seen.norms, "weights": seen.weights if rank == 0 else {}}
 
 
-@pytest.mark.parametrize("dp_shard", [1, 2], ids=["tp2", "tp2_x_dp_shard2"])
-def test_lightning_fit_with_tp2_equals_one_device(tmp_path, dp_shard):
+@pytest.mark.parametrize(("dp_shard", "cp"), [(1, 1), (2, 1), (1, 2)], ids=["tp2", "tp2_x_dp_shard2", "tp2_x_cp2"])
+def test_lightning_fit_with_tp2_equals_one_device(tmp_path, dp_shard, cp):
     """The sampler gives both TP peers the batch one process reads (dp_shard ranks: their halves of
-    it); clipping and the loss context hold inside Lightning's loop. Every step is clipped, so the
-    shared norm over the TP and FSDP meshes must be the global one: with FSDP's ``_StridedShard``
-    counted as replicated in ``clip_grad_norm_across_meshes`` (the bug that had clipping refused
-    under tp x dp_shard) the tp2_x_dp_shard2 case fails (seen: pre-clip norms off by 1.5e-3 from
-    step 2, losses by 1.2e-3 at step 3)."""
+    it; cp ranks: their slices of each sequence, TensorContextParallelStrategy without SP); clipping
+    and the loss context hold inside Lightning's loop. Every step is clipped, so the shared norm over
+    the TP and FSDP meshes must be the global one: with FSDP's ``_StridedShard`` counted as
+    replicated in ``clip_grad_norm_across_meshes`` (the bug that had clipping refused under
+    tp x dp_shard and tp x cp) both 4-rank cases fail (seen: pre-clip norms off by 1.5e-3 and 1.0e-3
+    from step 2; tp2_x_dp_shard2's losses by 1.2e-3 at step 3)."""
     reference = fit("auto", 1, tmp_path / "one", batch_size=2 * dp_shard)
-    ranks = run_ranks(_lightning_tp, 2 * dp_shard, str(tmp_path / "tp"), {"dp_shard": dp_shard},
+    kwargs = {"dp_shard": dp_shard} | ({"cp": cp} if cp > 1 else {})
+    ranks = run_ranks(_lightning_tp, 2 * dp_shard * cp, str(tmp_path / "tp"), kwargs,
                       init_process_group=False, timeout_s=300)
     assert min(reference.norms) > CLIP, "clipping never scaled the gradients"
     for run in ranks:
@@ -304,15 +308,6 @@ def test_tp_with_context_parallel_needs_the_combined_strategy():
         TensorParallelStrategy(tp=2, cp=2)
     with pytest.raises(ConfigError, match="sequence_parallel"):
         TensorContextParallelStrategy(tp=2, cp=2, sequence_parallel=True)
-
-
-def test_clipping_under_tp_x_cp_is_refused_until_a_fit_proves_it():
-    """TP x CP has no clipped fit against one device (tp x dp_shard has: the Lightning test above);
-    a refusal naming the key, not an unproven run."""
-    from types import SimpleNamespace
-
-    with pytest.raises(ConfigError, match="trainer.gradient_clip_val"):
-        TensorContextParallelStrategy(tp=2, cp=2).setup(SimpleNamespace(gradient_clip_val=1.0))
 
 
 def test_a_config_s_tensor_parallelism_reaches_the_estimate():

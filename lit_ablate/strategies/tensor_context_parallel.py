@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.pytorch import Trainer
-
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.sequence_layout import LayoutName
 from lit_ablate.strategies.context_parallel import ContextParallelImpl, ContextParallelStrategy
@@ -20,9 +18,9 @@ class TensorContextParallelStrategy(TensorParallelStrategy, ContextParallelStrat
     A step is both strategies' at once: the ``cp x tp`` ranks of a data-parallel group read the
     same batch; each ``cp`` rank keeps its slice of every sequence (``cp_impl`` attention over its
     ``tp`` rank's heads), each ``tp`` rank its heads, MLP columns and vocabulary columns. Parameters
-    are FSDP2-sharded over ``dp_shard x cp``. Gradient clipping is refused: its norm
-    (``clip_grad_norm_across_meshes``) is proven under ``tp x dp_shard``, not yet in a fit under
-    ``tp x cp``. Sequence parallelism is refused: the sequence is already split over ``cp``.
+    are FSDP2-sharded over ``dp_shard x cp``; gradient clipping takes the norm over the TP and
+    FSDP meshes as under ``tp x dp_shard``. Sequence parallelism is refused: the sequence is already
+    split over ``cp``.
 
     Args:
         tp: tensor-parallel ranks.
@@ -38,10 +36,3 @@ class TensorContextParallelStrategy(TensorParallelStrategy, ContextParallelStrat
             raise ConfigError(f"{STRATEGY_KEY}.sequence_parallel", True,
                               "context parallelism already splits the sequence over cp; use sequence_parallel: false")
         super().__init__(tp=tp, cp=cp, cp_impl=cp_impl, cp_layout=cp_layout, dp_shard=dp_shard, **kwargs)
-
-    def setup(self, trainer: Trainer) -> None:
-        if trainer.gradient_clip_val:
-            raise ConfigError("trainer.gradient_clip_val", trainer.gradient_clip_val,
-                              "gradient clipping under tp x cp is not tested against one device yet; set it to null, "
-                              "or use TensorParallelStrategy with dp_shard instead of cp")
-        super().setup(trainer)
