@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
+from lit_ablate.callbacks.step_monitor import batch_replicas
 from lit_ablate.data import LMDataModule, SyntheticText
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
@@ -177,9 +178,9 @@ class Seen(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         sums = torch.stack([outputs["loss_sum"].detach().float(), outputs["useful_tokens"].float(),
                             batch["input_ids"].sum().float()])
-        if dist.is_initialized():  # every rank's share (dp rows, cp slices); TP peers read the same tokens
+        if trainer.world_size > 1:  # every rank's share (dp rows, cp slices); TP peers read the same tokens
             dist.all_reduce(sums)
-            sums[2] /= trainer.strategy.batch_replicas
+            sums[2] /= batch_replicas(trainer)
         self.losses.append((sums[0] / sums[1]).item())
         self.batches.append(int(sums[2]))
 
