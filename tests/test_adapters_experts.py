@@ -6,6 +6,8 @@
   weight-merging implementation), within fp32 rounding (1e-5), for ``loop`` and ``grouped``; and
   loop == grouped in outputs and adapter gradients. Seen failing with the scaling left out, and
   with ``r/top_k`` silently using ``r``.
+- ``experts: hf`` (transformers' stacked experts) gets peft's ``target_parameters`` LoRA: B = 0 is the
+  base exactly, random B equals the base with every ``W_e + s B_e A_e`` (1e-5), a step moves only adapters.
 - Expert parallelism (EP=2, all-to-all) on 2 ranks, each with its own rows (unequal tokens), trains
   the same expert adapters as one process on all rows: equal step losses (the global token mean)
   over 3 steps within ``LOSS_ATOL``. With the adapters left unsliced under EP it fails (a shape
@@ -103,12 +105,67 @@ def test_loop_and_grouped_expert_adapters_agree_in_values_and_gradients():
         torch.testing.assert_close(grad, results["grouped"][1][name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def _hf_reference_weights(adapted: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every HF expert weight plus its LoRA update, ``W_e + s B_e A_e``, one expert at a time from peft's
+    stacked factors (``A`` ``[E * r, in]`` holds expert ``e`` in rows ``e*r .. e*r+r``, ``B`` ``[out, r * E]``
+    in columns ``e, e+E, ..``): a reference written without peft's own delta-weight code."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    weights = {}
+    for name, wrapper in adapted.named_modules():
+        if not isinstance(wrapper, ParamWrapper):
+            continue
+        base, experts = wrapper.get_param(), wrapper.num_experts
+        a, b = wrapper.lora_A["default"].weight, wrapper.lora_B["default"].weight
+        r = a.shape[0] // experts
+        updated = base.detach().clone()
+        for e in range(experts):
+            updated[e] += wrapper.scaling["default"] * b[:, e::experts] @ a[e * r : (e + 1) * r]
+        block = name.replace(".base_layer", "")
+        weights[f"{block}.{wrapper.parameter_name}"] = updated
+    return weights
+
+
+def test_hf_expert_adapters_are_peft_parameter_lora_per_expert():
+    """``experts: hf`` (transformers' stacked experts) with ``experts_r``: peft's ``target_parameters`` LoRA.
+    B = 0 gives the base logits bit for bit; with random B the logits equal the base model with every expert
+    weight replaced by ``W_e + s B_e A_e`` (within 1e-5, fp32); a training step moves only adapter weights.
+    Seen failing with the scale left out of the reference (logits 0.21 off), with ``B_e`` read as contiguous
+    columns (0.35 off: the reference checks peft's per-expert layout), and with ``r/top_k`` resolved to ``r``."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    base, adapted = build("hf", adapter=None), build("hf")
+    base_logits = base(IDS).logits
+    assert torch.equal(adapted(IDS).logits, base_logits)
+    wrappers = [m for m in adapted.modules() if isinstance(m, ParamWrapper)]
+    assert len(wrappers) == 2 * adapted.config.num_hidden_layers  # gate_up_proj and down_proj per layer
+    assert all(w.lora_A["default"].weight.shape[0] == w.num_experts * 4 // 2 for w in wrappers)  # r / top_k
+    assert all(w.scaling["default"] == 8.0 / 2 for w in wrappers)  # alpha / experts_r
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for wrapper in wrappers:
+            wrapper.lora_B["default"].weight.normal_(0, 0.05)
+        assert not base.load_state_dict(_hf_reference_weights(adapted), strict=False).unexpected_keys
+    torch.testing.assert_close(adapted(IDS).logits, base(IDS).logits, rtol=1e-5, atol=1e-5)
+    with adapters_disabled(adapted):  # DPO's reference forward: the base experts alone
+        assert torch.equal(adapted(IDS).logits, base_logits)
+
+    trainable = {n for n, p in adapted.named_parameters() if p.requires_grad}
+    assert trainable == adapter_parameter_names(adapted) and any(".experts." in n and "lora_" in n for n in trainable)
+    before = {n: p.detach().clone() for n, p in adapted.named_parameters()}
+    optimizer = torch.optim.SGD([p for p in adapted.parameters() if p.requires_grad], lr=0.1)
+    adapted(IDS, labels=IDS).loss.backward()
+    optimizer.step()
+    changed = {n for n, p in adapted.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and changed <= trainable and any(".experts." in n for n in changed)
+
+
 def test_expert_adapter_options_are_checked():
     with pytest.raises(ConfigError, match="experts_r"):
         AdapterOptions(experts_r=0)
     with pytest.raises(ConfigError, match="dropout"):
         AdapterOptions(experts_r=2, dropout=0.1)
-    with pytest.raises(ConfigError, match="no lit-ablate MoE experts"):
+    with pytest.raises(ConfigError, match="no MoE experts"):
         ModelFactory(preset="tiny-llama", adapter={"experts_r": 2}).build()
 
 

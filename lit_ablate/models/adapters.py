@@ -48,8 +48,9 @@ class AdapterOptions:
         use_dora: DoRA: a learned magnitude per output row on top of the low-rank direction update.
         use_rslora: rank-stabilised scaling ``alpha / sqrt(r)``, so a larger rank does not shrink
             the update.
-        experts_r: LoRA on the routed experts of lit-ablate's MoE blocks (``model.moe.experts: loop``
-            or ``grouped``; ``lit_ablate.models.expert_adapters``): each expert's rank, or ``r/top_k``
+        experts_r: LoRA on the routed experts of MoE blocks (``model.moe.experts: loop`` or ``grouped``:
+            ``lit_ablate.models.expert_adapters``; ``hf``: peft's ``target_parameters`` on transformers'
+            stacked ``gate_up_proj``/``down_proj``): each expert's rank, or ``r/top_k``
             (``r // num_experts_per_tok``: a token's active experts together add rank ``r``, the
             same trainable capacity per token as a dense layer's adapter); null: experts stay frozen.
     """
@@ -123,15 +124,28 @@ def apply_adapters(model: nn.Module, options: AdapterOptions) -> nn.Module:
 
 
 def apply_expert_adapters(model: nn.Module, options: AdapterOptions) -> None:
-    """An ``ExpertLoRA`` on every ``RoutedExperts`` of ``model`` (the experts' weights stay frozen)."""
+    """An ``ExpertLoRA`` on every ``RoutedExperts`` of ``model``, or peft's parameter LoRA on transformers' own
+    stacked experts (``moe.experts: hf``); the experts' weights stay frozen."""
     from lit_ablate.models.expert_adapters import ExpertLoRA
     from lit_ablate.models.moe_experts import RoutedExperts
 
     experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
-    if not experts:
+    hf_experts = [m for m in model.modules() if not isinstance(m, RoutedExperts) and _is_stacked_experts(m)]
+    if not experts and not hf_experts:
         raise ConfigError(f"{OPTIONS_KEY}.experts_r", options.experts_r,
-                          "the model has no lit-ablate MoE experts: use an MoE model with model.init_args.model.moe: "
-                          "{experts: grouped} (or loop), or drop experts_r")  # fmt: skip
+                          "the model has no MoE experts with stacked weights: use an MoE model, e.g. "
+                          "model.init_args.model.moe: {experts: grouped} (or loop, hf), or drop experts_r")  # fmt: skip
+    r = _expert_rank(model, options)
+    if hf_experts:
+        _apply_hf_expert_adapters(model, options, r)
+    for module in experts:
+        module.gate_up_proj.requires_grad_(False)
+        module.down_proj.requires_grad_(False)
+        module.adapters = ExpertLoRA(module.gate_up_proj, module.down_proj, r, options.alpha, options.use_rslora)
+
+
+def _expert_rank(model: nn.Module, options: AdapterOptions) -> int:
+    """``experts_r`` as a rank (``r/top_k`` resolved against the model's ``num_experts_per_tok``)."""
     r = options.experts_r
     if r == "r/top_k":
         top_k = model.config.num_experts_per_tok
@@ -139,10 +153,28 @@ def apply_expert_adapters(model: nn.Module, options: AdapterOptions) -> None:
         if r < 1:
             raise ConfigError(f"{OPTIONS_KEY}.experts_r", "r/top_k", f"r={options.r} is below top_k={top_k}: use r >= "
                               f"{top_k} or an integer experts_r")  # fmt: skip
-    for module in experts:
-        module.gate_up_proj.requires_grad_(False)
-        module.down_proj.requires_grad_(False)
-        module.adapters = ExpertLoRA(module.gate_up_proj, module.down_proj, r, options.alpha, options.use_rslora)
+    return r
+
+
+def _is_stacked_experts(module: nn.Module) -> bool:
+    """transformers' fused experts: 3-D ``gate_up_proj`` ``[E, 2I, H]`` and ``down_proj`` ``[E, H, I]`` parameters."""
+    params = [getattr(module, name, None) for name in ("gate_up_proj", "down_proj")]
+    return all(isinstance(p, nn.Parameter) and p.ndim == 3 for p in params)
+
+
+def _apply_hf_expert_adapters(model: nn.Module, options: AdapterOptions, r: int) -> None:
+    """peft's ``target_parameters`` LoRA (one ``A_e``, ``B_e`` of rank ``r`` per expert, ``B`` at zero) on
+    transformers' stacked experts, injected as a second config under the same adapter name: peft's
+    ``rank_pattern`` does not reach parameter targets, and ``experts_r`` differs from ``r``. The model's
+    ``peft_config`` stays the main one (the second injection would add to it)."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    config = LoraConfig(r=r, lora_alpha=options.alpha, target_modules=[], use_rslora=options.use_rslora,
+                        target_parameters=["experts.gate_up_proj", "experts.down_proj"])  # fmt: skip
+    main = model.__dict__.pop("peft_config", None)
+    inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME)
+    if main is not None:
+        model.peft_config = main
 
 
 def adapter_parameter_names(model: nn.Module) -> set[str]:
