@@ -23,6 +23,7 @@ from lit_ablate.data import ArithmeticSFT, LMDataModule, LocalFiles, PackingColl
 from lit_ablate.data.streaming import StreamingExamples, worker_batches_consumed
 from lit_ablate.data.tokenizers import ByteTokenizer
 from lit_ablate.errors import ConfigError
+from tests.test_data import _BatchRecorder
 
 
 def _sft_file(tmp_path, rows: int = 45) -> str:
@@ -64,20 +65,6 @@ def test_resume_continues_with_the_next_batch_of_the_rank(tmp_path, consumed):
     resumed = list(zip(range(4), _loader(path, 1, skip=consumed, epochs=None)))
     for (_, want), (_, got) in zip(uninterrupted[consumed:], resumed, strict=True):
         assert torch.equal(got["input_ids"], want["input_ids"]) and torch.equal(got["labels"], want["labels"])
-
-
-class _BatchRecorder(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(()))
-        self.seen: list[torch.Tensor] = []
-
-    def training_step(self, batch, batch_idx):
-        self.seen.append(batch["input_ids"].clone())
-        return self.weight * batch["input_ids"].float().mean()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
 def _fit(path: str, root, max_steps: int, ckpt_path: str | None = None) -> list[torch.Tensor]:
