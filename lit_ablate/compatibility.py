@@ -217,17 +217,25 @@ def _tracks_tensors(config: Mapping[str, Any]) -> bool:
                and (c.get("init_args") or {}).get("tracked_steps", 1) != 0 for c in callbacks)  # fmt: skip
 
 
+def _model_options(config: Mapping[str, Any], key: str, options_class: type) -> Any:
+    """The config's ``key`` section as ``options_class``; None when it is absent or malformed (a
+    malformed section is the run's own error, reported when it builds)."""
+    options = get_dotted(config, key)
+    if not isinstance(options, Mapping):
+        return None
+    try:
+        return options_class(**options)
+    except (ConfigError, TypeError):
+        return None
+
+
 def quantization_runs_under_strategy(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
     """Quantised base weights the strategy cannot shard (FSDP1 flat parameters, 8-bit under
     DTensor strategies): ``quantization_refusal``."""
     from lit_ablate.models.quantization import QuantizationOptions, quantization_refusal
 
-    options = get_dotted(config, "model.init_args.model.quantization")
-    if not isinstance(options, Mapping):
-        return None
-    try:
-        options = QuantizationOptions(**options)
-    except (ConfigError, TypeError):  # a malformed section is the run's own error
+    options = _model_options(config, "model.init_args.model.quantization", QuantizationOptions)
+    if options is None:
         return None
     reason = quantization_refusal(options, _strategy_class(config))
     return f"model.init_args.model.quantization: {reason}" if reason else None
@@ -265,12 +273,8 @@ def fp8_runs_here(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
     ``resolve_emulation`` and ``fp8_refusal``."""
     from lit_ablate.models.fp8 import Fp8Options, fp8_refusal, resolve_emulation
 
-    options = get_dotted(config, "model.init_args.model.fp8")
-    if not isinstance(options, Mapping):
-        return None
-    try:
-        options = Fp8Options(**options)
-    except (ConfigError, TypeError):  # a malformed section is the run's own error
+    options = _model_options(config, "model.init_args.model.fp8", Fp8Options)
+    if options is None:
         return None
     reason = _reason(resolve_emulation, options, torch.device("cuda" if _on_gpu(config, launch) else "cpu"))
     reason = reason or fp8_refusal(options, _strategy_class(config))
