@@ -33,7 +33,7 @@ from lit_ablate import __version__
 from lit_ablate.callbacks.run_recorder import RunRecorder
 from lit_ablate.checkpoint_model import check_same_model, checkpoint_model_section
 from lit_ablate.compatibility import check_cpu_ranks
-from lit_ablate.console import console_trainer_args, silence_tips
+from lit_ablate.console import console_trainer_args, silence_noise
 from lit_ablate.errors import ConfigError
 from lit_ablate.preflight import check_ckpt_path, check_run_config
 
@@ -107,7 +107,7 @@ class LitAblateCLI(LightningCLI):
         validate and test print their metrics and write nothing (no logger, no saved config), so
         evaluating a checkpoint adds no ``lightning_logs/version_N`` beside the run that wrote it.
         """
-        silence_tips()
+        silence_noise()
         trainer_args = {**self._get(self.config_init, "trainer", default={}), **kwargs}
         configured = trainer_args.get("callbacks") or []
         callbacks = list(configured) if isinstance(configured, list) else [configured]

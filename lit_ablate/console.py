@@ -11,11 +11,16 @@ Each fix sits where the noise comes from in Lightning (2.6), not in a filter ove
   analytic and per batch, reported by ``MFUMonitor``).
 - ``💡 Tip: ... litlogger``: an advertisement Lightning logs on every ``Trainer`` through its
   rank-zero logger, with no flag to turn it off; a logging filter drops exactly those records.
+- ``GPU available: False, used: False`` and ``TPU available: False, using: 0 TPU cores``: on a
+  machine without that device they say nothing, and they came before any error raised during data
+  set-up, turning its one line into three. The same filter drops only the ``available: False``
+  lines; a machine with a GPU or TPU still prints its line.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,6 +29,7 @@ from lightning.pytorch.callbacks import ModelSummary, ProgressBar, RichModelSumm
 from lightning.pytorch.utilities.model_summary.model_summary import get_formatted_model_size, get_human_readable_count
 
 TIP_PREFIX = "💡 Tip"
+ABSENT_DEVICE_LINE = re.compile(r"^(GPU|TPU|HPU) available: False\b")
 RANK_ZERO_LOGGER = "lightning.pytorch.utilities.rank_zero"
 
 
@@ -97,13 +103,15 @@ def console_trainer_args(trainer_args: Mapping[str, Any], callbacks: list[Callba
     return {"callbacks": callbacks + extra, **args}
 
 
-class _DropTips(logging.Filter):
+class _DropNoise(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(TIP_PREFIX)
+        message = str(record.msg)
+        return not (message.startswith(TIP_PREFIX) or ABSENT_DEVICE_LINE.match(message))
 
 
-def silence_tips() -> None:
-    """Drop Lightning's "💡 Tip" advertisements (litlogger, litmodels) from its rank-zero logger; idempotent."""
+def silence_noise() -> None:
+    """Drop Lightning's "💡 Tip" advertisements (litlogger, litmodels) and its lines about devices the
+    machine does not have from its rank-zero logger; idempotent."""
     logger = logging.getLogger(RANK_ZERO_LOGGER)
-    if not any(isinstance(f, _DropTips) for f in logger.filters):
-        logger.addFilter(_DropTips())
+    if not any(isinstance(f, _DropNoise) for f in logger.filters):
+        logger.addFilter(_DropNoise())

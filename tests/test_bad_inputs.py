@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -231,14 +232,18 @@ def test_bad_input_is_one_line_naming_the_key(row: str, tmp_path: Path, capsys: 
 @pytest.mark.parametrize(("argv", "key"), [
     (["estimate", "--config", "missing.yaml"], "--config"),
     ([*FIT, "--model.init_args.model.config", '{"num_hidden_layers": 0}'], "config.num_hidden_layers=0"),
+    ([*FIT, "--data.init_args.source", '{"class_path": "lit_ablate.data.LocalFiles", "init_args": {"path": "bad.jsonl"}}'],
+     "line 2 of bad.jsonl"),
 ])
 def test_a_real_process_prints_one_line(argv: list[str], key: str, tmp_path: Path) -> None:
     """What a user's terminal shows, loggers included (in-process, Lightning's log handlers write
     past capsys): ``estimate`` printed 98 lines of traceback, ``fit`` a "Seed set to 0" line before
-    the error."""
+    the error, and an error in data set-up came after Lightning's "GPU available: False" and "TPU
+    available: False" lines (only a device the machine has may keep its line)."""
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{bad json\n')
     done = subprocess.run([sys.executable, "-m", "lit_ablate.cli", *argv], capture_output=True, text=True, cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}, timeout=300)
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    lines = [line for line in done.stderr.splitlines() if line.strip() and not re.match(r"[GT]PU available: True", line)]
     assert done.returncode != 0 and len(lines) == 1, done.stderr
     assert key in lines[0]
 
