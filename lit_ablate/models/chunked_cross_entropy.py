@@ -82,6 +82,29 @@ def target_in_chunk(labels: Tensor, v0: int, v1: int) -> tuple[Tensor, Tensor]:
     return (labels - v0).clamp(0, v1 - v0 - 1).unsqueeze(1), inside
 
 
+def token_chunk_lse(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, chunk_vocab: int,
+                    keep_softmax: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(lse [n], target logit [n], softmax [n, V] or None)`` of one token chunk ``hidden`` ``[n, H]``,
+    with one vocabulary chunk of fp32 logits alive at a time. ``keep_softmax`` (only meaningful when
+    one chunk spans the whole vocabulary) returns that chunk's softmax, made in the logits' buffer."""
+    vocab = weight.shape[0]
+    lse = torch.full((hidden.shape[0],), float("-inf"), dtype=torch.float32, device=hidden.device)
+    target = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    softmax = None
+    for v0 in range(0, vocab, chunk_vocab):
+        v1 = min(v0 + chunk_vocab, vocab)
+        logits = chunk_logits(hidden, weight, bias, v0, v1)
+        column, inside = target_in_chunk(labels, v0, v1)
+        target += logits.gather(1, column).squeeze(1) * inside
+        # exp(logits - row max) in place: no second [chunk, vocab] buffer.
+        row_max = logits.amax(dim=1)
+        exp_shifted = logits.sub_(row_max[:, None]).exp_()
+        lse = torch.logaddexp(lse, exp_shifted.sum(dim=1).log_().add_(row_max))
+        softmax = exp_shifted.mul_((row_max - lse).exp_()[:, None]) if keep_softmax else None
+        del logits, exp_shifted  # before the next chunk's logits exist
+    return lse, target, softmax
+
+
 def _add_matmul(accumulator: Tensor, a: Tensor, b: Tensor) -> None:
     """``accumulator += a @ b``; in place when dtypes agree, else via one product (fp32 sums of bf16)."""
     if accumulator.dtype == a.dtype:
@@ -160,24 +183,14 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         n_tokens, vocab = hidden.shape[0], weight.shape[0]
         counted = labels != IGNORE_INDEX
         lse = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
-        target_logit = torch.zeros(n_tokens, dtype=torch.float32, device=hidden.device)
+        target_logit = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
         grads = ChunkGradients(hidden, weight, bias, ctx.needs_input_grad[:3]) if grad_in_forward else None
         # One vocab chunk and gradients now: its softmax is still at hand, no recompute needed.
         keep_softmax = grads is not None and chunk_vocab >= vocab
         for t0 in range(0, n_tokens, chunk_tokens):
             t1 = min(t0 + chunk_tokens, n_tokens)
-            lse_c = torch.full((t1 - t0,), float("-inf"), dtype=torch.float32, device=hidden.device)
-            for v0 in range(0, vocab, chunk_vocab):
-                v1 = min(v0 + chunk_vocab, vocab)
-                logits = chunk_logits(hidden[t0:t1], weight, bias, v0, v1)
-                column, inside = target_in_chunk(labels[t0:t1], v0, v1)
-                target_logit[t0:t1] += logits.gather(1, column).squeeze(1) * inside
-                # exp(logits - row max) in place: no second [chunk, vocab] buffer.
-                row_max = logits.amax(dim=1)
-                exp_shifted = logits.sub_(row_max[:, None]).exp_()
-                lse_c = torch.logaddexp(lse_c, exp_shifted.sum(dim=1).log_().add_(row_max))
-                softmax = exp_shifted.mul_((row_max - lse_c).exp_()[:, None]) if keep_softmax else None
-                del logits, exp_shifted  # before the next chunk's logits exist
+            lse_c, target_logit[t0:t1], softmax = token_chunk_lse(hidden[t0:t1], weight, bias, labels[t0:t1],
+                                                                  chunk_vocab, keep_softmax)
             lse[t0:t1] = lse_c
             if grads is not None:
                 scales = _row_scales(counted[t0:t1], lse_c, z_loss_weight, torch.ones((), device=hidden.device))

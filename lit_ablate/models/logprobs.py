@@ -17,7 +17,6 @@ choice of the same key, built by ``lit_ablate.models.liger_dpo`` (``FUSED_BACKEN
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -26,7 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lit_ablate.errors import ConfigError
-from lit_ablate.models.chunked_cross_entropy import IGNORE_INDEX, ChunkGradients, chunk_logits, target_in_chunk
+from lit_ablate.models.chunked_cross_entropy import IGNORE_INDEX, ChunkGradients, token_chunk_lse
+from lit_ablate.models.losses import build_named
 
 LOGPROBS_KEY = "model.init_args.logprobs"
 OPTIONS_KEY = "model.init_args.logprobs_options"
@@ -96,20 +96,12 @@ class _ChunkedLabelLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor,
                 chunk_tokens: int, chunk_vocab: int) -> Tensor:
-        n_tokens, vocab = hidden.shape[0], weight.shape[0]
+        n_tokens = hidden.shape[0]
         lse = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
-        target = torch.zeros(n_tokens, dtype=torch.float32, device=hidden.device)
+        target = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
         for t0 in range(0, n_tokens, chunk_tokens):
             t1 = min(t0 + chunk_tokens, n_tokens)
-            lse_c = torch.full((t1 - t0,), float("-inf"), dtype=torch.float32, device=hidden.device)
-            for v0 in range(0, vocab, chunk_vocab):
-                v1 = min(v0 + chunk_vocab, vocab)
-                logits = chunk_logits(hidden[t0:t1], weight, bias, v0, v1)
-                column, inside = target_in_chunk(labels[t0:t1], v0, v1)
-                target[t0:t1] += logits.gather(1, column).squeeze(1) * inside
-                lse_c = torch.logaddexp(lse_c, torch.logsumexp(logits, dim=1))
-                del logits  # one chunk of logits at a time
-            lse[t0:t1] = lse_c
+            lse[t0:t1], target[t0:t1], _ = token_chunk_lse(hidden[t0:t1], weight, bias, labels[t0:t1], chunk_vocab)
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
         ctx.chunk_tokens, ctx.chunk_vocab = chunk_tokens, chunk_vocab
         return torch.where(labels != IGNORE_INDEX, target - lse, 0.0)
@@ -134,11 +126,5 @@ FUSED_BACKENDS = ("liger",)
 
 def logprob_backend(name: str, **options: Any) -> LogProbBackend:
     """Build backend ``name`` with its options; unknown names or options raise ``ConfigError``."""
-    if name not in LOGPROB_BACKENDS:
-        raise ConfigError(LOGPROBS_KEY, name, f"choose one of {sorted(LOGPROB_BACKENDS) + list(FUSED_BACKENDS)}")
-    backend = LOGPROB_BACKENDS[name]
-    accepted = inspect.signature(backend).parameters
-    unknown = sorted(set(options) - set(accepted))
-    if unknown:
-        raise ConfigError(OPTIONS_KEY, options, f"'{name}' takes no option {unknown}; it takes {sorted(accepted)}")
-    return backend(**options)
+    return build_named(LOGPROB_BACKENDS, name, options, key=LOGPROBS_KEY, options_key=OPTIONS_KEY,
+                       other_choices=FUSED_BACKENDS)

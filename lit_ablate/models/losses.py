@@ -232,13 +232,21 @@ def loss_backend(name: str, **options: Any) -> LossBackend:
 
     Building also checks the backend can run here (``liger``/``cce`` need CUDA and their package).
     """
-    if name not in LOSS_BACKENDS:
-        raise ConfigError(LOSS_KEY, name, f"choose one of {sorted(LOSS_BACKENDS)}")
-    backend = LOSS_BACKENDS[name]
+    return build_named(LOSS_BACKENDS, name, options, key=LOSS_KEY, options_key=OPTIONS_KEY)
+
+
+def build_named(registry: dict[str, Any], name: str, options: dict[str, Any], *, key: str, options_key: str,
+                other_choices: tuple[str, ...] = ()) -> Any:
+    """``registry[name](**options)``, or a ``ConfigError`` naming ``key`` for an unknown name (listing
+    the registry and ``other_choices``, names the caller serves elsewhere) or ``options_key`` for an
+    option the class does not take, before any constructor runs."""
+    if name not in registry:
+        raise ConfigError(key, name, f"choose one of {sorted(registry) + list(other_choices)}")
+    backend = registry[name]
     accepted = inspect.signature(backend).parameters
     unknown = sorted(set(options) - set(accepted))
     if unknown:
-        raise ConfigError(OPTIONS_KEY, options, f"'{name}' takes no option {unknown}; it takes {sorted(accepted)}")
+        raise ConfigError(options_key, options, f"'{name}' takes no option {unknown}; it takes {sorted(accepted)}")
     return backend(**options)
 
 
