@@ -60,7 +60,12 @@ def train(model: torch.nn.Module, batch: dict[str, torch.Tensor], steps: int = S
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.detach())
-    series = torch.stack(losses)
+    return mean_over_ranks(losses)
+
+
+def mean_over_ranks(values: list[torch.Tensor]) -> list[float]:
+    """Each step's value averaged over the ranks (the value itself in one process)."""
+    series = torch.stack(values)
     if dist.is_initialized():
         dist.all_reduce(series)
         series /= dist.get_world_size()

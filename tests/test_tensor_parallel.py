@@ -33,7 +33,7 @@ from lit_ablate.strategies.mesh import resolve_mesh_sizes
 from lit_ablate.strategies.tensor_context_parallel import TensorContextParallelStrategy
 from lit_ablate.strategies.tensor_parallel import TensorParallelStrategy
 from tests.distributed import run_ranks
-from tests.test_strategies_equivalence import PARAM_ATOL, fixed_batch, full_weights, rows_of
+from tests.test_strategies_equivalence import PARAM_ATOL, fixed_batch, full_weights, mean_over_ranks, rows_of
 
 STEPS = 4
 LR = 5e-3  # at 1e-2 the fourth step of Qwen3 amplifies fp32 reduction-order noise to 1.2e-5 (measured)
@@ -64,11 +64,7 @@ def train(model: torch.nn.Module, batch: dict, strategy: TensorParallelStrategy 
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.detach())
-    series = torch.stack(losses)
-    if dist.is_initialized():
-        dist.all_reduce(series)
-        series /= dist.get_world_size()
-    return {"losses": series.tolist(), "norm_grads": norm_grads, "weights": full_weights(model)}
+    return {"losses": mean_over_ranks(losses), "norm_grads": norm_grads, "weights": full_weights(model)}
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
