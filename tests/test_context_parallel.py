@@ -9,7 +9,8 @@ is compared with one process reading the same micro-batches: per-step losses wit
 ``GRAD_ATOL``, and the weights after the last AdamW step within the step-objective test's
 tolerances. Variants: ring and allgather, zigzag and contiguous, tiny Llama and tiny Qwen3 (GQA,
 q/k norms), padded and packed batches (documents kept apart under CP), full activation
-checkpointing (layers recomputed in backward must attend as in the forward), and on 4 ranks
+checkpointing (layers recomputed in backward must attend as in the forward) with compiled layers
+(each rank compiles its own: ranks start from a forkserver, PLATFORM_NOTES trap 4), and on 4 ranks
 FSDP2 over dp_shard=2 x cp=2, HSDP (dp_replicate=2 x cp=2), EP x CP (ep=2 x cp=2, tiny
 Qwen3-MoE: ``EXPERT_RUN``), and cp=4 with each implementation. A ``gpu`` test runs ring on 2 GPUs.
 
@@ -21,7 +22,8 @@ one break in the suite (W without the cp ranks: gradients x 1/2). By hand, once 
 shards' ``position_ids`` left as each shard's own 0..T/cp (HF's default, the PLATFORM_NOTES trap):
 every two-rank run fails, losses off by 0.03 to 0.13; ``backward`` without the attention switch
 (activation checkpointing recomputes the layers with the configured one-process attention on a
-shard): the checkpointed run fails; MFUMonitor without the strategy's ``flops_share``: the MFU
+shard): the checkpointed run fails; compiled layers (``compile_layers``, whose attention call runs
+eagerly) attending within their own shard once dynamo traced them: the compiled run fails; MFUMonitor without the strategy's ``flops_share``: the MFU
 test counts the FLOPs twice.
 """
 
@@ -127,8 +129,9 @@ class WithoutContextParallelRanksInW(ContextParallelStrategy):
 # unless dp_shard or dp_replicate say otherwise (then rank // cp is the data-parallel rank: cp is
 # the inner mesh dimension).
 TWO_RANK_RUNS = {
-    "ring-zigzag-llama-checkpointed": ("tiny-llama", "reference", ContextParallelStrategy,
-                                       {"cp": 2, "cp_impl": "ring", "activation_checkpointing": "full"}),
+    "ring-zigzag-llama-checkpointed-compiled": ("tiny-llama", "reference", ContextParallelStrategy,
+                                                {"cp": 2, "cp_impl": "ring", "activation_checkpointing": "full",
+                                                 "compile_layers": True}),
     "ring-contiguous-qwen3-packed": ("tiny-qwen3", "packed", ContextParallelStrategy,
                                      {"cp": 2, "cp_impl": "ring", "cp_layout": "contiguous"}),
     "allgather-zigzag-qwen3-packed": ("tiny-qwen3", "packed", ContextParallelStrategy,

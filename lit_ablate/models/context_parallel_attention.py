@@ -63,12 +63,17 @@ class ContextParallelGroup:
         return ChunkMasks(self.layout, gathered.view(size, batch, local_len))
 
 
+@torch.compiler.disable
 def _attend(
     implementation: Callable[..., Tensor], module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
     attention_mask: Tensor | None, dropout: float, scaling: float | None, position_ids: Tensor | None,
     sliding_window: int | None,
 ) -> tuple[Tensor, None]:
-    """``[B, H, T, D]`` inputs -> ``[B, T, H, D]`` output, as transformers' attention interface expects."""
+    """``[B, H, T, D]`` inputs -> ``[B, T, H, D]`` output, as transformers' attention interface expects.
+
+    Runs eagerly inside a compiled decoder layer (``compile_layers``): the exchange and the
+    per-block mask checks are data-dependent, so dynamo would break its graph at every block pair;
+    the layer compiles its projections, norms and MLP around this one call instead."""
     if dropout:
         raise ConfigError("model.init_args.model.config.attention_dropout", dropout,
                           "context-parallel attention has no dropout; set attention_dropout: 0")
