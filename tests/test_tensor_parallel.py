@@ -209,18 +209,34 @@ def _lightning_tp(rank: int, world_size: int, root: str, strategy_kwargs: dict) 
     return {"losses": seen.losses, "batches": seen.batches, "norms": seen.norms, "weights": seen.weights if rank == 0 else {}}
 
 
-@pytest.mark.parametrize(("dp_shard", "cp"), [(1, 1), (2, 1), (1, 2)], ids=["tp2", "tp2_x_dp_shard2", "tp2_x_cp2"])
-def test_lightning_fit_with_tp2_equals_one_device(tmp_path, dp_shard, cp):
+LIGHTNING_RUNS = {
+    "tp2": {},
+    "tp2_x_dp_shard2": {"dp_shard": 2},
+    "tp2_x_cp2": {"cp": 2},
+    "tp2_x_dp_replicate2": {"dp_replicate": 2},
+    "tp2_checkpointed_compiled": {"activation_checkpointing": "full", "compile_layers": True},
+}
+"""Strategy arguments beside ``tp=2`` (``TensorParallelStrategy`` with sequence parallelism, or with
+``cp`` ``TensorContextParallelStrategy``); the world size is 2 x dp_replicate x dp_shard x cp."""
+
+
+@pytest.mark.parametrize("name", list(LIGHTNING_RUNS))
+def test_lightning_fit_with_tp2_equals_one_device(tmp_path, name):
     """The sampler gives both TP peers the batch one process reads (dp_shard ranks: their halves of
     it; cp ranks: their slices of each sequence, TensorContextParallelStrategy without SP); clipping
     and the loss context hold inside Lightning's loop. Every step is clipped, so the shared norm over
     the TP and FSDP meshes must be the global one: with FSDP's ``_StridedShard`` counted as
     replicated in ``clip_grad_norm_across_meshes`` (the bug that had clipping refused under
     tp x dp_shard and tp x cp) both 4-rank cases fail (seen: pre-clip norms off by 1.5e-3 and 1.0e-3
-    from step 2; tp2_x_dp_shard2's losses by 1.2e-3 at step 3)."""
-    reference = fit("auto", 1, tmp_path / "one", batch_size=2 * dp_shard)
-    kwargs = {"dp_shard": dp_shard} | ({"cp": cp} if cp > 1 else {})
-    ranks = run_ranks(_lightning_tp, 2 * dp_shard * cp, str(tmp_path / "tp"), kwargs,
+    from step 2; tp2_x_dp_shard2's losses by 1.2e-3 at step 3). HSDP (replicas of the TP x FSDP
+    mesh) and layers checkpointed and compiled under TP (each rank compiles its own) go through the
+    same pipeline and must train the same model: with compiled layers given the embedding's
+    unwaited ``AsyncCollectiveTensor`` (before ``TensorParallelStrategy.apply_compile`` waited for it)
+    the embedding's gradient was zero and tp2_checkpointed_compiled failed (pre-clip norms 9.5 % low)."""
+    kwargs = LIGHTNING_RUNS[name]
+    data_parallel = kwargs.get("dp_replicate", 1) * kwargs.get("dp_shard", 1)
+    reference = fit("auto", 1, tmp_path / "one", batch_size=2 * data_parallel)
+    ranks = run_ranks(_lightning_tp, 2 * data_parallel * kwargs.get("cp", 1), str(tmp_path / "tp"), kwargs,
                       init_process_group=False, timeout_s=300)
     assert min(reference.norms) > CLIP, "clipping never scaled the gradients"
     for run in ranks:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Trainer
 from torch import Tensor, nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
@@ -69,6 +70,15 @@ class TensorParallelStrategy(FSDP2Strategy):
             _parallelize(layer, mesh, self.layer_plan(model, layer))
         _parallelize(model.lm, mesh, self.root_plan(model))
         model.loss_fn = VocabParallelCrossEntropy(model.loss_fn, mesh)
+
+    def apply_compile(self, model: CausalLMWithLoss) -> None:
+        """Compile each decoder layer, and hand the first one a plain tensor: the split embedding
+        returns its all-reduce (or reduce-scatter) as an ``AsyncCollectiveTensor`` not yet waited
+        for, and a compiled layer given one returns a zero gradient to it (torch 2.13: the embedding
+        stopped learning, silently). A copy waits for the collective inside autograd."""
+        super().apply_compile(model)
+        if self.compile_layers and self.mesh_sizes["tp"] > 1:
+            model.lm.get_input_embeddings().register_forward_hook(_waited_collective)
 
     def layer_plan(self, model: CausalLMWithLoss, layer: nn.Module) -> Plan:
         """One decoder layer's plan: the model family's (``tensor_parallel_plans.LAYER_PLANS``)."""
@@ -191,6 +201,10 @@ class VocabParallelCrossEntropy:
             hidden = DTensor.from_local(hidden, self.mesh, [Replicate()], run_check=False)
         # A copy, not a view: FSDP2 warns that an in-place op on a view its root returns drops its hook.
         return self.inner(hidden, weight, labels, bias).to_local().clone()
+
+
+def _waited_collective(module: nn.Module, args: Any, output: Tensor) -> Tensor:
+    return output.clone() if isinstance(output, AsyncCollectiveTensor) else output
 
 
 def _parallelize(module: nn.Module, mesh: DeviceMesh, plan: Plan) -> None:
