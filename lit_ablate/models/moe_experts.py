@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,11 @@ def grouped_mm_experts(tokens: Tensor, counts: Tensor, gate_up: Tensor, down: Te
     offsets = counts.cumsum(0).to(torch.int32)
     gate, up = torch._grouped_mm(tokens, gate_up.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
     return torch._grouped_mm(act(gate) * up, down.transpose(-2, -1), offs=offsets)
+
+
+eager_grouped_mm_experts = torch.compiler.disable(grouped_mm_experts)
+"""``grouped_mm_experts`` run eagerly inside a compiled layer: ``_grouped_mm`` runs float32 and
+float16 on CPU, but its compile-time (meta) kernel accepts bfloat16 only (torch 2.13)."""
 
 
 def padded_bmm_experts(tokens: Tensor, counts: Tensor, gate_up: Tensor, down: Tensor, act: Activation) -> Tensor:
@@ -136,6 +142,8 @@ class RoutedExperts(nn.Module):
             return functools.partial(loop_experts, linear=self.linear)
         self.fallback = grouped_mm_unsupported(tokens, gate_up, down)
         if self.fallback is None:
+            if torch.compiler.is_compiling() and tokens.dtype != torch.bfloat16:
+                return eager_grouped_mm_experts
             return grouped_mm_experts
         if self.fallback not in _warned:
             _warned.add(self.fallback)
@@ -149,4 +157,4 @@ class RoutedExperts(nn.Module):
 
 def _local(weight: Tensor) -> Tensor:
     """This rank's shard of a DTensor (experts sharded by an EP strategy), else the tensor itself."""
-    return weight.to_local() if hasattr(weight, "to_local") else weight
+    return weight.to_local() if isinstance(weight, DTensor) else weight
