@@ -105,9 +105,7 @@ def count_parameters(model: nn.Module, config: PretrainedConfig, quantization: A
     experts = sum(p.numel() for m in model.modules() if _is_experts(m) for p in m.parameters(recurse=False))
     num_experts, top_k = _experts_per_token(config)
     active_experts = experts * top_k // num_experts if num_experts else 0
-    # Expert LoRA (models.expert_adapters) is merged into the expert weights once per step, not applied
-    # per token; the adapted expert weights then get a full weight gradient: 6 N on the active experts.
-    expert_lora = sum(p.numel() for m in model.modules() if type(m).__name__ == "ExpertLoRA" for p in m.parameters())
+    expert_lora = _expert_lora_parameters(model)
     active = total - (experts - active_experts) - expert_lora
     matmul = active - (0 if tied else embed.numel())
     trainable_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -121,6 +119,18 @@ def count_parameters(model: nn.Module, config: PretrainedConfig, quantization: A
         trainable_matmul=trainable_matmul, quantized=quantized, quantized_bytes=quantized_bytes,
         small_trainable=sum(p.numel() for _, p in trainable_params if p.numel() < SMALL_TENSOR_ELEMENTS),
     )  # fmt: skip
+
+
+def _expert_lora_parameters(model: nn.Module) -> int:
+    """Parameters of LoRA on routed experts: lit-ablate's ``ExpertLoRA`` (``models.expert_adapters``)
+    and peft's ``ParamWrapper`` (``target_parameters`` on transformers' stacked experts). Both are
+    merged into the expert weights once per forward (peft through a cached parametrization), not
+    applied per token; the adapted expert weights then get a full weight gradient: 6 N on the active
+    experts."""
+    adapters = {id(p): p for m in model.modules() if type(m).__name__ == "ExpertLoRA" for p in m.parameters()}
+    adapters |= {id(p): p for m in model.modules() if type(m).__name__ == "ParamWrapper"
+                 for name, p in m.named_parameters() if "lora_" in name}
+    return sum(p.numel() for p in adapters.values())
 
 
 def _quantized_weights(param: torch.Tensor) -> int:

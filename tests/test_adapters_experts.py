@@ -218,3 +218,9 @@ def test_expert_adapter_counts_and_flops():
     config = {"model": {"init_args": {"model": {"preset": "tiny-qwen3-moe", "moe": {"experts": "grouped"},
                                                 "adapter": ADAPTER}}}}  # fmt: skip
     assert model_of(config)[0] == counts
+    # transformers' own experts with peft's parameter LoRA (merged per forward through a parametrization)
+    # count the same; seen failing when only ExpertLoRA was recognised (trainable_matmul without the experts).
+    hf = build("hf")
+    assert count_parameters(hf, hf.config) == counts
+    assert model_of({"model": {"init_args": {"model": {**config["model"]["init_args"]["model"],
+                                                       "moe": {"experts": "hf"}}}}})[0] == counts
