@@ -270,6 +270,11 @@ class TrainingShape:
         reference: DPO's reference model (``none`` for a language model): ``frozen`` keeps a second
             copy of the parameters, sharded like them, without gradients or optimizer states;
             ``precomputed`` (two fp32 numbers per pair) and ``adapter`` (the same weights) add nothing.
+        pipeline_parallel: pipeline stages (``PipelineParallelStrategy``'s pp); above 1, ``micro_batch``
+            is the rows a step reads, run as ``microbatches`` pieces under ``pipeline_schedule``
+            (``gpipe`` or ``1f1b``), and the memory is the largest stage's (``pipeline_stage_estimates``).
+        split_points: the stages' first decoder layers after the first stage; None: balanced by
+            parameter count as the strategy balances them.
     """
 
     micro_batch: int
@@ -289,6 +294,10 @@ class TrainingShape:
     tensor_parallel: int = 1
     sequence_parallel: bool = False
     reference: str = "none"
+    pipeline_parallel: int = 1
+    pipeline_schedule: str = "1f1b"
+    microbatches: int = 1
+    split_points: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         from lit_ablate.errors import ConfigError
@@ -372,8 +381,9 @@ def layer_activation_elements(shape: ModelShape, training: TrainingShape) -> flo
     return float(attention + mlp)
 
 
-def activation_bytes(shape: ModelShape, training: TrainingShape) -> int:
-    """Peak bytes of activations (and the loss's logits) over one forward and backward on one rank.
+def activation_bytes(shape: ModelShape, training: TrainingShape, loss_head: bool = True) -> int:
+    """Peak bytes of activations (and the loss's logits) over one forward and backward on one rank
+    (``loss_head=False``: a pipeline stage without the final norm, LM head and loss).
 
     Checkpointed layers keep only their input (``hidden`` per token) and recompute the rest in
     backward, so the peak is the larger of "everything saved + the loss's logits" at the start of
@@ -392,7 +402,7 @@ def activation_bytes(shape: ModelShape, training: TrainingShape) -> int:
         copies = (copies + (HALF_CHUNK_COPIES if training.activation_bytes < 4 else 0.0)) * min(1.0, training.chunk_tokens / tokens)
     head = 3 * shape.hidden * training.activation_bytes + copies * shape.vocab / training.tensor_parallel * 4
     held = loss_gradient_bytes(shape, training)
-    head += held / tokens
+    head = head + held / tokens if loss_head else 0.0
     candidates = [sum(saved) + head]
     recompute = per_layer + 2 * shape.hidden * training.activation_bytes
     candidates += [sum(saved[: i + 1]) + recompute for i, c in enumerate(checkpointed) if c]
@@ -442,8 +452,11 @@ def estimate_memory(counts: ParameterCounts, shape: ModelShape, training: Traini
     gradients and the reduce-scatter buffer they are copied into), the largest unit being a layer
     or the root; replicated gradients on more than one rank also sit in DDP's buckets unless
     ``gradient_as_bucket_view``. Measured against FSDP2/FSDP1 on 2 ranks in
-    tests/test_estimate_memory.py.
+    tests/test_estimate_memory.py. Under pipeline parallelism: the largest stage's
+    (``pipeline_stage_estimates``).
     """
+    if training.pipeline_parallel > 1:
+        return max(pipeline_stage_estimates(counts, shape, training, sharding), key=lambda e: e.total)
     full = (counts.total - counts.quantized) * training.param_bytes + counts.quantized_bytes
     stored = full / counts.total  # bytes per parameter: quantised base weights pack tighter
     trained = counts.trainable * training.param_bytes  # a frozen base has no gradients or optimizer states
@@ -465,6 +478,98 @@ def estimate_memory(counts: ParameterCounts, shape: ModelShape, training: Traini
         transient=transient + context_parallel_bytes(shape, training)[1],
         reference=reference_bytes(shape, training, full, sharding.params),
     )
+
+
+# --- pipeline parallelism -------------------------------------------------------------------------
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+LOSS_LOGIT_COPIES_KEPT = {"torch": 1.0}
+"""fp32 ``[tokens, vocab]`` tensors a loss keeps from a micro-batch's forward to its backward (torch:
+the log-softmax; the other backends keep chunks' gradients, ``loss_gradient_bytes``, or nothing)."""
+
+
+def pipeline_stage_layers(counts: ParameterCounts, shape: ModelShape, training: TrainingShape) -> list[int]:
+    """Decoder layers per pipeline stage, split as ``PipelineParallelStrategy`` splits them: at its
+    ``split_points``, or balanced by parameter count (embeddings on the first stage, LM head on the last)."""
+    from lit_ablate.strategies.pipeline_parallel import balanced_split_points, check_split_points
+
+    stages = training.pipeline_parallel
+    points = list(training.split_points) if training.split_points is not None else balanced_split_points(
+        [shape.layer_params] * shape.layers, stages, counts.embedding, shape.vocab * shape.hidden)  # fmt: skip
+    check_split_points(points, shape.layers, stages)
+    bounds = [0, *points, shape.layers]
+    return [end - start for start, end in zip(bounds, bounds[1:], strict=False)]
+
+
+def pipeline_stage_parameters(counts: ParameterCounts, shape: ModelShape, training: TrainingShape) -> list[int]:
+    """Parameters each stage holds: its layers, plus the embeddings (first) or final norm and LM head (last)."""
+    layers = pipeline_stage_layers(counts, shape, training)
+    root = counts.total - shape.layers * shape.layer_params
+    return [n * shape.layer_params + (counts.embedding if i == 0 else 0)
+            + (root - counts.embedding if i == len(layers) - 1 else 0) for i, n in enumerate(layers)]  # fmt: skip
+
+
+def pipeline_stage_estimates(counts: ParameterCounts, shape: ModelShape, training: TrainingShape,
+                             sharding: StateSharding) -> list[MemoryEstimate]:  # fmt: skip
+    """Bytes of each pipeline stage at its step's peak (``estimate_memory`` takes the largest).
+
+    A stage holds its parameters, gradients and optimizer states (``pipeline_stage_parameters``,
+    divided by ``sharding``). A step runs ``microbatches`` pieces of ``micro_batch / microbatches``
+    rows; a stage keeps what autograd saved for each piece whose forward ran and whose backward has
+    not: gpipe all ``m``, 1f1b at most ``pp - stage`` (the first stage ``pp``, the last one). Its
+    peak is that many pieces kept, one of them at its backward's peak (``activation_bytes``); the
+    last stage's pieces also keep the final norm's tensors and the loss's (``LOSS_LOGIT_COPIES_KEPT``,
+    ``loss_gradient_bytes``). Transient: the receive buffers torch's schedule allocates once per piece,
+    the previous stage's hidden states (all stages but the first) and their gradients from the next
+    (all but the last). Measured on 2 ranks in tests/test_pipeline_estimate.py.
+    """
+    from lit_ablate.errors import ConfigError
+
+    if training.pipeline_schedule not in PIPELINE_SCHEDULES:
+        raise ConfigError("trainer.strategy.init_args.schedule", training.pipeline_schedule,
+                          f"the estimate models the {' and '.join(PIPELINE_SCHEDULES)} schedules")
+    m = training.microbatches
+    piece = replace(training, micro_batch=max(1, training.micro_batch // m), pipeline_parallel=1)
+    tokens = piece.micro_batch * piece.seq_len
+    boundary = tokens * shape.hidden * training.activation_bytes  # one piece's hidden states between stages
+    full = (counts.total - counts.quantized) * training.param_bytes + counts.quantized_bytes
+    stage_params = pipeline_stage_parameters(counts, shape, training)
+    pp = len(stage_params)
+    estimates = []
+    for index, (params, layers) in enumerate(zip(stage_params, pipeline_stage_layers(counts, shape, training), strict=True)):
+        first, last = index == 0, index == pp - 1
+        in_flight = m if training.pipeline_schedule == "gpipe" else min(m, pp - index)
+        kept = layers * layer_activation_elements(shape, piece) * training.activation_bytes
+        if last:
+            kept += (3 * shape.hidden * training.activation_bytes
+                     + LOSS_LOGIT_COPIES_KEPT.get(training.loss, 0.0) * shape.vocab / training.tensor_parallel * 4)
+            kept += loss_gradient_bytes(shape, piece) / tokens
+        estimates.append(MemoryEstimate(  # each state's bytes in the stage's share of the parameters
+            params=-(-(full * params // counts.total) // sharding.params),
+            grads=-(-(counts.trainable * training.param_bytes * params // counts.total) // sharding.grads),
+            optimizer=int(optimizer_bytes(counts, training)) * params // counts.total // sharding.optimizer,
+            activations=int((in_flight - 1) * kept * tokens)
+            + activation_bytes(replace(shape, layers=layers), piece, loss_head=last),
+            transient=m * boundary * ((not first) + (not last)),
+        ))  # fmt: skip
+    return estimates
+
+
+def pipeline_time_share(counts: ParameterCounts, shape: ModelShape, training: TrainingShape, seq_len: float,
+                        config: PretrainedConfig) -> float:  # fmt: skip
+    """A pipeline step's time in units of the whole model's FLOPs on one rank: the largest stage's share
+    of the model FLOPs (its layers' matmuls and attention, the LM head on the last stage), stretched by
+    the schedule's ideal idle share, ``(m + pp - 1) / m`` for gpipe and 1f1b alike. 1 without a pipeline."""
+    if training.pipeline_parallel == 1:
+        return 1.0
+    layers = pipeline_stage_layers(counts, shape, training)
+    attention = 12.0 * attention_shape(config)[1] * attention_shape(config)[2] * seq_len  # per token and layer
+    whole = flops_per_token(counts, config, seq_len)
+    matmul = whole - shape.layers * attention
+    root_matmul = counts.matmul - shape.layers * shape.layer_params  # the LM head and final norm
+    stages = [(n * shape.layer_params + (root_matmul if i == len(layers) - 1 else 0)) / counts.matmul * matmul
+              + n * attention for i, n in enumerate(layers)]  # fmt: skip
+    m, pp = training.microbatches, len(layers)
+    return max(stages) / whole * (m + pp - 1) / m
 
 
 def reference_bytes(shape: ModelShape, training: TrainingShape, param_bytes: int, shards: int) -> int:
@@ -591,6 +696,7 @@ def training_shape_of(config: dict, optimizer: str | None = None, world_size: in
         gradient_as_bucket_view=bool(strategy_args.get("gradient_as_bucket_view", False)),
         **dict(zip(("context_parallel", "context_parallel_impl"), context_parallel_of(config, world_size))),
         **dict(zip(("tensor_parallel", "sequence_parallel"), tensor_parallel_of(config, world_size))),
+        **pipeline_of(config, world_size),
     )
     if str(get_dotted(config, "model.class_path", "")).endswith("DPO"):
         shape = replace(shape, **_preference_shape(config, shape.micro_batch, shape.seq_len))
@@ -652,9 +758,32 @@ def tensor_parallel_of(config: dict, world_size: int | None = None) -> tuple[int
     return tp, bool(getattr(instance, "sequence_parallel", False)) and tp > 1
 
 
+def pipeline_of(config: dict, world_size: int | None = None) -> dict[str, Any]:
+    """The ``TrainingShape`` pipeline fields of the config's ``PipelineParallelStrategy`` on ``world_size``
+    ranks (default: the config's; ``pp: -1`` takes them all); none for another strategy."""
+    from lightning.pytorch.cli import instantiate_class
+
+    from lit_ablate.strategies.pipeline_parallel import PipelineParallelStrategy
+
+    strategy = get_dotted(config, "trainer.strategy", "auto")
+    instance = instantiate_class((), strategy) if isinstance(strategy, dict) else strategy
+    if not isinstance(instance, PipelineParallelStrategy):
+        return {}
+    from lit_ablate.errors import ConfigError
+
+    world_size = world_size or world_size_of(config)
+    pp = instance.requested_pp if instance.requested_pp != -1 else world_size
+    if world_size % pp:
+        raise ConfigError("trainer.strategy.init_args.pp", pp, f"use a divisor of the world size ({world_size})")
+    points = None if instance.split_points is None else tuple(instance.split_points)
+    return {"pipeline_parallel": pp, "pipeline_schedule": instance.schedule_name,
+            "microbatches": instance.microbatches, "split_points": points}
+
+
 def world_size_of(config: dict) -> int:
     """Ranks of a resolved ``fit`` config: devices (an int or a list; "auto" counts as 1) x nodes."""
     devices = get_dotted(config, "trainer.devices", 1)
+    devices = int(devices) if isinstance(devices, str) and devices.isdigit() else devices  # `--trainer.devices 2`
     devices = len(devices) if isinstance(devices, list) else devices if isinstance(devices, int) else 1
     return devices * int(get_dotted(config, "trainer.num_nodes", 1) or 1)
 
@@ -705,7 +834,8 @@ def predicted_step_seconds(config: dict, ceiling_tflops: float, world_size: int 
     (the measured matmul ceiling, ``lit_ablate.matmul_ceiling``): a rank's FLOPs per step over it.
 
     The FLOPs are the ones ``MFUMonitor`` divides (``flops_per_token``; a rank's ``1 / cp`` and
-    ``1 / tp`` share), for ``micro_batch x seq_len x accumulate_grad_batches`` tokens at the full
+    ``1 / tp`` share; under pipeline parallelism the largest stage's share, stretched by the
+    schedule's ideal idle time: ``pipeline_time_share``), for ``micro_batch x seq_len x accumulate_grad_batches`` tokens at the full
     ``seq_len`` context: padded or packed data compute less, so for them the prediction is an upper
     bound. What a measured step takes beyond it is not matmul at the ceiling: communication,
     memory-bound kernels (norms, attention softmax, the optimizer), data and framework overhead.
@@ -718,10 +848,11 @@ def predicted_step_seconds(config: dict, ceiling_tflops: float, world_size: int 
         raise ConfigError("model.class_path", module, "step time is predicted for CausalLM runs only")
     world_size = world_size or world_size_of(config)
     training = training_shape_of(config, world_size=world_size)
-    counts, _ = model_of(config)
+    counts, shape = model_of(config)
     hf_config = ModelFactory(**get_dotted(config, "model.init_args.model")).hf_config()
     accumulate = int(get_dotted(config, "trainer.accumulate_grad_batches", 1) or 1)
-    share = 1.0 / (training.context_parallel * mesh_size_of(config, "tp", world_size))
+    share = pipeline_time_share(counts, shape, training, training.seq_len, hf_config) / (
+        training.context_parallel * mesh_size_of(config, "tp", world_size))  # fmt: skip
     tokens = training.micro_batch * training.seq_len * accumulate
     return flops_per_token(counts, hf_config, training.seq_len) * tokens * share / (ceiling_tflops * 1e12)
 
@@ -784,9 +915,11 @@ def estimate_main(argv: list[str]) -> int:
                 run = training
                 if kind == "configured":
                     sharding = configured_sharding(config, n)
-                    run = replace(training, context_parallel=context_parallel_of(config, n)[0])  # cp: -1 grows with n
+                    run = replace(training, context_parallel=context_parallel_of(config, n)[0],  # cp: -1 grows with n
+                                  **pipeline_of(config, n))  # pp: -1 too
                 else:
                     sharding = canonical_sharding(kind, n, args.gpus_per_node)
+                    run = replace(training, pipeline_parallel=1)  # the data-parallel layouts, without stages
             except ConfigError:  # the configured mesh cannot be laid out on n ranks
                 return None
             return estimate_memory(counts, shape, run, sharding, n)

@@ -209,6 +209,15 @@ class TensorCategoryTracker(MemTracker):
         self.claim()
         return 0, 0
 
+    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+        """A top-level module called again in one step (a pipeline stage, once per micro-batch, with
+        earlier micro-batches' backward still to come): its per-module record restarts, where
+        MemTracker would refuse. Per-module records are not used here; the categories go on."""
+        if module in self.memory_tracking and not self._mod_tracker.is_bw and not self._mod_tracker.parents - {
+                "Global", self._mod_tracker.get_known_fqn(module)}:  # fmt: skip
+            del self.memory_tracking[module]
+        super()._pre_fw_hook(module, inputs)
+
     def _post_bw_hook(self, module: nn.Module, args: Any) -> None:
         """After a module's backward: its gradients exist (FSDP2's reduce-scattered shards too)."""
         super()._post_bw_hook(module, args)
