@@ -9,6 +9,7 @@ a model build followed by a stack trace.
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import re
 from collections.abc import Mapping
@@ -88,8 +89,11 @@ def check_mesh(trainer: Mapping[str, Any]) -> None:
     from lit_ablate.strategies.mesh import MESH_DIMS, MeshStrategy, resolve_mesh_sizes
 
     module, _, name = strategy["class_path"].rpartition(".")
-    if not issubclass(getattr(importlib.import_module(module), name), MeshStrategy):
+    cls = getattr(importlib.import_module(module), name)
+    if not issubclass(cls, MeshStrategy):
         return
+    if "pp" not in MESH_DIMS and "pp" in inspect.signature(cls).parameters:
+        return  # pipeline stages are outside the mesh dimensions: PipelineParallelStrategy.build_mesh checks them
     init_args = strategy.get("init_args") or {}
     resolve_mesh_sizes({dim: init_args[dim] for dim in MESH_DIMS if init_args.get(dim) is not None}, devices * nodes)
 

@@ -139,3 +139,12 @@ def test_a_rank_s_step_flops_are_its_stage_s_with_the_bubble():
     attention = 12 * lm.config.num_attention_heads * (lm.config.hidden_size // lm.config.num_attention_heads) * SEQ
     expected = (6 * stage_matmul + attention) / flops_per_token(counts, lm.config, SEQ) * (MICROBATCHES + 1) / MICROBATCHES
     assert pipeline_time_share(counts, shape, training, SEQ, lm.config) == pytest.approx(expected, rel=1e-9)
+
+
+def test_fit_preflight_leaves_the_stages_to_the_strategy():
+    """``lit-ablate fit``'s mesh check counted only the mesh dimensions (all 1 here) against 2 devices and
+    refused every pipeline run before it started (seen failing: "the mesh sizes multiply to 1")."""
+    from lit_ablate.preflight import check_mesh
+
+    check_mesh({"devices": 2, "strategy": {"class_path": "lit_ablate.strategies.PipelineParallelStrategy",
+                                          "init_args": {"pp": -1, "dp_shard": 1, "tp": 1}}})
