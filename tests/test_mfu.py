@@ -82,6 +82,17 @@ def test_the_ceiling_is_measured_once_per_device_dtype_and_threads_then_read_fro
     assert len(measurements) == 5
 
 
+def test_a_remeasured_ceiling_replaces_the_cached_one_only_when_higher(measurements, monkeypatch):
+    """Catches a sweep on a busy machine overwriting a good ceiling (which inflates every later
+    run's mfu_measured: the packing study read 148 % against a 22 GFLOP/s ceiling measured at load 15)."""
+    first = matmul_ceiling.measured_ceiling("cpu", torch.float32)
+    for busy_or_quiet, kept in ((FAKE_TFLOPS / 4, FAKE_TFLOPS), (FAKE_TFLOPS * 2, FAKE_TFLOPS * 2)):
+        monkeypatch.setattr(matmul_ceiling, "measure_matmul_ceiling", lambda *a, r=busy_or_quiet: (r, (8, 8, 8)))
+        assert matmul_ceiling.measured_ceiling("cpu", torch.float32, remeasure=True).tflops == kept
+        assert matmul_ceiling.measured_ceiling("cpu", torch.float32).tflops == kept  # and that is what stays cached
+    assert first.tflops == FAKE_TFLOPS
+
+
 def test_mfu_measured_divides_the_same_flops_by_the_measured_ceiling_and_mfu_by_the_spec_peak(peaked_run):
     """Each figure is flops / (step time x its own denominator): catches ``mfu_measured`` divided
     by the spec peak (or ``mfu`` by the ceiling), which the ratio of the two would expose as 1."""
