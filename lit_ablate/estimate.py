@@ -461,13 +461,17 @@ def estimate_memory(counts: ParameterCounts, shape: ModelShape, training: Traini
     stored = full / counts.total  # bytes per parameter: quantised base weights pack tighter
     trained = counts.trainable * training.param_bytes  # a frozen base has no gradients or optimizer states
     root = max(0, counts.total - shape.layers * shape.layer_params)
+    gathered_layer = shape.layer_params
+    if sharding.expert_parallel > 1:  # a layer gathers only this rank's experts, over their own FSDP ranks
+        layer_experts = counts.experts / shape.layers
+        gathered_layer -= layer_experts * (1 if sharding.expert_shards == 1 else 1 - 1 / sharding.expert_parallel)
     transient = 0
     if sharding.gathered is not None:  # every layer's gathered parameters, kept from forward to backward
         transient += -(-full // sharding.gathered)
     elif sharding.params > 1:
-        transient += int((2 * shape.layer_params + root) * stored)
+        transient += int((2 * gathered_layer + root) * stored)
     if sharding.grads > 1:
-        transient += int(2 * max(shape.layer_params, root) * training.param_bytes * counts.trainable / counts.total)
+        transient += int(2 * max(gathered_layer, root) * training.param_bytes * counts.trainable / counts.total)
     elif world_size > 1 and not training.gradient_as_bucket_view:
         transient += trained
     return MemoryEstimate(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch
@@ -18,7 +19,8 @@ from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.models.moe import OPTIONS_KEY, MoEBlock, moe_blocks
 from lit_ablate.models.moe_dispatch import DISPATCH_MODES
 from lit_ablate.strategies.fsdp2 import FSDP2Strategy
-from lit_ablate.strategies.mesh import STRATEGY_KEY
+from lit_ablate.strategies.mesh import STRATEGY_KEY, resolve_mesh_sizes
+from lit_ablate.strategies.state_sharding import StateSharding
 
 DispatchMode = Literal["all_to_all", "all_reduce"]
 
@@ -51,6 +53,14 @@ class ExpertParallelStrategy(FSDP2Strategy):
             raise ConfigError(f"{STRATEGY_KEY}.dispatch", dispatch, f"choose one of {sorted(DISPATCH_MODES)}")
         super().__init__(ep=ep, dp_shard=dp_shard, **kwargs)
         self.dispatch = dispatch
+
+    def state_sharding(self, world_size: int) -> StateSharding:
+        """FSDP2's division of the training state (the experts over ``ep x dp_shard x cp`` ranks hold
+        the same share as the dense parameters over those ranks), but a layer gathers only this
+        rank's experts, over ``dp_shard x cp``."""
+        sizes = resolve_mesh_sizes(self.requested_mesh_sizes, world_size)
+        return replace(super().state_sharding(world_size), expert_parallel=sizes["ep"],
+                       expert_shards=sizes["dp_shard"] * sizes["cp"])
 
     def build_mesh(self, device_type: str, world_size: int) -> DeviceMesh:
         ep = self.requested_mesh_sizes["ep"]

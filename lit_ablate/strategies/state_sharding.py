@@ -30,6 +30,12 @@ class StateSharding:
     mode): the divisor of that gathered copy (1, or the tensor-parallel size), which exists beside
     the stored shards and is a transient at the step's peak (the tensor tracker sees it so). None:
     gathered layer by layer and freed after use."""
+    expert_parallel: int = 1
+    """Ranks the routed experts are split over (``ep``): each holds and computes only its experts."""
+    expert_shards: int | None = None
+    """Under expert parallelism, the ranks FSDP shards each rank's experts over (``dp_shard x cp``):
+    a layer gathers only its own experts' shards, and nothing at all for them when this is 1. None:
+    the experts are sharded and gathered like the dense parameters."""
 
 
 REPLICATED = StateSharding()
