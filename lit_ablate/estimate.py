@@ -475,9 +475,9 @@ def estimate_memory(counts: ParameterCounts, shape: ModelShape, training: Traini
     elif world_size > 1 and not training.gradient_as_bucket_view:
         transient += trained
     return MemoryEstimate(
-        params=-(-full // sharding.params),
-        grads=-(-trained // sharding.grads),
-        optimizer=int(optimizer_bytes(counts, training) / sharding.optimizer),
+        params=-(-full // _state_divisor(sharding.params, sharding, counts)),
+        grads=-(-trained // _state_divisor(sharding.grads, sharding, counts)),
+        optimizer=int(optimizer_bytes(counts, training) / _state_divisor(sharding.optimizer, sharding, counts)),
         activations=activation_bytes(shape, training) + context_parallel_bytes(shape, training)[0],
         transient=transient + context_parallel_bytes(shape, training)[1],
         reference=reference_bytes(shape, training, full, sharding.params),
@@ -574,6 +574,16 @@ def pipeline_time_share(counts: ParameterCounts, shape: ModelShape, training: Tr
               + n * attention for i, n in enumerate(layers)]  # fmt: skip
     m, pp = training.microbatches, len(layers)
     return max(stages) / whole * (m + pp - 1) / m
+
+
+def _state_divisor(divisor: int, sharding: StateSharding, counts: ParameterCounts) -> float:
+    """``divisor`` for the dense state; under expert parallelism the routed experts' share is divided
+    over ``ep x expert_shards`` ranks instead, which differs when tensor parallelism (which does not
+    split the experts) is part of ``divisor``."""
+    if sharding.expert_parallel == 1 or not counts.experts:
+        return divisor
+    experts = counts.experts / counts.total
+    return 1 / ((1 - experts) / divisor + experts / (sharding.expert_parallel * sharding.expert_shards))
 
 
 def reference_bytes(shape: ModelShape, training: TrainingShape, param_bytes: int, shards: int) -> int:
@@ -988,7 +998,10 @@ def _estimate_table(summary: dict[str, Any]) -> str:
         f"Run: micro-batch {training['micro_batch']} x {training['seq_len']} tokens per rank, "
         f"parameters {training['param_bytes']} B, activations {training['activation_bytes']} B, "
         f"optimizer {training['optimizer']}, checkpointing {training['checkpointing']}, "
-        f"loss {training['loss']}, attention {training['attention']}.",
+        f"loss {training['loss']}, attention {training['attention']}."
+        + (f" Pipeline: {training['pipeline_parallel']} stages, {training['pipeline_schedule']}, "
+           f"{training['microbatches']} micro-batches per step; the configured row is the largest stage's."
+           if training["pipeline_parallel"] > 1 else ""),
         "",
         f"Per rank at {summary['world_size']} rank(s), {unit}; last column: smallest number of "
         f"{summary['gpu_memory_gib']:g} GiB GPUs that fit ({summary['usable_fraction']:.0%} usable, HSDP shards "
