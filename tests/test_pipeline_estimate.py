@@ -42,6 +42,7 @@ ROWS, MICROBATCHES, SEQ = 8, 4, 32
 VOCAB = 4096
 """Large enough that the last stage's LM head and logits outweigh a decoder layer: a split with the
 ends on the wrong stage, or every stage counted as the whole model, is far off."""
+CEILING_TFLOPS = 1.0
 MODEL = {"preset": "tiny-llama", "config": {"vocab_size": VOCAB}}  # 4 decoder layers
 PP_RUNS = {  # name: strategy options; the balanced split is [2] (the LM head weighs as much as the embeddings)
     "gpipe": {"schedule": "gpipe", "microbatches": MICROBATCHES},
@@ -54,7 +55,7 @@ def _pp_runs(rank: int, world_size: int, root: str) -> None:
     import lightning as L
     from torch.utils.data import DataLoader
 
-    from lit_ablate.callbacks import MemoryMonitor, RunRecorder
+    from lit_ablate.callbacks import MemoryMonitor, MFUMonitor, RunRecorder, ThroughputMonitor
     from lit_ablate.modules import CausalLM
     from lit_ablate.strategies.pipeline_parallel import PipelineParallelStrategy
     from tests.test_callbacks import _batches
@@ -65,7 +66,8 @@ def _pp_runs(rank: int, world_size: int, root: str) -> None:
                             strategy=PipelineParallelStrategy(pp=world_size, **options),
                             use_distributed_sampler=False, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False,
-                            callbacks=[MemoryMonitor(), RunRecorder(path=f"{root}/{name}.json", warmup_steps=3)])
+                            callbacks=[MemoryMonitor(), ThroughputMonitor(), MFUMonitor(ceiling_tflops=CEILING_TFLOPS),
+                                       RunRecorder(path=f"{root}/{name}.json", warmup_steps=3)])
         trainer.fit(CausalLM(ModelFactory(**MODEL), warmup_steps=0),
                     DataLoader(_batches(3, ROWS, masked_prefix=[0]), batch_size=None))
 
@@ -74,7 +76,7 @@ def _pp_runs(rank: int, world_size: int, root: str) -> None:
 def measured(tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("pp_measured")
     run_ranks(_pp_runs, 2, str(root), init_process_group=False, timeout_s=600)
-    return {name: json.loads((root / f"{name}.json").read_text())["summary"]["tensor_breakdown"] for name in PP_RUNS}
+    return {name: json.loads((root / f"{name}.json").read_text()) for name in PP_RUNS}
 
 
 def counts_and_shape():
@@ -98,15 +100,29 @@ def test_the_largest_stage_is_within_its_factors_of_the_measured_rank(measured, 
     training = pp_training(PP_RUNS[run])
     stages = pipeline_stage_estimates(counts, shape, training, REPLICATED)
     largest = max(range(len(stages)), key=lambda i: stages[i].total)
-    assert largest == measured[run]["rank"], (largest, measured[run]["rank"])
+    breakdown = measured[run]["summary"]["tensor_breakdown"]
+    assert largest == breakdown["rank"], (largest, breakdown["rank"])
     assert estimate_memory(counts, shape, training, REPLICATED, world_size=2) == stages[largest]
-    comparison = compare_with_measured(stages[largest], measured[run])
+    comparison = compare_with_measured(stages[largest], breakdown)
     assert set(comparison) == set(AGREEMENT_FACTORS)
     disagreeing = {c: round(r["ratio"], 3) if r["ratio"] else r for c, r in comparison.items() if not r["agrees"]}
     assert not disagreeing, disagreeing
     # the receive buffers, small beside this peak, by the transient factor alone
-    transient = stages[largest].transient / measured[run]["max"]["transient"]
+    transient = stages[largest].transient / breakdown["max"]["transient"]
     assert 1 / AGREEMENT_FACTORS["transient"] <= transient <= AGREEMENT_FACTORS["transient"], transient
+
+
+@pytest.mark.slow
+def test_mfu_counts_the_model_once_over_the_stages(measured):
+    """Every stage reads the whole batch: ``MFUMonitor`` divides the model's FLOPs by ``pp``
+    (``batch_replicas``), so each rank's MFU is the job's (model FLOPs over pp devices' time), not
+    the whole model claimed by every stage (seen failing, 2.0x, with ``batch_replicas`` patched to 1)."""
+    _, _, lm = counts_and_shape()
+    step_flops = flops_per_token(count_parameters(lm, lm.config), lm.config, SEQ) * ROWS * SEQ
+    for record in measured.values():
+        for step in record["steps"][1:]:
+            achieved = step["mfu_measured"] * CEILING_TFLOPS * 1e12 * step["step_time_s"]
+            assert achieved == pytest.approx(step_flops / 2, rel=1e-6)
 
 
 def test_a_fit_config_gives_the_strategy_s_stages():
