@@ -26,8 +26,10 @@ from lit_ablate.estimate import (
     TrainingShape,
     compare_with_measured,
     count_parameters,
+    estimate_for_config,
     estimate_memory,
     flops_per_token,
+    model_of,
     model_shape,
     pipeline_stage_estimates,
     pipeline_time_share,
@@ -136,6 +138,10 @@ def test_a_fit_config_gives_the_strategy_s_stages():
     training = training_shape_of(config)
     assert (training.pipeline_parallel, training.pipeline_schedule, training.microbatches, training.split_points) == (
         2, "gpipe", 4, (1,))  # pp: -1 resolved to the 2 devices
+    # what `lit-ablate estimate` and the reports show: the largest stage, not the whole model with DDP's buckets
+    config_counts, config_shape = model_of(config)
+    assert estimate_for_config(config) == max(pipeline_stage_estimates(config_counts, config_shape, training, REPLICATED),
+                                              key=lambda e: e.total)
     counts, shape, _ = counts_and_shape()
     whole = estimate_memory(counts, shape, TrainingShape(micro_batch=ROWS, seq_len=SEQ), REPLICATED, 1)
     stages = pipeline_stage_estimates(counts, shape, pp_training(PP_RUNS["gpipe"]), REPLICATED)
