@@ -475,8 +475,8 @@ def estimate_memory(counts: ParameterCounts, shape: ModelShape, training: Traini
     elif world_size > 1 and not training.gradient_as_bucket_view:
         transient += trained
     return MemoryEstimate(
-        params=-(-full // _state_divisor(sharding.params, sharding, counts)),
-        grads=-(-trained // _state_divisor(sharding.grads, sharding, counts)),
+        params=int(-(-full // _state_divisor(sharding.params, sharding, counts))),
+        grads=int(-(-trained // _state_divisor(sharding.grads, sharding, counts))),
         optimizer=int(optimizer_bytes(counts, training) / _state_divisor(sharding.optimizer, sharding, counts)),
         activations=activation_bytes(shape, training) + context_parallel_bytes(shape, training)[0],
         transient=transient + context_parallel_bytes(shape, training)[1],

@@ -9,6 +9,7 @@ from lit_ablate.strategies.context_parallel import ContextParallelStrategy
 from lit_ablate.strategies.ddp import DDPStrategy
 from lit_ablate.strategies.expert_context_parallel import ExpertContextParallelStrategy
 from lit_ablate.strategies.expert_parallel import ExpertParallelStrategy
+from lit_ablate.strategies.expert_tensor_parallel import ExpertTensorParallelStrategy
 from lit_ablate.strategies.fsdp1 import FSDP1Strategy
 from lit_ablate.strategies.fsdp2 import FSDP2Strategy
 from lit_ablate.strategies.hsdp import HSDPStrategy
@@ -23,6 +24,7 @@ __all__ = [
     "DDPStrategy",
     "ExpertContextParallelStrategy",
     "ExpertParallelStrategy",
+    "ExpertTensorParallelStrategy",
     "FSDP1Strategy",
     "FSDP2Strategy",
     "HSDPStrategy",
