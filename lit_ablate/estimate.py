@@ -577,10 +577,10 @@ def pipeline_time_share(counts: ParameterCounts, shape: ModelShape, training: Tr
 
 
 def _state_divisor(divisor: int, sharding: StateSharding, counts: ParameterCounts) -> float:
-    """``divisor`` for the dense state; under expert parallelism the routed experts' share is divided
-    over ``ep x expert_shards`` ranks instead, which differs when tensor parallelism (which does not
-    split the experts) is part of ``divisor``."""
-    if sharding.expert_parallel == 1 or not counts.experts:
+    """``divisor`` for the dense state; the routed experts' share over ``expert_parallel x
+    expert_shards`` ranks when the strategy divides them otherwise (tensor parallelism keeps them
+    whole, expert parallelism splits them over ``ep``)."""
+    if sharding.expert_shards is None or not counts.experts:
         return divisor
     experts = counts.experts / counts.total
     return 1 / ((1 - experts) / divisor + experts / (sharding.expert_parallel * sharding.expert_shards))

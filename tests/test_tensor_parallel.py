@@ -227,8 +227,8 @@ def lightning_strategy(strategy_kwargs: dict) -> TensorParallelStrategy:
     return TensorParallelStrategy(tp=2, sequence_parallel=True, **strategy_kwargs)
 
 
-def _lightning_tp(rank: int, world_size: int, root: str, strategy_kwargs: dict) -> dict:
-    seen = fit(lightning_strategy(strategy_kwargs), world_size, Path(root), moe="ep" in strategy_kwargs)
+def _lightning_tp(rank: int, world_size: int, root: str, strategy_kwargs: dict, moe: bool) -> dict:
+    seen = fit(lightning_strategy(strategy_kwargs), world_size, Path(root), moe=moe)
     return {"losses": seen.losses, "batches": seen.batches, "norms": seen.norms, "weights": seen.weights if rank == 0 else {},
             "local_param_bytes": seen.local_param_bytes}
 
@@ -239,11 +239,13 @@ LIGHTNING_RUNS = {
     "tp2_x_cp2": {"cp": 2},
     "tp2_x_dp_replicate2": {"dp_replicate": 2},
     "tp2_checkpointed_compiled": {"activation_checkpointing": "full", "compile_layers": True},
+    "tp2_moe": {},
     "tp2_x_ep2_moe": {"ep": 2},
 }
 """Strategy arguments beside ``tp=2`` (``TensorParallelStrategy`` with sequence parallelism; with
 ``cp`` ``TensorContextParallelStrategy``; with ``ep`` ``ExpertTensorParallelStrategy`` with sequence
-parallelism on tiny Qwen3-MoE); the world size is 2 x dp_replicate x dp_shard x ep x cp."""
+parallelism); the world size is 2 x dp_replicate x dp_shard x ep x cp. Runs named ``*_moe`` train
+tiny Qwen3-MoE, the others tiny Qwen3."""
 
 
 @pytest.mark.parametrize("name", list(LIGHTNING_RUNS))
@@ -261,26 +263,32 @@ def test_lightning_fit_with_tp2_equals_one_device(tmp_path, name):
     the embedding's gradient was zero and tp2_checkpointed_compiled failed (pre-clip norms 9.5 % low).
     TP x EP (the ep ranks read different halves of the batch; tokens reach their experts among the
     ranks of one tp index) was seen failing with the ep ranks left out of StepObjective's W (pre-clip
-    norms halved from step 1; the losses stay equal, since Adam does not see a constant gradient scale). Each rank also holds the parameter bytes the memory estimate divides the
-    model into (experts over ep only, since tp does not split them)."""
-    kwargs = LIGHTNING_RUNS[name]
+    norms halved from step 1; the losses stay equal: Adam does not see a constant gradient scale).
+    Each rank also holds the parameter bytes the memory estimate divides the model into: seen
+    failing for both MoE runs with the experts divided by tp, which keeps them whole."""
+    kwargs, moe = LIGHTNING_RUNS[name], name.endswith("_moe")
     data_parallel = kwargs.get("dp_replicate", 1) * kwargs.get("dp_shard", 1) * kwargs.get("ep", 1)
-    reference = fit("auto", 1, tmp_path / "one", batch_size=2 * data_parallel, moe="ep" in kwargs)
+    reference = fit("auto", 1, tmp_path / "one", batch_size=2 * data_parallel, moe=moe)
     world_size = 2 * data_parallel * kwargs.get("cp", 1)
-    ranks = run_ranks(_lightning_tp, world_size, str(tmp_path / "tp"), kwargs, init_process_group=False, timeout_s=300)
+    ranks = run_ranks(_lightning_tp, world_size, str(tmp_path / "tp"), kwargs, moe, init_process_group=False,
+                      timeout_s=300)
     assert min(reference.norms) > CLIP, "clipping never scaled the gradients"
+    # Experts see few tokens each: Adam's first update turns the reduction-order noise of their
+    # near-zero gradients into whole steps of single weights (up to 5.5e-4 apart after 3 steps), so
+    # MoE runs hold the first step's norm as tightly and the later steps, losses and weights within
+    # the step-objective test's bounds (measured: losses 1.9e-5, norms 6.9e-5 relative).
+    later_rtol, loss_atol = (2e-4, 5e-5) if moe else (1e-5, LOSS_ATOL)
+    atol, mean_atol = (WEIGHT_MAX_ATOL, WEIGHT_MEAN_ATOL) if moe else (PARAM_ATOL, PARAM_ATOL)
     for run in ranks:
         assert run["batches"] == reference.batches
-        torch.testing.assert_close(torch.tensor(run["norms"]), torch.tensor(reference.norms), rtol=1e-5, atol=0)
-        torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(reference.losses), rtol=0, atol=LOSS_ATOL)
+        assert run["norms"][0] == pytest.approx(reference.norms[0], rel=1e-5)
+        torch.testing.assert_close(torch.tensor(run["norms"]), torch.tensor(reference.norms), rtol=later_rtol, atol=0)
+        torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(reference.losses), rtol=0, atol=loss_atol)
     assert sorted(ranks[0]["weights"]) == sorted(reference.weights)
-    # Experts see few tokens each: Adam turns their near-zero gradients' reduction-order noise into
-    # single weights up to 5.5e-4 apart (the step-objective test's per-element bound, with its mean).
-    atol, mean_atol = (WEIGHT_MAX_ATOL, WEIGHT_MEAN_ATOL) if "ep" in kwargs else (PARAM_ATOL, PARAM_ATOL)
     for name, weight in reference.weights.items():
         difference = (ranks[0]["weights"][name] - weight).abs()
         assert difference.max() <= atol and difference.mean() <= mean_atol, (name, difference.max(), difference.mean())
-    lm = lightning_model("ep" in kwargs).build()
+    lm = lightning_model(moe).build()
     estimate = estimate_memory(count_parameters(lm, lm.config), model_shape(lm.config), TrainingShape(micro_batch=2, seq_len=32),
                                state_sharding_of(lightning_strategy(kwargs), world_size), world_size)
     assert max(run["local_param_bytes"] for run in ranks) == pytest.approx(estimate.params, rel=0.02)

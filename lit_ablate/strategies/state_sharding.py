@@ -33,9 +33,11 @@ class StateSharding:
     expert_parallel: int = 1
     """Ranks the routed experts are split over (``ep``): each holds and computes only its experts."""
     expert_shards: int | None = None
-    """Under expert parallelism, the ranks FSDP shards each rank's experts over (``dp_shard x cp``):
-    a layer gathers only its own experts' shards, and nothing at all for them when this is 1. None:
-    the experts are sharded and gathered like the dense parameters."""
+    """The ranks FSDP shards each rank's routed experts over (``dp_shard x cp``) when that differs
+    from the dense parameters' division: under tensor parallelism (which keeps experts whole) and
+    under expert parallelism, where a layer also gathers only its own experts' shards (nothing at
+    all for them when this is 1). The experts' state is divided by ``expert_parallel x
+    expert_shards``. None: the experts are divided and gathered like the dense parameters."""
 
 
 REPLICATED = StateSharding()

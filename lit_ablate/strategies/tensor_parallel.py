@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -21,7 +21,8 @@ from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_laye
 from lit_ablate.models.losses import LOSS_KEY, OPTIONS_KEY, TorchCrossEntropy
 from lit_ablate.strategies.expert_parallel import clip_grad_norm_across_meshes
 from lit_ablate.strategies.fsdp2 import FSDP2Strategy
-from lit_ablate.strategies.mesh import STRATEGY_KEY
+from lit_ablate.strategies.mesh import STRATEGY_KEY, resolve_mesh_sizes
+from lit_ablate.strategies.state_sharding import StateSharding
 from lit_ablate.strategies.tensor_parallel_plans import Plan, layer_plan_for, root_plan
 
 
@@ -79,6 +80,13 @@ class TensorParallelStrategy(FSDP2Strategy):
         super().apply_compile(model)
         if self.compile_layers and self.mesh_sizes["tp"] > 1:
             model.lm.get_input_embeddings().register_forward_hook(_waited_collective)
+
+    def state_sharding(self, world_size: int) -> StateSharding:
+        """FSDP2's division over ``dp_shard x ep x cp x tp``, except for routed experts: the plan keeps
+        MoE blocks whole, so ``tp`` does not divide them."""
+        sharding = super().state_sharding(world_size)
+        tp = resolve_mesh_sizes(self.requested_mesh_sizes, world_size)["tp"]
+        return replace(sharding, expert_shards=sharding.params // (tp * sharding.expert_parallel))
 
     def layer_plan(self, model: CausalLMWithLoss, layer: nn.Module) -> Plan:
         """One decoder layer's plan: the model family's (``tensor_parallel_plans.LAYER_PLANS``)."""
