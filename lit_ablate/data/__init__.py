@@ -7,6 +7,7 @@ from lit_ablate.data.arithmetic_preference import ArithmeticPreference
 from lit_ablate.data.collate import Collator, PaddingCollator
 from lit_ablate.data.datamodule import ExampleDataset, LMDataModule
 from lit_ablate.data.formats import Example, build_examples, example_from_tokens
+from lit_ablate.data.mds_source import MDSShards
 from lit_ablate.data.packing import PackedSampler, PackingCollator, pack, pack_ffd, pack_greedy
 from lit_ablate.data.preference_collate import PreferencePackingCollator, PreferencePaddingCollator
 from lit_ablate.data.sampler import ShardedSampler
@@ -25,6 +26,7 @@ __all__ = [
     "HubDataset",
     "LMDataModule",
     "LocalFiles",
+    "MDSShards",
     "PackedSampler",
     "PackingCollator",
     "PaddingCollator",

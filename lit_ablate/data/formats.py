@@ -38,6 +38,9 @@ from lit_ablate.models.losses import IGNORE_INDEX
 log = logging.getLogger(__name__)
 
 SOURCE_ROWS_KEY = "data.init_args.source"
+TOKENS_FIELD = "input_ids"
+"""A row's pre-tokenised ids (``MDSShards`` with ``tokens_field``): ``pretrain`` and ``documents`` use
+them as stored instead of tokenising ``text``."""
 """Where bad rows come from, as the config names it (row numbers count from 1 in the source's order)."""
 Format = Literal["pretrain", "documents", "sft"]
 BOS_FIRST_FORMATS: tuple[str, ...] = ("documents", "sft", "preference")
@@ -117,8 +120,16 @@ def pretrain_stream(rows: Iterable[Row], tokenizer: Tokenizer) -> list[int]:
     """The ``pretrain`` token stream: every document's tokens followed by ``eos``."""
     stream: list[int] = []
     for row in rows:
-        stream += tokenizer.encode(_text(row)) + [tokenizer.eos_id]
+        stream += document_ids(row, tokenizer)
     return stream
+
+
+def document_ids(row: Row, tokenizer: Tokenizer) -> list[int]:
+    """A pretraining row's tokens: its ``text`` encoded and followed by ``eos``, or its pre-tokenised
+    ``input_ids`` as stored (packs written by a tokenising pipeline already hold their separators)."""
+    if TOKENS_FIELD in row:
+        return list(row[TOKENS_FIELD])
+    return tokenizer.encode(_text(row)) + [tokenizer.eos_id]
 
 
 def check_stream_length(tokens: int, seq_len: int) -> None:
@@ -138,7 +149,7 @@ def _pretrain_windows(rows: Iterable[Row], tokenizer: Tokenizer, seq_len: int) -
 def _document_tokens(rows: Iterable[Row], tokenizer: Tokenizer) -> Iterable[tuple[list[int], list[bool]]]:
     bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
     for row in rows:
-        ids = bos + tokenizer.encode(_text(row)) + [tokenizer.eos_id]
+        ids = list(row[TOKENS_FIELD]) if TOKENS_FIELD in row else bos + tokenizer.encode(_text(row)) + [tokenizer.eos_id]
         yield ids, [True] * len(ids)
 
 

@@ -31,7 +31,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from lit_ablate.data.formats import Example, Format, Overlong, iter_examples
+from lit_ablate.data.formats import Example, Format, Overlong, document_ids, iter_examples
 from lit_ablate.data.sources import DataSource, Row
 from lit_ablate.data.tokenizers import Tokenizer
 from lit_ablate.errors import ConfigError
@@ -101,10 +101,7 @@ class StreamingExamples(IterableDataset):
         """``seq_len`` windows of this slot's own token stream, labels the next token (as ``pretrain``)."""
         stream: list[int] = []
         for _, row in self._rows(slot, slots):
-            text = row.get("text")
-            if not isinstance(text, str):
-                raise ConfigError("data.init_args.format", "pretrain", f"pretraining rows need a 'text' field; got {sorted(row)}")
-            stream += self.tokenizer.encode(text) + [self.tokenizer.eos_id]
+            stream += document_ids(row, self.tokenizer)
             while len(stream) >= self.seq_len + 1:
                 window = torch.tensor(stream[: self.seq_len + 1], dtype=torch.long)
                 yield {"input_ids": window[:-1], "labels": window[1:]}
