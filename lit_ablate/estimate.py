@@ -262,6 +262,11 @@ class TrainingShape:
             Liger always does), so they are held until the backward.
         attention: the attention backend; ``eager`` saves the ``[heads, seq]`` scores per token.
         gradient_as_bucket_view: DDP without a second gradient copy in its buckets.
+        fp8_all_gather: FSDP2 all-gathers the decoder layers' linear weights in fp8
+            (``model.fp8.fsdp_all_gather``): the gathered layers take 1 byte per weight, and the
+            two layers being gathered hold a 1-byte cast of this rank's shard beside it.
+            fp8 otherwise changes no category here: torchao's ``Float8Linear`` saves its input and
+            weight for backward in their own precision, and its fp8 casts are short temporaries.
         context_parallel: ranks each sequence is split over (``ContextParallelStrategy``'s cp).
         context_parallel_impl: ``ring`` or ``allgather`` (what the exchange keeps in memory).
         tensor_parallel: ranks each matrix is split over (``TensorParallelStrategy``'s tp): the
@@ -289,6 +294,7 @@ class TrainingShape:
     loss_grad_in_forward: bool = True
     attention: str = "sdpa"
     gradient_as_bucket_view: bool = False
+    fp8_all_gather: bool = False
     context_parallel: int = 1
     context_parallel_impl: str = "ring"
     tensor_parallel: int = 1
@@ -469,13 +475,14 @@ def estimate_memory(counts: ParameterCounts, shape: ModelShape, training: Traini
     if sharding.gathered is not None:  # every layer's gathered parameters, kept from forward to backward
         transient += -(-full // sharding.gathered)
     elif sharding.params > 1:
-        transient += int((2 * gathered_layer + root) * stored)
+        layer_bytes = 1 if training.fp8_all_gather else stored
+        transient += int(2 * gathered_layer * layer_bytes + root * stored)
     if sharding.grads > 1:
         transient += int(2 * max(gathered_layer, root) * training.param_bytes * counts.trainable / counts.total)
     elif world_size > 1 and not training.gradient_as_bucket_view:
         transient += trained
     return MemoryEstimate(
-        params=int(-(-full // _state_divisor(sharding.params, sharding, counts))),
+        params=int(-(-full // _state_divisor(sharding.params, sharding, counts))) + _fp8_shard_cast(shape, training, sharding),
         grads=int(-(-trained // _state_divisor(sharding.grads, sharding, counts))),
         optimizer=int(optimizer_bytes(counts, training) / _state_divisor(sharding.optimizer, sharding, counts)),
         activations=activation_bytes(shape, training) + context_parallel_bytes(shape, training)[0],
@@ -574,6 +581,14 @@ def pipeline_time_share(counts: ParameterCounts, shape: ModelShape, training: Tr
               + n * attention for i, n in enumerate(layers)]  # fmt: skip
     m, pp = training.microbatches, len(layers)
     return max(stages) / whole * (m + pp - 1) / m
+
+
+def _fp8_shard_cast(shape: ModelShape, training: TrainingShape, sharding: StateSharding) -> int:
+    """Bytes of the 1-byte casts of this rank's shards that fp8 all-gather sends: two layers' at a
+    time (the gathered one and the prefetched one), which a tensor tracker files with the parameters."""
+    if not training.fp8_all_gather or sharding.params == 1:
+        return 0
+    return -(-2 * shape.layer_params // sharding.params)
 
 
 def _state_divisor(divisor: int, sharding: StateSharding, counts: ParameterCounts) -> float:
@@ -708,6 +723,7 @@ def training_shape_of(config: dict, optimizer: str | None = None, world_size: in
         loss_grad_in_forward=bool(get_dotted(config, "model.init_args.loss_options.grad_in_forward", True)),
         attention=str(get_dotted(config, "model.init_args.model.attn_implementation", "sdpa")),
         gradient_as_bucket_view=bool(strategy_args.get("gradient_as_bucket_view", False)),
+        fp8_all_gather=bool(get_dotted(config, "model.init_args.model.fp8.fsdp_all_gather", False)),
         **dict(zip(("context_parallel", "context_parallel_impl"), context_parallel_of(config, world_size))),
         **dict(zip(("tensor_parallel", "sequence_parallel"), tensor_parallel_of(config, world_size))),
         **pipeline_of(config, world_size),

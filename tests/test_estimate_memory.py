@@ -148,7 +148,11 @@ MEASURED_RUNS = [
     ("moe_fsdp2_selective", "tiny-qwen3-moe", {}, None, "FSDP2Strategy", {"activation_checkpointing": "selective"}),
     ("llama_fsdp2_no_reshard", "tiny-llama", {}, None, "FSDP2Strategy", {"reshard_after_forward": False}),
     ("moe_ep", "tiny-qwen3-moe", {}, None, "ExpertParallelStrategy", {"ep": 2}),  # lit-ablate's grouped experts
+    ("llama_fsdp2_fp8", "tiny-llama", {}, None, "FSDP2Strategy", {}),
+    ("llama_fsdp2_fp8_all_gather", "tiny-llama", {}, None, "FSDP2Strategy", {}),
 ]
+FP8_RUNS = {"llama_fsdp2_fp8": {"emulate": True}, "llama_fsdp2_fp8_all_gather": {"emulate": True, "fsdp_all_gather": True}}
+"""The runs whose linear layers compute in fp8 (tensorwise, emulated on CPU as a GPU run computes it)."""
 MICRO_BATCH, SEQ = 4, 32
 
 
@@ -158,6 +162,7 @@ def _measured_runs(rank: int, world_size: int, root: str) -> None:
 
     from lit_ablate import strategies
     from lit_ablate.callbacks import MemoryMonitor, RunRecorder
+    from lit_ablate.models.fp8 import Fp8Options
     from lit_ablate.models.moe import MoEOptions
     from lit_ablate.modules import CausalLM
     from tests.test_callbacks import _batches
@@ -165,7 +170,8 @@ def _measured_runs(rank: int, world_size: int, root: str) -> None:
     for name, preset, config, loss_options, strategy, options in MEASURED_RUNS:
         L.seed_everything(0)
         moe = MoEOptions(experts="grouped") if strategy == "ExpertParallelStrategy" else None
-        module = CausalLM(ModelFactory(preset=preset, config=config, moe=moe), loss="chunked" if loss_options else "torch",
+        fp8 = Fp8Options(**FP8_RUNS[name]) if name in FP8_RUNS else None
+        module = CausalLM(ModelFactory(preset=preset, config=config, moe=moe, fp8=fp8), loss="chunked" if loss_options else "torch",
                           loss_options=loss_options, warmup_steps=0)
         trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=world_size, strategy=getattr(strategies, strategy)(**options),
                             use_distributed_sampler=False, logger=False, enable_checkpointing=False,
@@ -196,7 +202,8 @@ def test_every_estimated_category_is_within_its_factor_of_the_measured_one(measu
     its forward-formed LM-head gradient (activations 0.63), FSDP2 without resharding counted as
     full parameters instead of stored shards plus a gathered transient copy (params 2.0), and expert
     parallelism counted as FSDP2 gathering every layer's experts (transient 2.80: each rank holds
-    its own experts, which nothing gathers at ep = world size)."""
+    its own experts, which nothing gathers at ep = world size), and fp8 all-gather counted as the
+    plain gather (params 0.90: the 1-byte casts of two layers' shards it sends)."""
     from lit_ablate import strategies
     from lit_ablate.estimate import AGREEMENT_FACTORS, compare_with_measured
     from lit_ablate.strategies.state_sharding import state_sharding_of
@@ -205,7 +212,8 @@ def test_every_estimated_category_is_within_its_factor_of_the_measured_one(measu
     model = build(preset, **config)
     training = TrainingShape(micro_batch=MICRO_BATCH, seq_len=SEQ, loss="chunked" if loss_options else "torch",
                              chunk_tokens=(loss_options or {}).get("chunk_tokens", 1024),
-                             checkpointing=options.get("activation_checkpointing", "none"))
+                             checkpointing=options.get("activation_checkpointing", "none"),
+                             fp8_all_gather=FP8_RUNS.get(name, {}).get("fsdp_all_gather", False))
     sharding = state_sharding_of(getattr(strategies, strategy)(**options), 2)
     estimate = estimate_memory(count_parameters(model.lm, model.lm.config), model_shape(model.lm.config), training,
                                sharding, world_size=2)
