@@ -102,6 +102,8 @@ SUMMARISED_SERIES: dict[str, str] = {
     "data_wait_s": "data_wait_s",
     "mfu": "mfu",
     "mfu_measured": "mfu_measured",
+    "pipeline_idle_share": "pipeline_idle_share",  # PipelineBubbleMonitor (pipeline-parallel runs)
+    "pipeline_bubble_theory": "pipeline_bubble_theory",
 }
 
 # Evaluations of the model (not of a step's speed): the summary keeps the value after the last

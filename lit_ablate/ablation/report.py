@@ -30,6 +30,9 @@ TRAINABLE_LEGEND = (" Trainable params: the parameters the optimizer updates (an
                     "base is not counted), from the run record's model counts.")
 PREFERENCE_LEGEND = (" Reward accuracy / margin (DPO, `PreferenceMonitor`): the share of the last step's pairs whose "
                      "chosen response earns the higher implicit reward, and their mean reward margin, median over seeds.")
+PIPELINE_LEGEND = (" Pipeline idle: the share of the schedule's wall time the stages spent not computing their own "
+                   "chunks (`PipelineBubbleMonitor`, mean over stages, median [min–max] over steps), and in brackets "
+                   "the schedule's own bubble with equal stages and free communication, (pp - 1) / (m + pp - 1).")
 
 
 def load_runs(directory: Path) -> tuple[dict[str, Any] | None, list[tuple[str, dict[str, Any]]]]:
@@ -90,6 +93,8 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
     header += ["exact match"] if accuracy else []
     preference = any(v.get("reward_accuracy") for v in variants)  # DPO runs
     header += ["reward accuracy", "reward margin"] if preference else []
+    pipeline = any(v.get("pipeline_idle_share") for v in variants)  # pipeline-parallel runs
+    header += ["pipeline idle (schedule's)"] if pipeline else []
     header += [f"loss = {_reference_word(agreement)}"] if agreement else []
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for v in variants:
@@ -119,10 +124,13 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
         if preference:
             row += [_spread(v.get("reward_accuracy"), lambda x: f"{100 * x:.1f}%"),
                     _spread(v.get("reward_margin"), lambda x: f"{x:.3g}")]
+        if pipeline:
+            row.append(_pipeline_cell(v))
         if agreement:
             row.append(_agreement_cell(v, study["baseline"]))
         lines.append("| " + " | ".join(row) + " |")
-    lines += ["", _legend(agreement) + (TRAINABLE_LEGEND if adapters else "") + (ACCURACY_LEGEND if accuracy else "") + (PREFERENCE_LEGEND if preference else ""),
+    lines += ["", _legend(agreement) + (TRAINABLE_LEGEND if adapters else "") + (ACCURACY_LEGEND if accuracy else "") + (PREFERENCE_LEGEND if preference else "")
+              + (PIPELINE_LEGEND if pipeline else ""),
               ""]
     lines += [f"![{Path(name).stem}]({name})" for name in summary.get("plots", [])]
     lines += loss_divergence_section(summary)
@@ -136,6 +144,15 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
             if tail and run["status"] != "skipped":
                 lines += ["", "  ```text", *(f"  {line}" for line in tail), "  ```"]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _pipeline_cell(variant: Mapping[str, Any]) -> str:
+    """The measured idle share of the pipeline's steps, with the schedule's own bubble beside it."""
+    if not variant.get("pipeline_idle_share"):
+        return "—"
+    theory = variant.get("pipeline_bubble_theory")
+    own = f" ({100 * theory['median']:.0f}%)" if theory else ""
+    return _spread(variant["pipeline_idle_share"], lambda x: f"{100 * x:.0f}%") + own
 
 
 def _environment_line(summary: Mapping[str, Any]) -> str:

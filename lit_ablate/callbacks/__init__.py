@@ -4,9 +4,10 @@ from lit_ablate.callbacks.exact_match import ExactMatchEvaluator
 from lit_ablate.callbacks.expert_load import ExpertLoadMonitor
 from lit_ablate.callbacks.memory import MemoryMonitor
 from lit_ablate.callbacks.mfu import MFUMonitor
+from lit_ablate.callbacks.pipeline_bubble import PipelineBubbleMonitor
 from lit_ablate.callbacks.preference_metrics import PreferenceMonitor
 from lit_ablate.callbacks.run_recorder import RunRecorder
 from lit_ablate.callbacks.step_monitor import StepMonitor
 from lit_ablate.callbacks.throughput import ThroughputMonitor
 
-__all__ = ["ExactMatchEvaluator", "ExpertLoadMonitor", "MemoryMonitor", "MFUMonitor", "PreferenceMonitor", "RunRecorder", "StepMonitor", "ThroughputMonitor"]
+__all__ = ["ExactMatchEvaluator", "ExpertLoadMonitor", "MemoryMonitor", "MFUMonitor", "PipelineBubbleMonitor", "PreferenceMonitor", "RunRecorder", "StepMonitor", "ThroughputMonitor"]

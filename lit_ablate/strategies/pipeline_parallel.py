@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,6 +28,7 @@ from lightning.pytorch import Trainer
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lit_ablate.callbacks.pipeline_bubble import PipelineBubbleMonitor
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
 from lit_ablate.models.losses import IGNORE_INDEX
@@ -99,6 +101,9 @@ class PipelineParallelStrategy(MeshStrategy):
         self._pipelined: CausalLMWithLoss | None = None
         self._loss_scale = 1.0
         self._pending_gradients: list[tuple[nn.Parameter, Tensor]] = []
+        self._compute_timer: ChunkTimer | None = None
+        self.schedule_timing: tuple[float, float] | None = None
+        """``(schedule seconds, this stage's compute seconds)`` of the last step (``PipelineBubbleMonitor``)."""
 
     # ---------------------------------------------------------------- the mesh
     def build_mesh(self, device_type: str, world_size: int) -> DeviceMesh:
@@ -131,6 +136,12 @@ class PipelineParallelStrategy(MeshStrategy):
         """No rank averages gradients with another: each parameter lives on one stage."""
         return None, 1
 
+    @property
+    def schedule_bubble(self) -> float:
+        """The schedule's idle share with equal stages and free communication: gpipe and 1f1b both
+        leave each stage idle for ``pp - 1`` of the ``m + pp - 1`` micro-batch slots of a step."""
+        return (self.pp - 1) / (self.microbatches + self.pp - 1)
+
     # ---------------------------------------------------------------- Lightning hooks
     def setup(self, trainer: Trainer) -> None:
         if trainer.gradient_clip_val:
@@ -142,6 +153,8 @@ class PipelineParallelStrategy(MeshStrategy):
         if len(self.parallel_targets()) != 1:
             raise ConfigError("model", type(self.lightning_module).__name__,
                               "pipeline parallelism is built for CausalLM (one token-loss model) only")
+        if not any(isinstance(c, PipelineBubbleMonitor) for c in trainer.callbacks):
+            trainer.callbacks.append(PipelineBubbleMonitor())  # the bubble belongs in every pipeline run's record
         super().setup(trainer)
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -214,6 +227,9 @@ class PipelineParallelStrategy(MeshStrategy):
         self._fill_from_rank0(model, everything)
         stage = PipelineStage(StageModule(model, self.stage_index == 0), self.stage_index, self.pp, self._mesh_device(),
                               group=self.device_mesh.get_group("pp"))
+        self._compute_timer = ChunkTimer(self._mesh_device())
+        for name in ("forward_one_chunk", "backward_one_chunk"):
+            setattr(stage, name, self._compute_timer.timed(getattr(stage, name)))
         schedule_class = ScheduleGPipe if self.schedule_name == "gpipe" else Schedule1F1B
         # Every rank passes the loss (only the last computes it): without one, torch runs no backward.
         self._schedule = schedule_class(stage, self.microbatches, loss_fn=self._last_stage_loss,
@@ -290,12 +306,16 @@ class PipelineParallelStrategy(MeshStrategy):
         for p in model.parameters():  # Lightning zeroes the previous step's gradients only after training_step
             p.grad = None
         losses: list[Tensor] = []
+        self._compute_timer.reset()
+        started = time.perf_counter()
         if self.stage_index == 0:
             self._schedule.step(batch["input_ids"], return_outputs=False)
         elif self.stage_index == self.pp - 1:
             self._schedule.step(target=labels, losses=losses, return_outputs=False)
         else:
             self._schedule.step(return_outputs=False)
+        compute = self._compute_timer.seconds()  # synchronises a GPU first
+        self.schedule_timing = (time.perf_counter() - started, compute)
         # Lightning zeroes gradients between training_step and backward: keep them aside until then.
         self._pending_gradients = [(p, p.grad) for p in model.parameters() if p.grad is not None]
         for p, _ in self._pending_gradients:
@@ -312,6 +332,44 @@ class PipelineParallelStrategy(MeshStrategy):
         for p, grad in self._pending_gradients:
             p.grad = grad
         self._pending_gradients = []
+
+
+class ChunkTimer:
+    """The time one stage spends in its own forward and backward chunks during a schedule step (not
+    waiting for its neighbours). On CUDA through events, since kernels run after the host returns;
+    elsewhere the host clock."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._seconds = 0.0
+        self._events: list[tuple[Any, Any]] = []
+
+    def reset(self) -> None:
+        self._seconds, self._events = 0.0, []
+
+    def timed(self, chunk: Any) -> Any:
+        @functools.wraps(chunk)
+        def timed_chunk(*args: Any, **kwargs: Any) -> Any:
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                result = chunk(*args, **kwargs)
+                end.record()
+                self._events.append((start, end))
+                return result
+            started = time.perf_counter()
+            try:
+                return chunk(*args, **kwargs)
+            finally:
+                self._seconds += time.perf_counter() - started
+        return timed_chunk
+
+    def seconds(self) -> float:
+        if self._events:
+            torch.cuda.synchronize()
+            self._seconds += sum(start.elapsed_time(end) for start, end in self._events) / 1000
+            self._events = []
+        return self._seconds
 
 
 class StageModule(nn.Module):
