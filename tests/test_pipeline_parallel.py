@@ -40,7 +40,7 @@ from lit_ablate.strategies.pipeline_parallel import (
     pipeline_batch,
 )
 from tests.distributed import run_ranks
-from tests.test_strategies_equivalence import fixed_batch
+from tests.test_strategies_equivalence import fixed_batch, rows_of
 
 STEPS = 3
 LR = 0.5
@@ -77,14 +77,17 @@ def train_one_process(preset: str) -> dict:
 
 
 def _pipeline_run(rank: int, world_size: int, preset: str, strategy_kwargs: dict) -> dict:
-    strategy = PipelineParallelStrategy(pp=world_size, **strategy_kwargs)
+    """``STEPS`` SGD steps of the 4-row batch; with ``dp_replicate`` replicas, each reads its share of the rows."""
+    replicas = strategy_kwargs.get("dp_replicate", 1)
+    strategy = PipelineParallelStrategy(pp=world_size // replicas, **strategy_kwargs)
     strategy.build_mesh("cpu", world_size)
     model = strategy.parallelize(build(preset, meta=rank != 0))
     objective = StepObjective()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
+    batch = rows_of(sft_batch(), strategy.data_parallel_rank, replicas)
     for _ in range(STEPS):
-        loss_sum, useful = strategy.pipeline_forward_backward(model, sft_batch(), objective)
+        loss_sum, useful = strategy.pipeline_forward_backward(model, batch, objective)
         objective.backward_loss(loss_sum, useful, 0.0, strategy)  # as CausalLM.training_step: the step's totals
         strategy.deliver_gradients()  # as the strategy's backward in a fit
         objective.normalize_gradients(model.parameters(), strategy, accumulate_grad_batches=1)
@@ -124,6 +127,29 @@ def test_pp2_equals_one_process(two_ranks, references, run, preset):
                 held.add(name)
     assert held == set(reference["weights"]), "every parameter lives on exactly one stage"
     assert reference["losses"][-1] < reference["losses"][0] - 0.1, "the model did not train"
+
+
+def _replicated(rank: int, world_size: int) -> dict:
+    return _pipeline_run(rank, world_size, "tiny-llama", {"schedule": "1f1b", "microbatches": 2, "dp_replicate": 2})
+
+
+@pytest.mark.slow  # 4 gloo ranks on 2 cores
+def test_pp2_x_dp_replicate2_equals_one_process(references):
+    """Two replicas of a 2-stage pipeline, each reading two of the four rows (28 + 4 useful tokens on
+    replica 0, 20 + 31 on replica 1: unequal), train one process's model on all four: each stage's
+    gradients averaged over its replicas, the step's tokens counted over them. Seen failing with
+    the gradients not averaged (the third loss off by 0.36) and with each replica's own token count
+    (StepObjective without the replica group, the gradients still averaged: off by 0.53)."""
+    reference = references["tiny-llama"]
+    ranks = run_ranks(_replicated, 4)
+    held = set()
+    for result in ranks:
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=0, atol=ATOL)
+        for name, weight in result["weights"].items():
+            if name in reference["weights"]:
+                torch.testing.assert_close(weight, reference["weights"][name], rtol=0, atol=ATOL, msg=name)
+                held.add(name)
+    assert held == set(reference["weights"])
 
 
 def test_stages_hold_the_split_layers(two_ranks):

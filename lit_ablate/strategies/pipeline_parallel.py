@@ -44,22 +44,24 @@ class PipelineParallelStrategy(MeshStrategy):
     """Pipeline parallelism over ``pp`` ranks: each holds one stage of consecutive decoder layers.
 
     Choose it to compare pipeline schedules and split points in a study, or to train a model whose
-    layers do not fit one device. Every rank reads the same batch; the ``microbatches`` of a step
-    flow through the stages under the schedule. Only pure pipeline parallelism is built: the world
-    size equals ``pp`` (no data, tensor, context or expert parallelism beside it), Llama and Qwen3
-    dense models without tied embeddings, unpacked batches, no gradient clipping, no gradient
-    accumulation (micro-batches play that part), no validation or test loop, and only ``CausalLM``
-    (not ``DPO``); each is refused with the key to change.
+    layers do not fit one device. The stages of a pipeline read the same batch; the
+    ``microbatches`` of a step flow through them under the schedule. ``dp_replicate`` copies of the
+    pipeline read different batches (data parallelism: each stage's gradients are averaged over its
+    replicas). Built: world size = ``dp_replicate x pp`` (no sharded data, tensor, context or expert
+    parallelism beside it), Llama and Qwen3 dense models without tied embeddings, unpacked batches,
+    no gradient clipping, no gradient accumulation (micro-batches play that part), no validation or
+    test loop, and only ``CausalLM`` (not ``DPO``); the rest is refused with the key to change.
 
     Args:
-        pp: pipeline stages (ranks); ``-1``: every rank.
+        pp: pipeline stages (ranks per replica); ``-1``: the world size over ``dp_replicate``.
         schedule: ``gpipe`` or ``1f1b``.
         microbatches: micro-batches per step; must divide the batch size (and, for ``1f1b``,
             be at least ``pp``).
         split_points: the decoder-layer index at which each stage after the first starts
             (``pp - 1`` increasing indices); ``null``: balanced by parameter count, embeddings
             counted on the first stage and norm + LM head on the last.
-        dp_replicate, dp_shard, cp, tp, ep: must be 1 (accepted so a config that sets them is refused by name).
+        dp_replicate: pipeline replicas, each reading its own batches.
+        dp_shard, cp, tp, ep: must be 1 (accepted so a config that sets them is refused by name).
         process_group_backend, timeout_s: see ``MeshStrategy``. Checkpoints are sharded DCP folders
             (each stage writes its own weights and optimizer state).
     """
@@ -78,7 +80,7 @@ class PipelineParallelStrategy(MeshStrategy):
         process_group_backend: str | None = None,
         timeout_s: float = 1800.0,
     ) -> None:
-        for key, size in (("dp_replicate", dp_replicate), ("dp_shard", dp_shard), ("cp", cp), ("tp", tp), ("ep", ep)):
+        for key, size in (("dp_shard", dp_shard), ("cp", cp), ("tp", tp), ("ep", ep)):
             if size != 1:
                 raise ConfigError(f"{STRATEGY_KEY}.{key}", size,
                                   "PipelineParallelStrategy does not compose with other mesh dimensions yet; use 1")
@@ -90,6 +92,9 @@ class PipelineParallelStrategy(MeshStrategy):
             raise ConfigError(f"{STRATEGY_KEY}.schedule", schedule, "choose gpipe or 1f1b")
         if not isinstance(microbatches, int) or microbatches < 1:
             raise ConfigError(f"{STRATEGY_KEY}.microbatches", microbatches, "use 1 or more micro-batches")
+        if not isinstance(dp_replicate, int) or dp_replicate < 1:
+            raise ConfigError(f"{STRATEGY_KEY}.dp_replicate", dp_replicate, "use 1 or more pipeline replicas")
+        self.dp_replicate = dp_replicate
         self.requested_pp = pp
         self.schedule_name = schedule
         self.microbatches = microbatches
@@ -107,24 +112,26 @@ class PipelineParallelStrategy(MeshStrategy):
 
     # ---------------------------------------------------------------- the mesh
     def build_mesh(self, device_type: str, world_size: int) -> DeviceMesh:
-        """A 1-D ``pp`` mesh over every rank (the other dimensions are size 1)."""
-        pp = world_size if self.requested_pp == -1 else self.requested_pp
-        if pp != world_size:
+        """A ``(dp_replicate, pp)`` mesh: ``dp_replicate`` copies of the pipeline, each over ``pp`` ranks."""
+        replicas = self.dp_replicate
+        pp = world_size // replicas if self.requested_pp == -1 else self.requested_pp
+        if pp * replicas != world_size:
             raise ConfigError(f"{STRATEGY_KEY}.pp", self.requested_pp,
-                              f"the world size (devices x nodes) is {world_size}; pure pipeline parallelism needs "
-                              f"pp equal to it (or -1)")
+                              f"the world size (devices x nodes) is {world_size}; pp x dp_replicate "
+                              f"({replicas}) must equal it (pp: -1 takes the ranks left)")
         if self.schedule_name == "1f1b" and self.microbatches < pp:
             raise ConfigError(f"{STRATEGY_KEY}.microbatches", self.microbatches,
                               f"1f1b needs at least pp={pp} micro-batches to fill the pipeline; raise it or use gpipe")
         self.pp = pp
-        self.mesh_sizes = dict.fromkeys(MESH_DIMS, 1)
-        self._device_mesh = init_device_mesh(device_type, (pp,), mesh_dim_names=("pp",))
+        self.mesh_sizes = {**dict.fromkeys(MESH_DIMS, 1), "dp_replicate": replicas}
+        self._device_mesh = init_device_mesh(device_type, (replicas, pp), mesh_dim_names=("dp_replicate", "pp"))
         self.stage_index = self._device_mesh.get_local_rank("pp")
         return self._device_mesh
 
     @property
     def data_parallel_rank(self) -> int:
-        return 0  # every stage reads the same batch
+        """The replica: every stage of one pipeline reads the same batch."""
+        return self._device_mesh.get_local_rank("dp_replicate")
 
     @property
     def batch_replicas(self) -> int:
@@ -133,8 +140,10 @@ class PipelineParallelStrategy(MeshStrategy):
 
     @property
     def gradient_mean_group(self) -> tuple[dist.ProcessGroup | None, int]:
-        """No rank averages gradients with another: each parameter lives on one stage."""
-        return None, 1
+        """The same stage of every replica: their gradients are averaged (``pipeline_forward_backward``)."""
+        if self.dp_replicate == 1:
+            return None, 1
+        return self._device_mesh.get_group("dp_replicate"), self.dp_replicate
 
     @property
     def schedule_bubble(self) -> float:
@@ -300,8 +309,8 @@ class PipelineParallelStrategy(MeshStrategy):
             raise ConfigError(f"{STRATEGY_KEY}.microbatches", self.microbatches,
                               f"the batch has {labels.shape[0]} rows; use a divisor of the batch size")
         units = [(chunk != IGNORE_INDEX).sum() for chunk in labels.tensor_split(self.microbatches)]
-        if objective.scale is None:  # every rank reads the same batch, so all agree without communication
-            objective.scale = _agreed_power_of_two(int(units[0]), labels.device, None)
+        if objective.scale is None:  # the stages of a replica read the same batch; replicas agree over dp
+            objective.scale = _agreed_power_of_two(int(units[0]), labels.device, self.gradient_mean_group[0])
         self._loss_scale = objective.scale
         for p in model.parameters():  # Lightning zeroes the previous step's gradients only after training_step
             p.grad = None
@@ -316,6 +325,7 @@ class PipelineParallelStrategy(MeshStrategy):
             self._schedule.step(return_outputs=False)
         compute = self._compute_timer.seconds()  # synchronises a GPU first
         self.schedule_timing = (time.perf_counter() - started, compute)
+        self.average_over_replicas(model)
         # Lightning zeroes gradients between training_step and backward: keep them aside until then.
         self._pending_gradients = [(p, p.grad) for p in model.parameters() if p.grad is not None]
         for p, _ in self._pending_gradients:
@@ -326,6 +336,19 @@ class PipelineParallelStrategy(MeshStrategy):
             loss_sum = torch.zeros((), device=labels.device)
         dist.broadcast(loss_sum, group=self.device_mesh.get_group("pp"), group_src=self.pp - 1)
         return loss_sum, torch.stack(units).sum()
+
+    def average_over_replicas(self, model: CausalLMWithLoss) -> None:
+        """Average each stage's gradients over the pipeline replicas (one flat all-reduce per stage:
+        gloo has no averaging reduction, so a sum divided by the replicas)."""
+        group, replicas = self.gradient_mean_group
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if group is None or not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        flat /= replicas
+        for grad, chunk in zip(grads, flat.split([g.numel() for g in grads])):
+            grad.copy_(chunk.view_as(grad))
 
     def deliver_gradients(self) -> None:
         """Put the gradients of the last ``pipeline_forward_backward`` on the parameters."""
