@@ -18,7 +18,8 @@ class PipelineBubbleMonitor(StepMonitor):
     Records ``pipeline_idle_share``, the mean over stages (they wait at different moments: in 1f1b
     the first stage at the end, the last at the start), and ``pipeline_bubble_theory``, the
     schedule's own idle share with equal stages and free communication ((pp - 1) / (m + pp - 1)
-    for gpipe and 1f1b over m micro-batches), so a report shows what stage imbalance and
+    for gpipe and 1f1b over m micro-batches, (pp - 1) / (v m + pp - 1) interleaved with v stages per
+    rank: ``PipelineParallelStrategy.schedule_bubble``), so a report shows what stage imbalance and
     communication add to the schedule's bubble. ``PipelineParallelStrategy`` adds one to a trainer
     that has none; elsewhere it records nothing.
     """

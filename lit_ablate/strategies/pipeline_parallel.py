@@ -35,7 +35,8 @@ from lit_ablate.models.losses import IGNORE_INDEX
 from lit_ablate.modules.step_objective import StepObjective, _agreed_power_of_two
 from lit_ablate.strategies.mesh import MESH_DIMS, STRATEGY_KEY, MeshStrategy
 
-Schedule = Literal["gpipe", "1f1b"]
+Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3")
 """Families whose decoder takes ``inputs_embeds`` unchanged (Gemma, for one, rescales them)."""
 
@@ -54,12 +55,14 @@ class PipelineParallelStrategy(MeshStrategy):
 
     Args:
         pp: pipeline stages (ranks per replica); ``-1``: the world size over ``dp_replicate``.
-        schedule: ``gpipe`` or ``1f1b``.
+        schedule: ``gpipe``, ``1f1b``, or ``interleaved_1f1b`` (torch's looped 1F1B: each rank holds
+            ``stages_per_rank`` stages, which shortens the bubble by that factor for more hand-offs).
         microbatches: micro-batches per step; must divide the batch size (and, for ``1f1b``,
             be at least ``pp``).
         split_points: the decoder-layer index at which each stage after the first starts
-            (``pp - 1`` increasing indices); ``null``: balanced by parameter count, embeddings
-            counted on the first stage and norm + LM head on the last.
+            (``pp x stages_per_rank - 1`` increasing indices); ``null``: balanced by parameter
+            count, embeddings counted on the first stage and norm + LM head on the last.
+        stages_per_rank: stages each rank holds (2 or more: ``interleaved_1f1b`` only).
         dp_replicate: pipeline replicas, each reading its own batches.
         dp_shard, cp, tp, ep: must be 1 (accepted so a config that sets them is refused by name).
         process_group_backend, timeout_s: see ``MeshStrategy``. Checkpoints are sharded DCP folders
@@ -72,6 +75,7 @@ class PipelineParallelStrategy(MeshStrategy):
         schedule: Schedule = "1f1b",
         microbatches: int = 2,
         split_points: list[int] | None = None,
+        stages_per_rank: int = 1,
         dp_replicate: int = 1,
         dp_shard: int = 1,
         cp: int = 1,
@@ -88,8 +92,13 @@ class PipelineParallelStrategy(MeshStrategy):
                          process_group_backend=process_group_backend, timeout_s=timeout_s)
         if not isinstance(pp, int) or (pp < 1 and pp != -1):
             raise ConfigError(f"{STRATEGY_KEY}.pp", pp, "use a positive number of stages, or -1 for every rank")
-        if schedule not in ("gpipe", "1f1b"):
-            raise ConfigError(f"{STRATEGY_KEY}.schedule", schedule, "choose gpipe or 1f1b")
+        if schedule not in SCHEDULES:
+            raise ConfigError(f"{STRATEGY_KEY}.schedule", schedule, f"choose one of {SCHEDULES}")
+        interleaved = schedule == "interleaved_1f1b"
+        if not isinstance(stages_per_rank, int) or stages_per_rank < 1 or (stages_per_rank > 1) != interleaved:
+            raise ConfigError(f"{STRATEGY_KEY}.stages_per_rank", stages_per_rank,
+                              "interleaved_1f1b needs 2 or more stages per rank; gpipe and 1f1b hold 1")
+        self.stages_per_rank = stages_per_rank
         if not isinstance(microbatches, int) or microbatches < 1:
             raise ConfigError(f"{STRATEGY_KEY}.microbatches", microbatches, "use 1 or more micro-batches")
         if not isinstance(dp_replicate, int) or dp_replicate < 1:
@@ -122,6 +131,11 @@ class PipelineParallelStrategy(MeshStrategy):
         if self.schedule_name == "1f1b" and self.microbatches < pp:
             raise ConfigError(f"{STRATEGY_KEY}.microbatches", self.microbatches,
                               f"1f1b needs at least pp={pp} micro-batches to fill the pipeline; raise it or use gpipe")
+        rounds = max(1, self.microbatches // pp)
+        if self.schedule_name == "interleaved_1f1b" and self.microbatches % rounds:
+            raise ConfigError(f"{STRATEGY_KEY}.microbatches", self.microbatches,
+                              f"interleaved_1f1b runs rounds of pp={pp} micro-batches: use a multiple of {pp}, "
+                              f"or fewer than {pp}")
         self.pp = pp
         self.mesh_sizes = {**dict.fromkeys(MESH_DIMS, 1), "dp_replicate": replicas}
         self._device_mesh = init_device_mesh(device_type, (replicas, pp), mesh_dim_names=("dp_replicate", "pp"))
@@ -147,9 +161,10 @@ class PipelineParallelStrategy(MeshStrategy):
 
     @property
     def schedule_bubble(self) -> float:
-        """The schedule's idle share with equal stages and free communication: gpipe and 1f1b both
-        leave each stage idle for ``pp - 1`` of the ``m + pp - 1`` micro-batch slots of a step."""
-        return (self.pp - 1) / (self.microbatches + self.pp - 1)
+        """The schedule's idle share with equal stages and free communication: gpipe and 1f1b leave
+        each rank idle for ``pp - 1`` of the ``m + pp - 1`` micro-batch slots of a step; with ``v``
+        stages per rank the slots are ``v`` times shorter, ``(pp - 1) / (v m + pp - 1)``."""
+        return (self.pp - 1) / (self.stages_per_rank * self.microbatches + self.pp - 1)
 
     # ---------------------------------------------------------------- Lightning hooks
     def setup(self, trainer: Trainer) -> None:
@@ -219,30 +234,47 @@ class PipelineParallelStrategy(MeshStrategy):
 
     # ---------------------------------------------------------------- the stages
     def parallelize(self, model: CausalLMWithLoss) -> CausalLMWithLoss:
-        """Keep this rank's stage of ``model`` (parameter names unchanged), fill it from rank 0, build the schedule."""
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        """Keep this rank's stages of ``model`` (parameter names unchanged), fill them from rank 0, build the schedule.
+
+        With ``stages_per_rank = v`` there are ``pp x v`` stages, looped over the ranks: rank ``r``
+        holds stages ``r, r + pp, r + 2 pp, ...``, so the first stage (embeddings) is on rank 0
+        and the last (norm, LM head, loss) on rank ``pp - 1``, as without interleaving.
+        """
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         self.check_model(model)
         layers = decoder_layers(model)
+        stages = self.pp * self.stages_per_rank
         points = self.split_points if self.split_points is not None else balanced_split_points(
-            [_numel(layer) for layer in layers], self.pp,
+            [_numel(layer) for layer in layers], stages,
             _numel(model.lm.get_input_embeddings()), _numel(model.lm.get_output_embeddings()))
-        check_split_points(points, len(layers), self.pp)
+        check_split_points(points, len(layers), stages)
         bounds = [0, *points, len(layers)]
-        self.stage_layers = list(range(bounds[self.stage_index], bounds[self.stage_index + 1]))
+        own = range(self.stage_index, stages, self.pp)
+        stage_layers = {s: list(range(bounds[s], bounds[s + 1])) for s in own}
+        self.stage_layers = [index for s in own for index in stage_layers[s]]
         everything = dict(itertools.chain(model.named_parameters(), model.named_buffers()))
         everything = {name: (t.shape, t.dtype, t if not t.is_meta else None) for name, t in everything.items()}
         self._keep_stage(model, layers)
         self._fill_from_rank0(model, everything)
-        stage = PipelineStage(StageModule(model, self.stage_index == 0), self.stage_index, self.pp, self._mesh_device(),
-                              group=self.device_mesh.get_group("pp"))
         self._compute_timer = ChunkTimer(self._mesh_device())
-        for name in ("forward_one_chunk", "backward_one_chunk"):
-            setattr(stage, name, self._compute_timer.timed(getattr(stage, name)))
-        schedule_class = ScheduleGPipe if self.schedule_name == "gpipe" else Schedule1F1B
+        pipeline_stages = []
+        for s in own:
+            view = None if self.stages_per_rank == 1 else stage_layers[s]
+            stage = PipelineStage(StageModule(model, first=s == 0, last=s == stages - 1, layers=view), s, stages,
+                                  self._mesh_device(), group=self.device_mesh.get_group("pp"))
+            for name in ("forward_one_chunk", "backward_one_chunk"):
+                setattr(stage, name, self._compute_timer.timed(getattr(stage, name)))
+            pipeline_stages.append(stage)
         # Every rank passes the loss (only the last computes it): without one, torch runs no backward.
-        self._schedule = schedule_class(stage, self.microbatches, loss_fn=self._last_stage_loss,
-                                        scale_grads=False)  # StepObjective divides by the step's tokens
+        # scale_grads off: StepObjective divides by the step's tokens.
+        if self.schedule_name == "interleaved_1f1b":
+            self._schedule = ScheduleInterleaved1F1B(pipeline_stages, self.microbatches, loss_fn=self._last_stage_loss,
+                                                     scale_grads=False)
+        else:
+            schedule_class = ScheduleGPipe if self.schedule_name == "gpipe" else Schedule1F1B
+            self._schedule = schedule_class(pipeline_stages[0], self.microbatches, loss_fn=self._last_stage_loss,
+                                            scale_grads=False)
         self._pipelined = model
         model.parallelized_by = type(self).__name__
         return model
@@ -399,17 +431,34 @@ class StageModule(nn.Module):
     """One stage's forward: token ids (first stage) or the previous stage's hidden states in, hidden states out.
 
     The decoder's own forward runs (masks, rotary positions); the pass-through layers and the
-    identity norm make it compute only this stage's part.
+    identity norm make it compute only this stage's part. A rank holding several stages
+    (interleaved schedules) gives each one its ``layers``: during the stage's forward the decoder
+    runs those only, and its final norm only on the last stage (the decoder's modules are swapped
+    for the call, so parameter names and the model's structure stay as built).
     """
 
-    def __init__(self, model: CausalLMWithLoss, first: bool) -> None:
+    def __init__(self, model: CausalLMWithLoss, first: bool, last: bool = True, layers: list[int] | None = None) -> None:
         super().__init__()
         self.model = model
-        self.first = first
+        self.first, self.last = first, last
+        decoder = model.lm.base_model
+        # A plain list, not a ModuleList: the layers stay registered once, under the decoder.
+        self._view = None if layers is None else [
+            layer if index in layers else PassThrough() for index, layer in enumerate(decoder.layers)]
 
     def forward(self, x: Tensor) -> Tensor:
         inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
-        return self.model.lm.base_model(**inputs, use_cache=False).last_hidden_state
+        decoder = self.model.lm.base_model
+        if self._view is None:
+            return decoder(**inputs, use_cache=False).last_hidden_state
+        saved = decoder._modules["layers"], decoder._modules["norm"]
+        decoder._modules["layers"] = nn.ModuleList(self._view)
+        if not self.last:
+            decoder._modules["norm"] = nn.Identity()
+        try:
+            return decoder(**inputs, use_cache=False).last_hidden_state
+        finally:
+            decoder._modules["layers"], decoder._modules["norm"] = saved
 
 
 class PassThrough(nn.Module):
