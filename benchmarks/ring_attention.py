@@ -2,7 +2,8 @@
 
 Run by hand (never in CI):
     python benchmarks/ring_attention.py [--lengths 2048 4096 8192] [--cp 2 4] [--repeats 3]
-    python benchmarks/ring_attention.py --device cuda --dtype bfloat16 --lengths 8192 16384 32768 --cp 2 4
+    python benchmarks/ring_attention.py --device cuda --dtype bfloat16 --lengths 8192 16384 32768 --cp 2 4 \
+        --block-kernels sdpa flash_attn flex
 
 One causal attention call of a Llama-like shape (batch 1, 8 query heads, 2 key/value heads (GQA),
 head dim 64, fp32): forward and backward of a random output gradient, over ``L`` tokens. Rows:
@@ -23,11 +24,14 @@ machine with a core per rank the wall time approaches the CPU time.
 
 ``--device cuda``: one GPU per rank (NCCL), the one-process row on GPU 0 (torch's SDPA, which
 picks flash attention for half precision); the time columns are then GPU wall time (synchronised,
-not CPU time) and memory is ``torch.cuda.max_memory_allocated`` during the call. lit-ablate's GPU
-block kernel is torch's memory-efficient op, so the seed's FA2/FA3/flex rows are not made here.
+not CPU time) and memory is ``torch.cuda.max_memory_allocated`` during the call.
+``--block-kernels``: the ``cp_block_kernel`` of each CP row (``sdpa`` by default; ``flash_attn``
+and ``flex`` on CUDA make the seed's FA2 / flex rows); a kernel that cannot run here prints a skip
+line with its reason.
 
 The last lines are ``RESULT <impl>_cp<N>_time_share_L<L>=`` and ``..._memory_share_L<L>=`` at the
-longest length: a rank's CPU time and peak memory over the one-process call's.
+longest length (``<impl>_<kernel>_cp<N>...`` for a kernel other than sdpa): a rank's CPU time and
+peak memory over the one-process call's.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from lit_ablate.errors import ConfigError
+from lit_ablate.models.block_kernels import BLOCK_KERNELS, block_kernel
 from lit_ablate.models.context_parallel_attention import (
     CONTEXT_PARALLEL_ATTRIBUTE,
     CONTEXT_PARALLEL_BACKENDS,
@@ -110,8 +116,8 @@ def measure(call, repeats: int, barrier=None, device: str = "cpu") -> tuple[floa
     return statistics.median(work), statistics.median(wall)
 
 
-def _rank(rank: int, world: int, impl: str, lengths: list[int], repeats: int, port: int, out_dir: str, device: str,
-          dtype: str) -> None:  # fmt: skip
+def _rank(rank: int, world: int, impl: str, kernel: str, lengths: list[int], repeats: int, port: int, out_dir: str,
+          device: str, dtype: str) -> None:  # fmt: skip
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if device == "cuda":
@@ -119,7 +125,8 @@ def _rank(rank: int, world: int, impl: str, lengths: list[int], repeats: int, po
     dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world)
     layout = SequenceLayout("zigzag", world)
     module = nn.Module()
-    setattr(module, CONTEXT_PARALLEL_ATTRIBUTE, ContextParallelGroup(dist.group.WORLD, layout, rank))
+    group = ContextParallelGroup(dist.group.WORLD, layout, rank, block_kernel(kernel, torch.device(device)))
+    setattr(module, CONTEXT_PARALLEL_ATTRIBUTE, group)
     backend = CONTEXT_PARALLEL_BACKENDS[impl]
     results = {}
     for index, length in enumerate(lengths):
@@ -141,7 +148,7 @@ def _rank(rank: int, world: int, impl: str, lengths: list[int], repeats: int, po
         cpu, wall = measure(call, repeats, barrier=dist.barrier, device=device)
         dist.barrier()
         results[length] = {"cpu_s": cpu, "wall_s": wall, "peak_bytes": peak_bytes(call, device), "max_error": error}
-    Path(out_dir, f"{impl}-{world}-{rank}.json").write_text(json.dumps(results))
+    Path(out_dir, f"{impl}-{kernel}-{world}-{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
 
@@ -156,6 +163,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
     parser.add_argument("--cp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--impls", nargs="+", default=sorted(CONTEXT_PARALLEL_BACKENDS))
+    parser.add_argument("--block-kernels", nargs="+", default=["sdpa"], choices=list(BLOCK_KERNELS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -165,6 +173,13 @@ def main() -> None:
     for n in args.cp:
         if any(length % (2 * n) for length in args.lengths):
             raise SystemExit(f"--lengths must be multiples of 2 x cp = {2 * n} (zigzag)")
+    kernels = []
+    for kernel in args.block_kernels:
+        try:
+            block_kernel(kernel, torch.device(args.device))
+            kernels.append(kernel)
+        except ConfigError as err:
+            print(f"skipped: cp_block_kernel {kernel}: {err}")
     torch.set_num_threads(1)
     reference = {}
     for length in args.lengths:
@@ -175,11 +190,12 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as out_dir:
         for impl in args.impls:
-            for world in args.cp:
-                mp.start_processes(_rank, args=(world, impl, args.lengths, args.repeats, free_port(), out_dir, args.device,
-                                                args.dtype), nprocs=world, start_method="spawn")  # fmt: skip
-                ranks = [json.loads(Path(out_dir, f"{impl}-{world}-{r}.json").read_text()) for r in range(world)]
-                rows.append((impl, world, ranks))
+            for kernel in kernels:
+                for world in args.cp:
+                    mp.start_processes(_rank, args=(world, impl, kernel, args.lengths, args.repeats, free_port(), out_dir,
+                                                    args.device, args.dtype), nprocs=world, start_method="spawn")  # fmt: skip
+                    ranks = [json.loads(Path(out_dir, f"{impl}-{kernel}-{world}-{r}.json").read_text()) for r in range(world)]
+                    rows.append((impl if kernel == "sdpa" else f"{impl}_{kernel}", world, ranks))
     where = torch.cuda.get_device_name() if args.device == "cuda" else f"1 thread per process, {os.cpu_count()} CPUs"
     print(f"torch {torch.__version__}, {where}; batch {BATCH}, {HEADS} heads ({KV_HEADS} kv), head dim {HEAD_DIM}, "
           f"{args.dtype}, causal, forward + backward; medians of {args.repeats}\n")

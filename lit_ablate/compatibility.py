@@ -179,6 +179,18 @@ def strategy_options_run_here(config: Mapping[str, Any], launch: LaunchLike) -> 
     return _reason(check_gpu_only_options, options, "cuda" if _on_gpu(config, launch) else "cpu")
 
 
+def cp_block_kernel_runs_here(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
+    """Context parallelism's block kernel must train here (flash-attn installed, flex on CUDA)."""
+    from lit_ablate.models.block_kernels import block_kernel
+    from lit_ablate.strategies.context_parallel import ContextParallelStrategy
+
+    strategy = _strategy_class(config)
+    name = get_dotted(config, "trainer.strategy.init_args.cp_block_kernel", "sdpa")
+    if strategy is None or not issubclass(strategy, ContextParallelStrategy):
+        return None
+    return _reason(block_kernel, name, torch.device("cuda" if _on_gpu(config, launch) else "cpu"))
+
+
 def _strategy_class(config: Mapping[str, Any]) -> type | None:
     """The class of ``trainer.strategy``: a ``class_path`` mapping or a Lightning registry name (None
     for ``auto``, an unknown name or one that does not import: the run reports those itself)."""
@@ -302,6 +314,7 @@ RULES: dict[str, Rule] = {
     "strategy_options_run_here": strategy_options_run_here,
     "loss_backend_available": loss_backend_available,
     "attention_backend_available": attention_backend_available,
+    "cp_block_kernel_runs_here": cp_block_kernel_runs_here,
     "optimizer_runs_here": optimizer_runs_here,
     "quantization_runs_under_strategy": quantization_runs_under_strategy,
     "fp8_runs_here": fp8_runs_here,
@@ -311,7 +324,7 @@ RULES: dict[str, Rule] = {
 
 
 MACHINE_RULES = ("accelerator_present", "enough_devices", "cpu_ranks_fit", "single_node", "loss_backend_available",
-                 "attention_backend_available")  # fmt: skip
+                 "attention_backend_available", "cp_block_kernel_runs_here")  # fmt: skip
 """Rules that judge this machine (its CUDA devices, cores and packages), not the run. A study
 submitted to a cluster skips them (``cluster_rules``): the partition's size is checked instead,
 and each job's own start-up judges its node."""

@@ -37,14 +37,18 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
+from lit_ablate.ablation.spec import Launch
 from lit_ablate.callbacks import MFUMonitor, ThroughputMonitor
+from lit_ablate.compatibility import cp_block_kernel_runs_here
 from lit_ablate.errors import ConfigError
+from lit_ablate.models.block_kernels import BLOCK_KERNELS
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.losses import IGNORE_INDEX
 from lit_ablate.models.moe import MoEOptions
 from lit_ablate.models.sequence_layout import SequenceLayout
 from lit_ablate.modules import CausalLM
 from lit_ablate.strategies import ContextParallelStrategy, ExpertContextParallelStrategy
+from tests.block_kernel_stand_ins import FlexOnCpu
 from tests.distributed import run_ranks
 from tests.test_step_objective import STEPS, WEIGHT_MAX_ATOL, WEIGHT_MEAN_ATOL, StepLosses, micro_batches
 
@@ -125,6 +129,16 @@ class WithoutContextParallelRanksInW(ContextParallelStrategy):
         return group, size // self.mesh_sizes["cp"]
 
 
+class FlexBlocksOnCpu(ContextParallelStrategy):
+    """``cp_block_kernel: flex``, the name resolved to its CPU stand-in (flex's real forward, the
+    recomputed backward through a differentiable stand-in: ``tests/block_kernel_stand_ins.py``), so
+    the run shows the strategy's kernel reaching every attention call of a Lightning run."""
+
+    def __init__(self, **kwargs) -> None:
+        BLOCK_KERNELS["flex"] = FlexOnCpu  # in this rank process only
+        super().__init__(cp_block_kernel="flex", **kwargs)
+
+
 # name -> (preset, data, strategy class, arguments); every rank of the run is context-parallel
 # unless dp_shard or dp_replicate say otherwise (then rank // cp is the data-parallel rank: cp is
 # the inner mesh dimension).
@@ -138,6 +152,7 @@ TWO_RANK_RUNS = {
                                       {"cp": 2, "cp_impl": "allgather", "cp_layout": "zigzag"}),
     "allgather-contiguous-llama": ("tiny-llama", "reference", ContextParallelStrategy,
                                    {"cp": 2, "cp_impl": "allgather", "cp_layout": "contiguous"}),
+    "flex-blocks-ring-qwen3-packed": ("tiny-qwen3", "packed", FlexBlocksOnCpu, {"cp": 2, "cp_impl": "ring"}),
     "broken-W": ("tiny-llama", "reference", WithoutContextParallelRanksInW, {"cp": 2}),
 }
 FOUR_RANK_RUNS = {
@@ -268,7 +283,7 @@ def test_batches_are_padded_to_the_chunk_multiple_and_sharded_with_explicit_posi
     assert packed_shards[1]["document_lengths"] == packed["document_lengths"]
 
 
-@pytest.mark.parametrize(("key", "value"), [("cp_impl", "ulysses"), ("cp_layout", "striped")])
+@pytest.mark.parametrize(("key", "value"), [("cp_impl", "ulysses"), ("cp_layout", "striped"), ("cp_block_kernel", "xformers")])
 def test_unknown_options_are_refused_naming_the_key(key, value):
     with pytest.raises(ConfigError, match=f"trainer.strategy.init_args.{key}"):
         ContextParallelStrategy(**{key: value})
@@ -282,6 +297,17 @@ def test_batches_it_cannot_shard_are_refused_naming_the_strategy():
         strategy.shard_batch({**batch, "sequence_ids": torch.zeros_like(batch["input_ids"])})
     with pytest.raises(ConfigError, match="input_ids and"):
         strategy.shard_batch({"chosen_input_ids": batch["input_ids"]})
+
+
+@pytest.mark.parametrize(("kernel", "reason"), [("flex", "no CPU backward"), ("flash_attn", "CUDA only")])
+def test_gpu_block_kernels_are_refused_on_cpu_at_start_up(monkeypatch, kernel, reason):
+    """One line naming ``cp_block_kernel`` before any work, and the same reason skips a study's variant."""
+    monkeypatch.setattr(ContextParallelStrategy, "root_device", property(lambda self: torch.device("cpu")))
+    with pytest.raises(ConfigError, match=f"cp_block_kernel='{kernel}'.*{reason}.*use cp_block_kernel: sdpa"):
+        ContextParallelStrategy(cp=2, cp_block_kernel=kernel).setup_environment()
+    config = {"trainer": {"accelerator": "cpu", "strategy": {
+        "class_path": "lit_ablate.strategies.ContextParallelStrategy", "init_args": {"cp": 2, "cp_block_kernel": kernel}}}}
+    assert reason in cp_block_kernel_runs_here(config, Launch(devices=2, num_nodes=1, accelerator="cpu"))
 
 
 def _two_gpus(rank: int, world_size: int) -> dict:

@@ -20,6 +20,8 @@ keeps attention exact (any permutation of chunks does) and fails the balance tes
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -28,6 +30,7 @@ from torch import nn
 
 from lit_ablate.models import block_attention as block_module
 from lit_ablate.models.attention import document_causal_mask
+from lit_ablate.models.block_kernels import SDPA, BlockKernel, block_kernel
 from lit_ablate.models.chunk_masks import ChunkMasks
 from lit_ablate.models.context_parallel_attention import (
     CONTEXT_PARALLEL_ATTRIBUTE,
@@ -35,11 +38,14 @@ from lit_ablate.models.context_parallel_attention import (
     ContextParallelGroup,
 )
 from lit_ablate.models.sequence_layout import SequenceLayout
+from tests.block_kernel_stand_ins import CudaSdpaOnCpu, FlashAttnOnCpu, FlexOnCpu, use_flash_attn_stand_ins
 from tests.distributed import run_ranks
 
 B, H, HKV, T, D = 2, 4, 2, 48, 16
 ATOL = 2e-5
 IMPLS = ("ring", "allgather")
+STAND_INS = {"cuda_sdpa": CudaSdpaOnCpu, "flash_attn": FlashAttnOnCpu, "flex": FlexOnCpu}
+"""The GPU block kernels' glue on CPU (``tests/block_kernel_stand_ins.py``)."""
 LAYOUTS = ("contiguous", "zigzag")
 DOCUMENTS = {"one_document": [[48], [48]], "packed": [[5, 13, 20, 10], [30, 7, 11]], "padded": [[48], [48]]}
 PADDED_ROW_LENGTH = 29  # row 1 of the padded case: 29 real tokens, then padding
@@ -67,17 +73,19 @@ def reference(case: str) -> dict[str, torch.Tensor]:
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
-def _sharded(rank: int, world_size: int, impl: str, layout_name: str, case: str, device: str = "cpu") -> dict[str, torch.Tensor]:
+def _sharded(rank: int, world_size: int, impl: str, layout_name: str, case: str, device: str = "cpu",
+             kernel: BlockKernel = SDPA, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:  # fmt: skip
     layout = SequenceLayout(layout_name, world_size)
-    x = {name: t.to(device) for name, t in inputs(case).items()}
+    x = {name: t.to(device, dtype) if t.is_floating_point() else t.to(device) for name, t in inputs(case).items()}
     q, k, v = (layout.shard(x[n], rank, dim=2).requires_grad_() for n in "qkv")
     module = nn.Module()
-    setattr(module, CONTEXT_PARALLEL_ATTRIBUTE, ContextParallelGroup(dist.group.WORLD, layout, rank))
+    setattr(module, CONTEXT_PARALLEL_ATTRIBUTE, ContextParallelGroup(dist.group.WORLD, layout, rank, kernel))
     padding = layout.shard(x["padding"], rank) if case == "padded" else None
     out, _ = CONTEXT_PARALLEL_BACKENDS[impl](module, q, k, v, padding, position_ids=layout.shard(x["position_ids"], rank))
     out = out.transpose(1, 2)
     out.backward(layout.shard(x["grad"], rank, dim=2))
-    return {"out": out.detach().cpu(), "dq": q.grad.cpu(), "dk": k.grad.cpu(), "dv": v.grad.cpu()}
+    return {"out": out.detach().float().cpu(), "dq": q.grad.float().cpu(), "dk": k.grad.float().cpu(),
+            "dv": v.grad.float().cpu()}
 
 
 def _all_cases(rank: int, world_size: int) -> dict[str, dict[str, torch.Tensor]]:
@@ -127,9 +135,8 @@ def test_one_rank_equals_full_attention(impl):
 def _merge_without_neg_inf(rank: int, world_size: int) -> dict[str, torch.Tensor]:
     """The ring with its block kernel's fully masked rows left at log-sum-exp 0 (the kernel's value)."""
 
-    def block_forward(q, k, v, block, scale):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, block.causal, attn_mask=block.additive(q.dtype), scale=scale)
+    def block_forward(kernel, q, k, v, block, scale):
+        return kernel.forward(q, k, v, block, scale)
 
     block_module.block_forward = block_forward
     return _sharded(rank, world_size, "ring", "zigzag", "packed")
@@ -166,60 +173,27 @@ def test_zigzag_balances_attention_work(size):
     assert contiguous == [r * c * c + c * (c + 1) // 2 for r in range(size)]
 
 
-# --- the CUDA block kernels ---------------------------------------------------------------------
-# On CPU: the CUDA kernels' adapters (``cuda_block_forward``/``_backward``: K/V heads expanded for
-# the kernel and their gradients summed back, the bias laid out as the kernel reads it, the padded
-# log-sum-exp cut and re-padded, rows that see no key zeroed) run against stand-ins of torch's
-# CUDA memory-efficient op, written from its contract (its meta registration's shapes, the
-# flash-attention backward from the whole output and log-sum-exp) and strict about it: equal
-# heads, a [B, H, Q, K] bias with 16-aligned rows, a log-sum-exp padded to 32 queries (NaN in the
-# padding), NaN output for rows that see no key (the worst a kernel may return). Then ring and
-# all-gather through them must equal full SDPA as the CPU kernel does. Seen failing with the adapter
-# broken on purpose (by hand, once each): summing dK/dV over the wrong head axis (``view(b, groups,
-# h // groups, ...)``: dk/dv off by O(1), GQA); not zeroing rows that see no key (packed and padded
-# outputs NaN). On a GPU the real op runs (``@pytest.mark.gpu``, 1 GPU, and 2 GPUs over NCCL).
+# --- the GPU block kernels ---------------------------------------------------------------------
+# On CPU their glue runs against stand-ins (``tests/block_kernel_stand_ins.py``), and ring and
+# all-gather through it must equal full SDPA as the CPU kernel does, on every case at 1 and 2 ranks:
+# - ``cuda_sdpa``: K/V heads expanded for the memory-efficient op and their gradients summed back,
+#   the bias laid out as it reads one, the padded log-sum-exp cut and re-padded, rows that see no
+#   key zeroed; stand-ins strict about equal heads, 16-aligned bias rows, a log-sum-exp padded to
+#   32 queries (NaN in the padding), NaN output for rows without keys (the worst a kernel may
+#   return). Seen failing (by hand, once each): summing dK/dV over the wrong head axis
+#   (``view(b, groups, h // groups, ...)``: dk/dv off by O(1)); not zeroing rows without keys (NaN).
+# - ``flash_attn``: flash-attn's ``[B, T, H, D]`` layout, its own GQA, the merged output and
+#   log-sum-exp given to its backward, masked blocks sent to ``sdpa``. Seen failing (by hand, once
+#   each): masked blocks sent to flash-attn (packed and padded cases off by O(1)); dK/dV returned
+#   without the transpose back (shape error).
+# - ``flex``: flex's real forward (it runs on CPU) with the block's mask as a ``BlockMask``, and
+#   the recomputed backward (``RecomputedBlockKernel``) through a differentiable stand-in. Seen
+#   failing (by hand, once each): the log-sum-exp cotangent left out (dq/dk off by ~0.3, every
+#   case); the block mask built without the batch index (packed case off).
+# On a GPU the real kernels run (``@pytest.mark.gpu``: 1 GPU for each kernel, 2 GPUs over NCCL).
 
 GPU_ATOL = 1e-4
 """fp32 on a GPU: another kernel's summation order (and no TF32 in the memory-efficient kernel)."""
-
-
-def _scores(q, k, bias, is_causal, scale):
-    scores = (q @ k.transpose(-1, -2)) * (scale or q.shape[-1] ** -0.5)
-    if bias is not None:
-        scores = scores + bias
-    if is_causal:
-        scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
-    return scores
-
-
-def _padded_rows(q):
-    return -(-q.shape[2] // 32) * 32
-
-
-def _efficient_attention_stand_in(q, k, v, bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, scale=None):
-    assert q.shape[1] == k.shape[1] == v.shape[1], "the memory-efficient kernel wants equal query and key heads"
-    assert bias is None or (bias.shape == (*q.shape[:3], k.shape[2]) and bias.stride(-2) % 16 == 0), "bias layout"
-    assert compute_log_sumexp and dropout_p == 0.0
-    scores = _scores(q, k, bias, is_causal, scale)
-    lse = torch.nn.functional.pad(scores.logsumexp(-1), (0, _padded_rows(q) - q.shape[2]), value=float("nan"))
-    no_seed = torch.zeros((), dtype=torch.long)
-    return torch.softmax(scores, -1) @ v, lse, no_seed, no_seed  # softmax of a row without keys: NaN
-
-
-def _efficient_attention_backward_stand_in(grad_out, q, k, v, bias, out, lse, seed, offset, dropout_p, grad_input_mask,
-                                           is_causal=False, scale=None):  # fmt: skip
-    assert q.shape[1] == k.shape[1] and lse.shape[-1] == _padded_rows(q), "heads or log-sum-exp layout"
-    p = torch.exp(_scores(q, k, bias, is_causal, scale) - lse[..., : q.shape[2], None])
-    ds = p * (grad_out @ v.transpose(-1, -2) - (grad_out * out).sum(-1, keepdim=True))
-    s = scale or q.shape[-1] ** -0.5
-    return ds @ k * s, ds.transpose(-1, -2) @ q * s, p.transpose(-1, -2) @ grad_out, None
-
-
-def _use_cuda_kernels_on_cpu(set_attribute) -> None:
-    set_attribute(block_module.BLOCK_KERNELS, "cpu", block_module.BLOCK_KERNELS["cuda"])
-    set_attribute(torch.ops.aten, "_scaled_dot_product_efficient_attention", _efficient_attention_stand_in)
-    set_attribute(torch.ops.aten, "_scaled_dot_product_efficient_attention_backward",
-                  _efficient_attention_backward_stand_in)  # fmt: skip
 
 
 def _set(target, name, value) -> None:
@@ -230,24 +204,26 @@ def _set(target, name, value) -> None:
 
 
 def _all_cases_then_cuda_kernels(rank: int, world_size: int) -> dict[str, dict[str, torch.Tensor]]:
-    """``_all_cases``, then (one rank group for both) ring and all-gather through the CUDA kernels."""
+    """``_all_cases``, then (one rank group for all) ring and all-gather through the GPU kernels' glue."""
     cases = _all_cases(rank, world_size)
-    _use_cuda_kernels_on_cpu(_set)  # a rank process of its own: nothing to restore
-    return cases | {f"cuda_kernels-{impl}-{case}": _sharded(rank, world_size, impl, "zigzag", case)
-                    for impl in IMPLS for case in ("packed", "padded")}  # fmt: skip
+    use_flash_attn_stand_ins(_set)  # a rank process of its own: nothing to restore
+    return cases | {f"{kernel}-{impl}-{case}": _sharded(rank, world_size, impl, "zigzag", case, kernel=STAND_INS[kernel]())
+                    for kernel in STAND_INS for impl in IMPLS for case in DOCUMENTS}  # fmt: skip
 
 
-def test_cuda_block_kernels_compute_full_attention_on_one_rank(monkeypatch):
+@pytest.mark.parametrize("kernel", list(STAND_INS))
+def test_gpu_block_kernels_glue_computes_full_attention_on_one_rank(monkeypatch, kernel):
     """One rank, zigzag: two chunks, so three blocks merge per call (masked, causal, skipped)."""
-    _use_cuda_kernels_on_cpu(lambda target, name, value: (monkeypatch.setitem if isinstance(target, dict)
-                                                          else monkeypatch.setattr)(target, name, value))  # fmt: skip
+    use_flash_attn_stand_ins(lambda target, name, value: monkeypatch.setattr(target, name, value, raising=False))
     for impl in IMPLS:
         for case in DOCUMENTS:
-            assert_equals_reference([_sharded(0, 1, impl, "zigzag", case)], SequenceLayout("zigzag", 1), case)
+            got = _sharded(0, 1, impl, "zigzag", case, kernel=STAND_INS[kernel]())
+            assert_equals_reference([got], SequenceLayout("zigzag", 1), case)
 
 
-def test_cuda_block_kernels_compute_full_attention_on_two_ranks(two_ranks):
-    for name in (n for n in two_ranks[0] if n.startswith("cuda_kernels-")):
+@pytest.mark.parametrize("kernel", list(STAND_INS))
+def test_gpu_block_kernels_glue_computes_full_attention_on_two_ranks(two_ranks, kernel):
+    for name in (n for n in two_ranks[0] if n.startswith(f"{kernel}-")):
         assert_equals_reference([r[name] for r in two_ranks], SequenceLayout("zigzag", 2), name.split("-")[2])
 
 
@@ -261,6 +237,34 @@ def test_gpu_block_kernels_equal_full_attention(impl):
     """The real memory-efficient op on one GPU (zigzag over one rank: merged blocks, every case)."""
     for case in DOCUMENTS:
         got = _sharded(0, 1, impl, "zigzag", case, device="cuda")
+        assert_equals_reference([got], SequenceLayout("zigzag", 1), case, atol=GPU_ATOL)
+
+
+BF16_ATOL = 3e-2
+"""bf16 inputs against the fp32 reference (flash-attn computes in fp16/bf16 only): bf16's 8-bit
+mantissa on O(1) values; not yet measured on a GPU."""
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="needs the flash-attn package")
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gpu_flash_attn_block_kernel_equals_full_attention(impl):
+    """flash-attn's kernels on one GPU in bf16 (masked blocks through the memory-efficient op)."""
+    kernel = block_kernel("flash_attn", torch.device("cuda"))
+    for case in DOCUMENTS:
+        got = _sharded(0, 1, impl, "zigzag", case, device="cuda", kernel=kernel, dtype=torch.bfloat16)
+        assert_equals_reference([got], SequenceLayout("zigzag", 1), case, atol=BF16_ATOL)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gpu_flex_block_kernel_equals_full_attention(impl):
+    """Compiled flex_attention on one GPU, fp32, forward and its recomputed backward."""
+    kernel = block_kernel("flex", torch.device("cuda"))
+    for case in DOCUMENTS:
+        got = _sharded(0, 1, impl, "zigzag", case, device="cuda", kernel=kernel)
         assert_equals_reference([got], SequenceLayout("zigzag", 1), case, atol=GPU_ATOL)
 
 

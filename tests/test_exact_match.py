@@ -7,6 +7,7 @@ import lightning as L
 import pytest
 import torch
 
+from lit_ablate.ablation.report import write_report
 from lit_ablate.callbacks import ExactMatchEvaluator, RunRecorder
 from lit_ablate.callbacks.exact_match import exact_match, greedy_continuation, prompt_and_answer
 from lit_ablate.data import ArithmeticSFT, LMDataModule
@@ -17,7 +18,6 @@ from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.losses import loss_backend
 from lit_ablate.modules import CausalLM
-from lit_ablate.ablation.report import write_report
 from lit_ablate.record import summarize_steps, write_record
 
 TOK = ByteTokenizer()

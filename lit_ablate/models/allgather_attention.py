@@ -18,11 +18,12 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from lit_ablate.models.block_attention import block_attention
+from lit_ablate.models.block_kernels import SDPA, BlockKernel
 from lit_ablate.models.chunk_masks import ChunkMasks
 
 
 def allgather_attention(q: Tensor, k: Tensor, v: Tensor, masks: ChunkMasks, group: ProcessGroup | None,
-                        scale: float | None = None) -> Tensor:  # fmt: skip
+                        scale: float | None = None, kernel: BlockKernel = SDPA) -> Tensor:  # fmt: skip
     """Causal attention of this rank's queries over the keys of every rank of ``group``.
 
     Same contract as ``ring_attention``: ``q`` ``[B, H, T_local, D]``, ``k``/``v``
@@ -33,4 +34,4 @@ def allgather_attention(q: Tensor, k: Tensor, v: Tensor, masks: ChunkMasks, grou
     if size > 1:
         gathered = funcol.all_gather_single_autograd(kv, gather_dim=0, group=group)
         kv = masks.layout.unshard(list(gathered.chunk(size, dim=0)), dim=-2)
-    return block_attention(q, kv, masks, rank, scale)
+    return block_attention(q, kv, masks, rank, scale, kernel)

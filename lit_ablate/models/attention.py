@@ -12,8 +12,8 @@ model code is unchanged. Importing this module registers the names:
   forward runs anywhere; training needs CUDA (CPU has no flex backward).
 - ``ring`` / ``allgather``: context-parallel attention over a sequence sharded across ranks
   (``lit_ablate.models.context_parallel_attention``; ``ContextParallelStrategy`` selects them
-  during its steps). On one process they equal ``sdpa_packed``. Their block kernels: ATen's CPU
-  flash op, torch's CUDA memory-efficient op (``block_attention.BLOCK_KERNELS``).
+  during its steps). On one process they equal ``sdpa_packed``. Their block kernels: torch's SDPA
+  ops, flash-attn or flex (``block_kernels.BLOCK_KERNELS``, the strategy's ``cp_block_kernel``).
 - ``fa_varlen``: flash-attn's ``flash_attn_varlen_func`` over the flattened tokens, segments
   from the batch's ``cu_seq_lens_q``/``max_length_q`` when given, else from ``position_ids``
   (or from the padding mask). Needs CUDA and the flash-attn package.
@@ -39,6 +39,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
 
 from lit_ablate.errors import ConfigError
+from lit_ablate.models.block_kernels import flex_kernel
 from lit_ablate.models.context_parallel_attention import allgather_attention_backend, ring_attention_backend
 
 ATTENTION_KEY = "model.init_args.model.attn_implementation"
@@ -107,26 +108,16 @@ def flex_block_mask(
     )
 
 
-_compiled_flex: Callable[..., Tensor] | None = None
-
-
 def flex_document_attention(
     module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
     dropout: float = 0.0, scaling: float | None = None, sliding_window: int | None = None, **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """``flex_attention`` under the forward's ``BlockMask``; compiled once on CUDA (eager flex
     materialises scores), eager on CPU where only the forward exists."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    global _compiled_flex
     _no_sliding_window(sliding_window)
     if dropout:
         raise ConfigError("model attention_dropout", dropout, "flex attention has no dropout; set attention_dropout: 0")
-    kernel = flex_attention
-    if query.is_cuda:
-        _compiled_flex = _compiled_flex or torch.compile(flex_attention, dynamic=False)
-        kernel = _compiled_flex
-    out = kernel(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    out = flex_kernel(query.device)(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
 
 

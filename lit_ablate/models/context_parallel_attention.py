@@ -23,6 +23,7 @@ from torch.distributed import ProcessGroup
 
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.allgather_attention import allgather_attention
+from lit_ablate.models.block_kernels import SDPA, BlockKernel
 from lit_ablate.models.chunk_masks import ChunkMasks, segment_ids
 from lit_ablate.models.ring_attention import ring_attention
 from lit_ablate.models.sequence_layout import SequenceLayout
@@ -39,11 +40,13 @@ class ContextParallelGroup:
         group: the context-parallel ranks (None: this rank alone).
         layout: how each sequence is split over them.
         rank: this rank's index in ``group`` (and in ``layout``).
+        kernel: what computes each (query chunk, key chunk) block (``block_kernels``).
     """
 
     group: ProcessGroup | None = None
     layout: SequenceLayout = SequenceLayout()
     rank: int = 0
+    kernel: BlockKernel = SDPA
 
     def masks(self, position_ids: Tensor | None, padding_mask: Tensor | None, batch: int, local_len: int,
               device: torch.device) -> ChunkMasks:  # fmt: skip
@@ -85,7 +88,7 @@ def _attend(
     context = getattr(module, CONTEXT_PARALLEL_ATTRIBUTE, None) or ContextParallelGroup()
     batch, _, local_len, _ = query.shape
     masks = context.masks(position_ids, attention_mask, batch, local_len, query.device)
-    out = implementation(query, key, value, masks, context.group, scaling)
+    out = implementation(query, key, value, masks, context.group, scaling, context.kernel)
     return out.transpose(1, 2).contiguous(), None
 
 

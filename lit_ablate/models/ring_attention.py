@@ -18,6 +18,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from lit_ablate.models.block_attention import Pair, backward_blocks, forward_blocks
+from lit_ablate.models.block_kernels import SDPA, BlockKernel
 from lit_ablate.models.chunk_masks import ChunkMasks
 
 KV_TAG, GRAD_KV_TAG = 0, 1
@@ -60,18 +61,19 @@ class Ring:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, masks: ChunkMasks, ring: Ring, scale: float | None) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, masks: ChunkMasks, ring: Ring, scale: float | None,
+                kernel: BlockKernel) -> Tensor:  # fmt: skip
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         for step in range(ring.size):
             incoming = ring.pass_on(kv, KV_TAG) if step < ring.size - 1 else None
-            forward_blocks(q, kv, ring.pairs(masks, step), masks, out, lse, scale)
+            forward_blocks(kernel, q, kv, ring.pairs(masks, step), masks, out, lse, scale)
             if incoming is not None:
                 kv = incoming()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.masks, ctx.ring, ctx.scale = masks, ring, scale
+        ctx.masks, ctx.ring, ctx.scale, ctx.kernel = masks, ring, scale, kernel
         return out
 
     @staticmethod
@@ -84,7 +86,8 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             incoming = ring.pass_on(kv, KV_TAG) if step < ring.size - 1 else None
             grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-            backward_blocks(grad_out, q, kv, out, lse, ring.pairs(masks, step), masks, grad_q, grad_kv, ctx.scale)
+            backward_blocks(ctx.kernel, grad_out, q, kv, out, lse, ring.pairs(masks, step), masks, grad_q, grad_kv,
+                            ctx.scale)  # fmt: skip
             if partial is not None:
                 grad_kv += partial()
             # On to the next rank; after the last step that is the keys' owner (the hop home).
@@ -92,14 +95,15 @@ class _RingAttention(torch.autograd.Function):
             if incoming is not None:
                 kv = incoming()
         grad_kv = partial()
-        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None
+        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None, None
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, masks: ChunkMasks, group: ProcessGroup | None,
-                   scale: float | None = None) -> Tensor:  # fmt: skip
+                   scale: float | None = None, kernel: BlockKernel = SDPA) -> Tensor:  # fmt: skip
     """Causal attention of this rank's queries over the keys of every rank of ``group``.
 
     ``q``: ``[B, H, T_local, D]``; ``k``/``v``: ``[B, H_kv, T_local, D]`` (this rank's shard, in
     ``masks.layout`` order). Returns ``[B, H, T_local, D]``. ``group`` None: one rank, no ring.
+    ``kernel`` computes each block (``block_kernels``).
     """
-    return _RingAttention.apply(q, k, v, masks, Ring(group), scale)
+    return _RingAttention.apply(q, k, v, masks, Ring(group), scale, kernel)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lit_ablate.errors import ConfigError
-from lit_ablate.models.block_attention import BLOCK_KERNELS
+from lit_ablate.models.block_kernels import BLOCK_KERNELS, KERNEL_KEY, BlockKernelName, block_kernel
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
 from lit_ablate.models.context_parallel_attention import (
     CONTEXT_PARALLEL_ATTRIBUTE,
@@ -55,8 +55,12 @@ class ContextParallelStrategy(FSDP2Strategy):
         cp: context-parallel ranks (``-1``: the ranks left after the other mesh sizes).
         cp_impl: ``ring`` (K/V passed rank to rank, point to point, overlapped with the block
             computation) or ``allgather`` (one all-gather of K/V per layer, reduce-scatter of
-            dK/dV in backward; more memory, fewer messages). Both compute their blocks with
-            ATen's flash-attention op on CPU and torch's memory-efficient op on CUDA.
+            dK/dV in backward; more memory, fewer messages).
+        cp_block_kernel: what computes each (query chunk, key chunk) block of either: ``sdpa``
+            (torch's ops: ATen's flash op on CPU, the memory-efficient op on CUDA; runs
+            everywhere), ``flash_attn`` (the flash-attn package on CUDA in bf16/fp16, for blocks
+            without a document or padding mask; ``sdpa`` for those) or ``flex`` (flex_attention
+            on CUDA, documents included). See ``lit_ablate.models.block_kernels``.
         cp_layout: ``zigzag`` (each rank holds a head and a tail chunk: equal causal attention
             work on every rank) or ``contiguous`` (rank r holds the r-th slice: the last rank does
             ``2 cp - 1`` times the attention work of the first).
@@ -67,21 +71,21 @@ class ContextParallelStrategy(FSDP2Strategy):
     """
 
     def __init__(self, cp: int = -1, cp_impl: ContextParallelImpl = "ring", cp_layout: LayoutName = "zigzag",
-                 dp_shard: int = 1, **kwargs: Any) -> None:  # fmt: skip
+                 dp_shard: int = 1, cp_block_kernel: BlockKernelName = "sdpa", **kwargs: Any) -> None:  # fmt: skip
         if cp_impl not in CONTEXT_PARALLEL_BACKENDS:
             raise ConfigError(f"{STRATEGY_KEY}.cp_impl", cp_impl, f"choose one of {sorted(CONTEXT_PARALLEL_BACKENDS)}")
         if cp_layout not in LAYOUTS:
             raise ConfigError(f"{STRATEGY_KEY}.cp_layout", cp_layout, f"choose one of {list(LAYOUTS)}")
+        if cp_block_kernel not in BLOCK_KERNELS:
+            raise ConfigError(KERNEL_KEY, cp_block_kernel, f"choose one of {list(BLOCK_KERNELS)}")
         super().__init__(cp=cp, dp_shard=dp_shard, **kwargs)
         self.cp_impl = cp_impl
         self.cp_layout = cp_layout
+        self.cp_block_kernel = cp_block_kernel
         self._cp_models: list[CausalLMWithLoss] = []
 
     def setup_environment(self) -> None:
-        if self.root_device.type not in BLOCK_KERNELS:
-            raise ConfigError("trainer.accelerator", self.root_device.type,
-                              f"context-parallel attention has block kernels for {' and '.join(BLOCK_KERNELS)} "
-                              "devices only (ATen's CPU flash op, torch's CUDA memory-efficient op); use one of them")
+        self.block_kernel = block_kernel(self.cp_block_kernel, self.root_device)  # refused here, before any work
         super().setup_environment()
 
     @property
@@ -104,7 +108,7 @@ class ContextParallelStrategy(FSDP2Strategy):
         """Attach the ``cp`` group and layout to every attention module (read by the ``ring`` and
         ``allgather`` backends), and remember the model so steps switch its attention to ``cp_impl``."""
         group = self.device_mesh["cp"].get_group() if self.mesh_sizes["cp"] > 1 else None
-        context = ContextParallelGroup(group, self.layout, self.cp_rank)
+        context = ContextParallelGroup(group, self.layout, self.cp_rank, self.block_kernel)
         for module in attention_modules(model):
             setattr(module, CONTEXT_PARALLEL_ATTRIBUTE, context)
         self._cp_models.append(model)
