@@ -801,8 +801,12 @@ def pipeline_of(config: dict, world_size: int | None = None) -> dict[str, Any]:
         return {}
     from lit_ablate.errors import ConfigError
 
+    if instance.dp_shard > 1:
+        raise ConfigError("trainer.strategy.init_args.dp_shard", instance.dp_shard,
+                          "the estimate does not model FSDP inside pipeline stages (gathered layers, full gradients "
+                          "until the last micro-batch); estimate with dp_shard: 1 for the stage's unsharded bytes")
     world_size = world_size or world_size_of(config)
-    pp = instance.requested_pp if instance.requested_pp != -1 else world_size
+    pp = instance.requested_pp if instance.requested_pp != -1 else world_size // instance.dp_replicate  # per replica
     if world_size % pp:
         raise ConfigError("trainer.strategy.init_args.pp", pp, f"use a divisor of the world size ({world_size})")
     points = None if instance.split_points is None else tuple(instance.split_points)

@@ -25,6 +25,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+from torch.distributed.tensor import DTensor
 
 from lit_ablate.callbacks import RunRecorder
 from lit_ablate.data import LMDataModule, SyntheticText
@@ -79,8 +80,9 @@ def train_one_process(preset: str) -> dict:
 
 
 def _pipeline_run(rank: int, world_size: int, preset: str, strategy_kwargs: dict) -> dict:
-    """``STEPS`` SGD steps of the 4-row batch; with ``dp_replicate`` replicas, each reads its share of the rows."""
-    replicas = strategy_kwargs.get("dp_replicate", 1)
+    """``STEPS`` SGD steps of the 4-row batch; with ``dp_replicate`` replicas or ``dp_shard`` ranks,
+    each data-parallel rank reads its share of the rows. Weights are returned whole (FSDP's gathered)."""
+    replicas = strategy_kwargs.get("dp_replicate", 1) * strategy_kwargs.get("dp_shard", 1)
     strategy = PipelineParallelStrategy(pp=world_size // replicas, **strategy_kwargs)
     strategy.build_mesh("cpu", world_size)
     model = strategy.parallelize(build(preset, meta=rank != 0))
@@ -97,7 +99,9 @@ def _pipeline_run(rank: int, world_size: int, preset: str, strategy_kwargs: dict
         optimizer.zero_grad()
         losses.append(objective.last_step_loss.item())
     return {"losses": losses, "stage_layers": strategy.stage_layers,
-            "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+            "local_numel": sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters()),
+            "weights": {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+                        for k, v in model.state_dict().items()}}
 
 
 def _two_ranks(rank: int, world_size: int) -> dict:
@@ -165,19 +169,23 @@ def test_stages_hold_the_split_layers(two_ranks):
 
 # ---------------------------------------------------------------- under a Lightning Trainer
 class Seen(Callback):
+    """This rank's loss of each step, and its loss sum and useful tokens (data-parallel ranks add theirs)."""
+
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.sums: list[tuple[float, float]] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append((outputs["loss_sum"] / outputs["useful_tokens"]).item())
+        self.sums.append((outputs["loss_sum"].item(), float(outputs["useful_tokens"])))
 
 
-def fit(strategy, devices: int, root: Path, steps: int = 3, ckpt_path: str | None = None) -> Seen:
+def fit(strategy, devices: int, root: Path, steps: int = 3, ckpt_path: str | None = None, batch_size: int = 2) -> Seen:
     pl.seed_everything(0, verbose=False)
     # Adam amplifies the summation-order difference of micro-batches: at 1e-2 the third loss drifted 8e-5
     # (one process splitting its own batch in two drifts 5e-6 the same way); the SGD tests above are exact.
     module = CausalLM(ModelFactory(preset="tiny-llama"), learning_rate=1e-3, warmup_steps=1)
-    data = LMDataModule(SyntheticText(num_documents=40), seq_len=32, batch_size=2)
+    data = LMDataModule(SyntheticText(num_documents=40), seq_len=32, batch_size=batch_size)
     seen = Seen()
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, callbacks=[seen],
@@ -248,7 +256,8 @@ def test_the_record_shows_the_pipeline_bubble(tmp_path):
 # ---------------------------------------------------------------- refusals and the split, one process
 @pytest.mark.parametrize(
     ("kwargs", "key"),
-    [({"tp": 2}, "init_args.tp"), ({"dp_shard": 2}, "init_args.dp_shard"), ({"schedule": "zb"}, "init_args.schedule"),
+    [({"tp": 2}, "init_args.tp"), ({"dp_shard": 2, "dp_replicate": 2}, "init_args.dp_shard"),
+     ({"dp_shard": 2, "schedule": "interleaved_1f1b", "stages_per_rank": 2}, "init_args.dp_shard"), ({"schedule": "zb"}, "init_args.schedule"),
      ({"schedule": "interleaved_1f1b"}, "init_args.stages_per_rank"), ({"stages_per_rank": 2}, "init_args.stages_per_rank"),
      ({"microbatches": 0}, "init_args.microbatches"), ({"pp": 0}, "init_args.pp")],
 )

@@ -2,7 +2,8 @@
 
 ``convert_fp8(model, Fp8Options(recipe="rowwise"), emulate)`` swaps the chosen ``nn.Linear``
 layers for torchao's ``Float8Linear`` (``convert_to_float8_training``) and gives loop MoE experts the
-same fp8 matmul (torchao's ``matmul_with_hp_or_float8_args``, the function ``Float8Linear`` calls).
+same fp8 matmul (torchao's ``matmul_with_hp_or_float8_args``, the function ``Float8Linear`` calls);
+grouped MoE experts run torchao's rowwise scaled grouped matmul (``fp8_grouped_experts``).
 Weights stay in the model's dtype (the master copy the optimizer updates); each matmul casts its
 operands to fp8 with a fresh scale (e4m3 inputs/weights; gradients e5m2 under ``tensorwise``,
 e4m3 under the rowwise recipes) and returns the high-precision result.
@@ -62,7 +63,8 @@ class Fp8Options:
         fsdp_all_gather: under FSDP2, all-gather weights in fp8 (tensorwise only).
         target_modules: linear layers to convert, by name or name suffix, or ``all-linear``
             (every eligible one: not the LM head, routers or layers with a size not a multiple of 16).
-            Loop MoE experts convert under ``all-linear`` or when ``experts`` is named.
+            MoE experts (loop; grouped with the rowwise recipe) convert under ``all-linear`` or when
+            ``experts`` is named.
         skip: layers kept in high precision, by name or name suffix (the LM head by default).
     """
 
@@ -144,7 +146,7 @@ def fp8_linear_names(model: nn.Module, options: Fp8Options) -> list[str]:
 
 
 def convert_fp8(model: nn.Module, options: Fp8Options, emulate: bool) -> list[str]:
-    """Convert ``model``'s chosen linear layers (and loop MoE experts) to fp8 training, in place;
+    """Convert ``model``'s chosen linear layers (and MoE experts) to fp8 training, in place;
     returns the names of what was converted.
 
     Call it on the built model before adapters are injected and before any sharding (the ``meta``
@@ -152,6 +154,7 @@ def convert_fp8(model: nn.Module, options: Fp8Options, emulate: bool) -> list[st
     """
     from torchao.float8 import convert_to_float8_training
 
+    from lit_ablate.models.fp8_grouped_experts import convert_grouped_experts
     from lit_ablate.models.moe import OPTIONS_KEY as MOE_KEY
     from lit_ablate.models.moe_experts import RoutedExperts
 
@@ -167,16 +170,16 @@ def convert_fp8(model: nn.Module, options: Fp8Options, emulate: bool) -> list[st
         if not isinstance(module, RoutedExperts):
             raise ConfigError(MOE_KEY, None, f"{name}: transformers' own experts ({type(module).__name__}) would stay in "
                               "high precision under fp8; set moe: {experts: loop} (or add experts to fp8 skip)")
-        if module.implementation != "loop":
-            raise ConfigError(f"{MOE_KEY}.experts", module.implementation,
-                              "fp8 experts run through torchao's Float8Linear matmul one expert at a time; torchao's "
-                              "scaled grouped matmul is a GPU-only prototype not wired in here: use experts: loop "
-                              "(or add experts to fp8 skip)")  # fmt: skip
         hidden, intermediate = module.down_proj.shape[1], module.down_proj.shape[2]
         problem = _alignment_problem(hidden, intermediate)
         if problem:
             raise ConfigError(OPTIONS_KEY, options.target_modules, f"{name}: {problem}; add experts to fp8 skip")
-        module.linear = Fp8Matmul(config)
+        if module.implementation == "grouped":
+            convert_grouped_experts(name, module, options.recipe, emulate, config, OPTIONS_KEY)
+        elif module.implementation == "loop":
+            module.linear = Fp8Matmul(config)
+        else:
+            raise ConfigError(f"{MOE_KEY}.experts", module.implementation, "fp8 experts run loop or grouped; use one of them")
         names.append(name)
     if not names:
         raise ConfigError(f"{OPTIONS_KEY}.target_modules", options.target_modules,
@@ -207,7 +210,8 @@ def is_fp8(module: nn.Module) -> bool:
     """Whether ``module`` holds layers converted by ``convert_fp8``."""
     from torchao.float8.float8_linear import Float8Linear
 
-    return any(isinstance(m, Float8Linear) or isinstance(getattr(m, "linear", None), Fp8Matmul) for m in module.modules())
+    return any(isinstance(m, Float8Linear) or isinstance(getattr(m, "linear", None), Fp8Matmul)
+               or getattr(m, "grouped_mm", None) is not None for m in module.modules())  # fmt: skip
 
 
 def precompute_fp8_scales(module: nn.Module) -> None:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
@@ -76,28 +79,41 @@ class FSDP2Strategy(MeshStrategy):
 
     def fsdp_kwargs(self) -> dict:
         """The ``fully_shard`` arguments every unit gets (mesh, resharding, precision, offload)."""
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-
-        mp_policy = MixedPrecisionPolicy(
-            param_dtype=DTYPES[self.param_dtype] if self.param_dtype else None,
-            reduce_dtype=DTYPES[self.reduce_dtype] if self.reduce_dtype else None,
-        )
-        return {
-            "mesh": self.fsdp_mesh,
-            "reshard_after_forward": self.reshard_after_forward,
-            "mp_policy": mp_policy,
-            "offload_policy": CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy(),
-        }
+        return fsdp_arguments(self.fsdp_mesh, self.reshard_after_forward, self.param_dtype, self.reduce_dtype,
+                              self.cpu_offload)
 
     def apply_fsdp(self, model: CausalLMWithLoss) -> None:
-        """One FSDP unit per decoder layer (its all-gather overlaps the previous layer's compute),
-        then the root for what is left: embeddings, final norm, LM head. ``logits`` (evaluation)
-        is registered as a forward too, so it gathers the root's parameters like ``forward``."""
-        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+        """Each decoder layer, then the root (``shard_layers_then_root``). ``logits`` (evaluation) is
+        registered as a forward too, so it gathers the root's parameters like ``forward``."""
+        from torch.distributed.fsdp import register_fsdp_forward_method
 
-        kwargs = self.fsdp_kwargs()
-        for layer in decoder_layers(model):
-            fully_shard(layer, **kwargs)
-        fully_shard(model, **kwargs)
+        shard_layers_then_root(decoder_layers(model), model, self.fsdp_kwargs())
         register_fsdp_forward_method(model, "logits")
 
+
+def fsdp_arguments(mesh: DeviceMesh, reshard_after_forward: bool, param_dtype: DTypeName | None = None,
+                   reduce_dtype: DTypeName | None = None, cpu_offload: bool = False) -> dict:
+    """``fully_shard``'s keyword arguments from lit-ablate's options (shared with the pipeline's stages)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=DTYPES[param_dtype] if param_dtype else None,
+        reduce_dtype=DTYPES[reduce_dtype] if reduce_dtype else None,
+    )
+    return {
+        "mesh": mesh,
+        "reshard_after_forward": reshard_after_forward,
+        "mp_policy": mp_policy,
+        "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+    }
+
+
+def shard_layers_then_root(layers: Iterable[nn.Module], root: nn.Module, kwargs: dict) -> None:
+    """One FSDP unit per decoder layer (its all-gather overlaps the previous layer's compute), then
+    ``root`` for the parameters left (embeddings, final norm, LM head): the order FSDP2 needs, since a
+    unit takes every parameter below it that no inner unit holds."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(root, **kwargs)

@@ -12,6 +12,12 @@ micro-batch's token-loss *sum* divided by the run constant ``c``, and after the 
 multiplies its gradients by ``c / N`` (``N``: the step's useful tokens, which every rank counts
 itself, since every rank reads the same batch). The step's loss sum is broadcast from the last
 stage, so every rank logs and records the same loss.
+
+Beside ``pp``, data parallelism reads different batches on ``dp_replicate`` or ``dp_shard`` ranks:
+replicas hold whole stages and average their gradients with one all-reduce after the schedule;
+``dp_shard`` ranks shard each stage with FSDP2 (torchtitan's 2-D PP x FSDP), whose reduce-scatter
+``PipelineStage`` defers to the step's last micro-batch. Either way ``N`` is counted over the
+data-parallel ranks and ``StepObjective`` undoes the average's division by their number once.
 """
 
 from __future__ import annotations
@@ -27,12 +33,14 @@ import torch.distributed as dist
 from lightning.pytorch import Trainer
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lit_ablate.callbacks.pipeline_bubble import PipelineBubbleMonitor
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
 from lit_ablate.models.losses import IGNORE_INDEX
 from lit_ablate.modules.step_objective import StepObjective, _agreed_power_of_two
+from lit_ablate.strategies.fsdp2 import fsdp_arguments, shard_layers_then_root
 from lit_ablate.strategies.mesh import MESH_DIMS, STRATEGY_KEY, MeshStrategy
 
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
@@ -48,8 +56,11 @@ class PipelineParallelStrategy(MeshStrategy):
     layers do not fit one device. The stages of a pipeline read the same batch; the
     ``microbatches`` of a step flow through them under the schedule. ``dp_replicate`` copies of the
     pipeline read different batches (data parallelism: each stage's gradients are averaged over its
-    replicas). Built: world size = ``dp_replicate x pp`` (no sharded data, tensor, context or expert
-    parallelism beside it), Llama and Qwen3 dense models without tied embeddings, unpacked batches,
+    replicas), and so do ``dp_shard`` copies, which shard each stage's parameters, gradients and
+    optimizer states over themselves with FSDP2 (each of the stage's decoder layers, then the rest
+    of the stage). Built: world size = ``dp_replicate x pp`` or ``dp_shard x pp`` (not both, and no
+    tensor, context or expert parallelism beside them; ``dp_shard`` with one stage per rank only),
+    Llama and Qwen3 dense models without tied embeddings, unpacked batches,
     no gradient clipping, no gradient accumulation (micro-batches play that part), no validation or
     test loop, and only ``CausalLM`` (not ``DPO``); the rest is refused with the key to change.
 
@@ -64,7 +75,12 @@ class PipelineParallelStrategy(MeshStrategy):
             count, embeddings counted on the first stage and norm + LM head on the last.
         stages_per_rank: stages each rank holds (2 or more: ``interleaved_1f1b`` only).
         dp_replicate: pipeline replicas, each reading its own batches.
-        dp_shard, cp, tp, ep: must be 1 (accepted so a config that sets them is refused by name).
+        dp_shard: ranks sharding each stage with FSDP2, each reading its own batches.
+        reshard_after_forward: with ``dp_shard``, free a layer's gathered parameters after each
+            micro-batch's forward (one all-gather per micro-batch and pass) or keep them gathered
+            until the step's last backward (the default, as torchtitan under pp: two all-gathers
+            fewer per micro-batch, the stage's full parameters held during the step).
+        cp, tp, ep: must be 1 (accepted so a config that sets them is refused by name).
         process_group_backend, timeout_s: see ``MeshStrategy``. Checkpoints are sharded DCP folders
             (each stage writes its own weights and optimizer state).
     """
@@ -78,13 +94,14 @@ class PipelineParallelStrategy(MeshStrategy):
         stages_per_rank: int = 1,
         dp_replicate: int = 1,
         dp_shard: int = 1,
+        reshard_after_forward: bool = False,
         cp: int = 1,
         tp: int = 1,
         ep: int = 1,
         process_group_backend: str | None = None,
         timeout_s: float = 1800.0,
     ) -> None:
-        for key, size in (("dp_shard", dp_shard), ("cp", cp), ("tp", tp), ("ep", ep)):
+        for key, size in (("cp", cp), ("tp", tp), ("ep", ep)):
             if size != 1:
                 raise ConfigError(f"{STRATEGY_KEY}.{key}", size,
                                   "PipelineParallelStrategy does not compose with other mesh dimensions yet; use 1")
@@ -103,7 +120,15 @@ class PipelineParallelStrategy(MeshStrategy):
             raise ConfigError(f"{STRATEGY_KEY}.microbatches", microbatches, "use 1 or more micro-batches")
         if not isinstance(dp_replicate, int) or dp_replicate < 1:
             raise ConfigError(f"{STRATEGY_KEY}.dp_replicate", dp_replicate, "use 1 or more pipeline replicas")
+        if not isinstance(dp_shard, int) or dp_shard < 1 or (dp_shard > 1 and dp_replicate > 1):
+            raise ConfigError(f"{STRATEGY_KEY}.dp_shard", dp_shard,
+                              "use 1 or more sharding ranks, and 1 beside dp_replicate > 1 (HSDP stages are not built)")
+        if dp_shard > 1 and interleaved:
+            raise ConfigError(f"{STRATEGY_KEY}.dp_shard", dp_shard,
+                              "FSDP stages are built for one stage per rank; use gpipe or 1f1b, or dp_shard: 1")
         self.dp_replicate = dp_replicate
+        self.dp_shard = dp_shard
+        self.reshard_after_forward = reshard_after_forward
         self.requested_pp = pp
         self.schedule_name = schedule
         self.microbatches = microbatches
@@ -113,6 +138,7 @@ class PipelineParallelStrategy(MeshStrategy):
         self.stage_layers: list[int] = []
         self._schedule = None
         self._pipelined: CausalLMWithLoss | None = None
+        self._last_module: StageModule | None = None
         self._loss_scale = 1.0
         self._pending_gradients: list[tuple[nn.Parameter, Tensor]] = []
         self._compute_timer: ChunkTimer | None = None
@@ -121,13 +147,13 @@ class PipelineParallelStrategy(MeshStrategy):
 
     # ---------------------------------------------------------------- the mesh
     def build_mesh(self, device_type: str, world_size: int) -> DeviceMesh:
-        """A ``(dp_replicate, pp)`` mesh: ``dp_replicate`` copies of the pipeline, each over ``pp`` ranks."""
-        replicas = self.dp_replicate
-        pp = world_size // replicas if self.requested_pp == -1 else self.requested_pp
-        if pp * replicas != world_size:
+        """A ``(dp_replicate, dp_shard, pp)`` mesh: a copy of the pipeline over ``pp`` ranks per data-parallel rank."""
+        replicas, shards = self.dp_replicate, self.dp_shard
+        pp = world_size // (replicas * shards) if self.requested_pp == -1 else self.requested_pp
+        if pp * replicas * shards != world_size:
             raise ConfigError(f"{STRATEGY_KEY}.pp", self.requested_pp,
-                              f"the world size (devices x nodes) is {world_size}; pp x dp_replicate "
-                              f"({replicas}) must equal it (pp: -1 takes the ranks left)")
+                              f"the world size (devices x nodes) is {world_size}; pp x dp_replicate x dp_shard "
+                              f"({replicas * shards}) must equal it (pp: -1 takes the ranks left)")
         if self.schedule_name == "1f1b" and self.microbatches < pp:
             raise ConfigError(f"{STRATEGY_KEY}.microbatches", self.microbatches,
                               f"1f1b needs at least pp={pp} micro-batches to fill the pipeline; raise it or use gpipe")
@@ -137,15 +163,17 @@ class PipelineParallelStrategy(MeshStrategy):
                               f"interleaved_1f1b runs rounds of pp={pp} micro-batches: use a multiple of {pp}, "
                               f"or fewer than {pp}")
         self.pp = pp
-        self.mesh_sizes = {**dict.fromkeys(MESH_DIMS, 1), "dp_replicate": replicas}
-        self._device_mesh = init_device_mesh(device_type, (replicas, pp), mesh_dim_names=("dp_replicate", "pp"))
+        self.mesh_sizes = {**dict.fromkeys(MESH_DIMS, 1), "dp_replicate": replicas, "dp_shard": shards}
+        self._device_mesh = init_device_mesh(device_type, (replicas, shards, pp),
+                                             mesh_dim_names=("dp_replicate", "dp_shard", "pp"))
         self.stage_index = self._device_mesh.get_local_rank("pp")
         return self._device_mesh
 
     @property
     def data_parallel_rank(self) -> int:
-        """The replica: every stage of one pipeline reads the same batch."""
-        return self._device_mesh.get_local_rank("dp_replicate")
+        """The pipeline's data-parallel index: every stage of one pipeline reads the same batch."""
+        mesh = self._device_mesh
+        return mesh.get_local_rank("dp_replicate") * self.dp_shard + mesh.get_local_rank("dp_shard")
 
     @property
     def batch_replicas(self) -> int:
@@ -154,10 +182,13 @@ class PipelineParallelStrategy(MeshStrategy):
 
     @property
     def gradient_mean_group(self) -> tuple[dist.ProcessGroup | None, int]:
-        """The same stage of every replica: their gradients are averaged (``pipeline_forward_backward``)."""
-        if self.dp_replicate == 1:
-            return None, 1
-        return self._device_mesh.get_group("dp_replicate"), self.dp_replicate
+        """The same stage of every data-parallel rank: their gradients are averaged (by
+        ``average_over_replicas``, or by FSDP's reduce-scatter, which divides by ``dp_shard``)."""
+        if self.dp_shard > 1:
+            return self._device_mesh.get_group("dp_shard"), self.dp_shard
+        if self.dp_replicate > 1:
+            return self._device_mesh.get_group("dp_replicate"), self.dp_replicate
+        return None, 1
 
     @property
     def schedule_bubble(self) -> float:
@@ -194,7 +225,8 @@ class PipelineParallelStrategy(MeshStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Each stage reads its own weights and optimizer state from the sharded folder.
 
-        Lightning's loader looks for a module with DTensor parameters; a stage's are plain tensors.
+        Lightning's loader looks for a module with DTensor parameters; a stage's are plain tensors
+        (or, under ``dp_shard``, FSDP's DTensor shards, which DCP reads the same way).
         """
         from lightning.fabric.strategies.model_parallel import _METADATA_FILENAME
         from torch.distributed.checkpoint import load
@@ -256,13 +288,16 @@ class PipelineParallelStrategy(MeshStrategy):
         everything = dict(itertools.chain(model.named_parameters(), model.named_buffers()))
         everything = {name: (t.shape, t.dtype, t if not t.is_meta else None) for name, t in everything.items()}
         self._keep_stage(model, layers)
+        modules = {s: StageModule(model, first=s == 0, last=s == stages - 1,
+                                  layers=None if self.stages_per_rank == 1 else stage_layers[s]) for s in own}
+        self._last_module = modules[max(own)]
+        if self.dp_shard > 1:
+            self._shard_stage(modules[self.stage_index], [layers[i] for i in self.stage_layers])
         self._fill_from_rank0(model, everything)
         self._compute_timer = ChunkTimer(self._mesh_device())
         pipeline_stages = []
-        for s in own:
-            view = None if self.stages_per_rank == 1 else stage_layers[s]
-            stage = PipelineStage(StageModule(model, first=s == 0, last=s == stages - 1, layers=view), s, stages,
-                                  self._mesh_device(), group=self.device_mesh.get_group("pp"))
+        for s, module in modules.items():
+            stage = PipelineStage(module, s, stages, self._mesh_device(), group=self.device_mesh.get_group("pp"))
             for name in ("forward_one_chunk", "backward_one_chunk"):
                 setattr(stage, name, self._compute_timer.timed(getattr(stage, name)))
             pipeline_stages.append(stage)
@@ -278,6 +313,15 @@ class PipelineParallelStrategy(MeshStrategy):
         self._pipelined = model
         model.parallelized_by = type(self).__name__
         return model
+
+    def _shard_stage(self, module: StageModule, layers: list[nn.Module]) -> None:
+        """FSDP2 over ``dp_shard``: the stage's layers, then its module (the root ``PipelineStage``
+        recognises, holding the embeddings or the norm and LM head), whose ``head_loss``, which the
+        schedule calls outside the forward, gathers the LM head like a forward."""
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        shard_layers_then_root(layers, module, fsdp_arguments(self.device_mesh["dp_shard"], self.reshard_after_forward))
+        register_fsdp_forward_method(module, "head_loss")
 
     def check_model(self, model: CausalLMWithLoss) -> None:
         """Refuse what the stage split cannot hold (each with the key to change)."""
@@ -309,7 +353,8 @@ class PipelineParallelStrategy(MeshStrategy):
             model.lm.lm_head = None
 
     def _fill_from_rank0(self, model: CausalLMWithLoss, everything: dict[str, tuple]) -> None:
-        """Rank 0 built the whole model: broadcast every tensor, each rank keeps those of its stage."""
+        """Rank 0 built the whole model: broadcast every tensor, each rank keeps those of its stage
+        (its own shard of them under ``dp_shard``)."""
         device = self._mesh_device()
         if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
             model.to_empty(device=device)
@@ -318,15 +363,15 @@ class PipelineParallelStrategy(MeshStrategy):
             value = full.detach().to(device) if full is not None else torch.empty(shape, dtype=dtype, device=device)
             dist.broadcast(value, src=0)
             if name in local:
+                target = local[name]
+                if isinstance(target, DTensor):  # FSDP's shard: this rank's piece of the full value, no communication
+                    value = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
                 with torch.no_grad():
-                    local[name].copy_(value)
+                    target.copy_(value)
 
     def _last_stage_loss(self, hidden: Tensor, labels: Tensor) -> Tensor:
         """One micro-batch's token-loss sum over the run constant ``c`` (the schedule backpropagates it)."""
-        head = self._pipelined.lm.get_output_embeddings()
-        hidden = hidden.reshape(-1, hidden.shape[-1])
-        loss_sum = self._pipelined.loss_fn(hidden, head.weight, labels.reshape(-1), head.bias)
-        return loss_sum / self._loss_scale
+        return self._last_module.head_loss(hidden, labels) / self._loss_scale
 
     # ---------------------------------------------------------------- one step
     def pipeline_forward_backward(self, model: CausalLMWithLoss, batch: dict[str, Any],
@@ -371,10 +416,11 @@ class PipelineParallelStrategy(MeshStrategy):
 
     def average_over_replicas(self, model: CausalLMWithLoss) -> None:
         """Average each stage's gradients over the pipeline replicas (one flat all-reduce per stage:
-        gloo has no averaging reduction, so a sum divided by the replicas)."""
+        gloo has no averaging reduction, so a sum divided by the replicas). Sharded stages are
+        averaged already: FSDP reduce-scattered them at the schedule's last backward."""
         group, replicas = self.gradient_mean_group
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        if group is None or not grads:
+        if group is None or self.dp_shard > 1 or not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=group)
@@ -445,6 +491,12 @@ class StageModule(nn.Module):
         # A plain list, not a ModuleList: the layers stay registered once, under the decoder.
         self._view = None if layers is None else [
             layer if index in layers else PassThrough() for index, layer in enumerate(decoder.layers)]
+
+    def head_loss(self, hidden: Tensor, labels: Tensor) -> Tensor:
+        """The last stage's token-loss sum of its output (final norm applied) through the LM head."""
+        head = self.model.lm.get_output_embeddings()
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        return self.model.loss_fn(hidden, head.weight, labels.reshape(-1), head.bias)
 
     def forward(self, x: Tensor) -> Tensor:
         inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
