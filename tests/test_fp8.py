@@ -105,10 +105,10 @@ def test_real_kernels_on_a_cpu_are_refused_and_auto_emulates():
     assert resolve_emulation(Fp8Options(), torch.device("cpu"))[0] is True
 
 
-def test_fp8_with_quantised_weights_grouped_experts_or_all_gather_without_fsdp2_is_refused():
+def test_fp8_with_quantised_weights_tensorwise_grouped_experts_or_all_gather_without_fsdp2_is_refused():
     with pytest.raises(ConfigError, match="fp8 and model.init_args.model.quantization both replace"):
         ModelFactory(preset="tiny-llama", fp8={}, adapter={}, quantization={"bits": 4})
-    with pytest.raises(ConfigError, match=r"moe.experts.*grouped.*use experts: loop"):
+    with pytest.raises(ConfigError, match=r"fp8.recipe='tensorwise'.*grouped matmul.*rowwise recipe only; use recipe: rowwise"):
         ModelFactory(preset="tiny-qwen3-moe", config=TINY, moe={"experts": "grouped"}, fp8={}).build()
     with pytest.raises(ConfigError, match=r"fsdp_all_gather.*SingleDeviceStrategy gathers nothing"):
         fit(steps=1, fp8={"fsdp_all_gather": True})

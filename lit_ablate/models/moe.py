@@ -150,7 +150,8 @@ def collect_aux_losses(module: nn.Module) -> dict[str, Tensor]:
 
 
 def experts_fallbacks(module: nn.Module) -> list[str]:
-    """Distinct reasons why ``grouped`` experts ran the padded-bmm fallback (for the run record)."""
+    """Distinct reasons why ``grouped`` experts ran something other than torch's grouped matmul (the
+    padded-bmm fallback, fp8 emulation), for the run record."""
     return sorted({b.experts.fallback for b in moe_blocks(module) if b.experts.fallback})
 
 

@@ -63,12 +63,18 @@ def padded_bmm_experts(tokens: Tensor, counts: Tensor, gate_up: Tensor, down: Te
 
     A zero row gives ``act(0) * 0 = 0``, so padding contributes nothing to outputs or gradients.
     """
-    num_experts, rows = counts.numel(), tokens.shape[0]
-    expert = torch.repeat_interleave(torch.arange(num_experts, device=tokens.device), counts, output_size=rows)
-    slot = torch.arange(rows, device=tokens.device) - (counts.cumsum(0) - counts)[expert]
+    num_experts = counts.numel()
+    expert, slot = expert_slots(counts, tokens.shape[0])
     padded = tokens.new_zeros(num_experts, int(counts.max()), tokens.shape[1]).index_put((expert, slot), tokens)
     gate, up = torch.bmm(padded, gate_up.transpose(-2, -1)).chunk(2, dim=-1)
     return torch.bmm(act(gate) * up, down.transpose(-2, -1))[expert, slot]
+
+
+def expert_slots(counts: Tensor, rows: int) -> tuple[Tensor, Tensor]:
+    """For ``rows`` token copies sorted by expert (``counts`` per expert): each copy's expert and its
+    index within that expert's rows, without a host sync."""
+    expert = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts, output_size=rows)
+    return expert, torch.arange(rows, device=counts.device) - (counts.cumsum(0) - counts)[expert]
 
 
 def grouped_mm_unsupported(tokens: Tensor, gate_up: Tensor, down: Tensor) -> str | None:
@@ -120,6 +126,10 @@ class RoutedExperts(nn.Module):
         """Why ``grouped`` ran the padded-bmm path, if it did (for the run record)."""
         self.linear: Callable[[Tensor, Tensor], Tensor] = F.linear
         """The matmul ``loop`` calls per expert (fp8 conversion replaces it)."""
+        self.grouped_mm: ExpertsFn | None = None
+        """What ``grouped`` runs instead of torch's grouped matmul, and ``grouped_mm_note`` why (fp8
+        conversion sets them: ``lit_ablate.models.fp8_grouped_experts``)."""
+        self.grouped_mm_note: str | None = None
         self.adapters: nn.Module | None = None
         """Expert LoRA (``lit_ablate.models.expert_adapters.ExpertLoRA``), set by ``apply_adapters``."""
 
@@ -140,6 +150,9 @@ class RoutedExperts(nn.Module):
     def _experts_fn(self, tokens: Tensor, gate_up: Tensor, down: Tensor) -> ExpertsFn:
         if self.implementation == "loop":
             return functools.partial(loop_experts, linear=self.linear)
+        if self.grouped_mm is not None:
+            self.fallback = self.grouped_mm_note
+            return self.grouped_mm
         self.fallback = grouped_mm_unsupported(tokens, gate_up, down)
         if self.fallback is None:
             if torch.compiler.is_compiling() and tokens.dtype != torch.bfloat16:
