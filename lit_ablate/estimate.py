@@ -275,9 +275,11 @@ class TrainingShape:
         reference: DPO's reference model (``none`` for a language model): ``frozen`` keeps a second
             copy of the parameters, sharded like them, without gradients or optimizer states;
             ``precomputed`` (two fp32 numbers per pair) and ``adapter`` (the same weights) add nothing.
-        pipeline_parallel: pipeline stages (``PipelineParallelStrategy``'s pp); above 1, ``micro_batch``
+        pipeline_parallel: pipeline ranks (``PipelineParallelStrategy``'s pp); above 1, ``micro_batch``
             is the rows a step reads, run as ``microbatches`` pieces under ``pipeline_schedule``
-            (``gpipe`` or ``1f1b``), and the memory is the largest stage's (``pipeline_stage_estimates``).
+            (``gpipe``, ``1f1b`` or ``interleaved_1f1b``), and the memory is the largest rank's
+            (``pipeline_stage_estimates``).
+        pipeline_stages_per_rank: stages each pipeline rank holds (``interleaved_1f1b``'s ``stages_per_rank``).
         split_points: the stages' first decoder layers after the first stage; None: balanced by
             parameter count as the strategy balances them.
     """
@@ -302,6 +304,7 @@ class TrainingShape:
     reference: str = "none"
     pipeline_parallel: int = 1
     pipeline_schedule: str = "1f1b"
+    pipeline_stages_per_rank: int = 1
     microbatches: int = 1
     split_points: tuple[int, ...] | None = None
 
@@ -492,7 +495,7 @@ def estimate_memory(counts: ParameterCounts, shape: ModelShape, training: Traini
 
 
 # --- pipeline parallelism -------------------------------------------------------------------------
-PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 LOSS_LOGIT_COPIES_KEPT = {"torch": 1.0}
 """fp32 ``[tokens, vocab]`` tensors a loss keeps from a micro-batch's forward to its backward (torch:
 the log-softmax; the other backends keep chunks' gradients, ``loss_gradient_bytes``, or nothing)."""
@@ -503,7 +506,7 @@ def pipeline_stage_layers(counts: ParameterCounts, shape: ModelShape, training: 
     ``split_points``, or balanced by parameter count (embeddings on the first stage, LM head on the last)."""
     from lit_ablate.strategies.pipeline_parallel import balanced_split_points, check_split_points
 
-    stages = training.pipeline_parallel
+    stages = training.pipeline_parallel * training.pipeline_stages_per_rank
     points = list(training.split_points) if training.split_points is not None else balanced_split_points(
         [shape.layer_params] * shape.layers, stages, counts.embedding, shape.vocab * shape.hidden)  # fmt: skip
     check_split_points(points, shape.layers, stages)
@@ -521,17 +524,17 @@ def pipeline_stage_parameters(counts: ParameterCounts, shape: ModelShape, traini
 
 def pipeline_stage_estimates(counts: ParameterCounts, shape: ModelShape, training: TrainingShape,
                              sharding: StateSharding) -> list[MemoryEstimate]:  # fmt: skip
-    """Bytes of each pipeline stage at its step's peak (``estimate_memory`` takes the largest).
+    """Bytes of each pipeline rank at its step's peak (``estimate_memory`` takes the largest).
 
-    A stage holds its parameters, gradients and optimizer states (``pipeline_stage_parameters``,
-    divided by ``sharding``). A step runs ``microbatches`` pieces of ``micro_batch / microbatches``
-    rows; a stage keeps what autograd saved for each piece whose forward ran and whose backward has
-    not: gpipe all ``m``, 1f1b at most ``pp - stage`` (the first stage ``pp``, the last one). Its
-    peak is that many pieces kept, one of them at its backward's peak (``activation_bytes``); the
-    last stage's pieces also keep the final norm's tensors and the loss's (``LOSS_LOGIT_COPIES_KEPT``,
-    ``loss_gradient_bytes``). Transient: the receive buffers torch's schedule allocates once per piece,
-    the previous stage's hidden states (all stages but the first) and their gradients from the next
-    (all but the last). Measured on 2 ranks in tests/test_pipeline_estimate.py.
+    A rank holds its stages' parameters, gradients and optimizer states (``pipeline_stage_parameters``,
+    divided by ``sharding``): one stage, or under ``interleaved_1f1b`` stages ``r, r + pp, ...``. A
+    step runs ``microbatches`` pieces of ``micro_batch / microbatches`` rows; a rank keeps what
+    autograd saved for each (stage, piece) whose forward ran and whose backward has not
+    (``pipeline_pieces_held``), one of them at its backward's peak (``activation_bytes``); the last
+    stage's pieces also keep the final norm's tensors and the loss's (``LOSS_LOGIT_COPIES_KEPT``,
+    ``loss_gradient_bytes``). Transient: the receive buffers torch's schedule allocates once per piece
+    and stage, the previous stage's hidden states (all stages but the first) and their gradients from
+    the next (all but the last). Measured on 2 ranks in tests/test_pipeline_estimate.py.
     """
     from lit_ablate.errors import ConfigError
 
@@ -544,32 +547,62 @@ def pipeline_stage_estimates(counts: ParameterCounts, shape: ModelShape, trainin
     boundary = tokens * shape.hidden * training.activation_bytes  # one piece's hidden states between stages
     full = (counts.total - counts.quantized) * training.param_bytes + counts.quantized_bytes
     stage_params = pipeline_stage_parameters(counts, shape, training)
-    pp = len(stage_params)
+    stage_layers = pipeline_stage_layers(counts, shape, training)
+    last = len(stage_params) - 1
+
+    def kept(stage: int) -> float:  # bytes per token one piece keeps on ``stage`` until its backward
+        bytes_ = stage_layers[stage] * layer_activation_elements(shape, piece) * training.activation_bytes
+        if stage == last:
+            bytes_ += (3 * shape.hidden * training.activation_bytes
+                       + LOSS_LOGIT_COPIES_KEPT.get(training.loss, 0.0) * shape.vocab / training.tensor_parallel * 4)
+            bytes_ += loss_gradient_bytes(shape, piece) / tokens
+        return bytes_
+
     estimates = []
-    for index, (params, layers) in enumerate(zip(stage_params, pipeline_stage_layers(counts, shape, training), strict=True)):
-        first, last = index == 0, index == pp - 1
-        in_flight = m if training.pipeline_schedule == "gpipe" else min(m, pp - index)
-        kept = layers * layer_activation_elements(shape, piece) * training.activation_bytes
-        if last:
-            kept += (3 * shape.hidden * training.activation_bytes
-                     + LOSS_LOGIT_COPIES_KEPT.get(training.loss, 0.0) * shape.vocab / training.tensor_parallel * 4)
-            kept += loss_gradient_bytes(shape, piece) / tokens
-        estimates.append(MemoryEstimate(  # each state's bytes in the stage's share of the parameters
+    for rank in range(training.pipeline_parallel):
+        own = range(rank, last + 1, training.pipeline_parallel)  # the rank's stages
+        *held, at_backward = pipeline_pieces_held(rank, training)
+        params = sum(stage_params[s] for s in own)
+        estimates.append(MemoryEstimate(  # each state's bytes in the rank's share of the parameters
             params=-(-(full * params // counts.total) // sharding.params),
             grads=-(-(counts.trainable * training.param_bytes * params // counts.total) // sharding.grads),
             optimizer=int(optimizer_bytes(counts, training)) * params // counts.total // sharding.optimizer,
-            activations=int((in_flight - 1) * kept * tokens)
-            + activation_bytes(replace(shape, layers=layers), piece, loss_head=last),
-            transient=m * boundary * ((not first) + (not last)),
+            activations=int(sum(kept(s) for s in held) * tokens)
+            + activation_bytes(replace(shape, layers=stage_layers[at_backward]), piece, loss_head=at_backward == last),
+            transient=m * boundary * sum((s != 0) + (s != last) for s in own),
         ))  # fmt: skip
     return estimates
 
 
+def pipeline_pieces_held(rank: int, training: TrainingShape) -> list[int]:
+    """The stage of each piece ``rank`` holds at its peak (forward run, backward not yet), the last
+    one the piece at its backward.
+
+    gpipe: all ``m`` pieces; 1f1b: ``min(m, pp - rank)`` (torch's warm-up of ``pp - rank - 1``
+    forwards, then one forward before each backward). interleaved_1f1b (torch's
+    ``ScheduleInterleaved1F1B``): a warm-up of ``W = (v - 1) p + 2 (pp - 1 - rank)`` forwards
+    (``p`` micro-batches per round, at most ``m v``) walking the rank's stages ``p`` pieces at a
+    time, then one more forward before the first backward, which is the rank's last stage's.
+    """
+    pp, v, m = training.pipeline_parallel, training.pipeline_stages_per_rank, training.microbatches
+    own = [rank + i * pp for i in range(v)]
+    if training.pipeline_schedule == "gpipe":
+        return [rank] * m
+    if training.pipeline_schedule == "1f1b":
+        return [rank] * min(m, pp - rank)
+    per_round = m // max(1, m // pp)
+    warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
+    forwards = [own[(k // per_round) % v] for k in range(min(warmup + 1, m * v))]
+    forwards.remove(own[-1])  # the piece at its backward: the first one of the last stage
+    return [*forwards, own[-1]]
+
+
 def pipeline_time_share(counts: ParameterCounts, shape: ModelShape, training: TrainingShape, seq_len: float,
                         config: PretrainedConfig) -> float:  # fmt: skip
-    """A pipeline step's time in units of the whole model's FLOPs on one rank: the largest stage's share
-    of the model FLOPs (its layers' matmuls and attention, the LM head on the last stage), stretched by
-    the schedule's ideal idle share, ``(m + pp - 1) / m`` for gpipe and 1f1b alike. 1 without a pipeline."""
+    """A pipeline step's time in units of the whole model's FLOPs on one rank: the busiest rank's share
+    of the model FLOPs (its stages' matmuls and attention, the LM head on the last stage), stretched by
+    the schedule's ideal idle share, ``(v m + pp - 1) / (v m)`` (``v`` stages per rank: 1 for gpipe and
+    1f1b). 1 without a pipeline."""
     if training.pipeline_parallel == 1:
         return 1.0
     layers = pipeline_stage_layers(counts, shape, training)
@@ -579,8 +612,9 @@ def pipeline_time_share(counts: ParameterCounts, shape: ModelShape, training: Tr
     root_matmul = counts.matmul - shape.layers * shape.layer_params  # the LM head and final norm
     stages = [(n * shape.layer_params + (root_matmul if i == len(layers) - 1 else 0)) / counts.matmul * matmul
               + n * attention for i, n in enumerate(layers)]  # fmt: skip
-    m, pp = training.microbatches, len(layers)
-    return max(stages) / whole * (m + pp - 1) / m
+    m, pp, v = training.microbatches, training.pipeline_parallel, training.pipeline_stages_per_rank
+    busiest = max(sum(stages[rank::pp]) for rank in range(pp))
+    return busiest / whole * (v * m + pp - 1) / (v * m)
 
 
 def _fp8_shard_cast(shape: ModelShape, training: TrainingShape, sharding: StateSharding) -> int:
@@ -811,7 +845,8 @@ def pipeline_of(config: dict, world_size: int | None = None) -> dict[str, Any]:
         raise ConfigError("trainer.strategy.init_args.pp", pp, f"use a divisor of the world size ({world_size})")
     points = None if instance.split_points is None else tuple(instance.split_points)
     return {"pipeline_parallel": pp, "pipeline_schedule": instance.schedule_name,
-            "microbatches": instance.microbatches, "split_points": points}
+            "pipeline_stages_per_rank": instance.stages_per_rank, "microbatches": instance.microbatches,
+            "split_points": points}
 
 
 def world_size_of(config: dict) -> int:
@@ -1019,8 +1054,9 @@ def _estimate_table(summary: dict[str, Any]) -> str:
         f"parameters {training['param_bytes']} B, activations {training['activation_bytes']} B, "
         f"optimizer {training['optimizer']}, checkpointing {training['checkpointing']}, "
         f"loss {training['loss']}, attention {training['attention']}."
-        + (f" Pipeline: {training['pipeline_parallel']} stages, {training['pipeline_schedule']}, "
-           f"{training['microbatches']} micro-batches per step; the configured row is the largest stage's."
+        + (f" Pipeline: {training['pipeline_parallel']} ranks x {training['pipeline_stages_per_rank']} stage(s), "
+           f"{training['pipeline_schedule']}, {training['microbatches']} micro-batches per step; the configured row "
+           "is the largest rank's."
            if training["pipeline_parallel"] > 1 else ""),
         "",
         f"Per rank at {summary['world_size']} rank(s), {unit}; last column: smallest number of "
