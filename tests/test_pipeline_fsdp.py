@@ -42,13 +42,17 @@ def test_pp2_x_dp_shard2_equals_one_process(reference):
     (each seen failing): each data-parallel rank normalising by its own tokens (StepObjective
     without the dp_shard group: third loss off by 0.28); FSDP's division by dp_shard left in
     (``gradient_mean_group`` of size 1: off by 0.11); the schedule's loss using the LM head outside
-    an FSDP forward (with resharding after forward: mixed Tensor and DTensor error)."""
+    an FSDP forward (with resharding after forward: mixed Tensor and DTensor error). The trained
+    copies then evaluate all four rows forward through the sharded stages: one process's loss within
+    1e-5, and the stages sharded again afterwards (seen failing without ``_reshard``: each rank held
+    its whole stage, 434688 parameters instead of 217376)."""
     ranks = run_ranks(_pp2_x_dp_shard2, 4, timeout_s=300)
     whole = sum(w.numel() for w in reference["weights"].values())
     for run in ("1f1b", "gpipe_reshard"):
         held = set()
         for result in (rank[run] for rank in ranks):
             torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=0, atol=ATOL)
+            assert result["eval"] == pytest.approx(reference["eval"], abs=ATOL)  # evaluation through sharded stages
             for name, weight in result["weights"].items():
                 if name in reference["weights"]:
                     torch.testing.assert_close(weight, reference["weights"][name], rtol=0, atol=ATOL, msg=name)
@@ -62,7 +66,7 @@ def _lightning_pp_x_dp_shard(rank: int, world_size: int, root: str) -> dict:
         return PipelineParallelStrategy(pp=2, dp_shard=2, schedule="1f1b", microbatches=2)
 
     whole = fit(strategy(), 4, Path(root) / "whole").sums
-    fit(strategy(), 4, Path(root) / "cut", steps=2)
+    fit(strategy(), 4, Path(root) / "cut", steps=2, validate=True)  # saved after an evaluation
     resumed = fit(strategy(), 4, Path(root) / "resumed", ckpt_path=str(Path(root) / "cut" / "last.ckpt")).sums
     return {"whole": whole, "resumed": resumed}
 
@@ -78,9 +82,10 @@ def test_lightning_fit_with_pp2_x_dp_shard2_equals_one_device(tmp_path):
     """Inside Lightning's loop, 2 sharded pipelines reading 2 rows each train one device's model on
     4 rows (the sampler gives the data-parallel ranks the one process's rows), and a run saved after
     2 steps (each rank writes its stage's shards) and resumed for a third continues as one device
-    resumed the same way. Seen failing with the resume not reading the checkpoint (off by 0.67)."""
+    resumed the same way, the cut run saving right after an evaluation through the sharded stages.
+    Seen failing with the resume not reading the checkpoint (off by 0.67)."""
     reference = fit("auto", 1, tmp_path / "one", batch_size=4)
-    fit("auto", 1, tmp_path / "one-cut", steps=2, batch_size=4)
+    fit("auto", 1, tmp_path / "one-cut", steps=2, batch_size=4, validate=True)
     resumed = fit("auto", 1, tmp_path / "one-resumed", ckpt_path=str(tmp_path / "one-cut" / "last.ckpt"),
                   batch_size=4).losses
     ranks = run_ranks(_lightning_pp_x_dp_shard, 4, str(tmp_path / "pp"), init_process_group=False, timeout_s=400)

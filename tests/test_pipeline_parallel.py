@@ -13,7 +13,9 @@ micro-batch count again (losses off by 0.06-0.2 at step 3); the schedule's gradi
 matrices not handed over to Lightning's backward (the fit test: off by 0.7); the resumed run not
 reading the checkpoint (off by 0.55). Interleaved (pp=2 x 2 stages per rank, looped): seen failing
 with every stage applying the final norm (off by 0.16) and with each stage running all its rank's
-layers (off by 0.11).
+layers (off by 0.11). Evaluation: each trained pipeline, called on all four rows at once (a batch
+of another size than its training micro-batches), returns one process's loss, forward only through
+the stages (seen failing with the loss not broadcast from the last stage: 0 on the first).
 """
 
 from __future__ import annotations
@@ -76,7 +78,14 @@ def train_one_process(preset: str) -> dict:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return {"losses": losses, "eval": evaluate(model), "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+@torch.no_grad()
+def evaluate(model: CausalLMWithLoss) -> float:
+    """The trained model's token-mean loss on all four rows (under pp: through the stages, forward only)."""
+    loss_sum, useful = model(sft_batch())
+    return (loss_sum / useful).item()
 
 
 def _pipeline_run(rank: int, world_size: int, preset: str, strategy_kwargs: dict) -> dict:
@@ -98,7 +107,7 @@ def _pipeline_run(rank: int, world_size: int, preset: str, strategy_kwargs: dict
         optimizer.step()
         optimizer.zero_grad()
         losses.append(objective.last_step_loss.item())
-    return {"losses": losses, "stage_layers": strategy.stage_layers,
+    return {"losses": losses, "stage_layers": strategy.stage_layers, "eval": evaluate(model),
             "local_numel": sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters()),
             "weights": {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
                         for k, v in model.state_dict().items()}}
@@ -130,6 +139,7 @@ def test_pp2_equals_one_process(two_ranks, references, run, preset):
     for rank in two_ranks:
         result = rank[run]
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=0, atol=ATOL)
+        assert result["eval"] == pytest.approx(reference["eval"], abs=ATOL)  # forward only, all four rows at once
         for name, weight in result["weights"].items():
             if name in reference["weights"]:
                 torch.testing.assert_close(weight, reference["weights"][name], rtol=0, atol=ATOL, msg=name)
@@ -154,6 +164,7 @@ def test_pp2_x_dp_replicate2_equals_one_process(references):
     held = set()
     for result in ranks:
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=0, atol=ATOL)
+        assert result["eval"] == pytest.approx(reference["eval"], abs=ATOL)
         for name, weight in result["weights"].items():
             if name in reference["weights"]:
                 torch.testing.assert_close(weight, reference["weights"][name], rtol=0, atol=ATOL, msg=name)
@@ -174,25 +185,31 @@ class Seen(Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.sums: list[tuple[float, float]] = []
+        self.val_loss: float | None = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append((outputs["loss_sum"] / outputs["useful_tokens"]).item())
         self.sums.append((outputs["loss_sum"].item(), float(outputs["useful_tokens"])))
 
 
-def fit(strategy, devices: int, root: Path, steps: int = 3, ckpt_path: str | None = None, batch_size: int = 2) -> Seen:
+def fit(strategy, devices: int, root: Path, steps: int = 3, ckpt_path: str | None = None, batch_size: int = 2,
+        validate: bool = False) -> Seen:
+    """``steps`` AdamW steps; with ``validate``, a sanity batch before them and the 6 held-out rows after them."""
     pl.seed_everything(0, verbose=False)
     # Adam amplifies the summation-order difference of micro-batches: at 1e-2 the third loss drifted 8e-5
     # (one process splitting its own batch in two drifts 5e-6 the same way); the SGD tests above are exact.
     module = CausalLM(ModelFactory(preset="tiny-llama"), learning_rate=1e-3, warmup_steps=1)
-    data = LMDataModule(SyntheticText(num_documents=40), seq_len=32, batch_size=batch_size)
+    data = LMDataModule(SyntheticText(num_documents=40), seq_len=32, batch_size=batch_size, val_examples=6)
     seen = Seen()
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, callbacks=[seen],
         logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=root,
+        limit_val_batches=1.0 if validate else 0, val_check_interval=steps, num_sanity_val_steps=int(validate),
+        default_root_dir=root,
     )
     trainer.fit(module, data, ckpt_path=ckpt_path)
+    if validate:
+        seen.val_loss = trainer.callback_metrics["val/loss"].item()
     if ckpt_path is None:
         trainer.save_checkpoint(root / "last.ckpt")
     return seen
@@ -202,23 +219,27 @@ def _lightning_pp(rank: int, world_size: int, root: str) -> dict:
     def strategy() -> PipelineParallelStrategy:
         return PipelineParallelStrategy(pp=2, schedule="1f1b", microbatches=2)
 
-    whole = fit(strategy(), 2, Path(root) / "whole").losses
+    whole = fit(strategy(), 2, Path(root) / "whole", validate=True)
     fit(strategy(), 2, Path(root) / "cut", steps=2)
     resumed = fit(strategy(), 2, Path(root) / "resumed", ckpt_path=str(Path(root) / "cut" / "last.ckpt")).losses
-    return {"losses": whole, "resumed": resumed}
+    return {"losses": whole.losses, "val_loss": whole.val_loss, "resumed": resumed}
 
 
 def test_lightning_fit_with_pp2_equals_one_device(tmp_path):
     """Inside Lightning's loop: both stages read the batch one process reads, the schedule's backward
     replaces Lightning's, the objective rescales every stage, and every rank records the same loss.
-    A run saved after 2 steps and resumed for a third continues as one device resumed the same way."""
-    reference = fit("auto", 1, tmp_path / "one")
+    A run saved after 2 steps and resumed for a third continues as one device resumed the same way.
+    Validation (a sanity batch before training, the held-out rows after it) runs each batch forward
+    through the stages: its loss equals one device's (seen failing with the loss not broadcast from
+    the last stage: the first stage's rank logs 0 and the synced value is halved)."""
+    reference = fit("auto", 1, tmp_path / "one", validate=True)
     fit("auto", 1, tmp_path / "one-cut", steps=2)
     resumed = fit("auto", 1, tmp_path / "one-resumed", ckpt_path=str(tmp_path / "one-cut" / "last.ckpt")).losses
     ranks = run_ranks(_lightning_pp, 2, str(tmp_path / "pp"), init_process_group=False, timeout_s=300)
     assert reference.losses[-1] < reference.losses[0] - 1e-3, "the model did not train"
     for run in ranks:
         torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(reference.losses), rtol=0, atol=ATOL)
+        assert run["val_loss"] == pytest.approx(reference.val_loss, abs=ATOL)
         # each stage saves and reloads only its own weights and optimizer state (sharded DCP folder)
         torch.testing.assert_close(torch.tensor(run["resumed"]), torch.tensor(resumed), rtol=0, atol=ATOL)
 

@@ -61,8 +61,9 @@ class PipelineParallelStrategy(MeshStrategy):
     of the stage). Built: world size = ``dp_replicate x pp`` or ``dp_shard x pp`` (not both, and no
     tensor, context or expert parallelism beside them; ``dp_shard`` with one stage per rank only),
     Llama and Qwen3 dense models without tied embeddings, unpacked batches,
-    no gradient clipping, no gradient accumulation (micro-batches play that part), no validation or
-    test loop, and only ``CausalLM`` (not ``DPO``); the rest is refused with the key to change.
+    no gradient clipping, no gradient accumulation (micro-batches play that part), and only
+    ``CausalLM`` (not ``DPO``); the rest is refused with the key to change. Validation and test run
+    each batch forward through the stages (``pipeline_forward``).
 
     Args:
         pp: pipeline stages (ranks per replica); ``-1``: the world size over ``dp_replicate``.
@@ -138,6 +139,7 @@ class PipelineParallelStrategy(MeshStrategy):
         self.stage_layers: list[int] = []
         self._schedule = None
         self._pipelined: CausalLMWithLoss | None = None
+        self._stage_modules: dict[int, StageModule] = {}
         self._last_module: StageModule | None = None
         self._loss_scale = 1.0
         self._pending_gradients: list[tuple[nn.Parameter, Tensor]] = []
@@ -256,14 +258,6 @@ class PipelineParallelStrategy(MeshStrategy):
                 group.update({k: v for k, v in saved.items() if k != "params"})
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        raise ConfigError("trainer.limit_val_batches", "> 0",
-                          "pipeline-parallel evaluation is not built; set trainer.limit_val_batches: 0")
-
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        raise ConfigError("trainer.strategy", type(self).__name__,
-                          "pipeline-parallel evaluation is not built; test with another strategy")
-
     # ---------------------------------------------------------------- the stages
     def parallelize(self, model: CausalLMWithLoss) -> CausalLMWithLoss:
         """Keep this rank's stages of ``model`` (parameter names unchanged), fill them from rank 0, build the schedule.
@@ -290,7 +284,7 @@ class PipelineParallelStrategy(MeshStrategy):
         self._keep_stage(model, layers)
         modules = {s: StageModule(model, first=s == 0, last=s == stages - 1,
                                   layers=None if self.stages_per_rank == 1 else stage_layers[s]) for s in own}
-        self._last_module = modules[max(own)]
+        self._stage_modules, self._last_module = modules, modules[max(own)]
         if self.dp_shard > 1:
             self._shard_stage(modules[self.stage_index], [layers[i] for i in self.stage_layers])
         self._fill_from_rank0(model, everything)
@@ -311,6 +305,7 @@ class PipelineParallelStrategy(MeshStrategy):
             self._schedule = schedule_class(pipeline_stages[0], self.microbatches, loss_fn=self._last_stage_loss,
                                             scale_grads=False)
         self._pipelined = model
+        model.forward = functools.partial(self.pipeline_forward, model)  # the stage alone would compute nonsense
         model.parallelized_by = type(self).__name__
         return model
 
@@ -413,6 +408,52 @@ class PipelineParallelStrategy(MeshStrategy):
             loss_sum = torch.zeros((), device=labels.device)
         dist.broadcast(loss_sum, group=self.device_mesh.get_group("pp"), group_src=self.pp - 1)
         return loss_sum, torch.stack(units).sum()
+
+    @torch.no_grad()
+    def pipeline_forward(self, model: CausalLMWithLoss, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
+        """``(loss_sum, useful_tokens)`` of the batch, forward only, the same on every stage: what the
+        pipelined model returns when called (evaluation: ``CausalLM.validation_step`` and ``test_step``).
+
+        The whole batch goes stage by stage, hidden states sent to the next stage's rank. By hand, not
+        the schedule's ``eval``: that reuses buffers sized by the first training micro-batch (an
+        evaluation batch, the last one smaller, differs) and reruns its shape inference, a forward and
+        backward, at every switch between training and evaluation.
+        """
+        if torch.is_grad_enabled():
+            raise RuntimeError("a pipelined model is called for evaluation only; training runs pipeline_forward_backward")
+        if model is not self._pipelined:
+            raise RuntimeError("the pipeline was built for another model")
+        batch = pipeline_batch(batch)
+        labels, hidden = batch["labels"], batch["input_ids"]
+        group, stages = self.device_mesh.get_group("pp"), self.pp * self.stages_per_rank
+        shape = (*hidden.shape, model.lm.config.hidden_size)
+        dtype = next(model.parameters()).dtype
+        loss_sum = torch.zeros((), device=labels.device)
+        for s in range(stages):
+            here, before, after = s % self.pp, (s - 1) % self.pp, (s + 1) % self.pp
+            if here != self.stage_index:
+                continue
+            if s > 0 and before != here:
+                hidden = torch.empty(shape, dtype=dtype, device=labels.device)
+                dist.recv(hidden, group=group, group_src=before)
+            hidden = self._stage_modules[s](hidden)
+            if s == stages - 1:
+                loss_sum = self._last_module.head_loss(hidden, labels).float()
+            elif after != here:
+                dist.send(hidden.contiguous(), group=group, group_dst=after)
+        dist.broadcast(loss_sum, group=group, group_src=self.pp - 1)
+        self._reshard()
+        return loss_sum, (labels != IGNORE_INDEX).sum()
+
+    def _reshard(self) -> None:
+        """Free FSDP's gathered parameters: a forward without backward leaves the layers kept gathered
+        (``reshard_after_forward: false``) and the root, and a checkpoint saved now would hold them whole."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self._stage_modules.values():
+            for unit in module.modules():
+                if isinstance(unit, FSDPModule):
+                    unit.reshard()
 
     def average_over_replicas(self, model: CausalLMWithLoss) -> None:
         """Average each stage's gradients over the pipeline replicas (one flat all-reduce per stage:
