@@ -172,6 +172,11 @@ ROWS: dict[str, tuple[Build, tuple[str, ...]]] = {
     "fit_mesh_not_the_world_size": (_args("fit", "--config", FSDP2, "--trainer.default_root_dir", "{tmp}",
                                           "--trainer.strategy.init_args.dp_shard", "3"),
                                     ("trainer.strategy.init_args", "multiply to 3", "world size", "is 2")),
+    "cp_block_kernel_without_its_gpu": (_args("fit", "--config", FSDP2, "--trainer.default_root_dir", "{tmp}",
+                                              "--trainer.strategy.class_path", "lit_ablate.strategies.ContextParallelStrategy",
+                                              "--trainer.strategy.init_args.dp_shard", "1",
+                                              "--trainer.strategy.init_args.cp_block_kernel", "flex"),
+                                        ("trainer.strategy.init_args.cp_block_kernel='flex'", "CUDA only", "sdpa")),
     # --- generate ---------------------------------------------------------------------------------
     "generate_zero_new_tokens": (_args(*GENERATE, "--max_new_tokens", "0"), ("--max_new_tokens=0",)),
     "generate_negative_new_tokens": (_args(*GENERATE, "--max_new_tokens", "-3"), ("--max_new_tokens=-3",)),
