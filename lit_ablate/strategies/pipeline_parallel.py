@@ -415,9 +415,10 @@ class PipelineParallelStrategy(MeshStrategy):
         pipelined model returns when called (evaluation: ``CausalLM.validation_step`` and ``test_step``).
 
         The whole batch goes stage by stage, hidden states sent to the next stage's rank. By hand, not
-        the schedule's ``eval``: that reuses buffers sized by the first training micro-batch (an
-        evaluation batch, the last one smaller, differs) and reruns its shape inference, a forward and
-        backward, at every switch between training and evaluation.
+        the schedule's ``eval``: that keeps the buffers sized by the first evaluation batch after a
+        switch from training (a smaller last batch then fails: checked with torch 2.13), needs
+        ``microbatches`` to divide every batch, and reruns its shape inference at each switch between
+        training and evaluation (a forward, and a backward on the way back).
         """
         if torch.is_grad_enabled():
             raise RuntimeError("a pipelined model is called for evaluation only; training runs pipeline_forward_backward")
