@@ -127,6 +127,9 @@ class PipelineParallelStrategy(MeshStrategy):
         if dp_shard > 1 and interleaved:
             raise ConfigError(f"{STRATEGY_KEY}.dp_shard", dp_shard,
                               "FSDP stages are built for one stage per rank; use gpipe or 1f1b, or dp_shard: 1")
+        if reshard_after_forward and dp_shard == 1:
+            raise ConfigError(f"{STRATEGY_KEY}.reshard_after_forward", True,
+                              "it frees FSDP-sharded stages' gathered layers: set dp_shard > 1, or leave it false")
         self.dp_replicate = dp_replicate
         self.dp_shard = dp_shard
         self.reshard_after_forward = reshard_after_forward
