@@ -208,6 +208,8 @@ class Fp8Matmul:
 
 def is_fp8(module: nn.Module) -> bool:
     """Whether ``module`` holds layers converted by ``convert_fp8``."""
+    if "torchao.float8" not in sys.modules:  # nothing was converted (and importing torchao costs seconds)
+        return False
     from torchao.float8.float8_linear import Float8Linear
 
     return any(isinstance(m, Float8Linear) or isinstance(getattr(m, "linear", None), Fp8Matmul)
@@ -258,11 +260,13 @@ def fp8_refusal(options: Fp8Options | None, strategy: object) -> str | None:
     return None
 
 
-def fp8_strategy_refusal(strategy: object) -> str | None:
-    """Why no fp8 conversion can train under ``strategy`` (an instance), or None: tensor parallelism
-    would need torchao's fp8 TP styles (``Float8ColwiseParallel``...), which are not wired in."""
-    if getattr(strategy, "requested_mesh_sizes", {}).get("tp", 1) > 1:
-        return f"{type(strategy).__name__} with tp > 1 would shard Float8Linear with plain TP styles; use tp: 1 or drop fp8"
+def fp8_strategy_refusal(options: Fp8Options, strategy: object) -> str | None:
+    """Why ``options`` cannot train under ``strategy`` (an instance), or None: under tensor parallelism
+    torchao's float8 styles (``tensor_parallel_plans``) cast activations and gradients with one scale
+    per tensor, so only the ``tensorwise`` recipe."""
+    if getattr(strategy, "requested_mesh_sizes", {}).get("tp", 1) > 1 and options.recipe != "tensorwise":
+        return (f"{type(strategy).__name__} with tp > 1 splits fp8 layers with torchao's float8 styles, which scale "
+                "one per tensor; use recipe: tensorwise or tp: 1")
     return None
 
 
@@ -271,6 +275,6 @@ def check_fp8(options: Fp8Options | None, strategy: object) -> None:
     reason = fp8_refusal(options, strategy)
     if reason:
         raise ConfigError(f"{OPTIONS_KEY}.fsdp_all_gather", True, reason)
-    reason = fp8_strategy_refusal(strategy) if options is not None else None
+    reason = fp8_strategy_refusal(options, strategy) if options is not None else None
     if reason:
-        raise ConfigError(OPTIONS_KEY, options.recipe, reason)
+        raise ConfigError(f"{OPTIONS_KEY}.recipe", options.recipe, reason)

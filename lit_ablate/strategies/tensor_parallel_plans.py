@@ -19,11 +19,21 @@ marks them ``SequenceParallel(sequence_dim=2)`` (the heads dimension is the shar
 makes their weights replicated DTensors whose gradients DTensor all-reduces over ``tp``. (A grad
 hook on the parameter would be lost once FSDP2 replaces the parameters.)
 
+fp8 (``lit_ablate.models.fp8``): with ``float8=True`` the linear layers ``convert_fp8`` converted
+(torchao's ``Float8Linear``) are split with torchao's float8 styles, which cast to fp8 *before* the
+collective: under sequence parallelism the all-gather of a block's input (``PrepareFloat8ModuleInput``,
+one cast shared by q/k/v or gate/up) and the backward all-gather of the row-parallel layers' output
+gradients move fp8 bytes instead of high-precision ones. The numbers are those of the plain styles
+(the cast's amax is DTensor's global one either way; measured: bit-identical losses), so a layer
+left in high precision, the embedding and the LM head (never fp8) keep the plain styles.
+
 One readable function per family; a strategy subclass replaces ``TensorParallelStrategy.layer_plan``
 or ``root_plan`` to try another layout.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
@@ -63,15 +73,16 @@ def root_plan(sequence_parallel: bool) -> Plan:
     return plan
 
 
-def llama_layer_plan(layer: nn.Module, sequence_parallel: bool) -> Plan:
+def llama_layer_plan(layer: nn.Module, sequence_parallel: bool, float8: bool = False) -> Plan:
     """Llama (and every family with its layer layout): split attention and MLP, Megatron style."""
-    return {**_attention_plan(sequence_parallel), **_mlp_plan(layer, sequence_parallel)}
+    styles = _Styles(layer, float8)
+    return {**_attention_plan(styles, sequence_parallel), **_mlp_plan(layer, styles, sequence_parallel)}
 
 
-def qwen3_layer_plan(layer: nn.Module, sequence_parallel: bool) -> Plan:
+def qwen3_layer_plan(layer: nn.Module, sequence_parallel: bool, float8: bool = False) -> Plan:
     """Qwen3: Llama's plan, plus the per-head q/k norms, whose weight gradients must be all-reduced."""
     return {
-        **llama_layer_plan(layer, sequence_parallel),
+        **llama_layer_plan(layer, sequence_parallel, float8),
         "self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
         "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
     }
@@ -90,23 +101,59 @@ def layer_plan_for(model_type: str):  # noqa: ANN201 (one of LAYER_PLANS' functi
     return LAYER_PLANS[model_type]
 
 
-def _attention_plan(sequence_parallel: bool) -> Plan:
+class _Styles:
+    """Each linear layer's style: torchao's float8 variant for a converted layer when ``float8``,
+    else DTensor's; a block's input is prepared in fp8 only when every layer reading it is converted."""
+
+    def __init__(self, layer: nn.Module, float8: bool) -> None:
+        self.layer, self.float8 = layer, float8
+
+    def colwise(self, name: str, **kwargs: Any) -> ParallelStyle:
+        return (_torchao_styles()[0] if self._converted(name) else ColwiseParallel)(**kwargs)
+
+    def rowwise(self, name: str, **kwargs: Any) -> ParallelStyle:
+        return (_torchao_styles()[1] if self._converted(name) else RowwiseParallel)(**kwargs)
+
+    def prepare_input(self, readers: tuple[str, ...], **kwargs: Any) -> ParallelStyle:
+        return (_torchao_styles()[2] if all(map(self._converted, readers)) else PrepareModuleInput)(**kwargs)
+
+    def _converted(self, name: str) -> bool:
+        if not self.float8:
+            return False
+        from torchao.float8.float8_linear import Float8Linear
+
+        return isinstance(self.layer.get_submodule(name), Float8Linear)
+
+
+def _torchao_styles() -> tuple[type[ParallelStyle], ...]:
+    """torchao's float8 colwise, rowwise and input styles (imported only when a plan needs them)."""
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+
+
+def _attention_plan(styles: _Styles, sequence_parallel: bool) -> Plan:
     residual = Shard(1) if sequence_parallel else Replicate()
     plan: Plan = {
-        "self_attn.q_proj": ColwiseParallel(),
-        "self_attn.k_proj": ColwiseParallel(),
-        "self_attn.v_proj": ColwiseParallel(),
-        "self_attn.o_proj": RowwiseParallel(output_layouts=residual),
+        "self_attn.q_proj": styles.colwise("self_attn.q_proj"),
+        "self_attn.k_proj": styles.colwise("self_attn.k_proj"),
+        "self_attn.v_proj": styles.colwise("self_attn.v_proj"),
+        "self_attn.o_proj": styles.rowwise("self_attn.o_proj", output_layouts=residual),
     }
     if sequence_parallel:
         plan["input_layernorm"] = SequenceParallel()
-        plan["self_attn"] = PrepareModuleInput(
-            input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()}
+        plan["self_attn"] = styles.prepare_input(
+            ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()},
         )
     return plan
 
 
-def _mlp_plan(layer: nn.Module, sequence_parallel: bool) -> Plan:
+def _mlp_plan(layer: nn.Module, styles: _Styles, sequence_parallel: bool) -> Plan:
     """A dense MLP is split; an MoE block (Qwen3-MoE) stays whole on every rank: each TP peer routes
     the same tokens through the same experts (expert parallelism is the ``ep`` dimension's job)."""
     plan: Plan = {}
@@ -116,12 +163,13 @@ def _mlp_plan(layer: nn.Module, sequence_parallel: bool) -> Plan:
     if dense:
         residual = Shard(1) if sequence_parallel else Replicate()
         plan.update({
-            "mlp.gate_proj": ColwiseParallel(),
-            "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=residual),
+            "mlp.gate_proj": styles.colwise("mlp.gate_proj"),
+            "mlp.up_proj": styles.colwise("mlp.up_proj"),
+            "mlp.down_proj": styles.rowwise("mlp.down_proj", output_layouts=residual),
         })
         if sequence_parallel:
-            plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            plan["mlp"] = styles.prepare_input(("mlp.gate_proj", "mlp.up_proj"),
+                                               input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     elif sequence_parallel:  # the whole sequence in, this rank's slice of the output back
         plan["mlp"] = (
             PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True),
