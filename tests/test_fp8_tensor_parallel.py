@@ -22,10 +22,12 @@ checks are in two layers:
   receive inputs their style cast to fp8: seen failing with the plain styles on fp8 layers, which
   compute the same numbers (DTensor reduces the amax itself; measured: bit-identical losses) but
   would all-gather activations in high precision under SP.
-- ``test_fp8_all_gather_under_tp_equals_tp_without_it``: Lightning fits at tp=2, with and without
-  ``fsdp_all_gather``: losses within 1e-6 (measured: bit-identical). Seen failing without the
-  scales precomputed before the first step (``TensorParallelStrategy.on_train_start``): FSDP2 then
-  reduces a weight's amax over its FSDP mesh only, so per TP shard (losses up to 9.2e-3 apart).
+- ``test_fp8_all_gather_and_checkpointing_under_tp_equal_tp_without_them``: Lightning fits at tp=2,
+  plain, with ``fsdp_all_gather`` and with every layer checkpointed: losses within 1e-6 (measured:
+  bit-identical). The checkpointed run seen failing with a scale that changes between a forward
+  and its recompute (every second cast's scale x0.7 on purpose); the fp8 all-gather run without
+  the scales precomputed before the first step (``TensorParallelStrategy.on_train_start``): FSDP2
+  then reduces a weight's amax over its FSDP mesh only, so per TP shard (losses up to 9.2e-3 apart).
 - one process: rowwise recipes under tp > 1 are refused in one line; the plan's styles for a
   partly converted model; the memory estimate of fp8 all-gather under tp x dp_shard.
 """
@@ -161,19 +163,30 @@ def _same_rows_on_both_ranks(variant: str, rank: int = 0) -> list[dict]:
     return ORIGINAL_MICRO_BATCHES("reference")  # TP peers read the same batch
 
 
+LIGHTNING_RUNS = {
+    "tp2": ({}, {}),
+    "tp2_fp8_all_gather": ({"fsdp_all_gather": True}, {}),
+    "tp2_checkpointed": ({}, {"activation_checkpointing": "full"}),
+}
+"""fp8 options and ``TensorParallelStrategy(tp=2)`` arguments of each Lightning fit."""
+
+
 def _lightning_tp_fits(rank: int, world_size: int) -> dict:
     test_fp8.micro_batches = _same_rows_on_both_ranks  # this rank's process only
-    return {gather: test_fp8.fit(STEPS, fp8={"fsdp_all_gather": gather}, strategy=TensorParallelStrategy(tp=2),
-                                 devices=world_size, rank=rank)
-            for gather in (False, True)}  # fmt: skip
+    return {name: test_fp8.fit(STEPS, fp8=fp8, strategy=TensorParallelStrategy(tp=2, **strategy), devices=world_size,
+                               rank=rank)
+            for name, (fp8, strategy) in LIGHTNING_RUNS.items()}  # fmt: skip
 
 
-@pytest.mark.slow  # one 2-rank run of two fits
-def test_fp8_all_gather_under_tp_equals_tp_without_it():
+@pytest.mark.slow  # one 2-rank run of three fits
+def test_fp8_all_gather_and_checkpointing_under_tp_equal_tp_without_them():
+    """Neither changes what the TP ranks compute: fp8 all-gather casts before the gather what would
+    be cast after it, and a checkpointed layer's recompute casts with the same dynamic scales."""
     for rank in run_ranks(_lightning_tp_fits, 2, init_process_group=False, timeout_s=500):
-        assert rank[True]["fp8_gathered"] == 2 * 7 and rank[False]["fp8_gathered"] == 0
-        torch.testing.assert_close(torch.tensor(rank[True]["losses"]), torch.tensor(rank[False]["losses"]),
-                                   rtol=0, atol=1e-6)
+        assert rank["tp2_fp8_all_gather"]["fp8_gathered"] == 2 * 7 and rank["tp2"]["fp8_gathered"] == 0
+        for name in ("tp2_fp8_all_gather", "tp2_checkpointed"):
+            torch.testing.assert_close(torch.tensor(rank[name]["losses"]), torch.tensor(rank["tp2"]["losses"]),
+                                       rtol=0, atol=1e-6, msg=name)
 
 
 # ---------------------------------------------------------------- refusals and the plan
