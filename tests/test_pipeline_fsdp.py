@@ -26,7 +26,9 @@ from tests.test_pipeline_parallel import ATOL, _pipeline_run, fit, train_one_pro
 def _pp2_x_dp_shard2(rank: int, world_size: int) -> dict:
     return {"1f1b": _pipeline_run(rank, world_size, "tiny-llama", {"schedule": "1f1b", "microbatches": 2, "dp_shard": 2}),
             "gpipe_reshard": _pipeline_run(rank, world_size, "tiny-llama", {"schedule": "gpipe", "microbatches": 2,
-                                                                            "dp_shard": 2, "reshard_after_forward": True})}
+                                                                            "dp_shard": 2, "reshard_after_forward": True}),
+            "interleaved": _pipeline_run(rank, world_size, "tiny-llama", {"schedule": "interleaved_1f1b", "microbatches": 2,
+                                                                          "stages_per_rank": 2, "dp_shard": 2})}
 
 
 @pytest.fixture(scope="module")
@@ -36,19 +38,22 @@ def reference() -> dict:
 
 @pytest.mark.slow  # 4 gloo ranks on 2 cores
 def test_pp2_x_dp_shard2_equals_one_process(reference):
-    """SGD steps, 1f1b keeping the gathered layers through the step and gpipe resharding after each
-    micro-batch's forward: losses within 1e-5 of one process (measured 4.8e-7), every weight
+    """SGD steps, 1f1b keeping the gathered layers through the step, gpipe resharding after each
+    micro-batch's forward, and interleaved 1f1b (2 stages per rank, each its own FSDP root): losses
+    within 1e-5 of one process (measured 4.8e-7), every weight
     within 1e-5 (measured 5.1e-7), and each rank holds a quarter of the model. Bugs it catches
     (each seen failing): each data-parallel rank normalising by its own tokens (StepObjective
     without the dp_shard group: third loss off by 0.28); FSDP's division by dp_shard left in
     (``gradient_mean_group`` of size 1: off by 0.11); the schedule's loss using the LM head outside
-    an FSDP forward (with resharding after forward: mixed Tensor and DTensor error). The trained
+    an FSDP forward (with resharding after forward: mixed Tensor and DTensor error); interleaved
+    stage modules holding the whole model (the second FSDP root over the first's parameters: error,
+    "Cannot concatenate overlapping meshes"). The trained
     copies then evaluate all four rows forward through the sharded stages: one process's loss within
     1e-5, and the stages sharded again afterwards (seen failing without ``_reshard``: each rank held
     its whole stage, 434688 parameters instead of 217376)."""
     ranks = run_ranks(_pp2_x_dp_shard2, 4, timeout_s=300)
     whole = sum(w.numel() for w in reference["weights"].values())
-    for run in ("1f1b", "gpipe_reshard"):
+    for run in ("1f1b", "gpipe_reshard", "interleaved"):
         held = set()
         for result in (rank[run] for rank in ranks):
             torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=0, atol=ATOL)

@@ -59,7 +59,7 @@ class PipelineParallelStrategy(MeshStrategy):
     replicas), and so do ``dp_shard`` copies, which shard each stage's parameters, gradients and
     optimizer states over themselves with FSDP2 (each of the stage's decoder layers, then the rest
     of the stage). Built: world size = ``dp_replicate x pp`` or ``dp_shard x pp`` (not both, and no
-    tensor, context or expert parallelism beside them; ``dp_shard`` with one stage per rank only),
+    tensor, context or expert parallelism beside them),
     Llama and Qwen3 dense models without tied embeddings, unpacked batches,
     no gradient clipping, no gradient accumulation (micro-batches play that part), and only
     ``CausalLM`` (not ``DPO``); the rest is refused with the key to change. Validation and test run
@@ -124,9 +124,6 @@ class PipelineParallelStrategy(MeshStrategy):
         if not isinstance(dp_shard, int) or dp_shard < 1 or (dp_shard > 1 and dp_replicate > 1):
             raise ConfigError(f"{STRATEGY_KEY}.dp_shard", dp_shard,
                               "use 1 or more sharding ranks, and 1 beside dp_replicate > 1 (HSDP stages are not built)")
-        if dp_shard > 1 and interleaved:
-            raise ConfigError(f"{STRATEGY_KEY}.dp_shard", dp_shard,
-                              "FSDP stages are built for one stage per rank; use gpipe or 1f1b, or dp_shard: 1")
         if reshard_after_forward and dp_shard == 1:
             raise ConfigError(f"{STRATEGY_KEY}.reshard_after_forward", True,
                               "it frees FSDP-sharded stages' gathered layers: set dp_shard > 1, or leave it false")
@@ -289,7 +286,8 @@ class PipelineParallelStrategy(MeshStrategy):
                                   layers=None if self.stages_per_rank == 1 else stage_layers[s]) for s in own}
         self._stage_modules, self._last_module = modules, modules[max(own)]
         if self.dp_shard > 1:
-            self._shard_stage(modules[self.stage_index], [layers[i] for i in self.stage_layers])
+            for s, module in modules.items():
+                self._shard_stage(module, [layers[i] for i in stage_layers[s]])
         self._fill_from_rank0(model, everything)
         self._compute_timer = ChunkTimer(self._mesh_device())
         pipeline_stages = []
@@ -314,8 +312,9 @@ class PipelineParallelStrategy(MeshStrategy):
 
     def _shard_stage(self, module: StageModule, layers: list[nn.Module]) -> None:
         """FSDP2 over ``dp_shard``: the stage's layers, then its module (the root ``PipelineStage``
-        recognises, holding the embeddings or the norm and LM head), whose ``head_loss``, which the
-        schedule calls outside the forward, gathers the LM head like a forward."""
+        recognises, holding the embeddings or the norm and LM head; one root per interleaved stage),
+        whose ``head_loss``, which the schedule calls outside the forward, gathers the LM head like a
+        forward."""
         from torch.distributed.fsdp import register_fsdp_forward_method
 
         shard_layers_then_root(layers, module, fsdp_arguments(self.device_mesh["dp_shard"], self.reshard_after_forward))
@@ -356,6 +355,8 @@ class PipelineParallelStrategy(MeshStrategy):
         device = self._mesh_device()
         if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
             model.to_empty(device=device)
+        else:  # rank 0 built it in host memory
+            model.to(device)
         local = dict(itertools.chain(model.named_parameters(), model.named_buffers()))
         for name, (shape, dtype, full) in everything.items():
             value = full.detach().to(device) if full is not None else torch.empty(shape, dtype=dtype, device=device)
@@ -526,14 +527,22 @@ class StageModule(nn.Module):
     (interleaved schedules) gives each one its ``layers``: during the stage's forward the decoder
     runs those only, and its final norm only on the last stage (the decoder's modules are swapped
     for the call, so parameter names and the model's structure stay as built).
+
+    Its submodules (``parts``) are the stage's own layers, embeddings (first) or final norm and LM
+    head (last): what torch's ``PipelineStage`` and FSDP take as the stage, so that each of a rank's
+    interleaved stages is its own FSDP root. The model is referenced, not registered.
     """
 
     def __init__(self, model: CausalLMWithLoss, first: bool, last: bool = True, layers: list[int] | None = None) -> None:
         super().__init__()
-        self.model = model
+        object.__setattr__(self, "model", model)
         self.first, self.last = first, last
         decoder = model.lm.base_model
-        # A plain list, not a ModuleList: the layers stay registered once, under the decoder.
+        held = [index for index, layer in enumerate(decoder.layers)
+                if (index in layers if layers is not None else not isinstance(layer, PassThrough))]
+        ends = ([decoder.embed_tokens] if first else []) + ([decoder.norm, model.lm.lm_head] if last else [])
+        self.parts = nn.ModuleList([decoder.layers[index] for index in held] + ends)
+        # A plain list, not a ModuleList: the pass-throughs are no part of the stage.
         self._view = None if layers is None else [
             layer if index in layers else PassThrough() for index, layer in enumerate(decoder.layers)]
 
