@@ -13,11 +13,12 @@ multiplies its gradients by ``c / N`` (``N``: the step's useful tokens, which ev
 itself, since every rank reads the same batch). The step's loss sum is broadcast from the last
 stage, so every rank logs and records the same loss.
 
-Beside ``pp``, data parallelism reads different batches on ``dp_replicate`` or ``dp_shard`` ranks:
-replicas hold whole stages and average their gradients with one all-reduce after the schedule;
-``dp_shard`` ranks shard each stage with FSDP2 (torchtitan's 2-D PP x FSDP), whose reduce-scatter
-``PipelineStage`` defers to the step's last micro-batch. Either way ``N`` is counted over the
-data-parallel ranks and ``StepObjective`` undoes the average's division by their number once.
+Beside ``pp``, data parallelism reads different batches on ``dp_replicate`` and ``dp_shard`` ranks:
+without ``dp_shard``, replicas hold whole stages and average their gradients with one all-reduce
+after the schedule; ``dp_shard`` ranks shard each stage with FSDP2 (torchtitan's PP x FSDP; HSDP
+with replicas beside them), whose reduction ``PipelineStage`` defers to the step's last
+micro-batch. Either way ``N`` is counted over the data-parallel ranks and ``StepObjective`` undoes
+the average's division by their number once.
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ class PipelineParallelStrategy(MeshStrategy):
     pipeline read different batches (data parallelism: each stage's gradients are averaged over its
     replicas), and so do ``dp_shard`` copies, which shard each stage's parameters, gradients and
     optimizer states over themselves with FSDP2 (each of the stage's decoder layers, then the rest
-    of the stage). Built: world size = ``dp_replicate x pp`` or ``dp_shard x pp`` (not both, and no
-    tensor, context or expert parallelism beside them),
+    of the stage; HSDP with ``dp_replicate`` beside it). Built: world size = ``dp_replicate x
+    dp_shard x pp`` (no tensor, context or expert parallelism beside them),
     Llama and Qwen3 dense models without tied embeddings, unpacked batches,
     no gradient clipping, no gradient accumulation (micro-batches play that part), and only
     ``CausalLM`` (not ``DPO``); the rest is refused with the key to change. Validation and test run
@@ -121,9 +122,8 @@ class PipelineParallelStrategy(MeshStrategy):
             raise ConfigError(f"{STRATEGY_KEY}.microbatches", microbatches, "use 1 or more micro-batches")
         if not isinstance(dp_replicate, int) or dp_replicate < 1:
             raise ConfigError(f"{STRATEGY_KEY}.dp_replicate", dp_replicate, "use 1 or more pipeline replicas")
-        if not isinstance(dp_shard, int) or dp_shard < 1 or (dp_shard > 1 and dp_replicate > 1):
-            raise ConfigError(f"{STRATEGY_KEY}.dp_shard", dp_shard,
-                              "use 1 or more sharding ranks, and 1 beside dp_replicate > 1 (HSDP stages are not built)")
+        if not isinstance(dp_shard, int) or dp_shard < 1:
+            raise ConfigError(f"{STRATEGY_KEY}.dp_shard", dp_shard, "use 1 or more sharding ranks")
         if reshard_after_forward and dp_shard == 1:
             raise ConfigError(f"{STRATEGY_KEY}.reshard_after_forward", True,
                               "it frees FSDP-sharded stages' gathered layers: set dp_shard > 1, or leave it false")
@@ -141,6 +141,7 @@ class PipelineParallelStrategy(MeshStrategy):
         self._pipelined: CausalLMWithLoss | None = None
         self._stage_modules: dict[int, StageModule] = {}
         self._last_module: StageModule | None = None
+        self._data_parallel_mesh: DeviceMesh | None = None
         self._loss_scale = 1.0
         self._pending_gradients: list[tuple[nn.Parameter, Tensor]] = []
         self._compute_timer: ChunkTimer | None = None
@@ -169,6 +170,8 @@ class PipelineParallelStrategy(MeshStrategy):
         self._device_mesh = init_device_mesh(device_type, (replicas, shards, pp),
                                              mesh_dim_names=("dp_replicate", "dp_shard", "pp"))
         self.stage_index = self._device_mesh.get_local_rank("pp")
+        if replicas > 1 and shards > 1:  # all ranks create the group of a stage's data-parallel ranks together
+            self._data_parallel_mesh = self._device_mesh["dp_replicate", "dp_shard"]._flatten("dp")
         return self._device_mesh
 
     @property
@@ -185,7 +188,9 @@ class PipelineParallelStrategy(MeshStrategy):
     @property
     def gradient_mean_group(self) -> tuple[dist.ProcessGroup | None, int]:
         """The same stage of every data-parallel rank: their gradients are averaged (by
-        ``average_over_replicas``, or by FSDP's reduce-scatter, which divides by ``dp_shard``)."""
+        ``average_over_replicas``, or by FSDP, which divides by their number)."""
+        if self.dp_shard > 1 and self.dp_replicate > 1:
+            return self._data_parallel_mesh.get_group(), self.dp_replicate * self.dp_shard
         if self.dp_shard > 1:
             return self._device_mesh.get_group("dp_shard"), self.dp_shard
         if self.dp_replicate > 1:
@@ -317,7 +322,8 @@ class PipelineParallelStrategy(MeshStrategy):
         forward."""
         from torch.distributed.fsdp import register_fsdp_forward_method
 
-        shard_layers_then_root(layers, module, fsdp_arguments(self.device_mesh["dp_shard"], self.reshard_after_forward))
+        dims = ("dp_replicate", "dp_shard") if self.dp_replicate > 1 else ("dp_shard",)  # HSDP: 2-D
+        shard_layers_then_root(layers, module, fsdp_arguments(self.device_mesh[dims], self.reshard_after_forward))
         register_fsdp_forward_method(module, "head_loss")
 
     def check_model(self, model: CausalLMWithLoss) -> None:
