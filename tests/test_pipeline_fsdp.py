@@ -1,11 +1,14 @@
-"""Pipeline parallelism with FSDP2 inside each stage (pp x dp_shard, 4 gloo ranks) trains the same model as one process.
+"""Pipeline parallelism with FSDP2 inside each stage (pp x dp_shard, and HSDP stages with dp_replicate)
+trains the same model as one process.
 
-Two sharded copies of a 2-stage pipeline each read two of the four rows of the SFT batch of
-``tests/test_pipeline_parallel.py`` (28 + 4 useful tokens on data-parallel rank 0, 20 + 31 on rank
-1: unequal) and must train one process's model on all four: each stage's layers and its
-embeddings or norm and LM head sharded over its dp_shard pair, FSDP's reduce-scatter (divided by
-dp_shard) run once at the schedule's last backward, the step's tokens counted over the data-parallel
-ranks and the division undone once by ``StepObjective``.
+Sharded copies of a 2-stage pipeline each read their share of the four rows of the SFT batch of
+``tests/test_pipeline_parallel.py`` (unequal useful tokens per copy) and must train one process's
+model on all four: each stage's layers and its embeddings or norm and LM head sharded over the
+dp_shard ranks, FSDP's reduction (divided by the data-parallel size) run once after the schedule's
+last backward, the step's tokens counted over the data-parallel ranks and the division undone once
+by ``StepObjective``. Then each trained copy evaluates the four rows forward through its stages.
+4 gloo ranks (pp=2 x dp_shard=2: 1f1b, gpipe resharding after forward, interleaved), 8 for HSDP
+stages, 4 for the Lightning fit with validation and resume.
 """
 
 from __future__ import annotations
