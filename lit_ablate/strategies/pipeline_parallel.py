@@ -67,7 +67,7 @@ class PipelineParallelStrategy(MeshStrategy):
     each batch forward through the stages (``pipeline_forward``).
 
     Args:
-        pp: pipeline stages (ranks per replica); ``-1``: the world size over ``dp_replicate``.
+        pp: pipeline stages (ranks per pipeline); ``-1``: the world size over ``dp_replicate x dp_shard``.
         schedule: ``gpipe``, ``1f1b``, or ``interleaved_1f1b`` (torch's looped 1F1B: each rank holds
             ``stages_per_rank`` stages, which shortens the bubble by that factor for more hand-offs).
         microbatches: micro-batches per step; must divide the batch size (and, for ``1f1b``,
@@ -77,11 +77,13 @@ class PipelineParallelStrategy(MeshStrategy):
             count, embeddings counted on the first stage and norm + LM head on the last.
         stages_per_rank: stages each rank holds (2 or more: ``interleaved_1f1b`` only).
         dp_replicate: pipeline replicas, each reading its own batches.
-        dp_shard: ranks sharding each stage with FSDP2, each reading its own batches.
+        dp_shard: ranks sharding each stage with FSDP2, each reading its own batches. The stage's
+            gradients accumulate unsharded over the micro-batches (torch's ``PipelineStage``) and
+            are reduced once per step.
         reshard_after_forward: with ``dp_shard``, free a layer's gathered parameters after each
-            micro-batch's forward (one all-gather per micro-batch and pass) or keep them gathered
-            until the step's last backward (the default, as torchtitan under pp: two all-gathers
-            fewer per micro-batch, the stage's full parameters held during the step).
+            micro-batch's forward (two all-gathers per micro-batch: forward and backward) or keep
+            them gathered until the step's last backward (the default, as torchtitan under pp: one
+            all-gather per step, the stage's full parameters held during the step).
         cp, tp, ep: must be 1 (accepted so a config that sets them is refused by name).
         process_group_backend, timeout_s: see ``MeshStrategy``. Checkpoints are sharded DCP folders
             (each stage writes its own weights and optimizer state).
