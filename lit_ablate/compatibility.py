@@ -281,15 +281,20 @@ def preference_parts_fit(config: Mapping[str, Any], launch: LaunchLike) -> str |
 
 
 def fp8_runs_here(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
-    """fp8 with ``emulate: false`` needs fp8 kernels on this device; fp8 all-gather needs FSDP2:
-    ``resolve_emulation`` and ``fp8_refusal``."""
-    from lit_ablate.models.fp8 import Fp8Options, fp8_refusal, resolve_emulation
+    """fp8 with ``emulate: false`` needs fp8 kernels on this device; fp8 all-gather needs FSDP2; tensor
+    parallelism takes ``tensorwise`` only: ``resolve_emulation``, ``fp8_refusal``, ``fp8_tensor_parallel_refusal``."""
+    from lit_ablate.models.fp8 import Fp8Options, fp8_refusal, fp8_tensor_parallel_refusal, resolve_emulation
+    from lit_ablate.strategies.tensor_parallel import TensorParallelStrategy
 
     options = _model_options(config, "model.init_args.model.fp8", Fp8Options)
     if options is None:
         return None
     reason = _reason(resolve_emulation, options, torch.device("cuda" if _on_gpu(config, launch) else "cpu"))
-    reason = reason or fp8_refusal(options, _strategy_class(config))
+    strategy = _strategy_class(config)
+    reason = reason or fp8_refusal(options, strategy)
+    if not reason and strategy is not None and issubclass(strategy, TensorParallelStrategy):
+        refusal = fp8_tensor_parallel_refusal(options, get_dotted(config, "trainer.strategy.init_args.tp", -1))
+        reason = refusal and f"model.init_args.model.fp8.recipe={options.recipe!r}: {refusal}"
     return f"model.init_args.model.fp8: {reason}" if reason and not reason.startswith("model.") else reason
 
 

@@ -50,6 +50,7 @@ FIT_RULES: dict[str, str | None] = {
     "quantization_runs_under_strategy": "model.init_args.model.quantization",
     "loss_backend_available": "model.init_args.loss",
     "cp_block_kernel_runs_here": "trainer.strategy.init_args.cp_block_kernel",
+    "fp8_runs_here": None,
     "preference_parts_fit": None,
 }
 """The study compatibility rules (``lit_ablate.compatibility.RULES``) about one run's own parts, and the

@@ -231,3 +231,18 @@ def test_the_estimate_takes_fp8_under_tensor_parallelism():
     layer_params = model_shape(ModelFactory(preset="tiny-llama").build().config).layer_params
     assert gathered.params - plain.params == -(-2 * layer_params // 4)
     assert (gathered.grads, gathered.optimizer) == (plain.grads, plain.optimizer)
+
+
+@pytest.mark.parametrize(("recipe", "skipped"), [("rowwise", True), ("tensorwise", False)])
+def test_a_study_skips_rowwise_fp8_under_tensor_parallelism_and_fit_stops_in_one_line(recipe, skipped):
+    """The compatibility rule judges the config as the strategy will, before any rank starts: a
+    study skips the variant with the reason, ``fit``'s preflight refuses it in one line."""
+    from lit_ablate.ablation.spec import Launch
+    from lit_ablate.compatibility import fp8_runs_here
+
+    config = {"trainer": {"accelerator": "cpu", "strategy": {"class_path": "lit_ablate.strategies.TensorParallelStrategy",
+                                                             "init_args": {"tp": 2}}},
+              "model": {"init_args": {"model": {"fp8": {"recipe": recipe}}}}}  # fmt: skip
+    reason = fp8_runs_here(config, Launch(devices=2, accelerator="cpu"))
+    assert (reason is not None) == skipped
+    assert not skipped or reason.startswith("model.init_args.model.fp8.recipe='rowwise': tp > 1") and "tensorwise" in reason

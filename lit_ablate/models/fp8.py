@@ -260,13 +260,13 @@ def fp8_refusal(options: Fp8Options | None, strategy: object) -> str | None:
     return None
 
 
-def fp8_strategy_refusal(options: Fp8Options, strategy: object) -> str | None:
-    """Why ``options`` cannot train under ``strategy`` (an instance), or None: under tensor parallelism
-    torchao's float8 styles (``tensor_parallel_plans``) cast activations and gradients with one scale
-    per tensor, so only the ``tensorwise`` recipe."""
-    if getattr(strategy, "requested_mesh_sizes", {}).get("tp", 1) > 1 and options.recipe != "tensorwise":
-        return (f"{type(strategy).__name__} with tp > 1 splits fp8 layers with torchao's float8 styles, which scale "
-                "one per tensor; use recipe: tensorwise or tp: 1")
+def fp8_tensor_parallel_refusal(options: Fp8Options, tp: int) -> str | None:
+    """Why ``options`` cannot train at tensor-parallel size ``tp`` (-1: the ranks left, so above 1), or
+    None: torchao's float8 styles (``tensor_parallel_plans``) cast activations and gradients with one
+    scale per tensor, so only the ``tensorwise`` recipe."""
+    if tp != 1 and options.recipe != "tensorwise":
+        return ("tp > 1 splits fp8 layers with torchao's float8 styles, which scale one per tensor; "
+                "use recipe: tensorwise or tp: 1")
     return None
 
 
@@ -275,6 +275,7 @@ def check_fp8(options: Fp8Options | None, strategy: object) -> None:
     reason = fp8_refusal(options, strategy)
     if reason:
         raise ConfigError(f"{OPTIONS_KEY}.fsdp_all_gather", True, reason)
-    reason = fp8_strategy_refusal(options, strategy) if options is not None else None
+    tp = getattr(strategy, "requested_mesh_sizes", {}).get("tp", 1)
+    reason = fp8_tensor_parallel_refusal(options, tp) if options is not None else None
     if reason:
         raise ConfigError(f"{OPTIONS_KEY}.recipe", options.recipe, reason)

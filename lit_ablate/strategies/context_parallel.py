@@ -85,7 +85,7 @@ class ContextParallelStrategy(FSDP2Strategy):
         self._cp_models: list[CausalLMWithLoss] = []
 
     def setup_environment(self) -> None:
-        self.block_kernel = block_kernel(self.cp_block_kernel, self.root_device)  # refused here, before any work
+        block_kernel(self.cp_block_kernel, self.root_device)  # refused here, before any work
         super().setup_environment()
 
     @property
@@ -108,7 +108,8 @@ class ContextParallelStrategy(FSDP2Strategy):
         """Attach the ``cp`` group and layout to every attention module (read by the ``ring`` and
         ``allgather`` backends), and remember the model so steps switch its attention to ``cp_impl``."""
         group = self.device_mesh["cp"].get_group() if self.mesh_sizes["cp"] > 1 else None
-        context = ContextParallelGroup(group, self.layout, self.cp_rank, self.block_kernel)
+        kernel = block_kernel(self.cp_block_kernel, torch.device(self.device_mesh.device_type))
+        context = ContextParallelGroup(group, self.layout, self.cp_rank, kernel)
         for module in attention_modules(model):
             setattr(module, CONTEXT_PARALLEL_ATTRIBUTE, context)
         self._cp_models.append(model)
