@@ -534,7 +534,12 @@ def pipeline_stage_estimates(counts: ParameterCounts, shape: ModelShape, trainin
     stage's pieces also keep the final norm's tensors and the loss's (``LOSS_LOGIT_COPIES_KEPT``,
     ``loss_gradient_bytes``). Transient: the receive buffers torch's schedule allocates once per piece
     and stage, the previous stage's hidden states (all stages but the first) and their gradients from
-    the next (all but the last). Measured on 2 ranks in tests/test_pipeline_estimate.py.
+    the next (all but the last). FSDP-sharded stages (``sharding.gathered``: ``dp_shard`` without
+    resharding after forward) also hold, through the step, their gathered parameters and their
+    unsharded gradients (``PipelineStage`` defers FSDP's reduce-scatter to the last micro-batch) and,
+    at that reduce-scatter, a copy of the largest unit's gradients (a decoder layer, or the stage's
+    root: embeddings, or final norm and LM head). Measured on 2 ranks (and 4: pp=2 x dp_shard=2) in
+    tests/test_pipeline_estimate.py.
     """
     from lit_ablate.errors import ConfigError
 
@@ -563,13 +568,18 @@ def pipeline_stage_estimates(counts: ParameterCounts, shape: ModelShape, trainin
         own = range(rank, last + 1, training.pipeline_parallel)  # the rank's stages
         *held, at_backward = pipeline_pieces_held(rank, training)
         params = sum(stage_params[s] for s in own)
+        gathered = 0
+        if sharding.params > 1 and sharding.gathered is not None:
+            largest_unit = max(max(shape.layer_params, stage_params[s] - stage_layers[s] * shape.layer_params) for s in own)
+            gathered = (full * params // counts.total + counts.trainable * training.param_bytes * params // counts.total
+                        + largest_unit * training.param_bytes)  # fmt: skip
         estimates.append(MemoryEstimate(  # each state's bytes in the rank's share of the parameters
             params=-(-(full * params // counts.total) // sharding.params),
             grads=-(-(counts.trainable * training.param_bytes * params // counts.total) // sharding.grads),
             optimizer=int(optimizer_bytes(counts, training)) * params // counts.total // sharding.optimizer,
             activations=int(sum(kept(s) for s in held) * tokens)
             + activation_bytes(replace(shape, layers=stage_layers[at_backward]), piece, loss_head=at_backward == last),
-            transient=m * boundary * sum((s != 0) + (s != last) for s in own),
+            transient=m * boundary * sum((s != 0) + (s != last) for s in own) + gathered,
         ))  # fmt: skip
     return estimates
 
@@ -835,10 +845,10 @@ def pipeline_of(config: dict, world_size: int | None = None) -> dict[str, Any]:
         return {}
     from lit_ablate.errors import ConfigError
 
-    if instance.dp_shard > 1:
-        raise ConfigError("trainer.strategy.init_args.dp_shard", instance.dp_shard,
-                          "the estimate does not model FSDP inside pipeline stages (gathered layers, full gradients "
-                          "until the last micro-batch); estimate with dp_shard: 1 for the stage's unsharded bytes")
+    if instance.dp_shard > 1 and instance.reshard_after_forward:
+        raise ConfigError("trainer.strategy.init_args.reshard_after_forward", True,
+                          "the estimate models FSDP stages that keep their layers gathered through the step (measured "
+                          "agreement); with resharding per micro-batch it does not (estimate reshard_after_forward: false)")
     world_size = world_size or world_size_of(config)
     pp = instance.requested_pp if instance.requested_pp != -1 else world_size // instance.dp_replicate  # per replica
     if world_size % pp:

@@ -37,6 +37,7 @@ from lit_ablate.estimate import (
     training_shape_of,
 )
 from lit_ablate.models.factory import ModelFactory
+from lit_ablate.strategies.pipeline_parallel import PipelineParallelStrategy
 from lit_ablate.strategies.state_sharding import REPLICATED
 from tests.distributed import run_ranks
 
@@ -55,7 +56,12 @@ PP_RUNS = {  # name: strategy options; the balanced split is [2] (the LM head we
 }
 
 
-def _pp_runs(rank: int, world_size: int, root: str) -> None:
+FSDP_RUNS = {  # 4 ranks: two copies of the pipeline, each stage FSDP-sharded over them
+    "1f1b_dp_shard2": {"schedule": "1f1b", "microbatches": MICROBATCHES, "dp_shard": 2},
+}
+
+
+def _pp_runs(rank: int, world_size: int, root: str, runs: dict) -> None:
     import lightning as L
     from torch.utils.data import DataLoader
 
@@ -64,10 +70,10 @@ def _pp_runs(rank: int, world_size: int, root: str) -> None:
     from lit_ablate.strategies.pipeline_parallel import PipelineParallelStrategy
     from tests.test_callbacks import _batches
 
-    for name, options in PP_RUNS.items():
+    for name, options in runs.items():
         L.seed_everything(0)
         trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=world_size,
-                            strategy=PipelineParallelStrategy(pp=world_size, **options),
+                            strategy=PipelineParallelStrategy(pp=2, **options),
                             use_distributed_sampler=False, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False,
                             callbacks=[MemoryMonitor(), ThroughputMonitor(), MFUMonitor(ceiling_tflops=CEILING_TFLOPS),
@@ -79,8 +85,15 @@ def _pp_runs(rank: int, world_size: int, root: str) -> None:
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("pp_measured")
-    run_ranks(_pp_runs, 2, str(root), init_process_group=False, timeout_s=600)
+    run_ranks(_pp_runs, 2, str(root), PP_RUNS, init_process_group=False, timeout_s=600)
     return {name: json.loads((root / f"{name}.json").read_text()) for name in PP_RUNS}
+
+
+@pytest.fixture(scope="module")
+def measured_fsdp(tmp_path_factory) -> dict[str, dict]:
+    root = tmp_path_factory.mktemp("pp_fsdp_measured")
+    run_ranks(_pp_runs, 4, str(root), FSDP_RUNS, init_process_group=False, timeout_s=600)
+    return {name: json.loads((root / f"{name}.json").read_text()) for name in FSDP_RUNS}
 
 
 def counts_and_shape():
@@ -101,13 +114,27 @@ def test_the_largest_stage_is_within_its_factors_of_the_measured_rank(measured, 
     """``AGREEMENT_FACTORS`` per category against the rank with the largest tracked peak, which must be
     the stage the estimator finds largest. Measured ratios: state categories 1.0, activations
     0.91-1.0 (interleaved, 2 stages per rank: 0.95), transient 0.94-0.99."""
+    assert_largest_stage_agrees(PP_RUNS[run], measured[run]["summary"]["tensor_breakdown"], REPLICATED, world_size=2)
+
+
+@pytest.mark.slow  # 4 gloo ranks
+@pytest.mark.parametrize("run", list(FSDP_RUNS))
+def test_fsdp_stages_are_within_their_factors_of_the_measured_rank(measured_fsdp, run):
+    """pp=2 x dp_shard=2 (layers kept gathered): each stage's state over its 2 FSDP ranks, and in
+    transient the gathered stage, its unsharded gradients and the reduce-scatter copy of its largest
+    unit. Measured ratios: state 1.0, activations 0.99, transient 1.0 (seen failing without the
+    gathered stage and unsharded gradients: transient 0.014)."""
+    sharding = PipelineParallelStrategy(pp=2, **FSDP_RUNS[run]).state_sharding(4)
+    assert_largest_stage_agrees(FSDP_RUNS[run], measured_fsdp[run]["summary"]["tensor_breakdown"], sharding, world_size=4)
+
+
+def assert_largest_stage_agrees(options: dict, breakdown: dict, sharding, world_size: int) -> None:
     counts, shape, _ = counts_and_shape()
-    training = pp_training(PP_RUNS[run])
-    stages = pipeline_stage_estimates(counts, shape, training, REPLICATED)
+    training = pp_training(options)
+    stages = pipeline_stage_estimates(counts, shape, training, sharding)
     largest = max(range(len(stages)), key=lambda i: stages[i].total)
-    breakdown = measured[run]["summary"]["tensor_breakdown"]
-    assert largest == breakdown["rank"], (largest, breakdown["rank"])
-    assert estimate_memory(counts, shape, training, REPLICATED, world_size=2) == stages[largest]
+    assert largest == breakdown["rank"] % 2, (largest, breakdown["rank"])  # the stage of the measured rank
+    assert estimate_memory(counts, shape, training, sharding, world_size=world_size) == stages[largest]
     comparison = compare_with_measured(stages[largest], breakdown)
     assert set(comparison) == set(AGREEMENT_FACTORS)
     disagreeing = {c: round(r["ratio"], 3) if r["ratio"] else r for c, r in comparison.items() if not r["agrees"]}

@@ -137,10 +137,24 @@ def _pipeline_config(*options: str) -> dict:
         "--trainer.strategy.class_path", "lit_ablate.strategies.PipelineParallelStrategy", *options])
 
 
-def test_the_estimate_refuses_sharded_stages_and_counts_replicas():
-    """FSDP inside a stage is not modelled: refused naming dp_shard, not estimated as whole stages.
-    ``pp: -1`` beside 2 replicas on 4 devices is 2 stages (seen failing: 4, every device taken as a stage)."""
-    with pytest.raises(ConfigError, match="dp_shard"):
-        estimate_for_config(_pipeline_config("--trainer.strategy.init_args.dp_shard", "2"))
+def test_the_estimate_shards_stages_refuses_resharding_and_counts_replicas():
+    """FSDP stages that keep their layers gathered are estimated with their state over dp_shard
+    (measured agreement: tests/test_pipeline_estimate.py); resharding after forward is refused naming
+    the key. ``pp: -1`` beside 2 replicas on 4 devices is 2 stages (seen failing: 4, every device
+    taken as a stage)."""
+    from lit_ablate.estimate import configured_sharding, model_of, pipeline_stage_estimates
+    from lit_ablate.strategies.state_sharding import REPLICATED
+
+    config = _pipeline_config("--trainer.strategy.init_args.dp_shard", "2")
+    counts, shape = model_of(config)
+    training = training_shape_of(config)
+    sharded = pipeline_stage_estimates(counts, shape, training, configured_sharding(config, 4))
+    whole = pipeline_stage_estimates(counts, shape, training, REPLICATED)
+    for stage, unsharded in zip(sharded, whole, strict=True):
+        assert stage.optimizer == pytest.approx(unsharded.optimizer / 2, abs=8) and stage.transient > unsharded.transient
+    assert estimate_for_config(config) == max(sharded, key=lambda e: e.total)
+    with pytest.raises(ConfigError, match="reshard_after_forward"):
+        estimate_for_config(_pipeline_config("--trainer.strategy.init_args.dp_shard", "2",
+                                             "--trainer.strategy.init_args.reshard_after_forward", "true"))
     training = training_shape_of(_pipeline_config("--trainer.strategy.init_args.dp_replicate", "2"))
     assert training.pipeline_parallel == 2

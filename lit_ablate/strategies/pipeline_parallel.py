@@ -43,6 +43,7 @@ from lit_ablate.models.losses import IGNORE_INDEX
 from lit_ablate.modules.step_objective import StepObjective, _agreed_power_of_two
 from lit_ablate.strategies.fsdp2 import fsdp_arguments, shard_layers_then_root
 from lit_ablate.strategies.mesh import MESH_DIMS, STRATEGY_KEY, MeshStrategy
+from lit_ablate.strategies.state_sharding import REPLICATED, StateSharding
 
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -198,6 +199,14 @@ class PipelineParallelStrategy(MeshStrategy):
         if self.dp_replicate > 1:
             return self._device_mesh.get_group("dp_replicate"), self.dp_replicate
         return None, 1
+
+    def state_sharding(self, world_size: int) -> StateSharding:
+        """Each stage's state over its ``dp_shard`` ranks (FSDP), kept gathered through the step unless
+        ``reshard_after_forward`` (see ``estimate.pipeline_stage_estimates``); replicas repeat it."""
+        if self.dp_shard == 1:
+            return REPLICATED
+        shard = self.dp_shard
+        return StateSharding(params=shard, grads=shard, optimizer=shard, gathered=None if self.reshard_after_forward else 1)
 
     @property
     def schedule_bubble(self) -> float:
