@@ -121,8 +121,8 @@ def test_lightning_fit_with_pp2_x_dp_shard2_equals_one_device(tmp_path):
                   batch_size=4).losses
     ranks = run_ranks(_lightning_pp_x_dp_shard, 4, str(tmp_path / "pp"), init_process_group=False, timeout_s=400)
     assert reference.losses[-1] < reference.losses[0] - 1e-3, "the model did not train"
-    for stage in (0, 1):  # ranks (dp 0, stage), (dp 1, stage): ranks 0 and 2, 1 and 3
-        pipelines = [ranks[stage], ranks[2 + stage]]
+    for stage in (0, 1):  # pp outermost: stage 0 on ranks 0 and 1 (dp 0, dp 1), stage 1 on ranks 2 and 3
+        pipelines = [ranks[2 * stage], ranks[2 * stage + 1]]
         whole = _step_losses([run["whole"] for run in pipelines])
         again = _step_losses([run["resumed"] for run in pipelines])
         torch.testing.assert_close(whole, torch.tensor(reference.losses), rtol=0, atol=ATOL)

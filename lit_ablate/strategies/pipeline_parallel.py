@@ -153,7 +153,10 @@ class PipelineParallelStrategy(MeshStrategy):
 
     # ---------------------------------------------------------------- the mesh
     def build_mesh(self, device_type: str, world_size: int) -> DeviceMesh:
-        """A ``(dp_replicate, dp_shard, pp)`` mesh: a copy of the pipeline over ``pp`` ranks per data-parallel rank."""
+        """A ``(pp, dp_replicate, dp_shard)`` mesh: a copy of the pipeline over ``pp`` ranks per
+        data-parallel rank, ``pp`` outermost (as torchtitan lays it out): a stage's data-parallel ranks
+        are adjacent, so FSDP's collectives stay within a node and only the pipeline's point-to-point
+        hand-offs cross nodes."""
         replicas, shards = self.dp_replicate, self.dp_shard
         pp = world_size // (replicas * shards) if self.requested_pp == -1 else self.requested_pp
         if pp * replicas * shards != world_size:
@@ -170,8 +173,8 @@ class PipelineParallelStrategy(MeshStrategy):
                               f"or fewer than {pp}")
         self.pp = pp
         self.mesh_sizes = {**dict.fromkeys(MESH_DIMS, 1), "dp_replicate": replicas, "dp_shard": shards}
-        self._device_mesh = init_device_mesh(device_type, (replicas, shards, pp),
-                                             mesh_dim_names=("dp_replicate", "dp_shard", "pp"))
+        self._device_mesh = init_device_mesh(device_type, (pp, replicas, shards),
+                                             mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
         self.stage_index = self._device_mesh.get_local_rank("pp")
         if replicas > 1 and shards > 1:  # all ranks create the group of a stage's data-parallel ranks together
             self._data_parallel_mesh = self._device_mesh["dp_replicate", "dp_shard"]._flatten("dp")
