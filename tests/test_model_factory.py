@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -42,3 +44,18 @@ def test_a_missing_or_unloadable_checkpoint_names_the_key(tmp_path):
         ModelFactory(pretrained=str(tmp_path / "empty")).build()
     with pytest.raises(ConfigError, match="either pretrained or preset/config"):
         ModelFactory(preset="tiny-llama", pretrained=str(tmp_path / "empty"))
+
+
+def test_a_dotted_null_preset_switches_to_the_config():
+    """``--model.init_args.model.preset null`` (to build from ``config`` instead) reaches the factory as
+    the string "None" through LightningCLI's nested parsing; it must mean no preset (seen failing:
+    "preset='None': choose one of [...]")."""
+    from lit_ablate.cli import resolve_fit_config
+
+    config = '{"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, ' \
+             '"num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 300}'
+    resolved = resolve_fit_config(["--config", str(Path(__file__).parents[1] / "configs" / "quickstart.yaml"),
+                                   "--model.init_args.model.preset", "null", "--model.init_args.model.config", config])
+    options = resolved["model"]["init_args"]["model"]
+    lm = ModelFactory(**{k: options[k] for k in ("preset", "config", "pretrained")}).build(device="meta")
+    assert lm.config.model_type == "llama" and lm.config.hidden_size == 32

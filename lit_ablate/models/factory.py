@@ -73,6 +73,10 @@ class ModelFactory:
     fp8: Fp8Options | None = None
 
     def __post_init__(self) -> None:
+        # jsonargparse (4.53), for a dataclass inside a class_path's init_args, turns a dotted
+        # ``--model.init_args.model.preset null`` into the string "None"; no preset or hub name is
+        # called that, so it is read as the null it was.
+        self.preset, self.pretrained = (None if v == "None" else v for v in (self.preset, self.pretrained))
         if isinstance(self.moe, dict):  # from a checkpoint's plain-dict hyperparameters
             self.moe = MoEOptions(**self.moe)
         if isinstance(self.adapter, dict):
