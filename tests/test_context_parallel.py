@@ -329,3 +329,24 @@ def test_a_device_without_block_kernels_is_refused_naming_the_accelerator(monkey
     monkeypatch.setattr(ContextParallelStrategy, "root_device", property(lambda self: torch.device("mps")))
     with pytest.raises(ConfigError, match="trainer.accelerator.*cpu and cuda"):
         ContextParallelStrategy(cp=2).setup_environment()
+
+
+def test_a_flash_attn_that_does_not_import_is_one_line(monkeypatch):
+    """An installed flash-attn built for another torch fails to import (an undefined symbol): the
+    kernel is refused with that reason, not a stack trace at the first attention call."""
+    import builtins
+    import importlib.util
+
+    from lit_ablate.models.block_kernels import FlashAttnBlockKernel
+
+    real_import = builtins.__import__
+
+    def broken(name, *args, **kwargs):
+        if name.startswith("flash_attn"):
+            raise ImportError("flash_attn_2_cuda.so: undefined symbol: _ZN3c10")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else None)
+    monkeypatch.setattr(builtins, "__import__", broken)
+    reason = FlashAttnBlockKernel().unavailable(torch.device("cuda"))
+    assert reason.startswith("flash-attn does not import here (flash_attn_2_cuda.so: undefined symbol") and "sdpa" in reason

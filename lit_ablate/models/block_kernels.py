@@ -126,8 +126,10 @@ class FlashAttnBlockKernel(SdpaBlockKernel):
             return f"flash-attn runs on CUDA only, this run is on {device.type}; use cp_block_kernel: sdpa"
         if importlib.util.find_spec("flash_attn") is None:
             return "the flash-attn package is not installed (pip install 'lit-ablate[gpu]'); or use cp_block_kernel: sdpa"
-        import flash_attn.flash_attn_interface  # noqa: F401 (registers torch.ops.flashattn)
-
+        try:
+            import flash_attn.flash_attn_interface  # noqa: F401 (registers torch.ops.flashattn)
+        except (ImportError, OSError) as err:  # e.g. built for another torch or CUDA
+            return f"flash-attn does not import here ({err}); reinstall it for this torch, or use cp_block_kernel: sdpa"
         if not hasattr(torch.ops.flashattn, "_flash_attn_backward"):
             return "flash-attn is older than 2.7 (no registered _flash_attn_backward op): upgrade it or use cp_block_kernel: sdpa"
         return None
