@@ -10,7 +10,7 @@ its gradients with respect to the hidden states and the weight. The seed study u
 (2/3 chosen, 1/3 rejected, over 4 pairs, a fifth of each sequence a masked prompt): 1,024 by
 default, where the torch reference needs ~8 GiB and ~2 minutes. On a GPU use the seed's 15k tokens.
 
-``liger`` (``lit_ablate.models.liger_dpo``: Liger-Kernel's fused linear DPO, plain torch, so it
+``liger`` (``lit_ablate.models.losses.liger_dpo``: Liger-Kernel's fused linear DPO, plain torch, so it
 runs on CPU too; skipped when liger-kernel is not installed) takes the same sequences padded to
 the longest (``[2 x pairs, longest, hidden]``: its only layout) and no reference (it cannot take
 precomputed log-probs; a frozen reference adds its hidden states and a no-grad chunk), one pair
@@ -56,8 +56,8 @@ import time
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from lit_ablate.models.liger_dpo import LigerDPOLoss
-from lit_ablate.models.logprobs import logprob_backend
+from lit_ablate.models.losses.liger_dpo import LigerDPOLoss
+from lit_ablate.models.losses.logprobs import logprob_backend
 from lit_ablate.modules.preference_loss import PreferenceLoss
 
 HIDDEN, VOCAB = 5120, 151_936

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from lit_ablate.models.factory import ModelFactory
-from lit_ablate.models.fp8 import RECIPES, Fp8Options, convert_fp8, fp8_kernels_unavailable
+from lit_ablate.models.fp8.conversion import RECIPES, Fp8Options, convert_fp8, fp8_kernels_unavailable
 
 QWEN3_0_6B = {"model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
               "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,

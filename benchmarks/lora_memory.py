@@ -27,14 +27,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from lit_ablate.cli import resolve_fit_config
-from lit_ablate.estimate import (
-    GIB,
-    TrainingShape,
-    estimate_for_config,
-    estimate_memory,
-    model_of,
-)
+from lit_ablate.estimate.from_config import estimate_for_config, model_of
+from lit_ablate.estimate.memory import estimate_memory
+from lit_ablate.estimate.shapes import GIB, TrainingShape
+from lit_ablate.fit_cli import resolve_fit_config
 from lit_ablate.strategies.state_sharding import REPLICATED
 
 ROOT = Path(__file__).resolve().parents[1]

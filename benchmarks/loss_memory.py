@@ -32,7 +32,7 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from lit_ablate.errors import ConfigError
-from lit_ablate.models.losses import LossBackend, check_loss_backend, loss_backend
+from lit_ablate.models.losses.cross_entropy import LossBackend, check_loss_backend, loss_backend
 
 K = 1024
 HEADLINE = (128 * K, 8 * K)  # (vocab, tokens) of the RESULT lines

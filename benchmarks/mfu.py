@@ -67,7 +67,7 @@ def fit_config(steps: int, warmup: int, root: str) -> dict:
 
 def lit_ablate_run(steps: int, warmup: int) -> dict:
     """``lit-ablate fit`` of the model; returns the run record's summary."""
-    from lit_ablate.cli import LitAblateCLI
+    from lit_ablate.fit_cli import LitAblateCLI
 
     with tempfile.TemporaryDirectory() as root:
         config = Path(root) / "fit.yaml"
@@ -114,8 +114,8 @@ def main() -> int:
 
     from transformers import AutoConfig
 
-    from lit_ablate.estimate import count_parameters_of_config, flops_per_token
-    from lit_ablate.matmul_ceiling import measure_matmul_ceiling, measured_ceiling
+    from lit_ablate.estimate.flops import count_parameters_of_config, flops_per_token
+    from lit_ablate.estimate.matmul_ceiling import measure_matmul_ceiling, measured_ceiling
 
     hf_config = AutoConfig.for_model(**MODEL)
     counts = count_parameters_of_config(hf_config)

@@ -35,7 +35,7 @@ from torch import nn
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from lit_ablate.models.moe import MoEOptions, apply_moe, experts_fallbacks
+from lit_ablate.models.moe.blocks import MoEOptions, apply_moe, experts_fallbacks
 
 SHAPES: dict[str, dict[str, int]] = {  # name -> hidden, expert intermediate, experts, top-k, tokens
     "tiny": {"hidden": 128, "intermediate": 96, "experts": 8, "top_k": 2, "tokens": 512},

@@ -58,8 +58,8 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import CallbackHandler
 
-from lit_ablate.cli import LitAblateCLI
 from lit_ablate.data.collate import Collator
+from lit_ablate.fit_cli import LitAblateCLI
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.modules.optim import decay_groups, decay_names, warmup_cosine
 

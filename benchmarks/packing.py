@@ -46,10 +46,10 @@ import torch
 from lit_ablate.data import PackingCollator, PaddingCollator, example_from_tokens, pack
 from lit_ablate.data.collate import Collator
 from lit_ablate.errors import ConfigError
-from lit_ablate.models.attention import check_attention_backend
+from lit_ablate.models.attention.backends import check_attention_backend
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.models.factory import ModelFactory
-from lit_ablate.models.losses import IGNORE_INDEX, loss_backend
+from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX, loss_backend
 
 Plan = list[list]  # the items of each batch: examples (padding) or rows of examples (packing)
 MEGABATCH_BATCHES = 50  # transformers' LengthGroupedSampler default (megabatch_mult)

@@ -53,13 +53,13 @@ from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from lit_ablate.errors import ConfigError
-from lit_ablate.models.block_kernels import BLOCK_KERNELS, block_kernel
-from lit_ablate.models.context_parallel_attention import (
+from lit_ablate.models.attention.block_kernels import BLOCK_KERNELS, block_kernel
+from lit_ablate.models.attention.context_parallel import (
     CONTEXT_PARALLEL_ATTRIBUTE,
     CONTEXT_PARALLEL_BACKENDS,
     ContextParallelGroup,
 )
-from lit_ablate.models.sequence_layout import SequenceLayout
+from lit_ablate.models.attention.sequence_layout import SequenceLayout
 
 BATCH, HEADS, KV_HEADS, HEAD_DIM = 1, 8, 2, 64
 

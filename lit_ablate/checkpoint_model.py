@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from lit_ablate.ablation.dotted import flatten
+from lit_ablate.config_keys import flatten
 from lit_ablate.errors import ConfigError
 from lit_ablate.path_checks import SHARDED_METADATA_FILENAME
 

@@ -19,8 +19,12 @@ from typing import Any, Protocol
 
 import torch
 
-from lit_ablate.ablation.dotted import get_dotted
+from lit_ablate.config_keys import get_dotted
 from lit_ablate.errors import ConfigError
+from lit_ablate.models.adapters.quantization import OPTIONS_KEY as QUANTIZATION_KEY
+from lit_ablate.models.adapters.quantization import QuantizationOptions
+from lit_ablate.models.fp8.conversion import OPTIONS_KEY as FP8_KEY
+from lit_ablate.models.fp8.conversion import Fp8Options
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +130,7 @@ def loss_backend_available(config: Mapping[str, Any], launch: LaunchLike) -> str
     An unknown backend name is not an incompatibility of this machine but the run's own error,
     so it is left to the run (recorded as failed with its message).
     """
-    losses = _helper_module("lit_ablate.models.losses", ("check_loss_backend", "LOSS_BACKENDS"))
+    losses = _helper_module("lit_ablate.models.losses.cross_entropy", ("check_loss_backend", "LOSS_BACKENDS"))
     name = get_dotted(config, "model.init_args.loss")
     if losses is None or not isinstance(name, str) or name not in losses.LOSS_BACKENDS:
         return None
@@ -158,7 +162,7 @@ def attention_backend_available(config: Mapping[str, Any], launch: LaunchLike) -
     As for losses, an unknown name is left to the run's own error.
     """
     attention = _helper_module(
-        "lit_ablate.models.attention",
+        "lit_ablate.models.attention.backends",
         ("check_attention_backend", "TRANSFORMERS_BACKENDS", "TRANSFORMERS_FLASH_BACKENDS", "BACKENDS"),
     )
     name = get_dotted(config, "model.init_args.model.attn_implementation")
@@ -181,7 +185,7 @@ def strategy_options_run_here(config: Mapping[str, Any], launch: LaunchLike) -> 
 
 def cp_block_kernel_runs_here(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
     """Context parallelism's block kernel must train here (flash-attn installed, flex on CUDA)."""
-    from lit_ablate.models.block_kernels import block_kernel
+    from lit_ablate.models.attention.block_kernels import block_kernel
     from lit_ablate.strategies.context_parallel import ContextParallelStrategy
 
     strategy = _strategy_class(config)
@@ -244,7 +248,7 @@ def _model_options(config: Mapping[str, Any], key: str, options_class: type) -> 
 def quantization_runs_under_strategy(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
     """Quantised base weights the strategy cannot shard (FSDP1 flat parameters, 8-bit under
     DTensor strategies): ``quantization_refusal``."""
-    from lit_ablate.models.quantization import QuantizationOptions, quantization_refusal
+    from lit_ablate.models.adapters.quantization import QuantizationOptions
 
     options = _model_options(config, "model.init_args.model.quantization", QuantizationOptions)
     if options is None:
@@ -258,7 +262,7 @@ def preference_parts_fit(config: Mapping[str, Any], launch: LaunchLike) -> str |
     sharing needs an attention backend that takes its branch mask (``sdpa``/``eager``: varlen and
     packed kernels know documents, not branches), and ``logprobs: liger`` sums one sequence per
     padded row (no packed rows)."""
-    from lit_ablate.models.prefix_sharing import MASK_BACKENDS
+    from lit_ablate.models.attention.prefix_sharing import MASK_BACKENDS
 
     model = str(get_dotted(config, "model.class_path", ""))
     dpo = model.rpartition(".")[2] == "DPO"
@@ -283,7 +287,7 @@ def preference_parts_fit(config: Mapping[str, Any], launch: LaunchLike) -> str |
 def fp8_runs_here(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
     """fp8 with ``emulate: false`` needs fp8 kernels on this device; fp8 all-gather needs FSDP2; tensor
     parallelism takes ``tensorwise`` only: ``resolve_emulation``, ``fp8_refusal``, ``fp8_tensor_parallel_refusal``."""
-    from lit_ablate.models.fp8 import Fp8Options, fp8_refusal, fp8_tensor_parallel_refusal, resolve_emulation
+    from lit_ablate.models.fp8.conversion import Fp8Options, resolve_emulation
     from lit_ablate.strategies.tensor_parallel import TensorParallelStrategy
 
     options = _model_options(config, "model.init_args.model.fp8", Fp8Options)
@@ -374,3 +378,79 @@ def _helper_module(module: str, names: tuple[str, ...]) -> ModuleType | None:
             log.warning("compatibility: %s has no %s; that part is not pre-checked", module, ", ".join(missing))
         return None
     return found
+
+# --- the parts of a built run (``LitAblateCLI.before_fit``; a Python user calls ``check_parts``) -------------
+
+
+def check_parts(module: object, strategy: object) -> None:
+    """Raise ``ConfigError`` for a built module's quantisation or fp8 that ``strategy`` cannot train:
+    the same rules the config-level checks above apply, for a run started from Python."""
+    from lit_ablate.modules.causal_lm import CausalLM
+
+    if isinstance(module, CausalLM):
+        check_quantization(module.factory.quantization, strategy)
+        check_fp8(module.factory.fp8, strategy)
+
+
+def quantization_refusal(options: QuantizationOptions | None, strategy: object) -> str | None:
+    """Why quantised weights cannot train under ``strategy`` (an instance or class), or None.
+
+    - FSDP1 flattens each unit's parameters into one tensor and cannot flatten the packed integer
+      weights with the float ones ("Cannot flatten integer dtype tensors").
+    - 8-bit layers under a DTensor strategy (FSDP2, HSDP, ...): ``Linear8bitLt`` keeps its scales
+      outside the parameter and cannot take them back from the copy a strategy loads into each
+      rank; 4-bit layers can (``_load_quant_state``).
+    """
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    if options is None or strategy is None:
+        return None
+    strategy_class = strategy if isinstance(strategy, type) else type(strategy)
+    if issubclass(strategy_class, FSDPStrategy):
+        return (f"{strategy_class.__name__} (FSDP1) cannot flatten quantised integer weights with float ones; "
+                "use FSDP2Strategy (QLoRA shards there) or DDP")  # fmt: skip
+    if options.bits == 8 and issubclass(strategy_class, ModelParallelStrategy):
+        return f"8-bit layers cannot be sharded by {strategy_class.__name__}; use bits: 4 (QLoRA), or DDP"
+    return None
+
+
+def check_quantization(options: QuantizationOptions | None, strategy: object) -> None:
+    """Raise ``ConfigError`` naming ``model.init_args.model.quantization`` when ``quantization_refusal`` has a reason."""
+    reason = quantization_refusal(options, strategy)
+    if reason:
+        raise ConfigError(QUANTIZATION_KEY, {"bits": options.bits}, reason)
+
+
+def fp8_refusal(options: Fp8Options | None, strategy: object) -> str | None:
+    """Why ``options`` cannot train under ``strategy`` (an instance or class), or None: fp8
+    all-gather is a hook of FSDP2's ``fully_shard`` (``FSDP2Strategy`` and its subclasses)."""
+    from lit_ablate.strategies.fsdp2 import FSDP2Strategy
+
+    if options is None or not options.fsdp_all_gather:
+        return None
+    strategy_class = strategy if isinstance(strategy, type) or strategy is None else type(strategy)
+    if strategy_class is None or not issubclass(strategy_class, FSDP2Strategy):
+        name = getattr(strategy_class, "__name__", "no strategy")
+        return f"fp8 all-gather happens inside FSDP2's fully_shard; {name} gathers nothing: use FSDP2Strategy or fsdp_all_gather: false"
+    return None
+
+
+def fp8_tensor_parallel_refusal(options: Fp8Options, tp: int) -> str | None:
+    """Why ``options`` cannot train at tensor-parallel size ``tp`` (-1: the ranks left, so above 1), or
+    None: torchao's float8 styles (``tensor_parallel_plans``) cast activations and gradients with one
+    scale per tensor, so only the ``tensorwise`` recipe."""
+    if tp != 1 and options.recipe != "tensorwise":
+        return ("tp > 1 splits fp8 layers with torchao's float8 styles, which scale one per tensor; "
+                "use recipe: tensorwise or tp: 1")
+    return None
+
+
+def check_fp8(options: Fp8Options | None, strategy: object) -> None:
+    """Raise ``ConfigError`` naming ``model.init_args.model.fp8.fsdp_all_gather`` when ``fp8_refusal`` has a reason."""
+    reason = fp8_refusal(options, strategy)
+    if reason:
+        raise ConfigError(f"{FP8_KEY}.fsdp_all_gather", True, reason)
+    tp = getattr(strategy, "requested_mesh_sizes", {}).get("tp", 1)
+    reason = fp8_tensor_parallel_refusal(options, tp) if options is not None else None
+    if reason:
+        raise ConfigError(f"{FP8_KEY}.recipe", options.recipe, reason)

@@ -32,7 +32,7 @@ def check_run_config(subcommand: str, config: Mapping[str, Any]) -> None:
     trainer = config.get("trainer") or {}
     check_trainer(trainer, fitting=subcommand == "fit")
     check_mesh(trainer)
-    if subcommand == "fit":  # validate and test write nothing (lit_ablate.console)
+    if subcommand == "fit":  # validate and test write nothing (lit_ablate.terminal)
         check_parts_compatible(config)
         if trainer.get("default_root_dir"):
             writable_dir("trainer.default_root_dir", trainer["default_root_dir"])
@@ -68,8 +68,8 @@ def check_parts_compatible(config: Mapping[str, Any]) -> None:
     ``fit`` before any rank starts or any model is built, in one line, instead of at step 1."""
     from types import SimpleNamespace
 
-    from lit_ablate.ablation.dotted import get_dotted
     from lit_ablate.compatibility import RULES
+    from lit_ablate.config_keys import get_dotted
 
     plain = config.as_dict() if hasattr(config, "as_dict") else config
     launch = SimpleNamespace(devices=None, num_nodes=None, accelerator=None)  # the config's own trainer values

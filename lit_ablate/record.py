@@ -11,7 +11,7 @@ imports the other: both depend only on this module. A record is one JSON file pe
                       "device_name": ..., "device_count": ..., "world_size": ..., "git_commit": ...,
                       "triton_kernels": "compiled" | "interpreted" | null},  # interpreted: CPU opt-in
                                                 # (LIT_ABLATE_TRITON_INTERPRET=1); null: no triton
-                      "fp8": "real" | "emulated" | null,  # which fp8 matmuls ran (lit_ablate.models.fp8)
+                      "fp8": "real" | "emulated" | null,  # which fp8 matmuls ran (lit_ablate.models.fp8.conversion)
       "warmup_steps": 3,                        # steps excluded from the summary
       "resumed_from": null | {"checkpoint": "path", "step_offset": 3},  # a resumed fit: its steps are offset + 1, ...
       "fallbacks": ["..."],                     # every fallback a part took, in words
@@ -31,7 +31,7 @@ imports the other: both depend only on this module. A record is one JSON file pe
         "useful_tokens_per_sec_per_device": {...}, "step_time_s": {...}, "data_wait_s": {...},
         "data_wait_share": float | null,        # summed data wait / summed step time after warm-up
         "mfu": {...} | null,                    # vs the spec peak; null when no honest peak is known
-        "mfu_measured": {...} | null,           # vs the measured matmul ceiling (lit_ablate.matmul_ceiling)
+        "mfu_measured": {...} | null,           # vs the measured matmul ceiling (lit_ablate.estimate.matmul_ceiling)
         "mfu_peak": str | null,                 # where mfu's peak came from, or why there is none
         "mfu_ceilings": null | {"mfu": {"tflops": float | null, "source": str},   # each MFU's denominator
                                 "mfu_measured": {"tflops": float | null, "source": str}},
@@ -105,6 +105,10 @@ SUMMARISED_SERIES: dict[str, str] = {
     "pipeline_idle_share": "pipeline_idle_share",  # PipelineBubbleMonitor (pipeline-parallel runs)
     "pipeline_bubble_theory": "pipeline_bubble_theory",
 }
+
+PREFERENCE_STATS = ("pairs", "loss", "correct", "reward_chosen", "reward_rejected", "logps_chosen", "logps_rejected")
+"""What ``DPO.training_step`` reports per micro-batch under ``outputs["preference"]`` (sums over its
+pairs, in this order), for ``PreferenceMonitor``."""
 
 # Evaluations of the model (not of a step's speed): the summary keeps the value after the last
 # step, the model a run ends with. Series name -> summary key.

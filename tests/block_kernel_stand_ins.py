@@ -1,4 +1,4 @@
-"""CPU stand-ins that let the GPU block kernels' glue run here (``lit_ablate.models.block_kernels``).
+"""CPU stand-ins that let the GPU block kernels' glue run here (``lit_ablate.models.attention.block_kernels``).
 
 - ``CudaSdpaOnCpu``: ``sdpa``'s CUDA path (memory-efficient op) on CPU, its op replaced by
   ``efficient_attention_stand_in`` (``use_efficient_attention_stand_ins``).
@@ -19,8 +19,8 @@ import torch
 import torch.utils.flop_counter  # noqa: F401 (registers formulas on the real aten ops before any stand-in replaces one)
 from torch import Tensor
 
-from lit_ablate.models.block_kernels import FlashAttnBlockKernel, FlexBlockKernel, SdpaBlockKernel
-from lit_ablate.models.chunk_masks import BlockMask
+from lit_ablate.models.attention.block_kernels import FlashAttnBlockKernel, FlexBlockKernel, SdpaBlockKernel
+from lit_ablate.models.attention.chunk_masks import BlockMask
 
 
 def _scale(q: Tensor, scale: float | None) -> float:

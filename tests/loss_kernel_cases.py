@@ -21,7 +21,7 @@ from triton.language.extra import libdevice
 # isort: on
 
 from lit_ablate.errors import ConfigError
-from lit_ablate.models.losses import IGNORE_INDEX, TorchCrossEntropy, check_loss_backend, loss_backend
+from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX, TorchCrossEntropy, check_loss_backend, loss_backend
 
 GRAD_SCALE = 0.37  # a backward seed other than 1
 CASES: dict[str, dict[str, Any]] = {
@@ -151,7 +151,7 @@ def libdevice_gap() -> dict[str, Any]:
 
 def main() -> None:
     device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
-    from lit_ablate.models.triton_interpreter import kernel_mode
+    from lit_ablate.models.losses.triton_interpreter import kernel_mode
 
     report = {"kernel_mode": kernel_mode(), "libdevice": libdevice_gap()}
     report.update(parity=parity_errors(device), refusals=refusals())

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from lit_ablate.checkpoint_model import model_differences
-from lit_ablate.cli import LitAblateCLI, main
+from lit_ablate.cli import main
 from lit_ablate.errors import ConfigError
+from lit_ablate.fit_cli import LitAblateCLI
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.modules import CausalLM
 

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 from test_ablation_runner import RUNNER_SCRIPT, fake_resolve, install_fake_fit, launches, make_spec, record
 
-from lit_ablate.ablation import single_writer
-from lit_ablate.ablation.commands import run_study
-from lit_ablate.ablation.single_writer import GroupReaper, RunFolderBusy, group_alive
+from lit_ablate.ablation import run_folder_lock
+from lit_ablate.ablation.run_folder_lock import GroupReaper, RunFolderBusy, group_alive
+from lit_ablate.commands.ablate import run_study
 from lit_ablate.record import read_record
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and prctl: Linux")
@@ -57,7 +57,7 @@ def test_die_with_runner_kills_the_child_when_its_parent_is_sigkilled():
     """The kernel's death signal: a SIGKILLed parent cannot run any clean-up of its own."""
     middle = subprocess.Popen([sys.executable, "-c", (
         "import subprocess, sys, time\n"
-        "from lit_ablate.ablation.single_writer import die_with_runner\n"
+        "from lit_ablate.ablation.run_folder_lock import die_with_runner\n"
         f"child = subprocess.Popen({SLEEPER!r}, preexec_fn=die_with_runner())\n"
         "print(child.pid, flush=True)\n"
         "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)  # fmt: skip
@@ -116,7 +116,7 @@ def test_resume_refuses_while_an_earlier_runs_processes_live(tmp_path: Path, fak
     crashed = read_record(run_dir / "run.json")
     crashed["summary"]["status"] = "running"  # what a killed run leaves
     (run_dir / "run.json").write_text(json.dumps(crashed))
-    monkeypatch.setattr(single_writer, "LOCK_WAIT_S", 0.5)
+    monkeypatch.setattr(run_folder_lock, "LOCK_WAIT_S", 0.5)
     try:
         with pytest.raises(RunFolderBusy) as info:
             run_study(spec, out, fake_fit, fake_resolve)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from lit_ablate.ablation.commands import report_main
 from lit_ablate.ablation.report import render_markdown, write_report
 from lit_ablate.ablation.summary import study_summary
+from lit_ablate.commands.ablate import report_main
 from lit_ablate.record import SCHEMA_VERSION, summarize_steps, write_record
 
 AXIS = "model.init_args.model.config.num_hidden_layers"
@@ -149,12 +149,12 @@ def test_report_of_an_empty_directory_is_refused(tmp_path: Path):
 
 
 def test_a_failing_estimate_leaves_the_report_whole(monkeypatch, tmp_path: Path):
-    import lit_ablate.estimate
+    from lit_ablate.estimate import from_config
 
     def broken(*args, **kwargs):
         raise ImportError("a GPU-only package")
 
-    monkeypatch.setattr(lit_ablate.estimate, "estimate_for_config", broken)
+    monkeypatch.setattr(from_config, "estimate_for_config", broken)
     records = [{**r, "config": {"trainer": {}}} for r in depth_records()]
     directory = make_study(tmp_path, records, depth_plan())
     summary = json.loads(write_report(directory).with_name("report.json").read_text())

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lit_ablate.ablation.commands import run_study
 from lit_ablate.ablation.spec import parse_study
+from lit_ablate.commands.ablate import run_study
 from lit_ablate.errors import ConfigError
 from lit_ablate.record import read_record
 
@@ -219,7 +219,7 @@ from pathlib import Path
 sys.path.insert(0, {tests!r})
 from test_ablation_runner import fake_resolve, make_spec
 from lit_ablate import compatibility
-from lit_ablate.ablation.commands import run_study
+from lit_ablate.commands.ablate import run_study
 compatibility.RULES.clear()  # the stand-in runs need no pre-check; spares this process importing transformers
 spec = make_spec([{{"name": "first"}}, {{"name": "second", "overrides": {{"model.init_args.lr": 0.2}}}}])
 run_study(spec, Path({out!r}), [sys.executable, {fake!r}], fake_resolve)

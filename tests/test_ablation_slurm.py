@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from test_ablation_runner import fake_resolve, install_fake_fit, launches, make_spec, record
 
-from lit_ablate.ablation.commands import run_study
 from lit_ablate.ablation.slurm import JOB_FILENAME
+from lit_ablate.commands.ablate import run_study
 from lit_ablate.errors import ConfigError
 
 pytest.importorskip("submitit", reason="submitit not installed (pip install 'lit-ablate[slurm]')")

@@ -8,10 +8,10 @@ import pytest
 import yaml
 
 from lit_ablate import compatibility
-from lit_ablate.ablation.dotted import flatten, get_dotted, set_dotted, with_overrides
 from lit_ablate.ablation.plan import plan_study
 from lit_ablate.ablation.single_variable import check_single_variable
 from lit_ablate.ablation.spec import Launch, load_study, parse_study
+from lit_ablate.config_keys import flatten, get_dotted, set_dotted, with_overrides
 from lit_ablate.errors import ConfigError
 
 BASE = {

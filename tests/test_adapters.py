@@ -11,10 +11,11 @@ from bitsandbytes.functional import dequantize_4bit, get_4bit_type
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader
 
+from lit_ablate.compatibility import check_quantization
 from lit_ablate.errors import ConfigError
-from lit_ablate.models.adapters import AdapterOptions, adapter_parameter_names
+from lit_ablate.models.adapters.lora import AdapterOptions, adapter_parameter_names
+from lit_ablate.models.adapters.quantization import QuantizationOptions
 from lit_ablate.models.factory import ModelFactory
-from lit_ablate.models.quantization import QuantizationOptions, check_quantization
 from lit_ablate.modules import CausalLM
 from lit_ablate.strategies import FSDP1Strategy, FSDP2Strategy
 from tests.test_step_objective import micro_batches

@@ -65,9 +65,9 @@ def test_an_adapter_only_checkpoint_exports_over_its_pretrained_base(tmp_path):
     from torch.utils.data import DataLoader
     from transformers import AutoModelForCausalLM
 
+    from lit_ablate.commands.export import export_hf_checkpoint
     from lit_ablate.models.factory import ModelFactory
     from lit_ablate.modules import CausalLM
-    from lit_ablate.strategies.export import export_hf_checkpoint
     from tests.test_step_objective import micro_batches
 
     torch.manual_seed(0)

@@ -12,14 +12,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from lit_ablate.callbacks import RunRecorder
-from lit_ablate.estimate import (
-    TrainingShape,
-    attention_shape,
-    count_parameters,
-    estimate_memory,
-    model_of,
-    optimizer_state_bytes,
-)
+from lit_ablate.estimate.flops import attention_shape, count_parameters
+from lit_ablate.estimate.from_config import model_of
+from lit_ablate.estimate.memory import estimate_memory, optimizer_state_bytes
+from lit_ablate.estimate.shapes import TrainingShape
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.modules import CausalLM
 from lit_ablate.strategies.state_sharding import REPLICATED
@@ -127,7 +123,8 @@ def test_memory_breakdown_splits_frozen_and_trainable_parameters(tmp_path):
     (``frozen_params``) from the trainable adapters (``params``, with the buffers), exactly; the
     estimator's params (both together) still agree with them. Seen failing with frozen parameters
     counted as ``params`` (the frozen bytes were 0)."""
-    from lit_ablate.estimate import compare_with_measured, estimate_for_config
+    from lit_ablate.estimate.agreement import compare_with_measured
+    from lit_ablate.estimate.from_config import estimate_for_config
     from lit_ablate.modules import CausalLM
     from tests.test_memory_categories import _fit
 

@@ -1,4 +1,4 @@
-"""LoRA on MoE experts (``AdapterOptions.experts_r``, ``lit_ablate.models.expert_adapters``).
+"""LoRA on MoE experts (``AdapterOptions.experts_r``, ``lit_ablate.models.adapters.expert_lora``).
 
 - With every ``B`` at zero the adapted model's logits are the base model's, bit for bit.
 - With random ``B`` the experts compute, per expert ``e`` and row ``x``, the LoRA formula on the
@@ -25,10 +25,10 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from lit_ablate.errors import ConfigError
-from lit_ablate.models.adapters import AdapterOptions, adapter_parameter_names, adapters_disabled
-from lit_ablate.models.expert_adapters import ExpertLoRA
+from lit_ablate.models.adapters.expert_lora import ExpertLoRA
+from lit_ablate.models.adapters.lora import AdapterOptions, adapter_parameter_names, adapters_disabled
 from lit_ablate.models.factory import ModelFactory
-from lit_ablate.models.moe import MoEOptions, moe_blocks
+from lit_ablate.models.moe.blocks import MoEOptions, moe_blocks
 from lit_ablate.modules import CausalLM
 from lit_ablate.strategies.expert_parallel import ExpertParallelStrategy
 from tests.distributed import run_ranks
@@ -205,7 +205,8 @@ def test_expert_adapter_counts_and_flops():
     """Expert LoRA merges into the expert weights once per step, so its matrices are not per-token matmuls,
     and the adapted active experts get a full weight gradient (6 N, not a frozen 4 N); the estimator's meta
     build (MoE blocks, then adapters) counts the same as the built model."""
-    from lit_ablate.estimate import count_parameters, model_of
+    from lit_ablate.estimate.flops import count_parameters
+    from lit_ablate.estimate.from_config import model_of
 
     model = build("grouped")
     counts, plain = count_parameters(model, model.config), count_parameters(build("grouped", adapter=None), model.config)

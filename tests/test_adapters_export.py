@@ -15,11 +15,11 @@ from peft import PeftModel
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
+from lit_ablate.commands.export import BASE_MODEL_DIR, export_hf_checkpoint, export_main
 from lit_ablate.errors import ConfigError
-from lit_ablate.models.adapters import adapters_disabled
+from lit_ablate.models.adapters.lora import adapters_disabled
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.modules import CausalLM
-from lit_ablate.strategies.export import BASE_MODEL_DIR, export_hf_checkpoint, export_main
 from tests.test_step_objective import micro_batches
 
 IDS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))

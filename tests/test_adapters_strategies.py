@@ -29,9 +29,9 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.data import DataLoader
 
-from lit_ablate.models.adapters import AdapterOptions
+from lit_ablate.models.adapters.lora import AdapterOptions
+from lit_ablate.models.adapters.quantization import QuantizationOptions
 from lit_ablate.models.factory import ModelFactory
-from lit_ablate.models.quantization import QuantizationOptions
 from lit_ablate.modules import CausalLM
 from lit_ablate.strategies import DDPStrategy, FSDP1Strategy, FSDP2Strategy, HSDPStrategy
 from tests.distributed import run_ranks

@@ -11,8 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from lit_ablate.errors import ConfigError
-from lit_ablate.models import attention
-from lit_ablate.models.attention import check_attention_backend, cu_seqlens_from_position_ids, document_causal_mask
+from lit_ablate.models.attention import backends as attention
+from lit_ablate.models.attention.backends import (
+    check_attention_backend,
+    cu_seqlens_from_position_ids,
+    document_causal_mask,
+)
 from lit_ablate.models.factory import ModelFactory
 
 ATOL = 2e-5
@@ -145,7 +149,7 @@ def test_fa_varlen_takes_the_packers_segments_from_the_batch(monkeypatch):
     and the loss equals sdpa_packed's."""
     from lit_ablate.data import PackingCollator
     from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
-    from lit_ablate.models.losses import loss_backend
+    from lit_ablate.models.losses.cross_entropy import loss_backend
 
     seen = []
 

@@ -9,9 +9,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from lit_ablate.callbacks import MemoryMonitor, MFUMonitor, RunRecorder, ThroughputMonitor
-from lit_ablate.callbacks.mfu import peak_tflops_of
+from lit_ablate.estimate.peaks import peak_tflops_of
 from lit_ablate.models.factory import ModelFactory
-from lit_ablate.models.losses import IGNORE_INDEX
+from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX
 from lit_ablate.modules import CausalLM
 
 SEQ = 32

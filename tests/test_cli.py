@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lit_ablate.cli import main, resolve_fit_config
+from lit_ablate.cli import main
+from lit_ablate.fit_cli import resolve_fit_config
 from lit_ablate.record import RECORD_PATH_ENV, read_record
 
 CONFIGS = Path(__file__).parents[1] / "configs"

@@ -15,13 +15,17 @@ import pytest
 import torch
 
 from lit_ablate import __version__
-from lit_ablate.cli import COMMANDS, SUMMARIES, LitAblateCLI, main, resolve_fit_config
+from lit_ablate.cli import main
+from lit_ablate.command_table import COMMANDS, SUMMARIES
+from lit_ablate.commands.estimate import MEMORY_KINDS, estimate_main
+from lit_ablate.commands.export import export_main
+from lit_ablate.commands.generate import generate
 from lit_ablate.data.tokenizers import ByteTokenizer
-from lit_ablate.estimate import GIB, MEMORY_KINDS, estimate_for_config, estimate_main
-from lit_ablate.generate import generate
+from lit_ablate.estimate.from_config import estimate_for_config
+from lit_ablate.estimate.shapes import GIB
+from lit_ablate.fit_cli import LitAblateCLI, resolve_fit_config
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.record import write_record
-from lit_ablate.strategies.export import export_main
 
 QUICKSTART = str(Path(__file__).parents[1] / "configs" / "quickstart.yaml")
 TEXTS = ["12+7=", "héllo wörld ✓ 🤖", " two  spaces\n\ttab", "<eos> is text here", ""]
@@ -220,8 +224,8 @@ def test_validate_and_test_add_no_version_folder(fit_run, command, capsys):
 def test_generate_starts_the_prompt_as_the_run_started_its_examples(data_format, with_bos):
     """An SFT model trained on ``bos + 38+45=`` answers a bare ``38+45=`` wrongly (the 95% SFT
     example gave ``11111`` for ``99+99=``): generate begins the prompt as the run's format did."""
+    from lit_ablate.commands.generate import prompt_ids
     from lit_ablate.data import load_tokenizer
-    from lit_ablate.generate import prompt_ids
 
     tok = load_tokenizer("byte")
     state = {"tokenizer": "byte", **({"format": data_format} if data_format else {})}

@@ -41,11 +41,11 @@ from lit_ablate.ablation.spec import Launch
 from lit_ablate.callbacks import MFUMonitor, ThroughputMonitor
 from lit_ablate.compatibility import cp_block_kernel_runs_here
 from lit_ablate.errors import ConfigError
-from lit_ablate.models.block_kernels import BLOCK_KERNELS
+from lit_ablate.models.attention.block_kernels import BLOCK_KERNELS
+from lit_ablate.models.attention.sequence_layout import SequenceLayout
 from lit_ablate.models.factory import ModelFactory
-from lit_ablate.models.losses import IGNORE_INDEX
-from lit_ablate.models.moe import MoEOptions
-from lit_ablate.models.sequence_layout import SequenceLayout
+from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX
+from lit_ablate.models.moe.blocks import MoEOptions
 from lit_ablate.modules import CausalLM
 from lit_ablate.strategies import ContextParallelStrategy, ExpertContextParallelStrategy
 from tests.block_kernel_stand_ins import FlexOnCpu
@@ -337,7 +337,7 @@ def test_a_flash_attn_that_does_not_import_is_one_line(monkeypatch):
     import builtins
     import importlib.util
 
-    from lit_ablate.models.block_kernels import FlashAttnBlockKernel
+    from lit_ablate.models.attention.block_kernels import FlashAttnBlockKernel
 
     real_import = builtins.__import__
 

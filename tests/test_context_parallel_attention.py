@@ -28,16 +28,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lit_ablate.models import block_attention as block_module
-from lit_ablate.models.attention import document_causal_mask
-from lit_ablate.models.block_kernels import SDPA, BlockKernel, block_kernel
-from lit_ablate.models.chunk_masks import ChunkMasks
-from lit_ablate.models.context_parallel_attention import (
+from lit_ablate.models.attention import block_attention as block_module
+from lit_ablate.models.attention.backends import document_causal_mask
+from lit_ablate.models.attention.block_kernels import SDPA, BlockKernel, block_kernel
+from lit_ablate.models.attention.chunk_masks import ChunkMasks
+from lit_ablate.models.attention.context_parallel import (
     CONTEXT_PARALLEL_ATTRIBUTE,
     CONTEXT_PARALLEL_BACKENDS,
     ContextParallelGroup,
 )
-from lit_ablate.models.sequence_layout import SequenceLayout
+from lit_ablate.models.attention.sequence_layout import SequenceLayout
 from tests.block_kernel_stand_ins import CudaSdpaOnCpu, FlashAttnOnCpu, FlexOnCpu, use_flash_attn_stand_ins
 from tests.distributed import run_ranks
 

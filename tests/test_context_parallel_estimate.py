@@ -16,22 +16,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from lit_ablate.ablation.dotted import with_overrides
-from lit_ablate.estimate import (
-    TrainingShape,
-    activation_bytes,
-    context_parallel_bytes,
-    estimate_for_config,
-    estimate_main,
-    loss_gradient_bytes,
-    model_shape,
-    training_shape_of,
-)
+from lit_ablate.commands.estimate import estimate_main
+from lit_ablate.config_keys import with_overrides
+from lit_ablate.estimate.from_config import estimate_for_config, training_shape_of
+from lit_ablate.estimate.memory import activation_bytes, context_parallel_bytes, loss_gradient_bytes
+from lit_ablate.estimate.shapes import TrainingShape, model_shape
+from lit_ablate.models.attention.context_parallel import CONTEXT_PARALLEL_ATTRIBUTE, ContextParallelGroup
+from lit_ablate.models.attention.sequence_layout import SequenceLayout
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
-from lit_ablate.models.context_parallel_attention import CONTEXT_PARALLEL_ATTRIBUTE, ContextParallelGroup
 from lit_ablate.models.factory import ModelFactory
-from lit_ablate.models.losses import loss_backend
-from lit_ablate.models.sequence_layout import SequenceLayout
+from lit_ablate.models.losses.cross_entropy import loss_backend
 from lit_ablate.strategies.context_parallel import attention_modules
 from tests.distributed import run_ranks
 from tests.test_estimate_memory import ACTIVATION_FACTOR, QUICKSTART

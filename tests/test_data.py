@@ -21,7 +21,7 @@ from lit_ablate.data import (
     load_tokenizer,
 )
 from lit_ablate.errors import ConfigError
-from lit_ablate.models.losses import IGNORE_INDEX
+from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX
 
 
 def _fake_trainer(num_replicas: int, rank: int, training: bool = True, epoch: int = 0) -> SimpleNamespace:

@@ -124,7 +124,7 @@ def test_adapter_disabled_reference_equals_a_frozen_copy() -> None:
     adapters are moved away from 0 first, so the policy differs from its reference; the adapters
     must be on again afterwards (same gradients). Seen failing with the adapters left on during
     the reference forward (the reference then equals the policy: zero rewards)."""
-    from lit_ablate.models.adapters import AdapterOptions
+    from lit_ablate.models.adapters.lora import AdapterOptions
 
     def adapted(reference: str) -> DPO:
         torch.manual_seed(0)
@@ -178,7 +178,7 @@ def micro_batches(variant: str, rank: int = 0) -> list[dict]:
 
 def fit(variant: str, strategy="auto", devices: int = 1, rank: int = 0, old: bool = False, lora: bool = False) -> dict:
     """``lora``: LoRA adapters on the policy and ``reference: adapter`` (the policy, adapters off)."""
-    from lit_ablate.models.adapters import AdapterOptions
+    from lit_ablate.models.adapters.lora import AdapterOptions
 
     pl.seed_everything(0, verbose=False)
     attention = "sdpa_packed" if variant == "packed" else "sdpa"

@@ -25,7 +25,8 @@ import pytest
 
 from lit_ablate.callbacks import MemoryMonitor, RunRecorder
 from lit_ablate.data import ArithmeticPreference, LMDataModule
-from lit_ablate.estimate import estimate_for_config, preference_flops_factor, training_shape_of
+from lit_ablate.estimate.flops import preference_flops_factor
+from lit_ablate.estimate.from_config import estimate_for_config, training_shape_of
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.modules import DPO
 

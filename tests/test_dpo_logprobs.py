@@ -14,8 +14,8 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from lit_ablate.errors import ConfigError
-from lit_ablate.models.logprobs import ChunkedLogProbs, TorchLogProbs, logprob_backend
-from lit_ablate.models.losses import IGNORE_INDEX
+from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX
+from lit_ablate.models.losses.logprobs import ChunkedLogProbs, TorchLogProbs, logprob_backend
 
 FP32_RTOL = 1e-5
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from lit_ablate.estimate import batch_model_flops, count_parameters, count_parameters_of_config, flops_per_token
+from lit_ablate.estimate.flops import batch_model_flops, count_parameters, count_parameters_of_config, flops_per_token
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.models.factory import ModelFactory
-from lit_ablate.models.losses import loss_backend
+from lit_ablate.models.losses.cross_entropy import loss_backend
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])

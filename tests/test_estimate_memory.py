@@ -8,20 +8,14 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from lit_ablate.estimate import (
-    TrainingShape,
-    activation_bytes,
-    canonical_sharding,
-    count_parameters,
-    estimate_for_config,
-    estimate_main,
-    estimate_memory,
-    model_shape,
-    smallest_world_size,
-)
+from lit_ablate.commands.estimate import estimate_main
+from lit_ablate.estimate.flops import count_parameters
+from lit_ablate.estimate.from_config import canonical_sharding, estimate_for_config, smallest_world_size
+from lit_ablate.estimate.memory import activation_bytes, estimate_memory
+from lit_ablate.estimate.shapes import TrainingShape, model_shape
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.models.factory import ModelFactory
-from lit_ablate.models.losses import loss_backend
+from lit_ablate.models.losses.cross_entropy import loss_backend
 from lit_ablate.strategies import FSDP2Strategy
 from lit_ablate.strategies.state_sharding import REPLICATED, StateSharding
 
@@ -120,7 +114,7 @@ def test_sharding_divides_state_and_adds_the_transients():
 
 
 def test_estimate_of_a_fit_config_and_the_command(capsys: pytest.CaptureFixture[str]):
-    from lit_ablate.cli import resolve_fit_config
+    from lit_ablate.fit_cli import resolve_fit_config
 
     config = resolve_fit_config(["--config", str(QUICKSTART)])
     estimate = estimate_for_config(config)
@@ -162,8 +156,8 @@ def _measured_runs(rank: int, world_size: int, root: str) -> None:
 
     from lit_ablate import strategies
     from lit_ablate.callbacks import MemoryMonitor, RunRecorder
-    from lit_ablate.models.fp8 import Fp8Options
-    from lit_ablate.models.moe import MoEOptions
+    from lit_ablate.models.fp8.conversion import Fp8Options
+    from lit_ablate.models.moe.blocks import MoEOptions
     from lit_ablate.modules import CausalLM
     from tests.test_callbacks import _batches
 
@@ -205,7 +199,7 @@ def test_every_estimated_category_is_within_its_factor_of_the_measured_one(measu
     its own experts, which nothing gathers at ep = world size), and fp8 all-gather counted as the
     plain gather (params 0.90: the 1-byte casts of two layers' shards it sends)."""
     from lit_ablate import strategies
-    from lit_ablate.estimate import AGREEMENT_FACTORS, compare_with_measured
+    from lit_ablate.estimate.agreement import AGREEMENT_FACTORS, compare_with_measured
     from lit_ablate.strategies.state_sharding import state_sharding_of
 
     name, preset, config, loss_options, strategy, options = run

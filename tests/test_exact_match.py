@@ -16,7 +16,7 @@ from lit_ablate.data.tokenizers import ByteTokenizer
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.models.factory import ModelFactory
-from lit_ablate.models.losses import loss_backend
+from lit_ablate.models.losses.cross_entropy import loss_backend
 from lit_ablate.modules import CausalLM
 from lit_ablate.record import summarize_steps, write_record
 

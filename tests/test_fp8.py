@@ -1,4 +1,4 @@
-"""fp8 training (``lit_ablate.models.fp8``), one process on CPU: torchao's emulated float8.
+"""fp8 training (``lit_ablate.models.fp8.conversion``), one process on CPU: torchao's emulated float8.
 
 - ``test_emulated_tensorwise_linear_equals_the_hand_computed_reference``: a converted linear layer's
   output and both gradients equal quantise (scale = fp8 max / amax, saturate, cast) -> fp32 matmul
@@ -25,10 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lit_ablate.callbacks.mfu import PEAK_BF16_TFLOPS, MFUMonitor
+from lit_ablate.callbacks.mfu import MFUMonitor
 from lit_ablate.errors import ConfigError
+from lit_ablate.estimate.peaks import PEAK_BF16_TFLOPS
 from lit_ablate.models.factory import ModelFactory
-from lit_ablate.models.fp8 import Fp8Options, convert_fp8, fp8_linear_names, resolve_emulation
+from lit_ablate.models.fp8.conversion import Fp8Options, convert_fp8, fp8_linear_names, resolve_emulation
 from lit_ablate.modules import CausalLM
 from tests.test_step_objective import StepLosses, micro_batches
 

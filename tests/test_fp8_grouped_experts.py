@@ -1,4 +1,4 @@
-"""Grouped MoE experts in fp8 (``lit_ablate.models.fp8_grouped_experts``).
+"""Grouped MoE experts in fp8 (``lit_ablate.models.fp8.grouped_experts``).
 
 torchao's scaled grouped matmul needs a GPU of compute capability 9.0+, so on CPU its glue runs
 against a stand-in written from its contract and strict about it (``_scaled_grouped_mm_stand_in``:
@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 
 from lit_ablate.errors import ConfigError
-from lit_ablate.models import fp8_grouped_experts
 from lit_ablate.models.factory import ModelFactory
-from lit_ablate.models.fp8 import Fp8Matmul, Fp8Options
-from lit_ablate.models.fp8_grouped_experts import GROUP_ALIGNMENT, fp8_grouped_mm_experts, padded_group_layout
-from lit_ablate.models.moe_experts import loop_experts
+from lit_ablate.models.fp8 import grouped_experts as fp8_grouped_experts
+from lit_ablate.models.fp8.conversion import Fp8Matmul, Fp8Options
+from lit_ablate.models.fp8.grouped_experts import GROUP_ALIGNMENT, fp8_grouped_mm_experts, padded_group_layout
+from lit_ablate.models.moe.experts import loop_experts
 
 E, H, I = 4, 32, 48
 COUNTS = [3, 0, 21, 6]

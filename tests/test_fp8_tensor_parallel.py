@@ -41,11 +41,11 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from lit_ablate.compatibility import check_fp8
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.models.factory import ModelFactory
-from lit_ablate.models.fp8 import check_fp8
-from lit_ablate.models.losses import loss_backend
+from lit_ablate.models.losses.cross_entropy import loss_backend
 from lit_ablate.strategies.tensor_parallel import TensorParallelStrategy, _parallelize
 from lit_ablate.strategies.tensor_parallel_plans import llama_layer_plan
 from tests import test_fp8
@@ -192,7 +192,7 @@ def test_fp8_all_gather_and_checkpointing_under_tp_equal_tp_without_them():
 # ---------------------------------------------------------------- refusals and the plan
 @pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
 def test_rowwise_recipes_under_tp_are_refused_in_one_line(recipe):
-    from lit_ablate.models.fp8 import Fp8Options
+    from lit_ablate.models.fp8.conversion import Fp8Options
 
     with pytest.raises(ConfigError, match=r"fp8.recipe.*use recipe: tensorwise or tp: 1") as err:
         check_fp8(Fp8Options(recipe=recipe), strategy_on(2, tp=2))
@@ -217,8 +217,9 @@ def test_the_estimate_takes_fp8_under_tensor_parallelism():
     of a layer (a TP shard's FSDP shard), and changes no other state."""
     import yaml
 
-    from lit_ablate.ablation.dotted import with_overrides
-    from lit_ablate.estimate import estimate_for_config, model_shape
+    from lit_ablate.config_keys import with_overrides
+    from lit_ablate.estimate.from_config import estimate_for_config
+    from lit_ablate.estimate.shapes import model_shape
     from tests.test_estimate_memory import QUICKSTART
 
     def estimate(gather: bool):  # noqa: ANN202

@@ -35,7 +35,7 @@ import pytest
 import torch
 
 from lit_ablate.errors import ConfigError
-from lit_ablate.models import triton_interpreter
+from lit_ablate.models.losses import triton_interpreter
 
 TESTS = Path(__file__).resolve().parent
 CASES_SCRIPT = TESTS / "loss_kernel_cases.py"
@@ -111,7 +111,7 @@ def test_interpreter_refuses_bf16_and_cce_float32_in_one_line(interpreted: dict[
 def test_libdevice_gap_and_shim(interpreted: dict[str, Any]) -> None:
     """While triton's interpreter returns None for ``libdevice.log1p`` the shim is needed and must be
     exact; once this fails with gap_open False, triton closed the gap: delete the libdevice shim
-    (``LIBDEVICE_SHIMS`` in lit_ablate/models/triton_interpreter.py) and this test."""
+    (``LIBDEVICE_SHIMS`` in lit_ablate/models/losses/triton_interpreter.py) and this test."""
     gap = interpreted["libdevice"]
     assert gap["gap_open"], f"triton {triton_interpreter.TRITON_VERSION}'s interpreter runs libdevice: remove the shim"
     assert gap["shim_error"] <= 1e-6

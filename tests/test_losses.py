@@ -15,14 +15,14 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from lit_ablate.ablation.dotted import get_dotted
 from lit_ablate.ablation.plan import plan_study
 from lit_ablate.ablation.spec import load_study
 from lit_ablate.compatibility import loss_backend_available
+from lit_ablate.config_keys import get_dotted
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.models.factory import ModelFactory
-from lit_ablate.models.losses import (
+from lit_ablate.models.losses.cross_entropy import (
     IGNORE_INDEX,
     ChunkedCrossEntropy,
     TorchCrossEntropy,

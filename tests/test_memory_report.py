@@ -11,7 +11,8 @@ import pytest
 
 from lit_ablate.ablation.report import render_markdown, write_report
 from lit_ablate.ablation.summary import study_summary
-from lit_ablate.estimate import AGREEMENT_FACTORS, estimate_for_config
+from lit_ablate.estimate.agreement import AGREEMENT_FACTORS
+from lit_ablate.estimate.from_config import estimate_for_config
 from lit_ablate.record import SCHEMA_VERSION, summarize_steps
 from tests.test_ablation_report import make_study
 
@@ -37,7 +38,7 @@ def _record(variant: str, config: dict, categories: dict[str, int], forward_back
 
 @pytest.fixture(scope="module")
 def config() -> dict:
-    from lit_ablate.cli import resolve_fit_config
+    from lit_ablate.fit_cli import resolve_fit_config
 
     return resolve_fit_config(["--config", str(QUICKSTART)])
 

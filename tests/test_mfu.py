@@ -12,10 +12,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lit_ablate import matmul_ceiling
 from lit_ablate.callbacks import MFUMonitor, ThroughputMonitor
 from lit_ablate.callbacks.mfu import run_dtype
+from lit_ablate.commands.peak import peak_main
 from lit_ablate.errors import ConfigError
+from lit_ablate.estimate import matmul_ceiling
 from tests.test_callbacks import SEQ, _batches, _fit
 
 FAKE_TFLOPS = 0.004
@@ -161,7 +162,7 @@ def test_peak_command_prints_the_spec_peak_and_the_cached_ceiling(measurements, 
     assert exit_info.value.code == 0 and len(measurements) == 1
     assert f"Measured ceiling: {FAKE_TFLOPS:.4g} TFLOP/s (float32 8x8x8 matmuls" in out
     assert "Spec peak (bfloat16, dense): unknown" in out
-    assert matmul_ceiling.peak_main(["--json", "--dtype", "float32"]) == 0
+    assert peak_main(["--json", "--dtype", "float32"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["measured"]["tflops"] == FAKE_TFLOPS and printed["spec_peak_tflops"] is None
     assert len(measurements) == 1  # the second call read the cache
@@ -178,7 +179,7 @@ def test_the_report_shows_both_mfu_figures_and_the_step_time_predicted_at_the_me
     (full rows: exactly flops / ceiling = mfu_measured x step time); the report sets it beside the
     measured step time. Catches a prediction that forgets accumulation or divides by another ceiling."""
     from lit_ablate.ablation.report import write_report
-    from lit_ablate.estimate import predicted_step_seconds
+    from lit_ablate.estimate.from_config import predicted_step_seconds
 
     record, _, _ = peaked_run
     config = {"model": {"class_path": "lit_ablate.modules.CausalLM", "init_args": {"model": {"preset": "tiny-llama"}}},

@@ -50,7 +50,7 @@ def test_a_dotted_null_preset_switches_to_the_config():
     """``--model.init_args.model.preset null`` (to build from ``config`` instead) reaches the factory as
     the string "None" through LightningCLI's nested parsing; it must mean no preset (seen failing:
     "preset='None': choose one of [...]")."""
-    from lit_ablate.cli import resolve_fit_config
+    from lit_ablate.fit_cli import resolve_fit_config
 
     config = '{"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, ' \
              '"num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 300}'

@@ -17,14 +17,14 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.factory import ModelFactory
-from lit_ablate.models.moe import MoEOptions, apply_moe, collect_aux_losses, experts_fallbacks, moe_blocks
-from lit_ablate.models.moe_experts import (
+from lit_ablate.models.moe.blocks import MoEOptions, apply_moe, collect_aux_losses, experts_fallbacks, moe_blocks
+from lit_ablate.models.moe.experts import (
     grouped_mm_experts,
     grouped_mm_unsupported,
     loop_experts,
     padded_bmm_experts,
 )
-from lit_ablate.models.moe_router import load_balancing_loss, router_z_loss
+from lit_ablate.models.moe.router import load_balancing_loss, router_z_loss
 
 TOL = {"atol": 1e-5, "rtol": 1e-4}
 

@@ -14,8 +14,8 @@ from torch import nn
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from lit_ablate.models.moe import MoEBlock, MoEOptions, apply_moe
-from lit_ablate.models.moe_dispatch import DISPATCH_MODES, all_to_all
+from lit_ablate.models.moe.blocks import MoEBlock, MoEOptions, apply_moe
+from lit_ablate.models.moe.dispatch import DISPATCH_MODES, all_to_all
 from tests.distributed import run_ranks
 
 TOL = {"atol": 1e-5, "rtol": 1e-4}

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 from lit_ablate.callbacks import RunRecorder
 from lit_ablate.callbacks.expert_load import ExpertLoadMonitor, load_statistics
 from lit_ablate.models.factory import ModelFactory
-from lit_ablate.models.moe import MoEOptions, moe_blocks
+from lit_ablate.models.moe.blocks import MoEOptions, moe_blocks
 from lit_ablate.modules import CausalLM
 
 SEQ = 16

@@ -20,8 +20,8 @@ from torch.nn.utils import get_total_norm
 from lit_ablate.callbacks.expert_load import ExpertLoadMonitor
 from lit_ablate.data import LMDataModule, SyntheticText
 from lit_ablate.errors import ConfigError
-from lit_ablate.models.moe import MoEOptions, moe_blocks
-from lit_ablate.models.moe_dispatch import AllReduceDispatcher, AllToAllDispatcher
+from lit_ablate.models.moe.blocks import MoEOptions, moe_blocks
+from lit_ablate.models.moe.dispatch import AllReduceDispatcher, AllToAllDispatcher
 from lit_ablate.strategies import FSDP2Strategy
 from lit_ablate.strategies.expert_parallel import ExpertParallelStrategy, clip_grad_norm_across_meshes
 from tests.distributed import run_ranks

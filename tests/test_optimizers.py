@@ -21,9 +21,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.utils.data import DataLoader
 
 from lit_ablate.errors import ConfigError
+from lit_ablate.estimate.flops import SMALL_TENSOR_ELEMENTS
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.modules import CausalLM
-from lit_ablate.modules.optim import SMALL_TENSOR_ELEMENTS, check_optimizer, optimizer_refusal
+from lit_ablate.modules.optim import check_optimizer, optimizer_refusal
 from lit_ablate.strategies import DDPStrategy, FSDP1Strategy, FSDP2Strategy, HSDPStrategy
 from tests.distributed import run_ranks
 from tests.test_step_objective import STEPS, StepLosses, micro_batches

@@ -26,10 +26,10 @@ from lit_ablate.data import (
     pack_greedy,
 )
 from lit_ablate.data.packing import PackedSampler, balance_across_ranks
-from lit_ablate.models.attention import document_ids
+from lit_ablate.models.attention.backends import document_ids
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.models.factory import ModelFactory
-from lit_ablate.models.losses import IGNORE_INDEX, loss_backend
+from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX, loss_backend
 
 TRAINS_ON_CPU = ["sdpa", "eager", "sdpa_packed"]
 

@@ -21,21 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from lit_ablate.estimate import (
-    AGREEMENT_FACTORS,
-    TrainingShape,
-    compare_with_measured,
-    count_parameters,
-    estimate_for_config,
-    estimate_memory,
-    flops_per_token,
-    model_of,
-    model_shape,
-    pipeline_pieces_held,
-    pipeline_stage_estimates,
-    pipeline_time_share,
-    training_shape_of,
-)
+from lit_ablate.estimate.agreement import AGREEMENT_FACTORS, compare_with_measured
+from lit_ablate.estimate.flops import count_parameters, flops_per_token
+from lit_ablate.estimate.from_config import estimate_for_config, model_of, training_shape_of
+from lit_ablate.estimate.memory import estimate_memory, pipeline_stage_estimates
+from lit_ablate.estimate.pipeline import pipeline_pieces_held, pipeline_time_share
+from lit_ablate.estimate.shapes import TrainingShape, model_shape
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.strategies.pipeline_parallel import PipelineParallelStrategy
 from lit_ablate.strategies.state_sharding import REPLICATED
@@ -158,7 +149,7 @@ def test_mfu_counts_the_model_once_over_the_stages(measured):
 
 
 def test_a_fit_config_gives_the_strategy_s_stages():
-    from lit_ablate.cli import resolve_fit_config
+    from lit_ablate.fit_cli import resolve_fit_config
 
     config = resolve_fit_config([
         "--config", str(QUICKSTART), "--trainer.devices", "2", "--trainer.gradient_clip_val", "null",

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from lit_ablate.errors import ConfigError
-from lit_ablate.estimate import estimate_for_config, training_shape_of
+from lit_ablate.estimate.from_config import estimate_for_config, training_shape_of
 from lit_ablate.strategies.pipeline_parallel import PipelineParallelStrategy
 from tests.distributed import run_ranks
 from tests.test_pipeline_estimate import QUICKSTART
@@ -130,7 +130,7 @@ def test_lightning_fit_with_pp2_x_dp_shard2_equals_one_device(tmp_path):
 
 
 def _pipeline_config(*options: str) -> dict:
-    from lit_ablate.cli import resolve_fit_config
+    from lit_ablate.fit_cli import resolve_fit_config
 
     return resolve_fit_config([
         "--config", str(QUICKSTART), "--trainer.devices", "4", "--trainer.gradient_clip_val", "null",
@@ -142,7 +142,8 @@ def test_the_estimate_shards_stages_refuses_resharding_and_counts_replicas():
     (measured agreement: tests/test_pipeline_estimate.py); resharding after forward is refused naming
     the key. ``pp: -1`` beside 2 replicas on 4 devices is 2 stages (seen failing: 4, every device
     taken as a stage)."""
-    from lit_ablate.estimate import configured_sharding, model_of, pipeline_stage_estimates
+    from lit_ablate.estimate.from_config import configured_sharding, model_of
+    from lit_ablate.estimate.memory import pipeline_stage_estimates
     from lit_ablate.strategies.state_sharding import REPLICATED
 
     config = _pipeline_config("--trainer.strategy.init_args.dp_shard", "2")

@@ -30,20 +30,18 @@ from lightning.pytorch.callbacks import Callback
 from torch.distributed.tensor import DTensor
 
 from lit_ablate.callbacks import RunRecorder
+from lit_ablate.callbacks.pipeline_bubble import PipelineBubbleMonitor
 from lit_ablate.data import LMDataModule, SyntheticText
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.models.factory import ModelFactory
-from lit_ablate.models.losses import loss_backend
+from lit_ablate.models.losses.cross_entropy import loss_backend
 from lit_ablate.modules import CausalLM
 from lit_ablate.modules.step_objective import StepObjective
 from lit_ablate.record import read_record
-from lit_ablate.strategies.pipeline_parallel import (
-    PipelineParallelStrategy,
-    balanced_split_points,
-    check_split_points,
-    pipeline_batch,
-)
+from lit_ablate.strategies.pipeline_parallel import PipelineParallelStrategy
+from lit_ablate.strategies.pipeline_split import balanced_split_points, check_split_points
+from lit_ablate.strategies.pipeline_stages import pipeline_batch
 from tests.distributed import run_ranks
 from tests.test_strategies_equivalence import fixed_batch, rows_of
 
@@ -252,15 +250,24 @@ def _bubble_runs(rank: int, world_size: int, root: str) -> None:
         trainer = pl.Trainer(
             accelerator="cpu", devices=world_size, max_steps=4, logger=False, enable_progress_bar=False,
             strategy=PipelineParallelStrategy(pp=2, schedule="gpipe", microbatches=microbatches),
-            callbacks=[RunRecorder(path=f"{root}/m{microbatches}.json", warmup_steps=1)],
+            callbacks=[RunRecorder(path=f"{root}/m{microbatches}.json", warmup_steps=1), PipelineBubbleMonitor()],
             enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0,
             default_root_dir=root,
         )
         trainer.fit(module, LMDataModule(SyntheticText(num_documents=40), seq_len=32, batch_size=4))
 
 
+def test_the_cli_adds_the_bubble_monitor_to_a_pipeline_run():
+    """``lit-ablate fit`` puts PipelineBubbleMonitor into every pipeline run (seen failing without it)."""
+    from lit_ablate.fit_cli import LitAblateCLI
+
+    cli = LitAblateCLI(args=["--config", str(Path(__file__).parents[1] / "configs" / "quickstart.yaml"), "--trainer.strategy.class_path",
+                             "lit_ablate.strategies.PipelineParallelStrategy", "--trainer.devices", "2"], run=False)
+    assert sum(isinstance(c, PipelineBubbleMonitor) for c in cli.trainer.callbacks) == 1
+
+
 def test_the_record_shows_the_pipeline_bubble(tmp_path):
-    """Every pipeline run's record holds its idle share (the strategy adds PipelineBubbleMonitor) and
+    """Every pipeline run's record holds its idle share (``lit-ablate fit`` adds PipelineBubbleMonitor to every pipeline run; here it is listed) and
     the schedule's own bubble, (pp - 1) / (m + pp - 1). gpipe with one micro-batch leaves each stage
     idle about half of the step whatever the load (it waits for the other's whole forward and
     backward: measured 0.45); with four, tiny stages on gloo add their communication to the

@@ -40,8 +40,8 @@ from torch.utils.data import DataLoader
 
 from lit_ablate.data import PackingCollator, PaddingCollator
 from lit_ablate.models.factory import ModelFactory
-from lit_ablate.models.losses import IGNORE_INDEX
-from lit_ablate.models.moe import MoEOptions
+from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX
+from lit_ablate.models.moe.blocks import MoEOptions
 from lit_ablate.modules import CausalLM
 from lit_ablate.modules.step_objective import StepObjective
 from lit_ablate.strategies import DDPStrategy, FSDP1Strategy, FSDP2Strategy, HSDPStrategy, ZeRO1Strategy

@@ -5,13 +5,13 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 
+from lit_ablate.commands.export import export_main
 from lit_ablate.data import LMDataModule, SyntheticText
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.modules import CausalLM
 from lit_ablate.strategies import DDPStrategy, FSDP1Strategy, FSDP2Strategy, HSDPStrategy, ZeRO1Strategy
-from lit_ablate.strategies.export import export_main
 from lit_ablate.strategies.gpu_only import check_gpu_only_options
 from lit_ablate.strategies.mesh import resolve_mesh_sizes
 from lit_ablate.strategies.state_sharding import StateSharding, state_sharding_of

@@ -14,7 +14,7 @@ import pytest
 
 from lit_ablate.ablation.plan import plan_study
 from lit_ablate.ablation.spec import load_study
-from lit_ablate.cli import resolve_fit_config
+from lit_ablate.fit_cli import resolve_fit_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

@@ -17,11 +17,11 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+from lit_ablate.commands.export import export_hf_checkpoint
 from lit_ablate.data import LMDataModule, SyntheticText
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.modules import CausalLM
 from lit_ablate.strategies import DDPStrategy, FSDP1Strategy, FSDP2Strategy, ZeRO1Strategy
-from lit_ablate.strategies.export import export_hf_checkpoint
 from tests.distributed import run_ranks
 
 STEPS, CHECKPOINT_STEP = 5, 3

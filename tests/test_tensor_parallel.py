@@ -30,11 +30,13 @@ from torch.distributed.tensor import DTensor
 from lit_ablate.callbacks.step_monitor import batch_replicas
 from lit_ablate.data import LMDataModule, SyntheticText
 from lit_ablate.errors import ConfigError
-from lit_ablate.estimate import TrainingShape, count_parameters, estimate_memory, model_shape
+from lit_ablate.estimate.flops import count_parameters
+from lit_ablate.estimate.memory import estimate_memory
+from lit_ablate.estimate.shapes import TrainingShape, model_shape
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.models.factory import ModelFactory
-from lit_ablate.models.losses import loss_backend
-from lit_ablate.models.moe import MoEOptions
+from lit_ablate.models.losses.cross_entropy import loss_backend
+from lit_ablate.models.moe.blocks import MoEOptions
 from lit_ablate.modules import CausalLM
 from lit_ablate.strategies.expert_tensor_parallel import ExpertTensorParallelStrategy
 from lit_ablate.strategies.mesh import resolve_mesh_sizes
@@ -388,8 +390,8 @@ def test_a_config_s_tensor_parallelism_reaches_the_estimate():
     Catches the estimate ignoring tp (it was equal to one rank's before this model)."""
     import yaml
 
-    from lit_ablate.ablation.dotted import with_overrides
-    from lit_ablate.estimate import estimate_for_config, training_shape_of
+    from lit_ablate.config_keys import with_overrides
+    from lit_ablate.estimate.from_config import estimate_for_config, training_shape_of
     from tests.test_estimate_memory import QUICKSTART
 
     base = yaml.safe_load(QUICKSTART.read_text())

@@ -53,7 +53,7 @@ class PlannedRun:
 
 def default_resolver() -> Resolver:
     """The CLI's resolver (imported late: the CLI pulls in Lightning and transformers)."""
-    from lit_ablate.cli import resolve_fit_config
+    from lit_ablate.fit_cli import resolve_fit_config
 
     return resolve_fit_config
 
@@ -115,7 +115,7 @@ def _resolve(resolve: Resolver, path: Path) -> dict[str, Any] | str:
         with contextlib.redirect_stderr(errors):
             resolved = resolve(["--config", str(path)])
     except argparse.ArgumentError as err:  # jsonargparse's, from the CLI's parser: the CLI says it in one line
-        from lit_ablate.cli import concise_error
+        from lit_ablate.parse_errors import concise_error
 
         return f"config does not resolve: {concise_error(str(err))}"
     except RESOLVE_ERRORS as err:

@@ -277,7 +277,7 @@ def _legend(agreement: Mapping[str, Any] | None) -> str:
 
 
 def _factors() -> str:
-    from lit_ablate.estimate import AGREEMENT_FACTORS
+    from lit_ablate.estimate.agreement import AGREEMENT_FACTORS
 
     return ", ".join(f"{c} ×{f:g}" for c, f in AGREEMENT_FACTORS.items())
 

@@ -29,7 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 import lit_ablate
 from lit_ablate import record as run_record
 from lit_ablate.ablation.plan import PlannedRun, config_text, write_config
-from lit_ablate.ablation.single_writer import GroupReaper, RunLock, die_with_runner, run_lock
+from lit_ablate.ablation.run_folder_lock import GroupReaper, RunLock, die_with_runner, run_lock
 
 DONE_STATUSES = ("ok", "error", "oom", "timeout")
 """A run with one of these is not launched again on resume."""

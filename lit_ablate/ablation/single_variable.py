@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from lit_ablate.ablation.dotted import flatten, is_under
+from lit_ablate.config_keys import flatten, is_under
 from lit_ablate.errors import ConfigError
 
 _MISSING = "<absent>"

@@ -22,8 +22,8 @@ from typing import Any
 
 import yaml
 
-from lit_ablate.ablation.dotted import get_dotted, is_under, with_overrides
 from lit_ablate.ablation.slurm_settings import SlurmSettings
+from lit_ablate.config_keys import get_dotted, is_under, with_overrides
 from lit_ablate.errors import ConfigError
 
 STUDY_KEYS = (

@@ -111,7 +111,8 @@ def _estimate(record: Mapping[str, Any] | None, breakdowns: Sequence[Mapping[str
     """The analytic per-rank memory of the run's config (``lit_ablate.estimate``), or why there is
     none: its total, its categories, and each category against the measured one (first ok seed)."""
     from lit_ablate.errors import ConfigError
-    from lit_ablate.estimate import compare_with_measured, estimate_for_config
+    from lit_ablate.estimate.agreement import compare_with_measured
+    from lit_ablate.estimate.from_config import estimate_for_config
 
     none = {"estimated_memory_bytes": None, "estimated_memory_categories": None, "estimate_vs_measured": None}
     if record is None:
@@ -134,7 +135,7 @@ def _predicted_step_time(record: Mapping[str, Any] | None) -> dict[str, Any]:
     first ok seed), or why there is none: set beside the measured step time, the gap is what is
     not matmul at the ceiling (communication, memory-bound kernels, overhead)."""
     from lit_ablate.errors import ConfigError
-    from lit_ablate.estimate import predicted_step_seconds
+    from lit_ablate.estimate.from_config import predicted_step_seconds
 
     ceilings = (record or {}).get("summary", {}).get("mfu_ceilings") or {}
     ceiling = (ceilings.get("mfu_measured") or {}).get("tflops")

@@ -23,7 +23,7 @@ from lit_ablate.callbacks.step_monitor import StepMonitor
 from lit_ablate.data.formats import Example, build_examples
 from lit_ablate.data.sources import DataSource
 from lit_ablate.errors import ConfigError
-from lit_ablate.models.losses import IGNORE_INDEX
+from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX
 
 _KEY = "trainer.callbacks[ExactMatchEvaluator].init_args"
 SERIES = "exact_match"

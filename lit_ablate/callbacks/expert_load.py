@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 
 from lit_ablate.callbacks.step_monitor import StepMonitor
-from lit_ablate.models.moe import MoEBlock, moe_blocks
+from lit_ablate.models.moe.blocks import MoEBlock, moe_blocks
 
 
 def load_statistics(counts: list[float]) -> dict[str, float]:

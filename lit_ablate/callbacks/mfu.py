@@ -9,34 +9,8 @@ from lightning.pytorch import LightningModule, Trainer
 
 from lit_ablate.callbacks.step_monitor import StepMonitor, batch_replicas
 from lit_ablate.errors import ConfigError
-from lit_ablate.matmul_ceiling import measured_ceiling
-
-PEAK_DTYPE = "bfloat16"
-"""The dtype of the table's peaks."""
-# Dense bf16 peak TFLOP/s (no 2:4 sparsity), matched against torch.cuda.get_device_name() in
-# order: the first key contained in the lower-cased name wins, so specific names come first.
-PEAK_BF16_TFLOPS: dict[str, float] = {
-    "h100 nvl": 835.0,
-    "h100 pcie": 756.0,
-    "h100": 989.0,  # SXM, and the default for an unqualified H100
-    "h200 nvl": 835.0,
-    "h200": 989.0,  # torch reports a plain "NVIDIA H200" for the SXM part
-    "gb200": 2500.0,
-    "b200": 2250.0,
-    "a100": 312.0,
-    "mi300x": 1307.0,
-    "mi325x": 1307.0,
-    "mi355x": 2500.0,
-}
-PEAK_FP8_TFLOPS: dict[str, float] = {key: 2 * peak for key, peak in PEAK_BF16_TFLOPS.items() if key != "a100"}
-"""Dense fp8 peaks: twice bf16's on every listed part with fp8 tensor cores (Hopper, Blackwell, MI300
-series: their spec sheets); the A100 has none."""
-
-
-def peak_tflops_of(device_name: str, table: dict[str, float] = PEAK_BF16_TFLOPS) -> float | None:
-    """The table's peak (bf16 by default) for a device name, or None when the device is not in it."""
-    name = device_name.lower()
-    return next((peak for key, peak in table.items() if key in name), None)
+from lit_ablate.estimate.matmul_ceiling import measured_ceiling
+from lit_ablate.estimate.peaks import PEAK_FP8_TFLOPS, peak_tflops_of
 
 
 def runs_in_fp8(trainer: Trainer, pl_module: LightningModule) -> bool:
@@ -60,7 +34,7 @@ class MFUMonitor(StepMonitor):
 
     ``mfu`` divides by the device's spec-sheet peak (dense bf16, ``PEAK_BF16_TFLOPS``, or
     ``peak_tflops``); ``mfu_measured`` by the measured matmul ceiling of the run's device, dtype and
-    threads (``lit_ablate.matmul_ceiling``: measured once per machine, cached; ``lit-ablate peak``
+    threads (``lit_ablate.estimate.matmul_ceiling``: measured once per machine, cached; ``lit-ablate peak``
     prints it). The spec peak is the number papers quote but is unreachable in practice and
     unknown for a CPU; the measured ceiling exists on every device and says how close the run gets
     to what the hardware really does, so it compares across devices. The run record names each
@@ -111,7 +85,7 @@ class MFUMonitor(StepMonitor):
     def _set_peak(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.peak_tflops is not None:
             self.peak_source = "peak_tflops (user)"
-        elif getattr(pl_module, "fp8_kernels", None) == "emulated":  # lit_ablate.models.fp8 on a device without fp8 kernels
+        elif getattr(pl_module, "fp8_kernels", None) == "emulated":  # lit_ablate.models.fp8.conversion on a device without fp8 kernels
             self._unavailable("fp8 is emulated (fp32 matmuls of fp8-rounded operands): no fp8 peak applies", warn=False)
         elif runs_in_fp8(trainer, pl_module):
             name = torch.cuda.get_device_name(pl_module.device) if pl_module.device.type == "cuda" else pl_module.device.type

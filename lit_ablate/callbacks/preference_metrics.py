@@ -7,7 +7,7 @@ from typing import Any
 from lightning.pytorch import LightningModule, Trainer
 
 from lit_ablate.callbacks.step_monitor import StepMonitor
-from lit_ablate.modules.dpo import PREFERENCE_STATS
+from lit_ablate.record import PREFERENCE_STATS
 
 MEANS = {
     "dpo_loss": "loss", "reward_accuracy": "correct", "rewards_chosen": "reward_chosen",

@@ -21,7 +21,7 @@ from lit_ablate import record as run_record
 from lit_ablate.callbacks.memory import MemoryMonitor
 from lit_ablate.callbacks.mfu import MFUMonitor
 from lit_ablate.callbacks.step_monitor import DEFAULT_WARMUP_STEPS, StepMonitor
-from lit_ablate.models import triton_interpreter
+from lit_ablate.models.losses import triton_interpreter
 
 
 def _git_commit() -> str | None:

@@ -23,7 +23,7 @@ from torch import Tensor
 from lit_ablate.data.formats import Example
 from lit_ablate.data.sampler import ShardedSampler
 from lit_ablate.errors import ConfigError
-from lit_ablate.models.losses import IGNORE_INDEX
+from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX
 
 
 class Collator(ABC):

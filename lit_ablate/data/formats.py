@@ -33,7 +33,7 @@ from torch import Tensor
 from lit_ablate.data.sources import Row
 from lit_ablate.data.tokenizers import Tokenizer
 from lit_ablate.errors import ConfigError
-from lit_ablate.models.losses import IGNORE_INDEX
+from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 A packed row is a list of examples whose lengths sum to at most ``max_tokens``. The row carries
 ``position_ids`` restarting at 0 at each example, and each example's last label is -100 (see
 ``formats.py``), so a packed batch trains exactly the model a padded batch trains, provided the
-attention backend keeps documents apart (``lit_ablate.models.attention``: ``sdpa_packed``,
+attention backend keeps documents apart (``lit_ablate.models.attention.backends``: ``sdpa_packed``,
 ``flex``, ``flash_varlen``, or transformers' ``sdpa`` without a KV cache).
 
 Bin packing is by hand (no maintained library packs token rows for a sampler): first-fit
@@ -27,7 +27,7 @@ from lit_ablate.data.collate import Collator
 from lit_ablate.data.formats import OVERLONG_CHOICES, Example, Overlong, fit_length
 from lit_ablate.data.sampler import ShardedSampler
 from lit_ablate.errors import ConfigError
-from lit_ablate.models.losses import IGNORE_INDEX
+from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
 

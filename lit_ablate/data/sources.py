@@ -15,7 +15,7 @@ import math
 import os
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -301,12 +301,7 @@ def _streamed_rows(dataset: Any, text_field: str, max_rows: int | None) -> Itera
     would shard it over the workers by file (``datasets`` does that by itself), and the stream
     shards by row (``streaming.py``)."""
     rows = (dict(zip(batch, values)) for batch in dataset.iter(batch_size=_STREAM_BATCH) for values in zip(*batch.values()))
-    for i, row in enumerate(rows):
-        if max_rows is not None and i >= max_rows:
-            return
-        if text_field != "text" and text_field in row:
-            row["text"] = row.pop(text_field)
-        yield row
+    yield from _renamed(rows, text_field, max_rows)
 
 
 def _rows(dataset: Any, text_field: str, max_rows: int | None, key: str, value: str) -> Iterator[Row]:
@@ -317,7 +312,12 @@ def _rows(dataset: Any, text_field: str, max_rows: int | None, key: str, value: 
         raise ConfigError(
             f"{_SOURCE_KEY}.text_field", text_field, f"not a column; the columns are {dataset.column_names}"
         )
-    for i, row in enumerate(dataset):
+    yield from _renamed(dataset, text_field, max_rows)
+
+
+def _renamed(rows: Iterable[Row], text_field: str, max_rows: int | None) -> Iterator[Row]:
+    """The first ``max_rows`` rows (all when None), ``text_field`` renamed to ``text``."""
+    for i, row in enumerate(rows):
         if max_rows is not None and i >= max_rows:
             return
         if text_field != "text" and text_field in row:

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from lit_ablate.errors import ConfigError
-from lit_ablate.models.losses import IGNORE_INDEX, LossBackend
+from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX, LossBackend
 
 # Batch keys the decoder consumes; everything else in a batch is bookkeeping (labels, counts).
 MODEL_INPUT_KEYS = ("input_ids", "attention_mask", "position_ids")

@@ -19,16 +19,16 @@ from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-import lit_ablate.models.attention  # noqa: F401  (registers sdpa_packed, flex, fa_varlen with transformers)
+import lit_ablate.models.attention.backends  # noqa: F401  (registers sdpa_packed, flex, fa_varlen with transformers)
 from lit_ablate.errors import ConfigError
-from lit_ablate.models.adapters import OPTIONS_KEY as ADAPTER_KEY
-from lit_ablate.models.adapters import AdapterOptions, apply_adapters
-from lit_ablate.models.fp8 import OPTIONS_KEY as FP8_KEY
-from lit_ablate.models.fp8 import Fp8Options, convert_fp8, resolve_emulation
-from lit_ablate.models.moe import MoEOptions, apply_moe
+from lit_ablate.models.adapters.lora import OPTIONS_KEY as ADAPTER_KEY
+from lit_ablate.models.adapters.lora import AdapterOptions, apply_adapters
+from lit_ablate.models.adapters.quantization import OPTIONS_KEY as QUANTIZATION_KEY
+from lit_ablate.models.adapters.quantization import QuantizationOptions, quantize_linears
+from lit_ablate.models.fp8.conversion import OPTIONS_KEY as FP8_KEY
+from lit_ablate.models.fp8.conversion import Fp8Options, convert_fp8, resolve_emulation
+from lit_ablate.models.moe.blocks import MoEOptions, apply_moe
 from lit_ablate.models.presets import preset_config
-from lit_ablate.models.quantization import OPTIONS_KEY as QUANTIZATION_KEY
-from lit_ablate.models.quantization import QuantizationOptions, quantize_linears
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CONFIG_KEY = "model.init_args.model.config"
@@ -51,7 +51,7 @@ class ModelFactory:
             excludes ``preset``/``config``.
         dtype: parameter dtype: ``float32``, ``bfloat16`` or ``float16``.
         attn_implementation: the transformers attention backend name (``sdpa``, ``eager``, or one
-            registered by ``lit_ablate.models.attention``: ``sdpa_packed``, ``flex``, ``fa_varlen``).
+            registered by ``lit_ablate.models.attention.backends``: ``sdpa_packed``, ``flex``, ``fa_varlen``).
         moe: for MoE models, the experts implementation and router losses (``MoEOptions``);
             null leaves transformers' own MoE blocks untouched.
         adapter: train low-rank adapters (peft LoRA/DoRA/rsLoRA, ``AdapterOptions``) on the frozen

@@ -12,14 +12,13 @@ from lightning.pytorch.utilities import rank_zero_warn
 from transformers import PreTrainedModel
 
 from lit_ablate.errors import ConfigError
-from lit_ablate.estimate import ParameterCounts, batch_model_flops, count_parameters, flops_per_token
-from lit_ablate.models.attention import check_attention_backend
+from lit_ablate.estimate.flops import ParameterCounts, batch_model_flops, count_parameters, flops_per_token
+from lit_ablate.models.attention.backends import check_attention_backend
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
 from lit_ablate.models.factory import ModelFactory
-from lit_ablate.models.fp8 import check_fp8, resolve_emulation
-from lit_ablate.models.losses import loss_backend
-from lit_ablate.models.moe import collect_aux_losses, experts_fallbacks
-from lit_ablate.models.quantization import check_quantization
+from lit_ablate.models.fp8.conversion import resolve_emulation
+from lit_ablate.models.losses.cross_entropy import loss_backend
+from lit_ablate.models.moe.blocks import collect_aux_losses, experts_fallbacks
 from lit_ablate.modules.optim import build_optimizer, check_optimizer, decay_groups, decay_names, warmup_cosine
 from lit_ablate.modules.step_objective import StepObjective
 from lit_ablate.modules.step_output import StepOutput
@@ -37,7 +36,7 @@ class CausalLM(LightningModule):
 
     Args:
         model: which model to build (preset, HF config mapping, or checkpoint path).
-        loss: the cross-entropy backend (``lit_ablate.models.losses``): ``torch`` is the reference.
+        loss: the cross-entropy backend (``lit_ablate.models.losses.cross_entropy``): ``torch`` is the reference.
         loss_options: the backend's options (e.g. ``{chunk_tokens: 512, z_loss_weight: 1e-4}``).
         optimizer: ``adamw`` (torch), ``bnb_adamw8bit``, ``bnb_paged_adamw8bit``, ``bnb_paged_adamw``
             (bitsandbytes) or ``torchao_adamw8bit`` (``lit_ablate.modules.optim``); one that cannot
@@ -116,8 +115,6 @@ class CausalLM(LightningModule):
         check_attention_backend(self.factory.attn_implementation, training=True)
         if self._trainer:
             check_optimizer(self.optimizer_name, self.trainer.strategy, self.trainer.strategy.root_device.type)
-            check_quantization(self.factory.quantization, self.trainer.strategy)
-            check_fp8(self.factory.fp8, self.trainer.strategy)
         device = self.trainer.strategy.root_device if self._trainer else self.device
         if self.factory.fp8 is not None:
             emulated, why = resolve_emulation(self.factory.fp8, device)

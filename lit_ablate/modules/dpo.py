@@ -18,23 +18,20 @@ from transformers import PreTrainedModel
 from lit_ablate.data.datamodule import LMDataModule
 from lit_ablate.data.preference_collate import PreferencePaddingCollator
 from lit_ablate.errors import ConfigError
-from lit_ablate.estimate import batch_model_flops, preference_flops_factor
-from lit_ablate.models.adapters import adapters_disabled
+from lit_ablate.estimate.flops import batch_model_flops, preference_flops_factor
+from lit_ablate.models.adapters.lora import adapters_disabled
 from lit_ablate.models.factory import ModelFactory
-from lit_ablate.models.liger_dpo import LIGER, PADDED_ONLY_FIX, LigerDPOPolicy, liger_dpo_loss
-from lit_ablate.models.logprobs import TorchLogProbs, logprob_backend
-from lit_ablate.models.losses import IGNORE_INDEX
-from lit_ablate.models.moe import collect_aux_losses
-from lit_ablate.models.sequence_logprobs import PairStep, SequenceLogProbs
+from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX
+from lit_ablate.models.losses.liger_dpo import LIGER, PADDED_ONLY_FIX, LigerDPOPolicy, liger_dpo_loss
+from lit_ablate.models.losses.logprobs import TorchLogProbs, logprob_backend
+from lit_ablate.models.losses.sequence_logprobs import PairStep, SequenceLogProbs
+from lit_ablate.models.moe.blocks import collect_aux_losses
 from lit_ablate.modules.causal_lm import CausalLM
 from lit_ablate.modules.preference_loss import LossType, PairLosses, PreferenceLoss
 from lit_ablate.modules.step_output import StepOutput
 
 Reference = Literal["frozen", "adapter", "precomputed", "none"]
 REFERENCES = ("frozen", "adapter", "precomputed", "none")
-PREFERENCE_STATS = ("pairs", "loss", "correct", "reward_chosen", "reward_rejected", "logps_chosen", "logps_rejected")
-"""What ``training_step`` reports per micro-batch under ``outputs["preference"]`` (sums over its
-pairs, in this order), for ``PreferenceMonitor``."""
 PROBE_ATOL = 1e-4
 """A cached reference log-prob must match a fresh computation of the same pair this closely (fp32
 sums of a few hundred token log-probs in another batch layout differ by ~1e-5 at most)."""
@@ -67,8 +64,8 @@ class DPO(CausalLM):
         reference_cache: with ``precomputed``, a file that keeps the log-probabilities for later
             runs (the runs of a study): reused when it holds the same pairs and its values match
             a fresh computation of the first pair, written otherwise.
-        logprobs: the log-probability backend (``lit_ablate.models.logprobs``): ``torch`` or ``chunked``;
-            or ``liger``: Liger-Kernel's fused linear DPO loss (``lit_ablate.models.liger_dpo``: padded
+        logprobs: the log-probability backend (``lit_ablate.models.losses.logprobs``): ``torch`` or ``chunked``;
+            or ``liger``: Liger-Kernel's fused linear DPO loss (``lit_ablate.models.losses.liger_dpo``: padded
             batches, ``sigmoid``/``hinge``, reference ``frozen``/``none``; anything else is refused).
         logprobs_options: the backend's options (e.g. ``{chunk_tokens: 512}``; liger: ``{chunk_pairs, compile}``).
         optimizer, optimizer_options, learning_rate, weight_decay, betas, warmup_steps, min_lr_ratio,

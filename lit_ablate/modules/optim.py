@@ -32,8 +32,6 @@ OPTIMIZERS: dict[str, str] = {
 STATE_BYTES_PER_PARAMETER = {"adamw": None, "bnb_adamw8bit": 2.0, "bnb_paged_adamw8bit": 2.0, "bnb_paged_adamw": 8.0,
                              "torchao_adamw8bit": 2.0}  # fmt: skip
 """Optimizer-state bytes per (large enough) parameter; None: two moments in the parameter's dtype."""
-SMALL_TENSOR_ELEMENTS = 4096
-"""Both 8-bit libraries keep the states of tensors with fewer elements in fp32."""
 
 
 def optimizer_refusal(name: str, strategy: Strategy | type | None = None, device_type: str | None = None) -> str | None:

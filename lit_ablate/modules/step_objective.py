@@ -77,12 +77,21 @@ class StepObjective:
         ``units`` is this micro-batch's count (a tensor: it stays on the device, no host sync).
         """
         if self.scale is None:
-            group = gradient_mean_group(strategy)[0] if strategy is not None else None
-            self.scale = _agreed_power_of_two(int(units), loss_sum.device, group)
+            self.agree_scale(int(units), loss_sum.device, gradient_mean_group(strategy)[0] if strategy is not None else None)
         self._units = units.detach() if self._units is None else self._units + units.detach()
         detached = loss_sum.detach().float()
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
         return (loss_sum + units * extra) / self.scale
+
+    def agree_scale(self, local_units: int, device: torch.device, group: ProcessGroup | None) -> None:
+        """Fix ``c`` once per fit: the largest first-micro-batch unit count over ``group``, rounded to a
+        power of two (>= 1). Every rank must use the same constant, or the strategy's gradient average
+        would weigh the ranks differently (a pipeline strategy calls it with its data-parallel group)."""
+        if group is not None:
+            value = torch.tensor([float(local_units)], device=device)
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+            local_units = int(value.item())
+        self.scale = float(2 ** round(math.log2(max(local_units, 1))))
 
     @torch.no_grad()
     def normalize_gradients(self, parameters: Iterable[torch.nn.Parameter], strategy: Strategy,
@@ -118,16 +127,3 @@ def _by_dtype_and_device(tensors: list[Tensor]) -> dict[tuple, list[Tensor]]:
     for t in tensors:
         groups.setdefault((t.dtype, t.device), []).append(t)
     return groups
-
-
-def _agreed_power_of_two(local_units: int, device: torch.device, group: ProcessGroup | None) -> float:
-    """The largest first-micro-batch unit count over the ranks, rounded to a power of two (>= 1).
-
-    Runs once per fit; every rank must use the same constant, or the strategy's gradient average
-    would weigh the ranks differently.
-    """
-    if group is not None:
-        value = torch.tensor([float(local_units)], device=device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-        local_units = int(value.item())
-    return float(2 ** round(math.log2(max(local_units, 1))))

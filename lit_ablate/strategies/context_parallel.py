@@ -10,15 +10,15 @@ import torch
 from torch import nn
 
 from lit_ablate.errors import ConfigError
-from lit_ablate.models.block_kernels import BLOCK_KERNELS, KERNEL_KEY, BlockKernelName, block_kernel
-from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
-from lit_ablate.models.context_parallel_attention import (
+from lit_ablate.models.attention.block_kernels import BLOCK_KERNELS, KERNEL_KEY, BlockKernelName, block_kernel
+from lit_ablate.models.attention.context_parallel import (
     CONTEXT_PARALLEL_ATTRIBUTE,
     CONTEXT_PARALLEL_BACKENDS,
     ContextParallelGroup,
 )
-from lit_ablate.models.losses import IGNORE_INDEX
-from lit_ablate.models.sequence_layout import LAYOUTS, LayoutName, SequenceLayout
+from lit_ablate.models.attention.sequence_layout import LAYOUTS, LayoutName, SequenceLayout
+from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
+from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX
 from lit_ablate.strategies.fsdp2 import FSDP2Strategy
 from lit_ablate.strategies.mesh import STRATEGY_KEY
 
@@ -60,7 +60,7 @@ class ContextParallelStrategy(FSDP2Strategy):
             (torch's ops: ATen's flash op on CPU, the memory-efficient op on CUDA; runs
             everywhere), ``flash_attn`` (the flash-attn package on CUDA in bf16/fp16, for blocks
             without a document or padding mask; ``sdpa`` for those) or ``flex`` (flex_attention
-            on CUDA, documents included). See ``lit_ablate.models.block_kernels``.
+            on CUDA, documents included). See ``lit_ablate.models.attention.block_kernels``.
         cp_layout: ``zigzag`` (each rank holds a head and a tail chunk: equal causal attention
             work on every rank) or ``contiguous`` (rank r holds the r-th slice: the last rank does
             ``2 cp - 1`` times the attention work of the first).

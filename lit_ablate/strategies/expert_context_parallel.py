@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lit_ablate.models.sequence_layout import LayoutName
+from lit_ablate.models.attention.sequence_layout import LayoutName
 from lit_ablate.strategies.context_parallel import ContextParallelImpl, ContextParallelStrategy
 from lit_ablate.strategies.expert_parallel import DispatchMode, ExpertParallelStrategy
 

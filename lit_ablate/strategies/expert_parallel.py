@@ -16,8 +16,8 @@ from torch.optim import Optimizer
 
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
-from lit_ablate.models.moe import OPTIONS_KEY, MoEBlock, moe_blocks
-from lit_ablate.models.moe_dispatch import DISPATCH_MODES
+from lit_ablate.models.moe.blocks import OPTIONS_KEY, MoEBlock, moe_blocks
+from lit_ablate.models.moe.dispatch import DISPATCH_MODES
 from lit_ablate.strategies.fsdp2 import FSDP2Strategy
 from lit_ablate.strategies.mesh import STRATEGY_KEY, resolve_mesh_sizes
 from lit_ablate.strategies.state_sharding import StateSharding

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
-from lit_ablate.models.fp8 import precompute_fp8_scales
+from lit_ablate.models.fp8.conversion import precompute_fp8_scales
 from lit_ablate.strategies.gpu_only import check_gpu_only_options
 from lit_ablate.strategies.mesh import FSDP_SHARD_DIMS, STRATEGY_KEY, MeshStrategy, decoder_layers, resolve_mesh_sizes
 from lit_ablate.strategies.state_sharding import StateSharding

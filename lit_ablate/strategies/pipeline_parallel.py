@@ -27,7 +27,7 @@ import functools
 import itertools
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -36,14 +36,18 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lit_ablate.callbacks.pipeline_bubble import PipelineBubbleMonitor
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
-from lit_ablate.models.losses import IGNORE_INDEX
-from lit_ablate.modules.step_objective import StepObjective, _agreed_power_of_two
+from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX
 from lit_ablate.strategies.fsdp2 import fsdp_arguments, shard_layers_then_root
 from lit_ablate.strategies.mesh import MESH_DIMS, STRATEGY_KEY, MeshStrategy
+from lit_ablate.strategies.pipeline_chunk_timer import ChunkTimer
+from lit_ablate.strategies.pipeline_split import balanced_split_points, check_split_points
+from lit_ablate.strategies.pipeline_stages import PassThrough, StageModule, pipeline_batch
 from lit_ablate.strategies.state_sharding import REPLICATED, StateSharding
+
+if TYPE_CHECKING:
+    from lit_ablate.modules.step_objective import StepObjective
 
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -229,8 +233,6 @@ class PipelineParallelStrategy(MeshStrategy):
         if len(self.parallel_targets()) != 1:
             raise ConfigError("model", type(self.lightning_module).__name__,
                               "pipeline parallelism is built for CausalLM (one token-loss model) only")
-        if not any(isinstance(c, PipelineBubbleMonitor) for c in trainer.callbacks):
-            trainer.callbacks.append(PipelineBubbleMonitor())  # the bubble belongs in every pipeline run's record
         super().setup(trainer)
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -406,7 +408,7 @@ class PipelineParallelStrategy(MeshStrategy):
                               f"the batch has {labels.shape[0]} rows; use a divisor of the batch size")
         units = [(chunk != IGNORE_INDEX).sum() for chunk in labels.tensor_split(self.microbatches)]
         if objective.scale is None:  # the stages of a replica read the same batch; replicas agree over dp
-            objective.scale = _agreed_power_of_two(int(units[0]), labels.device, self.gradient_mean_group[0])
+            objective.agree_scale(int(units[0]), labels.device, self.gradient_mean_group[0])
         self._loss_scale = objective.scale
         for p in model.parameters():  # Lightning zeroes the previous step's gradients only after training_step
             p.grad = None
@@ -499,138 +501,6 @@ class PipelineParallelStrategy(MeshStrategy):
         for p, grad in self._pending_gradients:
             p.grad = grad
         self._pending_gradients = []
-
-
-class ChunkTimer:
-    """The time one stage spends in its own forward and backward chunks during a schedule step (not
-    waiting for its neighbours). On CUDA through events, since kernels run after the host returns;
-    elsewhere the host clock."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self._seconds = 0.0
-        self._events: list[tuple[Any, Any]] = []
-
-    def reset(self) -> None:
-        self._seconds, self._events = 0.0, []
-
-    def timed(self, chunk: Any) -> Any:
-        @functools.wraps(chunk)
-        def timed_chunk(*args: Any, **kwargs: Any) -> Any:
-            if self.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                result = chunk(*args, **kwargs)
-                end.record()
-                self._events.append((start, end))
-                return result
-            started = time.perf_counter()
-            try:
-                return chunk(*args, **kwargs)
-            finally:
-                self._seconds += time.perf_counter() - started
-        return timed_chunk
-
-    def seconds(self) -> float:
-        if self._events:
-            torch.cuda.synchronize()
-            self._seconds += sum(start.elapsed_time(end) for start, end in self._events) / 1000
-            self._events = []
-        return self._seconds
-
-
-class StageModule(nn.Module):
-    """One stage's forward: token ids (first stage) or the previous stage's hidden states in, hidden states out.
-
-    The decoder's own forward runs (masks, rotary positions); the pass-through layers and the
-    identity norm make it compute only this stage's part. A rank holding several stages
-    (interleaved schedules) gives each one its ``layers``: during the stage's forward the decoder
-    runs those only, and its final norm only on the last stage (the decoder's modules are swapped
-    for the call, so parameter names and the model's structure stay as built).
-
-    Its submodules (``parts``) are the stage's own layers, embeddings (first) or final norm and LM
-    head (last): what torch's ``PipelineStage`` and FSDP take as the stage, so that each of a rank's
-    interleaved stages is its own FSDP root. The model is referenced, not registered.
-    """
-
-    def __init__(self, model: CausalLMWithLoss, first: bool, last: bool = True, layers: list[int] | None = None) -> None:
-        super().__init__()
-        object.__setattr__(self, "model", model)
-        self.first, self.last = first, last
-        decoder = model.lm.base_model
-        held = [index for index, layer in enumerate(decoder.layers)
-                if (index in layers if layers is not None else not isinstance(layer, PassThrough))]
-        ends = ([decoder.embed_tokens] if first else []) + ([decoder.norm, model.lm.lm_head] if last else [])
-        self.parts = nn.ModuleList([decoder.layers[index] for index in held] + ends)
-        # A plain list, not a ModuleList: the pass-throughs are no part of the stage.
-        self._view = None if layers is None else [
-            layer if index in layers else PassThrough() for index, layer in enumerate(decoder.layers)]
-
-    def head_loss(self, hidden: Tensor, labels: Tensor) -> Tensor:
-        """The last stage's token-loss sum of its output (final norm applied) through the LM head."""
-        head = self.model.lm.get_output_embeddings()
-        hidden = hidden.reshape(-1, hidden.shape[-1])
-        return self.model.loss_fn(hidden, head.weight, labels.reshape(-1), head.bias)
-
-    def forward(self, x: Tensor) -> Tensor:
-        inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
-        decoder = self.model.lm.base_model
-        if self._view is None:
-            return decoder(**inputs, use_cache=False).last_hidden_state
-        saved = decoder._modules["layers"], decoder._modules["norm"]
-        decoder._modules["layers"] = nn.ModuleList(self._view)
-        if not self.last:
-            decoder._modules["norm"] = nn.Identity()
-        try:
-            return decoder(**inputs, use_cache=False).last_hidden_state
-        finally:
-            decoder._modules["layers"], decoder._modules["norm"] = saved
-
-
-class PassThrough(nn.Module):
-    """Stands in for a decoder layer another stage holds (the layer list keeps its length and names)."""
-
-    def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        return hidden_states
-
-
-def pipeline_batch(batch: dict[str, Any]) -> dict[str, Any]:
-    """The batch the stages take: token ids and labels; right padding (causal, labels -100) needs no mask."""
-    if batch.get("position_ids") is not None or batch.get("cu_seqlens") is not None:
-        raise ConfigError("data.init_args.packing", True, "packed batches are not built for pipeline parallelism; "
-                          "use unpacked batches")
-    mask = batch.get("attention_mask")
-    if mask is not None and bool((mask[:, 1:] > mask[:, :-1]).any()):
-        raise ConfigError("data", "attention_mask", "pipeline parallelism takes right-padded batches only")
-    return {"input_ids": batch["input_ids"], "labels": batch["labels"]}
-
-
-def check_split_points(points: list[int], num_layers: int, stages: int) -> None:
-    """``stages - 1`` strictly increasing layer indices in ``1 .. num_layers - 1``."""
-    inside = all(0 < p < num_layers for p in points)
-    if len(points) != stages - 1 or not inside or any(b <= a for a, b in itertools.pairwise(points)):
-        raise ConfigError(f"{STRATEGY_KEY}.split_points", points,
-                          f"give {stages - 1} increasing decoder-layer indices between 1 and {num_layers - 1} "
-                          "(where stages 2.. start), or null to balance by parameter count")
-
-
-def balanced_split_points(layer_sizes: list[int], stages: int, head: int, tail: int) -> list[int]:
-    """Split points minimising the largest stage's parameter count (``head`` on the first stage,
-    ``tail`` on the last), each stage at least one layer."""
-    n = len(layer_sizes)
-    prefix = list(itertools.accumulate(layer_sizes, initial=0))
-
-    def size(start: int, end: int) -> int:
-        return prefix[end] - prefix[start] + (head if start == 0 else 0) + (tail if end == n else 0)
-
-    @functools.cache
-    def best(start: int, k: int) -> tuple[int, tuple[int, ...]]:
-        if k == 1:
-            return size(start, n), ()
-        return min((max(size(start, end), best(end, k - 1)[0]), (end, *best(end, k - 1)[1]))
-                   for end in range(start + 1, n - k + 2))
-
-    return list(best(0, stages)[1])
 
 
 def _numel(module: nn.Module | None) -> int:

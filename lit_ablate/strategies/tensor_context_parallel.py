@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from lit_ablate.errors import ConfigError
-from lit_ablate.models.sequence_layout import LayoutName
+from lit_ablate.models.attention.sequence_layout import LayoutName
 from lit_ablate.strategies.context_parallel import ContextParallelImpl, ContextParallelStrategy
 from lit_ablate.strategies.mesh import STRATEGY_KEY
 from lit_ablate.strategies.tensor_parallel import TensorParallelStrategy

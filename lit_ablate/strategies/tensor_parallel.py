@@ -19,8 +19,8 @@ from torch.optim import Optimizer
 
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
-from lit_ablate.models.fp8 import is_fp8, precompute_fp8_scales
-from lit_ablate.models.losses import LOSS_KEY, OPTIONS_KEY, TorchCrossEntropy
+from lit_ablate.models.fp8.conversion import is_fp8, precompute_fp8_scales
+from lit_ablate.models.losses.cross_entropy import LOSS_KEY, OPTIONS_KEY, TorchCrossEntropy
 from lit_ablate.strategies.expert_parallel import clip_grad_norm_across_meshes
 from lit_ablate.strategies.fsdp2 import FSDP2Strategy
 from lit_ablate.strategies.mesh import STRATEGY_KEY, resolve_mesh_sizes

@@ -19,7 +19,7 @@ marks them ``SequenceParallel(sequence_dim=2)`` (the heads dimension is the shar
 makes their weights replicated DTensors whose gradients DTensor all-reduces over ``tp``. (A grad
 hook on the parameter would be lost once FSDP2 replaces the parameters.)
 
-fp8 (``lit_ablate.models.fp8``): with ``float8=True`` the linear layers ``convert_fp8`` converted
+fp8 (``lit_ablate.models.fp8.conversion``): with ``float8=True`` the linear layers ``convert_fp8`` converted
 (torchao's ``Float8Linear``) are split with torchao's float8 styles, which cast to fp8 *before* the
 collective: under sequence parallelism the all-gather of a block's input (``PrepareFloat8ModuleInput``,
 one cast shared by q/k/v or gate/up) and the backward all-gather of the row-parallel layers' output

@@ -1,0 +1,171 @@
+"""``lit-ablate estimate``: parameters and per-rank memory of a fit config under each sharding, before running it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, replace
+from typing import Any
+
+from lit_ablate.config_keys import get_dotted
+from lit_ablate.estimate.from_config import (
+    SHARDINGS,
+    canonical_sharding,
+    configured_sharding,
+    context_parallel_of,
+    model_of,
+    pipeline_of,
+    smallest_world_size,
+    training_shape_of,
+    world_size_of,
+)
+from lit_ablate.estimate.memory import estimate_memory
+from lit_ablate.estimate.shapes import GIB, OPTIMIZERS, MemoryEstimate
+
+
+def estimate_main(argv: list[str]) -> int:
+    """``lit-ablate estimate --config FIT.yaml [--gpu_memory_gib 80] [--json] [--dotted.key value ...]``.
+
+    Prints the per-rank breakdown at the config's world size under its own strategy and each of
+    ``SHARDINGS``, and the smallest number of GPUs of the given size that fits each; ``--json``
+    prints the same numbers (exact counts and bytes) as one JSON object instead of the table.
+    """
+    import argparse
+
+    from lit_ablate.errors import ConfigError
+
+    parser = argparse.ArgumentParser(prog="lit-ablate estimate", description=estimate_main.__doc__.split("\n")[0],
+                                     allow_abbrev=False)
+    parser.add_argument("--config", required=True, help="a fit config (extra --dotted.key value pairs override it)")
+    parser.add_argument("--gpu_memory_gib", type=float, default=80.0, help="memory of one GPU")
+    parser.add_argument("--usable_fraction", type=float, default=0.9,
+                        help="share of it training may use (CUDA context, allocator fragmentation take the rest)")
+    parser.add_argument("--gpus_per_node", type=int, default=8, help="HSDP shards within a node of this many GPUs")
+    parser.add_argument("--max_gpus", type=int, default=4096, help="search limit for the smallest fitting number")
+    parser.add_argument("--world_size", type=int, help="ranks for the breakdown (default: devices x num_nodes)")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, help="default: the config's (CausalLM: adamw)")
+    parser.add_argument("--json", action="store_true", help="print the numbers as JSON (bytes, exact counts)")
+    args, overrides = parser.parse_known_args(argv)
+    from lit_ablate.fit_cli import resolve_fit_config
+
+    try:
+        _check_estimate_arguments(args)
+        config = resolve_fit_config(["--config", args.config, *overrides])
+        world = args.world_size or world_size_of(config)
+        if world < 1:
+            raise ConfigError("trainer.devices", get_dotted(config, "trainer.devices"), "use a positive number of devices per node")
+        training = training_shape_of(config, args.optimizer, world)
+        counts, shape = model_of(config)
+        configured_sharding(config, world)  # the configured mesh must lay out on the ranks asked for
+        budget = args.gpu_memory_gib * args.usable_fraction * GIB
+
+        def at(kind: str, n: int) -> MemoryEstimate | None:
+            try:
+                run = training
+                if kind == "configured":
+                    sharding = configured_sharding(config, n)
+                    run = replace(training, context_parallel=context_parallel_of(config, n)[0],  # cp: -1 grows with n
+                                  **pipeline_of(config, n))  # pp: -1 too
+                else:
+                    sharding = canonical_sharding(kind, n, args.gpus_per_node)
+                    run = replace(training, pipeline_parallel=1)  # the data-parallel layouts, without stages
+            except ConfigError:  # the configured mesh cannot be laid out on n ranks
+                return None
+            return estimate_memory(counts, shape, run, sharding, n)
+
+        rows = []
+        for kind in ("configured", *SHARDINGS):
+            here = at(kind, world)
+            fewest = smallest_world_size(lambda n, kind=kind: (e := at(kind, n)) is not None and e.total <= budget, args.max_gpus)
+            rows.append((kind, here, fewest))
+    except ConfigError as err:
+        print(f"lit-ablate estimate: error: {err}", file=sys.stderr)
+        return 2
+    summary = _estimate_summary(config, counts, shape, training, world, rows, args)
+    print(json.dumps(summary, indent=1) if args.json else _estimate_table(summary))
+    return 0
+
+
+def _check_estimate_arguments(args: Any) -> None:
+    """Numbers ``estimate`` would otherwise turn into a table of nonsense (or silently replace:
+    ``--world_size 0`` used to mean "the config's")."""
+    from lit_ablate.errors import ConfigError
+
+    for name in ("world_size", "gpus_per_node", "max_gpus"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name}", value, "use a positive number of GPUs")
+    if not args.gpu_memory_gib > 0:
+        raise ConfigError("--gpu_memory_gib", args.gpu_memory_gib, "give one GPU's memory in GiB, e.g. 80")
+    if not 0 < args.usable_fraction <= 1:
+        raise ConfigError("--usable_fraction", args.usable_fraction, "give a share in (0, 1], e.g. 0.9")
+
+
+MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "transient", "reference", "total")
+"""The per-rank byte counts of one sharding, in the table's column order."""
+
+
+def _estimate_summary(config, counts, shape, training, world, rows, args) -> dict[str, Any]:  # noqa: ANN001 (estimate_main's locals)
+    """Everything ``estimate`` reports, in exact numbers: what ``--json`` prints and the table renders."""
+    strategy = get_dotted(config, "trainer.strategy", "auto")
+    strategy = strategy.get("class_path", "?").rsplit(".", 1)[-1] if isinstance(strategy, dict) else strategy
+    return {
+        "model": {"parameters": counts.total, "active_parameters": counts.active, "trainable_parameters": counts.trainable,
+                  "quantized_parameters": counts.quantized, "layers": shape.layers,
+                  "hidden": shape.hidden, "vocab": shape.vocab},
+        "run": asdict(training),
+        "world_size": world, "strategy": strategy, "gpu_memory_gib": args.gpu_memory_gib,
+        "usable_fraction": args.usable_fraction, "gpus_per_node": args.gpus_per_node, "max_gpus": args.max_gpus,
+        "shardings": [{"sharding": kind, "bytes_per_rank": {k: getattr(e, k) for k in MEMORY_KINDS} if e else None,
+                       "gpus_needed": fewest} for kind, e, fewest in rows],
+    }  # fmt: skip
+
+
+def _estimate_table(summary: dict[str, Any]) -> str:
+    model, training, shardings = summary["model"], summary["run"], summary["shardings"]
+    largest = max((s["bytes_per_rank"]["total"] for s in shardings if s["bytes_per_rank"]), default=0)
+    unit, scale = ("GiB", GIB) if largest >= GIB else ("MiB", 2**20)
+    lines = [
+        f"Model: {_count(model['parameters'])} parameters ({model['parameters']:,}), "
+        f"{_count(model['active_parameters'])} active ({model['active_parameters']:,}), "
+        f"{_count(model['trainable_parameters'])} trainable, {_count(model['quantized_parameters'])} quantised, {model['layers']} layers, "
+        f"hidden {model['hidden']}, vocab {model['vocab']}.",
+        f"Run: micro-batch {training['micro_batch']} x {training['seq_len']} tokens per rank, "
+        f"parameters {training['param_bytes']} B, activations {training['activation_bytes']} B, "
+        f"optimizer {training['optimizer']}, checkpointing {training['checkpointing']}, "
+        f"loss {training['loss']}, attention {training['attention']}."
+        + (f" Pipeline: {training['pipeline_parallel']} ranks x {training['pipeline_stages_per_rank']} stage(s), "
+           f"{training['pipeline_schedule']}, {training['microbatches']} micro-batches per step; the configured row "
+           "is the largest rank's."
+           if training["pipeline_parallel"] > 1 else ""),
+        "",
+        f"Per rank at {summary['world_size']} rank(s), {unit}; last column: smallest number of "
+        f"{summary['gpu_memory_gib']:g} GiB GPUs that fit ({summary['usable_fraction']:.0%} usable, HSDP shards "
+        f"within {summary['gpus_per_node']}).",
+        "",
+        "| sharding | " + " | ".join(MEMORY_KINDS) + " | GPUs needed |",
+        "|---" * (len(MEMORY_KINDS) + 2) + "|",
+    ]
+    for row in shardings:
+        name = f"configured ({summary['strategy']})" if row["sharding"] == "configured" else row["sharding"]
+        memory = row["bytes_per_rank"]
+        cells = [_memory_cell(memory[k], scale) for k in MEMORY_KINDS] if memory else ["—"] * len(MEMORY_KINDS)
+        need = str(row["gpus_needed"]) if row["gpus_needed"] else f"none up to {summary['max_gpus']}"
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {need} |")
+    lines += ["", "Activations are per rank and not divided by data parallelism: lower the micro-batch or "
+              "checkpoint activations when they dominate. 'none': replicated state (or HSDP's node-sized "
+              "shards) plus activations exceed a GPU at any count."]  # fmt: skip
+    return "\n".join(lines)
+
+
+def _memory_cell(num_bytes: int, scale: int) -> str:
+    """A table cell: bytes in the table's unit (``scale`` bytes), 1 decimal, 2 significant digits below 0.1."""
+    return f"{num_bytes / scale:.1f}" if num_bytes >= 0.1 * scale else f"{num_bytes / scale:.2g}"
+
+
+def _count(n: int) -> str:
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.4g}{suffix}"
+    return str(n)
+

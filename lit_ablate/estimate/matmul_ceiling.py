@@ -1,0 +1,191 @@
+"""The measured matmul ceiling: the FLOP/s this device really reaches on large matmuls.
+
+A spec-sheet peak is unreachable in practice (an H100 SXM's best bf16 matmul reaches about 80%
+of its 989 TFLOP/s) and unknown for a CPU, so MFU against it is hard to compare across devices
+and missing on the machines most tests and examples run on. The ceiling here is measured instead:
+a short sweep of a few large matmul shapes in the run's dtype, on the run's device, with the
+intra-op threads the process uses; the best sustained rate of any shape wins. It is cached on disk
+per (device name, dtype, torch version, threads), so a machine measures it once (a few seconds)
+and every later run reads it. ``lit-ablate peak`` prints it beside the spec peak.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+CACHE_DIR_ENV = "LIT_ABLATE_CACHE_DIR"
+"""Directory of lit-ablate's per-machine cache (default ``$XDG_CACHE_HOME/lit-ablate``, else
+``~/.cache/lit-ablate``); the ceilings live in its ``matmul_ceiling/`` folder."""
+
+SWEEPS: dict[str, tuple[tuple[int, int, int], ...]] = {
+    "cpu": ((1024, 1024, 1024), (2048, 2048, 2048), (4096, 512, 2048)),
+    "cuda": ((4096, 4096, 4096), (8192, 8192, 8192), (16384, 4096, 16384)),
+}
+"""``(m, k, n)`` shapes per device type: large enough to be compute-bound (a ``k = 512`` shape too,
+the width of a small model's projections), small enough that the sweep takes seconds."""
+SECONDS_PER_SHAPE = {"cpu": 0.5, "cuda": 0.3}
+WINDOW_SECONDS = {"cpu": 0.1, "cuda": 0.05}
+"""Each shape runs back-to-back windows of at least this long for ``SECONDS_PER_SHAPE``; the best
+window's rate is the shape's sustained rate (a window, not one call, so clock ramps and one slow
+call on a shared machine neither inflate nor sink it)."""
+PROBE_SHAPE = (256, 256, 256)
+MAX_CALL_SECONDS = {"cpu": 2.0, "cuda": 1.0}
+"""A shape is swept only if one call of it, predicted from a small probe's rate, takes at most this
+long: a CPU without fast half-precision matmuls runs float16 at a few GFLOP/s or less, where the
+sweep's largest shapes took minutes per call (and the probe's rate bounds the big shapes' from below,
+so fast dtypes keep every shape)."""
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class MatmulCeiling:
+    """The best sustained matmul rate measured on one device, in one dtype, with some threads."""
+
+    tflops: float
+    device_name: str
+    device_type: str
+    dtype: str
+    torch: str
+    threads: int | None
+    """Intra-op threads on a CPU (None on a GPU, where they do not matter)."""
+    shape: tuple[int, int, int]
+    """The ``(m, k, n)`` that reached it."""
+    measured_at: float
+    sweep_seconds: float
+
+    def describe(self) -> str:
+        threads = f", {self.threads} thread(s)" if self.threads is not None else ""
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.measured_at))
+        return (f"{self.dtype} {'x'.join(map(str, self.shape))} matmuls on {self.device_name}{threads}, "
+                f"torch {self.torch}, measured {when}")
+
+
+def device_name(device: torch.device) -> str:
+    """What the device is: the GPU's name, or the CPU's model name (``/proc/cpuinfo``)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "cpu" and os.path.isfile("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+        if model:
+            return model
+    return platform.processor() or platform.machine() or device.type
+
+
+def cache_dir() -> Path:
+    """Where ceilings are cached: ``$LIT_ABLATE_CACHE_DIR/matmul_ceiling``."""
+    root = os.environ.get(CACHE_DIR_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lit-ablate"
+    return Path(root) / "matmul_ceiling"
+
+
+def cache_path(device: torch.device, dtype: torch.dtype) -> Path:
+    """The cache file of this device, dtype, torch version and (CPU) thread count."""
+    key = {"device_name": device_name(device), "dtype": _dtype_name(dtype), "torch": torch.__version__,
+           "threads": _threads(device)}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / f"{device.type}-{key['dtype']}-{digest}.json"
+
+
+def measured_ceiling(device: torch.device | str, dtype: torch.dtype, remeasure: bool = False) -> MatmulCeiling:
+    """The cached ceiling of ``device`` and ``dtype`` with the current threads; measured (and
+    cached) when there is none yet, or when ``remeasure`` asks for a fresh one.
+
+    A ceiling is a maximum, and other work on the machine can only make a sweep measure it too low
+    (on this project's shared 2-core VM: 22 GFLOP/s under load, 95 quiet, with one thread), so a
+    new measurement replaces the cached one only when it is higher; delete the cache file to start
+    over on changed hardware."""
+    device = torch.device(device)
+    path = cache_path(device, dtype)
+    cached = None
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text())
+            cached = MatmulCeiling(**{**data, "shape": tuple(data["shape"])})
+        except (ValueError, TypeError, KeyError) as err:  # written by another lit-ablate version: measure anew
+            warnings.warn(f"{path}: unreadable cached ceiling ({type(err).__name__}: {err}); measuring again", stacklevel=2)
+    if cached is not None and not remeasure:
+        return cached
+    started = time.time()
+    tflops, shape = measure_matmul_ceiling(device, dtype)
+    ceiling = MatmulCeiling(tflops=tflops, device_name=device_name(device), device_type=device.type,
+                            dtype=_dtype_name(dtype), torch=torch.__version__, threads=_threads(device), shape=shape,
+                            measured_at=started, sweep_seconds=time.time() - started)  # fmt: skip
+    if cached is not None and cached.tflops >= ceiling.tflops:
+        return cached
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")  # atomic: ranks of one node may write it at once
+    tmp.write_text(json.dumps(asdict(ceiling), indent=1) + "\n")
+    os.replace(tmp, path)
+    return ceiling
+
+
+def measure_matmul_ceiling(
+    device: torch.device, dtype: torch.dtype, shapes: tuple[tuple[int, int, int], ...] | None = None,
+    seconds_per_shape: float | None = None, window_seconds: float | None = None,
+) -> tuple[float, tuple[int, int, int]]:
+    """``(TFLOP/s, shape)``: the best sustained rate of ``A @ B`` over ``shapes`` (``2 m k n`` FLOPs each)."""
+    kind = device.type if device.type in SWEEPS else "cuda"
+    shapes = shapes or SWEEPS[kind]
+    budget = SECONDS_PER_SHAPE[kind] if seconds_per_shape is None else seconds_per_shape
+    window = WINDOW_SECONDS[kind] if window_seconds is None else window_seconds
+    shapes = _affordable(shapes, device, dtype, MAX_CALL_SECONDS[kind])
+    best, best_shape = 0.0, shapes[0]
+    for m, k, n in shapes:
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        out = torch.empty(m, n, device=device, dtype=dtype)
+        start = time.perf_counter()
+        _timed(a, b, out, 1)  # warm-up: kernel choice, page faults
+        per_call = _timed(a, b, out, 1)
+        calls = max(1, int(window / max(per_call, 1e-9)))
+        while True:
+            rate = 2 * m * k * n * calls / _timed(a, b, out, calls) / 1e12
+            if rate > best:
+                best, best_shape = rate, (m, k, n)
+            if time.perf_counter() - start >= budget:
+                break
+    return best, best_shape
+
+
+def _affordable(shapes: tuple[tuple[int, int, int], ...], device: torch.device, dtype: torch.dtype,
+                max_call_seconds: float) -> tuple[tuple[int, int, int], ...]:
+    """The shapes whose one call, at the probe shape's rate, stays under ``max_call_seconds`` (the
+    probe itself when none does)."""
+    m, k, n = PROBE_SHAPE
+    a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
+    out = torch.empty(m, n, device=device, dtype=dtype)
+    _timed(a, b, out, 1)
+    rate = 2 * m * k * n / max(_timed(a, b, out, 2) / 2, 1e-9)
+    return tuple(s for s in shapes if 2 * s[0] * s[1] * s[2] / rate <= max_call_seconds) or (PROBE_SHAPE,)
+
+
+def _timed(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, repeats: int) -> float:
+    """Seconds of ``repeats`` back-to-back ``a @ b`` (the device drained before and after)."""
+    _synchronize(a.device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        torch.matmul(a, b, out=out)
+    _synchronize(a.device)
+    return time.perf_counter() - start
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type != "cpu":  # an accelerator runs kernels asynchronously: drain it before reading the clock
+        torch.accelerator.synchronize(device)
+
+
+def _threads(device: torch.device) -> int | None:
+    return torch.get_num_threads() if device.type == "cpu" else None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

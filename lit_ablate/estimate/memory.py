@@ -1,0 +1,278 @@
+"""Per-rank memory: the bytes one rank holds at the peak of a training step.
+
+Bytes one rank holds at the peak of a training step: parameters, gradients and optimizer states
+(divided by the strategy's sharding), activations saved for backward (not divided by data
+parallelism), and the transient copies a strategy makes (gathered layers, DDP's gradient buckets).
+The activation model counts the tensors autograd saves per token; it was calibrated against
+torch's MemTracker on CPU for Llama/Qwen3(-MoE) shapes with SDPA (tests/test_estimate_memory.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from lit_ablate.estimate.flops import ParameterCounts
+from lit_ablate.estimate.pipeline import (
+    LOSS_LOGIT_COPIES_KEPT,
+    PIPELINE_SCHEDULES,
+    pipeline_pieces_held,
+    pipeline_stage_layers,
+    pipeline_stage_parameters,
+)
+from lit_ablate.estimate.shapes import HALF_CHUNK_COPIES, LOSS_LOGIT_COPIES, MemoryEstimate, ModelShape, TrainingShape
+
+if TYPE_CHECKING:
+    from lit_ablate.strategies.state_sharding import StateSharding
+
+
+def layer_activation_elements(shape: ModelShape, training: TrainingShape) -> float:
+    """Elements one decoder layer saves per token for its backward.
+
+    Attention: the two RMSNorms' inputs and outputs (4 hidden), rotated queries, attention output
+    and its re-layout for the output projection (4 q), rotated keys and values (2 kv); q/k norms
+    add their inputs and outputs (2 q + 2 kv); eager attention adds the softmaxed scores (heads x
+    seq) and expanded keys. MLP: gate, up, activation and product (4 intermediate); an MoE layer
+    does that per routed expert with the token's gathered input and weighted output (2 hidden)
+    and keeps its router's logits, probabilities and choices (3 x experts).
+    """
+    s = shape
+    attention = 4 * s.hidden + 4 * s.q_dim + 2 * s.kv_dim
+    if s.qk_norm:
+        attention += 2 * s.q_dim + 2 * s.kv_dim
+    if training.attention == "eager":
+        attention += s.heads * training.seq_len + s.q_dim
+    if s.experts:
+        mlp = s.experts_per_token * (4 * s.expert_intermediate + 2 * s.hidden) + 3 * s.experts
+        mlp += 4 * s.shared_expert_intermediate
+    else:
+        mlp = 4 * s.intermediate
+    # Tensor parallelism: each rank keeps its heads and its slice of the MLP width (MoE blocks stay
+    # whole); the norms' 4 hidden only under sequence parallelism.
+    tp = training.tensor_parallel
+    if tp > 1:
+        norms = 4 * s.hidden
+        attention = (attention - norms) / tp + norms / (tp if training.sequence_parallel else 1)
+        mlp = mlp if s.experts else mlp / tp
+    return float(attention + mlp)
+
+
+def activation_bytes(shape: ModelShape, training: TrainingShape, loss_head: bool = True) -> int:
+    """Peak bytes of activations (and the loss's logits) over one forward and backward on one rank
+    (``loss_head=False``: a pipeline stage without the final norm, LM head and loss).
+
+    Checkpointed layers keep only their input (``hidden`` per token) and recompute the rest in
+    backward, so the peak is the larger of "everything saved + the loss's logits" at the start of
+    backward and "what earlier layers saved + one layer recomputed + its gradient flow" later.
+    Under context parallelism a rank holds ``seq_len / cp`` tokens of each sequence.
+    """
+    tokens = training.micro_batch * -(-training.seq_len // training.context_parallel)
+    per_layer = layer_activation_elements(shape, training) * training.activation_bytes
+    every = {"none": 0, "full": 1, "selective": training.checkpoint_every}[training.checkpointing]
+    checkpointed = [every > 0 and i % every == 0 for i in range(shape.layers)]
+    saved = [shape.hidden * training.activation_bytes if c else per_layer for c in checkpointed]
+    copies = LOSS_LOGIT_COPIES.get(training.loss, LOSS_LOGIT_COPIES["torch"])
+    if training.loss == "liger_dpo":
+        copies *= min(1.0, training.chunk_tokens / tokens)
+    if training.loss == "chunked":
+        copies = (copies + (HALF_CHUNK_COPIES if training.activation_bytes < 4 else 0.0)) * min(1.0, training.chunk_tokens / tokens)
+    head = 3 * shape.hidden * training.activation_bytes + copies * shape.vocab / training.tensor_parallel * 4
+    held = loss_gradient_bytes(shape, training)
+    head = head + held / tokens if loss_head else 0.0
+    candidates = [sum(saved) + head]
+    recompute = per_layer + 2 * shape.hidden * training.activation_bytes
+    candidates += [sum(saved[: i + 1]) + recompute for i, c in enumerate(checkpointed) if c]
+    return int(max(candidates) * tokens)
+
+
+def loss_gradient_bytes(shape: ModelShape, training: TrainingShape) -> int:
+    """Bytes of LM-head gradients a loss forms in the forward and holds until the backward: the
+    chunked loss (``grad_in_forward``) and Liger accumulate ``d weight`` (``[vocab, hidden]``; fp32
+    for chunked, the weight's dtype for Liger) and ``d hidden`` (``[tokens, hidden]``). Found by
+    measuring (tests/test_estimate_memory.py): at a large vocabulary the weight gradient is as
+    large as the chunks the loss saves. Under context parallelism ``d hidden`` covers a rank's
+    ``seq_len / cp`` tokens. Liger's fused DPO holds two ``d weight``: its accumulator and the one
+    ``torch.func`` returns for the current chunk (benchmarks/dpo_memory.py measured it)."""
+    tokens = training.micro_batch * -(-training.seq_len // training.context_parallel)
+    if training.loss == "chunked" and training.loss_grad_in_forward:
+        weight_bytes = 4
+    elif training.loss in ("liger", "liger_dpo"):
+        weight_bytes = training.param_bytes * (2 if training.loss == "liger_dpo" else 1)
+    else:
+        return 0
+    return shape.vocab * shape.hidden * weight_bytes + tokens * shape.hidden * training.activation_bytes
+
+
+def optimizer_state_bytes(optimizer: str, param_bytes: int) -> float:
+    """Optimizer-state bytes per parameter (torch keeps Adam's moments in the parameter dtype)."""
+    return {"adamw": 2.0 * param_bytes, "adam": 2.0 * param_bytes, "sgd": 0.0,
+            "sgd_momentum": float(param_bytes), "adamw8bit": 2.0}[optimizer]  # fmt: skip
+
+
+def optimizer_bytes(counts: ParameterCounts, training: TrainingShape) -> float:
+    """Optimizer-state bytes of the trainable parameters; 8-bit AdamW keeps the states of tensors
+    under 4096 elements in fp32 (``ParameterCounts.small_trainable``: most LoRA matrices of small models)."""
+    if training.optimizer == "adamw8bit":
+        return (counts.trainable - counts.small_trainable) * 2.0 + counts.small_trainable * 8.0
+    return counts.trainable * optimizer_state_bytes(training.optimizer, training.param_bytes)
+
+
+def estimate_memory(counts: ParameterCounts, shape: ModelShape, training: TrainingShape,
+                    sharding: StateSharding, world_size: int) -> MemoryEstimate:  # fmt: skip
+    """Per-rank bytes at a step's peak under ``sharding`` (divisors of params, grads, optimizer states).
+
+    Transient: a sharded strategy gathers two decoder layers at a time (the current one and the
+    prefetched next) and keeps the root's parameters (embeddings, final norm, LM head) gathered
+    from forward to backward (without resharding after forward, every layer's: ``gathered``);
+    sharded gradients exist in full twice for the unit being reduced (its
+    gradients and the reduce-scatter buffer they are copied into), the largest unit being a layer
+    or the root; replicated gradients on more than one rank also sit in DDP's buckets unless
+    ``gradient_as_bucket_view``. Measured against FSDP2/FSDP1 on 2 ranks in
+    tests/test_estimate_memory.py. Under pipeline parallelism: the largest stage's
+    (``pipeline_stage_estimates``).
+    """
+    if training.pipeline_parallel > 1:
+        return max(pipeline_stage_estimates(counts, shape, training, sharding), key=lambda e: e.total)
+    full = (counts.total - counts.quantized) * training.param_bytes + counts.quantized_bytes
+    stored = full / counts.total  # bytes per parameter: quantised base weights pack tighter
+    trained = counts.trainable * training.param_bytes  # a frozen base has no gradients or optimizer states
+    root = max(0, counts.total - shape.layers * shape.layer_params)
+    gathered_layer = shape.layer_params
+    if sharding.expert_parallel > 1:  # a layer gathers only this rank's experts, over their own FSDP ranks
+        layer_experts = counts.experts / shape.layers
+        gathered_layer -= layer_experts * (1 if sharding.expert_shards == 1 else 1 - 1 / sharding.expert_parallel)
+    transient = 0
+    if sharding.gathered is not None:  # every layer's gathered parameters, kept from forward to backward
+        transient += -(-full // sharding.gathered)
+    elif sharding.params > 1:
+        layer_bytes = 1 if training.fp8_all_gather else stored
+        transient += int(2 * gathered_layer * layer_bytes + root * stored)
+    if sharding.grads > 1:
+        transient += int(2 * max(gathered_layer, root) * training.param_bytes * counts.trainable / counts.total)
+    elif world_size > 1 and not training.gradient_as_bucket_view:
+        transient += trained
+    return MemoryEstimate(
+        params=int(-(-full // _state_divisor(sharding.params, sharding, counts))) + _fp8_shard_cast(shape, training, sharding),
+        grads=int(-(-trained // _state_divisor(sharding.grads, sharding, counts))),
+        optimizer=int(optimizer_bytes(counts, training) / _state_divisor(sharding.optimizer, sharding, counts)),
+        activations=activation_bytes(shape, training) + context_parallel_bytes(shape, training)[0],
+        transient=transient + context_parallel_bytes(shape, training)[1],
+        reference=reference_bytes(shape, training, full, sharding.params),
+    )
+
+
+
+def pipeline_stage_estimates(counts: ParameterCounts, shape: ModelShape, training: TrainingShape,
+                             sharding: StateSharding) -> list[MemoryEstimate]:  # fmt: skip
+    """Bytes of each pipeline rank at its step's peak (``estimate_memory`` takes the largest).
+
+    A rank holds its stages' parameters, gradients and optimizer states (``pipeline_stage_parameters``,
+    divided by ``sharding``): one stage, or under ``interleaved_1f1b`` stages ``r, r + pp, ...``. A
+    step runs ``microbatches`` pieces of ``micro_batch / microbatches`` rows; a rank keeps what
+    autograd saved for each (stage, piece) whose forward ran and whose backward has not
+    (``pipeline_pieces_held``), one of them at its backward's peak (``activation_bytes``); the last
+    stage's pieces also keep the final norm's tensors and the loss's (``LOSS_LOGIT_COPIES_KEPT``,
+    ``loss_gradient_bytes``). Transient: the receive buffers torch's schedule allocates once per piece
+    and stage, the previous stage's hidden states (all stages but the first) and their gradients from
+    the next (all but the last). FSDP-sharded stages (``sharding.gathered``: ``dp_shard`` without
+    resharding after forward) also hold, through the step, their gathered parameters and their
+    unsharded gradients (``PipelineStage`` defers FSDP's reduce-scatter to the last micro-batch) and,
+    at that reduce-scatter, a copy of the largest unit's gradients (a decoder layer, or the stage's
+    root: embeddings, or final norm and LM head). Measured on 2 ranks (and 4: pp=2 x dp_shard=2) in
+    tests/test_pipeline_estimate.py.
+    """
+    from lit_ablate.errors import ConfigError
+
+    if training.pipeline_schedule not in PIPELINE_SCHEDULES:
+        raise ConfigError("trainer.strategy.init_args.schedule", training.pipeline_schedule,
+                          f"the estimate models the {' and '.join(PIPELINE_SCHEDULES)} schedules")
+    m = training.microbatches
+    piece = replace(training, micro_batch=max(1, training.micro_batch // m), pipeline_parallel=1)
+    tokens = piece.micro_batch * piece.seq_len
+    boundary = tokens * shape.hidden * training.activation_bytes  # one piece's hidden states between stages
+    full = (counts.total - counts.quantized) * training.param_bytes + counts.quantized_bytes
+    stage_params = pipeline_stage_parameters(counts, shape, training)
+    stage_layers = pipeline_stage_layers(counts, shape, training)
+    last = len(stage_params) - 1
+
+    def kept(stage: int) -> float:  # bytes per token one piece keeps on ``stage`` until its backward
+        bytes_ = stage_layers[stage] * layer_activation_elements(shape, piece) * training.activation_bytes
+        if stage == last:
+            bytes_ += (3 * shape.hidden * training.activation_bytes
+                       + LOSS_LOGIT_COPIES_KEPT.get(training.loss, 0.0) * shape.vocab / training.tensor_parallel * 4)
+            bytes_ += loss_gradient_bytes(shape, piece) / tokens
+        return bytes_
+
+    estimates = []
+    for rank in range(training.pipeline_parallel):
+        own = range(rank, last + 1, training.pipeline_parallel)  # the rank's stages
+        *held, at_backward = pipeline_pieces_held(rank, training)
+        params = sum(stage_params[s] for s in own)
+        gathered = 0
+        if sharding.params > 1 and sharding.gathered is not None:
+            largest_unit = max(max(shape.layer_params, stage_params[s] - stage_layers[s] * shape.layer_params) for s in own)
+            gathered = (full * params // counts.total + counts.trainable * training.param_bytes * params // counts.total
+                        + largest_unit * training.param_bytes)  # fmt: skip
+        estimates.append(MemoryEstimate(  # each state's bytes in the rank's share of the parameters
+            params=-(-(full * params // counts.total) // sharding.params),
+            grads=-(-(counts.trainable * training.param_bytes * params // counts.total) // sharding.grads),
+            optimizer=int(optimizer_bytes(counts, training)) * params // counts.total // sharding.optimizer,
+            activations=int(sum(kept(s) for s in held) * tokens)
+            + activation_bytes(replace(shape, layers=stage_layers[at_backward]), piece, loss_head=at_backward == last),
+            transient=m * boundary * sum((s != 0) + (s != last) for s in own) + gathered,
+        ))  # fmt: skip
+    return estimates
+
+
+def _fp8_shard_cast(shape: ModelShape, training: TrainingShape, sharding: StateSharding) -> int:
+    """Bytes of the 1-byte casts of this rank's shards that fp8 all-gather sends: two layers' at a
+    time (the gathered one and the prefetched one), which a tensor tracker files with the parameters."""
+    if not training.fp8_all_gather or sharding.params == 1:
+        return 0
+    return -(-2 * shape.layer_params // sharding.params)
+
+
+def _state_divisor(divisor: int, sharding: StateSharding, counts: ParameterCounts) -> float:
+    """``divisor`` for the dense state; the routed experts' share over ``expert_parallel x
+    expert_shards`` ranks when the strategy divides them otherwise (tensor parallelism keeps them
+    whole, expert parallelism splits them over ``ep``)."""
+    if sharding.expert_shards is None or not counts.experts:
+        return divisor
+    experts = counts.experts / counts.total
+    return 1 / ((1 - experts) / divisor + experts / (sharding.expert_parallel * sharding.expert_shards))
+
+
+def reference_bytes(shape: ModelShape, training: TrainingShape, param_bytes: int, shards: int) -> int:
+    """A frozen DPO reference: the parameters again (``param_bytes`` in all, sharded as the policy's),
+    plus, under Liger's fused DPO, the copy of its initial LM head that Liger reads (sharded too).
+    Its no-grad forward frees each layer's activations as it goes (not counted)."""
+    if training.reference != "frozen":
+        return 0
+    head = shape.vocab * shape.hidden * training.param_bytes if training.loss == "liger_dpo" else 0
+    return -(-(param_bytes + head) // shards)
+
+
+def context_parallel_bytes(shape: ModelShape, training: TrainingShape) -> tuple[int, int]:
+    """``(saved, exchange)``: bytes per rank that context parallelism adds besides its per-rank tokens.
+
+    ``activation_bytes`` already counts a rank's ``seq_len / cp`` tokens. ``allgather`` keeps every
+    layer's gathered K/V (the whole sequence) for backward (``saved``); its exchange holds one
+    layer's gathered K/V and, in backward, their gradient before the reduce-scatter. The ring
+    saves nothing more than SDPA; its exchange, one layer at a time, holds the K/V block in hand
+    and the one arriving, with fp32 output and log-sum-exp accumulators in forward, and in backward
+    fp32 dQ and three fp32 dK/dV blocks (this rank's contribution, the partial sum arriving, the
+    one leaving). Measured against MemTracker on 2 ranks in tests/test_context_parallel_estimate.py.
+    """
+    cp = training.context_parallel
+    if cp == 1:
+        return 0, 0
+    local = training.micro_batch * -(-training.seq_len // cp)
+    whole = training.micro_batch * training.seq_len
+    kv = 2 * shape.kv_dim * training.activation_bytes  # one token's K and V
+    if training.context_parallel_impl == "allgather":
+        return shape.layers * kv * (whole - local), 2 * kv * whole
+    forward = 2 * kv * local + (shape.q_dim + shape.heads) * 4 * local
+    backward = 2 * kv * local + 3 * 2 * shape.kv_dim * 4 * local + shape.q_dim * 4 * local
+    return 0, max(forward, backward)
+
+

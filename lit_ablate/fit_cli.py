@@ -1,0 +1,145 @@
+"""``LitAblateCLI``: the LightningCLI behind ``lit-ablate fit``/``validate``/``test``.
+
+Model, data, strategy and callbacks from YAML (``class_path``/``init_args``), every key overridable
+(``--trainer.max_steps 20``). It always adds a ``RunRecorder`` (configured under ``recorder:``) so every
+run leaves a run record. ``resolve_fit_config`` is the same parser without running anything (what
+studies and ``lit-ablate estimate`` read).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import warnings
+from typing import Any
+
+import yaml
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.loggers import CSVLogger
+
+from lit_ablate.callbacks.pipeline_bubble import PipelineBubbleMonitor
+from lit_ablate.callbacks.run_recorder import RunRecorder
+from lit_ablate.checkpoint_model import check_same_model, checkpoint_model_section
+from lit_ablate.command_table import SUMMARIES
+from lit_ablate.compatibility import check_cpu_ranks, check_parts
+from lit_ablate.preflight import check_ckpt_path, check_run_config
+from lit_ablate.strategies.pipeline_parallel import PipelineParallelStrategy
+from lit_ablate.terminal import console_trainer_args, silence_noise
+
+SEED_LOGGER = "lightning.fabric.utilities.seed"
+"""The logger of Lightning's ``seed_everything`` (its "Seed set to N" line)."""
+PARSER_KWARGS = {"exit_on_error": False, "allow_abbrev": False}
+"""Every parser raises instead of exiting (``main`` prints one line, not a usage dump) and takes
+options only by their full name."""
+
+
+class LitAblateCLI(LightningCLI):
+    """LightningCLI with lit-ablate's defaults: any LightningModule/DataModule by class_path,
+    a run record for every run, and the resolved config handed to it."""
+
+    def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
+        super().__init__(
+            LightningModule,
+            LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            save_config_kwargs={"overwrite": True},
+            # Raise instead of exiting so main() can print one line instead of a usage dump.
+            parser_kwargs={**PARSER_KWARGS,
+                           **{c: {**PARSER_KWARGS, "description": SUMMARIES[c]} for c in self.subcommands()}},
+            args=args,
+            run=run,
+        )
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """``fit``, ``validate`` and ``test``; not ``predict``. Lightning's predict runs a
+        ``predict_step`` over a prediction dataloader and returns its outputs in memory: for a causal
+        LM that means a second, batch-shaped inference path (prompts as a data set, a decoding
+        loop, a writer) beside ``generate``, which already turns a prompt into text with the run's
+        tokenizer, and ``export``, which hands the model to Hugging Face tooling for batch
+        inference. A command that only crashes (``Trainer.predict requires forward method``) or
+        duplicates those is worse than none, so the CLI does not offer it."""
+        return {name: skip for name, skip in LightningCLI.subcommands().items() if name != "predict"}
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_lightning_class_args(RunRecorder, "recorder")
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """The trainer, printing and writing only what informs (``lit_ablate.terminal``).
+
+        Where the config leaves ``trainer.logger`` unset: fit logs CSV under ``default_root_dir``
+        (Lightning's own choice without TensorBoard, made explicit so it does not warn about it);
+        validate and test print their metrics and write nothing (no logger, no saved config), so
+        evaluating a checkpoint adds no ``lightning_logs/version_N`` beside the run that wrote it.
+        """
+        silence_noise()
+        trainer_args = {**self._get(self.config_init, "trainer", default={}), **kwargs}
+        configured = trainer_args.get("callbacks") or []
+        callbacks = list(configured) if isinstance(configured, list) else [configured]
+        if self.subcommand in ("validate", "test"):
+            self.save_config_callback = None
+            if trainer_args.get("logger") is None:
+                kwargs["logger"] = False
+        elif trainer_args.get("logger") is None:
+            kwargs["logger"] = CSVLogger(save_dir=trainer_args.get("default_root_dir") or os.getcwd())
+        kwargs.update(console_trainer_args(trainer_args, callbacks))
+        trainer = super().instantiate_trainer(**kwargs)
+        if isinstance(trainer.strategy, PipelineParallelStrategy) and not any(
+                isinstance(c, PipelineBubbleMonitor) for c in trainer.callbacks):
+            trainer.callbacks.append(PipelineBubbleMonitor())  # the bubble belongs in every pipeline run's record
+        return trainer
+
+    def _set_seed(self) -> None:
+        """Lightning's seeding without its "Seed set to N" log line: the seed is in the config and the
+        run record, and a config refused right after (``before_instantiate_classes``, a model shape)
+        would otherwise print two lines instead of its one."""
+        seed_log = logging.getLogger(SEED_LOGGER)
+        level = seed_log.level
+        seed_log.setLevel(logging.WARNING)
+        try:
+            super()._set_seed()
+        finally:
+            seed_log.setLevel(level)
+
+    def _parse_ckpt_path(self) -> None:
+        """Replaces LightningCLI's, which lets a checkpoint's hyper-parameters override the config's
+        model section without a word: here a checkpoint (file or sharded folder) whose model differs
+        from the config's is refused naming every differing key, and a matching one leaves the config
+        as parsed (``lit_ablate.checkpoint_model``)."""
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        check_ckpt_path(ckpt_path)
+        section = checkpoint_model_section(ckpt_path) if ckpt_path else None
+        if section is not None:
+            theirs = self.parser.parse_object({subcommand: {"model": section}}, self.config)[subcommand].model
+            check_same_model(self.config[subcommand].model.as_dict(), theirs.as_dict(), ckpt_path)
+
+    def before_instantiate_classes(self) -> None:
+        """Refuse a run this machine cannot start (far more CPU ranks than cores) before any rank launches,
+        and values or paths that cannot run (``check_run_config``) before anything is built."""
+        if self.subcommand is not None:
+            check_cpu_ranks(self.config[self.subcommand].trainer)
+            check_run_config(self.subcommand, self.config[self.subcommand])
+
+    def before_fit(self) -> None:
+        """The built parts' combination rules (``check_parts``), before the strategy starts any rank."""
+        check_parts(self.model, self.trainer.strategy)
+
+    def after_instantiate_classes(self) -> None:
+        self._dump_config()
+        for callback in self.trainer.callbacks:
+            if isinstance(callback, RunRecorder):
+                callback.resolved_config = self.config_dump
+
+
+def resolve_fit_config(args: list[str]) -> dict:
+    """The resolved config that ``lit-ablate fit <args>`` would run, without running anything."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*args.*sys.argv.*")  # intentional: args are explicit
+        LitAblateCLI(args=["fit", *args, "--print_config"])
+    return yaml.safe_load(out.getvalue())

@@ -1,0 +1,221 @@
+"""Attention backends, registered in transformers' attention interface and chosen by config.
+
+``ModelFactory(attn_implementation=NAME)`` builds any Hugging Face model with one of them; the
+model code is unchanged. Importing this module registers the names:
+
+- ``sdpa`` (transformers' own): padding mask; transformers itself detects packed batches from
+  ``position_ids``, but only when there is no KV cache (PLATFORM_NOTES trap 2). Runs everywhere.
+- ``sdpa_packed``: SDPA under a block-diagonal causal boolean mask built here from
+  ``position_ids`` (a document starts where the position is 0) and the padding mask. Runs and
+  trains everywhere, CPU included; independent of the cache.
+- ``flex``: ``flex_attention`` under a document ``BlockMask`` built once per forward. The
+  forward runs anywhere; training needs CUDA (CPU has no flex backward).
+- ``ring`` / ``allgather``: context-parallel attention over a sequence sharded across ranks
+  (``lit_ablate.models.attention.context_parallel``; ``ContextParallelStrategy`` selects them
+  during its steps). On one process they equal ``sdpa_packed``. Their block kernels: torch's SDPA
+  ops, flash-attn or flex (``block_kernels.BLOCK_KERNELS``, the strategy's ``cp_block_kernel``).
+- ``fa_varlen``: flash-attn's ``flash_attn_varlen_func`` over the flattened tokens, segments
+  from the batch's ``cu_seq_lens_q``/``max_length_q`` when given, else from ``position_ids``
+  (or from the padding mask). Needs CUDA and the flash-attn package.
+
+(Not ``flash_varlen``: transformers treats any implementation name containing "flash" as its
+own FlashAttention and tries to load a kernel by that name.) transformers' own
+``flash_attention_2``/``flash_attention_3`` are accepted too, on CUDA with their package.
+
+Choosing a backend that cannot train here is a ``ConfigError`` from ``check_attention_backend``
+at start-up, never a silent fallback to another kernel.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
+
+from lit_ablate.errors import ConfigError
+from lit_ablate.models.attention.block_kernels import flex_kernel
+from lit_ablate.models.attention.context_parallel import allgather_attention_backend, ring_attention_backend
+
+ATTENTION_KEY = "model.init_args.model.attn_implementation"
+TRANSFORMERS_BACKENDS = ("sdpa", "eager")
+TRANSFORMERS_FLASH_BACKENDS = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
+"""transformers' own FlashAttention integrations (they read packed documents from ``position_ids``)
+and the package each needs; CUDA only."""
+
+
+def document_ids(position_ids: Tensor) -> Tensor:
+    """Per token, the index of its document in the row: a document starts where the position is 0."""
+    return (position_ids == 0).cumsum(-1)
+
+
+def document_causal_mask(position_ids: Tensor | None, padding_mask: Tensor | None, batch: int, q_len: int, kv_len: int) -> Tensor:
+    """``[B, 1, Q, KV]`` boolean mask: causal, within one document, never onto padding.
+
+    Queries are the last ``q_len`` of ``kv_len`` positions (a KV cache while decoding). Documents
+    are split only when queries and keys are the same tokens (training, prefill). A query that
+    sees no key (left padding) sees itself, so SDPA stays finite where no label reads it.
+    """
+    device = position_ids.device if position_ids is not None else padding_mask.device if padding_mask is not None else None
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    k_pos = torch.arange(kv_len, device=device)[None, :]
+    mask = (k_pos <= q_pos).expand(batch, 1, q_len, kv_len)
+    if position_ids is not None and q_len == kv_len:
+        docs = document_ids(position_ids.expand(batch, -1))
+        mask = mask & (docs[:, None, :, None] == docs[:, None, None, :])
+    if padding_mask is not None:
+        mask = (mask & padding_mask[:, None, None, :].bool()) | (k_pos == q_pos)
+    return mask
+
+
+def sdpa_packed_attention(
+    module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+    dropout: float = 0.0, scaling: float | None = None, position_ids: Tensor | None = None,
+    sliding_window: int | None = None, **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """``[B, H, T, D]`` inputs -> ``[B, T, H, D]`` output, as transformers' attention interface expects."""
+    _no_sliding_window(sliding_window)
+    batch, q_len, kv_len = query.shape[0], query.shape[2], key.shape[2]
+    mask = document_causal_mask(position_ids, attention_mask, batch, q_len, kv_len)
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def flex_block_mask(
+    batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+    mask_function: Callable[..., Tensor] = causal_mask_function, attention_mask: Tensor | None = None,
+    device: torch.device | str = "cpu", **kwargs: Any,
+) -> Any:
+    """The ``BlockMask`` for one forward: transformers' mask function (causal, documents from
+    ``position_ids`` when packed) and the padding mask. Compiled on CUDA, eager elsewhere."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    padding = attention_mask.bool() if attention_mask is not None else None
+
+    def mask_mod(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        allowed = mask_function(b, h, q + q_offset, kv + kv_offset)
+        return allowed & padding[b, kv] if padding is not None else allowed
+
+    return create_block_mask(
+        mask_mod, batch_size, None, q_length, kv_length, device=device, _compile=torch.device(device).type == "cuda"
+    )
+
+
+def flex_document_attention(
+    module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
+    dropout: float = 0.0, scaling: float | None = None, sliding_window: int | None = None, **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """``flex_attention`` under the forward's ``BlockMask``; compiled once on CUDA (eager flex
+    materialises scores), eager on CPU where only the forward exists."""
+    _no_sliding_window(sliding_window)
+    if dropout:
+        raise ConfigError("model attention_dropout", dropout, "flex attention has no dropout; set attention_dropout: 0")
+    out = flex_kernel(query.device)(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def fa_varlen_attention(
+    module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+    dropout: float = 0.0, scaling: float | None = None, position_ids: Tensor | None = None,
+    sliding_window: int | None = None, cu_seq_lens_q: Tensor | None = None, max_length_q: int | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """flash-attn varlen over the batch's tokens flattened to ``[B*T, H, D]``: one segment per
+    document of a packed batch, or per row of a padded one (padding dropped before the kernel)."""
+    _no_sliding_window(sliding_window)
+    batch, heads, q_len, head_dim = query.shape
+    if key.shape[2] != q_len:
+        raise ValueError("fa_varlen is a training backend: no KV cache (generate with sdpa)")
+    q, k, v = (t.transpose(1, 2).reshape(batch * q_len, t.shape[1], head_dim) for t in (query, key, value))
+    keep = None
+    if attention_mask is not None and not bool(attention_mask.all()):
+        keep = attention_mask.reshape(-1).bool().nonzero().squeeze(1)
+        q, k, v = q[keep], k[keep], v[keep]
+        lengths = attention_mask.sum(-1)
+        cu_seqlens, max_seqlen = F.pad(lengths.cumsum(0), (1, 0)).int(), int(lengths.max())
+    elif cu_seq_lens_q is not None:
+        cu_seqlens, max_seqlen = cu_seq_lens_q.int(), int(max_length_q)
+    else:
+        cu_seqlens, max_seqlen = cu_seqlens_from_position_ids(_row_positions(position_ids, batch, q_len, query.device))
+    out = varlen_kernel()(
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p=dropout, softmax_scale=scaling, causal=True
+    )
+    if keep is not None:
+        out = out.new_zeros(batch * q_len, heads, head_dim).index_copy_(0, keep, out)
+    return out.reshape(batch, q_len, heads, head_dim), None
+
+
+def cu_seqlens_from_position_ids(position_ids: Tensor) -> tuple[Tensor, int]:
+    """``(cu_seqlens int32 [n_docs+1], max_seqlen)`` over the flattened ``[B, T]`` positions
+    (one host sync: pass ``cu_seq_lens_q``/``max_length_q`` from the batch to avoid it)."""
+    flat = position_ids.reshape(-1)
+    starts = (flat == 0).nonzero().squeeze(1)
+    cu_seqlens = torch.cat([starts, starts.new_tensor([flat.numel()])]).int()
+    return cu_seqlens, int(cu_seqlens.diff().max())
+
+
+def varlen_kernel() -> Callable[..., Tensor]:
+    """flash-attn's varlen function (imported lazily: the package exists only on CUDA machines)."""
+    from flash_attn import flash_attn_varlen_func
+
+    return flash_attn_varlen_func
+
+
+def _row_positions(position_ids: Tensor | None, batch: int, length: int, device: torch.device) -> Tensor:
+    if position_ids is None:
+        return torch.arange(length, device=device).expand(batch, length)
+    return position_ids.expand(batch, length)
+
+
+def _passthrough_padding_mask(attention_mask: Tensor | None = None, **kwargs: Any) -> Tensor | None:
+    """The 2D padding mask, handed to every layer unchanged: the backend builds its own mask."""
+    return attention_mask
+
+
+def _no_sliding_window(sliding_window: int | None) -> None:
+    if sliding_window:
+        raise ConfigError(ATTENTION_KEY, sliding_window, "this backend has no sliding window; use sdpa for such models")
+
+
+BACKENDS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
+    "sdpa_packed": (sdpa_packed_attention, _passthrough_padding_mask),
+    "flex": (flex_document_attention, flex_block_mask),
+    "fa_varlen": (fa_varlen_attention, _passthrough_padding_mask),
+    "ring": (ring_attention_backend, _passthrough_padding_mask),
+    "allgather": (allgather_attention_backend, _passthrough_padding_mask),
+}
+"""Our backends: name -> (attention function, the once-per-forward mask function)."""
+
+for _name, (_attention, _mask) in BACKENDS.items():
+    AttentionInterface.register(_name, _attention)
+    AttentionMaskInterface.register(_name, _mask)
+
+
+def check_attention_backend(name: str, training: bool) -> None:
+    """Start-up check: raises ``ConfigError`` (reason and fix) if ``name`` cannot run here.
+
+    The ablation runner calls it to mark such variants ``skipped``; the module calls it before
+    building the model, so a run never falls back to another kernel silently.
+    """
+    known = (*TRANSFORMERS_BACKENDS, *BACKENDS, *TRANSFORMERS_FLASH_BACKENDS)
+    if name not in known:
+        reserved = " (transformers reserves names containing 'flash' for its own kernels: use fa_varlen)" if "flash" in name else ""
+        raise ConfigError(ATTENTION_KEY, name, f"choose one of {list(known)}{reserved}")
+    if name == "fa_varlen" and not (torch.cuda.is_available() and importlib.util.find_spec("flash_attn")):
+        raise ConfigError(
+            ATTENTION_KEY, name, "flash-attn varlen needs CUDA and the flash-attn package (pip install 'lit-ablate[gpu]'); "
+            "on CPU use sdpa_packed",
+        )
+    package = TRANSFORMERS_FLASH_BACKENDS.get(name)
+    if package and not (torch.cuda.is_available() and importlib.util.find_spec(package)):
+        raise ConfigError(ATTENTION_KEY, name, f"transformers' {name} needs CUDA and the {package} package; "
+                          "on CPU use sdpa_packed")
+    if name == "flex" and training and not torch.cuda.is_available():
+        raise ConfigError(ATTENTION_KEY, name, "flex attention trains only on CUDA (CPU has its forward only); use sdpa_packed")

@@ -1,0 +1,265 @@
+"""Cross-entropy backends behind one contract, chosen by config (``model.init_args.loss``).
+
+Every backend takes the final hidden states, the LM-head weight (and bias) and labels that are
+already shifted (``labels[i]`` is the target of position ``i``, ``-100`` = no loss), and returns the
+**sum** of per-token cross-entropy over the counted labels as an fp32 scalar. The caller divides
+by the number of useful tokens, so all backends normalise the same way and an ablation compares
+only the kernel. A fused backend never materialises the ``[tokens, vocab]`` logits.
+
+Every backend takes ``z_loss_weight`` (default 0): it adds ``z_loss_weight * logsumexp(logits)^2``
+per counted token to the returned sum (PaLM's z-loss, which keeps the softmax normaliser near 1).
+``cce`` accepts only 0: Cut Cross-Entropy does not expose the log-sum-exp.
+
+Options reach a backend as ``loss_backend(name, **options)`` (the module's ``loss_options``);
+unknown options, bad values and names raise ``ConfigError`` naming the key.
+
+``liger`` and ``cce`` import fine on a CPU machine and fail at their first kernel, so they are
+gated on ``torch.cuda.is_available()`` when they are built, unless ``LIT_ABLATE_TRITON_INTERPRET=1``
+runs their kernels through Triton's interpreter (``lit_ablate.models.losses.triton_interpreter``; fp32 /
+fp16 only): call ``check_loss_backend`` at start-up (the ablation runner does, to mark variants
+that cannot run here ``skipped``). lit-ablate patches no Liger kernels into models (only the
+``liger`` loss backend uses Liger), so CCE can never run beside a Liger loss kernel.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lit_ablate.errors import ConfigError
+from lit_ablate.models.losses import triton_interpreter
+from lit_ablate.models.losses.chunked_cross_entropy import IGNORE_INDEX, chunked_linear_cross_entropy
+
+LOSS_KEY = "model.init_args.loss"
+OPTIONS_KEY = "model.init_args.loss_options"
+GPU_EXTRA_FIX = "pip install 'lit-ablate[gpu]' on a CUDA machine"
+DTYPE_KEY = "model.init_args.model.dtype"
+
+
+class LossBackend(Protocol):
+    """``(hidden [N, H], weight [V, H], labels [N], bias [V] | None) -> fp32 scalar sum``."""
+
+    def __call__(self, hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None = None) -> Tensor: ...
+
+
+def _check_z_loss_weight(z_loss_weight: float) -> None:
+    if z_loss_weight < 0:
+        raise ConfigError(f"{OPTIONS_KEY}.z_loss_weight", z_loss_weight,
+                          "use 0 (off) or a small positive weight such as 1e-4")
+
+
+def _require_kernel_package(backend: str, module: str, cpu_alternative: str) -> None:
+    """The fused Triton backends need their package and a CUDA device, or the interpreter opt-in."""
+    interpreted = triton_interpreter.requested()
+    if importlib.util.find_spec(module) is None:
+        fix = triton_interpreter.INSTALL_FIX if interpreted else GPU_EXTRA_FIX
+        raise ConfigError(LOSS_KEY, backend, f"the '{module}' package is not installed: {fix}")
+    if interpreted:
+        triton_interpreter.enable(module)
+    elif not torch.cuda.is_available():
+        raise ConfigError(LOSS_KEY, backend,
+                          f"{backend} needs CUDA (its Triton kernels fail on CPU); {cpu_alternative}; or set "
+                          f"{triton_interpreter.OPT_IN_ENV}=1 to run its kernels through Triton's interpreter "
+                          f"(tiny shapes, fp32/fp16; {triton_interpreter.INSTALL_FIX})")
+
+
+@dataclass(frozen=True)
+class TorchCrossEntropy:
+    """The reference: full ``[tokens, vocab]`` logits, then ``F.cross_entropy`` in fp32.
+
+    Choose it as the baseline every other backend is compared with, or when tokens x vocab is
+    small; its memory grows with tokens x vocab (several fp32 copies in forward and backward).
+    """
+
+    z_loss_weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_z_loss_weight(self.z_loss_weight)
+
+    def __call__(self, hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None = None) -> Tensor:
+        logits = F.linear(hidden, weight, bias).float()
+        loss = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        if self.z_loss_weight:
+            lse = torch.logsumexp(logits, dim=-1)
+            loss = loss + self.z_loss_weight * torch.where(labels != IGNORE_INDEX, lse.square(), 0.0).sum()
+        return loss
+
+
+@dataclass(frozen=True)
+class ChunkedCrossEntropy:
+    """Pure-torch linear + cross-entropy over token chunks; never holds ``[tokens, vocab]`` logits.
+
+    Choose it to cut loss memory on any device (CPU included) without extra packages. Matches
+    ``torch`` to fp32 rounding. Peak extra memory is about ``chunk_tokens x chunk_vocab x 4``
+    bytes, plus an fp32 weight-gradient accumulator (``vocab x hidden x 4``) when the weights are
+    bf16. See ``lit_ablate.models.losses.chunked_cross_entropy`` for the algorithm.
+
+    Args:
+        chunk_tokens: tokens per chunk; smaller saves memory, larger runs bigger (faster) matmuls.
+        chunk_vocab: also split the vocabulary into chunks of this many columns (None: whole
+            vocabulary); for very large vocabularies. Costs one more logits matmul per chunk.
+        z_loss_weight: weight of ``logsumexp^2`` per counted token, added to the sum.
+        grad_in_forward: form the gradients while the forward's chunk logits exist (as Liger
+            does: as many matmuls as torch); false recomputes the logits in the backward (one
+            more matmul per chunk, but only the ``[tokens]`` log-sum-exp is kept in between, and
+            backward with ``retain_graph`` works).
+    """
+
+    chunk_tokens: int = 1024
+    chunk_vocab: int | None = None
+    z_loss_weight: float = 0.0
+    grad_in_forward: bool = True
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens < 1:
+            raise ConfigError(f"{OPTIONS_KEY}.chunk_tokens", self.chunk_tokens,
+                              "use a positive number of tokens, e.g. 1024")
+        if self.chunk_vocab is not None and self.chunk_vocab < 1:
+            raise ConfigError(f"{OPTIONS_KEY}.chunk_vocab", self.chunk_vocab, "use a positive column count or null")
+        _check_z_loss_weight(self.z_loss_weight)
+
+    def __call__(self, hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None = None) -> Tensor:
+        return chunked_linear_cross_entropy(hidden, weight, labels, bias, self.chunk_tokens, self.chunk_vocab,
+                                            self.z_loss_weight, self.grad_in_forward)
+
+
+@dataclass(frozen=True)
+class LigerFusedLinearCrossEntropy:
+    """Liger-Kernel's fused linear cross-entropy (Triton; CUDA, or interpreted on CPU).
+
+    Choose it on GPUs to compare with ``chunked`` and ``cce``: it chunks tokens and computes the
+    gradients during the forward. ``z_loss_weight`` maps to Liger's ``lse_square_scale``.
+    """
+
+    z_loss_weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_z_loss_weight(self.z_loss_weight)
+        _require_kernel_package("liger", "liger_kernel", "use 'chunked' for a memory-efficient loss on CPU")
+
+    def check_compute_dtype(self, dtype: torch.dtype, training: bool = True) -> None:
+        """Refuse bf16 under the interpreter (silently wrong there)."""
+        if triton_interpreter.requested():
+            triton_interpreter.refuse_bf16(dtype)
+
+    def __call__(self, hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None = None) -> Tensor:
+        self.check_compute_dtype(hidden.dtype)
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        return liger_fused_linear_cross_entropy(
+            hidden, weight, labels, bias, ignore_index=IGNORE_INDEX,
+            lse_square_scale=self.z_loss_weight, reduction="sum",
+        ).float()
+
+
+@dataclass(frozen=True)
+class CutCrossEntropy:
+    """Apple's Cut Cross-Entropy: logits are formed block by block in on-chip memory only.
+
+    Choose it on GPUs for the smallest loss memory. ``impl="cce"`` is the Triton kernel (CUDA, or
+    interpreted on CPU); its backward takes only fp16/bf16 hidden states, so training in float32
+    is refused. ``impl="torch_compile"`` is CCE's compiled reference, which also runs on CPU.
+    ``filter_eps`` skips gradient blocks whose softmax is below it ("high", "auto", a float, or
+    None for exact gradients). CCE does not return the log-sum-exp, so z-loss is not available.
+    """
+
+    impl: str = "cce"
+    filter_eps: float | str | None = "high"
+    z_loss_weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.impl not in ("cce", "torch_compile"):
+            raise ConfigError(f"{OPTIONS_KEY}.impl", self.impl, "use 'cce' (CUDA) or 'torch_compile'")
+        if self.z_loss_weight:
+            raise ConfigError(f"{OPTIONS_KEY}.z_loss_weight", self.z_loss_weight,
+                              "cce does not expose the log-sum-exp: use 0, or the chunked/liger/torch backend")
+        if self.impl == "cce":
+            _require_kernel_package("cce", "cut_cross_entropy",
+                                    "use 'chunked', or loss_options impl: torch_compile for CCE's CPU reference")
+        elif importlib.util.find_spec("cut_cross_entropy") is None:
+            raise ConfigError(LOSS_KEY, "cce", "the 'cut_cross_entropy' package is not installed: "
+                              "pip install 'lit-ablate[gpu]'")
+
+    def __call__(self, hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None = None) -> Tensor:
+        self.check_compute_dtype(hidden.dtype, training=hidden.requires_grad or weight.requires_grad)
+        from cut_cross_entropy import linear_cross_entropy
+
+        bias_kwargs = {}
+        if bias is not None:
+            if "bias" not in inspect.signature(linear_cross_entropy).parameters:
+                raise ConfigError(LOSS_KEY, "cce", "the installed cut-cross-entropy takes no LM-head bias; "
+                                  "use chunked or torch for a model whose lm_head has a bias")
+            bias_kwargs["bias"] = bias
+        return linear_cross_entropy(
+            hidden, weight, labels, ignore_index=IGNORE_INDEX, reduction="sum",
+            filter_eps=self.filter_eps, impl=self.impl, **bias_kwargs,
+        ).float()
+
+    @property
+    def uses_torch_compile(self) -> bool:
+        """CCE compiles its vocabulary sort (backward, with ``filter_eps``) or all of it (``torch_compile``):
+        torch refuses that under a dispatch mode such as ``MemoryMonitor``'s tensor tracker."""
+        return self.impl == "torch_compile" or self.filter_eps is not None
+
+    def check_compute_dtype(self, dtype: torch.dtype, training: bool = True) -> None:
+        """The Triton kernel: bf16 is refused under the interpreter, and training in float32 always
+        (CCE's backward asserts fp16/bf16 hidden states, cut-cross-entropy 25.1)."""
+        if self.impl != "cce":
+            return
+        if triton_interpreter.requested():
+            triton_interpreter.refuse_bf16(dtype)
+        if dtype == torch.float32 and training:
+            raise ConfigError(DTYPE_KEY, "float32", "cce's Triton backward takes only float16/bfloat16 hidden states: "
+                              "use bfloat16 (CUDA) or float16, or loss_options impl: torch_compile for float32")
+
+
+LOSS_BACKENDS: dict[str, type[LossBackend]] = {
+    "torch": TorchCrossEntropy,
+    "chunked": ChunkedCrossEntropy,
+    "liger": LigerFusedLinearCrossEntropy,
+    "cce": CutCrossEntropy,
+}
+
+
+def loss_backend(name: str, **options: Any) -> LossBackend:
+    """Build backend ``name`` with its options; unknown names, options or values raise ConfigError.
+
+    Building also checks the backend can run here (``liger``/``cce`` need CUDA and their package).
+    """
+    return build_named(LOSS_BACKENDS, name, options, key=LOSS_KEY, options_key=OPTIONS_KEY)
+
+
+def build_named(registry: dict[str, Any], name: str, options: dict[str, Any], *, key: str, options_key: str,
+                other_choices: tuple[str, ...] = ()) -> Any:
+    """``registry[name](**options)``, or a ``ConfigError`` naming ``key`` for an unknown name (listing
+    the registry and ``other_choices``, names the caller serves elsewhere) or ``options_key`` for an
+    option the class does not take, before any constructor runs."""
+    if name not in registry:
+        raise ConfigError(key, name, f"choose one of {sorted(registry) + list(other_choices)}")
+    backend = registry[name]
+    accepted = inspect.signature(backend).parameters
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ConfigError(options_key, options, f"'{name}' takes no option {unknown}; it takes {sorted(accepted)}")
+    return backend(**options)
+
+
+def check_loss_backend(name: str, compute_dtype: str | None = None, **options: Any) -> None:
+    """Start-up check: raises ConfigError (with the reason and fix) if ``name`` cannot run here.
+
+    ``compute_dtype`` (``float32`` / ``float16`` / ``bfloat16``: the dtype the hidden states will
+    have) also refuses what only fails at the first step: bf16 under the interpreter, cce's kernel
+    training in float32. The ablation runner's compatibility registry calls it to mark variants
+    that cannot run here ``skipped``; it builds nothing heavy.
+    """
+    backend = loss_backend(name, **options)
+    check_dtype = getattr(backend, "check_compute_dtype", None)
+    if check_dtype is not None and compute_dtype is not None:
+        check_dtype(getattr(torch, compute_dtype))
+

@@ -1,0 +1,97 @@
+"""One line from a jsonargparse error: the dotted key, the value and what to do, never the parser's dump."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import re
+
+_CONFIG_ERROR_LINE = re.compile(r"^\s*-?\s*([\w.\[\]/-]+=.*?: .+)$", re.MULTILINE)
+_PARSER_KEY = re.compile(r'^Parser key "([^"]+)":\s*(.*)$')
+_CLASS_PATH = re.compile(r"^Problem with given class_path '([^']+)':$")
+_EXPECTED = re.compile(r"^Expected an? (.+?)(?:\. Got value: (.*))?$")
+_GIVEN_VALUE = re.compile(r"^\s*Given value: (?!NestedArg\()(.*)$", re.MULTILINE)
+_NOT_ACCEPTED = re.compile(r"^Option '([^']+)' is not accepted$")
+_UNRECOGNIZED = re.compile(r"^unrecognized arguments: --([^\s=]+)(?:[=\s]+(\S*))?")
+_IMPORT_PROBLEMS = ("has no attribute", "No module named", "cannot import", "Import failed")
+_NOT_A_PROBLEM = ("Does not validate against", "Subtypes:", "Errors:", "Given value", "Expected a path but")
+"""jsonargparse's bookkeeping lines, and the "maybe it is a config file path" alternative it always tries."""
+
+
+def concise_error(message: str) -> str:
+    """One line from a jsonargparse error: our ConfigError text if it is inside, else the full
+    dotted key (``data.init_args.batch_size``) and its problem in words: the expected type and the
+    value, an unknown key with the closest known one, or a class_path that does not import.
+    jsonargparse nests one block per class and lists every Union alternative it tried; the
+    problem is the first line under the innermost key (of the class_path alternative, if any)."""
+    if found := _CONFIG_ERROR_LINE.search(message):
+        return found.group(1).strip()
+    if message.startswith("Problems parsing config"):
+        where = re.sub(r'\s*in "<unicode string>",', "", " ".join(message.split(":", 1)[1].split()))
+        return f"--config: not valid YAML ({where}); fix the file"
+    keys, class_path, problem = _innermost_problem(message)
+    if problem is None:
+        return " ".join(line.strip() for line in message.strip().splitlines()[:3])
+    key = ".".join(keys)
+    if expected := _EXPECTED.match(problem):
+        value = expected.group(2) if expected.group(2) is not None else (given := _GIVEN_VALUE.search(message)) and given.group(1)
+        return f"{key}{f'={value!r}' if value else ''}: expected {_type_name(expected.group(1))}"
+    if unknown := _NOT_ACCEPTED.match(problem):
+        return f"{key}.{unknown.group(1)}: {_unknown_key_fix(unknown.group(1), class_path)}"
+    if unknown := _UNRECOGNIZED.match(problem):
+        name = ".".join([*keys, unknown.group(1)])
+        value = f"={unknown.group(2)!r}" if unknown.group(2) else ""
+        return f"{name}{value}: {_unknown_key_fix(unknown.group(1), class_path)}"
+    if class_path and any(p in problem for p in _IMPORT_PROBLEMS):
+        return f"{'.'.join(keys[:-1])}: cannot import {class_path!r} ({problem}); check the class_path"
+    if keys == ["config"] and "does not exist" in problem:
+        return f"--config: {problem}; give the path of a YAML config"
+    return f"{key}: {problem}" if key else problem
+
+
+def _innermost_problem(message: str) -> tuple[list[str], str | None, str | None]:
+    """``(dotted key parts, innermost class_path, first problem line)`` of a jsonargparse error."""
+    keys: list[str] = []
+    class_path = None
+    has_class_path = "Problem with given class_path" in message
+    for raw in message.splitlines():
+        line = raw.strip().removeprefix("- ").strip()
+        if not line:
+            continue
+        if parser_key := _PARSER_KEY.match(line):
+            keys.append(parser_key.group(1))
+            if parser_key.group(2):
+                return keys, class_path, parser_key.group(2)
+        elif problem := _CLASS_PATH.match(line):
+            class_path = problem.group(1)
+            keys.append("init_args")
+        elif not (line.startswith(_NOT_A_PROBLEM) or (has_class_path and class_path is None)):
+            return keys, class_path, line
+    return keys, class_path, None
+
+
+def _type_name(expected: str) -> str:
+    """jsonargparse's type text in a user's words: ``<class 'int'>`` -> ``int``, a Literal -> its choices."""
+    expected = re.sub(r"<class '(?:builtins\.)?([\w.]+)'>", r"\1", expected)
+    if literal := re.fullmatch(r"typing\.Literal\[(.*)\]", expected):
+        return f"one of [{literal.group(1)}]"
+    return expected
+
+
+def _unknown_key_fix(name: str, class_path: str | None) -> str:
+    """What to do about an unknown key: the closest parameter of its class, or where keys are listed."""
+    import difflib
+    import inspect
+
+    known: list[str] = []
+    class_path = class_path or ("lightning.pytorch.Trainer" if name.startswith("trainer.") else None)
+    if class_path:
+        module, _, attribute = class_path.rpartition(".")
+        with contextlib.suppress(ImportError, AttributeError, ValueError, TypeError):  # only a hint: the key is unknown anyway
+            known = [p for p in inspect.signature(getattr(importlib.import_module(module), attribute)).parameters
+                     if p not in ("self", "args", "kwargs")]
+    close = difflib.get_close_matches(name.split(".")[-1], known, n=1)
+    where = f"not a parameter of {class_path}" if class_path else "unknown key"
+    if close:
+        return f"{where}; did you mean {close[0]}?"
+    return f"{where}; its parameters are {known}" if known else f"{where}; `lit-ablate fit --help` lists the keys"

@@ -1,0 +1,145 @@
+"""The house keeps DESIGN.md's layers: every import points down, and no module imports itself back.
+
+Layers, top to bottom (a module may import its own layer and the layers below it):
+
+- ``cli``, ``commands/``: the ``lit-ablate`` commands;
+- ``ablation/``: study spec, plan, runner, report;
+- ``fit_cli``: the LightningCLI of ``fit``/``validate``/``test`` (studies resolve their configs through it);
+- ``compatibility``, ``preflight``, ``checkpoint_model``: rules and checks over a run's parts;
+- ``modules/``: the LightningModules;
+- ``callbacks/``: measurement (they read FLOPs and peaks from ``estimate/``);
+- ``estimate/``: the analytic model (its memory model reads how strategies shard);
+- ``strategies/``;
+- ``data/``;
+- ``models/``;
+- the ground floor: ``errors``, ``record``, ``terminal``, ``import_warnings``, ``config_keys``,
+  ``path_checks``, ``parse_errors``, ``command_table``.
+
+Imports under ``if TYPE_CHECKING:`` are annotations only and never run, so they do not count.
+Seen failing on the circles and upward imports the house had (``ablation.plan`` -> ``cli``,
+``models.fp8`` <-> ``models.fp8_grouped_experts``, ``callbacks.preference_metrics`` -> ``modules.dpo``).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).parents[1] / "lit_ablate"
+GROUND = ("errors", "record", "terminal", "import_warnings", "config_keys", "path_checks", "parse_errors",
+          "command_table")
+LAYERS: list[tuple[str, ...]] = [  # bottom first
+    tuple(f"lit_ablate.{name}" for name in GROUND),
+    ("lit_ablate.models",),
+    ("lit_ablate.data",),
+    ("lit_ablate.strategies",),
+    ("lit_ablate.estimate",),
+    ("lit_ablate.callbacks",),
+    ("lit_ablate.modules",),
+    ("lit_ablate.compatibility", "lit_ablate.preflight", "lit_ablate.checkpoint_model"),
+    ("lit_ablate.fit_cli",),
+    ("lit_ablate.ablation",),
+    ("lit_ablate.cli", "lit_ablate.commands"),
+]
+ALLOWED_UPWARD: dict[tuple[str, str], str] = {
+    ("lit_ablate", "lit_ablate.models.losses.triton_interpreter"):
+        "the package's __init__ must opt Triton into its interpreter before anything imports triton, "
+        "so it runs that one switch of the losses' interpreter module first",
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer_of(module: str) -> int:
+    if module == "lit_ablate":
+        return 0
+    for rank, prefixes in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return rank
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS in {__file__}")
+
+
+def _type_checking_nodes(tree: ast.Module) -> set[ast.AST]:
+    skipped: set[ast.AST] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(ast.walk(node))
+    return skipped
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every ``lit_ablate`` module ``path`` imports, at the top or inside a function (a submodule named
+    by ``from package import name`` counts as that submodule)."""
+    tree = ast.parse(path.read_text())
+    skipped = _type_checking_nodes(tree)
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if node in skipped:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lit_ablate"):
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                is_module = (PACKAGE.parent / (sub.replace(".", "/") + ".py")).exists() or (
+                    PACKAGE.parent / sub.replace(".", "/")).is_dir()
+                found.add(sub if is_module else node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.startswith("lit_ablate"))
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    return {module_name(p): imports_of(p) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def test_every_import_points_down_or_across():
+    upward = [f"{a} (layer {layer_of(a)}) imports {b} (layer {layer_of(b)})"
+              for a, targets in import_graph().items() for b in sorted(targets)
+              if layer_of(b) > layer_of(a) and (a, b) not in ALLOWED_UPWARD]
+    assert not upward, "imports that run back up the layers:\n" + "\n".join(upward)
+
+
+def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle between modules (a package's ``__init__`` re-exporting its own modules is not one)."""
+    def own_init(a: str, b: str) -> bool:
+        return b.startswith(a + ".")
+
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if own_init(node, nxt) or nxt not in graph:
+                continue
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (circle := visit(nxt)):
+                return circle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (circle := visit(start)):
+            return circle
+    return None
+
+
+def test_no_import_circles():
+    circle = find_circle(import_graph())
+    assert circle is None, "import circle: " + " -> ".join(circle)
+
+
+@pytest.mark.parametrize(("graph", "circle"), [
+    ({"a": {"b"}, "b": {"a"}}, True),
+    ({"a": {"b"}, "b": {"c"}, "c": set()}, False),
+    ({"p": {"p.x"}, "p.x": set()}, False),
+])
+def test_the_circle_finder_finds_circles(graph, circle):
+    assert (find_circle(graph) is not None) is circle
