@@ -31,8 +31,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from lit_ablate import record as run_record
 from lit_ablate.ablation.plan import PlannedRun, config_text
-from lit_ablate.ablation.run_folder_lock import run_lock
-from lit_ablate.ablation.runner import (
+from lit_ablate.ablation.run_folder import (
     FAILED_STATUSES,
     finalise,
     fit_arguments,
@@ -42,6 +41,7 @@ from lit_ablate.ablation.runner import (
     run_environment,
     stderr_tail,
 )  # fmt: skip
+from lit_ablate.ablation.run_folder_lock import run_lock
 from lit_ablate.ablation.slurm_settings import SlurmSettings
 from lit_ablate.errors import ConfigError
 

@@ -1,0 +1,148 @@
+"""A run's folder, whoever runs it (this machine's runner or a scheduler's job): what is written
+before the run starts (its config; the record of a run that cannot start), what its ``lit-ablate
+fit`` process gets, and the final record after it ends.
+
+A run's own ``RunRecorder`` writes ``run.json`` while it runs; ``finalise`` completes it with what
+only a launcher knows (exit code, timeout, skip, the stderr tail) and decides the status from the
+exit code and the record, the same way for every executor, so the report cannot tell where a run ran.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lit_ablate
+from lit_ablate import record as run_record
+from lit_ablate.ablation.plan import PlannedRun, config_text, write_config
+
+DONE_STATUSES = ("ok", "error", "oom", "timeout")
+"""A run with one of these is not launched again on resume."""
+FAILED_STATUSES = ("error", "oom", "timeout")
+"""Redone on resume only with ``retry_failed``."""
+RUNNER_STATUSES = ("timeout", "skipped", "interrupted", "preempted")
+"""Statuses only the runner writes (a run cannot know it was skipped, timed out, interrupted or
+pre-empted by a scheduler). ``interrupted`` and ``preempted`` runs are redone on resume."""
+OOM_PATTERN = re.compile(r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory|HIP out of memory")
+STDERR_TAIL_LINES = 40
+
+
+def prepare(run: PlannedRun) -> dict[str, Any] | None:
+    """Clear what an earlier attempt left and write the run's config; a run that cannot start
+    (skipped or invalid) gets its final record here, which is returned."""
+    _clear(run)
+    write_config(run.run_dir / "config.yaml", run.config)
+    if run.skip_reason or run.invalid:
+        (run.run_dir / "stderr.log").write_text((run.invalid or "") + "\n")
+        status, message = ("skipped", run.skip_reason) if run.skip_reason else ("error", run.invalid)
+        return finalise(run, None, status, message, run.invalid or "")
+    return None
+
+
+def run_environment(run: PlannedRun) -> dict[str, str]:
+    """What the run's fit process gets on top of the runner's environment (where it records, as
+    which variant, and this runner's ``lit_ablate`` package first on its path)."""
+    return {
+        run_record.RECORD_PATH_ENV: str(run.run_dir / run_record.RECORD_FILENAME),
+        run_record.VARIANT_ENV: run.variant.name,
+        "PYTHONPATH": os.pathsep.join(filter(None, [_package_root(), os.environ.get("PYTHONPATH")])),
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def fit_arguments(run: PlannedRun, fit_command: Sequence[str]) -> list[str]:
+    return [*fit_command, "--config", str(run.run_dir / "config.yaml")]
+
+
+def finalise(
+    run: PlannedRun, returncode: int | None, status: str | None, message: str | None, tail: str
+) -> dict[str, Any]:
+    """The run's final record: the run's own, completed with what only the runner knows.
+
+    ``status`` given: the runner decided it (skipped/timeout/interrupted/invalid). Otherwise the
+    exit code and the run's record decide: exit 0 with an ``ok`` record is ``ok``; ``oom`` when
+    the record or stderr shows an out-of-memory error; ``interrupted`` (redone on resume) when a
+    signal from outside killed the run before it recorded an outcome; else ``error``.
+    """
+    own = _read(run.run_dir / run_record.RECORD_FILENAME)
+    record = own or {
+        "schema_version": run_record.SCHEMA_VERSION, "config": run.config, "environment": {},
+        "warmup_steps": 0, "fallbacks": [], "steps": [],
+        "summary": {**run_record.summarize_steps([], 0), "memory_method": None},
+    }  # fmt: skip
+    summary = record["summary"]
+    if status is None:
+        recorded = summary.get("status")
+        if returncode == 0 and recorded == "ok":
+            status = "ok"
+        elif recorded == "oom" or OOM_PATTERN.search(tail):
+            status = "oom"
+        elif returncode is not None and returncode < 0 and recorded in (None, "running"):
+            status, message = "interrupted", f"killed by {signal.Signals(-returncode).name}; redone on resume"
+        else:
+            status = "error"
+        if status in ("error", "oom"):
+            message = (recorded in FAILED_STATUSES and summary.get("message")) or _last_line(tail)
+            if returncode == 0:
+                message = f"exited 0 without finishing its run record ({message})"
+            message = message or f"exit code {returncode}"
+    record.update(variant=run.variant.name, seed=run.seed)
+    summary.update(status=status, message=message, returncode=returncode,
+                   stderr_tail=None if status == "ok" else tail)  # fmt: skip
+    run_record.write_record(run.run_dir / run_record.RECORD_FILENAME, record)
+    return record
+
+
+def previous_record(run: PlannedRun) -> dict[str, Any] | None:
+    """The record of an earlier invocation of this exact run (same config), if there is one."""
+    config = run.run_dir / "config.yaml"
+    if not config.is_file() or config.read_text() != config_text(run.config):
+        return None
+    return _read(run.run_dir / run_record.RECORD_FILENAME)
+
+
+def is_kept(record: dict[str, Any], run: PlannedRun, retry_failed: bool) -> bool:
+    """Finished records stay, except failures asked to be retried or that a rule now explains (skipped)."""
+    status = record.get("summary", {}).get("status")
+    if status in FAILED_STATUSES and (retry_failed or run.skip_reason):
+        return False
+    return status in DONE_STATUSES
+
+
+def _clear(run: PlannedRun) -> None:
+    """Remove what an earlier attempt of this run left, so its record cannot be mistaken for this one's."""
+    run.run_dir.mkdir(parents=True, exist_ok=True)
+    (run.run_dir / run_record.RECORD_FILENAME).unlink(missing_ok=True)
+    trainer_dir = Path(run.config.get("trainer", {}).get("default_root_dir", run.run_dir / "trainer"))
+    if trainer_dir.is_dir() and trainer_dir.resolve().is_relative_to(run.run_dir.resolve()):
+        shutil.rmtree(trainer_dir)
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    try:
+        return run_record.read_record(path)
+    except ValueError:  # a truncated or foreign file: treated as no record (json errors are ValueErrors)
+        return None
+
+
+def stderr_tail(run: PlannedRun) -> str:
+    path = run.run_dir / "stderr.log"
+    lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
+    return "\n".join(lines[-STDERR_TAIL_LINES:])
+
+
+def _last_line(text: str) -> str | None:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1][:2000] if lines else None
+
+
+def _package_root() -> str:
+    """The folder holding the ``lit_ablate`` package this runner imported (the child imports the same)."""
+    return str(Path(lit_ablate.__file__).resolve().parent.parent)
