@@ -7,13 +7,17 @@ Python), and registering its enums with torch's pytree makes torch log a depreca
 enum. Its optimizers use neither; on stderr they would turn every one-line refusal of a bad config
 into five lines. bitsandbytes (imported by peft) warns on every CPU import that an optional kernel
 package is missing ("Failed to load CPU gemm_4bit_forward from kernels-community"), which changes
-nothing here (its own CPU kernels run). Only those exact messages are filtered; everything else these
-libraries log stays.
+nothing here (its own CPU kernels run). Lightning warns on every run started on a machine where
+SLURM's ``srun`` is on PATH but not used (a login node, or any host with SLURM's client installed):
+a ``lit-ablate fit`` started there is a local run by intent, a study's SLURM jobs start their ranks
+with ``srun`` (``launch.executor: slurm``), and the two-line warning broke the one-line error.
+Only those exact messages are filtered; everything else these libraries log stays.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 
 
 def _not_torchao_extension_load(record: logging.LogRecord) -> bool:
@@ -36,3 +40,6 @@ def _not_bitsandbytes_kernel_package(record: logging.LogRecord) -> bool:
 
 
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_not_bitsandbytes_kernel_package)
+
+
+warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")

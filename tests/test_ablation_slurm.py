@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
 import sys
 from pathlib import Path
 
@@ -199,3 +200,27 @@ def test_ctrl_c_asks_whether_to_cancel_the_submitted_jobs(tmp_path: Path, fake_f
         assert cancelled == []
         run_study(spec, out, fake_fit, fake_resolve, wait=False)
         assert sorted(submitted(fake_slurm)) == ["1001", "1002"], "left running: collected, not resubmitted"
+
+
+def test_a_login_node_with_srun_on_path_still_prints_one_line(tmp_path: Path):
+    """On a host with SLURM's client (any ``srun`` on PATH), a bad input is still one line on stderr:
+    Lightning's "The `srun` command is available on your system but is not used" warning, printed
+    on every run there, is filtered (``lit_ablate.import_warnings``). Seen failing (two lines)
+    without the filter."""
+    (tmp_path / "bin").mkdir()
+    srun = tmp_path / "bin" / "srun"
+    srun.write_text("#!/bin/sh\nexit 1\n")
+    srun.chmod(srun.stat().st_mode | stat.S_IEXEC)
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{bad json\n')
+    quickstart = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+    source = '{"class_path": "lit_ablate.data.LocalFiles", "init_args": {"path": "bad.jsonl"}}'
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONPATH": str(Path(__file__).parents[1])}  # fmt: skip
+    for name in [n for n in env if n.startswith("SLURM_")]:
+        del env[name]  # a login node: no job around this process
+    done = subprocess.run([sys.executable, "-m", "lit_ablate.cli", "fit", "--config", str(quickstart),
+                           "--trainer.max_steps", "1", "--data.init_args.source", source],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)  # fmt: skip
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode != 0 and len(lines) == 1, done.stderr
+    assert "line 2 of bad.jsonl" in lines[0]
