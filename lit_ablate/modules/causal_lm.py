@@ -19,7 +19,16 @@ from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.fp8.conversion import resolve_emulation
 from lit_ablate.models.losses.cross_entropy import loss_backend
 from lit_ablate.models.moe.blocks import collect_aux_losses, experts_fallbacks
-from lit_ablate.modules.optim import build_optimizer, check_optimizer, decay_groups, decay_names, warmup_cosine
+from lit_ablate.modules.optim import (
+    DecayShape,
+    LrSchedule,
+    build_optimizer,
+    check_lr_schedule,
+    check_optimizer,
+    decay_groups,
+    decay_names,
+    lr_scheduler,
+)
 from lit_ablate.modules.step_objective import StepObjective
 from lit_ablate.modules.step_output import StepOutput
 
@@ -45,8 +54,15 @@ class CausalLM(LightningModule):
         learning_rate: peak learning rate, reached after ``warmup_steps``.
         weight_decay: decoupled decay on matrices only (not norms, biases, embeddings).
         betas: AdamW betas.
-        warmup_steps: linear warm-up steps of the learning rate.
-        min_lr_ratio: the cosine schedule ends at this fraction of ``learning_rate``.
+        warmup_steps: linear warm-up steps of the learning rate (every schedule has one).
+        min_lr_ratio: the decaying schedules end at this fraction of ``learning_rate``, in [0, 1]
+            (transformers' schedules decay to 0: ``min_lr_ratio: 0``).
+        lr_schedule: after the warm-up, ``cosine`` decay to ``min_lr_ratio`` over the run (the
+            default), ``linear`` decay (the HF Trainer's and TRL's default), ``constant``, or ``wsd``:
+            warm-up, stable at the peak, then a decay over the run's last ``decay_fraction``
+            (``lit_ablate.modules.optim.lr_factor``).
+        decay_fraction: ``wsd`` only: the share of the run's steps spent decaying (default 0.1).
+        decay_shape: ``wsd`` only: ``cosine`` (default), ``linear`` or ``sqrt`` (1 - sqrt(progress)).
         compile: ``torch.compile`` each decoder layer (one graph, compiled once, reused by every
             layer). Under a mesh strategy use its ``compile_layers`` instead, which compiles
             after activation checkpointing as its pipeline orders it.
@@ -64,6 +80,9 @@ class CausalLM(LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 10,
         min_lr_ratio: float = 0.1,
+        lr_schedule: LrSchedule = "cosine",
+        decay_fraction: float | None = None,
+        decay_shape: DecayShape | None = None,
         compile: bool = False,
     ) -> None:
         super().__init__()
@@ -73,6 +92,7 @@ class CausalLM(LightningModule):
             raise ConfigError("model.init_args.learning_rate", learning_rate, "use a positive learning rate")
         if warmup_steps < 0:
             raise ConfigError("model.init_args.warmup_steps", warmup_steps, "use 0 or more warm-up steps")
+        check_lr_schedule(lr_schedule, min_lr_ratio, decay_fraction, decay_shape)
         loss_backend(loss, **(loss_options or {}))  # bad names/options fail here, before any model is built
         check_optimizer(optimizer)  # the strategy is checked in configure_model
         # Plain values only, so checkpoints load with torch.load(weights_only=True). ``_class_path``
@@ -81,7 +101,9 @@ class CausalLM(LightningModule):
                                    "model": asdict(model), "loss": loss, "loss_options": dict(loss_options or {}),
                                    "optimizer": optimizer, "optimizer_options": dict(optimizer_options or {}),
                                    "learning_rate": learning_rate, "weight_decay": weight_decay, "betas": tuple(betas),
-                                   "warmup_steps": warmup_steps, "min_lr_ratio": min_lr_ratio, "compile": compile})
+                                   "warmup_steps": warmup_steps, "min_lr_ratio": min_lr_ratio,
+                                   "lr_schedule": lr_schedule, "decay_fraction": decay_fraction,
+                                   "decay_shape": decay_shape, "compile": compile})
         self.factory = model
         self.optimizer_name, self.optimizer_options = optimizer, dict(optimizer_options or {})
         self.model: CausalLMWithLoss | None = None
@@ -214,7 +236,8 @@ class CausalLM(LightningModule):
         groups = decay_groups(self.model, self._decay_names, hp.weight_decay)
         optimizer = build_optimizer(self.optimizer_name, groups, hp.learning_rate, hp.betas, self.optimizer_options)
         total = self.trainer.estimated_stepping_batches
-        scheduler = warmup_cosine(optimizer, hp.warmup_steps, int(total), hp.min_lr_ratio)
+        scheduler = lr_scheduler(optimizer, hp.lr_schedule, hp.warmup_steps, int(total), hp.min_lr_ratio,
+                                 hp.decay_fraction, hp.decay_shape)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 

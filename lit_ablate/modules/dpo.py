@@ -27,6 +27,7 @@ from lit_ablate.models.losses.logprobs import TorchLogProbs, logprob_backend
 from lit_ablate.models.losses.sequence_logprobs import PairStep, SequenceLogProbs
 from lit_ablate.models.moe.blocks import collect_aux_losses
 from lit_ablate.modules.causal_lm import CausalLM
+from lit_ablate.modules.optim import DecayShape, LrSchedule
 from lit_ablate.modules.preference_loss import LossType, PairLosses, PreferenceLoss
 from lit_ablate.modules.step_output import StepOutput
 
@@ -69,7 +70,7 @@ class DPO(CausalLM):
             batches, ``sigmoid``/``hinge``, reference ``frozen``/``none``; anything else is refused).
         logprobs_options: the backend's options (e.g. ``{chunk_tokens: 512}``; liger: ``{chunk_pairs, compile}``).
         optimizer, optimizer_options, learning_rate, weight_decay, betas, warmup_steps, min_lr_ratio,
-            compile: as ``CausalLM``.
+            lr_schedule, decay_fraction, decay_shape, compile: as ``CausalLM``.
     """
 
     def __init__(
@@ -90,10 +91,14 @@ class DPO(CausalLM):
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 10,
         min_lr_ratio: float = 0.1,
+        lr_schedule: LrSchedule = "cosine",
+        decay_fraction: float | None = None,
+        decay_shape: DecayShape | None = None,
         compile: bool = False,
     ) -> None:
         super().__init__(model, optimizer=optimizer, optimizer_options=optimizer_options, learning_rate=learning_rate,
                          weight_decay=weight_decay, betas=betas, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio,
+                         lr_schedule=lr_schedule, decay_fraction=decay_fraction, decay_shape=decay_shape,
                          compile=compile)
         self.preference_loss = PreferenceLoss(loss_type, beta, label_smoothing, gamma)
         if reference not in REFERENCES:
@@ -119,7 +124,8 @@ class DPO(CausalLM):
             "logprobs_options": dict(logprobs_options or {}), "optimizer": optimizer,
             "optimizer_options": dict(optimizer_options or {}), "learning_rate": learning_rate,
             "weight_decay": weight_decay, "betas": tuple(betas), "warmup_steps": warmup_steps,
-            "min_lr_ratio": min_lr_ratio, "compile": compile})
+            "min_lr_ratio": min_lr_ratio, "lr_schedule": lr_schedule, "decay_fraction": decay_fraction,
+            "decay_shape": decay_shape, "compile": compile})
         self.reference: SequenceLogProbs | None = None
         self.memory_categories = {"reference": ["reference", *(["model.reference_head"] if self.fused_loss else [])]}
         """``MemoryMonitor`` counts the frozen reference (and Liger's copy of its head) apart from ``params``."""

@@ -1,5 +1,6 @@
 """The optimizer chosen in YAML (AdamW, 8-bit AdamW of bitsandbytes or torchao), decoupled weight
-decay groups, and a warm-up + cosine learning-rate schedule.
+decay groups, and the learning-rate schedule (warm-up, then linear, cosine, constant or
+warm-up-stable-decay).
 
 8-bit AdamW keeps both moments as 8-bit codes with one scale per block (2 bytes per parameter
 instead of 8 in fp32); both libraries keep tensors under 4096 elements in fp32 (bitsandbytes'
@@ -12,7 +13,8 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
@@ -111,13 +113,80 @@ def _clean(name: str) -> str:
     return name
 
 
-def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: float):
-    """Linear warm-up to the base LR, then cosine decay to ``min_lr_ratio`` of it at ``total_steps``."""
+LrSchedule = Literal["linear", "cosine", "constant", "wsd"]
+LR_SCHEDULES: tuple[str, ...] = ("linear", "cosine", "constant", "wsd")
+DecayShape = Literal["linear", "cosine", "sqrt"]
+DECAYS: dict[str, Callable[[float], float]] = {
+    "linear": lambda progress: 1 - progress,
+    "cosine": lambda progress: 0.5 * (1 + math.cos(math.pi * progress)),
+    "sqrt": lambda progress: 1 - math.sqrt(progress),
+}
+"""Decay shape -> the share of ``1 - min_lr_ratio`` left at ``progress`` in [0, 1] of the decay
+(``sqrt`` is transformers' ``1-sqrt``)."""
+WSD_DECAY_FRACTION = 0.1
+"""``wsd``'s default share of the run spent decaying (MiniCPM's WSD used about 10%)."""
+_KEY = "model.init_args"
 
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+def check_lr_schedule(schedule: str, min_lr_ratio: float, decay_fraction: float | None,
+                      decay_shape: str | None) -> None:  # fmt: skip
+    """Refuse, naming the key, what would give a wrong schedule: an unknown name, a final LR
+    below 0 or above the peak, a decay fraction outside [0, 1], and wsd's options on another
+    schedule (they would be silently ignored)."""
+    if schedule not in LR_SCHEDULES:
+        raise ConfigError(f"{_KEY}.lr_schedule", schedule, f"choose one of {list(LR_SCHEDULES)}")
+    if not 0 <= min_lr_ratio <= 1:
+        raise ConfigError(f"{_KEY}.min_lr_ratio", min_lr_ratio,
+                          "the final learning rate as a fraction of learning_rate: use a value in [0, 1]")
+    for key, value in (("decay_fraction", decay_fraction), ("decay_shape", decay_shape)):
+        if value is not None and schedule != "wsd":
+            raise ConfigError(f"{_KEY}.{key}", value, f"only lr_schedule: wsd has a separate decay phase "
+                              f"(lr_schedule is {schedule}); set lr_schedule: wsd or drop {key}")
+    if decay_fraction is not None and not 0 <= decay_fraction <= 1:
+        raise ConfigError(f"{_KEY}.decay_fraction", decay_fraction,
+                          "the share of the run spent decaying: use a value in [0, 1]")
+    if decay_shape is not None and decay_shape not in DECAYS:
+        raise ConfigError(f"{_KEY}.decay_shape", decay_shape, f"choose one of {list(DECAYS)}")
+
+
+def lr_factor(step: int, schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float,
+              decay_fraction: float | None = None, decay_shape: str | None = None) -> float:  # fmt: skip
+    """The learning rate of optimizer step ``step`` (0-based) as a fraction of the peak.
+
+    Every schedule warms up linearly over ``warmup_steps``: step ``s`` uses ``(s + 1) / warmup_steps``
+    (the first step already learns; transformers' schedules use ``s / warmup_steps``, a first step
+    at LR 0). Then ``constant`` stays at the peak; ``linear`` and ``cosine`` decay from the peak
+    to ``min_lr_ratio`` at ``total_steps``; ``wsd`` stays at the peak until the last
+    ``decay_fraction`` of ``total_steps`` (fewer steps when the warm-up leaves fewer) and decays
+    to ``min_lr_ratio`` over them in ``decay_shape``. Past ``total_steps`` it stays at the end value.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    if schedule == "wsd":
+        fraction = WSD_DECAY_FRACTION if decay_fraction is None else decay_fraction
+        decay_steps = min(round(fraction * total_steps), max(0, total_steps - warmup_steps))
+        decay_start, shape = total_steps - decay_steps, decay_shape or "cosine"
+        if step < decay_start:
+            return 1.0
+    else:
+        decay_start, decay_steps, shape = warmup_steps, total_steps - warmup_steps, schedule
+    progress = min(1.0, (step - decay_start) / max(1, decay_steps))
+    return min_lr_ratio + (1 - min_lr_ratio) * DECAYS[shape](progress)
+
+
+def lr_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup_steps: int, total_steps: int,
+                 min_lr_ratio: float, decay_fraction: float | None = None,
+                 decay_shape: str | None = None) -> torch.optim.lr_scheduler.LambdaLR:  # fmt: skip
+    """``lr_factor`` as a torch scheduler, stepped once per optimizer step."""
+    check_lr_schedule(schedule, min_lr_ratio, decay_fraction, decay_shape)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(
+        step, schedule, warmup_steps, total_steps, min_lr_ratio, decay_fraction, decay_shape))
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
+                  min_lr_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:  # fmt: skip
+    """Linear warm-up to the base LR, then cosine decay to ``min_lr_ratio`` of it at ``total_steps``
+    (``lr_schedule: cosine``, the default)."""
+    return lr_scheduler(optimizer, "cosine", warmup_steps, total_steps, min_lr_ratio)
