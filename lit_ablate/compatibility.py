@@ -287,13 +287,27 @@ def preference_parts_fit(config: Mapping[str, Any], launch: LaunchLike) -> str |
 def fp8_runs_here(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
     """fp8 with ``emulate: false`` needs fp8 kernels on this device; fp8 all-gather needs FSDP2; tensor
     parallelism takes ``tensorwise`` only: ``resolve_emulation``, ``fp8_refusal``, ``fp8_tensor_parallel_refusal``."""
+    return _fp8_reason(config, launch, judge_gpu=True)
+
+
+def fp8_fits_cluster_nodes(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
+    """``fp8_runs_here`` for a cluster's declared nodes: a GPU node's fp8 kernels (its compute
+    capability) are unknown where the study is planned, so the job's own start-up judges them
+    (``lit-ablate fit`` refuses ``emulate: false`` in one line); CPU nodes are judged as here."""
+    return _fp8_reason(config, launch, judge_gpu=False)
+
+
+def _fp8_reason(config: Mapping[str, Any], launch: LaunchLike, judge_gpu: bool) -> str | None:
     from lit_ablate.models.fp8.conversion import Fp8Options, resolve_emulation
     from lit_ablate.strategies.tensor_parallel import TensorParallelStrategy
 
     options = _model_options(config, "model.init_args.model.fp8", Fp8Options)
     if options is None:
         return None
-    reason = _reason(resolve_emulation, options, torch.device("cuda" if _on_gpu(config, launch) else "cpu"))
+    on_gpu = _on_gpu(config, launch)
+    reason = None
+    if judge_gpu or not on_gpu:
+        reason = _reason(resolve_emulation, options, torch.device("cuda" if on_gpu else "cpu"))
     strategy = _strategy_class(config)
     reason = reason or fp8_refusal(options, strategy)
     if not reason and strategy is not None and issubclass(strategy, TensorParallelStrategy):
@@ -339,8 +353,14 @@ submitted to a cluster skips them (``cluster_rules``): the partition's size is c
 and each job's own start-up judges its node."""
 
 
+CLUSTER_VERSIONS: dict[str, Rule] = {"fp8_runs_here": fp8_fits_cluster_nodes}
+"""Rules that judge a device through this machine's CUDA, in the version that judges a cluster's
+declared nodes without it (planning on a login node without CUDA crashed in ``fp8_runs_here``)."""
+
+
 def cluster_rules() -> dict[str, Rule]:
-    return {name: rule for name, rule in RULES.items() if name not in MACHINE_RULES}
+    """The rules for a study submitted to a cluster: about the run, never about this machine."""
+    return {name: CLUSTER_VERSIONS.get(name, rule) for name, rule in RULES.items() if name not in MACHINE_RULES}
 
 
 def incompatibility(config: Mapping[str, Any], launch: LaunchLike, rules: Mapping[str, Rule] = RULES) -> str | None:

@@ -224,3 +224,47 @@ def test_a_login_node_with_srun_on_path_still_prints_one_line(tmp_path: Path):
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode != 0 and len(lines) == 1, done.stderr
     assert "line 2 of bad.jsonl" in lines[0]
+
+
+@pytest.mark.parametrize("partition_gpus", [8, None])
+def test_a_gpu_study_plans_for_slurm_on_a_login_node_without_cuda(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  partition_gpus: int | None):
+    """Planning judges the nodes the study declares, never the machine planning it: with every CUDA
+    probe of torch failing (a login node; torch+cpu says "Torch not compiled with CUDA enabled"), an
+    fp8 / flash-attn / Liger study for a GPU partition plans with nothing skipped (a GPU's fp8
+    kernels are judged by the job on its node), and for a partition without GPUs fp8 with
+    ``emulate: false`` is refused for its CPU nodes. Seen failing: the AssertionError from
+    fp8_runs_here's capability probe (issue 33), and a CPU partition judged by this machine's CUDA."""
+    import torch
+
+    import lit_ablate.fit_cli  # noqa: F401  (libraries probe CUDA once when imported: done before the probes fail)
+    import lit_ablate.models.fp8.conversion  # noqa: F401
+    from lit_ablate.ablation.plan import plan_study
+    from lit_ablate.ablation.spec import parse_study
+
+    def probe(*args: object, **kwargs: object) -> None:
+        raise AssertionError("planning probed this machine's CUDA")
+
+    for name in ("is_available", "device_count", "get_device_capability", "get_device_name"):
+        monkeypatch.setattr(torch.cuda, name, probe)
+    slurm = {"partition": "h100", "max_nodes": 4, **({"gpus_per_node": partition_gpus} if partition_gpus else {})}
+    spec = parse_study({
+        "name": "gpu_parts", "base": str(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"),
+        "overrides": {"trainer.enable_checkpointing": False, "trainer.precision": "bf16-true"},
+        "variants": [
+            {"name": "fp8", "overrides": {"model.init_args.model.fp8": {"recipe": "tensorwise"}}},
+            {"name": "fp8_kernels", "overrides": {"model.init_args.model.fp8": {"recipe": "tensorwise", "emulate": False}}},
+            {"name": "flash", "overrides": {"model.init_args.model.attn_implementation": "flash_attention_2"}},
+            {"name": "liger", "overrides": {"model.init_args.loss": "liger"}},
+        ],
+        "vary": ["model.init_args.model.fp8", "model.init_args.model.attn_implementation", "model.init_args.loss"],
+        "steps": 5,
+        "launch": {"executor": "slurm", "devices": 8, "num_nodes": 2, "accelerator": "auto", "slurm": slurm},
+    })  # fmt: skip
+    runs = {run.variant.name: run for run in plan_study(spec, tmp_path / "study")}
+    assert {name: run.invalid for name, run in runs.items()} == dict.fromkeys(runs)
+    skipped = {name: run.skip_reason for name, run in runs.items() if run.skip_reason}
+    if partition_gpus:
+        assert skipped == {}
+    else:
+        assert list(skipped) == ["fp8_kernels"] and "emulate" in skipped["fp8_kernels"], skipped

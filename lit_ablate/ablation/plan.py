@@ -99,12 +99,13 @@ def plan_study(spec: StudySpec, output_dir: Path, resolve: Resolver | None = Non
 
 
 def _incompatibility(config: dict[str, Any], launch: Launch) -> str | None:
-    """Why the run cannot run where it goes: this machine, or (``executor: slurm``) the cluster,
-    whose nodes are judged as GPU nodes when the partition has GPUs and the accelerator is auto."""
+    """Why the run cannot run where it goes: this machine, or (``executor: slurm``) the cluster as the
+    study declares it, never the login node planning it: with accelerator auto its nodes are GPU
+    nodes when the partition has GPUs (``launch.slurm.gpus_per_node``), else CPU nodes."""
     if launch.executor == "local":
         return incompatibility(config, launch)
-    if launch.slurm and launch.slurm.gpus_per_node and (launch.accelerator or "auto") == "auto":
-        launch = replace(launch, accelerator="gpu")
+    if (launch.accelerator or "auto") == "auto":
+        launch = replace(launch, accelerator="gpu" if launch.slurm and launch.slurm.gpus_per_node else "cpu")
     return incompatibility(config, launch, cluster_rules())
 
 
