@@ -22,6 +22,19 @@ before and after it). Runs alternate (hand, lit, hand, lit, ...) and each side's
 load from other jobs only ever adds time.
 
     python benchmarks/mfu.py [--steps 8] [--warmup 3] [--repeats 1] [--threads N]
+
+``--shape qwen3-0.6b`` is the seed study's dense headline on a GPU (the GPU lane runs it): a
+Qwen3-0.6B-shaped model (random init: 28 layers, hidden 1024, vocabulary 151,936, tied embedding)
+trains by `lit-ablate fit` on rows of ``--seq-len`` tokens (8,192) packed from synthetic documents
+(FFD, one static shape so the compiled layers compile once), bf16 weights and matmuls
+(``bf16-true``), each decoder layer compiled, the fastest packed-document attention that trains
+here (``fa_varlen``, else ``flex`` with a document mask, else ``sdpa_packed``) and a
+memory-efficient loss (``liger``'s fused linear cross-entropy where it runs, else ``chunked``).
+MFU against the device's spec peak (``mfu``) and against its measured bf16 matmul ceiling
+(``mfu_measured``), from the run record (``MFUMonitor``; per-document attention FLOPs). No hand
+loop in this mode. ``--layers``/``--seq-len``/``--no-compile`` shrink it for a CPU check.
+
+    python benchmarks/mfu.py --shape qwen3-0.6b [--seq-len 8192] [--steps 25] [--warmup 8] [--attention flex] [--loss liger]
 """
 
 from __future__ import annotations
@@ -38,6 +51,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from model_shapes import model_config
 
 MODEL = {"model_type": "llama", "vocab_size": 8192, "hidden_size": 512, "intermediate_size": 1536,
          "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8,
@@ -65,18 +79,104 @@ def fit_config(steps: int, warmup: int, root: str) -> dict:
     }  # fmt: skip
 
 
+def packed_fit_config(model: dict, args: argparse.Namespace, root: str) -> dict:
+    """The dense headline as a ``lit-ablate fit`` config (``--shape`` other than cpu-35m)."""
+    documents = max(200, args.steps * args.seq_len // 150)  # ~450 tokens each: rows for every step
+    return {
+        "seed_everything": 0,
+        "trainer": {"accelerator": "gpu" if args.device == "cuda" else "cpu", "devices": 1, "precision": "bf16-true",
+                    "max_steps": args.steps, "gradient_clip_val": 1.0, "limit_val_batches": 0, "log_every_n_steps": 5,
+                    "enable_checkpointing": False, "enable_progress_bar": False, "default_root_dir": root,
+                    "callbacks": [{"class_path": "lit_ablate.callbacks.ThroughputMonitor"},
+                                  {"class_path": "lit_ablate.callbacks.MFUMonitor"}]},
+        "model": {"class_path": "lit_ablate.modules.CausalLM",
+                  "init_args": {"model": {"config": model, "dtype": "bfloat16", "attn_implementation": args.attention},
+                                "loss": args.loss, "learning_rate": 3e-4, "warmup_steps": 0,
+                                "compile": not args.no_compile}},
+        "data": {"class_path": "lit_ablate.data.LMDataModule",
+                 "init_args": {"source": {"class_path": "lit_ablate.data.SyntheticText",
+                                          "init_args": {"num_documents": documents, "seed": 0, "median_sentences": 12.0,
+                                                        "length_sigma": 1.0, "max_sentences": 200}},
+                               "format": "documents", "tokenizer": "byte", "seq_len": args.seq_len, "batch_size": 1,
+                               "collator": {"class_path": "lit_ablate.data.PackingCollator",
+                                            "init_args": {"strategy": "ffd", "max_tokens": args.seq_len,
+                                                          "static_shape": True}},
+                               "val_examples": 0, "num_workers": 0}},
+        "recorder": {"path": str(Path(root) / "run.json"), "warmup_steps": args.warmup},
+    }  # fmt: skip
+
+
+def fastest_packed_attention() -> str:
+    """The first packed-document backend that trains here: each one that cannot says why."""
+    from lit_ablate.errors import ConfigError
+    from lit_ablate.models.attention.backends import check_attention_backend
+
+    for name in ("fa_varlen", "flex"):
+        try:
+            check_attention_backend(name, training=True)
+            return name
+        except ConfigError as err:
+            print(f"note: {err}")
+    return "sdpa_packed"
+
+
+def memory_efficient_loss() -> str:
+    """Liger's fused linear cross-entropy where it runs (a CUDA device, liger-kernel), else chunked."""
+    from lit_ablate.errors import ConfigError
+    from lit_ablate.models.losses.cross_entropy import check_loss_backend
+
+    try:
+        check_loss_backend("liger")
+        return "liger"
+    except ConfigError as err:
+        print(f"note: {err}")
+        return "chunked"
+
+
+def packed_headline(args: argparse.Namespace) -> int:
+    """``--shape qwen3-0.6b``: one ``lit-ablate fit`` of the packed, compiled bf16 model."""
+    model = model_config(args.shape, args.layers)
+    args.attention = args.attention or fastest_packed_attention()
+    args.loss = args.loss or memory_efficient_loss()
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    with tempfile.TemporaryDirectory() as root:
+        summary = _fit(packed_fit_config(model, args, root), root)
+    median = lambda key: (summary.get(key) or {}).get("median")  # noqa: E731
+    ceilings = summary.get("mfu_ceilings") or {}
+    peak_gib = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None
+    print(f"\n{args.shape} ({model['num_hidden_layers']} layers), rows of {args.seq_len} packed tokens, bf16-true, "
+          f"attention {args.attention}, loss {args.loss}, compile {not args.no_compile}, {args.device}: "
+          f"median of steps {args.warmup + 1}-{args.steps}")
+    results = {"dense_mfu": median("mfu"), "dense_mfu_measured": median("mfu_measured"),
+               "dense_useful_tokens_per_s": median("useful_tokens_per_sec"), "dense_step_s": median("step_time_s"),
+               "dense_spec_peak_tflops": (ceilings.get("mfu") or {}).get("tflops"),
+               "dense_ceiling_tflops": (ceilings.get("mfu_measured") or {}).get("tflops"),
+               "dense_peak_allocated_gib": peak_gib, "dense_final_loss": summary.get("final_loss"),
+               "dense_attention": args.attention, "dense_loss": args.loss, "dense_compile": not args.no_compile,
+               "dense_layers": model["num_hidden_layers"], "dense_seq_len": args.seq_len}  # fmt: skip
+    if summary.get("mfu_peak"):
+        print(f"mfu's peak: {summary['mfu_peak']}")
+    for name, value in results.items():
+        print(f"RESULT {name}={'n/a' if value is None else round(value, 4) if isinstance(value, float) else value}")
+    return 0 if summary.get("status") == "ok" else 1
+
+
 def lit_ablate_run(steps: int, warmup: int) -> dict:
     """``lit-ablate fit`` of the model; returns the run record's summary."""
+    with tempfile.TemporaryDirectory() as root:
+        return _fit(fit_config(steps, warmup, root), root)
+
+
+def _fit(config: dict, root: str) -> dict:
     from lit_ablate.fit_cli import LitAblateCLI
 
-    with tempfile.TemporaryDirectory() as root:
-        config = Path(root) / "fit.yaml"
-        config.write_text(yaml.safe_dump(fit_config(steps, warmup, root)))
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*args.*sys.argv.*")  # this script's own argv, not the fit's
-            LitAblateCLI(args=["fit", "--config", str(config)])
-        record = json.loads((Path(root) / "run.json").read_text())
-    return record["summary"]
+    path = Path(root) / "fit.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*args.*sys.argv.*")  # this script's own argv, not the fit's
+        LitAblateCLI(args=["fit", "--config", str(path)])
+    return json.loads((Path(root) / "run.json").read_text())["summary"]
 
 
 def hand_loop_run(steps: int, warmup: int, flops_per_step: float, ceiling_tflops: float) -> dict:
@@ -107,10 +207,22 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of the medians")
     parser.add_argument("--repeats", type=int, default=1, help="runs per side (alternating); the best counts")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--shape", default="cpu-35m",
+                        help="cpu-35m (the CPU comparison above) or a model shape: qwen3-0.6b (the GPU headline), "
+                             "or a tiny preset for a quick check (benchmarks/model_shapes.py)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], help="--shape other than cpu-35m: default cuda if present")
+    parser.add_argument("--layers", type=int, help="--shape: fewer decoder layers than the shape's (a CPU check)")
+    parser.add_argument("--seq-len", type=int, default=8192, help="--shape: tokens per packed row (one row per step)")
+    parser.add_argument("--attention", help="--shape: packed attention backend (default: the fastest that trains here)")
+    parser.add_argument("--loss", help="--shape: loss backend (default: liger where it runs, else chunked)")
+    parser.add_argument("--no-compile", action="store_true", help="--shape: eager decoder layers")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     os.environ["LIT_ABLATE_CACHE_DIR"] = tempfile.mkdtemp(prefix="mfu-ceiling-")  # a ceiling of this run's load
+    if args.shape != "cpu-35m":
+        args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        return packed_headline(args)
 
     from transformers import AutoConfig
 
