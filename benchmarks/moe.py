@@ -13,10 +13,13 @@ router and every expert. Rows:
 
 Shapes: ``tiny`` (the ``tiny-qwen3-moe`` preset: 8 experts, top-2, hidden 128) and ``30b-a3b``,
 Qwen3-30B-A3B's routing (128 experts, top-8) with its hidden and expert sizes scaled by 1/4 (2048
--> 512, 768 -> 192) to fit a CPU. Every row is checked against ``loop`` before it is timed.
+-> 512, 768 -> 192) to fit a CPU; ``--shapes 30b-a3b-layer`` is the real layer (hidden 2048, expert
+width 768, 8,192 tokens: a GPU's, run by the GPU lane in bf16). Every row is checked against
+``loop`` before it is timed.
 Time: on CPU, this process's CPU time (other jobs stretch wall time unevenly on a shared machine);
 on CUDA, wall time after synchronising. Repeats are interleaved across rows, medians reported.
-The last line is ``RESULT grouped_speedup=`` (loop time / grouped time) at the ``30b-a3b`` shape.
+The last line is ``RESULT grouped_speedup=`` (loop time / grouped time) at the last shape measured
+(``30b-a3b`` by default).
 Default: fp32, 2048 tokens (30b-a3b) and 512 tokens (tiny), 3 repeats: about 2 minutes on an
 idle 2-core CPU.
 """
@@ -40,8 +43,9 @@ from lit_ablate.models.moe.blocks import MoEOptions, apply_moe, experts_fallback
 SHAPES: dict[str, dict[str, int]] = {  # name -> hidden, expert intermediate, experts, top-k, tokens
     "tiny": {"hidden": 128, "intermediate": 96, "experts": 8, "top_k": 2, "tokens": 512},
     "30b-a3b": {"hidden": 512, "intermediate": 192, "experts": 128, "top_k": 8, "tokens": 2048},
+    "30b-a3b-layer": {"hidden": 2048, "intermediate": 768, "experts": 128, "top_k": 8, "tokens": 8192},
 }
-HEADLINE = "30b-a3b"
+DEFAULT_SHAPES = ("tiny", "30b-a3b")
 ROWS = ("loop", "grouped", "hf-eager", "hf-grouped_mm")
 
 
@@ -137,17 +141,27 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=None, help="tokens per layer call (default: per shape)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), choices=list(SHAPES),
+                        help="shapes to measure; the RESULT lines' headline is the last")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    timings = [t for name in SHAPES for t in measure_shape(name, dtype, device, args.repeats, args.tokens)]
+    timings = [t for name in args.shapes for t in measure_shape(name, dtype, device, args.repeats, args.tokens)]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"MoE layer forward + backward, {args.dtype}, {name}, torch {torch.__version__}, {args.repeats} repeats\n")
     print(markdown_table(timings, device))
     print()
     by_row = {(t.shape, t.row): t.median for t in timings}
-    print(f"RESULT grouped_speedup_tiny={by_row['tiny', 'loop'] / by_row['tiny', 'grouped']:.2f}")
-    print(f"RESULT grouped_speedup_vs_hf_eager={by_row[HEADLINE, 'hf-eager'] / by_row[HEADLINE, 'grouped']:.2f}")
-    print(f"RESULT grouped_speedup={by_row[HEADLINE, 'loop'] / by_row[HEADLINE, 'grouped']:.2f}")
+    headline = args.shapes[-1]
+    if "tiny" in args.shapes and headline != "tiny":
+        print(f"RESULT grouped_speedup_tiny={by_row['tiny', 'loop'] / by_row['tiny', 'grouped']:.2f}")
+    grouped_note = next(t.note for t in timings if (t.shape, t.row) == (headline, "grouped"))
+    print(f"RESULT grouped_fallback={grouped_note or 'none'}")
+    print(f"RESULT grouped_ms={1e3 * by_row[headline, 'grouped']:.2f}")
+    print(f"RESULT loop_ms={1e3 * by_row[headline, 'loop']:.2f}")
+    print(f"RESULT hf_eager_ms={1e3 * by_row[headline, 'hf-eager']:.2f}")
+    print(f"RESULT grouped_speedup_vs_hf_grouped_mm={by_row[headline, 'hf-grouped_mm'] / by_row[headline, 'grouped']:.2f}")
+    print(f"RESULT grouped_speedup_vs_hf_eager={by_row[headline, 'hf-eager'] / by_row[headline, 'grouped']:.2f}")
+    print(f"RESULT grouped_speedup={by_row[headline, 'loop'] / by_row[headline, 'grouped']:.2f}")
 
 
 if __name__ == "__main__":
