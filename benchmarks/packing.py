@@ -23,11 +23,13 @@ wall-clock and by this process's CPU time (robust to other jobs on a shared mach
 torch thread by default (``--threads``: with two, idle threads spin while other jobs hold the
 cores, which adds CPU time that is not the layout's). The defaults (200 examples, median 64,
 tail to 1024: the issue's 4k scaled down 4x; 2 repeats) take about 45 s of CPU, under a minute
-on an idle 2-core machine and a few on a loaded one; on a GPU try ``--device cuda --examples
-2000 --median 400 --max-len 4096 --batch-size 4 --rows 4`` (bf16). The last lines are
-``RESULT packing_speedup=<FFD-packed over arrival-order padding, useful tokens/s, CPU time>``,
-``RESULT packing_speedup_vs_grouped=<FFD-packed over length-grouped padding>`` and greedy packing's
-speedup over arrival-order padding.
+on an idle 2-core machine and a few on a loaded one. On a GPU (bf16; speedups by wall time, since
+the host thread waits for the device) the GPU lane runs a Qwen3-0.6B shape at 8 of its layers,
+``--preset qwen3-0.6b --layers 8 --examples 200 --median 400 --max-len 4096 --batch-size 4 --rows 2
+--packed-attention flex sdpa_packed sdpa``: each further packed backend adds an FFD row. The last
+lines are ``RESULT packing_speedup=<FFD-packed over arrival-order padding, useful tokens/s>``,
+``RESULT packing_speedup_vs_grouped=<FFD-packed over length-grouped padding>``, greedy packing's
+speedup over arrival-order padding, and ``packing_speedup_<backend>`` for each further backend.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from model_shapes import model_config, shape_names
 
 from lit_ablate.data import PackingCollator, PaddingCollator, example_from_tokens, pack
 from lit_ablate.data.collate import Collator
@@ -147,16 +150,21 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="examples per padded batch")
     parser.add_argument("--rows", type=int, default=2, help="packed rows per batch")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--preset", default="tiny-llama")
+    parser.add_argument("--preset", default="tiny-llama", choices=shape_names(),
+                        help="a tiny preset or a real shape (benchmarks/model_shapes.py: qwen3-0.6b on a GPU)")
+    parser.add_argument("--layers", type=int, help="decoder layers (default: the preset's)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    parser.add_argument("--packed-attention", default=None, help="default: fa_varlen on CUDA if installed, else sdpa_packed")
+    parser.add_argument("--packed-attention", nargs="+", default=None,
+                        help="packed backends; the first packs greedy and FFD rows, each further one FFD rows "
+                             "(default: fa_varlen on CUDA if installed, else flex on CUDA, else sdpa_packed)")
     args = parser.parse_args()
 
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     dtype = "bfloat16" if device.type == "cuda" else "float32"
-    packed_attention = args.packed_attention or _best_packed_attention(device)
+    packed_attention, *other_attention = args.packed_attention or [_best_packed_attention(device)]
+    model = model_config(args.preset, args.layers)
     examples = skewed_examples(args.examples, args.median, args.sigma, args.max_len, seed=0)
     padding = _bound(PaddingCollator())
     layouts: dict[str, Layout] = {
@@ -165,8 +173,11 @@ def main() -> None:
         **{f"packing {strategy}": Layout(packed_attention, functools.partial(packed_plan, examples, args.max_len, args.rows, strategy),
                                          _bound(PackingCollator(max_tokens=args.max_len, strategy=strategy)))
            for strategy in ("greedy", "ffd")},
+        **{f"packing ffd, {attention}": Layout(attention, functools.partial(packed_plan, examples, args.max_len, args.rows, "ffd"),
+                                               _bound(PackingCollator(max_tokens=args.max_len, strategy="ffd")))
+           for attention in other_attention},
     }
-    models = {name: _model(args.preset, dtype, layout.attention, device) for name, layout in layouts.items()}
+    models = {name: _model(model, dtype, layout.attention, device) for name, layout in layouts.items()}
     useful = sum(int((e["labels"] != IGNORE_INDEX).sum()) for e in examples)
     epochs: dict[str, list[Epoch]] = {name: [] for name in layouts}
     for name, layout in layouts.items():  # warm-up: first-call costs out of the measurement
@@ -178,11 +189,13 @@ def main() -> None:
                 raise SystemExit(f"{name} trained on {epochs[name][-1].useful} useful tokens, not {useful}: not the same examples")
 
     lengths = [len(e["input_ids"]) for e in examples]
+    clock = "wall" if device.type == "cuda" else "CPU"  # a GPU's host thread waits in synchronize: wall time
     print(f"\n{len(examples)} examples, lengths median {statistics.median(lengths):.0f} / mean {statistics.mean(lengths):.0f}"
-          f" / max {max(lengths)}, {useful} useful tokens; {args.preset} {dtype} on {device.type}, {args.threads} torch thread(s); "
-          f"median of {args.repeats} repeats; every row's time includes its plan and collation\n")
+          f" / max {max(lengths)}, {useful} useful tokens; {args.preset} ({model['num_hidden_layers']} layers) {dtype} on "
+          f"{device.type}, {args.threads} torch thread(s); median of {args.repeats} repeats; every row's time includes its "
+          "plan and collation\n")
     print("| layout | attention | batches | processed tokens | useful/processed | wall s | useful tok/s (wall) "
-          "| CPU s | of which data | useful tok/s (CPU) | speedup (CPU) |")
+          f"| CPU s | of which data | useful tok/s (CPU) | speedup ({clock}) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     rates: dict[str, float] = {}
     baseline = next(iter(layouts))
@@ -191,15 +204,19 @@ def main() -> None:
         wall = statistics.median(e.wall for e in epochs[name])
         cpu = statistics.median(e.cpu for e in epochs[name])
         data = statistics.median(e.data_cpu for e in epochs[name])
-        rates[name] = useful / cpu
+        rates[name] = useful / (wall if clock == "wall" else cpu)
         print(f"| {name} | {layout.attention} | {first.batches} | {first.processed} | {useful / first.processed:.1%} | "
               f"{wall:.2f} | {useful / wall:,.0f} | {cpu:.2f} | {data:.3f} | {useful / cpu:,.0f} | "
               f"{rates[name] / rates[baseline]:.2f}x |")
-    print("\nspeedup: useful tokens/s (CPU time) over padding in arrival order. packing_speedup_vs_grouped compares")
+    print(f"\nspeedup: useful tokens/s ({clock} time) over padding in arrival order. packing_speedup_vs_grouped compares")
     print("FFD packing with length-grouped padding, the baseline transformers users get from group_by_length.\n")
     print(f"RESULT packing_speedup={rates['packing ffd'] / rates['padding, arrival order']:.2f}")
     print(f"RESULT packing_speedup_vs_grouped={rates['packing ffd'] / rates['padding, length-grouped']:.2f}")
     print(f"RESULT greedy_packing_speedup={rates['packing greedy'] / rates['padding, arrival order']:.2f}")
+    print(f"RESULT packing_attention={packed_attention}")
+    print(f"RESULT packing_useful_tokens_per_s={rates['packing ffd']:.0f}")
+    for attention in other_attention:
+        print(f"RESULT packing_speedup_{attention}={rates[f'packing ffd, {attention}'] / rates['padding, arrival order']:.2f}")
 
 
 def _best_packed_attention(device: torch.device) -> str:
@@ -220,9 +237,9 @@ def _runs(name: str) -> bool:
     return True
 
 
-def _model(preset: str, dtype: str, attn: str, device: torch.device) -> CausalLMWithLoss:
+def _model(config: dict, dtype: str, attn: str, device: torch.device) -> CausalLMWithLoss:
     torch.manual_seed(0)
-    lm = ModelFactory(preset=preset, dtype=dtype, attn_implementation=attn).build().to(device)
+    lm = ModelFactory(config=config, dtype=dtype, attn_implementation=attn).build().to(device)
     return CausalLMWithLoss(lm, loss_backend("torch"))
 
 
