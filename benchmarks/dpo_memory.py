@@ -1,6 +1,7 @@
 """Peak memory of DPO's log-prob + loss computation: ``torch`` against ``chunked`` log-probs and ``liger``.
 
 Run by hand (never in CI):  python benchmarks/dpo_memory.py [--tokens 1024] [--chunk-tokens 128] [--backends ...]
+On a GPU (the GPU lane):     python benchmarks/dpo_memory.py --tokens 15360 --chunk-tokens 1024  (--device cuda)
 
 At the LM-head sizes of the seed study (Qwen3-32B: hidden 5120, vocabulary 151,936, fp32), one
 forward + backward of: per-token label log-probs from the final hidden states and the LM-head
@@ -60,29 +61,34 @@ from lit_ablate.models.losses.liger_dpo import LigerDPOLoss
 from lit_ablate.models.losses.logprobs import logprob_backend
 from lit_ablate.modules.preference_loss import PreferenceLoss
 
-HIDDEN, VOCAB = 5120, 151_936
+HIDDEN, VOCAB = 5120, 151_936  # the defaults of --hidden and --vocab
 PAIRS = 4
 PROMPT_SHARE = 0.2
 
 
-def make_inputs(tokens: int, seed: int = 0) -> dict[str, torch.Tensor]:
+def make_inputs(tokens: int, hidden: int = HIDDEN, vocab: int = VOCAB, device: str = "cpu",
+                seed: int = 0) -> dict[str, torch.Tensor]:
     """Hidden states, weight, shifted labels and the sequence index of each token (4 pairs,
     chosen sequences twice the length of rejected ones, a prompt share of each masked)."""
     generator = torch.Generator().manual_seed(seed)
     chosen, rejected = [tokens * 2 // 3 // PAIRS] * PAIRS, [tokens // 3 // PAIRS] * PAIRS
     lengths = chosen + rejected
     sequence_ids = torch.cat([torch.full((n,), s) for s, n in enumerate(lengths)])
-    labels = torch.randint(0, VOCAB, (len(sequence_ids),), generator=generator)
+    labels = torch.randint(0, vocab, (len(sequence_ids),), generator=generator)
     start = 0
     for n in lengths:
         labels[start : start + int(n * PROMPT_SHARE)] = -100
         start += n
-    return {
-        "hidden": torch.randn(len(labels), HIDDEN, generator=generator).requires_grad_(),
-        "weight": (torch.randn(VOCAB, HIDDEN, generator=generator) * 0.02).requires_grad_(),
+    tensors = {
+        "hidden": torch.randn(len(labels), hidden, generator=generator),
+        "weight": torch.randn(vocab, hidden, generator=generator) * 0.02,
         "labels": labels, "sequence_ids": sequence_ids,
         "reference": -torch.rand(2 * PAIRS, generator=generator) * 10,
     }
+    tensors = {name: t.to(device) for name, t in tensors.items()}
+    tensors["hidden"].requires_grad_()
+    tensors["weight"].requires_grad_()
+    return tensors
 
 
 def logprob_and_loss(backend, inputs: dict[str, torch.Tensor]) -> None:
@@ -100,10 +106,10 @@ def padded(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     sequences = inputs["sequence_ids"]
     lengths = torch.bincount(sequences, minlength=2 * PAIRS)
     longest = int(lengths.max())
-    position = torch.arange(len(sequences)) - torch.cumsum(lengths, 0)[sequences] + lengths[sequences]
-    hidden = inputs["hidden"].new_zeros(2 * PAIRS, longest, HIDDEN)
+    position = torch.arange(len(sequences), device=sequences.device) - torch.cumsum(lengths, 0)[sequences] + lengths[sequences]
+    hidden = inputs["hidden"].new_zeros(2 * PAIRS, longest, inputs["hidden"].shape[-1])
     hidden[sequences, position] = inputs["hidden"].detach()
-    labels = torch.full((2 * PAIRS, longest), -100)
+    labels = torch.full((2 * PAIRS, longest), -100, device=sequences.device)
     labels[sequences, position] = inputs["labels"]
     return {"hidden": hidden.requires_grad_(), "weight": inputs["weight"], "labels": labels}
 
@@ -122,6 +128,8 @@ def measure(name: str, options: dict, inputs: dict[str, torch.Tensor]) -> dict[s
         backend = logprob_backend(name, **options)
         run = lambda: logprob_and_loss(backend, inputs)  # noqa: E731
     inputs["hidden"].grad = inputs["weight"].grad = None
+    if inputs["hidden"].device.type == "cuda":
+        return _measure_cuda(run, inputs)
     cpu = torch.device("cpu")
     tracker = MemTracker()
     tracker.track_external(inputs["hidden"], inputs["weight"], inputs["labels"])
@@ -135,6 +143,20 @@ def measure(name: str, options: dict, inputs: dict[str, torch.Tensor]) -> dict[s
     return {"peak": peak, "working": peak - gradients, "seconds": seconds, "cpu_seconds": cpu_seconds}
 
 
+def _measure_cuda(run, inputs: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The allocator's peak above what existed before (the inputs), as the CPU branch counts it."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    start, cpu_start = time.perf_counter(), time.process_time()
+    run()
+    torch.cuda.synchronize()
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    peak = torch.cuda.max_memory_allocated() - before
+    gradients = sum(t.grad.numel() * t.grad.element_size() for t in (inputs["hidden"], inputs["weight"]))
+    return {"peak": peak, "working": peak - gradients, "seconds": seconds, "cpu_seconds": cpu_seconds}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=1024, help="tokens of all sequences together")
@@ -143,16 +165,20 @@ def main() -> None:
     parser.add_argument("--chunk-pairs", type=int, default=1, help="liger: pairs per chunk")
     parser.add_argument("--backends", nargs="+", default=["torch", "chunked", "liger"],
                         choices=["torch", "chunked", "liger"], help="rows to measure (liger: when installed)")
+    parser.add_argument("--hidden", type=int, default=HIDDEN, help="LM-head width (default: Qwen3-32B's)")
+    parser.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary (default: Qwen3's)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cuda: the allocator's peak (the GPU lane runs --tokens 15360, the seed's size)")
     args = parser.parse_args()
     torch.manual_seed(0)
-    inputs = make_inputs(args.tokens)
+    inputs = make_inputs(args.tokens, args.hidden, args.vocab, args.device)
     options = {"torch": {}, "chunked": {"chunk_tokens": args.chunk_tokens, "chunk_vocab": args.chunk_vocab},
                "liger": {"chunk_pairs": args.chunk_pairs}}
     liger_missing = importlib.util.find_spec("liger_kernel") is None
     rows = {name: measure(name, options[name], inputs) for name in args.backends
             if not (name == "liger" and liger_missing)}
     gib = 2**30
-    print(f"DPO log-prob + loss, hidden {HIDDEN}, vocabulary {VOCAB}, fp32, {len(inputs['labels'])} tokens "
+    print(f"DPO log-prob + loss, hidden {args.hidden}, vocabulary {args.vocab}, fp32, {len(inputs['labels'])} tokens "
           f"({PAIRS} pairs), chunk_tokens {args.chunk_tokens}, chunk_vocab {args.chunk_vocab}\n")
     print("| backend | peak above inputs (GiB) | working: peak - gradients (GiB) | wall (s) | cpu (s) |")
     print("|---|---|---|---|---|")
