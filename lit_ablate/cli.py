@@ -2,23 +2,27 @@
 plain commands of ``lit_ablate.commands`` (``COMMANDS``); ``lit-ablate --help`` lists them all.
 
 No parser accepts an abbreviated option (``--trainer.max_step`` is an error, not ``max_steps``).
+
+``--help`` and ``--version`` import neither torch, Lightning nor jsonargparse (seconds at start-up): the
+command table has no imports, and the commands' modules load only once a command runs.
+
+Like ``python -m``, the command puts the working directory first on ``sys.path``, so a class of the
+user's own code in the directory they run from is found by its dotted path
+(``--trainer.callbacks+=examples.custom_metric.GradNormMonitor`` from the repository root). A console
+script's ``sys.path`` starts with its own ``bin/`` folder instead, which finds nothing of theirs.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Callable
-
-from jsonargparse import ArgumentError
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from lit_ablate import __version__
 from lit_ablate.command_table import COMMANDS, SUMMARIES
 from lit_ablate.errors import ConfigError
-from lit_ablate.fit_cli import LitAblateCLI
-from lit_ablate.parse_errors import concise_error
 
 
 def _command(spec: str) -> Callable[[list[str]], int]:
@@ -46,6 +50,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.parse_args(args[:1])  # prints the help or the version and exits
         parser.print_help(sys.stderr)
         sys.exit(2)
+    _import_from_working_directory()
+    # Only now the heavy imports (torch, Lightning, jsonargparse): --help and --version never need them.
+    from jsonargparse import ArgumentError
+
+    from lit_ablate.parse_errors import concise_error
+
     if args and args[0] in COMMANDS:
         try:
             sys.exit(_command(COMMANDS[args[0]])(args[1:]))
@@ -53,6 +63,10 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"lit-ablate {args[0]}: error: {concise_error(str(err))}")
         except ConfigError as err:
             sys.exit(f"lit-ablate {args[0]}: error: {err}")
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    from lit_ablate.fit_cli import LitAblateCLI
+
     try:
         LitAblateCLI(args=argv)
     except ArgumentError as err:
@@ -64,6 +78,12 @@ def main(argv: list[str] | None = None) -> None:
         if cause is None:
             raise
         sys.exit(f"lit-ablate: error: {cause}")
+
+
+def _import_from_working_directory() -> None:
+    """The working directory first on ``sys.path``, as ``python -m`` has it (see the module docstring)."""
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
 
 
 def _config_error_in(error: BaseException | None) -> ConfigError | None:

@@ -1,0 +1,50 @@
+"""``lit-ablate --help`` and ``--version`` answer at once: neither imports torch, Lightning or jsonargparse.
+
+Seen failing with ``from jsonargparse import ArgumentError`` back at the top of ``lit_ablate/cli.py``
+(the import check names jsonargparse), and with ``from lit_ablate.fit_cli import LitAblateCLI`` there
+(the timing check: best of 3 took 8.5 s for ``--help``, 15 s for ``--version`` on a loaded machine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+HEAVY = ("torch", "lightning", "jsonargparse", "transformers")
+
+
+def _console_script() -> str:
+    """The installed ``lit-ablate`` beside this interpreter (what a user types), else ``python -m``."""
+    beside = Path(sys.executable).with_name("lit-ablate")
+    return str(beside) if beside.exists() else shutil.which("lit-ablate") or ""
+
+
+@pytest.mark.parametrize("flag", ["--help", "--version"])
+def test_help_and_version_import_no_heavy_library(flag):
+    probe = (f"import sys\nfrom lit_ablate.cli import main\ntry:\n    main([{flag!r}])\nexcept SystemExit:\n    pass\n"
+             f"print('\\n' + __import__('json').dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+@pytest.mark.parametrize("flag", ["--help", "--version"])
+def test_help_and_version_answer_in_under_a_second(flag):
+    """Wall time of the console script in a subprocess, best of 3 (a loaded machine slows one try, not all)."""
+    script = _console_script()
+    assert script, "the lit-ablate console script is not installed (pip install -e .)"
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        done = subprocess.run([script, flag], capture_output=True, text=True, timeout=120, env=os.environ)
+        times.append(time.perf_counter() - start)
+        assert done.returncode == 0, done.stderr
+    assert "lit-ablate" in done.stdout
+    assert min(times) < 1.0, f"lit-ablate {flag}: best of 3 took {min(times):.2f} s"
