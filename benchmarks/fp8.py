@@ -28,6 +28,7 @@ on a GPU also ``fp8_<recipe>_speedup`` (bf16 step time / fp8 step time),
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 
@@ -81,6 +82,8 @@ def step_time_and_memory(config: dict, recipe: str | None, seq_len: int, steps: 
     on_cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if on_cuda else (lambda: None)
     torch.manual_seed(0)
+    torch._dynamo.reset()  # the previous variant's compiled layers must not keep its model alive
+    gc.collect()
     if on_cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -145,8 +148,10 @@ def main() -> None:
         print(f"SKIP fp8 step time and memory: {unavailable}; a CPU runs fp8 only emulated, with no speed or memory gain")
     else:
         for recipe in (None, *args.recipes):
-            speed[recipe or "bf16"] = step_time_and_memory(config, recipe, args.seq_len, args.steps, not args.no_compile,
-                                                           device)
+            name = recipe or "bf16"
+            speed[name] = step_time_and_memory(config, recipe, args.seq_len, args.steps, not args.no_compile, device)
+            key = f"fp8_{recipe}" if recipe else "bf16"  # printed now: kept if a later variant runs out of time
+            print(f"RESULT {key}_step_s={speed[name][0]:.4f}", flush=True)
         where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU (emulated: {unavailable})"
         print(f"\n{args.shape} shape, {config['num_hidden_layers']} layers, 1 x {args.seq_len} tokens, {where}:")
         print("| variant | step (s) | tokens/s | peak allocated (GiB) | _scaled_mm per step |\n|---|---|---|---|---|")
