@@ -1,0 +1,238 @@
+"""The GPU lane's lane.json as the README of ``benchmarks/results/gpu/<kind>-<date>/``.
+
+    benchmarks/gpu/render LANE_JSON            # print the README
+    benchmarks/gpu/render LANE_JSON --save     # write it, lane.json and log_tails.md into the results folder
+
+One table puts each figure beside its anchor (what the seed study or a library's own claim
+measured) and its goal; then every step with its status and time, every gpu-marked test's outcome
+(each skip with its reason), the fit's memory categories from its run.json, and the log tail of
+each step that did not finish ``ok`` (all tails go to log_tails.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "gpu"
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One row of the figures table: ``step``'s result ``key``, its anchor and its goal."""
+
+    benchmark: str
+    step: str
+    key: str
+    label: str
+    anchor: str = "—"
+    goal: tuple[str, object] | None = None
+    """``(op, value)`` with op one of ``>=``, ``<=``, ``>``, ``==``; None: reported, no goal."""
+    unit: str = ""
+
+
+FIGURES: tuple[Figure, ...] = (
+    Figure("dense MFU", "mfu", "dense_mfu", "MFU vs the spec peak (Qwen3-0.6B, 8k packed rows, bf16, compiled)",
+           "0.60-0.62 (seed: one H100, FA3 varlen + Liger)", (">=", 0.60)),
+    Figure("dense MFU", "mfu", "dense_mfu_measured", "MFU vs the measured bf16 matmul ceiling"),
+    Figure("dense MFU", "mfu", "dense_useful_tokens_per_s", "useful tokens/s", unit="tok/s"),
+    Figure("dense MFU", "mfu", "dense_attention", "packed attention used", goal=("==", "fa_varlen or flex")),
+    Figure("dense MFU", "mfu", "dense_loss", "loss used"),
+    Figure("dense MFU", "mfu", "dense_peak_allocated_gib", "peak allocated", unit="GiB"),
+    Figure("loss backends", "loss", "liger_memory_ratio", "Liger fused linear-CE peak / torch's (V 151,936, H 1024, 16k tokens)",
+           "0.21 (Liger: -79% memory)", ("<=", 0.21)),
+    Figure("loss backends", "loss", "liger_time_ratio", "Liger time / torch's"),
+    Figure("loss backends", "loss", "torch_working_mib", "torch: loss memory beyond its gradients", "24 GB (CCE paper)",
+           unit="MiB"),
+    Figure("loss backends", "loss", "cce_working_mib", "CCE: loss memory beyond its gradients", "1 MB (CCE paper)",
+           ("<=", 1.0), unit="MiB"),
+    Figure("loss backends", "loss", "cce_time_ratio", "CCE time / torch's"),
+    Figure("loss backends", "loss", "chunked_memory_ratio", "chunked peak / torch's"),
+    Figure("MoE", "moe", "grouped_speedup", "grouped vs loop experts, Qwen3-30B-A3B layer, bf16 fwd+bwd",
+           "~10x fused vs naive (seed)", (">=", 10.0), "x"),
+    Figure("MoE", "moe", "grouped_speedup_vs_hf_eager", "grouped vs transformers' eager experts", goal=(">", 1.0), unit="x"),
+    Figure("MoE", "moe", "grouped_fallback", "grouped kernel fallback", goal=("==", "none")),
+    Figure("fp8", "fp8", "fp8_tensorwise_speedup", "tensorwise vs bf16 step (Qwen3-8B shape, 4 layers, 8k tokens)",
+           goal=(">", 1.0), unit="x"),
+    Figure("fp8", "fp8", "fp8_rowwise_speedup", "rowwise vs bf16 step", goal=(">", 1.0), unit="x"),
+    Figure("fp8", "fp8", "fp8_tensorwise_memory_ratio", "tensorwise peak / bf16's"),
+    Figure("fp8", "fp8", "fp8_kernels", "fp8 matmuls that ran", goal=("==", "real")),
+    Figure("packing", "packing", "packing_speedup", "FFD packing vs padding, useful tokens/s (Qwen3-0.6B shape, 8 layers)",
+           "2.26-2.29x (CPU, tiny model)", (">=", 1.8), "x"),
+    Figure("packing", "packing", "packing_speedup_vs_grouped", "FFD packing vs length-grouped padding",
+           "0.87-0.89x (CPU, tiny model)", (">", 1.0), "x"),
+    Figure("packing", "packing", "packing_attention", "packed attention of those rows"),
+    Figure("DPO", "dpo", "dpo_chunked_memory_ratio", "chunked log-probs' working memory / torch's (Qwen3-32B head, 15k tokens)",
+           "0.126 (CPU, 1k tokens)", ("<=", 0.15)),
+    Figure("DPO", "dpo", "dpo_liger_memory_ratio", "Liger DPO's working memory / torch's", "6.0 (CPU, 1k tokens)"),
+    Figure("peak", "peak", "spec_peak_tflops", "spec peak, dense bf16", unit="TFLOP/s"),
+    Figure("peak", "peak", "ceiling_tflops", "measured bf16 matmul ceiling", unit="TFLOP/s"),
+    Figure("fit", "fit", "status", "lit-ablate fit (quickstart, --trainer.accelerator gpu)", goal=("==", "ok")),
+    Figure("fit", "fit", "tensor_method", "memory measured by", goal=("==", "cuda_max_allocated")),
+    Figure("gpu tests", "gpu_tests", "failed", "gpu-marked tests failed", goal=("==", 0)),
+    Figure("gpu tests", "gpu_tests", "error", "gpu-marked tests in error", goal=("==", 0)),
+    Figure("gpu tests", "gpu_tests", "passed", "gpu-marked tests passed"),
+    Figure("gpu tests", "gpu_tests", "skipped", "gpu-marked tests skipped (reasons below)"),
+)
+
+
+def met(figure: Figure, value: object) -> str:
+    if figure.goal is None:
+        return "—"
+    if value is None or value == "n/a":
+        return "n/a"
+    op, target = figure.goal
+    if op == "==":
+        wanted = [t.strip() for t in str(target).split(" or ")]
+        return "yes" if str(value) in wanted else "no"
+    if not isinstance(value, (int, float)):
+        return "n/a"
+    ok = {">=": value >= target, "<=": value <= target, ">": value > target}[op]
+    return "yes" if ok else "no"
+
+
+def formatted(value: object, unit: str = "") -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if unit in ("tok/s", "MiB") or abs(value) >= 1000:
+        text = f"{value:,.0f}" if abs(value) >= 100 else f"{value:.2f}"
+    elif isinstance(value, int):
+        text = str(value)
+    else:
+        text = f"{value:.3g}" if abs(value) < 100 else f"{value:.1f}"
+    return f"{text}{unit}" if unit == "x" else f"{text} {unit}".strip()
+
+
+def goal_text(figure: Figure) -> str:
+    if figure.goal is None:
+        return "—"
+    op, target = figure.goal
+    return f"{op} {target}{figure.unit if figure.unit == 'x' else ''}"
+
+
+def step_status(lane: dict, step: str) -> str:
+    entry = lane["steps"].get(step)
+    return entry["status"] if entry else "not run"
+
+
+def figures_table(lane: dict) -> str:
+    lines = ["| benchmark | figure | measured | anchor | goal | met |", "|---|---|---|---|---|---|"]
+    for figure in FIGURES:
+        entry = lane["steps"].get(figure.step) or {}
+        results = entry.get("results") or {}
+        if figure.key in results:
+            value = formatted(results[figure.key], figure.unit)
+            verdict = met(figure, results[figure.key])
+        else:
+            status = step_status(lane, figure.step)
+            value = "(not reported)" if status == "ok" else f"({status})"
+            verdict = "n/a" if figure.goal else "—"
+        lines.append(f"| {figure.benchmark} | {figure.label} | {value} | {figure.anchor} | {goal_text(figure)} | {verdict} |")
+    return "\n".join(lines)
+
+
+def steps_table(lane: dict) -> str:
+    lines = ["| step | status | seconds / limit | what |", "|---|---|---|---|"]
+    for name, entry in lane["steps"].items():
+        lines.append(f"| {name} | {entry['status']} | {entry.get('seconds', '-')} / {entry['timeout_s']} | {entry['what']} |")
+    return "\n".join(lines)
+
+
+def tests_table(lane: dict) -> str:
+    results = (lane["steps"].get("gpu_tests") or {}).get("results") or {}
+    tests = results.get("tests") or {}
+    if not tests:
+        return "No gpu-marked test ran" + (f" ({results['selected']} collected)." if results.get("selected") else ".")
+    lines = ["| test | outcome | reason / message |", "|---|---|---|"]
+    for name, test in sorted(tests.items(), key=lambda item: (item[1]["outcome"] == "passed", item[0])):
+        message = " ".join(test["message"].split())[:300].replace("|", "\\|")
+        lines.append(f"| `{name}` | {test['outcome']} | {message} |")
+    return "\n".join(lines)
+
+
+def memory_table(lane: dict) -> str:
+    results = (lane["steps"].get("fit") or {}).get("results") or {}
+    breakdown = results.get("tensor_breakdown") or {}
+    if not breakdown.get("at_peak"):
+        return "No memory categories recorded."
+    mib = 2**20
+    lines = [f"Tracked step {breakdown.get('step')}, method {breakdown.get('method')}; peak tensor bytes "
+             f"{formatted((results.get('peak_tensor_bytes') or 0) / mib, 'MiB')}.", "",
+             "| category | at the peak (MiB) | its own max (MiB) |", "|---|---|---|"]  # fmt: skip
+    for category, at_peak in breakdown["at_peak"].items():
+        lines.append(f"| {category} | {at_peak / mib:.2f} | {breakdown.get('max', {}).get(category, 0) / mib:.2f} |")
+    return "\n".join(lines)
+
+
+def header(lane: dict) -> tuple[str, str]:
+    env = (lane["steps"].get("env") or {}).get("results") or {}
+    meta = lane["lane"]
+    prepared = meta.get("prepared") or {}
+    commit = (prepared.get("git_commit") or "unknown")[:10] + (" + uncommitted changes" if prepared.get("git_dirty") else "")
+    title = f"# GPU lane: {env.get('gpu', 'unknown device')}, {meta['started_at'][:10]}"
+    kind = " (dry run on the CPU: the figures mean nothing)" if meta.get("dry_run") else ""
+    line = (f"torch {env.get('torch')} (CUDA {env.get('torch_cuda')}), triton {env.get('triton')}, transformers "
+            f"{env.get('transformers')}, lightning {env.get('lightning')}; lit-ablate at {commit}; "
+            f"{meta.get('elapsed_s')} s of the {meta['budget_s']} s budget{kind}.")
+    return title, line
+
+
+def readme(lane: dict) -> str:
+    title, line = header(lane)
+    failed = [name for name, entry in lane["steps"].items() if entry["status"] != "ok"]
+    tails = "\n\n".join(f"### {name} ({lane['steps'][name]['status']})\n\n```\n{lane['steps'][name].get('tail', '')}\n```"
+                        for name in failed) or "Every step finished ok."  # fmt: skip
+    return "\n\n".join([
+        title, line, "Made by `benchmarks/gpu/render` from `lane.json` (`benchmarks/gpu/README.md` says how the lane runs).",
+        "## Figures", figures_table(lane), "## Steps", steps_table(lane), "## gpu-marked tests", tests_table(lane),
+        "## Memory categories of the fit (run.json)", memory_table(lane), "## Log tails of the steps that did not finish ok",
+        tails,
+    ]) + "\n"  # fmt: skip
+
+
+def log_tails(lane: dict) -> str:
+    return "\n\n".join(f"## {name} ({entry['status']}, {entry.get('seconds', '-')} s)\n\n`{entry['command']}`\n\n"
+                       f"```\n{entry.get('tail', '')}\n```" for name, entry in lane["steps"].items()) + "\n"  # fmt: skip
+
+
+def results_folder(lane: dict) -> Path:
+    """``benchmarks/results/gpu/<kind>-<date>``: kind from the GPU's name (h100, h200, ...)."""
+    gpu = str(((lane["steps"].get("env") or {}).get("results") or {}).get("gpu", "unknown"))
+    match = re.search(r"\b([a-z]+\d{2,4})\b", gpu.lower().replace("nvidia ", ""))
+    kind = match.group(1) if match else re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-") or "unknown"
+    return RESULTS / f"{kind}-{lane['lane']['started_at'][:10]}"
+
+
+def save(lane_json: Path, folder: Path) -> Path:
+    lane = json.loads(lane_json.read_text())
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "README.md").write_text(readme(lane))
+    (folder / "log_tails.md").write_text(log_tails(lane))
+    if lane_json.resolve() != (folder / "lane.json").resolve():
+        shutil.copyfile(lane_json, folder / "lane.json")
+    return folder
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("lane_json", type=Path, help="lane.json from the device ($OUT)")
+    parser.add_argument("--save", action="store_true", help="write README.md, lane.json, log_tails.md to the results folder")
+    parser.add_argument("--folder", type=Path, help="with --save: this folder instead of benchmarks/results/gpu/<kind>-<date>")
+    args = parser.parse_args()
+    lane = json.loads(args.lane_json.read_text())
+    if args.save:
+        print(f"wrote {save(args.lane_json, args.folder or results_folder(lane))}")
+    else:
+        print(readme(lane), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
