@@ -25,6 +25,13 @@ every two-rank run fails, losses off by 0.03 to 0.13; ``backward`` without the a
 shard): the checkpointed run fails; compiled layers (``compile_layers``, whose attention call runs
 eagerly) attending within their own shard once dynamo traced them: the compiled run fails; MFUMonitor without the strategy's ``flops_share``: the MFU
 test counts the FLOPs twice.
+
+Every equivalence test also checks what each rank's model received against the layouts' definition
+(``assert_ranks_hold_their_chunks``): a consistent but wrong chunk map trains exactly the one-process
+model, since attention and sharding read the same map. Seen failing (by hand, once) with zigzag
+pairing chunks ``r`` and ``cp + r`` (``SequenceLayout.chunks``): all three zigzag two-rank runs fail
+(rank 0's input_ids differ in 14 of 30 and 16 of 64 positions) while their losses, gradients and
+weights still match.
 """
 
 from __future__ import annotations
@@ -77,6 +84,19 @@ class StepGradients(Callback):
             }
 
 
+class FirstBatch(Callback):
+    """The first micro-batch as the model receives it: after the strategy's ``batch_to_device``,
+    which shards it under context parallelism."""
+
+    def __init__(self) -> None:
+        self.batch: dict[str, torch.Tensor] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == 0 and batch_idx == 0:
+            self.batch = {key: batch[key].detach().cpu().clone() for key in ("input_ids", "position_ids")
+                          if batch.get(key) is not None}
+
+
 def fit(preset: str, data: str, strategy="auto", devices: int = 1, rank: int = 0, accelerator: str = "cpu") -> dict:
     """5 steps of ``preset`` on ``data`` (``reference``: padded 4-row steps; ``packed``: two packed
     rows per step, accumulated; ``ranks``: this data-parallel rank's 2 rows of each step)."""
@@ -85,11 +105,11 @@ def fit(preset: str, data: str, strategy="auto", devices: int = 1, rank: int = 0
     moe = MoEOptions(experts="grouped", load_balance_weight=0.0) if preset.endswith("-moe") else None  # see EXPERT_RUN
     module = CausalLM(ModelFactory(preset=preset, attn_implementation=attention, moe=moe), learning_rate=LEARNING_RATE,
                       warmup_steps=0)  # fmt: skip
-    losses, grads = StepLosses(), StepGradients()
+    losses, grads, first_batch = StepLosses(), StepGradients(), FirstBatch()
     throughput, mfu = ThroughputMonitor(warmup_steps=0), MFUMonitor(peak_tflops=1.0, warmup_steps=0)
     trainer = pl.Trainer(
         accelerator=accelerator, devices=devices, strategy=strategy, max_steps=STEPS,
-        accumulate_grad_batches=2 if data == "packed" else 1, callbacks=[losses, grads, throughput, mfu], gradient_clip_val=1.0,
+        accumulate_grad_batches=2 if data == "packed" else 1, callbacks=[losses, grads, throughput, mfu, first_batch], gradient_clip_val=1.0,
         logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
         use_distributed_sampler=False, num_sanity_val_steps=0,
     )
@@ -101,7 +121,8 @@ def fit(preset: str, data: str, strategy="auto", devices: int = 1, rank: int = 0
         "useful_tokens": [throughput.series["useful_tokens_per_sec"][s] * seconds[s] for s in sorted(seconds)],
         "flops": [mfu.series["mfu"][s] * seconds[s] * 1e12 for s in sorted(seconds)],
     }
-    return {"losses": losses.losses, "grads": grads.grads, "counted": counted,
+    return {"losses": losses.losses, "grads": grads.grads, "counted": counted, "first_batch": first_batch.batch,
+            "layout": getattr(trainer.strategy, "cp_layout", None),
             "weights": {k: v.detach().clone() for k, v in weights.items()}}
 
 
@@ -117,6 +138,39 @@ def assert_same_training(run: dict, reference: dict, loss_atol: float = LOSS_ATO
         difference = (run["weights"][name] - value).abs()
         assert difference.mean() <= WEIGHT_MEAN_ATOL and difference.max() <= WEIGHT_MAX_ATOL, (
             f"{name}: mean |diff| {difference.mean():.2e}, max {difference.max():.2e}")
+
+
+def chunks_by_definition(whole: torch.Tensor, layout: str, cp: int, cp_rank: int) -> torch.Tensor:
+    """What context-parallel rank ``cp_rank`` must hold of each row, written out from the layouts'
+    definition rather than through ``SequenceLayout`` (a consistent but wrong chunk map there trains
+    the same model, so only this comparison can tell): ``contiguous``, chunk ``r`` of ``cp``;
+    ``zigzag``, chunks ``r`` and ``2 cp - 1 - r`` of ``2 cp``."""
+    if layout == "contiguous":
+        c = whole.shape[1] // cp
+        return whole[:, cp_rank * c : (cp_rank + 1) * c]
+    c = whole.shape[1] // (2 * cp)
+    head, tail = cp_rank, 2 * cp - 1 - cp_rank
+    return torch.cat([whole[:, head * c : (head + 1) * c], whole[:, tail * c : (tail + 1) * c]], dim=1)
+
+
+def assert_ranks_hold_their_chunks(rank_runs: list[dict], run: tuple) -> None:
+    """Each rank's first micro-batch, as its model received it, is its layout's chunks of the whole
+    micro-batch (padded at the end to the chunk multiple, positions continuing): ``cp`` is the
+    inner mesh dimension, so global rank ``g`` is cp rank ``g % cp`` of data-parallel rank ``g // cp``."""
+    _, data, _, kwargs = run
+    cp = kwargs["cp"]
+    for rank, result in enumerate(rank_runs):
+        layout = result["layout"]
+        batch = micro_batches(data, rank // cp)[0]
+        rows, length = batch["input_ids"].shape
+        extra = -length % (2 * cp if layout == "zigzag" else cp)
+        positions = batch.get("position_ids", torch.arange(length).expand(rows, length))
+        whole = {"input_ids": torch.cat([batch["input_ids"], torch.zeros(rows, extra, dtype=torch.long)], dim=1),
+                 "position_ids": torch.cat([positions, positions[:, -1:] + torch.arange(1, extra + 1)], dim=1)}
+        for key, value in whole.items():
+            expected = chunks_by_definition(value, layout, cp, rank % cp)
+            torch.testing.assert_close(result["first_batch"][key], expected, rtol=0, atol=0,
+                                       msg=lambda m, k=key, r=rank, n=layout: f"{n} rank {r}'s {k}: {m}")
 
 
 class WithoutContextParallelRanksInW(ContextParallelStrategy):
@@ -209,6 +263,7 @@ def test_the_references_train(references):
 def test_two_context_parallel_ranks_train_the_one_process_model(references, two_rank_runs, name):
     for rank_run in two_rank_runs:
         assert_same_training(rank_run[name], reference_of(TWO_RANK_RUNS[name], references))
+    assert_ranks_hold_their_chunks([rank_run[name] for rank_run in two_rank_runs], TWO_RANK_RUNS[name])
 
 
 def test_fsdp_division_by_cp_is_undone(references, two_rank_runs):
@@ -244,6 +299,7 @@ def test_throughput_and_mfu_count_each_token_once_across_the_cp_group(references
 def test_four_ranks_train_the_one_process_model(references, four_rank_runs, name):
     for rank_run in four_rank_runs:
         assert_same_training(rank_run[name], reference_of(FOUR_RANK_RUNS[name], references))
+    assert_ranks_hold_their_chunks([rank_run[name] for rank_run in four_rank_runs], FOUR_RANK_RUNS[name])
 
 
 @pytest.fixture(scope="module")

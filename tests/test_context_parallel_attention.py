@@ -15,7 +15,8 @@ leaving a fully masked row's block log-sum-exp at the kernel's 0 instead of -inf
 padded cases, outputs off by ~0.5); stopping the dK/dV ring one hop short of the owner (dK/dV off
 by O(1), every ring case). ``test_a_wrong_merge_is_caught`` keeps the first break in the suite.
 Giving zigzag's second chunk to the wrong rank (``SequenceLayout.chunks`` returning ``(r, cp + r)``)
-keeps attention exact (any permutation of chunks does) and fails the balance test instead.
+keeps attention exact (any permutation of chunks does) and fails the balance test instead, and
+the chunk check of ``test_context_parallel.py``'s equivalence tests.
 """
 
 from __future__ import annotations
