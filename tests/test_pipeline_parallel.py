@@ -20,6 +20,7 @@ the stages (seen failing with the loss not broadcast from the last stage: 0 on t
 
 from __future__ import annotations
 
+import re
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -33,7 +34,7 @@ from lit_ablate.callbacks import RunRecorder
 from lit_ablate.callbacks.pipeline_bubble import PipelineBubbleMonitor
 from lit_ablate.data import LMDataModule, SyntheticText
 from lit_ablate.errors import ConfigError
-from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
+from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.losses.cross_entropy import loss_backend
 from lit_ablate.modules import CausalLM
@@ -174,6 +175,40 @@ def test_stages_hold_the_split_layers(two_ranks):
     assert [rank["1f1b_qwen3"]["stage_layers"] for rank in two_ranks] == [[0], [1, 2, 3]]
     assert sorted(sum((rank["gpipe_llama"]["stage_layers"] for rank in two_ranks), [])) == [0, 1, 2, 3]
     assert [rank["interleaved_llama"]["stage_layers"] for rank in two_ranks] == [[0, 2], [1, 3]]  # looped stages
+
+
+def _balanced(rank: int, world_size: int) -> dict:
+    return _pipeline_run(rank, world_size, "tiny-llama", {"schedule": "1f1b", "microbatches": 2})
+
+
+def test_a_balanced_run_s_stages_are_the_balanced_split(references):
+    """pp=2 with ``split_points: null`` trains one process's model, and the layers each rank actually
+    holds (its parameters' names) are ``balanced_split_points``'s stages, whose largest stage is the
+    smallest any split can make (4 equal layers, the embeddings and the LM head ~0.2 layer each:
+    layers 0-1 and 2-3). The existing runs check only that every layer is somewhere: any split trains
+    the same model. Seen failing (by hand, once) with ``balanced_split_points`` reporting each stage's
+    last layer instead of the next stage's first (``(end - 1, ...)``): the ranks hold [0] and [1, 2, 3],
+    a largest stage of 631,552 parameters instead of 434,688 (the unit test fails under it too, and
+    the interleaved run, whose split point 0 is refused)."""
+    model = build("tiny-llama")
+    sizes = [sum(p.numel() for p in layer.parameters()) for layer in decoder_layers(model)]
+    head, tail = model.lm.get_input_embeddings().weight.numel(), model.lm.get_output_embeddings().weight.numel()
+    n = len(sizes)
+
+    def stage_size(start: int, end: int) -> int:  # the objective balanced_split_points minimises
+        return sum(sizes[start:end]) + (head if start == 0 else 0) + (tail if end == n else 0)
+
+    smallest_largest = min(max(stage_size(0, point), stage_size(point, n)) for point in range(1, n))
+    ranks = run_ranks(_balanced, 2)
+    layer_index = re.compile(r"\.layers\.(\d+)\.")
+    held = [sorted({int(m[1]) for m in map(layer_index.search, r["weights"]) if m}) for r in ranks]
+    assert held == [r["stage_layers"] for r in ranks]
+    (point,) = balanced_split_points(sizes, 2, head, tail)
+    assert held == [list(range(point)), list(range(point, n))]
+    assert max(stage_size(h[0], h[-1] + 1) for h in held) == smallest_largest
+    for result in ranks:
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(references["tiny-llama"]["losses"]),
+                                   rtol=0, atol=ATOL)
 
 
 # ---------------------------------------------------------------- under a Lightning Trainer
