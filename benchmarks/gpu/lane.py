@@ -353,7 +353,7 @@ def _write(out: Path, record: dict) -> None:
 
 
 HEADLINES: dict[str, tuple[str, ...]] = {
-    "env": ("gpu", "torch", "torch_cuda", "triton"),
+    "env": ("gpu", "torch", "torch_cuda", "triton", "transformers", "lightning"),
     "gpu_tests": ("selected", "passed", "failed", "error", "skipped"),
     "mfu": ("dense_mfu", "dense_mfu_measured", "dense_attention", "dense_loss"),
     "loss": ("liger_memory_ratio", "cce_memory_ratio", "chunked_memory_ratio"),
