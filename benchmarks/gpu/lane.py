@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -338,6 +339,7 @@ def run_lane(steps: tuple[Step, ...], out: Path, dry_run: bool, started_at: floa
             print(f"[lane] {step.name}: {entry['status']} in {seconds:.1f} s" + (f": {figures}" if figures else ""), flush=True)
     record["lane"]["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     _write(out, record)
+    shutil.rmtree(scratch, ignore_errors=True)  # what the steps left there (run.json, pytest.xml) is in the record
     return record
 
 
