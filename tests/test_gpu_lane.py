@@ -57,7 +57,8 @@ def test_step_table_is_well_formed():
         if script.endswith(".py"):
             assert (ROOT / script).is_file(), script
     files = lane.gpu_test_files()
-    assert "tests/test_memory_categories.py" in files and all("mark.gpu" in (ROOT / f).read_text() for f in files)
+    assert "tests/test_memory_categories.py" in files and "tests/test_gpu_lane.py" not in files
+    assert all(lane.GPU_MARK in (ROOT / f).read_text() for f in files)
     pytest_step = next(s for s in lane.STEPS if s.name == "gpu_tests")
     assert lane.command(pytest_step, Path("/scratch"), dry_run=False)[-len(files):] == files
 

@@ -52,6 +52,8 @@ TAIL_LINES, TAIL_CHARS = 60, 6000
 LOG_LIMIT_BYTES = 15 * 2**20
 """lane.log stops growing here: the device returns files of at most 16 MiB."""
 GPU_TESTS_PLACEHOLDER = "{gpu_test_files}"
+GPU_MARK = "pytest.mark.gpu"
+"""What a test file with gpu-marked tests holds (a decorator, ``pytestmark = ...`` or a parameter's ``marks=``)."""
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,7 @@ def gpu_test_files() -> list[str]:
     """Test files that hold a ``gpu`` mark (a decorator, ``pytestmark`` or a parameter's marks).
     Only these are collected: ``tests/test_adapters.py`` imports bitsandbytes at the top, and a
     collection error elsewhere would hide nothing here but cost the import time of 80 files."""
-    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py") if "mark.gpu" in p.read_text())
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py") if GPU_MARK in p.read_text())
 
 
 def command(step: Step, scratch: Path, dry_run: bool) -> list[str]:
