@@ -1,4 +1,4 @@
-"""A custom metric: the gradient norm before clipping, in every run record and study report.
+"""A custom metric: the gradient norm before clipping, a per-step series of every run record.
 
 Subclass ``StepMonitor``, compute in a Lightning hook, ``record()`` once per optimizer step in
 ``measure()``. Use it from YAML without touching lit-ablate:
@@ -7,7 +7,13 @@ Subclass ``StepMonitor``, compute in a Lightning hook, ``record()`` once per opt
       callbacks:
         - class_path: examples.custom_metric.GradNormMonitor   # run from the repository root
 
-or on the command line: ``--trainer.callbacks+=examples.custom_metric.GradNormMonitor``.
+or on the command line, from the repository root (``lit-ablate`` puts the working directory on the
+Python path, as ``python -m`` does; from elsewhere, put the folder holding ``examples/`` on
+``PYTHONPATH``):
+
+    lit-ablate fit --config configs/quickstart.yaml --trainer.callbacks+=examples.custom_metric.GradNormMonitor
+
+Each step of the run record (``run.json``, ``steps[].grad_norm``) then carries it, in a study's runs too.
 """
 
 from __future__ import annotations
