@@ -11,6 +11,9 @@ nothing here (its own CPU kernels run). Lightning warns on every run started on 
 SLURM's ``srun`` is on PATH but not used (a login node, or any host with SLURM's client installed):
 a ``lit-ablate fit`` started there is a local run by intent, a study's SLURM jobs start their ranks
 with ``srun`` (``launch.executor: slurm``), and the two-line warning broke the one-line error.
+Lightning 2.6 builds torch pytree ``LeafSpec`` objects, which torch 2.13 deprecates with a
+``FutureWarning`` on every run: a note to Lightning's developers, nothing a user can act on. It is
+filtered only where Lightning's ``_pytree`` module raises it, so our own code would still see it.
 Only those exact messages are filtered; everything else these libraries log stays.
 """
 
@@ -43,3 +46,5 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_not_bitsandbytes_k
 
 
 warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning,
+                        module=r"lightning\.pytorch\.utilities\._pytree")

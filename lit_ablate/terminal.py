@@ -15,16 +15,23 @@ Each fix sits where the noise comes from in Lightning (2.6), not in a filter ove
   machine without that device they say nothing, and they came before any error raised during data
   set-up, turning its one line into three. The same filter drops only the ``available: False``
   lines; a machine with a GPU or TPU still prints its line.
+- ``Found 60 module(s) in eval mode at the start of training``: Lightning cannot tell a module
+  frozen on purpose (DPO's reference model, kept in eval mode so dropout stays off) from one left
+  in eval mode by mistake. ``FrozenEvalModules`` drops it for a run whose eval-mode modules are all
+  frozen models; a module with a trainable parameter, or a bare layer such as dropout, in eval mode
+  still warns.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import nn
 from lightning.pytorch.callbacks import ModelSummary, ProgressBar, RichModelSummary, RichProgressBar
 from lightning.pytorch.utilities.model_summary.model_summary import get_formatted_model_size, get_human_readable_count
 
@@ -92,7 +99,7 @@ def console_trainer_args(trainer_args: Mapping[str, Any], callbacks: list[Callba
     would add its own default bar and summary (none among ``callbacks``, not turned off, not
     ``barebones``). With our summary, Lightning's is turned off: it would log that it skips its own."""
     if trainer_args.get("barebones"):
-        return {"callbacks": callbacks}
+        return {"callbacks": callbacks + [FrozenEvalModules()]}
     extra: list[Callback] = []
     args: dict[str, Any] = {}
     if trainer_args.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
@@ -100,7 +107,52 @@ def console_trainer_args(trainer_args: Mapping[str, Any], callbacks: list[Callba
     if trainer_args.get("enable_model_summary") is not False and not any(isinstance(c, ModelSummary) for c in callbacks):
         extra.append(ParameterSummary())
         args["enable_model_summary"] = False
-    return {"callbacks": callbacks + extra, **args}
+    return {"callbacks": callbacks + extra + [FrozenEvalModules()], **args}
+
+
+EVAL_MODE_WARNING = r"Found \d+ module\(s\) in eval mode at the start of training"
+
+
+def frozen_on_purpose(module: nn.Module) -> bool:
+    """Whether every module in eval mode under ``module`` belongs to a frozen model: the top-most
+    eval-mode modules (whose parent trains) each hold parameters, none of them trainable."""
+    tops: list[nn.Module] = []
+
+    def visit(parent: nn.Module) -> None:
+        for child in parent.children():
+            if child.training:
+                visit(child)
+            else:
+                tops.append(child)
+
+    visit(module)
+    return all(any(True for _ in top.parameters()) and not any(p.requires_grad for p in top.parameters())
+               for top in tops)
+
+
+class FrozenEvalModules(Callback):
+    """Drops Lightning's "module(s) in eval mode" warning for this run when those modules are frozen
+    models (``frozen_on_purpose``): installed when the fit starts, after the model is built, removed
+    once training starts (the warning comes in between), so no other run or module loses it."""
+
+    def __init__(self) -> None:
+        self._filter: tuple | None = None
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if frozen_on_purpose(pl_module):
+            warnings.filterwarnings("ignore", message=EVAL_MODE_WARNING)
+            self._filter = warnings.filters[0]
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._remove()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._remove()
+
+    def _remove(self) -> None:
+        if self._filter is not None and self._filter in warnings.filters:
+            warnings.filters.remove(self._filter)
+        self._filter = None
 
 
 class _DropNoise(logging.Filter):

@@ -240,7 +240,7 @@ class StepMonitor(Callback):
     def gather_over_ranks(self, trainer: Trainer, names: list[str]) -> dict[str, dict[int, list[float]]]:
         """Each named series from every rank (a list in rank order per step), in one collective."""
         steps, local = self._stacked(trainer, names)
-        gathered = trainer.strategy.all_gather(local) if trainer.world_size > 1 else local.unsqueeze(0)
+        gathered = _all_gather(local) if trainer.world_size > 1 else local.unsqueeze(0)
         return {n: {s: [float(v) for v in gathered[:, i, j]] for i, s in enumerate(steps)} for j, n in enumerate(names)}
 
     def _stacked(self, trainer: Trainer, names: list[str]) -> tuple[list[int], torch.Tensor]:
@@ -248,6 +248,15 @@ class StepMonitor(Callback):
         local = torch.tensor([[self.series[n].get(s) or 0.0 for n in names] for s in steps],
                              dtype=torch.float64, device=trainer.strategy.root_device).reshape(len(steps), len(names))
         return steps, local
+
+
+def _all_gather(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` of every rank, stacked in rank order. Lightning's ``strategy.all_gather`` goes through
+    ``torch.distributed.nn.functional.all_gather`` (autograd), which torch 2.13 deprecates with a
+    warning per call; measurements need no gradient, so the plain collective serves."""
+    parts = [torch.empty_like(tensor) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(parts, tensor.contiguous())
+    return torch.stack(parts)
 
 
 def batch_replicas(trainer: Trainer) -> int:
