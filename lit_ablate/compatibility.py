@@ -195,6 +195,15 @@ def cp_block_kernel_runs_here(config: Mapping[str, Any], launch: LaunchLike) -> 
     return _reason(block_kernel, name, torch.device("cuda" if _on_gpu(config, launch) else "cpu"))
 
 
+def _imported_class(class_path: str) -> Any:
+    """What a config's ``class_path`` names, or None when it does not import (the run reports that itself)."""
+    module, _, name = class_path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+
+
 def _strategy_class(config: Mapping[str, Any]) -> type | None:
     """The class of ``trainer.strategy``: a ``class_path`` mapping or a Lightning registry name (None
     for ``auto``, an unknown name or one that does not import: the run reports those itself)."""
@@ -202,11 +211,7 @@ def _strategy_class(config: Mapping[str, Any]) -> type | None:
 
     strategy = get_dotted(config, "trainer.strategy")
     if isinstance(strategy, Mapping):
-        module, _, name = str(strategy.get("class_path", "")).rpartition(".")
-        try:
-            return getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError, ValueError):
-            return None
+        return _imported_class(str(strategy.get("class_path", "")))
     return StrategyRegistry[strategy]["strategy"] if strategy in StrategyRegistry else None
 
 
@@ -258,19 +263,22 @@ def quantization_runs_under_strategy(config: Mapping[str, Any], launch: LaunchLi
 
 
 def preference_parts_fit(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
-    """DPO's parts must agree: ``DPO`` trains on ``format: preference`` (and only it does), prefix
-    sharing needs an attention backend that takes its branch mask (``sdpa``/``eager``: varlen and
-    packed kernels know documents, not branches), and ``logprobs: liger`` sums one sequence per
-    padded row (no packed rows)."""
+    """DPO's parts must agree: ``DPO`` and its subclasses (known by type, whatever their name) train
+    on ``format: preference`` (and only they do), prefix sharing needs an attention backend that
+    takes its branch mask (``sdpa``/``eager``: varlen and packed kernels know documents, not
+    branches), and ``logprobs: liger`` sums one sequence per padded row (no packed rows)."""
     from lit_ablate.models.attention.prefix_sharing import MASK_BACKENDS
+    from lit_ablate.modules.dpo import DPO
 
     model = str(get_dotted(config, "model.class_path", ""))
-    dpo = model.rpartition(".")[2] == "DPO"
+    model_class = _imported_class(model)
+    dpo = isinstance(model_class, type) and issubclass(model_class, DPO)  # research subclasses included
     data_format = get_dotted(config, "data.init_args.format")
     if dpo and data_format not in (None, "preference"):
         return f"data.init_args.format={data_format}: DPO trains on preference pairs; use format: preference"
-    if model and not dpo and data_format == "preference":
-        return f"data.init_args.format=preference: {model} trains on tokens; preference pairs need lit_ablate.modules.DPO"
+    if model_class is not None and not dpo and data_format == "preference":
+        return (f"data.init_args.format=preference: {model} trains on tokens; preference pairs need "
+                "lit_ablate.modules.DPO or a subclass of it")
     collator = get_dotted(config, "data.init_args.collator")
     collator = collator if isinstance(collator, Mapping) else {}
     packed = str(collator.get("class_path", "")).endswith("PreferencePackingCollator")

@@ -20,6 +20,10 @@ Bugs put in on purpose, and which test saw them:
   ``test_prefix_shared_equals_unshared`` fails for every loss;
 - the per-micro-batch mean (each micro-batch divided by its own pairs, then averaged again):
   ``test_fsdp2_two_ranks_equal_one_process`` and ``test_accumulation_equals_one_batch`` fail.
+
+A separate reference checkpoint (``reference_model``) is a perturbed tiny Llama saved with
+``save_pretrained``: it is the frozen reference in one process, under FSDP2 and DDP, and computes the
+``precomputed`` log-probs (its own cache, never another model's); each test names the bug it caught.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from torch.utils.data import DataLoader
 from lit_ablate.data import ArithmeticPreference, LMDataModule, PreferencePackingCollator, PreferencePaddingCollator
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.modules import DPO
-from lit_ablate.strategies import FSDP2Strategy
+from lit_ablate.strategies import DDPStrategy, FSDP2Strategy
 from tests.distributed import run_ranks
 from tests.test_step_objective import PerMicroBatchMean, StepLosses
 from tests.test_step_objective import assert_same_training as step_objective_check
@@ -176,8 +180,10 @@ def micro_batches(variant: str, rank: int = 0) -> list[dict]:
     return [padded(step[:3] if rank == 0 else step[3:]) for step in steps]  # ranks: 3 pairs vs 1
 
 
-def fit(variant: str, strategy="auto", devices: int = 1, rank: int = 0, old: bool = False, lora: bool = False) -> dict:
-    """``lora``: LoRA adapters on the policy and ``reference: adapter`` (the policy, adapters off)."""
+def fit(variant: str, strategy="auto", devices: int = 1, rank: int = 0, old: bool = False, lora: bool = False,
+        reference_model: str | None = None) -> dict:
+    """``lora``: LoRA adapters on the policy and ``reference: adapter`` (the policy, adapters off);
+    ``reference_model``: a separate frozen reference checkpoint."""
     from lit_ablate.models.adapters.lora import AdapterOptions
 
     pl.seed_everything(0, verbose=False)
@@ -185,7 +191,7 @@ def fit(variant: str, strategy="auto", devices: int = 1, rank: int = 0, old: boo
     factory = ModelFactory(preset="tiny-llama", attn_implementation=attention,
                            adapter=AdapterOptions(r=4) if lora else None)
     dpo = DPO(factory, beta=0.5, learning_rate=1e-2, warmup_steps=0, weight_decay=0.1,
-              reference="adapter" if lora else "frozen")
+              reference="adapter" if lora else "frozen", reference_model=reference_model)
     if old:
         dpo.objective = PerMicroBatchMean()
     losses = StepLosses()
@@ -236,12 +242,12 @@ def test_fsdp2_two_ranks_with_adapter_reference_equal_one_process() -> None:
         assert_same_training(run, single)
 
 
-def precomputed_reference(rank: int = 0, world_size: int = 1) -> torch.Tensor:
+def precomputed_reference(rank: int = 0, world_size: int = 1, reference_model: str | None = None) -> torch.Tensor:
     """The reference log-probs a ``reference: precomputed`` fit computes before its first step."""
     pl.seed_everything(0, verbose=False)
     data = LMDataModule(ArithmeticPreference(num_examples=23, max_operand=30, median_shots=2.0), format="preference",
                         seq_len=SEQ_LEN, batch_size=2, val_examples=3)
-    dpo = DPO(ModelFactory(preset="tiny-llama"), reference="precomputed")
+    dpo = DPO(ModelFactory(preset="tiny-llama"), reference="precomputed", reference_model=reference_model)
     trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=FSDP2Strategy() if world_size > 1 else "auto",
                          max_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
                          enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0)
@@ -249,8 +255,8 @@ def precomputed_reference(rank: int = 0, world_size: int = 1) -> torch.Tensor:
     return dpo.reference_logps.cpu()
 
 
-def _precomputed_on_ranks(rank: int, world_size: int) -> torch.Tensor:
-    return precomputed_reference(rank, world_size)
+def _precomputed_on_ranks(rank: int, world_size: int, reference_model: str | None = None) -> torch.Tensor:
+    return precomputed_reference(rank, world_size, reference_model)
 
 
 def test_precomputed_reference_on_two_sharded_ranks_equals_one_process() -> None:
@@ -269,3 +275,115 @@ def test_the_per_micro_batch_mean_fails_these_checks(reference) -> None:
         assert_same_training(fit("accumulate", old=True), reference)
     with pytest.raises(AssertionError):
         assert_same_training(run_ranks(_two_ranks, 2, True, init_process_group=False, timeout_s=300)[0], reference)
+
+
+# --- a separate reference checkpoint (reference_model) ------------------------------------------
+@pytest.fixture(scope="module")
+def reference_folder(tmp_path_factory) -> str:
+    """A reference checkpoint other than the policy's start (the seeded tiny Llama): that model moved
+    0.02 x noise, saved as ``save_pretrained`` (and ``lit-ablate export``) writes it."""
+    pl.seed_everything(0, verbose=False)
+    lm = ModelFactory(preset="tiny-llama").build()
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in lm.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=generator))
+    folder = tmp_path_factory.mktemp("reference")
+    lm.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def separate(reference_folder) -> dict:
+    return fit("reference", reference_model=reference_folder)
+
+
+def test_a_separate_reference_is_the_checkpoint_frozen(separate, reference, reference_folder) -> None:
+    """Step 1 against a copy of the start is ln 2 (policy = reference); against the separate checkpoint it
+    is not, and the reference's weights after training are the folder's (frozen, never stepped).
+    Seen failing with the reference copied from the policy's start as before (step 1 = ln 2)."""
+    assert reference["losses"][0] == pytest.approx(0.6931472, abs=1e-6)
+    assert abs(separate["losses"][0] - 0.6931472) > 1e-2
+    saved = ModelFactory(pretrained=reference_folder).build().state_dict()
+    kept = {k.removeprefix("reference.lm."): v for k, v in separate["weights"].items() if k.startswith("reference.lm.")}
+    assert kept.keys() == saved.keys()
+    assert all(torch.equal(kept[k], saved[k]) for k in saved)
+
+
+def _two_ranks_separate(rank: int, world_size: int, strategy: str, reference_model: str) -> dict:
+    chosen = FSDP2Strategy() if strategy == "fsdp2" else DDPStrategy()
+    return fit("ranks", chosen, devices=2, rank=rank, reference_model=reference_model)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
+def test_a_separate_reference_on_two_ranks_equals_one_process(separate, reference_folder, strategy: str) -> None:
+    """The separate reference is built where the policy is (FSDP2: on meta on rank 1, sharded, rank 0's
+    weights copied in; DDP: whole on each rank): 4 steps equal one process's. Seen failing under FSDP2
+    before the factory built a checkpoint's shapes alone on meta (transformers refuses from_pretrained
+    under a meta device, so rank 1 crashed; a pretrained policy did too)."""
+    for run in run_ranks(_two_ranks_separate, 2, strategy, reference_folder, init_process_group=False, timeout_s=300):
+        assert_same_training(run, separate)
+
+
+def test_precomputed_from_a_separate_reference_on_two_sharded_ranks(reference_folder) -> None:
+    """``precomputed`` with ``reference_model`` computes the log-probs with that checkpoint (not the
+    policy's start), sharded over 2 FSDP2 ranks like the policy, equal to one process. Seen failing with
+    the policy computing them (equal to ``reference_model: null``'s) and with the reference not sharded by
+    the strategy (rank 1's stays on meta)."""
+    single = precomputed_reference(reference_model=reference_folder)
+    assert (single - precomputed_reference()).abs().max() > 1e-2
+    for ranks_result in run_ranks(_precomputed_on_ranks, 2, reference_folder, init_process_group=False, timeout_s=300):
+        torch.testing.assert_close(ranks_result, single, rtol=0, atol=1e-5)
+
+
+def test_a_cache_from_another_model_is_refused(reference_folder, tmp_path) -> None:
+    """A ``reference_cache`` written by the policy's start is refused by a run whose reference is
+    another checkpoint (and the other way round); the same reference reuses its cache. Seen failing with
+    the policy's start computing ``precomputed`` log-probs whatever ``reference_model`` says."""
+    from lit_ablate.errors import ConfigError
+
+    data = LMDataModule(ArithmeticPreference(num_examples=6, max_operand=30, median_shots=2.0), format="preference",
+                        seq_len=SEQ_LEN, batch_size=2)
+    data.setup()
+
+    def logps(reference_model: str | None, cache: str) -> torch.Tensor:
+        torch.manual_seed(0)
+        dpo = DPO(ModelFactory(preset="tiny-llama"), reference="precomputed", reference_model=reference_model,
+                  reference_cache=str(tmp_path / cache))
+        dpo.configure_model()
+        return dpo.precompute_reference(data)
+
+    own = logps(None, "start.pt")
+    separate = logps(reference_folder, "separate.pt")
+    torch.testing.assert_close(logps(reference_folder, "separate.pt"), separate, rtol=0, atol=0)  # reused
+    with pytest.raises(ConfigError, match=r"reference_cache=.*start\.pt'.*differ from this run's reference_model"):
+        logps(reference_folder, "start.pt")
+    with pytest.raises(ConfigError, match=r"reference_cache=.*separate\.pt'.*differ from this run's initial model"):
+        logps(None, "separate.pt")
+    assert (own - separate).abs().max() > 1e-2
+
+
+@pytest.fixture(scope="module")
+def wider_folder(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("wider")
+    ModelFactory(preset="tiny-llama", config={"intermediate_size": 256}).build().save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"reference": "none", "loss_type": "simpo"}, r"reference_model=.*only reference: frozen or precomputed .*\(reference is none\)"),
+    ({"reference": "adapter"}, r"reference_model=.*only reference: frozen or precomputed .*\(reference is adapter\)"),
+    ({"reference_model": "./no/such/folder"}, r"model\.init_args\.reference_model='\./no/such/folder': no such directory"),
+    ({"reference_model": "wider"}, r"reference_model=.*architecture differs.*intermediate_size 256 \(the policy's: 384\)"),
+])  # fmt: skip
+def test_a_reference_model_that_cannot_serve_is_refused_naming_the_key(options, message, reference_folder,
+                                                                       wider_folder) -> None:  # fmt: skip
+    from lit_ablate.errors import ConfigError
+    from lit_ablate.models.adapters.lora import AdapterOptions
+
+    options = {"reference_model": reference_folder, **options}
+    if options["reference_model"] == "wider":
+        options["reference_model"] = wider_folder
+    adapter = AdapterOptions(r=4) if options.get("reference") == "adapter" else None
+    with pytest.raises(ConfigError, match=message):
+        DPO(ModelFactory(preset="tiny-llama", adapter=adapter), **options)

@@ -1,12 +1,14 @@
 """The compatibility rule of DPO's parts (``lit_ablate.compatibility.preference_parts_fit``): the
 shipped DPO configs pass it, and each invalid combination is refused with the key and the fix
 (prefix sharing under an attention backend that cannot take its branch mask, Liger's fused DPO on
-packed rows, DPO on token data and a token model on preference data)."""
+packed rows, DPO on token data and a token model on preference data); DPO is known by its type, so a
+subclass under another name is DPO and a token model named DPO is not."""
 
 from __future__ import annotations
 
 import copy
 import re
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,6 +16,7 @@ import pytest
 import yaml
 
 from lit_ablate.compatibility import RULES, incompatibility, preference_parts_fit
+from lit_ablate.modules import DPO, CausalLM
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 LAUNCH = SimpleNamespace(devices=None, num_nodes=None, accelerator=None)
@@ -66,3 +69,28 @@ def test_fit_refuses_them_in_one_line_naming_the_rule_s_own_key(tmp_path: Path, 
     assert code not in (0, None) and len(lines) == 1, lines
     assert lines[0].startswith("lit-ablate: error: model.init_args.model.attn_implementation='sdpa_packed': "), lines[0]
     assert "prefix_sharing: false" in lines[0] and not any(tmp_path.iterdir())
+
+
+class PairwiseTuner(DPO):
+    """Research code's DPO variant under a name of its own (the design card's subclassing)."""
+
+
+class TokenModelNamedDPO(CausalLM):
+    """A token model that research code calls ``DPO`` (served below as ``research_code.DPO``)."""
+
+
+@pytest.mark.parametrize(("class_path", "data_format", "expected"), [
+    (f"{__name__}.PairwiseTuner", "preference", None),
+    (f"{__name__}.PairwiseTuner", "sft", r"format=sft: DPO trains on preference pairs"),
+    ("research_code.DPO", "preference", r"format=preference: research_code\.DPO trains on tokens.*or a subclass"),
+    ("research_code.DPO", "sft", None),
+    ("lit_ablate.modules.NoSuchModule", "preference", None),  # does not import: the run says so itself
+])  # fmt: skip
+def test_the_rule_knows_dpo_by_type_not_by_name(class_path: str, data_format: str, expected: str | None,
+                                                monkeypatch) -> None:  # fmt: skip
+    """Seen failing with the rule matching the class name (``rpartition('.')[2] == 'DPO'``): the subclass
+    on preference pairs was refused as training on tokens, and the token model named DPO was let through."""
+    monkeypatch.setitem(sys.modules, "research_code", SimpleNamespace(DPO=TokenModelNamedDPO))
+    reason = preference_parts_fit(config("dpo_tiny.yaml", **{"model.class_path": class_path,
+                                                             "data.init_args.format": data_format}), LAUNCH)
+    assert (reason is None) if expected is None else re.search(expected, reason or ""), reason

@@ -67,6 +67,30 @@ def test_liger_equals_torch_and_chunked(loss_type: str, reference: str) -> None:
             assert error <= GRAD_RTOL, f"{name} vs {backend}: relative gradient error {error:.1e}"
 
 
+def test_liger_with_a_separate_reference_equals_torch(tmp_path) -> None:
+    """With ``reference_model``, Liger reads the reference checkpoint's hidden states and LM head (its
+    frozen copy inside the policy): the pair step equals the torch backend's against the same checkpoint.
+    Seen failing with the head copied from the policy's start as before (loss sum 4.576 vs 4.522)."""
+    perturbed("sigmoid", "frozen", "torch").model.lm.save_pretrained(tmp_path)  # a checkpoint other than the start
+    batch = padded(pairs())
+
+    def step(logprobs: str, options: dict | None = None) -> tuple:
+        torch.manual_seed(0)
+        dpo = DPO(ModelFactory(preset="tiny-llama", attn_implementation="sdpa"), beta=0.5, reference_model=str(tmp_path),
+                  logprobs=logprobs, logprobs_options=options)  # fmt: skip
+        dpo.configure_model()
+        return step_and_grads(dpo, batch)
+
+    got, got_grads = step("liger", {"chunk_pairs": 2})
+    want, want_grads = step("torch")
+    assert want.chosen_rewards.abs().max() > 0.1  # the separate reference matters
+    for field in ("loss_sum", "chosen_logps", "rejected_logps", "chosen_rewards", "rejected_rewards"):
+        torch.testing.assert_close(getattr(got, field), getattr(want, field).detach(), atol=1e-5, rtol=0)
+    for name, value in want_grads.items():
+        error = ((got_grads[name] - value).abs().max() / value.abs().max().clamp(min=1e-30)).item()
+        assert error <= GRAD_RTOL, f"{name}: relative gradient error {error:.1e}"
+
+
 def test_liger_training_step_reports_the_same_statistics() -> None:
     """``training_step``'s loss and ``preference`` sums (what ``PreferenceMonitor`` logs) match ``torch``."""
     batch = padded(pairs(4))

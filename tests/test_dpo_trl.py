@@ -26,6 +26,13 @@ What each side is configured with:
 Seen failing with bugs put in on purpose: the prompt's last label left unmasked (a wrong response
 boundary) fails every log-prob; IPO not divided by response length fails ``ipo``; the reference
 ignored (log-ratios against 0) fails the rewards of both reference modes.
+
+``test_three_steps_with_a_separate_reference_equal_trl`` trains: lit-ablate's policy starts from B's
+folder with ``reference_model: A`` (frozen, or precomputed from A), TRL's ``DPOTrainer(model=B,
+ref_model=A)``, both with AdamW (torch), linear decay without warm-up (lit-ablate's ``lr_schedule:
+linear``, ``min_lr_ratio: 0``) and gradients clipped at norm 1, all four pairs in each step. Seen
+failing with the reference copied from the policy's start (frozen), computed by the policy
+(precomputed), and with the linear decay halved (step 3).
 """
 
 from __future__ import annotations
@@ -157,3 +164,88 @@ def test_text_and_chat_rows_tokenize_as_trl(models, tmp_path) -> None:
             # TRL marks completion tokens; lit-ablate labels the position before each one.
             completion = theirs["completion_mask"][:, 1:].bool()
             assert (ours["labels"][:, :-1] != -100).tolist() == completion.tolist()
+
+
+# --- a separate reference checkpoint (TRL's ref_model): three training steps -----------------
+TRAIN_STEPS = 3
+TRAIN_LR = 1e-3
+STEP_KEYS = {"loss": "loss", "rewards/chosen": "reward_chosen", "rewards/rejected": "reward_rejected",
+             "logps/chosen": "logps_chosen", "logps/rejected": "logps_rejected"}
+"""TRL's logged metric -> lit-ablate's ``PREFERENCE_STATS`` name (each a mean over the step's pairs)."""
+TRAIN_ATOL = 1e-5
+"""Per-step means over 3 steps, fp32, Adam updates in between: measured at most 1.9e-6 apart (one fp32
+ulp of a log-prob near -20), losses 2.4e-7; the values move by 0.1 to 0.7 between steps."""
+
+
+def trl_steps(models: dict[str, str], precompute: bool, tmp_path) -> list[dict[str, float]]:
+    """TRL's per-step means: its ``DPOTrainer`` trains policy B against ``ref_model`` A, all four pairs
+    per step, AdamW (torch) with linear decay from ``TRAIN_LR`` and no warm-up, gradients clipped at 1."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+
+    class Logs(TrainerCallback):
+        def __init__(self) -> None:
+            self.steps: list[dict[str, float]] = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs) -> None:
+            if logs and "loss" in logs:
+                self.steps.append({key: logs[key] for key in STEP_KEYS})
+
+    args = DPOConfig(output_dir=str(tmp_path), loss_type=["sigmoid"], beta=BETA, max_length=None, use_cpu=True,
+                     bf16=False, precompute_ref_log_probs=precompute, per_device_train_batch_size=len(ROWS),
+                     max_steps=TRAIN_STEPS, learning_rate=TRAIN_LR, lr_scheduler_type="linear", warmup_steps=0,
+                     optim="adamw_torch", adam_beta1=0.9, adam_beta2=0.999, weight_decay=0.0, max_grad_norm=1.0,
+                     logging_steps=1, report_to=[], save_strategy="no", model_init_kwargs={"dtype": torch.float32})
+    logs = Logs()
+    trainer = DPOTrainer(model=models["B"], ref_model=AutoModelForCausalLM.from_pretrained(models["A"], dtype=torch.float32),
+                         args=args, train_dataset=Dataset.from_list(ROWS), processing_class=ByteTokenizer().hf,
+                         callbacks=[logs])  # fmt: skip
+    trainer.train()
+    return logs.steps
+
+
+def lit_ablate_steps(models: dict[str, str], reference: str, reference_model: str) -> list[dict[str, float]]:
+    """lit-ablate's per-step means (``outputs["preference"]``): policy B from its own folder, the
+    separate ``reference_model``, the same optimizer, schedule (``lr_schedule: linear``) and clipping."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+
+    from lit_ablate.record import PREFERENCE_STATS
+
+    class Steps(Callback):
+        def __init__(self) -> None:
+            self.steps: list[dict[str, float]] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            sums = dict(zip(PREFERENCE_STATS, outputs["preference"].tolist()))
+            self.steps.append({key: sums[name] / sums["pairs"] for key, name in STEP_KEYS.items()})
+
+    data = LMDataModule(Rows(ROWS), format="preference", seq_len=128, batch_size=len(ROWS), shuffle=False)
+    module = DPO(ModelFactory(pretrained=models["B"]), beta=BETA, reference=reference, reference_model=reference_model,
+                 learning_rate=TRAIN_LR, betas=(0.9, 0.999), weight_decay=0.0, warmup_steps=0, lr_schedule="linear",
+                 min_lr_ratio=0.0)  # fmt: skip
+    steps = Steps()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=TRAIN_STEPS, gradient_clip_val=1.0, callbacks=[steps],
+                         logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         num_sanity_val_steps=0)  # fmt: skip
+    trainer.fit(module, data)
+    return steps.steps
+
+
+@pytest.mark.parametrize("reference", ["frozen", "precomputed"])
+def test_three_steps_with_a_separate_reference_equal_trl(models, reference: str, tmp_path) -> None:
+    """``reference_model: A`` with the policy starting from another checkpoint B is TRL's
+    ``DPOTrainer(model=B, ref_model=A)``: the loss, rewards and log-probs of each of the first three
+    training steps agree. Seen failing with the reference taken from the policy's own start (the
+    copy ``reference: frozen`` made before ``reference_model`` existed): step-1 rewards 0 instead of
+    TRL's, and with the precomputed log-probs computed by the policy instead of A (the same); with
+    ``lr_schedule: linear`` decaying at half the rate, step 3 fails."""
+    expected = trl_steps(models, reference == "precomputed", tmp_path)
+    actual = lit_ablate_steps(models, reference, models["A"])
+    assert len(expected) == len(actual) == TRAIN_STEPS
+    assert abs(expected[0]["rewards/chosen"]) > 1e-2  # the separate reference matters from step 1
+    assert expected[-1]["loss"] < expected[0]["loss"]  # it trains: steps 2 and 3 compare updated policies
+    for step, (got, want) in enumerate(zip(actual, expected), start=1):
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, abs=TRAIN_ATOL, rel=0), f"step {step} {key}"

@@ -168,7 +168,9 @@ class ModelFactory:
         return model
 
     def _build_base(self) -> PreTrainedModel:
-        if self.pretrained:
+        # On ``meta`` (a mesh strategy's ranks other than 0, whose shards receive rank 0's loaded
+        # weights) only the shapes are built: transformers refuses from_pretrained there.
+        if self.pretrained and torch.get_default_device().type != "meta":
             with _pretrained_errors(self.pretrained):
                 model = AutoModelForCausalLM.from_pretrained(
                     self.pretrained, dtype=self.torch_dtype, attn_implementation=self.attn_implementation

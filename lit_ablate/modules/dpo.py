@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
+from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal
@@ -20,7 +22,7 @@ from lit_ablate.data.preference_collate import PreferencePaddingCollator
 from lit_ablate.errors import ConfigError
 from lit_ablate.estimate.flops import batch_model_flops, preference_flops_factor
 from lit_ablate.models.adapters.lora import adapters_disabled
-from lit_ablate.models.factory import ModelFactory
+from lit_ablate.models.factory import SIZE_KEYS, ModelFactory
 from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX
 from lit_ablate.models.losses.liger_dpo import LIGER, PADDED_ONLY_FIX, LigerDPOPolicy, liger_dpo_loss
 from lit_ablate.models.losses.logprobs import TorchLogProbs, logprob_backend
@@ -30,6 +32,7 @@ from lit_ablate.modules.causal_lm import CausalLM
 from lit_ablate.modules.optim import DecayShape, LrSchedule
 from lit_ablate.modules.preference_loss import LossType, PairLosses, PreferenceLoss
 from lit_ablate.modules.step_output import StepOutput
+from lit_ablate.strategies.mesh import MeshStrategy
 
 Reference = Literal["frozen", "adapter", "precomputed", "none"]
 REFERENCES = ("frozen", "adapter", "precomputed", "none")
@@ -50,18 +53,25 @@ class DPO(CausalLM):
 
     Args:
         model: which model to build (preset, HF config mapping, or checkpoint path); the policy
-            starts from it and so does the reference.
+            starts from it and so does the reference, unless ``reference_model`` names another.
         loss_type: ``sigmoid`` (DPO), ``ipo``, ``hinge`` or ``simpo`` (reference-free).
         beta: inverse temperature of the implicit reward.
         label_smoothing: conservative DPO/SimPO: the assumed share of flipped labels.
         gamma: SimPO's target reward margin.
-        reference: ``frozen``: a copy of the initial model, built and sharded by the run's
-            strategy, never stepped, in eval mode, run without gradients; ``adapter`` (with
+        reference: ``frozen``: a copy of the initial model (or the ``reference_model``), built and
+            sharded by the run's strategy, never stepped, in eval mode, run without gradients; ``adapter`` (with
             ``model.adapter``): the policy itself with its LoRA adapters switched off, i.e. the
             frozen base, without a second copy in memory; ``precomputed``: its
             log-probabilities computed once before training and looked up (no second model in
-            memory during training); ``none``: no reference (log-ratios against 0; required by
-            ``simpo``).
+            memory during training; computed by the initial model or the ``reference_model``);
+            ``none``: no reference (log-ratios against 0; required by ``simpo``).
+        reference_model: with ``frozen`` or ``precomputed``, a separate reference checkpoint (a
+            Hugging Face folder as ``save_pretrained`` or ``lit-ablate export`` writes it, or a hub
+            name), e.g. the SFT model while the policy starts elsewhere (TRL's ``ref_model``). It is
+            built as the policy is (``model``'s dtype, attention, MoE and fp8 options; not its
+            adapters or quantisation) and must have the policy's architecture and vocabulary
+            (FLOPs and memory are counted as the policy's). ``precomputed`` builds it (sharded by
+            the strategy like the policy) only to compute the log-probs, then drops it.
         reference_cache: with ``precomputed``, a file that keeps the log-probabilities for later
             runs (the runs of a study): reused when it holds the same pairs and its values match
             a fresh computation of the first pair, written otherwise.
@@ -82,6 +92,7 @@ class DPO(CausalLM):
         gamma: float = 0.5,
         reference: Reference = "frozen",
         reference_cache: str | None = None,
+        reference_model: str | None = None,
         logprobs: str = "torch",
         logprobs_options: dict[str, Any] | None = None,
         optimizer: str = "adamw",
@@ -110,6 +121,11 @@ class DPO(CausalLM):
                               "model.init_args.model.adapter, or use reference: frozen")
         if reference_cache is not None and reference != "precomputed":
             raise ConfigError(f"{_KEY}.reference_cache", reference_cache, "only reference: precomputed uses a cache")
+        if reference_model is not None and reference not in ("frozen", "precomputed"):
+            raise ConfigError(f"{_KEY}.reference_model", reference_model, "only reference: frozen or precomputed "
+                              f"reads a reference checkpoint (reference is {reference})")
+        self.reference_factory = reference_factory(self.factory, reference_model) if reference_model else None
+        """How to build the separate reference checkpoint (None: the reference is the initial policy)."""
         # bad names/options/combinations fail before any model is built
         self.fused_loss = liger_dpo_loss(beta, loss_type, label_smoothing, reference, **(logprobs_options or {})) \
             if logprobs == LIGER else None
@@ -120,7 +136,8 @@ class DPO(CausalLM):
         self.save_hyperparameters({
             "_class_path": f"{type(self).__module__}.{type(self).__qualname__}", "model": asdict(self.factory),
             "loss_type": loss_type, "beta": beta, "label_smoothing": label_smoothing, "gamma": gamma,
-            "reference": reference, "reference_cache": reference_cache, "logprobs": logprobs,
+            "reference": reference, "reference_cache": reference_cache, "reference_model": reference_model,
+            "logprobs": logprobs,
             "logprobs_options": dict(logprobs_options or {}), "optimizer": optimizer,
             "optimizer_options": dict(optimizer_options or {}), "learning_rate": learning_rate,
             "weight_decay": weight_decay, "betas": tuple(betas), "warmup_steps": warmup_steps,
@@ -135,15 +152,30 @@ class DPO(CausalLM):
 
     # --- the model --------------------------------------------------------------------------
     def trained_module(self, lm: PreTrainedModel) -> SequenceLogProbs:
-        """The policy; with ``reference: frozen`` also the reference, a copy taken before any
-        training (or sharding: the strategy parallelises both alike). Under ``logprobs: liger`` the
-        reference only supplies its hidden states; the fused loss reads its head from the policy."""
+        """The policy; with ``reference: frozen`` also the reference: a copy taken before any
+        training, or the ``reference_model`` built beside it (and before sharding: the strategy
+        parallelises both alike). Under ``logprobs: liger`` the reference only supplies its hidden
+        states; the fused loss reads the reference's head from a frozen copy inside the policy."""
         frozen = self.hparams.reference == "frozen"
-        backend = TorchLogProbs() if self.fused_loss else logprob_backend(self.hparams.logprobs,
-                                                                          **self.hparams.logprobs_options)
         if frozen:
-            self.reference = SequenceLogProbs(copy.deepcopy(lm), backend).requires_grad_(False).eval()
-        return LigerDPOPolicy(lm, self.fused_loss, frozen) if self.fused_loss else SequenceLogProbs(lm, backend)
+            reference_lm = self._build_reference_lm() if self.reference_factory else copy.deepcopy(lm)
+            self.reference = SequenceLogProbs(reference_lm, self._logprobs()).requires_grad_(False).eval()
+        if self.fused_loss is None:
+            return SequenceLogProbs(lm, self._logprobs())
+        policy = LigerDPOPolicy(lm, self.fused_loss, frozen)
+        if frozen:
+            policy.reference_head.load_state_dict(reference_lm.get_output_embeddings().state_dict())
+        return policy
+
+    def _logprobs(self) -> TorchLogProbs:
+        """The log-prob backend of a sequence module (plain torch under Liger, whose loss is fused)."""
+        return TorchLogProbs() if self.fused_loss else logprob_backend(self.hparams.logprobs,
+                                                                       **self.hparams.logprobs_options)
+
+    def _build_reference_lm(self) -> PreTrainedModel:
+        """The ``reference_model`` checkpoint, built where the policy is built (inside Lightning's
+        ``configure_model`` context: on ``meta`` on a mesh strategy's ranks other than 0)."""
+        return self.reference_factory.build(device=self.trainer.strategy.root_device if self._trainer else self.device)
 
     def train(self, mode: bool = True) -> DPO:
         """Lightning switches the whole module to train mode; the reference stays in eval mode."""
@@ -253,7 +285,9 @@ class DPO(CausalLM):
     def precompute_reference(self, data: LMDataModule) -> Tensor:
         """``[pairs, 2]`` reference log-probs (chosen, rejected) of every pair of ``data`` (set up),
         indexed by ``pair_index``: from ``reference_cache`` when it holds them, else computed with
-        the current model, which must still be the initial one (and then cached)."""
+        the ``reference_model`` or the current model, which must then still be the initial one (and
+        then cached). A cache is checked against the same model: one from another model is refused."""
+        reference = self._reference_for_precompute()
         pairs = sorted([*data.train_set.examples, *data.val_set.examples], key=lambda p: int(p["pair_index"]))
         collator = PreferencePaddingCollator()
         collator.bind(data.tokenizer.pad_id, data.seq_len)
@@ -264,22 +298,39 @@ class DPO(CausalLM):
             if cached.get("pairs_sha256") != fingerprint:
                 raise ConfigError(f"{_KEY}.reference_cache", str(path),
                                   "it was computed for other preference pairs; delete it or give another path")
-            probe = self._sequence_logps_of(pairs[:1], collator, data.batch_size)
+            probe = self._sequence_logps_of(reference, pairs[:1], collator, data.batch_size)
             if not torch.allclose(probe, cached["logps"][:1].to(probe), rtol=0, atol=PROBE_ATOL):
                 raise ConfigError(f"{_KEY}.reference_cache", str(path),
-                                  "its log-probs differ from this run's initial model (another model, seed or "
-                                  "dtype?); delete it or give another path")
+                                  f"its log-probs differ from this run's {self._reference_name()} (another model, "
+                                  "seed or dtype?); delete it or give another path")
             return cached["logps"]
-        logps = self._sequence_logps_of(pairs, collator, data.batch_size)
+        logps = self._sequence_logps_of(reference, pairs, collator, data.batch_size)
         if path is not None and (self._trainer is None or self.trainer.is_global_zero):
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.save({"pairs_sha256": fingerprint, "logps": logps.cpu()}, path)
         return logps
 
+    def _reference_name(self) -> str:
+        return f"reference_model {self.hparams.reference_model}" if self.reference_factory else "initial model"
+
+    def _reference_for_precompute(self) -> SequenceLogProbs:
+        """The model that computes ``precomputed`` log-probs: the policy before training, or the
+        ``reference_model`` built for it alone, as the policy was: on ``meta`` and then sharded by a
+        mesh strategy (rank 0's weights copied into every rank's shards), else whole on the device.
+        It is not part of the LightningModule: dropped once computed, absent from checkpoints."""
+        if self.reference_factory is None:
+            return self.model
+        strategy = self.trainer.strategy if self._trainer else None
+        with strategy.model_sharded_context() if strategy is not None else nullcontext():
+            reference = SequenceLogProbs(self._build_reference_lm(), self._logprobs()).requires_grad_(False).eval()
+        if isinstance(strategy, MeshStrategy):
+            strategy.parallelize(reference)
+        return reference.to(self.device)
+
     @torch.no_grad()
-    def _sequence_logps_of(self, pairs: list[dict[str, Tensor]], collator: PreferencePaddingCollator,
-                           batch_size: int) -> Tensor:
-        """``[len(pairs), 2]`` log-probs under the current model (the reference before training).
+    def _sequence_logps_of(self, model: SequenceLogProbs, pairs: list[dict[str, Tensor]],
+                           collator: PreferencePaddingCollator, batch_size: int) -> Tensor:
+        """``[len(pairs), 2]`` log-probs under ``model`` (the reference).
 
         Data-parallel ranks split the pairs; all ranks run the same number of forwards (a
         sharded model gathers its layers collectively), then one all-reduce joins the shares.
@@ -294,15 +345,15 @@ class DPO(CausalLM):
         if world:
             dist.all_reduce(steps, op=dist.ReduceOp.MAX)
         out = torch.zeros(len(pairs), 2, device=self.device)
-        was_training = self.model.training
-        self.model.eval()
+        was_training = model.training
+        model.eval()
         for step in range(int(steps)):
             indices = batches[step] if step < len(batches) else [0]  # a rank out of pairs keeps its peers company
             batch = move_data_to_device(collator([pairs[i] for i in indices]), self.device)
-            logps = self.model(batch)[0].float().reshape(2, -1).t()
+            logps = model(batch)[0].float().reshape(2, -1).t()
             if step < len(batches):
                 out[indices] = logps
-        self.model.train(was_training)
+        model.train(was_training)
         if world:  # each pair was computed by one data-parallel replica, by each of its ranks
             dist.all_reduce(out)
             out /= dist.get_world_size() // count
@@ -317,3 +368,22 @@ def _pairs_fingerprint(pairs: list[dict[str, Tensor]]) -> str:
             digest.update(pair[key].numpy().tobytes())
     return digest.hexdigest()
 
+
+def reference_factory(policy: ModelFactory, path: str) -> ModelFactory:
+    """The ``reference_model`` checkpoint at ``path``, built as ``policy`` is (dtype, attention, MoE,
+    fp8) without its adapters or quantisation. Refused in one line when it does not load or when its
+    architecture or vocabulary differs from the policy's: the pairs are tokenized once for both, and
+    FLOPs and memory count the reference as a copy of the policy."""
+    key = f"{_KEY}.reference_model"
+    try:
+        factory = dataclasses.replace(policy, preset=None, config={}, pretrained=path, adapter=None, quantization=None)
+        theirs = factory.hf_config()
+    except ConfigError as err:
+        raise ConfigError(key, path, err.fix) from err
+    ours = policy.hf_config()
+    differing = [f"{name} {getattr(theirs, name, None)} (the policy's: {getattr(ours, name, None)})"
+                 for name in ("model_type", *SIZE_KEYS) if getattr(ours, name, None) != getattr(theirs, name, None)]
+    if differing:
+        raise ConfigError(key, path, f"its architecture differs from the policy's: {', '.join(differing)}; give a "
+                          "checkpoint of the policy's architecture and vocabulary")
+    return factory
