@@ -51,6 +51,11 @@ class FeedForwardCheckpointing(FSDP2Strategy):
 
     Takes every ``FSDP2Strategy`` argument (mesh sizes, mixed precision, resharding). Llama-,
     Qwen- and Mistral-family decoder layers in transformers name that block ``mlp``.
+
+    It implements ``StrategyInterface`` (what modules and callbacks may ask a strategy) through
+    ``FSDP2Strategy`` and changes none of its answers: checkpointing changes neither which ranks
+    share a batch (``batch_replicas``), nor the gradient group, nor how state is sharded. A strategy
+    that did would override that answer beside its step.
     """
 
     def apply_activation_checkpointing(self, model: CausalLMWithLoss) -> None:

@@ -186,13 +186,27 @@ def strategy_options_run_here(config: Mapping[str, Any], launch: LaunchLike) -> 
 def cp_block_kernel_runs_here(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
     """Context parallelism's block kernel must train here (flash-attn installed, flex on CUDA)."""
     from lit_ablate.models.attention.block_kernels import block_kernel
-    from lit_ablate.strategies.context_parallel import ContextParallelStrategy
-
     strategy = _strategy_class(config)
     name = get_dotted(config, "trainer.strategy.init_args.cp_block_kernel", "sdpa")
-    if strategy is None or not issubclass(strategy, ContextParallelStrategy):
+    if _configured_size(config, strategy, "cp") == 1:
         return None
     return _reason(block_kernel, name, torch.device("cuda" if _on_gpu(config, launch) else "cpu"))
+
+
+def _configured_size(config: Mapping[str, Any], strategy: type | None, dim: str) -> int:
+    """The size a config gives mesh dimension ``dim``: its ``init_args`` value, else the strategy's default
+    (a preset's signature: ``cp: -1`` for ``ContextParallelStrategy``); 1 for a strategy without it."""
+    import inspect
+
+    from lit_ablate.strategies.mesh import MeshStrategy
+
+    if strategy is None or not issubclass(strategy, MeshStrategy):
+        return 1
+    parameter = inspect.signature(strategy).parameters.get(dim)
+    if parameter is None:
+        return 1
+    default = parameter.default if parameter.default is not inspect.Parameter.empty else 1
+    return int(get_dotted(config, f"trainer.strategy.init_args.{dim}", default))
 
 
 def _imported_class(class_path: str) -> Any:
@@ -307,7 +321,6 @@ def fp8_fits_cluster_nodes(config: Mapping[str, Any], launch: LaunchLike) -> str
 
 def _fp8_reason(config: Mapping[str, Any], launch: LaunchLike, judge_gpu: bool) -> str | None:
     from lit_ablate.models.fp8.conversion import Fp8Options, resolve_emulation
-    from lit_ablate.strategies.tensor_parallel import TensorParallelStrategy
 
     options = _model_options(config, "model.init_args.model.fp8", Fp8Options)
     if options is None:
@@ -318,19 +331,18 @@ def _fp8_reason(config: Mapping[str, Any], launch: LaunchLike, judge_gpu: bool) 
         reason = _reason(resolve_emulation, options, torch.device("cuda" if on_gpu else "cpu"))
     strategy = _strategy_class(config)
     reason = reason or fp8_refusal(options, strategy)
-    if not reason and strategy is not None and issubclass(strategy, TensorParallelStrategy):
-        refusal = fp8_tensor_parallel_refusal(options, get_dotted(config, "trainer.strategy.init_args.tp", -1))
+    tp = _configured_size(config, strategy, "tp")
+    if not reason and tp != 1:
+        refusal = fp8_tensor_parallel_refusal(options, tp)
         reason = refusal and f"model.init_args.model.fp8.recipe={options.recipe!r}: {refusal}"
     return f"model.init_args.model.fp8: {reason}" if reason and not reason.startswith("model.") else reason
 
 
 def tensor_parallel_loss_fits(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
     """Tensor parallelism takes only the ``torch`` loss backend without z-loss (vocabulary-sharded logits)."""
-    from lit_ablate.strategies.tensor_parallel import TensorParallelStrategy, check_tensor_parallel_loss
+    from lit_ablate.strategies.tensor_parallel import check_tensor_parallel_loss
 
-    strategy = _strategy_class(config)
-    tp = get_dotted(config, "trainer.strategy.init_args.tp", -1)
-    if strategy is None or not issubclass(strategy, TensorParallelStrategy) or tp == 1:
+    if _configured_size(config, _strategy_class(config), "tp") == 1:
         return None
     return _reason(check_tensor_parallel_loss, str(get_dotted(config, "model.init_args.loss", "torch")),
                    float(get_dotted(config, "model.init_args.loss_options.z_loss_weight", 0.0) or 0.0))
@@ -451,14 +463,14 @@ def check_quantization(options: QuantizationOptions | None, strategy: object) ->
 
 def fp8_refusal(options: Fp8Options | None, strategy: object) -> str | None:
     """Why ``options`` cannot train under ``strategy`` (an instance or class), or None: fp8
-    all-gather is a hook of FSDP2's ``fully_shard`` (``FSDP2Strategy`` and its subclasses)."""
-    from lit_ablate.strategies.fsdp2 import FSDP2Strategy
+    all-gather is a hook of FSDP2's ``fully_shard`` (the mesh strategies' FSDP step, ``FullyShardSteps``)."""
+    from lit_ablate.strategies.fsdp2 import FullyShardSteps
 
     if options is None or not options.fsdp_all_gather:
         return None
     strategy_class = strategy if isinstance(strategy, type) or strategy is None else type(strategy)
-    if strategy_class is None or not issubclass(strategy_class, FSDP2Strategy):
-        name = getattr(strategy_class, "__name__", "no strategy")
+    if strategy_class is None or not issubclass(strategy_class, FullyShardSteps):
+        name = strategy_class.__name__ if strategy_class is not None else "no strategy"
         return f"fp8 all-gather happens inside FSDP2's fully_shard; {name} gathers nothing: use FSDP2Strategy or fsdp_all_gather: false"
     return None
 
@@ -478,7 +490,9 @@ def check_fp8(options: Fp8Options | None, strategy: object) -> None:
     reason = fp8_refusal(options, strategy)
     if reason:
         raise ConfigError(f"{FP8_KEY}.fsdp_all_gather", True, reason)
-    tp = getattr(strategy, "requested_mesh_sizes", {}).get("tp", 1)
+    from lit_ablate.strategies.mesh import MeshStrategy
+
+    tp = strategy.requested_mesh_sizes.get("tp", 1) if isinstance(strategy, MeshStrategy) else 1
     reason = fp8_tensor_parallel_refusal(options, tp) if options is not None else None
     if reason:
         raise ConfigError(f"{FP8_KEY}.recipe", options.recipe, reason)

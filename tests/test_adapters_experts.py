@@ -30,7 +30,7 @@ from lit_ablate.models.adapters.lora import AdapterOptions, adapter_parameter_na
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.moe.blocks import MoEOptions, moe_blocks
 from lit_ablate.modules import CausalLM
-from lit_ablate.strategies.expert_parallel import ExpertParallelStrategy
+from lit_ablate.strategies import ExpertParallelStrategy
 from tests.distributed import run_ranks
 from tests.test_step_objective import StepLosses, micro_batches
 

@@ -200,7 +200,7 @@ def test_every_estimated_category_is_within_its_factor_of_the_measured_one(measu
     plain gather (params 0.90: the 1-byte casts of two layers' shards it sends)."""
     from lit_ablate import strategies
     from lit_ablate.estimate.agreement import AGREEMENT_FACTORS, compare_with_measured
-    from lit_ablate.strategies.state_sharding import state_sharding_of
+    from lit_ablate.strategies.interface import state_sharding_of
 
     name, preset, config, loss_options, strategy, options = run
     model = build(preset, **config)

@@ -256,7 +256,7 @@ def test_the_sft_example_recipe_learns_addition_it_never_saw(tmp_path):
     """configs/sft_tiny.yaml's model, optimiser settings and data format, scaled down to one-digit
     addition so it runs in ~30 s: 70 problems trained, 30 held out. A guess that ignores the
     operands is right at most 10% of the time (the commonest sum, 9, is 10 of the 100 problems);
-    measured at 300 steps: 63-73% over seeds 0-2. (The full example: README, SFT paragraph.)"""
+    measured at 300 steps: 63-73% over seeds 0-2. (The full example: docs/fit.md, SFT.)"""
     import yaml
 
     config = yaml.safe_load((Path(__file__).parents[1] / "configs" / "sft_tiny.yaml").read_text())

@@ -46,7 +46,8 @@ from lit_ablate.errors import ConfigError
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.losses.cross_entropy import loss_backend
-from lit_ablate.strategies.tensor_parallel import TensorParallelStrategy, _parallelize
+from lit_ablate.strategies import TensorParallelStrategy
+from lit_ablate.strategies.tensor_parallel import _parallelize
 from lit_ablate.strategies.tensor_parallel_plans import llama_layer_plan
 from tests import test_fp8
 from tests.distributed import run_ranks

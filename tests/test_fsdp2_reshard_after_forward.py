@@ -18,7 +18,7 @@ import pytest
 from torch.distributed.tensor import DTensor
 
 from lit_ablate.models.causal_lm_with_loss import decoder_layers
-from lit_ablate.strategies.fsdp2 import FSDP2Strategy
+from lit_ablate.strategies import FSDP2Strategy
 from tests.distributed import run_ranks
 from tests.test_strategies_equivalence import build_model, fixed_batch, rows_of
 

@@ -22,8 +22,8 @@ from lit_ablate.data import LMDataModule, SyntheticText
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.moe.blocks import MoEOptions, moe_blocks
 from lit_ablate.models.moe.dispatch import AllReduceDispatcher, AllToAllDispatcher
-from lit_ablate.strategies import FSDP2Strategy
-from lit_ablate.strategies.expert_parallel import ExpertParallelStrategy, clip_grad_norm_across_meshes
+from lit_ablate.strategies import ExpertParallelStrategy, FSDP2Strategy
+from lit_ablate.strategies.expert_parallel import clip_grad_norm_across_meshes
 from tests.distributed import run_ranks
 from tests.test_moe_expert_load import MoECausalLM
 

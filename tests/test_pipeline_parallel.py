@@ -1,6 +1,6 @@
 """Pipeline parallelism trains the same model as one process: pp=2 (2 gloo ranks), gpipe, 1f1b and interleaved 1f1b.
 
-The pipeline runs use the strategy's step (``pipeline_forward_backward``) and ``StepObjective``
+The pipeline runs use the strategy's step (``forward_backward``) and ``StepObjective``
 as ``CausalLM`` does; the reference is one process training the whole batch on ``loss_sum /
 useful``. SGD, not Adam: Adam would hide a wrong overall gradient scale. The labels are masked
 SFT-style so the micro-batches hold unequal useful tokens (28, 4, 20 and 31 per row): a step that
@@ -99,7 +99,7 @@ def _pipeline_run(rank: int, world_size: int, preset: str, strategy_kwargs: dict
     losses = []
     batch = rows_of(sft_batch(), strategy.data_parallel_rank, replicas)
     for _ in range(STEPS):
-        loss_sum, useful = strategy.pipeline_forward_backward(model, batch, objective)
+        loss_sum, useful = strategy.forward_backward(model, batch, objective)
         objective.backward_loss(loss_sum, useful, 0.0, strategy)  # as CausalLM.training_step: the step's totals
         strategy.deliver_gradients()  # as the strategy's backward in a fit
         objective.normalize_gradients(model.parameters(), strategy, accumulate_grad_batches=1)

@@ -44,8 +44,14 @@ from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX
 from lit_ablate.models.moe.blocks import MoEOptions
 from lit_ablate.modules import CausalLM
 from lit_ablate.modules.step_objective import StepObjective
-from lit_ablate.strategies import DDPStrategy, FSDP1Strategy, FSDP2Strategy, HSDPStrategy, ZeRO1Strategy
-from lit_ablate.strategies.expert_parallel import ExpertParallelStrategy
+from lit_ablate.strategies import (
+    DDPStrategy,
+    ExpertParallelStrategy,
+    FSDP1Strategy,
+    FSDP2Strategy,
+    HSDPStrategy,
+    ZeRO1Strategy,
+)
 from tests.distributed import run_ranks
 
 STEPS = 5

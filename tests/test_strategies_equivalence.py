@@ -18,8 +18,7 @@ from examples.custom_strategy import FeedForwardCheckpointing
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.losses.cross_entropy import loss_backend
-from lit_ablate.strategies.fsdp2 import FSDP2Strategy
-from lit_ablate.strategies.hsdp import HSDPStrategy
+from lit_ablate.strategies import FSDP2Strategy, HSDPStrategy
 from tests.distributed import run_ranks
 
 STEPS = 5

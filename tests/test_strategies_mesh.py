@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import lightning.pytorch as pl
 import pytest
 
@@ -11,11 +13,23 @@ from lit_ablate.errors import ConfigError
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.modules import CausalLM
-from lit_ablate.strategies import DDPStrategy, FSDP1Strategy, FSDP2Strategy, HSDPStrategy, ZeRO1Strategy
+from lit_ablate.strategies import (
+    DDPStrategy,
+    FSDP1Strategy,
+    FSDP2Strategy,
+    HSDPStrategy,
+    MeshParallelStrategy,
+    TensorParallelStrategy,
+    ZeRO1Strategy,
+)
+from lit_ablate.strategies.fsdp2 import FullyShardSteps
 from lit_ablate.strategies.gpu_only import check_gpu_only_options
+from lit_ablate.strategies.interface import state_sharding_of
 from lit_ablate.strategies.mesh import resolve_mesh_sizes
-from lit_ablate.strategies.state_sharding import StateSharding, state_sharding_of
+from lit_ablate.strategies.state_sharding import StateSharding
 from tests.distributed import run_ranks
+
+QUICKSTART = Path(__file__).parents[1] / "configs" / "quickstart.yaml"
 
 
 def test_minus_one_takes_the_rest_of_the_ranks():
@@ -40,16 +54,44 @@ def test_mesh_sizes_that_cannot_make_the_world_size_are_refused(sizes, world_siz
     assert fragment in str(err.value)
 
 
-def test_parallelism_without_its_pipeline_step_is_refused_at_construction():
-    with pytest.raises(ConfigError, match=r"init_args.tp=2: FSDP2Strategy does not implement apply_tp"):
+def test_a_preset_refuses_a_dimension_it_does_not_take():
+    """FSDP2Strategy takes no tp (a preset's signature is its schema); seen failing when presets passed
+    every keyword on to MeshParallelStrategy (tp=2 accepted, then TP applied)."""
+    with pytest.raises(ConfigError, match=r"init_args.tp=2: FSDP2Strategy does not take tp"):
         FSDP2Strategy(tp=2)
+    assert TensorParallelStrategy(tp=2).requested_mesh_sizes["tp"] == 2
+    assert MeshParallelStrategy(tp=2, cp=2, ep=2).requested_mesh_sizes == {
+        "dp_replicate": 1, "dp_shard": -1, "ep": 2, "cp": 2, "tp": 2}
+
+
+def test_a_preset_refuses_a_dimension_at_parse_time_in_one_line(capsys):
+    """The parser reads a preset's signature: ``tp`` for FSDP2Strategy is refused before anything is built,
+    as one line naming the key. Seen failing with the preset passing ``**kwargs`` straight on: the parser
+    followed them into MeshParallelStrategy, accepted tp, and only the world-size check refused it later."""
+    from lit_ablate.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--config", str(QUICKSTART), "--trainer.strategy.class_path", "lit_ablate.strategies.FSDP2Strategy",
+              "--trainer.strategy.init_args.tp", "2"])
+    message = capsys.readouterr().err.strip() or str(exit_.value.code)
+    assert "init_args.tp: not a parameter of lit_ablate.strategies.FSDP2Strategy" in message and "\n" not in message
+
+
+def test_a_mesh_strategy_without_a_step_refuses_its_dimension():
+    """Research code subclassing MeshStrategy directly gets the step it lacks named."""
+
+    class FSDPOnly(FullyShardSteps):
+        pass
+
+    with pytest.raises(ConfigError, match=r"init_args.tp=2: FSDPOnly does not implement apply_tp"):
+        FSDPOnly(tp=2)
     with pytest.raises(ConfigError, match="param_dtype='bf16'"):
         FSDP2Strategy(param_dtype="bf16")
     with pytest.raises(ConfigError, match="powersgd_start_iter=1"):
         DDPStrategy(comm_hook="powersgd", powersgd_start_iter=1)
 
 
-class _TensorAndContextParallel(FSDP2Strategy):
+class _TensorAndContextParallel(FullyShardSteps):
     """Pretends to implement TP and CP, to build meshes that use those dimensions."""
 
     def apply_tp(self, model: CausalLMWithLoss) -> None: ...

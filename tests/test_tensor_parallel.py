@@ -38,11 +38,14 @@ from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.losses.cross_entropy import loss_backend
 from lit_ablate.models.moe.blocks import MoEOptions
 from lit_ablate.modules import CausalLM
-from lit_ablate.strategies.expert_tensor_parallel import ExpertTensorParallelStrategy
+from lit_ablate.strategies import (
+    ExpertTensorParallelStrategy,
+    MeshParallelStrategy,
+    TensorContextParallelStrategy,
+    TensorParallelStrategy,
+)
+from lit_ablate.strategies.interface import state_sharding_of
 from lit_ablate.strategies.mesh import resolve_mesh_sizes
-from lit_ablate.strategies.state_sharding import state_sharding_of
-from lit_ablate.strategies.tensor_context_parallel import TensorContextParallelStrategy
-from lit_ablate.strategies.tensor_parallel import TensorParallelStrategy
 from tests.distributed import run_ranks
 from tests.test_step_objective import WEIGHT_MAX_ATOL, WEIGHT_MEAN_ATOL
 from tests.test_strategies_equivalence import PARAM_ATOL, fixed_batch, full_weights, mean_over_ranks, rows_of
@@ -377,9 +380,11 @@ def test_tp2_x_cp2_gradients_equal_one_process(four_ranks):
             torch.testing.assert_close(result["grads"][name], p.grad, rtol=0, atol=GRAD_ATOL, msg=name)
 
 
-def test_tp_with_context_parallel_needs_the_combined_strategy():
-    with pytest.raises(ConfigError, match="trainer.strategy.init_args.cp.*does not implement apply_cp"):
+def test_tp_with_context_parallel_needs_a_strategy_that_takes_both():
+    with pytest.raises(ConfigError, match="trainer.strategy.init_args.cp=2: TensorParallelStrategy does not take cp"):
         TensorParallelStrategy(tp=2, cp=2)
+    with pytest.raises(ConfigError, match="sequence_parallel"):
+        MeshParallelStrategy(tp=2, cp=2, sequence_parallel=True)
     with pytest.raises(ConfigError, match="sequence_parallel"):
         TensorContextParallelStrategy(tp=2, cp=2, sequence_parallel=True)
 

@@ -11,6 +11,7 @@ from lit_ablate.callbacks.step_monitor import StepMonitor, batch_replicas
 from lit_ablate.errors import ConfigError
 from lit_ablate.estimate.matmul_ceiling import measured_ceiling
 from lit_ablate.estimate.peaks import PEAK_FP8_TFLOPS, peak_tflops_of
+from lit_ablate.strategies.interface import interface_of
 
 
 def runs_in_fp8(trainer: Trainer, pl_module: LightningModule) -> bool:
@@ -78,7 +79,7 @@ class MFUMonitor(StepMonitor):
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # A strategy whose ranks share one batch's FLOPs says so (ContextParallelStrategy: 1 / cp).
-        self._flops_share = getattr(trainer.strategy, "flops_share", 1.0) / batch_replicas(trainer)
+        self._flops_share = interface_of(trainer.strategy).flops_share / batch_replicas(trainer)
         self._set_peak(trainer, pl_module)
         self._set_ceiling(trainer, pl_module)
 

@@ -7,6 +7,7 @@ import statistics
 from lightning.pytorch import LightningModule, Trainer
 
 from lit_ablate.callbacks.step_monitor import StepMonitor
+from lit_ablate.strategies.interface import interface_of
 
 
 class PipelineBubbleMonitor(StepMonitor):
@@ -20,12 +21,11 @@ class PipelineBubbleMonitor(StepMonitor):
     schedule's own idle share with equal stages and free communication ((pp - 1) / (m + pp - 1)
     for gpipe and 1f1b over m micro-batches, (pp - 1) / (v m + pp - 1) interleaved with v stages per
     rank: ``PipelineParallelStrategy.schedule_bubble``), so a report shows what stage imbalance and
-    communication add to the schedule's bubble. ``PipelineParallelStrategy`` adds one to a trainer
-    that has none; elsewhere it records nothing.
+    communication add to the schedule's bubble. ``lit-ablate fit`` adds one to every pipeline run; elsewhere it records nothing.
     """
 
     def measure(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
-        timing = getattr(trainer.strategy, "schedule_timing", None)
+        timing = interface_of(trainer.strategy).schedule_timing()
         if timing is None:
             return
         schedule_seconds, compute_seconds = timing
@@ -34,7 +34,7 @@ class PipelineBubbleMonitor(StepMonitor):
     def finalize(self, trainer: Trainer) -> None:
         if "_idle" not in self.series:
             return
-        theory = trainer.strategy.schedule_bubble
+        theory = interface_of(trainer.strategy).schedule_bubble
         for step, stages in self.gather_over_ranks(trainer, ["_idle"])["_idle"].items():
             self.series.setdefault("pipeline_idle_share", {})[step] = statistics.fmean(stages)
             self.series.setdefault("pipeline_bubble_theory", {})[step] = theory

@@ -20,6 +20,8 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
+from lit_ablate.strategies.interface import interface_of
+
 DEFAULT_WARMUP_STEPS = 3
 """Steps left out of every summary unless configured otherwise (compile, allocator and data-loader
 warm-up make the first steps unrepresentative). One number for the console and the run record."""
@@ -261,7 +263,7 @@ def _all_gather(tensor: torch.Tensor) -> torch.Tensor:
 
 def batch_replicas(trainer: Trainer) -> int:
     """How many ranks process the very same tokens (tensor-parallel peers): they must not each
-    claim them. A strategy says so with a ``batch_replicas`` attribute (``MeshStrategy``);
-    data- and context-parallel ranks hold different tokens, so Lightning's strategies have 1."""
-    return int(getattr(trainer.strategy, "batch_replicas", 1))
+    claim them (``StrategyInterface.batch_replicas``); data- and context-parallel ranks hold different
+    tokens, so Lightning's strategies have 1."""
+    return interface_of(trainer.strategy).batch_replicas
 

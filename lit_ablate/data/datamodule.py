@@ -2,7 +2,7 @@
 
 Examples are tokenised at ``setup`` (deterministic, so every data-parallel rank has the same list),
 by one of two storages: ``memory`` tokenises in every rank of every run and holds each example as
-a tensor (the sizes CPU studies and tests use), ``cache`` tokenises once into memory-mapped files
+a tensor (the sizes CPU studies and tests use), ``cache`` tokenises once into files read with ``pread``
 that every rank and run with the same data settings reuses (``token_cache.py``); a third,
 ``stream``, never materialises the data and tokenises in the DataLoader's workers (``streaming.py``).
 Sharding over
@@ -18,6 +18,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import numpy as np
 import torch
+from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset
 
@@ -72,7 +73,7 @@ class LMDataModule(pl.LightningDataModule):
         seed: the data order's seed, independent of the model's.
         overlong: what to do with examples longer than ``seq_len``: ``truncate`` or ``reject``.
         storage: ``memory`` (tokenise in every rank, hold examples as tensors: up to tens of MB of
-            text) or ``cache`` (tokenise once into memory-mapped files shared by every rank and run;
+            text) or ``cache`` (tokenise once into files read with ``pread`` shared by every rank and run;
             per-rank memory does not grow with the corpus beyond one int32 length per example) or
             ``stream`` (tokenise on the fly in the ``num_workers`` DataLoader workers, endless epochs:
             set ``trainer.max_steps``; padding only, no held-out split, source order).
@@ -219,8 +220,10 @@ class LMDataModule(pl.LightningDataModule):
         self._resume_pending = True
 
     def _replicas(self) -> dict[str, int]:
-        replicas = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if self.trainer is not None else None
-        return replicas or {"num_replicas": 1, "rank": 0}
+        strategy = self.trainer.strategy if self.trainer is not None else None
+        if isinstance(strategy, ParallelStrategy):  # Lightning's interface for the sampler's replicas
+            return dict(strategy.distributed_sampler_kwargs)
+        return {"num_replicas": 1, "rank": 0}
 
     def _stream_loader(self) -> DataLoader:
         """This rank's stream, resumed after the batches a checkpoint had consumed."""

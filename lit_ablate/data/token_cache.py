@@ -1,4 +1,4 @@
-"""The token cache: a data set tokenised once into memory-mapped numpy arrays, shared by every rank
+"""The token cache: a data set tokenised once into flat int32 files read with ``pread``, shared by every rank
 and every run that uses the same data settings.
 
 An entry is a directory ``<cache_dir>/<format>-<key>/``:

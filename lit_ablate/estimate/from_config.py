@@ -184,7 +184,7 @@ def configured_sharding(config: dict, world_size: int) -> StateSharding:
     """The sharding of the config's own ``trainer.strategy`` (a name or a class_path mapping)."""
     from lightning.pytorch.cli import instantiate_class
 
-    from lit_ablate.strategies.state_sharding import state_sharding_of
+    from lit_ablate.strategies.interface import state_sharding_of
 
     strategy = get_dotted(config, "trainer.strategy", "auto")
     if isinstance(strategy, dict):
@@ -254,10 +254,11 @@ def mesh_size_of(config: dict, dim: str, world_size: int) -> int:
     ``world_size`` ranks; 1 for a strategy without a device mesh."""
     from lightning.pytorch.cli import instantiate_class
 
-    from lit_ablate.strategies.mesh import resolve_mesh_sizes
+    from lit_ablate.strategies.mesh import MeshStrategy, resolve_mesh_sizes
 
     strategy = get_dotted(config, "trainer.strategy", "auto")
-    sizes = getattr(instantiate_class((), strategy), "requested_mesh_sizes", {}) if isinstance(strategy, dict) else {}
+    built = instantiate_class((), strategy) if isinstance(strategy, dict) else None
+    sizes = built.requested_mesh_sizes if isinstance(built, MeshStrategy) else {}
     return resolve_mesh_sizes(sizes, world_size)[dim] if sizes.get(dim, 1) != 1 else 1
 
 

@@ -31,6 +31,7 @@ from lit_ablate.modules.optim import (
 )
 from lit_ablate.modules.step_objective import StepObjective
 from lit_ablate.modules.step_output import StepOutput
+from lit_ablate.strategies.interface import interface_of
 
 
 class CausalLM(LightningModule):
@@ -163,7 +164,7 @@ class CausalLM(LightningModule):
     def _check_compile_step(self) -> None:
         """A mesh strategy compiles in its own pipeline step (after activation checkpointing)."""
         strategy = self.trainer.strategy if self._trainer else None
-        if self.hparams.compile and hasattr(strategy, "compile_layers"):
+        if self.hparams.compile and interface_of(strategy).has_compile_step:
             raise ConfigError("model.init_args.compile", True,
                               f"{type(strategy).__name__} has its own step: set "
                               "trainer.strategy.init_args.compile_layers: true instead")
@@ -193,8 +194,11 @@ class CausalLM(LightningModule):
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> StepOutput:
         strategy = self.trainer.strategy if self._trainer else None
-        pipeline = getattr(strategy, "pipeline_forward_backward", None)  # runs forward and backward of its stages
-        loss_sum, useful = pipeline(self.model, batch, self.objective) if pipeline else self.model(batch)
+        answers = interface_of(strategy)
+        if answers.runs_forward_backward:  # a pipeline runs forward and backward of its stages in one schedule
+            loss_sum, useful = answers.forward_backward(self.model, batch, self.objective)
+        else:
+            loss_sum, useful = self.model(batch)
         aux = collect_aux_losses(self.model)  # MoE router losses: trained on, logged apart
         for name, value in aux.items():
             self.log(f"train/{name}", value.detach())

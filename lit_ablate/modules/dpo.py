@@ -32,6 +32,7 @@ from lit_ablate.modules.causal_lm import CausalLM
 from lit_ablate.modules.optim import DecayShape, LrSchedule
 from lit_ablate.modules.preference_loss import LossType, PairLosses, PreferenceLoss
 from lit_ablate.modules.step_output import StepOutput
+from lit_ablate.strategies.interface import interface_of
 from lit_ablate.strategies.mesh import MeshStrategy
 
 Reference = Literal["frozen", "adapter", "precomputed", "none"]
@@ -336,7 +337,7 @@ class DPO(CausalLM):
         sharded model gathers its layers collectively), then one all-reduce joins the shares.
         """
         strategy = self.trainer.strategy if self._trainer is not None else None
-        replicas = getattr(strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
+        replicas = interface_of(strategy).sampler_replicas
         count, rank = replicas["num_replicas"], replicas["rank"]
         mine = list(range(rank, len(pairs), count))
         batches = [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]

@@ -39,21 +39,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
 from lit_ablate.errors import ConfigError
-
-
-def gradient_mean_group(strategy: Strategy) -> tuple[ProcessGroup | None, int]:
-    """The ranks whose gradients the strategy averages, and how many they are.
-
-    A strategy whose averaging group is not every rank (tensor-parallel peers share a batch and
-    are not averaged) says so with a ``gradient_mean_group`` attribute (see ``MeshStrategy``);
-    Lightning's own strategies (DDP, FSDP1, ...) average over every rank.
-    """
-    own = getattr(strategy, "gradient_mean_group", None)
-    if own is not None:
-        return own
-    if strategy.world_size > 1 and dist.is_available() and dist.is_initialized():
-        return dist.group.WORLD, strategy.world_size
-    return None, 1
+from lit_ablate.strategies.interface import interface_of
 
 
 class StepObjective:
@@ -77,7 +63,7 @@ class StepObjective:
         ``units`` is this micro-batch's count (a tensor: it stays on the device, no host sync).
         """
         if self.scale is None:
-            self.agree_scale(int(units), loss_sum.device, gradient_mean_group(strategy)[0] if strategy is not None else None)
+            self.agree_scale(int(units), loss_sum.device, interface_of(strategy).gradient_mean_group[0])
         self._units = units.detach() if self._units is None else self._units + units.detach()
         detached = loss_sum.detach().float()
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
@@ -99,7 +85,7 @@ class StepObjective:
         """Multiply the step's gradients by ``W * A * c / N`` (see the module docstring) and reset."""
         if self._units is None:
             return  # the step backpropagated nothing (training_step returned None)
-        group, size = gradient_mean_group(strategy)
+        group, size = interface_of(strategy).gradient_mean_group
         # float64: exact unit counts far beyond the 2^24 tokens per step where float32 would round.
         totals = torch.stack([self._units.double(), self._loss_sum.double()])
         if group is not None:

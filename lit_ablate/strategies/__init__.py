@@ -1,22 +1,32 @@
-"""Strategies over one N-D device mesh (FSDP2, HSDP, expert, context, tensor and pipeline parallelism) and the
-data-parallel baselines (DDP, ZeRO-1, FSDP1).
+"""Strategies: one mesh strategy and its presets, the pipeline strategy, and the data-parallel baselines.
+
+``MeshParallelStrategy`` applies data, expert, context and tensor parallelism on one N-D device mesh
+(each step on when its size is above 1); ``FSDP2Strategy``, ``HSDPStrategy``, ``TensorParallelStrategy``,
+``ContextParallelStrategy``, ``ExpertParallelStrategy`` and the pairs are its presets, each accepting
+only its own dimensions. ``PipelineParallelStrategy`` splits layers into stages (with FSDP2 or HSDP
+inside each). ``DDPStrategy``, ``ZeRO1Strategy`` and ``FSDP1Strategy`` are the data-parallel baselines.
+Every one answers ``StrategyInterface`` (what modules and callbacks may ask a strategy).
 
 Configs select them by ``class_path`` (``lit_ablate.strategies.FSDP2Strategy``); research code
-subclasses ``MeshStrategy``/``FSDP2Strategy`` and overrides one ``apply_*`` step.
+subclasses one and overrides one ``apply_*`` step.
 """
 
-from lit_ablate.strategies.context_parallel import ContextParallelStrategy
 from lit_ablate.strategies.ddp import DDPStrategy
-from lit_ablate.strategies.expert_context_parallel import ExpertContextParallelStrategy
-from lit_ablate.strategies.expert_parallel import ExpertParallelStrategy
-from lit_ablate.strategies.expert_tensor_parallel import ExpertTensorParallelStrategy
 from lit_ablate.strategies.fsdp1 import FSDP1Strategy
-from lit_ablate.strategies.fsdp2 import FSDP2Strategy
-from lit_ablate.strategies.hsdp import HSDPStrategy
+from lit_ablate.strategies.interface import StrategyInterface, interface_of
 from lit_ablate.strategies.mesh import MESH_DIMS, MeshStrategy, decoder_layers, resolve_mesh_sizes
+from lit_ablate.strategies.mesh_parallel import MeshParallelStrategy
 from lit_ablate.strategies.pipeline_parallel import PipelineParallelStrategy
-from lit_ablate.strategies.tensor_context_parallel import TensorContextParallelStrategy
-from lit_ablate.strategies.tensor_parallel import TensorParallelStrategy
+from lit_ablate.strategies.presets import (
+    ContextParallelStrategy,
+    ExpertContextParallelStrategy,
+    ExpertParallelStrategy,
+    ExpertTensorParallelStrategy,
+    FSDP2Strategy,
+    HSDPStrategy,
+    TensorContextParallelStrategy,
+    TensorParallelStrategy,
+)
 from lit_ablate.strategies.zero1 import ZeRO1Strategy
 
 __all__ = [
@@ -29,11 +39,14 @@ __all__ = [
     "FSDP2Strategy",
     "HSDPStrategy",
     "MESH_DIMS",
+    "MeshParallelStrategy",
     "MeshStrategy",
     "PipelineParallelStrategy",
+    "StrategyInterface",
     "TensorContextParallelStrategy",
     "TensorParallelStrategy",
     "ZeRO1Strategy",
     "decoder_layers",
+    "interface_of",
     "resolve_mesh_sizes",
 ]

@@ -1,4 +1,4 @@
-"""``ContextParallelStrategy``: every sequence split over the mesh's ``cp`` ranks, the rest FSDP2."""
+"""The CP step of the mesh pipeline: every sequence split over the mesh's ``cp`` ranks (``ContextParallelSteps``)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from lit_ablate.models.attention.context_parallel import (
 from lit_ablate.models.attention.sequence_layout import LAYOUTS, LayoutName, SequenceLayout
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
 from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX
-from lit_ablate.strategies.fsdp2 import FSDP2Strategy
+from lit_ablate.strategies.fsdp2 import FullyShardSteps
 from lit_ablate.strategies.mesh import STRATEGY_KEY
 
 ContextParallelImpl = Literal["ring", "allgather"]
@@ -30,7 +30,7 @@ WHOLE_BATCH_SEGMENT_KEYS = ("cu_seqlens", "max_seqlen")
 (context-parallel attention reads documents from ``position_ids``)."""
 
 
-class ContextParallelStrategy(FSDP2Strategy):
+class ContextParallelSteps(FullyShardSteps):
     """Context parallelism: the ``cp`` ranks share each batch, each holding a slice of every sequence.
 
     Choose it when one sequence's activations do not fit a device (long context): activations and
@@ -51,8 +51,9 @@ class ContextParallelStrategy(FSDP2Strategy):
     processed (not useful) tokens, like a collator's padding. An error instead would stop a run
     whenever a dynamically padded or packed batch happened to have an odd length.
 
+    The step of ``MeshParallelStrategy`` that runs when ``cp > 1`` (``ContextParallelStrategy`` is its preset).
+
     Args:
-        cp: context-parallel ranks (``-1``: the ranks left after the other mesh sizes).
         cp_impl: ``ring`` (K/V passed rank to rank, point to point, overlapped with the block
             computation) or ``allgather`` (one all-gather of K/V per layer, reduce-scatter of
             dK/dV in backward; more memory, fewer messages).
@@ -64,29 +65,32 @@ class ContextParallelStrategy(FSDP2Strategy):
         cp_layout: ``zigzag`` (each rank holds a head and a tail chunk: equal causal attention
             work on every rank) or ``contiguous`` (rank r holds the r-th slice: the last rank does
             ``2 cp - 1`` times the attention work of the first).
-        dp_shard: FSDP ranks beside the context-parallel ones (``dp_shard x cp`` ranks in all,
-            times ``dp_replicate``); different ``dp_shard`` ranks read different batches.
-        **kwargs: the other ``FSDP2Strategy`` / ``MeshStrategy`` arguments (mixed precision,
-            resharding, activation checkpointing, compile, checkpoint format, ``dp_replicate``).
+        **kwargs: the mesh sizes and the other steps' options (``MeshParallelStrategy``).
     """
 
-    def __init__(self, cp: int = -1, cp_impl: ContextParallelImpl = "ring", cp_layout: LayoutName = "zigzag",
-                 dp_shard: int = 1, cp_block_kernel: BlockKernelName = "sdpa", **kwargs: Any) -> None:  # fmt: skip
+    def __init__(self, cp_impl: ContextParallelImpl = "ring", cp_layout: LayoutName = "zigzag",
+                 cp_block_kernel: BlockKernelName = "sdpa", **kwargs: Any) -> None:  # fmt: skip
         if cp_impl not in CONTEXT_PARALLEL_BACKENDS:
             raise ConfigError(f"{STRATEGY_KEY}.cp_impl", cp_impl, f"choose one of {sorted(CONTEXT_PARALLEL_BACKENDS)}")
         if cp_layout not in LAYOUTS:
             raise ConfigError(f"{STRATEGY_KEY}.cp_layout", cp_layout, f"choose one of {list(LAYOUTS)}")
         if cp_block_kernel not in BLOCK_KERNELS:
             raise ConfigError(KERNEL_KEY, cp_block_kernel, f"choose one of {list(BLOCK_KERNELS)}")
-        super().__init__(cp=cp, dp_shard=dp_shard, **kwargs)
+        super().__init__(**kwargs)
         self.cp_impl = cp_impl
         self.cp_layout = cp_layout
         self.cp_block_kernel = cp_block_kernel
         self._cp_models: list[CausalLMWithLoss] = []
 
     def setup_environment(self) -> None:
-        block_kernel(self.cp_block_kernel, self.root_device)  # refused here, before any work
+        if self.requested_mesh_sizes["cp"] != 1:
+            block_kernel(self.cp_block_kernel, self.root_device)  # refused here, before any work
         super().setup_environment()
+
+    @property
+    def splits_sequences(self) -> bool:
+        """Whether the context-parallel step is on (``cp > 1``): it shards batches and switches attention."""
+        return self.mesh_sizes.get("cp", 1) > 1
 
     @property
     def layout(self) -> SequenceLayout:
@@ -107,6 +111,8 @@ class ContextParallelStrategy(FSDP2Strategy):
     def apply_cp(self, model: CausalLMWithLoss) -> None:
         """Attach the ``cp`` group and layout to every attention module (read by the ``ring`` and
         ``allgather`` backends), and remember the model so steps switch its attention to ``cp_impl``."""
+        if not self.splits_sequences:
+            return
         group = self.device_mesh["cp"].get_group() if self.mesh_sizes["cp"] > 1 else None
         kernel = block_kernel(self.cp_block_kernel, torch.device(self.device_mesh.device_type))
         context = ContextParallelGroup(group, self.layout, self.cp_rank, kernel)
@@ -116,7 +122,8 @@ class ContextParallelStrategy(FSDP2Strategy):
 
     # ---------------------------------------------------------------- batches and steps
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        return self.shard_batch(super().batch_to_device(batch, device, dataloader_idx))
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        return self.shard_batch(batch) if self.splits_sequences else batch
 
     def shard_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
         """This rank's slice of every sequence of ``batch`` (see the class docstring).

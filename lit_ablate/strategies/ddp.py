@@ -14,13 +14,14 @@ from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 
 from lit_ablate.errors import ConfigError
 from lit_ablate.strategies.gpu_only import check_gpu_only_options
+from lit_ablate.strategies.interface import StrategyInterface
 from lit_ablate.strategies.mesh import STRATEGY_KEY
 from lit_ablate.strategies.state_sharding import REPLICATED, StateSharding
 
 CommHook = Literal["none", "fp16", "bf16", "powersgd"]
 
 
-class DDPStrategy(LightningDDPStrategy):
+class DDPStrategy(LightningDDPStrategy, StrategyInterface):
     """Data parallelism with full replicas: gradients all-reduced in buckets, overlapped with backward.
 
     The baseline of data-parallel studies. Choose the knobs to reproduce "overlap-DDP" tuning

@@ -1,4 +1,4 @@
-"""``ExpertParallelStrategy``: experts sharded over the mesh's ``ep`` dimension, the rest FSDP2."""
+"""The EP step of the mesh pipeline: experts sharded over the mesh's ``ep`` ranks (``ExpertParallelSteps``)."""
 
 from __future__ import annotations
 
@@ -18,14 +18,14 @@ from lit_ablate.errors import ConfigError
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.models.moe.blocks import OPTIONS_KEY, MoEBlock, moe_blocks
 from lit_ablate.models.moe.dispatch import DISPATCH_MODES
-from lit_ablate.strategies.fsdp2 import FSDP2Strategy
+from lit_ablate.strategies.fsdp2 import FullyShardSteps
 from lit_ablate.strategies.mesh import STRATEGY_KEY, resolve_mesh_sizes
 from lit_ablate.strategies.state_sharding import StateSharding
 
 DispatchMode = Literal["all_to_all", "all_reduce"]
 
 
-class ExpertParallelStrategy(FSDP2Strategy):
+class ExpertParallelSteps(FullyShardSteps):
     """Expert parallelism (torchtitan's): each ``ep`` rank holds ``num_experts / ep`` experts.
 
     Tokens travel to the ranks holding their experts and back (``dispatch: all_to_all``), or, as
@@ -39,19 +39,18 @@ class ExpertParallelStrategy(FSDP2Strategy):
     the run trains the same model as without EP. Needs MoE blocks patched by lit-ablate
     (``moe.experts: grouped`` or ``loop``).
 
+    The step of ``MeshParallelStrategy`` that runs when ``ep > 1`` (``ExpertParallelStrategy`` is its
+    preset); ``ep`` must divide the number of experts.
+
     Args:
-        ep: expert-parallel ranks; must divide the number of experts (``-1``: the ranks left
-            after the other mesh sizes).
-        dp_shard: FSDP ranks per expert shard (``ep x dp_shard`` ranks in all, times ``dp_replicate``).
         dispatch: ``all_to_all`` (real EP) or ``all_reduce`` (every rank sees every token).
-        **kwargs: the other ``FSDP2Strategy`` / ``MeshStrategy`` arguments (mixed precision,
-            resharding, activation checkpointing, compile, checkpoint format, ``dp_replicate``).
+        **kwargs: the mesh sizes and the other steps' options (``MeshParallelStrategy``).
     """
 
-    def __init__(self, ep: int = -1, dp_shard: int = 1, dispatch: DispatchMode = "all_to_all", **kwargs: Any) -> None:
+    def __init__(self, dispatch: DispatchMode = "all_to_all", **kwargs: Any) -> None:
         if dispatch not in DISPATCH_MODES:
             raise ConfigError(f"{STRATEGY_KEY}.dispatch", dispatch, f"choose one of {sorted(DISPATCH_MODES)}")
-        super().__init__(ep=ep, dp_shard=dp_shard, **kwargs)
+        super().__init__(**kwargs)
         self.dispatch = dispatch
 
     def state_sharding(self, world_size: int) -> StateSharding:
@@ -59,6 +58,8 @@ class ExpertParallelStrategy(FSDP2Strategy):
         the same share as the dense parameters over those ranks), but a layer gathers only this
         rank's experts, over ``dp_shard x cp``."""
         sizes = resolve_mesh_sizes(self.requested_mesh_sizes, world_size)
+        if sizes["ep"] == 1:
+            return super().state_sharding(world_size)
         return replace(super().state_sharding(world_size), expert_parallel=sizes["ep"],
                        expert_shards=sizes["dp_shard"] * sizes["cp"])
 
@@ -71,10 +72,10 @@ class ExpertParallelStrategy(FSDP2Strategy):
 
     def apply_ep(self, model: CausalLMWithLoss) -> None:
         """Keep this rank's slice of every expert weight (a DTensor on the ``ep`` mesh) and install the dispatcher."""
-        blocks = self._moe_blocks(model)
         ep = self.mesh_sizes["ep"]
         if ep == 1:
             return
+        blocks = self._moe_blocks(model)
         mesh = self.device_mesh["ep"]
         num_experts = blocks[0].gate.num_experts
         dispatcher = DISPATCH_MODES[self.dispatch](mesh.get_group(), num_experts)

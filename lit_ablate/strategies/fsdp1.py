@@ -17,13 +17,14 @@ from torch.optim import Optimizer
 
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.strategies.gpu_only import check_gpu_only_options
+from lit_ablate.strategies.interface import StrategyInterface
 from lit_ablate.strategies.mesh import decoder_layers
 from lit_ablate.strategies.state_sharding import StateSharding, fsdp1_sharding
 
 ShardingStrategyName = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
 
 
-class FSDP1Strategy(FSDPStrategy):
+class FSDP1Strategy(FSDPStrategy, StrategyInterface):
     """PyTorch's first FSDP (one flattened parameter per wrapped unit): each decoder layer, then the root.
 
     Choose it as the baseline that FSDP2 replaced, or to reproduce results made with it.

@@ -1,4 +1,4 @@
-"""``FSDP2Strategy``: per-parameter sharding with torch's ``fully_shard`` on the lit-ablate mesh."""
+"""The FSDP step of the mesh pipeline: per-parameter sharding with torch's ``fully_shard`` (``FullyShardSteps``)."""
 
 from __future__ import annotations
 
@@ -14,21 +14,36 @@ from lit_ablate.errors import ConfigError
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.models.fp8.conversion import precompute_fp8_scales
 from lit_ablate.strategies.gpu_only import check_gpu_only_options
-from lit_ablate.strategies.mesh import FSDP_SHARD_DIMS, STRATEGY_KEY, MeshStrategy, decoder_layers, resolve_mesh_sizes
+from lit_ablate.strategies.mesh import (
+    FSDP_SHARD_DIMS,
+    STRATEGY_KEY,
+    MeshOptions,
+    MeshStrategy,
+    decoder_layers,
+    resolve_mesh_sizes,
+)
 from lit_ablate.strategies.state_sharding import StateSharding
 
 DTypeName = Literal["float32", "bfloat16", "float16"]
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class FSDP2Strategy(MeshStrategy):
-    """Fully sharded data parallelism (FSDP2, ``fully_shard``): each decoder layer, then the root.
+class FSDPOptions(MeshOptions, total=False):
+    """``FullyShardSteps``' options beside the mesh's (see its docstring)."""
 
-    Choose it to train a model whose parameters, gradients and optimizer states do not fit one
-    device replicated (ZeRO-3 with ``reshard_after_forward: true``; ZeRO-2-like with ``false``:
-    parameters stay gathered from forward to backward, one all-gather per layer fewer, more
-    memory). With ``dp_replicate > 1`` it is HSDP (see ``HSDPStrategy``). Subclasses add TP, EP or
-    CP by overriding one ``apply_*`` step of the pipeline (``MeshStrategy``).
+    reshard_after_forward: bool
+    param_dtype: DTypeName | None
+    reduce_dtype: DTypeName | None
+    cpu_offload: bool
+
+
+class FullyShardSteps(MeshStrategy):
+    """The FSDP step (FSDP2, ``fully_shard``): each decoder layer, then the root, over ``fsdp_mesh``.
+
+    Not selected on its own: ``MeshParallelStrategy`` and its presets (``FSDP2Strategy``, ...) stand on
+    it. ``reshard_after_forward: true`` is ZeRO-3; ``false`` is ZeRO-2-like (parameters stay gathered
+    from forward to backward, one all-gather per layer fewer, more memory). With ``dp_replicate > 1``
+    it is HSDP.
 
     Args:
         reshard_after_forward: free gathered parameters after each layer's forward (ZeRO-3) or
@@ -37,8 +52,7 @@ class FSDP2Strategy(MeshStrategy):
         reduce_dtype: dtype of the gradient reduce-scatter; ``null`` = ``param_dtype``.
         cpu_offload: keep shards, gradients and optimizer states in host memory (GPU only: on
             CPU there is nothing to offload from, and it is refused).
-        **kwargs: the mesh sizes (``dp_shard: -1`` by default: every rank shards), activation
-            checkpointing, compile and checkpoint format: see ``MeshStrategy``.
+        **kwargs: the mesh sizes and the other ``MeshStrategy`` options.
     """
 
     def __init__(
@@ -48,7 +62,7 @@ class FSDP2Strategy(MeshStrategy):
         reduce_dtype: DTypeName | None = None,
         cpu_offload: bool = False,
         **kwargs: Any,
-    ) -> None:
+    ) -> None:  # the mesh sizes and MeshOptions
         super().__init__(**kwargs)
         for key, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
             if value is not None and value not in DTYPES:

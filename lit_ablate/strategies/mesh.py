@@ -26,7 +26,7 @@ import itertools
 import math
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
+from lit_ablate.strategies.interface import StrategyInterface
 
 MESH_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "ep", "cp", "tp")
 """The mesh dimensions, outermost first."""
@@ -46,6 +47,19 @@ FSDP_SHARD_DIMS: tuple[str, ...] = ("dp_shard", "ep", "cp")
 STRATEGY_KEY = "trainer.strategy.init_args"
 
 ActivationCheckpointing = Literal["none", "full", "selective"]
+
+
+class MeshOptions(TypedDict, total=False):
+    """The options every mesh strategy takes beside its mesh sizes (see ``MeshStrategy``): presets
+    accept them as ``**kwargs: Unpack[...]``, so their signatures (what jsonargparse parses) list
+    exactly the dimensions they implement."""
+
+    activation_checkpointing: ActivationCheckpointing
+    checkpoint_every: int
+    compile_layers: bool
+    save_distributed_checkpoint: bool
+    process_group_backend: str | None
+    timeout_s: float
 
 
 def check_mesh_sizes(sizes: Mapping[str, int]) -> None:
@@ -60,11 +74,15 @@ def check_mesh_sizes(sizes: Mapping[str, int]) -> None:
 def resolve_mesh_sizes(sizes: Mapping[str, int], world_size: int) -> dict[str, int]:
     """The sizes of all of ``MESH_DIMS`` with ``-1`` replaced by the rest; they multiply to ``world_size``.
 
-    Dimensions missing from ``sizes`` have size 1. Raises ``ConfigError`` naming the sizes and
-    the world size when they cannot multiply to it.
+    Dimensions missing from ``sizes`` have size 1. Raises ``ConfigError`` naming a size larger than
+    the world size, or the sizes and the world size when they cannot multiply to it.
     """
     check_mesh_sizes(sizes)
     resolved = {dim: int(sizes.get(dim, 1)) for dim in MESH_DIMS}
+    for dim, size in resolved.items():  # named on its own: "the sizes multiply to 8" hides which one is wrong
+        if size > world_size:
+            raise ConfigError(f"{STRATEGY_KEY}.{dim}", size, f"{dim} cannot exceed the world size ({world_size} ranks = "
+                              f"devices x nodes); use {dim} <= {world_size}, or -1 for the ranks the others leave")
     known = math.prod(size for size in resolved.values() if size != -1)
     rest = [dim for dim, size in resolved.items() if size == -1]
     if rest:
@@ -88,7 +106,7 @@ def _shown(sizes: Mapping[str, int]) -> dict[str, int]:
     return {dim: size for dim, size in sizes.items() if size != 1}
 
 
-class MeshStrategy(ModelParallelStrategy):
+class MeshStrategy(ModelParallelStrategy, StrategyInterface):
     """Base of the mesh strategies: the named mesh, the data-parallel sampler, the ordered pipeline.
 
     Not selected on its own: it leaves ``apply_fsdp`` to a subclass (``FSDP2Strategy`` shards
@@ -221,6 +239,11 @@ class MeshStrategy(ModelParallelStrategy):
         if self.mesh_sizes["tp"] == 1:
             return dist.group.WORLD, size
         return self._gradient_mean_mesh.get_group(), size
+
+    @property
+    def has_compile_step(self) -> bool:
+        """The pipeline compiles decoder layers itself (``compile_layers``), after activation checkpointing."""
+        return True
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:

@@ -152,8 +152,7 @@ class PipelineParallelStrategy(MeshStrategy):
         self._loss_scale = 1.0
         self._pending_gradients: list[tuple[nn.Parameter, Tensor]] = []
         self._compute_timer: ChunkTimer | None = None
-        self.schedule_timing: tuple[float, float] | None = None
-        """``(schedule seconds, this stage's compute seconds)`` of the last step (``PipelineBubbleMonitor``)."""
+        self._schedule_timing: tuple[float, float] | None = None
 
     # ---------------------------------------------------------------- the mesh
     def build_mesh(self, device_type: str, world_size: int) -> DeviceMesh:
@@ -214,6 +213,10 @@ class PipelineParallelStrategy(MeshStrategy):
             return REPLICATED
         shard = self.dp_shard
         return StateSharding(params=shard, grads=shard, optimizer=shard, gathered=None if self.reshard_after_forward else 1)
+
+    def schedule_timing(self) -> tuple[float, float] | None:
+        """``(schedule seconds, this stage's compute seconds)`` of the last step (``PipelineBubbleMonitor``)."""
+        return self._schedule_timing
 
     @property
     def schedule_bubble(self) -> float:
@@ -395,8 +398,12 @@ class PipelineParallelStrategy(MeshStrategy):
         return self._last_module.head_loss(hidden, labels) / self._loss_scale
 
     # ---------------------------------------------------------------- one step
-    def pipeline_forward_backward(self, model: CausalLMWithLoss, batch: dict[str, Any],
-                                  objective: StepObjective) -> tuple[Tensor, Tensor]:
+    @property
+    def runs_forward_backward(self) -> bool:
+        return True
+
+    def forward_backward(self, model: CausalLMWithLoss, batch: dict[str, Any],
+                         objective: StepObjective) -> tuple[Tensor, Tensor]:
         """Forward and backward of every micro-batch through the stages; ``(loss_sum, useful_tokens)``
         of the whole batch, the same on every rank (``CausalLM.training_step`` calls it)."""
         if model is not self._pipelined:
@@ -422,7 +429,7 @@ class PipelineParallelStrategy(MeshStrategy):
         else:
             self._schedule.step(return_outputs=False)
         compute = self._compute_timer.seconds()  # synchronises a GPU first
-        self.schedule_timing = (time.perf_counter() - started, compute)
+        self._schedule_timing = (time.perf_counter() - started, compute)
         self.average_over_replicas(model)
         # Lightning zeroes gradients between training_step and backward: keep them aside until then.
         self._pending_gradients = [(p, p.grad) for p in model.parameters() if p.grad is not None]
@@ -447,7 +454,7 @@ class PipelineParallelStrategy(MeshStrategy):
         training and evaluation (a forward, and a backward on the way back).
         """
         if torch.is_grad_enabled():
-            raise RuntimeError("a pipelined model is called for evaluation only; training runs pipeline_forward_backward")
+            raise RuntimeError("a pipelined model is called for evaluation only; training runs forward_backward")
         if model is not self._pipelined:
             raise RuntimeError("the pipeline was built for another model")
         batch = pipeline_batch(batch)
@@ -497,7 +504,7 @@ class PipelineParallelStrategy(MeshStrategy):
             grad.copy_(chunk.view_as(grad))
 
     def deliver_gradients(self) -> None:
-        """Put the gradients of the last ``pipeline_forward_backward`` on the parameters."""
+        """Put the gradients of the last ``forward_backward`` on the parameters."""
         for p, grad in self._pending_gradients:
             p.grad = grad
         self._pending_gradients = []

@@ -1,7 +1,7 @@
 """How a strategy divides training state over ranks: what the memory estimate needs per strategy.
 
 Each lit-ablate strategy answers ``state_sharding(world_size)`` itself (it knows its own
-layout); ``state_sharding_of`` also answers for Lightning's built-in strategies by name or
+layout); ``lightning_state_sharding`` answers for Lightning's built-in strategies by name or
 instance, so ``lit-ablate estimate`` can state per-rank bytes for any configured strategy.
 """
 
@@ -60,11 +60,8 @@ def fsdp1_sharding(sharding_strategy: str, world_size: int) -> StateSharding:
     return deepspeed_sharding({"FULL_SHARD": 3, "NO_SHARD": 0}[sharding_strategy], world_size)
 
 
-def state_sharding_of(strategy: Strategy | str, world_size: int) -> StateSharding:
-    """The sharding of a configured strategy: a lit-ablate strategy, a Lightning strategy, or its name."""
-    answer = getattr(strategy, "state_sharding", None)
-    if answer is not None:
-        return answer(world_size)
+def lightning_state_sharding(strategy: Strategy | str, world_size: int) -> StateSharding:
+    """The sharding of one of Lightning's own strategies, or of its name (``ddp``, ``deepspeed_stage_2``)."""
     name = strategy if isinstance(strategy, str) else type(strategy).__name__
     if name.startswith("deepspeed_stage_"):
         return deepspeed_sharding(int(name.split("_")[2]), world_size)

@@ -1,4 +1,4 @@
-"""``TensorParallelStrategy``: every weight matrix split over the mesh's ``tp`` ranks, the rest FSDP2."""
+"""The TP step of the mesh pipeline: every weight matrix split over the mesh's ``tp`` ranks (``TensorParallelSteps``)."""
 
 from __future__ import annotations
 
@@ -22,13 +22,13 @@ from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_laye
 from lit_ablate.models.fp8.conversion import is_fp8, precompute_fp8_scales
 from lit_ablate.models.losses.cross_entropy import LOSS_KEY, OPTIONS_KEY, TorchCrossEntropy
 from lit_ablate.strategies.expert_parallel import clip_grad_norm_across_meshes
-from lit_ablate.strategies.fsdp2 import FSDP2Strategy
+from lit_ablate.strategies.fsdp2 import FullyShardSteps
 from lit_ablate.strategies.mesh import STRATEGY_KEY, resolve_mesh_sizes
 from lit_ablate.strategies.state_sharding import StateSharding
 from lit_ablate.strategies.tensor_parallel_plans import Plan, layer_plan_for, root_plan
 
 
-class TensorParallelStrategy(FSDP2Strategy):
+class TensorParallelSteps(FullyShardSteps):
     """Tensor parallelism (Megatron's layout, DTensor's ``parallelize_module``), optionally sequence
     parallel, composed with FSDP2 over ``dp_shard`` (2-D: world = ``dp_shard x tp``, x ``dp_replicate``).
 
@@ -45,20 +45,19 @@ class TensorParallelStrategy(FSDP2Strategy):
     fp8 (tensorwise recipe): converted layers are split with torchao's float8 styles (``float8_styles``);
     with ``fp8.fsdp_all_gather`` the weights' fp8 scales are computed before the first step too (``on_train_start``).
 
+    The step of ``MeshParallelStrategy`` that runs when ``tp > 1`` (``TensorParallelStrategy`` is its preset):
+    ``tp`` must divide the attention heads, the key/value heads and the vocabulary.
+
     Args:
-        tp: tensor-parallel ranks (``-1``: the ranks left after the other mesh sizes). Must divide
-            the attention heads, the key/value heads and the vocabulary.
         sequence_parallel: also split the residual stream between blocks along the sequence (the
             norms run on ``1 / tp`` of the tokens). Needs every rank to see the whole sequence's
             ``position_ids`` (the strategy makes them explicit) and a length divisible by ``tp``;
             padded (an ``attention_mask`` with zeros) and packed batches are refused.
-        dp_shard: FSDP ranks beside the tensor-parallel ones; they read different batches.
-        **kwargs: the other ``FSDP2Strategy`` / ``MeshStrategy`` arguments (mixed precision,
-            resharding, activation checkpointing, compile, checkpoint format, ``dp_replicate``).
+        **kwargs: the mesh sizes and the other steps' options (``MeshParallelStrategy``).
     """
 
-    def __init__(self, tp: int = -1, sequence_parallel: bool = False, dp_shard: int = 1, **kwargs: Any) -> None:
-        super().__init__(tp=tp, dp_shard=dp_shard, **kwargs)
+    def __init__(self, sequence_parallel: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self.sequence_parallel = sequence_parallel
 
     @property
@@ -95,6 +94,8 @@ class TensorParallelStrategy(FSDP2Strategy):
         MoE blocks whole, so ``tp`` does not divide them."""
         sharding = super().state_sharding(world_size)
         tp = resolve_mesh_sizes(self.requested_mesh_sizes, world_size)["tp"]
+        if tp == 1:
+            return sharding
         return replace(sharding, expert_shards=sharding.params // (tp * sharding.expert_parallel))
 
     def layer_plan(self, model: CausalLMWithLoss, layer: nn.Module) -> Plan:

@@ -1,0 +1,123 @@
+"""``StrategyInterface``: everything lit-ablate's modules and callbacks may ask a training strategy.
+
+Declared once, instead of probing a strategy's attributes. lit-ablate's strategies inherit it and
+override what differs from a plain data-parallel strategy; Lightning's own strategies (baselines
+named by alias or ``class_path``: ``ddp``, ``FSDPStrategy``, ``DeepSpeedStrategy``, a single device)
+are answered by ``LightningStrategyAnswers``, which knows them by type. Ask ``interface_of(strategy)``.
+
+A custom strategy implements this interface by inheriting it next to its Lightning base
+(``examples/custom_strategy.py``) and overriding the answers that change.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+from lightning.pytorch.strategies import ParallelStrategy, Strategy
+from torch import Tensor
+
+from lit_ablate.strategies.state_sharding import REPLICATED, StateSharding, lightning_state_sharding
+
+if TYPE_CHECKING:
+    from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
+    from lit_ablate.modules.step_objective import StepObjective
+
+
+class StrategyInterface:
+    """The answers of a strategy, with a plain data-parallel strategy's as defaults.
+
+    ``strategy`` is the Lightning strategy the answers are about: the object itself for
+    lit-ablate's strategies (which inherit this class), the wrapped one in ``LightningStrategyAnswers``.
+    """
+
+    @property
+    def strategy(self) -> Strategy | None:
+        return self  # type: ignore[return-value]  (lit-ablate's strategies are Lightning strategies)
+
+    @property
+    def gradient_mean_group(self) -> tuple[dist.ProcessGroup | None, int]:
+        """The ranks whose gradients the strategy averages, and how many: the step objective sums each
+        step's useful tokens over them (``StepObjective``) and undoes the average's division once."""
+        strategy = self.strategy
+        size = strategy.world_size if strategy is not None else 1
+        if size > 1 and dist.is_available() and dist.is_initialized():
+            return dist.group.WORLD, size
+        return None, 1
+
+    @property
+    def batch_replicas(self) -> int:
+        """Ranks that process the very same tokens (tensor-parallel peers): throughput and MFU count
+        their tokens once."""
+        return 1
+
+    @property
+    def flops_share(self) -> float:
+        """This rank's share of the model FLOPs of the batch it reads (``MFUMonitor``); 1 unless ranks
+        that read one batch split its work unevenly (context parallelism's causal blocks)."""
+        return 1.0
+
+    @property
+    def sampler_replicas(self) -> dict[str, int]:
+        """``{"num_replicas", "rank"}``: how many different batches a step reads, and this rank's."""
+        strategy = self.strategy
+        if isinstance(strategy, ParallelStrategy):
+            return dict(strategy.distributed_sampler_kwargs)
+        return {"num_replicas": 1, "rank": 0}
+
+    @property
+    def has_compile_step(self) -> bool:
+        """Whether the strategy compiles layers in its own pipeline step (then the module must not)."""
+        return False
+
+    @property
+    def runs_forward_backward(self) -> bool:
+        """Whether ``forward_backward`` runs each training step (a pipeline runs forward and backward
+        of its stages inside one schedule); otherwise the module runs forward and Lightning backward."""
+        return False
+
+    def forward_backward(self, model: CausalLMWithLoss, batch: dict[str, Any],
+                         objective: StepObjective) -> tuple[Tensor, Tensor]:
+        """``(loss_sum, useful_tokens)`` of the batch after its forward and backward (see ``runs_forward_backward``)."""
+        raise NotImplementedError(f"{type(self).__name__} leaves forward and backward to the module and Lightning")
+
+    def schedule_timing(self) -> tuple[float, float] | None:
+        """``(schedule seconds, this rank's compute seconds)`` of the last step, for a strategy whose step
+        is a schedule with idle time (``PipelineBubbleMonitor``); None otherwise."""
+        return None
+
+    @property
+    def schedule_bubble(self) -> float | None:
+        """The idle share the step's schedule has by itself, with equal stages and free communication; None
+        for a strategy whose step has no schedule."""
+        return None
+
+    def state_sharding(self, world_size: int) -> StateSharding:
+        """How the strategy divides training state over ``world_size`` ranks (the memory estimate)."""
+        return REPLICATED
+
+
+class LightningStrategyAnswers(StrategyInterface):
+    """The answers for one of Lightning's own strategies (or none: a module outside a trainer)."""
+
+    def __init__(self, strategy: Strategy | None) -> None:
+        self._strategy = strategy
+
+    @property
+    def strategy(self) -> Strategy | None:
+        return self._strategy
+
+    def state_sharding(self, world_size: int) -> StateSharding:
+        return lightning_state_sharding(self._strategy, world_size) if self._strategy is not None else REPLICATED
+
+
+def interface_of(strategy: Strategy | None) -> StrategyInterface:
+    """What to ask ``strategy``: itself when it is a lit-ablate strategy, else Lightning's defaults."""
+    return strategy if isinstance(strategy, StrategyInterface) else LightningStrategyAnswers(strategy)
+
+
+def state_sharding_of(strategy: Strategy | str, world_size: int) -> StateSharding:
+    """The sharding of a configured strategy: a lit-ablate strategy, a Lightning strategy, or its name."""
+    if isinstance(strategy, str):
+        return lightning_state_sharding(strategy, world_size)
+    return interface_of(strategy).state_sharding(world_size)
