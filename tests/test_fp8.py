@@ -262,3 +262,24 @@ def test_the_cli_refuses_bad_fp8_combinations_in_one_line(fp8, config, expected,
     code, lines = _stderr_lines(["fit", "--config", str(CONFIGS / "quickstart.yaml"), "--model.init_args.model.fp8", fp8,
                                  "--model.init_args.model.config", config], capsys)  # fmt: skip
     assert code not in (0, None) and len(lines) == 1 and expected in lines[0], lines
+
+
+def test_emulated_fp8_casts_its_input_to_the_autocast_dtype_as_a_gpu_does():
+    """Under bf16 autocast a GPU's Float8Linear quantises the bf16 input and returns bf16. torchao casts only
+    under CUDA autocast, so on CPU the emulation quantised fp32 activations and returned fp32 (issue 30): the
+    pre-hook ``convert_fp8`` adds casts on every device. Reference: the same layer on the input cast by hand,
+    without autocast, which is what CUDA autocast does before torchao quantises. Seen failing without the
+    hook (outputs up to 2.0e-2 from the reference)."""
+    from torch import nn
+
+    from lit_ablate.models.fp8.conversion import Fp8Options, convert_fp8
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 48))
+    convert_fp8(model, Fp8Options(), emulate=True)
+    x = torch.randn(16, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    reference = model(x.to(torch.bfloat16))
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, reference, rtol=0, atol=0)

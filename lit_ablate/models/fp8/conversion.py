@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from lit_ablate.errors import ConfigError
-from lit_ablate.models.fp8.matmul import ALIGNMENT, Fp8Matmul
+from lit_ablate.models.fp8.matmul import ALIGNMENT, Fp8Matmul, cast_input_as_autocast
 
 OPTIONS_KEY = "model.init_args.model.fp8"
 """Where ``Fp8Options`` sit in a fit config (named in error messages)."""
@@ -159,6 +159,8 @@ def convert_fp8(model: nn.Module, options: Fp8Options, emulate: bool) -> list[st
     names = fp8_linear_names(model, options)
     config = options.torchao_config(emulate)
     convert_to_float8_training(model, module_filter_fn=lambda _, fqn: fqn in names, config=config)
+    for name in names:  # the input in the autocast dtype on every device, as under CUDA autocast
+        model.get_submodule(name).register_forward_pre_hook(cast_input_as_autocast)
     explicit = not isinstance(options.target_modules, str)
     for name, module in model.named_modules():
         if not type(module).__name__.endswith("Experts") or _matches(name, options.skip):
