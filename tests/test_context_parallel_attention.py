@@ -39,6 +39,7 @@ from lit_ablate.models.attention.context_parallel import (
     ContextParallelGroup,
 )
 from lit_ablate.models.attention.sequence_layout import SequenceLayout
+from lit_ablate.strategies import ContextParallelStrategy, interface_of
 from tests.block_kernel_stand_ins import CudaSdpaOnCpu, FlashAttnOnCpu, FlexOnCpu, use_flash_attn_stand_ins
 from tests.distributed import run_ranks
 
@@ -283,3 +284,20 @@ def test_gpu_ring_and_allgather_on_two_gpus_equal_one_process():
     for name in shards[0]:
         _, layout, case = name.split("-")
         assert_equals_reference([s[name] for s in shards], SequenceLayout(layout, 2), case, atol=GPU_ATOL)
+
+
+def test_flash_attn_records_the_masked_blocks_it_sends_to_the_efficient_op(monkeypatch):
+    """flash-attn takes no mask, so the blocks of a packed batch that need one run on torch's
+    memory-efficient op: the kernel says so in its fallbacks (the run record's, through the strategy),
+    with the count, and says nothing for a batch of whole documents (issue 30: a row labelled
+    flash_attn misstated what ran). Seen failing with the masked blocks not counted (no fallback)."""
+    use_flash_attn_stand_ins(lambda target, name, value: monkeypatch.setattr(target, name, value, raising=False))
+    whole, packed = FlashAttnOnCpu(), FlashAttnOnCpu()
+    _sharded(0, 1, "ring", "zigzag", "one_document", kernel=whole)
+    _sharded(0, 1, "ring", "zigzag", "packed", kernel=packed)
+    assert whole.blocks > 0 and whole.fallbacks() == []
+    assert 0 < packed.masked_blocks <= packed.blocks
+    assert f"{packed.masked_blocks} of {packed.blocks} attention blocks" in packed.fallbacks()[0]
+    strategy = ContextParallelStrategy(cp=2)  # what the run recorder reads: the strategy's kernels' fallbacks
+    strategy._cp_kernels.append(packed)
+    assert interface_of(strategy).fallbacks == packed.fallbacks()

@@ -22,6 +22,7 @@ from lit_ablate.callbacks.memory import MemoryMonitor
 from lit_ablate.callbacks.mfu import MFUMonitor
 from lit_ablate.callbacks.step_monitor import DEFAULT_WARMUP_STEPS, StepMonitor
 from lit_ablate.models.losses import triton_interpreter
+from lit_ablate.strategies.interface import interface_of
 
 
 def _git_commit() -> str | None:
@@ -160,7 +161,7 @@ class RunRecorder(StepMonitor):
             "environment": self._env,
             "model": asdict(counts) if counts is not None else None,
             "warmup_steps": self.warmup_steps,
-            "fallbacks": list(getattr(pl_module, "fallbacks", [])),
+            "fallbacks": [*getattr(pl_module, "fallbacks", []), *interface_of(trainer.strategy).fallbacks],
             "started_at": self._started,
             "finished_at": None if status == "running" else time.time(),
             "resumed_from": self._resumed_from,

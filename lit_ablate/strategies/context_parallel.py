@@ -10,7 +10,13 @@ import torch
 from torch import nn
 
 from lit_ablate.errors import ConfigError
-from lit_ablate.models.attention.block_kernels import BLOCK_KERNELS, KERNEL_KEY, BlockKernelName, block_kernel
+from lit_ablate.models.attention.block_kernels import (
+    BLOCK_KERNELS,
+    KERNEL_KEY,
+    BlockKernel,
+    BlockKernelName,
+    block_kernel,
+)
 from lit_ablate.models.attention.context_parallel import (
     CONTEXT_PARALLEL_ATTRIBUTE,
     CONTEXT_PARALLEL_BACKENDS,
@@ -81,6 +87,7 @@ class ContextParallelSteps(FullyShardSteps):
         self.cp_layout = cp_layout
         self.cp_block_kernel = cp_block_kernel
         self._cp_models: list[CausalLMWithLoss] = []
+        self._cp_kernels: list[BlockKernel] = []
 
     def setup_environment(self) -> None:
         if self.requested_mesh_sizes["cp"] != 1:
@@ -102,6 +109,11 @@ class ContextParallelSteps(FullyShardSteps):
         return self.device_mesh["cp"].get_local_rank()
 
     @property
+    def fallbacks(self) -> list[str]:
+        """The block kernels' fallbacks (flash_attn's masked blocks on the memory-efficient op)."""
+        return [line for kernel in self._cp_kernels for line in kernel.fallbacks()]
+
+    @property
     def flops_share(self) -> float:
         """The share of a batch's model FLOPs this rank computes, besides tensor parallelism: the
         ``cp`` ranks share one batch, and ``MFUMonitor`` counts each rank's ``1 / cp`` of it."""
@@ -115,6 +127,7 @@ class ContextParallelSteps(FullyShardSteps):
             return
         group = self.device_mesh["cp"].get_group() if self.mesh_sizes["cp"] > 1 else None
         kernel = block_kernel(self.cp_block_kernel, torch.device(self.device_mesh.device_type))
+        self._cp_kernels.append(kernel)
         context = ContextParallelGroup(group, self.layout, self.cp_rank, kernel)
         for module in attention_modules(model):
             setattr(module, CONTEXT_PARALLEL_ATTRIBUTE, context)

@@ -87,6 +87,11 @@ class StrategyInterface:
         return None
 
     @property
+    def fallbacks(self) -> list[str]:
+        """What ran instead of what the strategy's config named, in words (the run record's ``fallbacks``)."""
+        return []
+
+    @property
     def schedule_bubble(self) -> float | None:
         """The idle share the step's schedule has by itself, with equal stages and free communication; None
         for a strategy whose step has no schedule."""

@@ -50,6 +50,10 @@ class BlockKernel(ABC):
         """Why the kernel cannot train on ``device`` (checked when the strategy starts), or None."""
         return None
 
+    def fallbacks(self) -> list[str]:
+        """What ran instead of this kernel so far, in words (the run record's ``fallbacks``)."""
+        return []
+
     @abstractmethod
     def forward(self, q: Tensor, k: Tensor, v: Tensor, block: BlockMask, scale: float | None) -> tuple[Tensor, Tensor]:
         """``(output, fp32 log-sum-exp)`` of the block; rows that see no key may hold anything."""
@@ -137,8 +141,20 @@ class FlashAttnBlockKernel(SdpaBlockKernel):
     dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
     """What flash-attn computes in."""
 
+    blocks = 0
+    """Blocks computed so far (forward), and those with a mask, which flash-attn cannot take."""
+    masked_blocks = 0
+
+    def fallbacks(self) -> list[str]:
+        if not self.masked_blocks:
+            return []
+        return [f"cp_block_kernel flash_attn: {self.masked_blocks} of {self.blocks} attention blocks had a document or "
+                "padding mask and ran on torch's memory-efficient SDPA op (flash-attn takes no mask)"]
+
     def forward(self, q: Tensor, k: Tensor, v: Tensor, block: BlockMask, scale: float | None) -> tuple[Tensor, Tensor]:
+        self.blocks += 1
         if block.mask is not None:
+            self.masked_blocks += 1
             return super().forward(q, k, v, block, scale)
         self.check_inputs(q)
         out, lse, _, _ = torch.ops.flashattn._flash_attn_forward(
