@@ -21,6 +21,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 
 from lit_ablate.callbacks.pipeline_bubble import PipelineBubbleMonitor
+from lit_ablate.callbacks.progress_file import PROGRESS_PATH_ENV, ProgressFile
 from lit_ablate.callbacks.run_recorder import RunRecorder
 from lit_ablate.checkpoint_model import check_same_model, checkpoint_model_section
 from lit_ablate.command_table import SUMMARIES
@@ -91,6 +92,8 @@ class LitAblateCLI(LightningCLI):
         if isinstance(trainer.strategy, PipelineParallelStrategy) and not any(
                 isinstance(c, PipelineBubbleMonitor) for c in trainer.callbacks):
             trainer.callbacks.append(PipelineBubbleMonitor())  # the bubble belongs in every pipeline run's record
+        if self.subcommand == "fit" and os.environ.get(PROGRESS_PATH_ENV):  # a study's run: its live progress line
+            trainer.callbacks.append(ProgressFile(os.environ[PROGRESS_PATH_ENV]))
         return trainer
 
     def _set_seed(self) -> None:

@@ -13,7 +13,7 @@ import argparse
 import contextlib
 import io
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -137,14 +137,28 @@ def config_text(config: dict[str, Any]) -> str:
     return yaml.safe_dump(config, sort_keys=False)
 
 
-def describe(runs: Sequence[PlannedRun]) -> str:
-    """The plan in words, one line per run (``--dry-run``)."""
-    lines = []
+def describe(runs: Sequence[PlannedRun], kept: Mapping[str, str] | None = None) -> str:
+    """The plan as a table, one row per run (``--dry-run``): its ranks (devices x nodes) and
+    accelerator, what it changes from the base config, and what will happen to it: ``run``,
+    ``skip: why`` (a compatibility rule), ``fails: why`` (its config does not resolve) or ``done``
+    (``kept``: label -> status of a finished record that a resume keeps)."""
+    kept = kept or {}
+    rows = [("run", "ranks", "device", "changes from the base config", "plan")]
     for run in runs:
         launch = run.launch
-        where = f"devices={launch.devices or 'base'} nodes={launch.num_nodes or 'base'} " \
-                f"accelerator={launch.accelerator or 'base'} timeout={launch.timeout_s:g}s"
-        overrides = ", ".join(f"{k}={v!r}" for k, v in {**run.variant.overrides, **run.variant.launch_overrides}.items())
-        state = f"  SKIP: {run.skip_reason}" if run.skip_reason else f"  FAILS: {run.invalid}" if run.invalid else ""
-        lines.append(f"{run.label:<32} {where}  [{overrides or 'base config'}]{state}")
-    return "\n".join(lines)
+        ranks = f"{launch.devices or 'base'}" + (f"x{launch.num_nodes}" if (launch.num_nodes or 1) > 1 else "")
+        overrides = ", ".join(f"{k}={_short(v)}" for k, v in {**run.variant.overrides, **run.variant.launch_overrides}.items())
+        state = (f"skip: {run.skip_reason}" if run.skip_reason else f"fails: {run.invalid}" if run.invalid
+                 else f"done ({kept[run.label]}, kept)" if run.label in kept else "run")
+        rows.append((run.label, ranks, launch.accelerator or "base", overrides or "(base config)", state))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row[:4], widths)) + "  " + row[4] for row in rows)
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """An override's value in one short line (a class_path mapping by its class name)."""
+    if isinstance(value, Mapping) and isinstance(value.get("class_path"), str):
+        text = value["class_path"].rsplit(".", 1)[-1] + ("(...)" if value.get("init_args") else "")
+    else:
+        text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -210,7 +210,10 @@ def _estimate_check_cell(comparison: Mapping[str, Any] | None) -> str:
 
 
 def _ratio(result: Mapping[str, Any]) -> str:
-    return f"×{result['ratio']:.2f}" if result["ratio"] is not None else f"{_bytes(result['estimated'])} vs 0"
+    """Estimated over measured; where either is 0 a ratio says nothing (``×0.00``), so both sizes."""
+    if result["ratio"] is None or result["estimated"] == 0:
+        return f"est. {_bytes(result['estimated'])} vs {_bytes(result['measured'])} measured"
+    return f"×{result['ratio']:.2f}"
 
 
 def _speed_cell(variant: Mapping[str, Any], baseline: str) -> str:

@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from lit_ablate.ablation.plan import PlannedRun
 from lit_ablate.ablation.run_folder import (
@@ -35,8 +36,14 @@ from lit_ablate.ablation.run_folder import (
 )  # fmt: skip
 from lit_ablate.ablation.run_folder_lock import GroupReaper, RunLock, die_with_runner, run_lock
 from lit_ablate.ablation.slurm import run_on_cluster
+from lit_ablate.callbacks.progress_file import PROGRESS_PATH_ENV, read_progress
 
 STOP_GRACE_S = 10.0
+POLL_S = 0.5
+"""How often the runner reads the run in flight's progress file (and checks its time limit)."""
+PROGRESS_FILENAME = "progress.json"
+Watch = Callable[[dict[str, Any] | None], None]
+"""Called about every ``POLL_S`` while a run is in flight, with its latest progress (None before its first step)."""
 
 
 def default_fit_command() -> list[str]:
@@ -65,38 +72,108 @@ def run_runs(
     records = []
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with _sigterm_as_interrupt(), Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task("study", total=len(runs))
-        for run in runs:
-            progress.update(task, description=run.label)
+        lines = LiveLines(progress, len(runs))
+        for index, run in enumerate(runs):
             previous = previous_record(run)
             if previous is not None and is_kept(previous, run, retry_failed):
                 outcome = f"kept ({previous['summary']['status']})"
                 records.append(previous)
             else:
                 started = time.monotonic()
-                records.append(execute(run, fit_command))
+                lines.start(run, index)
+                records.append(execute(run, fit_command, watch=lines.watch))
+                lines.finished(time.monotonic() - started)
                 outcome = f"{records[-1]['summary']['status']} in {time.monotonic() - started:.1f}s"
             message = records[-1]["summary"].get("message")
             console.print(f"{run.label}: {outcome}" + (f" — {message}" if message and outcome[:2] != "ok" else ""))
-            progress.advance(task)
+            lines.advance()
     return records
 
 
-def execute(run: PlannedRun, fit_command: Sequence[str]) -> dict[str, Any]:
-    """Run one variant × seed to its final record (skipped and invalid runs are recorded, not run).
+class LiveLines:
+    """Two live lines under the finished runs: the study (runs done, ETA) and the run in flight
+    (step of max_steps, loss, tokens/s, its ETA), from the run's progress file (``ProgressFile``).
+
+    The study's ETA is the run in flight's plus, for each run after it, the mean duration of the
+    runs this invocation executed (the run in flight's own estimate until one finished)."""
+
+    def __init__(self, progress: Progress, total: int) -> None:
+        self.progress = progress
+        self.study: TaskID = progress.add_task("study", total=total)
+        self.run: TaskID | None = None
+        self.total, self.index, self.label = total, 0, ""
+        self.durations: list[float] = []
+
+    def start(self, run: PlannedRun, index: int) -> None:
+        self.index, self.label = index, run.label
+        if self.run is None:
+            self.run = self.progress.add_task(run.label, total=None)
+        self.progress.reset(self.run, description=f"  {run.label}: starting", total=None)
+        self.progress.update(self.study, description=f"study: run {index + 1} of {self.total}")
+
+    def watch(self, progress: dict[str, Any] | None) -> None:
+        if progress is None or self.run is None:
+            return
+        self.progress.update(self.run, description=f"  {self.label}: {run_line(progress)}",
+                             total=progress.get("max_steps"), completed=progress["step"])
+        if progress.get("eta_s") is not None:
+            per_run = statistics.mean(self.durations) if self.durations else progress["elapsed_s"] + progress["eta_s"]
+            left = progress["eta_s"] + per_run * (self.total - self.index - 1)
+            self.progress.update(self.study, description=f"study: run {self.index + 1} of {self.total}, "
+                                                         f"ETA {duration(left)}")
+
+    def finished(self, seconds: float) -> None:
+        self.durations.append(seconds)
+
+    def advance(self) -> None:
+        self.progress.advance(self.study)
+
+
+def run_line(progress: dict[str, Any]) -> str:
+    """``step 12/60, loss 4.213, 5.1k tokens/s, ETA 25s`` from a run's progress file."""
+    limit = progress.get("max_steps")
+    parts = [f"step {progress['step']}" + (f"/{limit}" if limit else "")]
+    if progress.get("loss") is not None:
+        parts.append(f"loss {progress['loss']:.4g}")
+    if progress.get("tokens_per_sec") is not None:
+        parts.append(f"{_thousands(progress['tokens_per_sec'])} tokens/s")
+    if progress.get("eta_s") is not None:
+        parts.append(f"ETA {duration(progress['eta_s'])}")
+    return ", ".join(parts)
+
+
+def duration(seconds: float) -> str:
+    """``45s``, ``3m05s``, ``2h07m``."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def _thousands(x: float) -> str:
+    return f"{x / 1e6:.3g}M" if x >= 1e6 else f"{x / 1e3:.3g}k" if x >= 1e3 else f"{x:.3g}"
+
+
+def execute(run: PlannedRun, fit_command: Sequence[str], watch: Watch | None = None) -> dict[str, Any]:
+    """Run one variant × seed to its final record (skipped and invalid runs are recorded, not run);
+    ``watch`` sees its progress while it runs.
 
     Everything happens under the run folder's lock (``single_writer``): no other runner, and no
     leftover process of an earlier run, writes into the folder meanwhile.
     """
     with run_lock(run.run_dir) as lock:
-        return _execute_locked(run, fit_command, lock)
+        return _execute_locked(run, fit_command, lock, watch)
 
 
-def _execute_locked(run: PlannedRun, fit_command: Sequence[str], lock: RunLock) -> dict[str, Any]:
+def _execute_locked(run: PlannedRun, fit_command: Sequence[str], lock: RunLock, watch: Watch | None) -> dict[str, Any]:
     unrunnable = prepare(run)
     if unrunnable is not None:
         return unrunnable
-    env = {**os.environ, **run_environment(run)}
+    progress = run.run_dir / PROGRESS_FILENAME
+    progress.unlink(missing_ok=True)
+    env = {**os.environ, **run_environment(run), PROGRESS_PATH_ENV: str(progress)}
     command = fit_arguments(run, fit_command)
     with open(run.run_dir / "stdout.log", "w") as out, open(run.run_dir / "stderr.log", "w") as err:
         process = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env,
@@ -104,7 +181,7 @@ def _execute_locked(run: PlannedRun, fit_command: Sequence[str], lock: RunLock) 
         lock.started(process.pid)  # its own process group: pgid == pid
         reaper = GroupReaper(process.pid)
         try:
-            returncode = process.wait(timeout=run.launch.timeout_s)
+            returncode = _wait(process, run.launch.timeout_s, lambda: watch(read_progress(progress)) if watch else None)
         except subprocess.TimeoutExpired:
             _stop(process)
             return finalise(run, None, "timeout", f"exceeded launch.timeout_s={run.launch.timeout_s:g}", stderr_tail(run))
@@ -115,6 +192,18 @@ def _execute_locked(run: PlannedRun, fit_command: Sequence[str], lock: RunLock) 
         finally:
             reaper.done()
     return finalise(run, returncode, None, None, stderr_tail(run))
+
+
+def _wait(process: subprocess.Popen, timeout_s: float, tick: Callable[[], None]) -> int:
+    """``process.wait(timeout_s)``, calling ``tick`` every ``POLL_S`` meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return process.wait(timeout=max(0.0, min(POLL_S, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            if time.monotonic() >= deadline:
+                raise
+            tick()
 
 
 def _stop(process: subprocess.Popen) -> None:

@@ -174,6 +174,51 @@ class StudySpec:
             {**self.overrides, **self.launch_overrides, **variant.overrides, **variant.launch_overrides, **runner},
         )
 
+    def shortened(self, steps: int | None = None, seeds: int | None = None, only: str | None = None) -> StudySpec:
+        """This study cut down for a first try (``lit-ablate ablate --steps N --seeds K --only a,b``).
+
+        ``steps`` replaces the study's steps (and a study-level ``trainer.max_steps``; a loss check over
+        more steps compares them all); ``seeds`` keeps
+        the study's first K seeds, continuing with the integers after its largest when it lists fewer;
+        ``only`` (comma-separated names; a grid's names hold commas themselves, so the longest names
+        that match are taken) keeps those variants, plus the baseline (every ratio of the report is to it) and the
+        variants their losses are checked against (``loss_reference``).
+        Each value is checked like its study key, and named by its flag when it is wrong.
+        """
+        spec = self
+        if steps is not None:
+            if not _positive_int(steps):
+                raise ConfigError("--steps", steps, "give a positive integer number of optimizer steps")
+            if self.warmup_steps is not None and self.warmup_steps >= steps:
+                raise ConfigError("--steps", steps, f"the study excludes {self.warmup_steps} warm-up steps from its "
+                                  f"numbers; give more than {self.warmup_steps} steps")
+            overrides = {k: v for k, v in self.overrides.items() if k != "trainer.max_steps"}
+            agreement = self.expect_equal_loss
+            if agreement and agreement.steps is not None and agreement.steps > steps:  # compare the steps there are
+                agreement = replace(agreement, steps=steps)
+            spec = replace(spec, steps=steps, overrides=overrides, expect_equal_loss=agreement)
+        if seeds is not None:
+            if not _positive_int(seeds):
+                raise ConfigError("--seeds", seeds, "give how many seeds to run: a positive integer")
+            kept = list(self.seeds[:seeds])
+            kept += range(max(self.seeds) + 1, max(self.seeds) + 1 + seeds - len(kept))
+            spec = replace(spec, seeds=tuple(kept))
+        if only is not None:
+            chosen = _variant_names(only, [v.name for v in self.variants])
+            keep = {*chosen, self.baseline, *(self.loss_reference(self.variant(name)).name for name in chosen)}
+            spec = replace(spec, variants=tuple(v for v in self.variants if v.name in keep))
+        return spec
+
+    def loss_reference(self, variant: Variant) -> Variant:
+        """The variant whose loss ``variant``'s is compared with: the baseline, or with
+        ``expect_equal_loss.across`` the variant differing only in that axis, at the baseline's value."""
+        across = self.expect_equal_loss.across if self.expect_equal_loss else None
+        baseline = self.variant(self.baseline)
+        if across is None:
+            return baseline
+        wanted = {**variant.axis_values, across: baseline.axis_values.get(across)}
+        return next((v for v in self.variants if v.axis_values == wanted), baseline)
+
     def plan(self) -> dict[str, Any]:
         """The study as plain data (written to ``study.json``; the report reads it back)."""
         return {
@@ -412,6 +457,21 @@ def _dotted_mapping(value: Any, key: str, study_level: bool = False) -> dict[str
         if owned and not (study_level and owned == ["trainer.max_steps"] and dotted == "trainer.max_steps"):
             raise ConfigError(f"{key}.{dotted}", mapping[dotted], "the runner sets this per run: use steps:/seeds:")
     return mapping
+
+
+def _variant_names(text: str, names: Sequence[str]) -> list[str]:
+    """``--only``'s comma-separated variant names, each the longest run of comma-separated pieces that
+    names a variant (``loss=torch,dtype=float32,loss=cce,dtype=float32`` is two grid variants)."""
+    pieces, chosen, start = text.split(","), [], 0
+    while start < len(pieces):
+        end = next((end for end in range(len(pieces), start, -1) if ",".join(pieces[start:end]).strip() in names), None)
+        if end is None:
+            raise ConfigError("--only", text, f"{pieces[start].strip()!r} starts no variant's name; the variants: {list(names)}")
+        chosen.append(",".join(pieces[start:end]).strip())
+        start = end
+    if not chosen:
+        raise ConfigError("--only", text, f"name variants, comma-separated; the variants: {list(names)}")
+    return chosen
 
 
 def _positive_int(value: Any) -> bool:

@@ -2,8 +2,11 @@
 
 ``ablate --config STUDY.yaml`` plans the study (resolve every variant, refuse a second
 variable, mark what cannot run here), runs what is not finished yet, and writes the report.
-``report DIR`` re-renders a study directory's report from its records. Both parse their own
-arguments with argparse: ``--config`` here is the study file, not a LightningCLI config.
+``--steps N --seeds K --only a,b`` shorten it for a first try (``StudySpec.shortened``);
+``--dry-run`` prints the plan and runs nothing. While it runs, two live lines follow the study and
+the run in flight; at the end it prints one row per variant (``terminal_summary``) and the
+report's path. ``report DIR`` re-renders a study directory's report from its records. Both parse
+their own arguments with argparse: ``--config`` here is the study file, not a LightningCLI config.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from rich.markup import escape
 
 from lit_ablate.ablation.plan import PlannedRun, Resolver, describe, plan_study
 from lit_ablate.ablation.report import PLAN_FILENAME, write_report
+from lit_ablate.ablation.run_folder import is_kept, previous_record
 from lit_ablate.ablation.runner import run_runs
 from lit_ablate.ablation.spec import StudySpec, load_study
+from lit_ablate.ablation.terminal_summary import terminal_summary
 from lit_ablate.errors import ConfigError
 from lit_ablate.path_checks import writable_dir
 
@@ -77,8 +82,12 @@ def ablate_main(argv: list[str]) -> int:
                                      allow_abbrev=False)
     parser.add_argument("--config", required=True, type=Path, help="the study YAML (configs/studies/*.yaml)")
     parser.add_argument("--output_dir", type=Path, help="where runs and the report go (default: studies/<study name>/)")
+    parser.add_argument("--steps", type=int, help="optimizer steps per run, instead of the study's (a first try)")
+    parser.add_argument("--seeds", type=int, help="how many seeds: the study's first K (more: the integers after its last)")
+    parser.add_argument("--only", help="comma-separated variants to run (the baseline and loss references "
+                                                    "come along)")  # fmt: skip
     parser.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true",
-                        help="resolve and check every variant, print the plan, run nothing")  # fmt: skip
+                        help="resolve and check every variant, print the plan (runs, ranks, skips and why), run nothing")  # fmt: skip
     parser.add_argument("--retry-failed", "--retry_failed", dest="retry_failed", action="store_true",
                         help="also redo runs that ended in error, oom or timeout (finished ok runs are kept)")  # fmt: skip
     parser.add_argument("--no-wait", "--no_wait", dest="no_wait", action="store_true",
@@ -86,12 +95,12 @@ def ablate_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     console = Console(stderr=True)
     try:
-        spec = _load_study(args.config)
+        full = _load_study(args.config)
+        spec = full.shortened(steps=args.steps, seeds=args.seeds, only=args.only)
         output_dir = (args.output_dir or Path("studies") / spec.name).resolve()
         if args.dry_run:
-            runs = check_some_variant_resolves(plan_study(spec, output_dir))
-            print(f"study {spec.name}: {len(spec.variants)} variants × {len(spec.seeds)} seeds -> {output_dir}")
-            print(describe(runs))
+            print(dry_run(full, spec, check_some_variant_resolves(plan_study(spec, output_dir)), output_dir,
+                          args.retry_failed))
             return 0
         writable_dir("--output_dir", output_dir)
         report = run_study(spec, output_dir, retry_failed=args.retry_failed, console=console, wait=not args.no_wait)
@@ -101,9 +110,42 @@ def ablate_main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         console.print("interrupted: finished runs are kept; run the same command again to resume")
         return EXIT_INTERRUPTED
-    print(report.read_text())
-    print(f"report: {report}")
+    print(_printed_summary(report))
     return EXIT_LOSS_MISMATCH if _loss_mismatch(report.parent) else 0
+
+
+def dry_run(full: StudySpec, spec: StudySpec, runs: list[PlannedRun], output_dir: Path, retry_failed: bool) -> str:
+    """The plan ``--dry-run`` prints: the study's size and what shortened it, then one row per run."""
+    steps = f"{spec.steps} steps" if spec.steps is not None else "the base config's steps"
+    lines = [f"study {spec.name}: {len(spec.variants)} variants × {len(spec.seeds)} seeds (seeds "
+             f"{', '.join(map(str, spec.seeds))}) = {len(runs)} runs, {steps}, baseline {spec.baseline} -> {output_dir}"]
+    cut = []
+    if spec.steps != full.steps:
+        cut.append(f"steps {spec.steps} (study: {full.steps if full.steps is not None else 'the base config'})")
+    if spec.seeds != full.seeds:
+        cut.append(f"seeds {len(spec.seeds)} (study: {len(full.seeds)})")
+    if len(spec.variants) != len(full.variants):
+        cut.append(f"variants {len(spec.variants)} of {len(full.variants)}")
+    if cut:
+        lines.append("shortened: " + ", ".join(cut))
+    kept = {}
+    for run in runs:
+        previous = previous_record(run)
+        if previous is not None and is_kept(previous, run, retry_failed):
+            kept[run.label] = previous["summary"]["status"]
+    lines.append(describe(runs, kept))
+    counts = {"would run": sum(not (r.skip_reason or r.invalid or r.label in kept) for r in runs),
+              "skipped": sum(bool(r.skip_reason) for r in runs),
+              "would fail (config does not resolve)": sum(bool(r.invalid) for r in runs),
+              "already done (kept)": len(kept)}  # fmt: skip
+    lines.append("dry run, nothing ran: " + ", ".join(f"{n} {what}" for what, n in counts.items()
+                                                      if n or what == "would run"))  # fmt: skip
+    return "\n".join(lines)
+
+
+def _printed_summary(report: Path) -> str:
+    """The end of a study on the terminal (``terminal_summary``); the full table is in ``report``."""
+    return terminal_summary(json.loads((report.parent / "report.json").read_text()), report)
 
 
 def report_main(argv: list[str]) -> int:
@@ -116,8 +158,7 @@ def report_main(argv: list[str]) -> int:
     except FileNotFoundError as err:
         Console(stderr=True).print(f"no report: {err}", highlight=False)
         return EXIT_REFUSED
-    print(report.read_text())
-    print(f"report: {report}")
+    print(_printed_summary(report))
     return EXIT_LOSS_MISMATCH if _loss_mismatch(args.directory) else 0
 
 
