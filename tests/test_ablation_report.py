@@ -62,7 +62,8 @@ def test_summary_medians_ratios_and_deltas():
     assert v3["loss_delta"] == pytest.approx(-0.4)
     expected_speed = statistics.median([s * k / 2 for s in (100 / 3, 100 / 3 + 1) for k in (2, 3, 4)]) / 150.75
     assert v3["speed_ratio"] == pytest.approx(expected_speed)
-    assert v2["memory_ratio"] == pytest.approx(2.0)
+    # these records hold process peaks only: no tensor-memory ratio, the RSS one named as such
+    assert v2["memory_ratio"] is None and v2["process_memory_ratio"] == pytest.approx(2.0)
     assert v2["parameters"] == 2000 and v1["status"] == "ok"
     assert v1["loss_curve"]["step"] == [1, 2, 3, 4] and v1["loss_curve"]["max"][3] == pytest.approx(1.9)
     assert summary["environment"]["device_name"] == "cpu0" and summary["environment_mismatch"] == []
@@ -173,3 +174,14 @@ def test_data_wait_share_is_a_column_per_variant(tmp_path):
     assert summary["variants"][0]["data_wait_share"] == {"median": 0.375, "min": 0.25, "max": 0.5, "n": 2}
     table = render_markdown(summary)
     assert "| data wait |" in table and "37.5% [25.0%–50.0%]" in table
+
+
+def test_a_row_without_a_tensor_peak_says_so_instead_of_showing_the_process_peak(tmp_path: Path):
+    """Issue 30: the memory × column fell back to process RSS while its legend said peak tensor memory
+    (optimizer_states read 1.09x RSS beside a 0.85x tensor ratio). Seen failing with the fallback back in
+    (the cell read 2.00×)."""
+    directory = make_study(tmp_path, depth_records(), depth_plan())
+    text = write_report(directory).read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| num_hidden_layers=2"))
+    assert row.rstrip(" |").endswith("n/a (RSS only: 2.00×)")
+    assert "*n/a (RSS only: r×)*" in text

@@ -120,7 +120,7 @@ def test_two_variants_report_and_resume(tmp_path: Path, fake_fit: list[str]):
     # useful tokens/s after 1 warm-up step: 1600 + s for s in 2..4 -> median 1603; baseline 803
     assert fast["useful_tokens_per_sec"] == {"median": 1603.0, "min": 1602.0, "max": 1604.0, "n": 3}
     assert fast["speed_ratio"] == pytest.approx(1603 / 803)
-    assert fast["memory_ratio"] == pytest.approx(0.5)
+    assert fast["memory_ratio"] is None and fast["process_memory_ratio"] == pytest.approx(0.5)  # the fake fit: RSS only
     assert fast["loss_agreement"]["passed"] is True  # same lr, same seed: identical series
     assert launches(tmp_path) == ["slow 0", "fast 0"]
     run_study(spec, out, fake_fit, fake_resolve)

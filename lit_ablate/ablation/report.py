@@ -115,7 +115,7 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
             _spread(v["final_loss"], lambda x: f"{x:.4f}"),
             _delta(v["loss_delta"]),
             _speed_cell(v, study["baseline"]),
-            "—" if v["memory_ratio"] is None else f"{v['memory_ratio']:.2f}×",
+            _memory_ratio_cell(v),
         ]
         if adapters:
             row.append("—" if v.get("trainable_parameters") is None else _rate(v["trainable_parameters"]))
@@ -129,7 +129,8 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
         if agreement:
             row.append(_agreement_cell(v, study["baseline"]))
         lines.append("| " + " | ".join(row) + " |")
-    lines += ["", _legend(agreement) + (TRAINABLE_LEGEND if adapters else "") + (ACCURACY_LEGEND if accuracy else "") + (PREFERENCE_LEGEND if preference else "")
+    rss_only = any(v.get("memory_ratio") is None and v.get("process_memory_ratio") is not None for v in variants)
+    lines += ["", _legend(agreement, rss_only) + (TRAINABLE_LEGEND if adapters else "") + (ACCURACY_LEGEND if accuracy else "") + (PREFERENCE_LEGEND if preference else "")
               + (PIPELINE_LEGEND if pipeline else ""),
               ""]
     lines += [f"![{Path(name).stem}]({name})" for name in summary.get("plots", [])]
@@ -246,7 +247,16 @@ def _agreement_cell(variant: Mapping[str, Any], baseline: str) -> str:
     return f"pass{against}, " + diff if result["passed"] else _cell(f"**FAIL**{against} ({result['reason']}; {diff})")
 
 
-def _legend(agreement: Mapping[str, Any] | None) -> str:
+def _memory_ratio_cell(variant: Mapping[str, Any]) -> str:
+    """Peak tensor memory over the baseline's; a row without a tensor peak on either side says so and
+    shows the process peaks' ratio as what it is, never in its place."""
+    if variant.get("memory_ratio") is not None:
+        return f"{variant['memory_ratio']:.2f}×"
+    process = variant.get("process_memory_ratio")
+    return "—" if process is None else f"n/a (RSS only: {process:.2f}×)"
+
+
+def _legend(agreement: Mapping[str, Any] | None, rss_only: bool = False) -> str:
     text = ("tokens/s and step time: median [min–max] over every step after warm-up of every seed that "
             "finished ok; tokens/s count all ranks, useful tokens are labels that count in the loss. Step time "
             "runs from one optimizer step's end to the next; data wait: the share of it spent between "
@@ -259,7 +269,9 @@ def _legend(agreement: Mapping[str, Any] | None) -> str:
             "`lit-ablate estimate` for the run's config; est. ÷ measured: its categories that differ from the "
             f"measured ones by more than their stated factor ({_factors()}), or *agrees*. Final loss: "
             "median over seeds. Speed ×: useful tokens/s over the baseline's; memory ×: peak tensor memory over the "
-            "baseline's; the baseline's cell gives the noise floor: its useful tokens/s medians over the first and "
+            "baseline's" + ("; *n/a (RSS only: r×)*: this run or the baseline has no tensor peak, and r is the "
+            "ratio of process peaks (resident sets), which hide most of what a technique changes" if rss_only else "")
+            + "; the baseline's cell gives the noise floor: its useful tokens/s medians over the first and "
             "the second half of each ok seed's measured steps, (max − min) over the median of all its steps; a "
             "ratio within 1 ± that floor is marked *within noise*. "
             "MFU (spec): model FLOPs/s over the device's spec-sheet peak (n/a: none is known for this device "

@@ -239,15 +239,9 @@ def _relative_to(variant: Mapping[str, Any], base: Mapping[str, Any] | None) -> 
         "loss_delta": loss - base_loss if loss is not None and base_loss is not None else None,
         "speed_ratio": speed,
         "speed_within_noise": None if speed is None or noise is None else abs(speed - 1) <= noise,
-        "memory_ratio": ratio(_main_memory(variant, base)),
+        "memory_ratio": ratio("peak_tensor_bytes") if variant.get("peak_tensor_bytes") else None,
+        "process_memory_ratio": ratio("peak_memory_bytes"),
     }
-
-
-def _main_memory(variant: Mapping[str, Any], base: Mapping[str, Any] | None) -> str:
-    """The memory the ratio compares: the tensor peak when both have it (older records, or a
-    platform without tracking, fall back to the process peak)."""
-    both = variant.get("peak_tensor_bytes") and base and base.get("peak_tensor_bytes")
-    return "peak_tensor_bytes" if both else "peak_memory_bytes"
 
 
 def _loss_reference(
