@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +53,23 @@ def _required(config: dict, key: str, fix: str) -> object:
     return value
 
 
+def _wraps_in_ddp(strategy: Any) -> bool:
+    """Whether a configured strategy (a name or a ``class_path`` mapping) wraps the model in torch's DDP."""
+    import importlib
+
+    from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+
+    if isinstance(strategy, Mapping):
+        module, _, name = str(strategy.get("class_path", "")).rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError):  # the run itself reports a class_path that does not import
+            return False
+    else:
+        cls = StrategyRegistry[strategy]["strategy"] if strategy in StrategyRegistry else None
+    return isinstance(cls, type) and issubclass(cls, DDPStrategy)
+
+
 def training_shape_of(config: dict, optimizer: str | None = None, world_size: int | None = None) -> TrainingShape:
     """The ``TrainingShape`` a resolved ``fit`` config trains with (CausalLM + LMDataModule keys) on
     ``world_size`` ranks (default: the config's; a ``cp: -1`` strategy splits sequences over them)."""
@@ -80,6 +97,7 @@ def training_shape_of(config: dict, optimizer: str | None = None, world_size: in
         loss_grad_in_forward=bool(get_dotted(config, "model.init_args.loss_options.grad_in_forward", True)),
         attention=str(get_dotted(config, "model.init_args.model.attn_implementation", "sdpa")),
         gradient_as_bucket_view=bool(strategy_args.get("gradient_as_bucket_view", False)),
+        ddp=_wraps_in_ddp(get_dotted(config, "trainer.strategy", "auto")),
         fp8_all_gather=bool(get_dotted(config, "model.init_args.model.fp8.fsdp_all_gather", False)),
         **dict(zip(("context_parallel", "context_parallel_impl"), context_parallel_of(config, world_size))),
         **dict(zip(("tensor_parallel", "sequence_parallel"), tensor_parallel_of(config, world_size))),

@@ -126,7 +126,7 @@ def estimate_memory(counts: ParameterCounts, shape: ModelShape, training: Traini
     from forward to backward (without resharding after forward, every layer's: ``gathered``);
     sharded gradients exist in full twice for the unit being reduced (its
     gradients and the reduce-scatter buffer they are copied into), the largest unit being a layer
-    or the root; replicated gradients on more than one rank also sit in DDP's buckets unless
+    or the root; replicated gradients on more than one rank (or under DDP on one) also sit in DDP's buckets unless
     ``gradient_as_bucket_view``. Measured against FSDP2/FSDP1 on 2 ranks in
     tests/test_estimate_memory.py. Under pipeline parallelism: the largest stage's
     (``pipeline_stage_estimates``).
@@ -149,7 +149,7 @@ def estimate_memory(counts: ParameterCounts, shape: ModelShape, training: Traini
         transient += int(2 * gathered_layer * layer_bytes + root * stored)
     if sharding.grads > 1:
         transient += int(2 * max(gathered_layer, root) * training.param_bytes * counts.trainable / counts.total)
-    elif world_size > 1 and not training.gradient_as_bucket_view:
+    elif (world_size > 1 or training.ddp) and not training.gradient_as_bucket_view:
         transient += trained
     return MemoryEstimate(
         params=int(-(-full // _state_divisor(sharding.params, sharding, counts))) + _fp8_shard_cast(shape, training, sharding),

@@ -60,6 +60,8 @@ class TrainingShape:
             Liger always does), so they are held until the backward.
         attention: the attention backend; ``eager`` saves the ``[heads, seq]`` scores per token.
         gradient_as_bucket_view: DDP without a second gradient copy in its buckets.
+        ddp: the model is wrapped in torch's DistributedDataParallel, which fills its gradient buckets
+            even on one rank (a replicated strategy on several ranks is counted as DDP anyway).
         fp8_all_gather: FSDP2 all-gathers the decoder layers' linear weights in fp8
             (``model.fp8.fsdp_all_gather``): the gathered layers take 1 byte per weight, and the
             two layers being gathered hold a 1-byte cast of this rank's shard beside it.
@@ -94,6 +96,7 @@ class TrainingShape:
     loss_grad_in_forward: bool = True
     attention: str = "sdpa"
     gradient_as_bucket_view: bool = False
+    ddp: bool = False
     fp8_all_gather: bool = False
     context_parallel: int = 1
     context_parallel_impl: str = "ring"
