@@ -33,6 +33,7 @@ or ``root_plan`` to try another layout.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from torch import nn
@@ -47,6 +48,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lit_ablate.errors import ConfigError
+from lit_ablate.models.adapters.lora import ADAPTER_NAME
+from lit_ablate.models.adapters.lora import OPTIONS_KEY as ADAPTER_OPTIONS_KEY
 
 Plan = dict[str, ParallelStyle | tuple[ParallelStyle, ...]]
 """Submodule name -> its style, or several styles applied in order (their hooks run in that order)."""
@@ -92,13 +95,72 @@ LAYER_PLANS = {"llama": llama_layer_plan, "qwen3": qwen3_layer_plan, "qwen3_moe"
 """Model type (HF ``config.model_type``) -> the function giving one decoder layer's plan."""
 
 
-def layer_plan_for(model_type: str):  # noqa: ANN201 (one of LAYER_PLANS' functions)
-    """The plan function of ``model_type``; an unknown family is refused with the known ones."""
+def layer_plan_for(model_type: str):  # noqa: ANN201 (a function like LAYER_PLANS' ones)
+    """The plan function of ``model_type``, with peft's LoRA layers retargeted (``adapter_plan``); an
+    unknown family is refused with the known ones."""
     if model_type not in LAYER_PLANS:
         raise ConfigError("model.init_args.model", model_type,
                           f"tensor parallelism has plans for {sorted(LAYER_PLANS)}; add one for this family "
                           "(override TensorParallelStrategy.layer_plan) or use tp: 1")
-    return LAYER_PLANS[model_type]
+    family_plan = LAYER_PLANS[model_type]
+
+    def plan(layer: nn.Module, sequence_parallel: bool, float8: bool = False) -> Plan:
+        return adapter_plan(layer, family_plan(layer, sequence_parallel, float8))
+
+    return plan
+
+
+def adapter_plan(layer: nn.Module, plan: Plan) -> Plan:
+    """``plan`` with each entry that names a peft LoRA layer aimed at the linears inside it.
+
+    DTensor's styles split ``nn.Linear`` s only, and peft's layer computes ``base_layer(x) +
+    lora_B(lora_A(x)) * scale``. Column-parallel base: ``base_layer`` and ``lora_B`` split by output
+    columns (the sum is this rank's columns), ``lora_A`` whole on every rank (its input is the
+    replicated ``x``; the split ``lora_B`` all-reduces its input gradient as the base does).
+    Row-parallel base: ``base_layer`` and ``lora_A`` split by input rows (``x`` arrives split), each
+    all-reducing (or, under sequence parallelism, reduce-scattering) its output, ``lora_B`` whole.
+    The whole adapters compute the same values on every TP rank and get the same gradients, so they
+    stay equal without a collective. Refused: DoRA (its magnitude needs the whole weight's row norms)
+    and dropout (the TP ranks would drop different inputs of the whole ``lora_A``).
+    """
+    out: Plan = {}
+    for name, style in plan.items():
+        module = layer.get_submodule(name)
+        if not _is_lora_layer(module):
+            out[name] = style
+            continue
+        _check_adapter_splits(module)
+        out[f"{name}.base_layer"] = style
+        if isinstance(style, ColwiseParallel):
+            out[f"{name}.lora_B.{ADAPTER_NAME}"] = ColwiseParallel(output_layouts=style.output_layouts[0],
+                                                                   use_local_output=style.use_local_output)
+        elif isinstance(style, RowwiseParallel):
+            out[f"{name}.lora_A.{ADAPTER_NAME}"] = RowwiseParallel(input_layouts=style.input_layouts[0],
+                                                                   output_layouts=style.output_layouts[0],
+                                                                   use_local_output=style.use_local_output)
+        else:
+            raise ConfigError(ADAPTER_OPTIONS_KEY + ".target_modules", name,
+                              f"its tensor-parallel style {type(style).__name__} has no adapter split; "
+                              "leave it out of target_modules or use tp: 1")
+    return out
+
+
+def _is_lora_layer(module: nn.Module) -> bool:
+    if "peft" not in sys.modules:  # nothing can have injected adapters
+        return False
+    from peft.tuners.lora import LoraLayer
+
+    return isinstance(module, LoraLayer)
+
+
+def _check_adapter_splits(module: nn.Module) -> None:
+    if any(module.use_dora.values()):
+        raise ConfigError(ADAPTER_OPTIONS_KEY + ".use_dora", True, "DoRA's magnitude needs the row norms of the "
+                          "whole weight, which tensor parallelism splits; use use_dora: false or tp: 1")
+    if any(isinstance(dropout, nn.Dropout) and dropout.p for dropout in module.lora_dropout.values()):
+        raise ConfigError(ADAPTER_OPTIONS_KEY + ".dropout", module.lora_dropout[ADAPTER_NAME].p,
+                          "the TP ranks would drop different inputs of the adapter they all hold whole; "
+                          "use dropout: 0 or tp: 1")
 
 
 class _Styles:
