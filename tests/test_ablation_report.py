@@ -185,3 +185,22 @@ def test_a_row_without_a_tensor_peak_says_so_instead_of_showing_the_process_peak
     row = next(line for line in text.splitlines() if line.startswith("| num_hidden_layers=2"))
     assert row.rstrip(" |").endswith("n/a (RSS only: 2.00×)")
     assert "*n/a (RSS only: r×)*" in text
+
+
+def _with_ceiling(record: dict, tflops: float) -> dict:
+    record["summary"]["mfu_ceilings"] = {"mfu_measured": {"tflops": tflops, "source": "measured", "measured_at": 1.0,
+                                                          "sweep_seconds": 0.4}}  # fmt: skip
+    return record
+
+
+@pytest.mark.parametrize(("ceilings", "flagged"), [([0.095] * 6, False), ([0.095, 0.095, 0.095, 0.095, 0.095, 0.022], True)],
+                         ids=["steady", "moved"])
+def test_the_report_shows_the_ceilings_the_runs_measured_and_flags_a_move(tmp_path: Path, ceilings, flagged):
+    """Issue 30: MFU came from one ceiling measured under another load. Each run now measures its own; the
+    report gives their spread and flags a move above the noise floor (22 against 95 GFLOP/s is what load did
+    here). Seen failing with the spread taken over the baseline's runs only (the moved run unseen)."""
+    records = [_with_ceiling(r, c) for r, c in zip(depth_records(), ceilings)]
+    text = write_report(make_study(tmp_path, records, depth_plan())).read_text()
+    line = next(line for line in text.splitlines() if line.startswith("Matmul ceiling measured at each run's start"))
+    assert "over 6 runs" in line
+    assert ("moved more than the noise floor" in line) is flagged

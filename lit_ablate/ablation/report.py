@@ -80,6 +80,8 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
     noise = next((v["speed_noise"] for v in variants if v["name"] == study["baseline"]), None)
     details.append(f"noise floor of speed × (baseline's run-to-run spread): {_noise(noise)}")
     lines += ["; ".join(details) + ".", ""]
+    if ceiling_line := _ceiling_line(summary, noise):
+        lines += [ceiling_line, ""]
     if summary.get("problems"):
         lines += ["**Study problems (exit code 1):**", "", *(f"- {p}" for p in summary["problems"]), ""]
     agreement = study.get("expect_equal_loss")
@@ -154,6 +156,27 @@ def _pipeline_cell(variant: Mapping[str, Any]) -> str:
     theory = variant.get("pipeline_bubble_theory")
     own = f" ({100 * theory['median']:.0f}%)" if theory else ""
     return _spread(variant["pipeline_idle_share"], lambda x: f"{100 * x:.0f}%") + own
+
+
+CEILING_MOVE_WITHOUT_NOISE = 0.05
+"""How far the runs' matmul ceilings may spread before the report flags them, when the baseline has no
+speed noise floor (one seed, too few steps)."""
+
+
+def _ceiling_line(summary: Mapping[str, Any], noise: float | None) -> str | None:
+    """The matmul ceilings the runs measured at their start (``mfu_measured``'s denominators), their spread,
+    and a warning when they moved more than the noise floor: the machine's load changed during the study."""
+    ceiling = summary.get("matmul_ceiling")
+    if not ceiling:
+        return None
+    moved = (ceiling["max"] - ceiling["min"]) / ceiling["median"]
+    line = (f"Matmul ceiling measured at each run's start: {_spread(ceiling, lambda x: f'{x:.4g}')} TFLOP/s over "
+            f"{ceiling['n']} runs (moved {100 * moved:.1f}%).")  # fmt: skip
+    floor = noise if noise is not None else CEILING_MOVE_WITHOUT_NOISE
+    if moved > floor:
+        line += (f" **Warning: it moved more than the noise floor ({100 * floor:.1f}%): the machine's load changed "
+                 "during the study, so MFU (measured) and speed compare runs under different loads.**")
+    return line
 
 
 def _environment_line(summary: Mapping[str, Any]) -> str:

@@ -56,6 +56,7 @@ def study_summary(plan: Mapping[str, Any] | None, runs: Sequence[tuple[str, Mapp
                                             "warmup_steps", "expect_equal_loss", "order")} | {"baseline": baseline},
         "environment": environment,
         "environment_mismatch": mismatched,
+        "matmul_ceiling": spread(_run_ceiling(r) for _, r in runs if r.get("summary", {}).get("status") == "ok"),
         "variants": variants,
         "problems": _problems(variants),
     }  # fmt: skip
@@ -311,6 +312,12 @@ def _loss_agreement(
 
 def _seed_order(seed: int | None) -> tuple[bool, int]:
     return seed is None, seed or 0
+
+
+def _run_ceiling(record: Mapping[str, Any]) -> float | None:
+    """The matmul ceiling (TFLOP/s) a run measured at its start, or None (no MFUMonitor, or a given one)."""
+    ceiling = ((record.get("summary") or {}).get("mfu_ceilings") or {}).get("mfu_measured") or {}
+    return ceiling.get("tflops") if ceiling.get("measured_at") is not None else None
 
 
 def _problems(variants: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -9,7 +9,7 @@ from lightning.pytorch import LightningModule, Trainer
 
 from lit_ablate.callbacks.step_monitor import StepMonitor, batch_replicas
 from lit_ablate.errors import ConfigError
-from lit_ablate.estimate.matmul_ceiling import measured_ceiling
+from lit_ablate.estimate.matmul_ceiling import ceiling_here
 from lit_ablate.estimate.peaks import PEAK_FP8_TFLOPS, peak_tflops_of
 from lit_ablate.strategies.interface import interface_of
 
@@ -35,8 +35,8 @@ class MFUMonitor(StepMonitor):
 
     ``mfu`` divides by the device's spec-sheet peak (dense bf16, ``PEAK_BF16_TFLOPS``, or
     ``peak_tflops``); ``mfu_measured`` by the measured matmul ceiling of the run's device, dtype and
-    threads (``lit_ablate.estimate.matmul_ceiling``: measured once per machine, cached; ``lit-ablate peak``
-    prints it). The spec peak is the number papers quote but is unreachable in practice and
+    threads, measured by each rank at the run's start under the load the run sees, and recorded with
+    its time (``lit_ablate.estimate.matmul_ceiling.ceiling_here``; ``lit-ablate peak`` prints a cached best). The spec peak is the number papers quote but is unreachable in practice and
     unknown for a CPU; the measured ceiling exists on every device and says how close the run gets
     to what the hardware really does, so it compares across devices. The run record names each
     denominator and its value (``summary.mfu_ceilings``).
@@ -56,9 +56,8 @@ class MFUMonitor(StepMonitor):
             to get ``mfu`` on CPU or under fp8: give the peak of the precision the run computes in).
         ceiling_tflops: the ceiling to divide ``mfu_measured`` by instead of measuring one (e.g. what
             ``lit-ablate peak`` printed on a node like this one).
-        measure_ceiling: measure the ceiling when ``ceiling_tflops`` is not given (a few seconds, once
-            per device, dtype, torch version and thread count; before the first step, never timed).
-            ``false``: ``mfu_measured`` is null.
+        measure_ceiling: measure the ceiling when ``ceiling_tflops`` is not given (under a second, at
+            every run's start, before the first step, never timed). ``false``: ``mfu_measured`` is null.
     """
 
     def __init__(self, peak_tflops: float | None = None, ceiling_tflops: float | None = None,
@@ -74,6 +73,9 @@ class MFUMonitor(StepMonitor):
         self.ceiling: float | None = None
         """The measured ceiling in use (TFLOP/s), or the one given; None when unavailable."""
         self.ceiling_source: str | None = None
+        self.ceiling_measured_at: float | None = None
+        """When this run measured its ceiling (``time.time()``), and how long the sweep took."""
+        self.ceiling_sweep_seconds: float | None = None
         self._warned_low_ceiling = False
         self._flops_share = 1.0
 
@@ -120,18 +122,15 @@ class MFUMonitor(StepMonitor):
         elif not self.measure_ceiling:
             self.ceiling, self.ceiling_source = None, "unavailable: measure_ceiling is false; set ceiling_tflops"
         else:
-            dtype = run_dtype(trainer, pl_module)
-            if trainer.world_size > 1:  # one rank per node measures, alone on its CPUs, then all read its cache
-                if trainer.local_rank == 0:
-                    measured_ceiling(pl_module.device, dtype)
-                trainer.strategy.barrier("MFUMonitor.ceiling")
-            measured = measured_ceiling(pl_module.device, dtype)
+            measured = ceiling_here(pl_module.device, run_dtype(trainer, pl_module))  # every rank, in its process
             self.ceiling, self.ceiling_source = measured.tflops, f"measured: {measured.describe()}"
+            self.ceiling_measured_at, self.ceiling_sweep_seconds = measured.measured_at, measured.sweep_seconds
 
     def ceilings(self) -> dict[str, dict[str, float | str | None]]:
         """Each MFU series' denominator (TFLOP/s) and where it came from: what the run record keeps."""
         return {"mfu": {"tflops": self.peak_tflops, "source": self.peak_source},
-                "mfu_measured": {"tflops": self.ceiling, "source": self.ceiling_source}}
+                "mfu_measured": {"tflops": self.ceiling, "source": self.ceiling_source,
+                                 "measured_at": self.ceiling_measured_at, "sweep_seconds": self.ceiling_sweep_seconds}}
 
     def measure(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
         t = self.totals

@@ -4,9 +4,13 @@ A spec-sheet peak is unreachable in practice (an H100 SXM's best bf16 matmul rea
 of its 989 TFLOP/s) and unknown for a CPU, so MFU against it is hard to compare across devices
 and missing on the machines most tests and examples run on. The ceiling here is measured instead:
 a short sweep of a few large matmul shapes in the run's dtype, on the run's device, with the
-intra-op threads the process uses; the best sustained rate of any shape wins. It is cached on disk
-per (device name, dtype, torch version, threads), so a machine measures it once (a few seconds)
-and every later run reads it. ``lit-ablate peak`` prints it beside the spec peak.
+intra-op threads the process uses; the best sustained rate of any shape wins.
+
+``MFUMonitor`` measures it at the start of every run (``ceiling_here``, a shorter sweep), in the
+run's process and threads and under the load the run itself sees, and records it with its time: a
+ceiling measured on a quiet machine and reused under load (or the reverse) makes MFU wrong by the
+ratio of the two (measured here: 22 GFLOP/s under load, 95 quiet). ``lit-ablate peak`` keeps the
+best measurement per device, dtype, torch version and threads in a cache (``measured_ceiling``).
 """
 
 from __future__ import annotations
@@ -95,6 +99,26 @@ def cache_path(device: torch.device, dtype: torch.dtype) -> Path:
     return cache_dir() / f"{device.type}-{key['dtype']}-{digest}.json"
 
 
+RUN_SWEEP_SECONDS = {"cpu": (0.15, 0.05), "cuda": (0.1, 0.02)}
+"""``(seconds per shape, window seconds)`` of the sweep at a run's start: a second or less in all."""
+
+
+def ceiling_here(device: torch.device | str, dtype: torch.dtype) -> MatmulCeiling:
+    """The ceiling measured now, in this process with its threads (no cache): what a run divides by."""
+    device = torch.device(device)
+    kind = device.type if device.type in RUN_SWEEP_SECONDS else "cuda"
+    seconds, window = RUN_SWEEP_SECONDS[kind]
+    return _measured(device, dtype, seconds_per_shape=seconds, window_seconds=window)
+
+
+def _measured(device: torch.device, dtype: torch.dtype, **budget: float) -> MatmulCeiling:
+    started = time.time()
+    tflops, shape = measure_matmul_ceiling(device, dtype, **budget)
+    return MatmulCeiling(tflops=tflops, device_name=device_name(device), device_type=device.type,
+                         dtype=_dtype_name(dtype), torch=torch.__version__, threads=_threads(device), shape=shape,
+                         measured_at=started, sweep_seconds=time.time() - started)  # fmt: skip
+
+
 def measured_ceiling(device: torch.device | str, dtype: torch.dtype, remeasure: bool = False) -> MatmulCeiling:
     """The cached ceiling of ``device`` and ``dtype`` with the current threads; measured (and
     cached) when there is none yet, or when ``remeasure`` asks for a fresh one.
@@ -114,11 +138,7 @@ def measured_ceiling(device: torch.device | str, dtype: torch.dtype, remeasure: 
             warnings.warn(f"{path}: unreadable cached ceiling ({type(err).__name__}: {err}); measuring again", stacklevel=2)
     if cached is not None and not remeasure:
         return cached
-    started = time.time()
-    tflops, shape = measure_matmul_ceiling(device, dtype)
-    ceiling = MatmulCeiling(tflops=tflops, device_name=device_name(device), device_type=device.type,
-                            dtype=_dtype_name(dtype), torch=torch.__version__, threads=_threads(device), shape=shape,
-                            measured_at=started, sweep_seconds=time.time() - started)  # fmt: skip
+    ceiling = _measured(device, dtype)
     if cached is not None and cached.tflops >= ceiling.tflops:
         return cached
     path.parent.mkdir(parents=True, exist_ok=True)
