@@ -3,6 +3,11 @@ plain commands of ``lit_ablate.commands`` (``COMMANDS``); ``lit-ablate --help`` 
 
 No parser accepts an abbreviated option (``--trainer.max_step`` is an error, not ``max_steps``).
 
+Exit status, the same for every command: 0 done; ``EXIT_USAGE`` (2) a usage or config error, refused
+in one line on stderr before the run (or, for what only a rank can see, as the run starts: then
+rank 0 alone prints it); ``EXIT_FAILURE`` (1) a failure during a run (its traceback), or a study
+whose loss check failed. ``ablate`` also returns 130 when interrupted (it resumes).
+
 ``--help`` and ``--version`` import neither torch, Lightning nor jsonargparse (seconds at start-up): the
 command table has no imports, and the commands' modules load only once a command runs.
 
@@ -19,10 +24,16 @@ import importlib
 import os
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 from lit_ablate import __version__
 from lit_ablate.command_table import COMMANDS, SUMMARIES
 from lit_ablate.errors import ConfigError
+
+EXIT_USAGE = 2
+"""A usage or config error: nothing ran (or the run stopped as it started), one line on stderr."""
+EXIT_FAILURE = 1
+"""A failure during a run: Python's own status for an uncaught exception, with its traceback."""
 
 
 def _command(spec: str) -> Callable[[list[str]], int]:
@@ -34,7 +45,8 @@ def _top_level_parser() -> argparse.ArgumentParser:
     """``lit-ablate --help`` (every command, one line each) and ``--version``."""
     parser = argparse.ArgumentParser(
         prog="lit-ablate", description="Ablation studies of LLM training techniques on PyTorch Lightning.",
-        epilog="`lit-ablate COMMAND --help` lists a command's options.", allow_abbrev=False,
+        epilog="`lit-ablate COMMAND --help` lists a command's options. Exit status: 0 done, 2 a usage or "
+               "config error (one line naming the key), 1 a failure during a run.", allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
@@ -54,15 +66,15 @@ def main(argv: list[str] | None = None) -> None:
     # Only now the heavy imports (torch, Lightning, jsonargparse): --help and --version never need them.
     from jsonargparse import ArgumentError
 
-    from lit_ablate.parse_errors import concise_error
+    from lit_ablate.parse_errors import concise_error, config_error_line
 
     if args and args[0] in COMMANDS:
         try:
             sys.exit(_command(COMMANDS[args[0]])(args[1:]))
         except ArgumentError as err:
-            sys.exit(f"lit-ablate {args[0]}: error: {concise_error(str(err))}")
+            _refuse(f"lit-ablate {args[0]}", concise_error(str(err)))
         except ConfigError as err:
-            sys.exit(f"lit-ablate {args[0]}: error: {err}")
+            _refuse(f"lit-ablate {args[0]}", str(err))
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
     from lit_ablate.fit_cli import LitAblateCLI
@@ -70,14 +82,26 @@ def main(argv: list[str] | None = None) -> None:
     try:
         LitAblateCLI(args=argv)
     except ArgumentError as err:
-        sys.exit(f"lit-ablate: error: {concise_error(str(err))}")
+        _refuse("lit-ablate", concise_error(str(err)))
     except MisconfigurationException as err:  # Lightning's own "this trainer setting cannot work"
-        sys.exit(f"lit-ablate: error: {' '.join(str(err).split())}")
+        _refuse("lit-ablate", " ".join(str(err).split()))
     except ValueError as err:  # jsonargparse wraps errors raised while instantiating classes
         cause = _config_error_in(err)
-        if cause is None:
+        # A class inside a Union (a strategy under ``trainer.strategy``) that refused its arguments reaches
+        # here as jsonargparse's list of the alternatives it tried, with the refusal's text among them.
+        line = str(cause) if cause is not None else config_error_line(str(err))
+        if line is None:
             raise
-        sys.exit(f"lit-ablate: error: {cause}")
+        _refuse("lit-ablate", line)
+
+
+def _refuse(command: str, message: str) -> NoReturn:
+    """Print ``message`` once (rank 0 of a run whose ranks all refuse alike) and exit with ``EXIT_USAGE``."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    if getattr(rank_zero_only, "rank", 0) == 0:
+        print(f"{command}: error: {message}", file=sys.stderr)
+    sys.exit(EXIT_USAGE)
 
 
 def _import_from_working_directory() -> None:

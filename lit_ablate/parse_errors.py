@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib
 import re
@@ -11,6 +12,7 @@ _PARSER_KEY = re.compile(r'^Parser key "([^"]+)":\s*(.*)$')
 _CLASS_PATH = re.compile(r"^Problem with given class_path '([^']+)':$")
 _EXPECTED = re.compile(r"^Expected an? (.+?)(?:\. Got value: (.*))?$")
 _GIVEN_VALUE = re.compile(r"^\s*Given value: (?!NestedArg\()(.*)$", re.MULTILINE)
+_UNION_ALTERNATIVE = re.compile(r"^\s*- Expected an? (.+?)(?:\. Got value: .*)?$", re.MULTILINE)
 _NOT_ACCEPTED = re.compile(r"^Option '([^']+)' is not accepted$")
 _UNRECOGNIZED = re.compile(r"^unrecognized arguments: --([^\s=]+)(?:[=\s]+(\S*))?")
 _IMPORT_PROBLEMS = ("has no attribute", "No module named", "cannot import", "Import failed")
@@ -24,8 +26,8 @@ def concise_error(message: str) -> str:
     value, an unknown key with the closest known one, or a class_path that does not import.
     jsonargparse nests one block per class and lists every Union alternative it tried; the
     problem is the first line under the innermost key (of the class_path alternative, if any)."""
-    if found := _CONFIG_ERROR_LINE.search(message):
-        return found.group(1).strip()
+    if found := config_error_line(message):
+        return found
     if message.startswith("Problems parsing config"):
         where = re.sub(r'\s*in "<unicode string>",', "", " ".join(message.split(":", 1)[1].split()))
         return f"--config: not valid YAML ({where}); fix the file"
@@ -35,7 +37,7 @@ def concise_error(message: str) -> str:
     key = ".".join(keys)
     if expected := _EXPECTED.match(problem):
         value = expected.group(2) if expected.group(2) is not None else (given := _GIVEN_VALUE.search(message)) and given.group(1)
-        return f"{key}{f'={value!r}' if value else ''}: expected {_type_name(expected.group(1))}"
+        return f"{key}{f'={value!r}' if value else ''}: expected {_union_name(message) or _type_name(expected.group(1))}"
     if unknown := _NOT_ACCEPTED.match(problem):
         return f"{key}.{unknown.group(1)}: {_unknown_key_fix(unknown.group(1), class_path)}"
     if unknown := _UNRECOGNIZED.match(problem):
@@ -47,6 +49,13 @@ def concise_error(message: str) -> str:
     if keys == ["config"] and "does not exist" in problem:
         return f"--config: {problem}; give the path of a YAML config"
     return f"{key}: {problem}" if key else problem
+
+
+def config_error_line(message: str) -> str | None:
+    """The ``key=value: fix`` line of a ``ConfigError`` inside an error's text (jsonargparse quotes the
+    message of a class that refused its arguments among the alternatives it tried), or None."""
+    found = _CONFIG_ERROR_LINE.search(message)
+    return found.group(1).strip() if found else None
 
 
 def _innermost_problem(message: str) -> tuple[list[str], str | None, str | None]:
@@ -76,6 +85,27 @@ def _type_name(expected: str) -> str:
     if literal := re.fullmatch(r"typing\.Literal\[(.*)\]", expected):
         return f"one of [{literal.group(1)}]"
     return expected
+
+
+def _union_name(message: str) -> str | None:
+    """Every alternative of a Union of plain types that a value matched none of, in a user's words:
+    ``Literal[64, 32] | Literal['bf16-mixed', ...] | None`` -> ``one of [64, 32, 'bf16-mixed', ...] or null``
+    (None for a Union with a class among its alternatives: its own problem line says more)."""
+    if "Union subtypes" not in message or "Problem with given class_path" in message:
+        return None
+    choices: list[object] = []
+    others: list[str] = []
+    for alternative in _UNION_ALTERNATIVE.findall(message):
+        if literal := re.fullmatch(r"typing\.Literal\[(.*)\]", alternative):
+            values = ast.literal_eval(f"[{literal.group(1)}]")
+            choices += [v for v in values if str(v) not in {str(c) for c in choices}]  # 64 and '64' read alike
+        else:
+            name = _type_name(alternative)
+            others.append("null" if name == "NoneType" else name)
+    if not choices and len(others) < 2:
+        return None
+    named = ([f"one of {choices!r}"] if choices else []) + others
+    return named[0] if len(named) == 1 else f"{', '.join(named[:-1])} or {named[-1]}"
 
 
 def _unknown_key_fix(name: str, class_path: str | None) -> str:

@@ -49,11 +49,12 @@ def _stop(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(LitAblateCLI, "before_instantiate_classes", stop_before_instantiating)
 
 
-def test_a_checkpoint_of_another_model_is_refused_in_one_line_naming_the_key(tmp_path: Path):
+def test_a_checkpoint_of_another_model_is_refused_in_one_line_naming_the_key(tmp_path: Path, capsys):
     ckpt = checkpoint(tmp_path, "tiny-qwen3")
     with pytest.raises(SystemExit) as info:
         main(["fit", "--config", QUICKSTART, "--ckpt_path", str(ckpt)])
-    message = str(info.value.code)
+    message = capsys.readouterr().err.strip()
+    assert info.value.code == 2  # a config error
     assert message.startswith(f"lit-ablate: error: --ckpt_path='{ckpt}': the checkpoint's model differs")
     assert "model.init_args.model.preset (config 'tiny-llama', checkpoint 'tiny-qwen3')" in message
     assert "\n" not in message

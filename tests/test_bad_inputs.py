@@ -23,7 +23,10 @@ import pytest
 import torch
 import yaml
 
-from lit_ablate.cli import main
+from lightning.pytorch.callbacks import Callback
+
+from lit_ablate.cli import EXIT_FAILURE, EXIT_USAGE, main
+from lit_ablate.command_table import SUMMARIES
 from lit_ablate.data import LocalFiles, build_examples, load_tokenizer
 from lit_ablate.record import read_record
 
@@ -31,6 +34,7 @@ CONFIGS = Path(__file__).parents[1] / "configs"
 QUICKSTART = str(CONFIGS / "quickstart.yaml")
 SFT = str(CONFIGS / "sft_tiny.yaml")
 FSDP2 = str(CONFIGS / "fsdp2_tiny.yaml")
+DPO_TINY = str(CONFIGS / "dpo_tiny.yaml")
 FIT = ["fit", "--config", QUICKSTART, "--trainer.max_steps", "1"]
 
 Build = Callable[[Path], list[str]]
@@ -112,6 +116,8 @@ ROWS: dict[str, tuple[Build, tuple[str, ...]]] = {
     # --- data: the file and line, the row and message -------------------------------------------
     "malformed_jsonl_line": (_sft_file({"prompt": "1+1=", "response": "2"}, '{"prompt": "2+2=", "respo'),
                              ("data.init_args.source.init_args.path", "line 2 of", "rows.jsonl", "not valid JSON")),
+    "truncated_jsonl_line": (_sft_file({"prompt": "1+1=", "response": "2"}, '{"prompt": "1+1=", "response": {'),
+                             ("data.init_args.source.init_args.path", "line 2 of", "rows.jsonl", "cut short")),
     "chat_message_without_content": (_sft_file({"messages": [*CHAT, {"role": "assistant"}]}),
                                      ("data.init_args.source row 1 messages[1]", "'content'")),
     "chat_message_with_null_content": (_sft_file({"messages": [{"role": "user", "content": None}]}),
@@ -132,6 +138,8 @@ ROWS: dict[str, tuple[Build, tuple[str, ...]]] = {
                                      ("data.init_args.source.init_args.num_docs", "did you mean num_documents")),
     "value_outside_a_literal": (_fit("--data.init_args.format", "sftt"),
                                 ("data.init_args.format='sftt'", "one of ['pretrain', 'documents', 'sft']")),
+    "precision_outside_its_choices": (_fit("--trainer.precision", "17"),
+                                      ("trainer.precision='17'", "'bf16-mixed'", "'32-true'", "16", "or null")),
     "unknown_trainer_key": (_fit("--trainer.max_stepz", "3"), ("trainer.max_stepz", "did you mean max_steps")),
     "unknown_class_path": (_fit("--data.init_args.source", "lit_ablate.data.NoSuchSource"),
                            ("data.init_args.source", "cannot import 'lit_ablate.data.NoSuchSource'")),
@@ -157,6 +165,10 @@ ROWS: dict[str, tuple[Build, tuple[str, ...]]] = {
         lambda tmp: (torch.save({"weights": torch.zeros(1)}, tmp / "w.pt"), ["generate", "--ckpt_path", str(tmp / "w.pt"), "--prompt", "hi"])[1],
         ("--ckpt_path=", "no hyper_parameters"),
     ),
+    "generate_empty_folder": (lambda tmp: ["generate", "--ckpt_path", str(tmp), "--prompt", "hi"],
+                              ("--ckpt_path=", "a folder without meta.pt is not a sharded checkpoint")),
+    "export_empty_folder": (lambda tmp: ["export", "--ckpt_path", str(tmp), "--output_dir", str(tmp / "hf")],
+                            ("lit-ablate export: error: --ckpt_path=", "a folder without meta.pt is not a sharded checkpoint")),
     "export_missing_checkpoint": (_args("export", "--ckpt_path", "{tmp}/missing.ckpt", "--output_dir", "{tmp}/hf"),
                                   ("--ckpt_path=", "no such file")),
     "export_text_file_as_checkpoint": (lambda tmp: ["export", "--ckpt_path", _text_file(tmp), "--output_dir", str(tmp / "hf")],
@@ -170,8 +182,23 @@ ROWS: dict[str, tuple[Build, tuple[str, ...]]] = {
     "zero_max_steps": (_fit("--trainer.max_steps", "0"), ("trainer.max_steps=0", "at least 1 step")),
     "gpu_accelerator_without_gpu": (_fit("--trainer.accelerator", "gpu"), ("trainer.accelerator='gpu'", "no CUDA device")),
     "fit_mesh_not_the_world_size": (_args("fit", "--config", FSDP2, "--trainer.default_root_dir", "{tmp}",
-                                          "--trainer.strategy.init_args.dp_shard", "3"),
-                                    ("trainer.strategy.init_args", "multiply to 3", "world size", "is 2")),
+                                          "--trainer.strategy.init_args.dp_replicate", "2",
+                                          "--trainer.strategy.init_args.dp_shard", "2"),
+                                    ("trainer.strategy.init_args", "multiply to 4", "world size", "is 2")),
+    "ep_larger_than_the_world_size": (_args("fit", "--config", FSDP2, "--trainer.default_root_dir", "{tmp}",
+                                            "--trainer.strategy.class_path", "lit_ablate.strategies.ExpertParallelStrategy",
+                                            "--trainer.strategy.init_args.ep", "4"),
+                                      ("trainer.strategy.init_args.ep=4", "cannot exceed the world size (2 ranks")),
+    "strategy_refusal_inside_a_union": (_args("fit", "--config", FSDP2, "--trainer.default_root_dir", "{tmp}",
+                                              "--trainer.strategy.init_args.checkpoint_every", "0"),
+                                        ("trainer.strategy.init_args.checkpoint_every=0", "use 1 or more")),
+    # --- schedules and DPO's reference ------------------------------------------------------------
+    "negative_min_lr_ratio": (_fit("--model.init_args.min_lr_ratio", "-0.33"), ("model.init_args.min_lr_ratio=-0.33", "[0, 1]")),
+    "unknown_lr_schedule": (_fit("--model.init_args.lr_schedule", "exp"),
+                            ("model.init_args.lr_schedule='exp'", "one of ['linear', 'cosine', 'constant', 'wsd']")),
+    "missing_reference_model": (_args("fit", "--config", DPO_TINY, "--trainer.default_root_dir", "{tmp}",
+                                      "--model.init_args.reference_model", "{tmp}/sft"),
+                                ("model.init_args.reference_model=", "sft'", "no such directory")),
     "cp_block_kernel_without_its_gpu": (_args("fit", "--config", FSDP2, "--trainer.default_root_dir", "{tmp}",
                                               "--trainer.strategy.class_path", "lit_ablate.strategies.ContextParallelStrategy",
                                               "--trainer.strategy.init_args.dp_shard", "1",
@@ -232,6 +259,59 @@ def test_bad_input_is_one_line_naming_the_key(row: str, tmp_path: Path, capsys: 
     assert len(lines) == 1, lines
     missing = [fragment for fragment in expected if fragment not in lines[0]]
     assert not missing, f"{missing} not in: {lines[0]}"
+
+
+# One bad config per command: every command answers a usage or config error with EXIT_USAGE (2).
+BAD_CONFIG_PER_COMMAND: dict[str, Build] = {
+    "fit": _fit("--trainer.max_steps", "0"),
+    "validate": _args("validate", "--config", QUICKSTART, "--ckpt_path", "{tmp}/missing.ckpt"),
+    "test": _args("test", "--config", QUICKSTART, "--ckpt_path", "{tmp}/missing.ckpt"),
+    "generate": _args(*GENERATE),
+    "export": _args("export", "--ckpt_path", "{tmp}", "--output_dir", "{tmp}/hf"),
+    "estimate": _args("estimate", "--config", QUICKSTART, "--world_size", "0"),
+    "peak": _args("peak", "--device", "tpu"),
+    "ablate": lambda tmp: ["ablate", "--config", _file(tmp, "study.yaml", "name: x\nbase: [a\n"), "--dry-run"],
+    "report": _args("report", "{tmp}/no_study"),
+}
+
+
+@pytest.mark.parametrize("command", list(BAD_CONFIG_PER_COMMAND))
+def test_every_command_exits_2_for_a_config_error(command: str, tmp_path: Path, capsys) -> None:
+    """Exit codes were 1 for fit and generate, 2 for export and ablate, for the same kind of mistake;
+    now every command's config error is ``EXIT_USAGE``. Seen failing (code 1) for fit, validate, test,
+    generate, export and peak with ``main`` refusing with status 1 (``sys.exit(message)`` had that status)."""
+    assert set(BAD_CONFIG_PER_COMMAND) == set(SUMMARIES), "a command without its row here"
+    code, lines = _stderr_lines(BAD_CONFIG_PER_COMMAND[command](tmp_path), capsys)
+    assert code == EXIT_USAGE, lines
+    assert lines, "the refusal says why"
+
+
+class FailsAtTheFirstStep(Callback):
+    """A run that fails after it started (not a config error)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        raise RuntimeError("a failure during the run")
+
+
+def _real_process(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lit_ablate.cli", *argv], capture_output=True, text=True, cwd=cwd,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}, timeout=300)
+
+
+def test_a_failure_during_a_run_exits_1_and_a_wrong_multi_rank_config_prints_once(tmp_path: Path) -> None:
+    """A failure during a run exits ``EXIT_FAILURE`` (1) with its traceback; a config error only the ranks
+    can see (a vocabulary smaller than the tokenizer's, found when each of 2 FSDP2 ranks builds the
+    model) is printed by rank 0 alone and exits 2. Seen failing (the error printed once per rank) with
+    every rank printing its refusal."""
+    failed = _real_process([*FIT, "--trainer.default_root_dir", str(tmp_path),
+                            "--trainer.callbacks+=tests.test_bad_inputs.FailsAtTheFirstStep"], tmp_path)
+    assert failed.returncode == EXIT_FAILURE, failed.stderr
+    assert "RuntimeError: a failure during the run" in failed.stderr
+    ranks = _real_process(["fit", "--config", FSDP2, "--trainer.max_steps", "1", "--trainer.default_root_dir", str(tmp_path),
+                           "--model.init_args.model.config", '{"vocab_size": 100}'], tmp_path)  # fmt: skip
+    errors = [line for line in ranks.stderr.splitlines() if "error:" in line]
+    assert ranks.returncode == EXIT_USAGE and len(errors) == 1, ranks.stderr
+    assert "model.init_args.model.config.vocab_size=100" in errors[0]
 
 
 @pytest.mark.parametrize(("argv", "key"), [

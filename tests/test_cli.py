@@ -66,10 +66,12 @@ def test_print_config_round_trips(tmp_path):
 
 
 def _error_of(args: list[str], capsys) -> str:
+    """The one stderr line of a refused ``fit`` (status 2: a config error)."""
+    capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", QUICKSTART, "--trainer.max_steps", "1", *args])
-    message = str(exit_info.value.code)
-    assert message.startswith("lit-ablate: error: ") and "\n" not in message
+    message = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and message.startswith("lit-ablate: error: ") and "\n" not in message, message
     return message
 
 
@@ -96,15 +98,13 @@ def test_missing_and_empty_data_files_name_the_key(tmp_path, capsys):
     assert "data.init_args.source.init_args.path" in missing and "nope.jsonl" in missing
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", QUICKSTART, "--trainer.max_steps", "1", *local, str(empty)])
-    assert "data.init_args.source" in str(exit_info.value.code) and "empty" in str(exit_info.value.code)
+    message = _error_of([*local, str(empty)], capsys)
+    assert "data.init_args.source" in message and "empty" in message
 
 
 def test_sft_response_longer_than_seq_len_is_rejected_when_asked(tmp_path, capsys):
     """`overlong: reject` drops examples longer than seq_len; if that leaves nothing, the error
     names the setting instead of training on an empty dataset."""
-    with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", str(CONFIGS / "sft_tiny.yaml"), "--trainer.max_steps", "1",
-              "--data.init_args.seq_len", "4", "--data.init_args.overlong", "reject"])
-    assert "lit-ablate: error:" in str(exit_info.value.code) and "overlong" in str(exit_info.value.code)
+    message = _error_of(["--config", str(CONFIGS / "sft_tiny.yaml"), "--data.init_args.seq_len", "4",
+                         "--data.init_args.overlong", "reject"], capsys)
+    assert "lit-ablate: error:" in message and "overlong" in message

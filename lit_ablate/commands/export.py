@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from lit_ablate.callbacks.adapter_checkpoint import FINGERPRINT_KEY, check_same_base
+from lit_ablate.cli import EXIT_USAGE
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.adapters.expert_lora import merge_expert_adapters
 from lit_ablate.models.adapters.lora import ADAPTER_NAME, apply_expert_adapters, has_adapters
@@ -173,7 +174,7 @@ def export_main(argv: list[str]) -> int:
     try:
         out = export_hf_checkpoint(args.ckpt_path, args.output_dir, args.tokenizer, args.merge)
     except ConfigError as err:
-        print(f"export refused: {err}", file=sys.stderr)
-        return 2
+        print(f"lit-ablate export: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
     print(f"exported {args.ckpt_path} -> {out} (AutoModelForCausalLM and AutoTokenizer.from_pretrained load it)")
     return 0

@@ -58,7 +58,7 @@ def generate(ckpt_path: str, prompt: str, max_new_tokens: int = 32, temperature:
     from lit_ablate.modules import CausalLM
 
     check_sampling(prompt, max_new_tokens, temperature, top_k)
-    if Path(ckpt_path).is_dir():
+    if checkpoint_path("--ckpt_path", ckpt_path).is_dir():  # a folder that is no checkpoint: export's words too
         raise ConfigError("--ckpt_path", ckpt_path, "generate reads a single-file .ckpt; turn a sharded folder into "
                           "a model folder with lit-ablate export and sample from that with transformers")
     checkpoint = load_checkpoint(ckpt_path)

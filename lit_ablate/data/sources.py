@@ -193,7 +193,8 @@ class LocalFiles(DataSource):
         try:
             with _quiet_local_load():
                 dataset = load_dataset(self.builder, data_files=self.files, split="train")
-        except DatasetGenerationError as err:
+        except (DatasetGenerationError, ValueError) as err:  # ValueError: pandas' or pyarrow's (ArrowInvalid)
+            # parse error of a line datasets re-reads with a nested field (a truncated ``{"response": {``)
             raise ConfigError(f"{_SOURCE_KEY}.path", self.path, _unreadable(self.files, err)) from err
         yield from _rows(dataset, self.text_field, self.max_rows, f"{_SOURCE_KEY}.path", self.path)
 
@@ -258,7 +259,8 @@ def _first_bad_json_line(file: str) -> str | None:
             try:
                 value = json.loads(line)
             except ValueError as bad:
-                return f"line {number} of {file} is not valid JSON ({getattr(bad, 'msg', bad)})"
+                cut = " at its end: the line is cut short" if getattr(bad, "pos", -1) >= len(line.rstrip()) else ""
+                return f"line {number} of {file} is not valid JSON ({getattr(bad, 'msg', bad)}{cut})"
             if not isinstance(value, dict):
                 return f"line {number} of {file} is a JSON {type(value).__name__}, not an object"
     return None
