@@ -339,7 +339,8 @@ def _fp8_reason(config: Mapping[str, Any], launch: LaunchLike, judge_gpu: bool) 
 
 
 def tensor_parallel_loss_fits(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
-    """Tensor parallelism takes only the ``torch`` loss backend without z-loss (vocabulary-sharded logits)."""
+    """Tensor parallelism takes the ``torch`` (without z-loss) and ``chunked`` loss backends: those
+    compute on a vocabulary-sharded LM head."""
     from lit_ablate.strategies.tensor_parallel import check_tensor_parallel_loss
 
     if _configured_size(config, _strategy_class(config), "tp") == 1:

@@ -319,25 +319,29 @@ def strategy_on(world_size: int, **kwargs) -> TensorParallelStrategy:
     return strategy
 
 
-@pytest.mark.parametrize(
-    ("model_kwargs", "key"),
-    [
-        ({"loss": "chunked"}, "model.init_args.loss"),
-        ({"tie_word_embeddings": True}, "tie_word_embeddings"),
-        ({"num_key_value_heads": 1}, "trainer.strategy.init_args.tp"),
-    ],
-    ids=["fused-loss", "tied-embeddings", "kv-heads"],
-)
-def test_what_tp_cannot_split_is_refused_naming_the_key(model_kwargs, key):
-    with pytest.raises(ConfigError, match=key):
+def test_what_tp_cannot_split_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match="trainer.strategy.init_args.tp"):
+        strategy_on(2).check_model(build("tiny-llama", meta=True, num_key_value_heads=1))
+    for model_kwargs in ({"loss": "chunked"}, {"tie_word_embeddings": True}):  # split since issue 29
         strategy_on(2).check_model(build("tiny-llama", meta=True, **model_kwargs))
 
 
-def test_z_loss_is_refused():
+def test_fused_kernel_losses_are_refused():
+    """Liger and CCE take the whole LM-head weight (their kernels need CUDA: checked by name here)."""
+    from lit_ablate.strategies.tensor_parallel import check_tensor_parallel_loss
+
+    for backend in ("liger", "cce"):
+        with pytest.raises(ConfigError, match="model.init_args.loss.*use loss: chunked"):
+            check_tensor_parallel_loss(backend)
+
+
+def test_z_loss_is_refused_with_the_torch_backend_only():
     model = build("tiny-llama", meta=True)
     model.loss_fn = loss_backend("torch", z_loss_weight=1e-4)
     with pytest.raises(ConfigError, match="z_loss_weight"):
         strategy_on(2).check_model(model)
+    model.loss_fn = loss_backend("chunked", z_loss_weight=1e-4)  # all-reduces the log-sum-exp
+    strategy_on(2).check_model(model)
 
 
 def test_sequence_parallel_makes_positions_explicit_and_refuses_padded_batches():
@@ -426,7 +430,9 @@ def test_a_study_skips_tensor_parallelism_with_a_fused_loss_up_front():
                                          "init_args": {"tp": tp}}},
                 "model": {"init_args": {"loss": loss}}}
 
-    reason = compatibility.incompatibility(config("chunked"), Launch(devices=2, accelerator="cpu"))
-    assert "model.init_args.loss" in reason and "use loss: torch" in reason
-    assert compatibility.incompatibility(config("torch"), Launch(devices=2, accelerator="cpu")) is None
-    assert compatibility.incompatibility(config("chunked", tp=1), Launch(devices=2, accelerator="cpu")) is None
+    launch = Launch(devices=2, accelerator="cpu")
+    reason = compatibility.tensor_parallel_loss_fits(config("liger"), launch)  # the rule alone: liger needs CUDA
+    assert "model.init_args.loss" in reason and "use loss: chunked" in reason
+    assert compatibility.incompatibility(config("torch"), launch) is None
+    assert compatibility.incompatibility(config("chunked"), launch) is None
+    assert compatibility.tensor_parallel_loss_fits(config("liger", tp=1), launch) is None

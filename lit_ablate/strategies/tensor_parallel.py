@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -20,7 +20,8 @@ from torch.optim import Optimizer
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
 from lit_ablate.models.fp8.conversion import is_fp8, precompute_fp8_scales
-from lit_ablate.models.losses.cross_entropy import LOSS_KEY, OPTIONS_KEY, TorchCrossEntropy
+from lit_ablate.models.losses.cross_entropy import LOSS_KEY, OPTIONS_KEY, ChunkedCrossEntropy, TorchCrossEntropy
+from lit_ablate.models.losses.vocabulary_parallel_chunked import vocabulary_parallel_chunked_cross_entropy
 from lit_ablate.strategies.expert_parallel import clip_grad_norm_across_meshes
 from lit_ablate.strategies.fsdp2 import FullyShardSteps
 from lit_ablate.strategies.mesh import STRATEGY_KEY, resolve_mesh_sizes
@@ -36,10 +37,12 @@ class TensorParallelSteps(FullyShardSteps):
     it against FSDP at the same world size: the ``tp`` ranks of a group read the same batch and each
     holds ``1 / tp`` of every attention and MLP matrix, of the embedding and of the LM head, and of the
     activations inside each block. The plan per model family is in ``tensor_parallel_plans``; a
-    subclass overrides ``layer_plan``/``root_plan``. The loss is cross-entropy over the
-    vocabulary-sharded logits (torch's ``loss_parallel``: each rank forms only its vocabulary
-    columns), so it needs the ``torch`` loss backend (without z-loss); the fused backends take a
-    whole LM-head weight and are refused. Gradient clipping takes the global norm over the TP and
+    subclass overrides ``layer_plan``/``root_plan``. A tied LM head shares the split embedding's
+    parameter (``tie_split_embeddings``). The loss is cross-entropy over the vocabulary-sharded
+    logits, each rank forming only its vocabulary columns: the ``torch`` backend through torch's
+    ``loss_parallel`` (without z-loss), ``chunked`` chunk by chunk with its log-sum-exp all-reduced
+    (``VocabParallelChunkedCrossEntropy``; z-loss too); the fused kernels take a whole LM-head
+    weight and are refused. Gradient clipping takes the global norm over the TP and
     FSDP meshes together (``clip_grad_norm_across_meshes``: FSDP's strided shards of a TP shard included).
 
     fp8 (tensorwise recipe): converted layers are split with torchao's float8 styles (``float8_styles``);
@@ -78,7 +81,17 @@ class TensorParallelSteps(FullyShardSteps):
         for layer in decoder_layers(model):
             _parallelize(layer, mesh, self.layer_plan(model, layer))
         _parallelize(model.lm, mesh, self.root_plan(model))
-        model.loss_fn = VocabParallelCrossEntropy(model.loss_fn, mesh)
+        tie_split_embeddings(model)
+        model.loss_fn = split_vocabulary_loss(model.loss_fn, mesh)
+        if self.sequence_parallel:
+            model.lm.base_model.register_forward_pre_hook(whole_sequence_masks, with_kwargs=True)
+
+    def materialize(self, model: CausalLMWithLoss, source: Mapping[str, Tensor]) -> None:
+        """Materialise, then tie again: ``to_empty`` gives each module of a tied pair its own new
+        parameter on the ranks that built the model on ``meta``."""
+        super().materialize(model, source)
+        if self.mesh_sizes["tp"] > 1:
+            tie_split_embeddings(model)
 
     def apply_compile(self, model: CausalLMWithLoss) -> None:
         """Compile each decoder layer, and hand the first one a plain tensor: the split embedding
@@ -114,19 +127,16 @@ class TensorParallelSteps(FullyShardSteps):
         return root_plan(self.sequence_parallel)
 
     def check_model(self, model: CausalLMWithLoss) -> None:
-        """Refuse what this layout cannot split, naming the key: head counts, vocabulary, tied
-        embeddings, a loss backend that needs the whole LM-head weight."""
+        """Refuse what this layout cannot split, naming the key: head counts, vocabulary, a loss
+        backend that needs the whole LM-head weight."""
         config, tp = model.lm.config, self.mesh_sizes["tp"]
         for name in ("num_attention_heads", "num_key_value_heads", "vocab_size"):
             value = getattr(config, name)
             if value % tp:
                 raise ConfigError(f"{STRATEGY_KEY}.tp", tp, f"the model's {name} is {value}; use a tp that divides it")
-        if getattr(config, "tie_word_embeddings", False):
-            raise ConfigError("model.init_args.model.tie_word_embeddings", True,
-                              "tensor parallelism splits the embedding and the LM head separately; untie them")
         loss = model.loss_fn
-        check_tensor_parallel_loss(type(loss).__name__ if not isinstance(loss, TorchCrossEntropy) else "torch",
-                                   getattr(loss, "z_loss_weight", 0.0))
+        names = {TorchCrossEntropy: "torch", ChunkedCrossEntropy: "chunked"}
+        check_tensor_parallel_loss(names.get(type(loss), type(loss).__name__), getattr(loss, "z_loss_weight", 0.0))
         if model.lm.get_output_embeddings().bias is not None:
             raise ConfigError("model", type(model.lm).__name__, "an LM head with a bias is not split yet; use tp: 1")
 
@@ -140,8 +150,9 @@ class TensorParallelSteps(FullyShardSteps):
     def sequence_parallel_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
         """The batch with explicit ``position_ids`` and without an all-ones ``attention_mask``: under
         sequence parallelism the decoder sees only this rank's slice of the embeddings and would
-        number the positions of the slice from 0, and build its mask for the slice's length. A mask
-        with padding (or a packed batch) is refused: that mask cannot be built from the slice."""
+        number the positions of the slice from 0. A packed batch brings its per-document
+        ``position_ids`` (and ``cu_seqlens``), from which ``whole_sequence_masks`` builds the
+        documents' mask over the whole sequence. A mask with padding is refused."""
         tp = self.mesh_sizes["tp"]
         rows, length = batch["input_ids"].shape
         if length % tp:
@@ -149,13 +160,11 @@ class TensorParallelSteps(FullyShardSteps):
                               f"a batch has length {length}, not divisible by tp={tp}; pad to a multiple of {tp} "
                               "(data pad_to_multiple_of) or set sequence_parallel: false")
         mask = batch.get("attention_mask")
-        for key, present in (("attention_mask", mask is not None and not bool(mask.all())),
-                             ("cu_seqlens", batch.get("cu_seqlens") is not None)):
-            if present:
-                raise ConfigError(f"{STRATEGY_KEY}.sequence_parallel", True,
-                                  f"the batch carries {key!r} (padded or packed): the decoder builds its mask from "
-                                  "the local slice's length; use unpadded, unpacked batches or "
-                                  "sequence_parallel: false")
+        if mask is not None and not bool(mask.all()):
+            raise ConfigError(f"{STRATEGY_KEY}.sequence_parallel", True,
+                              "the batch carries a padding 'attention_mask': sequence parallelism takes unpadded "
+                              "or packed batches; pack them (data collator PackingCollator) or set "
+                              "sequence_parallel: false")
         batch = {key: value for key, value in batch.items() if key != "attention_mask"}  # all ones: no mask needed
         if batch.get("position_ids") is None:
             batch = {**batch, "position_ids": torch.arange(length, device=batch["input_ids"].device).expand(rows, -1)}
@@ -218,15 +227,22 @@ class TensorParallelSteps(FullyShardSteps):
 
 
 def check_tensor_parallel_loss(loss: str, z_loss_weight: float = 0.0) -> None:
-    """Only the ``torch`` backend, without z-loss, computes on vocabulary-sharded logits. Raises
+    """Only ``torch`` (without z-loss) and ``chunked`` compute on a vocabulary-sharded LM head. Raises
     ``ConfigError`` naming the key (also the ablation runner's up-front check, ``compatibility``)."""
-    if loss != "torch":
-        raise ConfigError(LOSS_KEY, loss, "tensor parallelism computes the loss on vocabulary-sharded logits "
-                          "(loss_parallel), which only the 'torch' backend does; use loss: torch")
-    if z_loss_weight:
+    if loss not in ("torch", "chunked"):
+        raise ConfigError(LOSS_KEY, loss, "tensor parallelism computes the loss on a vocabulary-sharded LM head, "
+                          "which only the 'torch' and 'chunked' backends do; use loss: chunked or loss: torch")
+    if loss == "torch" and z_loss_weight:
         raise ConfigError(f"{OPTIONS_KEY}.z_loss_weight", z_loss_weight,
-                          "z-loss needs the log-sum-exp over the whole vocabulary, which tensor parallelism "
-                          "never gathers; use 0")
+                          "z-loss needs the log-sum-exp over the whole vocabulary, which the 'torch' backend's "
+                          "loss_parallel never gathers; use loss: chunked (it all-reduces it) or 0")
+
+
+def split_vocabulary_loss(loss: TorchCrossEntropy | ChunkedCrossEntropy, mesh: DeviceMesh) -> Any:
+    """The loss backend's form for an LM head whose vocabulary rows are split over ``mesh``."""
+    if isinstance(loss, ChunkedCrossEntropy):
+        return VocabParallelChunkedCrossEntropy(loss, mesh)
+    return VocabParallelCrossEntropy(loss, mesh)
 
 
 @dataclass(frozen=True)
@@ -246,6 +262,68 @@ class VocabParallelCrossEntropy:
             hidden = DTensor.from_local(hidden, self.mesh, [Replicate()], run_check=False)
         # A copy, not a view: FSDP2 warns that an in-place op on a view its root returns drops its hook.
         return self.inner(hidden, weight, labels, bias).to_local().clone()
+
+
+@dataclass(frozen=True)
+class VocabParallelChunkedCrossEntropy:
+    """The ``chunked`` loss backend on a vocabulary-sharded LM head: each rank forms its logit
+    columns chunk by chunk; the ranks all-reduce their partial log-sum-exps and target logits (a
+    few numbers per token) and the hidden states' gradient
+    (``lit_ablate.models.losses.vocabulary_parallel_chunked``). Needs no ``loss_parallel`` context."""
+
+    inner: ChunkedCrossEntropy
+    mesh: DeviceMesh
+
+    def __call__(self, hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None = None) -> Tensor:
+        if isinstance(hidden, DTensor):  # replicated over tp: every rank holds every token's state
+            hidden = hidden.to_local()
+        shard = weight.to_local()  # this rank's vocabulary rows (Shard(0) over tp); its gradient stays Shard(0)
+        return vocabulary_parallel_chunked_cross_entropy(
+            hidden, shard, labels, self.mesh.get_local_rank() * shard.shape[0], self.mesh.get_group(),
+            self.inner.chunk_tokens, self.inner.chunk_vocab, self.inner.z_loss_weight)
+
+
+def tie_split_embeddings(model: CausalLMWithLoss) -> None:
+    """Make a tied LM head share the split embedding's parameter again (nothing for untied models).
+
+    Both are split by vocabulary rows (``Shard(0)``), but ``parallelize_module`` turns each module's
+    weight into its own DTensor parameter: untied, the embedding and the head would each take only
+    their own gradient and drift apart (PLATFORM_NOTES: 1.45e-1 in 3 steps). Tied, the lookup's and
+    the head's gradients add into one ``Shard(0)`` gradient, as in one process."""
+    lm = model.lm
+    if getattr(lm.config, "tie_word_embeddings", False):
+        lm.get_output_embeddings().weight = lm.get_input_embeddings().weight
+
+
+def whole_sequence_masks(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
+    """A forward pre-hook of the decoder (``base_model``) under sequence parallelism: its attention
+    mask, built for the whole sequence.
+
+    The decoder builds its mask from the embeddings' length, and under sequence parallelism the
+    split embedding returns this rank's slice of the sequence, while attention sees the whole
+    sequence (gathered before q/k/v). Unpacked, the mask is plain causal and the attention kernel
+    needs none (nothing changes); packed, the documents' block-diagonal mask (from the
+    per-document ``position_ids``) would come out for the slice's length. transformers passes a
+    4-D mask through as it is, so the same function builds it here from the whole ``input_ids``'
+    shape. A sliding-window model would need a second mask: refused."""
+    input_ids, position_ids = kwargs.get("input_ids"), kwargs.get("position_ids")
+    if input_ids is None or position_ids is None or kwargs.get("attention_mask") is not None:
+        return None
+    from transformers.masking_utils import create_causal_mask
+
+    config = module.config
+    dtype = module.get_input_embeddings().weight.dtype
+    whole = torch.empty((*input_ids.shape, 0), dtype=dtype, device=input_ids.device)  # only its shape is read
+    mask = create_causal_mask(config=config, inputs_embeds=whole, attention_mask=None, cache=None,
+                              position_ids=position_ids)
+    if mask is None:  # plain causal: the kernel's own causal flag sees the whole sequence
+        return None
+    layer_types = getattr(config, "layer_types", None) or ()
+    if any(kind != "full_attention" for kind in layer_types) or (not layer_types and getattr(config, "sliding_window", None)):
+        raise ConfigError(f"{STRATEGY_KEY}.sequence_parallel", True,
+                          "packed batches on a sliding-window model need a second whole-sequence mask, not built; "
+                          "use unpacked batches or sequence_parallel: false")
+    return args, {**kwargs, "attention_mask": mask}
 
 
 def _waited_collective(module: nn.Module, args: Any, output: Tensor) -> Tensor:
