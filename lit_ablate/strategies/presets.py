@@ -2,11 +2,15 @@
 
 Each is what a config names by ``class_path`` (``lit_ablate.strategies.TensorParallelStrategy``) to
 ablate one technique; its signature is its schema, so a dimension it does not take (``tp`` for
-``FSDP2Strategy``) is refused by the parser in one line. They add no behaviour: everything they do
-is ``MeshParallelStrategy``'s steps at the sizes they set.
+``FSDP2Strategy``) is refused by the parser in one line, and by the constructor when called from
+Python. A technique's own options come as ``**kwargs`` typed by its options (``ContextParallelOptions``:
+``cp_impl``, ``cp_layout``, ``cp_block_kernel``; with FSDP2's and the mesh's), which the parser reads.
+Presets add no behaviour: everything they do is ``MeshParallelStrategy``'s steps at the sizes they set.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from typing_extensions import Unpack
 
@@ -20,21 +24,43 @@ from lit_ablate.strategies.mesh import STRATEGY_KEY
 from lit_ablate.strategies.mesh_parallel import MeshParallelStrategy
 
 
-def _only_fsdp_options(preset: type, kwargs: dict) -> dict:
-    """``kwargs`` when they are all FSDP2's and the mesh's options; else the one the preset does not take,
-    refused naming it (a Python caller gets the parser's refusal: ``FSDP2Strategy(tp=2)``)."""
-    for key, value in kwargs.items():
-        if key not in FSDPOptions.__optional_keys__:
-            raise ConfigError(
-                f"{STRATEGY_KEY}.{key}",
-                value,
-                f"{preset.__name__} does not take {key}; use a strategy that does "
-                "(MeshParallelStrategy takes every mesh dimension)",
-            )
-    return kwargs
+class TensorParallelOptions(FSDPOptions, total=False):
+    sequence_parallel: bool
 
 
-class FSDP2Strategy(MeshParallelStrategy):
+class ContextParallelOptions(FSDPOptions, total=False):
+    cp_impl: ContextParallelImpl
+    cp_layout: LayoutName
+    cp_block_kernel: BlockKernelName
+
+
+class ExpertParallelOptions(FSDPOptions, total=False):
+    dispatch: DispatchMode
+
+
+class ExpertTensorParallelOptions(TensorParallelOptions, ExpertParallelOptions, total=False):
+    pass
+
+
+class ExpertContextParallelOptions(ContextParallelOptions, ExpertParallelOptions, total=False):
+    pass
+
+
+class _Preset(MeshParallelStrategy):
+    """A preset: the mesh sizes it sets and the options its ``OPTIONS`` allow, passed on to the one strategy."""
+
+    OPTIONS: type = FSDPOptions
+
+    def __init__(self, sizes: dict[str, int], options: dict[str, Any]) -> None:
+        for key, value in options.items():
+            if key not in self.OPTIONS.__optional_keys__:
+                raise ConfigError(f"{STRATEGY_KEY}.{key}", value,
+                                  f"{type(self).__name__} does not take {key}; use a strategy that does "
+                                  "(MeshParallelStrategy takes every mesh dimension)")  # fmt: skip
+        super().__init__(**sizes, **options)
+
+
+class FSDP2Strategy(_Preset):
     """Fully sharded data parallelism (FSDP2, ``fully_shard``): each decoder layer, then the root.
 
     Choose it to train a model whose parameters, gradients and optimizer states do not fit one
@@ -48,10 +74,10 @@ class FSDP2Strategy(MeshParallelStrategy):
     """
 
     def __init__(self, dp_shard: int = -1, dp_replicate: int = 1, **kwargs: Unpack[FSDPOptions]) -> None:
-        super().__init__(dp_shard=dp_shard, dp_replicate=dp_replicate, **_only_fsdp_options(FSDP2Strategy, kwargs))
+        super().__init__({"dp_shard": dp_shard, "dp_replicate": dp_replicate}, kwargs)
 
 
-class HSDPStrategy(MeshParallelStrategy):
+class HSDPStrategy(_Preset):
     """FSDP2 on a 2-D mesh: shard within each of ``dp_replicate`` groups, replicate across them.
 
     Choose it when the all-gathers of plain FSDP over every rank are too slow for the links
@@ -65,12 +91,12 @@ class HSDPStrategy(MeshParallelStrategy):
     """
 
     def __init__(self, dp_replicate: int = 2, dp_shard: int = -1, **kwargs: Unpack[FSDPOptions]) -> None:
-        super().__init__(dp_replicate=dp_replicate, dp_shard=dp_shard, **_only_fsdp_options(HSDPStrategy, kwargs))
+        super().__init__({"dp_replicate": dp_replicate, "dp_shard": dp_shard}, kwargs)
 
 
-class TensorParallelStrategy(MeshParallelStrategy):
+class TensorParallelStrategy(_Preset):
     """Tensor parallelism (Megatron's layout through DTensor's ``parallelize_module``), optionally
-    sequence parallel, with FSDP2 over ``dp_shard`` beside it.
+    sequence parallel (``sequence_parallel: true``), with FSDP2 over ``dp_shard`` beside it.
 
     Choose it when one layer's matrices or activations are too large for one device, or to ablate
     it against FSDP at the same world size: the ``tp`` ranks of a group read the same batch and each
@@ -79,195 +105,107 @@ class TensorParallelStrategy(MeshParallelStrategy):
 
     Args:
         tp: tensor-parallel ranks (``-1``: the ranks left); must divide the heads and the vocabulary.
-        sequence_parallel: also split the residual stream between blocks along the sequence.
         dp_shard: FSDP ranks beside the tensor-parallel ones; they read different batches.
         dp_replicate: replica groups beside them.
-        **kwargs: FSDP2's and the mesh's options.
+        **kwargs: ``sequence_parallel``, FSDP2's and the mesh's options.
     """
 
-    def __init__(
-        self,
-        tp: int = -1,
-        sequence_parallel: bool = False,
-        dp_shard: int = 1,
-        dp_replicate: int = 1,
-        **kwargs: Unpack[FSDPOptions],
-    ) -> None:
-        super().__init__(
-            tp=tp,
-            sequence_parallel=sequence_parallel,
-            dp_shard=dp_shard,
-            dp_replicate=dp_replicate,
-            **_only_fsdp_options(TensorParallelStrategy, kwargs),
-        )
+    OPTIONS = TensorParallelOptions
+
+    def __init__(self, tp: int = -1, dp_shard: int = 1, dp_replicate: int = 1,
+                 **kwargs: Unpack[TensorParallelOptions]) -> None:  # fmt: skip
+        super().__init__({"tp": tp, "dp_shard": dp_shard, "dp_replicate": dp_replicate}, kwargs)
 
 
-class ContextParallelStrategy(MeshParallelStrategy):
+class ContextParallelStrategy(_Preset):
     """Context parallelism: the ``cp`` ranks share each batch, each holding a slice of every sequence.
 
     Choose it when one sequence's activations do not fit a device (long context): activations and
     attention work per rank shrink by ``cp``, at the price of exchanging keys and values in every
-    attention layer (``ContextParallelSteps``).
+    attention layer (``ContextParallelSteps``: ``cp_impl`` ring or allgather, ``cp_layout`` zigzag or
+    contiguous, ``cp_block_kernel`` sdpa, flash_attn or flex).
 
     Args:
         cp: context-parallel ranks (``-1``: the ranks left).
-        cp_impl: ``ring`` (K/V passed rank to rank) or ``allgather`` (one all-gather of K/V per layer).
-        cp_layout: ``zigzag`` (equal causal work per rank) or ``contiguous``.
         dp_shard: FSDP ranks beside the context-parallel ones; they read different batches.
-        cp_block_kernel: ``sdpa``, ``flash_attn`` or ``flex`` for each attention block.
         dp_replicate: replica groups beside them.
-        **kwargs: FSDP2's and the mesh's options.
+        **kwargs: ``cp_impl``, ``cp_layout``, ``cp_block_kernel``, FSDP2's and the mesh's options.
     """
 
-    def __init__(
-        self,
-        cp: int = -1,
-        cp_impl: ContextParallelImpl = "ring",
-        cp_layout: LayoutName = "zigzag",
-        dp_shard: int = 1,
-        cp_block_kernel: BlockKernelName = "sdpa",
-        dp_replicate: int = 1,
-        **kwargs: Unpack[FSDPOptions],
-    ) -> None:
-        super().__init__(
-            cp=cp,
-            cp_impl=cp_impl,
-            cp_layout=cp_layout,
-            dp_shard=dp_shard,
-            cp_block_kernel=cp_block_kernel,
-            dp_replicate=dp_replicate,
-            **_only_fsdp_options(ContextParallelStrategy, kwargs),
-        )
+    OPTIONS = ContextParallelOptions
+
+    def __init__(self, cp: int = -1, dp_shard: int = 1, dp_replicate: int = 1,
+                 **kwargs: Unpack[ContextParallelOptions]) -> None:  # fmt: skip
+        super().__init__({"cp": cp, "dp_shard": dp_shard, "dp_replicate": dp_replicate}, kwargs)
 
 
-class ExpertParallelStrategy(MeshParallelStrategy):
+class ExpertParallelStrategy(_Preset):
     """Expert parallelism (torchtitan's): each ``ep`` rank holds ``num_experts / ep`` experts.
 
     Choose it when the experts' weights dominate memory, or to ablate all-to-all dispatch against the
-    naive all-reduce (``ExpertParallelSteps``). EP ranks read different batches, like data-parallel ranks.
+    naive all-reduce (``dispatch``; ``ExpertParallelSteps``). EP ranks read different batches, like
+    data-parallel ranks.
 
     Args:
         ep: expert-parallel ranks (``-1``: the ranks left); must divide the number of experts.
         dp_shard: FSDP ranks per expert shard.
-        dispatch: ``all_to_all`` (real EP) or ``all_reduce`` (every rank sees every token).
         dp_replicate: replica groups beside them.
-        **kwargs: FSDP2's and the mesh's options.
+        **kwargs: ``dispatch``, FSDP2's and the mesh's options.
     """
 
-    def __init__(
-        self,
-        ep: int = -1,
-        dp_shard: int = 1,
-        dispatch: DispatchMode = "all_to_all",
-        dp_replicate: int = 1,
-        **kwargs: Unpack[FSDPOptions],
-    ) -> None:
-        super().__init__(
-            ep=ep,
-            dp_shard=dp_shard,
-            dispatch=dispatch,
-            dp_replicate=dp_replicate,
-            **_only_fsdp_options(ExpertParallelStrategy, kwargs),
-        )
+    OPTIONS = ExpertParallelOptions
+
+    def __init__(self, ep: int = -1, dp_shard: int = 1, dp_replicate: int = 1,
+                 **kwargs: Unpack[ExpertParallelOptions]) -> None:  # fmt: skip
+        super().__init__({"ep": ep, "dp_shard": dp_shard, "dp_replicate": dp_replicate}, kwargs)
 
 
-class ExpertTensorParallelStrategy(MeshParallelStrategy):
+class ExpertTensorParallelStrategy(_Preset):
     """An MoE whose dense matrices are split over ``tp`` ranks and whose experts over ``ep`` ranks: the
     "TP vs TP + EP" ablation of a large MoE. The plan keeps MoE blocks whole, so the ``tp`` peers of
     an ``ep`` rank compute the same expert work.
 
     Args:
         tp: tensor-parallel ranks; ep: expert-parallel ranks.
-        dispatch, sequence_parallel: as ``ExpertParallelStrategy``'s and ``TensorParallelStrategy``'s.
         dp_shard, dp_replicate: data-parallel ranks beside them.
-        **kwargs: FSDP2's and the mesh's options.
+        **kwargs: ``dispatch``, ``sequence_parallel``, FSDP2's and the mesh's options.
     """
 
-    def __init__(
-        self,
-        tp: int,
-        ep: int,
-        dispatch: DispatchMode = "all_to_all",
-        sequence_parallel: bool = False,
-        dp_shard: int = 1,
-        dp_replicate: int = 1,
-        **kwargs: Unpack[FSDPOptions],
-    ) -> None:
-        super().__init__(
-            tp=tp,
-            ep=ep,
-            dispatch=dispatch,
-            sequence_parallel=sequence_parallel,
-            dp_shard=dp_shard,
-            dp_replicate=dp_replicate,
-            **_only_fsdp_options(ExpertTensorParallelStrategy, kwargs),
-        )
+    OPTIONS = ExpertTensorParallelOptions
+
+    def __init__(self, tp: int, ep: int, dp_shard: int = 1, dp_replicate: int = 1,
+                 **kwargs: Unpack[ExpertTensorParallelOptions]) -> None:  # fmt: skip
+        super().__init__({"tp": tp, "ep": ep, "dp_shard": dp_shard, "dp_replicate": dp_replicate}, kwargs)
 
 
-class TensorContextParallelStrategy(MeshParallelStrategy):
+class TensorContextParallelStrategy(_Preset):
     """Long sequences on a model split by matrices: ``cp`` ranks share each sequence, and inside each
     ``cp`` rank ``tp`` ranks split every matrix. No sequence parallelism: ``cp`` splits the sequence.
 
     Args:
         tp: tensor-parallel ranks; cp: context-parallel ranks (``-1``: the ranks left).
-        cp_impl, cp_layout, cp_block_kernel: as ``ContextParallelStrategy``'s.
         dp_shard, dp_replicate: data-parallel ranks beside them.
-        **kwargs: FSDP2's and the mesh's options.
+        **kwargs: ``cp_impl``, ``cp_layout``, ``cp_block_kernel``, FSDP2's and the mesh's options.
     """
 
-    def __init__(
-        self,
-        tp: int,
-        cp: int = -1,
-        cp_impl: ContextParallelImpl = "ring",
-        cp_layout: LayoutName = "zigzag",
-        dp_shard: int = 1,
-        cp_block_kernel: BlockKernelName = "sdpa",
-        dp_replicate: int = 1,
-        **kwargs: Unpack[FSDPOptions],
-    ) -> None:
-        super().__init__(
-            tp=tp,
-            cp=cp,
-            cp_impl=cp_impl,
-            cp_layout=cp_layout,
-            dp_shard=dp_shard,
-            cp_block_kernel=cp_block_kernel,
-            dp_replicate=dp_replicate,
-            **_only_fsdp_options(TensorContextParallelStrategy, kwargs),
-        )
+    OPTIONS = ContextParallelOptions
+
+    def __init__(self, tp: int, cp: int = -1, dp_shard: int = 1, dp_replicate: int = 1,
+                 **kwargs: Unpack[ContextParallelOptions]) -> None:  # fmt: skip
+        super().__init__({"tp": tp, "cp": cp, "dp_shard": dp_shard, "dp_replicate": dp_replicate}, kwargs)
 
 
-class ExpertContextParallelStrategy(MeshParallelStrategy):
+class ExpertContextParallelStrategy(_Preset):
     """A long-context MoE: experts split over ``ep`` ranks, every sequence over ``cp`` ranks.
 
     Args:
         ep: expert-parallel ranks; cp: context-parallel ranks (``-1``: the ranks left).
-        cp_impl, cp_layout, cp_block_kernel: as ``ContextParallelStrategy``'s; dispatch: as ``ExpertParallelStrategy``'s.
         dp_shard, dp_replicate: data-parallel ranks beside them.
-        **kwargs: FSDP2's and the mesh's options.
+        **kwargs: ``cp_impl``, ``cp_layout``, ``cp_block_kernel``, ``dispatch``, FSDP2's and the mesh's options.
     """
 
-    def __init__(
-        self,
-        ep: int,
-        cp: int = -1,
-        cp_impl: ContextParallelImpl = "ring",
-        cp_layout: LayoutName = "zigzag",
-        dispatch: DispatchMode = "all_to_all",
-        dp_shard: int = 1,
-        cp_block_kernel: BlockKernelName = "sdpa",
-        dp_replicate: int = 1,
-        **kwargs: Unpack[FSDPOptions],
-    ) -> None:
-        super().__init__(
-            ep=ep,
-            cp=cp,
-            cp_impl=cp_impl,
-            cp_layout=cp_layout,
-            dispatch=dispatch,
-            dp_shard=dp_shard,
-            cp_block_kernel=cp_block_kernel,
-            dp_replicate=dp_replicate,
-            **_only_fsdp_options(ExpertContextParallelStrategy, kwargs),
-        )
+    OPTIONS = ExpertContextParallelOptions
+
+    def __init__(self, ep: int, cp: int = -1, dp_shard: int = 1, dp_replicate: int = 1,
+                 **kwargs: Unpack[ExpertContextParallelOptions]) -> None:  # fmt: skip
+        super().__init__({"ep": ep, "cp": cp, "dp_shard": dp_shard, "dp_replicate": dp_replicate}, kwargs)
