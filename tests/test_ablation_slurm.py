@@ -12,6 +12,7 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from test_ablation_runner import fake_resolve, install_fake_fit, launches, make_spec, record
@@ -184,7 +185,7 @@ def test_ctrl_c_asks_whether_to_cancel_the_submitted_jobs(tmp_path: Path, fake_f
     def interrupt(seconds: float) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(slurm.time, "sleep", interrupt)
+    monkeypatch.setattr(slurm, "time", SimpleNamespace(sleep=interrupt))  # the runner's wait only (not subprocess's)
     monkeypatch.setattr(sys.stdin, "isatty", lambda: answer is not None)
     monkeypatch.setattr(slurm.Console, "input", lambda self, prompt: answer)
     spec = make_spec([{"name": "a"}, {"name": "b", "overrides": {"model.init_args.lr": 0.2}}],

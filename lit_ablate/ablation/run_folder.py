@@ -19,6 +19,7 @@ from typing import Any
 
 import lit_ablate
 from lit_ablate import record as run_record
+from lit_ablate.ablation.attempts import ATTEMPTS_DIRNAME
 from lit_ablate.ablation.plan import PlannedRun, config_text, write_config
 
 DONE_STATUSES = ("ok", "error", "oom", "timeout")
@@ -87,7 +88,7 @@ def finalise(
         else:
             status = "error"
         if status in ("error", "oom"):
-            message = (recorded in FAILED_STATUSES and summary.get("message")) or _last_line(tail)
+            message = (recorded in FAILED_STATUSES and summary.get("message")) or last_line(tail)
             if returncode == 0:
                 message = f"exited 0 without finishing its run record ({message})"
             message = message or f"exit code {returncode}"
@@ -114,13 +115,19 @@ def is_kept(record: dict[str, Any], run: PlannedRun, retry_failed: bool) -> bool
     return status in DONE_STATUSES
 
 
+def trainer_dir(run: PlannedRun) -> Path:
+    """The run's ``trainer.default_root_dir``: its logs and checkpoints."""
+    return Path(run.config.get("trainer", {}).get("default_root_dir", run.run_dir / "trainer"))
+
+
 def _clear(run: PlannedRun) -> None:
-    """Remove what an earlier attempt of this run left, so its record cannot be mistaken for this one's."""
+    """Remove what an earlier invocation of this run left (its record, the records of its earlier
+    attempts, its checkpoints), so none of it can be mistaken for this run's."""
     run.run_dir.mkdir(parents=True, exist_ok=True)
     (run.run_dir / run_record.RECORD_FILENAME).unlink(missing_ok=True)
-    trainer_dir = Path(run.config.get("trainer", {}).get("default_root_dir", run.run_dir / "trainer"))
-    if trainer_dir.is_dir() and trainer_dir.resolve().is_relative_to(run.run_dir.resolve()):
-        shutil.rmtree(trainer_dir)
+    for folder in (trainer_dir(run), run.run_dir / ATTEMPTS_DIRNAME):
+        if folder.is_dir() and folder.resolve().is_relative_to(run.run_dir.resolve()):
+            shutil.rmtree(folder)
 
 
 def _read(path: Path) -> dict[str, Any] | None:
@@ -138,7 +145,8 @@ def stderr_tail(run: PlannedRun) -> str:
     return "\n".join(lines[-STDERR_TAIL_LINES:])
 
 
-def _last_line(text: str) -> str | None:
+def last_line(text: str) -> str | None:
+    """The last non-blank line, stripped (a failure's one-line reason)."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return lines[-1][:2000] if lines else None
 

@@ -5,7 +5,13 @@ task starting the same ``lit-ablate fit`` process a local run starts, inside the
 environment, which Lightning turns into ranks (so a multi-node variant needs nothing else). The
 run folder is the local one: ``config.yaml``, ``stdout.log``/``stderr.log`` (rank 0; other ranks
 ``stdout.rank<k>.log``), ``run.json``, plus ``job.json`` (the job id) and ``submitit/`` (the
-scheduler's own logs), so the report does not care where a run ran.
+scheduler's own logs, and where each rank ran), so the report does not care where a run ran; the
+record adds ``job``: its id, final state, nodes, each rank's node, and how often it restarted.
+
+A job SLURM runs again (pre-empted, ``scontrol requeue``) resumes from its newest checkpoint and
+appends to its logs (``attempts``). A job's state comes from ``sacct``, or from the controller
+where there is no accounting (``job_states``): a job that died without a result is a failed run,
+never a wait. One failed rank ends the whole job (``srun --kill-on-bad-exit``).
 
 The runner keeps at most ``launch.slurm.max_jobs`` jobs queued or running, submits more as they
 finish, and shows queued / running / done / failed. Every invocation first collects what the
@@ -18,6 +24,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import socket
 import subprocess
 import sys
 import time
@@ -30,16 +38,20 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from lit_ablate import record as run_record
+from lit_ablate.ablation.attempts import keep_attempt, newest_checkpoint, restarts, stitched_steps
+from lit_ablate.ablation.job_states import GONE, job_states
 from lit_ablate.ablation.plan import PlannedRun, config_text
 from lit_ablate.ablation.run_folder import (
     FAILED_STATUSES,
     finalise,
     fit_arguments,
     is_kept,
+    last_line,
     prepare,
     previous_record,
     run_environment,
     stderr_tail,
+    trainer_dir,
 )  # fmt: skip
 from lit_ablate.ablation.run_folder_lock import run_lock
 from lit_ablate.ablation.slurm_settings import SlurmSettings
@@ -62,23 +74,57 @@ SCHEDULER_STATUSES = {
 @dataclass(frozen=True)
 class FitTask:
     """What each task of a run's job executes: the run's ``lit-ablate fit`` command, logging into
-    the run folder (submitit pickles this object into the job)."""
+    the run folder (submitit pickles this object into the job).
+
+    When SLURM runs the job again (``SLURM_RESTART_COUNT``: pre-empted, requeued), every task resumes
+    from the newest checkpoint under ``trainer_dir`` and appends to its logs, and rank 0 keeps the
+    earlier attempt's record (``attempts``).
+    """
 
     command: tuple[str, ...]
     env: Mapping[str, str]
     run_dir: str
+    trainer_dir: str
 
     def __call__(self) -> int:
         import os
 
         import submitit
 
-        rank = submitit.JobEnvironment().global_rank
+        job = submitit.JobEnvironment()
+        rank = job.global_rank
         suffix = "" if rank == 0 else f".rank{rank}"
-        folder = Path(self.run_dir)
-        with open(folder / f"stdout{suffix}.log", "w") as out, open(folder / f"stderr{suffix}.log", "w") as err:
-            return subprocess.run(self.command, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                  env={**os.environ, **self.env}).returncode  # fmt: skip
+        folder, command, note = Path(self.run_dir), list(self.command), ""
+        placement = {"rank": rank, "node_rank": job.node, "local_rank": job.local_rank,
+                     "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname()}  # fmt: skip
+        (folder / SUBMITIT_DIRNAME / f"rank{rank}.json").write_text(json.dumps(placement))
+        restart = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+        if restart:
+            checkpoint = newest_checkpoint(Path(self.trainer_dir))
+            command += ["--ckpt_path", str(checkpoint)] if checkpoint else []
+            if rank == 0:
+                keep_attempt(folder)
+            note = (f"--- restart {restart} of job {os.environ.get('SLURM_JOB_ID')}: "
+                    f"{f'resuming from {checkpoint}' if checkpoint else 'no checkpoint, starting from step 0'} ---\n")
+        mode = "a" if restart else "w"
+        with open(folder / f"stdout{suffix}.log", mode) as out, open(folder / f"stderr{suffix}.log", mode) as err:
+            for log in (out, err):
+                log.write(note)
+                log.flush()
+            returncode = subprocess.run(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                        env={**os.environ, **self.env}).returncode  # fmt: skip
+        if returncode != 0:
+            raise FitExited(f"lit-ablate fit exited with code {returncode}")
+        return returncode
+
+
+class FitExited(RuntimeError):
+    """A task whose fit failed fails its job step, so that srun (``--kill-on-bad-exit``) stops the
+    job's other ranks at once instead of leaving them in a collective until the time limit."""
+
+
+FIT_EXITED = re.compile(r"FitExited: lit-ablate fit exited with code (-?\d+)")
+"""How ``_collect`` reads a failed fit's exit code back from the task's pickled traceback."""
 
 
 def on_gpu(run: PlannedRun) -> bool:
@@ -102,6 +148,7 @@ def sbatch_parameters(run: PlannedRun) -> dict[str, Any]:
         "nodes": nodes,
         "ntasks_per_node": devices,
         "setup": list(settings.setup),
+        "srun_args": ["--kill-on-bad-exit=1"],  # one failed rank ends the job (FitExited)
         "additional_parameters": dict(settings.sbatch),
     }
     if on_gpu(run):
@@ -203,7 +250,7 @@ class _ClusterQueue:
         noted = json.loads(path.read_text())
         job = _submitit().SlurmJob(folder=run.run_dir / SUBMITIT_DIRNAME, job_id=noted["job_id"])
         if noted.get("config") != config_text(run.config):
-            if _phase(job.state) != "final":
+            if _phase(job_states([job.job_id])[str(job.job_id)]) != "final":
                 job.cancel(check=False)
                 self.console.print(f"{run.label}: its config changed; cancelled its earlier job {noted['job_id']}")
             return None
@@ -219,7 +266,8 @@ class _ClusterQueue:
                     self.records[run.run_dir] = unrunnable
                     continue
                 executor = self._executor(run)
-                task = FitTask(tuple(fit_arguments(run, self.fit_command)), run_environment(run), str(run.run_dir))
+                task = FitTask(tuple(fit_arguments(run, self.fit_command)), run_environment(run), str(run.run_dir),
+                               str(trainer_dir(run)))  # fmt: skip
                 job = executor.submit(task)
                 (run.run_dir / JOB_FILENAME).write_text(json.dumps(
                     {"job_id": job.job_id, "cluster": self.settings.cluster, "config": config_text(run.config)}))
@@ -243,14 +291,11 @@ class _ClusterQueue:
         return executor
 
     def _refresh_states(self) -> None:
-        """Every active job's scheduler state, from one ``sacct`` call for all of them on SLURM."""
+        """Every active job's scheduler state, from one query for all of them on SLURM (``job_states``)."""
         jobs = {run_dir: job for run_dir, (_, job) in self.active.items()}
         if self.settings.cluster == "slurm" and jobs:
-            watcher = next(iter(jobs.values())).watcher
-            for job in jobs.values():
-                watcher.register_job(job.job_id)
-            watcher.update()
-            self.states.update({d: watcher.get_state(job.job_id, mode="cache") for d, job in jobs.items()})
+            states = job_states([job.job_id for job in jobs.values()])
+            self.states.update({d: states[str(job.job_id)] for d, job in jobs.items()})
         else:
             self.states.update({d: str(job.state) for d, job in jobs.items()})
 
@@ -264,8 +309,11 @@ class _ClusterQueue:
                     self.records[run_dir] = _collect(run, job, state)
                 record = self.records[run_dir]["summary"]
                 message = f" — {record['message']}" if record["status"] != "ok" and record.get("message") else ""
-                self.console.print(f"{run.label}: {record['status']} (job {job.job_id}){message}")
+                restarted = self.records[run_dir]["job"]["restarts"]
+                again = f", restarted {restarted}x" if restarted else ""
+                self.console.print(f"{run.label}: {record['status']} (job {job.job_id}{again}){message}")
                 if record["status"] == "preempted":  # the scheduler took the nodes back: the run goes back in line
+                    job.cancel(check=False)  # never two jobs for one run, should the scheduler requeue it too
                     del self.records[run_dir]
                     self.waiting.append(run)
 
@@ -302,16 +350,20 @@ def _phase(state: str) -> str:
 
 def _collect(run: PlannedRun, job: Any, state: str) -> dict[str, Any]:
     """A finished job's final record: the scheduler's verdict when it ended the job, otherwise the
-    run's exit code and record (as for a local run)."""
+    run's exit code and record (as for a local run); a job that ended without rank 0's result
+    (killed, or its batch script failed before the fit started) is an error saying so."""
     name = state.split()[0]
     returncode, detail = None, ""
-    if job.paths.result_pickle.exists():  # the task finished (job.result() would wait for it otherwise)
-        try:
-            returncode = job.result()
-        except Exception as err:  # the task raised before or after the fit process: submitit's reason
-            detail = " ".join(str(err).split())[-600:]
+    if job.paths.result_pickle.exists():  # rank 0's task ended (job.result() would wait for every task, and
+        outcome, result = _submitit().core.utils.pickle_load(job.paths.result_pickle)  # for ever on a dead one)
+        exited = FIT_EXITED.search(str(result)) if outcome == "error" else None
+        if outcome == "success" or exited:
+            returncode = int(exited[1]) if exited else result
+        else:  # the task raised around the fit process: submitit's reason
+            detail = " ".join(str(result).split())[-600:]
     else:
         detail = " ".join((job.stderr() or "").split())[-600:]
+    tail = _rank_tails(run)
     status = SCHEDULER_STATUSES.get(name)
     message = None
     if status is not None:
@@ -319,11 +371,26 @@ def _collect(run: PlannedRun, job: Any, state: str) -> dict[str, Any]:
         if status == "timeout":
             message += f" (launch.timeout_s={run.launch.timeout_s:g})"
     elif returncode is None:
-        status, message = "error", f"scheduler: {state}: {detail or 'the job ended without its result'}"
-    record = finalise(run, returncode, status, message, stderr_tail(run) or detail)
-    record["job"] = {"id": str(job.job_id), "state": state, "cluster": (run.launch.slurm or SlurmSettings()).cluster}
+        ended = "the scheduler no longer knows the job" if name == GONE else f"scheduler: {state}"
+        own = (previous_record(run) or {}).get("summary", {})
+        reason = (own.get("status") in FAILED_STATUSES and own.get("message")) or last_line(tail) or detail
+        status, message = "error", f"{ended}: {reason or 'it ended without its result'}"
+    record = finalise(run, returncode, status, message, tail or detail)
+    record["steps"] = stitched_steps(record)
+    ranks = sorted((json.loads(p.read_text()) for p in (run.run_dir / SUBMITIT_DIRNAME).glob("rank*.json")),
+                   key=lambda placement: placement["rank"])  # fmt: skip
+    record["job"] = {"id": str(job.job_id), "state": state, "cluster": (run.launch.slurm or SlurmSettings()).cluster,
+                     "restarts": restarts(run.run_dir), "nodes": sorted({r["node"] for r in ranks}), "ranks": ranks}  # fmt: skip
     run_record.write_record(run.run_dir / run_record.RECORD_FILENAME, record)
     return record
+
+
+def _rank_tails(run: PlannedRun) -> str:
+    """Rank 0's stderr tail, then the last line of every other rank that printed one (a rank that
+    failed alone says why there, while rank 0 only waited)."""
+    others = sorted(run.run_dir.glob("stderr.rank*.log"), key=lambda p: int(p.stem.rpartition("rank")[2] or 0))
+    lines = [f"{p.stem.partition('.')[2]}: {line}" for p in others if (line := last_line(p.read_text(errors="replace")))]
+    return "\n".join(filter(None, [stderr_tail(run), *lines]))
 
 
 def _submitit() -> Any:

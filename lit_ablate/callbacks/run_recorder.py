@@ -54,6 +54,14 @@ def environment(trainer: Trainer) -> dict[str, Any]:
     }
 
 
+LOSS_CHECKPOINT_KEY = "lit_ablate_loss_by_step"
+"""Where a checkpoint carries the loss of every step before it (``RunRecorder.on_save_checkpoint``)."""
+
+
+def _loss(sums: dict[str, dict[int, float]]) -> dict[int, float | None]:
+    return {s: (v / sums["_loss_units"][s] if sums["_loss_units"][s] else None) for s, v in sums["_loss_sum"].items()}
+
+
 class RunRecorder(StepMonitor):
     """Collects loss, learning rate and every other ``StepMonitor``'s series into ``run.json``.
 
@@ -62,7 +70,10 @@ class RunRecorder(StepMonitor):
     ``running``, which the ablation runner redoes. The loss per step is exact across gradient
     accumulation and data-parallel ranks: summed token losses over summed useful tokens. A fit
     resumed from a checkpoint records only its own steps (numbered on from the checkpoint's) and
-    says where it came from in ``resumed_from``, so a report can stitch the series together.
+    says where it came from in ``resumed_from``; the loss of every step before the checkpoint
+    travels in the checkpoint (reduced over ranks when it is saved) and comes back as
+    ``steps_before_resume``, so a killed run resumed elsewhere (a requeued SLURM job) still has
+    its whole loss curve for the study to stitch.
 
     Args:
         path: where to write; default ``$LIT_ABLATE_RUN_RECORD``, else ``<log_dir>/run.json``.
@@ -81,6 +92,7 @@ class RunRecorder(StepMonitor):
         self._env: dict[str, Any] = {}
         self._started = 0.0
         self._resumed_from: dict[str, Any] | None = None
+        self._loss_before_resume: dict[int, float | None] = {}
 
     def _target(self, trainer: Trainer) -> Path:
         path = self.path or os.environ.get(run_record.RECORD_PATH_ENV)
@@ -99,8 +111,16 @@ class RunRecorder(StepMonitor):
             self._set_loss(self.reduce_over_ranks(trainer, ["_loss_sum", "_loss_units"]))
 
     def _set_loss(self, sums: dict[str, dict[int, float]]) -> None:
-        self.series["loss"] = {s: (v / sums["_loss_units"][s] if sums["_loss_units"][s] else None)
-                               for s, v in sums["_loss_sum"].items()}
+        self.series["loss"] = _loss(sums)
+
+    # --- resuming -----------------------------------------------------------------------------
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        """Every rank saves a checkpoint together, so the collective that reduces the loss so far is safe here."""
+        sums = self.reduce_over_ranks(trainer, ["_loss_sum", "_loss_units"]) if "_loss_sum" in self.series else None
+        checkpoint[LOSS_CHECKPOINT_KEY] = {**self._loss_before_resume, **(_loss(sums) if sums else {})}
+
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        self._loss_before_resume = {int(s): v for s, v in checkpoint.get(LOSS_CHECKPOINT_KEY, {}).items()}
 
     # --- writing ------------------------------------------------------------------------------
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -165,6 +185,8 @@ class RunRecorder(StepMonitor):
             "started_at": self._started,
             "finished_at": None if status == "running" else time.time(),
             "resumed_from": self._resumed_from,
+            "steps_before_resume": [{"step": s, "loss": v} for s, v in sorted(self._loss_before_resume.items())
+                                    if self._resumed_from and s <= self._resumed_from["step_offset"]] or None,
             "data": getattr(trainer.datamodule, "setup_record", None),
             "steps": steps,
             "summary": summary,
