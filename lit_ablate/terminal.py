@@ -31,9 +31,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
-from torch import nn
 from lightning.pytorch.callbacks import ModelSummary, ProgressBar, RichModelSummary, RichProgressBar
 from lightning.pytorch.utilities.model_summary.model_summary import get_formatted_model_size, get_human_readable_count
+from torch import nn
 
 TIP_PREFIX = "💡 Tip"
 ABSENT_DEVICE_LINE = re.compile(r"^(GPU|TPU|HPU) available: False\b")
@@ -155,15 +155,23 @@ class FrozenEvalModules(Callback):
         self._filter = None
 
 
+DISTRIBUTED_LOGGER = "lightning.fabric.utilities.distributed"
+DISTRIBUTED_LINES = ("Initializing distributed: ", f"{'-' * 100}\ndistributed_backend=")
+"""Lightning's per-rank "Initializing distributed" line and its rank-zero process-group banner: the
+world size and backend are in the run record, and a 4-rank fit printed six lines of them."""
+
+
 class _DropNoise(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         message = str(record.msg)
-        return not (message.startswith(TIP_PREFIX) or ABSENT_DEVICE_LINE.match(message))
+        return not (message.startswith(TIP_PREFIX) or ABSENT_DEVICE_LINE.match(message)
+                    or message.startswith(DISTRIBUTED_LINES))  # fmt: skip
 
 
 def silence_noise() -> None:
-    """Drop Lightning's "💡 Tip" advertisements (litlogger, litmodels) and its lines about devices the
-    machine does not have from its rank-zero logger; idempotent."""
-    logger = logging.getLogger(RANK_ZERO_LOGGER)
-    if not any(isinstance(f, _DropNoise) for f in logger.filters):
-        logger.addFilter(_DropNoise())
+    """Drop Lightning's "💡 Tip" advertisements (litlogger, litmodels), its lines about devices the
+    machine does not have and its process-group banner (``DISTRIBUTED_LINES``); idempotent."""
+    for name in (RANK_ZERO_LOGGER, DISTRIBUTED_LOGGER):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropNoise) for f in logger.filters):
+            logger.addFilter(_DropNoise())

@@ -125,3 +125,20 @@ def test_gathering_a_series_over_ranks_warns_nothing():
     for values, caught in run_ranks(_gather_warnings, 2):
         assert values == [[10.0, 11.0], [20.0, 21.0]]
         assert caught == []
+
+
+def test_the_process_group_banner_is_dropped_and_other_lines_kept(caplog):
+    """A multi-rank fit printed Lightning's "Initializing distributed" line per rank and a six-line banner;
+    silence_noise drops them at their loggers and nothing else. Seen failing without the distributed
+    logger's filter (the per-rank line printed)."""
+    import logging
+
+    from lit_ablate.terminal import DISTRIBUTED_LOGGER, RANK_ZERO_LOGGER, silence_noise
+
+    silence_noise()
+    with caplog.at_level(logging.INFO):
+        logging.getLogger(DISTRIBUTED_LOGGER).info("Initializing distributed: GLOBAL_RANK: 0, MEMBER: 1/2")
+        logging.getLogger(RANK_ZERO_LOGGER).info(f"{'-' * 100}\ndistributed_backend=gloo\nAll distributed processes "
+                                                 f"registered. Starting with 2 processes\n{'-' * 100}\n")  # fmt: skip
+        logging.getLogger(RANK_ZERO_LOGGER).info("`Trainer.fit` stopped: `max_steps=2` reached.")
+    assert [r.getMessage() for r in caplog.records] == ["`Trainer.fit` stopped: `max_steps=2` reached."]
