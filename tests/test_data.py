@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import logging
 from types import SimpleNamespace
+from unittest.mock import Mock
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.strategies import ParallelStrategy
 
 from lit_ablate.data import (
     ArithmeticSFT,
@@ -25,7 +27,7 @@ from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX
 
 
 def _fake_trainer(num_replicas: int, rank: int, training: bool = True, epoch: int = 0) -> SimpleNamespace:
-    strategy = SimpleNamespace(distributed_sampler_kwargs={"num_replicas": num_replicas, "rank": rank})
+    strategy = Mock(spec=ParallelStrategy, distributed_sampler_kwargs={"num_replicas": num_replicas, "rank": rank})
     return SimpleNamespace(strategy=strategy, training=training, current_epoch=epoch)
 
 

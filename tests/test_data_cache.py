@@ -168,10 +168,11 @@ def test_a_retrained_tokenizer_at_the_same_path_is_another_entry(tmp_path):
     assert second.setup_record["cache_hit"] is False
 
 
-@pytest.mark.parametrize(("key", "value"), [("storage", "disk"), ("tokenize_workers", -1), ("tokenize_workers", 2)])
-def test_bad_storage_options_name_the_key(key, value):
+@pytest.mark.parametrize(("key", "value", "storage"),
+                         [("storage", "disk", "disk"), ("tokenize_workers", -1, "auto"), ("tokenize_workers", 2, "memory")])
+def test_bad_storage_options_name_the_key(key, value, storage):
     with pytest.raises(ConfigError, match=rf"data\.init_args\.{key}={value!r}"):
-        LMDataModule(SyntheticText(num_documents=4), **{key: value})
+        LMDataModule(SyntheticText(num_documents=4), **{"storage": storage, key: value})
 
 
 def test_cache_dir_comes_from_the_config_then_the_environment(tmp_path, monkeypatch):

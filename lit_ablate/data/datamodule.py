@@ -3,10 +3,10 @@
 Examples are tokenised at ``setup`` (deterministic, so every data-parallel rank has the same list),
 by one of two storages: ``memory`` tokenises in every rank of every run and holds each example as
 a tensor (the sizes CPU studies and tests use), ``cache`` tokenises once into files read with ``pread``
-that every rank and run with the same data settings reuses (``token_cache.py``); a third,
+that every rank and run with the same data settings reuses (``token_cache.py``); ``auto``, the
+default, picks one of the two by the size of what the source reads (``storage_choice.py``). A third,
 ``stream``, never materialises the data and tokenises in the DataLoader's workers (``streaming.py``).
-Sharding over
-data-parallel ranks, per-epoch shuffling and exact mid-epoch resume live in the sampler; the
+Sharding over data-parallel ranks, per-epoch shuffling and exact mid-epoch resume live in the sampler; the
 layout of a batch (padding or packing) lives in the collator.
 """
 
@@ -28,14 +28,15 @@ from lit_ablate.data.preference import PreferenceFormat, build_preference_exampl
 from lit_ablate.data.preference_collate import PreferenceCollator, PreferencePaddingCollator
 from lit_ablate.data.sampler import ShardedSampler
 from lit_ablate.data.sources import DataSource
+from lit_ablate.data.storage_choice import choose_storage
 from lit_ablate.data.streaming import StreamingExamples
 from lit_ablate.data.token_cache import CachedExampleDataset, open_or_build
 from lit_ablate.data.tokenizers import load_tokenizer
 from lit_ablate.errors import ConfigError
 
 FORMATS = ("pretrain", "documents", "sft", "preference")
-Storage = Literal["memory", "cache", "stream"]
-STORAGES = ("memory", "cache", "stream")
+Storage = Literal["auto", "memory", "cache", "stream"]
+STORAGES = ("auto", "memory", "cache", "stream")
 
 
 class ExampleDataset(Dataset):
@@ -72,14 +73,16 @@ class LMDataModule(pl.LightningDataModule):
         shuffle: shuffle training examples each epoch (by ``seed`` and epoch).
         seed: the data order's seed, independent of the model's.
         overlong: what to do with examples longer than ``seq_len``: ``truncate`` or ``reject``.
-        storage: ``memory`` (tokenise in every rank, hold examples as tensors: up to tens of MB of
-            text) or ``cache`` (tokenise once into files read with ``pread`` shared by every rank and run;
+        storage: ``auto`` (the default: ``cache`` for a source reading ``AUTO_CACHE_BYTES`` (16 MiB) of
+            files or hub data or more, or one that cannot tell its size; else ``memory``) or ``memory``
+            (tokenise in every rank, hold examples as tensors: up to tens of MB of text) or ``cache`` (tokenise once into files read with ``pread`` shared by every rank and run;
             per-rank memory does not grow with the corpus beyond one int32 length per example) or
             ``stream`` (tokenise on the fly in the ``num_workers`` DataLoader workers, endless epochs:
             set ``trainer.max_steps``; padding only, no held-out split, source order).
         cache_dir: where ``cache`` keeps its entries; default ``$LIT_ABLATE_DATA_CACHE``, else
             ``~/.cache/lit_ablate/data``.
-        tokenize_workers: processes that tokenise while a ``cache`` entry is built (0: this one).
+        tokenize_workers: processes that tokenise while a ``cache`` entry is built (0: this one;
+            ``auto`` uses them when it chooses the cache).
     """
 
     def __init__(
@@ -95,7 +98,7 @@ class LMDataModule(pl.LightningDataModule):
         shuffle: bool = True,
         seed: int = 0,
         overlong: Overlong = "truncate",
-        storage: Storage = "memory",
+        storage: Storage = "auto",
         cache_dir: str | None = None,
         tokenize_workers: int = 0,
     ) -> None:
@@ -111,9 +114,9 @@ class LMDataModule(pl.LightningDataModule):
             raise ConfigError("data.init_args.overlong", overlong, f"choose one of {OVERLONG_CHOICES}")
         if storage not in STORAGES:
             raise ConfigError("data.init_args.storage", storage, f"choose one of {STORAGES}")
-        if tokenize_workers < 0 or (tokenize_workers and storage != "cache"):
+        if tokenize_workers < 0 or (tokenize_workers and storage not in ("cache", "auto")):
             raise ConfigError("data.init_args.tokenize_workers", tokenize_workers,
-                              "use 0 (this process) or more, and only with storage: cache (a stream tokenises in "
+                              "use 0 (this process) or more, and only with storage: cache or auto (a stream tokenises in "
                               "num_workers; memory in the rank itself)")
         if storage == "stream" and (format == "preference" or not isinstance(collator, (PaddingCollator, type(None)))
                                     or val_examples):
@@ -136,19 +139,22 @@ class LMDataModule(pl.LightningDataModule):
         self.train_set: ExampleDataset | CachedExampleDataset | None = None
         self.val_set: ExampleDataset | CachedExampleDataset | None = None
         self.setup_record: dict[str, Any] | None = None
-        """How set-up went (``storage``, ``seconds``, ``cache_hit``, ``cache_path``, ``examples``): the run record's ``data``."""
+        """How set-up went (``storage`` as chosen, ``storage_requested``, ``storage_reason``, ``seconds``,
+        ``cache_hit``, ``cache_path``, ``examples``): the run record's ``data``."""
         self._epoch, self._batches_consumed = 0, 0
         self._resume_pending = False
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
-        if self.storage == "stream":
-            self.setup_record = {"storage": "stream", "seconds": 0.0, "cache_hit": None, "examples": None, "cache_path": None}
+        storage, reason = choose_storage(self.source) if self.storage == "auto" else (self.storage, "set in the config")
+        chosen = {"storage": storage, "storage_requested": self.storage, "storage_reason": reason}
+        if storage == "stream":
+            self.setup_record = chosen | {"seconds": 0.0, "cache_hit": None, "examples": None, "cache_path": None}
             return
         start = time.perf_counter()
         store, hit, examples = None, None, []
-        if self.storage == "cache":
+        if storage == "cache":
             store, hit = open_or_build(self.cache_dir, self.source, self.tokenizer, self.format, self.seq_len,
                                        self.overlong, workers=self.tokenize_workers)
         elif self.format == "preference":
@@ -168,10 +174,10 @@ class LMDataModule(pl.LightningDataModule):
             self.train_set = ExampleDataset([e for i, e in enumerate(examples) if i not in held])
             self.val_set = ExampleDataset([e for i, e in enumerate(examples) if i in held])
         seconds = time.perf_counter() - start
-        self.setup_record = {"storage": self.storage, "seconds": seconds, "cache_hit": hit, "examples": count,
-                             "cache_path": str(store.directory) if store is not None else None}
+        self.setup_record = chosen | {"seconds": seconds, "cache_hit": hit, "examples": count,
+                                      "cache_path": str(store.directory) if store is not None else None}
         if store is not None or seconds >= 10:
-            how = "" if store is None else f" (token cache {'hit' if hit else 'built'}: {store.directory})"
+            how = "" if store is None else f" (token cache {'hit' if hit else 'built'}: {store.directory}; {reason})"
             rank_zero_info(f"data: {count} {self.format} examples in {seconds:.1f} s{how}")
 
     def train_dataloader(self) -> DataLoader:

@@ -83,6 +83,10 @@ class MDSShards(DataSource):
                  ((name, os.path.join(self.path, name)) for name in self._files())]
         return {**super().fingerprint(), "files": stats}
 
+    def stored_bytes(self) -> int:
+        """The shard files' total size."""
+        return sum(os.path.getsize(os.path.join(self.path, name)) for name in self._files())
+
     def __iter__(self) -> Iterator[Row]:
         field = self.tokens_field or self.text_field
         rows = 0

@@ -40,6 +40,12 @@ class DataSource(ABC):
         hub sources read through ``datasets`` streaming; generated sources are streams already."""
         return iter(self)
 
+    def stored_bytes(self) -> int | None:
+        """The size of the stored data it reads (files, a hub download), for ``storage: auto``
+        (``storage_choice.py``): 0 for rows generated in code (this default), None when a stored
+        source cannot tell."""
+        return 0
+
     def fingerprint(self) -> dict[str, Any]:
         """What decides its rows, for the token cache's key: the class and its arguments (another
         source in an argument by its own fingerprint). A source whose rows depend on anything else
@@ -186,6 +192,10 @@ class LocalFiles(DataSource):
         stats = [(os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in self.files]
         return {**super().fingerprint(), "files": stats}
 
+    def stored_bytes(self) -> int:
+        """The files' total size (all of it, even with ``max_rows``)."""
+        return sum(os.path.getsize(f) for f in self.files)
+
     def __iter__(self) -> Iterator[Row]:
         from datasets import load_dataset
         from datasets.exceptions import DatasetGenerationError
@@ -276,23 +286,37 @@ class HubDataset(DataSource):
         subset: the dataset configuration name, if it has several.
         text_field: the column holding pretraining text; it is yielded as ``text``.
         max_rows: read at most this many rows (None = all).
+        revision: the dataset repository's branch, tag or commit (None: its main branch, which can
+            change under a run). Part of the token cache's key: pin a commit to make a cached entry
+            mean one version of the data.
     """
 
     def __init__(
-        self, name: str, split: str = "train", subset: str | None = None, text_field: str = "text", max_rows: int | None = None
+        self, name: str, split: str = "train", subset: str | None = None, text_field: str = "text",
+        max_rows: int | None = None, revision: str | None = None,
     ) -> None:
         self.name, self.split, self.subset, self.text_field, self.max_rows = name, split, subset, text_field, max_rows
+        self.revision = revision
+
+    def stored_bytes(self) -> int | None:
+        """The split's size as the dataset's info gives it (its Arrow bytes, else the whole data set's),
+        None when the info has neither."""
+        from datasets import load_dataset_builder
+
+        info = load_dataset_builder(self.name, self.subset, revision=self.revision).info
+        split = (info.splits or {}).get(self.split)
+        return (split.num_bytes if split is not None else None) or info.dataset_size or None
 
     def __iter__(self) -> Iterator[Row]:
         from datasets import load_dataset
 
-        dataset = load_dataset(self.name, self.subset, split=self.split)
+        dataset = load_dataset(self.name, self.subset, split=self.split, revision=self.revision)
         yield from _rows(dataset, self.text_field, self.max_rows, f"{_SOURCE_KEY}.name", self.name)
 
     def stream_rows(self) -> Iterator[Row]:
         from datasets import load_dataset
 
-        dataset = load_dataset(self.name, self.subset, split=self.split, streaming=True)
+        dataset = load_dataset(self.name, self.subset, split=self.split, streaming=True, revision=self.revision)
         yield from _streamed_rows(dataset, self.text_field, self.max_rows)
 
 
