@@ -272,7 +272,8 @@ def quantization_runs_under_strategy(config: Mapping[str, Any], launch: LaunchLi
     options = _model_options(config, "model.init_args.model.quantization", QuantizationOptions)
     if options is None:
         return None
-    reason = quantization_refusal(options, _strategy_class(config))
+    dtype = str(get_dotted(config, "model.init_args.model.dtype", "float32"))
+    reason = quantization_refusal(options, _strategy_class(config), dtype)
     return f"model.init_args.model.quantization: {reason}" if reason else None
 
 
@@ -429,15 +430,17 @@ def check_parts(module: object, strategy: object) -> None:
     from lit_ablate.modules.causal_lm import CausalLM
 
     if isinstance(module, CausalLM):
-        check_quantization(module.factory.quantization, strategy)
+        check_quantization(module.factory.quantization, strategy, module.factory.dtype)
         check_fp8(module.factory.fp8, strategy)
 
 
-def quantization_refusal(options: QuantizationOptions | None, strategy: object) -> str | None:
+def quantization_refusal(options: QuantizationOptions | None, strategy: object, model_dtype: str = "float32") -> str | None:
     """Why quantised weights cannot train under ``strategy`` (an instance or class), or None.
 
-    - FSDP1 flattens each unit's parameters into one tensor and cannot flatten the packed integer
-      weights with the float ones ("Cannot flatten integer dtype tensors").
+    - FSDP1 flattens each unit's parameters into one tensor of one dtype: it cannot flatten packed
+      integer weights ("Cannot flatten integer dtype tensors"), nor a float ``quant_storage`` other
+      than the model's ``dtype`` ("Must flatten tensors with uniform dtype"). 4-bit weights stored as
+      the model's dtype (the FSDP-QLoRA recipe) shard.
     - 8-bit layers under a DTensor strategy (FSDP2, HSDP, ...): ``Linear8bitLt`` keeps its scales
       outside the parameter and cannot take them back from the copy a strategy loads into each
       rank; 4-bit layers can (``_load_quant_state``).
@@ -447,17 +450,18 @@ def quantization_refusal(options: QuantizationOptions | None, strategy: object) 
     if options is None or strategy is None:
         return None
     strategy_class = strategy if isinstance(strategy, type) else type(strategy)
-    if issubclass(strategy_class, FSDPStrategy):
-        return (f"{strategy_class.__name__} (FSDP1) cannot flatten quantised integer weights with float ones; "
-                "use FSDP2Strategy (QLoRA shards there) or DDP")  # fmt: skip
+    if issubclass(strategy_class, FSDPStrategy) and options.quant_storage != model_dtype:
+        return (f"{strategy_class.__name__} (FSDP1) flattens each layer's weights into one {model_dtype} tensor, and "
+                f"the packed weights are stored as {options.quant_storage}; set quant_storage: {model_dtype} "
+                "(bits: 4), or use FSDP2Strategy or DDP")  # fmt: skip
     if options.bits == 8 and issubclass(strategy_class, ModelParallelStrategy):
         return f"8-bit layers cannot be sharded by {strategy_class.__name__}; use bits: 4 (QLoRA), or DDP"
     return None
 
 
-def check_quantization(options: QuantizationOptions | None, strategy: object) -> None:
+def check_quantization(options: QuantizationOptions | None, strategy: object, model_dtype: str = "float32") -> None:
     """Raise ``ConfigError`` naming ``model.init_args.model.quantization`` when ``quantization_refusal`` has a reason."""
-    reason = quantization_refusal(options, strategy)
+    reason = quantization_refusal(options, strategy, model_dtype)
     if reason:
         raise ConfigError(QUANTIZATION_KEY, {"bits": options.bits}, reason)
 

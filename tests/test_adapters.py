@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 
 from lit_ablate.compatibility import check_quantization
 from lit_ablate.errors import ConfigError
+from lit_ablate.estimate.flops import count_parameters
 from lit_ablate.models.adapters.lora import AdapterOptions, adapter_parameter_names
 from lit_ablate.models.adapters.quantization import QuantizationOptions
 from lit_ablate.models.factory import ModelFactory
@@ -189,15 +190,41 @@ def test_a_target_module_that_matches_nothing_is_refused_naming_the_key():
         build(adapter={"target_modules": ["qkv"]})
 
 
-@pytest.mark.parametrize(("bits", "strategy", "reason"), [
-    (4, FSDP1Strategy, "cannot flatten quantised integer weights"),
-    (8, FSDP2Strategy, "8-bit layers cannot be sharded"),
-    (8, ModelParallelStrategy, "8-bit layers cannot be sharded"),
+@pytest.mark.parametrize(("bits", "storage", "model_dtype", "strategy", "reason"), [
+    (4, "uint8", "float32", FSDP1Strategy, "packed weights are stored as uint8; set quant_storage: float32"),
+    (4, "bfloat16", "float32", FSDP1Strategy, "stored as bfloat16; set quant_storage: float32"),
+    (8, "uint8", "bfloat16", FSDP1Strategy, "stored as uint8; set quant_storage: bfloat16"),
+    (8, "uint8", "float32", FSDP2Strategy, "8-bit layers cannot be sharded"),
+    (8, "uint8", "float32", ModelParallelStrategy, "8-bit layers cannot be sharded"),
 ])  # fmt: skip
-def test_quantization_a_strategy_cannot_shard_is_refused(bits, strategy, reason):
+def test_quantization_a_strategy_cannot_shard_is_refused(bits, storage, model_dtype, strategy, reason):
     with pytest.raises(ConfigError, match=rf"model\.init_args\.model\.quantization=.*{reason}"):
-        check_quantization(QuantizationOptions(bits=bits), strategy)
+        check_quantization(QuantizationOptions(bits=bits, quant_storage=storage), strategy, model_dtype)
     check_quantization(QuantizationOptions(bits=4), FSDP2Strategy)  # QLoRA under FSDP2 is fine
+    check_quantization(QuantizationOptions(bits=4, quant_storage="bfloat16"), FSDP1Strategy, "bfloat16")  # FSDP-QLoRA
+
+
+def test_quant_storage_is_a_view_of_the_same_packed_bytes():
+    """A float ``quant_storage`` (for FSDP1) holds the bytes uint8 storage holds: the same forward and
+    counts. Seen failing with ``is_quantized`` knowing packed weights by their uint8 dtype only (the
+    float32-stored ones counted as plain weights, one per float32 element: 8 packed weights each)."""
+    adapter = AdapterOptions(r=4)
+    packed = build(quantization=QuantizationOptions(bits=4), adapter=adapter)
+    as_float = build(quantization=QuantizationOptions(bits=4, quant_storage="float32"), adapter=adapter)
+    weight = as_float.model.layers[0].self_attn.q_proj.base_layer.weight
+    assert weight.dtype == torch.float32
+    stored = packed.model.layers[0].self_attn.q_proj.base_layer.weight
+    assert torch.equal(weight.data.view(torch.uint8).flatten(), stored.data.flatten())
+    assert torch.equal(logits(as_float), logits(packed))
+    # counted as the same quantised weights and bytes (the estimate and the run record)
+    assert count_parameters(as_float, as_float.config) == count_parameters(packed, packed.config)
+
+
+@pytest.mark.parametrize(("options", "key"), [({"quant_storage": "int4"}, "quant_storage"),
+                                              ({"bits": 8, "quant_storage": "bfloat16"}, "quant_storage")])
+def test_bad_quant_storage_is_refused_naming_the_key(options, key):
+    with pytest.raises(ConfigError, match=rf"model\.init_args\.model\.quantization\.{key}="):
+        QuantizationOptions(**options)
 
 
 @pytest.mark.parametrize(("study", "skipped"), [

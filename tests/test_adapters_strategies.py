@@ -11,7 +11,9 @@ the one-process reference, and the frozen base with the base the run started fro
                FSDP2 and HSDP (frozen and trainable weights in one ``fully_shard`` group)
     qlora      the same with the base in NF4 (double quantisation): 1 process, FSDP2, HSDP and DDP, with an
                eval-mode forward between steps 2 and 3 (the PLATFORM_NOTES repack trap: with the
-               repack on, FSDP2 trains on stale weights from then on)
+               repack on, FSDP2 trains on stale weights from then on); and FSDP1 with the packed
+               weights stored as float32 (``quant_storage``, the FSDP-QLoRA recipe), in ``train()``
+               mode but for that eval forward, against the uint8-stored reference
 
 Which bug each comparison catches (each seen failing by breaking it on purpose): adapters drawn
 on a rank instead of copied from rank 0 (rank 1 re-drawing its ``lora_A`` after ``materialize``:
@@ -23,10 +25,13 @@ order, Adam's sign-like first steps).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import lightning.pytorch as pl
 import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.utils.data import DataLoader
 
 from lit_ablate.models.adapters.lora import AdapterOptions
@@ -43,9 +48,9 @@ STRATEGIES = {
 }  # fmt: skip
 
 
-def factory(quantized: bool) -> ModelFactory:
-    return ModelFactory(preset="tiny-llama", adapter=AdapterOptions(r=8, alpha=16.0),
-                        quantization=QuantizationOptions(bits=4, quant_type="nf4") if quantized else None)  # fmt: skip
+def factory(quantized: bool, quant_storage: str = "uint8") -> ModelFactory:
+    quantization = QuantizationOptions(bits=4, quant_type="nf4", quant_storage=quant_storage) if quantized else None
+    return ModelFactory(preset="tiny-llama", adapter=AdapterOptions(r=8, alpha=16.0), quantization=quantization)
 
 
 class EvalForwardAfter(pl.Callback):
@@ -56,18 +61,21 @@ class EvalForwardAfter(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self.step:
+            root = trainer.strategy.model  # FSDP1 holds whole weights only inside its root's forward, or when asked
+            whole = FullyShardedDataParallel.summon_full_params(root, writeback=False) if isinstance(
+                root, FullyShardedDataParallel) else nullcontext()  # fmt: skip
             pl_module.eval()
-            with torch.no_grad():
+            with torch.no_grad(), whole:
                 pl_module.model.logits(batch["input_ids"][:1])
             pl_module.train()
 
 
 def fit(variant: str, strategy="auto", devices: int = 1, rank: int = 0, quantized: bool = False,
-        optimizer: str = "adamw") -> dict:  # fmt: skip
+        optimizer: str = "adamw", quant_storage: str = "uint8") -> dict:  # fmt: skip
     """Train 5 steps; returns step losses, the trainable weights (gathered whole) and the frozen
     weights' checksum before and after."""
     pl.seed_everything(0, verbose=False)
-    module = CausalLM(factory(quantized), learning_rate=1e-2, warmup_steps=0, weight_decay=0.1, optimizer=optimizer)
+    module = CausalLM(factory(quantized, quant_storage), learning_rate=1e-2, warmup_steps=0, weight_decay=0.1, optimizer=optimizer)
     losses = StepLosses()
     callbacks = [losses, EvalForwardAfter(2)] if quantized else [losses]
     trainer = pl.Trainer(
@@ -121,6 +129,21 @@ def test_two_rank_lora_trains_the_reference_adapters(lora_reference, two_rank_lo
 def test_two_rank_qlora_trains_the_reference_adapters(qlora_reference, two_rank_qlora, name):
     for rank_run in two_rank_qlora:
         assert_same_training(rank_run[name], qlora_reference)
+
+
+def _fsdp1_qlora(rank: int, world_size: int) -> dict:
+    return fit("ranks", FSDP1Strategy(), devices=2, rank=rank, quantized=True, quant_storage="float32")
+
+
+@pytest.mark.slow
+def test_fsdp1_qlora_with_float_storage_trains_the_reference_adapters(qlora_reference):
+    """FSDP1 flattens each decoder layer's weights, the packed 4-bit ones included, into one float32
+    tensor: that works when the packed bytes are stored as float32 (``quant_storage``), and the same
+    bytes compute what the uint8-stored reference computes. Seen failing (~25 s) with the weights left
+    uint8 (``quant_storage="uint8"`` here, or ``quantize_linears`` not passing it to ``Params4bit``):
+    FSDP1's ``Cannot flatten integer dtype tensors`` on both ranks."""
+    for rank_run in run_ranks(_fsdp1_qlora, 2, init_process_group=False, timeout_s=300):
+        assert_same_training(rank_run, qlora_reference)
 
 
 def test_fsdp1_peft_trains_the_same_adapters_as_fsdp2_lora(two_rank_lora):

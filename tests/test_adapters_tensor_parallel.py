@@ -29,10 +29,12 @@ from torch.distributed.tensor import DTensor
 
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.adapters.lora import AdapterOptions
+from lit_ablate.models.adapters.quantization import QuantizationOptions
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.losses.cross_entropy import loss_backend
 from lit_ablate.strategies import TensorParallelStrategy
+from lit_ablate.strategies.tensor_parallel_plans import layer_plan_for
 from tests.distributed import run_ranks
 from tests.test_step_objective import micro_batches
 from tests.test_strategies_equivalence import PARAM_ATOL, full_weights, mean_over_ranks
@@ -128,8 +130,13 @@ def test_tp2_splits_the_adapters_with_their_base_layer(tp2):
 
 @pytest.mark.parametrize("adapter", [{"use_dora": True}, {"dropout": 0.1}])
 def test_tp_refuses_dora_and_adapter_dropout(adapter):
-    from lit_ablate.strategies.tensor_parallel_plans import layer_plan_for
-
     layer = build(**adapter).lm.model.layers[0]
     with pytest.raises(ConfigError, match="use_dora|dropout"):
         layer_plan_for("llama")(layer, False)
+
+
+def test_tp_refuses_a_quantized_base():
+    torch.manual_seed(0)
+    lm = ModelFactory(preset="tiny-llama", adapter=AdapterOptions(r=8), quantization=QuantizationOptions(bits=4)).build()
+    with pytest.raises(ConfigError, match=r"model\.init_args\.model\.quantization=.*use tp: 1"):
+        layer_plan_for("llama")(lm.model.layers[0], False)

@@ -50,6 +50,8 @@ from torch.distributed.tensor.parallel import (
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.adapters.lora import ADAPTER_NAME
 from lit_ablate.models.adapters.lora import OPTIONS_KEY as ADAPTER_OPTIONS_KEY
+from lit_ablate.models.adapters.quantization import OPTIONS_KEY as QUANTIZATION_KEY
+from lit_ablate.models.adapters.quantization import is_quantized
 
 Plan = dict[str, ParallelStyle | tuple[ParallelStyle, ...]]
 """Submodule name -> its style, or several styles applied in order (their hooks run in that order)."""
@@ -120,12 +122,14 @@ def adapter_plan(layer: nn.Module, plan: Plan) -> Plan:
     Row-parallel base: ``base_layer`` and ``lora_A`` split by input rows (``x`` arrives split), each
     all-reducing (or, under sequence parallelism, reduce-scattering) its output, ``lora_B`` whole.
     The whole adapters compute the same values on every TP rank and get the same gradients, so they
-    stay equal without a collective. Refused: DoRA (its magnitude needs the whole weight's row norms)
-    and dropout (the TP ranks would drop different inputs of the whole ``lora_A``).
+    stay equal without a collective. Refused: DoRA (its magnitude needs the whole weight's row norms),
+    dropout (the TP ranks would drop different inputs of the whole ``lora_A``) and a quantised base
+    (bitsandbytes' packed weights, not split by rows or columns).
     """
     out: Plan = {}
     for name, style in plan.items():
         module = layer.get_submodule(name)
+        _check_not_quantized(name, getattr(module, "base_layer", module))
         if not _is_lora_layer(module):
             out[name] = style
             continue
@@ -151,6 +155,13 @@ def _is_lora_layer(module: nn.Module) -> bool:
     from peft.tuners.lora import LoraLayer
 
     return isinstance(module, LoraLayer)
+
+
+def _check_not_quantized(name: str, module: nn.Module) -> None:
+    weight = getattr(module, "weight", None)
+    if weight is not None and is_quantized(weight):
+        raise ConfigError(QUANTIZATION_KEY, name, "tensor parallelism splits weights by rows or columns, which "
+                          "bitsandbytes' packed blocks are not built for; use tp: 1 (FSDP2 shards QLoRA)")
 
 
 def _check_adapter_splits(module: nn.Module) -> None:

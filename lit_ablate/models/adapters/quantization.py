@@ -28,6 +28,8 @@ OPTIONS_KEY = "model.init_args.model.quantization"
 """Where ``QuantizationOptions`` sit in a fit config (named in error messages)."""
 QUANT_TYPES = ("nf4", "fp4")
 COMPUTE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+STORAGE_DTYPES: dict[str, torch.dtype] = {"uint8": torch.uint8, **COMPUTE_DTYPES}
+"""dtypes a 4-bit weight's packed bytes may be stored as (``quant_storage``)."""
 
 
 @dataclass
@@ -43,6 +45,10 @@ class QuantizationOptions:
         blocksize: 4-bit: weights per scale (64 in QLoRA; smaller is more accurate, larger smaller).
         compute_dtype: dtype the 4-bit weights are dequantised to for each matmul (``float32``,
             ``bfloat16``, ``float16``); null = the input's dtype.
+        quant_storage: 4-bit: the dtype the packed bytes are stored as (the same bytes, another view):
+            ``uint8``, or a float dtype (``bfloat16``, ``float32``, ``float16``) for FSDP1, which flattens a
+            unit's weights into one tensor of one float dtype: the standard FSDP-QLoRA recipe, with
+            the model's own dtype.
         outlier_threshold: 8-bit: LLM.int8()'s outlier threshold (activation columns above it run
             in 16/32 bits); 0 quantises everything.
         skip_modules: linear layers kept in full precision, by module name or name suffix (the
@@ -54,6 +60,7 @@ class QuantizationOptions:
     double_quant: bool = True
     blocksize: int = 64
     compute_dtype: str | None = None
+    quant_storage: str = "uint8"
     outlier_threshold: float = 6.0
     skip_modules: list[str] = field(default_factory=lambda: ["lm_head"])
 
@@ -66,6 +73,11 @@ class QuantizationOptions:
             raise ConfigError(f"{OPTIONS_KEY}.blocksize", self.blocksize, "use a power of two from 32 to 4096 (64 is QLoRA's)")
         if self.compute_dtype is not None and self.compute_dtype not in COMPUTE_DTYPES:
             raise ConfigError(f"{OPTIONS_KEY}.compute_dtype", self.compute_dtype, f"choose one of {sorted(COMPUTE_DTYPES)} or null")
+        if self.quant_storage not in STORAGE_DTYPES:
+            raise ConfigError(f"{OPTIONS_KEY}.quant_storage", self.quant_storage, f"choose one of {list(STORAGE_DTYPES)}")
+        if self.bits == 8 and self.quant_storage != "uint8":
+            raise ConfigError(f"{OPTIONS_KEY}.quant_storage", self.quant_storage, "8-bit weights are stored as int8; "
+                              "quant_storage is for bits: 4")
         if self.outlier_threshold < 0:
             raise ConfigError(f"{OPTIONS_KEY}.outlier_threshold", self.outlier_threshold, "use 0 or a positive threshold (6.0 is LLM.int8()'s)")
 
@@ -104,11 +116,12 @@ def quantize_linears(model: nn.Module, options: QuantizationOptions) -> list[str
             quantized = bnb.nn.Linear4bit(
                 linear.in_features, linear.out_features, bias=linear.bias is not None,
                 compute_dtype=COMPUTE_DTYPES.get(options.compute_dtype), compress_statistics=options.double_quant,
-                quant_type=options.quant_type, device="meta",
+                quant_type=options.quant_type, quant_storage=STORAGE_DTYPES[options.quant_storage], device="meta",
             )  # fmt: skip
             quantized.weight = bnb.nn.Params4bit(
                 linear.weight.data, requires_grad=False, blocksize=options.blocksize,
-                compress_statistics=options.double_quant, quant_type=options.quant_type, module=quantized,
+                compress_statistics=options.double_quant, quant_type=options.quant_type,
+                quant_storage=STORAGE_DTYPES[options.quant_storage], module=quantized,
             )  # fmt: skip
             quantized.support_avx512bf16_for_cpu = False  # the eval-mode in-place repack (module docstring)
             quantized.register_load_state_dict_pre_hook(_load_quant_state)
@@ -163,8 +176,9 @@ def dequantized_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def is_quantized(param: torch.Tensor) -> bool:
-    """Whether a parameter holds bitsandbytes-quantised storage (4-bit packed or int8)."""
-    return param.dtype in (torch.uint8, torch.int8)
+    """Whether a parameter holds bitsandbytes-quantised storage (4-bit packed, in any ``quant_storage``
+    dtype, or int8)."""
+    return param.dtype in (torch.uint8, torch.int8) or getattr(param, "quant_state", None) is not None
 
 
 def _skipped(name: str, skip: list[str]) -> bool:
