@@ -269,3 +269,27 @@ def test_a_gpu_study_plans_for_slurm_on_a_login_node_without_cuda(tmp_path: Path
         assert skipped == {}
     else:
         assert list(skipped) == ["fp8_kernels"] and "emulate" in skipped["fp8_kernels"], skipped
+
+
+def test_job_states_come_from_the_controller_where_sacct_has_no_accounting(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch):
+    """Without SLURM's accounting daemon ``sacct`` fails for every job: states then come from
+    ``scontrol``, and a job neither knows while the controller answers is ``GONE`` (final), so the
+    runner collects it instead of waiting on ``UNKNOWN`` for ever. Seen failing without the
+    controller fallback (every job ``UNKNOWN``)."""
+    from lit_ablate.ablation.job_states import GONE, UNKNOWN, job_states
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scripts = {
+        "sacct": "#!/bin/sh\necho 'Slurm accounting storage is disabled' >&2\nexit 1\n",
+        "scontrol": "#!/bin/sh\necho 'JobId=7 JobName=a UserId=root(0) JobState=RUNNING Reason=None Restarts=0'\n"
+                    "echo 'JobId=8 JobName=b UserId=root(0) JobState=FAILED Reason=NonZeroExitCode Restarts=0'\n",
+    }  # fmt: skip
+    for name, text in scripts.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    assert job_states(["7", "8", "9"]) == {"7": "RUNNING", "8": "FAILED", "9": GONE}
+    (bin_dir / "scontrol").write_text("#!/bin/sh\nexit 1\n")  # the controller does not answer: ask again later
+    assert job_states(["7"]) == {"7": UNKNOWN}
