@@ -63,7 +63,11 @@ CACHE_DIR_ENV = "LIT_ABLATE_DATA_CACHE"
 """Environment variable naming the cache directory when the config gives none."""
 DEFAULT_CACHE_DIR = "~/.cache/lit_ablate/data"
 LAYOUT_VERSION = 1
-"""The on-disk layout; part of the key, so a layout change never reads an old entry."""
+"""The version of the code that decides an entry's bytes: tokenisation, formats, how rows are read and
+the on-disk layout. Part of the key beside lit-ablate's release version (which a code change between
+releases does not move), so an entry is never read by code that would have built other bytes. Bump it
+with any change to that code: ``tests/test_data_cache_version.py`` pins a hash of its source to this
+number and fails until both are updated."""
 PROGRESS_EVERY_S = 10.0
 BATCH_ROWS = 1000
 """Rows tokenised per batch (per task of a worker)."""
