@@ -9,7 +9,8 @@ module docstring says why not AdamW); losses within 1e-5, weights within ``PARAM
 
 Bugs these catch (each seen failing, see each test): the LM head not re-tied to the split embedding,
 the chunked loss's partial log-sum-exp left unreduced over tp, the decoder's masks built for the
-sequence-parallel slice instead of the whole packed sequence.
+sequence-parallel slice instead of the whole packed sequence. A Lightning fit (tp=2) runs all three
+at once through the strategy's batch handling and clipping.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from lit_ablate.estimate.flops import count_parameters
 from lit_ablate.estimate.memory import estimate_memory
 from lit_ablate.estimate.shapes import TrainingShape, model_shape
 from lit_ablate.models.losses.chunked_cross_entropy import IGNORE_INDEX
+from lit_ablate.models.losses.cross_entropy import loss_backend
 from lit_ablate.strategies import MeshParallelStrategy
 from lit_ablate.strategies.interface import state_sharding_of
 from tests.distributed import run_ranks
@@ -82,6 +84,13 @@ def case_batch(case: dict, part: int, parts: int) -> dict:
     return {k: v[rows] for k, v in unequal_batch().items()}
 
 
+def case_model(case: dict, meta: bool = False) -> torch.nn.Module:
+    """Tiny Qwen3 (seed 0) with the case's config overrides and loss backend options."""
+    model = build("tiny-qwen3", meta=meta, **case["model"])
+    model.loss_fn = loss_backend(case["loss"], **case["options"])
+    return model
+
+
 def train(model: torch.nn.Module, batch: dict, dp_group: dist.ProcessGroup | None = None, tp: int = 1) -> dict:
     """SGD steps on the global token mean; the loss series."""
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
@@ -103,8 +112,7 @@ def _composed_run(rank: int, world_size: int, name: str) -> dict:
     case = CASES[name]
     strategy = MeshParallelStrategy(tp=TP, dp_shard=DP, sequence_parallel=case["sequence_parallel"])
     strategy.build_mesh("cpu", world_size)
-    model = strategy.parallelize(build("tiny-qwen3", meta=rank != 0, loss=case["loss"], **case["options"],
-                                       **case["model"]))
+    model = strategy.parallelize(case_model(case, meta=rank != 0))
     batch = case_batch(case, strategy.data_parallel_rank, strategy.data_parallel_size)
     if case["sequence_parallel"]:
         batch = strategy.sequence_parallel_batch(batch)
@@ -134,8 +142,7 @@ def four_ranks() -> Callable[[str], list[dict]]:
 
 def one_process(name: str) -> dict:
     case = CASES[name]
-    model = build("tiny-qwen3", loss=case["loss"], **case["options"], **case["model"])
-    return train(model, case_batch(case, 0, 1))
+    return train(case_model(case), case_batch(case, 0, 1))
 
 
 def assert_same_training(result: dict, reference: dict) -> None:
@@ -177,7 +184,7 @@ def test_tp2_tied_embeddings_estimate_counts_the_shared_weight_once(four_ranks):
 def test_tp2_chunked_loss_equals_one_process(four_ranks, name):
     """The chunked backend on the vocabulary-sharded head (token and vocabulary chunks, z-loss) under
     sequence parallelism and with tied embeddings. Seen failing with the partial log-sum-exp not
-    all-reduced over tp (``global_log_sum_exp`` returning each rank's own): losses off by 0.71 and 0.69."""
+    all-reduced over tp (``global_log_sum_exp`` returning each rank's own): losses off by 0.72 and 0.70; the Lightning fit below fails too."""
     assert_same_training(four_ranks(name)[0], one_process(name))
 
 
@@ -208,3 +215,56 @@ def test_whole_sequence_masks_keep_packed_documents_apart_and_refuse_sliding_win
                     use_sliding_window=True).lm.base_model
     with pytest.raises(ConfigError, match="sequence_parallel.*sliding-window"):
         whole_sequence_masks(sliding, (), packed)
+
+
+# ---------------------------------------------------------------- under a Lightning Trainer
+def _lightning_fit(rank: int, world_size: int, root: str) -> dict:
+    return _fit(MeshParallelStrategy(tp=TP, dp_shard=1, sequence_parallel=True), world_size, root)
+
+
+FIT_CHUNKED = {"chunk_tokens": 24, "chunk_vocab": 48}
+"""``CHUNKED`` without z-loss: with it, AdamW's later steps drift 3.4e-5 relative in the gradient norm
+(step-1 norms equal to 2e-7, gradients to 1e-7 absolute, checked): Adam's sign-like first update
+amplifies fp32 reduction-order noise in near-zero gradients. The SGD tests above hold z-loss tight."""
+
+
+def _fit(strategy, devices: int, root: str) -> dict:
+    """3 AdamW steps of tied tiny Qwen3 with the chunked loss on packed SFT rows (prompts masked),
+    clipped every step; the losses, pre-clip norms and global batches seen (``Seen``)."""
+    import lightning.pytorch as pl
+
+    from lit_ablate.data import ArithmeticSFT, LMDataModule
+    from lit_ablate.models.factory import ModelFactory
+    from lit_ablate.modules import CausalLM
+    from tests.test_tensor_parallel import CLIP, FIT_LR, FIT_STEPS, Seen
+
+    pl.seed_everything(0, verbose=False)
+    module = CausalLM(ModelFactory(preset="tiny-qwen3", config={"tie_word_embeddings": True}), loss="chunked",
+                      loss_options=FIT_CHUNKED, learning_rate=FIT_LR, warmup_steps=1)
+    data = LMDataModule(ArithmeticSFT(num_examples=200), format="sft", seq_len=32, batch_size=2,
+                        collator=PackingCollator(max_tokens=32, static_shape=True))
+    seen = Seen()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=FIT_STEPS, callbacks=[seen],
+        gradient_clip_val=CLIP, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=root,
+    )
+    trainer.fit(module, data)
+    return {"losses": seen.losses, "norms": seen.norms, "batches": seen.batches}
+
+
+def test_lightning_fit_tp2_tied_chunked_packed_sequence_parallel_equals_one_device(tmp_path):
+    """All three at once through Lightning's loop (the strategy's batch_to_device turns the packing
+    collator's batch into a sequence-parallel one; clipping by the norm over the TP mesh): the same
+    losses and pre-clip gradient norms as one device. Fails with any of the three mechanisms above
+    broken, as the tests on raw ranks do."""
+    reference = _fit("auto", 1, str(tmp_path / "one"))
+    ranks = run_ranks(_lightning_fit, TP, str(tmp_path / "tp"), init_process_group=False, timeout_s=300)
+    from tests.test_tensor_parallel import CLIP
+
+    assert min(reference["norms"]) > CLIP, "clipping never scaled the gradients"
+    for run in ranks:
+        assert run["batches"] == reference["batches"]
+        torch.testing.assert_close(torch.tensor(run["norms"]), torch.tensor(reference["norms"]), rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(reference["losses"]), rtol=0,
+                                   atol=LOSS_ATOL)
