@@ -128,6 +128,14 @@ def exported(fit_run, tmp_path_factory) -> tuple[Path, Path]:
     return checkpoint, out
 
 
+def test_export_shows_no_progress_bar(exported):
+    """``lit-ablate export`` printed transformers' "Writing model shards" bar for a one-file folder (issue 31:
+    a quiet terminal). Seen failing without disabling it."""
+    from transformers.utils import logging as hf_logging
+
+    assert not hf_logging.is_progress_bar_enabled()
+
+
 def test_exported_tokenizer_round_trips_lit_ablate_ids(exported):
     """Catches the empty tokenizer export wrote before (every text encoded to []) and ids that differ
     from the byte tokenizer the model was trained with."""

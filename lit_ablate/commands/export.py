@@ -171,6 +171,9 @@ def export_main(argv: list[str]) -> int:
     parser.add_argument("--merge", action="store_true",
                         help="an adapter run: one model with the adapters merged (default: a peft adapter folder)")
     args = parser.parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Writing model shards" for a folder of one or two files
     try:
         out = export_hf_checkpoint(args.ckpt_path, args.output_dir, args.tokenizer, args.merge)
     except ConfigError as err:
