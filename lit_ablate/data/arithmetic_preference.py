@@ -45,6 +45,9 @@ class ArithmeticPreference(DataSource):
         self.max_error, self.seed = max_error, seed
         self.median_shots, self.shots_sigma, self.max_shots = median_shots, shots_sigma, max_shots
 
+    def num_rows(self) -> int:
+        return self.problems.num_examples
+
     def __iter__(self) -> Iterator[Row]:
         rng = random.Random(self.seed + 1)  # not ArithmeticSFT's stream: errors and shots are independent of problems
         rows = list(self.problems)

@@ -177,7 +177,8 @@ class LMDataModule(pl.LightningDataModule):
         self.setup_record = chosen | {"seconds": seconds, "cache_hit": hit, "examples": count,
                                       "cache_path": str(store.directory) if store is not None else None}
         if store is not None or seconds >= 10:
-            how = "" if store is None else f" (token cache {'hit' if hit else 'built'}: {store.directory}; {reason})"
+            how = "" if store is None else f" (token cache {'hit' if hit else 'built'}: {store.directory})"
+            how += f"; storage: auto: {reason}" if self.storage == "auto" else ""
             rank_zero_info(f"data: {count} {self.format} examples in {seconds:.1f} s{how}")
 
     def train_dataloader(self) -> DataLoader:

@@ -87,6 +87,11 @@ class MDSShards(DataSource):
         """The shard files' total size."""
         return sum(os.path.getsize(os.path.join(self.path, name)) for name in self._files())
 
+    def num_rows(self) -> int:
+        """The samples the index lists (at most ``max_rows``)."""
+        rows = sum(int(s["samples"]) for s in self.shards)
+        return rows if self.max_rows is None else min(rows, self.max_rows)
+
     def __iter__(self) -> Iterator[Row]:
         field = self.tokens_field or self.text_field
         rows = 0

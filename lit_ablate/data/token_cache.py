@@ -32,8 +32,6 @@ import multiprocessing
 import os
 import secrets
 import shutil
-import sys
-import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -46,6 +44,7 @@ import torch
 from torch.utils.data import Dataset
 
 import lit_ablate
+from lit_ablate.data.build_progress import BuildProgress
 from lit_ablate.data.formats import (
     Example,
     Overlong,
@@ -68,7 +67,6 @@ the on-disk layout. Part of the key beside lit-ablate's release version (which a
 releases does not move), so an entry is never read by code that would have built other bytes. Bump it
 with any change to that code: ``tests/test_data_cache_version.py`` pins a hash of its source to this
 number and fails until both are updated."""
-PROGRESS_EVERY_S = 10.0
 BATCH_ROWS = 1000
 """Rows tokenised per batch (per task of a worker)."""
 _PAIR_FIELDS = ("chosen_tokens", "prompt_tokens")
@@ -222,10 +220,10 @@ def _build(entry: Path, inputs: dict, source: DataSource, tokenizer: Tokenizer, 
            overlong: Overlong, workers: int) -> None:
     """Tokenise ``source`` into a temporary directory next to ``entry``, then rename it into place."""
     tmp = entry.with_name(f".{entry.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    progress = BuildProgress(entry.name, source.num_rows)
     tmp.mkdir()
     try:
         writer = _Writer(tmp, fmt, seq_len)
-        progress = _Progress(entry)
         args = (tokenizer, fmt, seq_len, overlong)
         batches = _batches(source, BATCH_ROWS)
         if workers > 0:
@@ -247,9 +245,9 @@ def _build(entry: Path, inputs: dict, source: DataSource, tokenizer: Tokenizer, 
         meta = {"format": fmt, "examples": writer.examples, "tokens": writer.tokens, "counts": dict(counts),
                 "key": inputs, "built_s": progress.elapsed(), "workers": workers}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
-        progress.done(writer.examples)
         os.rename(tmp, entry)
     finally:
+        progress.close()
         if tmp.exists():
             shutil.rmtree(tmp)
 
@@ -335,28 +333,3 @@ class _Writer:
         np.cumsum(lengths, out=offsets[1:])
         offsets.flush()
         del offsets
-
-
-class _Progress:
-    """A line on stderr every ``PROGRESS_EVERY_S`` seconds of a long build: rows, rows/s, tokens."""
-
-    def __init__(self, entry: Path) -> None:
-        self.entry, self.rows = entry, 0
-        self.start = self.last = time.perf_counter()
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start
-
-    def update(self, rows: int, tokens: int) -> None:
-        self.rows += rows
-        now = time.perf_counter()
-        if now - self.last >= PROGRESS_EVERY_S:
-            self.last = now
-            print(f"data cache: tokenised {self.rows:,} rows ({self.rows / self.elapsed():,.0f} rows/s), "
-                  f"{tokens:,} tokens -> {self.entry}", file=sys.stderr, flush=True)
-
-    def done(self, examples: int) -> None:
-        if self.elapsed() >= PROGRESS_EVERY_S:
-            print(f"data cache: built {examples:,} examples from {self.rows:,} rows in {self.elapsed():.0f} s "
-                  f"({self.rows / self.elapsed():,.0f} rows/s)", file=sys.stderr, flush=True)
-
