@@ -344,16 +344,15 @@ def test_z_loss_is_refused_with_the_torch_backend_only():
     strategy_on(2).check_model(model)
 
 
-def test_sequence_parallel_makes_positions_explicit_and_refuses_padded_batches():
+def test_sequence_parallel_makes_positions_explicit_and_keeps_only_padding_masks():
     strategy = strategy_on(2, sequence_parallel=True)
     batch = strategy.sequence_parallel_batch({"input_ids": torch.zeros(2, 8, dtype=torch.long)})
     assert batch["position_ids"].tolist() == [list(range(8))] * 2
     unpadded = strategy.sequence_parallel_batch({"input_ids": torch.zeros(2, 8), "attention_mask": torch.ones(2, 8)})
     assert "attention_mask" not in unpadded  # all ones: the decoder's causal mask is the same without it
     padded = torch.ones(2, 8)
-    padded[1, 6:] = 0
-    with pytest.raises(ConfigError, match="attention_mask"):
-        strategy.sequence_parallel_batch({"input_ids": torch.zeros(2, 8), "attention_mask": padded})
+    padded[1, 6:] = 0  # kept: whole_sequence_masks builds the whole sequence's mask from it
+    assert strategy.sequence_parallel_batch({"input_ids": torch.zeros(2, 8), "attention_mask": padded})["attention_mask"] is padded
     with pytest.raises(ConfigError, match="not divisible by tp=2"):
         strategy.sequence_parallel_batch({"input_ids": torch.zeros(2, 7)})
 

@@ -42,9 +42,11 @@ CASES = {
     "tied_chunked": {"model": {"tie_word_embeddings": True}, "loss": "chunked", "options": CHUNKED,
                      "sequence_parallel": False},
     "packed_sp": {"model": {}, "loss": "torch", "options": {}, "sequence_parallel": True, "packed": True},
+    "padded_sp": {"model": {}, "loss": "torch", "options": {}, "sequence_parallel": True, "padded": True},
 }
 """tiny Qwen3 under ``MeshParallelStrategy(tp=2, dp_shard=2)``: the model overrides, the loss
-backend and its options, sequence parallelism, and whether the batch is packed documents."""
+backend and its options, sequence parallelism, and whether the batch is packed documents or
+left-padded rows."""
 
 
 def unequal_batch() -> dict[str, torch.Tensor]:
@@ -77,11 +79,23 @@ def packed_batch(rows: list[int]) -> dict:
     return collator([examples[r] for r in rows])
 
 
+def left_padded_batch() -> dict[str, torch.Tensor]:
+    """``fixed_batch`` with rows 0 and 1 left-padded by 10 and 5 tokens (no labels, mask 0 there)."""
+    batch = fixed_batch()
+    mask = torch.ones_like(batch["input_ids"])
+    for row, pad in ((0, 10), (1, 5)):
+        mask[row, :pad] = 0
+    batch["input_ids"] = batch["input_ids"].masked_fill(mask == 0, 0)
+    batch["labels"] = batch["labels"].masked_fill(mask == 0, IGNORE_INDEX)
+    return {**batch, "attention_mask": mask}
+
+
 def case_batch(case: dict, part: int, parts: int) -> dict:
     rows = list(range(part * 4 // parts, (part + 1) * 4 // parts))
     if case.get("packed"):
         return packed_batch(rows)
-    return {k: v[rows] for k, v in unequal_batch().items()}
+    whole = left_padded_batch() if case.get("padded") else unequal_batch()
+    return {k: v[rows] for k, v in whole.items()}
 
 
 def case_model(case: dict, meta: bool = False) -> torch.nn.Module:
@@ -197,9 +211,17 @@ def test_tp2_sequence_parallel_on_packed_documents_equals_one_process(four_ranks
     assert_same_training(four_ranks("packed_sp")[0], one_process("packed_sp"))
 
 
+def test_tp2_sequence_parallel_on_left_padded_rows_equals_one_process(four_ranks):
+    """Left padding under sequence parallelism: the padding mask reaches attention over the whole
+    sequence. Seen failing with ``sequence_parallel_batch`` dropping every mask (the padding keys
+    attended: losses off by 0.27)."""
+    assert_same_training(four_ranks("padded_sp")[0], one_process("padded_sp"))
+
+
 def test_whole_sequence_masks_keep_packed_documents_apart_and_refuse_sliding_windows():
-    """The hook's mask, one process: block-diagonal causal over the whole packed row; nothing for an
-    unpacked one (the kernel's causal flag); a sliding-window model refused in one line."""
+    """The hook's mask, one process: block-diagonal causal over the whole packed row; causal without
+    the padding keys for a padded one; nothing for an unpacked, unpadded one (the kernel's causal
+    flag); a sliding-window model refused in one line."""
     from lit_ablate.errors import ConfigError
     from lit_ablate.strategies.tensor_parallel import whole_sequence_masks
 
@@ -215,6 +237,11 @@ def test_whole_sequence_masks_keep_packed_documents_apart_and_refuse_sliding_win
                     use_sliding_window=True).lm.base_model
     with pytest.raises(ConfigError, match="sequence_parallel.*sliding-window"):
         whole_sequence_masks(sliding, (), packed)
+    padding = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1]])
+    _, kwargs = whole_sequence_masks(decoder, (), {"input_ids": input_ids, "position_ids": torch.arange(8)[None],
+                                                   "attention_mask": padding})
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()
+    assert torch.equal(kwargs["attention_mask"].reshape(8, 8), causal & padding.bool())
 
 
 # ---------------------------------------------------------------- under a Lightning Trainer

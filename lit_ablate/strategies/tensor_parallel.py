@@ -54,8 +54,9 @@ class TensorParallelSteps(FullyShardSteps):
     Args:
         sequence_parallel: also split the residual stream between blocks along the sequence (the
             norms run on ``1 / tp`` of the tokens). Needs every rank to see the whole sequence's
-            ``position_ids`` (the strategy makes them explicit) and a length divisible by ``tp``;
-            padded (an ``attention_mask`` with zeros) and packed batches are refused.
+            ``position_ids`` (the strategy makes them explicit) and a length divisible by ``tp``.
+            Padded and packed batches work: the decoder's mask is built for the whole sequence
+            (``whole_sequence_masks``).
         **kwargs: the mesh sizes and the other steps' options (``MeshParallelStrategy``).
     """
 
@@ -151,8 +152,8 @@ class TensorParallelSteps(FullyShardSteps):
         """The batch with explicit ``position_ids`` and without an all-ones ``attention_mask``: under
         sequence parallelism the decoder sees only this rank's slice of the embeddings and would
         number the positions of the slice from 0. A packed batch brings its per-document
-        ``position_ids`` (and ``cu_seqlens``), from which ``whole_sequence_masks`` builds the
-        documents' mask over the whole sequence. A mask with padding is refused."""
+        ``position_ids`` (and ``cu_seqlens``), a padded one its padding mask; from either
+        ``whole_sequence_masks`` builds the mask over the whole sequence."""
         tp = self.mesh_sizes["tp"]
         rows, length = batch["input_ids"].shape
         if length % tp:
@@ -160,12 +161,8 @@ class TensorParallelSteps(FullyShardSteps):
                               f"a batch has length {length}, not divisible by tp={tp}; pad to a multiple of {tp} "
                               "(data pad_to_multiple_of) or set sequence_parallel: false")
         mask = batch.get("attention_mask")
-        if mask is not None and not bool(mask.all()):
-            raise ConfigError(f"{STRATEGY_KEY}.sequence_parallel", True,
-                              "the batch carries a padding 'attention_mask': sequence parallelism takes unpadded "
-                              "or packed batches; pack them (data collator PackingCollator) or set "
-                              "sequence_parallel: false")
-        batch = {key: value for key, value in batch.items() if key != "attention_mask"}  # all ones: no mask needed
+        if mask is not None and bool(mask.all()):  # all ones: the causal mask is the same without it
+            batch = {key: value for key, value in batch.items() if key != "attention_mask"}
         if batch.get("position_ids") is None:
             batch = {**batch, "position_ids": torch.arange(length, device=batch["input_ids"].device).expand(rows, -1)}
         return batch
@@ -301,28 +298,29 @@ def whole_sequence_masks(module: nn.Module, args: tuple, kwargs: dict[str, Any])
 
     The decoder builds its mask from the embeddings' length, and under sequence parallelism the
     split embedding returns this rank's slice of the sequence, while attention sees the whole
-    sequence (gathered before q/k/v). Unpacked, the mask is plain causal and the attention kernel
-    needs none (nothing changes); packed, the documents' block-diagonal mask (from the
-    per-document ``position_ids``) would come out for the slice's length. transformers passes a
-    4-D mask through as it is, so the same function builds it here from the whole ``input_ids``'
-    shape. A sliding-window model would need a second mask: refused."""
-    input_ids, position_ids = kwargs.get("input_ids"), kwargs.get("position_ids")
-    if input_ids is None or position_ids is None or kwargs.get("attention_mask") is not None:
+    sequence (gathered before q/k/v). Unpadded and unpacked, the mask is plain causal and the
+    attention kernel needs none (nothing changes); packed (the documents' block-diagonal mask from
+    the per-document ``position_ids``) or padded (the ``[B, T]`` padding mask) it would come out for
+    the slice's length. transformers passes a 4-D mask through as it is, so the same function
+    builds it here from the whole ``input_ids``' shape. A sliding-window model would need a second
+    mask: refused."""
+    input_ids, position_ids, padding = kwargs.get("input_ids"), kwargs.get("position_ids"), kwargs.get("attention_mask")
+    if input_ids is None or position_ids is None or not (padding is None or isinstance(padding, Tensor) and padding.ndim == 2):
         return None
     from transformers.masking_utils import create_causal_mask
 
     config = module.config
     dtype = module.get_input_embeddings().weight.dtype
     whole = torch.empty((*input_ids.shape, 0), dtype=dtype, device=input_ids.device)  # only its shape is read
-    mask = create_causal_mask(config=config, inputs_embeds=whole, attention_mask=None, cache=None,
+    mask = create_causal_mask(config=config, inputs_embeds=whole, attention_mask=padding, cache=None,
                               position_ids=position_ids)
     if mask is None:  # plain causal: the kernel's own causal flag sees the whole sequence
         return None
     layer_types = getattr(config, "layer_types", None) or ()
     if any(kind != "full_attention" for kind in layer_types) or (not layer_types and getattr(config, "sliding_window", None)):
         raise ConfigError(f"{STRATEGY_KEY}.sequence_parallel", True,
-                          "packed batches on a sliding-window model need a second whole-sequence mask, not built; "
-                          "use unpacked batches or sequence_parallel: false")
+                          "packed or padded batches on a sliding-window model need a second whole-sequence mask, "
+                          "not built; use unpacked, unpadded batches or sequence_parallel: false")
     return args, {**kwargs, "attention_mask": mask}
 
 
