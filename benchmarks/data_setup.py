@@ -1,6 +1,6 @@
 """Data set-up at scale: time and peak memory per rank, in-memory path vs token cache.
 
-Run by hand (never in CI):  python benchmarks/data_setup.py [--mb 8 32] [--seq-len 128]
+Run by hand (never in CI):  python benchmarks/data_setup.py [--mb 64 256] [--seq-len 128] [--memory-up-to-mb 64]
 
 The script writes a generated JSONL corpus of each size in ``--mb`` (documents of sentences from
 ``SyntheticText``'s grammar, log-normal lengths) to a temporary directory, then runs
@@ -16,12 +16,13 @@ Each process measures one path:
 - ``build``: ``storage: cache`` with an empty cache directory (tokenise and write the entry);
 - ``hit``: ``storage: cache`` again (what every other rank and run of a study pays).
 
-Then the largest corpus is built again with ``--workers`` tokenising processes, for tokens/s of
-tokenisation with 1 vs N processes. The defaults (8 and 32 MB) take 1-2 minutes on an idle
-2-core machine; the issue's "few hundred MB" is ``--mb 64 256`` (the in-memory path then needs
-~7 GB per rank; ``--skip-memory`` measures only the cache).
+The in-memory path is measured only for corpora up to ``--memory-up-to-mb`` (default 64: it costs
+about 28 GiB of RSS per GiB of text, ~7 GiB at 256 MB). Then the largest corpus is built again with
+``--workers`` tokenising processes, for tokens/s of tokenisation with 1 vs N processes. The
+defaults (64 and 256 MB) take about 5 minutes on an idle 2-core machine (``--skip-memory``
+measures only the cache).
 
-Last lines: ``RESULT data_setup_cache_hit_ratio=<hit set-up / in-memory set-up, largest corpus>``,
+Last lines: ``RESULT data_setup_cache_hit_ratio=<hit set-up / in-memory set-up, largest corpus measured in memory>``,
 ``RESULT data_rss_mib_per_gib_corpus=<slope of the cache hit's RSS growth over corpus size>`` (and
 the in-memory path's slope), ``RESULT data_tokenise_tokens_per_s_workers_<N>=...``.
 """
@@ -104,10 +105,11 @@ def slope_mib_per_gib(sizes_mb: list[float], growth_mib: list[float]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mb", type=float, nargs="+", default=[8, 32], help="corpus sizes in MB (two or more)")
+    parser.add_argument("--mb", type=float, nargs="+", default=[64, 256], help="corpus sizes in MB (two or more)")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--workers", type=int, default=2, help="tokenising processes for the 1-vs-N comparison")
     parser.add_argument("--skip-memory", action="store_true", help="measure only the token cache")
+    parser.add_argument("--memory-up-to-mb", type=float, default=64, help="measure the in-memory path up to this size")
     parser.add_argument("--child", choices=["memory", "build", "hit"], help=argparse.SUPPRESS)
     parser.add_argument("--corpus", help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
@@ -124,6 +126,8 @@ def main() -> None:
             corpus = Path(tmp) / f"corpus_{mb:g}mb.jsonl"
             size = generate_corpus(corpus, mb) / 1e6
             for mode in modes:
+                if mode == "memory" and mb > args.memory_up_to_mb:
+                    continue
                 result = run_child(corpus, mode, args.seq_len, Path(tmp) / f"cache_{mb:g}")
                 result["growth_mib"] = result["rss_peak_mib"] - result["rss_before_mib"]
                 rows[mode, size] = result
@@ -137,12 +141,15 @@ def main() -> None:
         for workers, speed in speeds.items():
             print(f"tokenise + write, {workers} process(es): {speed:,.0f} tokens/s")
     sizes = sorted({size for _, size in rows})
-    if "memory" in modes:
-        print(f"RESULT data_setup_cache_hit_ratio={rows['hit', largest]['setup_s'] / rows['memory', largest]['setup_s']:.4f}")
+    in_memory = [size for mode, size in rows if mode == "memory"]
+    if in_memory:
+        ratio = rows["hit", max(in_memory)]["setup_s"] / rows["memory", max(in_memory)]["setup_s"]
+        print(f"RESULT data_setup_cache_hit_ratio={ratio:.4f}")
     if len(sizes) >= 2:
         for mode, name in (("hit", "data_rss_mib_per_gib_corpus"), ("memory", "data_rss_mib_per_gib_corpus_memory")):
-            if mode in modes:
-                slope = slope_mib_per_gib(sizes, [rows[mode, size]["growth_mib"] for size in sizes])
+            measured = [size for size in sizes if (mode, size) in rows]
+            if len(measured) >= 2:
+                slope = slope_mib_per_gib(measured, [rows[mode, size]["growth_mib"] for size in measured])
                 print(f"RESULT {name}={slope:.0f}")
     for workers, speed in speeds.items():
         print(f"RESULT data_tokenise_tokens_per_s_workers_{workers}={speed:.0f}")
