@@ -194,6 +194,16 @@ def test_tp2_tied_embeddings_estimate_counts_the_shared_weight_once(four_ranks):
     assert max(run["local_param_bytes"] for run in four_ranks("tied")) == pytest.approx(estimate.params, rel=0.02)
 
 
+def test_the_estimate_holds_no_chunked_loss_gradients_under_tp():
+    """Under tp the chunked loss forms its gradients in the backward (no fp32 ``d weight`` and
+    ``d hidden`` held from the forward); seen failing with ``loss_gradient_bytes`` ignoring tp."""
+    from lit_ablate.estimate.memory import loss_gradient_bytes
+
+    shape = model_shape(build("tiny-qwen3", meta=True).lm.config)
+    assert loss_gradient_bytes(shape, TrainingShape(micro_batch=2, seq_len=32, loss="chunked")) > 0
+    assert loss_gradient_bytes(shape, TrainingShape(micro_batch=2, seq_len=32, loss="chunked", tensor_parallel=2)) == 0
+
+
 @pytest.mark.parametrize("name", ["chunked", "tied_chunked"])
 def test_tp2_chunked_loss_equals_one_process(four_ranks, name):
     """The chunked backend on the vocabulary-sharded head (token and vocabulary chunks, z-loss) under

@@ -92,9 +92,11 @@ def loss_gradient_bytes(shape: ModelShape, training: TrainingShape) -> int:
     measuring (tests/test_estimate_memory.py): at a large vocabulary the weight gradient is as
     large as the chunks the loss saves. Under context parallelism ``d hidden`` covers a rank's
     ``seq_len / cp`` tokens. Liger's fused DPO holds two ``d weight``: its accumulator and the one
-    ``torch.func`` returns for the current chunk (benchmarks/dpo_memory.py measured it)."""
+    ``torch.func`` returns for the current chunk (benchmarks/dpo_memory.py measured it). Under
+    tensor parallelism the chunked loss forms its gradients in the backward (its softmax needs the
+    log-sum-exp all-reduced over tp), so it holds none."""
     tokens = training.micro_batch * -(-training.seq_len // training.context_parallel)
-    if training.loss == "chunked" and training.loss_grad_in_forward:
+    if training.loss == "chunked" and training.loss_grad_in_forward and training.tensor_parallel == 1:
         weight_bytes = 4
     elif training.loss in ("liger", "liger_dpo"):
         weight_bytes = training.param_bytes * (2 if training.loss == "liger_dpo" else 1)
