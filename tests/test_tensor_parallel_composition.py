@@ -1,15 +1,16 @@
-"""Tensor parallelism composed with tied embeddings, the chunked loss and packed batches trains the
-same model as one process (issue 29, item 3): tp=2 x dp_shard=2 on 4 gloo ranks.
+"""Tensor parallelism composed with tied embeddings, the chunked loss and packed or padded batches
+under sequence parallelism trains the same model as one process (issue 29, item 3): tp=2 x
+dp_shard=2 on 4 gloo ranks.
 
-The two data-parallel halves of the batch carry unequal useful tokens (prompt-masked labels in one
-half, packed documents of other lengths), so each rank's loss must be its share of the global token
+The two data-parallel halves of the batch carry unequal useful tokens (prompt-masked labels or left
+padding in one half, packed documents of other lengths), so each rank's loss must be its share of the global token
 mean: ``loss_sum / (useful tokens over all ranks)``, times ``dp_shard`` because FSDP2 averages the
 gradients over it (StepObjective's job in a fit). Plain SGD as in ``test_tensor_parallel`` (whose
 module docstring says why not AdamW); losses within 1e-5, weights within ``PARAM_ATOL``.
 
 Bugs these catch (each seen failing, see each test): the LM head not re-tied to the split embedding,
-the chunked loss's partial log-sum-exp left unreduced over tp, the decoder's masks built for the
-sequence-parallel slice instead of the whole packed sequence. A Lightning fit (tp=2) runs all three
+the chunked loss's partial log-sum-exp left unreduced over tp, the decoder's mask built for the
+sequence-parallel slice instead of the whole packed sequence, a padding mask dropped. A Lightning fit (tp=2) runs all three
 at once through the strategy's batch handling and clipping.
 """
 
@@ -105,7 +106,7 @@ def case_model(case: dict, meta: bool = False) -> torch.nn.Module:
     return model
 
 
-def train(model: torch.nn.Module, batch: dict, dp_group: dist.ProcessGroup | None = None, tp: int = 1) -> dict:
+def train(model: torch.nn.Module, batch: dict, dp_group: dist.ProcessGroup | None = None) -> dict:
     """SGD steps on the global token mean; the loss series."""
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
@@ -131,7 +132,7 @@ def _composed_run(rank: int, world_size: int, name: str) -> dict:
     if case["sequence_parallel"]:
         batch = strategy.sequence_parallel_batch(batch)
     with strategy.vocabulary_parallel_loss():
-        result = train(model, batch, strategy.device_mesh["dp_shard"].get_group(), TP)
+        result = train(model, batch, strategy.device_mesh["dp_shard"].get_group())
     lm = model.lm
     result["tied"] = lm.get_output_embeddings().weight is lm.get_input_embeddings().weight
     local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
