@@ -266,7 +266,7 @@ FIT_CHUNKED = {"chunk_tokens": 24, "chunk_vocab": 48}
 amplifies fp32 reduction-order noise in near-zero gradients. The SGD tests above hold z-loss tight."""
 
 
-def _fit(strategy, devices: int, root: str) -> dict:
+def _fit(strategy, devices: int, root: str, steps: int | None = None, ckpt_path: str | None = None) -> dict:
     """3 AdamW steps of tied tiny Qwen3 with the chunked loss on packed SFT rows (prompts masked),
     clipped every step; the losses, pre-clip norms and global batches seen (``Seen``)."""
     import lightning.pytorch as pl
@@ -283,11 +283,13 @@ def _fit(strategy, devices: int, root: str) -> dict:
                         collator=PackingCollator(max_tokens=32, static_shape=True))
     seen = Seen()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=FIT_STEPS, callbacks=[seen],
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps or FIT_STEPS, callbacks=[seen],
         gradient_clip_val=CLIP, logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=root,
     )
-    trainer.fit(module, data)
+    trainer.fit(module, data, ckpt_path=ckpt_path)
+    if steps is not None and ckpt_path is None:
+        trainer.save_checkpoint(f"{root}/last.ckpt")
     return {"losses": seen.losses, "norms": seen.norms, "batches": seen.batches}
 
 
@@ -306,3 +308,25 @@ def test_lightning_fit_tp2_tied_chunked_packed_sequence_parallel_equals_one_devi
         torch.testing.assert_close(torch.tensor(run["norms"]), torch.tensor(reference["norms"]), rtol=1e-5, atol=0)
         torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(reference["losses"]), rtol=0,
                                    atol=LOSS_ATOL)
+
+
+def _lightning_resume(rank: int, world_size: int, root: str) -> list[float]:
+    def strategy() -> MeshParallelStrategy:
+        return MeshParallelStrategy(tp=TP, dp_shard=1, sequence_parallel=True)
+
+    _fit(strategy(), world_size, f"{root}/cut", steps=2)
+    return _fit(strategy(), world_size, f"{root}/resumed", ckpt_path=f"{root}/cut/last.ckpt")["losses"]
+
+
+@pytest.mark.slow  # ~25 s: two fits on 2 ranks, two on one device
+def test_lightning_tp2_tied_resume_continues_as_one_device(tmp_path):
+    """Saved after 2 steps (the tied, vocabulary-sharded weight under both its names) and resumed
+    for a third, the tp=2 run continues as one device saved and resumed the same way. Seen failing
+    only with the re-tie skipped (third loss 2.2e-2 off); no bug of the save or load path itself
+    was put in (that is Lightning's and DCP's code)."""
+    _fit("auto", 1, str(tmp_path / "one-cut"), steps=2)
+    resumed = _fit("auto", 1, str(tmp_path / "one-resumed"), ckpt_path=str(tmp_path / "one-cut" / "last.ckpt"))
+    ranks = run_ranks(_lightning_resume, TP, str(tmp_path / "tp"), init_process_group=False, timeout_s=300)
+    assert len(resumed["losses"]) == 1
+    for run in ranks:
+        torch.testing.assert_close(torch.tensor(run), torch.tensor(resumed["losses"]), rtol=0, atol=LOSS_ATOL)

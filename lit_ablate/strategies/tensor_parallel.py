@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -86,13 +86,6 @@ class TensorParallelSteps(FullyShardSteps):
         model.loss_fn = split_vocabulary_loss(model.loss_fn, mesh)
         if self.sequence_parallel:
             model.lm.base_model.register_forward_pre_hook(whole_sequence_masks, with_kwargs=True)
-
-    def materialize(self, model: CausalLMWithLoss, source: Mapping[str, Tensor]) -> None:
-        """Materialise, then tie again: ``to_empty`` gives each module of a tied pair its own new
-        parameter on the ranks that built the model on ``meta``."""
-        super().materialize(model, source)
-        if self.mesh_sizes["tp"] > 1:
-            tie_split_embeddings(model)
 
     def apply_compile(self, model: CausalLMWithLoss) -> None:
         """Compile each decoder layer, and hand the first one a plain tensor: the split embedding
@@ -286,7 +279,9 @@ def tie_split_embeddings(model: CausalLMWithLoss) -> None:
     Both are split by vocabulary rows (``Shard(0)``), but ``parallelize_module`` turns each module's
     weight into its own DTensor parameter: untied, the embedding and the head would each take only
     their own gradient and drift apart (PLATFORM_NOTES: 1.45e-1 in 3 steps). Tied, the lookup's and
-    the head's gradients add into one ``Shard(0)`` gradient, as in one process."""
+    the head's gradients add into one ``Shard(0)`` gradient, as in one process. Runs before FSDP2,
+    which then manages the one parameter on both modules and keeps them tied through ``to_empty``
+    on meta-built ranks (checked: a second re-tie after materialising changed nothing)."""
     lm = model.lm
     if getattr(lm.config, "tie_word_embeddings", False):
         lm.get_output_embeddings().weight = lm.get_input_embeddings().weight
