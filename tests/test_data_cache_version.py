@@ -23,12 +23,13 @@ CODE_DECIDING_THE_BYTES = (
     preference.pair_example, preference.iter_preference_examples, preference._pair_tokens, preference._chat_pair,
     preference._last_trainable_run, preference._shared_messages,
     tokenizers.Tokenizer, tokenizers.ByteTokenizer, tokenizers.HFTokenizer,
-    sources._streamed_rows, sources._renamed, sources.LocalFiles.stream_rows, sources.HubDataset.stream_rows,
-    mds_source.MDSShards.__iter__, mds_source._samples, mds_source._decode_column, mds_source._decode,
+    sources._streamed_rows, sources._renamed, sources.LocalFiles.stream_rows, sources.LocalFiles._stream,
+    sources.HubDataset.stream_rows, sources.HubDataset._streamed,
+    mds_source.MDSShards.__iter__, mds_source.MDSShards._shard_rows, mds_source._samples, mds_source._decode_column, mds_source._decode,
     mds_source._decode_ndarray,
     token_cache._batches, token_cache._tokenise, token_cache._Writer, token_cache.TokenStore.example,
 )
-PINNED = {1: "76f48ad3ef2fc129"}
+PINNED = {1: "76f48ad3ef2fc129", 2: "06c92d307114bd4f"}  # 2: rows read by part (streams by shard)
 """Every LAYOUT_VERSION -> the hash of CODE_DECIDING_THE_BYTES it was set for (old pins stay: the history)."""
 
 

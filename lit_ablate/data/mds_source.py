@@ -17,6 +17,7 @@ extra); other compressions are refused with the fix.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -93,20 +94,26 @@ class MDSShards(DataSource):
         return rows if self.max_rows is None else min(rows, self.max_rows)
 
     def __iter__(self) -> Iterator[Row]:
+        rows = itertools.chain.from_iterable(self._shard_rows(shard) for shard in self.shards)
+        return itertools.islice(rows, self.max_rows)  # max_rows None: all
+
+    def stream_shards(self) -> int:
+        """One part per shard (one part with ``max_rows``, which counts rows over all shards)."""
+        return len(self.shards) if self.max_rows is None else 1
+
+    def stream_shard(self, index: int) -> Iterator[Row]:
+        return self._shard_rows(self.shards[index]) if self.stream_shards() > 1 else iter(self)
+
+    def _shard_rows(self, shard: dict[str, Any]) -> Iterator[Row]:
         field = self.tokens_field or self.text_field
-        rows = 0
-        for shard in self.shards:
-            columns = list(zip(shard["column_names"], shard["column_encodings"], shard["column_sizes"]))
-            for sample in _samples(self._shard_bytes(shard)):
-                if self.max_rows is not None and rows >= self.max_rows:
-                    return
-                value = _decode_column(sample, columns, field)
-                rows += 1
-                if self.tokens_field is None:
-                    yield {"text": value}
-                else:
-                    tokens = np.frombuffer(value, _SCALARS[self.tokens_dtype]) if isinstance(value, bytes) else value
-                    yield {TOKENS_FIELD: [int(t) for t in tokens]}
+        columns = list(zip(shard["column_names"], shard["column_encodings"], shard["column_sizes"]))
+        for sample in _samples(self._shard_bytes(shard)):
+            value = _decode_column(sample, columns, field)
+            if self.tokens_field is None:
+                yield {"text": value}
+            else:
+                tokens = np.frombuffer(value, _SCALARS[self.tokens_dtype]) if isinstance(value, bytes) else value
+                yield {TOKENS_FIELD: [int(t) for t in tokens]}
 
     def _files(self) -> list[str]:
         return [(s["zip_data"] or s["raw_data"])["basename"] for s in self.shards]

@@ -40,6 +40,16 @@ class DataSource(ABC):
         hub sources read through ``datasets`` streaming; generated sources are streams already."""
         return iter(self)
 
+    def stream_shards(self) -> int:
+        """How many parts a stream can read apart from each other (files, shards): each slot of a
+        stream then reads only its own parts (``streaming.py``). 1: one stream, read by every slot."""
+        return 1
+
+    def stream_shard(self, index: int) -> Iterator[Row]:
+        """The rows of part ``index`` of ``stream_shards()``, in the source's order (the parts, one
+        after another, are ``stream_rows()``)."""
+        return self.stream_rows()
+
     def stored_bytes(self) -> int | None:
         """The size of the stored data it reads (files, a hub download), for ``storage: auto``
         (``storage_choice.py``): 0 for rows generated in code (this default), None when a stored
@@ -233,14 +243,24 @@ class LocalFiles(DataSource):
         yield from _rows(dataset, self.text_field, self.max_rows, f"{_SOURCE_KEY}.path", self.path)
 
     def stream_rows(self) -> Iterator[Row]:
+        return self._stream(self.files)
+
+    def stream_shards(self) -> int:
+        """One part per file (one part with ``max_rows``, which counts rows over all files)."""
+        return len(self.files) if self.max_rows is None else 1
+
+    def stream_shard(self, index: int) -> Iterator[Row]:
+        return self._stream(self.files[index : index + 1]) if self.stream_shards() > 1 else self.stream_rows()
+
+    def _stream(self, files: list[str]) -> Iterator[Row]:
         from datasets import load_dataset
 
         with _quiet_local_load():
-            dataset = load_dataset(self.builder, data_files=self.files, split="train", streaming=True)
+            dataset = load_dataset(self.builder, data_files=files, split="train", streaming=True)
             try:
                 yield from _streamed_rows(dataset, self.text_field, self.max_rows)
             except ValueError as err:  # pyarrow's parse errors (ArrowInvalid), met only when the bad line is read
-                raise ConfigError(f"{_SOURCE_KEY}.path", self.path, _unreadable(self.files, err)) from err
+                raise ConfigError(f"{_SOURCE_KEY}.path", self.path, _unreadable(files, err)) from err
 
 
 def _count_lines(file: str) -> int:
@@ -347,10 +367,23 @@ class HubDataset(DataSource):
         yield from _rows(dataset, self.text_field, self.max_rows, f"{_SOURCE_KEY}.name", self.name)
 
     def stream_rows(self) -> Iterator[Row]:
+        yield from _streamed_rows(self._streamed(), self.text_field, self.max_rows)
+
+    def stream_shards(self) -> int:
+        """The streamed dataset's shards (its files; ``datasets``' ``num_shards``), 1 with ``max_rows``."""
+        return self._streamed().num_shards if self.max_rows is None else 1
+
+    def stream_shard(self, index: int) -> Iterator[Row]:
+        dataset = self._streamed()
+        if self.max_rows is not None or dataset.num_shards == 1:
+            yield from self.stream_rows()
+            return
+        yield from _streamed_rows(dataset.shard(num_shards=dataset.num_shards, index=index), self.text_field, None)
+
+    def _streamed(self) -> Any:
         from datasets import load_dataset
 
-        dataset = load_dataset(self.name, self.subset, split=self.split, streaming=True, revision=self.revision)
-        yield from _streamed_rows(dataset, self.text_field, self.max_rows)
+        return load_dataset(self.name, self.subset, split=self.split, streaming=True, revision=self.revision)
 
 
 def _streamed_rows(dataset: Any, text_field: str, max_rows: int | None) -> Iterator[Row]:

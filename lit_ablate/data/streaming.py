@@ -1,11 +1,12 @@
 """``storage: stream``: examples tokenised on the fly in DataLoader workers, never materialised.
 
 Rows come from ``DataSource.stream_rows`` (``datasets`` streaming for files and the hub). With
-``W`` data-parallel ranks and ``K`` workers per rank there are ``W*K`` slots; slot
-``rank*K + worker`` takes the rows whose number is congruent to it modulo ``W*K``, so every row is
-tokenised by exactly one worker of one rank per epoch: no duplicates, no gaps. Each slot reads the
-whole stream and skips the rows of other slots (reading is cheap next to tokenising; a source of
-many files could be split by file instead, which this does not do yet).
+``W`` data-parallel ranks and ``K`` workers per rank there are ``W*K`` slots, slot ``rank*K + worker``.
+A source in several parts (``LocalFiles``' files, ``MDSShards``' shards, a hub dataset's shards:
+``DataSource.stream_shards``) is split by part, so a slot reads only its own parts; parts that do not
+divide the slots are shared by row (``slot_reads``). A source in one part is read by every slot,
+each keeping the rows whose number is congruent to it modulo ``W*K``. Either way every row is
+tokenised by exactly one worker of one rank per epoch: no duplicates, no gaps.
 
 Each worker makes whole batches, and the DataLoader takes them from its workers in turn (worker 0,
 1, ..., K-1, 0, ...). So after a rank has consumed ``b`` batches, worker ``k`` has made
@@ -80,10 +81,12 @@ class StreamingExamples(IterableDataset):
                                   f"epoch {epoch}: the source has too few rows for {slots} ranks x workers")
 
     def _rows(self, slot: int, slots: int) -> Iterator[tuple[int, Row]]:
-        """``(row number from 1, row)`` of this slot's rows."""
-        for number, row in enumerate(self.source.stream_rows(), start=1):
-            if (number - 1) % slots == slot:
-                yield number, row
+        """``(row number from 1 within its part, row)`` of this slot's rows, read from its own parts only."""
+        for shard, every, first in slot_reads(self.source.stream_shards(), slots, slot):
+            for number, row in enumerate(self.source.stream_shard(shard), start=1):
+                if (number - 1) % every == first:
+                    yield number, row
+
 
     def _epoch(self, slot: int, slots: int, epoch: int) -> Iterator[Example]:
         if self.format == "pretrain":
@@ -106,3 +109,20 @@ class StreamingExamples(IterableDataset):
                 window = torch.tensor(stream[: self.seq_len + 1], dtype=torch.long)
                 yield {"input_ids": window[:-1], "labels": window[1:]}
                 del stream[: self.seq_len]
+
+
+def slot_reads(shards: int, slots: int, slot: int) -> list[tuple[int, int, int]]:
+    """What slot ``slot`` of ``slots`` reads of a source in ``shards`` parts: ``(part, every, first)``,
+    the rows ``first, first + every, ...`` (from 0) of each of its parts. Every row of every part goes
+    to exactly one slot, whether or not the parts divide the slots:
+
+    - ``shards >= slots``: part ``p`` is slot ``p mod slots``'s, read whole (slots may get one part
+      more than others: unequal work, never a row twice);
+    - ``shards < slots``: slot ``s`` reads part ``s mod shards`` alone, which the ``k`` slots
+      ``p, p + shards, ...`` share by row: each keeps every ``k``-th row, from its place among them.
+      One part (``shards == 1``) is the whole stream split by row number.
+    """
+    if shards >= slots:
+        return [(part, 1, 0) for part in range(slot, shards, slots)]
+    part = slot % shards
+    return [(part, len(range(part, slots, shards)), slot // shards)]
