@@ -325,7 +325,13 @@ def _waited_collective(module: nn.Module, args: Any, output: Tensor) -> Tensor:
 
 def _parallelize(module: nn.Module, mesh: DeviceMesh, plan: Plan) -> None:
     """Apply ``plan``'s styles in order. Each rank only slices what it holds (``src_data_rank=None``):
-    ranks other than 0 hold ``meta`` weights, and ``materialize`` copies rank 0's values afterwards."""
+    ranks other than 0 hold ``meta`` weights, and ``materialize`` copies rank 0's values afterwards.
+    DTensor's ``SequenceParallel`` re-creates the weights it replicates as trainable ones: frozen
+    weights (the norms beside LoRA adapters, DPO's reference model) are frozen again after."""
+    frozen = {name for name, p in module.named_parameters() if not p.requires_grad}
     for name, styles in plan.items():
         for style in styles if isinstance(styles, tuple) else (styles,):
             parallelize_module(module, mesh, {name: style}, src_data_rank=None)
+    for name, p in module.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)

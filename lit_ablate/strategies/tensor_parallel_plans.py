@@ -107,20 +107,24 @@ def layer_plan_for(model_type: str):  # noqa: ANN201 (a function like LAYER_PLAN
     family_plan = LAYER_PLANS[model_type]
 
     def plan(layer: nn.Module, sequence_parallel: bool, float8: bool = False) -> Plan:
-        return adapter_plan(layer, family_plan(layer, sequence_parallel, float8))
+        return adapter_plan(layer, family_plan(layer, sequence_parallel, float8), sequence_parallel)
 
     return plan
 
 
-def adapter_plan(layer: nn.Module, plan: Plan) -> Plan:
+def adapter_plan(layer: nn.Module, plan: Plan, sequence_parallel: bool = False) -> Plan:
     """``plan`` with each entry that names a peft LoRA layer aimed at the linears inside it.
 
     DTensor's styles split ``nn.Linear`` s only, and peft's layer computes ``base_layer(x) +
     lora_B(lora_A(x)) * scale``. Column-parallel base: ``base_layer`` and ``lora_B`` split by output
     columns (the sum is this rank's columns), ``lora_A`` whole on every rank (its input is the
-    replicated ``x``; the split ``lora_B`` all-reduces its input gradient as the base does).
+    replicated ``x``, handed to it as a plain tensor under sequence parallelism, where the block's
+    input arrives as a DTensor; the split ``lora_B`` all-reduces its input gradient as the base does).
     Row-parallel base: ``base_layer`` and ``lora_A`` split by input rows (``x`` arrives split), each
-    all-reducing (or, under sequence parallelism, reduce-scattering) its output, ``lora_B`` whole.
+    all-reducing its output, ``lora_B`` whole. Under sequence parallelism both reduce-scatter their
+    outputs along the sequence instead, so ``lora_B`` reads only this rank's tokens: it is marked
+    ``SequenceParallel`` (a replicated DTensor weight whose gradient DTensor sums over ``tp``, as
+    for the norms).
     The whole adapters compute the same values on every TP rank and get the same gradients, so they
     stay equal without a collective. Refused: DoRA (its magnitude needs the whole weight's row norms),
     dropout (the TP ranks would drop different inputs of the whole ``lora_A``) and a quantised base
@@ -138,10 +142,15 @@ def adapter_plan(layer: nn.Module, plan: Plan) -> Plan:
         if isinstance(style, ColwiseParallel):
             out[f"{name}.lora_B.{ADAPTER_NAME}"] = ColwiseParallel(output_layouts=style.output_layouts[0],
                                                                    use_local_output=style.use_local_output)
+            if sequence_parallel:
+                out[f"{name}.lora_A.{ADAPTER_NAME}"] = PrepareModuleInput(
+                    input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=True)
         elif isinstance(style, RowwiseParallel):
             out[f"{name}.lora_A.{ADAPTER_NAME}"] = RowwiseParallel(input_layouts=style.input_layouts[0],
                                                                    output_layouts=style.output_layouts[0],
                                                                    use_local_output=style.use_local_output)
+            if sequence_parallel:  # lora_B reads this rank's tokens: its weight gradient is summed over tp
+                out[f"{name}.lora_B.{ADAPTER_NAME}"] = SequenceParallel(use_local_output=True)
         else:
             raise ConfigError(ADAPTER_OPTIONS_KEY + ".target_modules", name,
                               f"its tensor-parallel style {type(style).__name__} has no adapter split; "
