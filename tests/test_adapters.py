@@ -11,7 +11,7 @@ from bitsandbytes.functional import dequantize_4bit, get_4bit_type
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader
 
-from lit_ablate.compatibility import check_quantization
+from lit_ablate.compatibility import check_quantization, quantization_runs_under_strategy
 from lit_ablate.errors import ConfigError
 from lit_ablate.estimate.flops import count_parameters
 from lit_ablate.models.adapters.lora import AdapterOptions, adapter_parameter_names
@@ -202,6 +202,20 @@ def test_quantization_a_strategy_cannot_shard_is_refused(bits, storage, model_dt
         check_quantization(QuantizationOptions(bits=bits, quant_storage=storage), strategy, model_dtype)
     check_quantization(QuantizationOptions(bits=4), FSDP2Strategy)  # QLoRA under FSDP2 is fine
     check_quantization(QuantizationOptions(bits=4, quant_storage="bfloat16"), FSDP1Strategy, "bfloat16")  # FSDP-QLoRA
+
+
+@pytest.mark.parametrize(("dtype", "storage", "refused"), [("bfloat16", "bfloat16", False), ("float32", "bfloat16", True),
+                                                        ("float32", "uint8", True), ("float32", "float32", False)])
+def test_the_study_rule_reads_the_model_dtype_for_fsdp1_qlora(dtype, storage, refused):
+    """A study's config-level rule (``quantization_runs_under_strategy``) judges quant_storage against
+    the config's ``model.init_args.model.dtype``, as the run's own check does (seen failing with the
+    rule not passing the dtype on: bfloat16 storage in a bfloat16 model refused)."""
+    config = {"model": {"init_args": {"model": {"dtype": dtype, "quantization": {"bits": 4, "quant_storage": storage}}}},
+              "trainer": {"strategy": {"class_path": "lit_ablate.strategies.FSDP1Strategy"}}}  # fmt: skip
+    reason = quantization_runs_under_strategy(config, None)
+    assert (reason is not None) == refused, reason
+    if refused:
+        assert f"set quant_storage: {dtype}" in reason
 
 
 def test_quant_storage_is_a_view_of_the_same_packed_bytes():
