@@ -33,8 +33,7 @@ from lit_ablate.models.adapters.lora import AdapterOptions
 from lit_ablate.models.adapters.quantization import QuantizationOptions
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.models.factory import ModelFactory
-from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX
-from lit_ablate.models.losses.cross_entropy import loss_backend
+from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX, loss_backend
 from lit_ablate.strategies import TensorParallelStrategy
 from lit_ablate.strategies.tensor_parallel_plans import layer_plan_for
 from tests.distributed import run_ranks
