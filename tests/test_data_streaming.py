@@ -67,22 +67,24 @@ def test_resume_continues_with_the_next_batch_of_the_rank(tmp_path, consumed):
         assert torch.equal(got["input_ids"], want["input_ids"]) and torch.equal(got["labels"], want["labels"])
 
 
-def _fit(path: str, root, max_steps: int, ckpt_path: str | None = None) -> list[torch.Tensor]:
+def _fit(path: str, root, max_steps: int, ckpt_path: str | None = None, shuffle_buffer: int = 0) -> list[torch.Tensor]:
     module = _BatchRecorder()
     checkpoints = pl.callbacks.ModelCheckpoint(dirpath=root, every_n_train_steps=3, save_top_k=-1)
     trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[checkpoints], num_sanity_val_steps=0)
-    dm = LMDataModule(LocalFiles(path), format="sft", seq_len=32, batch_size=2, num_workers=2, storage="stream")
+    dm = LMDataModule(LocalFiles(path), format="sft", seq_len=32, batch_size=2, num_workers=2, storage="stream",
+                      shuffle_buffer=shuffle_buffer)
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
     return module.seen
 
 
-def test_lightning_resume_of_a_stream_continues_exactly(tmp_path):
+@pytest.mark.parametrize("shuffle_buffer", [0, 3])
+def test_lightning_resume_of_a_stream_continues_exactly(tmp_path, shuffle_buffer):
     path = _sft_file(tmp_path, rows=12)  # 6 batches of 2 per epoch: 8 steps cross an epoch boundary
-    uninterrupted = _fit(path, tmp_path / "a", max_steps=8)
-    _fit(path, tmp_path / "b", max_steps=3)
+    uninterrupted = _fit(path, tmp_path / "a", max_steps=8, shuffle_buffer=shuffle_buffer)
+    _fit(path, tmp_path / "b", max_steps=3, shuffle_buffer=shuffle_buffer)
     (checkpoint,) = (tmp_path / "b").glob("*.ckpt")
-    resumed = _fit(path, tmp_path / "c", max_steps=8, ckpt_path=str(checkpoint))
+    resumed = _fit(path, tmp_path / "c", max_steps=8, ckpt_path=str(checkpoint), shuffle_buffer=shuffle_buffer)
     assert len(resumed) == 5
     assert all(torch.equal(a, b) for a, b in zip(resumed, uninterrupted[3:], strict=True))
 

@@ -81,6 +81,8 @@ class LMDataModule(pl.LightningDataModule):
             set ``trainer.max_steps``; padding only, no held-out split, source order).
         cache_dir: where ``cache`` keeps its entries; default ``$LIT_ABLATE_DATA_CACHE``, else
             ``~/.cache/lit_ablate/data``.
+        shuffle_buffer: ``stream`` only: shuffle each slot's examples through a buffer of this many
+            (seeded by ``seed``, the epoch and the slot; exact on resume; 0: source order).
         tokenize_workers: processes that tokenise while a ``cache`` entry is built (0: this one;
             ``auto`` uses them when it chooses the cache).
     """
@@ -101,6 +103,7 @@ class LMDataModule(pl.LightningDataModule):
         storage: Storage = "auto",
         cache_dir: str | None = None,
         tokenize_workers: int = 0,
+        shuffle_buffer: int = 0,
     ) -> None:
         super().__init__()
         for key, value in (("seq_len", seq_len), ("batch_size", batch_size)):
@@ -123,7 +126,12 @@ class LMDataModule(pl.LightningDataModule):
             raise ConfigError("data.init_args.storage", storage,
                               "a stream serves pretrain/documents/sft examples with PaddingCollator and no val_examples "
                               "(packing and preference pairs need the whole data set's lengths): use storage: cache")
+        if shuffle_buffer < 0 or (shuffle_buffer and storage != "stream"):
+            raise ConfigError("data.init_args.shuffle_buffer", shuffle_buffer,
+                              "use 0, or a positive size with storage: stream (memory and cache shuffle the whole "
+                              "data set with shuffle: true)")
         self.storage, self.cache_dir, self.tokenize_workers = storage, cache_dir, tokenize_workers
+        self.shuffle_buffer = shuffle_buffer
         self.source, self.format, self.seq_len, self.batch_size = source, format, seq_len, batch_size
         self.num_workers, self.val_examples, self.shuffle, self.seed, self.overlong = num_workers, val_examples, shuffle, seed, overlong
         self.tokenizer = load_tokenizer(tokenizer)
@@ -211,7 +219,8 @@ class LMDataModule(pl.LightningDataModule):
     def state_dict(self) -> dict[str, Any]:
         state = {"epoch": self._epoch, "batches_consumed": self._batches_consumed, "tokenizer": self.tokenizer.spec,
                  "seed": self.seed, "format": self.format}
-        return state | ({"stream_workers": self.num_workers} if self.storage == "stream" else {})
+        stream = {"stream_workers": self.num_workers, "stream_shuffle_buffer": self.shuffle_buffer}
+        return state | (stream if self.storage == "stream" else {})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume: the next training dataloader skips the batches this state had consumed."""
@@ -223,6 +232,10 @@ class LMDataModule(pl.LightningDataModule):
             raise ConfigError("data.init_args.num_workers", self.num_workers,
                               f"a stream resumes exactly only with the workers it was saved with: use "
                               f"{state_dict.get('stream_workers')}")
+        if self.storage == "stream" and state_dict.get("stream_shuffle_buffer", 0) != self.shuffle_buffer:
+            raise ConfigError("data.init_args.shuffle_buffer", self.shuffle_buffer,
+                              f"a stream resumes exactly only with the shuffle buffer it was saved with: use "
+                              f"{state_dict.get('stream_shuffle_buffer', 0)}")
         self._epoch, self._batches_consumed = state_dict["epoch"], state_dict["batches_consumed"]
         self._resume_pending = True
 
@@ -241,7 +254,8 @@ class LMDataModule(pl.LightningDataModule):
         self._resume_pending = False
         replicas = self._replicas()
         dataset = StreamingExamples(self.source, self.tokenizer, self.format, self.seq_len, self.overlong, self.batch_size,
-                                    rank=replicas["rank"], num_replicas=replicas["num_replicas"], skip_batches=skip)
+                                    rank=replicas["rank"], num_replicas=replicas["num_replicas"], skip_batches=skip,
+                                    shuffle_buffer=self.shuffle_buffer if self.shuffle else 0, seed=self.seed)
         return DataLoader(dataset, batch_size=self.batch_size, collate_fn=self.collator, num_workers=self.num_workers)
 
     def _sampler(self, dataset: ExampleDataset, shuffle: bool, drop_last: bool) -> ShardedSampler:

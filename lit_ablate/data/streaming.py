@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import random
 from collections import Counter
 from collections.abc import Iterator
 
@@ -51,15 +52,19 @@ class StreamingExamples(IterableDataset):
     Args:
         skip_batches: batches this rank already consumed (resume); each worker skips its share.
         epochs: stop after this many epochs (None: never; tests read exactly one epoch).
+        shuffle_buffer: shuffle each slot's examples through a buffer of this many (0 or 1: source order).
+        seed: the shuffle's seed; with the epoch and the slot it seeds each slot's shuffle of each epoch.
     """
 
     def __init__(
         self, source: DataSource, tokenizer: Tokenizer, fmt: Format, seq_len: int, overlong: Overlong,
         batch_size: int, rank: int = 0, num_replicas: int = 1, skip_batches: int = 0, epochs: int | None = None,
+        shuffle_buffer: int = 0, seed: int = 0,
     ) -> None:
         self.source, self.tokenizer, self.format, self.seq_len, self.overlong = source, tokenizer, fmt, seq_len, overlong
         self.batch_size, self.rank, self.num_replicas = batch_size, rank, num_replicas
         self.skip_batches, self.epochs = skip_batches, epochs
+        self.shuffle_buffer, self.seed = shuffle_buffer, seed
 
     def __iter__(self) -> Iterator[Example]:
         info = get_worker_info()
@@ -69,7 +74,11 @@ class StreamingExamples(IterableDataset):
         skip = worker_batches_consumed(self.skip_batches, worker, workers) * self.batch_size
         for epoch in itertools.count() if self.epochs is None else range(self.epochs):
             made = 0
-            for example in self._epoch(slot, slots, epoch):
+            examples = self._epoch(slot, slots, epoch)
+            if self.shuffle_buffer > 1:
+                rng = random.Random(f"{self.seed}/{epoch}/{slot}")  # a str seed is hashed the same in every process
+                examples = shuffled_through_buffer(examples, self.shuffle_buffer, rng)
+            for example in examples:
                 made += 1
                 if skip:
                     skip -= 1
@@ -126,3 +135,20 @@ def slot_reads(shards: int, slots: int, slot: int) -> list[tuple[int, int, int]]
         return [(part, 1, 0) for part in range(slot, shards, slots)]
     part = slot % shards
     return [(part, len(range(part, slots, shards)), slot // shards)]
+
+
+def shuffled_through_buffer(examples: Iterator[Example], size: int, rng: random.Random) -> Iterator[Example]:
+    """The examples in a random order that never holds more than ``size`` of them: each new one takes
+    the place of a random buffered one, which is yielded; the rest are shuffled at the end. A pure
+    function of the input order and ``rng``, so a resumed slot that skips what it had yielded
+    continues with exactly the next example."""
+    buffer: list[Example] = []
+    for example in examples:
+        if len(buffer) < size:
+            buffer.append(example)
+            continue
+        place = rng.randrange(size)
+        yield buffer[place]
+        buffer[place] = example
+    rng.shuffle(buffer)
+    yield from buffer
