@@ -31,6 +31,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ NODES = ("n1", "n2")
 CPUS_PER_NODE = 2
 MUNGE_KEY = Path("/etc/munge/munge.key")  # made by the munge package's post-install
 START_TIMEOUT_S = 60.0
+HOLDING = "HoldFirstAttempt: holding before step"
 
 
 class ClusterUnavailable(RuntimeError):
@@ -262,5 +264,6 @@ class HoldFirstAttempt(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if trainer.global_step == self.step - 1 and not int(os.environ.get("SLURM_RESTART_COUNT") or 0):
             if trainer.is_global_zero:
+                print(f"{HOLDING} {self.step}", file=sys.stderr, flush=True)
                 Path(self.marker).write_text(str(self.step))
             time.sleep(self.seconds)

@@ -51,7 +51,7 @@ def run_environment(run: PlannedRun) -> dict[str, str]:
     return {
         run_record.RECORD_PATH_ENV: str(run.run_dir / run_record.RECORD_FILENAME),
         run_record.VARIANT_ENV: run.variant.name,
-        "PYTHONPATH": os.pathsep.join(filter(None, [_package_root(), os.environ.get("PYTHONPATH")])),
+        "PYTHONPATH": os.pathsep.join(filter(None, [package_root(), os.environ.get("PYTHONPATH")])),
         "PYTHONUNBUFFERED": "1",
     }
 
@@ -151,6 +151,6 @@ def last_line(text: str) -> str | None:
     return lines[-1][:2000] if lines else None
 
 
-def _package_root() -> str:
+def package_root() -> str:
     """The folder holding the ``lit_ablate`` package this runner imported (the child imports the same)."""
     return str(Path(lit_ablate.__file__).resolve().parent.parent)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -47,6 +48,7 @@ from lit_ablate.ablation.run_folder import (
     fit_arguments,
     is_kept,
     last_line,
+    package_root,
     prepare,
     previous_record,
     run_environment,
@@ -147,7 +149,7 @@ def sbatch_parameters(run: PlannedRun) -> dict[str, Any]:
         "time": max(1, math.ceil(run.launch.timeout_s / 60)),
         "nodes": nodes,
         "ntasks_per_node": devices,
-        "setup": list(settings.setup),
+        "setup": [_same_package(), *settings.setup],
         "srun_args": ["--kill-on-bad-exit=1"],  # one failed rank ends the job (FitExited)
         "additional_parameters": dict(settings.sbatch),
     }
@@ -157,6 +159,13 @@ def sbatch_parameters(run: PlannedRun) -> dict[str, Any]:
                 "mem": settings.mem_gb}  # fmt: skip
     parameters.update({k: v for k, v in optional.items() if v is not None})
     return parameters
+
+
+def _same_package() -> str:
+    """The job's first setup line: its tasks unpickle ``FitTask`` from this runner's ``lit_ablate``
+    (as the fit process does, ``run_environment``), not from whatever the job's environment imports
+    first (another install, an older checkout)."""
+    return f"export PYTHONPATH={shlex.quote(package_root())}${{PYTHONPATH:+:$PYTHONPATH}}"
 
 
 def check_cluster_runs(runs: Sequence[PlannedRun]) -> None:
@@ -280,7 +289,7 @@ class _ClusterQueue:
             # One machine: one task, and Lightning's own launcher starts the ranks, as for a local run.
             executor = submitit.LocalExecutor(folder)
             executor.update_parameters(timeout_min=run.launch.timeout_s / 60, tasks_per_node=1,
-                                       setup=list(self.settings.setup))  # fmt: skip
+                                       setup=[_same_package(), *self.settings.setup])  # fmt: skip
             return executor
         try:
             executor = submitit.SlurmExecutor(folder)
