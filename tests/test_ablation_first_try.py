@@ -194,6 +194,7 @@ def flat_record(variant: str, seed: int, *, speed: float, peak_mib: float, losse
         step["tokens_per_sec"], step["useful_tokens_per_sec"] = speed, speed / 2
     kept = {k: record["summary"][k] for k in ("status", "message", "memory_method")}
     record["summary"] = {**summarize_steps(record["steps"], 1), **kept}
+    record["summary"]["peak_tensor_bytes"] = int(peak_mib * 2**20)  # what memory × compares (a CPU run tracks tensors)
     return record
 
 

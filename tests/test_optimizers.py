@@ -146,7 +146,7 @@ def test_unknown_optimizer_options_name_their_key():
       "trainer": {"strategy": {"class_path": "lit_ablate.strategies.FSDP2Strategy"}}}, "cannot update the DTensor"),
     ({"model": {"init_args": {"optimizer": "bnb_paged_adamw8bit"}}, "trainer": {"strategy": "ddp"}}, "paged optimizers"),
     ({"model": {"init_args": {"model": {"adapter": {}, "quantization": {"bits": 4}}}}, "trainer": {"strategy": "fsdp"}},
-     "cannot flatten quantised integer weights"),
+     "packed weights are stored as uint8; set quant_storage: float32"),
     ({"model": {"init_args": {"model": {"adapter": {}, "quantization": {"bits": 8}}}},
       "trainer": {"strategy": {"class_path": "lit_ablate.strategies.HSDPStrategy"}}}, "8-bit layers cannot be sharded"),
 ])  # fmt: skip
