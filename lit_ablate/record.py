@@ -15,7 +15,8 @@ imports the other: both depend only on this module. A record is one JSON file pe
       "warmup_steps": 3,                        # steps excluded from the summary
       "resumed_from": null | {"checkpoint": "path", "step_offset": 3},  # a resumed fit: its steps are offset + 1, ...
       "fallbacks": ["..."],                     # every fallback a part took, in words
-      "data": null | {"storage": "memory" | "cache", "seconds": ..., "cache_hit": bool | null,
+      "data": null | {"storage": "memory" | "cache" | "stream", "storage_requested": "auto" | ...,
+               "storage_reason": "why auto chose it", "seconds": ..., "cache_hit": bool | null,
                "cache_path": str | null, "examples": n},  # LMDataModule's set-up (null: another data module)
       "steps": [{"step": 1, "loss": ..., "lr": ..., "step_time_s": ..., "data_wait_s": ...,
                  "tokens_per_sec": ..., "useful_tokens_per_sec": ..., "mfu": ..., "mfu_measured": ...,
