@@ -293,3 +293,28 @@ def test_job_states_come_from_the_controller_where_sacct_has_no_accounting(tmp_p
     assert job_states(["7", "8", "9"]) == {"7": "RUNNING", "8": "FAILED", "9": GONE}
     (bin_dir / "scontrol").write_text("#!/bin/sh\nexit 1\n")  # the controller does not answer: ask again later
     assert job_states(["7"]) == {"7": UNKNOWN}
+
+
+def test_a_restarted_job_resumes_from_the_newest_complete_checkpoint(tmp_path: Path):
+    """What a requeued job's tasks resume from: the newest ``.ckpt`` under the trainer folder, a file
+    or a sharded folder with DCP's ``.metadata``; a sharded save cut short (no ``.metadata``) is not
+    one. Seen failing with folders taken without their metadata (the cut-short save chosen)."""
+    from lit_ablate.ablation.attempts import newest_checkpoint
+
+    trainer = tmp_path / "trainer"
+    assert newest_checkpoint(trainer) is None
+    older = trainer / "lightning_logs" / "version_0" / "checkpoints" / "epoch=0-step=3.ckpt"
+    older.parent.mkdir(parents=True)
+    older.write_bytes(b"x")
+    sharded = older.parent / "last.ckpt"
+    sharded.mkdir()
+    (sharded / "__0_0.distcp").write_bytes(b"x")
+    (sharded / ".metadata").write_bytes(b"x")
+    cut_short = trainer / "lightning_logs" / "version_1" / "checkpoints" / "last.ckpt"
+    cut_short.mkdir(parents=True)
+    (cut_short / "__0_0.distcp").write_bytes(b"x")
+    for age, path in enumerate([cut_short, sharded, older]):  # cut_short newest, older oldest
+        os.utime(path, (1e9 - age * 100, 1e9 - age * 100))
+    assert newest_checkpoint(trainer) == sharded
+    os.utime(older, (2e9, 2e9))
+    assert newest_checkpoint(trainer) == older

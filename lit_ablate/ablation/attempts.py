@@ -47,8 +47,7 @@ def newest_checkpoint(folder: Path) -> Path | None:
     ``.ckpt`` folder with its metadata), or None. Newest by time, as Lightning's ``ckpt_path="last"``."""
     if not folder.is_dir():
         return None
-    found = [p for p in folder.rglob("*.ckpt") if (p.is_file() or (p / DCP_METADATA).is_file())
-             and not any(parent.suffix == ".ckpt" for parent in p.relative_to(folder).parents)]  # fmt: skip
+    found = [p for p in folder.rglob("*.ckpt") if p.is_file() or (p / DCP_METADATA).is_file()]
     return max(found, key=lambda p: p.stat().st_mtime, default=None)
 
 
