@@ -3,8 +3,8 @@ run the real ``lit-ablate fit``, one cluster for the whole module.
 
 Each test names the broken mechanism it was seen failing with. The module skips with the reason
 where the cluster cannot start (not root, no apt); with ``LIT_ABLATE_REQUIRE_SLURM=1`` (CI) it fails
-instead. Tiny runs (one decoder layer, 32-token rows, 12 steps) keep the module to 156 s on the
-2-core dev machine while other work ran beside it (load average 3-4); most of it is the 15
+instead. Tiny runs (one decoder layer, 32-token rows, 12 steps) keep the module to 100 s on the
+2-core dev machine (156 s with other work beside it, load average 3-4); most of it is the 15
 ``lit-ablate fit`` processes' start-up (imports, ~8 s of CPU each). The runs' configs differ from
 the local reference only where the test says.
 """
