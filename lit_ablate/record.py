@@ -14,6 +14,9 @@ imports the other: both depend only on this module. A record is one JSON file pe
                       "fp8": "real" | "emulated" | null,  # which fp8 matmuls ran (lit_ablate.models.fp8.conversion)
       "warmup_steps": 3,                        # steps excluded from the summary
       "resumed_from": null | {"checkpoint": "path", "step_offset": 3},  # a resumed fit: its steps are offset + 1, ...
+      "steps_before_resume": null | [{"step": 1, "loss": ...}, ...],  # the losses the checkpoint carried (all ranks')
+      "job": null | {"id": ..., "state": ..., "cluster": ..., "restarts": 0,  # a SLURM job (launch.executor: slurm)
+                     "nodes": [...], "ranks": [{"rank": r, "node_rank": n, "local_rank": l, "node": "name"}]},
       "fallbacks": ["..."],                     # every fallback a part took, in words
       "data": null | {"storage": "memory" | "cache" | "stream", "storage_requested": "auto" | ...,
                "storage_reason": "why auto chose it", "seconds": ..., "cache_hit": bool | null,
