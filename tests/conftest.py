@@ -54,6 +54,20 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     return report
 
 
+RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                        "NODE_RANK", "GROUP_RANK")
+
+
+@pytest.fixture(autouse=True)
+def _no_rendezvous_from_an_earlier_test(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts without a distributed rendezvous in the environment, and leaves none behind.
+    Lightning's subprocess launcher writes ``MASTER_PORT`` and friends into the launching process (a test
+    that fits on two ranks in-process); a later test's ``lit-ablate fit`` subprocess inherited that port
+    and failed with EADDRINUSE (seen in CI: two multi-rank CLI tests on port 42519)."""
+    for name in RENDEZVOUS_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _cwd_outside_the_checkout(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Tests (and the processes they start) run in a temporary directory, with lit-ablate's caches
