@@ -5,7 +5,9 @@ Seen failing with a bug put in, one at a time:
 - the buffer's generator seeded without the epoch: every epoch has the same order
   (``test_a_buffer_shuffles_each_epoch_of_a_slot_differently``);
 - the generator left unseeded (``random.Random()``): the resumed stream continues with other
-  examples (``test_a_resumed_shuffled_stream_continues_with_the_next_examples``).
+  examples (``test_a_resumed_shuffled_stream_continues_with_the_next_examples``);
+- the buffer's examples left out of the slot's state (a resumed buffer starts empty): the resumed
+  stream continues with other examples (the same test).
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ import json
 
 import pytest
 
-from lit_ablate.data import LMDataModule, LocalFiles
-from lit_ablate.data.streaming import StreamingExamples, shuffled_through_buffer
+from lit_ablate.data import LMDataModule, LocalFiles, SyntheticText
+from lit_ablate.data.stream_slot import SlotStream
+from lit_ablate.data.streaming import StreamingExamples
 from lit_ablate.data.tokenizers import load_tokenizer
 from lit_ablate.errors import ConfigError
 
@@ -28,8 +31,13 @@ def _stream(tmp_path, **kwargs) -> StreamingExamples:
                              batch_size=2, **kwargs)
 
 
-def _ids(examples) -> list[tuple[int, ...]]:
-    return [tuple(e["input_ids"].tolist()) for e in examples]
+def _ids(stream: StreamingExamples) -> list[tuple[int, ...]]:
+    return [tuple(e["input_ids"].tolist()) for batch, _ in stream for e in batch]
+
+
+def _states(stream: StreamingExamples, batches: int) -> dict:
+    """The slot's state after its first ``batches`` batches (one slot: no DataLoader workers)."""
+    return dict(position for _, (_, position) in zip(range(batches), stream))
 
 
 def test_a_buffer_shuffles_each_epoch_of_a_slot_differently(tmp_path):
@@ -43,25 +51,25 @@ def test_a_buffer_shuffles_each_epoch_of_a_slot_differently(tmp_path):
 
 
 def test_the_buffer_holds_at_most_its_size():
+    source = SyntheticText(num_documents=30)
     pulled = []
-
-    def source():
-        for i in range(30):
-            pulled.append(i)
-            yield i
-
-    import random
-
-    out = shuffled_through_buffer(source(), 5, random.Random(0))
-    first = next(out)
-    assert len(pulled) == 6 and first in range(6)  # the 6th example displaced the first yielded
-    assert sorted([first, *out]) == list(range(30))
+    rows = source.stream_part
+    source.stream_part = lambda index, after=None: ((pulled.append(row) or row, p) for row, p in rows(index, after))
+    stream = iter(SlotStream(source, load_tokenizer("byte"), "documents", 4096, "truncate", 0, 1, [(0, 1, 0)],
+                             shuffle_buffer=5, epochs=1))
+    first = next(stream)
+    assert len(pulled) == 6  # the 6th example displaced the first served
+    everything = [first, *stream]
+    assert sorted(tuple(e["input_ids"].tolist()) for e in everything) == sorted(
+        tuple(e["input_ids"].tolist()) for e in SlotStream(source, load_tokenizer("byte"), "documents", 4096, "truncate",
+                                                           0, 1, [(0, 1, 0)], epochs=1))
 
 
 def test_a_resumed_shuffled_stream_continues_with_the_next_examples(tmp_path):
     whole = _ids(_stream(tmp_path, epochs=2, shuffle_buffer=8, seed=1))
-    for batches in (3, 20, 27):
-        resumed = _ids(_stream(tmp_path, epochs=2, shuffle_buffer=8, seed=1, skip_batches=batches))
+    for batches in (3, 17, 20, 27):  # 17: while the first epoch's buffer drains
+        positions = _states(_stream(tmp_path, epochs=2, shuffle_buffer=8, seed=1), batches)
+        resumed = _ids(_stream(tmp_path, epochs=2, shuffle_buffer=8, seed=1, skip_batches=batches, positions=positions))
         assert resumed == whole[batches * 2 :], batches
 
 

@@ -19,8 +19,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lit_ablate.data import ArithmeticSFT, LMDataModule, LocalFiles, PackingCollator, PaddingCollator, build_examples
-from lit_ablate.data.streaming import StreamingExamples, worker_batches_consumed
+from lit_ablate.data import ArithmeticSFT, LMDataModule, LocalFiles, PaddingCollator, build_examples
+from lit_ablate.data.streaming import STREAM_STATE, StreamBatches, StreamingExamples, worker_batches_consumed
 from lit_ablate.data.tokenizers import ByteTokenizer
 from lit_ablate.errors import ConfigError
 from tests.test_data import _BatchRecorder
@@ -32,12 +32,13 @@ def _sft_file(tmp_path, rows: int = 45) -> str:
     return str(path)
 
 
-def _loader(path: str, rank: int, *, workers: int = 2, skip: int = 0, epochs: int | None = 1, batch: int = 2) -> DataLoader:
+def _loader(path: str, rank: int, *, workers: int = 2, skip: int = 0, positions=None, epochs: int | None = 1,
+            batch: int = 2) -> DataLoader:
     dataset = StreamingExamples(LocalFiles(path), ByteTokenizer(), "sft", 32, "truncate", batch, rank=rank,
-                                num_replicas=2, skip_batches=skip, epochs=epochs)
+                                num_replicas=2, skip_batches=skip, positions=positions, epochs=epochs)
     collator = PaddingCollator()
     collator.bind(256, 32)
-    return DataLoader(dataset, batch_size=batch, collate_fn=collator, num_workers=workers)
+    return DataLoader(dataset, batch_size=None, collate_fn=StreamBatches(collator), num_workers=workers)
 
 
 def _sequences(batches) -> list[tuple[int, ...]]:
@@ -62,7 +63,8 @@ def test_worker_shares_of_consumed_batches_add_up():
 def test_resume_continues_with_the_next_batch_of_the_rank(tmp_path, consumed):
     path = _sft_file(tmp_path, rows=40)  # 20 rows per rank: 10 batches of 2 per epoch
     uninterrupted = list(zip(range(consumed + 4), _loader(path, 1, epochs=None)))
-    resumed = list(zip(range(4), _loader(path, 1, skip=consumed, epochs=None)))
+    positions = dict(batch[STREAM_STATE] for _, batch in uninterrupted[:consumed])  # each slot's latest, as the data module keeps them
+    resumed = list(zip(range(4), _loader(path, 1, skip=consumed, positions=positions, epochs=None)))
     for (_, want), (_, got) in zip(uninterrupted[consumed:], resumed, strict=True):
         assert torch.equal(got["input_ids"], want["input_ids"]) and torch.equal(got["labels"], want["labels"])
 
@@ -89,7 +91,7 @@ def test_lightning_resume_of_a_stream_continues_exactly(tmp_path, shuffle_buffer
     assert all(torch.equal(a, b) for a, b in zip(resumed, uninterrupted[3:], strict=True))
 
 
-@pytest.mark.parametrize("options", [{"format": "preference"}, {"collator": PackingCollator()}, {"val_examples": 2}])
+@pytest.mark.parametrize("options", [{"format": "preference"}, {"val_examples": 2}])
 def test_a_stream_refuses_what_needs_the_whole_data_set(tmp_path, options):
     with pytest.raises(ConfigError, match="data.init_args.storage='stream'"):
         LMDataModule(LocalFiles(_sft_file(tmp_path)), storage="stream", **({"format": "sft"} | options))

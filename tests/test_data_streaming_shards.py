@@ -4,8 +4,8 @@ shards, and every row is read exactly once per epoch, also when the parts do not
 Seen failing with a bug put in, one at a time:
 - ``slot_reads`` sharing a part among too many slots (``every = slots`` when parts < slots): rows of
   the shared part are missed (``test_slot_reads_give_every_row_to_exactly_one_slot`` and the 3-file case);
-- ``StreamingExamples._rows`` reading the whole stream (``stream_rows``) instead of its parts: the
-  reads check of ``test_two_ranks_of_two_workers_read_only_their_own_files`` fails.
+- a slot reading every part (``range(shards)``) instead of its own: the reads check of
+  ``test_two_ranks_of_two_workers_read_only_their_own_files`` fails.
 """
 
 from __future__ import annotations
@@ -50,16 +50,15 @@ def _files(tmp_path, count: int) -> str:
 def test_two_ranks_of_two_workers_read_only_their_own_files(files, reads, tmp_path, monkeypatch):
     source = LocalFiles(_files(tmp_path, files))
     tokenizer = load_tokenizer("byte")
-    opened: list[tuple[str, int]] = []
-    shard_rows, whole = source.stream_shard, source.stream_rows
-    monkeypatch.setattr(source, "stream_shard", lambda index: opened.append(("part", index)) or shard_rows(index))
-    monkeypatch.setattr(source, "stream_rows", lambda: opened.append(("whole", -1)) or whole())
+    opened: list[int] = []
+    part_rows = source.stream_part
+    monkeypatch.setattr(source, "stream_part", lambda index, after=None: opened.append(index) or part_rows(index, after))
 
     def examples(rank: int, ranks: int, worker: int, workers: int) -> list[tuple[int, ...]]:
         monkeypatch.setattr(streaming, "get_worker_info", lambda: SimpleNamespace(id=worker, num_workers=workers))
         dataset = StreamingExamples(source, tokenizer, "documents", 64, "truncate", batch_size=1, rank=rank,
                                     num_replicas=ranks, epochs=1)
-        return [tuple(e["input_ids"].tolist()) for e in dataset]
+        return [tuple(e["input_ids"].tolist()) for batch, _ in dataset for e in batch]
 
     every_row = Counter(examples(0, 1, 0, 1))  # one slot reads all parts
     assert sum(every_row.values()) == sum(6 + f for f in range(files)) and max(every_row.values()) == 1
@@ -68,7 +67,7 @@ def test_two_ranks_of_two_workers_read_only_their_own_files(files, reads, tmp_pa
         for worker in range(2):
             opened.clear()
             seen.update(examples(rank, 2, worker, 2))
-            assert opened == [("part", index) for index in reads[rank * 2 + worker]], (rank, worker)
+            assert opened == reads[rank * 2 + worker], (rank, worker)
     assert seen == every_row
 
 

@@ -12,6 +12,7 @@ layout of a batch (padding or packing) lives in the collator.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Literal
 
@@ -29,7 +30,8 @@ from lit_ablate.data.preference_collate import PreferenceCollator, PreferencePad
 from lit_ablate.data.sampler import ShardedSampler
 from lit_ablate.data.sources import DataSource
 from lit_ablate.data.storage_choice import choose_storage
-from lit_ablate.data.streaming import StreamingExamples
+from lit_ablate.data.packing import PackingCollator, StreamPacking
+from lit_ablate.data.streaming import STREAM_STATE, StreamBatches, StreamingExamples
 from lit_ablate.data.token_cache import CachedExampleDataset, open_or_build
 from lit_ablate.data.tokenizers import load_tokenizer
 from lit_ablate.errors import ConfigError
@@ -78,7 +80,8 @@ class LMDataModule(pl.LightningDataModule):
             (tokenise in every rank, hold examples as tensors: up to tens of MB of text) or ``cache`` (tokenise once into files read with ``pread`` shared by every rank and run;
             per-rank memory does not grow with the corpus beyond one int32 length per example) or
             ``stream`` (tokenise on the fly in the ``num_workers`` DataLoader workers, endless epochs:
-            set ``trainer.max_steps``; padding only, no held-out split, source order).
+            set ``trainer.max_steps``; no held-out split; each worker packs its own examples with
+            ``PackingCollator``; resumes at each worker's saved position: ``streaming.py``).
         cache_dir: where ``cache`` keeps its entries; default ``$LIT_ABLATE_DATA_CACHE``, else
             ``~/.cache/lit_ablate/data``.
         shuffle_buffer: ``stream`` only: shuffle each slot's examples through a buffer of this many
@@ -121,11 +124,12 @@ class LMDataModule(pl.LightningDataModule):
             raise ConfigError("data.init_args.tokenize_workers", tokenize_workers,
                               "use 0 (this process) or more, and only with storage: cache or auto (a stream tokenises in "
                               "num_workers; memory in the rank itself)")
-        if storage == "stream" and (format == "preference" or not isinstance(collator, (PaddingCollator, type(None)))
-                                    or val_examples):
+        if storage == "stream" and (format == "preference" or val_examples or
+                                    not isinstance(collator, (PaddingCollator, PackingCollator, type(None)))):
             raise ConfigError("data.init_args.storage", storage,
-                              "a stream serves pretrain/documents/sft examples with PaddingCollator and no val_examples "
-                              "(packing and preference pairs need the whole data set's lengths): use storage: cache")
+                              "a stream serves pretrain/documents/sft examples with PaddingCollator or PackingCollator "
+                              "and no val_examples (preference pairs and a held-out split need the whole data set): "
+                              "use storage: cache")
         if shuffle_buffer < 0 or (shuffle_buffer and storage != "stream"):
             raise ConfigError("data.init_args.shuffle_buffer", shuffle_buffer,
                               "use 0, or a positive size with storage: stream (memory and cache shuffle the whole "
@@ -151,6 +155,8 @@ class LMDataModule(pl.LightningDataModule):
         ``cache_hit``, ``cache_path``, ``examples``): the run record's ``data``."""
         self._epoch, self._batches_consumed = 0, 0
         self._resume_pending = False
+        self._stream_positions: dict[int, Any] = {}
+        """Each stream slot's state after its last consumed batch (``STREAM_STATE``), for checkpoints."""
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
@@ -209,18 +215,25 @@ class LMDataModule(pl.LightningDataModule):
         return self.val_dataloader()
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Counts consumed training batches (in the main process) for exact resume."""
+        """Counts consumed training batches (in the main process) for exact resume, and keeps a
+        stream slot's position from its batch."""
+        position = batch.pop(STREAM_STATE, None) if isinstance(batch, dict) else None
         if self.trainer is not None and self.trainer.training:
             if self.trainer.current_epoch != self._epoch:
                 self._epoch, self._batches_consumed = self.trainer.current_epoch, 0
             self._batches_consumed += 1
+            if position is not None:
+                slot, state = position
+                self._stream_positions[slot] = state
         return batch
 
     def state_dict(self) -> dict[str, Any]:
         state = {"epoch": self._epoch, "batches_consumed": self._batches_consumed, "tokenizer": self.tokenizer.spec,
                  "seed": self.seed, "format": self.format}
-        stream = {"stream_workers": self.num_workers, "stream_shuffle_buffer": self.shuffle_buffer}
-        return state | (stream if self.storage == "stream" else {})
+        if self.storage != "stream":
+            return state
+        return state | {"stream_workers": self.num_workers, "stream_shuffle_buffer": self.shuffle_buffer,
+                        "stream_packing": self._stream_packing_spec(), "stream_positions": self._all_stream_positions()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume: the next training dataloader skips the batches this state had consumed."""
@@ -236,8 +249,33 @@ class LMDataModule(pl.LightningDataModule):
             raise ConfigError("data.init_args.shuffle_buffer", self.shuffle_buffer,
                               f"a stream resumes exactly only with the shuffle buffer it was saved with: use "
                               f"{state_dict.get('stream_shuffle_buffer', 0)}")
+        if self.storage == "stream" and state_dict.get("stream_packing") != self._stream_packing_spec():
+            raise ConfigError("data.init_args.collator", self._stream_packing_spec(),
+                              f"a stream resumes exactly only with the packing it was saved with: use "
+                              f"{state_dict.get('stream_packing')} (max_tokens, strategy, window, overlong; None: padding)")
         self._epoch, self._batches_consumed = state_dict["epoch"], state_dict["batches_consumed"]
+        self._stream_positions = dict(state_dict.get("stream_positions", {}))
         self._resume_pending = True
+
+    def _stream_packing(self) -> StreamPacking | None:
+        """How each stream slot packs (None: one example per row): the collator's settings."""
+        return self.collator.stream_packing() if isinstance(self.collator, PackingCollator) else None
+
+    def _stream_packing_spec(self) -> tuple | None:
+        """``_stream_packing`` as a plain tuple, as checkpoints hold it."""
+        packing = self._stream_packing()
+        return None if packing is None else dataclasses.astuple(packing)
+
+    def _all_stream_positions(self) -> dict[int, Any]:
+        """Every rank's slot positions: a checkpoint is written by rank 0, and each rank resumes its own
+        slots from it. ``state_dict`` runs on every rank when Lightning saves (``dump_checkpoint``)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return dict(self._stream_positions)
+        gathered: list[dict[int, Any]] = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(gathered, self._stream_positions)
+        return {slot: state for positions in gathered for slot, state in positions.items()}
 
     def _replicas(self) -> dict[str, int]:
         strategy = self.trainer.strategy if self.trainer is not None else None
@@ -255,8 +293,10 @@ class LMDataModule(pl.LightningDataModule):
         replicas = self._replicas()
         dataset = StreamingExamples(self.source, self.tokenizer, self.format, self.seq_len, self.overlong, self.batch_size,
                                     rank=replicas["rank"], num_replicas=replicas["num_replicas"], skip_batches=skip,
-                                    shuffle_buffer=self.shuffle_buffer if self.shuffle else 0, seed=self.seed)
-        return DataLoader(dataset, batch_size=self.batch_size, collate_fn=self.collator, num_workers=self.num_workers)
+                                    positions=dict(self._stream_positions) if skip else None,
+                                    shuffle_buffer=self.shuffle_buffer if self.shuffle else 0, seed=self.seed,
+                                    packing=self._stream_packing())
+        return DataLoader(dataset, batch_size=None, collate_fn=StreamBatches(self.collator), num_workers=self.num_workers)
 
     def _sampler(self, dataset: ExampleDataset, shuffle: bool, drop_last: bool) -> ShardedSampler:
         replicas = self._replicas()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+from dataclasses import dataclass
 from collections.abc import Sequence, Sized
 from typing import Any, Literal
 
@@ -93,6 +94,29 @@ def pack(order: Sequence[int], lengths: Sequence[int], max_tokens: int, strategy
         local = [int(lengths[i]) for i in indices]
         rows += [[indices[j] for j in row] for row in packer(range(len(indices)), local, max_tokens)]
     return rows
+
+
+@dataclass(frozen=True)
+class StreamPacking:
+    """How a stream packs (``PackingCollator``'s settings): each stream slot packs its own examples,
+    ``window`` at a time (``stream_slot.py``)."""
+
+    max_tokens: int
+    strategy: PackingStrategy
+    window: int
+    overlong: Overlong
+
+    def keeps(self, example: Example) -> bool:
+        """Whether the example is packed at all: ``reject`` drops those longer than ``max_tokens``
+        before windows are counted, as ``PackedSampler`` drops them from its order."""
+        return self.overlong != "reject" or len(example["input_ids"]) <= self.max_tokens
+
+    def rows(self, examples: Sequence[Example]) -> list[list[Example]]:
+        """One window's packed rows: what ``PackedSampler`` makes of the same kept examples in this
+        order (``truncate`` packs an overlong example capped, alone in its row)."""
+        lengths = [min(len(e["input_ids"]), self.max_tokens) for e in examples]
+        return [[examples[i] for i in row] for row in pack(range(len(examples)), lengths, self.max_tokens,
+                                                             self.strategy, max(1, len(examples)))]
 
 
 def balance_across_ranks(rows: list[list[int]], lengths: Sequence[int], num_replicas: int, rows_per_rank: int) -> list[list[list[int]]]:
@@ -224,6 +248,10 @@ class PackingCollator(Collator):
             dataset, lengths, self.capacity, self.strategy, self.window, self.overlong, num_replicas=num_replicas,
             rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last, batch_size=batch_size,
         )
+
+    def stream_packing(self) -> StreamPacking:
+        """These settings for ``storage: stream``, where each slot packs its own examples."""
+        return StreamPacking(self.capacity, self.strategy, self.window, self.overlong)
 
     def __call__(self, rows: list[list[Example]]) -> dict[str, Any]:
         rows = [[e for e in (fit_length(e, self.capacity, "truncate") for e in row) if e is not None] for row in rows]

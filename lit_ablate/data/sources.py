@@ -19,9 +19,8 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from lit_ablate.data.stream_parts import Position, Row, UnreadableRow, counted_rows, datasets_rows, line_rows, parquet_rows
 from lit_ablate.errors import ConfigError
-
-Row = dict[str, Any]
 
 _SOURCE_KEY = "data.init_args.source.init_args"
 _JSON_BUILDER_LOGGER = "datasets.packaged_modules.json.json"
@@ -49,6 +48,12 @@ class DataSource(ABC):
         """The rows of part ``index`` of ``stream_shards()``, in the source's order (the parts, one
         after another, are ``stream_rows()``)."""
         return self.stream_rows()
+
+    def stream_part(self, index: int, after: Position = None) -> Iterator[tuple[Row, Position]]:
+        """Part ``index``'s rows, each with the position after it; ``after``: continue from such a
+        position (a resumed stream, ``stream_parts.py``). This default counts rows, so resuming reads
+        the part's earlier rows again (not tokenised): sources that can seek override it."""
+        return counted_rows(self.stream_shard(index), after)
 
     def stored_bytes(self) -> int | None:
         """The size of the stored data it reads (files, a hub download), for ``storage: auto``
@@ -252,6 +257,22 @@ class LocalFiles(DataSource):
     def stream_shard(self, index: int) -> Iterator[Row]:
         return self._stream(self.files[index : index + 1]) if self.stream_shards() > 1 else self.stream_rows()
 
+    def stream_part(self, index: int, after: Position = None) -> Iterator[tuple[Row, Position]]:
+        """JSONL and text files resume at a byte offset, Parquet at a row group; ``.json`` (one
+        document) by counting rows."""
+        files = self.files[index : index + 1] if self.stream_shards() > 1 else self.files
+        kind = os.path.splitext(files[0])[1].lower()
+        if kind == ".json":
+            yield from super().stream_part(index, after)
+            return
+        rows = parquet_rows(files, after, self.max_rows) if kind == ".parquet" else \
+            line_rows(files, kind == ".jsonl", after, self.max_rows)
+        try:
+            for row, position in rows:
+                yield _with_text(row, self.text_field), position
+        except UnreadableRow as err:
+            raise ConfigError(f"{_SOURCE_KEY}.path", self.path, str(err)) from None
+
     def _stream(self, files: list[str]) -> Iterator[Row]:
         from datasets import load_dataset
 
@@ -380,6 +401,14 @@ class HubDataset(DataSource):
             return
         yield from _streamed_rows(dataset.shard(num_shards=dataset.num_shards, index=index), self.text_field, None)
 
+    def stream_part(self, index: int, after: Position = None) -> Iterator[tuple[Row, Position]]:
+        """Resumes from ``datasets``' ``state_dict()`` of the streamed shard (``stream_parts.py``)."""
+        dataset = self._streamed()
+        if self.max_rows is None and dataset.num_shards > 1:
+            dataset = dataset.shard(num_shards=dataset.num_shards, index=index)
+        for row, position in datasets_rows(dataset, after, _STREAM_BATCH, self.max_rows):
+            yield _with_text(row, self.text_field), position
+
     def _streamed(self) -> Any:
         from datasets import load_dataset
 
@@ -394,6 +423,13 @@ def _streamed_rows(dataset: Any, text_field: str, max_rows: int | None) -> Itera
     shards by row (``streaming.py``)."""
     rows = (dict(zip(batch, values)) for batch in dataset.iter(batch_size=_STREAM_BATCH) for values in zip(*batch.values()))
     yield from _renamed(rows, text_field, max_rows)
+
+
+def _with_text(row: Row, text_field: str) -> Row:
+    """The row with ``text_field`` renamed to ``text`` (``_renamed``, one row at a time)."""
+    if text_field != "text" and text_field in row:
+        row["text"] = row.pop(text_field)
+    return row
 
 
 def _rows(dataset: Any, text_field: str, max_rows: int | None, key: str, value: str) -> Iterator[Row]:

@@ -1,6 +1,7 @@
 """``storage: stream``: examples tokenised on the fly in DataLoader workers, never materialised.
 
-Rows come from ``DataSource.stream_rows`` (``datasets`` streaming for files and the hub). With
+Rows come from ``DataSource.stream_part`` (JSONL, text and Parquet files read from a byte offset or
+a row group, hub datasets through ``datasets`` streaming: ``stream_parts.py``). With
 ``W`` data-parallel ranks and ``K`` workers per rank there are ``W*K`` slots, slot ``rank*K + worker``.
 A source in several parts (``LocalFiles``' files, ``MDSShards``' shards, a hub dataset's shards:
 ``DataSource.stream_shards``) is split by part, so a slot reads only its own parts; parts that do not
@@ -11,34 +12,39 @@ tokenised by exactly one worker of one rank per epoch: no duplicates, no gaps.
 Each worker makes whole batches, and the DataLoader takes them from its workers in turn (worker 0,
 1, ..., K-1, 0, ...). So after a rank has consumed ``b`` batches, worker ``k`` has made
 ``ceil((b - k) / K)`` of them, and worker ``b mod K`` makes the next. A resumed DataLoader starts
-again at its worker 0, so its worker ``w`` takes the part (rows and skip) of worker
-``(w + b) mod K``: the rank continues with exactly the batch it would have had next. Skipped examples are still read and
-tokenised (the count of examples per row is known only then), but never collated or trained on.
+again at its worker 0, so its worker ``w`` takes the slot of worker ``(w + b) mod K``: the rank
+continues with exactly the batch it would have had next.
+
+Each batch carries, under ``STREAM_STATE``, its slot and the slot's state after it
+(``stream_slot.py``); the data module keeps the latest per slot and a checkpoint saves them. A resumed
+slot starts from its state: it opens its part at the saved position (a byte offset, a row group, a
+``datasets`` state) and reads on, never again the rows its consumed batches came from.
 
 The stream repeats epoch after epoch without end (the epoch is not known in advance, and ranks
 must never disagree about where it ends), so a run says how long it trains with
-``trainer.max_steps``. Examples come in source order within a slot (no shuffle). In the
-``pretrain`` format each slot concatenates its own documents and cuts its own ``seq_len``
-windows; a slot's partial last window of an epoch is dropped.
+``trainer.max_steps``. Examples come in source order within a slot unless a shuffle buffer is set.
+In the ``pretrain`` format each slot concatenates its own documents and cuts its own ``seq_len``
+windows; a slot's partial last window of an epoch is dropped. With ``PackingCollator`` each slot
+packs its own examples, ``window`` at a time, as the in-memory packer packs a window.
 """
 
 from __future__ import annotations
 
-import itertools
-import logging
-import random
-from collections import Counter
 from collections.abc import Iterator
+from typing import Any
 
-import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from lit_ablate.data.formats import Example, Format, Overlong, document_ids, iter_examples
-from lit_ablate.data.sources import DataSource, Row
+from lit_ablate.data.collate import Collator
+from lit_ablate.data.formats import Format, Overlong
+from lit_ablate.data.packing import StreamPacking
+from lit_ablate.data.sources import DataSource
+from lit_ablate.data.stream_slot import Item, SlotStream, State
 from lit_ablate.data.tokenizers import Tokenizer
 from lit_ablate.errors import ConfigError
 
-log = logging.getLogger(__name__)
+STREAM_STATE = "stream_state"
+"""The batch key of ``(slot, its state after this batch)``: the data module takes it off every batch."""
 
 
 def worker_batches_consumed(batches: int, worker: int, workers: int) -> int:
@@ -47,77 +53,63 @@ def worker_batches_consumed(batches: int, worker: int, workers: int) -> int:
 
 
 class StreamingExamples(IterableDataset):
-    """This rank's examples, slot by slot over the DataLoader's workers, epoch after epoch.
+    """This rank's batches of items, slot by slot over the DataLoader's workers, epoch after epoch.
+
+    Each element is ``(items, (slot, state))``: ``batch_size`` examples (or packed rows) and where the
+    slot stands after them; ``StreamBatches`` collates it.
 
     Args:
-        skip_batches: batches this rank already consumed (resume); each worker skips its share.
+        skip_batches: batches this rank already consumed (resume): which worker's turn it is.
+        positions: each slot's state after its last consumed batch (resume; ``STREAM_STATE``).
         epochs: stop after this many epochs (None: never; tests read exactly one epoch).
         shuffle_buffer: shuffle each slot's examples through a buffer of this many (0 or 1: source order).
         seed: the shuffle's seed; with the epoch and the slot it seeds each slot's shuffle of each epoch.
+        packing: pack each slot's examples into rows (``PackingCollator.stream_packing()``).
     """
 
     def __init__(
         self, source: DataSource, tokenizer: Tokenizer, fmt: Format, seq_len: int, overlong: Overlong,
-        batch_size: int, rank: int = 0, num_replicas: int = 1, skip_batches: int = 0, epochs: int | None = None,
-        shuffle_buffer: int = 0, seed: int = 0,
+        batch_size: int, rank: int = 0, num_replicas: int = 1, skip_batches: int = 0,
+        positions: dict[int, State] | None = None, epochs: int | None = None, shuffle_buffer: int = 0, seed: int = 0,
+        packing: StreamPacking | None = None,
     ) -> None:
         self.source, self.tokenizer, self.format, self.seq_len, self.overlong = source, tokenizer, fmt, seq_len, overlong
         self.batch_size, self.rank, self.num_replicas = batch_size, rank, num_replicas
-        self.skip_batches, self.epochs = skip_batches, epochs
-        self.shuffle_buffer, self.seed = shuffle_buffer, seed
+        self.skip_batches, self.positions, self.epochs = skip_batches, positions or {}, epochs
+        self.shuffle_buffer, self.seed, self.packing = shuffle_buffer, seed, packing
 
-    def __iter__(self) -> Iterator[Example]:
+    def __iter__(self) -> Iterator[tuple[list[Item], tuple[int, State]]]:
         info = get_worker_info()
         workers = info.num_workers if info is not None else 1
         worker = ((info.id if info is not None else 0) + self.skip_batches) % workers  # whose turn it is next
         slots, slot = self.num_replicas * workers, self.rank * workers + worker
-        skip = worker_batches_consumed(self.skip_batches, worker, workers) * self.batch_size
-        for epoch in itertools.count() if self.epochs is None else range(self.epochs):
-            made = 0
-            examples = self._epoch(slot, slots, epoch)
-            if self.shuffle_buffer > 1:
-                rng = random.Random(f"{self.seed}/{epoch}/{slot}")  # a str seed is hashed the same in every process
-                examples = shuffled_through_buffer(examples, self.shuffle_buffer, rng)
-            for example in examples:
-                made += 1
-                if skip:
-                    skip -= 1
-                    continue
-                yield example
-            if not made:
-                raise ConfigError("data.init_args.source", type(self.source).__name__,
-                                  f"stream slot {slot} of {slots} (rank {self.rank}, worker {worker}) got no example in "
-                                  f"epoch {epoch}: the source has too few rows for {slots} ranks x workers")
-
-    def _rows(self, slot: int, slots: int) -> Iterator[tuple[int, Row]]:
-        """``(row number from 1 within its part, row)`` of this slot's rows, read from its own parts only."""
-        for shard, every, first in slot_reads(self.source.stream_shards(), slots, slot):
-            for number, row in enumerate(self.source.stream_shard(shard), start=1):
-                if (number - 1) % every == first:
-                    yield number, row
+        state = self.positions.get(slot)
+        if state is None and worker_batches_consumed(self.skip_batches, worker, workers):
+            raise ConfigError("ckpt_path", f"slot {slot}", "the checkpoint has no position for a stream slot that "
+                              "consumed batches (saved by an older lit-ablate or with other ranks x workers): resume "
+                              "with the ranks and num_workers it was saved with, or start the run again")
+        stream = SlotStream(self.source, self.tokenizer, self.format, self.seq_len, self.overlong, slot, slots,
+                            slot_reads(self.source.stream_shards(), slots, slot), shuffle_buffer=self.shuffle_buffer,
+                            seed=self.seed, packing=self.packing, epochs=self.epochs, state=state)
+        batch: list[Item] = []
+        for item in stream:
+            batch.append(item)
+            if len(batch) == self.batch_size:
+                yield batch, (slot, stream.state())
+                batch = []
+        if batch:
+            yield batch, (slot, stream.state())
 
 
-    def _epoch(self, slot: int, slots: int, epoch: int) -> Iterator[Example]:
-        if self.format == "pretrain":
-            yield from self._windows(slot, slots)
-            return
-        counts: Counter[str] = Counter()
-        for number, row in self._rows(slot, slots):
-            yield from iter_examples([row], self.tokenizer, self.format, self.seq_len, self.overlong, counts, number)
-        if counts["overlong"]:
-            log.warning("data stream (format=%s, slot %d of %d, epoch %d): %d of %d examples were longer than "
-                        "seq_len=%d; overlong=%s (%d dropped)", self.format, slot, slots, epoch, counts["overlong"],
-                        counts["total"], self.seq_len, self.overlong, counts["dropped"])
+class StreamBatches:
+    """The DataLoader's ``collate_fn`` for a stream: the collator's batch of the items, plus ``STREAM_STATE``."""
 
-    def _windows(self, slot: int, slots: int) -> Iterator[Example]:
-        """``seq_len`` windows of this slot's own token stream, labels the next token (as ``pretrain``)."""
-        stream: list[int] = []
-        for _, row in self._rows(slot, slots):
-            stream += document_ids(row, self.tokenizer)
-            while len(stream) >= self.seq_len + 1:
-                window = torch.tensor(stream[: self.seq_len + 1], dtype=torch.long)
-                yield {"input_ids": window[:-1], "labels": window[1:]}
-                del stream[: self.seq_len]
+    def __init__(self, collator: Collator) -> None:
+        self.collator = collator
+
+    def __call__(self, element: tuple[list[Item], tuple[int, State]]) -> dict[str, Any]:
+        items, position = element
+        return self.collator(items) | {STREAM_STATE: position}
 
 
 def slot_reads(shards: int, slots: int, slot: int) -> list[tuple[int, int, int]]:
@@ -136,19 +128,3 @@ def slot_reads(shards: int, slots: int, slot: int) -> list[tuple[int, int, int]]
     part = slot % shards
     return [(part, len(range(part, slots, shards)), slot // shards)]
 
-
-def shuffled_through_buffer(examples: Iterator[Example], size: int, rng: random.Random) -> Iterator[Example]:
-    """The examples in a random order that never holds more than ``size`` of them: each new one takes
-    the place of a random buffered one, which is yielded; the rest are shuffled at the end. A pure
-    function of the input order and ``rng``, so a resumed slot that skips what it had yielded
-    continues with exactly the next example."""
-    buffer: list[Example] = []
-    for example in examples:
-        if len(buffer) < size:
-            buffer.append(example)
-            continue
-        place = rng.randrange(size)
-        yield buffer[place]
-        buffer[place] = example
-    rng.shuffle(buffer)
-    yield from buffer
