@@ -124,8 +124,7 @@ def strategy_accepts_cpu(config: Mapping[str, Any], launch: LaunchLike) -> str |
 
 def loss_backend_available(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
     """The loss kernel must run here (liger / cce need CUDA and their package, or the Triton
-    interpreter opt-in at fp32/fp16; cce's kernel does not train in float32): ``check_loss_backend``;
-    and a loss that runs torch.compile cannot run under MemoryMonitor's tensor tracker.
+    interpreter opt-in at fp32/fp16; cce's kernel does not train in float32): ``check_loss_backend``.
 
     An unknown backend name is not an incompatibility of this machine but the run's own error,
     so it is left to the run (recorded as failed with its message).
@@ -135,13 +134,7 @@ def loss_backend_available(config: Mapping[str, Any], launch: LaunchLike) -> str
     if losses is None or not isinstance(name, str) or name not in losses.LOSS_BACKENDS:
         return None
     options = get_dotted(config, "model.init_args.loss_options") or {}
-    reason = _reason(losses.check_loss_backend, name, compute_dtype=_compute_dtype(config), **options)
-    if reason is None and _tracks_tensors(config) and getattr(losses.loss_backend(name, **options),
-                                                              "uses_torch_compile", False):
-        reason = (f"model.init_args.loss={name} runs torch.compile (CCE's filter_eps vocabulary sort in backward, or "
-                  "impl torch_compile), which torch refuses while MemoryMonitor's tensor tracker (a dispatch mode) "
-                  "runs; give MemoryMonitor init_args: {tracked_steps: 0}, or loss_options filter_eps: null")
-    return reason
+    return _reason(losses.check_loss_backend, name, compute_dtype=_compute_dtype(config), **options)
 
 
 def _compute_dtype(config: Mapping[str, Any]) -> str | None:
@@ -238,18 +231,7 @@ def optimizer_runs_here(config: Mapping[str, Any], launch: LaunchLike) -> str | 
     if name not in OPTIMIZERS:  # default AdamW, or an unknown name: the run's own error
         return None
     reason = optimizer_refusal(name, _strategy_class(config), "cuda" if _on_gpu(config, launch) else "cpu")
-    if not reason and name.startswith("torchao") and _tracks_tensors(config):
-        reason = ("torchao's 8-bit AdamW compiles its update (torch.compile, fullgraph), which torch refuses while "
-                  "MemoryMonitor's tensor tracker (a dispatch mode) runs; give its MemoryMonitor "
-                  "init_args: {tracked_steps: 0}")  # fmt: skip
     return f"model.init_args.optimizer={name}: {reason}" if reason else None
-
-
-def _tracks_tensors(config: Mapping[str, Any]) -> bool:
-    """Whether ``trainer.callbacks`` holds a ``MemoryMonitor`` that tracks tensors (its default)."""
-    callbacks = get_dotted(config, "trainer.callbacks") or []
-    return any(isinstance(c, Mapping) and str(c.get("class_path", "")).endswith("MemoryMonitor")
-               and (c.get("init_args") or {}).get("tracked_steps", 1) != 0 for c in callbacks)  # fmt: skip
 
 
 def _model_options(config: Mapping[str, Any], key: str, options_class: type) -> Any:

@@ -18,8 +18,6 @@ FSDP2 = '{"class_path": "lit_ablate.strategies.FSDP2Strategy"}'
 QLORA = '{"bits": 4}'
 
 ROWS = {
-    "torchao_under_the_tensor_tracker": (["--model.init_args.optimizer", "torchao_adamw8bit"],
-                                         ("model.init_args.optimizer='torchao_adamw8bit'", "tracked_steps: 0")),
     "bitsandbytes_optimizer_under_fsdp2": (["--model.init_args.optimizer", "bnb_adamw8bit", "--trainer.strategy", FSDP2,
                                             "--trainer.devices", "2"], ("model.init_args.optimizer", "torchao_adamw8bit")),
     "qlora_under_fsdp1": (["--model.init_args.model.quantization", QLORA, "--trainer.strategy", FSDP1,

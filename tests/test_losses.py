@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +16,6 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from lit_ablate.ablation.plan import plan_study
 from lit_ablate.ablation.spec import load_study
-from lit_ablate.compatibility import loss_backend_available
 from lit_ablate.config_keys import get_dotted
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
@@ -228,32 +226,6 @@ def test_gpu_backends_are_refused_at_startup_on_cpu(name: str, monkeypatch: pyte
     monkeypatch.delenv("LIT_ABLATE_TRITON_INTERPRET", raising=False)
     with pytest.raises(ConfigError, match=f"loss='{name}'.*(needs CUDA.*LIT_ABLATE_TRITON_INTERPRET=1|pip install)"):
         check_loss_backend(name)
-
-
-def test_cce_compiling_under_the_tensor_tracker_is_skipped_with_the_fix() -> None:
-    """CCE compiles (filter_eps sort, impl torch_compile); torch refuses that inside MemoryMonitor's
-    tracker, which crashed the liger_vs_cce study's cce run at its first backward before this rule."""
-    pytest.importorskip("cut_cross_entropy", reason="cut-cross-entropy not installed (pip install 'lit-ablate[gpu]')")
-    launch = SimpleNamespace(devices=1, num_nodes=1, accelerator="cpu")
-    monitor = {"class_path": "lit_ablate.callbacks.MemoryMonitor"}
-    config = {"trainer": {"callbacks": [monitor]},
-              "model": {"init_args": {"loss": "cce", "loss_options": {"impl": "torch_compile"}}}}
-    assert "give MemoryMonitor init_args: {tracked_steps: 0}" in loss_backend_available(config, launch)
-    monitor["init_args"] = {"tracked_steps": 0}
-    assert loss_backend_available(config, launch) is None
-
-
-def test_plain_fit_refuses_cce_compiling_under_the_tensor_tracker_in_one_line(tmp_path, capsys) -> None:
-    """The same rule runs in ``fit``'s preflight: one line naming the key and the fix, before any rank
-    starts (without it, torch's compile error surfaced at the first backward)."""
-    pytest.importorskip("cut_cross_entropy", reason="cut-cross-entropy not installed (pip install 'lit-ablate[gpu]')")
-    from tests.test_bad_inputs import CONFIGS, _stderr_lines
-
-    code, lines = _stderr_lines(["fit", "--config", str(CONFIGS / "quickstart.yaml"), "--trainer.max_steps", "1",
-                                 "--trainer.default_root_dir", str(tmp_path), "--model.init_args.loss", "cce",
-                                 "--model.init_args.loss_options", '{"impl": "torch_compile"}'], capsys)  # fmt: skip
-    assert code not in (0, None) and len(lines) == 1, lines
-    assert "model.init_args.loss='cce'" in lines[0] and "tracked_steps: 0" in lines[0], lines[0]
 
 
 def test_cce_rejects_z_loss_and_unknown_impl() -> None:

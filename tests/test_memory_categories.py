@@ -161,6 +161,33 @@ def test_only_warm_up_steps_are_tracked_and_the_tracker_is_gone_after(tmp_path, 
     assert summary["peak_memory_bytes"] > summary["peak_tensor_bytes"]  # RSS: the Python runtime on top
 
 
+class _WithCompiledLossTerm(CausalLM):
+    """A step that runs a ``torch.compile(fullgraph=True)`` function (as CCE's vocabulary sort and
+    torchao's 8-bit update do), compiled at step 1, before the tracker starts."""
+
+    def training_step(self, batch, batch_idx):
+        output = super().training_step(batch, batch_idx)
+        loss = output["loss"]
+        return {**output, "loss": loss + 0.0 * _sorted_sum(loss.detach().reshape(1, 1).repeat(2, 3))}
+
+
+@torch.compile(backend="eager", fullgraph=True)
+def _sorted_sum(values):
+    return values.sort(dim=-1).values.sum()
+
+
+def test_compiled_code_runs_eagerly_under_the_tracker_and_the_record_says_so(tmp_path):
+    """torch refuses compiled graphs under a dispatch mode; the tracker runs them eagerly instead of
+    making users turn tracking off (the optimizer_states and liger_vs_cce studies had no tensor peak).
+    Catches dropping the eager stance: the fit fails at step 2 with torch's "fullgraph=True found no
+    compiled frames ... non-infra torch dispatch mode present" (seen failing)."""
+    module = _WithCompiledLossTerm(ModelFactory(preset="tiny-llama"), warmup_steps=0)
+    record = _fit(str(tmp_path), "run", 1, module=module, steps=4, warmup=3)
+    assert record["summary"]["tensor_breakdown"]["step"] == 3
+    assert any("ran eagerly on the tracked steps" in line for line in record["fallbacks"]), record["fallbacks"]
+    assert torch.compiler.is_compiling() is False and _sorted_sum(torch.ones(2, 3)) == 6  # compiled again after
+
+
 def test_too_few_warm_up_steps_track_nothing_and_say_so(tmp_path):
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")

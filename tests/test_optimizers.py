@@ -162,15 +162,16 @@ def test_studies_skip_optimizers_and_quantization_the_strategy_cannot_run(config
 
 
 @needs_torchao
-def test_torchao_beside_the_tensor_tracker_is_skipped_with_the_fix():
-    """torch.compile (torchao's update) refuses to run under MemoryMonitor's tracker: seen as a crash at
-    the first tracked step of the optimizer_states study before this rule."""
-    from lit_ablate import compatibility
-    from lit_ablate.ablation.spec import Launch
+def test_torchao_8bit_states_count_their_stored_bytes_not_their_fp32_shape():
+    """torchao's ``OptimState8bit`` has the fp32 shape and element size 4 but stores 1-byte codes and
+    per-block scales: the memory breakdown counts storages. Catches the old ``numel * element_size``
+    count, which reported 8-bit AdamW's states as large as AdamW's (seen failing: 262144 vs 67584)."""
+    from torchao.optim.subclass_8bit import OptimState8bit
 
-    monitor = {"class_path": "lit_ablate.callbacks.MemoryMonitor"}
-    config = {"model": {"init_args": {"optimizer": "torchao_adamw8bit"}}, "trainer": {"callbacks": [monitor]}}
-    reason = compatibility.optimizer_runs_here(config, Launch(accelerator="cpu"))
-    assert "give its MemoryMonitor init_args: {tracked_steps: 0}" in reason
-    monitor["init_args"] = {"tracked_steps": 0}
-    assert compatibility.optimizer_runs_here(config, Launch(accelerator="cpu")) is None
+    from lit_ablate.callbacks.memory import _tensor_bytes
+
+    state = OptimState8bit.zeros((256, 256), block_size=256)
+    codes, scales, code_table = 256 * 256, 256 * 4, 256 * 4
+    assert _tensor_bytes([state]) == codes + scales + code_table
+    plain = torch.zeros(256, 256)
+    assert _tensor_bytes([plain, plain.view(-1), plain[:8]]) == plain.numel() * 4  # one storage, counted once

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
+from torch.distributed._tools.common_utils import get_untyped_storages
 
 from lit_ablate.callbacks.step_monitor import StepMonitor, step_clock
 from lit_ablate.callbacks.tensor_categories import CATEGORIES, TensorCategoryTracker, optimizer_states
@@ -19,7 +20,11 @@ _CLEAR_REFS = Path("/proc/self/clear_refs")
 
 
 def _tensor_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """Bytes of the storages behind ``tensors``, each counted once: a quantised state (torchao's
+    8-bit ``OptimState8bit``, a subclass whose shape is the fp32 one) counts its codes and scales, and
+    a tied or flattened parameter its one storage."""
+    storages = {storage for t in tensors for storage in get_untyped_storages(t)}
+    return sum(storage.nbytes() for storage in storages)
 
 
 def tensor_breakdown(pl_module: LightningModule) -> dict[str, int]:
@@ -97,8 +102,9 @@ class MemoryMonitor(StepMonitor):
 
     Args:
         warmup_steps: as ``StepMonitor``; the tracked steps are its last ones.
-        tracked_steps: how many warm-up steps to track (0: none; needed when the step compiles code
-            under the tracker, which torch refuses: torchao's ``AdamW8bit`` compiles its update).
+        tracked_steps: how many warm-up steps to track (0: none). Code compiled with
+            ``torch.compile`` runs eagerly on tracked steps (torch refuses a dispatch mode beside it);
+            when the process has any, ``fallbacks`` says so and the run record lists it.
     """
 
     def __init__(self, warmup_steps: int | None = None, tracked_steps: int = 1) -> None:
@@ -112,6 +118,7 @@ class MemoryMonitor(StepMonitor):
         self._breakdown_counts = 0
         self._tracker: TensorCategoryTracker | None = None
         self._categories: tuple[str, ...] = CATEGORIES
+        self.fallbacks: list[str] = []
 
     def tracked(self) -> list[int]:
         """The steps whose tensors are tracked: the last ``tracked_steps`` warm-up steps, from step 2."""
@@ -210,6 +217,9 @@ class MemoryMonitor(StepMonitor):
         clock = step_clock(trainer)
         clock.pause()
         tracker.exit()
+        if tracker.compiled_code_ran_eager:
+            self.fallbacks = ["MemoryMonitor: torch.compile'd code ran eagerly on the tracked steps (torch refuses it "
+                              "under the tensor tracker): their tensor peak counts eager temporaries, an upper bound"]
         del tracker
         gc.collect()
         clock.resume()

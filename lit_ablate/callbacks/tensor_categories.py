@@ -26,6 +26,12 @@ that do not train (a LoRA/QLoRA base, decided once when tracking begins, so an a
 for a reference forward stays trainable) are ``frozen_params``; ``params`` holds the trainable ones
 and the buffers.
 
+Code compiled with ``torch.compile`` (CCE's vocabulary sort, torchao's 8-bit AdamW update,
+``compile_layers``) runs eagerly while the tracker is on: torch refuses to compile, or to run a
+compiled graph, under a dispatch mode. Eager code makes the temporaries a fused kernel would not,
+so a tracked step's peak is then an upper bound of the compiled step's; ``compiled_code_ran_eager``
+says whether compiled code existed in the process, for the run record's ``fallbacks``.
+
 Checked on 2 gloo ranks (tests/test_memory_categories.py): FSDP2's DTensor shards, FSDP1's flat
 parameter shards and ``ZeroRedundancyOptimizer``'s state shards are counted as the halves each
 rank holds. Not seen on CPU: tensors made before tracking and never written during a step (on
@@ -57,6 +63,13 @@ _ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided
 """Operators that only allocate: their output's role is known once the next operator writes it
 (FSDP's all-gather and reduce-scatter buffers are made by ``torch.empty``, then filled by FSDP's
 copy-in operators, which make them ``transient``)."""
+
+
+def compiled_graphs() -> int:
+    """Graphs ``torch.compile`` has made in this process so far (0: no compiled code to run eagerly)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def optimizer_states(optimizer: Optimizer) -> list[torch.Tensor]:
@@ -101,6 +114,8 @@ class TensorCategoryTracker(MemTracker):
         self.at_peak: dict[str, int] = dict.fromkeys(self.categories, 0)
         self.maxima: dict[str, int] = dict.fromkeys(self.categories, 0)
         self.forward_backward_max = 0
+        self.compiled_code_ran_eager = False
+        self._eager_stance: Any = None
 
     # --- the caller's interface -----------------------------------------------------------------
     def enter(self) -> None:
@@ -110,12 +125,15 @@ class TensorCategoryTracker(MemTracker):
                 self._own[storage] = True
                 if isinstance(p, nn.Parameter) and not p.requires_grad:
                     self._frozen[storage] = True
+        self._eager_stance = torch.compiler.set_stance("force_eager")  # restored by exit()
         self.__enter__()
         self.claim()
 
     def exit(self) -> None:
         """Stop counting and drop every weak reference (no callbacks fire during later steps)."""
         self.__exit__(None, None, None)
+        self._eager_stance.__exit__(None, None, None)
+        self.compiled_code_ran_eager = compiled_graphs() > 0
         self._WINFO.clear()
         self._own.clear()
         self._frozen.clear()

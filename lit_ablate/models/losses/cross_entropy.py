@@ -201,12 +201,6 @@ class CutCrossEntropy:
             filter_eps=self.filter_eps, impl=self.impl, **bias_kwargs,
         ).float()
 
-    @property
-    def uses_torch_compile(self) -> bool:
-        """CCE compiles its vocabulary sort (backward, with ``filter_eps``) or all of it (``torch_compile``):
-        torch refuses that under a dispatch mode such as ``MemoryMonitor``'s tensor tracker."""
-        return self.impl == "torch_compile" or self.filter_eps is not None
-
     def check_compute_dtype(self, dtype: torch.dtype, training: bool = True) -> None:
         """The Triton kernel: bf16 is refused under the interpreter, and training in float32 always
         (CCE's backward asserts fp16/bf16 hidden states, cut-cross-entropy 25.1)."""
