@@ -19,10 +19,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lit_ablate.data import ArithmeticSFT, LMDataModule, LocalFiles, PaddingCollator, build_examples
+from lit_ablate.data import ArithmeticSFT, LMDataModule, LocalFiles, PackingCollator, PaddingCollator, build_examples
 from lit_ablate.data.streaming import STREAM_STATE, StreamBatches, StreamingExamples, worker_batches_consumed
 from lit_ablate.data.tokenizers import ByteTokenizer
 from lit_ablate.errors import ConfigError
+from tests.distributed import run_ranks
 from tests.test_data import _BatchRecorder
 
 
@@ -69,26 +70,49 @@ def test_resume_continues_with_the_next_batch_of_the_rank(tmp_path, consumed):
         assert torch.equal(got["input_ids"], want["input_ids"]) and torch.equal(got["labels"], want["labels"])
 
 
-def _fit(path: str, root, max_steps: int, ckpt_path: str | None = None, shuffle_buffer: int = 0) -> list[torch.Tensor]:
+def _fit(path: str, root, max_steps: int, ckpt_path: str | None = None, shuffle_buffer: int = 0, packing: bool = False,
+         devices: int = 1, strategy: str = "auto", workers: int = 2) -> list[torch.Tensor]:
     module = _BatchRecorder()
     checkpoints = pl.callbacks.ModelCheckpoint(dirpath=root, every_n_train_steps=3, save_top_k=-1)
-    trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[checkpoints], num_sanity_val_steps=0)
-    dm = LMDataModule(LocalFiles(path), format="sft", seq_len=32, batch_size=2, num_workers=2, storage="stream",
-                      shuffle_buffer=shuffle_buffer)
+    trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", devices=devices, strategy=strategy, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[checkpoints],
+                         num_sanity_val_steps=0)
+    dm = LMDataModule(LocalFiles(path), format="sft", seq_len=32, batch_size=2, num_workers=workers, storage="stream",
+                      shuffle_buffer=shuffle_buffer, collator=PackingCollator(window=5) if packing else None)
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
     return module.seen
 
 
-@pytest.mark.parametrize("shuffle_buffer", [0, 3])
-def test_lightning_resume_of_a_stream_continues_exactly(tmp_path, shuffle_buffer):
-    path = _sft_file(tmp_path, rows=12)  # 6 batches of 2 per epoch: 8 steps cross an epoch boundary
-    uninterrupted = _fit(path, tmp_path / "a", max_steps=8, shuffle_buffer=shuffle_buffer)
-    _fit(path, tmp_path / "b", max_steps=3, shuffle_buffer=shuffle_buffer)
+@pytest.mark.parametrize(("shuffle_buffer", "packing"), [(0, False), (3, False), (3, True)])
+def test_lightning_resume_of_a_stream_continues_exactly(tmp_path, shuffle_buffer, packing):
+    path = _sft_file(tmp_path, rows=12 if not packing else 40)  # crosses an epoch boundary in 8 steps (unpacked)
+    uninterrupted = _fit(path, tmp_path / "a", max_steps=8, shuffle_buffer=shuffle_buffer, packing=packing)
+    _fit(path, tmp_path / "b", max_steps=3, shuffle_buffer=shuffle_buffer, packing=packing)
     (checkpoint,) = (tmp_path / "b").glob("*.ckpt")
-    resumed = _fit(path, tmp_path / "c", max_steps=8, ckpt_path=str(checkpoint), shuffle_buffer=shuffle_buffer)
+    resumed = _fit(path, tmp_path / "c", max_steps=8, ckpt_path=str(checkpoint), shuffle_buffer=shuffle_buffer,
+                   packing=packing)
     assert len(resumed) == 5
     assert all(torch.equal(a, b) for a, b in zip(resumed, uninterrupted[3:], strict=True))
+
+
+def _two_rank_resume(rank: int, world_size: int, path: str, root: str) -> dict:
+    options = {"shuffle_buffer": 3, "packing": True, "devices": 2, "strategy": "ddp", "workers": 0}  # ranks are
+    # daemonic processes, which cannot start DataLoader workers
+    uninterrupted = _fit(path, f"{root}/a", max_steps=8, **options)
+    _fit(path, f"{root}/b", max_steps=3, **options)
+    resumed = _fit(path, f"{root}/c", max_steps=8, ckpt_path=f"{root}/b/epoch=0-step=3.ckpt", **options)
+    return {"uninterrupted": uninterrupted, "resumed": resumed}
+
+
+@pytest.mark.slow  # ~10-25 s: three two-rank fits
+def test_two_rank_lightning_resume_of_a_packed_stream_continues_exactly(tmp_path):
+    """Both ranks resume from rank 0's checkpoint: it must hold rank 1's slot positions too (gathered
+    in ``state_dict``). Seen failing with ``_all_stream_positions`` returning this rank's only: rank 1
+    finds no position for its slots."""
+    path = _sft_file(tmp_path, rows=80)
+    for run in run_ranks(_two_rank_resume, 2, path, str(tmp_path), init_process_group=False, timeout_s=300):
+        assert len(run["resumed"]) == 5
+        assert all(torch.equal(a, b) for a, b in zip(run["resumed"], run["uninterrupted"][3:], strict=True))
 
 
 @pytest.mark.parametrize("options", [{"format": "preference"}, {"val_examples": 2}])
