@@ -320,7 +320,7 @@ def test_the_record_shows_the_pipeline_bubble(tmp_path):
 # ---------------------------------------------------------------- refusals and the split, one process
 @pytest.mark.parametrize(
     ("kwargs", "key"),
-    [({"tp": 2}, "init_args.tp"), ({"dp_shard": 0}, "init_args.dp_shard"),
+    [({"tp": 0}, "init_args.tp"), ({"dp_shard": 0}, "init_args.dp_shard"),
      ({"reshard_after_forward": True}, "init_args.reshard_after_forward"), ({"schedule": "zb"}, "init_args.schedule"),
      ({"schedule": "interleaved_1f1b"}, "init_args.stages_per_rank"), ({"stages_per_rank": 2}, "init_args.stages_per_rank"),
      ({"microbatches": 0}, "init_args.microbatches"), ({"pp": 0}, "init_args.pp")],

@@ -34,7 +34,7 @@ QUICKSTART = Path(__file__).parents[1] / "configs" / "quickstart.yaml"
 
 def test_minus_one_takes_the_rest_of_the_ranks():
     assert resolve_mesh_sizes({"dp_replicate": 2, "dp_shard": -1}, 8) == {
-        "dp_replicate": 2, "dp_shard": 4, "ep": 1, "cp": 1, "tp": 1
+        "pp": 1, "dp_replicate": 2, "dp_shard": 4, "ep": 1, "cp": 1, "tp": 1
     }
     assert resolve_mesh_sizes({"dp_shard": 2, "tp": 2, "cp": -1}, 8)["cp"] == 2
 
@@ -61,7 +61,7 @@ def test_a_preset_refuses_a_dimension_it_does_not_take():
         FSDP2Strategy(tp=2)
     assert TensorParallelStrategy(tp=2).requested_mesh_sizes["tp"] == 2
     assert MeshParallelStrategy(tp=2, cp=2, ep=2).requested_mesh_sizes == {
-        "dp_replicate": 1, "dp_shard": -1, "ep": 2, "cp": 2, "tp": 2}
+        "pp": 1, "dp_replicate": 1, "dp_shard": -1, "ep": 2, "cp": 2, "tp": 2}
 
 
 def test_a_preset_refuses_a_dimension_at_parse_time_in_one_line(capsys):

@@ -1,8 +1,10 @@
 """One named N-D device mesh, and the ordered pipeline that applies parallelism to a built model.
 
-Every lit-ablate parallel strategy stands on one mesh with five named dimensions, outermost
+Every lit-ablate parallel strategy stands on one mesh with six named dimensions, outermost
 (slowest links) first::
 
+    pp            pipeline stages: ranks holding different consecutive decoder layers (only the
+                  stages' point-to-point hand-offs cross it, so it is outermost, as in torchtitan)
     dp_replicate  groups holding full replicas of each shard (HSDP's replicate dimension)
     dp_shard      ranks sharding parameters, gradients and optimizer states (FSDP)
     ep            ranks holding different experts; they read different batches
@@ -11,13 +13,15 @@ Every lit-ablate parallel strategy stands on one mesh with five named dimensions
 
 The sizes multiply to the world size; one of them may be ``-1`` (the rest). Ranks that differ
 in ``dp_replicate``, ``dp_shard`` or ``ep`` read different batches (the data-parallel group the
-sampler sees); gradients of dense parameters are reduced over ``dp_replicate x dp_shard x ep x cp``,
-so FSDP shards over ``dp_shard x ep x cp`` and replicates over ``dp_replicate``.
+sampler sees); ``pp``, ``cp`` and ``tp`` peers read the same batch. Gradients of dense parameters
+are reduced over ``dp_replicate x dp_shard x ep x cp`` (within one stage), so FSDP shards over
+``dp_shard x ep x cp`` and replicates over ``dp_replicate``.
 
 Parallelism is applied to a model that knows nothing of it, in one order (torchtitan's):
-TP -> EP -> CP -> activation checkpointing -> compile -> FSDP (each decoder layer, then the
-root). Each step is one method; overriding one is the research-code extension point
-(``examples/custom_strategy.py``).
+pipeline split (keep this rank's stage: ``PipelineParallelStrategy``) -> TP -> EP -> CP ->
+activation checkpointing -> compile -> FSDP (each decoder layer, then the root, or each stage's
+module under a pipeline). Each step is one method; overriding one is the research-code extension
+point (``examples/custom_strategy.py``).
 """
 
 from __future__ import annotations
@@ -38,12 +42,15 @@ from lit_ablate.errors import ConfigError
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
 from lit_ablate.strategies.interface import StrategyInterface
 
-MESH_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "ep", "cp", "tp")
+MESH_DIMS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
 """The mesh dimensions, outermost first."""
 DATA_PARALLEL_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "ep")
 """Ranks that differ in these dimensions read different batches."""
 FSDP_SHARD_DIMS: tuple[str, ...] = ("dp_shard", "ep", "cp")
 """Dense parameters are sharded (and their gradients reduce-scattered) over these, flattened."""
+GRADIENT_MEAN_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "ep", "cp")
+"""A parameter's gradient is the mean over these ranks: every dimension but its stage (``pp``) and
+its tensor-parallel slice (``tp``), whose ranks hold other parameters or other slices of them."""
 STRATEGY_KEY = "trainer.strategy.init_args"
 
 ActivationCheckpointing = Literal["none", "full", "selective"]
@@ -110,8 +117,9 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
     """Base of the mesh strategies: the named mesh, the data-parallel sampler, the ordered pipeline.
 
     Not selected on its own: it leaves ``apply_fsdp`` to a subclass (``FSDP2Strategy`` shards
-    with ``fully_shard``). Tensor, expert and context parallelism are steps a subclass fills in
-    (``apply_tp``, ``apply_ep``, ``apply_cp``); here a size above 1 for them is refused.
+    with ``fully_shard``). Pipeline, tensor, expert and context parallelism are steps a subclass
+    fills in (``apply_pp``, ``apply_tp``, ``apply_ep``, ``apply_cp``); here a size above 1 for them is
+    refused.
 
     The strategy parallelises every ``CausalLMWithLoss`` that the LightningModule builds in
     ``configure_model``. Initialisation: with more than one rank, only rank 0 builds real weights
@@ -123,6 +131,7 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
     on each rank would avoid rank 0's host copy, but would not reproduce the 1-process draws.)
 
     Args:
+        pp: pipeline stages (a subclass must implement ``apply_pp``: ``PipelineParallelStrategy``).
         dp_replicate: replica groups (HSDP's replicate dimension).
         dp_shard: ranks sharding each replica's parameters, gradients and optimizer states.
         cp: context-parallel ranks (a subclass must implement ``apply_cp``).
@@ -145,6 +154,7 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
         cp: int = 1,
         tp: int = 1,
         ep: int = 1,
+        pp: int = 1,
         activation_checkpointing: ActivationCheckpointing = "none",
         checkpoint_every: int = 2,
         compile_layers: bool = False,
@@ -157,7 +167,8 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
             process_group_backend=process_group_backend,
             timeout=timedelta(seconds=timeout_s),
         )
-        self.requested_mesh_sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "ep": ep, "cp": cp, "tp": tp}
+        self.requested_mesh_sizes = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "ep": ep, "cp": cp,
+                                     "tp": tp}
         check_mesh_sizes(self.requested_mesh_sizes)
         self._check_steps_implemented({dim: size for dim, size in self.requested_mesh_sizes.items() if size > 1})
         if activation_checkpointing not in ("none", "full", "selective"):
@@ -181,8 +192,8 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
             device_type, tuple(self.mesh_sizes[d] for d in MESH_DIMS), mesh_dim_names=MESH_DIMS
         )
         self._fsdp_mesh = self.sharding_mesh(FSDP_SHARD_DIMS)
-        if self.mesh_sizes["tp"] > 1:  # all ranks must create the flattened group together
-            self._gradient_mean_mesh = self._device_mesh[tuple(d for d in MESH_DIMS if d != "tp")]._flatten("dp_cp")
+        if self.mesh_sizes["tp"] > 1 or self.mesh_sizes["pp"] > 1:  # all ranks create the flattened group together
+            self._gradient_mean_mesh = self._device_mesh[GRADIENT_MEAN_DIMS]._flatten("dp_cp")
         return self._device_mesh
 
     def sharding_mesh(self, shard_dims: tuple[str, ...]) -> DeviceMesh:
@@ -222,21 +233,22 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
 
     @property
     def batch_replicas(self) -> int:
-        """Ranks that process the very same tokens (tensor-parallel peers): throughput and MFU
-        count their tokens once. Context-parallel ranks hold different slices, so they add up."""
-        return self.mesh_sizes["tp"]
+        """Ranks that process the very same tokens (tensor-parallel peers and the stages of one
+        pipeline): throughput and MFU count their tokens once, so the model's FLOPs are counted once.
+        Context-parallel ranks hold different slices, so they add up."""
+        return self.mesh_sizes["tp"] * self.mesh_sizes["pp"]
 
     @property
     def gradient_mean_group(self) -> tuple[dist.ProcessGroup | None, int]:
-        """The ranks whose gradients are averaged (every one but tensor-parallel peers), and how
-        many: ``StepObjective`` sums each step's useful tokens over them. Dense and expert
-        gradients alike are divided by this size (``ExpertParallelStrategy`` sets its experts'
-        divide factor to it), including context-parallel ranks, whose shards of one sequence
-        would otherwise be averaged instead of summed."""
-        size = math.prod(self.mesh_sizes.values()) // self.mesh_sizes["tp"]  # also before a Trainer sets world_size
+        """The ranks whose gradients are averaged (``GRADIENT_MEAN_DIMS``: every one but tensor-parallel
+        peers and other stages), and how many: ``StepObjective`` sums each step's useful tokens over
+        them. Dense and expert gradients alike are divided by this size (``ExpertParallelStrategy``
+        sets its experts' divide factor to it), including context-parallel ranks, whose shards of one
+        sequence would otherwise be averaged instead of summed."""
+        size = math.prod(self.mesh_sizes[d] for d in GRADIENT_MEAN_DIMS)  # also before a Trainer sets world_size
         if size == 1:
             return None, 1
-        if self.mesh_sizes["tp"] == 1:
+        if self.mesh_sizes["tp"] == 1 and self.mesh_sizes["pp"] == 1:
             return dist.group.WORLD, size
         return self._gradient_mean_mesh.get_group(), size
 
@@ -251,12 +263,12 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
         return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
 
     def _check_steps_implemented(self, sizes: Mapping[str, int]) -> None:
-        for dim, step in (("tp", "apply_tp"), ("ep", "apply_ep"), ("cp", "apply_cp")):
+        for dim, step in (("pp", "apply_pp"), ("tp", "apply_tp"), ("ep", "apply_ep"), ("cp", "apply_cp")):
             if sizes.get(dim, 1) > 1 and getattr(type(self), step) is getattr(MeshStrategy, step):
-                raise ConfigError(
-                    f"{STRATEGY_KEY}.{dim}", sizes[dim],
-                    f"{type(self).__name__} does not implement {step}; use {dim}: 1, or a strategy that implements it",
-                )
+                other = ("class_path lit_ablate.strategies.PipelineParallelStrategy (pipeline stages with every other "
+                         "dimension)" if dim == "pp" else "a strategy that implements it")
+                raise ConfigError(f"{STRATEGY_KEY}.{dim}", sizes[dim],
+                                  f"{type(self).__name__} does not implement {step}; use {dim}: 1, or {other}")
 
     # ---------------------------------------------------------------- Lightning hooks
     def setup_environment(self) -> None:
@@ -300,6 +312,11 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
         self.materialize(model, source)
         model.parallelized_by = type(self).__name__
         return model
+
+    def apply_pp(self, model: CausalLMWithLoss) -> None:
+        """Keep this rank's pipeline stage over ``device_mesh["pp"]`` (a subclass's step: the first of
+        ``PipelineParallelStrategy.parallelize``, whose stage schedule replaces the module's step;
+        refused here when pp > 1)."""
 
     def apply_tp(self, model: CausalLMWithLoss) -> None:
         """Tensor parallelism over ``device_mesh["tp"]`` (a subclass's step; refused here when tp > 1)."""

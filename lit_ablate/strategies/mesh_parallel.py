@@ -25,10 +25,16 @@ class MeshParallelStrategy(TensorParallelSteps, ContextParallelSteps, ExpertPara
     ``ContextParallelStrategy``, ``ExpertParallelStrategy`` and the pairs) are presets of it: each
     accepts only its own dimensions, so a config that asks a preset for another is refused at
     parse time in one line. Choose this class itself for a combination no preset names, or
-    subclass it and override one ``apply_*`` step. Pipeline parallelism is ``PipelineParallelStrategy``.
+    subclass it and override one ``apply_*`` step.
+
+    Pipeline parallelism is this class with one step more, ``PipelineParallelStrategy``: it keeps each
+    rank's stage before the steps above (applied to the stage) and replaces the module's training
+    step by the stages' schedule, so it is the subclass to name for ``pp`` with any of these
+    dimensions; ``pp`` above 1 here is refused in one line pointing at it.
 
     Args:
         dp_replicate, dp_shard, ep, cp, tp: the mesh sizes (one may be ``-1``: the ranks left).
+        pp: 1 (pipeline stages: ``PipelineParallelStrategy``).
         sequence_parallel: TP's sequence parallelism (not with ``cp``: the sequence is split there already).
         cp_impl, cp_layout, cp_block_kernel: context parallelism's exchange, layout and block kernel.
         dispatch: expert parallelism's token dispatch.
@@ -43,6 +49,7 @@ class MeshParallelStrategy(TensorParallelSteps, ContextParallelSteps, ExpertPara
         ep: int = 1,
         cp: int = 1,
         tp: int = 1,
+        pp: int = 1,
         sequence_parallel: bool = False,
         cp_impl: ContextParallelImpl = "ring",
         cp_layout: LayoutName = "zigzag",
@@ -62,6 +69,7 @@ class MeshParallelStrategy(TensorParallelSteps, ContextParallelSteps, ExpertPara
             ep=ep,
             cp=cp,
             tp=tp,
+            pp=pp,
             sequence_parallel=sequence_parallel,
             cp_impl=cp_impl,
             cp_layout=cp_layout,

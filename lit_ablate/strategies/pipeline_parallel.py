@@ -33,18 +33,24 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Trainer
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lit_ablate.errors import ConfigError
+from lit_ablate.models.attention.block_kernels import BlockKernelName
+from lit_ablate.models.attention.sequence_layout import LayoutName
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
 from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX
-from lit_ablate.strategies.fsdp2 import fsdp_arguments, shard_layers_then_root
-from lit_ablate.strategies.mesh import MESH_DIMS, STRATEGY_KEY, MeshStrategy
+from lit_ablate.strategies.context_parallel import ContextParallelImpl
+from lit_ablate.strategies.expert_parallel import DispatchMode
+from lit_ablate.strategies.mesh import STRATEGY_KEY
+from lit_ablate.strategies.mesh_parallel import MeshParallelStrategy
 from lit_ablate.strategies.pipeline_chunk_timer import ChunkTimer
 from lit_ablate.strategies.pipeline_split import balanced_split_points, check_split_points
+from lit_ablate.strategies.pipeline_stage_sharding import StageSharding
 from lit_ablate.strategies.pipeline_stages import PassThrough, StageModule, pipeline_batch
 from lit_ablate.strategies.state_sharding import REPLICATED, StateSharding
+from lit_ablate.strategies.tensor_parallel_plans import Plan
 
 if TYPE_CHECKING:
     from lit_ablate.modules.step_objective import StepObjective
@@ -55,7 +61,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen3")
 """Families whose decoder takes ``inputs_embeds`` unchanged (Gemma, for one, rescales them)."""
 
 
-class PipelineParallelStrategy(MeshStrategy):
+class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
     """Pipeline parallelism over ``pp`` ranks: each holds one stage of consecutive decoder layers.
 
     Choose it to compare pipeline schedules and split points in a study, or to train a model whose
@@ -65,7 +71,8 @@ class PipelineParallelStrategy(MeshStrategy):
     replicas), and so do ``dp_shard`` copies, which shard each stage's parameters, gradients and
     optimizer states over themselves with FSDP2 (each of the stage's decoder layers, then the rest
     of the stage; HSDP with ``dp_replicate`` beside it). Built: world size = ``dp_replicate x
-    dp_shard x pp`` (no tensor, context or expert parallelism beside them),
+    dp_shard x ep x cp x tp x pp``: ``tp``, ``ep`` and ``cp`` act on each stage as in
+    ``MeshParallelStrategy`` (this class is it with the pipeline step; see the module docstring),
     Llama and Qwen3 dense models without tied embeddings, unpacked batches,
     no gradient clipping, no gradient accumulation (micro-batches play that part), and only
     ``CausalLM`` (not ``DPO``); the rest is refused with the key to change. Validation and test run
@@ -89,7 +96,9 @@ class PipelineParallelStrategy(MeshStrategy):
             micro-batch's forward (two all-gathers per micro-batch: forward and backward) or keep
             them gathered until the step's last backward (the default, as torchtitan under pp: one
             all-gather per step, the stage's full parameters held during the step).
-        cp, tp, ep: must be 1 (accepted so a config that sets them is refused by name).
+        tp, ep, cp: tensor-, expert- and context-parallel ranks inside each stage (``MeshParallelStrategy``);
+            with any of them or ``dp_shard`` above 1 each stage is an FSDP2 root (``StageSharding``).
+        cp_impl, cp_layout, cp_block_kernel, dispatch: context and expert parallelism's options.
         process_group_backend, timeout_s: see ``MeshStrategy``. Checkpoints are sharded DCP folders
             (each stage writes its own weights and optimizer state).
     """
@@ -104,20 +113,21 @@ class PipelineParallelStrategy(MeshStrategy):
         dp_replicate: int = 1,
         dp_shard: int = 1,
         reshard_after_forward: bool = False,
-        cp: int = 1,
         tp: int = 1,
         ep: int = 1,
+        cp: int = 1,
+        cp_impl: ContextParallelImpl = "ring",
+        cp_layout: LayoutName = "zigzag",
+        cp_block_kernel: BlockKernelName = "sdpa",
+        dispatch: DispatchMode = "all_to_all",
         process_group_backend: str | None = None,
         timeout_s: float = 1800.0,
     ) -> None:
-        for key, size in (("cp", cp), ("tp", tp), ("ep", ep)):
-            if size != 1:
-                raise ConfigError(f"{STRATEGY_KEY}.{key}", size,
-                                  "PipelineParallelStrategy does not compose with other mesh dimensions yet; use 1")
-        super().__init__(dp_shard=1, save_distributed_checkpoint=True,  # a full file would hold stage 0 only
+        super().__init__(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, cp=cp, tp=tp, cp_impl=cp_impl,
+                         cp_layout=cp_layout, cp_block_kernel=cp_block_kernel, dispatch=dispatch,
+                         reshard_after_forward=reshard_after_forward,
+                         save_distributed_checkpoint=True,  # a full file would hold stage 0 only
                          process_group_backend=process_group_backend, timeout_s=timeout_s)
-        if not isinstance(pp, int) or (pp < 1 and pp != -1):
-            raise ConfigError(f"{STRATEGY_KEY}.pp", pp, "use a positive number of stages, or -1 for every rank")
         if schedule not in SCHEDULES:
             raise ConfigError(f"{STRATEGY_KEY}.schedule", schedule, f"choose one of {SCHEDULES}")
         interleaved = schedule == "interleaved_1f1b"
@@ -127,16 +137,11 @@ class PipelineParallelStrategy(MeshStrategy):
         self.stages_per_rank = stages_per_rank
         if not isinstance(microbatches, int) or microbatches < 1:
             raise ConfigError(f"{STRATEGY_KEY}.microbatches", microbatches, "use 1 or more micro-batches")
-        if not isinstance(dp_replicate, int) or dp_replicate < 1:
-            raise ConfigError(f"{STRATEGY_KEY}.dp_replicate", dp_replicate, "use 1 or more pipeline replicas")
-        if not isinstance(dp_shard, int) or dp_shard < 1:
-            raise ConfigError(f"{STRATEGY_KEY}.dp_shard", dp_shard, "use 1 or more sharding ranks")
         if reshard_after_forward and dp_shard == 1:
             raise ConfigError(f"{STRATEGY_KEY}.reshard_after_forward", True,
                               "it frees FSDP-sharded stages' gathered layers: set dp_shard > 1, or leave it false")
         self.dp_replicate = dp_replicate
         self.dp_shard = dp_shard
-        self.reshard_after_forward = reshard_after_forward
         self.requested_pp = pp
         self.schedule_name = schedule
         self.microbatches = microbatches
@@ -148,7 +153,6 @@ class PipelineParallelStrategy(MeshStrategy):
         self._pipelined: CausalLMWithLoss | None = None
         self._stage_modules: dict[int, StageModule] = {}
         self._last_module: StageModule | None = None
-        self._data_parallel_mesh: DeviceMesh | None = None
         self._loss_scale = 1.0
         self._pending_gradients: list[tuple[nn.Parameter, Tensor]] = []
         self._compute_timer: ChunkTimer | None = None
@@ -156,16 +160,11 @@ class PipelineParallelStrategy(MeshStrategy):
 
     # ---------------------------------------------------------------- the mesh
     def build_mesh(self, device_type: str, world_size: int) -> DeviceMesh:
-        """A ``(pp, dp_replicate, dp_shard)`` mesh: a copy of the pipeline over ``pp`` ranks per
-        data-parallel rank, ``pp`` outermost (as torchtitan lays it out): a stage's data-parallel ranks
-        are adjacent, so FSDP's collectives stay within a node and only the pipeline's point-to-point
-        hand-offs cross nodes."""
-        replicas, shards = self.dp_replicate, self.dp_shard
-        pp = world_size // (replicas * shards) if self.requested_pp == -1 else self.requested_pp
-        if pp * replicas * shards != world_size:
-            raise ConfigError(f"{STRATEGY_KEY}.pp", self.requested_pp,
-                              f"the world size (devices x nodes) is {world_size}; pp x dp_replicate x dp_shard "
-                              f"({replicas * shards}) must equal it (pp: -1 takes the ranks left)")
+        """The mesh of every dimension, ``pp`` outermost (as torchtitan lays it out: a stage's other
+        ranks are adjacent, so FSDP's, TP's and CP's collectives stay within a node and only the
+        pipeline's point-to-point hand-offs cross nodes), then the schedule's checks against ``pp``."""
+        mesh = super().build_mesh(device_type, world_size)
+        pp = self.mesh_sizes["pp"]
         if self.schedule_name == "1f1b" and self.microbatches < pp:
             raise ConfigError(f"{STRATEGY_KEY}.microbatches", self.microbatches,
                               f"1f1b needs at least pp={pp} micro-batches to fill the pipeline; raise it or use gpipe")
@@ -175,44 +174,25 @@ class PipelineParallelStrategy(MeshStrategy):
                               f"interleaved_1f1b runs rounds of pp={pp} micro-batches: use a multiple of {pp}, "
                               f"or fewer than {pp}")
         self.pp = pp
-        self.mesh_sizes = {**dict.fromkeys(MESH_DIMS, 1), "dp_replicate": replicas, "dp_shard": shards}
-        self._device_mesh = init_device_mesh(device_type, (pp, replicas, shards),
-                                             mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
-        self.stage_index = self._device_mesh.get_local_rank("pp")
-        if replicas > 1 and shards > 1:  # all ranks create the group of a stage's data-parallel ranks together
-            self._data_parallel_mesh = self._device_mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        return self._device_mesh
+        self.stage_index = mesh.get_local_rank("pp")
+        return mesh
 
     @property
-    def data_parallel_rank(self) -> int:
-        """The pipeline's data-parallel index: every stage of one pipeline reads the same batch."""
-        mesh = self._device_mesh
-        return mesh.get_local_rank("dp_replicate") * self.dp_shard + mesh.get_local_rank("dp_shard")
-
-    @property
-    def batch_replicas(self) -> int:
-        """Every stage reads the same batch: throughput and MFU count it once."""
-        return self.pp
-
-    @property
-    def gradient_mean_group(self) -> tuple[dist.ProcessGroup | None, int]:
-        """The same stage of every data-parallel rank: their gradients are averaged (by
-        ``average_over_replicas``, or by FSDP, which divides by their number)."""
-        if self.dp_shard > 1 and self.dp_replicate > 1:
-            return self._data_parallel_mesh.get_group(), self.dp_replicate * self.dp_shard
-        if self.dp_shard > 1:
-            return self._device_mesh.get_group("dp_shard"), self.dp_shard
-        if self.dp_replicate > 1:
-            return self._device_mesh.get_group("dp_replicate"), self.dp_replicate
-        return None, 1
+    def shards_stages(self) -> bool:
+        """Whether each stage is an FSDP2 root (``StageSharding``): with ``dp_shard``, ``ep``, ``cp`` or
+        ``tp`` above 1, whose DTensors or whose gradients' reduction (cp: a sum over the sequence's
+        slices) need it. Replicas alone (``dp_replicate``) hold whole stages and average their
+        gradients with one all-reduce (``average_over_replicas``)."""
+        sizes = self.mesh_sizes or self.requested_mesh_sizes
+        return any(sizes[dim] != 1 for dim in ("dp_shard", "ep", "cp", "tp"))
 
     def state_sharding(self, world_size: int) -> StateSharding:
-        """Each stage's state over its ``dp_shard`` ranks (FSDP), kept gathered through the step unless
-        ``reshard_after_forward`` (see ``estimate.pipeline_stage_estimates``); replicas repeat it."""
-        if self.dp_shard == 1:
+        """Each stage's state as ``MeshParallelStrategy`` divides a whole model's (over ``dp_shard x ep x
+        cp``, and ``tp``), kept gathered through the step unless ``reshard_after_forward`` (see
+        ``estimate.pipeline_stage_estimates``); replicas of whole stages repeat it."""
+        if not self.shards_stages:
             return REPLICATED
-        shard = self.dp_shard
-        return StateSharding(params=shard, grads=shard, optimizer=shard, gathered=None if self.reshard_after_forward else 1)
+        return super().state_sharding(world_size)
 
     def schedule_timing(self) -> tuple[float, float] | None:
         """``(schedule seconds, this stage's compute seconds)`` of the last step (``PipelineBubbleMonitor``)."""
@@ -284,39 +264,32 @@ class PipelineParallelStrategy(MeshStrategy):
 
     # ---------------------------------------------------------------- the stages
     def parallelize(self, model: CausalLMWithLoss) -> CausalLMWithLoss:
-        """Keep this rank's stages of ``model`` (parameter names unchanged), fill them from rank 0, build the schedule.
-
-        With ``stages_per_rank = v`` there are ``pp x v`` stages, looped over the ranks: rank ``r``
-        holds stages ``r, r + pp, r + 2 pp, ...``, so the first stage (embeddings) is on rank 0
-        and the last (norm, LM head, loss) on rank ``pp - 1``, as without interleaving.
+        """torchtitan's order: keep this rank's stages of ``model`` (``apply_pp``; parameter names
+        unchanged), apply TP -> EP -> CP -> activation checkpointing -> compile to what is left, shard
+        each stage module with FSDP2 (``shards_stages``), fill every rank's part from rank 0, build the
+        schedule over the stages. Each step acts on the stage as it would on a whole model, over the
+        stage's sub-mesh: the ``pp`` coordinate is fixed in every group but the schedule's.
         """
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         self.check_model(model)
-        layers = decoder_layers(model)
-        stages = self.pp * self.stages_per_rank
-        points = self.split_points if self.split_points is not None else balanced_split_points(
-            [_numel(layer) for layer in layers], stages,
-            _numel(model.lm.get_input_embeddings()), _numel(model.lm.get_output_embeddings()))
-        check_split_points(points, len(layers), stages)
-        bounds = [0, *points, len(layers)]
-        own = range(self.stage_index, stages, self.pp)
-        stage_layers = {s: list(range(bounds[s], bounds[s + 1])) for s in own}
-        self.stage_layers = [index for s in own for index in stage_layers[s]]
+        # Rank 0's whole model, before any step replaces a parameter: what every rank's part is filled from.
         everything = dict(itertools.chain(model.named_parameters(), model.named_buffers()))
         everything = {name: (t.shape, t.dtype, t if not t.is_meta else None) for name, t in everything.items()}
-        self._keep_stage(model, layers)
-        modules = {s: StageModule(model, first=s == 0, last=s == stages - 1,
-                                  layers=None if self.stages_per_rank == 1 else stage_layers[s]) for s in own}
-        self._stage_modules, self._last_module = modules, modules[max(own)]
-        if self.dp_shard > 1:
-            for s, module in modules.items():
-                self._shard_stage(module, [layers[i] for i in stage_layers[s]])
+        self.apply_pp(model)
+        self.apply_tp(model)
+        self.apply_ep(model)
+        self.apply_cp(model)
+        self.apply_activation_checkpointing(model)
+        self.apply_compile(model)
+        if self.shards_stages:
+            self.apply_fsdp(model)  # StageSharding's: each stage module a root
         self._fill_from_rank0(model, everything)
         self._compute_timer = ChunkTimer(self._mesh_device())
         pipeline_stages = []
-        for s, module in modules.items():
-            stage = PipelineStage(module, s, stages, self._mesh_device(), group=self.device_mesh.get_group("pp"))
+        for s, module in self._stage_modules.items():
+            stage = PipelineStage(module, s, self.pp * self.stages_per_rank, self._mesh_device(),
+                                  group=self.device_mesh.get_group("pp"))
             for name in ("forward_one_chunk", "backward_one_chunk"):
                 setattr(stage, name, self._compute_timer.timed(getattr(stage, name)))
             pipeline_stages.append(stage)
@@ -334,16 +307,35 @@ class PipelineParallelStrategy(MeshStrategy):
         model.parallelized_by = type(self).__name__
         return model
 
-    def _shard_stage(self, module: StageModule, layers: list[nn.Module]) -> None:
-        """FSDP2 over ``dp_shard``: the stage's layers, then its module (the root ``PipelineStage``
-        recognises, holding the embeddings or the norm and LM head; one root per interleaved stage),
-        whose ``head_loss``, which the schedule calls outside the forward, gathers the LM head like a
-        forward."""
-        from torch.distributed.fsdp import register_fsdp_forward_method
+    def apply_pp(self, model: CausalLMWithLoss) -> None:
+        """Keep this rank's stages: other stages' layers become pass-throughs, the embeddings stay on
+        the first stage and the final norm and LM head on the last; one ``StageModule`` per stage.
 
-        dims = ("dp_replicate", "dp_shard") if self.dp_replicate > 1 else ("dp_shard",)  # HSDP: 2-D
-        shard_layers_then_root(layers, module, fsdp_arguments(self.device_mesh[dims], self.reshard_after_forward))
-        register_fsdp_forward_method(module, "head_loss")
+        With ``stages_per_rank = v`` there are ``pp x v`` stages, looped over the ranks: rank ``r``
+        holds stages ``r, r + pp, r + 2 pp, ...``, so the first stage (embeddings) is on rank 0
+        and the last (norm, LM head, loss) on rank ``pp - 1``, as without interleaving.
+        """
+        layers = decoder_layers(model)
+        stages = self.pp * self.stages_per_rank
+        points = self.split_points if self.split_points is not None else balanced_split_points(
+            [_numel(layer) for layer in layers], stages,
+            _numel(model.lm.get_input_embeddings()), _numel(model.lm.get_output_embeddings()))
+        check_split_points(points, len(layers), stages)
+        bounds = [0, *points, len(layers)]
+        own = range(self.stage_index, stages, self.pp)
+        stage_layers = {s: list(range(bounds[s], bounds[s + 1])) for s in own}
+        self.stage_layers = [index for s in own for index in stage_layers[s]]
+        self._keep_stage(model, layers)
+        modules = {s: StageModule(model, first=s == 0, last=s == stages - 1,
+                                  layers=None if self.stages_per_rank == 1 else stage_layers[s]) for s in own}
+        self._stage_modules, self._last_module = modules, modules[max(own)]
+
+    def stage_modules(self) -> dict[int, StageModule]:
+        return self._stage_modules
+
+    def root_plan(self, model: CausalLMWithLoss) -> Plan:
+        """TP's plan for the ends this stage holds: the embeddings on the first, the LM head on the last."""
+        return {name: style for name, style in super().root_plan(model).items() if _holds(model.lm, name)}
 
     def check_model(self, model: CausalLMWithLoss) -> None:
         """Refuse what the stage split cannot hold (each with the key to change)."""
@@ -361,6 +353,8 @@ class PipelineParallelStrategy(MeshStrategy):
         if config.num_hidden_layers < self.pp:
             raise ConfigError(f"{STRATEGY_KEY}.pp", self.pp,
                               f"the model has {config.num_hidden_layers} decoder layers; use at most that many stages")
+        if self.requested_mesh_sizes["tp"] != 1 and model.lm.get_output_embeddings() is not None:
+            super().check_model(model)  # TP's (heads, vocabulary, loss backend); stages without the LM head ran it whole
 
     def _keep_stage(self, model: CausalLMWithLoss, layers: list[nn.Module]) -> None:
         """Replace other stages' layers by pass-throughs (indices and names stay), drop the ends not here."""
@@ -376,7 +370,7 @@ class PipelineParallelStrategy(MeshStrategy):
 
     def _fill_from_rank0(self, model: CausalLMWithLoss, everything: dict[str, tuple]) -> None:
         """Rank 0 built the whole model: broadcast every tensor, each rank keeps those of its stage
-        (its own shard of them under ``dp_shard``)."""
+        (its own slice of them: FSDP's shard over ``dp_shard x ep x cp``, TP's over ``tp``, EP's experts)."""
         device = self._mesh_device()
         if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
             model.to_empty(device=device)
@@ -388,7 +382,7 @@ class PipelineParallelStrategy(MeshStrategy):
             dist.broadcast(value, src=0)
             if name in local:
                 target = local[name]
-                if isinstance(target, DTensor):  # FSDP's shard: this rank's piece of the full value, no communication
+                if isinstance(target, DTensor):  # this rank's piece of the full value, no communication
                     value = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
                 with torch.no_grad():
                     target.copy_(value)
@@ -495,7 +489,7 @@ class PipelineParallelStrategy(MeshStrategy):
         averaged already: FSDP reduce-scattered them at the schedule's last backward."""
         group, replicas = self.gradient_mean_group
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        if group is None or self.dp_shard > 1 or not grads:
+        if group is None or self.shards_stages or not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=group)
@@ -508,6 +502,15 @@ class PipelineParallelStrategy(MeshStrategy):
         for p, grad in self._pending_gradients:
             p.grad = grad
         self._pending_gradients = []
+
+
+def _holds(lm: nn.Module, name: str) -> bool:
+    """Whether the stage holds submodule ``name`` of ``lm`` (``_keep_stage`` sets the ends it drops to
+    None, or the final norm to an identity)."""
+    module = lm
+    for part in name.split("."):
+        module = getattr(module, part, None)
+    return isinstance(module, nn.Module) and not isinstance(module, nn.Identity)
 
 
 def _numel(module: nn.Module | None) -> int:

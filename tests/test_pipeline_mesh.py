@@ -1,0 +1,127 @@
+"""Pipeline parallelism composed with the mesh's other dimensions trains the same model as one process.
+
+``PipelineParallelStrategy`` is ``MeshParallelStrategy`` with the pipeline step: each rank keeps its
+stage first, then tensor parallelism (and FSDP2, context and expert parallelism) act on the stage
+over the stage's sub-mesh (torchtitan's order). The runs train the 4-row SFT batch of
+``tests/test_pipeline_parallel.py`` (28, 4, 20 and 31 useful tokens per row, so micro-batches and
+data-parallel ranks carry unequal token counts) for 3 SGD steps and compare with one process:
+losses, evaluation through the stages and every weight within 1e-5. As ``CausalLM.training_step``
+does inside the strategy's ``training_step``, each step runs in the strategy's vocabulary-parallel
+loss context.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from lit_ablate.modules.step_objective import StepObjective
+from lit_ablate.strategies.pipeline_parallel import PipelineParallelStrategy
+from tests.distributed import run_ranks
+from tests.test_pipeline_parallel import ATOL, LR, STEPS, build, evaluate, sft_batch, train_one_process
+from tests.test_strategies_equivalence import rows_of
+
+
+def _mesh_pipeline_run(rank: int, world_size: int, preset: str, strategy_kwargs: dict) -> dict:
+    """``STEPS`` SGD steps as ``CausalLM`` takes them under the strategy, each data-parallel rank on its
+    share of the rows; weights returned whole, with the number of elements this rank holds."""
+    strategy = PipelineParallelStrategy(**strategy_kwargs)
+    strategy.build_mesh("cpu", world_size)
+    model = strategy.parallelize(build(preset, meta=rank != 0))
+    objective = StepObjective()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    batch = rows_of(sft_batch(), strategy.data_parallel_rank, strategy.data_parallel_size)
+    losses = []
+    for _ in range(STEPS):
+        with strategy.vocabulary_parallel_loss():  # as the strategy's training_step wraps the module's
+            loss_sum, useful = strategy.forward_backward(model, batch, objective)
+        objective.backward_loss(loss_sum, useful, 0.0, strategy)
+        strategy.deliver_gradients()
+        objective.normalize_gradients(model.parameters(), strategy, accumulate_grad_batches=1)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(objective.last_step_loss.item())
+    with strategy.vocabulary_parallel_loss():
+        evaluation = evaluate(model)
+    group, size = strategy.gradient_mean_group
+    return {"losses": losses, "eval": evaluation, "stage": strategy.stage_index,
+            "gradient_mean_ranks": dist.get_process_group_ranks(group) if group is not None else [rank],
+            "gradient_mean_size": size, "batch_replicas": strategy.batch_replicas,
+            "sampler": strategy.distributed_sampler_kwargs,
+            "local_numel": sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters()),
+            "weights": {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+                        for k, v in model.state_dict().items()}}
+
+
+def assert_trains_one_process_model(ranks: list[dict], reference: dict, holders: int, split: int) -> None:
+    """Every rank's losses and evaluation are one process's; every weight is held by the ``holders``
+    ranks of its stage, each equal to one process's; the ranks hold ``split`` copies of the model
+    between them (1: every element on one rank; replicated norms and biases add under 1%)."""
+    held: dict[str, int] = {}
+    for result in ranks:
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=0, atol=ATOL)
+        assert result["eval"] == pytest.approx(reference["eval"], abs=ATOL)
+        for name, weight in result["weights"].items():
+            if name in reference["weights"]:
+                torch.testing.assert_close(weight, reference["weights"][name], rtol=0, atol=ATOL, msg=name)
+                held[name] = held.get(name, 0) + 1
+    assert held == dict.fromkeys(reference["weights"], holders), "each weight lives on one stage's ranks"
+    whole = sum(w.numel() for w in reference["weights"].values())
+    assert sum(result["local_numel"] for result in ranks) == pytest.approx(split * whole, rel=0.01)
+    assert reference["losses"][-1] < reference["losses"][0] - 0.1, "the model did not train"
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, dict]:
+    return {preset: train_one_process(preset) for preset in ("tiny-llama", "tiny-qwen3")}
+
+
+def _pp2_x_tp2(rank: int, world_size: int) -> dict:
+    return {"llama": _mesh_pipeline_run(rank, world_size, "tiny-llama",
+                                        {"pp": 2, "tp": 2, "schedule": "1f1b", "microbatches": 2}),
+            "qwen3": _mesh_pipeline_run(rank, world_size, "tiny-qwen3",
+                                        {"pp": 2, "tp": 2, "schedule": "gpipe", "microbatches": 2, "split_points": [1]})}
+
+
+@pytest.mark.slow  # 4 gloo ranks on 2 cores
+def test_pp2_x_tp2_equals_one_process(references):
+    """pp=2 x tp=2 (4 ranks): each stage's layers, and its embeddings or LM head, split over its tp
+    pair, the stages' hand-offs between tp peers, the last stage's loss on vocabulary shards.
+    tiny Llama (1f1b, balanced split) and tiny Qwen3 (gpipe, split after layer 0: the q/k norms'
+    partial gradients): losses, evaluation and weights within 1e-5 of one process, and each rank
+    holds half of its stage (TP's split). Seen failing with the TP step left out of the pipeline
+    (losses right, but each rank held its whole stage: 1739008 elements in all instead of 869504)
+    and with the TP shards not filled from rank 0 (the meta-built ranks' slices left empty: NaN)."""
+    ranks = run_ranks(_pp2_x_tp2, 4, timeout_s=300)
+    for run, preset in (("llama", "tiny-llama"), ("qwen3", "tiny-qwen3")):
+        assert_trains_one_process_model([rank[run] for rank in ranks], references[preset], holders=2, split=1)
+    assert [rank["llama"]["stage"] for rank in ranks] == [0, 0, 1, 1]  # pp outermost: a stage's tp pair adjacent
+
+
+def _pp2_x_tp2_x_dp_shard2(rank: int, world_size: int) -> dict:
+    return _mesh_pipeline_run(rank, world_size, "tiny-qwen3",
+                              {"pp": 2, "tp": 2, "dp_shard": 2, "schedule": "1f1b", "microbatches": 2})
+
+
+@pytest.mark.slow  # 8 gloo ranks on 2 cores
+def test_pp2_x_tp2_x_dp_shard2_equals_one_process(references):
+    """pp=2 x dp_shard=2 x tp=2 (8 ranks, mesh order pp, dp_shard, tp): two FSDP-sharded copies of a
+    tensor-parallel pipeline, copy 0 reading rows 0-1 (28 + 4 useful tokens), copy 1 rows 2-3 (20 +
+    31), train one process's tiny Qwen3 on all four: each stage's layers split over its tp pair and
+    sharded over its dp_shard pair (2-D DTensors, filled from rank 0 shard by shard), the step's tokens
+    counted over the dp_shard pair only (a stage's tp peers count the same tokens; other stages are
+    never in the group), FSDP's division by it undone once. The sampler gives the tp and pp peers one
+    batch; the MFU counts the model once (``batch_replicas`` = pp x tp). Seen failing with the
+    stages not FSDP-sharded (the copies' gradients never reduced: third loss off by 0.085), with the
+    step's tokens counted without the dp_shard pair (``GRADIENT_MEAN_DIMS`` lacking dp_shard: off by
+    0.27) and with ``batch_replicas`` counting tp only (2, not 4: MFU twice too high)."""
+    ranks = run_ranks(_pp2_x_tp2_x_dp_shard2, 8, timeout_s=400)
+    assert_trains_one_process_model(ranks, references["tiny-qwen3"], holders=4, split=1)
+    for rank, result in enumerate(ranks):
+        stage, dp, tp = rank // 4, rank // 2 % 2, rank % 2
+        assert result["stage"] == stage
+        assert result["sampler"] == {"num_replicas": 2, "rank": dp}
+        assert result["batch_replicas"] == 4
+        assert (result["gradient_mean_ranks"], result["gradient_mean_size"]) == ([4 * stage + tp, 4 * stage + 2 + tp], 2)
