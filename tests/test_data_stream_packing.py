@@ -10,7 +10,8 @@ Seen failing with a bug put in, one at a time:
   window's start: ``test_a_resumed_packed_stream_continues_exactly`` fails for positions inside a
   window;
 - ``StreamingExamples`` not passing the collator's packing on (``packing=None``): the exactly-once
-  test fails (rows are single examples, ``position_ids`` missing).
+  test fails (rows are single examples, ``position_ids`` missing);
+- ``load_state_dict`` not comparing the saved packing: ``test_a_stream_resumes_only_with_the_packing_it_was_saved_with``.
 """
 
 from __future__ import annotations
@@ -134,3 +135,19 @@ def test_a_packed_batch_carries_its_slot_state(tmp_path):
     batch = next(iter(DataLoader(dataset, batch_size=None, collate_fn=StreamBatches(collator))))
     slot, state = batch[STREAM_STATE]
     assert slot == 0 and state["epoch"] == 0 and state["items"]["rows_served"] == 2  # two rows of the first window
+
+
+@pytest.mark.parametrize("saved", [None, PackingCollator(max_tokens=MAX_TOKENS, window=WINDOW + 1)])
+def test_a_stream_resumes_only_with_the_packing_it_was_saved_with(tmp_path, saved):
+    """Another window (or padding) would pack other rows than the saved positions point into."""
+    from lit_ablate.data import LMDataModule
+    from lit_ablate.errors import ConfigError
+
+    def data_module(collator) -> LMDataModule:
+        return LMDataModule(LocalFiles(_corpus(tmp_path)), format="documents", seq_len=SEQ_LEN, storage="stream",
+                            collator=collator)
+
+    state = data_module(saved).state_dict()
+    with pytest.raises(ConfigError, match="data.init_args.collator"):
+        data_module(PackingCollator(max_tokens=MAX_TOKENS, window=WINDOW)).load_state_dict(state)
+    data_module(saved).load_state_dict(state)  # the same settings resume
