@@ -321,6 +321,25 @@ def _fp8_reason(config: Mapping[str, Any], launch: LaunchLike, judge_gpu: bool) 
     return f"model.init_args.model.fp8: {reason}" if reason and not reason.startswith("model.") else reason
 
 
+def pipeline_stages_split_the_model(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
+    """Pipeline stages hold the embeddings (first stage) and the LM head (last stage) apart: a model
+    that ties them would need the two stages' gradients of one matrix summed, which is not built."""
+    if _configured_size(config, _strategy_class(config), "pp") == 1:
+        return None
+    from lit_ablate.models.factory import ModelFactory
+
+    model = get_dotted(config, "model.init_args.model")
+    try:
+        tied = isinstance(model, Mapping) and bool(getattr(ModelFactory(**model).hf_config(), "tie_word_embeddings", False))
+    except (ConfigError, TypeError, OSError):  # a model the run itself reports
+        return None
+    if tied:
+        return ("model.init_args.model.config.tie_word_embeddings=True: pipeline stages hold the embeddings (first "
+                "stage) and the LM head (last stage) apart, and a tied pair is not built; set it false, or use "
+                "trainer.strategy.init_args.pp: 1")
+    return None
+
+
 def tensor_parallel_loss_fits(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
     """Tensor parallelism takes the ``torch`` (without z-loss) and ``chunked`` loss backends: those
     compute on a vocabulary-sharded LM head."""
@@ -347,6 +366,7 @@ RULES: dict[str, Rule] = {
     "fp8_runs_here": fp8_runs_here,
     "preference_parts_fit": preference_parts_fit,
     "tensor_parallel_loss_fits": tensor_parallel_loss_fits,
+    "pipeline_stages_split_the_model": pipeline_stages_split_the_model,
 }
 
 

@@ -19,7 +19,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from lit_ablate.errors import ConfigError
 from lit_ablate.modules.step_objective import StepObjective
+from lit_ablate.strategies import MeshParallelStrategy
 from lit_ablate.strategies.pipeline_parallel import PipelineParallelStrategy
 from tests.distributed import run_ranks
 from tests.test_pipeline_parallel import ATOL, LR, STEPS, build, evaluate, fit, sft_batch, train_one_process
@@ -155,3 +157,38 @@ def test_lightning_fit_with_pp2_x_tp2_equals_one_device(tmp_path):
         torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(reference.losses), rtol=0, atol=ATOL)
         assert run["val_loss"] == pytest.approx(reference.val_loss, abs=ATOL)
         torch.testing.assert_close(torch.tensor(run["resumed"]), torch.tensor(resumed), rtol=0, atol=ATOL)
+
+
+# ---------------------------------------------------------------- refused before any rank starts
+QUICKSTART = Path(__file__).parents[1] / "configs" / "quickstart.yaml"
+
+
+def _fit_refusal(*options: str) -> str:
+    """The one-line refusal ``lit-ablate fit`` prints for the quickstart on 2 devices with ``options``:
+    ``check_run_config``, which ``LitAblateCLI`` runs before it instantiates any class."""
+    from lit_ablate.fit_cli import resolve_fit_config
+    from lit_ablate.preflight import check_run_config
+
+    with pytest.raises(ConfigError) as refusal:
+        check_run_config("fit", resolve_fit_config(["--config", str(QUICKSTART), "--trainer.devices", "2", *options]))
+    message = str(refusal.value)
+    assert "\n" not in message, message
+    return message
+
+
+def test_tied_embeddings_under_pp_are_refused_before_any_rank_starts():
+    """The embeddings (first stage) and a tied LM head (last stage) cannot share one matrix: ``lit-ablate
+    fit`` refuses it in one line naming the key and both fixes, before any class is instantiated (the
+    compatibility rule ``pipeline_stages_split_the_model``, which studies apply to their variants too).
+    Seen failing without the rule in ``FIT_RULES`` (no refusal: the fit started its ranks)."""
+    message = _fit_refusal("--trainer.strategy.class_path", "lit_ablate.strategies.PipelineParallelStrategy",
+                           "--model.init_args.model.config", '{"tie_word_embeddings": true}')
+    assert "tie_word_embeddings" in message and "pp: 1" in message
+
+
+def test_pp_on_mesh_parallel_strategy_names_the_pipeline_strategy():
+    """``MeshParallelStrategy`` has no pipeline step: ``pp: 2`` there is refused in one line naming
+    ``PipelineParallelStrategy``, which takes every dimension with the stages."""
+    with pytest.raises(ConfigError, match=r"init_args.pp=2: MeshParallelStrategy does not implement apply_pp.*"
+                                          r"lit_ablate.strategies.PipelineParallelStrategy"):
+        MeshParallelStrategy(pp=2, tp=2)
