@@ -19,6 +19,14 @@ after the schedule; ``dp_shard`` ranks shard each stage with FSDP2 (torchtitan's
 with replicas beside them), whose reduction ``PipelineStage`` defers to the step's last
 micro-batch. Either way ``N`` is counted over the data-parallel ranks and ``StepObjective`` undoes
 the average's division by their number once.
+
+What one process does beside the loss, the stages do together: ``gradient_clip_val`` clips by the
+norm over every stage's gradients (``clip_grad_norm_over_stages``); under ``accumulate_grad_batches``
+each batch's schedule gradients are added to the step's earlier ones, divided as Lightning divides a
+loss; a packed batch's ``position_ids`` reach every stage with its micro-batch (the schedule chunks a
+step's keyword inputs for each stage); and the MoE router losses of each stage's layers are
+backpropagated by that stage (``StageModule.add_aux_gradient``: the schedule backpropagates only the
+last stage's loss), weighted by their micro-batch's useful tokens as ``CausalLM`` weighs them.
 """
 
 from __future__ import annotations
@@ -41,11 +49,13 @@ from lit_ablate.models.attention.block_kernels import BlockKernelName
 from lit_ablate.models.attention.sequence_layout import LayoutName
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
 from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX
+from lit_ablate.models.moe.blocks import moe_blocks
 from lit_ablate.strategies.context_parallel import ContextParallelImpl
 from lit_ablate.strategies.expert_parallel import DispatchMode
 from lit_ablate.strategies.mesh import STRATEGY_KEY
 from lit_ablate.strategies.mesh_parallel import MeshParallelStrategy
 from lit_ablate.strategies.pipeline_chunk_timer import ChunkTimer
+from lit_ablate.strategies.pipeline_clipping import clip_grad_norm_over_stages
 from lit_ablate.strategies.pipeline_split import balanced_split_points, check_split_points
 from lit_ablate.strategies.pipeline_stage_sharding import StageSharding
 from lit_ablate.strategies.pipeline_stages import PassThrough, StageModule, pipeline_batch
@@ -57,7 +67,7 @@ if TYPE_CHECKING:
 
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-SUPPORTED_MODEL_TYPES = ("llama", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe")
 """Families whose decoder takes ``inputs_embeds`` unchanged (Gemma, for one, rescales them)."""
 
 
@@ -73,10 +83,12 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
     of the stage; HSDP with ``dp_replicate`` beside it). Built: world size = ``dp_replicate x
     dp_shard x ep x cp x tp x pp``: ``tp``, ``ep`` and ``cp`` act on each stage as in
     ``MeshParallelStrategy`` (this class is it with the pipeline step; see the module docstring),
-    Llama and Qwen3 dense models without tied embeddings, unpacked batches,
-    no gradient clipping, no gradient accumulation (micro-batches play that part), and only
-    ``CausalLM`` (not ``DPO``); the rest is refused with the key to change. Validation and test run
-    each batch forward through the stages (``pipeline_forward``).
+    Llama, Qwen3 and Qwen3-MoE models without tied embeddings (every stage's router losses trained
+    and logged as one process's), padded or packed batches (every stage gets its micro-batch's
+    positions), gradient clipping by the norm over all stages, gradient accumulation over batches
+    (each batch still split into ``microbatches``), and only ``CausalLM`` (not ``DPO``); the rest is
+    refused with the key to change. Validation and test run each batch forward through the stages
+    (``pipeline_forward``).
 
     Args:
         pp: pipeline stages (ranks per pipeline); ``-1``: the world size over ``dp_replicate x dp_shard``.
@@ -207,23 +219,24 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
 
     # ---------------------------------------------------------------- Lightning hooks
     def setup(self, trainer: Trainer) -> None:
-        if trainer.gradient_clip_val:
-            raise ConfigError("trainer.gradient_clip_val", trainer.gradient_clip_val,
-                              "clipping needs the norm over all stages, which is not built; use null")
-        if trainer.accumulate_grad_batches != 1:
-            raise ConfigError("trainer.accumulate_grad_batches", trainer.accumulate_grad_batches,
-                              f"use 1 and raise {STRATEGY_KEY}.microbatches (the pipeline's own accumulation)")
         if len(self.parallel_targets()) != 1:
             raise ConfigError("model", type(self.lightning_module).__name__,
                               "pipeline parallelism is built for CausalLM (one token-loss model) only")
         super().setup(trainer)
+        # Lightning clips each rank's parameters by their own norm: one stage's, not the model's.
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
+
+    def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        """``gradient_clip_val`` by the norm over every stage's gradients (``clip_grad_norm_over_stages``)."""
+        params = (p for group in optimizer.param_groups for p in group["params"])
+        clip_grad_norm_over_stages(params, clip_val, self.device_mesh.get_group("pp"))
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """The schedule already ran every micro-batch's backward inside ``training_step``: the
         gradients it computed are handed over here, with Lightning's hooks around."""
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        self.deliver_gradients()
+        self.deliver_gradients(self.lightning_module.trainer.accumulate_grad_batches)
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -411,30 +424,75 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
         if objective.scale is None:  # the stages of a replica read the same batch; replicas agree over dp
             objective.agree_scale(int(units[0]), labels.device, self.gradient_mean_group[0])
         self._loss_scale = objective.scale
-        for p in model.parameters():  # Lightning zeroes the previous step's gradients only after training_step
+        # The gradients on the parameters now are the step's earlier batches' (accumulation), or the
+        # previous step's, which Lightning zeroes only after this training_step: aside during the schedule.
+        kept = [(p, p.grad) for p in model.parameters()]
+        for p in model.parameters():
             p.grad = None
+        inputs = self._stage_inputs(batch, objective.scale)  # chunked per micro-batch, to every stage of this rank
         losses: list[Tensor] = []
         self._compute_timer.reset()
         started = time.perf_counter()
         if self.stage_index == 0:
-            self._schedule.step(batch["input_ids"], return_outputs=False)
+            self._schedule.step(batch["input_ids"], return_outputs=False, **inputs)
         elif self.stage_index == self.pp - 1:
-            self._schedule.step(target=labels, losses=losses, return_outputs=False)
+            self._schedule.step(target=labels, losses=losses, return_outputs=False, **inputs)
         else:
-            self._schedule.step(return_outputs=False)
+            self._schedule.step(return_outputs=False, **inputs)
         compute = self._compute_timer.seconds()  # synchronises a GPU first
         self._schedule_timing = (time.perf_counter() - started, compute)
         self.average_over_replicas(model)
-        # Lightning zeroes gradients between training_step and backward: keep them aside until then.
+        # Lightning zeroes gradients between training_step and backward: this batch's wait until then.
         self._pending_gradients = [(p, p.grad) for p in model.parameters() if p.grad is not None]
-        for p, _ in self._pending_gradients:
-            p.grad = None
+        for p, grad in kept:
+            p.grad = grad
         if losses:
             loss_sum = (torch.stack([loss.detach() for loss in losses]).sum() * objective.scale).float()
         else:
             loss_sum = torch.zeros((), device=labels.device)
         dist.broadcast(loss_sum, group=self.device_mesh.get_group("pp"), group_src=self.pp - 1)
+        if self._moe_layers:
+            self._publish_aux_losses(objective.scale, torch.stack(units).sum())
         return loss_sum, torch.stack(units).sum()
+
+    def _stage_inputs(self, batch: dict[str, Any], scale: float) -> dict[str, Tensor]:
+        """What every stage's forward takes beside the hidden states, per row (the schedule chunks it
+        with the rows): a packed batch's ``position_ids``, and with MoE layers the weight of each row's
+        share of the auxiliary losses (its useful tokens over ``c`` and the model's MoE layer count)."""
+        inputs = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
+        if self._moe_layers:
+            units = (batch["labels"] != IGNORE_INDEX).sum(-1).float()
+            inputs["aux_weights"] = units / (scale * self._moe_layers)
+        return inputs
+
+    def _publish_aux_losses(self, scale: float, units: Tensor) -> None:
+        """Leave the step's MoE auxiliary losses (already backpropagated by the stages) for the training
+        step to log: each stage's weighted sums over its micro-batches, added over the stages, are the
+        useful-token-weighted mean over the micro-batches of the mean over the model's MoE layers (one
+        process's values when the batch is one micro-batch); every MoE layer of every rank holds them."""
+        names = ("load_balance_loss", "z_loss")
+        sums = torch.zeros(2 * len(names), device=self._mesh_device())
+        for module in self._stage_modules.values():
+            for index, name in enumerate(names):
+                if name in module.aux_sums:
+                    sums[index] += module.aux_sums[name].to(sums.device)
+                    sums[len(names) + index] = 1.0
+            module.aux_sums = {}
+        dist.all_reduce(sums, group=self.device_mesh.get_group("pp"))
+        present = sums[len(names):].tolist()
+        values = {name: sums[index] * scale / units.clamp(min=1)
+                  for index, name in enumerate(names) if present[index]}
+        for module in self._stage_modules.values():
+            for block in moe_blocks(module.parts):
+                block.keep_aux_losses(values)
+
+    @functools.cached_property
+    def _moe_layers(self) -> int:
+        """The whole model's MoE layers (every stage counts its own; the auxiliary losses are their mean)."""
+        local = sum(len(moe_blocks(module.parts)) for module in self._stage_modules.values())
+        count = torch.tensor([local], device=self._mesh_device())
+        dist.all_reduce(count, group=self.device_mesh.get_group("pp"))
+        return int(count.item())
 
     @torch.no_grad()
     def pipeline_forward(self, model: CausalLMWithLoss, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
@@ -464,7 +522,7 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
             if s > 0 and before != here:
                 hidden = torch.empty(shape, dtype=dtype, device=labels.device)
                 dist.recv(hidden, group=group, group_src=before)
-            hidden = self._stage_modules[s](hidden)
+            hidden = self._stage_modules[s](hidden, position_ids=batch.get("position_ids"))
             if s == stages - 1:
                 loss_sum = self._last_module.head_loss(hidden, labels).float()
             elif after != here:
@@ -497,10 +555,17 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
         for grad, chunk in zip(grads, flat.split([g.numel() for g in grads])):
             grad.copy_(chunk.view_as(grad))
 
-    def deliver_gradients(self) -> None:
-        """Put the gradients of the last ``forward_backward`` on the parameters."""
+    def deliver_gradients(self, accumulate_grad_batches: int = 1) -> None:
+        """Add the gradients of the last ``forward_backward`` to the parameters' (the step's earlier
+        batches' under accumulation), divided by ``accumulate_grad_batches`` as Lightning divides a
+        backpropagated loss (``StepObjective`` multiplies it back with the step's token count)."""
         for p, grad in self._pending_gradients:
-            p.grad = grad
+            if accumulate_grad_batches != 1:
+                grad.div_(accumulate_grad_batches)
+            if p.grad is None:
+                p.grad = grad
+            else:
+                p.grad += grad
         self._pending_gradients = []
 
 

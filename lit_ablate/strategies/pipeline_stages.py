@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor, nn
 
 from lit_ablate.errors import ConfigError
+from lit_ablate.models.moe.blocks import moe_blocks
 
 if TYPE_CHECKING:
     from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
@@ -35,6 +37,9 @@ class StageModule(nn.Module):
                 if (index in layers if layers is not None else not isinstance(layer, PassThrough))]
         ends = ([decoder.embed_tokens] if first else []) + ([decoder.norm, model.lm.lm_head] if last else [])
         self.parts = nn.ModuleList([decoder.layers[index] for index in held] + ends)
+        self.aux_sums: dict[str, Tensor] = {}
+        """Per auxiliary-loss name, its weighted sum over the step's micro-batches (``add_aux_gradient``)."""
+        self._metadata_forward_pending = True
         # A plain list, not a ModuleList: the pass-throughs are no part of the stage.
         self._view = None if layers is None else [
             layer if index in layers else PassThrough() for index, layer in enumerate(decoder.layers)]
@@ -45,19 +50,68 @@ class StageModule(nn.Module):
         hidden = hidden.reshape(-1, hidden.shape[-1])
         return self.model.loss_fn(hidden, head.weight, labels.reshape(-1), head.bias)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, position_ids: Tensor | None = None, aux_weights: Tensor | None = None) -> Tensor:
+        """``position_ids``: a packed micro-batch's positions (restarting at each document, from which the
+        decoder keeps documents apart); every stage needs them, the schedule hands each stage its
+        micro-batch's. ``aux_weights``: per row, the weight of the MoE auxiliary losses of this stage's
+        layers in the step's objective (``add_aux_gradient``; None: not trained on, evaluation)."""
         inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
+        if position_ids is not None:
+            inputs["position_ids"] = position_ids
         decoder = self.model.lm.base_model
         if self._view is None:
-            return decoder(**inputs, use_cache=False).last_hidden_state
-        saved = decoder._modules["layers"], decoder._modules["norm"]
-        decoder._modules["layers"] = nn.ModuleList(self._view)
-        if not self.last:
-            decoder._modules["norm"] = nn.Identity()
-        try:
-            return decoder(**inputs, use_cache=False).last_hidden_state
-        finally:
-            decoder._modules["layers"], decoder._modules["norm"] = saved
+            hidden = decoder(**inputs, use_cache=False).last_hidden_state
+        else:
+            saved = decoder._modules["layers"], decoder._modules["norm"]
+            decoder._modules["layers"] = nn.ModuleList(self._view)
+            if not self.last:
+                decoder._modules["norm"] = nn.Identity()
+            try:
+                hidden = decoder(**inputs, use_cache=False).last_hidden_state
+            finally:
+                decoder._modules["layers"], decoder._modules["norm"] = saved
+        return self.add_aux_gradient(hidden, aux_weights)
+
+    def add_aux_gradient(self, hidden: Tensor, aux_weights: Tensor | None) -> Tensor:
+        """Make the backward through ``hidden`` also backpropagate this stage's MoE auxiliary losses.
+
+        The schedule backpropagates only the last stage's loss; every stage's backward does run through
+        its output, so the auxiliary losses of its layers enter there, each weighted by
+        ``aux_weights.sum()`` (the micro-batch's useful tokens over the run constant and the model's
+        MoE layer count: the one-process objective ``(loss_sum + units * mean_layers(aux)) / c``). The
+        weighted values are kept (``aux_sums``) for the step's logged auxiliary losses."""
+        losses: dict[str, Tensor] = {}
+        for block in moe_blocks(self.parts):
+            for name, loss in block.pop_aux_losses().items():
+                losses[name] = losses.get(name, 0.0) + loss
+        if not losses or aux_weights is None:
+            return hidden
+        if self._metadata_forward_pending:
+            # torch's PipelineStage first runs one forward to infer its hand-off shapes (torch 2.13), on
+            # placeholder hidden states for a later stage: neither trained on nor counted.
+            self._metadata_forward_pending = False
+            for block in moe_blocks(self.parts):
+                block.pop_load()
+            return hidden
+        weight = aux_weights.sum()
+        for name, loss in losses.items():
+            self.aux_sums[name] = self.aux_sums.get(name, 0.0) + weight.detach() * loss.detach().float()
+        return _AddAuxGradient.apply(hidden, sum(losses.values()), weight)
+
+
+class _AddAuxGradient(torch.autograd.Function):
+    """The identity on the hidden states, whose backward also gives ``aux`` the gradient ``weight``."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: Tensor, aux: Tensor, weight: Tensor) -> Tensor:
+        ctx.save_for_backward(weight)
+        ctx.aux_dtype = aux.dtype
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        (weight,) = ctx.saved_tensors
+        return grad, weight.to(ctx.aux_dtype), None
 
 
 class PassThrough(nn.Module):
@@ -68,11 +122,14 @@ class PassThrough(nn.Module):
 
 
 def pipeline_batch(batch: dict[str, Any]) -> dict[str, Any]:
-    """The batch the stages take: token ids and labels; right padding (causal, labels -100) needs no mask."""
-    if batch.get("position_ids") is not None or batch.get("cu_seqlens") is not None:
-        raise ConfigError("data.init_args.packing", True, "packed batches are not built for pipeline parallelism; "
-                          "use unpacked batches")
+    """The batch the stages take: token ids, labels, and a packed batch's ``position_ids`` (documents
+    never cross rows, so each micro-batch of rows keeps whole documents); right padding (causal,
+    labels -100) needs no mask. A packed batch's ``cu_seqlens`` span the whole batch: left out (a
+    varlen kernel finds a micro-batch's documents from its positions)."""
     mask = batch.get("attention_mask")
     if mask is not None and bool((mask[:, 1:] > mask[:, :-1]).any()):
         raise ConfigError("data", "attention_mask", "pipeline parallelism takes right-padded batches only")
-    return {"input_ids": batch["input_ids"], "labels": batch["labels"]}
+    taken = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
+    if batch.get("position_ids") is not None:
+        taken["position_ids"] = batch["position_ids"]
+    return taken

@@ -116,6 +116,11 @@ class MoEBlock(nn.Module):
                               routing.counts.new_ones(1).double()])
         self._load = observed if self._load is None else self._load + observed
 
+    def keep_aux_losses(self, losses: dict[str, Tensor]) -> None:
+        """Hold auxiliary losses computed elsewhere until ``pop_aux_losses`` (a pipeline's stages
+        backpropagate their layers' own and leave the whole model's values for the training step to log)."""
+        self._aux_losses = dict(losses)
+
     def pop_aux_losses(self) -> dict[str, Tensor]:
         """The weighted auxiliary losses of the last training forward (then forgotten)."""
         losses, self._aux_losses = self._aux_losses, {}
