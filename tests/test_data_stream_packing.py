@@ -9,7 +9,7 @@ Seen failing with a bug put in, one at a time:
 - ``_Packed`` marking a row served mid-window with the state after the window instead of the
   window's start: ``test_a_resumed_packed_stream_continues_exactly`` fails for positions inside a
   window;
-- ``StreamingExamples`` not passing the collator's packing on (``packing=None``): the exactly-once
+- ``StreamingBatches`` not passing the collator's packing on (``packing=None``): the exactly-once
   test fails (rows are single examples, ``position_ids`` missing);
 - ``load_state_dict`` not comparing the saved packing: ``test_a_stream_resumes_only_with_the_packing_it_was_saved_with``.
 """
@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 from lit_ablate.data import LocalFiles, PackingCollator, build_examples
 from lit_ablate.data.datamodule import ExampleDataset
 from lit_ablate.data.stream_slot import SlotStream
-from lit_ablate.data.streaming import STREAM_STATE, StreamBatches, StreamingExamples, slot_reads
+from lit_ablate.data.streaming import STREAM_STATE, StreamBatchCollate, StreamingBatches, slot_reads
 from lit_ablate.data.tokenizers import ByteTokenizer
 from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX
 
@@ -64,9 +64,9 @@ def test_two_ranks_of_two_workers_pack_every_example_once(tmp_path):
     collator = _collator()
     seen: Counter = Counter()
     for rank in range(2):
-        dataset = StreamingExamples(LocalFiles(path), ByteTokenizer(), "documents", SEQ_LEN, "truncate", 2, rank=rank,
+        dataset = StreamingBatches(LocalFiles(path), ByteTokenizer(), "documents", SEQ_LEN, "truncate", 2, rank=rank,
                                     num_replicas=2, epochs=1, packing=collator.stream_packing())
-        for batch in DataLoader(dataset, batch_size=None, collate_fn=StreamBatches(collator), num_workers=2):
+        for batch in DataLoader(dataset, batch_size=None, collate_fn=StreamBatchCollate(collator), num_workers=2):
             assert batch["input_ids"].shape[1] <= MAX_TOKENS
             seen.update(_documents(batch))
     reference = build_examples(LocalFiles(path), ByteTokenizer(), "documents", SEQ_LEN, "truncate")
@@ -113,8 +113,8 @@ def test_a_resumed_packed_stream_continues_exactly(tmp_path, shuffle_buffer):
     source = LocalFiles(_corpus(tmp_path, rows=30))
     collator = _collator()
 
-    def stream(skip: int = 0, positions=None) -> StreamingExamples:
-        return StreamingExamples(source, ByteTokenizer(), "documents", SEQ_LEN, "truncate", 2, skip_batches=skip,
+    def stream(skip: int = 0, positions=None) -> StreamingBatches:
+        return StreamingBatches(source, ByteTokenizer(), "documents", SEQ_LEN, "truncate", 2, skip_batches=skip,
                                  positions=positions, epochs=2, shuffle_buffer=shuffle_buffer, seed=1,
                                  packing=collator.stream_packing())
 
@@ -130,9 +130,9 @@ def test_a_resumed_packed_stream_continues_exactly(tmp_path, shuffle_buffer):
 
 def test_a_packed_batch_carries_its_slot_state(tmp_path):
     collator = _collator()
-    dataset = StreamingExamples(LocalFiles(_corpus(tmp_path)), ByteTokenizer(), "documents", SEQ_LEN, "truncate", 2,
+    dataset = StreamingBatches(LocalFiles(_corpus(tmp_path)), ByteTokenizer(), "documents", SEQ_LEN, "truncate", 2,
                                 epochs=1, packing=collator.stream_packing())
-    batch = next(iter(DataLoader(dataset, batch_size=None, collate_fn=StreamBatches(collator))))
+    batch = next(iter(DataLoader(dataset, batch_size=None, collate_fn=StreamBatchCollate(collator))))
     slot, state = batch[STREAM_STATE]
     assert slot == 0 and state["epoch"] == 0 and state["items"]["rows_served"] == 2  # two rows of the first window
 

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from lit_ablate.data import HubDataset, LocalFiles, PackingCollator, PaddingCollator, sources, stream_parts
-from lit_ablate.data.streaming import StreamingExamples
+from lit_ablate.data.streaming import StreamingBatches
 from lit_ablate.data.tokenizers import ByteTokenizer
 
 SEQ_LEN = 48
@@ -99,8 +99,8 @@ def test_a_resumed_stream_reads_only_what_remains(tmp_path, monkeypatch, case):
     reads = _Reads(source, monkeypatch)
     tokenizer = _CountingTokenizer()
 
-    def stream(skip: int = 0, positions=None) -> StreamingExamples:  # one slot of 2 ranks: rank 1's
-        return StreamingExamples(source, tokenizer, fmt, SEQ_LEN, "truncate", 2, rank=1, num_replicas=2,
+    def stream(skip: int = 0, positions=None) -> StreamingBatches:  # one slot of 2 ranks: rank 1's
+        return StreamingBatches(source, tokenizer, fmt, SEQ_LEN, "truncate", 2, rank=1, num_replicas=2,
                                  skip_batches=skip, positions=positions, epochs=1,
                                  packing=collator.stream_packing() if packed else None)
 

@@ -18,24 +18,24 @@ import pytest
 
 from lit_ablate.data import LMDataModule, LocalFiles, SyntheticText
 from lit_ablate.data.stream_slot import SlotStream
-from lit_ablate.data.streaming import StreamingExamples
+from lit_ablate.data.streaming import StreamingBatches
 from lit_ablate.data.tokenizers import load_tokenizer
 from lit_ablate.errors import ConfigError
 
 
-def _stream(tmp_path, **kwargs) -> StreamingExamples:
+def _stream(tmp_path, **kwargs) -> StreamingBatches:
     path = tmp_path / "docs.jsonl"
     if not path.exists():
         path.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(40)))
-    return StreamingExamples(LocalFiles(str(path)), load_tokenizer("byte"), "documents", 32, "truncate",
+    return StreamingBatches(LocalFiles(str(path)), load_tokenizer("byte"), "documents", 32, "truncate",
                              batch_size=2, **kwargs)
 
 
-def _ids(stream: StreamingExamples) -> list[tuple[int, ...]]:
+def _ids(stream: StreamingBatches) -> list[tuple[int, ...]]:
     return [tuple(e["input_ids"].tolist()) for batch, _ in stream for e in batch]
 
 
-def _states(stream: StreamingExamples, batches: int) -> dict:
+def _states(stream: StreamingBatches, batches: int) -> dict:
     """The slot's state after its first ``batches`` batches (one slot: no DataLoader workers)."""
     return dict(position for _, (_, position) in zip(range(batches), stream))
 

@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lit_ablate.data import ArithmeticSFT, LMDataModule, LocalFiles, PackingCollator, PaddingCollator, build_examples
-from lit_ablate.data.streaming import STREAM_STATE, StreamBatches, StreamingExamples, worker_batches_consumed
+from lit_ablate.data.streaming import STREAM_STATE, StreamBatchCollate, StreamingBatches, worker_batches_consumed
 from lit_ablate.data.tokenizers import ByteTokenizer
 from lit_ablate.errors import ConfigError
 from tests.distributed import run_ranks
@@ -35,11 +35,11 @@ def _sft_file(tmp_path, rows: int = 45) -> str:
 
 def _loader(path: str, rank: int, *, workers: int = 2, skip: int = 0, positions=None, epochs: int | None = 1,
             batch: int = 2) -> DataLoader:
-    dataset = StreamingExamples(LocalFiles(path), ByteTokenizer(), "sft", 32, "truncate", batch, rank=rank,
+    dataset = StreamingBatches(LocalFiles(path), ByteTokenizer(), "sft", 32, "truncate", batch, rank=rank,
                                 num_replicas=2, skip_batches=skip, positions=positions, epochs=epochs)
     collator = PaddingCollator()
     collator.bind(256, 32)
-    return DataLoader(dataset, batch_size=None, collate_fn=StreamBatches(collator), num_workers=workers)
+    return DataLoader(dataset, batch_size=None, collate_fn=StreamBatchCollate(collator), num_workers=workers)
 
 
 def _sequences(batches) -> list[tuple[int, ...]]:

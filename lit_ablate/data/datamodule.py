@@ -31,7 +31,7 @@ from lit_ablate.data.sampler import ShardedSampler
 from lit_ablate.data.sources import DataSource
 from lit_ablate.data.storage_choice import choose_storage
 from lit_ablate.data.packing import PackingCollator, StreamPacking
-from lit_ablate.data.streaming import STREAM_STATE, StreamBatches, StreamingExamples
+from lit_ablate.data.streaming import STREAM_STATE, StreamBatchCollate, StreamingBatches
 from lit_ablate.data.token_cache import CachedExampleDataset, open_or_build
 from lit_ablate.data.tokenizers import load_tokenizer
 from lit_ablate.errors import ConfigError
@@ -291,12 +291,12 @@ class LMDataModule(pl.LightningDataModule):
         skip = self._batches_consumed if self._resume_pending else 0
         self._resume_pending = False
         replicas = self._replicas()
-        dataset = StreamingExamples(self.source, self.tokenizer, self.format, self.seq_len, self.overlong, self.batch_size,
+        dataset = StreamingBatches(self.source, self.tokenizer, self.format, self.seq_len, self.overlong, self.batch_size,
                                     rank=replicas["rank"], num_replicas=replicas["num_replicas"], skip_batches=skip,
                                     positions=dict(self._stream_positions) if skip else None,
                                     shuffle_buffer=self.shuffle_buffer if self.shuffle else 0, seed=self.seed,
                                     packing=self._stream_packing())
-        return DataLoader(dataset, batch_size=None, collate_fn=StreamBatches(self.collator), num_workers=self.num_workers)
+        return DataLoader(dataset, batch_size=None, collate_fn=StreamBatchCollate(self.collator), num_workers=self.num_workers)
 
     def _sampler(self, dataset: ExampleDataset, shuffle: bool, drop_last: bool) -> ShardedSampler:
         replicas = self._replicas()

@@ -53,12 +53,10 @@ def worker_batches_consumed(batches: int, worker: int, workers: int) -> int:
 
 
 class StreamingExamples(IterableDataset):
-    """This rank's batches of items, slot by slot over the DataLoader's workers, epoch after epoch.
-
-    Each element is ``(items, (slot, state))``: ``batch_size`` examples (or packed rows) and where the
-    slot stands after them; ``StreamBatches`` collates it.
+    """This rank's examples (or packed rows), slot by slot over the DataLoader's workers, epoch after epoch.
 
     Args:
+        batch_size: the DataLoader's batch size (with ``skip_batches``, which worker's turn it is).
         skip_batches: batches this rank already consumed (resume): which worker's turn it is.
         positions: each slot's state after its last consumed batch (resume; ``STREAM_STATE``).
         epochs: stop after this many epochs (None: never; tests read exactly one epoch).
@@ -78,7 +76,11 @@ class StreamingExamples(IterableDataset):
         self.skip_batches, self.positions, self.epochs = skip_batches, positions or {}, epochs
         self.shuffle_buffer, self.seed, self.packing = shuffle_buffer, seed, packing
 
-    def __iter__(self) -> Iterator[tuple[list[Item], tuple[int, State]]]:
+    def __iter__(self) -> Iterator[Item]:
+        return iter(self._slot_stream())
+
+    def _slot_stream(self) -> SlotStream:
+        """This worker's slot, from its saved position when resumed."""
         info = get_worker_info()
         workers = info.num_workers if info is not None else 1
         worker = ((info.id if info is not None else 0) + self.skip_batches) % workers  # whose turn it is next
@@ -88,21 +90,31 @@ class StreamingExamples(IterableDataset):
             raise ConfigError("ckpt_path", f"slot {slot}", "the checkpoint has no position for a stream slot that "
                               "consumed batches (saved by an older lit-ablate or with other ranks x workers): resume "
                               "with the ranks and num_workers it was saved with, or start the run again")
-        stream = SlotStream(self.source, self.tokenizer, self.format, self.seq_len, self.overlong, slot, slots,
-                            slot_reads(self.source.stream_shards(), slots, slot), shuffle_buffer=self.shuffle_buffer,
-                            seed=self.seed, packing=self.packing, epochs=self.epochs, state=state)
+        return SlotStream(self.source, self.tokenizer, self.format, self.seq_len, self.overlong, slot, slots,
+                          slot_reads(self.source.stream_shards(), slots, slot), shuffle_buffer=self.shuffle_buffer,
+                          seed=self.seed, packing=self.packing, epochs=self.epochs, state=state)
+
+
+class StreamingBatches(StreamingExamples):
+    """``StreamingExamples`` made into batches in the worker, each with where its slot stands after it:
+    ``(items, (slot, state))``, ``batch_size`` items (a DataLoader with ``batch_size=None`` and
+    ``StreamBatchCollate``). The data module reads streams this way, to checkpoint the positions."""
+
+    def __iter__(self) -> Iterator[tuple[list[Item], tuple[int, State]]]:
+        stream = self._slot_stream()
         batch: list[Item] = []
         for item in stream:
             batch.append(item)
             if len(batch) == self.batch_size:
-                yield batch, (slot, stream.state())
+                yield batch, (stream.slot, stream.state())
                 batch = []
         if batch:
-            yield batch, (slot, stream.state())
+            yield batch, (stream.slot, stream.state())
 
 
-class StreamBatches:
-    """The DataLoader's ``collate_fn`` for a stream: the collator's batch of the items, plus ``STREAM_STATE``."""
+class StreamBatchCollate:
+    """The DataLoader's ``collate_fn`` for ``StreamingBatches``: the collator's batch of the items, plus
+    ``STREAM_STATE``."""
 
     def __init__(self, collator: Collator) -> None:
         self.collator = collator
