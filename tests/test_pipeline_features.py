@@ -141,6 +141,7 @@ RUNS = {  # name: (preset, data, strategy options, clip, model factory options)
     "packed_sdpa_packed": ("tiny-llama", "packed", {"schedule": "interleaved_1f1b", "stages_per_rank": 2,
                                                     "microbatches": 2}, None, {"attn_implementation": "sdpa_packed"}),
     "moe": ("tiny-qwen3-moe", "sft", {"schedule": "gpipe", "microbatches": 1}, None, MOE),
+    "moe_microbatches": ("tiny-qwen3-moe", "sft", {"schedule": "1f1b", "microbatches": 2}, None, MOE),
 }
 
 
@@ -154,9 +155,9 @@ def two_ranks() -> list[dict]:
     return run_ranks(_two_ranks, 2, timeout_s=300)
 
 
-def assert_trains_as(ranks: list[dict], reference: dict) -> None:
+def assert_trains_as(ranks: list[dict], reference: dict, falls: bool = True) -> None:
     """Every rank's losses (and clipping norms) equal the reference's, and every parameter, held by
-    exactly one stage, equals it."""
+    exactly one stage, equals it; with ``falls``, the reference's loss fell (the steps trained)."""
     held = set()
     for result in ranks:
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=0, atol=ATOL)
@@ -166,7 +167,7 @@ def assert_trains_as(ranks: list[dict], reference: dict) -> None:
                 torch.testing.assert_close(weight, reference["weights"][name], rtol=0, atol=ATOL, msg=name)
                 held.add(name)
     assert held == set(reference["weights"]), "every parameter lives on one stage"
-    assert reference["losses"][-1] < reference["losses"][0] - 0.05, "the model did not train"
+    assert not falls or reference["losses"][-1] < reference["losses"][0] - 0.05, "the model did not train"
 
 
 def test_clipping_uses_the_norm_over_all_stages(two_ranks):
@@ -215,6 +216,16 @@ def test_moe_router_losses_of_every_stage_are_trained_and_logged(two_ranks):
     for result in ranks:
         for logged, expected in zip(result["aux"], reference["aux"], strict=True):
             assert logged == pytest.approx(expected, abs=ATOL)
+
+
+def test_moe_router_losses_per_micro_batch_train_as_one_process_accumulating_them(two_ranks):
+    """With 2 micro-batches per batch each micro-batch's router losses weigh by its own useful tokens
+    (32 and 51), as one process accumulating the two halves weighs each half's: the same model.
+    Seen failing with every micro-batch weighted by the whole batch's mean useful tokens per row (off by
+    0.43; the single micro-batch test cannot see that)."""
+    reference = train_one_process("tiny-qwen3-moe", "sft_accumulated", **MOE)
+    # The router losses' gradients dominate these steps: the token loss rises (5.81 to 5.98).
+    assert_trains_as([rank["moe_microbatches"] for rank in two_ranks], reference, falls=False)
 
 
 def _sharded_clipping(rank: int, world_size: int) -> dict:
