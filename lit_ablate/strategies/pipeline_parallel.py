@@ -69,6 +69,9 @@ Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe")
 """Families whose decoder takes ``inputs_embeds`` unchanged (Gemma, for one, rescales them)."""
+CAUSAL_LM_ONLY = ("pipeline stages train CausalLM's token loss only, not DPO: a pair loss needs each pair's chosen "
+                  "and rejected rows in one micro-batch and the reference's log-probs on the last stage, which the "
+                  "stages do not carry; train DPO with FSDP2Strategy (or another strategy without pp)")
 
 
 class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
@@ -220,8 +223,7 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
     # ---------------------------------------------------------------- Lightning hooks
     def setup(self, trainer: Trainer) -> None:
         if len(self.parallel_targets()) != 1:
-            raise ConfigError("model", type(self.lightning_module).__name__,
-                              "pipeline parallelism is built for CausalLM (one token-loss model) only")
+            raise ConfigError("model", type(self.lightning_module).__name__, CAUSAL_LM_ONLY)
         super().setup(trainer)
         # Lightning clips each rank's parameters by their own norm: one stage's, not the model's.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
@@ -353,8 +355,7 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
     def check_model(self, model: CausalLMWithLoss) -> None:
         """Refuse what the stage split cannot hold (each with the key to change)."""
         if type(model) is not CausalLMWithLoss:
-            raise ConfigError("model", type(model).__name__,
-                              "pipeline parallelism is built for CausalLM (one token-loss model) only")
+            raise ConfigError("model", type(model).__name__, CAUSAL_LM_ONLY)
         config = model.lm.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError("model.init_args.model", config.model_type,
