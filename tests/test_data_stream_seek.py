@@ -81,18 +81,19 @@ class _Reads:
         monkeypatch.setattr(stream_parts, "_json_row", counted_parse)
 
 
-CASES = {  # name: (corpus, format, packing, rows the resumed slot may read again)
-    "jsonl-files": (lambda p: _jsonl(p, 2), "documents", False, 1),
-    "jsonl-one-file": (lambda p: _jsonl(p, 1, rows=80), "documents", False, 1),  # shared by row with rank 0
-    "pretrain": (lambda p: _jsonl(p, 1, rows=24, longest=120), "pretrain", False, 1),  # rows of 1-5 windows
-    "packed": (lambda p: _jsonl(p, 2), "documents", True, 5),
-    "parquet": (_parquet, "documents", False, 6),
+CASES = {  # name: (corpus, format, packing, shuffle buffer, rows the resumed slot may read again)
+    "jsonl-files": (lambda p: _jsonl(p, 2), "documents", False, 0, 1),
+    "jsonl-one-file": (lambda p: _jsonl(p, 1, rows=80), "documents", False, 0, 1),  # shared by row with rank 0
+    "pretrain": (lambda p: _jsonl(p, 1, rows=24, longest=120), "pretrain", False, 0, 1),  # rows of 1-5 windows
+    "packed": (lambda p: _jsonl(p, 2), "documents", True, 0, 5),
+    "buffered": (lambda p: _jsonl(p, 2), "documents", False, 6, 1),  # the buffer's examples come from the state
+    "parquet": (_parquet, "documents", False, 0, 6),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_a_resumed_stream_reads_only_what_remains(tmp_path, monkeypatch, case):
-    corpus, fmt, packed, again = CASES[case]
+    corpus, fmt, packed, buffer, again = CASES[case]
     source = LocalFiles(corpus(tmp_path))
     collator = PackingCollator(max_tokens=SEQ_LEN, window=5) if packed else PaddingCollator()
     collator.bind(0, SEQ_LEN)
@@ -101,7 +102,7 @@ def test_a_resumed_stream_reads_only_what_remains(tmp_path, monkeypatch, case):
 
     def stream(skip: int = 0, positions=None) -> StreamingBatches:  # one slot of 2 ranks: rank 1's
         return StreamingBatches(source, tokenizer, fmt, SEQ_LEN, "truncate", 2, rank=1, num_replicas=2,
-                                 skip_batches=skip, positions=positions, epochs=1,
+                                 skip_batches=skip, positions=positions, epochs=1, shuffle_buffer=buffer, seed=2,
                                  packing=collator.stream_packing() if packed else None)
 
     whole, read_by = [], []  # the batches, and the rows read when each was made

@@ -11,7 +11,8 @@ serves exactly the items that followed, without reading again what came before:
 - examples: the position before the row whose examples are being served, the ``pretrain`` tokens
   carried into that row (at most ``seq_len``) and how many of its examples were served: a resume
   reads that one row again;
-- shuffle buffer: the buffered examples themselves (as three int64 tensors) and the generator's state;
+- shuffle buffer: the buffered examples themselves (three int32 tensors: 8 bytes per buffered token,
+  with every batch and in the checkpoint) and the generator's state;
 - packing: the state before the window being served and how many of its rows were served: a resume
   reads that one window again (``PackingCollator.window`` kept examples at most).
 
@@ -218,17 +219,19 @@ class _Packed:
 
 
 def _packed(examples: list[Example]) -> dict[str, torch.Tensor]:
-    """Examples as three tensors (one each, not two per example, to cross processes cheaply)."""
-    lengths = torch.tensor([len(e["input_ids"]) for e in examples], dtype=torch.long)
+    """Examples as three int32 tensors (one each, not two per example, to cross processes cheaply:
+    the buffer travels with every batch, 8 bytes per buffered token)."""
+    lengths = torch.tensor([len(e["input_ids"]) for e in examples], dtype=torch.int32)
     if not examples:
-        return {"input_ids": torch.empty(0, dtype=torch.long), "labels": torch.empty(0, dtype=torch.long), "lengths": lengths}
-    return {"input_ids": torch.cat([e["input_ids"] for e in examples]), "labels": torch.cat([e["labels"] for e in examples]),
-            "lengths": lengths}
+        empty = torch.empty(0, dtype=torch.int32)
+        return {"input_ids": empty, "labels": empty, "lengths": lengths}
+    return {key: torch.cat([e[key] for e in examples]).to(torch.int32) for key in ("input_ids", "labels")} | \
+        {"lengths": lengths}
 
 
 def _unpacked(packed: dict[str, torch.Tensor]) -> list[Example]:
     sizes = packed["lengths"].tolist()
-    return [{"input_ids": ids, "labels": labels}
+    return [{"input_ids": ids.long(), "labels": labels.long()}
             for ids, labels in zip(packed["input_ids"].split(sizes), packed["labels"].split(sizes))]
 
 
