@@ -92,6 +92,27 @@ def test_lightning_resume_of_an_mds_stream_continues_exactly(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(resumed, uninterrupted[3:], strict=True))
 
 
+@pytest.mark.parametrize("max_rows", [None, 7])
+def test_a_resumed_part_decodes_only_the_samples_after_its_position(monkeypatch, max_rows):
+    """Resuming at every position of every part gives the rows that followed, and decodes only them.
+    Catches a resume that counts rows from the part's start again (the default ``counted_rows``: every
+    earlier sample decoded a second time; seen failing on the decode count) and an off-by-one in the
+    sample offset (rows shifted by one)."""
+    from lit_ablate.data import mds_source
+
+    source = MDSShards(str(FIXTURES / "zstd"), max_rows=max_rows)
+    decoded = []
+    decode = mds_source._decode_column
+    monkeypatch.setattr(mds_source, "_decode_column", lambda *a: decoded.append(1) or decode(*a))
+    for part in range(source.stream_shards()):
+        whole = list(source.stream_part(part))
+        for cut in range(len(whole)):
+            decoded.clear()
+            rest = list(source.stream_part(part, whole[cut][1]))
+            assert rest == whole[cut + 1 :]
+            assert len(decoded) == len(rest)
+
+
 def test_a_changed_shard_changes_the_cache_key(tmp_path):
     import shutil
 

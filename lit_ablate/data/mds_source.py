@@ -27,6 +27,7 @@ import numpy as np
 
 from lit_ablate.data.formats import TOKENS_FIELD
 from lit_ablate.data.sources import DataSource, Row
+from lit_ablate.data.stream_parts import Position
 from lit_ablate.errors import ConfigError
 
 _KEY = "data.init_args.source.init_args"
@@ -104,10 +105,25 @@ class MDSShards(DataSource):
     def stream_shard(self, index: int) -> Iterator[Row]:
         return self._shard_rows(self.shards[index]) if self.stream_shards() > 1 else iter(self)
 
-    def _shard_rows(self, shard: dict[str, Any]) -> Iterator[Row]:
+    def stream_part(self, index: int, after: Position = None) -> Iterator[tuple[Row, Position]]:
+        """A position is ``(shard, its samples read, rows read)``: a resumed part starts decoding at
+        the next sample (its shard file is read whole, as always), never at the part's start."""
+        shards = [index] if self.stream_shards() > 1 else list(range(len(self.shards)))
+        first, done, count = after or (shards[0], 0, 0)
+        if self.max_rows is not None and count >= self.max_rows:
+            return
+        for shard in (s for s in shards if s >= first):
+            start = done if shard == first else 0
+            for number, row in enumerate(self._shard_rows(self.shards[shard], start), start=start + 1):
+                count += 1
+                yield row, (shard, number, count)
+                if self.max_rows is not None and count >= self.max_rows:  # before decoding one more
+                    return
+
+    def _shard_rows(self, shard: dict[str, Any], start: int = 0) -> Iterator[Row]:
         field = self.tokens_field or self.text_field
         columns = list(zip(shard["column_names"], shard["column_encodings"], shard["column_sizes"]))
-        for sample in _samples(self._shard_bytes(shard)):
+        for sample in _samples(self._shard_bytes(shard), start):
             value = _decode_column(sample, columns, field)
             if self.tokens_field is None:
                 yield {"text": value}
@@ -125,11 +141,12 @@ class MDSShards(DataSource):
         return _zstd_decompressor()(data) if compressed else data
 
 
-def _samples(shard: bytes) -> Iterator[bytes]:
-    """Each sample's bytes: a shard starts with its sample count and ``count + 1`` absolute offsets (uint32)."""
+def _samples(shard: bytes, start: int = 0) -> Iterator[bytes]:
+    """Each sample's bytes from sample ``start`` on: a shard starts with its sample count and
+    ``count + 1`` absolute offsets (uint32)."""
     count = int(np.frombuffer(shard[:4], np.uint32)[0])
     offsets = np.frombuffer(shard[4 : 8 + 4 * count], np.uint32)
-    for begin, end in zip(offsets[:-1], offsets[1:]):
+    for begin, end in zip(offsets[start:-1], offsets[start + 1 :]):
         yield shard[begin:end]
 
 
