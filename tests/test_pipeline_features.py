@@ -22,12 +22,9 @@ from lightning.pytorch.callbacks import Callback
 from torch.distributed.tensor import DTensor
 
 from lit_ablate.data import LMDataModule, PackingCollator, SyntheticText
-from lit_ablate.errors import ConfigError
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX, loss_backend
-from lit_ablate.models.losses.logprobs import TorchLogProbs
-from lit_ablate.models.losses.sequence_logprobs import SequenceLogProbs
 from lit_ablate.models.moe.blocks import MoEOptions, collect_aux_losses
 from lit_ablate.modules import CausalLM
 from lit_ablate.modules.step_objective import StepObjective
@@ -229,16 +226,6 @@ def test_moe_router_losses_per_micro_batch_train_as_one_process_accumulating_the
     reference = train_one_process("tiny-qwen3-moe", "sft_accumulated", **MOE)
     # The router losses' gradients dominate these steps: the token loss rises (5.81 to 5.98).
     assert_trains_as([rank["moe_microbatches"] for rank in two_ranks], reference, falls=False)
-
-
-def test_dpo_is_refused_in_one_line_saying_why():
-    """DPO's sequence log-prob model is refused by name with the reason (its pair loss needs a pair's
-    rows in one micro-batch and the reference on the last stage) and the strategy to use instead."""
-    strategy = PipelineParallelStrategy(pp=2)
-    strategy.pp = 2
-    policy = SequenceLogProbs(ModelFactory(preset="tiny-llama").build(device="meta"), TorchLogProbs())
-    with pytest.raises(ConfigError, match=r"not DPO: a pair loss needs .* train DPO with FSDP2Strategy"):
-        strategy.check_model(policy)
 
 
 def _sharded_clipping(rank: int, world_size: int) -> dict:

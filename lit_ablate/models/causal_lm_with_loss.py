@@ -49,7 +49,11 @@ class CausalLMWithLoss(nn.Module):
         ``position_ids`` when no cache exists, so a packed batch would otherwise leak across
         documents (PLATFORM_NOTES trap 2).
         """
-        hidden = self.hidden_states(batch)
+        return self.head_outputs(self.hidden_states(batch), batch)
+
+    def head_outputs(self, hidden: Tensor, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
+        """What ``forward`` returns, from the decoder's last hidden states of the batch (a pipeline's
+        last stage computes it from the hidden states it receives)."""
         head = self.lm.get_output_embeddings()
         labels = batch["labels"].reshape(-1)
         loss_sum = self.loss_fn(hidden.reshape(-1, hidden.shape[-1]), head.weight, labels, head.bias)

@@ -230,16 +230,45 @@ class DPO(CausalLM):
         return torch.zeros_like(like)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> StepOutput:
-        step = self.pair_step(batch)
+        strategy = self.trainer.strategy if self._trainer else None
+        answers = interface_of(strategy)
+        if answers.runs_forward_backward:  # a pipeline: each micro-batch's pairs, on the last stage
+            totals, pairs = answers.forward_backward(
+                self.model, {**batch, "reference_logps": self._pipeline_reference(batch)}, self.objective,
+                unit_loss=self._micro_batch_pair_losses)
+            loss_sum, statistics = totals[0], totals[1:].double()
+        else:
+            step = self.pair_step(batch)
+            pairs = torch.tensor(int(batch["num_pairs"]), device=step.loss_sum.device)
+            loss_sum, statistics = step.loss_sum, self._statistics(step, pairs)
         aux = collect_aux_losses(self.model)  # MoE router losses: trained on, logged apart
         for name, value in aux.items():
             self.log(f"train/{name}", value.detach())
-        pairs = torch.tensor(int(batch["num_pairs"]), device=step.loss_sum.device)
-        strategy = self.trainer.strategy if self._trainer else None
-        loss = self.objective.backward_loss(step.loss_sum, pairs, sum(aux.values(), 0.0), strategy)
-        return {"loss": loss, "loss_sum": step.loss_sum.detach(), "tokens": batch["input_ids"].numel(),
+        loss = self.objective.backward_loss(loss_sum, pairs, sum(aux.values(), 0.0), strategy)
+        return {"loss": loss, "loss_sum": loss_sum.detach(), "tokens": batch["input_ids"].numel(),
                 "useful_tokens": (batch["labels"] != IGNORE_INDEX).sum(), "flops": self.flops_per_pair_batch(batch),
-                "loss_units": pairs, "preference": self._statistics(step, pairs)}
+                "loss_units": pairs, "preference": statistics}
+
+    def _pipeline_reference(self, batch: dict[str, Any]) -> Tensor:
+        """The reference's ``[2P]`` log-probs of the batch, for the pipeline's last stage: looked up, or
+        zeros (the stages hold one model: a frozen reference is refused by the strategy)."""
+        if self.hparams.reference not in ("precomputed", "none"):
+            raise ConfigError(f"{_KEY}.reference", self.hparams.reference, "pipeline stages train DPO against a "
+                              "precomputed reference (computed once through the stages) or none: use one of them")
+        return self.reference_sequence_logps(batch, batch["labels"].new_zeros(2 * int(batch["num_pairs"]),
+                                                                              dtype=torch.float32))
+
+    def _micro_batch_pair_losses(self, outputs: tuple[Tensor, Tensor], batch: dict[str, Any]) -> Tensor:
+        """A pipeline micro-batch's ``[pair-loss sum, *PREFERENCE_STATS sums]`` from the policy's
+        ``(logps, response tokens)`` of its sequences (``StrategyInterface.forward_backward``'s ``unit_loss``)."""
+        logps, tokens = outputs
+        pairs, reference = int(batch["num_pairs"]), batch["reference_logps"]
+        result = self.preference_loss(logps[:pairs], logps[pairs:], reference[:pairs], reference[pairs:],
+                                      tokens[:pairs], tokens[pairs:])
+        step = PairStep(result.losses.sum(), logps[:pairs].detach(), logps[pairs:].detach(), result.chosen_rewards,
+                        result.rejected_rewards)
+        count = torch.tensor(pairs, device=logps.device)
+        return torch.cat([step.loss_sum.reshape(1), self._statistics(step, count).to(step.loss_sum.dtype)])
 
     @staticmethod
     def _statistics(step: PairStep, pairs: Tensor) -> Tensor:

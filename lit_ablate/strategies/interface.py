@@ -11,6 +11,7 @@ A custom strategy implements this interface by inheriting it next to its Lightni
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -18,6 +19,9 @@ from lightning.pytorch.strategies import ParallelStrategy, Strategy
 from torch import Tensor
 
 from lit_ablate.strategies.state_sharding import REPLICATED, StateSharding, lightning_state_sharding
+
+UnitLoss = Callable[[tuple[Tensor, ...], dict[str, Any]], Tensor]
+"""A micro-batch's loss from the model's outputs for it (``StrategyInterface.forward_backward``)."""
 
 if TYPE_CHECKING:
     from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
@@ -76,9 +80,14 @@ class StrategyInterface:
         of its stages inside one schedule); otherwise the module runs forward and Lightning backward."""
         return False
 
-    def forward_backward(self, model: CausalLMWithLoss, batch: dict[str, Any],
-                         objective: StepObjective) -> tuple[Tensor, Tensor]:
-        """``(loss_sum, useful_tokens)`` of the batch after its forward and backward (see ``runs_forward_backward``)."""
+    def forward_backward(self, model: CausalLMWithLoss, batch: dict[str, Any], objective: StepObjective,
+                         unit_loss: UnitLoss | None = None) -> tuple[Tensor, Tensor]:
+        """``(loss_sum, useful_tokens)`` of the batch after its forward and backward (see ``runs_forward_backward``).
+
+        ``unit_loss(outputs, micro_batch)``: for a loss that is not the model's own token loss (DPO's
+        pair losses), a vector whose first entry is the loss sum of a micro-batch's units, computed from
+        the model's outputs for it (``head_outputs``); the rest are sums to report. The step's units
+        are then the batch's pairs and ``loss_sum`` the summed vector."""
         raise NotImplementedError(f"{type(self).__name__} leaves forward and backward to the module and Lightning")
 
     def schedule_timing(self) -> tuple[float, float] | None:

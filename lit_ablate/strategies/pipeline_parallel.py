@@ -27,6 +27,10 @@ loss; a packed batch's ``position_ids`` reach every stage with its micro-batch (
 step's keyword inputs for each stage); and the MoE router losses of each stage's layers are
 backpropagated by that stage (``StageModule.add_aux_gradient``: the schedule backpropagates only the
 last stage's loss), weighted by their micro-batch's useful tokens as ``CausalLM`` weighs them.
+
+DPO's loss is per pair: its padded batch is reordered so that each micro-batch holds whole pairs,
+and the last stage turns each micro-batch's sequence log-probs into pair losses with ``DPO``'s
+``unit_loss`` (the step's units are then pairs).
 """
 
 from __future__ import annotations
@@ -49,16 +53,18 @@ from lit_ablate.models.attention.block_kernels import BlockKernelName
 from lit_ablate.models.attention.sequence_layout import LayoutName
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
 from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX
+from lit_ablate.models.losses.sequence_logprobs import SequenceLogProbs
 from lit_ablate.models.moe.blocks import moe_blocks
 from lit_ablate.strategies.context_parallel import ContextParallelImpl
 from lit_ablate.strategies.expert_parallel import DispatchMode
+from lit_ablate.strategies.interface import UnitLoss
 from lit_ablate.strategies.mesh import STRATEGY_KEY
 from lit_ablate.strategies.mesh_parallel import MeshParallelStrategy
 from lit_ablate.strategies.pipeline_chunk_timer import ChunkTimer
 from lit_ablate.strategies.pipeline_clipping import clip_grad_norm_over_stages
 from lit_ablate.strategies.pipeline_split import balanced_split_points, check_split_points
 from lit_ablate.strategies.pipeline_stage_sharding import StageSharding
-from lit_ablate.strategies.pipeline_stages import PassThrough, StageModule, pipeline_batch
+from lit_ablate.strategies.pipeline_stages import PassThrough, StageModule, micro_batch, pair_rows, pipeline_batch
 from lit_ablate.strategies.state_sharding import REPLICATED, StateSharding
 from lit_ablate.strategies.tensor_parallel_plans import Plan
 
@@ -69,9 +75,8 @@ Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe")
 """Families whose decoder takes ``inputs_embeds`` unchanged (Gemma, for one, rescales them)."""
-CAUSAL_LM_ONLY = ("pipeline stages train CausalLM's token loss only, not DPO: a pair loss needs each pair's chosen "
-                  "and rejected rows in one micro-batch and the reference's log-probs on the last stage, which the "
-                  "stages do not carry; train DPO with FSDP2Strategy (or another strategy without pp)")
+PIPELINED_MODELS = (CausalLMWithLoss, SequenceLogProbs)
+"""What the stages train: CausalLM's token loss and DPO's sequence log-probs (not Liger's fused DPO policy)."""
 
 
 class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
@@ -89,9 +94,10 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
     Llama, Qwen3 and Qwen3-MoE models without tied embeddings (every stage's router losses trained
     and logged as one process's), padded or packed batches (every stage gets its micro-batch's
     positions), gradient clipping by the norm over all stages, gradient accumulation over batches
-    (each batch still split into ``microbatches``), and only ``CausalLM`` (not ``DPO``); the rest is
-    refused with the key to change. Validation and test run each batch forward through the stages
-    (``pipeline_forward``).
+    (each batch still split into ``microbatches``), ``CausalLM`` and ``DPO`` (padded pairs, whole pairs
+    per micro-batch, a precomputed or no reference); the rest is refused with the key to change.
+    Every training batch must have the first one's shape (torch's stages size their buffers once).
+    Validation and test run each batch forward through the stages (``pipeline_forward``).
 
     Args:
         pp: pipeline stages (ranks per pipeline); ``-1``: the world size over ``dp_replicate x dp_shard``.
@@ -222,8 +228,10 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
 
     # ---------------------------------------------------------------- Lightning hooks
     def setup(self, trainer: Trainer) -> None:
-        if len(self.parallel_targets()) != 1:
-            raise ConfigError("model", type(self.lightning_module).__name__, CAUSAL_LM_ONLY)
+        if len(self.parallel_targets()) != 1:  # DPO's frozen reference: a second model
+            raise ConfigError("model.init_args.reference", "frozen",
+                              "the pipeline stages hold one model, and a frozen reference is a second one: use "
+                              "reference: precomputed (its log-probs computed once through the stages) or none")
         super().setup(trainer)
         # Lightning clips each rank's parameters by their own norm: one stage's, not the model's.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
@@ -354,8 +362,10 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
 
     def check_model(self, model: CausalLMWithLoss) -> None:
         """Refuse what the stage split cannot hold (each with the key to change)."""
-        if type(model) is not CausalLMWithLoss:
-            raise ConfigError("model", type(model).__name__, CAUSAL_LM_ONLY)
+        if type(model) not in PIPELINED_MODELS:
+            raise ConfigError("model", type(model).__name__,
+                              "pipeline stages train CausalLM and DPO with logprobs torch or chunked (Liger's fused "
+                              "DPO reads the whole batch's hidden states at once); use logprobs: chunked")
         config = model.lm.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError("model.init_args.model", config.model_type,
@@ -401,27 +411,52 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
                 with torch.no_grad():
                     target.copy_(value)
 
-    def _last_stage_loss(self, hidden: Tensor, labels: Tensor) -> Tensor:
-        """One micro-batch's token-loss sum over the run constant ``c`` (the schedule backpropagates it)."""
-        return self._last_module.head_loss(hidden, labels) / self._loss_scale
+    def _last_stage_loss(self, hidden: Tensor, rows: Tensor) -> Tensor:
+        """One micro-batch's loss sum over the run constant ``c`` (the schedule backpropagates it): the
+        model's token loss, or the step's ``unit_loss`` of the model's outputs (DPO's pair losses), whose
+        other entries are summed for ``forward_backward``. ``rows``: the micro-batch's rows of the step's batch."""
+        batch = micro_batch(self._step_batch, rows)
+        outputs = self._last_module.head_loss(hidden, batch)
+        if self._unit_loss is None:
+            return outputs[0] / self._loss_scale
+        values = self._unit_loss(outputs, batch)
+        self._unit_values.append(values.detach())
+        return values[0] / self._loss_scale
 
     # ---------------------------------------------------------------- one step
     @property
     def runs_forward_backward(self) -> bool:
         return True
 
-    def forward_backward(self, model: CausalLMWithLoss, batch: dict[str, Any],
-                         objective: StepObjective) -> tuple[Tensor, Tensor]:
-        """Forward and backward of every micro-batch through the stages; ``(loss_sum, useful_tokens)``
-        of the whole batch, the same on every rank (``CausalLM.training_step`` calls it)."""
+    def forward_backward(self, model: CausalLMWithLoss, batch: dict[str, Any], objective: StepObjective,
+                         unit_loss: UnitLoss | None = None) -> tuple[Tensor, Tensor]:
+        """Forward and backward of every micro-batch through the stages; ``(loss_sum, units)`` of the
+        whole batch, the same on every rank (``CausalLM.training_step`` calls it: useful tokens). A
+        preference batch (``DPO.training_step``, with its ``unit_loss``) is reordered so that every
+        micro-batch holds whole pairs; its units are pairs, and ``loss_sum`` is the sum over the
+        micro-batches of everything ``unit_loss`` returned (the loss sum first)."""
         if model is not self._pipelined:
             raise RuntimeError("the pipeline was built for another model")
         batch = pipeline_batch(batch)
-        labels = batch["labels"]
-        if labels.shape[0] % self.microbatches:
+        if batch["labels"].shape[0] % self.microbatches:
             raise ConfigError(f"{STRATEGY_KEY}.microbatches", self.microbatches,
-                              f"the batch has {labels.shape[0]} rows; use a divisor of the batch size")
-        units = [(chunk != IGNORE_INDEX).sum() for chunk in labels.tensor_split(self.microbatches)]
+                              f"the batch has {batch['labels'].shape[0]} rows; use a divisor of the batch size")
+        shape, first = tuple(batch["input_ids"].shape), getattr(self, "_schedule_shape", None)
+        if first is not None and shape != first:  # torch's stages size their hand-off buffers once
+            raise ConfigError("data.init_args.collator", f"a batch of {shape} after {first}",
+                              "pipeline stages take every training batch in one shape: pad to seq_len "
+                              "(static_length: true; packing: static_shape: true) and drop a smaller last batch")
+        self._schedule_shape = shape
+        if "num_pairs" in batch:
+            if unit_loss is None:
+                raise RuntimeError("a preference batch's pair loss comes from its module: pass unit_loss")
+            order = pair_rows(batch["num_pairs"], self.microbatches, batch["labels"].device)
+            batch = {k: v[order] if isinstance(v, Tensor) else v for k, v in batch.items()}
+            units = [torch.tensor(batch["num_pairs"] // self.microbatches, device=order.device)] * self.microbatches
+        else:
+            units = [(chunk != IGNORE_INDEX).sum() for chunk in batch["labels"].tensor_split(self.microbatches)]
+        labels = batch["labels"]
+        self._step_batch, self._unit_loss, self._unit_values = batch, unit_loss, []
         if objective.scale is None:  # the stages of a replica read the same batch; replicas agree over dp
             objective.agree_scale(int(units[0]), labels.device, self.gradient_mean_group[0])
         self._loss_scale = objective.scale
@@ -437,7 +472,8 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
         if self.stage_index == 0:
             self._schedule.step(batch["input_ids"], return_outputs=False, **inputs)
         elif self.stage_index == self.pp - 1:
-            self._schedule.step(target=labels, losses=losses, return_outputs=False, **inputs)
+            rows = torch.arange(labels.shape[0], device=labels.device)  # each micro-batch's rows, for its loss
+            self._schedule.step(target=rows, losses=losses, return_outputs=False, **inputs)
         else:
             self._schedule.step(return_outputs=False, **inputs)
         compute = self._compute_timer.seconds()  # synchronises a GPU first
@@ -447,11 +483,18 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
         self._pending_gradients = [(p, p.grad) for p in model.parameters() if p.grad is not None]
         for p, grad in kept:
             p.grad = grad
-        if losses:
+        if unit_loss is not None:  # every entry unit_loss returned, summed (the loss sum first)
+            # The last stage's micro-batches: the schedule's last calls (its first step's shape inference
+            # calls the loss once before them, on placeholder hidden states).
+            values = self._unit_values[-self.microbatches:]
+            loss_sum = self._from_last_stage((torch.stack(values).sum(0),) if values else None)[0]
+        elif losses:
             loss_sum = (torch.stack([loss.detach() for loss in losses]).sum() * objective.scale).float()
         else:
             loss_sum = torch.zeros((), device=labels.device)
-        dist.broadcast(loss_sum, group=self.device_mesh.get_group("pp"), group_src=self.pp - 1)
+        if unit_loss is None:
+            dist.broadcast(loss_sum, group=self.device_mesh.get_group("pp"), group_src=self.pp - 1)
+        self._step_batch, self._unit_loss, self._unit_values = None, None, []
         if self._moe_layers:
             self._publish_aux_losses(objective.scale, torch.stack(units).sum())
         return loss_sum, torch.stack(units).sum()
@@ -461,8 +504,9 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
         with the rows): a packed batch's ``position_ids``, and with MoE layers the weight of each row's
         share of the auxiliary losses (its useful tokens over ``c`` and the model's MoE layer count)."""
         inputs = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
-        if self._moe_layers:
-            units = (batch["labels"] != IGNORE_INDEX).sum(-1).float()
+        if self._moe_layers:  # a preference batch's unit is a pair: half of it on each of its two rows
+            units = (torch.full(batch["labels"].shape[:1], 0.5, device=batch["labels"].device) if "num_pairs" in batch
+                     else (batch["labels"] != IGNORE_INDEX).sum(-1).float())
             inputs["aux_weights"] = units / (scale * self._moe_layers)
         return inputs
 
@@ -496,9 +540,11 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
         return int(count.item())
 
     @torch.no_grad()
-    def pipeline_forward(self, model: CausalLMWithLoss, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
-        """``(loss_sum, useful_tokens)`` of the batch, forward only, the same on every stage: what the
-        pipelined model returns when called (evaluation: ``CausalLM.validation_step`` and ``test_step``).
+    def pipeline_forward(self, model: CausalLMWithLoss, batch: dict[str, Any]) -> tuple[Tensor, ...]:
+        """What the model returns for the batch (``(loss_sum, useful_tokens)``; DPO's policy: per-sequence
+        log-probs and response tokens), forward only, the same on every stage: what the pipelined model
+        returns when called (evaluation: ``CausalLM.validation_step`` and ``test_step``, DPO's evaluation
+        and its precomputed reference).
 
         The whole batch goes stage by stage, hidden states sent to the next stage's rank. By hand, not
         the schedule's ``eval``: that keeps the buffers sized by the first evaluation batch after a
@@ -515,7 +561,7 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
         group, stages = self.device_mesh.get_group("pp"), self.pp * self.stages_per_rank
         shape = (*hidden.shape, model.lm.config.hidden_size)
         dtype = next(model.parameters()).dtype
-        loss_sum = torch.zeros((), device=labels.device)
+        outputs = None
         for s in range(stages):
             here, before, after = s % self.pp, (s - 1) % self.pp, (s + 1) % self.pp
             if here != self.stage_index:
@@ -525,12 +571,18 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
                 dist.recv(hidden, group=group, group_src=before)
             hidden = self._stage_modules[s](hidden, position_ids=batch.get("position_ids"))
             if s == stages - 1:
-                loss_sum = self._last_module.head_loss(hidden, labels).float()
+                outputs = self._last_module.head_loss(hidden, batch)
             elif after != here:
                 dist.send(hidden.contiguous(), group=group, group_dst=after)
-        dist.broadcast(loss_sum, group=group, group_src=self.pp - 1)
+        outputs = self._from_last_stage(outputs)
         self._reshard()
-        return loss_sum, (labels != IGNORE_INDEX).sum()
+        return outputs
+
+    def _from_last_stage(self, tensors: tuple[Tensor, ...] | None) -> tuple[Tensor, ...]:
+        """The last stage's ``tensors`` on every stage of the pipeline (their shapes only the last knows)."""
+        carried = [None if tensors is None else [t.detach().cpu() for t in tensors]]
+        dist.broadcast_object_list(carried, group=self.device_mesh.get_group("pp"), group_src=self.pp - 1)
+        return tuple(t.to(self._mesh_device()) for t in carried[0])
 
     def _reshard(self) -> None:
         """Free FSDP's gathered parameters: a forward without backward leaves the layers kept gathered

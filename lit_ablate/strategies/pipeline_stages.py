@@ -44,11 +44,11 @@ class StageModule(nn.Module):
         self._view = None if layers is None else [
             layer if index in layers else PassThrough() for index, layer in enumerate(decoder.layers)]
 
-    def head_loss(self, hidden: Tensor, labels: Tensor) -> Tensor:
-        """The last stage's token-loss sum of its output (final norm applied) through the LM head."""
-        head = self.model.lm.get_output_embeddings()
-        hidden = hidden.reshape(-1, hidden.shape[-1])
-        return self.model.loss_fn(hidden, head.weight, labels.reshape(-1), head.bias)
+    def head_loss(self, hidden: Tensor, batch: dict[str, Any]) -> tuple[Tensor, ...]:
+        """The model's outputs (``CausalLMWithLoss.head_outputs``: a token-loss sum and the useful
+        tokens, or DPO's per-sequence log-probs and response tokens) from the last stage's hidden states
+        (final norm applied) of ``batch``'s rows, through the LM head."""
+        return self.model.head_outputs(hidden, batch)
 
     def forward(self, x: Tensor, position_ids: Tensor | None = None, aux_weights: Tensor | None = None) -> Tensor:
         """``position_ids``: a packed micro-batch's positions (restarting at each document, from which the
@@ -125,11 +125,43 @@ def pipeline_batch(batch: dict[str, Any]) -> dict[str, Any]:
     """The batch the stages take: token ids, labels, and a packed batch's ``position_ids`` (documents
     never cross rows, so each micro-batch of rows keeps whole documents); right padding (causal,
     labels -100) needs no mask. A packed batch's ``cu_seqlens`` span the whole batch: left out (a
-    varlen kernel finds a micro-batch's documents from its positions)."""
+    varlen kernel finds a micro-batch's documents from its positions). A preference batch (padded: one
+    sequence per row) keeps its ``num_pairs``, ``sequence_ids`` and the reference's ``reference_logps``."""
     mask = batch.get("attention_mask")
     if mask is not None and bool((mask[:, 1:] > mask[:, :-1]).any()):
         raise ConfigError("data", "attention_mask", "pipeline parallelism takes right-padded batches only")
     taken = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
     if batch.get("position_ids") is not None:
         taken["position_ids"] = batch["position_ids"]
+    if batch.get("num_pairs") is not None:
+        rows = batch["sequence_ids"]
+        if "position_ids" in taken or not bool((rows == torch.arange(len(rows), device=rows.device)[:, None]).all()):
+            raise ConfigError("data.init_args.collator", "PreferencePackingCollator",
+                              "pipeline stages take preference pairs one sequence per row; use PreferencePaddingCollator")
+        taken.update(num_pairs=int(batch["num_pairs"]), sequence_ids=rows)
+        if batch.get("reference_logps") is not None:
+            taken["reference_logps"] = batch["reference_logps"]
+    return taken
+
+
+def pair_rows(num_pairs: int, microbatches: int, device: torch.device) -> Tensor:
+    """The order of a padded preference batch's rows (chosen ``0..P-1``, rejected ``P..2P-1``) that gives
+    each of ``microbatches`` equal chunks of rows whole pairs: its pairs' chosen rows, then their
+    rejected rows (so a micro-batch is itself such a batch)."""
+    if num_pairs % microbatches:
+        raise ConfigError("trainer.strategy.init_args.microbatches", microbatches,
+                          f"a batch of {num_pairs} preference pairs splits into whole pairs only: use a divisor of "
+                          f"{num_pairs}")
+    pairs = torch.arange(num_pairs, device=device).view(microbatches, -1)
+    return torch.cat([pairs, pairs + num_pairs], dim=1).reshape(-1)
+
+
+def micro_batch(batch: dict[str, Any], rows: Tensor) -> dict[str, Any]:
+    """The rows ``rows`` of a (reordered) pipeline batch, as the last stage's head and loss take them: a
+    preference micro-batch numbers its sequences by row and counts its own pairs."""
+    taken = {key: value[rows] for key, value in batch.items() if isinstance(value, Tensor) and key != "sequence_ids"}
+    if "num_pairs" in batch:
+        width = batch["labels"].shape[1]
+        taken["sequence_ids"] = torch.arange(len(rows), device=rows.device)[:, None].expand(len(rows), width)
+        taken["num_pairs"] = len(rows) // 2
     return taken

@@ -51,6 +51,10 @@ class SequenceLogProbs(CausalLMWithLoss):
         hidden = self.hidden_states(batch)
         if hidden_only:
             return hidden
+        return self.head_outputs(hidden, batch)
+
+    def head_outputs(self, hidden: Tensor, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
+        """``(logps, response_tokens)`` of the batch's sequences from the decoder's last hidden states."""
         head = self.lm.get_output_embeddings()
         labels = batch["labels"].reshape(-1)
         per_token = self.loss_fn(hidden.reshape(-1, hidden.shape[-1]), head.weight, labels, head.bias)
