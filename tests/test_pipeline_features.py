@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.distributed.tensor import DTensor
 
 from lit_ablate.data import LMDataModule, PackingCollator, SyntheticText
+from lit_ablate.errors import ConfigError
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX, loss_backend
@@ -228,6 +229,28 @@ def test_moe_router_losses_per_micro_batch_train_as_one_process_accumulating_the
     assert_trains_as([rank["moe_microbatches"] for rank in two_ranks], reference, falls=False)
 
 
+def _two_shapes(rank: int, world_size: int) -> str:
+    strategy = PipelineParallelStrategy(pp=2, schedule="gpipe", microbatches=2)
+    strategy.build_mesh("cpu", world_size)
+    model = strategy.parallelize(build("tiny-llama", meta=rank != 0))
+    objective = StepObjective()
+    strategy.forward_backward(model, sft_batch(), objective)
+    try:
+        strategy.forward_backward(model, {k: v[:, :16] for k, v in sft_batch().items()}, objective)
+    except ConfigError as error:
+        return str(error)
+    return "not refused"
+
+
+def test_a_batch_of_another_shape_is_refused_in_one_line():
+    """torch's stages size their hand-off buffers at the first step: a later batch of another width is
+    refused naming the collator options. Seen failing without the check (the last stage's rank aborted
+    inside torch's receive)."""
+    for message in run_ranks(_two_shapes, 2, timeout_s=120):
+        assert message.startswith("data.init_args.collator='a batch of (4, 16) after (4, 32)'"), message
+        assert "static_length: true" in message
+
+
 def _sharded_clipping(rank: int, world_size: int) -> dict:
     return _pipeline_run(rank, world_size, "tiny-llama", "sft_accumulated",
                          {"schedule": "gpipe", "microbatches": 1, "dp_shard": 2}, CLIP)
@@ -270,7 +293,7 @@ def fit(strategy: object, devices: int, root: Path) -> dict:
     module = CausalLM(ModelFactory(preset="tiny-qwen3-moe", moe=MoEOptions(**MOE["moe"])), learning_rate=1e-3,
                       warmup_steps=1)
     data = LMDataModule(SyntheticText(num_documents=60, median_sentences=1), format="documents", seq_len=64,
-                        batch_size=2, collator=PackingCollator())
+                        batch_size=2, collator=PackingCollator(static_shape=True))  # one shape for the stages
     seen, squares = Seen(), SquaredGradients()
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=3, callbacks=[seen, squares], logger=False,
