@@ -99,8 +99,11 @@ class ExpertParallelSteps(FullyShardSteps):
                 # Each expert's gradient already sums the ep ranks' tokens (the all-to-all backward);
                 # dividing by every data-parallel rank makes it the same mean as a dense gradient.
                 experts.set_gradient_divide_factor(float(self.fsdp_mesh.size()))
-                if mesh.size() > 1:  # plain sums, then divide: gloo has no pre-multiplied sum
-                    experts.set_force_sum_reduction_for_comms(True)  # (on 1 rank torch would divide twice)
+                # Plain sums, then divide: gloo has no pre-multiplied sum. Not when the shard dimension
+                # holds 1 rank (also HSDP's (dp_replicate, 1)): torch skips the reduce-scatter there and
+                # divides its copy by the factor, then would divide again after the sums (torch 2.13).
+                if mesh.size(mesh.ndim - 1) > 1:
+                    experts.set_force_sum_reduction_for_comms(True)
         super().apply_fsdp(model)
 
     def expert_fsdp_mesh(self) -> DeviceMesh:
