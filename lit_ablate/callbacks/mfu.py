@@ -44,9 +44,10 @@ class MFUMonitor(StepMonitor):
     FLOPs are analytic (``lit_ablate.estimate``), never counted from kernels, so fused kernels that
     a FLOP counter cannot see do not bias a comparison. Which tokens count: every real token of
     the rank's batch (padding positions are not model FLOPs), each at its own document's
-    context; tensor-parallel peers, which process the same tokens, each count their share
-    (``1/tp``), and so do context-parallel ranks, which share each batch (``1/cp``: the
-    strategy's ``flops_share``). When no honest peak is known (a CPU, an unlisted GPU, an fp8 run
+    context; ranks that process the same tokens each count their share, so the job counts the
+    model once: tensor-parallel peers and the stages of a pipeline, which all read the whole batch
+    (``1 / (tp x pp)``: the strategy's ``batch_replicas``), and context-parallel ranks, which share
+    each batch (``1/cp``: its ``flops_share``). When no honest peak is known (a CPU, an unlisted GPU, an fp8 run
     against a bf16 table) ``mfu`` is recorded as unavailable (null) with the reason in the run
     record's ``mfu_peak``, rather than invented; under fp8 ``mfu_measured`` is too (no fp8 ceiling
     is measured), unless ``ceiling_tflops`` is given.

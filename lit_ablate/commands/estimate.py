@@ -16,6 +16,7 @@ from lit_ablate.estimate.from_config import (
     model_of,
     pipeline_of,
     smallest_world_size,
+    tensor_parallel_of,
     training_shape_of,
     world_size_of,
 )
@@ -65,10 +66,13 @@ def estimate_main(argv: list[str]) -> int:
                 if kind == "configured":
                     sharding = configured_sharding(config, n)
                     run = replace(training, context_parallel=context_parallel_of(config, n)[0],  # cp: -1 grows with n
-                                  **pipeline_of(config, n))  # pp: -1 too
+                                  **dict(zip(("tensor_parallel", "sequence_parallel"), tensor_parallel_of(config, n))),
+                                  **pipeline_of(config, n))  # tp and pp: -1 too
                 else:
                     sharding = canonical_sharding(kind, n, args.gpus_per_node)
-                    run = replace(training, pipeline_parallel=1)  # the data-parallel layouts, without stages
+                    # the data-parallel layouts: whole sequences and matrices on every rank, no stages
+                    run = replace(training, pipeline_parallel=1, tensor_parallel=1, sequence_parallel=False,
+                                  context_parallel=1)
             except ConfigError:  # the configured mesh cannot be laid out on n ranks
                 return None
             return estimate_memory(counts, shape, run, sharding, n)
@@ -135,8 +139,9 @@ def _estimate_table(summary: dict[str, Any]) -> str:
         f"optimizer {training['optimizer']}, checkpointing {training['checkpointing']}, "
         f"loss {training['loss']}, attention {training['attention']}."
         + (f" Pipeline: {training['pipeline_parallel']} ranks x {training['pipeline_stages_per_rank']} stage(s), "
-           f"{training['pipeline_schedule']}, {training['microbatches']} micro-batches per step; the configured row "
-           "is the largest rank's."
+           f"{training['pipeline_schedule']}, {training['microbatches']} micro-batches per step, each stage over "
+           f"tp {training['tensor_parallel']} and cp {training['context_parallel']} (and the strategy's FSDP and "
+           "expert ranks); the configured row is the largest rank's."
            if training["pipeline_parallel"] > 1 else ""),
         "",
         f"Per rank at {summary['world_size']} rank(s), {unit}; last column: smallest number of "

@@ -165,7 +165,8 @@ def tensor_parallel_of(config: dict, world_size: int | None = None) -> tuple[int
 
 def pipeline_of(config: dict, world_size: int | None = None) -> dict[str, Any]:
     """The ``TrainingShape`` pipeline fields of the config's ``PipelineParallelStrategy`` on ``world_size``
-    ranks (default: the config's; ``pp: -1`` takes them all); none for another strategy."""
+    ranks (default: the config's; ``pp: -1`` takes the ranks the other mesh sizes leave: 2 stages of
+    tp 2 on 4 ranks); none for another strategy."""
     from lightning.pytorch.cli import instantiate_class
 
     from lit_ablate.strategies.pipeline_parallel import PipelineParallelStrategy
@@ -180,10 +181,10 @@ def pipeline_of(config: dict, world_size: int | None = None) -> dict[str, Any]:
         raise ConfigError("trainer.strategy.init_args.reshard_after_forward", True,
                           "the estimate models FSDP stages that keep their layers gathered through the step (measured "
                           "agreement); with resharding per micro-batch it does not (estimate reshard_after_forward: false)")
+    from lit_ablate.strategies.mesh import resolve_mesh_sizes
+
     world_size = world_size or world_size_of(config)
-    pp = instance.requested_pp if instance.requested_pp != -1 else world_size // instance.dp_replicate  # per replica
-    if world_size % pp:
-        raise ConfigError("trainer.strategy.init_args.pp", pp, f"use a divisor of the world size ({world_size})")
+    pp = resolve_mesh_sizes(instance.requested_mesh_sizes, world_size)["pp"]  # -1: the ranks the other sizes leave
     points = None if instance.split_points is None else tuple(instance.split_points)
     return {"pipeline_parallel": pp, "pipeline_schedule": instance.schedule_name,
             "pipeline_stages_per_rank": instance.stages_per_rank, "microbatches": instance.microbatches,

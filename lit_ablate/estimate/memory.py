@@ -19,6 +19,7 @@ from lit_ablate.estimate.pipeline import (
     pipeline_pieces_held,
     pipeline_stage_layers,
     pipeline_stage_parameters,
+    pipeline_stage_states,
 )
 from lit_ablate.estimate.shapes import HALF_CHUNK_COPIES, LOSS_LOGIT_COPIES, MemoryEstimate, ModelShape, TrainingShape
 
@@ -168,60 +169,84 @@ def pipeline_stage_estimates(counts: ParameterCounts, shape: ModelShape, trainin
                              sharding: StateSharding) -> list[MemoryEstimate]:  # fmt: skip
     """Bytes of each pipeline rank at its step's peak (``estimate_memory`` takes the largest).
 
-    A rank holds its stages' parameters, gradients and optimizer states (``pipeline_stage_parameters``,
-    divided by ``sharding``): one stage, or under ``interleaved_1f1b`` stages ``r, r + pp, ...``. A
-    step runs ``microbatches`` pieces of ``micro_batch / microbatches`` rows; a rank keeps what
+    A rank holds its stages' parameters, gradients and optimizer states, divided as the mesh strategy
+    divides each stage (``pipeline_stage_states``: over ``tp`` and the FSDP dims ``dp_shard x ep x cp``,
+    the norms replicated by ``tp``, the routed experts over ``ep``): one stage, or under
+    ``interleaved_1f1b`` stages ``r, r + pp, ...``. A step runs ``microbatches`` pieces of
+    ``micro_batch / microbatches`` rows (each rank ``seq_len / cp`` tokens of them); a rank keeps what
     autograd saved for each (stage, piece) whose forward ran and whose backward has not
-    (``pipeline_pieces_held``), one of them at its backward's peak (``activation_bytes``); the last
-    stage's pieces also keep the final norm's tensors and the loss's (``LOSS_LOGIT_COPIES_KEPT``,
-    ``loss_gradient_bytes``). Transient: the receive buffers torch's schedule allocates once per piece
-    and stage, the previous stage's hidden states (all stages but the first) and their gradients from
-    the next (all but the last). FSDP-sharded stages (``sharding.gathered``: ``dp_shard`` without
-    resharding after forward) also hold, through the step, their gathered parameters and their
-    unsharded gradients (``PipelineStage`` defers FSDP's reduce-scatter to the last micro-batch) and,
-    at that reduce-scatter, a copy of the largest unit's gradients (a decoder layer, or the stage's
-    root: embeddings, or final norm and LM head). Measured on 2 ranks (and 4: pp=2 x dp_shard=2) in
-    tests/test_pipeline_estimate.py.
+    (``pipeline_pieces_held``), one of them at its backward's peak (``activation_bytes``; ``tp`` divides
+    each layer's heads and MLP width and the loss's vocabulary). The last stage's pieces also keep the
+    final norm's tensors and the loss's (``LOSS_LOGIT_COPIES_KEPT``, ``loss_gradient_bytes``). The first
+    stage's backward ends in the embedding's: it forms the whole ``[vocab, hidden]`` weight gradient
+    (under ``tp`` too: DTensor's embedding backward has no vocabulary-sharded form, so it computes the
+    replicated gradient and keeps its shard), beside the gradient of the hidden states arriving; the
+    last stage's, with the torch loss, starts with the LM head's: the logits' fp32 gradient and the
+    head's weight gradient (``vocab / tp`` rows), which outweigh the loss's copies when a rank holds
+    few tokens (``cp``).
+    Context parallelism's all-gather keeps each piece's gathered K/V (``context_parallel_bytes``).
+    Transient: the receive buffers torch's schedule allocates once per piece and stage, the previous
+    stage's hidden states (all stages but the first) and their gradients from the next (all but the
+    last), and the context-parallel exchange of one layer. FSDP-sharded stages (``sharding.gathered``:
+    without resharding after forward) also hold, through the step, their gathered parameters and their
+    unsharded gradients (``PipelineStage`` defers FSDP's reduce-scatter to the last micro-batch; both
+    divided by ``tp``) and, at that reduce-scatter, a copy of the largest unit's gradients (a decoder
+    layer, or the stage's root: embeddings, or final norm and LM head). Measured on 2 ranks (pp=2) and
+    4 (pp=2 x dp_shard=2) in tests/test_pipeline_estimate.py, on 4 (pp=2 x tp=2, x cp=2, x ep=2) and 8
+    (pp=2 x tp=2 x dp_shard=2) in tests/test_estimate_composition.py.
     """
     from lit_ablate.errors import ConfigError
 
     if training.pipeline_schedule not in PIPELINE_SCHEDULES:
         raise ConfigError("trainer.strategy.init_args.schedule", training.pipeline_schedule,
                           f"the estimate models the {' and '.join(PIPELINE_SCHEDULES)} schedules")
-    m = training.microbatches
+    m, tp = training.microbatches, training.tensor_parallel
     piece = replace(training, micro_batch=max(1, training.micro_batch // m), pipeline_parallel=1)
-    tokens = piece.micro_batch * piece.seq_len
+    tokens = piece.micro_batch * -(-piece.seq_len // piece.context_parallel)  # one piece's tokens on a rank
     boundary = tokens * shape.hidden * training.activation_bytes  # one piece's hidden states between stages
-    full = (counts.total - counts.quantized) * training.param_bytes + counts.quantized_bytes
+    per_parameter = ((counts.total - counts.quantized) * training.param_bytes + counts.quantized_bytes) / counts.total
+    trained = training.param_bytes * counts.trainable / counts.total  # gradient bytes per parameter
+    states = pipeline_stage_states(counts, shape, training, sharding)
     stage_params = pipeline_stage_parameters(counts, shape, training)
     stage_layers = pipeline_stage_layers(counts, shape, training)
     last = len(stage_params) - 1
 
-    def kept(stage: int) -> float:  # bytes per token one piece keeps on ``stage`` until its backward
+    def kept(stage: int) -> float:  # bytes one piece keeps on ``stage`` until its backward
         bytes_ = stage_layers[stage] * layer_activation_elements(shape, piece) * training.activation_bytes
         if stage == last:
             bytes_ += (3 * shape.hidden * training.activation_bytes
-                       + LOSS_LOGIT_COPIES_KEPT.get(training.loss, 0.0) * shape.vocab / training.tensor_parallel * 4)
+                       + LOSS_LOGIT_COPIES_KEPT.get(training.loss, 0.0) * shape.vocab / tp * 4)
             bytes_ += loss_gradient_bytes(shape, piece) / tokens
-        return bytes_
+        return bytes_ * tokens + context_parallel_bytes(replace(shape, layers=stage_layers[stage]), piece)[0]
+
+    def at_backward(stage: int) -> float:  # the peak of one piece's backward on ``stage``
+        stage_shape = replace(shape, layers=stage_layers[stage])
+        peak = activation_bytes(stage_shape, piece, loss_head=stage == last) + context_parallel_bytes(stage_shape, piece)[0]
+        if stage == 0:  # the embedding's weight gradient, whole, and the hidden states' arriving
+            peak = max(peak, counts.embedding * training.param_bytes + boundary)
+        if stage == last and training.loss == "torch":  # the LM head's backward: logits' and weight's gradients
+            head = (3 * shape.hidden * training.activation_bytes + shape.vocab / tp * 4) * tokens
+            peak = max(peak, activation_bytes(stage_shape, piece, loss_head=False) + head
+                       + shape.vocab * shape.hidden / tp * training.param_bytes)
+        return peak
 
     estimates = []
     for rank in range(training.pipeline_parallel):
         own = range(rank, last + 1, training.pipeline_parallel)  # the rank's stages
-        *held, at_backward = pipeline_pieces_held(rank, training)
-        params = sum(stage_params[s] for s in own)
+        *held, backward_stage = pipeline_pieces_held(rank, training)
+        stored = sum(states[s].stored for s in own)
         gathered = 0
         if sharding.params > 1 and sharding.gathered is not None:
-            largest_unit = max(max(shape.layer_params, stage_params[s] - stage_layers[s] * shape.layer_params) for s in own)
-            gathered = (full * params // counts.total + counts.trainable * training.param_bytes * params // counts.total
-                        + largest_unit * training.param_bytes)  # fmt: skip
+            units = [shape.layer_params, *(stage_params[s] - stage_layers[s] * shape.layer_params for s in own)]
+            largest_unit = max(units) / tp  # a decoder layer or a stage's root, as this rank holds it gathered
+            gathered = sum(states[s].gathered for s in own) * (per_parameter + trained) + largest_unit * training.param_bytes
+        exchange = max(context_parallel_bytes(replace(shape, layers=stage_layers[s]), piece)[1] for s in own)
         estimates.append(MemoryEstimate(  # each state's bytes in the rank's share of the parameters
-            params=-(-(full * params // counts.total) // sharding.params),
-            grads=-(-(counts.trainable * training.param_bytes * params // counts.total) // sharding.grads),
-            optimizer=int(optimizer_bytes(counts, training)) * params // counts.total // sharding.optimizer,
-            activations=int(sum(kept(s) for s in held) * tokens)
-            + activation_bytes(replace(shape, layers=stage_layers[at_backward]), piece, loss_head=at_backward == last),
-            transient=m * boundary * sum((s != 0) + (s != last) for s in own) + gathered,
+            params=round(stored * per_parameter),
+            grads=round(stored * trained),
+            optimizer=int(optimizer_bytes(counts, training) * stored / counts.total),
+            activations=int(sum(kept(s) for s in held) + at_backward(backward_stage)),
+            transient=int(m * boundary * sum((s != 0) + (s != last) for s in own) + gathered + exchange),
         ))  # fmt: skip
     return estimates
 

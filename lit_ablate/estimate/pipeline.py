@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 from transformers import PretrainedConfig
 
 from lit_ablate.estimate.flops import ParameterCounts, attention_shape, flops_per_token
 from lit_ablate.estimate.shapes import ModelShape, TrainingShape
+
+if TYPE_CHECKING:
+    from lit_ablate.strategies.state_sharding import StateSharding
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 LOSS_LOGIT_COPIES_KEPT = {"torch": 1.0}
@@ -32,6 +38,45 @@ def pipeline_stage_parameters(counts: ParameterCounts, shape: ModelShape, traini
     root = counts.total - shape.layers * shape.layer_params
     return [n * shape.layer_params + (counts.embedding if i == 0 else 0)
             + (root - counts.embedding if i == len(layers) - 1 else 0) for i, n in enumerate(layers)]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StageState:
+    """Parameter elements of one stage on one of its ranks, as the mesh strategy divides them.
+
+    ``stored``: what the rank keeps between steps (its parameters, and so its gradients and optimizer
+    states): the dense parameters over ``tp x dp_shard x ep x cp`` (``sharding.params``) except those
+    tensor parallelism leaves replicated (the norms; a MoE block's router, since the plan keeps MoE
+    blocks whole), which only FSDP divides; routed experts over ``ep x expert_shards``.
+    ``gathered``: what an FSDP-sharded stage holds gathered through the step (divided by ``tp``; its
+    own ``1 / ep`` of the experts).
+    """
+
+    stored: float
+    gathered: float
+
+
+def pipeline_stage_states(counts: ParameterCounts, shape: ModelShape, training: TrainingShape,
+                          sharding: StateSharding) -> list[StageState]:  # fmt: skip
+    """``StageState`` of each stage under ``sharding`` (``training.tensor_parallel`` its tp)."""
+    tp = training.tensor_parallel
+    fsdp = sharding.params / tp  # dp_shard x ep x cp: the FSDP mesh of each stage
+    layers = pipeline_stage_layers(counts, shape, training)
+    layer_experts = counts.experts / shape.layers
+    head_dim = shape.q_dim // shape.heads
+    layer_replicated = 2 * shape.hidden + (2 * head_dim if shape.qk_norm else 0)  # the two RMSNorms, q/k norms
+    if tp > 1 and shape.experts:
+        layer_replicated += shape.hidden * shape.experts  # the router
+    experts_divisor = (sharding.expert_parallel * sharding.expert_shards if sharding.expert_shards is not None
+                       else sharding.params)  # fmt: skip
+    states = []
+    for i, (n, total) in enumerate(zip(layers, pipeline_stage_parameters(counts, shape, training), strict=True)):
+        experts = n * layer_experts
+        replicated = n * layer_replicated + (shape.hidden if i == len(layers) - 1 else 0)  # + the final norm
+        split = total - experts - replicated
+        states.append(StageState(stored=split / sharding.params + replicated / fsdp + experts / experts_divisor,
+                                 gathered=split / tp + replicated + experts / sharding.expert_parallel))
+    return states
 
 
 
