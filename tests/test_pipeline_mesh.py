@@ -32,8 +32,13 @@ from lit_ablate.strategies import MeshParallelStrategy
 from lit_ablate.strategies.pipeline_parallel import PipelineParallelStrategy
 from tests.distributed import run_ranks
 from tests.test_pipeline_parallel import ATOL, LR, STEPS, build, fit, sft_batch
-from tests.test_strategies_equivalence import rows_of
+from tests.test_strategies_equivalence import fixed_batch
 from tests.test_tensor_parallel_composition import packed_batch
+
+
+def rows_of(batch: dict[str, torch.Tensor], part: int, parts: int) -> dict[str, torch.Tensor]:
+    """Part ``part`` of ``parts`` consecutive equal shares of the batch's rows."""
+    return {key: value.tensor_split(parts)[part] for key, value in batch.items()}
 
 
 def packed_rows() -> dict:
@@ -42,7 +47,17 @@ def packed_rows() -> dict:
     return packed_batch([0, 1, 2, 3])
 
 
-BATCHES = {"sft": sft_batch, "packed": packed_rows}
+def sft_batch_of_8() -> dict[str, torch.Tensor]:
+    """8 rows for 8 data-parallel ranks: ``sft_batch`` and its tokens shifted by 7 with prompts of 2, 20,
+    9 and 30 tokens (useful tokens 28, 4, 20, 31, 30, 12, 23, 2)."""
+    first = sft_batch()
+    second = {"input_ids": (first["input_ids"] + 7) % 320, "labels": (fixed_batch()["labels"] + 7) % 320}
+    for row, prompt in enumerate((2, 20, 9, 30)):
+        second["labels"][row, :prompt] = -100
+    return {key: torch.cat([first[key], second[key]]) for key in first}
+
+
+BATCHES = {"sft": sft_batch, "packed": packed_rows, "sft8": sft_batch_of_8}
 
 
 def build_model(name: str, meta: bool = False) -> CausalLMWithLoss:
@@ -135,7 +150,7 @@ def assert_trains_one_process_model(ranks: list[dict], reference: dict, holders:
     experts ``expert_copies`` times (tensor parallelism keeps them whole on each tp rank)."""
     whole = sum(w.numel() for w in reference["weights"].values())
     experts = sum(w.numel() for name, w in reference["weights"].items() if ".mlp.experts." in name)
-    expected = split * whole + (expert_copies - 1) * experts
+    expected = split * (whole + (expert_copies - 1) * experts)
     assert sum(result["local_numel"] for result in ranks) == pytest.approx(expected, rel=0.01)
     held: dict[str, int] = {}
     for result in ranks:
