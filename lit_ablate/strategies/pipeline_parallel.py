@@ -501,9 +501,10 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
 
     def _stage_inputs(self, batch: dict[str, Any], scale: float) -> dict[str, Tensor]:
         """What every stage's forward takes beside the hidden states, per row (the schedule chunks it
-        with the rows): a packed batch's ``position_ids``, and with MoE layers the weight of each row's
-        share of the auxiliary losses (its useful tokens over ``c`` and the model's MoE layer count)."""
-        inputs = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
+        with the rows): a packed batch's ``position_ids``, a padded one's ``attention_mask``, and with MoE
+        layers the weight of each row's share of the auxiliary losses (its useful tokens, or half a pair,
+        over ``c`` and the model's MoE layer count)."""
+        inputs = {key: batch[key] for key in ("position_ids", "attention_mask") if key in batch}
         if self._moe_layers:  # a preference batch's unit is a pair: half of it on each of its two rows
             units = (torch.full(batch["labels"].shape[:1], 0.5, device=batch["labels"].device) if "num_pairs" in batch
                      else (batch["labels"] != IGNORE_INDEX).sum(-1).float())
@@ -569,7 +570,8 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
             if s > 0 and before != here:
                 hidden = torch.empty(shape, dtype=dtype, device=labels.device)
                 dist.recv(hidden, group=group, group_src=before)
-            hidden = self._stage_modules[s](hidden, position_ids=batch.get("position_ids"))
+            hidden = self._stage_modules[s](hidden, position_ids=batch.get("position_ids"),
+                                            attention_mask=batch.get("attention_mask"))
             if s == stages - 1:
                 outputs = self._last_module.head_loss(hidden, batch)
             elif after != here:

@@ -50,14 +50,18 @@ class StageModule(nn.Module):
         (final norm applied) of ``batch``'s rows, through the LM head."""
         return self.model.head_outputs(hidden, batch)
 
-    def forward(self, x: Tensor, position_ids: Tensor | None = None, aux_weights: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, position_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+                aux_weights: Tensor | None = None) -> Tensor:
         """``position_ids``: a packed micro-batch's positions (restarting at each document, from which the
-        decoder keeps documents apart); every stage needs them, the schedule hands each stage its
-        micro-batch's. ``aux_weights``: per row, the weight of the MoE auxiliary losses of this stage's
-        layers in the step's objective (``add_aux_gradient``; None: not trained on, evaluation)."""
+        decoder keeps documents apart); ``attention_mask``: a padded one's (the padding's hidden states,
+        which MoE routers see, are then one process's); every stage needs them, the schedule hands each
+        stage its micro-batch's. ``aux_weights``: per row, the weight of the MoE auxiliary losses of this
+        stage's layers in the step's objective (``add_aux_gradient``; None: not trained on, evaluation)."""
         inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
         if position_ids is not None:
             inputs["position_ids"] = position_ids
+        if attention_mask is not None:
+            inputs["attention_mask"] = attention_mask
         decoder = self.model.lm.base_model
         if self._view is None:
             hidden = decoder(**inputs, use_cache=False).last_hidden_state
@@ -122,15 +126,18 @@ class PassThrough(nn.Module):
 
 
 def pipeline_batch(batch: dict[str, Any]) -> dict[str, Any]:
-    """The batch the stages take: token ids, labels, and a packed batch's ``position_ids`` (documents
-    never cross rows, so each micro-batch of rows keeps whole documents); right padding (causal,
-    labels -100) needs no mask. A packed batch's ``cu_seqlens`` span the whole batch: left out (a
-    varlen kernel finds a micro-batch's documents from its positions). A preference batch (padded: one
-    sequence per row) keeps its ``num_pairs``, ``sequence_ids`` and the reference's ``reference_logps``."""
+    """The batch the stages take: token ids, labels, a packed batch's ``position_ids`` (documents
+    never cross rows, so each micro-batch of rows keeps whole documents) and a right-padded batch's
+    ``attention_mask`` (as one process uses it: MoE routers see the padding too). A packed batch's
+    ``cu_seqlens`` span the whole batch: left out (a varlen kernel finds a micro-batch's documents from
+    its positions). A preference batch (padded: one sequence per row) keeps its ``num_pairs``,
+    ``sequence_ids`` and the reference's ``reference_logps``."""
     mask = batch.get("attention_mask")
     if mask is not None and bool((mask[:, 1:] > mask[:, :-1]).any()):
         raise ConfigError("data", "attention_mask", "pipeline parallelism takes right-padded batches only")
     taken = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
+    if mask is not None:
+        taken["attention_mask"] = mask
     if batch.get("position_ids") is not None:
         taken["position_ids"] = batch["position_ids"]
     if batch.get("num_pairs") is not None:
