@@ -16,6 +16,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from lit_ablate.data import ArithmeticPreference, LMDataModule, PreferencePaddingCollator
 from lit_ablate.errors import ConfigError
@@ -51,9 +52,12 @@ def dpo_module(loss_type: str, preset: str = "tiny-llama") -> DPO:
     return dpo
 
 
-def batch() -> dict:
-    """4 pairs, sorted longest first, so the two micro-batches of 2 pairs differ in tokens."""
-    return padded(sorted(pairs(4, seed=3), key=lambda p: -len(p["input_ids"])))
+def batch(part: int = 0, parts: int = 1) -> dict:
+    """4 pairs, sorted longest first, so the two micro-batches of 2 pairs differ in tokens (``part`` of
+    ``parts``: a data-parallel rank's share of them)."""
+    items = sorted(pairs(4, seed=3), key=lambda p: -len(p["input_ids"]))
+    share = len(items) // parts
+    return padded(items[part * share:(part + 1) * share])
 
 
 def train_one_process(loss_type: str, preset: str = "tiny-llama") -> dict:
@@ -74,14 +78,16 @@ def train_one_process(loss_type: str, preset: str = "tiny-llama") -> dict:
 
 
 def _weights(dpo: DPO) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in dpo.model.state_dict().items()}
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in dpo.model.state_dict().items()}
 
 
 def _pipeline_run(rank: int, world_size: int, loss_type: str, strategy_kwargs: dict, preset: str) -> dict:
     """The same steps as ``DPO.training_step`` runs them under the strategy (its pipeline branch)."""
-    dpo, data = dpo_module(loss_type, preset), batch()
-    strategy = PipelineParallelStrategy(pp=world_size, **strategy_kwargs)
+    shards = strategy_kwargs.get("dp_shard", 1)
+    strategy = PipelineParallelStrategy(pp=world_size // shards, **strategy_kwargs)
     strategy.build_mesh("cpu", world_size)
+    dpo, data = dpo_module(loss_type, preset), batch(strategy.data_parallel_rank, shards)
     model = strategy.parallelize(dpo.model)
     objective, optimizer = StepObjective(), torch.optim.SGD(model.parameters(), lr=LR[loss_type])
     losses, statistics = [], []
@@ -98,7 +104,8 @@ def _pipeline_run(rank: int, world_size: int, loss_type: str, strategy_kwargs: d
         statistics.append(totals[1:].double())
     with torch.no_grad():
         logps, tokens = model(data)  # evaluation: forward only through the stages
-    return {"losses": losses, "statistics": torch.stack(statistics), "weights": _weights(dpo), "eval": logps}
+    return {"losses": losses, "statistics": torch.stack(statistics), "weights": _weights(dpo), "eval": logps,
+            "shard": strategy.data_parallel_rank}
 
 
 RUNS = {"sigmoid_1f1b": ("sigmoid", {"schedule": "1f1b", "microbatches": 2}, "tiny-llama"),
@@ -141,6 +148,29 @@ def test_dpo_pp2_equals_one_process(two_ranks, run):
         torch.testing.assert_close(result["eval"], reference["eval"], rtol=0, atol=1e-4)  # sums of ~100 log-probs
     assert held == set(reference["weights"])
     assert reference["losses"][-1] < reference["losses"][0] - 0.01, "the model did not train"
+
+
+def _sharded(rank: int, world_size: int) -> dict:
+    return _pipeline_run(rank, world_size, "sigmoid", {"schedule": "1f1b", "microbatches": 2, "dp_shard": 2},
+                         "tiny-llama")
+
+
+@pytest.mark.slow  # 4 gloo ranks on 2 cores
+def test_dpo_pp2_x_dp_shard2_equals_one_process():
+    """FSDP-sharded stages on 2 data-parallel ranks, each reading 2 of the 4 pairs (of unequal lengths:
+    different padded widths) in 2 micro-batches of 1 pair: the step's pairs counted over both, so the
+    losses and gathered weights equal one process's on all 4, and the two ranks' preference sums add up
+    to one process's. Seen failing with a micro-batch's units counted in rows instead of pairs (losses
+    off by 0.30)."""
+    reference = train_one_process("sigmoid")
+    ranks = run_ranks(_sharded, 4, timeout_s=300)
+    for result in ranks:
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=1e-6, atol=ATOL)
+        for name, weight in result["weights"].items():
+            if name in reference["weights"]:
+                torch.testing.assert_close(weight, reference["weights"][name], rtol=0, atol=ATOL, msg=name)
+    per_shard = {result["shard"]: result["statistics"] for result in ranks}
+    torch.testing.assert_close(per_shard[0] + per_shard[1], reference["statistics"], rtol=1e-5, atol=1e-4)
 
 
 def test_a_batch_of_pairs_splits_into_whole_pairs_only():
