@@ -9,7 +9,6 @@ a model build followed by a stack trace.
 from __future__ import annotations
 
 import importlib
-import inspect
 import os
 import re
 from collections.abc import Mapping
@@ -87,6 +86,7 @@ def check_mesh(trainer: Mapping[str, Any]) -> None:
     Lightning starts the ranks: the strategy itself can only check once every rank runs."""
     strategy = trainer.get("strategy")
     devices, nodes = trainer.get("devices"), trainer.get("num_nodes") or 1
+    devices = int(devices) if isinstance(devices, str) and devices.isdigit() else devices  # `--trainer.devices 2`
     if not (hasattr(strategy, "get") and strategy.get("class_path")) or not isinstance(devices, int) or isinstance(devices, bool):
         return  # a strategy by name, or devices Lightning counts itself ("auto", a list of ids)
     from lit_ablate.strategies.mesh import MESH_DIMS, MeshStrategy, resolve_mesh_sizes
@@ -95,8 +95,6 @@ def check_mesh(trainer: Mapping[str, Any]) -> None:
     cls = getattr(importlib.import_module(module), name)
     if not issubclass(cls, MeshStrategy):
         return
-    if "pp" not in MESH_DIMS and "pp" in inspect.signature(cls).parameters:
-        return  # pipeline stages are outside the mesh dimensions: PipelineParallelStrategy.build_mesh checks them
     init_args = strategy.get("init_args") or {}
     resolve_mesh_sizes({dim: init_args[dim] for dim in MESH_DIMS if init_args.get(dim) is not None}, devices * nodes)
 

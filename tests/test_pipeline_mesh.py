@@ -363,3 +363,13 @@ def test_every_pp_triple_equals_one_process():
     for name, (model, chunks, options) in TRIPLES.items():  # dp_replicate's copies each hold the model
         assert_trains_one_process_model([rank[name] for rank in ranks], references[model, chunks], holders=4,
                                         split=options.get("dp_replicate", 1), expert_copies=options.get("tp", 1))
+
+
+def test_pipeline_sizes_that_miss_the_world_size_are_refused_before_any_rank_starts():
+    """``pp`` is a mesh dimension like the others: sizes that do not make the world size are one line
+    from ``check_mesh`` before the ranks start, devices given on the command line (a string there)
+    included. Seen failing while ``check_mesh`` skipped the pipeline strategy, and while it skipped
+    devices given as ``--trainer.devices 2`` (no refusal: each rank raised in ``build_mesh``)."""
+    message = _fit_refusal("--trainer.strategy.class_path", "lit_ablate.strategies.PipelineParallelStrategy",
+                           "--trainer.strategy.init_args.pp", "2", "--trainer.strategy.init_args.tp", "2")
+    assert "multiply to 4 but the world size (devices x nodes) is 2" in message
