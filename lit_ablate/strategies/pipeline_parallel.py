@@ -13,12 +13,21 @@ multiplies its gradients by ``c / N`` (``N``: the step's useful tokens, which ev
 itself, since every rank reads the same batch). The step's loss sum is broadcast from the last
 stage, so every rank logs and records the same loss.
 
-Beside ``pp``, data parallelism reads different batches on ``dp_replicate`` and ``dp_shard`` ranks:
-without ``dp_shard``, replicas hold whole stages and average their gradients with one all-reduce
-after the schedule; ``dp_shard`` ranks shard each stage with FSDP2 (torchtitan's PP x FSDP; HSDP
-with replicas beside them), whose reduction ``PipelineStage`` defers to the step's last
-micro-batch. Either way ``N`` is counted over the data-parallel ranks and ``StepObjective`` undoes
-the average's division by their number once.
+Pipeline parallelism composes with every other dimension on one mesh, ``(pp, dp_replicate,
+dp_shard, ep, cp, tp)``, ``pp`` outermost: this class is ``MeshParallelStrategy`` with the pipeline
+step first (torchtitan's order). ``apply_pp`` keeps this rank's stages; TP, EP, CP, activation
+checkpointing and compile then act on what is left as on a whole model, over the stage's sub-mesh
+(every group but the schedule's holds one ``pp`` coordinate); with ``dp_shard``, ``ep``, ``cp`` or
+``tp`` above 1 each stage module becomes an FSDP2 root (``StageSharding``, after EP's experts), whose
+reduction ``PipelineStage`` defers to the step's last micro-batch; rank 0's whole model then fills
+every rank's slice; the schedule runs over the stages. Ranks that differ in ``dp_replicate``,
+``dp_shard`` or ``ep`` read different batches; a stage's ``cp`` ranks hold slices of them and its
+``tp`` ranks the same tokens. ``N`` is counted over ``dp_replicate x dp_shard x ep x cp`` (never over
+``pp`` or ``tp`` peers, which count the same tokens) and ``StepObjective`` undoes FSDP's division by
+their number once; replicas of whole stages (``dp_replicate`` alone) average their gradients with one
+all-reduce after the schedule. Throughput and MFU count a step's tokens once per ``pp x tp`` group
+(``batch_replicas``). Tied embeddings cannot be split across stages and are refused before any rank
+starts (``compatibility.pipeline_stages_split_the_model``); sequence parallelism is not offered.
 
 What one process does beside the loss, the stages do together: ``gradient_clip_val`` clips by the
 norm over every stage's gradients (``clip_grad_norm_over_stages``); under ``accumulate_grad_batches``
@@ -100,7 +109,7 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
     Validation and test run each batch forward through the stages (``pipeline_forward``).
 
     Args:
-        pp: pipeline stages (ranks per pipeline); ``-1``: the world size over ``dp_replicate x dp_shard``.
+        pp: pipeline stages (ranks per pipeline); ``-1``: the world size over the other dimensions' sizes.
         schedule: ``gpipe``, ``1f1b``, or ``interleaved_1f1b`` (torch's looped 1F1B: each rank holds
             ``stages_per_rank`` stages, which shortens the bubble by that factor for more hand-offs).
         microbatches: micro-batches per step; must divide the batch size (and, for ``1f1b``,
@@ -488,11 +497,9 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
             # calls the loss once before them, on placeholder hidden states).
             values = self._unit_values[-self.microbatches:]
             loss_sum = self._from_last_stage((torch.stack(values).sum(0),) if values else None)[0]
-        elif losses:
-            loss_sum = (torch.stack([loss.detach() for loss in losses]).sum() * objective.scale).float()
         else:
-            loss_sum = torch.zeros((), device=labels.device)
-        if unit_loss is None:
+            loss_sum = ((torch.stack([loss.detach() for loss in losses]).sum() * objective.scale).float() if losses
+                        else torch.zeros((), device=labels.device))
             dist.broadcast(loss_sum, group=self.device_mesh.get_group("pp"), group_src=self.pp - 1)
         self._step_batch, self._unit_loss, self._unit_values = None, None, []
         if self._moe_layers:
