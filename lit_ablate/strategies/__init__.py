@@ -3,8 +3,9 @@
 ``MeshParallelStrategy`` applies data, expert, context and tensor parallelism on one N-D device mesh
 (each step on when its size is above 1); ``FSDP2Strategy``, ``HSDPStrategy``, ``TensorParallelStrategy``,
 ``ContextParallelStrategy``, ``ExpertParallelStrategy`` and the pairs are its presets, each accepting
-only its own dimensions. ``PipelineParallelStrategy`` splits layers into stages (with FSDP2 or HSDP
-inside each). ``DDPStrategy``, ``ZeRO1Strategy`` and ``FSDP1Strategy`` are the data-parallel baselines.
+only its own dimensions. ``PipelineParallelStrategy`` is it with the pipeline step: layers split into
+stages, every other dimension applied to each stage. ``DDPStrategy``, ``ZeRO1Strategy`` and
+``FSDP1Strategy`` are the data-parallel baselines.
 Every one answers ``StrategyInterface`` (what modules and callbacks may ask a strategy).
 
 Configs select them by ``class_path`` (``lit_ablate.strategies.FSDP2Strategy``); research code

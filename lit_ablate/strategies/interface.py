@@ -51,14 +51,16 @@ class StrategyInterface:
 
     @property
     def batch_replicas(self) -> int:
-        """Ranks that process the very same tokens (tensor-parallel peers): throughput and MFU count
-        their tokens once."""
+        """Ranks that process the very same tokens (tensor-parallel peers, the stages of one pipeline):
+        throughput and MFU count their tokens once, so a ``pp x tp`` group counts the model once."""
         return 1
 
     @property
     def flops_share(self) -> float:
-        """This rank's share of the model FLOPs of the batch it reads (``MFUMonitor``); 1 unless ranks
-        that read one batch split its work unevenly (context parallelism's causal blocks)."""
+        """This rank's share of the model FLOPs of the batch it reads, before ``batch_replicas`` divides it
+        (``MFUMonitor``: ``flops_share / batch_replicas``); 1 unless ranks that read one batch split
+        its work otherwise (context parallelism: ``1 / cp``). A pipeline's stages count ``1 / pp`` each
+        through ``batch_replicas``, whatever their split."""
         return 1.0
 
     @property
