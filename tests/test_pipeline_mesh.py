@@ -246,6 +246,27 @@ def test_lightning_fit_with_pp2_x_tp2_equals_one_device(tmp_path):
         torch.testing.assert_close(torch.tensor(run["resumed"]), torch.tensor(resumed), rtol=0, atol=ATOL)
 
 
+def _lightning_pp2_x_cp2(rank: int, world_size: int, root: str) -> dict:
+    seen = fit(PipelineParallelStrategy(pp=2, cp=2, schedule="1f1b", microbatches=2), 4, Path(root), validate=True)
+    return {"losses": seen.losses, "sums": seen.sums, "val_loss": seen.val_loss}
+
+
+@pytest.mark.slow  # 4 gloo ranks on 2 cores
+def test_lightning_fit_with_pp2_x_cp2_equals_one_device(tmp_path):
+    """Inside Lightning's loop the strategy's ``batch_to_device`` gives each of a stage's cp ranks its
+    zigzag slice of one device's batch (with explicit positions, which every stage receives), and its
+    training and validation steps attend with ring attention: each step's loss over the cp pair (their
+    loss sums over their useful tokens) and the validation loss are one device's. Seen failing with
+    the sampler giving cp peers different rows (``cp`` among ``DATA_PARALLEL_DIMS``: off by 0.13)."""
+    reference = fit("auto", 1, tmp_path / "one", validate=True)
+    ranks = run_ranks(_lightning_pp2_x_cp2, 4, str(tmp_path / "pp_cp"), init_process_group=False, timeout_s=400)
+    for stage in (0, 1):  # pp outermost: a stage's cp pair is adjacent
+        pair = torch.tensor([ranks[2 * stage]["sums"], ranks[2 * stage + 1]["sums"]], dtype=torch.float64).sum(0)
+        torch.testing.assert_close((pair[:, 0] / pair[:, 1]).float(), torch.tensor(reference.losses), rtol=0, atol=ATOL)
+    for run in ranks:
+        assert run["val_loss"] == pytest.approx(reference.val_loss, abs=ATOL)
+
+
 # ---------------------------------------------------------------- refused before any rank starts
 QUICKSTART = Path(__file__).parents[1] / "configs" / "quickstart.yaml"
 
