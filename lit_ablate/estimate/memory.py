@@ -184,10 +184,11 @@ def pipeline_stage_estimates(counts: ParameterCounts, shape: ModelShape, trainin
     last stage's, with the torch loss, starts with the LM head's: the logits' fp32 gradient and the
     head's weight gradient (``vocab / tp`` rows), which outweigh the loss's copies when a rank holds
     few tokens (``cp``).
-    Context parallelism's all-gather keeps each piece's gathered K/V (``context_parallel_bytes``).
-    Transient: the receive buffers torch's schedule allocates once per piece and stage, the previous
-    stage's hidden states (all stages but the first) and their gradients from the next (all but the
-    last), and the context-parallel exchange of one layer. FSDP-sharded stages (``sharding.gathered``:
+    Context parallelism's all-gather keeps each piece's gathered K/V, and the piece at its backward
+    the exchange of one layer (``context_parallel_bytes``; the tensor tracker sees both among the
+    activations and temporaries). Transient: the receive buffers torch's schedule allocates once per
+    piece and stage, the previous stage's hidden states (all stages but the first) and their
+    gradients from the next (all but the last). FSDP-sharded stages (``sharding.gathered``:
     without resharding after forward) also hold, through the step, their gathered parameters and their
     unsharded gradients (``PipelineStage`` defers FSDP's reduce-scatter to the last micro-batch; both
     divided by ``tp``) and, at that reduce-scatter, a copy of the largest unit's gradients (a decoder
@@ -221,7 +222,8 @@ def pipeline_stage_estimates(counts: ParameterCounts, shape: ModelShape, trainin
 
     def at_backward(stage: int) -> float:  # the peak of one piece's backward on ``stage``
         stage_shape = replace(shape, layers=stage_layers[stage])
-        peak = activation_bytes(stage_shape, piece, loss_head=stage == last) + context_parallel_bytes(stage_shape, piece)[0]
+        saved, exchange = context_parallel_bytes(stage_shape, piece)  # a layer's exchange runs inside its backward
+        peak = activation_bytes(stage_shape, piece, loss_head=stage == last) + saved + exchange
         if stage == 0:  # the embedding's weight gradient, whole, and the hidden states' arriving
             peak = max(peak, counts.embedding * training.param_bytes + boundary)
         if stage == last and training.loss == "torch":  # the LM head's backward: logits' and weight's gradients
@@ -240,13 +242,12 @@ def pipeline_stage_estimates(counts: ParameterCounts, shape: ModelShape, trainin
             units = [shape.layer_params, *(stage_params[s] - stage_layers[s] * shape.layer_params for s in own)]
             largest_unit = max(units) / tp  # a decoder layer or a stage's root, as this rank holds it gathered
             gathered = sum(states[s].gathered for s in own) * (per_parameter + trained) + largest_unit * training.param_bytes
-        exchange = max(context_parallel_bytes(replace(shape, layers=stage_layers[s]), piece)[1] for s in own)
         estimates.append(MemoryEstimate(  # each state's bytes in the rank's share of the parameters
             params=round(stored * per_parameter),
             grads=round(stored * trained),
             optimizer=int(optimizer_bytes(counts, training) * stored / counts.total),
             activations=int(sum(kept(s) for s in held) + at_backward(backward_stage)),
-            transient=int(m * boundary * sum((s != 0) + (s != last) for s in own) + gathered + exchange),
+            transient=int(m * boundary * sum((s != 0) + (s != last) for s in own) + gathered),
         ))  # fmt: skip
     return estimates
 
