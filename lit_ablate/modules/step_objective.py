@@ -69,6 +69,12 @@ class StepObjective:
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
         return (loss_sum + units * extra) / self.scale
 
+    @property
+    def step_started(self) -> bool:
+        """Whether earlier micro-batches of this optimizer step were counted (accumulation): the gradients
+        on the parameters are then this step's, not the previous one's."""
+        return self._units is not None
+
     def agree_scale(self, local_units: int, device: torch.device, group: ProcessGroup | None) -> None:
         """Fix ``c`` once per fit: the largest first-micro-batch unit count over ``group``, rounded to a
         power of two (>= 1). Every rank must use the same constant, or the strategy's gradient average

@@ -469,9 +469,10 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
         if objective.scale is None:  # the stages of a replica read the same batch; replicas agree over dp
             objective.agree_scale(int(units[0]), labels.device, self.gradient_mean_group[0])
         self._loss_scale = objective.scale
-        # The gradients on the parameters now are the step's earlier batches' (accumulation), or the
-        # previous step's, which Lightning zeroes only after this training_step: aside during the schedule.
-        kept = [(p, p.grad) for p in model.parameters()]
+        # The gradients on the parameters now are the step's earlier batches' (accumulation: aside during
+        # the schedule), or the previous step's, which Lightning would zero only after this training_step
+        # (freed now: the schedule's own gradients take their memory).
+        kept = [(p, p.grad) for p in model.parameters()] if objective.step_started else []
         for p in model.parameters():
             p.grad = None
         inputs = self._stage_inputs(batch, objective.scale)  # chunked per micro-batch, to every stage of this rank
