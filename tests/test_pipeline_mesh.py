@@ -394,3 +394,20 @@ def test_pipeline_sizes_that_miss_the_world_size_are_refused_before_any_rank_sta
     message = _fit_refusal("--trainer.strategy.class_path", "lit_ablate.strategies.PipelineParallelStrategy",
                            "--trainer.strategy.init_args.pp", "2", "--trainer.strategy.init_args.tp", "2")
     assert "multiply to 4 but the world size (devices x nodes) is 2" in message
+
+
+def test_state_sharding_divides_each_stage_over_its_fsdp_and_tp_ranks():
+    """What the memory estimate reads: a stage's state over ``dp_shard x ep x cp x tp`` as the mesh
+    strategy divides a whole model's, the layers kept gathered (divided by tp only) unless
+    ``reshard_after_forward``; replicas of whole stages (``dp_replicate`` alone) hold it all. Seen
+    failing with the pipeline's former rule (sharded only with ``dp_shard``: pp2 x tp2 estimated
+    unsplit)."""
+    from lit_ablate.strategies.state_sharding import REPLICATED, StateSharding
+
+    # tp keeps routed experts whole: they are divided by the FSDP ranks only (expert_shards)
+    assert PipelineParallelStrategy(pp=2, tp=2).state_sharding(4) == StateSharding(2, 2, 2, gathered=2, expert_shards=1)
+    assert PipelineParallelStrategy(pp=2, tp=2, dp_shard=2).state_sharding(8) == StateSharding(
+        4, 4, 4, gathered=2, expert_shards=2)
+    assert PipelineParallelStrategy(pp=2, cp=2, dp_shard=2, reshard_after_forward=True).state_sharding(8) == \
+        StateSharding(4, 4, 4, gathered=None)
+    assert PipelineParallelStrategy(pp=2, dp_replicate=2).state_sharding(4) == REPLICATED
