@@ -46,7 +46,9 @@ CATEGORIES = ("params", "grads", "optimizer", "transient")
 
 
 def _batches(seq: int) -> list[dict]:
-    """3 batches of ``ROWS`` rows, each row with a different number of masked (prompt) positions."""
+    """3 batches of ``ROWS`` rows, each row with a different number of masked (prompt) positions and,
+    as lit-ablate's collators attach them, its ``document_lengths`` (FLOPs are counted on the whole
+    rows, which context parallelism splits)."""
     import torch
 
     from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX
@@ -58,7 +60,7 @@ def _batches(seq: int) -> list[dict]:
         labels[:, -1] = IGNORE_INDEX
         for row in range(ROWS):
             labels[row, :row] = IGNORE_INDEX
-        batches.append({"input_ids": ids, "labels": labels})
+        batches.append({"input_ids": ids, "labels": labels, "document_lengths": [seq] * ROWS})
     return batches
 
 
@@ -169,16 +171,19 @@ def test_the_8_rank_stage_state_is_the_4_rank_one_over_dp_shard():
 
 
 @pytest.mark.slow  # 4 gloo ranks and one process
-def test_the_mfu_of_pp2_x_tp2_counts_the_model_once(measured):
-    """Summed over its 4 ranks, a pp2 x tp2 step claims exactly the model FLOPs of one process's step on
-    the same batch, and its global token rate counts the batch's tokens once: every stage and every tp
-    peer reads the whole batch, and each claims ``1 / (pp x tp)`` of it (``batch_replicas``). The FLOPs
-    per token equal one process's and the analytic model's (``flops_per_token`` of the whole model).
-    Seen failing with ``batch_replicas`` = tp (each stage claiming the whole batch: 512 tokens per step
-    for 256) and = 1 (1024); MFU divides the FLOPs by the same ``batch_replicas``."""
+@pytest.mark.parametrize("name", ["pp2_tp2", "pp2_cp2_short"])
+def test_the_mfu_of_a_composed_pipeline_counts_the_model_once(measured, name):
+    """Summed over its 4 ranks, a pp2 x tp2 (or pp2 x cp2) step claims exactly the model FLOPs of one
+    process's step on the same batch, and its global token rate counts the batch's tokens once: every
+    stage and every tp peer reads the whole batch, and each claims ``1 / (pp x tp)`` of it
+    (``batch_replicas``); cp ranks hold halves of each row and claim ``1 / cp`` of its FLOPs
+    (``flops_share``). The FLOPs per token equal one process's and the analytic model's
+    (``flops_per_token`` of the whole model). Seen failing (pp2 x tp2) with ``batch_replicas`` = tp
+    (each stage claiming the whole batch: 512 tokens per step for 256) and = 1 (1024); MFU divides
+    the FLOPs by the same ``batch_replicas``."""
     lm = ModelFactory(**LLAMA).build(device="meta")
     per_token = flops_per_token(count_parameters(lm, lm.config), lm.config, SEQ)
-    one, composed = measured("one_process")["record"], measured("pp2_tp2")["record"]
+    one, composed = measured("one_process")["record"], measured(name)["record"]
 
     def per_step(record: dict) -> list[tuple[float, float]]:  # (FLOPs claimed by the job, tokens) per step
         ranks = record["environment"]["world_size"]
@@ -199,7 +204,7 @@ def test_the_estimate_command_prints_a_pp_x_tp_config_s_per_rank_numbers(capsys:
     mesh. Seen failing with ``pp: -1`` resolved as the world size over dp_replicate (4 stages of tp 2
     on 4 ranks), as ``pipeline_of`` did before."""
     from lit_ablate.commands.estimate import estimate_main
-    from lit_ablate.estimate.from_config import estimate_for_config, training_shape_of
+    from lit_ablate.estimate.from_config import estimate_for_config, predicted_step_seconds, training_shape_of
     from lit_ablate.fit_cli import resolve_fit_config
 
     options = ["--trainer.devices", "4", "--trainer.gradient_clip_val", "null",
@@ -218,3 +223,6 @@ def test_the_estimate_command_prints_a_pp_x_tp_config_s_per_rank_numbers(capsys:
     assert configured["bytes_per_rank"]["total"] == estimate.total
     assert estimate_main(["--config", str(QUICKSTART), *options]) == 0
     assert "Pipeline: 2 ranks" in (out := capsys.readouterr().out) and "tp 2" in out
+    # a rank's FLOPs per step: its stage's share of the model, and 1 / tp of that
+    assert predicted_step_seconds(config, 1.0) == pytest.approx(predicted_step_seconds(
+        resolve_fit_config(["--config", str(QUICKSTART), *options[:-4], "--trainer.devices", "2"]), 1.0) / 2, rel=1e-9)
