@@ -491,6 +491,8 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
         self.average_over_replicas(model)
         # Lightning zeroes gradients between training_step and backward: this batch's wait until then.
         self._pending_gradients = [(p, p.grad) for p in model.parameters() if p.grad is not None]
+        for p, _ in self._pending_gradients:
+            p.grad = None
         for p, grad in kept:
             p.grad = grad
         if unit_loss is not None:  # every entry unit_loss returned, summed (the loss sum first)
