@@ -123,6 +123,7 @@ def _mesh_pipeline_run(rank: int, world_size: int, preset: str, strategy_kwargs:
         with strategy.vocabulary_parallel_loss(), strategy.context_parallel_attention():
             loss_sum, useful = strategy.forward_backward(model, batch, objective)
         objective.backward_loss(loss_sum, useful, 0.0, strategy)
+        optimizer.zero_grad()  # as Lightning zeroes between the step's first training_step and its backward
         strategy.deliver_gradients()
         objective.normalize_gradients(model.parameters(), strategy, accumulate_grad_batches=1)
         optimizer.step()
