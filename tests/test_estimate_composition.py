@@ -8,7 +8,8 @@ stage / last stage): params, grads and optimizer 1.000 everywhere (the norms TP 
 included); activations pp2 x tp2 0.94 / 0.81, pp2 x tp2 x dp_shard2 0.94 / 0.81, pp2 x cp2 (gpipe,
 128 tokens) 0.92 / 1.00, pp2 x cp2 (1f1b, 32 tokens) 0.97 / 0.98, pp2 x ep2 0.92-0.97 / 0.95-1.00;
 transient 1.00 (pp2 x tp2's last stage 1.27: no reduce-scatter copy of its LM head when FSDP spans
-one rank).
+one rank). Gradient accumulation (2 batches per step) on pp2 and pp2 x dp_shard2: grads 1.000 with
+the unsharded stages' second copy counted.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ RUNS = {  # name: (ranks, strategy options beside pp=2, model, sequence length)
     "pp2_cp2_short": (4, {"cp": 2}, LLAMA, SEQ),
     "pp2_ep2": (4, {"ep": 2}, MOE, SEQ),
     "pp2_tp2_dp_shard2": (8, {"tp": 2, "dp_shard": 2}, LLAMA, SEQ),
+    # accumulation: unsharded stages hold the step's earlier gradients beside the schedule's; sharded ones do not
+    "pp2_accumulate2": (2, {"accumulate_grad_batches": 2}, LLAMA, SEQ),
+    "pp2_dp_shard2_accumulate2": (4, {"dp_shard": 2, "accumulate_grad_batches": 2}, LLAMA, SEQ),
 }
 CATEGORIES = ("params", "grads", "optimizer", "transient")
 
@@ -74,16 +78,19 @@ def _fit(rank: int, world_size: int, root: str, name: str, sizes: dict, model: d
     from lit_ablate.modules import CausalLM
 
     L.seed_everything(0)
-    strategy = PipelineParallelStrategy(pp=2, microbatches=MICROBATCHES, **sizes) if sizes else "auto"
+    options = {k: v for k, v in sizes.items() if k != "accumulate_grad_batches"}
+    accumulate = sizes.get("accumulate_grad_batches", 1)
+    strategy = PipelineParallelStrategy(pp=2, microbatches=MICROBATCHES, **options) if sizes else "auto"
     memory = MemoryMonitor()
     trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=world_size, strategy=strategy,
+                        accumulate_grad_batches=accumulate,
                         use_distributed_sampler=False, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[memory, ThroughputMonitor(), MFUMonitor(ceiling_tflops=CEILING_TFLOPS),
                                    RunRecorder(path=f"{root}/{name}.json", warmup_steps=3)])
     options = {**model, "moe": MoEOptions(**model["moe"])} if "moe" in model else model
     trainer.fit(CausalLM(ModelFactory(**options), warmup_steps=0),
-                DataLoader(_batches(seq), batch_size=None))
+                DataLoader(_batches(seq) * accumulate, batch_size=None))
     if sizes:
         tracked = {key[len("_max_"):]: values[max(values)] for key, values in memory.series.items() if key.startswith("_max_")}
         tracked["forward_backward_max"] = memory.series["_forward_backward_max"][max(memory.series["_forward_backward_max"])]
@@ -116,10 +123,12 @@ def stage_estimates(name: str):
     options = {**model, "moe": MoEOptions(**model["moe"])} if "moe" in model else model
     lm = ModelFactory(**options).build(device="meta")
     counts, shape = count_parameters(lm, lm.config), model_shape(lm.config)
-    sharding = PipelineParallelStrategy(pp=2, microbatches=MICROBATCHES, **sizes).state_sharding(ranks)
+    options = {k: v for k, v in sizes.items() if k != "accumulate_grad_batches"}
+    sharding = PipelineParallelStrategy(pp=2, microbatches=MICROBATCHES, **options).state_sharding(ranks)
     training = TrainingShape(micro_batch=ROWS, seq_len=seq, pipeline_parallel=2, pipeline_schedule=sizes.get("schedule", "1f1b"),
                              microbatches=MICROBATCHES, tensor_parallel=sizes.get("tp", 1),
-                             context_parallel=sizes.get("cp", 1))  # fmt: skip
+                             context_parallel=sizes.get("cp", 1),
+                             accumulate_grad_batches=sizes.get("accumulate_grad_batches", 1))  # fmt: skip
     return counts, shape, training, sharding, pipeline_stage_estimates(counts, shape, training, sharding)
 
 
@@ -133,7 +142,9 @@ def test_every_rank_s_categories_are_within_their_factors_of_its_stage_s_estimat
     not divided by tp (transient 2.24 on pp2 x tp2's last stage); a piece's tokens not divided by cp
     (activations 1.59 / 1.61 on pp2 x cp2); the first stage's embedding gradient left out
     (activations 0.52 under tp); the LM head's backward left out (activations 0.70 on the short pp2
-    x cp2's last stage); the experts not divided by ep (params, grads, optimizer 1.49 on pp2 x ep2)."""
+    x cp2's last stage); the experts not divided by ep (params, grads, optimizer 1.49 on pp2 x ep2);
+    accumulation's second gradient copy left out (grads 0.5 on pp2 with 2 batches per step), or
+    counted on FSDP-sharded stages too (grads 2.0 on pp2 x dp_shard2)."""
     ranks = RUNS[name][0]
     _, _, _, _, stages = stage_estimates(name)
     run = measured(name)

@@ -102,6 +102,7 @@ def training_shape_of(config: dict, optimizer: str | None = None, world_size: in
         **dict(zip(("context_parallel", "context_parallel_impl"), context_parallel_of(config, world_size))),
         **dict(zip(("tensor_parallel", "sequence_parallel"), tensor_parallel_of(config, world_size))),
         **pipeline_of(config, world_size),
+        accumulate_grad_batches=int(get_dotted(config, "trainer.accumulate_grad_batches", 1) or 1),
     )
     if str(get_dotted(config, "model.class_path", "")).endswith("DPO"):
         shape = replace(shape, **_preference_shape(config, shape.micro_batch, shape.seq_len))

@@ -192,7 +192,9 @@ def pipeline_stage_estimates(counts: ParameterCounts, shape: ModelShape, trainin
     without resharding after forward) also hold, through the step, their gathered parameters and their
     unsharded gradients (``PipelineStage`` defers FSDP's reduce-scatter to the last micro-batch; both
     divided by ``tp``) and, at that reduce-scatter, a copy of the largest unit's gradients (a decoder
-    layer, or the stage's root: embeddings, or final norm and LM head). Measured on 2 ranks (pp=2) and
+    layer, or the stage's root: embeddings, or final norm and LM head). Under ``accumulate_grad_batches``
+    a stage FSDP does not shard holds its gradients twice (the step's earlier batches' beside the
+    schedule's). Measured on 2 ranks (pp=2) and
     4 (pp=2 x dp_shard=2) in tests/test_pipeline_estimate.py, on 4 (pp=2 x tp=2, x cp=2, x ep=2) and 8
     (pp=2 x tp=2 x dp_shard=2) in tests/test_estimate_composition.py.
     """
@@ -207,6 +209,9 @@ def pipeline_stage_estimates(counts: ParameterCounts, shape: ModelShape, trainin
     boundary = tokens * shape.hidden * training.activation_bytes  # one piece's hidden states between stages
     per_parameter = ((counts.total - counts.quantized) * training.param_bytes + counts.quantized_bytes) / counts.total
     trained = training.param_bytes * counts.trainable / counts.total  # gradient bytes per parameter
+    # Unsharded stages under accumulation: the step's earlier gradients wait beside the schedule's own
+    # (an FSDP-sharded stage forms its own in the unsharded buffers counted as transient).
+    gradient_copies = 2 if training.accumulate_grad_batches > 1 and sharding.gathered is None else 1
     states = pipeline_stage_states(counts, shape, training, sharding)
     stage_params = pipeline_stage_parameters(counts, shape, training)
     stage_layers = pipeline_stage_layers(counts, shape, training)
@@ -244,7 +249,7 @@ def pipeline_stage_estimates(counts: ParameterCounts, shape: ModelShape, trainin
             gathered = sum(states[s].gathered for s in own) * (per_parameter + trained) + largest_unit * training.param_bytes
         estimates.append(MemoryEstimate(  # each state's bytes in the rank's share of the parameters
             params=round(stored * per_parameter),
-            grads=round(stored * trained),
+            grads=round(stored * trained * gradient_copies),
             optimizer=int(optimizer_bytes(counts, training) * stored / counts.total),
             activations=int(sum(kept(s) for s in held) + at_backward(backward_stage)),
             transient=int(m * boundary * sum((s != 0) + (s != last) for s in own) + gathered),

@@ -82,6 +82,9 @@ class TrainingShape:
         pipeline_stages_per_rank: stages each pipeline rank holds (``interleaved_1f1b``'s ``stages_per_rank``).
         split_points: the stages' first decoder layers after the first stage; None: balanced by
             parameter count as the strategy balances them.
+        accumulate_grad_batches: batches per optimizer step. A pipeline stage that FSDP does not shard
+            keeps the step's earlier batches' gradients beside the ones its schedule forms: one more
+            gradient copy from a step's second batch on.
     """
 
     micro_batch: int
@@ -108,6 +111,7 @@ class TrainingShape:
     pipeline_stages_per_rank: int = 1
     microbatches: int = 1
     split_points: tuple[int, ...] | None = None
+    accumulate_grad_batches: int = 1
 
     def __post_init__(self) -> None:
         from lit_ablate.errors import ConfigError
