@@ -163,6 +163,12 @@ class RunRecorder(StepMonitor):
         steps = sorted({s for values in series.values() for s in values})
         return [{"step": s, **{name: values.get(s) for name, values in series.items()}} for s in steps]
 
+    @staticmethod
+    def _fallbacks(trainer: Trainer, pl_module: LightningModule, memory: MemoryMonitor | None) -> list[str]:
+        """What ran instead of what the config names: the module's, the strategy's and the memory tracker's."""
+        module = getattr(pl_module, "fallbacks", [])
+        return [*module, *interface_of(trainer.strategy).fallbacks, *(memory.fallbacks if memory else [])]
+
     def _write(self, trainer: Trainer, pl_module: LightningModule, status: str, message: str | None) -> None:
         if not trainer.is_global_zero or self.record_path is None:
             return
@@ -181,8 +187,7 @@ class RunRecorder(StepMonitor):
             "environment": self._env,
             "model": asdict(counts) if counts is not None else None,
             "warmup_steps": self.warmup_steps,
-            "fallbacks": [*getattr(pl_module, "fallbacks", []), *interface_of(trainer.strategy).fallbacks,
-                          *(memory.fallbacks if memory else [])],
+            "fallbacks": self._fallbacks(trainer, pl_module, memory),
             "started_at": self._started,
             "finished_at": None if status == "running" else time.time(),
             "resumed_from": self._resumed_from,
