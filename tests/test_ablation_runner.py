@@ -239,7 +239,7 @@ def test_interrupted_run_is_redone_on_resume(tmp_path: Path, fake_fit: list[str]
         assert runner.poll() is None and time.monotonic() < deadline, runner.stderr.read() if runner.poll() else "slow"
         time.sleep(0.05)
     runner.send_signal(signal.SIGINT)
-    assert runner.wait(timeout=30) != 0
+    assert runner.wait(timeout=120) != 0
     interrupted = read_record(first)["summary"]
     assert interrupted["status"] == "interrupted"
     assert not (out / "runs" / "second").exists(), "the study stopped at the interrupted run"
