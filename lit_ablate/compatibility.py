@@ -340,6 +340,35 @@ def pipeline_stages_split_the_model(config: Mapping[str, Any], launch: LaunchLik
     return None
 
 
+def pipeline_stages_train_the_objective(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
+    """Pipeline stages train DPO with a ``precomputed`` or no reference, padded pairs and ``torch`` or
+    ``chunked`` log-probs: a ``frozen`` reference is a second model the stages do not hold, an
+    ``adapter`` reference runs the policy twice per step (not built under the schedule), Liger's fused
+    DPO reads the whole batch's hidden states at once, and packed pairs cannot be cut into micro-batches
+    of whole pairs."""
+    if _configured_size(config, _strategy_class(config), "pp") == 1:
+        return None
+    if not str(get_dotted(config, "model.class_path", "")).endswith("DPO"):
+        return None
+    import inspect
+
+    from lit_ablate.modules.dpo import DPO
+
+    defaults = {name: p.default for name, p in inspect.signature(DPO).parameters.items()}
+    reference = get_dotted(config, "model.init_args.reference", defaults["reference"])
+    if reference in ("frozen", "adapter"):
+        return (f"model.init_args.reference={reference}: pipeline stages run one model once per micro-batch; use "
+                "reference: precomputed (its log-probs computed once through the stages) or none, or pp: 1")
+    logprobs = get_dotted(config, "model.init_args.logprobs", defaults["logprobs"])
+    if logprobs == "liger":
+        return ("model.init_args.logprobs=liger: Liger's fused DPO loss reads the whole batch's hidden states at "
+                "once, which the last stage never holds; use logprobs: chunked or torch, or pp: 1")
+    if str(get_dotted(config, "data.init_args.collator.class_path", "")).endswith("PreferencePackingCollator"):
+        return ("data.init_args.collator=PreferencePackingCollator: packed pairs cannot be cut into micro-batches "
+                "of whole pairs; use PreferencePaddingCollator with static_length: true, or pp: 1")
+    return None
+
+
 def tensor_parallel_loss_fits(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
     """Tensor parallelism takes the ``torch`` (without z-loss) and ``chunked`` loss backends: those
     compute on a vocabulary-sharded LM head."""
@@ -367,6 +396,7 @@ RULES: dict[str, Rule] = {
     "preference_parts_fit": preference_parts_fit,
     "tensor_parallel_loss_fits": tensor_parallel_loss_fits,
     "pipeline_stages_split_the_model": pipeline_stages_split_the_model,
+    "pipeline_stages_train_the_objective": pipeline_stages_train_the_objective,
 }
 
 

@@ -52,6 +52,7 @@ FIT_RULES: dict[str, str | None] = {
     "fp8_runs_here": None,
     "preference_parts_fit": None,
     "pipeline_stages_split_the_model": None,
+    "pipeline_stages_train_the_objective": None,
 }
 """The study compatibility rules (``lit_ablate.compatibility.RULES``) about one run's own parts, and the
 key each one names (None: the rule's reason starts with the key it is about, ``key=value: ...``,

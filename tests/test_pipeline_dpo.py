@@ -253,3 +253,30 @@ def test_a_frozen_reference_is_refused_naming_the_fix(tmp_path):
     line before any collective, naming ``reference: precomputed``."""
     for message in run_ranks(_refused, 2, str(tmp_path), "frozen", init_process_group=False, timeout_s=300):
         assert message.startswith("model.init_args.reference='frozen'") and "use reference: precomputed" in message
+
+
+DPO_TINY = Path(__file__).resolve().parents[1] / "configs" / "dpo_tiny.yaml"
+PIPELINE = ("--trainer.devices", "2", "--trainer.strategy.class_path", "lit_ablate.strategies.PipelineParallelStrategy")
+
+
+@pytest.mark.parametrize(("options", "named"), [
+    ((), "model.init_args.reference='frozen'"),  # dpo_tiny's own reference
+    (("--model.init_args.reference", "precomputed", "--model.init_args.logprobs", "liger"), "model.init_args.logprobs='liger'"),
+    (("--model.init_args.reference", "precomputed", "--data.init_args.collator.class_path",
+      "lit_ablate.data.PreferencePackingCollator"), "data.init_args.collator="),
+])  # fmt: skip
+def test_what_the_stages_cannot_train_is_refused_before_any_rank_starts(options, named):
+    """A frozen reference, Liger's fused DPO and packed pairs under pp are refused by ``lit-ablate fit``'s
+    preflight in one line naming the key and the fix, before any class is built (the compatibility rule
+    ``pipeline_stages_train_the_objective``, which studies apply to their variants too); a precomputed
+    reference passes. Seen failing with the rule left out of ``FIT_RULES`` (no refusal: the ranks would
+    start and refuse it at set-up)."""
+    from lit_ablate.fit_cli import resolve_fit_config
+    from lit_ablate.preflight import check_run_config
+
+    with pytest.raises(ConfigError) as refusal:
+        check_run_config("fit", resolve_fit_config(["--config", str(DPO_TINY), *PIPELINE, *options]))
+    message = str(refusal.value)
+    assert "\n" not in message and message.startswith(named) and "pp: 1" in message, message
+    check_run_config("fit", resolve_fit_config(["--config", str(DPO_TINY), *PIPELINE,
+                                                "--model.init_args.reference", "precomputed"]))
