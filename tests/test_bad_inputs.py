@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
 from lightning.pytorch.callbacks import Callback
 
 from lit_ablate.cli import EXIT_FAILURE, EXIT_USAGE, main

@@ -25,12 +25,12 @@ from torch.utils.data import DataLoader, Dataset
 
 from lit_ablate.data.collate import Collator, PaddingCollator
 from lit_ablate.data.formats import OVERLONG_CHOICES, Example, Format, Overlong, build_examples
+from lit_ablate.data.packing import PackingCollator, StreamPacking
 from lit_ablate.data.preference import PreferenceFormat, build_preference_examples
 from lit_ablate.data.preference_collate import PreferenceCollator, PreferencePaddingCollator
 from lit_ablate.data.sampler import ShardedSampler
 from lit_ablate.data.sources import DataSource
 from lit_ablate.data.storage_choice import choose_storage
-from lit_ablate.data.packing import PackingCollator, StreamPacking
 from lit_ablate.data.streaming import STREAM_STATE, StreamBatchCollate, StreamingBatches
 from lit_ablate.data.token_cache import CachedExampleDataset, open_or_build
 from lit_ablate.data.tokenizers import load_tokenizer

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import heapq
 import logging
-from dataclasses import dataclass
 from collections.abc import Sequence, Sized
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np

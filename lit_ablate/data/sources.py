@@ -19,7 +19,15 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from lit_ablate.data.stream_parts import Position, Row, UnreadableRow, counted_rows, datasets_rows, line_rows, parquet_rows
+from lit_ablate.data.stream_parts import (
+    Position,
+    Row,
+    UnreadableRow,
+    counted_rows,
+    datasets_rows,
+    line_rows,
+    parquet_rows,
+)
 from lit_ablate.errors import ConfigError
 
 _SOURCE_KEY = "data.init_args.source.init_args"
