@@ -31,7 +31,15 @@ from lit_ablate.modules.step_objective import StepObjective
 from lit_ablate.strategies import MeshParallelStrategy
 from lit_ablate.strategies.pipeline_parallel import PipelineParallelStrategy
 from tests.distributed import run_ranks
-from tests.test_pipeline_parallel import ATOL, LR, STEPS, build, fit, sft_batch
+from tests.test_pipeline_parallel import (
+    ATOL,
+    LR,
+    STEPS,
+    assert_ranks_fit_and_resume_as_one_device,
+    build,
+    fit,
+    sft_batch,
+)
 from tests.test_strategies_equivalence import fixed_batch
 from tests.test_tensor_parallel_composition import packed_batch
 
@@ -236,15 +244,7 @@ def test_lightning_fit_with_pp2_x_tp2_equals_one_device(tmp_path):
     losses and validation loss, and a run saved after 2 steps (each rank its stage's TP shards in the
     DCP folder) and resumed for a third continues as one device resumed the same way. Seen failing
     with the sampler giving tp peers different batches (``tp`` among ``DATA_PARALLEL_DIMS``: off by 0.11)."""
-    reference = fit("auto", 1, tmp_path / "one", validate=True)
-    fit("auto", 1, tmp_path / "one-cut", steps=2)
-    resumed = fit("auto", 1, tmp_path / "one-resumed", ckpt_path=str(tmp_path / "one-cut" / "last.ckpt")).losses
-    ranks = run_ranks(_lightning_pp2_x_tp2, 4, str(tmp_path / "pp_tp"), init_process_group=False, timeout_s=400)
-    assert reference.losses[-1] < reference.losses[0] - 1e-3, "the model did not train"
-    for run in ranks:
-        torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(reference.losses), rtol=0, atol=ATOL)
-        assert run["val_loss"] == pytest.approx(reference.val_loss, abs=ATOL)
-        torch.testing.assert_close(torch.tensor(run["resumed"]), torch.tensor(resumed), rtol=0, atol=ATOL)
+    assert_ranks_fit_and_resume_as_one_device(tmp_path, _lightning_pp2_x_tp2, 4)
 
 
 def _lightning_pp2_x_cp2(rank: int, world_size: int, root: str) -> dict:

@@ -267,10 +267,16 @@ def test_lightning_fit_with_pp2_equals_one_device(tmp_path):
     Validation (a sanity batch before training, the held-out rows after it) runs each batch forward
     through the stages: its loss equals one device's (seen failing with the loss not broadcast from
     the last stage: the first stage's rank logs 0 and the synced value is halved)."""
+    assert_ranks_fit_and_resume_as_one_device(tmp_path, _lightning_pp, 2)
+
+
+def assert_ranks_fit_and_resume_as_one_device(tmp_path: Path, ranks_fit, world_size: int) -> None:
+    """``ranks_fit`` on ``world_size`` ranks (returning each rank's losses, validation loss and the
+    losses of a run saved after 2 steps and resumed) records one device's, saved and resumed the same way."""
     reference = fit("auto", 1, tmp_path / "one", validate=True)
     fit("auto", 1, tmp_path / "one-cut", steps=2)
     resumed = fit("auto", 1, tmp_path / "one-resumed", ckpt_path=str(tmp_path / "one-cut" / "last.ckpt")).losses
-    ranks = run_ranks(_lightning_pp, 2, str(tmp_path / "pp"), init_process_group=False, timeout_s=300)
+    ranks = run_ranks(ranks_fit, world_size, str(tmp_path / "ranks"), init_process_group=False, timeout_s=400)
     assert reference.losses[-1] < reference.losses[0] - 1e-3, "the model did not train"
     for run in ranks:
         torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(reference.losses), rtol=0, atol=ATOL)
