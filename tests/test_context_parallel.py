@@ -339,6 +339,19 @@ def test_batches_are_padded_to_the_chunk_multiple_and_sharded_with_explicit_posi
     assert packed_shards[1]["document_lengths"] == packed["document_lengths"]
 
 
+def test_a_batch_without_document_lengths_counts_its_whole_rows_flops_on_every_rank():
+    """A custom collator's batch (no ``document_lengths``): each rank's slice carries the whole rows'
+    lengths, so ``batch_model_flops`` of a slice is the whole batch's and ``MFUMonitor``'s
+    ``flops_share`` (1/cp) divides it once. Catches counting the slice's half rows (seen failing:
+    the slice's FLOPs were under half the whole batch's, then divided by cp again)."""
+    from lit_ablate.estimate.flops import batch_model_flops
+
+    rows = {key: value for key, value in micro_batches("reference")[0].items() if key != "document_lengths"}
+    per_token = lambda context: 1000.0 + context  # noqa: E731 - linear in the context, as flops_per_token is
+    for shard in run_ranks(_shard_on_ranks, 2, rows, "zigzag"):
+        assert batch_model_flops(shard, per_token) == batch_model_flops(rows, per_token)
+
+
 @pytest.mark.parametrize(("key", "value"), [("cp_impl", "ulysses"), ("cp_layout", "striped"), ("cp_block_kernel", "xformers")])
 def test_unknown_options_are_refused_naming_the_key(key, value):
     with pytest.raises(ConfigError, match=f"trainer.strategy.init_args.{key}"):

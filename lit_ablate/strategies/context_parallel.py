@@ -142,7 +142,9 @@ class ContextParallelSteps(FullyShardSteps):
         """This rank's slice of every sequence of ``batch`` (see the class docstring).
 
         ``document_lengths`` stays whole: FLOPs are counted on the whole batch (each document's
-        attention spans all its tokens) and ``MFUMonitor`` takes this rank's ``flops_share``.
+        attention spans all its tokens) and ``MFUMonitor`` takes this rank's ``flops_share``. A batch
+        without them (a custom collator's) gets its whole rows' lengths: counted from the slice, a
+        rank's FLOPs would be divided by ``cp`` twice.
         """
         if not isinstance(batch, dict) or batch.get("input_ids") is None or batch.get("labels") is None:
             raise ConfigError("trainer.strategy", type(self).__name__,
@@ -163,6 +165,7 @@ class ContextParallelSteps(FullyShardSteps):
         if extra:
             sequences = pad_sequence_end(sequences, extra)
         sharded = {key: value for key, value in batch.items() if key not in WHOLE_BATCH_SEGMENT_KEYS}
+        sharded.setdefault("document_lengths", [length] * rows)
         sharded.update({key: layout.shard(value, self.cp_rank, dim=1) for key, value in sequences.items()})
         return sharded
 
