@@ -187,6 +187,7 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
         self._pending_gradients: list[tuple[nn.Parameter, Tensor]] = []
         self._compute_timer: ChunkTimer | None = None
         self._schedule_timing: tuple[float, float] | None = None
+        self._schedule_shape: tuple[int, ...] | None = None  # the first training batch's: torch sizes the stages' buffers by it
 
     # ---------------------------------------------------------------- the mesh
     def build_mesh(self, device_type: str, world_size: int) -> DeviceMesh:
@@ -450,7 +451,7 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
         if batch["labels"].shape[0] % self.microbatches:
             raise ConfigError(f"{STRATEGY_KEY}.microbatches", self.microbatches,
                               f"the batch has {batch['labels'].shape[0]} rows; use a divisor of the batch size")
-        shape, first = tuple(batch["input_ids"].shape), getattr(self, "_schedule_shape", None)
+        shape, first = tuple(batch["input_ids"].shape), self._schedule_shape
         if first is not None and shape != first:  # torch's stages size their hand-off buffers once
             raise ConfigError("data.init_args.collator", f"a batch of {shape} after {first}",
                               "pipeline stages take every training batch in one shape: pad to seq_len "
