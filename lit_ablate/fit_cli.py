@@ -132,6 +132,18 @@ class LitAblateCLI(LightningCLI):
         """The built parts' combination rules (``check_parts``), before the strategy starts any rank."""
         check_parts(self.model, self.trainer.strategy)
 
+    def after_fit(self) -> None:
+        """Each rank leaves the process group before its process exits, as torch asks of a normal exit:
+        left to interpreter shutdown, gloo's threads aborted a rank ("terminate called without an active
+        exception", exit code -6) after its run had finished and its record was written. Every
+        collective of the run (the records' gathers included) is over when ``fit`` returns."""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+    after_validate = after_test = after_fit
+
     def after_instantiate_classes(self) -> None:
         self._dump_config()
         for callback in self.trainer.callbacks:
