@@ -214,8 +214,13 @@ def test_changed_config_and_incomplete_records_are_redone(tmp_path: Path, fake_f
 
 
 RUNNER_SCRIPT = r'''
+import signal
 import sys
 from pathlib import Path
+# Ctrl-C as in a terminal. A process started while SIGINT is ignored keeps ignoring it (Python then
+# installs no KeyboardInterrupt handler); in CI's full suite the runner started that way and ran its
+# hanging run to the end, exit 0 (seen twice in .ci/run, never alone).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {tests!r})
 from test_ablation_runner import fake_resolve, make_spec
 from lit_ablate import compatibility
