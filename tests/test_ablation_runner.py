@@ -217,9 +217,9 @@ RUNNER_SCRIPT = r'''
 import signal
 import sys
 from pathlib import Path
-# Ctrl-C as in a terminal. A process started while SIGINT is ignored keeps ignoring it (Python then
-# installs no KeyboardInterrupt handler); in CI's full suite the runner started that way and ran its
-# hanging run to the end, exit 0 (seen twice in .ci/run, never alone).
+# Ctrl-C as in a terminal, whatever SIGINT disposition this process inherited (a process started with
+# SIGINT ignored keeps ignoring it). In CI's full suite the runner twice ran its hanging run to the end
+# and exited 0 after the SIGINT; an inherited ignore is the suspected cause, not confirmed.
 signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {tests!r})
 from test_ablation_runner import fake_resolve, make_spec
