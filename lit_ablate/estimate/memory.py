@@ -129,7 +129,7 @@ def estimate_memory(counts: ParameterCounts, shape: ModelShape, training: Traini
     from forward to backward (without resharding after forward, every layer's: ``gathered``);
     sharded gradients exist in full twice for the unit being reduced (its
     gradients and the reduce-scatter buffer they are copied into), the largest unit being a layer
-    or the root; replicated gradients on more than one rank (or under DDP on one) also sit in DDP's buckets unless
+    or the root (both divided by tensor parallelism, whose shards FSDP gathers); replicated gradients on more than one rank (or under DDP on one) also sit in DDP's buckets unless
     ``gradient_as_bucket_view``. Measured against FSDP2/FSDP1 on 2 ranks in
     tests/test_estimate_memory.py. Under pipeline parallelism: the largest stage's
     (``pipeline_stage_estimates``).
@@ -144,6 +144,8 @@ def estimate_memory(counts: ParameterCounts, shape: ModelShape, training: Traini
     if sharding.expert_parallel > 1:  # a layer gathers only this rank's experts, over their own FSDP ranks
         layer_experts = counts.experts / shape.layers
         gathered_layer -= layer_experts * (1 if sharding.expert_shards == 1 else 1 - 1 / sharding.expert_parallel)
+    # FSDP gathers over its own ranks what tensor parallelism left of each unit: 1 / tp of it
+    gathered_layer, root = gathered_layer / training.tensor_parallel, root / training.tensor_parallel
     transient = 0
     if sharding.gathered is not None:  # every layer's gathered parameters, kept from forward to backward
         transient += -(-full // sharding.gathered)
