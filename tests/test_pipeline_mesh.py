@@ -406,9 +406,9 @@ def test_state_sharding_divides_each_stage_over_its_fsdp_and_tp_ranks():
     from lit_ablate.strategies.state_sharding import REPLICATED, StateSharding
 
     # tp keeps routed experts whole: they are divided by the FSDP ranks only (expert_shards)
-    assert PipelineParallelStrategy(pp=2, tp=2).state_sharding(4) == StateSharding(2, 2, 2, gathered=2, expert_shards=1)
+    assert PipelineParallelStrategy(pp=2, tp=2).state_sharding(4) == StateSharding(2, 2, 2, gathered=2, fsdp_units=True, expert_shards=1)
     assert PipelineParallelStrategy(pp=2, tp=2, dp_shard=2).state_sharding(8) == StateSharding(
-        4, 4, 4, gathered=2, expert_shards=2)
+        4, 4, 4, gathered=2, fsdp_units=True, expert_shards=2)
     assert PipelineParallelStrategy(pp=2, cp=2, dp_shard=2, reshard_after_forward=True).state_sharding(8) == \
-        StateSharding(4, 4, 4, gathered=None)
+        StateSharding(4, 4, 4, gathered=None, fsdp_units=True)
     assert PipelineParallelStrategy(pp=2, dp_replicate=2).state_sharding(4) == REPLICATED

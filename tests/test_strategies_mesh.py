@@ -166,9 +166,9 @@ def test_gpu_only_options_are_judged_from_a_config_alone():
 def test_state_sharding_per_strategy():
     assert state_sharding_of(DDPStrategy(), 8) == StateSharding(1, 1, 1)
     assert state_sharding_of(ZeRO1Strategy(), 8) == StateSharding(1, 1, 8)
-    assert state_sharding_of(FSDP2Strategy(reshard_after_forward=False), 8) == StateSharding(8, 8, 8, gathered=1)
-    assert state_sharding_of(FSDP2Strategy(), 8) == StateSharding(8, 8, 8)
-    assert state_sharding_of(HSDPStrategy(dp_replicate=2), 8) == StateSharding(4, 4, 4)
+    assert state_sharding_of(FSDP2Strategy(reshard_after_forward=False), 8) == StateSharding(8, 8, 8, gathered=1, fsdp_units=True)
+    assert state_sharding_of(FSDP2Strategy(), 8) == StateSharding(8, 8, 8, fsdp_units=True)
+    assert state_sharding_of(HSDPStrategy(dp_replicate=2), 8) == StateSharding(4, 4, 4, fsdp_units=True)
     assert state_sharding_of(FSDP1Strategy(sharding_strategy="SHARD_GRAD_OP"), 8) == StateSharding(8, 8, 8, gathered=1)
     assert state_sharding_of("deepspeed_stage_1", 8) == StateSharding(1, 1, 8)
     assert state_sharding_of("ddp", 8) == StateSharding(1, 1, 1)

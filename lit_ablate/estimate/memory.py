@@ -149,10 +149,10 @@ def estimate_memory(counts: ParameterCounts, shape: ModelShape, training: Traini
     transient = 0
     if sharding.gathered is not None:  # every layer's gathered parameters, kept from forward to backward
         transient += -(-full // sharding.gathered)
-    elif sharding.params > 1:
+    elif sharding.params > 1 or sharding.fsdp_units:
         layer_bytes = 1 if training.fp8_all_gather else stored
         transient += int(2 * gathered_layer * layer_bytes + root * stored)
-    if sharding.grads > 1:
+    if sharding.grads > 1 or sharding.fsdp_units:
         transient += int(2 * max(gathered_layer, root) * training.param_bytes * counts.trainable / counts.total)
     elif (world_size > 1 or training.ddp) and not training.gradient_as_bucket_view:
         transient += trained

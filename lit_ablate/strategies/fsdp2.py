@@ -89,7 +89,7 @@ class FullyShardSteps(MeshStrategy):
         sizes = resolve_mesh_sizes(self.requested_mesh_sizes, world_size)
         shard = math.prod(sizes[d] for d in FSDP_SHARD_DIMS) * sizes["tp"]
         gathered = None if self.reshard_after_forward else sizes["tp"]
-        return StateSharding(params=shard, grads=shard, optimizer=shard, gathered=gathered)
+        return StateSharding(params=shard, grads=shard, optimizer=shard, gathered=gathered, fsdp_units=True)
 
     def fsdp_kwargs(self) -> dict:
         """The ``fully_shard`` arguments every unit gets (mesh, resharding, precision, offload)."""
