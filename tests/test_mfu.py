@@ -227,7 +227,7 @@ def test_each_run_measures_its_ceiling_now_and_records_when(measurements, tmp_pa
     """Issue 30: a ceiling cached while the machine was loaded (22 GFLOP/s against 95 quiet) made reports'
     MFU 4.4x too high. Every run measures at its start, in its process, and its record says when and how
     long; a cached ceiling in the way is not read. Seen failing with the monitor reading the cache (one
-    measurement for two runs, the stale cached value used)."""
+    measurement for two runs, the stale cached value used), and without the conditions recorded."""
     stale = matmul_ceiling.cache_path(torch.device("cpu"), torch.float32)
     stale.parent.mkdir(parents=True, exist_ok=True)
     stale.write_text(json.dumps({"tflops": 99.0, "device_name": "x", "device_type": "cpu", "dtype": "float32",
@@ -240,3 +240,5 @@ def test_each_run_measures_its_ceiling_now_and_records_when(measurements, tmp_pa
     for record in (first, second):
         ceiling = record["summary"]["mfu_ceilings"]["mfu_measured"]
         assert ceiling["tflops"] == FAKE_TFLOPS and ceiling["measured_at"] >= before and ceiling["sweep_seconds"] >= 0
+        # what the report groups ceilings by: only those of one dtype and thread count show a load change
+        assert ceiling["conditions"] == f"float32 on cpu, {torch.get_num_threads()} thread(s)"

@@ -56,7 +56,7 @@ def study_summary(plan: Mapping[str, Any] | None, runs: Sequence[tuple[str, Mapp
                                             "warmup_steps", "expect_equal_loss", "order")} | {"baseline": baseline},
         "environment": environment,
         "environment_mismatch": mismatched,
-        "matmul_ceiling": spread(_run_ceiling(r) for _, r in runs if r.get("summary", {}).get("status") == "ok"),
+        "matmul_ceilings": _ceilings_by_condition([r for _, r in runs if r.get("summary", {}).get("status") == "ok"]),
         "variants": variants,
         "problems": _problems(variants),
     }  # fmt: skip
@@ -89,7 +89,8 @@ def _variant(
         "final_loss": spread(r["summary"].get("final_loss") for r in ok),
         "fp8": ", ".join(sorted({r["environment"]["fp8"] for r in ok if (r.get("environment") or {}).get("fp8")})) or None,
         **{key: spread(r["summary"].get(key) for r in ok) for key in FINAL_VALUE_SERIES.values()},  # exact_match
-        **_estimate(next((r for _, r in runs if r.get("config")), None), breakdowns),
+        **_estimate(next((r for _, r in runs if r.get("config")), None), breakdowns,
+                    _tracked_tokens(next((r for r in ok if r["summary"].get("tensor_breakdown")), None))),
         **_predicted_step_time(next((r for r in ok if r.get("config")), None)),
         "parameters": parameters[0] if len(parameters) == 1 else None,
         "trainable_parameters": trainable[0] if len(trainable) == 1 else None,
@@ -108,9 +109,38 @@ def _variant(
     }
 
 
-def _estimate(record: Mapping[str, Any] | None, breakdowns: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
+def _tracked_tokens(record: Mapping[str, Any] | None) -> float | None:
+    """Tokens one rank processed per micro-batch in the step whose tensors were tracked (the first ok
+    seed's), or None when unknown."""
+    if record is None:
+        return None
+    tracked = record["summary"]["tensor_breakdown"].get("step")
+    step = next((s for s in record.get("steps", []) if s.get("step") == tracked), None)
+    if not step or not step.get("tokens_per_sec_per_device") or not step.get("step_time_s"):
+        return None
+    accumulate = int(((record.get("config") or {}).get("trainer") or {}).get("accumulate_grad_batches") or 1)
+    return step["tokens_per_sec_per_device"] * step["step_time_s"] / accumulate
+
+
+def _token_share(config: dict, world_size: int | None, tracked_tokens: float | None) -> float | None:
+    """The tracked step's tokens over the ``micro_batch x seq_len`` the estimate counts, where they are
+    comparable: one process's tokens are its own under data parallelism alone (tp, cp and pp ranks
+    count shares of a batch)."""
+    from lit_ablate.estimate.from_config import training_shape_of
+
+    training = training_shape_of(config, world_size=world_size)
+    split = training.tensor_parallel * training.context_parallel * training.pipeline_parallel
+    if tracked_tokens is None or split > 1:
+        return None
+    return tracked_tokens / (training.micro_batch * training.seq_len)
+
+
+def _estimate(record: Mapping[str, Any] | None, breakdowns: Sequence[Mapping[str, Any]] = (),
+              tracked_tokens: float | None = None) -> dict[str, Any]:  # fmt: skip
     """The analytic per-rank memory of the run's config (``lit_ablate.estimate``), or why there is
-    none: its total, its categories, and each category against the measured one (first ok seed)."""
+    none: its total, its categories, and each category against the measured one (first ok seed; the
+    activations an upper bound when that seed's tracked step held fewer tokens than the config's rows:
+    ``compare_with_measured``'s ``token_share``)."""
     from lit_ablate.errors import ConfigError
     from lit_ablate.estimate.agreement import compare_with_measured
     from lit_ablate.estimate.from_config import estimate_for_config
@@ -121,13 +151,14 @@ def _estimate(record: Mapping[str, Any] | None, breakdowns: Sequence[Mapping[str
     world_size = (record.get("environment") or {}).get("world_size")
     try:
         estimate = estimate_for_config(dict(record["config"]), world_size)
+        share = _token_share(dict(record["config"]), world_size, tracked_tokens)
     except ConfigError as err:
         return {**none, "estimate_note": str(err)}
     except Exception as err:  # noqa: BLE001  an advisory column must never cost the report
         return {**none, "estimate_note": f"estimate failed: {type(err).__name__}: {err}"}
     categories = {k: getattr(estimate, k) for k in ("params", "grads", "optimizer", "activations", "transient")}
     return {"estimated_memory_bytes": estimate.total, "estimated_memory_categories": categories,
-            "estimate_vs_measured": compare_with_measured(estimate, breakdowns[0]) if breakdowns else None,
+            "estimate_vs_measured": compare_with_measured(estimate, breakdowns[0], share) if breakdowns else None,
             "estimate_note": None}
 
 
@@ -314,10 +345,17 @@ def _seed_order(seed: int | None) -> tuple[bool, int]:
     return seed is None, seed or 0
 
 
-def _run_ceiling(record: Mapping[str, Any]) -> float | None:
-    """The matmul ceiling (TFLOP/s) a run measured at its start, or None (no MFUMonitor, or a given one)."""
-    ceiling = ((record.get("summary") or {}).get("mfu_ceilings") or {}).get("mfu_measured") or {}
-    return ceiling.get("tflops") if ceiling.get("measured_at") is not None else None
+def _ceilings_by_condition(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The matmul ceilings (TFLOP/s) the runs measured at their start, spread per condition (dtype,
+    device, threads: ``MatmulCeiling.conditions``; None for records that predate it). Only ceilings of
+    one condition can show a load change: a rank of a 2-rank run on 2 cores has one thread and half a
+    1-rank run's ceiling. Runs without MFUMonitor, or with a given ceiling, have none."""
+    by_condition: dict[str | None, list[float]] = {}
+    for record in records:
+        ceiling = ((record.get("summary") or {}).get("mfu_ceilings") or {}).get("mfu_measured") or {}
+        if ceiling.get("measured_at") is not None and ceiling.get("tflops") is not None:
+            by_condition.setdefault(ceiling.get("conditions"), []).append(ceiling["tflops"])
+    return [{"conditions": c, **spread(v)} for c, v in sorted(by_condition.items(), key=lambda cv: str(cv[0]))]
 
 
 def _problems(variants: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -77,6 +77,9 @@ class MFUMonitor(StepMonitor):
         self.ceiling_measured_at: float | None = None
         """When this run measured its ceiling (``time.time()``), and how long the sweep took."""
         self.ceiling_sweep_seconds: float | None = None
+        self.ceiling_conditions: str | None = None
+        """What the measured ceiling depends on besides load (device, dtype, threads): a study compares
+        only ceilings measured under one condition when it looks for a load change."""
         self._warned_low_ceiling = False
         self._flops_share = 1.0
 
@@ -126,12 +129,14 @@ class MFUMonitor(StepMonitor):
             measured = ceiling_here(pl_module.device, run_dtype(trainer, pl_module))  # every rank, in its process
             self.ceiling, self.ceiling_source = measured.tflops, f"measured: {measured.describe()}"
             self.ceiling_measured_at, self.ceiling_sweep_seconds = measured.measured_at, measured.sweep_seconds
+            self.ceiling_conditions = measured.conditions()
 
     def ceilings(self) -> dict[str, dict[str, float | str | None]]:
         """Each MFU series' denominator (TFLOP/s) and where it came from: what the run record keeps."""
         return {"mfu": {"tflops": self.peak_tflops, "source": self.peak_source},
                 "mfu_measured": {"tflops": self.ceiling, "source": self.ceiling_source,
-                                 "measured_at": self.ceiling_measured_at, "sweep_seconds": self.ceiling_sweep_seconds}}
+                                 "measured_at": self.ceiling_measured_at, "sweep_seconds": self.ceiling_sweep_seconds,
+                                 "conditions": self.ceiling_conditions}}
 
     def measure(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
         t = self.totals

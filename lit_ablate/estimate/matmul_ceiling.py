@@ -66,6 +66,12 @@ class MatmulCeiling:
     measured_at: float
     sweep_seconds: float
 
+    def conditions(self) -> str:
+        """Device, dtype and threads: what sets the ceiling besides the machine's load (a 2-rank run on
+        2 cores measures half a 1-rank run's, and bf16 on a CPU half of fp32's)."""
+        threads = f", {self.threads} thread(s)" if self.threads is not None else ""
+        return f"{self.dtype} on {self.device_type}{threads}"
+
     def describe(self) -> str:
         threads = f", {self.threads} thread(s)" if self.threads is not None else ""
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.measured_at))
