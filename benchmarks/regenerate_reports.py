@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -25,6 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 STUDIES = ROOT / "configs" / "studies"
 RESULTS = ROOT / "benchmarks" / "results"
+STUDY_ENVIRONMENT: dict[str, dict[str, str]] = {"liger_vs_cce": {"LIT_ABLATE_TRITON_INTERPRET": "1"}}
+"""Variables a study's header says to run it with: liger_vs_cce runs Liger's and CCE's Triton kernels
+through Triton's interpreter on a CPU (without it those variants are skipped as CUDA-only)."""
 
 
 def studies(only: list[str] | None = None) -> list[str]:
@@ -76,7 +80,7 @@ def regenerate(name: str, commit: str) -> int:
             shutil.rmtree(record.parent)
     command = ["lit-ablate", "ablate", "--config", str(STUDIES / f"{name}.yaml"), "--output_dir", str(directory)]
     print(" ".join(command), flush=True)
-    return subprocess.run(command, cwd=ROOT).returncode
+    return subprocess.run(command, cwd=ROOT, env={**os.environ, **STUDY_ENVIRONMENT.get(name, {})}).returncode
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,3 +64,17 @@ def test_every_shipped_study_tracks_tensor_memory():
             if not memory or any((c.get("init_args") or {}).get("tracked_steps") == 0 for c in memory):
                 untracked.append(f"{name}/{variant.name}")
     assert not untracked, untracked
+
+
+def test_a_study_s_header_variables_reach_its_regeneration():
+    """A study whose header runs it with ``LIT_ABLATE_*`` variables (liger_vs_cce: Triton's interpreter)
+    is regenerated with them. Seen failing as the script was: the first regeneration ran liger_vs_cce
+    without the interpreter and every Liger and CCE variant was skipped as CUDA-only."""
+    import re
+
+    from benchmarks.regenerate_reports import STUDY_ENVIRONMENT
+
+    for name in studies():
+        header = (Path(__file__).parents[1] / "configs" / "studies" / f"{name}.yaml").read_text()
+        wanted = dict(re.findall(r"^#\s+(LIT_ABLATE_\w+)=(\S+) lit-ablate ablate", header, re.MULTILINE))
+        assert STUDY_ENVIRONMENT.get(name, {}) == wanted, name
