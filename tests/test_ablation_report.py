@@ -117,7 +117,10 @@ def test_failed_seed_is_reported_and_left_out_of_the_numbers():
     assert [r["status"] for r in a["runs"]] == ["ok", "oom"]
 
 
-def test_report_files_and_identical_re_render(tmp_path: Path):
+def test_report_files_and_identical_re_render(tmp_path: Path, monkeypatch):
+    from lit_ablate.callbacks import run_recorder
+
+    monkeypatch.setattr(run_recorder, "git_commit", lambda: None)  # a renderer outside a checkout
     directory = make_study(tmp_path, depth_records(), depth_plan())
     write_report(directory)
     produced = {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file() and p.name != "study.json"}
@@ -278,3 +281,38 @@ def test_the_token_share_is_the_tracked_step_s_tokens_over_the_config_s_rows():
     tp = resolve_fit_config(["--config", str(quickstart), "--trainer.strategy.class_path", "lit_ablate.strategies.TensorParallelStrategy",
                              "--trainer.strategy.init_args.tp", "2", "--trainer.devices", "2"])  # fmt: skip
     assert _token_share(tp, 2, rows / 4) is None
+
+
+def test_a_row_shows_the_fallbacks_its_runs_recorded(tmp_path: Path):
+    """Issue 30, item 4: a path that ran something other than what the config names is in the run
+    record's ``fallbacks`` and in its row. Each distinct fallback is a numbered note under the table;
+    each row names its notes (or —). Seen failing with the records' fallbacks left out of the report
+    (the first regeneration's optimizer_states showed no sign that torchao's compiled update ran
+    eagerly under the tensor tracker)."""
+    records = depth_records()  # two seeds of each of three variants
+    eager = "MemoryMonitor: torch.compile'd code ran eagerly on the tracked steps"
+    emulated = "fp8: emulated on cpu"
+    records[0]["fallbacks"] = [eager]
+    records[2]["fallbacks"] = [emulated, eager]
+    text = write_report(make_study(tmp_path, records, depth_plan())).read_text()
+    header = next(line for line in text.splitlines() if line.startswith("| variant"))
+    assert header.rstrip(" |").endswith("fallbacks")
+    table = text.split(header, 1)[1].split("\n\n", 1)[0].splitlines()[2:]  # the side-by-side table's rows
+    rows = {line.split("|")[1].strip().strip("*"): line.rstrip(" |").rsplit("|", 1)[1].strip() for line in table}
+    assert rows == {"num_hidden_layers=1": "[1]", "num_hidden_layers=2": "[1], [2]", "num_hidden_layers=3": "—"}
+    assert f"1. {eager}" in text and f"2. {emulated}" in text
+
+
+def test_a_report_rendered_at_another_commit_than_its_runs_says_so(tmp_path: Path, monkeypatch):
+    """The runs' commit is what the numbers were measured at; a report re-rendered later (a new column)
+    names its renderer's commit beside it, and only then. Seen failing without the renderer's commit."""
+    from lit_ablate.callbacks import run_recorder
+
+    records = depth_records()
+    for record in records:
+        record["environment"]["git_commit"] = "a" * 40
+    monkeypatch.setattr(run_recorder, "git_commit", lambda: "b" * 40)
+    text = write_report(make_study(tmp_path / "later", records, depth_plan())).read_text()
+    assert f"commit {'a' * 10}, report rendered at commit {'b' * 10}" in text
+    monkeypatch.setattr(run_recorder, "git_commit", lambda: "a" * 40)
+    assert "rendered at" not in write_report(make_study(tmp_path / "same", records, depth_plan())).read_text()

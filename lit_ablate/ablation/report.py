@@ -98,6 +98,8 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
     pipeline = any(v.get("pipeline_idle_share") for v in variants)  # pipeline-parallel runs
     header += ["pipeline idle (schedule's)"] if pipeline else []
     header += [f"loss = {_reference_word(agreement)}"] if agreement else []
+    fallbacks = sorted({line for v in variants for line in v.get("fallbacks") or []})  # numbered notes below
+    header += ["fallbacks"] if fallbacks else []
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for v in variants:
         row = [
@@ -130,11 +132,16 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
             row.append(_pipeline_cell(v))
         if agreement:
             row.append(_agreement_cell(v, study["baseline"]))
+        if fallbacks:
+            row.append(", ".join(f"[{fallbacks.index(line) + 1}]" for line in v.get("fallbacks") or []) or "—")
         lines.append("| " + " | ".join(row) + " |")
     rss_only = any(v.get("memory_ratio") is None and v.get("process_memory_ratio") is not None for v in variants)
     lines += ["", _legend(agreement, rss_only) + (TRAINABLE_LEGEND if adapters else "") + (ACCURACY_LEGEND if accuracy else "") + (PREFERENCE_LEGEND if preference else "")
               + (PIPELINE_LEGEND if pipeline else ""),
               ""]
+    if fallbacks:  # what ran instead of what a row's config names (the run records' ``fallbacks``)
+        lines += ["Fallbacks: what ran instead of what the row's config names, as its runs recorded.", "",
+                  *(f"{i}. {line}" for i, line in enumerate(fallbacks, start=1)), ""]
     lines += [f"![{Path(name).stem}]({name})" for name in summary.get("plots", [])]
     lines += loss_divergence_section(summary)
     failures = [(v["name"], r) for v in variants for r in v["runs"] if r["status"] != "ok"]
@@ -197,6 +204,11 @@ def _environment_line(summary: Mapping[str, Any]) -> str:
     parts = [f"device {env.get('device_name')} ({env.get('device_type')})"]
     parts += [f"{k} {env[k]}" for k in ("torch", "lightning", "transformers", "python") if env.get(k)]
     parts.append(f"commit {str(env['git_commit'])[:10]}" if env.get("git_commit") else "commit unknown")
+    from lit_ablate.callbacks.run_recorder import git_commit  # imports Lightning: only when a report is written
+
+    rendered = git_commit()
+    if rendered and env.get("git_commit") and rendered != env["git_commit"]:  # the runs' numbers, a later renderer
+        parts.append(f"report rendered at commit {rendered[:10]}")
     if env.get("hostname"):
         parts.append(f"host {env['hostname']}")
     if env.get("triton_kernels"):

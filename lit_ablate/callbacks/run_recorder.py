@@ -25,7 +25,7 @@ from lit_ablate.models.losses import triton_interpreter
 from lit_ablate.strategies.interface import interface_of
 
 
-def _git_commit() -> str | None:
+def git_commit() -> str | None:
     """The commit of the lit-ablate checkout that runs (not of the working directory: a study's runs
     start wherever the user is); None for an installed package."""
     try:
@@ -47,7 +47,7 @@ def environment(trainer: Trainer) -> dict[str, Any]:
         "python": sys.version.split()[0], "torch": torch.__version__, "lightning": lightning.__version__,
         "transformers": transformers.__version__, "device_type": device.type, "device_name": name,
         "device_count": trainer.num_devices, "num_nodes": trainer.num_nodes, "world_size": trainer.world_size,
-        "cpu_count": os.cpu_count(), "hostname": platform.node(), "git_commit": _git_commit(),
+        "cpu_count": os.cpu_count(), "hostname": platform.node(), "git_commit": git_commit(),
         "strategy": type(trainer.strategy).__name__, "precision": str(trainer.precision),
         "triton_kernels": triton_interpreter.kernel_mode(),
         "fp8": getattr(trainer.lightning_module, "fp8_kernels", None),  # real / emulated fp8 matmuls, or null
