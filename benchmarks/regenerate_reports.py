@@ -46,6 +46,12 @@ def run_commits(result_dir: Path) -> dict[Path, str | None]:
             for p in sorted(result_dir.glob("runs/*/*/run.json"))}  # fmt: skip
 
 
+def started(record: Path) -> bool:
+    """Whether a run started: a variant refused before launch (``skipped``: a GPU-only path on a CPU)
+    measured nothing and records no environment, so no commit either."""
+    return json.loads(record.read_text()).get("summary", {}).get("status") != "skipped"
+
+
 def problems(names: list[str], results: Path = RESULTS) -> list[str]:
     """What keeps the shipped reports from being one regeneration at one commit (empty when none)."""
     found, commits = [], Counter()
@@ -55,7 +61,7 @@ def problems(names: list[str], results: Path = RESULTS) -> list[str]:
             found.append(f"{name}: no report ({directory / 'report.md'})")
             continue
         runs = run_commits(directory)
-        commits.update(c for c in runs.values())
+        commits.update(c for record, c in runs.items() if started(record))
         if not runs:
             found.append(f"{name}: no run records")
         environment = next((line for line in (directory / "report.md").read_text().splitlines()

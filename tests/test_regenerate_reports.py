@@ -2,7 +2,8 @@
 
 On a made-up results tree: a study without a report, runs from two commits, a warning in a report's
 environment line are each named, and a tree at one commit passes. Seen failing with the commit check
-letting two commits pass.
+letting two commits pass, and with a skipped variant (refused before launch, no environment)
+counted as a run of an unknown commit.
 """
 
 from __future__ import annotations
@@ -13,18 +14,20 @@ from pathlib import Path
 from benchmarks.regenerate_reports import problems, studies
 
 
-def _study(results: Path, name: str, commits: list[str], environment: str = "Environment: device cpu, commit x.") -> None:
+def _study(results: Path, name: str, commits: list[str | None], environment: str = "Environment: device cpu, commit x.") -> None:
+    """A study's results; a None commit is a variant refused before launch (skipped, no environment)."""
     directory = results / name
     for i, commit in enumerate(commits):
         run = directory / "runs" / f"v{i}" / "seed0"
         run.mkdir(parents=True)
-        (run / "run.json").write_text(json.dumps({"environment": {"git_commit": commit}}))
+        record = {"environment": {"git_commit": commit}, "summary": {"status": "ok"}}
+        (run / "run.json").write_text(json.dumps(record if commit else {"environment": {}, "summary": {"status": "skipped"}}))
     (directory / "report.md").write_text(f"# {name}\n\n{environment}\n")
 
 
 def test_one_commit_passes_and_each_problem_is_named(tmp_path: Path):
     _study(tmp_path, "a", ["c1", "c1"])
-    _study(tmp_path, "b", ["c1"])
+    _study(tmp_path, "b", ["c1", None])  # a skipped variant measured nothing and names no commit
     assert problems(["a", "b"], tmp_path) == []
     _study(tmp_path, "c", ["c2"], "Environment: commit c2. **Warning: runs differ in git_commit; compare with care.**")
     found = problems(["a", "b", "c", "d"], tmp_path)
