@@ -316,3 +316,12 @@ def test_a_report_rendered_at_another_commit_than_its_runs_says_so(tmp_path: Pat
     assert f"commit {'a' * 10}, report rendered at commit {'b' * 10}" in text
     monkeypatch.setattr(run_recorder, "git_commit", lambda: "a" * 40)
     assert "rendered at" not in write_report(make_study(tmp_path / "same", records, depth_plan())).read_text()
+
+
+def test_sizes_between_1000_and_1024_units_print_whole():
+    """loss_batch_size's regenerated report printed a process peak of 1000 MiB as "1e+03 MiB". Seen
+    failing with three significant digits alone."""
+    from lit_ablate.ablation.report import _bytes
+
+    assert _bytes(1000.4 * 2**20) == "1000 MiB" and _bytes(1023 * 2**30) == "1023 GiB"
+    assert _bytes(999.4 * 2**20) == "999 MiB" and _bytes(1.5 * 2**30) == "1.5 GiB" and _bytes(12) == "12 B"

@@ -370,9 +370,11 @@ def _rate(x: float) -> str:
 
 
 def _bytes(x: float) -> str:
+    """Three significant digits, in whole units from 1000 of one up to 1024 (never ``1e+03 MiB``)."""
     for scale, suffix in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
         if abs(x) >= scale:
-            return f"{x / scale:.3g} {suffix}"
+            value = x / scale
+            return f"{value:.0f} {suffix}" if abs(value) >= 999.5 else f"{value:.3g} {suffix}"
     return f"{x:.0f} B"
 
 
