@@ -19,7 +19,8 @@ What is not converted, and why:
   small logit changes;
 - layers whose input or output size is not a multiple of 16: ``torch._scaled_mm`` refuses them on
   a GPU, so an emulated run could not be reproduced there (skipped under ``all-linear``, refused
-  when named in ``target_modules``);
+  when named in ``target_modules``). A batch's token count, which each weight gradient contracts
+  over, may be any number: real kernels zero-pad it, exactly (``Fp8Options.torchao_config``);
 - LoRA adapters: the base is converted before peft injects its layers, so peft wraps the
   ``Float8Linear`` (a ``nn.Linear``) as the frozen base and its ``lora_A``/``lora_B`` stay high precision.
 
@@ -88,13 +89,23 @@ class Fp8Options:
             raise ConfigError(f"{OPTIONS_KEY}.target_modules", self.target_modules, "name at least one module, or all-linear")
 
     def torchao_config(self, emulate: bool):  # noqa: ANN201 (torchao's Float8LinearConfig, imported lazily)
-        """torchao's ``Float8LinearConfig`` for the recipe, emulated or not."""
+        """torchao's ``Float8LinearConfig`` for the recipe, emulated or not.
+
+        Real kernels get ``pad_inner_dim``: ``torch._scaled_mm`` needs every contracted dimension to
+        be a multiple of 16, and the weight gradient contracts over the tokens (rows of a batch, an
+        expert's share of them), which can be any count. torchao then zero-pads the fp8 operands of
+        each matmul along the contracted dimension after casting them, so the scales are those of the
+        unpadded tensors and the zeros add nothing to the sums: the result is exact, for every recipe
+        (``rowwise_with_gw_hp`` computes the weight gradient in high precision and needs none). The
+        emulation multiplies in fp32 with no such constraint and ignores the switch.
+        """
         import dataclasses
 
         from torchao.float8 import Float8LinearConfig
 
         config = Float8LinearConfig.from_recipe_name(self.recipe)
-        return dataclasses.replace(config, emulate=emulate, enable_fsdp_float8_all_gather=self.fsdp_all_gather)
+        return dataclasses.replace(config, emulate=emulate, enable_fsdp_float8_all_gather=self.fsdp_all_gather,
+                                   pad_inner_dim=not emulate)  # fmt: skip
 
 
 def fp8_kernels_unavailable(device: torch.device) -> str | None:

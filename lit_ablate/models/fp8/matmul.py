@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 ALIGNMENT = 16
-"""``torch._scaled_mm`` needs both dimensions of each weight to be multiples of this."""
+"""``torch._scaled_mm`` needs both dimensions of each weight, and every contracted dimension, to be
+multiples of this (a token count is padded: ``Fp8Options.torchao_config``)."""
 
 
 def autocast_input(x: Tensor) -> Tensor:
