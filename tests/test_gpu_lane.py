@@ -198,3 +198,30 @@ def test_render_saves_the_results_folder(tmp_path):
     folder = render.save(lane_json, tmp_path / "h100-2026-12-01")
     assert sorted(p.name for p in folder.iterdir()) == ["README.md", "lane.json", "log_tails.md"]
     assert "## moe (timeout, 12.5 s)" in (folder / "log_tails.md").read_text()
+
+
+def test_a_rerun_is_shown_beside_the_lane_never_instead_of_it(tmp_path):
+    """A step rerun by hand on the same machine (a longer limit) gets its own section: its figures
+    beside the lane's, its pytest failures with the message pytest printed. Seen failing with the
+    rerun's value written into the lane's column (the MFU row then read 0.238 twice) and with the
+    failure messages not read from a log without JUnit XML (an empty message)."""
+    log = tmp_path / "mfu.log"
+    log.write_text("noise\nRESULT dense_mfu=0.238\nRESULT dense_useful_tokens_per_s=44058.5\n")
+    tests_log = tmp_path / "tests.log"
+    tests_log.write_text(
+        "tests/test_a.py::test_x[p] FAILED [ 50%]\ntests/test_a.py::test_y PASSED [100%]\n"
+        "=================================== FAILURES ===================================\n"
+        "______ test_x[p] ______\n\n    def test_x():\n>       boom()\nE       RuntimeError: mat1 (32x6)\n")  # fmt: skip
+    reruns = [render.Rerun("mfu", 150, log), render.Rerun("gpu_tests", 150, tests_log)]
+    text = render.readme(_sample_lane(), reruns)
+    assert _row(text, "dense_mfu") == ["dense_mfu", "0.612", "0.238"]
+    assert _row(text, "dense_useful_tokens_per_s")[1:] == ["n/a", "44,058"]
+    assert _row(text, "`tests/test_a.py::test_x[p]`")[1:] == ["failed", "RuntimeError: mat1 (32x6)"]
+    assert "MFU vs the spec peak" in text and _row(text, "MFU vs the spec peak (Qwen3-0.6B, 8k packed rows, bf16, compiled)")[2] == "0.612"
+    folder = render.save(_write(tmp_path / "lane.json", _sample_lane()), tmp_path / "out", reruns)
+    assert (folder / "rerun_mfu.log").read_text() == log.read_text()
+
+
+def _write(path: Path, data: dict) -> Path:
+    path.write_text(json.dumps(data))
+    return path

@@ -239,12 +239,27 @@ def collect_pytest(lines: list[str], scratch: Path) -> dict[str, object]:
                 for name, test in tests.items():
                     if name.startswith(match.group(1)) and test["outcome"] == "skipped" and not test["message"]:
                         test["message"] = match.group(2)
+        _failure_messages(lines, tests)
     counts = {outcome: sum(t["outcome"] == outcome for t in tests.values())
               for outcome in ("passed", "failed", "error", "skipped")}  # fmt: skip
     collected = next((line for line in lines if line.startswith("collect")), "")  # "collected 114 items / ... / 21 selected"
     selected = re.search(r"(\d+) selected", collected) or re.search(r"collected (\d+) item", collected)
     selected = int(selected.group(1)) if selected else None
     return {**counts, "selected": selected, "tests": tests}
+
+
+def _failure_messages(lines: list[str], tests: dict[str, dict[str, str]]) -> None:
+    """A failed test's message from pytest's FAILURES section: the first ``E`` line under the
+    ``____ test_name[param] ____`` header (what the JUnit XML would have held)."""
+    current = None
+    for line in lines:
+        header = re.match(r"^_{3,} (\S+) _{3,}$", line)
+        if header:
+            current = next((t for name, t in tests.items() if name.endswith(f"::{header.group(1)}")
+                            and t["outcome"] in ("failed", "error") and not t["message"]), None)  # fmt: skip
+        elif current is not None and line.startswith("E "):
+            current["message"] = line[1:].strip()[:500]
+            current = None
 
 
 def collect_peak(lines: list[str], scratch: Path) -> dict[str, object]:

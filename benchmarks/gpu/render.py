@@ -2,11 +2,18 @@
 
     benchmarks/gpu/render LANE_JSON            # print the README
     benchmarks/gpu/render LANE_JSON --save     # write it, lane.json and log_tails.md into the results folder
+    benchmarks/gpu/render LANE_JSON --rerun mfu 150 mfu.log [--rerun STEP LIMIT_S LOG ...] --save
 
 One table puts each figure beside its anchor (what the seed study or a library's own claim
 measured) and its goal; then every step with its status and time, every gpu-marked test's outcome
 (each skip with its reason), the fit's memory categories from its run.json, and the log tail of
 each step that did not finish ``ok`` (all tails go to log_tails.md).
+
+``--rerun STEP LIMIT_S LOG``: the whole output of one step run again by hand on the same warm
+machine (``bash benchmarks/gpu/run --only STEP`` under a longer limit). Its figures (``RESULT``
+lines; a pytest step's outcomes) get their own section beside the lane's, labelled with the limit
+they ran under, and the log is saved into the folder as ``rerun_<STEP>.log``: the lane's own
+figures are never replaced by a rerun's.
 """
 
 from __future__ import annotations
@@ -19,7 +26,25 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import lane as lane_steps  # noqa: E402 (a script beside this one, not a package)
+
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "gpu"
+
+
+@dataclass(frozen=True)
+class Rerun:
+    """One step run again by hand on the same machine: its limit and its whole output."""
+
+    step: str
+    limit_s: int
+    log: Path
+
+    def results(self) -> dict[str, object]:
+        lines = self.log.read_text(errors="replace").splitlines()
+        if self.step == "gpu_tests":
+            return lane_steps.collect_pytest(lines, self.log.parent / "no-junit-xml-for-a-rerun")
+        return lane_steps.result_lines(lines)
 
 
 @dataclass(frozen=True)
@@ -171,6 +196,29 @@ def memory_table(lane: dict) -> str:
     return "\n".join(lines)
 
 
+def reruns_section(lane: dict, reruns: list[Rerun]) -> str:
+    """What each rerun gave: the step's headline figures beside the lane's own, and a rerun's
+    gpu-marked test outcomes in full (a lane step cut at its limit lists only what finished)."""
+    if not reruns:
+        return "No step was rerun."
+    parts = []
+    for rerun in reruns:
+        results = rerun.results()
+        entry = lane["steps"].get(rerun.step) or {}
+        lane_results = entry.get("results") or {}
+        keys = [f.key for f in FIGURES if f.step == rerun.step] or list(results)
+        lines = [f"### {rerun.step}: lane {entry.get('status', 'not run')} at {entry.get('seconds', '-')} / "
+                 f"{entry.get('timeout_s', '-')} s; rerun under {rerun.limit_s} s (`rerun_{rerun.step}.log`)", "",
+                 "| figure | lane | rerun |", "|---|---|---|"]  # fmt: skip
+        for key in keys:
+            if key in results or key in lane_results:
+                lines.append(f"| {key} | {formatted(lane_results.get(key))} | {formatted(results.get(key))} |")
+        if rerun.step == "gpu_tests":
+            lines += ["", tests_table({"steps": {"gpu_tests": {"results": results}}})]
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)
+
+
 def header(lane: dict) -> tuple[str, str]:
     env = (lane["steps"].get("env") or {}).get("results") or {}
     meta = lane["lane"]
@@ -184,7 +232,7 @@ def header(lane: dict) -> tuple[str, str]:
     return title, line
 
 
-def readme(lane: dict) -> str:
+def readme(lane: dict, reruns: list[Rerun] | None = None) -> str:
     title, line = header(lane)
     failed = [name for name, entry in lane["steps"].items() if entry["status"] != "ok"]
     tails = "\n\n".join(f"### {name} ({lane['steps'][name]['status']})\n\n```\n{lane['steps'][name].get('tail', '')}\n```"
@@ -192,8 +240,9 @@ def readme(lane: dict) -> str:
     return "\n\n".join([
         title, line, "Made by `benchmarks/gpu/render` from `lane.json` (`benchmarks/gpu/README.md` says how the lane runs).",
         "## Figures", figures_table(lane), "## Steps", steps_table(lane), "## gpu-marked tests", tests_table(lane),
-        "## Memory categories of the fit (run.json)", memory_table(lane), "## Log tails of the steps that did not finish ok",
-        tails,
+        "## Memory categories of the fit (run.json)", memory_table(lane),
+        "## Reruns on the same machine, after the lane", reruns_section(lane, reruns or []),
+        "## Log tails of the steps that did not finish ok", tails,
     ]) + "\n"  # fmt: skip
 
 
@@ -210,10 +259,12 @@ def results_folder(lane: dict) -> Path:
     return RESULTS / f"{kind}-{lane['lane']['started_at'][:10]}"
 
 
-def save(lane_json: Path, folder: Path) -> Path:
+def save(lane_json: Path, folder: Path, reruns: list[Rerun] | None = None) -> Path:
     lane = json.loads(lane_json.read_text())
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "README.md").write_text(readme(lane))
+    (folder / "README.md").write_text(readme(lane, reruns))
+    for rerun in reruns or []:
+        shutil.copyfile(rerun.log, folder / f"rerun_{rerun.step}.log")
     (folder / "log_tails.md").write_text(log_tails(lane))
     if lane_json.resolve() != (folder / "lane.json").resolve():
         shutil.copyfile(lane_json, folder / "lane.json")
@@ -225,12 +276,15 @@ def main() -> int:
     parser.add_argument("lane_json", type=Path, help="lane.json from the device ($OUT)")
     parser.add_argument("--save", action="store_true", help="write README.md, lane.json, log_tails.md to the results folder")
     parser.add_argument("--folder", type=Path, help="with --save: this folder instead of benchmarks/results/gpu/<kind>-<date>")
+    parser.add_argument("--rerun", nargs=3, action="append", default=[], metavar=("STEP", "LIMIT_S", "LOG"),
+                        help="a step rerun by hand on the same machine: its limit and its whole output")
     args = parser.parse_args()
     lane = json.loads(args.lane_json.read_text())
+    reruns = [Rerun(step, int(limit), Path(log)) for step, limit, log in args.rerun]
     if args.save:
-        print(f"wrote {save(args.lane_json, args.folder or results_folder(lane))}")
+        print(f"wrote {save(args.lane_json, args.folder or results_folder(lane), reruns)}")
     else:
-        print(readme(lane), end="")
+        print(readme(lane, reruns), end="")
     return 0
 
 
