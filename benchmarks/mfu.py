@@ -1,40 +1,49 @@
-"""MFU on CPU against the measured matmul ceiling: `lit-ablate fit` beside a hand-written loop.
+"""Tokens/s and MFU of `lit-ablate fit` beside a hand-written PyTorch loop on the same model, rows and kernels.
 
-A dense Llama-shaped model large enough to be matmul-bound on a CPU (35.7M parameters: 8 layers,
-hidden 512, 8 heads, MLP 1536, vocabulary 8192, untied head) trains on 4 x 512 tokens per step in
-fp32 with AdamW and clipping at 1.0, twice:
+Both sides are built from ONE fit config: the same module (model, attention backend, loss backend,
+compiled decoder layers, AdamW with lit-ablate's decay groups and schedule, clipping at 1.0) and
+the same data module, so they read the same rows in the same order. The hand loop is a plain
+PyTorch loop over that ``nn.Module``: it fetches an optimizer step's micro-batches, divides each
+micro-batch's token-loss sum by the step's useful tokens (the objective `lit-ablate fit` trains),
+backward, clip, AdamW, schedule; no Lightning, no callbacks. So ``lit ÷ hand`` is what the
+framework costs (its loop, hooks, step objective and measurement), measured side by side in one
+process: runs alternate (hand, lit, hand, lit, ...) and each side's best run counts (load from
+other jobs only ever adds time). The per-step loss curves of the two sides are compared too: the
+same work gives the same losses (exactly on CPU in fp32; within bf16 rounding on a GPU).
 
-- by `lit-ablate fit` (in this process, through `LitAblateCLI`): a CausalLM on the synthetic
-  corpus, `ThroughputMonitor` and `MFUMonitor`, the run record; its `mfu_measured` is the run
-  record's median after the warm-up steps;
-- by a plain transformers loop: `LlamaForCausalLM(input_ids, labels=...)`, backward, clip, AdamW,
-  on random tokens; its step time is the wall time of the whole step, median after warm-up.
+Both sides are timed the same way: a step runs from the end of the previous optimizer step to the
+end of this one (data included); medians over the steps after ``--warmup``. `lit-ablate fit`'s
+figures are its run record's (``ThroughputMonitor``, ``MFUMonitor``); the hand loop times its steps
+with CUDA events on a GPU (read after the run: no synchronisation inside a step) and with the wall
+clock on a CPU, and counts FLOPs with the same ``batch_model_flops`` (per-document causal
+attention, the LM head counted).
 
-Both count the same model FLOPs (``lit_ablate.estimate.flops_per_token``: 6 N_matmul + 12 L H d S
-per token; every position is a real token here) and divide by the same ceiling: the fp32 matmul
-ceiling measured at the start of this run, with the threads both loops use (``--threads``,
-default torch's), in a fresh cache directory so the ceiling is taken under the same machine load
-as the runs: the run record's ``mfu_measured`` divides by it. The ceiling is measured again after
-every run, and the RESULT lines divide by the best of all these ceilings (on a machine shared with
-other jobs the load changes within minutes: the best moment is the closest to the real ceiling;
-the table shows both, and each run against the better of the two ceilings measured just
-before and after it). Runs alternate (hand, lit, hand, lit, ...) and each side's best run counts:
-load from other jobs only ever adds time.
+MFU is printed two ways, labelled: ours (``mfu``: FLOPs as above over the device's spec peak;
+``mfu_measured``: over the bf16/fp32 matmul ceiling measured before each run, the best one of the
+whole benchmark) and the seed study's formula (``seed_formula_mfu``:
+``(6 (N - N_emb) + 12 L H d seq) / peak`` per token, which counts attention over the whole packed
+row as if it were one non-causal document and leaves the embedding/head out). Compare tokens/s on
+the same shape, never an MFU of one formula with one of the other.
+
+Shapes (``benchmarks/model_shapes.py``):
+
+- default ``cpu-35m``: a Llama-shaped 35.7M model (8 layers, hidden 512, vocabulary 8192, untied)
+  that is matmul-bound on a CPU; fp32, 4 rows of 512 tokens packed from synthetic documents,
+  ``sdpa_packed``, the ``torch`` loss. Under a few minutes on 2 cores.
+- ``qwen3-0.6b``: the seed study's dense model on a GPU: bf16 weights and matmuls, each decoder
+  layer compiled, the fastest packed attention that trains here (``fa_varlen``, ``torch_varlen``,
+  ``flex``, else ``sdpa_packed``) and Liger's fused linear cross-entropy where it runs.
+  ``--vocab 217473 --seq-len 10240`` is the seed's own shape (151,936 + 65,537 added tokens).
+
+Rows are packed first-fit-decreasing into a static ``--seq-len`` (one compiled shape);
+``--rows`` rows per micro-batch and ``--accumulate`` micro-batches per optimizer step (the seed
+trains 32 x 10,240 = 327,680 tokens per optimizer step). ``--profile`` adds lit-ablate's
+``KernelProfile`` callback to the lit run and prints its top kernels, graph breaks and recompiles.
 
     python benchmarks/mfu.py [--steps 8] [--warmup 3] [--repeats 1] [--threads N]
+    python benchmarks/mfu.py --shape qwen3-0.6b --vocab 217473 --seq-len 10240 --accumulate 8 --steps 8 --warmup 3
 
-``--shape qwen3-0.6b`` is the seed study's dense headline on a GPU (the GPU lane runs it): a
-Qwen3-0.6B-shaped model (random init: 28 layers, hidden 1024, vocabulary 151,936, tied embedding)
-trains by `lit-ablate fit` on rows of ``--seq-len`` tokens (8,192) packed from synthetic documents
-(FFD, one static shape so the compiled layers compile once), bf16 weights and matmuls
-(``bf16-true``), each decoder layer compiled, the fastest packed-document attention that trains
-here (``fa_varlen``, else ``flex`` with a document mask, else ``sdpa_packed``) and a
-memory-efficient loss (``liger``'s fused linear cross-entropy where it runs, else ``chunked``).
-MFU against the device's spec peak (``mfu``) and against its measured bf16 matmul ceiling
-(``mfu_measured``), from the run record (``MFUMonitor``; per-document attention FLOPs). No hand
-loop in this mode. ``--layers``/``--seq-len``/``--no-compile`` shrink it for a CPU check.
-
-    python benchmarks/mfu.py --shape qwen3-0.6b [--seq-len 8192] [--steps 25] [--warmup 8] [--attention flex] [--loss liger]
+The RESULT names start with ``--name`` (default ``cpu`` for the CPU default, else ``dense``).
 """
 
 from __future__ import annotations
@@ -47,57 +56,72 @@ import sys
 import tempfile
 import time
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
+from kernels_here import fastest_packed_attention, memory_efficient_loss
 from model_shapes import model_config
 
-MODEL = {"model_type": "llama", "vocab_size": 8192, "hidden_size": 512, "intermediate_size": 1536,
-         "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8,
-         "max_position_embeddings": 512, "tie_word_embeddings": False}  # fmt: skip
-BATCH, SEQ = 4, 512
+CPU_SHAPE = "cpu-35m"
+LOSS_TOLERANCE_FP32 = 1e-4
+"""Largest per-step loss difference between the two sides in fp32 on a CPU: the same module, data
+and order differ only in when the gradients are divided by the step's tokens (before backward in
+the hand loop, after it in lit-ablate's step objective): rounding, ~1e-6 over 8 steps."""
 
 
-def fit_config(steps: int, warmup: int, root: str) -> dict:
+@dataclass
+class Side:
+    """One run of one side: per optimizer step its seconds, tokens, useful tokens, FLOPs and loss."""
+
+    seconds: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    useful: list[int] = field(default_factory=list)
+    flops: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    document_lengths: list[int] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    def median(self, per_step: list[float], warmup: int) -> float:
+        return statistics.median(per_step[warmup:])
+
+    def useful_per_s(self, warmup: int) -> float:
+        return self.median([u / s for u, s in zip(self.useful, self.seconds)], warmup)
+
+    def flops_per_s(self, warmup: int) -> float:
+        return self.median([f / s for f, s in zip(self.flops, self.seconds)], warmup)
+
+
+def fit_config(args: argparse.Namespace, root: str) -> dict:
+    """The one config both sides are built from."""
+    model = model_config(args.shape, args.layers)
+    if args.vocab:
+        model["vocab_size"] = args.vocab
+    bf16 = args.precision == "bf16-true"
+    documents = max(400, args.steps * args.accumulate * args.rows * args.seq_len // 150)  # ~450 tokens each
+    callbacks = [{"class_path": "lit_ablate.callbacks.ThroughputMonitor"}, {"class_path": "lit_ablate.callbacks.MFUMonitor"}]
+    if args.profile:
+        callbacks.append({"class_path": "lit_ablate.callbacks.KernelProfile",
+                          "init_args": {"start_step": args.warmup + 1, "num_steps": 2}})  # fmt: skip
     return {
         "seed_everything": 0,
-        "trainer": {"accelerator": "cpu", "devices": 1, "precision": "32-true", "max_steps": steps,
-                    "gradient_clip_val": 1.0, "limit_val_batches": 0, "log_every_n_steps": 5,
-                    "enable_checkpointing": False, "default_root_dir": root,
-                    "callbacks": [{"class_path": "lit_ablate.callbacks.ThroughputMonitor"},
-                                  {"class_path": "lit_ablate.callbacks.MFUMonitor"}]},
+        "trainer": {"accelerator": "gpu" if args.device == "cuda" else "cpu", "devices": 1, "precision": args.precision,
+                    "max_steps": args.steps, "accumulate_grad_batches": args.accumulate, "gradient_clip_val": 1.0,
+                    "limit_val_batches": 0, "log_every_n_steps": 5, "enable_checkpointing": False,
+                    "enable_progress_bar": False, "logger": False, "default_root_dir": root, "callbacks": callbacks},
         "model": {"class_path": "lit_ablate.modules.CausalLM",
-                  "init_args": {"model": {"config": MODEL, "dtype": "float32", "attn_implementation": "sdpa"},
-                                "loss": "torch", "learning_rate": 3e-4, "warmup_steps": 0}},
-        "data": {"class_path": "lit_ablate.data.LMDataModule",
-                 "init_args": {"source": {"class_path": "lit_ablate.data.SyntheticText",
-                                          "init_args": {"num_documents": 2000, "seed": 0}},
-                               "format": "pretrain", "tokenizer": "byte", "seq_len": SEQ, "batch_size": BATCH,
-                               "val_examples": 0, "num_workers": 0}},
-        "recorder": {"path": str(Path(root) / "run.json"), "warmup_steps": warmup},
-    }  # fmt: skip
-
-
-def packed_fit_config(model: dict, args: argparse.Namespace, root: str) -> dict:
-    """The dense headline as a ``lit-ablate fit`` config (``--shape`` other than cpu-35m)."""
-    documents = max(200, args.steps * args.seq_len // 150)  # ~450 tokens each: rows for every step
-    return {
-        "seed_everything": 0,
-        "trainer": {"accelerator": "gpu" if args.device == "cuda" else "cpu", "devices": 1, "precision": "bf16-true",
-                    "max_steps": args.steps, "gradient_clip_val": 1.0, "limit_val_batches": 0, "log_every_n_steps": 5,
-                    "enable_checkpointing": False, "enable_progress_bar": False, "default_root_dir": root,
-                    "callbacks": [{"class_path": "lit_ablate.callbacks.ThroughputMonitor"},
-                                  {"class_path": "lit_ablate.callbacks.MFUMonitor"}]},
-        "model": {"class_path": "lit_ablate.modules.CausalLM",
-                  "init_args": {"model": {"config": model, "dtype": "bfloat16", "attn_implementation": args.attention},
-                                "loss": args.loss, "learning_rate": 3e-4, "warmup_steps": 0,
-                                "compile": not args.no_compile}},
+                  "init_args": {"model": {"config": model, "dtype": "bfloat16" if bf16 else "float32",
+                                          "attn_implementation": args.attention},
+                                "loss": args.loss, "loss_options": args.loss_options, "learning_rate": 3e-4,
+                                "warmup_steps": 0, "compile": args.compile}},
         "data": {"class_path": "lit_ablate.data.LMDataModule",
                  "init_args": {"source": {"class_path": "lit_ablate.data.SyntheticText",
                                           "init_args": {"num_documents": documents, "seed": 0, "median_sentences": 12.0,
                                                         "length_sigma": 1.0, "max_sentences": 200}},
-                               "format": "documents", "tokenizer": "byte", "seq_len": args.seq_len, "batch_size": 1,
+                               "format": "documents", "tokenizer": "byte", "seq_len": args.seq_len,
+                               "batch_size": args.rows,
                                "collator": {"class_path": "lit_ablate.data.PackingCollator",
                                             "init_args": {"strategy": "ffd", "max_tokens": args.seq_len,
                                                           "static_shape": True}},
@@ -106,163 +130,242 @@ def packed_fit_config(model: dict, args: argparse.Namespace, root: str) -> dict:
     }  # fmt: skip
 
 
-def fastest_packed_attention() -> str:
-    """The first packed-document backend that trains here: each one that cannot says why."""
-    from lit_ablate.errors import ConfigError
-    from lit_ablate.models.attention.backends import check_attention_backend
-
-    for name in ("fa_varlen", "flex"):
-        try:
-            check_attention_backend(name, training=True)
-            return name
-        except ConfigError as err:
-            print(f"note: {err}")
-    return "sdpa_packed"
-
-
-def memory_efficient_loss() -> str:
-    """Liger's fused linear cross-entropy where it runs (a CUDA device, liger-kernel), else chunked."""
-    from lit_ablate.errors import ConfigError
-    from lit_ablate.models.losses.cross_entropy import check_loss_backend
-
-    try:
-        check_loss_backend("liger")
-        return "liger"
-    except ConfigError as err:
-        print(f"note: {err}")
-        return "chunked"
-
-
-def packed_headline(args: argparse.Namespace) -> int:
-    """``--shape qwen3-0.6b``: one ``lit-ablate fit`` of the packed, compiled bf16 model."""
-    model = model_config(args.shape, args.layers)
-    args.attention = args.attention or fastest_packed_attention()
-    args.loss = args.loss or memory_efficient_loss()
-    if args.device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    with tempfile.TemporaryDirectory() as root:
-        summary = _fit(packed_fit_config(model, args, root), root)
-    median = lambda key: (summary.get(key) or {}).get("median")  # noqa: E731
-    ceilings = summary.get("mfu_ceilings") or {}
-    peak_gib = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None
-    print(f"\n{args.shape} ({model['num_hidden_layers']} layers), rows of {args.seq_len} packed tokens, bf16-true, "
-          f"attention {args.attention}, loss {args.loss}, compile {not args.no_compile}, {args.device}: "
-          f"median of steps {args.warmup + 1}-{args.steps}")
-    results = {"dense_mfu": median("mfu"), "dense_mfu_measured": median("mfu_measured"),
-               "dense_useful_tokens_per_s": median("useful_tokens_per_sec"), "dense_step_s": median("step_time_s"),
-               "dense_spec_peak_tflops": (ceilings.get("mfu") or {}).get("tflops"),
-               "dense_ceiling_tflops": (ceilings.get("mfu_measured") or {}).get("tflops"),
-               "dense_peak_allocated_gib": peak_gib, "dense_final_loss": summary.get("final_loss"),
-               "dense_attention": args.attention, "dense_loss": args.loss, "dense_compile": not args.no_compile,
-               "dense_layers": model["num_hidden_layers"], "dense_seq_len": args.seq_len}  # fmt: skip
-    if summary.get("mfu_peak"):
-        print(f"mfu's peak: {summary['mfu_peak']}")
-    for name, value in results.items():
-        print(f"RESULT {name}={'n/a' if value is None else round(value, 4) if isinstance(value, float) else value}")
-    return 0 if summary.get("status") == "ok" else 1
-
-
-def lit_ablate_run(steps: int, warmup: int) -> dict:
-    """``lit-ablate fit`` of the model; returns the run record's summary."""
-    with tempfile.TemporaryDirectory() as root:
-        return _fit(fit_config(steps, warmup, root), root)
-
-
-def _fit(config: dict, root: str) -> dict:
+def _cli(config: dict, root: str, run: bool):  # noqa: ANN202 (LitAblateCLI, imported lazily)
     from lit_ablate.fit_cli import LitAblateCLI
 
     path = Path(root) / "fit.yaml"
     path.write_text(yaml.safe_dump(config))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*args.*sys.argv.*")  # this script's own argv, not the fit's
-        LitAblateCLI(args=["fit", "--config", str(path)])
-    return json.loads((Path(root) / "run.json").read_text())["summary"]
+        return LitAblateCLI(args=["fit", "--config", str(path)] if run else ["--config", str(path)], run=run)
 
 
-def hand_loop_run(steps: int, warmup: int, flops_per_step: float, ceiling_tflops: float) -> dict:
-    """The same model in a plain transformers loop: the median step time and its MFU vs the ceiling."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def lit_ablate_run(args: argparse.Namespace) -> Side:
+    """``lit-ablate fit`` of the config in this process; its run record's per-step figures."""
+    with tempfile.TemporaryDirectory() as root:
+        _cli(fit_config(args, root), root, run=True)
+        record = json.loads((Path(root) / "run.json").read_text())
+    side = Side(summary=record["summary"])
+    ceiling = record["summary"]["mfu_ceilings"]["mfu_measured"]["tflops"]  # what its mfu_measured divides by
+    for step in record["steps"]:
+        seconds = step["step_time_s"]
+        side.seconds.append(seconds)
+        side.useful.append(round(step["useful_tokens_per_sec"] * seconds))
+        side.tokens.append(round(step["tokens_per_sec"] * seconds))
+        side.flops.append(step["mfu_measured"] * ceiling * 1e12 * seconds)
+        side.losses.append(step["loss"])
+    return side
 
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**MODEL), attn_implementation="sdpa")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
-    generator = torch.Generator().manual_seed(0)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        ids = torch.randint(0, MODEL["vocab_size"], (BATCH, SEQ), generator=generator)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+
+def hand_loop_run(args: argparse.Namespace) -> Side:
+    """The same module and data in a plain PyTorch loop (see the module docstring)."""
+    from lightning.pytorch import seed_everything
+
+    from lit_ablate.estimate.flops import batch_model_flops
+    from lit_ablate.modules.optim import build_optimizer, decay_groups, decay_names, lr_scheduler
+
+    device = torch.device(args.device)
+    with tempfile.TemporaryDirectory() as root:
+        cli = _cli(fit_config(args, root), root, run=False)  # only to build the same module and data
+    module, data = cli.model, cli.datamodule
+    seed_everything(0)
+    module.to(device)
+    module.configure_model()
+    data.setup("fit")
+    model, hp = module.model, module.hparams
+    optimizer = build_optimizer(module.optimizer_name, decay_groups(model, decay_names(model, model.lm.get_input_embeddings().weight),
+                                hp.weight_decay), hp.learning_rate, hp.betas, module.optimizer_options)  # fmt: skip
+    scheduler = lr_scheduler(optimizer, hp.lr_schedule, hp.warmup_steps, args.steps, hp.min_lr_ratio, hp.decay_fraction,
+                             hp.decay_shape)  # fmt: skip
+    clock = _Clock(device)
+    side, losses = Side(), []
+    batches = iter(data.train_dataloader())
+    model.train()
+    clock.mark()
+    for _ in range(args.steps):
+        micro = [next(batches) for _ in range(args.accumulate)]
+        useful = sum(int((b["labels"] != -100).sum()) for b in micro)  # host tensors: no device sync
+        loss = 0.0
+        for batch in micro:
+            batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            loss_sum, _ = model(batch)
+            (loss_sum / useful).backward()
+            loss = loss + loss_sum.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - start)
-    step_time = statistics.median(times[warmup:])
-    return {"step_time_s": step_time, "mfu_measured": flops_per_step / step_time / (ceiling_tflops * 1e12)}
+        clock.mark()
+        losses.append(loss / useful)
+        side.useful.append(useful)
+        side.tokens.append(sum(b["input_ids"].numel() for b in micro))
+        side.flops.append(sum(batch_model_flops(b, module.flops_per_token) for b in micro))
+        side.document_lengths += [n for b in micro for n in b["document_lengths"]]
+    side.seconds = clock.intervals()
+    side.losses = [float(x) for x in losses]
+    return side
+
+
+class _Clock:
+    """Step boundaries: CUDA events on a GPU (read once, after the run), the wall clock on a CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def intervals(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+
+def seed_formula_flops_per_token(hf_config: Any, seq_len: int) -> float:
+    """The seed study's FLOPs per token: ``6 (N - N_emb) + 12 L H d seq`` (attention over the whole
+    packed row, non-causal; the embedding, tied to the head, left out)."""
+    from lit_ablate.estimate.flops import attention_shape, count_parameters_of_config
+
+    counts = count_parameters_of_config(hf_config)
+    layers, heads, head_dim = attention_shape(hf_config)
+    return 6.0 * (counts.total - counts.embedding) + 12.0 * layers * heads * head_dim * seq_len
+
+
+def ceiling_now(args: argparse.Namespace) -> float:
+    """The matmul ceiling (TFLOP/s) in the run's compute dtype, measured now."""
+    from lit_ablate.estimate.matmul_ceiling import ceiling_here
+
+    dtype = torch.bfloat16 if args.precision == "bf16-true" else torch.float32
+    return ceiling_here(torch.device(args.device), dtype).tflops
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e4 else f"{value:.1f}"
+    return str(value)
+
+
+def report(args: argparse.Namespace, hand: list[Side], lit: list[Side], ceilings: list[float]) -> dict[str, Any]:
+    """The table and the RESULT lines; returns the results."""
+    from transformers import AutoConfig
+
+    from lit_ablate.estimate.matmul_ceiling import device_name
+    from lit_ablate.estimate.peaks import peak_tflops_of
+
+    w = args.warmup
+    config = fit_config(args, "/unused")["model"]["init_args"]["model"]["config"]
+    hf_config = AutoConfig.for_model(**config)
+    peak = peak_tflops_of(device_name(torch.device(args.device))) if args.device == "cuda" else None
+    ceiling = max(ceilings)
+    results: dict[str, Any] = {}
+    p = args.name
+    rows = []
+    for label, runs in (("hand-written PyTorch loop", hand), ("lit-ablate fit", lit)):
+        if not runs:
+            continue
+        best = max(runs, key=lambda s: s.useful_per_s(w))
+        rows.append((label, best, best.useful_per_s(w), best.flops_per_s(w)))
+    seed_flops = seed_formula_flops_per_token(hf_config, args.seq_len)
+    print(f"\n{args.shape} ({hf_config.num_hidden_layers} layers, vocabulary {hf_config.vocab_size}), {args.rows} x "
+          f"{args.seq_len} packed tokens per micro-batch, {args.accumulate} per optimizer step, {args.precision}, "
+          f"attention {args.attention}, loss {args.loss} {args.loss_options or ''}, compile {args.compile}, "
+          f"{args.device} ({device_name(torch.device(args.device))}); medians of steps {w + 1}-{args.steps}, "
+          f"best of {args.repeats} run(s) per side")
+    print(f"matmul ceilings measured before each run (TFLOP/s): {', '.join(f'{c:.4g}' for c in ceilings)}; "
+          f"spec peak {_fmt(peak)}")
+    print("\n| loop | useful tokens/s | step (s) | MFU (ours, spec peak) | MFU (ours, best measured ceiling) "
+          "| seed-formula MFU (spec peak) | runs: useful tokens/s |\n|---|---|---|---|---|---|---|")
+    for label, best, useful, flops in rows:
+        runs = hand if label.startswith("hand") else lit
+        step_s = best.median(best.seconds, w)
+        mfu = flops / (peak * 1e12) if peak else None
+        seed_mfu = useful * seed_flops / (peak * 1e12) if peak else None
+        print(f"| {label} | {useful:,.0f} | {step_s:.4f} | {_fmt(mfu)} | {_fmt(flops / (ceiling * 1e12))} | {_fmt(seed_mfu)} "
+              f"| {', '.join(f'{r.useful_per_s(w):,.0f}' for r in runs)} |")
+        key = p if label.startswith("lit") else f"{p}_hand"
+        results.update({f"{key}_useful_tokens_per_s": useful, f"{key}_step_s": step_s, f"{key}_mfu": mfu,
+                        f"{key}_mfu_measured": flops / (ceiling * 1e12), f"{key}_seed_formula_mfu": seed_mfu})  # fmt: skip
+    if hand and lit:
+        h, lt = rows[0][2], rows[1][2]
+        diff = max(abs(a - b) for a, b in zip(hand[0].losses, lit[0].losses))
+        results[f"{p}_lit_vs_hand"] = lt / h
+        results[f"{p}_loss_max_abs_diff"] = diff
+        print(f"\nlit-ablate / hand loop, useful tokens/s: {lt / h:.3f}; largest per-step loss difference {diff:.3g}")
+    if hand and hand[0].document_lengths:
+        lengths = hand[0].document_lengths
+        results[f"{p}_mean_document_tokens"] = sum(lengths) / len(lengths)
+    summary = rows[-1][1].summary
+    results.update({f"{p}_tokens_per_step": args.rows * args.seq_len * args.accumulate, f"{p}_seq_len": args.seq_len,
+                    f"{p}_vocab": hf_config.vocab_size, f"{p}_layers": hf_config.num_hidden_layers,
+                    f"{p}_attention": args.attention, f"{p}_loss": args.loss, f"{p}_compile": args.compile,
+                    f"{p}_spec_peak_tflops": peak, f"{p}_ceiling_tflops": ceiling,
+                    f"{p}_final_loss": summary.get("final_loss")})  # fmt: skip
+    if args.device == "cuda":
+        results[f"{p}_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    if summary.get("kernel_profile"):
+        results[f"{p}_profile"] = json.dumps(summary["kernel_profile"], separators=(",", ":"))
+    for name, value in results.items():
+        print(f"RESULT {name}={_fmt(value) if not isinstance(value, str) else value}")
+    return results
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--shape", default=CPU_SHAPE, help="a model shape of benchmarks/model_shapes.py or a tiny preset")
+    parser.add_argument("--layers", type=int, help="fewer decoder layers than the shape's")
+    parser.add_argument("--vocab", type=int, help="another vocabulary size than the shape's (the seed: 217473)")
+    parser.add_argument("--seq-len", type=int, help="tokens per packed row (default 512 on the CPU shape, else 8192)")
+    parser.add_argument("--rows", type=int, help="rows per micro-batch (default 4 on the CPU shape, else 1)")
+    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of the medians")
     parser.add_argument("--repeats", type=int, default=1, help="runs per side (alternating); the best counts")
+    parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if present, on shapes other than the CPU one")
+    parser.add_argument("--precision", choices=["32-true", "bf16-true"], help="default 32-true on a CPU, bf16-true on CUDA")
+    parser.add_argument("--attention", help="packed attention backend (default: the fastest that trains here)")
+    parser.add_argument("--loss", help="loss backend (default: liger where it runs, else torch)")
+    parser.add_argument("--loss-options", type=json.loads, default=None, help="the loss backend's options as JSON")
+    parser.add_argument("--no-compile", dest="compile", action="store_false", help="eager decoder layers (default: "
+                        "compiled on CUDA)")  # fmt: skip
+    parser.add_argument("--no-hand-loop", dest="hand_loop", action="store_false", help="lit-ablate's run only")
+    parser.add_argument("--profile", action="store_true", help="KernelProfile on the lit run: top kernels, graph breaks")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
-    parser.add_argument("--shape", default="cpu-35m",
-                        help="cpu-35m (the CPU comparison above) or a model shape: qwen3-0.6b (the GPU headline), "
-                             "or a tiny preset for a quick check (benchmarks/model_shapes.py)")
-    parser.add_argument("--device", choices=["cpu", "cuda"], help="--shape other than cpu-35m: default cuda if present")
-    parser.add_argument("--layers", type=int, help="--shape: fewer decoder layers than the shape's (a CPU check)")
-    parser.add_argument("--seq-len", type=int, default=8192, help="--shape: tokens per packed row (one row per step)")
-    parser.add_argument("--attention", help="--shape: packed attention backend (default: the fastest that trains here)")
-    parser.add_argument("--loss", help="--shape: loss backend (default: liger where it runs, else chunked)")
-    parser.add_argument("--no-compile", action="store_true", help="--shape: eager decoder layers")
+    parser.add_argument("--name", help="prefix of the RESULT names (default: cpu on the CPU shape, else dense)")
+    parser.set_defaults(compile=None)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    os.environ["LIT_ABLATE_CACHE_DIR"] = tempfile.mkdtemp(prefix="mfu-ceiling-")  # a ceiling of this run's load
-    if args.shape != "cpu-35m":
-        args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        return packed_headline(args)
-
-    from transformers import AutoConfig
-
-    from lit_ablate.estimate.flops import count_parameters_of_config, flops_per_token
-    from lit_ablate.estimate.matmul_ceiling import measure_matmul_ceiling, measured_ceiling
-
-    hf_config = AutoConfig.for_model(**MODEL)
-    counts = count_parameters_of_config(hf_config)
-    flops_per_step = flops_per_token(counts, hf_config, SEQ) * BATCH * SEQ
-    ceiling = measured_ceiling(torch.device("cpu"), torch.float32)
-    print(f"model: {counts.total / 1e6:.1f}M parameters ({counts.matmul / 1e6:.1f}M in matmuls), "
-          f"{flops_per_step / 1e12:.3f} TFLOP per step of {BATCH} x {SEQ} tokens; {torch.get_num_threads()} thread(s)")
-    print(f"ceiling: {ceiling.tflops * 1e3:.1f} GFLOP/s ({ceiling.describe()})")
-
-    hand, lit, ceilings = [], [], [ceiling.tflops]
+    cpu_shape = args.shape == CPU_SHAPE
+    args.device = args.device or ("cuda" if torch.cuda.is_available() and not cpu_shape else "cpu")
+    args.precision = args.precision or ("bf16-true" if args.device == "cuda" else "32-true")
+    args.seq_len = args.seq_len or (512 if cpu_shape else 8192)
+    args.rows = args.rows or (4 if cpu_shape else 1)
+    args.compile = args.device == "cuda" if args.compile is None else args.compile
+    args.attention = args.attention or fastest_packed_attention()
+    args.loss = args.loss or memory_efficient_loss()
+    args.name = args.name or ("cpu" if cpu_shape else "dense")
+    os.environ["LIT_ABLATE_CACHE_DIR"] = tempfile.mkdtemp(prefix="mfu-ceiling-")  # no ceiling of another load
+    hand, lit, ceilings = [], [], []
     for _ in range(args.repeats):
-        hand.append(hand_loop_run(args.steps, args.warmup, flops_per_step, ceiling.tflops))
-        ceilings.append(measure_matmul_ceiling(torch.device("cpu"), torch.float32)[0])
-        summary = lit_ablate_run(args.steps, args.warmup)
-        assert summary["mfu_ceilings"]["mfu_measured"]["tflops"] == ceiling.tflops, "lit-ablate used another ceiling"
-        lit.append({"step_time_s": summary["step_time_s"]["median"], "mfu_measured": summary["mfu_measured"]["median"]})
-        ceilings.append(measure_matmul_ceiling(torch.device("cpu"), torch.float32)[0])
-    best_ceiling = max(ceilings)  # the machine's best moment: what a quiet machine reaches
-    for i, (h, lt) in enumerate(zip(hand, lit)):  # each run against the better of the two ceilings around it
-        h["around"] = h["mfu_measured"] * ceiling.tflops / max(ceilings[2 * i : 2 * i + 2])
-        lt["around"] = lt["mfu_measured"] * ceiling.tflops / max(ceilings[2 * i + 1 : 2 * i + 3])
-
-    print(f"\nceilings measured before, between and after the runs (GFLOP/s): {', '.join(f'{c * 1e3:.1f}' for c in ceilings)}")
-    print("\n| loop | step time (s), best run | GFLOP/s | MFU vs the cached ceiling (run record) "
-          "| MFU vs the best ceiling | MFU vs the ceilings around it | runs (s) |\n|---|---|---|---|---|---|---|")
-    for name, runs in (("hand-written transformers", hand), ("lit-ablate fit", lit)):
-        best = min(runs, key=lambda r: r["step_time_s"])
-        print(f"| {name} | {best['step_time_s']:.3f} | {flops_per_step / best['step_time_s'] / 1e9:.0f} | "
-              f"{best['mfu_measured']:.3f} | {best['mfu_measured'] * ceiling.tflops / best_ceiling:.3f} | "
-              f"{best['around']:.3f} | "
-              f"{', '.join(format(r['step_time_s'], '.3f') for r in runs)} |")
-    print(f"RESULT cpu_mfu_measured={max(r['mfu_measured'] for r in lit) * ceiling.tflops / best_ceiling:.3f}")
-    print(f"RESULT hand_loop_mfu_measured={max(r['mfu_measured'] for r in hand) * ceiling.tflops / best_ceiling:.3f}")
-    print(f"RESULT cpu_matmul_ceiling_gflops={best_ceiling * 1e3:.1f}")
-    return 0
+        if args.hand_loop:
+            ceilings.append(ceiling_now(args))
+            hand.append(hand_loop_run(args))
+        ceilings.append(ceiling_now(args))
+        lit.append(lit_ablate_run(args))
+    results = report(args, hand, lit, ceilings)
+    if hand and args.device == "cpu" and args.precision == "32-true":
+        diff = results[f"{args.name}_loss_max_abs_diff"]
+        assert diff <= LOSS_TOLERANCE_FP32, f"the two loops did not do the same work: loss curves differ by {diff:.3g}"
+    return 0 if all(s.summary.get("status") == "ok" for s in lit) else 1
 
 
 if __name__ == "__main__":

@@ -17,18 +17,22 @@ forward+backward of a tiny model per batch, in four layouts:
 Every layout sees each example exactly once, so useful tokens (labels that count) are identical
 and the ratio of times is the ratio of useful tokens/s. The timed region is the whole data path of
 an epoch plus the model: the layout's plan (the order for grouping, the bin packing for packing),
-collating every batch, and forward+backward; the data part is also shown on its own. Layouts
-alternate repeat by repeat (side by side in one run); the median repeat is reported, by
-wall-clock and by this process's CPU time (robust to other jobs on a shared machine), with one
-torch thread by default (``--threads``: with two, idle threads spin while other jobs hold the
-cores, which adds CPU time that is not the layout's). The defaults (200 examples, median 64,
-tail to 1024: the issue's 4k scaled down 4x; 2 repeats) take about 45 s of CPU, under a minute
-on an idle 2-core machine and a few on a loaded one. On a GPU (bf16; speedups by wall time, since
-the host thread waits for the device) the GPU lane runs a Qwen3-0.6B shape at 8 of its layers,
-``--preset qwen3-0.6b --layers 8 --examples 200 --median 400 --max-len 4096 --batch-size 4 --rows 2
---packed-attention flex sdpa_packed sdpa``: each further packed backend adds an FFD row. The last
-lines are ``RESULT packing_speedup=<FFD-packed over arrival-order padding, useful tokens/s>``,
-``RESULT packing_speedup_vs_grouped=<FFD-packed over length-grouped padding>``, greedy packing's
+collating every batch, and forward+backward; the data part is also shown on its own. On a GPU,
+packed rows have one static shape (``--max-len`` tokens, ``static_shape``), so a compiled kernel
+(flex) compiles once, not once per row width; on a CPU they are as wide as their longest row
+(``--static-shape`` / ``--no-static-shape`` choose). Each layout is warmed up, measured
+``--repeats`` times (the median counts) and its row printed at once, with a ``RESULT`` line as
+soon as the row and its baseline exist: a run cut short by a time limit keeps every row it finished. Times are wall-clock and this
+process's CPU time (robust to other jobs on a shared machine), with one torch thread by default
+(``--threads``: with two, idle threads spin while other jobs hold the cores, which adds CPU time
+that is not the layout's). The defaults (200 examples, median 64, tail to 1024: the issue's 4k
+scaled down 4x; 2 repeats) take about 45 s of CPU, under a minute on an idle 2-core machine and a
+few on a loaded one. On a GPU (bf16; speedups by wall time, since the host thread waits for the
+device) the GPU lane runs a Qwen3-0.6B shape at 8 of its layers,
+``--preset qwen3-0.6b --layers 8 --examples 160 --median 400 --max-len 4096 --batch-size 4 --rows 2
+--packed-attention torch_varlen flex sdpa_packed``: each further packed backend adds an FFD row. The
+RESULT lines are ``packing_speedup=<FFD-packed over arrival-order padding, useful tokens/s>``,
+``packing_speedup_vs_grouped=<FFD-packed over length-grouped padding>``, greedy packing's
 speedup over arrival-order padding, and ``packing_speedup_<backend>`` for each further backend.
 """
 
@@ -44,12 +48,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from kernels_here import fastest_packed_attention
 from model_shapes import model_config, shape_names
 
 from lit_ablate.data import PackingCollator, PaddingCollator, example_from_tokens, pack
 from lit_ablate.data.collate import Collator
-from lit_ablate.errors import ConfigError
-from lit_ablate.models.attention.backends import check_attention_backend
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX, loss_backend
@@ -155,15 +158,19 @@ def main() -> None:
     parser.add_argument("--layers", type=int, help="decoder layers (default: the preset's)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--static-shape", action=argparse.BooleanOptionalAction, default=None,
+                        help="pad packed rows to --max-len (default: on a GPU, where compiled kernels need one shape)")
     parser.add_argument("--packed-attention", nargs="+", default=None,
                         help="packed backends; the first packs greedy and FFD rows, each further one FFD rows "
-                             "(default: fa_varlen on CUDA if installed, else flex on CUDA, else sdpa_packed)")
+                             "(default: the fastest that trains here, benchmarks/kernels_here.py; sdpa_packed on CPU)")
     args = parser.parse_args()
 
     device = torch.device(args.device)
+    static = device.type == "cuda" if args.static_shape is None else args.static_shape
     torch.set_num_threads(args.threads)
     dtype = "bfloat16" if device.type == "cuda" else "float32"
-    packed_attention, *other_attention = args.packed_attention or [_best_packed_attention(device)]
+    default_attention = fastest_packed_attention() if device.type == "cuda" else "sdpa_packed"
+    packed_attention, *other_attention = args.packed_attention or [default_attention]
     model = model_config(args.preset, args.layers)
     examples = skewed_examples(args.examples, args.median, args.sigma, args.max_len, seed=0)
     padding = _bound(PaddingCollator())
@@ -171,70 +178,55 @@ def main() -> None:
         "padding, arrival order": Layout("sdpa", lambda: arrival_order_plan(examples, args.batch_size), padding),
         "padding, length-grouped": Layout("sdpa", lambda: length_grouped_plan(examples, args.batch_size), padding),
         **{f"packing {strategy}": Layout(packed_attention, functools.partial(packed_plan, examples, args.max_len, args.rows, strategy),
-                                         _bound(PackingCollator(max_tokens=args.max_len, strategy=strategy)))
+                                         _bound(PackingCollator(max_tokens=args.max_len, strategy=strategy, static_shape=static)))
            for strategy in ("greedy", "ffd")},
         **{f"packing ffd, {attention}": Layout(attention, functools.partial(packed_plan, examples, args.max_len, args.rows, "ffd"),
-                                               _bound(PackingCollator(max_tokens=args.max_len, strategy="ffd")))
+                                               _bound(PackingCollator(max_tokens=args.max_len, strategy="ffd", static_shape=static)))
            for attention in other_attention},
     }
-    models = {name: _model(model, dtype, layout.attention, device) for name, layout in layouts.items()}
     useful = sum(int((e["labels"] != IGNORE_INDEX).sum()) for e in examples)
-    epochs: dict[str, list[Epoch]] = {name: [] for name in layouts}
-    for name, layout in layouts.items():  # warm-up: first-call costs out of the measurement
-        run_epoch(models[name], layout, device, limit=1)
-    for _ in range(args.repeats):
-        for name, layout in layouts.items():
-            epochs[name].append(run_epoch(models[name], layout, device))
-            if epochs[name][-1].useful != useful:
-                raise SystemExit(f"{name} trained on {epochs[name][-1].useful} useful tokens, not {useful}: not the same examples")
-
     lengths = [len(e["input_ids"]) for e in examples]
     clock = "wall" if device.type == "cuda" else "CPU"  # a GPU's host thread waits in synchronize: wall time
     print(f"\n{len(examples)} examples, lengths median {statistics.median(lengths):.0f} / mean {statistics.mean(lengths):.0f}"
           f" / max {max(lengths)}, {useful} useful tokens; {args.preset} ({model['num_hidden_layers']} layers) {dtype} on "
           f"{device.type}, {args.threads} torch thread(s); median of {args.repeats} repeats; every row's time includes its "
-          "plan and collation\n")
+          "plan and collation; speedup: useful tokens/s over padding in arrival order\n", flush=True)
     print("| layout | attention | batches | processed tokens | useful/processed | wall s | useful tok/s (wall) "
           f"| CPU s | of which data | useful tok/s (CPU) | speedup ({clock}) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     rates: dict[str, float] = {}
-    baseline = next(iter(layouts))
     for name, layout in layouts.items():
-        first = epochs[name][0]
-        wall = statistics.median(e.wall for e in epochs[name])
-        cpu = statistics.median(e.cpu for e in epochs[name])
-        data = statistics.median(e.data_cpu for e in epochs[name])
+        model_here = _model(model, dtype, layout.attention, device)
+        run_epoch(model_here, layout, device, limit=1)  # warm-up: first-call and compile costs out of the measurement
+        epochs = [run_epoch(model_here, layout, device) for _ in range(args.repeats)]
+        if any(e.useful != useful for e in epochs):
+            raise SystemExit(f"{name} trained on {epochs[0].useful} useful tokens, not {useful}: not the same examples")
+        del model_here
+        wall = statistics.median(e.wall for e in epochs)
+        cpu = statistics.median(e.cpu for e in epochs)
+        data = statistics.median(e.data_cpu for e in epochs)
         rates[name] = useful / (wall if clock == "wall" else cpu)
-        print(f"| {name} | {layout.attention} | {first.batches} | {first.processed} | {useful / first.processed:.1%} | "
-              f"{wall:.2f} | {useful / wall:,.0f} | {cpu:.2f} | {data:.3f} | {useful / cpu:,.0f} | "
-              f"{rates[name] / rates[baseline]:.2f}x |")
-    print(f"\nspeedup: useful tokens/s ({clock} time) over padding in arrival order. packing_speedup_vs_grouped compares")
-    print("FFD packing with length-grouped padding, the baseline transformers users get from group_by_length.\n")
-    print(f"RESULT packing_speedup={rates['packing ffd'] / rates['padding, arrival order']:.2f}")
-    print(f"RESULT packing_speedup_vs_grouped={rates['packing ffd'] / rates['padding, length-grouped']:.2f}")
-    print(f"RESULT greedy_packing_speedup={rates['packing greedy'] / rates['padding, arrival order']:.2f}")
-    print(f"RESULT packing_attention={packed_attention}")
-    print(f"RESULT packing_useful_tokens_per_s={rates['packing ffd']:.0f}")
-    for attention in other_attention:
-        print(f"RESULT packing_speedup_{attention}={rates[f'packing ffd, {attention}'] / rates['padding, arrival order']:.2f}")
+        baseline = rates[next(iter(layouts))]
+        print(f"| {name} | {layout.attention} | {epochs[0].batches} | {epochs[0].processed} | "
+              f"{useful / epochs[0].processed:.1%} | {wall:.2f} | {useful / wall:,.0f} | {cpu:.2f} | {data:.3f} | "
+              f"{useful / cpu:,.0f} | {rates[name] / baseline:.2f}x |", flush=True)
+        for result, (over, under) in RESULTS.items():
+            if name in (over, under) and over in rates and under in rates:
+                print(f"RESULT {result}={rates[over] / rates[under]:.2f}", flush=True)
+        if name.startswith("packing ffd, "):
+            print(f"RESULT packing_speedup_{layout.attention}={rates[name] / baseline:.2f}", flush=True)
+        if name == "packing ffd":
+            print(f"RESULT packing_attention={packed_attention}\nRESULT packing_useful_tokens_per_s={rates[name]:.0f}")
+    print("\npacking_speedup_vs_grouped compares FFD packing with length-grouped padding, the baseline transformers users")
+    print("get from group_by_length.")
 
 
-def _best_packed_attention(device: torch.device) -> str:
-    """The fastest packed backend that trains here (each one that cannot is named, not skipped silently)."""
-    if device.type == "cuda":
-        for name in ("fa_varlen", "flex"):
-            if _runs(name):
-                return name
-    return "sdpa_packed"
-
-
-def _runs(name: str) -> bool:
-    try:
-        check_attention_backend(name, training=True)
-    except ConfigError as err:
-        print(f"note: {err}")
-        return False
-    return True
+RESULTS = {
+    "packing_speedup": ("packing ffd", "padding, arrival order"),
+    "packing_speedup_vs_grouped": ("packing ffd", "padding, length-grouped"),
+    "greedy_packing_speedup": ("packing greedy", "padding, arrival order"),
+}
+"""RESULT name -> (layout, the layout it is divided by)."""
 
 
 def _model(config: dict, dtype: str, attn: str, device: torch.device) -> CausalLMWithLoss:

@@ -1,7 +1,8 @@
-"""The GPU lane: every step of a first GPU run, each in its own process under its own time limit.
+"""The GPU lane: every GPU check and measurement, each in its own process under its own time limit.
 
 The device gives one remote command of at most 10 minutes inside 15 minutes of GPU time (start-up
-included), so the lane has a budget of 8 minutes, installation of the wheels included: ``STEPS``
+included), so the lane has a budget of 520 s, installation of the wheels included (one call of at
+most 9 minutes on a fresh machine): ``STEPS``
 lists each step's limit, and those limits (plus the reserves for installing and finishing) add up
 to no more than ``LANE_BUDGET_S`` (``tests/test_gpu_lane.py`` checks it). A step that fails or
 runs out of time loses only itself. After every step the lane rewrites one JSON of all results
@@ -28,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import threading
 import time
@@ -37,12 +39,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-LANE_BUDGET_S = 480
-"""The issue's limit for the whole remote command on an H100: 8 of the device's 10 minutes."""
+LANE_BUDGET_S = 520
+"""The whole remote command: one device call of at most 9 minutes (540 s), 20 s left for the machine."""
 INSTALL_RESERVE_S = 20
 """``run``'s pip install of the wheels and the interpreter's start, before the first step."""
 FINISH_RESERVE_S = 10
-"""Writing the JSON and the table after the last step."""
+"""Writing the JSON, the compile-cache archive and the table after the last step."""
 MIN_STEP_S = 5
 """A step whose limit the budget cuts below this is skipped, not started."""
 DRY_RUN_TIMEOUT_S = 420
@@ -54,6 +56,11 @@ LOG_LIMIT_BYTES = 15 * 2**20
 GPU_TESTS_PLACEHOLDER = "{gpu_test_files}"
 GPU_MARK = "pytest.mark.gpu"
 """What a test file with gpu-marked tests holds (a decorator, ``pytestmark = ...`` or a parameter's ``marks=``)."""
+COMPILE_CACHE = "compile_cache.tar.gz"
+"""Inductor's and Triton's caches of a lane run, written to ``--out`` when under ``COMPILE_CACHE_LIMIT``;
+carried back as ``benchmarks/gpu/wheels/compile_cache.tar.gz``, a later run on a fresh machine of
+the same torch, triton and GPU starts with warm compiles."""
+COMPILE_CACHE_LIMIT = 15 * 2**20
 
 
 @dataclass(frozen=True)
@@ -72,20 +79,33 @@ class Step:
 
 
 PY = "{python}"
-# The limits are estimates for an H100 (never measured yet): a process's imports ~5-10 s, torch.compile
-# of a decoder layer ~20-40 s cold (mfu, fp8 three times), Triton's first compile of the Liger/CCE
-# kernels ~10 s; they add up to 450 s, with 30 s of reserves, the 480 s of LANE_BUDGET_S. The first
-# run's times (lane.json: seconds per step) are what to tune them by.
+# Limits from the first run (H200, 2026-11-27, fresh machine, cold compiles): gpu tests 106 s serially
+# (so 6 workers here), the dense MFU run ~120 s of which ~6 s were its 25 steps, loss 31 s, moe 21 s,
+# fp8 80 s cold for three variants, dpo 27 s, fit 23 s; packing compiled flex once per row width and
+# did not finish (rows have one static shape now). They add up, with the reserves, to LANE_BUDGET_S;
+# the most wanted steps come first, so an overrun costs the last ones.
 STEPS: tuple[Step, ...] = (
-    Step("env", "versions, GPU, optional kernels", (PY, "benchmarks/gpu/environment.py"), 15),
-    Step("gpu_tests", "every gpu-marked test, each skip with its reason",
-         (PY, "-m", "pytest", "-m", "gpu", "-v", "-rs", "-p", "no:cacheprovider", "--continue-on-collection-errors",
-          "--timeout", "60", "--junitxml", "{scratch}/pytest.xml", GPU_TESTS_PLACEHOLDER),
-         75, dry_argv=("--collect-only",), collect="pytest"),
-    Step("mfu", "dense MFU: Qwen3-0.6B, packed 8k rows, bf16, compile, fastest packed attention, fused loss",
-         (PY, "benchmarks/mfu.py", "--shape", "qwen3-0.6b", "--seq-len", "8192", "--steps", "25", "--warmup", "8"),
-         90, dry_argv=("--device", "cpu", "--shape", "tiny-qwen3", "--seq-len", "256", "--steps", "3", "--warmup", "1",
-                       "--no-compile")),
+    Step("env", "versions, GPU, optional kernels", (PY, "benchmarks/gpu/environment.py"), 10),
+    Step("gpu_tests", "every gpu-marked test in 6 workers, each skip with its reason, the slowest with their times",
+         (PY, "-m", "pytest", "-m", "gpu", "-n", "6", "--dist", "load", "-v", "-rs", "--durations", "15",
+          "-p", "no:cacheprovider", "--timeout", "45", "--junitxml", "{scratch}/pytest.xml", GPU_TESTS_PLACEHOLDER),
+         50, dry_argv=("-n", "0", "--collect-only"), collect="pytest"),
+    Step("mfu_seed", "the seed's dense headline: Qwen3-0.6B with 217,473 tokens, 10,240-token packed rows, 4 per "
+         "optimizer step, bf16, compiled layers, fastest packed attention, fused loss; lit-ablate beside a hand loop, "
+         "two steps profiled",
+         (PY, "benchmarks/mfu.py", "--shape", "qwen3-0.6b", "--vocab", "217473", "--seq-len", "10240", "--accumulate",
+          "4", "--steps", "8", "--warmup", "3", "--profile", "--name", "seed"),
+         150, dry_argv=("--device", "cpu", "--precision", "32-true", "--shape", "tiny-qwen3", "--vocab", "512",
+                        "--seq-len", "128", "--accumulate", "2", "--steps", "3", "--warmup", "1", "--no-compile")),
+    Step("mfu_dense", "dense MFU: Qwen3-0.6B (151,936 tokens), 8,192-token packed rows, bf16, compiled, lit-ablate only",
+         (PY, "benchmarks/mfu.py", "--shape", "qwen3-0.6b", "--seq-len", "8192", "--steps", "12", "--warmup", "4",
+          "--no-hand-loop", "--name", "dense"),
+         75, dry_argv=("--device", "cpu", "--precision", "32-true", "--shape", "tiny-qwen3", "--seq-len", "128",
+                       "--steps", "3", "--warmup", "1", "--no-compile")),
+    Step("fit", "lit-ablate fit: the quickstart on the GPU, run.json with the allocator's memory categories",
+         (PY, "-m", "lit_ablate.cli", "fit", "--config", "configs/quickstart.yaml", "--trainer.accelerator", "gpu",
+          "--trainer.default_root_dir", "{scratch}/fit", "--recorder.path", "{scratch}/fit/run.json"),
+         25, dry_argv=("--trainer.accelerator", "cpu", "--trainer.max_steps", "4"), collect="fit"),
     Step("loss", "loss backends: vocab 151936, hidden 1024, 16k tokens, bf16",
          (PY, "benchmarks/loss_memory.py", "--vocab", "151936", "--tokens", "16384", "--hidden", "1024",
           "--dtype", "bfloat16", "--repeats", "3"),
@@ -93,28 +113,21 @@ STEPS: tuple[Step, ...] = (
                        "--repeats", "1")),
     Step("moe", "MoE layer: Qwen3-30B-A3B (128 experts, top-8, hidden 2048, expert 768), bf16, fwd+bwd",
          (PY, "benchmarks/moe.py", "--shapes", "30b-a3b-layer", "--dtype", "bfloat16", "--repeats", "5"),
-         30, dry_argv=("--device", "cpu", "--shapes", "tiny", "--tokens", "128", "--dtype", "float32", "--repeats", "1")),
-    Step("fp8", "fp8: bf16 vs torchao tensorwise/rowwise, Qwen3-8B shape (4 layers), 8k tokens, compiled",
-         (PY, "benchmarks/fp8.py", "--shape", "qwen3-8b", "--layers", "4", "--seq-len", "8192", "--steps", "8",
-          "--recipes", "tensorwise", "rowwise"),
-         80, dry_argv=("--shape", "tiny-qwen3", "--layers", "1", "--seq-len", "64", "--steps", "1", "--tokens", "64",
-                       "--timing-on-cpu", "--no-compile")),
-    Step("packing", "packing vs padding, Qwen3-0.6B shape (8 layers), per packed attention backend",
-         (PY, "benchmarks/packing.py", "--preset", "qwen3-0.6b", "--layers", "8", "--examples", "160", "--median", "400",
-          "--max-len", "4096", "--batch-size", "4", "--rows", "2", "--repeats", "3",
-          "--packed-attention", "flex", "sdpa_packed", "sdpa"),
-         50, dry_argv=("--device", "cpu", "--preset", "tiny-llama", "--layers", "2", "--examples", "24", "--median", "32",
-                       "--max-len", "128", "--repeats", "1", "--packed-attention", "sdpa_packed", "sdpa")),
+         25, dry_argv=("--device", "cpu", "--shapes", "tiny", "--tokens", "128", "--dtype", "float32", "--repeats", "1")),
     Step("dpo", "DPO log-probs: torch vs chunked vs Liger at Qwen3-32B's head, 15k tokens",
          (PY, "benchmarks/dpo_memory.py", "--tokens", "15360", "--chunk-tokens", "1024"),
          30, dry_argv=("--device", "cpu", "--tokens", "96", "--vocab", "2048", "--hidden", "64", "--chunk-tokens", "32")),
-    Step("peak", "lit-ablate peak: spec peak and measured bf16 matmul ceiling",
-         (PY, "-m", "lit_ablate.cli", "peak", "--json"), 15,
-         dry_argv=("--device", "cpu", "--dtype", "float32"), collect="peak"),
-    Step("fit", "lit-ablate fit: the quickstart on the GPU, run.json with the allocator's memory categories",
-         (PY, "-m", "lit_ablate.cli", "fit", "--config", "configs/quickstart.yaml", "--trainer.accelerator", "gpu",
-          "--trainer.default_root_dir", "{scratch}/fit", "--recorder.path", "{scratch}/fit/run.json"),
-         30, dry_argv=("--trainer.accelerator", "cpu", "--trainer.max_steps", "4"), collect="fit"),
+    Step("fp8", "fp8: bf16 vs torchao tensorwise, Qwen3-8B shape (4 layers), 8k tokens, compiled",
+         (PY, "benchmarks/fp8.py", "--shape", "qwen3-8b", "--layers", "4", "--seq-len", "8192", "--steps", "6",
+          "--recipes", "tensorwise"),
+         50, dry_argv=("--shape", "tiny-qwen3", "--layers", "1", "--seq-len", "64", "--steps", "1", "--tokens", "64",
+                       "--timing-on-cpu", "--no-compile")),
+    Step("packing", "packing vs padding, Qwen3-0.6B shape (8 layers), static packed rows, per packed attention backend",
+         (PY, "benchmarks/packing.py", "--preset", "qwen3-0.6b", "--layers", "8", "--examples", "160", "--median", "400",
+          "--max-len", "4096", "--batch-size", "4", "--rows", "2", "--repeats", "3",
+          "--packed-attention", "torch_varlen", "flex", "sdpa_packed"),
+         40, dry_argv=("--device", "cpu", "--preset", "tiny-llama", "--layers", "2", "--examples", "24", "--median", "32",
+                       "--max-len", "128", "--repeats", "1", "--packed-attention", "sdpa_packed")),
 )  # fmt: skip
 
 
@@ -150,6 +163,8 @@ def step_environment(scratch: Path, dry_run: bool) -> dict[str, str]:
         "PYTHONUNBUFFERED": "1",
         "LIT_ABLATE_CACHE_DIR": str(scratch / "cache"),  # matmul ceilings measured on this machine, this run
         "LIT_ABLATE_DATA_CACHE": str(scratch / "data_cache"),
+        "TORCHINDUCTOR_CACHE_DIR": str(scratch / "compile_cache" / "inductor"),
+        "TRITON_CACHE_DIR": str(scratch / "compile_cache" / "triton"),
         "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
     })  # fmt: skip
     if dry_run:
@@ -242,10 +257,12 @@ def collect_pytest(lines: list[str], scratch: Path) -> dict[str, object]:
         _failure_messages(lines, tests)
     counts = {outcome: sum(t["outcome"] == outcome for t in tests.values())
               for outcome in ("passed", "failed", "error", "skipped")}  # fmt: skip
+    durations = [{"seconds": float(m.group(1)), "phase": m.group(2), "test": m.group(3)} for m in
+                 (re.match(r"^(\d+\.\d+)s (setup|call|teardown) +(\S+)", line) for line in lines) if m]  # fmt: skip
     collected = next((line for line in lines if line.startswith("collect")), "")  # "collected 114 items / ... / 21 selected"
     selected = re.search(r"(\d+) selected", collected) or re.search(r"collected (\d+) item", collected)
     selected = int(selected.group(1)) if selected else None
-    return {**counts, "selected": selected, "tests": tests}
+    return {**counts, "selected": selected, "tests": tests, "durations": durations}
 
 
 def _failure_messages(lines: list[str], tests: dict[str, dict[str, str]]) -> None:
@@ -260,16 +277,6 @@ def _failure_messages(lines: list[str], tests: dict[str, dict[str, str]]) -> Non
         elif current is not None and line.startswith("E "):
             current["message"] = line[1:].strip()[:500]
             current = None
-
-
-def collect_peak(lines: list[str], scratch: Path) -> dict[str, object]:
-    text = "\n".join(lines)
-    start = text.find("{\n")
-    data = json.loads(text[start : text.rindex("}") + 1])
-    measured = data["measured"]
-    return {"spec_peak_tflops": data["spec_peak_tflops"], "ceiling_tflops": round(measured["tflops"], 1),
-            "ceiling_dtype": measured["dtype"], "ceiling_shape": "x".join(map(str, measured["shape"])),
-            "device_name": measured["device_name"]}  # fmt: skip
 
 
 def collect_fit(lines: list[str], scratch: Path) -> dict[str, object]:
@@ -288,7 +295,6 @@ def collect_fit(lines: list[str], scratch: Path) -> dict[str, object]:
 COLLECTORS: dict[str, Callable[[list[str], Path], dict[str, object]]] = {
     "results": lambda lines, scratch: result_lines(lines),
     "pytest": collect_pytest,
-    "peak": collect_peak,
     "fit": collect_fit,
 }
 
@@ -311,7 +317,8 @@ def run_lane(steps: tuple[Step, ...], out: Path, dry_run: bool, started_at: floa
     scratch = Path(tempfile.mkdtemp(prefix="gpu-lane-"))
     env = step_environment(scratch, dry_run)
     record = {"lane": {"budget_s": LANE_BUDGET_S, "dry_run": dry_run, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                       "prepared": _manifest(), "gpu_test_files": gpu_test_files()},
+                       "prepared": _manifest(), "gpu_test_files": gpu_test_files(),
+                       "compile_cache": restore_compile_cache(scratch / "compile_cache")},
               "steps": {}}  # fmt: skip
     log_path, written = out / "lane.log", 0
     with log_path.open("w") as log_file:
@@ -354,10 +361,35 @@ def run_lane(steps: tuple[Step, ...], out: Path, dry_run: bool, started_at: floa
             _write(out, record)
             figures = ", ".join(f"{k}={results[k]}" for k in HEADLINES.get(step.name, ()) if k in results)
             print(f"[lane] {step.name}: {entry['status']} in {seconds:.1f} s" + (f": {figures}" if figures else ""), flush=True)
+    record["lane"]["compile_cache"]["saved"] = save_compile_cache(scratch / "compile_cache", out)
     record["lane"]["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     _write(out, record)
     shutil.rmtree(scratch, ignore_errors=True)  # what the steps left there (run.json, pytest.xml) is in the record
     return record
+
+
+def restore_compile_cache(folder: Path, archive: Path = ROOT / "benchmarks" / "gpu" / "wheels" / COMPILE_CACHE) -> dict[str, object]:
+    """Unpacks a carried ``COMPILE_CACHE`` (from an earlier lane run's ``--out``) into ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if not archive.is_file():
+        return {"restored": False}
+    with tarfile.open(archive) as tar:
+        tar.extractall(folder, filter="data")
+    return {"restored": True, "bytes": archive.stat().st_size}
+
+
+def save_compile_cache(folder: Path, out: Path, limit: int = COMPILE_CACHE_LIMIT) -> str:
+    """``folder`` as ``out/COMPILE_CACHE`` when it is small enough to come back from the device."""
+    archive = out / COMPILE_CACHE
+    with tarfile.open(archive, "w:gz") as tar:
+        for name in ("inductor", "triton"):
+            if (folder / name).is_dir():
+                tar.add(folder / name, arcname=name)
+    size = archive.stat().st_size
+    if size > limit:
+        archive.unlink()
+        return f"not saved: {size / 2**20:.1f} MiB > {limit / 2**20:.1f} MiB"
+    return f"{archive.name}, {size / 2**20:.1f} MiB"
 
 
 def _manifest() -> dict | None:
@@ -374,13 +406,13 @@ def _write(out: Path, record: dict) -> None:
 HEADLINES: dict[str, tuple[str, ...]] = {
     "env": ("gpu", "torch", "torch_cuda", "triton", "transformers", "lightning"),
     "gpu_tests": ("selected", "passed", "failed", "error", "skipped"),
-    "mfu": ("dense_mfu", "dense_mfu_measured", "dense_attention", "dense_loss"),
+    "mfu_seed": ("seed_useful_tokens_per_s", "seed_lit_vs_hand", "seed_mfu", "seed_mfu_seed_formula", "seed_attention"),
+    "mfu_dense": ("dense_useful_tokens_per_s", "dense_mfu", "dense_mfu_measured", "dense_attention", "dense_loss"),
     "loss": ("liger_memory_ratio", "cce_memory_ratio", "chunked_memory_ratio"),
     "moe": ("grouped_speedup", "grouped_speedup_vs_hf_eager"),
     "fp8": ("fp8_tensorwise_speedup", "fp8_rowwise_speedup", "fp8_kernels"),
     "packing": ("packing_speedup", "packing_speedup_vs_grouped"),
     "dpo": ("dpo_chunked_memory_ratio", "dpo_liger_memory_ratio"),
-    "peak": ("spec_peak_tflops", "ceiling_tflops"),
     "fit": ("status", "tensor_method", "peak_tensor_bytes"),
 }
 """The few figures of each step the closing table shows (all of them are in lane.json)."""
