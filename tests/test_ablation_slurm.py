@@ -318,3 +318,44 @@ def test_a_restarted_job_resumes_from_the_newest_complete_checkpoint(tmp_path: P
     assert newest_checkpoint(trainer) == sharded
     os.utime(older, (2e9, 2e9))
     assert newest_checkpoint(trainer) == older
+
+
+class _Task0:
+    """submitit's ``JobEnvironment`` of rank 0 on one node (outside a cluster)."""
+
+    global_rank, node, local_rank = 0, 0, 0
+
+
+@pytest.mark.parametrize("restart", [0, 1])
+def test_a_requeued_task_runs_its_fit_with_the_newest_checkpoint(tmp_path: Path, monkeypatch, restart: int):
+    """What a task executes when SLURM starts its job again (``SLURM_RESTART_COUNT``), without a
+    cluster: the run's fit command plus ``--ckpt_path`` of the newest checkpoint, its logs appended to,
+    the earlier attempt's record kept; a first start runs the command as planned. The real-cluster
+    test saw this only through a resumed record (and, without the checkpoint, as a TypeError on a
+    missing field). Seen failing with ``--ckpt_path`` left off the restarted command."""
+    import submitit
+
+    from lit_ablate.ablation.slurm import SUBMITIT_DIRNAME, FitTask
+
+    monkeypatch.setattr(submitit, "JobEnvironment", _Task0)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", str(restart))
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    run_dir, trainer = tmp_path / "run", tmp_path / "run" / "trainer"
+    (run_dir / SUBMITIT_DIRNAME).mkdir(parents=True)
+    checkpoint = trainer / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    checkpoint.parent.mkdir(parents=True)
+    checkpoint.write_bytes(b"x")
+    (run_dir / "run.json").write_text('{"summary": {"status": "interrupted"}}')
+    (run_dir / "stderr.log").write_text("first attempt\n")
+    argv_file = tmp_path / "argv.json"
+    fit = [sys.executable, "-c", f"import json, sys; json.dump(sys.argv[1:], open({str(argv_file)!r}, 'w'))", "fit", "--config", "c.yaml"]
+    assert FitTask(tuple(fit), {}, str(run_dir), str(trainer))() == 0
+    argv = json.loads(argv_file.read_text())
+    log = (run_dir / "stderr.log").read_text()
+    if restart:
+        assert argv == ["fit", "--config", "c.yaml", "--ckpt_path", str(checkpoint)], "the restarted fit does not resume"
+        assert log.startswith("first attempt\n") and f"restart 1 of job 4242: resuming from {checkpoint}" in log
+        assert json.loads((run_dir / "attempts" / "run.0.json").read_text())["summary"]["status"] == "interrupted"
+    else:
+        assert argv == ["fit", "--config", "c.yaml"]
+        assert log == "" and not (run_dir / "attempts").exists()

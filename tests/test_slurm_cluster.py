@@ -185,7 +185,9 @@ def test_a_requeued_job_resumes_from_its_checkpoint_with_the_whole_loss_curve(
 
     record = record_of(out, "ddp_1x2")
     assert record["summary"]["status"] == "ok", record["summary"]
-    assert record["job"]["restarts"] == 1 and record["job"]["id"] == requeued[0]
+    assert record.get("job"), "the record names no SLURM job: the run did not go through the cluster"
+    assert record["job"]["restarts"] == 1 and record["job"]["id"] == requeued[0], record["job"]
+    assert record.get("resumed_from"), "the requeued job started again from step 0: its fit got no --ckpt_path"
     assert record["resumed_from"]["step_offset"] == PAUSED_AT - 1, record["resumed_from"]
     reference = record_of(multi_node_study["cluster"], "ddp_1x2")
     difference = largest_difference(losses(record), losses(reference))
