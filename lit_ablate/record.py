@@ -9,9 +9,11 @@ imports the other: both depend only on this module. A record is one JSON file pe
       "config": {...},                          # the resolved LightningCLI config
       "environment": {"python": ..., "torch": ..., "lightning": ..., "transformers": ...,
                       "device_name": ..., "device_count": ..., "world_size": ..., "git_commit": ...,
-                      "triton_kernels": "compiled" | "interpreted" | null},  # interpreted: CPU opt-in
+                      "triton_kernels": "compiled" | "interpreted" | null,  # interpreted: CPU opt-in
                                                 # (LIT_ABLATE_TRITON_INTERPRET=1); null: no triton
                       "fp8": "real" | "emulated" | null,  # which fp8 matmuls ran (lit_ablate.models.fp8.conversion)
+                      "optimizer_implementation": "fused" | "foreach" | "for-loop" | null},  # torch's kernels
+                                                # for the update (lit_ablate.modules.optim); null: another library's
       "warmup_steps": 3,                        # steps excluded from the summary
       "resumed_from": null | {"checkpoint": "path", "step_offset": 3},  # a resumed fit: its steps are offset + 1, ...
       "steps_before_resume": null | [{"step": 1, "loss": ...}, ...],  # the losses the checkpoint carried (all ranks')

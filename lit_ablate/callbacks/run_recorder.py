@@ -51,6 +51,7 @@ def environment(trainer: Trainer) -> dict[str, Any]:
         "strategy": type(trainer.strategy).__name__, "precision": str(trainer.precision),
         "triton_kernels": triton_interpreter.kernel_mode(),
         "fp8": getattr(trainer.lightning_module, "fp8_kernels", None),  # real / emulated fp8 matmuls, or null
+        "optimizer_implementation": getattr(trainer.lightning_module, "optimizer_implementation", None),
     }
 
 

@@ -27,6 +27,7 @@ from lit_ablate.modules.optim import (
     check_optimizer,
     decay_groups,
     decay_names,
+    implementation_of,
     lr_scheduler,
 )
 from lit_ablate.modules.step_objective import StepObjective
@@ -51,7 +52,9 @@ class CausalLM(LightningModule):
         optimizer: ``adamw`` (torch), ``bnb_adamw8bit``, ``bnb_paged_adamw8bit``, ``bnb_paged_adamw``
             (bitsandbytes) or ``torchao_adamw8bit`` (``lit_ablate.modules.optim``); one that cannot
             run under the run's strategy is refused before the model is built.
-        optimizer_options: the optimizer class's own extra arguments (e.g. ``{min_8bit_size: 0}``).
+        optimizer_options: the optimizer class's own extra arguments (e.g. ``{min_8bit_size: 0}``);
+            for ``adamw``, ``fused``/``foreach`` choose its implementation (default: fused on CUDA
+            where the parameters allow it, ``lit_ablate.modules.optim.adamw_implementation``).
         learning_rate: peak learning rate, reached after ``warmup_steps``.
         weight_decay: decoupled decay on matrices only (not norms, biases, embeddings).
         betas: AdamW betas.
@@ -114,6 +117,10 @@ class CausalLM(LightningModule):
         self.fp8_kernels: str | None = None
         """``real`` or ``emulated`` once an fp8 model is built (in the run record's environment), else None."""
         self._fp8_emulated_because: str | None = None
+        self._optimizer_fallback: str | None = None
+        self.optimizer_implementation: str | None = None
+        """The update's kernels once the optimizer is built (``fused``/``foreach``/``for-loop``; None:
+        another library's optimizer), in the run record's environment."""
 
     @classmethod
     def from_hparams(cls, hparams: dict[str, Any], inference: bool = False) -> CausalLM:
@@ -181,7 +188,8 @@ class CausalLM(LightningModule):
     def fallbacks(self) -> list[str]:
         """Every slower path a model part took instead of the one asked for (in the run record)."""
         emulation = [f"fp8 emulated in fp32 matmuls: {self._fp8_emulated_because}"] if self._fp8_emulated_because else []
-        return (experts_fallbacks(self.model) if self.model is not None else []) + emulation
+        optimizer = [self._optimizer_fallback] if self._optimizer_fallback else []
+        return (experts_fallbacks(self.model) if self.model is not None else []) + emulation + optimizer
 
     @property
     def computes_in_fp8(self) -> bool:
@@ -238,7 +246,9 @@ class CausalLM(LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
         groups = decay_groups(self.model, self._decay_names, hp.weight_decay)
-        optimizer = build_optimizer(self.optimizer_name, groups, hp.learning_rate, hp.betas, self.optimizer_options)
+        optimizer, self._optimizer_fallback = build_optimizer(self.optimizer_name, groups, hp.learning_rate,
+                                                              hp.betas, self.optimizer_options)
+        self.optimizer_implementation = implementation_of(optimizer)
         total = self.trainer.estimated_stepping_batches
         scheduler = lr_scheduler(optimizer, hp.lr_schedule, hp.warmup_steps, int(total), hp.min_lr_ratio,
                                  hp.decay_fraction, hp.decay_shape)

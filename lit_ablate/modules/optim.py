@@ -7,18 +7,26 @@ instead of 8 in fp32); both libraries keep tensors under 4096 elements in fp32 (
 ``min_8bit_size``, torchao's fixed threshold), so small adapters barely shrink. Whether an
 optimizer can update the parameters a strategy hands it is decided before the model is built
 (``optimizer_refusal``) and by the study runner's compatibility rule, not discovered at step 1.
+
+torch's AdamW has three implementations of one update: a Python loop over parameters, ``foreach``
+(one kernel launch per operation over a list of tensors) and ``fused`` (one kernel for the whole
+update). ``adamw_implementation`` picks fused on CUDA, where it saves most launches per step, unless
+the parameters rule it out or ``optimizer_options`` choose; the run record names the one that ran.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lit_ablate.errors import ConfigError
 
@@ -69,18 +77,101 @@ def check_optimizer(name: str, strategy: Strategy | type | None = None, device_t
 
 
 def build_optimizer(name: str, groups: list[dict], lr: float, betas: tuple[float, float],
-                    options: dict[str, Any] | None = None) -> torch.optim.Optimizer:  # fmt: skip
-    """Optimizer ``name`` over parameter ``groups`` (their ``weight_decay`` wins over the default).
+                    options: dict[str, Any] | None = None) -> tuple[torch.optim.Optimizer, str | None]:  # fmt: skip
+    """Optimizer ``name`` over parameter ``groups`` (their ``weight_decay`` wins over the default),
+    and the fallback it took, if any (``adamw_implementation``: warned once, for the run record).
 
     ``options`` are the class's own extra arguments (e.g. bitsandbytes' ``min_8bit_size``,
-    torchao's ``block_size``); an unknown one is refused naming ``model.init_args.optimizer_options``.
+    torchao's ``block_size``, AdamW's ``fused``/``foreach``); an unknown one is refused naming
+    ``model.init_args.optimizer_options``.
     """
     module, _, cls_name = OPTIMIZERS[name].rpartition(".")
     cls = getattr(importlib.import_module(module), cls_name)
+    options, fallback = dict(options or {}), None
+    if name == "adamw":
+        kinds = {parameter_kind(p) for group in groups for p in group["params"]}
+        implementation, fallback = adamw_implementation(kinds, options)
+        options = {"fused": implementation == "fused", "foreach": implementation == "foreach", **options}
+        if fallback:
+            rank_zero_warn(fallback)
     try:
-        return cls(groups, lr=lr, betas=betas, **(options or {}))
+        return cls(groups, lr=lr, betas=betas, **options), fallback
     except TypeError as err:
         raise ConfigError("model.init_args.optimizer_options", options, f"{OPTIMIZERS[name]} refused them: {err}") from err
+
+
+AdamWImplementation = Literal["fused", "foreach", "for-loop"]
+
+
+@dataclass(frozen=True)
+class ParameterKind:
+    """What decides which AdamW kernels can update a parameter."""
+
+    tensor: str
+    """``tensor`` (a plain tensor or Parameter), ``dtensor`` (a DTensor over a plain tensor: FSDP2, TP),
+    or the class name of another tensor subclass (e.g. a float8 weight wrapper)."""
+    device: str
+    """The device type (``cuda``, ``cpu``)."""
+    floating: bool
+
+
+def parameter_kind(param: torch.Tensor) -> ParameterKind:
+    """``param``'s ``ParameterKind``."""
+    plain = (torch.Tensor, nn.Parameter)
+    if isinstance(param, DTensor):
+        tensor = "dtensor" if type(param.to_local()) in plain else type(param.to_local()).__name__
+    else:
+        tensor = "tensor" if type(param) in plain else type(param).__name__
+    return ParameterKind(tensor, param.device.type, param.is_floating_point())
+
+
+def adamw_implementation(kinds: Collection[ParameterKind],
+                         options: Mapping[str, Any]) -> tuple[AdamWImplementation, str | None]:  # fmt: skip
+    """The AdamW implementation to run over parameters of these ``kinds``, and, when it is not the
+    fused one on CUDA, why (a fallback), or None.
+
+    - ``fused: true`` / ``foreach: true`` in ``options`` are the user's choice and win (torch checks
+      them); ``fused: false`` / ``foreach: false`` rule that one out and the best other one runs;
+      ``differentiable: true`` takes the for-loop (torch has neither kernel for it).
+    - On CUDA, fused when every parameter is a floating plain tensor, or every one a DTensor over
+      one (torch's DTensor shards the fused op like any pointwise op); else foreach under the same
+      condition without the dtype; else the for-loop. A mix of DTensors and plain tensors (a
+      parameter a sharding strategy left whole) takes the for-loop: one op over a list holding
+      both fails ("mixed torch.Tensor and DTensor"), and torch's own default would pick foreach.
+    - Elsewhere (CPU) the for-loop, torch's default there, so CPU numerics do not change.
+    """
+    if options.get("fused"):
+        return "fused", None
+    if options.get("foreach"):
+        return "foreach", None
+    if options.get("differentiable") or not kinds or any(k.device != "cuda" for k in kinds):
+        return "for-loop", None
+    tensors = {k.tensor for k in kinds}
+    one_kind = tensors in ({"tensor"}, {"dtensor"})
+    fused_ok, foreach_ok = one_kind and all(k.floating for k in kinds), one_kind
+    if fused_ok and options.get("fused") is None:
+        return "fused", None
+    implementation: AdamWImplementation = "foreach" if foreach_ok and options.get("foreach") is None else "for-loop"
+    if options.get("fused") is False:
+        return implementation, None  # the user's choice, not a fallback
+    why = ("its parameters mix DTensors and plain tensors" if tensors == {"tensor", "dtensor"}
+           else f"its parameters include {sorted(tensors - {'tensor', 'dtensor'})}" if not one_kind
+           else "some parameters are not floating point")  # fmt: skip
+    return implementation, f"AdamW: the {implementation} implementation instead of fused on CUDA: {why}"
+
+
+def implementation_of(optimizer: torch.optim.Optimizer) -> str | None:
+    """Which kernels a torch optimizer's update runs (``fused``, ``foreach``, ``for-loop``), read from
+    its settings (``ZeroRedundancyOptimizer`` keeps its inner class's); ``torch default`` when it left
+    the choice to torch at each step; None for another library's optimizer (its own kernels)."""
+    if not type(optimizer).__module__.startswith("torch."):
+        return None
+    fused, foreach = optimizer.defaults.get("fused"), optimizer.defaults.get("foreach")
+    if fused:
+        return "fused"
+    if foreach:
+        return "foreach"
+    return "for-loop" if fused is False or foreach is False else "torch default"
 
 
 def decay_names(model: nn.Module, embedding: nn.Parameter) -> set[str]:
