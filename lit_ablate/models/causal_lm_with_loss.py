@@ -20,7 +20,7 @@ from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX, LossBackend
 # Batch keys the decoder consumes; everything else in a batch is bookkeeping (labels, counts).
 MODEL_INPUT_KEYS = ("input_ids", "attention_mask", "position_ids")
 # Attention backends that take a packed batch's segments (``cu_seq_lens_*``/``max_length_*``).
-SEGMENT_BACKENDS = ("fa_varlen",)
+SEGMENT_BACKENDS = ("fa_varlen", "torch_varlen")
 
 
 class CausalLMWithLoss(nn.Module):

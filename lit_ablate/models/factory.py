@@ -19,7 +19,7 @@ from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-import lit_ablate.models.attention.backends  # noqa: F401  (registers sdpa_packed, flex, fa_varlen with transformers)
+import lit_ablate.models.attention.backends  # noqa: F401  (registers our attention backends with transformers)
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.adapters.lora import OPTIONS_KEY as ADAPTER_KEY
 from lit_ablate.models.adapters.lora import AdapterOptions, apply_adapters
@@ -51,7 +51,8 @@ class ModelFactory:
             excludes ``preset``/``config``.
         dtype: parameter dtype: ``float32``, ``bfloat16`` or ``float16``.
         attn_implementation: the transformers attention backend name (``sdpa``, ``eager``, or one
-            registered by ``lit_ablate.models.attention.backends``: ``sdpa_packed``, ``flex``, ``fa_varlen``).
+            registered by ``lit_ablate.models.attention.backends``: ``sdpa_packed``, ``flex``, ``fa_varlen``,
+            ``torch_varlen``).
         moe: for MoE models, the experts implementation and router losses (``MoEOptions``);
             null leaves transformers' own MoE blocks untouched.
         adapter: train low-rank adapters (peft LoRA/DoRA/rsLoRA, ``AdapterOptions``) on the frozen

@@ -17,6 +17,8 @@ model code is unchanged. Importing this module registers the names:
 - ``fa_varlen``: flash-attn's ``flash_attn_varlen_func`` over the flattened tokens, segments
   from the batch's ``cu_seq_lens_q``/``max_length_q`` when given, else from ``position_ids``
   (or from the padding mask). Needs CUDA and the flash-attn package.
+- ``torch_varlen``: the same flattening and segments through torch's own flash kernels
+  (``torch.nn.attention.varlen.varlen_attn``, torch 2.10+): no package beyond torch. Needs CUDA.
 
 (Not ``flash_varlen``: transformers treats any implementation name containing "flash" as its
 own FlashAttention and tries to load a kernel by that name.) transformers' own
@@ -29,6 +31,7 @@ at start-up, never a silent fallback to another kernel.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -121,18 +124,29 @@ def flex_document_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def fa_varlen_attention(
-    module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+SegmentKernel = Callable[[Tensor, Tensor, Tensor, Tensor, int, float | None, float], Tensor]
+"""``(q, k, v, cu_seqlens, max_seqlen, scaling, dropout) -> out``: causal attention within each
+segment of the flattened tokens (``[T, H, D]``; ``k``/``v`` may have fewer heads than ``q``)."""
+
+HALF_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def varlen_attention(
+    kernel: SegmentKernel, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
     dropout: float = 0.0, scaling: float | None = None, position_ids: Tensor | None = None,
     sliding_window: int | None = None, cu_seq_lens_q: Tensor | None = None, max_length_q: int | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
-    """flash-attn varlen over the batch's tokens flattened to ``[B*T, H, D]``: one segment per
+    """A varlen ``kernel`` over the batch's tokens flattened to ``[B*T, H, D]``: one segment per
     document of a packed batch, or per row of a padded one (padding dropped before the kernel)."""
     _no_sliding_window(sliding_window)
     batch, heads, q_len, head_dim = query.shape
     if key.shape[2] != q_len:
-        raise ValueError("fa_varlen is a training backend: no KV cache (generate with sdpa)")
+        raise ValueError("varlen attention backends are for training: no KV cache (generate with sdpa)")
+    if query.is_cuda and query.dtype not in HALF_PRECISION:
+        raise ConfigError("model.init_args.model.dtype", str(query.dtype).removeprefix("torch."),
+                          "varlen flash attention (fa_varlen, torch_varlen) computes in bfloat16 or float16 only: set "
+                          "dtype: bfloat16 or trainer.precision: bf16-mixed, or use flex or sdpa_packed")  # fmt: skip
     q, k, v = (t.transpose(1, 2).reshape(batch * q_len, t.shape[1], head_dim) for t in (query, key, value))
     keep = None
     if attention_mask is not None and not bool(attention_mask.all()):
@@ -144,12 +158,54 @@ def fa_varlen_attention(
         cu_seqlens, max_seqlen = cu_seq_lens_q.int(), int(max_length_q)
     else:
         cu_seqlens, max_seqlen = cu_seqlens_from_position_ids(_row_positions(position_ids, batch, q_len, query.device))
-    out = varlen_kernel()(
-        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p=dropout, softmax_scale=scaling, causal=True
-    )
+    out = kernel(q, k, v, cu_seqlens, max_seqlen, scaling, dropout)
     if keep is not None:
         out = out.new_zeros(batch * q_len, heads, head_dim).index_copy_(0, keep, out)
     return out.reshape(batch, q_len, heads, head_dim), None
+
+
+def fa_varlen_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                        attention_mask: Tensor | None, **kwargs: Any) -> tuple[Tensor, None]:
+    """``varlen_attention`` through flash-attn's ``flash_attn_varlen_func``."""
+    return varlen_attention(flash_attn_segments, query, key, value, attention_mask, **kwargs)
+
+
+def torch_varlen_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                           attention_mask: Tensor | None, **kwargs: Any) -> tuple[Tensor, None]:
+    """``varlen_attention`` through torch's own ``torch.nn.attention.varlen.varlen_attn``."""
+    return varlen_attention(torch_varlen_segments, query, key, value, attention_mask, **kwargs)
+
+
+def flash_attn_segments(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+                        scaling: float | None, dropout: float) -> Tensor:
+    """A ``SegmentKernel`` from flash-attn (which takes fewer K/V heads as they are)."""
+    return varlen_kernel()(
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p=dropout, softmax_scale=scaling, causal=True
+    )
+
+
+def torch_varlen_segments(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+                          scaling: float | None, dropout: float) -> Tensor:
+    """A ``SegmentKernel`` from torch's varlen attention, whichever signature this torch has (read
+    at call time): causal as ``window_size=(-1, 0)`` (torch 2.13) or ``is_causal=True`` (2.10);
+    fewer K/V heads through ``enable_gqa`` where it exists, else repeated here as transformers'
+    ``repeat_kv`` does (query head ``h`` reads K/V head ``h // groups``); without a ``scale``
+    argument the queries carry a non-default scaling themselves. It has no dropout."""
+    if dropout:
+        raise ConfigError("model attention_dropout", dropout, "torch's varlen attention has no dropout; set attention_dropout: 0")
+    kernel = torch_varlen_kernel()
+    accepts = inspect.signature(kernel).parameters
+    options: dict[str, Any] = {"window_size": (-1, 0)} if "window_size" in accepts else {"is_causal": True}
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1 and "enable_gqa" in accepts:
+        options["enable_gqa"] = True
+    elif groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    if "scale" in accepts:
+        options["scale"] = scaling
+    elif scaling is not None and scaling != q.shape[-1] ** -0.5:
+        q = q * (scaling * q.shape[-1] ** 0.5)
+    return kernel(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **options)
 
 
 def cu_seqlens_from_position_ids(position_ids: Tensor) -> tuple[Tensor, int]:
@@ -166,6 +222,13 @@ def varlen_kernel() -> Callable[..., Tensor]:
     from flash_attn import flash_attn_varlen_func
 
     return flash_attn_varlen_func
+
+
+def torch_varlen_kernel() -> Callable[..., Tensor]:
+    """torch's varlen flash attention (imported lazily: ``torch.nn.attention.varlen`` is torch 2.10+)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn
 
 
 def _row_positions(position_ids: Tensor | None, batch: int, length: int, device: torch.device) -> Tensor:
@@ -188,6 +251,7 @@ BACKENDS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
     "sdpa_packed": (sdpa_packed_attention, _passthrough_padding_mask),
     "flex": (flex_document_attention, flex_block_mask),
     "fa_varlen": (fa_varlen_attention, _passthrough_padding_mask),
+    "torch_varlen": (torch_varlen_attention, _passthrough_padding_mask),
     "ring": (ring_attention_backend, _passthrough_padding_mask),
     "allgather": (allgather_attention_backend, _passthrough_padding_mask),
 }
@@ -213,9 +277,24 @@ def check_attention_backend(name: str, training: bool) -> None:
             ATTENTION_KEY, name, "flash-attn varlen needs CUDA and the flash-attn package (pip install 'lit-ablate[gpu]'); "
             "on CPU use sdpa_packed",
         )
+    if name == "torch_varlen":
+        problem = torch_varlen_unavailable()
+        if problem:
+            raise ConfigError(ATTENTION_KEY, name, f"{problem}; on CPU use sdpa_packed")
     package = TRANSFORMERS_FLASH_BACKENDS.get(name)
     if package and not (torch.cuda.is_available() and importlib.util.find_spec(package)):
         raise ConfigError(ATTENTION_KEY, name, f"transformers' {name} needs CUDA and the {package} package; "
                           "on CPU use sdpa_packed")
     if name == "flex" and training and not torch.cuda.is_available():
         raise ConfigError(ATTENTION_KEY, name, "flex attention trains only on CUDA (CPU has its forward only); use sdpa_packed")
+
+
+def torch_varlen_unavailable() -> str | None:
+    """Why torch's varlen attention cannot train here, or None when it can."""
+    if importlib.util.find_spec("torch.nn.attention.varlen") is None:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen (torch 2.10+); use flex on CUDA"
+    if not torch.cuda.is_available():
+        return "torch's varlen attention runs flash kernels on CUDA only"
+    if torch.cuda.get_device_capability() < (8, 0):
+        return f"torch's varlen flash kernels need compute capability 8.0+ ({torch.cuda.get_device_name()} is below)"
+    return None
