@@ -109,17 +109,21 @@ def _union_name(message: str) -> str | None:
 
 
 def _unknown_key_fix(name: str, class_path: str | None) -> str:
-    """What to do about an unknown key: the closest parameter of its class, or where keys are listed."""
+    """What to do about an unknown key: the closest parameter of its class, or where keys are listed.
+
+    The parameters are read as the parser reads them (jsonargparse's resolver): a class's ``**kwargs``
+    handed on to its base class (``DPO``'s optimizer options, ``CausalLM``'s) count as its own."""
     import difflib
-    import inspect
+
+    from jsonargparse._parameter_resolvers import get_signature_parameters
 
     known: list[str] = []
     class_path = class_path or ("lightning.pytorch.Trainer" if name.startswith("trainer.") else None)
     if class_path:
         module, _, attribute = class_path.rpartition(".")
         with contextlib.suppress(ImportError, AttributeError, ValueError, TypeError):  # only a hint: the key is unknown anyway
-            known = [p for p in inspect.signature(getattr(importlib.import_module(module), attribute)).parameters
-                     if p not in ("self", "args", "kwargs")]
+            known = [p.name for p in get_signature_parameters(getattr(importlib.import_module(module), attribute))
+                     if p.name not in ("self", "args", "kwargs")]
     close = difflib.get_close_matches(name.split(".")[-1], known, n=1)
     where = f"not a parameter of {class_path}" if class_path else "unknown key"
     if close:

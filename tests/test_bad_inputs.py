@@ -140,6 +140,10 @@ ROWS: dict[str, tuple[Build, tuple[str, ...]]] = {
     "precision_outside_its_choices": (_fit("--trainer.precision", "17"),
                                       ("trainer.precision='17'", "'bf16-mixed'", "'32-true'", "16", "or null")),
     "unknown_trainer_key": (_fit("--trainer.max_stepz", "3"), ("trainer.max_stepz", "did you mean max_steps")),
+    # DPO hands its optimizer options on to CausalLM as **kwargs: the hint reads them as the parser does
+    # (seen failing with inspect.signature: "its parameters are [..., 'optimization']", no warmup_steps)
+    "unknown_dpo_optimizer_key": (_args("fit", "--config", DPO_TINY, "--model.init_args.warmup_step", "3"),
+                                  ("model.init_args.warmup_step", "did you mean warmup_steps")),
     "unknown_class_path": (_fit("--data.init_args.source", "lit_ablate.data.NoSuchSource"),
                            ("data.init_args.source", "cannot import 'lit_ablate.data.NoSuchSource'")),
     "missing_fit_config": (_args("fit", "--config", "{tmp}/missing.yaml"), ("--config", "missing.yaml")),
