@@ -215,11 +215,11 @@ def test_a_ceiling_below_what_the_run_reached_is_reported_once():
     monitor.log_to_logger = False
     monitor.totals = StepTotals(flops=1e12, seconds=1.0)
     with pytest.warns(UserWarning, match=r"mfu_measured=2.00 > 1: the ceiling \(ceiling_tflops \(user\)\)") as warned:
-        monitor.measure(None, None, 1)
-        monitor.measure(None, None, 2)
+        monitor.measure_timed(None, None, 1)
+        monitor.measure_timed(None, None, 2)
     assert len([w for w in warned if "mfu_measured" in str(w.message)]) == 1
     monitor.totals = StepTotals(flops=1e11, seconds=1.0)
-    monitor.measure(None, None, 3)
+    monitor.measure_timed(None, None, 3)
     assert monitor.series["mfu_measured"] == {1: 2.0, 2: 2.0, 3: pytest.approx(0.2)}
 
 

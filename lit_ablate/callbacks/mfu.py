@@ -138,7 +138,7 @@ class MFUMonitor(StepMonitor):
                                  "measured_at": self.ceiling_measured_at, "sweep_seconds": self.ceiling_sweep_seconds,
                                  "conditions": self.ceiling_conditions}}
 
-    def measure(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
+    def measure_timed(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
         t = self.totals
         flops_per_second = t.flops * self._flops_share / t.seconds
         self.record("mfu", step, flops_per_second / (self.peak_tflops * 1e12) if self.peak_tflops else None)

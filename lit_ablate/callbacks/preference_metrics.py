@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from lightning.pytorch import LightningModule, Trainer
 
-from lit_ablate.callbacks.step_monitor import StepMonitor
+from lit_ablate.callbacks.step_monitor import HostValue, StepMonitor, step_clock
 from lit_ablate.record import PREFERENCE_STATS
 
 MEANS = {
@@ -31,6 +32,7 @@ class PreferenceMonitor(StepMonitor):
     def __init__(self, warmup_steps: int | None = None, log_to_logger: bool = True) -> None:
         super().__init__(warmup_steps=warmup_steps, log_to_logger=log_to_logger)
         self._sums: Any = 0.0
+        self._copies: dict[int, HostValue] = {}  # step -> its sums, read in measure_timed
 
     def start_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._sums = 0.0
@@ -42,9 +44,13 @@ class PreferenceMonitor(StepMonitor):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     def measure(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
-        if not hasattr(self._sums, "tolist"):
-            return  # the module reported no preference statistics (not a DPO module)
-        sums = dict(zip(PREFERENCE_STATS, self._sums.tolist()))
+        if isinstance(self._sums, torch.Tensor):  # else the module reported none (not a DPO module)
+            self._copies[step] = step_clock(trainer).read_later(self._sums)
+
+    def measure_timed(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
+        if step not in self._copies:
+            return
+        sums = dict(zip(PREFERENCE_STATS, self._copies.pop(step).get().tolist()))
         for name, value in sums.items():
             self.series.setdefault(f"_{name}", {})[step] = value
         self._record_means(step, sums)

@@ -44,7 +44,7 @@ class ProgressFile(StepMonitor):
         super().on_train_start(trainer, pl_module)
         self._started, self._written, self._seconds = time.monotonic(), 0.0, []
 
-    def measure(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
+    def measure_timed(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
         if trainer.global_rank != 0:
             return
         self._seconds.append(self.totals.seconds)

@@ -55,6 +55,10 @@ def environment(trainer: Trainer) -> dict[str, Any]:
     }
 
 
+_DEVICE_ERRORS = tuple(e for e in (getattr(torch, "AcceleratorError", None),) if e is not None)
+"""A failed device (torch >= 2.8 raises CUDA errors as ``AcceleratorError``) answers no more events:
+the steps whose time was still on it are left out of the record of such a failure."""
+
 LOSS_CHECKPOINT_KEY = "lit_ablate_loss_by_step"
 """Where a checkpoint carries the loss of every step before it (``RunRecorder.on_save_checkpoint``)."""
 
@@ -103,9 +107,11 @@ class RunRecorder(StepMonitor):
 
     # --- measurement ---------------------------------------------------------------------------
     def measure(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
+        self.series.setdefault("lr", {})[step] = trainer.optimizers[0].param_groups[0]["lr"]
+
+    def measure_timed(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
         self.series.setdefault("_loss_sum", {})[step] = self.totals.loss_sum
         self.series.setdefault("_loss_units", {})[step] = self.totals.loss_units
-        self.series.setdefault("lr", {})[step] = trainer.optimizers[0].param_groups[0]["lr"]
 
     def finalize(self, trainer: Trainer) -> None:
         if "_loss_sum" in self.series:
@@ -117,6 +123,7 @@ class RunRecorder(StepMonitor):
     # --- resuming -----------------------------------------------------------------------------
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         """Every rank saves a checkpoint together, so the collective that reduces the loss so far is safe here."""
+        self.measure_closed_steps(trainer, pl_module)  # the step just closed travels with the checkpoint
         sums = self.reduce_over_ranks(trainer, ["_loss_sum", "_loss_units"]) if "_loss_sum" in self.series else None
         checkpoint[LOSS_CHECKPOINT_KEY] = {**self._loss_before_resume, **(_loss(sums) if sums else {})}
 
@@ -150,6 +157,10 @@ class RunRecorder(StepMonitor):
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         if self.record_path is None and trainer.state.fn == TrainerFn.FITTING:
             self._begin_record(trainer)  # fit failed before on_fit_start (data set-up, model build, checkpoint load)
+        if not isinstance(exception, _DEVICE_ERRORS):  # the device still answers: read the steps that ended
+            for callback in trainer.callbacks:
+                if isinstance(callback, StepMonitor):
+                    callback.measure_closed_steps(trainer, pl_module)
         if "loss" not in self.series and "_loss_sum" in self.series:
             self._set_loss(self.series)  # this rank's view: collectives may be dead after a failure
         status = "oom" if isinstance(exception, torch.OutOfMemoryError) else "error"

@@ -12,15 +12,16 @@ class ThroughputMonitor(StepMonitor):
     tokens (padding included) and **useful** tokens (labels that count in the loss).
 
     The two token rates differ exactly by padding and masked prompt tokens, which is what a
-    padding-vs-packing or an SFT ablation must see. ``step_time_s`` is the wall time from one
-    optimizer step's end to the next (``StepClock``), ``data_wait_s`` the part of it between
-    micro-batches (fetching, collating and moving batches), so a slow collator shows as what it
-    is. Per-device values come from this rank's step; global values sum the tokens of every rank
-    (tensor-parallel peers counted once; reduced once at the end of training, so no collective
-    runs inside a timed step) over this rank's step time.
+    padding-vs-packing or an SFT ablation must see. ``step_time_s`` is the time from one optimizer
+    step's end to the next (``StepClock``: device time between CUDA events, else wall time; each step
+    is recorded a step later), ``data_wait_s`` the part of it between micro-batches (fetching,
+    collating and moving batches), so a slow collator shows as what it is. Per-device values come
+    from this rank's step; global values sum the tokens of every rank (tensor-parallel peers
+    counted once; reduced once at the end of training, so no collective runs inside a timed step)
+    over this rank's step time.
     """
 
-    def measure(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
+    def measure_timed(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
         t = self.totals
         self.record("step_time_s", step, t.seconds)
         self.record("data_wait_s", step, t.data_wait_seconds)
