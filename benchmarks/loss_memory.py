@@ -22,6 +22,17 @@ or the first ``--vocab`` x ``--tokens``; the first hidden size): ``RESULT <backe
 and ``<backend>_time_ratio=`` against torch, ``<backend>_peak_mib=`` and ``<backend>_working_mib=``
 (the peak minus the two gradients every backend returns, ``[V, H]`` and ``[N, H]``: the memory
 the loss computation itself holds, which is what Cut Cross-Entropy's "24 GB -> 1 MB" counts).
+
+Chunking sweeps (issue 38: Liger's own 64-token chunks re-read a 151,936 x 1,024 head 128 times per
+8,192 tokens): ``--chunk-tokens 512 1024 4096`` measures ``chunked`` (and ``chunked-recompute``) at
+each chunk size, ``--liger-chunk-tokens own 256 1024`` Liger at its own chunk and at each size,
+``--liger-accum-dtype none float32`` each of those with the weight gradient summed in Liger's
+default dtype and in fp32 (``loss_options`` ``chunk_tokens``/``accum_dtype``, docs/losses.md). A
+swept row is named by its setting (``liger-chunk256-fp32acc``); the table's ``chunk`` column is the
+tokens per chunk each row really used at its point, and a size Liger cannot make at a point is
+skipped there with the reason. Per swept backend the last lines name the fastest setting at the
+headline point: ``RESULT <backend>_best_chunk_tokens=`` (``own``: Liger's), ``_best_accum_dtype=``
+(liger), ``_best_time_ratio=`` and ``_best_memory_ratio=`` against torch.
 """
 
 from __future__ import annotations
@@ -36,14 +47,22 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from lit_ablate.errors import ConfigError
-from lit_ablate.models.losses.cross_entropy import LossBackend, check_loss_backend, loss_backend
+from lit_ablate.models.losses.cross_entropy import (
+    ChunkedCrossEntropy,
+    LigerFusedLinearCrossEntropy,
+    LossBackend,
+    check_loss_backend,
+    liger_chunk,
+    liger_chunk_budget,
+    loss_backend,
+)
 
 K = 1024
 HEADLINE = (128 * K, 8 * K)  # (vocab, tokens) of the RESULT lines
 DEFAULT_POINTS = [(32 * K, 4 * K), HEADLINE]
 FULL_POINTS = [(v, n) for v in (32 * K, 128 * K) for n in (4 * K, 8 * K, 16 * K)]
 IGNORED_FRACTION = 0.1  # labels set to -100, as prompt/padding tokens would be
-BENCHMARKED = {  # row name -> (registry name, options); chunked's chunk_tokens comes from --chunk-tokens
+BENCHMARKED = {  # row name -> (registry name, options); chunking options come from the sweep arguments
     "torch": ("torch", {}),
     "chunked": ("chunked", {}),
     "chunked-recompute": ("chunked", {"grad_in_forward": False}),
@@ -61,6 +80,7 @@ class Measurement:
     peak_bytes: int
     seconds: float  # wall-clock
     cpu_seconds: float  # this process's CPU time: robust to other jobs on a shared machine
+    chunk: int | None  # tokens per chunk at this point (None: no token chunks)
 
 
 def make_inputs(vocab: int, tokens: int, hidden: int, dtype: torch.dtype, device: torch.device,
@@ -104,6 +124,13 @@ def measure_point(backends: dict[str, LossBackend], vocab: int, tokens: int, hid
                   device: torch.device, warmup: int, repeats: int) -> list[Measurement]:
     """All backends on the same inputs, repeats interleaved so drifting machine load hits each alike."""
     h, w, labels = make_inputs(vocab, tokens, hidden, dtype, device)
+    chunks = {}
+    for name, loss_fn in list(backends.items()):
+        try:
+            chunks[name] = chunk_at(loss_fn, vocab, tokens, hidden)
+        except ConfigError as error:
+            print(f"skipping {name} at V={vocab} N={tokens} H={hidden}: {error}")
+            backends = {n: f for n, f in backends.items() if n != name}
     samples: dict[str, list[tuple[int, float, float]]] = {name: [] for name in backends}
     for loss_fn in backends.values():
         for _ in range(warmup):
@@ -118,24 +145,88 @@ def measure_point(backends: dict[str, LossBackend], vocab: int, tokens: int, hid
             print(f"measured {name} V={vocab} N={tokens} H={hidden}: {sample[0] / 2**20:.0f} MiB, "
                   f"{sample[1]:.2f} s wall, {sample[2]:.2f} s cpu", flush=True)
     return [Measurement(vocab, tokens, hidden, name, max(s[0] for s in runs),
-                        statistics.median(s[1] for s in runs), statistics.median(s[2] for s in runs))
+                        statistics.median(s[1] for s in runs), statistics.median(s[2] for s in runs), chunks[name])
             for name, runs in samples.items()]
 
 
-def available_backends(rows: list[str], chunk_tokens: int) -> dict[str, LossBackend]:
-    """The requested backends that can run here; the others are reported and skipped."""
+def chunk_at(loss_fn: LossBackend, vocab: int, tokens: int, hidden: int) -> int | None:
+    """Tokens per chunk ``loss_fn`` uses at this point; ``ConfigError`` for a Liger size it cannot make."""
+    if isinstance(loss_fn, ChunkedCrossEntropy):
+        return min(loss_fn.chunk_tokens, tokens)
+    if isinstance(loss_fn, LigerFusedLinearCrossEntropy):
+        budget = 1 if loss_fn.chunk_tokens is None else liger_chunk_budget(tokens, vocab, hidden, loss_fn.chunk_tokens)
+        return liger_chunk(tokens, vocab, hidden, budget)
+    return None
+
+
+@dataclass(frozen=True)
+class Row:
+    """One measured backend setting: its name, registry name and options, and the sweep (family) it
+    belongs to."""
+
+    name: str
+    backend: str
+    options: dict
+    family: str  # the BENCHMARKED row it varies
+    swept: bool  # whether its family has several settings
+
+
+def benchmark_rows(families: list[str], chunk_tokens: list[int], liger_chunk_tokens: list[int | None],
+                   liger_accum_dtypes: list[str | None]) -> list[Row]:
+    """Every setting to measure: each family once, ``chunked`` per chunk size, ``liger`` per chunk
+    size and accumulation dtype. A setting is named by what it changes (``liger-chunk256-fp32acc``);
+    the backend's default setting keeps the family's name (``liger``, ``chunked``)."""
+    rows = []
+    for family in families:
+        name, options = BENCHMARKED[family]
+        settings, default = [{}], {}
+        if name == "chunked":
+            settings, default = [{"chunk_tokens": n} for n in chunk_tokens], {"chunk_tokens": ChunkedCrossEntropy.chunk_tokens}
+        elif name == "liger":
+            settings = [{k: v for k, v in (("chunk_tokens", n), ("accum_dtype", a)) if v is not None}
+                        for n in liger_chunk_tokens for a in liger_accum_dtypes]
+        for setting in settings:
+            label = family
+            if len(settings) > 1 and setting != default:
+                chunk, accum = setting.get("chunk_tokens"), setting.get("accum_dtype")
+                label += f"-chunk{chunk}" if chunk is not None else ""
+                label += f"-fp{accum.removeprefix('float')}acc" if accum else ""
+            rows.append(Row(label, name, {**options, **setting}, family, len(settings) > 1))
+    return rows
+
+
+def available_backends(rows: list[Row]) -> dict[str, LossBackend]:
+    """The requested settings that can run here; the others are reported and skipped."""
     backends = {}
     for row in rows:
-        name, options = BENCHMARKED[row]
-        if name == "chunked":
-            options = {**options, "chunk_tokens": chunk_tokens}
         try:
-            check_loss_backend(name, **options)
+            check_loss_backend(row.backend, **row.options)
         except ConfigError as error:
-            print(f"skipping {row}: {error}")
+            print(f"skipping {row.name}: {error}")
             continue
-        backends[row] = loss_backend(name, **options)
+        backends[row.name] = loss_backend(row.backend, **row.options)
     return backends
+
+
+def best_settings(rows: list[Row], headline: dict[str, Measurement], device: torch.device) -> list[str]:
+    """Per swept family measured at the headline point: RESULT lines naming its fastest setting (less
+    memory breaks a tie) and that setting's time and memory against torch."""
+    lines = []
+    torch_run = headline.get("torch")
+    for family in dict.fromkeys(row.family for row in rows if row.swept):
+        measured = [(headline[row.name], row) for row in rows if row.family == family and row.name in headline]
+        if not measured:
+            continue
+        run, row = min(measured, key=lambda pair: (timed_seconds(pair[0], device), pair[0].peak_bytes))
+        key = family.replace("-", "_")
+        chunk = row.options.get("chunk_tokens")
+        lines.append(f"RESULT {key}_best_chunk_tokens={'own' if chunk is None else chunk}")
+        if row.backend == "liger":
+            lines.append(f"RESULT {key}_best_accum_dtype={row.options.get('accum_dtype') or 'none'}")
+        if torch_run is not None:
+            lines.append(f"RESULT {key}_best_time_ratio={timed_seconds(run, device) / timed_seconds(torch_run, device):.3f}")
+            lines.append(f"RESULT {key}_best_memory_ratio={run.peak_bytes / torch_run.peak_bytes:.4f}")
+    return lines
 
 
 def timed_seconds(m: Measurement, device: torch.device) -> float:
@@ -145,15 +236,15 @@ def timed_seconds(m: Measurement, device: torch.device) -> float:
 
 def markdown_table(rows: list[Measurement], dtype: torch.dtype, device: torch.device) -> str:
     reference = {(r.vocab, r.tokens, r.hidden): r for r in rows if r.backend == "torch"}
-    lines = ["| device | dtype | vocab | tokens | hidden | backend | peak MiB | memory × torch "
+    lines = ["| device | dtype | vocab | tokens | hidden | backend | chunk | peak MiB | memory × torch "
              "| wall s | cpu s | time × torch |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ref = reference.get((r.vocab, r.tokens, r.hidden))
         mem_ratio = f"{r.peak_bytes / ref.peak_bytes:.3f}" if ref else "n/a"
         time_ratio = f"{timed_seconds(r, device) / timed_seconds(ref, device):.2f}" if ref else "n/a"
         lines.append(f"| {device.type} | {str(dtype).removeprefix('torch.')} | {r.vocab} | {r.tokens} | {r.hidden} "
-                     f"| {r.backend} | {r.peak_bytes / 2**20:.0f} | {mem_ratio} | {r.seconds:.2f} "
+                     f"| {r.backend} | {r.chunk or '—'} | {r.peak_bytes / 2**20:.0f} | {mem_ratio} | {r.seconds:.2f} "
                      f"| {r.cpu_seconds:.2f} | {time_ratio} |")
     return "\n".join(lines)
 
@@ -165,7 +256,12 @@ def main() -> None:
                         help="hidden sizes (default 1024; --full: 1024 4096)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--backends", nargs="+", default=list(BENCHMARKED), choices=list(BENCHMARKED))
-    parser.add_argument("--chunk-tokens", type=int, default=1024, help="chunked backend's chunk_tokens")
+    parser.add_argument("--chunk-tokens", type=int, nargs="+", default=[1024],
+                        help="chunked backend's chunk_tokens (several: one row per size)")
+    parser.add_argument("--liger-chunk-tokens", type=_chunk_setting, nargs="+", default=[None],
+                        help="liger's chunk_tokens: powers of two, or 'own' for Liger's own choice (default)")
+    parser.add_argument("--liger-accum-dtype", type=_accum_setting, nargs="+", default=[None],
+                        help="liger's accum_dtype: 'none' (the weight's dtype, default) and/or float32")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per point (default: cpu 1, cuda 3)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--vocab", type=int, nargs="+", help="vocabulary sizes (with --tokens: this grid only)")
@@ -183,17 +279,21 @@ def main() -> None:
     on_cuda = device.type == "cuda"
     repeats = args.repeats or (3 if on_cuda else 1)
     warmup = 1 if on_cuda else 0  # CUDA: Triton autotuning and cuBLAS handles; CPU: it would cost minutes
-    backends = available_backends(args.backends, args.chunk_tokens)
+    rows = benchmark_rows(args.backends, args.chunk_tokens, args.liger_chunk_tokens, args.liger_accum_dtype)
+    backends = available_backends(rows)
     for loss_fn in backends.values():  # thread pools, allocator, kernel compilation
+        try:
+            chunk_at(loss_fn, 1024, 256, 64)
+        except ConfigError:  # a Liger size this tiny shape cannot make: judged at each point
+            continue
         forward_backward(loss_fn, *make_inputs(1024, 256, 64, dtype, device))
 
-    rows = [m for hidden in hidden_sizes for vocab, tokens in points
-            for m in measure_point(backends, vocab, tokens, hidden, dtype, device, warmup, repeats)]
+    measured = [m for hidden in hidden_sizes for vocab, tokens in points
+                for m in measure_point(backends, vocab, tokens, hidden, dtype, device, warmup, repeats)]
     print()
-    print(f"{device.type}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-          f"chunk_tokens={args.chunk_tokens}, repeats={repeats}")
-    print(markdown_table(rows, dtype, device))
-    headline = {r.backend: r for r in rows if (r.vocab, r.tokens) == headline_point and r.hidden == hidden_sizes[0]}
+    print(f"{device.type}, {torch.get_num_threads()} threads, torch {torch.__version__}, repeats={repeats}")
+    print(markdown_table(measured, dtype, device))
+    headline = {m.backend: m for m in measured if (m.vocab, m.tokens) == headline_point and m.hidden == hidden_sizes[0]}
     for name, run in headline.items():
         gradients = (run.vocab + run.tokens) * run.hidden * dtype.itemsize  # d weight [V, H] and d hidden [N, H]
         print(f"RESULT {name}_peak_mib={run.peak_bytes / 2**20:.1f}")
@@ -202,6 +302,16 @@ def main() -> None:
             torch_run = headline["torch"]
             print(f"RESULT {name}_memory_ratio={run.peak_bytes / torch_run.peak_bytes:.4f}")
             print(f"RESULT {name}_time_ratio={timed_seconds(run, device) / timed_seconds(torch_run, device):.3f}")
+    for line in best_settings(rows, headline, device):
+        print(line)
+
+
+def _chunk_setting(value: str) -> int | None:
+    return None if value == "own" else int(value)
+
+
+def _accum_setting(value: str) -> str | None:
+    return None if value == "none" else value
 
 
 if __name__ == "__main__":

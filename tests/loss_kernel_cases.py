@@ -32,6 +32,14 @@ CASES: dict[str, dict[str, Any]] = {
     "liger_z_loss_bias": {"backend": "liger", "tokens": 37, "vocab": 101, "dtype": "float32", "bias": True,
                           "options": {"z_loss_weight": 1e-2}},
     "liger_all_ignored": {"backend": "liger", "tokens": 11, "vocab": 31, "dtype": "float32", "ignored": 1.0},
+    # liger's chunking (37 tokens, vocabulary 101, hidden 24: Liger's own chunk is 8 tokens): chunks of
+    # 16 (two full, one of 5), 32 with the weight gradient summed in fp32, and 64 (one chunk of 37).
+    "liger_chunk_tokens_16": {"backend": "liger", "tokens": 37, "vocab": 101, "dtype": "float32", "bias": True,
+                              "options": {"chunk_tokens": 16}},
+    "liger_chunk_tokens_32_accum_fp32": {"backend": "liger", "tokens": 37, "vocab": 101, "dtype": "float32",
+                                         "options": {"chunk_tokens": 32, "accum_dtype": "float32"}},
+    "liger_chunk_tokens_64": {"backend": "liger", "tokens": 37, "vocab": 101, "dtype": "float32",
+                              "options": {"chunk_tokens": 64, "z_loss_weight": 1e-2}},
     # cce in fp16: its backward takes only fp16/bf16 hidden states, bf16 is wrong under the interpreter.
     "cce_odd_shape_ignored_sum": {"backend": "cce", "tokens": 37, "vocab": 101, "dtype": "float16",
                                   "options": {"filter_eps": None}},
@@ -40,6 +48,9 @@ CASES: dict[str, dict[str, Any]] = {
     "cce_default_filter_eps": {"backend": "cce", "tokens": 37, "vocab": 101, "dtype": "float16"},
     # bf16, the GPU training dtype: compiled only (wrong without an error under the interpreter).
     "liger_bf16_cuda": {"backend": "liger", "tokens": 300, "vocab": 1000, "dtype": "bfloat16", "devices": ["cuda"]},
+    "liger_bf16_chunk_tokens_128_accum_fp32_cuda": {"backend": "liger", "tokens": 300, "vocab": 1000,
+                                                    "dtype": "bfloat16", "devices": ["cuda"],
+                                                    "options": {"chunk_tokens": 128, "accum_dtype": "float32"}},
     "cce_bf16_cuda": {"backend": "cce", "tokens": 300, "vocab": 1000, "dtype": "bfloat16", "devices": ["cuda"]},
 }
 
@@ -98,6 +109,41 @@ def parity_errors(device: str) -> dict[str, dict[str, float]]:
     return results
 
 
+CHUNK_CASE = "liger_odd_shape_ignored_sum"
+"""The inputs ``liger_chunks`` runs on: 37 tokens, vocabulary 101, hidden 24."""
+
+
+def liger_chunks(device: str) -> dict[str, dict[str, Any]]:
+    """Per liger option set: the rows of each chunk Liger's cross-entropy kernel was launched on, and
+    the ``chunk_mem_const``/``accum_dtype`` that reached Liger's forward (spied on in its module)."""
+    import liger_kernel.ops.fused_linear_cross_entropy as fused
+
+    real_kernel, real_forward = fused.liger_cross_entropy_kernel, fused.fused_linear_cross_entropy_forward
+    seen: dict[str, Any] = {}
+
+    class RecordingKernel:
+        def __getitem__(self, grid: tuple[int, ...]):
+            seen["rows"].append(grid[0])
+            return real_kernel[grid]
+
+    def recording_forward(*args: Any, **kwargs: Any):
+        seen.update(accum_dtype=str(kwargs.get("accum_dtype")), chunk_mem_const=kwargs.get("chunk_mem_const"))
+        return real_forward(*args, **kwargs)
+
+    settings = {"own": {}, "16": {"chunk_tokens": 16}, "32_fp32": {"chunk_tokens": 32, "accum_dtype": "float32"},
+                "64": {"chunk_tokens": 64}}  # fmt: skip
+    results = {}
+    fused.liger_cross_entropy_kernel, fused.fused_linear_cross_entropy_forward = RecordingKernel(), recording_forward
+    try:
+        for name, options in settings.items():
+            seen = {"rows": []}
+            loss_and_grads(loss_backend("liger", **options), make_inputs(CASES[CHUNK_CASE], device), "sum", upcast=False)
+            results[name] = seen
+    finally:
+        fused.liger_cross_entropy_kernel, fused.fused_linear_cross_entropy_forward = real_kernel, real_forward
+    return results
+
+
 def refusals() -> dict[str, str]:
     """The one-line ConfigError each refused combination gives (empty string: not refused)."""
     attempts = {
@@ -109,6 +155,8 @@ def refusals() -> dict[str, str]:
         "cce_bias": lambda: loss_backend("cce")(*_float32_call_args(torch.float16), torch.zeros(5).half()),
         "liger_float32_check": lambda: check_loss_backend("liger", compute_dtype="float32"),
         "cce_float16_check": lambda: check_loss_backend("cce", compute_dtype="float16"),
+        "liger_chunk_below_its_own": lambda: loss_backend("liger", chunk_tokens=4)(
+            *(make_inputs(CASES[CHUNK_CASE], "cpu")[k] for k in ("hidden", "weight", "labels"))),
     }
     messages = {}
     for name, attempt in attempts.items():
@@ -154,7 +202,7 @@ def main() -> None:
     from lit_ablate.models.losses.triton_interpreter import kernel_mode
 
     report = {"kernel_mode": kernel_mode(), "libdevice": libdevice_gap()}
-    report.update(parity=parity_errors(device), refusals=refusals())
+    report.update(parity=parity_errors(device), refusals=refusals(), liger_chunks=liger_chunks(device))
     print(json.dumps(report))
 
 

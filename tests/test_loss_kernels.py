@@ -7,15 +7,17 @@ The tests need the ``kernels-cpu`` extra (triton, liger-kernel, cut-cross-entrop
 packaging) and skip with that reason without it.
 
 Tolerances (max abs difference over max abs reference value): liger in fp32 1e-5 on CPU (measured
-<= 6e-7); on CUDA 1e-4 / 1e-3 (TF32 dots). cce in fp16 against torch on fp32 copies of the same
+<= 7.4e-7); on CUDA 1e-4 / 1e-3 (TF32 dots). cce in fp16 against torch on fp32 copies of the same
 fp16 inputs: loss 1e-4 (measured 1.2e-5), gradients 2e-3 (measured 4.5e-4, fp16 output rounding).
-Two bf16 cases run on CUDA only (bf16 logits: loss 5e-3, gradients 2e-2, about two bf16 ulps);
+Three bf16 cases run on CUDA only (bf16 logits: loss 5e-3, gradients 2e-2, about two bf16 ulps);
 no GPU was available to run the CUDA side when these were written.
 
 Broken on purpose once in a copy of the package (each made the named cases fail):
 - liger ``reduction="mean"`` instead of ``"sum"`` (Liger's default): every liger case but all_ignored.
 - liger without ``lse_square_scale``: liger_z_loss_bias.
 - liger without the bias: liger_bias_mean and liger_z_loss_bias (d_bias missing, d_hidden off by 0.5).
+- Liger's last partial chunk dropped (``num_chunks = BT // chunk_size``): every liger case with a partial
+  chunk, whatever ``chunk_tokens`` (see ``test_interpreted_liger_chunks_hold_the_asked_tokens``).
 - cce without ``reduction="sum"`` (CCE's default is mean): every cce case.
 - cce's ``ignore_index`` set to 0, a real label: every cce case (the -100 labels then index the
   vocabulary: loss NaN or off, gradients off by 0.3-0.7).
@@ -36,6 +38,7 @@ import torch
 
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.losses import triton_interpreter
+from lit_ablate.models.losses.cross_entropy import liger_chunk, liger_chunk_budget, loss_backend
 
 TESTS = Path(__file__).resolve().parent
 CASES_SCRIPT = TESTS / "loss_kernel_cases.py"
@@ -48,8 +51,9 @@ TOLERANCES = {  # device -> backend -> (loss, gradients); bf16 (CUDA only): abou
     "cuda": {"liger": (1e-4, 1e-3), "cce": (1e-4, 2e-3), "bf16": (5e-3, 2e-2)},
 }
 CASE_NAMES = ["liger_odd_shape_ignored_sum", "liger_bias_mean", "liger_z_loss_bias", "liger_all_ignored",
+              "liger_chunk_tokens_16", "liger_chunk_tokens_32_accum_fp32", "liger_chunk_tokens_64",
               "cce_odd_shape_ignored_sum", "cce_mean", "cce_default_filter_eps"]
-CUDA_CASE_NAMES = [*CASE_NAMES, "liger_bf16_cuda", "cce_bf16_cuda"]
+CUDA_CASE_NAMES = [*CASE_NAMES, "liger_bf16_cuda", "liger_bf16_chunk_tokens_128_accum_fp32_cuda", "cce_bf16_cuda"]
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +108,54 @@ def test_interpreter_refuses_bf16_and_cce_float32_in_one_line(interpreted: dict[
     assert "takes no LM-head bias" in refusals["cce_bias"]
     assert refusals["liger_float32_check"] == refusals["cce_float16_check"] == ""
     assert all("\n" not in message for message in refusals.values())
+
+
+@pytest.mark.slow
+@needs_kernels
+def test_interpreted_liger_chunks_hold_the_asked_tokens(interpreted: dict[str, Any]) -> None:
+    """``chunk_tokens`` reaches Liger as the budget whose chunks hold that many tokens (the last one
+    what is left), null keeps Liger's own chunks, ``accum_dtype: float32`` reaches Liger as fp32, and
+    a size below Liger's own chunk is one ConfigError line naming the sizes the shape allows. The
+    parity cases ``liger_chunk_tokens_*`` check every size gives torch's loss and gradients. Seen
+    failing (by hand, once each): the budget one too large (chunks of 32 for 16); the budget not
+    passed (chunks of 8 whatever was asked); ``accum_dtype`` not passed (None); and, in a copy of
+    liger-kernel, the last partial chunk dropped (``num_chunks = BT // chunk_size``: the parity cases
+    with a partial chunk failed, loss off by 0.11-0.5, gradients by 0.5-1; one chunk of all 37 tokens
+    and all_ignored passed)."""
+    chunks = interpreted["liger_chunks"]
+    assert chunks["own"] == {"rows": [8, 8, 8, 8, 5], "accum_dtype": "None", "chunk_mem_const": 1}
+    assert chunks["16"]["rows"] == [16, 16, 5] and chunks["32_fp32"]["rows"] == [32, 5] and chunks["64"]["rows"] == [37]
+    assert chunks["32_fp32"]["accum_dtype"] == "torch.float32" and chunks["16"]["accum_dtype"] == "None"
+    assert interpreted["refusals"]["liger_chunk_below_its_own"] == (
+        "model.init_args.loss_options.chunk_tokens=4: Liger's chunks of 37 tokens at vocabulary 101 and hidden 24 "
+        "can hold [8, 16, 32, 37] tokens (its own: 8); use one of these or null")
+
+
+@pytest.mark.parametrize(("options", "match"), [
+    ({"chunk_tokens": 24}, r"loss_options\.chunk_tokens=24: Liger's chunks are powers of two"),
+    ({"chunk_tokens": 0}, r"loss_options\.chunk_tokens=0: Liger's chunks are powers of two"),
+    ({"accum_dtype": "bfloat16"}, r"loss_options\.accum_dtype='bfloat16': use float32 .* or null"),
+    ({"chunk_size": 256}, r"loss_options=\{'chunk_size': 256\}: 'liger' takes no option \['chunk_size'\]"),
+])  # fmt: skip
+def test_liger_chunking_options_are_refused_in_one_line(options: dict[str, Any], match: str) -> None:
+    """Checked before the backend looks for a GPU or the package, so they hold on any machine."""
+    with pytest.raises(ConfigError, match=match):
+        loss_backend("liger", **options)
+
+
+def test_liger_chunk_budget_at_the_seed_shape() -> None:
+    """Qwen3's head (V 151,936, H 1,024) on 8,192 tokens: Liger's own chunk is 64 tokens (128 reads of
+    the head); each larger power of two is reached by the smallest budget, and a chunk over the
+    batch's tokens is one chunk of all of them."""
+    tokens, vocab, hidden = 8192, 151936, 1024
+    assert liger_chunk(tokens, vocab, hidden, 1) == 64
+    for size in (64, 128, 256, 512, 1024, 2048, 4096, 8192):
+        budget = liger_chunk_budget(tokens, vocab, hidden, size)
+        assert liger_chunk(tokens, vocab, hidden, budget) == size
+        assert budget == 1 or liger_chunk(tokens, vocab, hidden, budget - 1) < size
+    assert liger_chunk(tokens, vocab, hidden, liger_chunk_budget(tokens, vocab, hidden, 16384)) == tokens
+    with pytest.raises(ConfigError, match=r"chunk_tokens=32: .* can hold \[64, 128, .*8192\] tokens \(its own: 64\)"):
+        liger_chunk_budget(tokens, vocab, hidden, 32)
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ that cannot run here ``skipped``). lit-ablate patches no Liger kernels into mode
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 from dataclasses import dataclass
@@ -129,18 +130,45 @@ class ChunkedCrossEntropy:
                                             self.z_loss_weight, self.grad_in_forward)
 
 
+LIGER_ACCUM_DTYPES = {"float32": torch.float32}
+"""``accum_dtype`` values besides null (the weight's own dtype)."""
+
+
 @dataclass(frozen=True)
 class LigerFusedLinearCrossEntropy:
     """Liger-Kernel's fused linear cross-entropy (Triton; CUDA, or interpreted on CPU).
 
     Choose it on GPUs to compare with ``chunked`` and ``cce``: it chunks tokens and computes the
     gradients during the forward. ``z_loss_weight`` maps to Liger's ``lse_square_scale``.
+
+    Each chunk reads the whole ``[V, H]`` head and adds into the ``[V, H]`` weight gradient, so the
+    chunk size trades that traffic against a ``[chunk, V]`` logits buffer. Liger (0.8.5) picks its
+    chunks itself: a power of two near ``tokens x H / V`` (64 tokens for 8,192 tokens at V 151,936,
+    H 1,024: 128 reads of the head), grown by its ``chunk_mem_const`` budget.
+
+    Args:
+        z_loss_weight: weight of ``logsumexp^2`` per counted token, added to the sum.
+        chunk_tokens: tokens per chunk, a power of two (one chunk when the batch has fewer tokens);
+            null keeps Liger's own choice. Reached through Liger's ``chunk_mem_const``, so the
+            kernel path is Liger's own; a size below Liger's own chunk for the batch's shape (its
+            smallest) is refused at the first step, naming the sizes that shape allows.
+        accum_dtype: ``float32`` accumulates the weight (and bias) gradient over chunks in fp32,
+            cast to the weight's dtype once at the end; null accumulates in the weight's dtype
+            (Liger's default: bf16 weights round once per chunk).
     """
 
     z_loss_weight: float = 0.0
+    chunk_tokens: int | None = None
+    accum_dtype: str | None = None
 
     def __post_init__(self) -> None:
         _check_z_loss_weight(self.z_loss_weight)
+        if self.chunk_tokens is not None and (self.chunk_tokens < 1 or self.chunk_tokens & (self.chunk_tokens - 1)):
+            raise ConfigError(f"{OPTIONS_KEY}.chunk_tokens", self.chunk_tokens,
+                              "Liger's chunks are powers of two: use one, e.g. 256 or 1024, or null for Liger's own")
+        if self.accum_dtype is not None and self.accum_dtype not in LIGER_ACCUM_DTYPES:
+            raise ConfigError(f"{OPTIONS_KEY}.accum_dtype", self.accum_dtype,
+                              "use float32 (the weight gradient summed in fp32) or null (in the weight's dtype)")
         _require_kernel_package("liger", "liger_kernel", "use 'chunked' for a memory-efficient loss on CPU")
 
     def check_compute_dtype(self, dtype: torch.dtype, training: bool = True) -> None:
@@ -152,10 +180,39 @@ class LigerFusedLinearCrossEntropy:
         self.check_compute_dtype(hidden.dtype)
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
+        options: dict[str, Any] = {}
+        if self.chunk_tokens is not None:
+            options["chunk_mem_const"] = liger_chunk_budget(hidden.shape[0], weight.shape[0], weight.shape[1],
+                                                            self.chunk_tokens)
+        if self.accum_dtype is not None:
+            options["accum_dtype"] = LIGER_ACCUM_DTYPES[self.accum_dtype]
         return liger_fused_linear_cross_entropy(
             hidden, weight, labels, bias, ignore_index=IGNORE_INDEX,
-            lse_square_scale=self.z_loss_weight, reduction="sum",
+            lse_square_scale=self.z_loss_weight, reduction="sum", **options,
         ).float()
+
+
+def liger_chunk(tokens: int, vocab: int, hidden: int, budget: int) -> int:
+    """Tokens per chunk of Liger 0.8.5's fused linear cross-entropy under ``chunk_mem_const=budget``
+    (its rule: logits of about ``budget x tokens x hidden`` elements, rounded to a power of two,
+    at most ``tokens``)."""
+    chunks = -(-vocab // (budget * hidden))
+    return min(1 << (-(-tokens // chunks) - 1).bit_length(), tokens)
+
+
+@functools.lru_cache(maxsize=64)
+def liger_chunk_budget(tokens: int, vocab: int, hidden: int, chunk_tokens: int) -> int:
+    """The smallest ``chunk_mem_const`` whose Liger chunks hold ``chunk_tokens`` tokens (all ``tokens``
+    when fewer); a ``ConfigError`` naming the reachable sizes when none does."""
+    wanted = min(chunk_tokens, tokens)
+    largest = -(-vocab // hidden)  # one chunk of every token from here on
+    budget = next(b for b in range(1, largest + 1) if liger_chunk(tokens, vocab, hidden, b) >= wanted)
+    if liger_chunk(tokens, vocab, hidden, budget) != wanted:
+        sizes = sorted({liger_chunk(tokens, vocab, hidden, b) for b in range(1, largest + 1)})
+        raise ConfigError(f"{OPTIONS_KEY}.chunk_tokens", chunk_tokens,
+                          f"Liger's chunks of {tokens} tokens at vocabulary {vocab} and hidden {hidden} can hold "
+                          f"{sizes} tokens (its own: {sizes[0]}); use one of these or null")
+    return budget
 
 
 @dataclass(frozen=True)
