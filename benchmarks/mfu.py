@@ -173,7 +173,7 @@ def hand_loop_run(args: argparse.Namespace) -> Side:
     module.configure_model()
     data.setup("fit")
     model, hp = module.model, module.hparams
-    optimizer = build_optimizer(module.optimizer_name, decay_groups(model, decay_names(model, model.lm.get_input_embeddings().weight),
+    optimizer, _ = build_optimizer(module.optimizer_name, decay_groups(model, decay_names(model, model.lm.get_input_embeddings().weight),
                                 hp.weight_decay), hp.learning_rate, hp.betas, module.optimizer_options)  # fmt: skip
     scheduler = lr_scheduler(optimizer, hp.lr_schedule, hp.warmup_steps, args.steps, hp.min_lr_ratio, hp.decay_fraction,
                              hp.decay_shape)  # fmt: skip
@@ -293,7 +293,7 @@ def report(args: argparse.Namespace, hand: list[Side], lit: list[Side], ceilings
               f"| {', '.join(f'{r.useful_per_s(w):,.0f}' for r in runs)} |")
         key = p if label.startswith("lit") else f"{p}_hand"
         results.update({f"{key}_useful_tokens_per_s": useful, f"{key}_step_s": step_s, f"{key}_mfu": mfu,
-                        f"{key}_mfu_measured": flops / (ceiling * 1e12), f"{key}_seed_formula_mfu": seed_mfu})  # fmt: skip
+                        f"{key}_mfu_measured": flops / (ceiling * 1e12), f"{key}_mfu_seed_formula": seed_mfu})  # fmt: skip
     if hand and lit:
         h, lt = rows[0][2], rows[1][2]
         diff = max(abs(a - b) for a, b in zip(hand[0].losses, lit[0].losses))

@@ -1,0 +1,67 @@
+"""Every benchmark's default path runs, at a smoke size, so none rots unseen (``benchmarks/mfu.py``
+once failed at its default for weeks: no test ran it). Sizes are shrunk by the scripts' own flags,
+never by a code path of their own: what runs is the code a user runs. The scripts run in one
+process (``tests/benchmark_smoke.py``: imports paid once); each must exit 0 and print its headline
+``RESULT`` lines. Their figures mean nothing at this size and are not checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NOT_BENCHMARKS = {"model_shapes.py", "kernels_here.py"}
+"""Modules the benchmarks import, not scripts."""
+
+SMOKE: dict[str, tuple[list[str], set[str]]] = {
+    "mfu.py": (["--shape", "tiny-llama", "--seq-len", "64", "--rows", "2", "--accumulate", "2", "--steps", "3",
+                "--warmup", "1", "--name", "cpu"], {"cpu_mfu_measured", "cpu_lit_vs_hand", "cpu_useful_tokens_per_s"}),
+    "overhead.py": (["--steps", "8", "--repeats", "1"], {"overhead_ratio", "vs_hf_trainer_ratio"}),
+    "packing.py": (["--examples", "16", "--median", "16", "--max-len", "64", "--repeats", "1"],
+                   {"packing_speedup", "packing_speedup_vs_grouped"}),
+    "loss_memory.py": (["--vocab", "256", "--tokens", "64", "--hidden", "32"], {"chunked_memory_ratio"}),
+    "moe.py": (["--shapes", "tiny", "--tokens", "32", "--repeats", "1"], {"grouped_speedup", "grouped_fallback"}),
+    "fp8.py": (["--shape", "tiny-qwen3", "--layers", "1", "--seq-len", "32", "--steps", "1", "--tokens", "32",
+                "--no-compile"], {"fp8_tensorwise_output_rel_error"}),
+    "dpo_memory.py": (["--tokens", "64", "--vocab", "512", "--hidden", "32", "--chunk-tokens", "16"],
+                      {"dpo_chunked_memory_ratio"}),
+    "dpo_packing.py": (["--pairs", "8", "--repeats", "1", "--hidden", "32"], {"dpo_packing_speedup"}),
+    "lora_memory.py": (["--seq-len", "64", "--steps", "4"], set()),
+    "ring_attention.py": (["--lengths", "64", "--cp", "2", "--repeats", "1"], set()),
+    "data_setup.py": (["--mb", "0.05", "0.1", "--memory-up-to-mb", "0.05", "--stream-batches", "20", "--workers", "1",
+                       "--out", ""], {"data_setup_cache_hit_ratio"}),
+    "regenerate_reports.py": (["--check"], {"studies", "reports_with_problems"}),
+}  # fmt: skip
+"""Per script: its arguments at smoke size, and RESULT names it must print."""
+
+
+def test_every_benchmark_has_a_smoke_case():
+    scripts = {p.name for p in (ROOT / "benchmarks").glob("*.py")} - NOT_BENCHMARKS
+    assert scripts == set(SMOKE), f"benchmarks without a smoke case: {sorted(scripts - set(SMOKE))}"
+
+
+@pytest.fixture(scope="module")
+def smoke_runs(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("benchmarks") / "smoke.json"
+    scripts = {script: args for script, (args, _) in SMOKE.items()}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LIT_ABLATE_CACHE_DIR": str(out.parent / "cache"),
+           "LIT_ABLATE_DATA_CACHE": str(out.parent / "data_cache")}  # fmt: skip
+    subprocess.run([sys.executable, str(ROOT / "tests" / "benchmark_smoke.py"), str(out), json.dumps(scripts)],
+                   cwd=out.parent, env=env, timeout=900, check=True)  # fmt: skip
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", sorted(SMOKE))
+def test_the_benchmark_runs_and_prints_its_results(smoke_runs, script):
+    run = smoke_runs[script]
+    assert run["status"] == 0, f"{script} failed:\n{run['tail']}"
+    missing = SMOKE[script][1] - set(run["results"])
+    assert not missing, f"{script} printed no RESULT {sorted(missing)}:\n{run['tail']}"
+    assert run["results"], f"{script} printed no RESULT line at all"
