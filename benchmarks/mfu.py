@@ -20,7 +20,7 @@ attention, the LM head counted).
 
 MFU is printed two ways, labelled: ours (``mfu``: FLOPs as above over the device's spec peak;
 ``mfu_measured``: over the bf16/fp32 matmul ceiling measured before each run, the best one of the
-whole benchmark) and the seed study's formula (``seed_formula_mfu``:
+whole benchmark) and the seed study's formula (``mfu_seed_formula``:
 ``(6 (N - N_emb) + 12 L H d seq) / peak`` per token, which counts attention over the whole packed
 row as if it were one non-causal document and leaves the embedding/head out). Compare tokens/s on
 the same shape, never an MFU of one formula with one of the other.
