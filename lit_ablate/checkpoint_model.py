@@ -11,13 +11,13 @@ stores ``loss_options: null`` as ``{}``).
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from lit_ablate.class_paths import import_class
 from lit_ablate.config_keys import flatten
 from lit_ablate.errors import ConfigError
 from lit_ablate.path_checks import SHARDED_METADATA_FILENAME
@@ -74,9 +74,8 @@ def _normalised(section: Mapping[str, Any]) -> dict[str, Any]:
 
 def _imported_name(class_path: str) -> str:
     """``lit_ablate.modules.CausalLM`` and ``lit_ablate.modules.causal_lm.CausalLM`` name one class."""
-    module, _, name = class_path.rpartition(".")
     try:
-        cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError):
+        cls = import_class(class_path)
+    except ImportError:
         return class_path
     return f"{cls.__module__}.{cls.__qualname__}"

@@ -11,6 +11,10 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
+TRAINER_STRATEGY_KEY = "trainer.strategy"
+"""The run's strategy: a Lightning registry name (``ddp``) or a ``class_path``/``init_args`` mapping.
+Errors about the strategy as a whole name it; only ``lit_ablate.run_config`` reads it from a config."""
+
 
 def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
     """Set ``key`` in ``tree`` in place, creating the mappings on the way; the value is copied."""

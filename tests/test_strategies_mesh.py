@@ -10,6 +10,7 @@ import pytest
 from lit_ablate.commands.export import export_main
 from lit_ablate.data import LMDataModule, SyntheticText
 from lit_ablate.errors import ConfigError
+from lit_ablate.mesh_sizes import resolve_mesh_sizes
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.modules import CausalLM
@@ -25,7 +26,6 @@ from lit_ablate.strategies import (
 from lit_ablate.strategies.fsdp2 import FullyShardSteps
 from lit_ablate.strategies.gpu_only import check_gpu_only_options
 from lit_ablate.strategies.interface import state_sharding_of
-from lit_ablate.strategies.mesh import resolve_mesh_sizes
 from lit_ablate.strategies.state_sharding import StateSharding
 from tests.distributed import run_ranks
 

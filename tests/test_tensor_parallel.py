@@ -33,6 +33,7 @@ from lit_ablate.errors import ConfigError
 from lit_ablate.estimate.flops import count_parameters
 from lit_ablate.estimate.memory import estimate_memory
 from lit_ablate.estimate.shapes import TrainingShape, model_shape
+from lit_ablate.mesh_sizes import resolve_mesh_sizes
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.losses.cross_entropy import loss_backend
@@ -45,7 +46,6 @@ from lit_ablate.strategies import (
     TensorParallelStrategy,
 )
 from lit_ablate.strategies.interface import state_sharding_of
-from lit_ablate.strategies.mesh import resolve_mesh_sizes
 from tests.distributed import run_ranks
 from tests.test_step_objective import WEIGHT_MAX_ATOL, WEIGHT_MEAN_ATOL
 from tests.test_strategies_equivalence import PARAM_ATOL, fixed_batch, full_weights, mean_over_ranks, rows_of
@@ -328,7 +328,7 @@ def test_what_tp_cannot_split_is_refused_naming_the_key():
 
 def test_fused_kernel_losses_are_refused():
     """Liger and CCE take the whole LM-head weight (their kernels need CUDA: checked by name here)."""
-    from lit_ablate.strategies.tensor_parallel import check_tensor_parallel_loss
+    from lit_ablate.models.losses.loss_choice import check_tensor_parallel_loss
 
     for backend in ("liger", "cce"):
         with pytest.raises(ConfigError, match="model.init_args.loss.*use loss: chunked"):

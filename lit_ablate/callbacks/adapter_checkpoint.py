@@ -26,6 +26,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
+from lit_ablate.config_keys import TRAINER_STRATEGY_KEY
 from lit_ablate.errors import ConfigError
 
 FINGERPRINT_KEY = "adapter_checkpoint_base_fingerprint"
@@ -54,7 +55,7 @@ class AdapterCheckpoint(Callback):
                               "a sharded (DCP) checkpoint is read back key by key, base included; with "
                               "AdapterCheckpoint set it to false (one file of adapters, gathered on rank 0)")  # fmt: skip
         if isinstance(trainer.strategy, FSDPStrategy):
-            raise ConfigError("trainer.strategy", type(trainer.strategy).__name__,
+            raise ConfigError(TRAINER_STRATEGY_KEY, type(trainer.strategy).__name__,
                               "AdapterCheckpoint is not built for FSDP1 (its flat parameters hold pieces of the frozen "
                               "weights, which the base fingerprint would need to gather); use FSDP2Strategy or DDP")  # fmt: skip
         pl_module.strict_loading = False  # the base's weights are absent from the checkpoint by design

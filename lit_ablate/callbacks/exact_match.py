@@ -20,6 +20,7 @@ from torch import Tensor
 from torchmetrics.classification import MulticlassExactMatch
 
 from lit_ablate.callbacks.step_monitor import StepMonitor
+from lit_ablate.config_keys import TRAINER_STRATEGY_KEY
 from lit_ablate.data.formats import Example, build_examples
 from lit_ablate.data.sources import DataSource
 from lit_ablate.errors import ConfigError
@@ -175,5 +176,5 @@ def _check_can_generate(trainer: Trainer, pl_module: LightningModule) -> None:
         raise ConfigError("model", type(pl_module).__name__,
                           "ExactMatchEvaluator generates with a causal LM module: use lit_ablate.modules.CausalLM")
     if any(isinstance(m, FullyShardedDataParallel) for m in trainer.strategy.model.modules()):
-        raise ConfigError("trainer.strategy", type(trainer.strategy).__name__,
+        raise ConfigError(TRAINER_STRATEGY_KEY, type(trainer.strategy).__name__,
                           "ExactMatchEvaluator cannot generate under FSDP1; use FSDP2Strategy, DDP or one process")

@@ -38,6 +38,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
+from lit_ablate.config_keys import TRAINER_STRATEGY_KEY
 from lit_ablate.errors import ConfigError
 from lit_ablate.strategies.interface import interface_of
 
@@ -104,7 +105,7 @@ class StepObjective:
             if p.grad is not None:
                 grads.append(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
         if trainable and not grads:
-            raise ConfigError("trainer.strategy", type(strategy).__name__,
+            raise ConfigError(TRAINER_STRATEGY_KEY, type(strategy).__name__,
                               "lit-ablate rescales each step's gradients to the global token mean after backward, and "
                               "this strategy keeps gradients outside param.grad (e.g. DeepSpeed); use DDPStrategy, "
                               "ZeRO1Strategy, FSDP1Strategy or FSDP2Strategy")

@@ -12,10 +12,11 @@ Configs select them by ``class_path`` (``lit_ablate.strategies.FSDP2Strategy``);
 subclasses one and overrides one ``apply_*`` step.
 """
 
+from lit_ablate.mesh_sizes import MESH_DIMS, MeshSizes, resolve_mesh_sizes
 from lit_ablate.strategies.ddp import DDPStrategy
 from lit_ablate.strategies.fsdp1 import FSDP1Strategy
 from lit_ablate.strategies.interface import StrategyInterface, interface_of
-from lit_ablate.strategies.mesh import MESH_DIMS, MeshStrategy, decoder_layers, resolve_mesh_sizes
+from lit_ablate.strategies.mesh import MeshStrategy, decoder_layers
 from lit_ablate.strategies.mesh_parallel import MeshParallelStrategy
 from lit_ablate.strategies.pipeline_parallel import PipelineParallelStrategy
 from lit_ablate.strategies.presets import (
@@ -41,6 +42,7 @@ __all__ = [
     "HSDPStrategy",
     "MESH_DIMS",
     "MeshParallelStrategy",
+    "MeshSizes",
     "MeshStrategy",
     "PipelineParallelStrategy",
     "StrategyInterface",

@@ -9,6 +9,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from lit_ablate.config_keys import TRAINER_STRATEGY_KEY
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.attention.block_kernels import (
     BLOCK_KERNELS,
@@ -90,14 +91,14 @@ class ContextParallelSteps(FullyShardSteps):
         self._cp_kernels: list[BlockKernel] = []
 
     def setup_environment(self) -> None:
-        if self.requested_mesh_sizes["cp"] != 1:
+        if self.requested_mesh_sizes.cp != 1:
             block_kernel(self.cp_block_kernel, self.root_device)  # refused here, before any work
         super().setup_environment()
 
     @property
     def splits_sequences(self) -> bool:
         """Whether the context-parallel step is on (``cp > 1``): it shards batches and switches attention."""
-        return self.mesh_sizes.get("cp", 1) > 1
+        return self.mesh_sizes is not None and self.mesh_sizes.cp > 1
 
     @property
     def layout(self) -> SequenceLayout:
@@ -147,13 +148,13 @@ class ContextParallelSteps(FullyShardSteps):
         rank's FLOPs would be divided by ``cp`` twice.
         """
         if not isinstance(batch, dict) or batch.get("input_ids") is None or batch.get("labels") is None:
-            raise ConfigError("trainer.strategy", type(self).__name__,
+            raise ConfigError(TRAINER_STRATEGY_KEY, type(self).__name__,
                               "context parallelism shards batches with input_ids and (already shifted) labels, "
                               "as lit-ablate's collators make them; use another strategy for this module")
         rows, length = batch["input_ids"].shape
         for key, value in batch.items():
             if key not in SEQUENCE_KEYS and torch.is_tensor(value) and value.shape[:2] == (rows, length):
-                raise ConfigError("trainer.strategy", type(self).__name__,
+                raise ConfigError(TRAINER_STRATEGY_KEY, type(self).__name__,
                                   f"the batch has another per-token tensor, {key!r}: a module that reduces per "
                                   "sequence (DPO's sequence log-probs) would see each rank's partial sums; context "
                                   f"parallelism supports language-model batches ({', '.join(SEQUENCE_KEYS)})")

@@ -19,7 +19,7 @@ from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.models.moe.blocks import OPTIONS_KEY, MoEBlock, moe_blocks
 from lit_ablate.models.moe.dispatch import DISPATCH_MODES
 from lit_ablate.strategies.fsdp2 import FullyShardSteps
-from lit_ablate.strategies.mesh import STRATEGY_KEY, resolve_mesh_sizes
+from lit_ablate.strategies.mesh import STRATEGY_KEY
 from lit_ablate.strategies.state_sharding import StateSharding
 
 DispatchMode = Literal["all_to_all", "all_reduce"]
@@ -57,14 +57,14 @@ class ExpertParallelSteps(FullyShardSteps):
         """FSDP2's division of the training state (the experts over ``ep x dp_shard x cp`` ranks hold
         the same share as the dense parameters over those ranks), but a layer gathers only this
         rank's experts, over ``dp_shard x cp``."""
-        sizes = resolve_mesh_sizes(self.requested_mesh_sizes, world_size)
-        if sizes["ep"] == 1:
+        sizes = self.requested_mesh_sizes.resolved(world_size)
+        if sizes.ep == 1:
             return super().state_sharding(world_size)
-        return replace(super().state_sharding(world_size), expert_parallel=sizes["ep"],
-                       expert_shards=sizes["dp_shard"] * sizes["cp"])
+        return replace(super().state_sharding(world_size), expert_parallel=sizes.ep,
+                       expert_shards=sizes.dp_shard * sizes.cp)
 
     def build_mesh(self, device_type: str, world_size: int) -> DeviceMesh:
-        ep = self.requested_mesh_sizes["ep"]
+        ep = self.requested_mesh_sizes.ep
         if ep > world_size:
             raise ConfigError(f"{STRATEGY_KEY}.ep", ep, f"ep cannot exceed the world size ({world_size} ranks = "
                               f"devices x nodes); use ep <= {world_size}, or -1 for all ranks")

@@ -20,7 +20,6 @@ from lit_ablate.strategies.mesh import (
     MeshOptions,
     MeshStrategy,
     decoder_layers,
-    resolve_mesh_sizes,
 )
 from lit_ablate.strategies.state_sharding import StateSharding
 
@@ -86,7 +85,7 @@ class FullyShardSteps(MeshStrategy):
     def state_sharding(self, world_size: int) -> StateSharding:
         """Dense state divided over the shard ranks (x tp); without resharding after forward each
         layer's gathered parameters (divided by tp only) stay from its forward to its backward."""
-        sizes = resolve_mesh_sizes(self.requested_mesh_sizes, world_size)
+        sizes = self.requested_mesh_sizes.resolved(world_size)
         shard = math.prod(sizes[d] for d in FSDP_SHARD_DIMS) * sizes["tp"]
         gathered = None if self.reshard_after_forward else sizes["tp"]
         return StateSharding(params=shard, grads=shard, optimizer=shard, gathered=gathered, fsdp_units=True)

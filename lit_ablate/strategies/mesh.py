@@ -11,11 +11,11 @@ Every lit-ablate parallel strategy stands on one mesh with six named dimensions,
     cp            ranks holding different slices of the same sequences
     tp            ranks holding different slices of each matrix (innermost: fastest links)
 
-The sizes multiply to the world size; one of them may be ``-1`` (the rest). Ranks that differ
-in ``dp_replicate``, ``dp_shard`` or ``ep`` read different batches (the data-parallel group the
-sampler sees); ``pp``, ``cp`` and ``tp`` peers read the same batch. Gradients of dense parameters
-are reduced over ``dp_replicate x dp_shard x ep x cp`` (within one stage), so FSDP shards over
-``dp_shard x ep x cp`` and replicates over ``dp_replicate``.
+The sizes, one ``MeshSizes`` value, multiply to the world size; one of them may be ``-1`` (the
+rest). Ranks that differ in ``dp_replicate``, ``dp_shard`` or ``ep`` read different batches (the
+data-parallel group the sampler sees); ``pp``, ``cp`` and ``tp`` peers read the same batch.
+Gradients of dense parameters are reduced over ``dp_replicate x dp_shard x ep x cp`` (within one
+stage), so FSDP shards over ``dp_shard x ep x cp`` and replicates over ``dp_replicate``.
 
 Parallelism is applied to a model that knows nothing of it, in one order (torchtitan's):
 pipeline split (keep this rank's stage: ``PipelineParallelStrategy``) -> TP -> EP -> CP ->
@@ -39,11 +39,10 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lit_ablate.errors import ConfigError
+from lit_ablate.mesh_sizes import MESH_DIMS, STRATEGY_KEY, MeshSizes
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
 from lit_ablate.strategies.interface import StrategyInterface
 
-MESH_DIMS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
-"""The mesh dimensions, outermost first."""
 DATA_PARALLEL_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "ep")
 """Ranks that differ in these dimensions read different batches."""
 FSDP_SHARD_DIMS: tuple[str, ...] = ("dp_shard", "ep", "cp")
@@ -51,7 +50,6 @@ FSDP_SHARD_DIMS: tuple[str, ...] = ("dp_shard", "ep", "cp")
 GRADIENT_MEAN_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "ep", "cp")
 """A parameter's gradient is the mean over these ranks: every dimension but its stage (``pp``) and
 its tensor-parallel slice (``tp``), whose ranks hold other parameters or other slices of them."""
-STRATEGY_KEY = "trainer.strategy.init_args"
 
 ActivationCheckpointing = Literal["none", "full", "selective"]
 
@@ -67,50 +65,6 @@ class MeshOptions(TypedDict, total=False):
     save_distributed_checkpoint: bool
     process_group_backend: str | None
     timeout_s: float
-
-
-def check_mesh_sizes(sizes: Mapping[str, int]) -> None:
-    """Each size is a positive integer or ``-1``, and at most one is ``-1``."""
-    for dim, size in sizes.items():
-        if not isinstance(size, int) or (size < 1 and size != -1):
-            raise ConfigError(f"{STRATEGY_KEY}.{dim}", size, "use a positive integer, or -1 for 'the rest of the ranks'")
-    if sum(size == -1 for size in sizes.values()) > 1:
-        raise ConfigError(STRATEGY_KEY, dict(sizes), "at most one mesh size may be -1 (the rest); give the others explicitly")
-
-
-def resolve_mesh_sizes(sizes: Mapping[str, int], world_size: int) -> dict[str, int]:
-    """The sizes of all of ``MESH_DIMS`` with ``-1`` replaced by the rest; they multiply to ``world_size``.
-
-    Dimensions missing from ``sizes`` have size 1. Raises ``ConfigError`` naming a size larger than
-    the world size, or the sizes and the world size when they cannot multiply to it.
-    """
-    check_mesh_sizes(sizes)
-    resolved = {dim: int(sizes.get(dim, 1)) for dim in MESH_DIMS}
-    for dim, size in resolved.items():  # named on its own: "the sizes multiply to 8" hides which one is wrong
-        if size > world_size:
-            raise ConfigError(f"{STRATEGY_KEY}.{dim}", size, f"{dim} cannot exceed the world size ({world_size} ranks = "
-                              f"devices x nodes); use {dim} <= {world_size}, or -1 for the ranks the others leave")
-    known = math.prod(size for size in resolved.values() if size != -1)
-    rest = [dim for dim, size in resolved.items() if size == -1]
-    if rest:
-        if world_size % known:
-            raise ConfigError(
-                f"{STRATEGY_KEY}.{rest[0]}", -1,
-                f"the other mesh sizes {_shown(resolved)} multiply to {known}, which does not divide the world size "
-                f"{world_size}; change them or the number of devices",
-            )
-        resolved[rest[0]] = world_size // known
-    if math.prod(resolved.values()) != world_size:
-        raise ConfigError(
-            STRATEGY_KEY, _shown(resolved),
-            f"the mesh sizes multiply to {math.prod(resolved.values())} but the world size (devices x nodes) is "
-            f"{world_size}; make them multiply to {world_size}, or set one of them to -1",
-        )
-    return resolved
-
-
-def _shown(sizes: Mapping[str, int]) -> dict[str, int]:
-    return {dim: size for dim, size in sizes.items() if size != 1}
 
 
 class MeshStrategy(ModelParallelStrategy, StrategyInterface):
@@ -167,10 +121,8 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
             process_group_backend=process_group_backend,
             timeout=timedelta(seconds=timeout_s),
         )
-        self.requested_mesh_sizes = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "ep": ep, "cp": cp,
-                                     "tp": tp}
-        check_mesh_sizes(self.requested_mesh_sizes)
-        self._check_steps_implemented({dim: size for dim, size in self.requested_mesh_sizes.items() if size > 1})
+        self.requested_mesh_sizes = MeshSizes(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, cp=cp, tp=tp)
+        self._check_steps_implemented(self.requested_mesh_sizes)
         if activation_checkpointing not in ("none", "full", "selective"):
             raise ConfigError(f"{STRATEGY_KEY}.activation_checkpointing", activation_checkpointing,
                               "choose none, full or selective")
@@ -179,18 +131,17 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
         self.activation_checkpointing = activation_checkpointing
         self.checkpoint_every = checkpoint_every
         self.compile_layers = compile_layers
-        self.mesh_sizes: dict[str, int] = {}
+        self.mesh_sizes: MeshSizes | None = None
+        """``requested_mesh_sizes`` resolved against the world size, once the mesh is built."""
         self._fsdp_mesh: DeviceMesh | None = None
         self._gradient_mean_mesh: DeviceMesh | None = None
 
     # ---------------------------------------------------------------- the mesh
     def build_mesh(self, device_type: str, world_size: int) -> DeviceMesh:
         """Resolve the sizes against ``world_size`` and build the named mesh (all ranks call it)."""
-        self.mesh_sizes = resolve_mesh_sizes(self.requested_mesh_sizes, world_size)
+        self.mesh_sizes = self.requested_mesh_sizes.resolved(world_size)
         self._check_steps_implemented(self.mesh_sizes)
-        self._device_mesh = init_device_mesh(
-            device_type, tuple(self.mesh_sizes[d] for d in MESH_DIMS), mesh_dim_names=MESH_DIMS
-        )
+        self._device_mesh = init_device_mesh(device_type, tuple(self.mesh_sizes.values()), mesh_dim_names=MESH_DIMS)
         self._fsdp_mesh = self.sharding_mesh(FSDP_SHARD_DIMS)
         if self.mesh_sizes["tp"] > 1 or self.mesh_sizes["pp"] > 1:  # all ranks create the flattened group together
             self._gradient_mean_mesh = self._device_mesh[GRADIENT_MEAN_DIMS]._flatten("dp_cp")
@@ -262,9 +213,9 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
         """What ``DistributedSampler`` needs: tensor- and context-parallel peers read the same batch."""
         return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
 
-    def _check_steps_implemented(self, sizes: Mapping[str, int]) -> None:
+    def _check_steps_implemented(self, sizes: MeshSizes) -> None:
         for dim, step in (("pp", "apply_pp"), ("tp", "apply_tp"), ("ep", "apply_ep"), ("cp", "apply_cp")):
-            if sizes.get(dim, 1) > 1 and getattr(type(self), step) is getattr(MeshStrategy, step):
+            if sizes[dim] > 1 and getattr(type(self), step) is getattr(MeshStrategy, step):
                 other = ("class_path lit_ablate.strategies.PipelineParallelStrategy (pipeline stages with every other "
                          "dimension)" if dim == "pp" else "a strategy that implements it")
                 raise ConfigError(f"{STRATEGY_KEY}.{dim}", sizes[dim],

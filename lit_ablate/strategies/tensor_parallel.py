@@ -20,11 +20,12 @@ from torch.optim import Optimizer
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
 from lit_ablate.models.fp8.conversion import is_fp8, precompute_fp8_scales
-from lit_ablate.models.losses.cross_entropy import LOSS_KEY, OPTIONS_KEY, ChunkedCrossEntropy, TorchCrossEntropy
+from lit_ablate.models.losses.cross_entropy import ChunkedCrossEntropy, TorchCrossEntropy
+from lit_ablate.models.losses.loss_choice import LossChoice
 from lit_ablate.models.losses.vocabulary_parallel_chunked import vocabulary_parallel_chunked_cross_entropy
 from lit_ablate.strategies.expert_parallel import clip_grad_norm_across_meshes
 from lit_ablate.strategies.fsdp2 import FullyShardSteps
-from lit_ablate.strategies.mesh import STRATEGY_KEY, resolve_mesh_sizes
+from lit_ablate.strategies.mesh import STRATEGY_KEY
 from lit_ablate.strategies.state_sharding import StateSharding
 from lit_ablate.strategies.tensor_parallel_plans import Plan, layer_plan_for, root_plan
 
@@ -100,7 +101,7 @@ class TensorParallelSteps(FullyShardSteps):
         """FSDP2's division over ``dp_shard x ep x cp x tp``, except for routed experts: the plan keeps
         MoE blocks whole, so ``tp`` does not divide them."""
         sharding = super().state_sharding(world_size)
-        tp = resolve_mesh_sizes(self.requested_mesh_sizes, world_size)["tp"]
+        tp = self.requested_mesh_sizes.resolved(world_size).tp
         if tp == 1:
             return sharding
         return replace(sharding, expert_shards=sharding.params // (tp * sharding.expert_parallel))
@@ -128,9 +129,7 @@ class TensorParallelSteps(FullyShardSteps):
             value = getattr(config, name)
             if value % tp:
                 raise ConfigError(f"{STRATEGY_KEY}.tp", tp, f"the model's {name} is {value}; use a tp that divides it")
-        loss = model.loss_fn
-        names = {TorchCrossEntropy: "torch", ChunkedCrossEntropy: "chunked"}
-        check_tensor_parallel_loss(names.get(type(loss), type(loss).__name__), getattr(loss, "z_loss_weight", 0.0))
+        LossChoice.of_backend(model.loss_fn).check_tensor_parallel()
         if model.lm.get_output_embeddings().bias is not None:
             raise ConfigError("model", type(model.lm).__name__, "an LM head with a bias is not split yet; use tp: 1")
 
@@ -179,7 +178,7 @@ class TensorParallelSteps(FullyShardSteps):
     @contextmanager
     def vocabulary_parallel_loss(self) -> Iterator[None]:
         """Within: cross-entropy on vocabulary-sharded logits reduces over ``tp`` (forward and backward)."""
-        if self.mesh_sizes.get("tp", 1) == 1:
+        if self.mesh_sizes is None or self.mesh_sizes.tp == 1:
             yield
             return
         with loss_parallel():
@@ -214,18 +213,6 @@ class TensorParallelSteps(FullyShardSteps):
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         clip_grad_norm_across_meshes((p for group in optimizer.param_groups for p in group["params"]), clip_val)
-
-
-def check_tensor_parallel_loss(loss: str, z_loss_weight: float = 0.0) -> None:
-    """Only ``torch`` (without z-loss) and ``chunked`` compute on a vocabulary-sharded LM head. Raises
-    ``ConfigError`` naming the key (also the ablation runner's up-front check, ``compatibility``)."""
-    if loss not in ("torch", "chunked"):
-        raise ConfigError(LOSS_KEY, loss, "tensor parallelism computes the loss on a vocabulary-sharded LM head, "
-                          "which only the 'torch' and 'chunked' backends do; use loss: chunked or loss: torch")
-    if loss == "torch" and z_loss_weight:
-        raise ConfigError(f"{OPTIONS_KEY}.z_loss_weight", z_loss_weight,
-                          "z-loss needs the log-sum-exp over the whole vocabulary, which the 'torch' backend's "
-                          "loss_parallel never gathers; use loss: chunked (it all-reduces it) or 0")
 
 
 def split_vocabulary_loss(loss: TorchCrossEntropy | ChunkedCrossEntropy, mesh: DeviceMesh) -> Any:

@@ -1,0 +1,395 @@
+"""``RunConfig``: one run config, read once, as typed values.
+
+LightningCLI (jsonargparse) parses and types a ``fit`` config into ``class_path``/``init_args``
+sections. What the compatibility rules, ``lit-ablate fit``'s preflight, the estimator and the study
+planner then need to know about the run (its strategy and mesh sizes, the loss and its options,
+precision and dtype, fp8, quantisation, the collator and data format, devices and nodes, the
+model's section) is read from that dict here, into the values below, and nowhere else: no other
+module digs in the dict by dotted key or builds a strategy to learn a size.
+
+A config read here may be one ``lit-ablate fit`` resolved (every default filled in), a study
+variant's merged YAML before it is resolved, or a run record's: what it leaves out reads as the
+default the named class takes (``ClassChoice.option``). Classes (and torch) are imported on first use,
+so ``RunConfig.of`` is cheap and a study spec can read it; a ``class_path`` that does not import reads as no class (the run reports
+it itself when it builds).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+from lit_ablate.class_paths import import_class
+from lit_ablate.config_keys import get_dotted
+from lit_ablate.errors import ConfigError
+from lit_ablate.mesh_sizes import MESH_DIMS, MeshSizes
+
+if TYPE_CHECKING:
+    from lightning.pytorch.strategies import Strategy
+
+    from lit_ablate.models.adapters.quantization import QuantizationOptions
+    from lit_ablate.models.factory import ModelFactory
+    from lit_ablate.models.fp8.conversion import Fp8Options
+    from lit_ablate.models.losses.loss_choice import LossChoice
+
+MISSING: Any = object()
+"""An argument that neither the config nor the class gives a value."""
+MODEL_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def class_default(cls: type, name: str) -> Any:
+    """The default ``cls(...)`` takes for argument ``name``: that of the first ``__init__`` in its MRO that
+    names it (a preset passes what it does not name on to its base), or ``MISSING``."""
+    for klass in getattr(cls, "__mro__", ()):
+        init = vars(klass).get("__init__")
+        if init is None:
+            continue
+        try:
+            parameter = inspect.signature(init).parameters.get(name)
+        except (TypeError, ValueError):  # a builtin's __init__ without a signature
+            continue
+        if parameter is not None and parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            return MISSING if parameter.default is inspect.Parameter.empty else parameter.default
+    return MISSING
+
+
+@dataclass(frozen=True)
+class ClassChoice:
+    """A ``class_path``/``init_args`` section: the class a config names and the arguments it gives it."""
+
+    class_path: str
+    init_args: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, section: Any) -> ClassChoice | None:
+        """The section as a choice; None when it is not a ``class_path`` mapping."""
+        if not isinstance(section, Mapping) or not isinstance(section.get("class_path"), str):
+            return None
+        return cls(section["class_path"], dict(section.get("init_args") or {}))
+
+    @property
+    def name(self) -> str:
+        """The class's own name (the last segment of its path)."""
+        return self.class_path.rsplit(".", 1)[-1]
+
+    @property
+    def section(self) -> dict[str, Any]:
+        """The ``class_path``/``init_args`` mapping it was read from."""
+        return {"class_path": self.class_path, "init_args": dict(self.init_args)}
+
+    @cached_property
+    def cls(self) -> Any:
+        """What ``class_path`` names, or None when it does not import."""
+        try:
+            return import_class(self.class_path)
+        except ImportError:
+            return None
+
+    def is_a(self, base: type) -> bool:
+        """Whether the class is ``base`` or a subclass of it (research code's subclasses included)."""
+        return isinstance(self.cls, type) and issubclass(self.cls, base)
+
+    def option(self, name: str, default: Any = None) -> Any:
+        """Argument ``name``: as ``init_args`` gives it, else the class's default, else ``default``."""
+        if name in self.init_args:
+            return self.init_args[name]
+        value = class_default(self.cls, name) if isinstance(self.cls, type) else MISSING
+        return default if value is MISSING else value
+
+
+@dataclass(frozen=True)
+class StrategyChoice:
+    """``trainer.strategy``: a Lightning registry name (``auto``, ``ddp``, ``fsdp``) or a class section."""
+
+    configured: Any = "auto"
+    """As the config gives it: the name, or the ``class_path``/``init_args`` mapping."""
+
+    @cached_property
+    def section(self) -> ClassChoice | None:
+        """The ``class_path`` section; None for a registry name."""
+        return ClassChoice.of(self.configured)
+
+    @property
+    def name(self) -> str:
+        """The registry name or the ``class_path``."""
+        section = self.section
+        return section.class_path if section else str(self.configured)
+
+    @property
+    def short_name(self) -> str:
+        """The registry name or the class's own name (how a table names the strategy)."""
+        section = self.section
+        return section.name if section else str(self.configured)
+
+    @property
+    def options(self) -> Mapping[str, Any]:
+        """``init_args`` as the config gives them (empty for a name)."""
+        section = self.section
+        return section.init_args if section else {}
+
+    @cached_property
+    def cls(self) -> type | None:
+        """The strategy class: a section's ``class_path`` or a registered name's class (None for ``auto``,
+        an unknown name or a path that does not import: the run reports those itself)."""
+        section = self.section
+        if section is not None:
+            return section.cls if isinstance(section.cls, type) else None
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        return StrategyRegistry[self.configured]["strategy"] if self.configured in StrategyRegistry else None
+
+    def is_a(self, base: type) -> bool:
+        return isinstance(self.cls, type) and issubclass(self.cls, base)
+
+    def option(self, name: str, default: Any = None) -> Any:
+        """Option ``name``: as ``init_args`` gives it, else the class's default, else ``default``."""
+        section = self.section
+        return section.option(name, default) if section else default
+
+    @cached_property
+    def requested_mesh_sizes(self) -> MeshSizes | None:
+        """The mesh sizes a mesh strategy is built with (what its ``requested_mesh_sizes`` will be: each
+        given in ``init_args``, else the class's default, else 1); None for a strategy without a mesh.
+        Raises ``ConfigError`` for sizes no mesh takes (0, two ``-1``)."""
+        from lit_ablate.strategies.mesh import MeshStrategy
+
+        if not self.is_a(MeshStrategy):
+            return None
+        sizes = {}
+        for dim in MESH_DIMS:
+            size = self.options.get(dim)
+            if size is None:
+                size = class_default(self.cls, dim)
+            sizes[dim] = 1 if size is MISSING else size
+        return MeshSizes(**sizes)
+
+    def mesh_size(self, dim: str, world_size: int) -> int:
+        """The size of mesh dimension ``dim`` on ``world_size`` ranks (a ``-1`` resolved as the strategy
+        resolves it); 1 for a dimension the strategy leaves at 1 or a strategy without a mesh."""
+        sizes = self.requested_mesh_sizes
+        if sizes is None or sizes[dim] == 1:
+            return 1
+        return sizes.resolved(world_size)[dim]
+
+    def build(self) -> Strategy | str:
+        """The strategy a ``Trainer`` would get: a section instantiated (which validates its options), a name as is."""
+        if self.section is None:
+            return self.configured
+        from lightning.pytorch.cli import instantiate_class
+
+        return instantiate_class((), dict(self.configured))
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    """``trainer``: where and how the run runs, as the config gives it (``None``: left to Lightning)."""
+
+    accelerator: str | None = None
+    devices: Any = None
+    """As given: a count, a digit string (``--trainer.devices 2``), a list of device ids or ``auto``."""
+    num_nodes: Any = None
+    precision: str = "32-true"
+    accumulate_grad_batches: Any = None
+    max_steps: Any = None
+    default_root_dir: str | None = None
+    strategy: StrategyChoice = field(default_factory=StrategyChoice)
+
+    @classmethod
+    def of(cls, trainer: Mapping[str, Any]) -> TrainerSettings:
+        """The ``trainer`` section of a config."""
+        return cls(
+            accelerator=trainer.get("accelerator"),
+            devices=trainer.get("devices"),
+            num_nodes=trainer.get("num_nodes"),
+            precision=str(trainer.get("precision") or "32-true"),
+            accumulate_grad_batches=trainer.get("accumulate_grad_batches"),
+            max_steps=trainer.get("max_steps"),
+            default_root_dir=trainer.get("default_root_dir"),
+            strategy=StrategyChoice(trainer.get("strategy") or "auto"),
+        )
+
+    @property
+    def accelerator_name(self) -> str:
+        """The accelerator, ``auto`` when the config leaves it unset (Lightning's default)."""
+        return self.accelerator or "auto"
+
+    @property
+    def devices_per_node(self) -> int | None:
+        """The devices per node when the config counts them (a number, a digit string, a list of ids);
+        None when Lightning counts them itself (``auto``)."""
+        devices = self.devices
+        if isinstance(devices, str) and devices.strip().isdigit():
+            return int(devices)
+        if isinstance(devices, list):
+            return len(devices)
+        return devices if isinstance(devices, int) and not isinstance(devices, bool) else None
+
+    @property
+    def nodes(self) -> int:
+        return int(self.num_nodes or 1)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks: devices per node (``auto`` counts as 1) x nodes."""
+        return (self.devices_per_node or 1) * self.nodes
+
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches per optimizer step (``accumulate_grad_batches``; 1 when unset)."""
+        return int(self.accumulate_grad_batches or 1)
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """``model``: the LightningModule (``CausalLM``, ``DPO`` or a subclass) and what it builds and trains with."""
+
+    module: ClassChoice = field(default_factory=lambda: ClassChoice(""))
+    """The module's ``class_path`` and its ``init_args``."""
+    factory: Mapping[str, Any] | None = None
+    """``init_args.model``: the ``ModelFactory`` arguments (preset/config/pretrained, dtype, attention,
+    quantisation, fp8, adapter, MoE), as given."""
+
+    @property
+    def loss(self) -> LossChoice:
+        """The loss backend and its options (``init_args.loss``, ``loss_options``)."""
+        from lit_ablate.models.losses.loss_choice import LossChoice
+
+        return LossChoice(self.module.init_args.get("loss") or "torch", dict(self.module.init_args.get("loss_options") or {}))
+
+    @property
+    def optimizer(self) -> str | None:
+        """``init_args.optimizer``: the module's own optimizer name (None: its default)."""
+        return self.module.init_args.get("optimizer")
+
+    def option(self, name: str, default: Any = None) -> Any:
+        """The module's argument ``name`` (``reference``, ``logprobs``, ...), with its class's default."""
+        return self.module.option(name, default)
+
+    def _factory_value(self, name: str, default: Any = None) -> Any:
+        value = (self.factory or {}).get(name)
+        return default if value is None else value
+
+    @property
+    def dtype(self) -> str:
+        """The parameters' dtype (``init_args.model.dtype``)."""
+        return str(self._factory_value("dtype", "float32"))
+
+    @property
+    def attention(self) -> str:
+        """The attention backend (``init_args.model.attn_implementation``)."""
+        return str(self._factory_value("attn_implementation", "sdpa"))
+
+    @property
+    def quantization_section(self) -> Any:
+        return (self.factory or {}).get("quantization")
+
+    @property
+    def fp8_section(self) -> Any:
+        return (self.factory or {}).get("fp8")
+
+    @cached_property
+    def quantization(self) -> QuantizationOptions | None:
+        """The base weights' quantisation; None when absent or malformed (the run's own error when it builds)."""
+        from lit_ablate.models.adapters.quantization import QuantizationOptions
+
+        return _options(self.quantization_section, QuantizationOptions)
+
+    @cached_property
+    def fp8(self) -> Fp8Options | None:
+        """fp8 training; None when absent or malformed (the run's own error when it builds)."""
+        from lit_ablate.models.fp8.conversion import Fp8Options
+
+        return _options(self.fp8_section, Fp8Options)
+
+    def build_factory(self) -> ModelFactory:
+        """The ``ModelFactory`` of ``init_args.model`` (which validates it); ``ConfigError`` when there is none."""
+        from lit_ablate.models.factory import ModelFactory
+
+        if not isinstance(self.factory, Mapping):
+            raise ConfigError("model.init_args.model", self.factory, "give the model to build: preset, config or pretrained")
+        return ModelFactory(**self.factory)
+
+
+def _options(section: Any, options_class: type) -> Any:
+    if not isinstance(section, Mapping):
+        return None
+    try:
+        return options_class(**section)
+    except (ConfigError, TypeError):
+        return None
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """``data``: the data module's batch shape, format and collator, as given."""
+
+    batch_size: Any = None
+    seq_len: Any = None
+    format: str | None = None
+    collator: ClassChoice | None = None
+
+    @classmethod
+    def of(cls, data: Any) -> DataSettings:
+        init_args = (data.get("init_args") or {}) if isinstance(data, Mapping) else {}
+        return cls(init_args.get("batch_size"), init_args.get("seq_len"), init_args.get("format"),
+                   ClassChoice.of(init_args.get("collator")))
+
+    @property
+    def packs_preference_pairs(self) -> bool:
+        """Whether the collator packs preference pairs into rows (``PreferencePackingCollator``)."""
+        return self.collator is not None and self.collator.class_path.endswith("PreferencePackingCollator")
+
+
+@dataclass(frozen=True, eq=False)
+class RunConfig(Mapping[str, Any]):
+    """A run config read once: its typed parts, and the config itself as a read-only mapping (what a
+    run record keeps)."""
+
+    resolved: Mapping[str, Any]
+    trainer: TrainerSettings
+    model: ModelSettings
+    data: DataSettings
+    optimizer: ClassChoice | None
+    """LightningCLI's own ``optimizer:`` section, when the config has one."""
+    record_path: str | None
+    """``recorder.path``: where the run record goes."""
+
+    @classmethod
+    def of(cls, config: RunConfig | Mapping[str, Any]) -> RunConfig:
+        """The view of ``config`` (a dict, a jsonargparse ``Namespace`` or already a view)."""
+        if isinstance(config, RunConfig):
+            return config
+        tree = config.as_dict() if hasattr(config, "as_dict") else dict(config)
+        module = ClassChoice.of(get_dotted(tree, "model")) or ClassChoice(
+            "", dict(get_dotted(tree, "model.init_args") or {}))  # a bare model section (tests, partial configs)
+        return cls(
+            resolved=tree,
+            trainer=TrainerSettings.of(get_dotted(tree, "trainer") or {}),
+            model=ModelSettings(module, get_dotted(tree, "model.init_args.model")),
+            data=DataSettings.of(get_dotted(tree, "data")),
+            optimizer=ClassChoice.of(get_dotted(tree, "optimizer")),
+            record_path=get_dotted(tree, "recorder.path"),
+        )
+
+    def __getitem__(self, key: str) -> Any:
+        return self.resolved[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.resolved)
+
+    def __len__(self) -> int:
+        return len(self.resolved)
+
+    @property
+    def compute_dtype(self) -> str | None:
+        """The dtype the model computes in (what the loss's hidden states are): the 16-bit precision if
+        one is set, else the parameter dtype (None for a dtype the run itself refuses)."""
+        precision = self.trainer.precision
+        if precision.startswith("bf16"):
+            return "bfloat16"
+        if precision.startswith("16"):
+            return "float16"
+        return self.model.dtype if self.model.dtype in MODEL_DTYPES else None
