@@ -1,30 +1,35 @@
 """Which run configurations cannot run here, decided before anything is launched.
 
-One registry of rules, each ``(resolved_config, launch) -> reason | None``: a GPU-only kernel on
-CPU, flash-attn not installed, more GPUs than exist or far more CPU ranks than cores, a strategy
-that refuses this accelerator.
-The ablation runner marks a variant that breaks a rule ``skipped: <reason>`` instead of spending
-minutes on a run that can only crash; parts themselves never check which other part is active.
-Add a rule by writing one function and listing it in ``RULES``.
+One registry of rules, each ``(run config, launch) -> Refusal | None``: a GPU-only kernel on CPU,
+flash-attn not installed, more GPUs than exist or far more CPU ranks than cores, a strategy that
+refuses this accelerator. A rule reads the run's typed view (``lit_ablate.run_config.RunConfig``,
+built once by ``incompatibility`` or ``lit-ablate fit``'s preflight) and returns a ``Refusal``: the
+config key, its value and the fix. The ablation runner marks a variant that breaks a rule
+``skipped: <refusal>`` instead of spending minutes on a run that can only crash, and ``fit`` raises
+it as a ``ConfigError``; parts themselves never check which other part is active.
+Add a rule by writing one function (``@rule``) and listing it in ``RULES``.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from types import ModuleType
 from typing import Any, Protocol
 
 import torch
 
-from lit_ablate.config_keys import get_dotted
-from lit_ablate.errors import ConfigError
+from lit_ablate.config_keys import TRAINER_STRATEGY_KEY
+from lit_ablate.errors import ConfigError, Refusal
 from lit_ablate.models.adapters.quantization import OPTIONS_KEY as QUANTIZATION_KEY
 from lit_ablate.models.adapters.quantization import QuantizationOptions
 from lit_ablate.models.fp8.conversion import OPTIONS_KEY as FP8_KEY
 from lit_ablate.models.fp8.conversion import Fp8Options
+from lit_ablate.run_config import RunConfig, TrainerSettings
 
 log = logging.getLogger(__name__)
 
@@ -45,26 +50,53 @@ class LaunchLike(Protocol):
     accelerator: str | None
 
 
-Rule = Callable[[Mapping[str, Any], LaunchLike], str | None]
+Rule = Callable[[RunConfig | Mapping[str, Any], LaunchLike], Refusal | None]
 
 
-def _on_gpu(config: Mapping[str, Any], launch: LaunchLike) -> bool:
-    accelerator = launch.accelerator or get_dotted(config, "trainer.accelerator", "auto")
+def rule(judge: Callable[[RunConfig, LaunchLike], Refusal | None]) -> Rule:
+    """A rule judges the run's view; given a plain config (a test, a script) it judges the view of it."""
+
+    @functools.wraps(judge)
+    def judged(config: RunConfig | Mapping[str, Any], launch: LaunchLike) -> Refusal | None:
+        return judge(RunConfig.of(config), launch)
+
+    return judged
+
+
+def _on_gpu(run: RunConfig, launch: LaunchLike) -> bool:
+    accelerator = launch.accelerator or run.trainer.accelerator_name
     return accelerator in GPU_ACCELERATORS or (accelerator == "auto" and torch.cuda.is_available())
 
 
-def accelerator_present(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
+def _device_type(run: RunConfig, launch: LaunchLike) -> str:
+    return "cuda" if _on_gpu(run, launch) else "cpu"
+
+
+def _requested_size(run: RunConfig, dim: str) -> int:
+    """The size the config asks of mesh dimension ``dim`` (``-1``: the ranks the others leave); 1 for a
+    strategy without a mesh, or for sizes no mesh takes (the run's own error, reported when it builds)."""
+    try:
+        sizes = run.trainer.strategy.requested_mesh_sizes
+    except ConfigError:
+        return 1
+    return 1 if sizes is None else sizes[dim]
+
+
+@rule
+def accelerator_present(run: RunConfig, launch: LaunchLike) -> Refusal | None:
     """A GPU accelerator needs a visible CUDA device."""
-    accelerator = launch.accelerator or get_dotted(config, "trainer.accelerator", "auto")
+    accelerator = launch.accelerator or run.trainer.accelerator_name
     if accelerator in GPU_ACCELERATORS and not torch.cuda.is_available():
-        return f"trainer.accelerator={accelerator} but no CUDA device is visible here"
+        return Refusal("trainer.accelerator", accelerator, "no CUDA device is visible here", shown=accelerator)
     return None
 
 
-def enough_devices(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
+@rule
+def enough_devices(run: RunConfig, launch: LaunchLike) -> Refusal | None:
     """GPU runs need as many devices per node as they ask for (CPU ranks: ``cpu_ranks_fit``)."""
-    if _on_gpu(config, launch) and launch.devices is not None and launch.devices > torch.cuda.device_count():
-        return f"needs {launch.devices} GPUs per node, {torch.cuda.device_count()} visible"
+    if _on_gpu(run, launch) and launch.devices is not None and launch.devices > torch.cuda.device_count():
+        return Refusal("trainer.devices", launch.devices,
+                       f"needs {launch.devices} GPUs per node, {torch.cuda.device_count()} visible")
     return None
 
 
@@ -73,20 +105,19 @@ def usable_cpu_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def check_cpu_ranks(trainer: Mapping[str, Any], cores: int | None = None) -> None:
+def check_cpu_ranks(trainer: TrainerSettings | Mapping[str, Any], cores: int | None = None) -> None:
     """Refuse a CPU run with more ranks per node than ``CPU_RANKS_PER_CORE`` x the usable cores.
 
     On CPU Lightning starts one process per ``trainer.devices``, whatever the core count, and
     every rank must join every collective; far too many ranks do not fail, they hang until a
     timeout. Raises ``ConfigError`` naming ``trainer.devices``, the ranks, the cores and the limit.
-    Used by ``lit-ablate fit`` before any rank starts and, through ``cpu_ranks_fit``, by studies.
+    ``trainer``: the run's ``TrainerSettings`` or its ``trainer`` section. Used by ``lit-ablate fit``
+    before any rank starts and, through ``cpu_ranks_fit``, by studies.
     """
-    accelerator = trainer.get("accelerator") or "auto"
-    devices = trainer.get("devices")
-    if isinstance(devices, str) and devices.strip().isdigit():
-        devices = int(devices)
+    trainer = trainer if isinstance(trainer, TrainerSettings) else TrainerSettings.of(trainer)
+    accelerator, devices = trainer.accelerator_name, trainer.devices_per_node
     on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
-    if not on_cpu or not isinstance(devices, int) or isinstance(devices, bool):
+    if not on_cpu or devices is None:
         return  # GPUs are counted by enough_devices; a malformed value is Lightning's own error
     cores = cores or usable_cpu_cores()
     limit = CPU_RANKS_PER_CORE * cores
@@ -99,57 +130,48 @@ def check_cpu_ranks(trainer: Mapping[str, Any], cores: int | None = None) -> Non
         )  # fmt: skip
 
 
-def cpu_ranks_fit(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
+@rule
+def cpu_ranks_fit(run: RunConfig, launch: LaunchLike) -> Refusal | None:
     """``check_cpu_ranks`` on the run's trainer settings (launch values win, as in the run's config)."""
-    trainer = dict(get_dotted(config, "trainer", {}) or {})
-    trainer.update({k: v for k, v in (("devices", launch.devices), ("accelerator", launch.accelerator)) if v is not None})
-    return _reason(check_cpu_ranks, trainer)
+    launched = {name: value for name, value in (("devices", launch.devices), ("accelerator", launch.accelerator))
+                if value is not None}  # fmt: skip
+    return _refusal(check_cpu_ranks, replace(run.trainer, **launched))
 
 
-def single_node(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
+@rule
+def single_node(run: RunConfig, launch: LaunchLike) -> Refusal | None:
     """The runner starts one node; a multi-node run is launched per node (torchrun) by the user."""
     if launch.num_nodes is not None and launch.num_nodes > 1:
-        return f"num_nodes={launch.num_nodes}: the study runner launches a single node; run each node with torchrun"
+        return Refusal("num_nodes", launch.num_nodes, "the study runner launches a single node; run each node with torchrun")
     return None
 
 
-def strategy_accepts_cpu(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
+@rule
+def strategy_accepts_cpu(run: RunConfig, launch: LaunchLike) -> Refusal | None:
     """Lightning's ``FSDPStrategy`` (FSDP1) refuses the CPU accelerator."""
-    strategy = get_dotted(config, "trainer.strategy")
-    name = strategy.get("class_path") if isinstance(strategy, Mapping) else strategy
-    if name in CPU_REFUSING_STRATEGIES and not _on_gpu(config, launch):
-        return f"trainer.strategy={name} (Lightning FSDP1) refuses CPU; use FSDP2Strategy or run on GPU"
+    strategy = run.trainer.strategy
+    if strategy.name in CPU_REFUSING_STRATEGIES and not _on_gpu(run, launch):
+        return Refusal(TRAINER_STRATEGY_KEY, strategy.configured,
+                       "Lightning's FSDP1 refuses CPU; use FSDP2Strategy or run on GPU", shown=strategy.name)
     return None
 
 
-def loss_backend_available(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
+@rule
+def loss_backend_available(run: RunConfig, launch: LaunchLike) -> Refusal | None:
     """The loss kernel must run here (liger / cce need CUDA and their package, or the Triton
-    interpreter opt-in at fp32/fp16; cce's kernel does not train in float32): ``check_loss_backend``.
+    interpreter opt-in at fp32/fp16; cce's kernel does not train in float32): ``LossChoice.check_runs_here``.
 
     An unknown backend name is not an incompatibility of this machine but the run's own error,
     so it is left to the run (recorded as failed with its message).
     """
-    losses = _helper_module("lit_ablate.models.losses.cross_entropy", ("check_loss_backend", "LOSS_BACKENDS"))
-    name = get_dotted(config, "model.init_args.loss")
-    if losses is None or not isinstance(name, str) or name not in losses.LOSS_BACKENDS:
+    loss = run.model.loss
+    if not loss.registered:
         return None
-    options = get_dotted(config, "model.init_args.loss_options") or {}
-    return _reason(losses.check_loss_backend, name, compute_dtype=_compute_dtype(config), **options)
+    return _refusal(loss.check_runs_here, run.compute_dtype)
 
 
-def _compute_dtype(config: Mapping[str, Any]) -> str | None:
-    """The dtype the loss's hidden states will have: the 16-bit precision if one is set, else the
-    parameter dtype (None for a value the run itself will refuse)."""
-    precision = str(get_dotted(config, "trainer.precision", "32-true"))
-    if precision.startswith("bf16"):
-        return "bfloat16"
-    if precision.startswith("16"):
-        return "float16"
-    dtype = get_dotted(config, "model.init_args.model.dtype", "float32")
-    return dtype if dtype in ("float32", "float16", "bfloat16") else None
-
-
-def attention_backend_available(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
+@rule
+def attention_backend_available(run: RunConfig, launch: LaunchLike) -> Refusal | None:
     """The attention backend must train here (flash-attn installed, flex backward needs CUDA).
 
     As for losses, an unknown name is left to the run's own error.
@@ -158,108 +180,62 @@ def attention_backend_available(config: Mapping[str, Any], launch: LaunchLike) -
         "lit_ablate.models.attention.backends",
         ("check_attention_backend", "TRANSFORMERS_BACKENDS", "TRANSFORMERS_FLASH_BACKENDS", "BACKENDS"),
     )
-    name = get_dotted(config, "model.init_args.model.attn_implementation")
+    name = run.model.attention
     known = () if attention is None else (*attention.TRANSFORMERS_BACKENDS, *attention.TRANSFORMERS_FLASH_BACKENDS,
                                           *attention.BACKENDS)
     if name not in known:
         return None
-    return _reason(attention.check_attention_backend, name, training=True)
+    return _refusal(attention.check_attention_backend, name, training=True)
 
 
-def strategy_options_run_here(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
+@rule
+def strategy_options_run_here(run: RunConfig, launch: LaunchLike) -> Refusal | None:
     """GPU-only strategy options (CPU offload, bf16 gradient compression) need a GPU."""
     from lit_ablate.strategies.gpu_only import check_gpu_only_options
 
-    options = get_dotted(config, "trainer.strategy.init_args")
-    if not isinstance(options, Mapping):
+    strategy = run.trainer.strategy
+    if strategy.section is None:
         return None
-    return _reason(check_gpu_only_options, options, "cuda" if _on_gpu(config, launch) else "cpu")
+    return _refusal(check_gpu_only_options, strategy.options, _device_type(run, launch))
 
 
-def cp_block_kernel_runs_here(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
+@rule
+def cp_block_kernel_runs_here(run: RunConfig, launch: LaunchLike) -> Refusal | None:
     """Context parallelism's block kernel must train here (flash-attn installed, flex on CUDA)."""
     from lit_ablate.models.attention.block_kernels import block_kernel
-    strategy = _strategy_class(config)
-    name = get_dotted(config, "trainer.strategy.init_args.cp_block_kernel", "sdpa")
-    if _configured_size(config, strategy, "cp") == 1:
+
+    if _requested_size(run, "cp") == 1:
         return None
-    return _reason(block_kernel, name, torch.device("cuda" if _on_gpu(config, launch) else "cpu"))
+    name = run.trainer.strategy.option("cp_block_kernel", "sdpa")
+    return _refusal(block_kernel, name, torch.device(_device_type(run, launch)))
 
 
-def _configured_size(config: Mapping[str, Any], strategy: type | None, dim: str) -> int:
-    """The size a config gives mesh dimension ``dim``: its ``init_args`` value, else the strategy's default
-    (a preset's signature: ``cp: -1`` for ``ContextParallelStrategy``); 1 for a strategy without it."""
-    import inspect
-
-    from lit_ablate.strategies.mesh import MeshStrategy
-
-    if strategy is None or not issubclass(strategy, MeshStrategy):
-        return 1
-    parameter = inspect.signature(strategy).parameters.get(dim)
-    if parameter is None:
-        return 1
-    default = parameter.default if parameter.default is not inspect.Parameter.empty else 1
-    return int(get_dotted(config, f"trainer.strategy.init_args.{dim}", default))
-
-
-def _imported_class(class_path: str) -> Any:
-    """What a config's ``class_path`` names, or None when it does not import (the run reports that itself)."""
-    module, _, name = class_path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError):
-        return None
-
-
-def _strategy_class(config: Mapping[str, Any]) -> type | None:
-    """The class of ``trainer.strategy``: a ``class_path`` mapping or a Lightning registry name (None
-    for ``auto``, an unknown name or one that does not import: the run reports those itself)."""
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    strategy = get_dotted(config, "trainer.strategy")
-    if isinstance(strategy, Mapping):
-        return _imported_class(str(strategy.get("class_path", "")))
-    return StrategyRegistry[strategy]["strategy"] if strategy in StrategyRegistry else None
-
-
-def optimizer_runs_here(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
+@rule
+def optimizer_runs_here(run: RunConfig, launch: LaunchLike) -> Refusal | None:
     """The optimizer must update the strategy's parameters on this device (bitsandbytes' 8-bit
     AdamW cannot update FSDP2's DTensors; paged optimizers need CUDA): ``optimizer_refusal``."""
-    from lit_ablate.modules.optim import OPTIMIZERS, optimizer_refusal
+    from lit_ablate.modules.optim import OPTIMIZER_KEY, OPTIMIZERS, optimizer_refusal
 
-    name = get_dotted(config, "model.init_args.optimizer")
+    name = run.model.optimizer
     if name not in OPTIMIZERS:  # default AdamW, or an unknown name: the run's own error
         return None
-    reason = optimizer_refusal(name, _strategy_class(config), "cuda" if _on_gpu(config, launch) else "cpu")
-    return f"model.init_args.optimizer={name}: {reason}" if reason else None
+    reason = optimizer_refusal(name, run.trainer.strategy.cls, _device_type(run, launch))
+    return Refusal(OPTIMIZER_KEY, name, reason, shown=name) if reason else None
 
 
-def _model_options(config: Mapping[str, Any], key: str, options_class: type) -> Any:
-    """The config's ``key`` section as ``options_class``; None when it is absent or malformed (a
-    malformed section is the run's own error, reported when it builds)."""
-    options = get_dotted(config, key)
-    if not isinstance(options, Mapping):
-        return None
-    try:
-        return options_class(**options)
-    except (ConfigError, TypeError):
-        return None
-
-
-def quantization_runs_under_strategy(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
+@rule
+def quantization_runs_under_strategy(run: RunConfig, launch: LaunchLike) -> Refusal | None:
     """Quantised base weights the strategy cannot shard (FSDP1 flat parameters, 8-bit under
     DTensor strategies): ``quantization_refusal``."""
-    from lit_ablate.models.adapters.quantization import QuantizationOptions
-
-    options = _model_options(config, "model.init_args.model.quantization", QuantizationOptions)
+    options = run.model.quantization
     if options is None:
         return None
-    dtype = str(get_dotted(config, "model.init_args.model.dtype", "float32"))
-    reason = quantization_refusal(options, _strategy_class(config), dtype)
-    return f"model.init_args.model.quantization: {reason}" if reason else None
+    reason = quantization_refusal(options, run.trainer.strategy.cls, run.model.dtype)
+    return Refusal(QUANTIZATION_KEY, run.model.quantization_section, reason) if reason else None
 
 
-def preference_parts_fit(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
+@rule
+def preference_parts_fit(run: RunConfig, launch: LaunchLike) -> Refusal | None:
     """DPO's parts must agree: ``DPO`` and its subclasses (known by type, whatever their name) train
     on ``format: preference`` (and only they do), prefix sharing needs an attention backend that
     takes its branch mask (``sdpa``/``eager``: varlen and packed kernels know documents, not
@@ -267,117 +243,109 @@ def preference_parts_fit(config: Mapping[str, Any], launch: LaunchLike) -> str |
     from lit_ablate.models.attention.prefix_sharing import MASK_BACKENDS
     from lit_ablate.modules.dpo import DPO
 
-    model = str(get_dotted(config, "model.class_path", ""))
-    model_class = _imported_class(model)
-    dpo = isinstance(model_class, type) and issubclass(model_class, DPO)  # research subclasses included
-    data_format = get_dotted(config, "data.init_args.format")
+    module = run.model.module
+    dpo = module.is_a(DPO)  # research subclasses included
+    data_format = run.data.format
     if dpo and data_format not in (None, "preference"):
-        return f"data.init_args.format={data_format}: DPO trains on preference pairs; use format: preference"
-    if model_class is not None and not dpo and data_format == "preference":
-        return (f"data.init_args.format=preference: {model} trains on tokens; preference pairs need "
-                "lit_ablate.modules.DPO or a subclass of it")
-    collator = get_dotted(config, "data.init_args.collator")
-    collator = collator if isinstance(collator, Mapping) else {}
-    packed = str(collator.get("class_path", "")).endswith("PreferencePackingCollator")
-    attention = get_dotted(config, "model.init_args.model.attn_implementation", "sdpa")
-    if packed and (collator.get("init_args") or {}).get("prefix_sharing") and attention not in MASK_BACKENDS:
-        return (f"model.init_args.model.attn_implementation={attention}: prefix sharing masks the rejected branch "
-                f"off the chosen one, which only {MASK_BACKENDS} take; use one of them or prefix_sharing: false")
-    if dpo and packed and get_dotted(config, "model.init_args.logprobs") == "liger":
-        return ("model.init_args.logprobs=liger: Liger's fused DPO sums one sequence per padded row; use "
-                "PreferencePaddingCollator, or logprobs: chunked for packed rows")
+        return Refusal("data.init_args.format", data_format, "DPO trains on preference pairs; use format: preference",
+                       shown=data_format)
+    if module.cls is not None and not dpo and data_format == "preference":
+        return Refusal("data.init_args.format", data_format, f"{module.class_path} trains on tokens; preference pairs "
+                       "need lit_ablate.modules.DPO or a subclass of it", shown=data_format)
+    packed = run.data.packs_preference_pairs
+    attention = run.model.attention
+    if packed and run.data.collator.option("prefix_sharing") and attention not in MASK_BACKENDS:
+        return Refusal("model.init_args.model.attn_implementation", attention, "prefix sharing masks the rejected "
+                       f"branch off the chosen one, which only {MASK_BACKENDS} take; use one of them or prefix_sharing: "
+                       "false", shown=attention)
+    if dpo and packed and run.model.option("logprobs") == "liger":
+        return Refusal("model.init_args.logprobs", "liger", "Liger's fused DPO sums one sequence per padded row; use "
+                       "PreferencePaddingCollator, or logprobs: chunked for packed rows", shown="liger")
     return None
 
 
-def fp8_runs_here(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
+@rule
+def fp8_runs_here(run: RunConfig, launch: LaunchLike) -> Refusal | None:
     """fp8 with ``emulate: false`` needs fp8 kernels on this device; fp8 all-gather needs FSDP2; tensor
     parallelism takes ``tensorwise`` only: ``resolve_emulation``, ``fp8_refusal``, ``fp8_tensor_parallel_refusal``."""
-    return _fp8_reason(config, launch, judge_gpu=True)
+    return _fp8_refusal(run, launch, judge_gpu=True)
 
 
-def fp8_fits_cluster_nodes(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
+@rule
+def fp8_fits_cluster_nodes(run: RunConfig, launch: LaunchLike) -> Refusal | None:
     """``fp8_runs_here`` for a cluster's declared nodes: a GPU node's fp8 kernels (its compute
     capability) are unknown where the study is planned, so the job's own start-up judges them
     (``lit-ablate fit`` refuses ``emulate: false`` in one line); CPU nodes are judged as here."""
-    return _fp8_reason(config, launch, judge_gpu=False)
+    return _fp8_refusal(run, launch, judge_gpu=False)
 
 
-def _fp8_reason(config: Mapping[str, Any], launch: LaunchLike, judge_gpu: bool) -> str | None:
-    from lit_ablate.models.fp8.conversion import Fp8Options, resolve_emulation
+def _fp8_refusal(run: RunConfig, launch: LaunchLike, judge_gpu: bool) -> Refusal | None:
+    from lit_ablate.models.fp8.conversion import resolve_emulation
 
-    options = _model_options(config, "model.init_args.model.fp8", Fp8Options)
+    options = run.model.fp8
     if options is None:
         return None
-    on_gpu = _on_gpu(config, launch)
-    reason = None
+    on_gpu = _on_gpu(run, launch)
     if judge_gpu or not on_gpu:
-        reason = _reason(resolve_emulation, options, torch.device("cuda" if on_gpu else "cpu"))
-    strategy = _strategy_class(config)
-    reason = reason or fp8_refusal(options, strategy)
-    tp = _configured_size(config, strategy, "tp")
-    if not reason and tp != 1:
-        refusal = fp8_tensor_parallel_refusal(options, tp)
-        reason = refusal and f"model.init_args.model.fp8.recipe={options.recipe!r}: {refusal}"
-    return f"model.init_args.model.fp8: {reason}" if reason and not reason.startswith("model.") else reason
+        refusal = _refusal(resolve_emulation, options, torch.device("cuda" if on_gpu else "cpu"))
+        if refusal:
+            return refusal
+    reason = fp8_refusal(options, run.trainer.strategy.cls)
+    if reason:
+        return Refusal(FP8_KEY, run.model.fp8_section, reason)
+    reason = fp8_tensor_parallel_refusal(options, _requested_size(run, "tp"))
+    return Refusal(f"{FP8_KEY}.recipe", options.recipe, reason) if reason else None
 
 
-def pipeline_stages_split_the_model(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
+@rule
+def pipeline_stages_split_the_model(run: RunConfig, launch: LaunchLike) -> Refusal | None:
     """Pipeline stages hold the embeddings (first stage) and the LM head (last stage) apart: a model
     that ties them would need the two stages' gradients of one matrix summed, which is not built."""
-    if _configured_size(config, _strategy_class(config), "pp") == 1:
+    if _requested_size(run, "pp") == 1:
         return None
-    from lit_ablate.models.factory import ModelFactory
-
-    model = get_dotted(config, "model.init_args.model")
     try:
-        tied = isinstance(model, Mapping) and bool(getattr(ModelFactory(**model).hf_config(), "tie_word_embeddings", False))
+        tied = bool(getattr(run.model.build_factory().hf_config(), "tie_word_embeddings", False))
     except (ConfigError, TypeError, OSError):  # a model the run itself reports
         return None
     if tied:
-        return ("model.init_args.model.config.tie_word_embeddings=True: pipeline stages hold the embeddings (first "
-                "stage) and the LM head (last stage) apart, and a tied pair is not built; set it false, or use "
-                "trainer.strategy.init_args.pp: 1")
+        return Refusal("model.init_args.model.config.tie_word_embeddings", True, "pipeline stages hold the "
+                       "embeddings (first stage) and the LM head (last stage) apart, and a tied pair is not built; set "
+                       "it false, or use trainer.strategy.init_args.pp: 1")
     return None
 
 
-def pipeline_stages_train_the_objective(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
+@rule
+def pipeline_stages_train_the_objective(run: RunConfig, launch: LaunchLike) -> Refusal | None:
     """Pipeline stages train DPO with a ``precomputed`` or no reference, padded pairs and ``torch`` or
     ``chunked`` log-probs: a ``frozen`` reference is a second model the stages do not hold, an
     ``adapter`` reference runs the policy twice per step (not built under the schedule), Liger's fused
     DPO reads the whole batch's hidden states at once, and packed pairs cannot be cut into micro-batches
     of whole pairs."""
-    if _configured_size(config, _strategy_class(config), "pp") == 1:
+    if _requested_size(run, "pp") == 1 or not run.model.module.class_path.endswith("DPO"):
         return None
-    if not str(get_dotted(config, "model.class_path", "")).endswith("DPO"):
-        return None
-    import inspect
-
-    from lit_ablate.modules.dpo import DPO
-
-    defaults = {name: p.default for name, p in inspect.signature(DPO).parameters.items()}
-    reference = get_dotted(config, "model.init_args.reference", defaults["reference"])
+    reference = run.model.option("reference")
     if reference in ("frozen", "adapter"):
-        return (f"model.init_args.reference={reference}: pipeline stages run one model once per micro-batch; use "
-                "reference: precomputed (its log-probs computed once through the stages) or none, or pp: 1")
-    logprobs = get_dotted(config, "model.init_args.logprobs", defaults["logprobs"])
-    if logprobs == "liger":
-        return ("model.init_args.logprobs=liger: Liger's fused DPO loss reads the whole batch's hidden states at "
-                "once, which the last stage never holds; use logprobs: chunked or torch, or pp: 1")
-    if str(get_dotted(config, "data.init_args.collator.class_path", "")).endswith("PreferencePackingCollator"):
-        return ("data.init_args.collator=PreferencePackingCollator: packed pairs cannot be cut into micro-batches "
-                "of whole pairs; use PreferencePaddingCollator with static_length: true, or pp: 1")
+        return Refusal("model.init_args.reference", reference, "pipeline stages run one model once per micro-batch; "
+                       "use reference: precomputed (its log-probs computed once through the stages) or none, or pp: 1",
+                       shown=reference)
+    if run.model.option("logprobs") == "liger":
+        return Refusal("model.init_args.logprobs", "liger", "Liger's fused DPO loss reads the whole batch's hidden "
+                       "states at once, which the last stage never holds; use logprobs: chunked or torch, or pp: 1",
+                       shown="liger")
+    if run.data.packs_preference_pairs:
+        return Refusal("data.init_args.collator", run.data.collator.section, "packed pairs cannot be cut into "
+                       "micro-batches of whole pairs; use PreferencePaddingCollator with static_length: true, or pp: 1",
+                       shown=run.data.collator.name)
     return None
 
 
-def tensor_parallel_loss_fits(config: Mapping[str, Any], launch: LaunchLike) -> str | None:
+@rule
+def tensor_parallel_loss_fits(run: RunConfig, launch: LaunchLike) -> Refusal | None:
     """Tensor parallelism takes the ``torch`` (without z-loss) and ``chunked`` loss backends: those
-    compute on a vocabulary-sharded LM head."""
-    from lit_ablate.strategies.tensor_parallel import check_tensor_parallel_loss
-
-    if _configured_size(config, _strategy_class(config), "tp") == 1:
+    compute on a vocabulary-sharded LM head (``LossChoice.check_tensor_parallel``)."""
+    if _requested_size(run, "tp") == 1:
         return None
-    return _reason(check_tensor_parallel_loss, str(get_dotted(config, "model.init_args.loss", "torch")),
-                   float(get_dotted(config, "model.init_args.loss_options.z_loss_weight", 0.0) or 0.0))
+    return _refusal(run.model.loss.check_tensor_parallel)
 
 
 RULES: dict[str, Rule] = {
@@ -414,25 +382,34 @@ declared nodes without it (planning on a login node without CUDA crashed in ``fp
 
 def cluster_rules() -> dict[str, Rule]:
     """The rules for a study submitted to a cluster: about the run, never about this machine."""
-    return {name: CLUSTER_VERSIONS.get(name, rule) for name, rule in RULES.items() if name not in MACHINE_RULES}
+    return {name: CLUSTER_VERSIONS.get(name, judge) for name, judge in RULES.items() if name not in MACHINE_RULES}
 
 
-def incompatibility(config: Mapping[str, Any], launch: LaunchLike, rules: Mapping[str, Rule] = RULES) -> str | None:
-    """The first reason this run cannot run here, or None when every rule passes."""
-    for rule in rules.values():
-        reason = rule(config, launch)
-        if reason:
-            return reason
+def refusal_of(config: RunConfig | Mapping[str, Any], launch: LaunchLike,
+               rules: Mapping[str, Rule] = RULES) -> Refusal | None:  # fmt: skip
+    """The first rule's refusal of this run here, or None when every rule passes (the view is built once)."""
+    run = RunConfig.of(config)
+    for judge in rules.values():
+        refusal = judge(run, launch)
+        if refusal:
+            return refusal
     return None
 
 
-def _reason(check: Callable[..., Any], *args: Any, **kwargs: Any) -> str | None:
-    """A part's check raises ``ConfigError`` (key, value, fix) when it cannot run: that message is the reason."""
+def incompatibility(config: RunConfig | Mapping[str, Any], launch: LaunchLike,
+                    rules: Mapping[str, Rule] = RULES) -> str | None:  # fmt: skip
+    """The first reason this run cannot run here, as a study's skip reason shows it, or None."""
+    refusal = refusal_of(config, launch, rules)
+    return None if refusal is None else str(refusal)
+
+
+def _refusal(check: Callable[..., Any], *args: Any, **kwargs: Any) -> Refusal | None:
+    """A part's check raises ``ConfigError`` (key, value, fix) when it cannot run: that is the refusal."""
     try:
-        result = check(*args, **kwargs)
+        check(*args, **kwargs)
     except ConfigError as err:
-        return str(err)
-    return result if isinstance(result, str) else None
+        return err.refusal
+    return None
 
 
 _missing_helpers: set[str] = set()
@@ -529,7 +506,7 @@ def check_fp8(options: Fp8Options | None, strategy: object) -> None:
         raise ConfigError(f"{FP8_KEY}.fsdp_all_gather", True, reason)
     from lit_ablate.strategies.mesh import MeshStrategy
 
-    tp = strategy.requested_mesh_sizes.get("tp", 1) if isinstance(strategy, MeshStrategy) else 1
+    tp = strategy.requested_mesh_sizes.tp if isinstance(strategy, MeshStrategy) else 1
     reason = fp8_tensor_parallel_refusal(options, tp) if options is not None else None
     if reason:
         raise ConfigError(f"{FP8_KEY}.recipe", options.recipe, reason)
