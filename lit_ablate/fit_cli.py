@@ -27,6 +27,7 @@ from lit_ablate.checkpoint_model import check_same_model, checkpoint_model_secti
 from lit_ablate.command_table import SUMMARIES
 from lit_ablate.compatibility import check_cpu_ranks, check_parts
 from lit_ablate.preflight import check_ckpt_path, check_run_config
+from lit_ablate.run_config import RunConfig
 from lit_ablate.strategies.pipeline_parallel import PipelineParallelStrategy
 from lit_ablate.terminal import console_trainer_args, silence_noise
 
@@ -125,8 +126,9 @@ class LitAblateCLI(LightningCLI):
         """Refuse a run this machine cannot start (far more CPU ranks than cores) before any rank launches,
         and values or paths that cannot run (``check_run_config``) before anything is built."""
         if self.subcommand is not None:
-            check_cpu_ranks(self.config[self.subcommand].trainer)
-            check_run_config(self.subcommand, self.config[self.subcommand])
+            run = RunConfig.of(self.config[self.subcommand])  # the parsed config, read once
+            check_cpu_ranks(run.trainer)
+            check_run_config(self.subcommand, run)
 
     def before_fit(self) -> None:
         """The built parts' combination rules (``check_parts``), before the strategy starts any rank."""

@@ -8,96 +8,72 @@ a model build followed by a stack trace.
 
 from __future__ import annotations
 
-import importlib
 import os
-import re
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from lit_ablate import record as run_record
-from lit_ablate.compatibility import GPU_ACCELERATORS
+from lit_ablate.compatibility import GPU_ACCELERATORS, RULES, refusal_of
 from lit_ablate.errors import ConfigError
 from lit_ablate.path_checks import checkpoint_path, writable_dir, writable_file
+from lit_ablate.run_config import RunConfig, TrainerSettings
 
 LIGHTNING_CKPT_NAMES = ("last", "best", "hpc")
 """``--ckpt_path`` values Lightning resolves to a file itself (with ``registry...``)."""
 
 
-def check_run_config(subcommand: str, config: Mapping[str, Any]) -> None:
-    """Raise ``ConfigError`` for the first value of ``config`` (one subcommand's namespace) that
-    cannot run: ``check_trainer``, ``check_mesh`` and, for ``fit``, the folders it will write."""
-    trainer = config.get("trainer") or {}
-    check_trainer(trainer, fitting=subcommand == "fit")
-    check_mesh(trainer)
+def check_run_config(subcommand: str, config: RunConfig | Mapping[str, Any]) -> None:
+    """Raise ``ConfigError`` for the first value of ``config`` (one subcommand's namespace, or its view)
+    that cannot run: ``check_trainer``, ``check_mesh`` and, for ``fit``, the folders it will write."""
+    run = RunConfig.of(config)
+    check_trainer(run.trainer, fitting=subcommand == "fit")
+    check_mesh(run.trainer)
     if subcommand == "fit":  # validate and test write nothing (lit_ablate.terminal)
-        check_parts_compatible(config)
-        if trainer.get("default_root_dir"):
-            writable_dir("trainer.default_root_dir", trainer["default_root_dir"])
-        record_path = (config.get("recorder") or {}).get("path")
-        if record_path:
-            writable_file("recorder.path", record_path)
+        check_parts_compatible(run)
+        if run.trainer.default_root_dir:
+            writable_dir("trainer.default_root_dir", run.trainer.default_root_dir)
+        if run.record_path:
+            writable_file("recorder.path", run.record_path)
         elif os.environ.get(run_record.RECORD_PATH_ENV):
             writable_file(run_record.RECORD_PATH_ENV, os.environ[run_record.RECORD_PATH_ENV])
 
 
-FIT_RULES: dict[str, str | None] = {
-    "strategy_accepts_cpu": "trainer.strategy",
-    "strategy_options_run_here": "trainer.strategy.init_args",
-    "optimizer_runs_here": "model.init_args.optimizer",
-    "quantization_runs_under_strategy": "model.init_args.model.quantization",
-    "loss_backend_available": "model.init_args.loss",
-    "cp_block_kernel_runs_here": "trainer.strategy.init_args.cp_block_kernel",
-    "fp8_runs_here": None,
-    "preference_parts_fit": None,
-    "pipeline_stages_split_the_model": None,
-    "pipeline_stages_train_the_objective": None,
-}
-"""The study compatibility rules (``lit_ablate.compatibility.RULES``) about one run's own parts, and the
-key each one names (None: the rule's reason starts with the key it is about, ``key=value: ...``,
-as DPO's does for its attention, log-prob backend or data format). The others are about launching a study (devices, nodes) or are checked when the
-model is constructed, before any rank starts (attention backends). The loss backend's rule is here
-too: besides what its construction checks, it knows what other parts refuse it (CCE's compiled
-backward under MemoryMonitor's tensor tracker)."""
+FIT_RULES: tuple[str, ...] = (
+    "strategy_accepts_cpu", "strategy_options_run_here", "optimizer_runs_here", "quantization_runs_under_strategy",
+    "loss_backend_available", "cp_block_kernel_runs_here", "fp8_runs_here", "preference_parts_fit",
+    "pipeline_stages_split_the_model", "pipeline_stages_train_the_objective",
+)  # fmt: skip
+"""The study compatibility rules (``lit_ablate.compatibility.RULES``) about one run's own parts. The
+others are about launching a study (devices, nodes) or are checked when the model is constructed,
+before any rank starts (attention backends). The loss backend's rule is here too: besides what its
+construction checks, it knows what other parts refuse it (CCE's compiled backward under
+MemoryMonitor's tensor tracker)."""
 
 
-def check_parts_compatible(config: Mapping[str, Any]) -> None:
+def check_parts_compatible(config: RunConfig | Mapping[str, Any]) -> None:
     """Raise ``ConfigError`` when a part cannot run with another or here: an optimizer the strategy's
     parameters or the memory tracker refuse, a quantised base the strategy cannot shard, a strategy or
     strategy option this device lacks. The same rules skip such variants in studies; here they stop
-    ``fit`` before any rank starts or any model is built, in one line, instead of at step 1."""
+    ``fit`` before any rank starts or any model is built, in one line, instead of at step 1. Each
+    rule's refusal names its key, value and fix, and is raised as it is."""
     from types import SimpleNamespace
 
-    from lit_ablate.compatibility import RULES
-    from lit_ablate.config_keys import get_dotted
-
-    plain = config.as_dict() if hasattr(config, "as_dict") else config
     launch = SimpleNamespace(devices=None, num_nodes=None, accelerator=None)  # the config's own trainer values
-    for rule, key in FIT_RULES.items():
-        reason = RULES[rule](plain, launch)
-        if reason:
-            named = key or re.match(r"[\w.]+", reason).group()
-            fix = re.sub(rf"^{re.escape(named)}(=[^:]*)?: ", "", reason)  # the rule's own "key=value: " prefix
-            raise ConfigError(named, get_dotted(plain, named), fix)
+    refusal = refusal_of(config, launch, {name: RULES[name] for name in FIT_RULES})
+    if refusal:
+        raise refusal.error()
 
 
-def check_mesh(trainer: Mapping[str, Any]) -> None:
+def check_mesh(trainer: TrainerSettings | Mapping[str, Any]) -> None:
     """A mesh strategy's sizes must make the world size (devices x nodes). Checked here, before
-    Lightning starts the ranks: the strategy itself can only check once every rank runs."""
-    strategy = trainer.get("strategy")
-    devices, nodes = trainer.get("devices"), trainer.get("num_nodes") or 1
-    devices = int(devices) if isinstance(devices, str) and devices.isdigit() else devices  # `--trainer.devices 2`
-    if not (hasattr(strategy, "get") and strategy.get("class_path")) or not isinstance(devices, int) or isinstance(devices, bool):
-        return  # a strategy by name, or devices Lightning counts itself ("auto", a list of ids)
-    from lit_ablate.strategies.mesh import MESH_DIMS, MeshStrategy, resolve_mesh_sizes
-
-    module, _, name = strategy["class_path"].rpartition(".")
-    cls = getattr(importlib.import_module(module), name)
-    if not issubclass(cls, MeshStrategy):
-        return
-    init_args = strategy.get("init_args") or {}
-    resolve_mesh_sizes({dim: init_args[dim] for dim in MESH_DIMS if init_args.get(dim) is not None}, devices * nodes)
+    Lightning starts the ranks: the strategy itself can only check once every rank runs.
+    ``trainer``: the run's ``TrainerSettings`` or its ``trainer`` section."""
+    trainer = trainer if isinstance(trainer, TrainerSettings) else TrainerSettings.of(trainer)
+    sizes, devices = trainer.strategy.requested_mesh_sizes, trainer.devices_per_node
+    if sizes is not None and devices is not None:  # not: a strategy without a mesh, or devices Lightning counts ("auto")
+        sizes.resolved(devices * trainer.nodes)
 
 
 def check_ckpt_path(ckpt_path: str | os.PathLike | None) -> None:
@@ -108,19 +84,19 @@ def check_ckpt_path(ckpt_path: str | os.PathLike | None) -> None:
         checkpoint_path("--ckpt_path", name)
 
 
-def check_trainer(trainer: Mapping[str, Any], fitting: bool) -> None:
+def check_trainer(trainer: TrainerSettings, fitting: bool) -> None:
     """Trainer values that fail late or silently: no GPU for a GPU accelerator, and (when fitting)
     ``accumulate_grad_batches`` below 1 (a division by zero mid-loop) or ``max_steps`` 0 (a
     "successful" run that trains nothing)."""
-    accelerator = trainer.get("accelerator")
+    accelerator = trainer.accelerator
     if accelerator in GPU_ACCELERATORS and not torch.cuda.is_available():
         raise ConfigError("trainer.accelerator", accelerator,
                           "no CUDA device is visible here (torch.cuda.is_available() is False); use cpu or auto")
     if not fitting:
         return
-    accumulate = trainer.get("accumulate_grad_batches")
+    accumulate = trainer.accumulate_grad_batches
     if isinstance(accumulate, int) and accumulate < 1:
         raise ConfigError("trainer.accumulate_grad_batches", accumulate, "use 1 (no accumulation) or more micro-batches per step")
-    max_steps = trainer.get("max_steps")
+    max_steps = trainer.max_steps
     if isinstance(max_steps, int) and (max_steps == 0 or max_steps < -1):
         raise ConfigError("trainer.max_steps", max_steps, "train at least 1 step, or -1 to stop by max_epochs")
