@@ -22,6 +22,7 @@ from typing import Any
 
 from lit_ablate.ablation.loss_divergence import loss_delta_by_step
 from lit_ablate.record import FINAL_VALUE_SERIES, SUMMARISED_SERIES, spread
+from lit_ablate.run_config import RunConfig
 
 NOISE_SERIES = "useful_tokens_per_sec"
 """The series behind the speed ratio, and so behind its noise floor."""
@@ -119,11 +120,11 @@ def _tracked_tokens(record: Mapping[str, Any] | None) -> float | None:
     step = next((s for s in record.get("steps", []) if s.get("step") == tracked), None)
     if not step or not step.get("tokens_per_sec_per_device") or not step.get("step_time_s"):
         return None
-    accumulate = int(((record.get("config") or {}).get("trainer") or {}).get("accumulate_grad_batches") or 1)
+    accumulate = RunConfig.of(record.get("config") or {}).trainer.accumulation
     return step["tokens_per_sec_per_device"] * step["step_time_s"] / accumulate
 
 
-def _token_share(config: dict, world_size: int | None, tracked_tokens: float | None) -> float | None:
+def _token_share(config: RunConfig, world_size: int | None, tracked_tokens: float | None) -> float | None:
     """The tracked step's tokens over the ``micro_batch x seq_len`` the estimate counts, where they are
     comparable: one process's tokens are its own under data parallelism alone (tp, cp and pp ranks
     count shares of a batch)."""
@@ -151,8 +152,9 @@ def _estimate(record: Mapping[str, Any] | None, breakdowns: Sequence[Mapping[str
         return {**none, "estimate_note": "no run config recorded"}
     world_size = (record.get("environment") or {}).get("world_size")
     try:
-        estimate = estimate_for_config(dict(record["config"]), world_size)
-        share = _token_share(dict(record["config"]), world_size, tracked_tokens)
+        run = RunConfig.of(record["config"])  # the run's config, read once
+        estimate = estimate_for_config(run, world_size)
+        share = _token_share(run, world_size, tracked_tokens)
     except ConfigError as err:
         return {**none, "estimate_note": str(err)}
     except Exception as err:  # noqa: BLE001  an advisory column must never cost the report

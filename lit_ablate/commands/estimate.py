@@ -7,7 +7,6 @@ import sys
 from dataclasses import asdict, replace
 from typing import Any
 
-from lit_ablate.config_keys import get_dotted
 from lit_ablate.estimate.from_config import (
     SHARDINGS,
     canonical_sharding,
@@ -22,6 +21,7 @@ from lit_ablate.estimate.from_config import (
 )
 from lit_ablate.estimate.memory import estimate_memory
 from lit_ablate.estimate.shapes import GIB, OPTIMIZERS, MemoryEstimate
+from lit_ablate.run_config import RunConfig
 
 
 def estimate_main(argv: list[str]) -> int:
@@ -51,10 +51,10 @@ def estimate_main(argv: list[str]) -> int:
 
     try:
         _check_estimate_arguments(args)
-        config = resolve_fit_config(["--config", args.config, *overrides])
+        config = RunConfig.of(resolve_fit_config(["--config", args.config, *overrides]))
         world = args.world_size or world_size_of(config)
         if world < 1:
-            raise ConfigError("trainer.devices", get_dotted(config, "trainer.devices"), "use a positive number of devices per node")
+            raise ConfigError("trainer.devices", config.trainer.devices, "use a positive number of devices per node")
         training = training_shape_of(config, args.optimizer, world)
         counts, shape = model_of(config)
         configured_sharding(config, world)  # the configured mesh must lay out on the ranks asked for
@@ -111,8 +111,7 @@ MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "transient", "ref
 
 def _estimate_summary(config, counts, shape, training, world, rows, args) -> dict[str, Any]:  # noqa: ANN001 (estimate_main's locals)
     """Everything ``estimate`` reports, in exact numbers: what ``--json`` prints and the table renders."""
-    strategy = get_dotted(config, "trainer.strategy", "auto")
-    strategy = strategy.get("class_path", "?").rsplit(".", 1)[-1] if isinstance(strategy, dict) else strategy
+    strategy = config.trainer.strategy.short_name
     return {
         "model": {"parameters": counts.total, "active_parameters": counts.active, "trainable_parameters": counts.trainable,
                   "quantized_parameters": counts.quantized, "layers": shape.layers,

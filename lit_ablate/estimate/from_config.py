@@ -1,4 +1,5 @@
-"""The estimate of a resolved fit config: its model, training shape, sharding and mesh sizes read from the YAML."""
+"""The estimate of a resolved fit config: its model, training shape, sharding and mesh sizes, read from
+the run's view (``lit_ablate.run_config.RunConfig``); no strategy is built to learn a size."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lit_ablate.config_keys import get_dotted
+from lit_ablate.errors import ConfigError
 from lit_ablate.estimate.flops import (
     ParameterCounts,
     count_parameters,
@@ -19,9 +20,13 @@ from lit_ablate.estimate.flops import (
 from lit_ablate.estimate.memory import estimate_memory
 from lit_ablate.estimate.pipeline import pipeline_time_share
 from lit_ablate.estimate.shapes import MemoryEstimate, ModelShape, TrainingShape, model_shape
+from lit_ablate.run_config import RunConfig
 
 if TYPE_CHECKING:
     from lit_ablate.strategies.state_sharding import StateSharding
+
+Config = RunConfig | Mapping[str, Any]
+"""A resolved fit config, or its view (each function below reads the view, built once)."""
 
 SHARDINGS = ("ddp", "zero1", "zero2", "fsdp2", "fsdp2_no_reshard", "hsdp")
 """The data-parallel layouts ``lit-ablate estimate`` compares: DDP, ZeRO-1/2, FSDP2 resharding after
@@ -44,204 +49,164 @@ def canonical_sharding(kind: str, world_size: int, gpus_per_node: int = 8) -> St
     return deepspeed_sharding({"ddp": 0, "zero1": 1, "zero2": 2, "fsdp2": 3}[kind], world_size)
 
 
-def _required(config: dict, key: str, fix: str) -> object:
-    from lit_ablate.errors import ConfigError
-
-    value = get_dotted(config, key)
+def _required(value: Any, key: str, fix: str) -> Any:
     if value is None:
         raise ConfigError(key, None, fix)
     return value
 
 
-def _wraps_in_ddp(strategy: Any) -> bool:
-    """Whether a configured strategy (a name or a ``class_path`` mapping) wraps the model in torch's DDP."""
-    import importlib
+def _wraps_in_ddp(run: RunConfig) -> bool:
+    """Whether the configured strategy (a name or a ``class_path`` section) wraps the model in torch's DDP."""
+    from lightning.pytorch.strategies import DDPStrategy
 
-    from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-
-    if isinstance(strategy, Mapping):
-        module, _, name = str(strategy.get("class_path", "")).rpartition(".")
-        try:
-            cls = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError, ValueError):  # the run itself reports a class_path that does not import
-            return False
-    else:
-        cls = StrategyRegistry[strategy]["strategy"] if strategy in StrategyRegistry else None
-    return isinstance(cls, type) and issubclass(cls, DDPStrategy)
+    return run.trainer.strategy.is_a(DDPStrategy)
 
 
-def training_shape_of(config: dict, optimizer: str | None = None, world_size: int | None = None) -> TrainingShape:
+def _optimizer(run: RunConfig) -> str:
+    """The estimate's name of the run's optimizer: LightningCLI's ``optimizer:`` section if the config has
+    one, else the module's own (``model.init_args.optimizer``, default AdamW)."""
+    optimizer = OPTIMIZER_CLASSES.get(run.optimizer.name if run.optimizer else "",
+                                      "adamw8bit" if "8bit" in str(run.model.optimizer or "adamw") else "adamw")
+    if optimizer == "sgd" and run.optimizer.option("momentum", 0):
+        return "sgd_momentum"
+    return optimizer
+
+
+def training_shape_of(config: Config, optimizer: str | None = None, world_size: int | None = None) -> TrainingShape:
     """The ``TrainingShape`` a resolved ``fit`` config trains with (CausalLM + LMDataModule keys) on
     ``world_size`` ranks (default: the config's; a ``cp: -1`` strategy splits sequences over them)."""
-    precision = str(get_dotted(config, "trainer.precision", "32-true"))
-    dtype = str(get_dotted(config, "model.init_args.model.dtype", "float32"))
+    run = RunConfig.of(config)
+    precision, dtype, strategy = run.trainer.precision, run.model.dtype, run.trainer.strategy
     half = precision in HALF_PRECISIONS
-    strategy_args = get_dotted(config, "trainer.strategy.init_args", {}) or {}
-    optimizer_class = str(get_dotted(config, "optimizer.class_path", "") or "").rsplit(".", 1)[-1]
-    if optimizer is None:
-        # CausalLM builds its optimizer itself (model.init_args.optimizer, default AdamW)
-        optimizer = OPTIMIZER_CLASSES.get(optimizer_class, "adamw8bit" if "8bit" in str(
-            get_dotted(config, "model.init_args.optimizer", "adamw")) else "adamw")  # fmt: skip
-        if optimizer == "sgd" and get_dotted(config, "optimizer.init_args.momentum", 0):
-            optimizer = "sgd_momentum"
+    loss = run.model.loss
     shape = TrainingShape(
-        micro_batch=int(_required(config, "data.init_args.batch_size", "the estimate needs the micro-batch per rank")),
-        seq_len=int(_required(config, "data.init_args.seq_len", "the estimate needs the sequence length")),
+        micro_batch=int(_required(run.data.batch_size, "data.init_args.batch_size", "the estimate needs the micro-batch per rank")),
+        seq_len=int(_required(run.data.seq_len, "data.init_args.seq_len", "the estimate needs the sequence length")),
         param_bytes=2 if precision.endswith("-true") and half else DTYPE_BYTES.get(dtype, 4),
         activation_bytes=2 if half else DTYPE_BYTES.get(dtype, 4),
-        optimizer=optimizer,
-        checkpointing=strategy_args.get("activation_checkpointing", "none"),
-        checkpoint_every=int(strategy_args.get("checkpoint_every", 2)),
-        loss=str(get_dotted(config, "model.init_args.loss", "torch")),
-        chunk_tokens=int(get_dotted(config, "model.init_args.loss_options.chunk_tokens", 1024)),
-        loss_grad_in_forward=bool(get_dotted(config, "model.init_args.loss_options.grad_in_forward", True)),
-        attention=str(get_dotted(config, "model.init_args.model.attn_implementation", "sdpa")),
-        gradient_as_bucket_view=bool(strategy_args.get("gradient_as_bucket_view", False)),
-        ddp=_wraps_in_ddp(get_dotted(config, "trainer.strategy", "auto")),
-        fp8_all_gather=bool(get_dotted(config, "model.init_args.model.fp8.fsdp_all_gather", False)),
-        **dict(zip(("context_parallel", "context_parallel_impl"), context_parallel_of(config, world_size))),
-        **dict(zip(("tensor_parallel", "sequence_parallel"), tensor_parallel_of(config, world_size))),
-        **pipeline_of(config, world_size),
-        accumulate_grad_batches=int(get_dotted(config, "trainer.accumulate_grad_batches", 1) or 1),
+        optimizer=optimizer or _optimizer(run),
+        checkpointing=strategy.options.get("activation_checkpointing", "none"),
+        checkpoint_every=int(strategy.options.get("checkpoint_every", 2)),
+        loss=loss.name,
+        chunk_tokens=int(loss.options.get("chunk_tokens", 1024)),
+        loss_grad_in_forward=bool(loss.options.get("grad_in_forward", True)),
+        attention=run.model.attention,
+        gradient_as_bucket_view=bool(strategy.options.get("gradient_as_bucket_view", False)),
+        ddp=_wraps_in_ddp(run),
+        fp8_all_gather=isinstance(run.model.fp8_section, Mapping) and bool(run.model.fp8_section.get("fsdp_all_gather")),
+        **dict(zip(("context_parallel", "context_parallel_impl"), context_parallel_of(run, world_size))),
+        **dict(zip(("tensor_parallel", "sequence_parallel"), tensor_parallel_of(run, world_size))),
+        **pipeline_of(run, world_size),
+        accumulate_grad_batches=run.trainer.accumulation,
     )
-    if str(get_dotted(config, "model.class_path", "")).endswith("DPO"):
-        shape = replace(shape, **_preference_shape(config, shape.micro_batch, shape.seq_len))
+    if run.model.module.class_path.endswith("DPO"):
+        shape = replace(shape, **_preference_shape(run, shape.micro_batch, shape.seq_len))
     return shape
 
 
-def _preference_shape(config: dict, batch_size: int, seq_len: int) -> dict[str, Any]:
+def _preference_shape(run: RunConfig, batch_size: int, seq_len: int) -> dict[str, Any]:
     """DPO's ``TrainingShape`` fields: its rows (padded: 2 sequences per pair; packed across the data
     set: ``batch_size`` rows of ``max_tokens``), its log-prob backend and its reference."""
-    collator = get_dotted(config, "data.init_args.collator") or {}
-    collator = collator if isinstance(collator, dict) else {}
-    options = collator.get("init_args") or {}
-    if str(collator.get("class_path", "")).endswith("PreferencePackingCollator") and not options.get("within_batch"):
+    collator = run.data.collator
+    options = collator.init_args if collator else {}
+    if run.data.packs_preference_pairs and not options.get("within_batch"):
         rows = {"micro_batch": batch_size, "seq_len": int(options.get("max_tokens") or 2 * seq_len)}
     else:
         rows = {"micro_batch": 2 * batch_size, "seq_len": seq_len}
-    backend = str(get_dotted(config, "model.init_args.logprobs", "torch"))
-    logprobs_options = get_dotted(config, "model.init_args.logprobs_options") or {}
+    backend = str(run.model.option("logprobs") or "torch")
+    logprobs_options = run.model.option("logprobs_options") or {}
     if backend == "liger":
         loss = {"loss": "liger_dpo", "chunk_tokens": 2 * int(logprobs_options.get("chunk_pairs", 1)) * seq_len}
     else:  # the chunked log-probs keep only the log-sum-exp and recompute chunks in the backward
         loss = {"loss": backend, "chunk_tokens": int(logprobs_options.get("chunk_tokens", 1024)),
                 "loss_grad_in_forward": False}
-    return {**rows, **loss, "reference": str(get_dotted(config, "model.init_args.reference", "frozen"))}
+    return {**rows, **loss, "reference": str(run.model.option("reference") or "frozen")}
 
 
-def context_parallel_of(config: dict, world_size: int | None = None) -> tuple[int, str]:
+def context_parallel_of(config: Config, world_size: int | None = None) -> tuple[int, str]:
     """``(cp ranks, cp_impl)`` of the config's strategy on ``world_size`` ranks (default: the
     config's; ``(1, "ring")`` for a strategy without context parallelism)."""
-    from lightning.pytorch.cli import instantiate_class
-
-    from lit_ablate.strategies.mesh import resolve_mesh_sizes
-
-    strategy = get_dotted(config, "trainer.strategy", "auto")
-    if not isinstance(strategy, dict):
+    run = RunConfig.of(config)
+    strategy = run.trainer.strategy
+    sizes = strategy.requested_mesh_sizes
+    if sizes is None or sizes.cp == 1:
         return 1, "ring"
-    instance = instantiate_class((), strategy)
-    sizes = getattr(instance, "requested_mesh_sizes", {})
-    if sizes.get("cp", 1) == 1:
-        return 1, "ring"
-    return resolve_mesh_sizes(sizes, world_size or world_size_of(config))["cp"], instance.cp_impl
+    return sizes.resolved(world_size or run.trainer.world_size).cp, strategy.option("cp_impl", "ring")
 
 
-def tensor_parallel_of(config: dict, world_size: int | None = None) -> tuple[int, bool]:
+def tensor_parallel_of(config: Config, world_size: int | None = None) -> tuple[int, bool]:
     """``(tp ranks, sequence_parallel)`` of the config's strategy on ``world_size`` ranks (default:
     the config's; ``(1, False)`` for a strategy without tensor parallelism)."""
-    from lightning.pytorch.cli import instantiate_class
-
-    from lit_ablate.strategies.mesh import resolve_mesh_sizes
-
-    strategy = get_dotted(config, "trainer.strategy", "auto")
-    if not isinstance(strategy, dict):
-        return 1, False
-    instance = instantiate_class((), strategy)
-    sizes = getattr(instance, "requested_mesh_sizes", {})
-    if sizes.get("tp", 1) == 1:
-        return 1, False
-    tp = resolve_mesh_sizes(sizes, world_size or world_size_of(config))["tp"]
-    return tp, bool(getattr(instance, "sequence_parallel", False)) and tp > 1
+    run = RunConfig.of(config)
+    tp = run.trainer.strategy.mesh_size("tp", world_size or run.trainer.world_size)
+    return tp, bool(run.trainer.strategy.option("sequence_parallel", False)) and tp > 1
 
 
-def pipeline_of(config: dict, world_size: int | None = None) -> dict[str, Any]:
+def pipeline_of(config: Config, world_size: int | None = None) -> dict[str, Any]:
     """The ``TrainingShape`` pipeline fields of the config's ``PipelineParallelStrategy`` on ``world_size``
     ranks (default: the config's; ``pp: -1`` takes the ranks the other mesh sizes leave: 2 stages of
     tp 2 on 4 ranks); none for another strategy."""
-    from lightning.pytorch.cli import instantiate_class
-
     from lit_ablate.strategies.pipeline_parallel import PipelineParallelStrategy
 
-    strategy = get_dotted(config, "trainer.strategy", "auto")
-    instance = instantiate_class((), strategy) if isinstance(strategy, dict) else strategy
-    if not isinstance(instance, PipelineParallelStrategy):
+    run = RunConfig.of(config)
+    strategy = run.trainer.strategy
+    if not strategy.is_a(PipelineParallelStrategy):
         return {}
-    from lit_ablate.errors import ConfigError
-
-    if instance.dp_shard > 1 and instance.reshard_after_forward:
+    sizes = strategy.requested_mesh_sizes
+    if sizes.dp_shard > 1 and strategy.option("reshard_after_forward"):
         raise ConfigError("trainer.strategy.init_args.reshard_after_forward", True,
                           "the estimate models FSDP stages that keep their layers gathered through the step (measured "
                           "agreement); with resharding per micro-batch it does not (estimate reshard_after_forward: false)")
-    from lit_ablate.strategies.mesh import resolve_mesh_sizes
-
-    world_size = world_size or world_size_of(config)
-    pp = resolve_mesh_sizes(instance.requested_mesh_sizes, world_size)["pp"]  # -1: the ranks the other sizes leave
-    points = None if instance.split_points is None else tuple(instance.split_points)
-    return {"pipeline_parallel": pp, "pipeline_schedule": instance.schedule_name,
-            "pipeline_stages_per_rank": instance.stages_per_rank, "microbatches": instance.microbatches,
-            "split_points": points}
+    pp = sizes.resolved(world_size or run.trainer.world_size).pp  # -1: the ranks the other sizes leave
+    points = strategy.option("split_points")
+    return {"pipeline_parallel": pp, "pipeline_schedule": strategy.option("schedule"),
+            "pipeline_stages_per_rank": strategy.option("stages_per_rank"), "microbatches": strategy.option("microbatches"),
+            "split_points": None if points is None else tuple(points)}
 
 
-def world_size_of(config: dict) -> int:
+def world_size_of(config: Config) -> int:
     """Ranks of a resolved ``fit`` config: devices (an int or a list; "auto" counts as 1) x nodes."""
-    devices = get_dotted(config, "trainer.devices", 1)
-    devices = int(devices) if isinstance(devices, str) and devices.isdigit() else devices  # `--trainer.devices 2`
-    devices = len(devices) if isinstance(devices, list) else devices if isinstance(devices, int) else 1
-    return devices * int(get_dotted(config, "trainer.num_nodes", 1) or 1)
+    return RunConfig.of(config).trainer.world_size
 
 
-def configured_sharding(config: dict, world_size: int) -> StateSharding:
-    """The sharding of the config's own ``trainer.strategy`` (a name or a class_path mapping)."""
-    from lightning.pytorch.cli import instantiate_class
-
+def configured_sharding(config: Config, world_size: int) -> StateSharding:
+    """The sharding of the config's own ``trainer.strategy`` (a name or a class_path mapping): the
+    strategy's own answer (``state_sharding``), so this one builds it."""
     from lit_ablate.strategies.interface import state_sharding_of
 
-    strategy = get_dotted(config, "trainer.strategy", "auto")
-    if isinstance(strategy, dict):
-        strategy = instantiate_class((), strategy)
-    return state_sharding_of(strategy, world_size)
+    return state_sharding_of(RunConfig.of(config).trainer.strategy.build(), world_size)
 
 
-def model_of(config: dict) -> tuple[ParameterCounts, ModelShape]:
+def model_of(config: Config) -> tuple[ParameterCounts, ModelShape]:
     """Counts and shape of the config's ``model.init_args.model`` (a ``ModelFactory``), built on meta."""
-    from lit_ablate.models.factory import ModelFactory
-
-    factory = ModelFactory(**_required(config, "model.init_args.model",
-                                       "the estimate reads a CausalLM's model: preset/config/pretrained"))  # fmt: skip
+    model = RunConfig.of(config).model
+    _required(model.factory, "model.init_args.model", "the estimate reads a CausalLM's model: preset/config/pretrained")
+    factory = model.build_factory()
     hf_config = factory.hf_config()
     if factory.adapter is None:
         return count_parameters_of_config(hf_config), model_shape(hf_config)
     from lit_ablate.models.adapters.lora import apply_adapters
 
-    model = meta_model(hf_config)
+    lm = meta_model(hf_config)
     with torch.device("meta"):
         if factory.moe is not None:  # expert adapters sit on lit-ablate's experts
             from lit_ablate.models.moe.blocks import apply_moe
 
-            apply_moe(model, factory.moe)
-        apply_adapters(model, factory.adapter)
-    return count_parameters(model, hf_config, factory.quantization), model_shape(hf_config)
+            apply_moe(lm, factory.moe)
+        apply_adapters(lm, factory.adapter)
+    return count_parameters(lm, hf_config, factory.quantization), model_shape(hf_config)
 
 
-def estimate_for_config(config: dict, world_size: int | None = None) -> MemoryEstimate:
+def estimate_for_config(config: Config, world_size: int | None = None) -> MemoryEstimate:
     """Per-rank memory of a resolved ``fit`` config under its own strategy (what the report shows)."""
-    world_size = world_size or world_size_of(config)
-    training = training_shape_of(config, world_size=world_size)
-    counts, shape = model_of(config)
-    return estimate_memory(counts, shape, training, configured_sharding(config, world_size), world_size)
+    run = RunConfig.of(config)
+    world_size = world_size or run.trainer.world_size
+    training = training_shape_of(run, world_size=world_size)
+    counts, shape = model_of(run)
+    return estimate_memory(counts, shape, training, configured_sharding(run, world_size), world_size)
 
 
-def predicted_step_seconds(config: dict, ceiling_tflops: float, world_size: int | None = None) -> float:
+def predicted_step_seconds(config: Config, ceiling_tflops: float, world_size: int | None = None) -> float:
     """One optimizer step of a resolved ``fit`` config if every model FLOP ran at ``ceiling_tflops``
     (the measured matmul ceiling, ``lit_ablate.matmul_ceiling``): a rank's FLOPs per step over it.
 
@@ -252,34 +217,18 @@ def predicted_step_seconds(config: dict, ceiling_tflops: float, world_size: int 
     bound. What a measured step takes beyond it is not matmul at the ceiling: communication,
     memory-bound kernels (norms, attention softmax, the optimizer), data and framework overhead.
     """
-    from lit_ablate.errors import ConfigError
-    from lit_ablate.models.factory import ModelFactory
-
-    module = str(get_dotted(config, "model.class_path", ""))
+    run = RunConfig.of(config)
+    module = run.model.module.class_path
     if not module.endswith("CausalLM"):
         raise ConfigError("model.class_path", module, "step time is predicted for CausalLM runs only")
-    world_size = world_size or world_size_of(config)
-    training = training_shape_of(config, world_size=world_size)
-    counts, shape = model_of(config)
-    hf_config = ModelFactory(**get_dotted(config, "model.init_args.model")).hf_config()
-    accumulate = int(get_dotted(config, "trainer.accumulate_grad_batches", 1) or 1)
+    world_size = world_size or run.trainer.world_size
+    training = training_shape_of(run, world_size=world_size)
+    counts, shape = model_of(run)
+    hf_config = run.model.build_factory().hf_config()
     share = pipeline_time_share(counts, shape, training, training.seq_len, hf_config) / (
-        training.context_parallel * mesh_size_of(config, "tp", world_size))  # fmt: skip
-    tokens = training.micro_batch * training.seq_len * accumulate
+        training.context_parallel * run.trainer.strategy.mesh_size("tp", world_size))  # fmt: skip
+    tokens = training.micro_batch * training.seq_len * run.trainer.accumulation
     return flops_per_token(counts, hf_config, training.seq_len) * tokens * share / (ceiling_tflops * 1e12)
-
-
-def mesh_size_of(config: dict, dim: str, world_size: int) -> int:
-    """The size of mesh dimension ``dim`` (``tp``, ``cp``, ...) of the config's strategy on
-    ``world_size`` ranks; 1 for a strategy without a device mesh."""
-    from lightning.pytorch.cli import instantiate_class
-
-    from lit_ablate.strategies.mesh import MeshStrategy, resolve_mesh_sizes
-
-    strategy = get_dotted(config, "trainer.strategy", "auto")
-    built = instantiate_class((), strategy) if isinstance(strategy, dict) else None
-    sizes = built.requested_mesh_sizes if isinstance(built, MeshStrategy) else {}
-    return resolve_mesh_sizes(sizes, world_size)[dim] if sizes.get(dim, 1) != 1 else 1
 
 
 def smallest_world_size(fits: Callable[[int], bool], max_ranks: int) -> int | None:
