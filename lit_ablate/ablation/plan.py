@@ -23,6 +23,7 @@ import yaml
 from lit_ablate.ablation.single_variable import check_single_variable
 from lit_ablate.ablation.spec import RUNNER_KEYS, Launch, StudySpec, Variant
 from lit_ablate.compatibility import cluster_rules, incompatibility
+from lit_ablate.run_config import RunConfig
 
 Resolver = Callable[[list[str]], dict[str, Any]]
 """``(fit args) -> resolved config``: what ``lit-ablate fit <args>`` would run, without running it."""
@@ -85,6 +86,7 @@ def plan_study(spec: StudySpec, output_dir: Path, resolve: Resolver | None = Non
             else:
                 resolved[variant.name] = outcome
     check_single_variable(resolved, spec.variables, ignored=RUNNER_KEYS)
+    views = {name: RunConfig.of(config) for name, config in resolved.items()}  # each variant's config, read once
     runs = []
     pairs = [(v, s) for s in spec.seeds for v in spec.variants]
     if spec.order == "by_variant":
@@ -93,12 +95,12 @@ def plan_study(spec: StudySpec, output_dir: Path, resolve: Resolver | None = Non
         directory = run_dir(output_dir, variant, seed)
         config = spec.run_config(variant, seed, trainer_root(directory))
         launch = variant.launch.with_config(config)
-        reason = None if variant.name in invalid else _incompatibility(resolved[variant.name], launch)
+        reason = None if variant.name in invalid else _incompatibility(views[variant.name], launch)
         runs.append(PlannedRun(variant, seed, directory, config, launch, reason, invalid.get(variant.name)))
     return runs
 
 
-def _incompatibility(config: dict[str, Any], launch: Launch) -> str | None:
+def _incompatibility(config: RunConfig, launch: Launch) -> str | None:
     """Why the run cannot run where it goes: this machine, or (``executor: slurm``) the cluster as the
     study declares it, never the login node planning it: with accelerator auto its nodes are GPU
     nodes when the partition has GPUs (``launch.slurm.gpus_per_node``), else CPU nodes."""

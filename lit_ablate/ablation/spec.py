@@ -23,8 +23,9 @@ from typing import Any
 import yaml
 
 from lit_ablate.ablation.slurm_settings import SlurmSettings
-from lit_ablate.config_keys import get_dotted, is_under, with_overrides
+from lit_ablate.config_keys import is_under, with_overrides
 from lit_ablate.errors import ConfigError
+from lit_ablate.run_config import RunConfig
 
 STUDY_KEYS = (
     "name", "base", "overrides", "axes", "variants", "vary", "baseline",
@@ -99,14 +100,12 @@ class Launch:
     def with_config(self, config: Mapping[str, Any]) -> Launch:
         """This launch with the ranks, nodes and accelerator a merged run config describes (what
         the compatibility rules judge and the executor requests)."""
-        devices = get_dotted(config, "trainer.devices")
-        nodes = get_dotted(config, "trainer.num_nodes")
-        accelerator = get_dotted(config, "trainer.accelerator")
+        trainer = RunConfig.of(config).trainer
         return replace(
             self,
-            devices=devices if isinstance(devices, int) else len(devices) if isinstance(devices, list) else None,
-            num_nodes=nodes if isinstance(nodes, int) else None,
-            accelerator=accelerator if isinstance(accelerator, str) else None,
+            devices=trainer.devices_per_node,
+            num_nodes=trainer.num_nodes if isinstance(trainer.num_nodes, int) else None,
+            accelerator=trainer.accelerator if isinstance(trainer.accelerator, str) else None,
         )
 
 
