@@ -9,11 +9,13 @@ Layers, top to bottom (a module may import its own layer and the layers below it
 - ``modules/``: the LightningModules;
 - ``callbacks/``: measurement (they read FLOPs and peaks from ``estimate/``);
 - ``estimate/``: the analytic model (its memory model reads how strategies shard);
+- ``run_config``: the typed view of a run config, what compatibility, preflight, the estimator and the
+  study planner read (it reads mesh sizes and options off the strategy classes);
 - ``strategies/``;
 - ``data/``;
 - ``models/``;
 - the ground floor: ``errors``, ``record``, ``terminal``, ``import_warnings``, ``config_keys``,
-  ``path_checks``, ``parse_errors``, ``command_table``.
+  ``path_checks``, ``parse_errors``, ``command_table``, ``class_paths``, ``mesh_sizes``.
 
 Imports under ``if TYPE_CHECKING:`` are annotations only and never run, so they do not count.
 Seen failing on the circles and upward imports the house had (``ablation.plan`` -> ``cli``,
@@ -29,12 +31,13 @@ import pytest
 
 PACKAGE = Path(__file__).parents[1] / "lit_ablate"
 GROUND = ("errors", "record", "terminal", "import_warnings", "config_keys", "path_checks", "parse_errors",
-          "command_table")
+          "command_table", "class_paths", "mesh_sizes")
 LAYERS: list[tuple[str, ...]] = [  # bottom first
     tuple(f"lit_ablate.{name}" for name in GROUND),
     ("lit_ablate.models",),
     ("lit_ablate.data",),
     ("lit_ablate.strategies",),
+    ("lit_ablate.run_config",),
     ("lit_ablate.estimate",),
     ("lit_ablate.callbacks",),
     ("lit_ablate.modules",),
@@ -143,3 +146,46 @@ def test_no_import_circles():
 ])
 def test_the_circle_finder_finds_circles(graph, circle):
     assert (find_circle(graph) is not None) is circle
+
+
+CONFIG_VIEW = "lit_ablate.run_config"
+RAW_CONFIG_READERS: dict[str, str] = {
+    CONFIG_VIEW: "the typed view of a run config: the one module that reads the config dict by dotted key",
+    "lit_ablate.config_keys": "defines get_dotted, and TRAINER_STRATEGY_KEY, the one spelling of the strategy's key "
+                              "(errors about the strategy as a whole name it)",
+}
+"""The modules that may call ``get_dotted`` or spell ``"trainer.strategy"``, and why."""
+
+
+def raw_config_reads(source: str) -> list[str]:
+    """Where ``source`` calls ``get_dotted`` or spells the string ``"trainer.strategy"`` (its own literal: a
+    key built around it, such as ``"trainer.strategy.init_args"``, is another key)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+            if name == "get_dotted":
+                found.append(f"line {node.lineno}: get_dotted(...)")
+        elif isinstance(node, ast.Constant) and node.value == "trainer.strategy":
+            found.append(f'line {node.lineno}: "trainer.strategy"')
+    return found
+
+
+def test_only_the_config_view_reads_the_config_dict():
+    """A run config is read once, by ``lit_ablate.run_config``: compatibility rules, preflight, the estimator
+    and the study planner read its typed values, never the dict by dotted key. Seen failing on the 28
+    ``get_dotted`` calls of ``compatibility.py`` and the 29 of ``estimate/from_config.py`` the house had."""
+    readers = {module_name(path): reads for path in sorted(PACKAGE.rglob("*.py"))
+               if (reads := raw_config_reads(path.read_text())) and module_name(path) not in RAW_CONFIG_READERS}
+    assert not readers, "read the run config through lit_ablate.run_config.RunConfig instead:\n" + "\n".join(
+        f"{module}: {', '.join(reads)}" for module, reads in readers.items())
+
+
+@pytest.mark.parametrize(("source", "found"), [
+    ('get_dotted(config, "trainer.devices")', 1),
+    ('config_keys.get_dotted(config, "x")', 1),
+    ('raise ConfigError("trainer.strategy", name, "fix")', 1),
+    ('key = f"{STRATEGY_KEY}.tp"; other = "trainer.strategy.init_args"', 0),
+])
+def test_the_raw_read_finder_finds_raw_reads(source, found):
+    assert len(raw_config_reads(source)) == found
