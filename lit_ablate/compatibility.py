@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 GPU_ACCELERATORS = ("gpu", "cuda")
 CPU_REFUSING_STRATEGIES = ("fsdp", "lightning.pytorch.strategies.FSDPStrategy", "FSDPStrategy")
-"""Lightning's FSDP1 strategy raises on CPU (PLATFORM_NOTES); a CPU FSDP1 baseline passes ``device_id`` itself."""
+"""Lightning's FSDP1 strategy raises on CPU; a CPU FSDP1 baseline passes ``device_id`` itself (docs/platform.md)."""
 CPU_RANKS_PER_CORE = 4
 """Most CPU ranks per usable core a run may start. A rank is a process that imports torch,
 Lightning and transformers (measured on the 2-core dev machine: ~5 s of CPU and ~0.4 GB resident

@@ -7,7 +7,8 @@
    a user's own run to ``version_1``. Tests find repository files through ``Path(__file__)``.
 2. Tests never fork the pytest process (fork without exec). A child forked after this process
    compiled or started threads inherits their state but not the threads, and can wait forever
-   (PLATFORM_NOTES trap 4; Lightning's ``ddp_fork`` hung here too). Ranks come from
+   (Lightning's ``ddp_fork`` hung here too:
+   docs/platform.md#forking-after-inductor-compiled-deadlocks). Ranks come from
    ``tests.distributed.run_ranks`` (a forkserver); a test that forks anyway fails, naming itself.
    ``subprocess`` (fork + exec) and DataLoader workers (no compile, no collectives) are fine.
 3. One intra-op thread per process (``OMP_NUM_THREADS=1`` unless set, read when torch loads,
@@ -49,8 +50,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
         where = "\n".join(dict.fromkeys(_forks))  # one line per place, not per rank
         _forks.clear()
         report.outcome = "failed"
-        report.longrepr = (f"forked the pytest process (PLATFORM_NOTES trap 4):\n{where}\n"
-                           "start ranks with tests.distributed.run_ranks (Lightning: strategy 'ddp' inside it)")
+        report.longrepr = ("forked the pytest process "
+                           "(docs/platform.md#forking-after-inductor-compiled-deadlocks):\n"
+                           f"{where}\nstart ranks with tests.distributed.run_ranks (Lightning: strategy 'ddp' inside it)")
     return report
 
 

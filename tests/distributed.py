@@ -3,7 +3,8 @@
 Ranks start from a *forkserver*, never by forking the test process. The test process may already
 have run ``torch.compile`` (single-process compile tests run in it) or started threads (OpenMP,
 inductor's compile pool); a child forked from it inherits inductor's async-compile state but not
-its worker threads, and its first compile waits forever on a Future (PLATFORM_NOTES trap 4). The
+its worker threads, and its first compile waits forever on a Future
+(docs/platform.md#forking-after-inductor-compiled-deadlocks). The
 forkserver is a fresh interpreter, started once per test session, that imports torch, lightning,
 transformers and lit_ablate and never computes anything, so every rank forked from it is clean
 and still starts in about a second (``spawn`` would pay ~8 s of imports per rank). So ``fn`` and

@@ -11,7 +11,8 @@ Clients find the cluster through ``SLURM_CONF`` (``SlurmCluster.env``), which jo
 tiny and the scheduler only needs to place them.
 
 There is no accounting daemon, so ``sacct`` knows no job: the ablation runner must learn a job's
-state from ``scontrol`` (PLATFORM_NOTES: submitit waited forever on a job that died early).
+state from ``scontrol`` (submitit waited forever on a job that died early:
+docs/platform.md#slurm-clusters).
 
 Usage::
 
@@ -82,7 +83,8 @@ class SlurmCluster:
 
     def requeue(self, job_id: str, timeout_s: float = 60.0) -> None:
         """Requeue a running job as pre-emption does (its tasks get SIGTERM, then SIGKILL), and let it
-        start again at once rather than after the ~30 s a requeued job waits (PLATFORM_NOTES trap 1)."""
+        start again at once rather than after the ~30 s a requeued job waits
+        (docs/platform.md#slurm-clusters)."""
         self.run("scontrol", "requeue", str(job_id))
         deadline = time.monotonic() + timeout_s
         while self.job(job_id).get("JobState") != "PENDING":
@@ -215,7 +217,7 @@ def _free_ports(count: int) -> list[int]:
 def _slurm_conf(root: Path, munge_socket: Path, ports: list[int]) -> str:
     """Two nodes on this host, no accounting, no cgroups: only what a scheduler needs to place and
     signal jobs. ``cred_expire=30`` and ``bf_interval=5`` let a requeued job start again after
-    ~30 s instead of ~120 s (PLATFORM_NOTES trap 1)."""
+    ~30 s instead of ~120 s (docs/platform.md#slurm-clusters)."""
     host = socket.gethostname()
     nodes = "\n".join(f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} "
                       f"CPUs={CPUS_PER_NODE} RealMemory=4000 State=UNKNOWN"

@@ -123,8 +123,8 @@ def test_nf4_weights_are_within_the_stated_error_and_the_forward_is_the_dequanti
 
 
 def test_an_eval_forward_leaves_the_4bit_weights_untouched():
-    """PLATFORM_NOTES' trap: bitsandbytes repacks a 4-bit weight in place on the first no-grad eval
-    forward on AVX-512-BF16 CPUs, which FSDP2 then trains on stale; lit-ablate turns that off."""
+    """bitsandbytes repacks a 4-bit weight in place on the first no-grad eval forward on AVX-512-BF16
+    CPUs, which FSDP2 then trains on stale (docs/platform.md); lit-ablate turns that off."""
     model = build(adapter={"r": 4}, quantization={"bits": 4})
     layer = model.model.layers[0].self_attn.q_proj.base_layer
     packed, scales = layer.weight.data.clone(), layer.weight.quant_state.absmax.clone()

@@ -10,7 +10,7 @@ the one-process reference, and the frozen base with the base the run started fro
                usual setup: ``use_orig_params``, frozen and trainable weights in one flat unit),
                FSDP2 and HSDP (frozen and trainable weights in one ``fully_shard`` group)
     qlora      the same with the base in NF4 (double quantisation): 1 process, FSDP2, HSDP and DDP, with an
-               eval-mode forward between steps 2 and 3 (the PLATFORM_NOTES repack trap: with the
+               eval-mode forward between steps 2 and 3 (bitsandbytes' eval-mode repack: with the
                repack on, FSDP2 trains on stale weights from then on); and FSDP1 with the packed
                weights stored as float32 (``quant_storage``, the FSDP-QLoRA recipe), in ``train()``
                mode but for that eval forward, against the uint8-stored reference

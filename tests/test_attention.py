@@ -90,8 +90,8 @@ def test_sdpa_packed_padded_batch_matches_transformers_sdpa(side):
 
 
 def test_sdpa_packed_keeps_documents_apart_even_with_a_kv_cache():
-    """PLATFORM_NOTES trap 2: transformers derives documents from position_ids only without a
-    cache; sdpa_packed builds its mask itself, so a cache changes nothing."""
+    """transformers derives documents from position_ids only without a cache (docs/platform.md);
+    sdpa_packed builds its mask itself, so a cache changes nothing."""
     model, docs = _model("sdpa_packed"), _documents()
     ids = torch.cat(docs)[None]
     positions = torch.cat([torch.arange(len(d)) for d in docs])[None]

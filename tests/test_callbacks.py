@@ -167,8 +167,8 @@ def test_peak_table_knows_plain_h200_and_prefers_specific_names():
 
 
 def test_memory_monitor_measures_cpu_peak_and_labels_it(tmp_path):
-    """PLATFORM_NOTES trap 3: on CPU the CUDA allocator peak is a silent 0; the monitor must
-    measure the process peak instead and say so."""
+    """On CPU the CUDA allocator peak is a silent 0 (docs/platform.md); the monitor must measure the
+    process peak instead and say so."""
     if not torch.cuda.is_available():
         assert torch.cuda.max_memory_allocated() == 0  # the trap itself
     record, module = _fit(tmp_path, [MemoryMonitor()], _batches(4, 2, masked_prefix=[0]))

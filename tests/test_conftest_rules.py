@@ -1,8 +1,8 @@
 """The rules ``tests/conftest.py`` enforces, checked on small test files in a separate pytest run.
 
-Catches a conftest that stops noticing forks of the test process (the guard against
-PLATFORM_NOTES trap 4 coming back through a new ``ddp_fork`` test) or stops moving the working
-directory out of the checkout.
+Catches a conftest that stops noticing forks of the test process (the guard against a fork after
+inductor compiled, docs/platform.md, coming back through a new ``ddp_fork`` test) or stops moving
+the working directory out of the checkout.
 """
 
 from __future__ import annotations

@@ -10,16 +10,17 @@ is compared with one process reading the same micro-batches: per-step losses wit
 tolerances. Variants: ring and allgather, zigzag and contiguous, tiny Llama and tiny Qwen3 (GQA,
 q/k norms), padded and packed batches (documents kept apart under CP), full activation
 checkpointing (layers recomputed in backward must attend as in the forward) with compiled layers
-(each rank compiles its own: ranks start from a forkserver, PLATFORM_NOTES trap 4), and on 4 ranks
-FSDP2 over dp_shard=2 x cp=2, HSDP (dp_replicate=2 x cp=2), EP x CP (ep=2 x cp=2, tiny
-Qwen3-MoE: ``EXPERT_RUN``), and cp=4 with each implementation. A ``gpu`` test runs ring on 2 GPUs.
+(each rank compiles its own: ranks start from a forkserver, never a fork of a process that
+compiled), and on 4 ranks FSDP2 over dp_shard=2 x cp=2, HSDP (dp_replicate=2 x cp=2), EP x CP (ep=2
+x cp=2, tiny Qwen3-MoE: ``EXPERT_RUN``), and cp=4 with each implementation. A ``gpu`` test runs ring
+on 2 GPUs.
 
 Measured (fp32, lr 1e-3): losses differ by at most 2e-6; gradients by at most 1.2e-7 on the
 first step and 9e-6 on the last (gradient entries up to ~0.8); weights by at most 8e-5.
 
 Seen failing with the technique broken on purpose: ``test_fsdp_division_by_cp_is_undone`` keeps
 one break in the suite (W without the cp ranks: gradients x 1/2). By hand, once each: the
-shards' ``position_ids`` left as each shard's own 0..T/cp (HF's default, the PLATFORM_NOTES trap):
+shards' ``position_ids`` left as each shard's own 0..T/cp (HF's default):
 every two-rank run fails, losses off by 0.03 to 0.13; ``backward`` without the attention switch
 (activation checkpointing recomputes the layers with the configured one-process attention on a
 shard): the checkpointed run fails; compiled layers (``compile_layers``, whose attention call runs
@@ -174,8 +175,8 @@ def assert_ranks_hold_their_chunks(rank_runs: list[dict], run: tuple) -> None:
 
 
 class WithoutContextParallelRanksInW(ContextParallelStrategy):
-    """The PLATFORM_NOTES trap left in: ``StepObjective``'s W counts the data-parallel ranks but not
-    the cp ranks, so FSDP2's average over ``dp_shard x cp`` divides the gradients by cp."""
+    """The bug left in: ``StepObjective``'s W counts the data-parallel ranks but not the cp ranks, so
+    FSDP2's average over ``dp_shard x cp`` divides the gradients by cp (docs/platform.md)."""
 
     @property
     def gradient_mean_group(self):
@@ -267,10 +268,10 @@ def test_two_context_parallel_ranks_train_the_one_process_model(references, two_
 
 
 def test_fsdp_division_by_cp_is_undone(references, two_rank_runs):
-    """The PLATFORM_NOTES trap as a regression test: FSDP2 over ``dp_shard x cp`` averages
-    gradients over the cp ranks too, which hold slices of the same sequences (so their gradients
-    must add up). With W counting the cp ranks (``MeshStrategy.gradient_mean_group``) the
-    gradients equal one process's (above); without, they come out x 1/cp and the checks fail."""
+    """FSDP2 over ``dp_shard x cp`` averages gradients over the cp ranks too, which hold slices of
+    the same sequences (so their gradients must add up). With W counting the cp ranks
+    (``MeshStrategy.gradient_mean_group``) the gradients equal one process's (above); without, they
+    come out x 1/cp and the checks fail."""
     reference = reference_of(TWO_RANK_RUNS["broken-W"], references)
     broken = two_rank_runs[0]["broken-W"]
     ratio = broken["grads"][0]["lm.lm_head.weight"].norm() / reference["grads"][0]["lm.lm_head.weight"].norm()

@@ -3,9 +3,10 @@ at most 100 MiB of peak RSS more than the same steps on a tiny generated corpus.
 
 One subprocess measures both, the tiny baseline first: peak RSS is ``VmHWM`` from
 ``/proc/self/status``, reset to the current RSS by writing 5 to ``/proc/self/clear_refs`` before
-each phase (PLATFORM_NOTES trap 3: ``tracemalloc`` cannot see tensor storage, CUDA counters read 0
-on CPU). The cache entry is built by the test process beforehand, so the measured run is a hit, as
-every rank but one and every later run of a study is.
+each phase (``tracemalloc`` cannot see tensor storage, CUDA counters read 0 on CPU:
+docs/platform.md#the-cuda-memory-counters-read-0-on-a-cpu). The cache entry is built by the test
+process beforehand, so the measured run is a hit, as every rank but one and every later run of a
+study is.
 
 Seen failing with the mechanism broken: ``AUTO_CACHE_BYTES`` raised above the corpus (``auto``
 keeps the 64 MB in memory): the large phase peaked 2347 MiB above the baseline.

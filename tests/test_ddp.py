@@ -2,7 +2,8 @@
 
 The ranks come from ``run_ranks`` (strategy ``ddp`` on an externally launched group), not from
 Lightning's ``ddp_fork``, which forks the test process: unsafe once an earlier test compiled or
-started threads (PLATFORM_NOTES trap 4), and a hang there waited for pytest's timeout.
+started threads (docs/platform.md#forking-after-inductor-compiled-deadlocks), and a hang there waited
+for pytest's timeout.
 """
 
 import json

@@ -1,8 +1,8 @@
 """``tests.distributed.run_ranks`` fails fast: a hang or a crash on one rank is an error naming it, in seconds.
 
-Without this, a deadlocked rank (PLATFORM_NOTES trap 4) holds the suite until pytest's timeout and
-says nothing about where it stopped. The timeouts below are seconds; the assertions check the
-error's text, never how long it took (the machine is shared).
+Without this, a deadlocked rank (a fork after inductor compiled: docs/platform.md) holds the suite
+until pytest's timeout and says nothing about where it stopped. The timeouts below are seconds; the
+assertions check the error's text, never how long it took (the machine is shared).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The house keeps DESIGN.md's layers: every import points down, and no module imports itself back.
+"""The house keeps its layers (docs/architecture.md): every import points down, and no module imports itself back.
 
 Layers, top to bottom (a module may import its own layer and the layers below it):
 

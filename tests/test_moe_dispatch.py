@@ -104,7 +104,7 @@ def test_skewed_routing_sends_nothing_to_the_other_rank() -> None:
     assert counts[2:].sum() == 0 and counts[:2].sum() == 2 * TOKENS_PER_RANK[0]
 
 
-# --- PLATFORM_NOTES trap 1 ---------------------------------------------------------------------
+# --- two autograd collectives in one backward (docs/platform.md) -------------------------------
 
 def _gathered_gradients(rank: int, world_size: int, stacked: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather two same-shaped tensors with autograd collectives; return their gradients.
@@ -131,7 +131,7 @@ def _gathered_gradients(rank: int, world_size: int, stacked: bool) -> tuple[torc
     return a.grad, b.grad
 
 
-def test_trap1_two_autograd_collectives_in_one_backward_vs_one_stacked() -> None:
+def test_separately_issued_autograd_collectives_swap_gradients_a_stacked_one_is_exact() -> None:
     exact = [(torch.full((2, 3), 2.0), torch.full((2, 3), 200.0))] * 2
     stacked = run_ranks(_gathered_gradients, 2, True)
     for got, want in zip(stacked, exact):

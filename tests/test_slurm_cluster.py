@@ -50,7 +50,7 @@ SHAPE = {  # a model and data small enough that a rank's start-up (imports) is m
 }
 ON_THIS_CLUSTER = {
     # n1 and n2 are names only this cluster knows: rank 0's address for the rendezvous is given
-    # (Lightning would take the first node's name, which does not resolve: PLATFORM_NOTES trap 4)
+    # (Lightning would take the first node's name, which does not resolve: docs/platform.md#slurm-clusters)
     "setup": ["export MASTER_ADDR=127.0.0.1"],
     "poll_s": 0.5,
 }

@@ -142,7 +142,7 @@ def test_tp2_sequence_parallel_qwen3_moe_equals_one_process(two_ranks, reference
 
 
 def test_qwen3_q_k_norm_gradients_are_reduced_over_tp(two_ranks, references):
-    """PLATFORM_NOTES trap: each TP rank holds some heads, so these norms' gradients are partial sums."""
+    """Each TP rank holds some heads, so these norms' gradients are partial sums (docs/platform.md)."""
     expected = references["tiny-qwen3"]["norm_grads"]
     assert len(expected) == 2 * 4  # q and k norm of each of the 4 layers
     for run in two_ranks:

@@ -3,7 +3,7 @@ for what ``sacct`` cannot tell.
 
 A cluster without SLURM's accounting daemon answers every ``sacct`` with "Slurm accounting storage
 is disabled": submitit's watcher then reports ``UNKNOWN`` for ever, and a study waited for ever on
-jobs that had long finished, or died before writing a result (PLATFORM_NOTES, SLURM trap 2). The
+jobs that had long finished, or died before writing a result (docs/platform.md#slurm-clusters). The
 controller itself (``scontrol``) knows every job it holds, until ``MinJobAge`` (300 s by default)
 after the job ends. A job that neither knows while the controller answers has left the scheduler:
 ``GONE``, a final state that the job's own files decide (its result, or the lack of one).

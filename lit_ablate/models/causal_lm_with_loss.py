@@ -47,7 +47,7 @@ class CausalLMWithLoss(nn.Module):
 
         ``use_cache=False`` always: transformers only derives per-document attention from
         ``position_ids`` when no cache exists, so a packed batch would otherwise leak across
-        documents (PLATFORM_NOTES trap 2).
+        documents (docs/platform.md#packed-position_ids-leak-across-documents-with-a-kv-cache).
         """
         return self.head_outputs(self.hidden_states(batch), batch)
 

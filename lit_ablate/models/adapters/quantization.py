@@ -7,12 +7,13 @@ quantised weights. It works on a model built from a config as well as on one loa
 needs this path anyway, and one path for both keeps the two identical). The quantised weights are
 frozen: they train only through adapters (``lit_ablate.models.adapters.lora``).
 
-The eval-mode trap (PLATFORM_NOTES): on CPUs with AVX-512-BF16, bitsandbytes' ``Linear4bit``
+The eval-mode trap: on CPUs with AVX-512-BF16, bitsandbytes' ``Linear4bit``
 repacks its weight *in place* into another layout on the first no-grad forward in eval mode and
 mutates the ``quant_state`` that FSDP2's gathered copies share, so later sharded training steps
 silently compute with stale weights. Every ``Linear4bit`` built here has that repacking turned off
 (``support_avx512bf16_for_cpu = False``): evaluation costs the unpacked kernel's speed on such CPUs
-and nothing else; ``tests/test_adapters_quantized.py`` shows the weight stays bit-identical.
+and nothing else; ``tests/test_adapters.py`` shows the weight stays bit-identical
+(docs/platform.md#bitsandbytes-repacks-4-bit-weights-in-an-eval-forward).
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@ The simple alternative to the ring (Llama 3's choice for long-context training):
 of the stacked K/V per layer, whose autograd backward is a reduce-scatter that sums every rank's
 dK/dV into the owner's shard. K and V travel as *one* tensor, because two autograd collectives in
 one backward can run in different orders on different ranks and silently mix up gradients
-(PLATFORM_NOTES trap 1). The local attention is ``block_attention`` (the ring's kernels and
-block skipping, so ``zigzag`` balances the work as it does for the ring). It keeps the whole
-sequence's K/V per layer for backward: more memory than the ring, fewer and larger messages.
+(docs/platform.md#two-autograd-collectives-in-one-backward). The local attention is
+``block_attention`` (the ring's kernels and block skipping, so ``zigzag`` balances the work as it
+does for the ring). It keeps the whole sequence's K/V per layer for backward: more memory than the
+ring, fewer and larger messages.
 """
 
 from __future__ import annotations

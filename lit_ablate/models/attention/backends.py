@@ -4,7 +4,8 @@
 model code is unchanged. Importing this module registers the names:
 
 - ``sdpa`` (transformers' own): padding mask; transformers itself detects packed batches from
-  ``position_ids``, but only when there is no KV cache (PLATFORM_NOTES trap 2). Runs everywhere.
+  ``position_ids``, but only when there is no KV cache
+  (docs/platform.md#packed-position_ids-leak-across-documents-with-a-kv-cache). Runs everywhere.
 - ``sdpa_packed``: SDPA under a block-diagonal causal boolean mask built here from
   ``position_ids`` (a document starts where the position is 0) and the padding mask. Runs and
   trains everywhere, CPU included; independent of the cache.

@@ -9,7 +9,7 @@ they can (``ChunkMasks.block``), so no ``[T, T]`` mask is ever built or saved. T
 recomputes each block from the *whole* output and log-sum-exp (the flash-attention backward).
 Keys and values keep their own ``num_key_value_heads``: the kernels do GQA themselves.
 
-Written by hand because torch's ``context_parallel`` has no CPU path (PLATFORM_NOTES).
+Written by hand because torch's ``context_parallel`` has no CPU path for any SDPA backend.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ which is what lets ``block_attention`` merge blocks and the ring recompute them 
   no mask, so blocks with document or padding masks run through ``sdpa``'s memory-efficient op.
 - ``flex``: ``flex_attention`` with the block's mask as its ``BlockMask`` (compiled on CUDA),
   documents and padding included. Its backward differentiates a recomputed block
-  (``RecomputedBlockKernel``). Training needs CUDA: flex has no CPU backward (PLATFORM_NOTES).
+  (``RecomputedBlockKernel``). Training needs CUDA: flex's backward raises NotImplementedError on a CPU.
 
 A subclass of ``BlockKernel`` registered in ``BLOCK_KERNELS`` is a new choice.
 """

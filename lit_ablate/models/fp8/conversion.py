@@ -11,7 +11,8 @@ e4m3 under the rowwise recipes) and returns the high-precision result.
 Real or emulated: the fp8 kernels (``torch._scaled_mm``) need a CUDA GPU of compute capability
 8.9+ (Ada, Hopper, Blackwell). Elsewhere torchao's ``emulate`` mode quantises exactly as the real
 recipe does and multiplies the dequantised operands in fp32: the same numerics up to the matmul's
-accumulation order, at no speed or memory gain (PLATFORM_NOTES). Which one ran is recorded.
+accumulation order, at no speed or memory gain (docs/platform.md#what-runs-on-a-cpu). Which one ran
+is recorded.
 
 What is not converted, and why:
 - the LM head (``skip``'s default): the most precision-sensitive matmul, and small next to the

@@ -19,7 +19,8 @@ Collectives come from ``torch.distributed._functional_collectives`` (autograd-aw
 splits, gloo and NCCL). Each autograd collective's backward depends on the previous one's
 result, and the all-reduce dispatcher gathers tokens and routing weights as *one* stacked
 tensor: two independent autograd collectives in one backward may run in different orders on
-different ranks and silently exchange the wrong gradients (PLATFORM_NOTES trap 1).
+different ranks and silently exchange the wrong gradients
+(docs/platform.md#two-autograd-collectives-in-one-backward).
 """
 
 from __future__ import annotations
