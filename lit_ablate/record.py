@@ -20,6 +20,9 @@ imports the other: both depend only on this module. A record is one JSON file pe
       "job": null | {"id": ..., "state": ..., "cluster": ..., "restarts": 0,  # a SLURM job (launch.executor: slurm)
                      "nodes": [...], "ranks": [{"rank": r, "node_rank": n, "local_rank": l, "node": "name"}]},
       "fallbacks": ["..."],                     # every fallback a part took, in words
+      "profile": {...},                         # only with KernelProfile (a RecordSection): top kernels or CPU
+                                                # operators of the profiled steps, host syncs, torch.compile's
+                                                # graph breaks and recompiles (docs/profiling.md)
       "data": null | {"storage": "memory" | "cache" | "stream", "storage_requested": "auto" | ...,
                "storage_reason": "why auto chose it", "seconds": ..., "cache_hit": bool | null,
                "cache_path": str | null, "examples": n},  # LMDataModule's set-up (null: another data module)

@@ -20,6 +20,7 @@ import lit_ablate
 from lit_ablate import record as run_record
 from lit_ablate.callbacks.memory import MemoryMonitor
 from lit_ablate.callbacks.mfu import MFUMonitor
+from lit_ablate.callbacks.record_section import RecordSection
 from lit_ablate.callbacks.step_monitor import DEFAULT_WARMUP_STEPS, StepMonitor
 from lit_ablate.models.losses import triton_interpreter
 from lit_ablate.strategies.interface import interface_of
@@ -191,6 +192,7 @@ class RunRecorder(StepMonitor):
         summary.update(status=status, message=message, memory_method=memory.method if memory else None,
                        mfu_peak=mfu.peak_source if mfu else None, mfu_ceilings=mfu.ceilings() if mfu else None)
         counts = getattr(pl_module, "parameter_counts", None)
+        sections = {c.section: c.record_section() for c in trainer.callbacks if isinstance(c, RecordSection)}
         run_record.write_record(self.record_path, {
             "schema_version": run_record.SCHEMA_VERSION,
             "variant": self.variant,
@@ -208,4 +210,5 @@ class RunRecorder(StepMonitor):
             "data": getattr(trainer.datamodule, "setup_record", None),
             "steps": steps,
             "summary": summary,
+            **sections,
         })
