@@ -22,7 +22,8 @@ def _fit(tmp_path, profile: KernelProfile, module: CausalLM | None = None, max_s
     module = module or CausalLM(ModelFactory(preset="tiny-llama"), warmup_steps=0)
     trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[ThroughputMonitor(), profile, RunRecorder(path=str(tmp_path / "run.json"))])  # fmt: skip
+                        callbacks=[ThroughputMonitor(), profile,
+                                   RunRecorder(path=str(tmp_path / "run.json"))])  # fmt: skip
     trainer.fit(module, DataLoader(_batches(2 * max_steps, 2, masked_prefix=[0, 5]), batch_size=None))
     return json.loads((tmp_path / "run.json").read_text())
 

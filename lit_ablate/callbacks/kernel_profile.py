@@ -30,10 +30,11 @@ class KernelProfile(RecordSection):
     - ``profiled_steps`` and the steps, ``wall_ms`` (host time of the window), ``device_ms`` (all
       kernels' summed time: idle gaps show as ``device_ms`` well below ``wall_ms``);
     - ``host_syncs_per_step``: on CUDA, how often the host waited for the device (``HOST_SYNCS``),
-      per profiled step (the profiler's own synchronisation at its stop included);
+      per profiled step (the profiler's own synchronisation at its stop may count as one);
     - ``compile``: over the whole fit (compiles happen in the first steps), torch.compile's graph
-      breaks (count and the most frequent reasons), graphs compiled, and recompiles (count and
-      the guard failures that caused them).
+      breaks (count and the most frequent reasons), graphs compiled, compiles, and recompiles (count
+      and the guard failures that caused them; null on a torch whose compile callbacks pass no
+      compile id).
 
     Choose it for a benchmark or a GPU run whose time must be explained. The profiled steps run
     slower (the profiler's own work, and a device synchronisation before the first of them): put
@@ -60,7 +61,7 @@ class KernelProfile(RecordSection):
         self._steps: list[int] = []
         self._kernels: dict[str, Any] | None = None
         self._compile_start: dict[str, Any] = {}
-        self._compile_ids: list[str] = []
+        self._compile_ids: list[str | None] = []
         self._compile: dict[str, Any] | None = None
 
     # --- the profiled window --------------------------------------------------------------------
@@ -81,8 +82,9 @@ class KernelProfile(RecordSection):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:  # fmt: skip
-        if self._profiler is not None and trainer.global_step not in self._steps and trainer.global_step >= self.start_step:
-            self._steps.append(trainer.global_step)  # a profiled step ended
+        step = trainer.global_step  # the last optimizer step that ended
+        if self._profiler is not None and step >= self.start_step and step not in self._steps:
+            self._steps.append(step)
             if len(self._steps) == self.num_steps:
                 self._stop()
 
@@ -130,9 +132,10 @@ class KernelProfile(RecordSection):
             "host_syncs_per_step": {name: count / steps for name, count in sorted(syncs.items())},
         }
 
-    def _compile_started(self, args: Any) -> None:
-        if args.callback_trigger.name == "DYNAMO":
-            self._compile_ids.append(str(args.compile_id))
+    def _compile_started(self, args: Any = None) -> None:
+        """torch's compile-start callback: its ``CallbackArgs`` (older torch passes none: no compile id)."""
+        if args is None or args.callback_trigger.name == "DYNAMO":
+            self._compile_ids.append(None if args is None else str(args.compile_id))
 
     def _compile_summary(self) -> dict[str, Any]:
         """torch.compile's graph breaks, graphs and recompiles since the fit started."""
@@ -143,10 +146,12 @@ class KernelProfile(RecordSection):
             for reason in reasons[len(start["guard_failures"].get(code, [])):]:
                 failures[f"{getattr(code, 'co_name', code)}: {_one_line(reason)}"] += 1
         # "frame/n": the frame's n-th compile, a recompile from n = 1 ("!n": compiled autograd's graph)
-        recompiles = sum(1 for compile_id in self._compile_ids if "/" in compile_id and compile_id.rsplit("/", 1)[1] != "0")
+        recompiles = None if None in self._compile_ids else sum(
+            1 for compile_id in self._compile_ids if "/" in compile_id and compile_id.rsplit("/", 1)[1] != "0")
         return {
             "graph_breaks": sum(breaks.values()),
-            "graph_break_reasons": [{"reason": _one_line(r), "count": c} for r, c in breaks.most_common(self.top_reasons)],
+            "graph_break_reasons": [{"reason": _one_line(reason), "count": count}
+                                    for reason, count in breaks.most_common(self.top_reasons)],
             "unique_graphs": now["unique_graphs"] - start["unique_graphs"],
             "compiles": len(self._compile_ids),
             "recompiles": recompiles,
@@ -155,7 +160,7 @@ class KernelProfile(RecordSection):
 
 
 def _callback_handler() -> Any:
-    from torch._dynamo.callback import callback_handler
+    from torch._dynamo.callback import callback_handler  # torch._dynamo loads slowly: only when a fit starts
 
     return callback_handler
 
