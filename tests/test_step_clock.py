@@ -105,10 +105,13 @@ class Watch(L.Callback):
 
 
 def fit_with_events(tmp_path, monkeypatch, accumulate: int, max_steps: int, stop_at: int | None = None,
-                    validate_every: int | None = None, warmup: int = 1) -> tuple[dict, list[dict], Watch, FakeDevice, TimedLM]:
+                    validate_every: int | None = None,
+                    warmup: int = 1) -> tuple[dict, list[dict], Watch, FakeDevice, TimedLM]:  # fmt: skip
+    """A fit whose monitors run on the CUDA clock over stand-in events."""
     device = FakeDevice()
     event = type("Event", (FakeEvent,), {"device": device})
-    monkeypatch.setattr(step_monitor, "clock_for", lambda _, first, last: CudaEventClock(first, last, event_class=event))
+    monkeypatch.setattr(step_monitor, "clock_for",
+                        lambda _, first, last: CudaEventClock(first, last, event_class=event))
     L.seed_everything(0)
     batches = _batches(len(MICRO_BATCH_MS), 2, masked_prefix=[0, 9, 21, 4])
     watch = Watch(device, stop_at)
