@@ -276,10 +276,11 @@ def test_the_run_record_names_the_implementation_and_fused_false_passes_through(
 @cuda
 def test_gpu_fused_and_foreach_adamw_give_the_same_weights():
     """On CUDA the default is fused; ``fused: false`` runs foreach. After 3 steps of the tiny Llama in
-    fp32 both hold the same weights (the kernels differ only in rounding)."""
+    fp32 both hold the same weights (the kernels differ only in rounding: the tolerance of the CPU
+    kernels' comparison above, where fused and the for-loop differed by 8.8e-7 after 5 steps)."""
     fused = fit("adamw", accelerator="gpu", steps=3)
     foreach = fit("adamw", {"fused": False}, accelerator="gpu", steps=3)
     assert (fused["implementation"], foreach["implementation"]) == ("fused", "foreach")
     torch.testing.assert_close(torch.tensor(fused["losses"]), torch.tensor(foreach["losses"]), rtol=0, atol=1e-5)
     for name, weight in foreach["weights"].items():
-        torch.testing.assert_close(fused["weights"][name], weight, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(fused["weights"][name], weight, rtol=0, atol=5e-6, msg=name)
