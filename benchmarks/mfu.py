@@ -66,6 +66,8 @@ from kernels_here import fastest_packed_attention, memory_efficient_loss
 from model_shapes import model_config
 
 CPU_SHAPE = "cpu-35m"
+PROFILED_STEPS = 2
+"""``--profile``: steps profiled by ``KernelProfile`` after the measured ones (lit-ablate's run only)."""
 LOSS_TOLERANCE_FP32 = 1e-4
 """Largest per-step loss difference between the two sides in fp32 on a CPU: the same module, data
 and order differ only in when the gradients are divided by the step's tokens (before backward in
@@ -84,14 +86,19 @@ class Side:
     document_lengths: list[int] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
 
-    def median(self, per_step: list[float], warmup: int) -> float:
-        return statistics.median(per_step[warmup:])
+    def median(self, per_step: list[float], steps: range) -> float:
+        return statistics.median(per_step[steps.start - 1 : steps.stop - 1])
 
-    def useful_per_s(self, warmup: int) -> float:
-        return self.median([u / s for u, s in zip(self.useful, self.seconds)], warmup)
+    def useful_per_s(self, steps: range) -> float:
+        return self.median([u / s for u, s in zip(self.useful, self.seconds)], steps)
 
-    def flops_per_s(self, warmup: int) -> float:
-        return self.median([f / s for f, s in zip(self.flops, self.seconds)], warmup)
+    def flops_per_s(self, steps: range) -> float:
+        return self.median([f / s for f, s in zip(self.flops, self.seconds)], steps)
+
+
+def scheduled_steps(args: argparse.Namespace) -> int:
+    """The lit run's steps (the measured ones, then any profiled): both sides' schedules span them."""
+    return args.steps + (PROFILED_STEPS if args.profile else 0)
 
 
 def fit_config(args: argparse.Namespace, root: str) -> dict:
@@ -102,13 +109,13 @@ def fit_config(args: argparse.Namespace, root: str) -> dict:
     bf16 = args.precision == "bf16-true"
     documents = max(400, args.steps * args.accumulate * args.rows * args.seq_len // 150)  # ~450 tokens each
     callbacks = [{"class_path": "lit_ablate.callbacks.ThroughputMonitor"}, {"class_path": "lit_ablate.callbacks.MFUMonitor"}]
-    if args.profile:
+    if args.profile:  # after the measured steps: a profiled step is slower, and left out of the medians
         callbacks.append({"class_path": "lit_ablate.callbacks.KernelProfile",
-                          "init_args": {"start_step": args.warmup + 1, "num_steps": 2}})  # fmt: skip
+                          "init_args": {"start_step": args.steps + 1, "num_steps": PROFILED_STEPS}})  # fmt: skip
     return {
         "seed_everything": 0,
         "trainer": {"accelerator": "gpu" if args.device == "cuda" else "cpu", "devices": 1, "precision": args.precision,
-                    "max_steps": args.steps, "accumulate_grad_batches": args.accumulate, "gradient_clip_val": 1.0,
+                    "max_steps": scheduled_steps(args), "accumulate_grad_batches": args.accumulate, "gradient_clip_val": 1.0,
                     "limit_val_batches": 0, "log_every_n_steps": 5, "enable_checkpointing": False,
                     "enable_progress_bar": False, "logger": False, "default_root_dir": root, "callbacks": callbacks},
         "model": {"class_path": "lit_ablate.modules.CausalLM",
@@ -145,7 +152,7 @@ def lit_ablate_run(args: argparse.Namespace) -> Side:
     with tempfile.TemporaryDirectory() as root:
         _cli(fit_config(args, root), root, run=True)
         record = json.loads((Path(root) / "run.json").read_text())
-    side = Side(summary=record["summary"])
+    side = Side(summary={**record["summary"], "profile": record.get("profile")})
     ceiling = record["summary"]["mfu_ceilings"]["mfu_measured"]["tflops"]  # what its mfu_measured divides by
     for step in record["steps"]:
         seconds = step["step_time_s"]
@@ -175,8 +182,8 @@ def hand_loop_run(args: argparse.Namespace) -> Side:
     model, hp = module.model, module.hparams
     optimizer, _ = build_optimizer(module.optimizer_name, decay_groups(model, decay_names(model, model.lm.get_input_embeddings().weight),
                                 hp.weight_decay), hp.learning_rate, hp.betas, module.optimizer_options)  # fmt: skip
-    scheduler = lr_scheduler(optimizer, hp.lr_schedule, hp.warmup_steps, args.steps, hp.min_lr_ratio, hp.decay_fraction,
-                             hp.decay_shape)  # fmt: skip
+    scheduler = lr_scheduler(optimizer, hp.lr_schedule, hp.warmup_steps, scheduled_steps(args), hp.min_lr_ratio,
+                             hp.decay_fraction, hp.decay_shape)  # fmt: skip
     clock = _Clock(device)
     side, losses = Side(), []
     batches = iter(data.train_dataloader())
@@ -262,6 +269,7 @@ def report(args: argparse.Namespace, hand: list[Side], lit: list[Side], ceilings
     from lit_ablate.estimate.peaks import peak_tflops_of
 
     w = args.warmup
+    measured = range(w + 1, args.steps + 1)
     config = fit_config(args, "/unused")["model"]["init_args"]["model"]["config"]
     hf_config = AutoConfig.for_model(**config)
     peak = peak_tflops_of(device_name(torch.device(args.device))) if args.device == "cuda" else None
@@ -272,8 +280,8 @@ def report(args: argparse.Namespace, hand: list[Side], lit: list[Side], ceilings
     for label, runs in (("hand-written PyTorch loop", hand), ("lit-ablate fit", lit)):
         if not runs:
             continue
-        best = max(runs, key=lambda s: s.useful_per_s(w))
-        rows.append((label, best, best.useful_per_s(w), best.flops_per_s(w)))
+        best = max(runs, key=lambda s: s.useful_per_s(measured))
+        rows.append((label, best, best.useful_per_s(measured), best.flops_per_s(measured)))
     seed_flops = seed_formula_flops_per_token(hf_config, args.seq_len)
     print(f"\n{args.shape} ({hf_config.num_hidden_layers} layers, vocabulary {hf_config.vocab_size}), {args.rows} x "
           f"{args.seq_len} packed tokens per micro-batch, {args.accumulate} per optimizer step, {args.precision}, "
@@ -286,17 +294,17 @@ def report(args: argparse.Namespace, hand: list[Side], lit: list[Side], ceilings
           "| seed-formula MFU (spec peak) | runs: useful tokens/s |\n|---|---|---|---|---|---|---|")
     for label, best, useful, flops in rows:
         runs = hand if label.startswith("hand") else lit
-        step_s = best.median(best.seconds, w)
+        step_s = best.median(best.seconds, measured)
         mfu = flops / (peak * 1e12) if peak else None
         seed_mfu = useful * seed_flops / (peak * 1e12) if peak else None
         print(f"| {label} | {useful:,.0f} | {step_s:.4f} | {_fmt(mfu)} | {_fmt(flops / (ceiling * 1e12))} | {_fmt(seed_mfu)} "
-              f"| {', '.join(f'{r.useful_per_s(w):,.0f}' for r in runs)} |")
+              f"| {', '.join(f'{r.useful_per_s(measured):,.0f}' for r in runs)} |")
         key = p if label.startswith("lit") else f"{p}_hand"
         results.update({f"{key}_useful_tokens_per_s": useful, f"{key}_step_s": step_s, f"{key}_mfu": mfu,
                         f"{key}_mfu_measured": flops / (ceiling * 1e12), f"{key}_mfu_seed_formula": seed_mfu})  # fmt: skip
     if hand and lit:
         h, lt = rows[0][2], rows[1][2]
-        diff = max(abs(a - b) for a, b in zip(hand[0].losses, lit[0].losses))
+        diff = max(abs(a - b) for a, b in zip(hand[0].losses[: args.steps], lit[0].losses[: args.steps]))
         results[f"{p}_lit_vs_hand"] = lt / h
         results[f"{p}_loss_max_abs_diff"] = diff
         print(f"\nlit-ablate / hand loop, useful tokens/s: {lt / h:.3f}; largest per-step loss difference {diff:.3g}")
@@ -311,11 +319,23 @@ def report(args: argparse.Namespace, hand: list[Side], lit: list[Side], ceilings
                     f"{p}_final_loss": summary.get("final_loss")})  # fmt: skip
     if args.device == "cuda":
         results[f"{p}_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    if summary.get("kernel_profile"):
-        results[f"{p}_profile"] = json.dumps(summary["kernel_profile"], separators=(",", ":"))
+    if summary.get("profile"):
+        print_profile(summary["profile"])
+        results[f"{p}_profile"] = json.dumps(summary["profile"], separators=(",", ":"))
     for name, value in results.items():
         print(f"RESULT {name}={_fmt(value) if not isinstance(value, str) else value}")
     return results
+
+
+def print_profile(profile: dict[str, Any]) -> None:
+    """``KernelProfile``'s record section: where the profiled steps' time went."""
+    compiled = profile.get("compile") or {}
+    print(f"\nprofile of steps {profile.get('steps')} ({profile.get('kind')}): wall {_fmt(profile.get('wall_ms'))} ms, "
+          f"device {_fmt(profile.get('device_ms'))} ms; host syncs per step {_fmt(profile.get('host_syncs_per_step'))}; "
+          f"graph breaks {_fmt(compiled.get('graph_breaks'))}, recompiles {_fmt(compiled.get('recompiles'))}")
+    print("\n| kernel | ms | calls | share |\n|---|---|---|---|")
+    for row in profile.get("top") or []:
+        print(f"| {row['name'][:90]} | {row['time_ms']:.2f} | {row['calls']} | {row['share']:.1%} |")
 
 
 def main() -> int:
