@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import importlib
 import re
+
+from lit_ablate.class_paths import import_class
 
 _CONFIG_ERROR_LINE = re.compile(r"^\s*-?\s*([\w.\[\]/-]+=.*?: .+)$", re.MULTILINE)
 _PARSER_KEY = re.compile(r'^Parser key "([^"]+)":\s*(.*)$')
@@ -120,9 +121,8 @@ def _unknown_key_fix(name: str, class_path: str | None) -> str:
     known: list[str] = []
     class_path = class_path or ("lightning.pytorch.Trainer" if name.startswith("trainer.") else None)
     if class_path:
-        module, _, attribute = class_path.rpartition(".")
-        with contextlib.suppress(ImportError, AttributeError, ValueError, TypeError):  # only a hint: the key is unknown anyway
-            known = [p.name for p in get_signature_parameters(getattr(importlib.import_module(module), attribute))
+        with contextlib.suppress(ImportError, TypeError, ValueError):  # only a hint: the key is unknown anyway
+            known = [p.name for p in get_signature_parameters(import_class(class_path))
                      if p.name not in ("self", "args", "kwargs")]
     close = difflib.get_close_matches(name.split(".")[-1], known, n=1)
     where = f"not a parameter of {class_path}" if class_path else "unknown key"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
@@ -11,13 +10,14 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
 from transformers import PreTrainedModel
 
+from lit_ablate.class_paths import import_class
 from lit_ablate.errors import ConfigError
 from lit_ablate.estimate.flops import ParameterCounts, batch_model_flops, count_parameters, flops_per_token
 from lit_ablate.models.attention.backends import check_attention_backend
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.fp8.conversion import resolve_emulation
-from lit_ablate.models.losses.cross_entropy import loss_backend
+from lit_ablate.models.losses.loss_choice import LossChoice
 from lit_ablate.models.moe.blocks import collect_aux_losses, experts_fallbacks
 from lit_ablate.modules.optim import (
     DecayShape,
@@ -97,7 +97,7 @@ class CausalLM(LightningModule):
         if warmup_steps < 0:
             raise ConfigError("model.init_args.warmup_steps", warmup_steps, "use 0 or more warm-up steps")
         check_lr_schedule(lr_schedule, min_lr_ratio, decay_fraction, decay_shape)
-        loss_backend(loss, **(loss_options or {}))  # bad names/options fail here, before any model is built
+        LossChoice(loss, dict(loss_options or {})).build()  # bad names/options fail here, before any model is built
         check_optimizer(optimizer)  # the strategy is checked in configure_model
         # Plain values only, so checkpoints load with torch.load(weights_only=True). ``_class_path``
         # lets LightningCLI's ``--ckpt_path`` (test, validate, resumed fit) re-parse them.
@@ -166,7 +166,7 @@ class CausalLM(LightningModule):
     def trained_module(self, lm: PreTrainedModel) -> CausalLMWithLoss:
         """The module training runs and strategies parallelise, around the freshly built ``lm``
         (a hook: ``DPO`` returns sequence log-probabilities instead of a token loss)."""
-        return CausalLMWithLoss(lm, loss_backend(self.hparams.loss, **self.hparams.loss_options))
+        return CausalLMWithLoss(lm, LossChoice(self.hparams.loss, self.hparams.loss_options).build())
 
     def _check_compile_step(self) -> None:
         """A mesh strategy compiles in its own pipeline step (after activation checkpointing)."""
@@ -259,8 +259,10 @@ def _saved_class(path: str | None) -> type[CausalLM] | None:
     """The ``CausalLM`` subclass a checkpoint's ``_class_path`` names (None: not recorded)."""
     if not path:
         return None
-    module, _, name = path.rpartition(".")
-    saved = getattr(importlib.import_module(module), name, None) if module else None
+    try:
+        saved = import_class(path)
+    except ImportError:
+        saved = None
     if not (isinstance(saved, type) and issubclass(saved, CausalLM)):
         raise ConfigError("--ckpt_path", path, "the checkpoint was not written by a lit-ablate CausalLM or subclass")
     return saved

@@ -28,6 +28,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lit_ablate.class_paths import import_class
 from lit_ablate.errors import ConfigError
 
 OPTIMIZER_KEY = "model.init_args.optimizer"
@@ -85,8 +86,7 @@ def build_optimizer(name: str, groups: list[dict], lr: float, betas: tuple[float
     torchao's ``block_size``, AdamW's ``fused``/``foreach``); an unknown one is refused naming
     ``model.init_args.optimizer_options``.
     """
-    module, _, cls_name = OPTIMIZERS[name].rpartition(".")
-    cls = getattr(importlib.import_module(module), cls_name)
+    cls = import_class(OPTIMIZERS[name])
     options, fallback = dict(options or {}), None
     if name == "adamw":
         kinds = {parameter_kind(p) for group in groups for p in group["params"]}
