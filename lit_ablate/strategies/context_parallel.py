@@ -103,7 +103,7 @@ class ContextParallelSteps(FullyShardSteps):
     @property
     def layout(self) -> SequenceLayout:
         """How each sequence is split over the ``cp`` ranks (the mesh must exist)."""
-        return SequenceLayout(self.cp_layout, self.mesh_sizes["cp"])
+        return SequenceLayout(self.cp_layout, self.mesh_sizes.cp)
 
     @property
     def cp_rank(self) -> int:
@@ -118,7 +118,7 @@ class ContextParallelSteps(FullyShardSteps):
     def flops_share(self) -> float:
         """The share of a batch's model FLOPs this rank computes, besides tensor parallelism: the
         ``cp`` ranks share one batch, and ``MFUMonitor`` counts each rank's ``1 / cp`` of it."""
-        return 1.0 / self.mesh_sizes["cp"]
+        return 1.0 / self.mesh_sizes.cp
 
     # ---------------------------------------------------------------- the pipeline step
     def apply_cp(self, model: CausalLMWithLoss) -> None:
@@ -126,7 +126,7 @@ class ContextParallelSteps(FullyShardSteps):
         ``allgather`` backends), and remember the model so steps switch its attention to ``cp_impl``."""
         if not self.splits_sequences:
             return
-        group = self.device_mesh["cp"].get_group() if self.mesh_sizes["cp"] > 1 else None
+        group = self.device_mesh["cp"].get_group() if self.mesh_sizes.cp > 1 else None
         kernel = block_kernel(self.cp_block_kernel, torch.device(self.device_mesh.device_type))
         self._cp_kernels.append(kernel)
         context = ContextParallelGroup(group, self.layout, self.cp_rank, kernel)

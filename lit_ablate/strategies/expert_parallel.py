@@ -72,7 +72,7 @@ class ExpertParallelSteps(FullyShardSteps):
 
     def apply_ep(self, model: CausalLMWithLoss) -> None:
         """Keep this rank's slice of every expert weight (a DTensor on the ``ep`` mesh) and install the dispatcher."""
-        ep = self.mesh_sizes["ep"]
+        ep = self.mesh_sizes.ep
         if ep == 1:
             return
         blocks = self._moe_blocks(model)
@@ -89,7 +89,7 @@ class ExpertParallelSteps(FullyShardSteps):
 
     def apply_fsdp(self, model: CausalLMWithLoss) -> None:
         """Experts first (over the non-EP data-parallel ranks), then the layers and the root as FSDP2 does."""
-        if self.mesh_sizes["ep"] > 1:
+        if self.mesh_sizes.ep > 1:
             from torch.distributed.fsdp import fully_shard
 
             mesh = self.expert_fsdp_mesh()
@@ -111,7 +111,7 @@ class ExpertParallelSteps(FullyShardSteps):
         mesh = self.device_mesh
         dims = tuple(d for d in ("dp_shard", "cp") if self.mesh_sizes[d] > 1) or ("dp_shard",)
         shard = mesh[dims[0]] if len(dims) == 1 else mesh[dims]._flatten("_".join(dims))
-        if self.mesh_sizes["dp_replicate"] == 1:
+        if self.mesh_sizes.dp_replicate == 1:
             return shard
         return DeviceMesh._concatenate([mesh["dp_replicate"], shard])
 
@@ -131,7 +131,7 @@ class ExpertParallelSteps(FullyShardSteps):
             raise ConfigError(f"{OPTIONS_KEY}.experts", "hf or unset",
                               "ExpertParallelStrategy shards lit-ablate MoE blocks: use an MoE model with "
                               "moe.experts: grouped (or loop)")
-        num_experts, ep = blocks[0].gate.num_experts, self.mesh_sizes["ep"]
+        num_experts, ep = blocks[0].gate.num_experts, self.mesh_sizes.ep
         if num_experts % ep:
             raise ConfigError(f"{STRATEGY_KEY}.ep", ep,
                               f"the model has {num_experts} experts per layer; use an ep that divides {num_experts}")

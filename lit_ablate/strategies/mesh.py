@@ -143,7 +143,7 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
         self._check_steps_implemented(self.mesh_sizes)
         self._device_mesh = init_device_mesh(device_type, tuple(self.mesh_sizes.values()), mesh_dim_names=MESH_DIMS)
         self._fsdp_mesh = self.sharding_mesh(FSDP_SHARD_DIMS)
-        if self.mesh_sizes["tp"] > 1 or self.mesh_sizes["pp"] > 1:  # all ranks create the flattened group together
+        if self.mesh_sizes.tp > 1 or self.mesh_sizes.pp > 1:  # all ranks create the flattened group together
             self._gradient_mean_mesh = self._device_mesh[GRADIENT_MEAN_DIMS]._flatten("dp_cp")
         return self._device_mesh
 
@@ -155,7 +155,7 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
         """
         mesh = self.device_mesh
         dims = tuple(d for d in shard_dims if self.mesh_sizes[d] > 1) or shard_dims[:1]
-        replicate = self.mesh_sizes["dp_replicate"] > 1
+        replicate = self.mesh_sizes.dp_replicate > 1
         if len(dims) == 1:
             return mesh["dp_replicate", dims[0]] if replicate else mesh[dims[0]]
         shard = mesh[dims]._flatten("_".join(dims))
@@ -187,7 +187,7 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
         """Ranks that process the very same tokens (tensor-parallel peers and the stages of one
         pipeline): throughput and MFU count their tokens once, so the model's FLOPs are counted once.
         Context-parallel ranks hold different slices, so they add up."""
-        return self.mesh_sizes["tp"] * self.mesh_sizes["pp"]
+        return self.mesh_sizes.tp * self.mesh_sizes.pp
 
     @property
     def gradient_mean_group(self) -> tuple[dist.ProcessGroup | None, int]:
@@ -199,7 +199,7 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
         size = math.prod(self.mesh_sizes[d] for d in GRADIENT_MEAN_DIMS)  # also before a Trainer sets world_size
         if size == 1:
             return None, 1
-        if self.mesh_sizes["tp"] == 1 and self.mesh_sizes["pp"] == 1:
+        if self.mesh_sizes.tp == 1 and self.mesh_sizes.pp == 1:
             return dist.group.WORLD, size
         return self._gradient_mean_mesh.get_group(), size
 

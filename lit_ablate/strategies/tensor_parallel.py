@@ -72,7 +72,7 @@ class TensorParallelSteps(FullyShardSteps):
     # ---------------------------------------------------------------- the pipeline step
     def apply_tp(self, model: CausalLMWithLoss) -> None:
         """Split the decoder layers, embedding and LM head over ``tp``; the loss reads vocabulary shards."""
-        if self.mesh_sizes["tp"] == 1:
+        if self.mesh_sizes.tp == 1:
             return
         self.check_model(model)
         mesh = self.tp_mesh
@@ -94,7 +94,7 @@ class TensorParallelSteps(FullyShardSteps):
         for, and a compiled layer given one returns a zero gradient to it (torch 2.13: the embedding
         stopped learning, silently). A copy waits for the collective inside autograd."""
         super().apply_compile(model)
-        if self.compile_layers and self.mesh_sizes["tp"] > 1:
+        if self.compile_layers and self.mesh_sizes.tp > 1:
             model.lm.get_input_embeddings().register_forward_hook(_waited_collective)
 
     def state_sharding(self, world_size: int) -> StateSharding:
@@ -124,7 +124,7 @@ class TensorParallelSteps(FullyShardSteps):
     def check_model(self, model: CausalLMWithLoss) -> None:
         """Refuse what this layout cannot split, naming the key: head counts, vocabulary, a loss
         backend that needs the whole LM-head weight."""
-        config, tp = model.lm.config, self.mesh_sizes["tp"]
+        config, tp = model.lm.config, self.mesh_sizes.tp
         for name in ("num_attention_heads", "num_key_value_heads", "vocab_size"):
             value = getattr(config, name)
             if value % tp:
@@ -136,7 +136,7 @@ class TensorParallelSteps(FullyShardSteps):
     # ---------------------------------------------------------------- batches and steps
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         batch = super().batch_to_device(batch, device, dataloader_idx)
-        if self.sequence_parallel and self.mesh_sizes["tp"] > 1:
+        if self.sequence_parallel and self.mesh_sizes.tp > 1:
             batch = self.sequence_parallel_batch(batch)
         return batch
 
@@ -146,7 +146,7 @@ class TensorParallelSteps(FullyShardSteps):
         number the positions of the slice from 0. A packed batch brings its per-document
         ``position_ids`` (and ``cu_seqlens``), a padded one its padding mask; from either
         ``whole_sequence_masks`` builds the mask over the whole sequence."""
-        tp = self.mesh_sizes["tp"]
+        tp = self.mesh_sizes.tp
         rows, length = batch["input_ids"].shape
         if length % tp:
             raise ConfigError(f"{STRATEGY_KEY}.sequence_parallel", True,
@@ -265,7 +265,7 @@ def tie_split_embeddings(model: CausalLMWithLoss) -> None:
 
     Both are split by vocabulary rows (``Shard(0)``), but ``parallelize_module`` turns each module's
     weight into its own DTensor parameter: untied, the embedding and the head would each take only
-    their own gradient and drift apart (PLATFORM_NOTES: 1.45e-1 in 3 steps). Tied, the lookup's and
+    their own gradient and drift apart (1.45e-1 in 3 steps, docs/platform.md). Tied, the lookup's and
     the head's gradients add into one ``Shard(0)`` gradient, as in one process. Runs before FSDP2,
     which then manages the one parameter on both modules and keeps them tied through ``to_empty``
     on meta-built ranks (checked: a second re-tie after materialising changed nothing)."""
