@@ -9,9 +9,9 @@ module digs in the dict by dotted key or builds a strategy to learn a size.
 
 A config read here may be one ``lit-ablate fit`` resolved (every default filled in), a study
 variant's merged YAML before it is resolved, or a run record's: what it leaves out reads as the
-default the named class takes (``ClassChoice.option``). Classes (and torch) are imported on first use,
-so ``RunConfig.of`` is cheap and a study spec can read it; a ``class_path`` that does not import reads as no class (the run reports
-it itself when it builds).
+default the named class takes (``ClassChoice.option``). Classes (and torch) are imported on first
+use, so ``RunConfig.of`` is cheap and a study spec can read it; a ``class_path`` that does not import
+reads as no class (the run reports it itself when it builds).
 """
 
 from __future__ import annotations
@@ -269,7 +269,7 @@ class ModelSettings:
         return self.module.option(name, default)
 
     def _factory_value(self, name: str, default: Any = None) -> Any:
-        value = (self.factory or {}).get(name)
+        value = self.factory.get(name) if isinstance(self.factory, Mapping) else None
         return default if value is None else value
 
     @property
@@ -284,11 +284,13 @@ class ModelSettings:
 
     @property
     def quantization_section(self) -> Any:
-        return (self.factory or {}).get("quantization")
+        """``init_args.model.quantization`` as given."""
+        return self._factory_value("quantization")
 
     @property
     def fp8_section(self) -> Any:
-        return (self.factory or {}).get("fp8")
+        """``init_args.model.fp8`` as given."""
+        return self._factory_value("fp8")
 
     @cached_property
     def quantization(self) -> QuantizationOptions | None:
