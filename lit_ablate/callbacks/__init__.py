@@ -1,4 +1,4 @@
-"""Measurement callbacks: the only place lit-ablate times, counts and logs (DESIGN: measuring)."""
+"""Measurement callbacks: the only place lit-ablate times, counts and logs (docs/architecture.md)."""
 
 from lit_ablate.callbacks.exact_match import ExactMatchEvaluator
 from lit_ablate.callbacks.expert_load import ExpertLoadMonitor
