@@ -4,6 +4,8 @@ One rank group trains the tiny Qwen3-MoE three ways from seed 0 (module-scoped f
 with all experts on every rank (no EP), EP=2 with all-to-all dispatch, EP=2 with all-reduce
 dispatch. The ranks read different batches in all three, so per-rank losses must agree.
 Tolerance: the same arithmetic in another reduction order, ``LOSS_ATOL = 2e-5`` on fp32 losses.
+That holds only until rounding decides a top-k near-tie differently in the two layouts (here not
+within ``STEPS``); the float64 gradient tests at the end prove the layouts equal on any CPU.
 """
 
 from __future__ import annotations
@@ -16,13 +18,16 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import get_total_norm
+from torch.utils.data import DataLoader
 
 from lit_ablate.callbacks.expert_load import ExpertLoadMonitor
 from lit_ablate.data import LMDataModule, SyntheticText
 from lit_ablate.errors import ConfigError
+from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.moe.blocks import MoEOptions, moe_blocks
 from lit_ablate.models.moe.dispatch import AllReduceDispatcher, AllToAllDispatcher
-from lit_ablate.strategies import ExpertParallelStrategy, FSDP2Strategy
+from lit_ablate.modules import CausalLM
+from lit_ablate.strategies import ExpertParallelStrategy, FSDP2Strategy, MeshParallelStrategy
 from lit_ablate.strategies.expert_parallel import clip_grad_norm_across_meshes
 from tests.distributed import run_ranks
 from tests.test_moe_expert_load import MoECausalLM
@@ -30,6 +35,8 @@ from tests.test_moe_expert_load import MoECausalLM
 STEPS = 4
 PROBE = {"input_ids": torch.arange(32).reshape(2, 16) % 300, "labels": (torch.arange(32).reshape(2, 16) + 1) % 300}
 LOSS_ATOL = 2e-5
+GRAD_RTOL = 1e-12
+"""Float64 gradients of two layouts, relative to each tensor's largest element (measured: 4.2e-16)."""
 
 
 class LossSeries(Callback):
@@ -173,3 +180,94 @@ def _ep_not_dividing_experts(rank: int, world_size: int) -> str:
 def test_ep_must_divide_the_number_of_experts() -> None:
     messages = run_ranks(_ep_not_dividing_experts, 3)
     assert "ep=3: the model has 8 experts per layer; use an ep that divides 8" in messages[0]
+
+
+class Float64ModelFactory(ModelFactory):
+    """The config's model in float64 (a test-only dtype). Two layouts then differ by ~1e-16, far below
+    any top-k near-tie, so they route every token alike and agree to rounding (the router's softmax and
+    the loss still round to float32, as in every dtype, from inputs that agree to ~1e-16)."""
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch.float64
+
+
+class StepGradients(Callback):
+    """Every parameter's whole gradient as the optimizer gets it (after the step objective's rescaling)."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.gradients = {name: _full(p.grad).detach().clone() for name, p in pl_module.named_parameters()
+                          if p.grad is not None}
+
+
+def _unequal_batch(rank: int) -> dict[str, torch.Tensor]:
+    """Rank 0: 48 useful tokens; rank 1: 14 (prompt labels masked), so a per-rank normalisation shows."""
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(rank))
+    labels = ids.roll(-1, 1)
+    if rank == 1:
+        labels[:, :17] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+LAYOUTS = {
+    "no_ep": (FSDP2Strategy, {}),
+    "all_to_all": (ExpertParallelStrategy, {"ep": 2, "dispatch": "all_to_all"}),
+    "all_reduce": (ExpertParallelStrategy, {"ep": 2, "dispatch": "all_reduce"}),
+    "dp_shard_ep": (ExpertParallelStrategy, {"ep": 2, "dp_shard": 2}),
+    "dp_replicate_ep": (MeshParallelStrategy, {"dp_replicate": 2, "ep": 2}),
+}
+"""Strategy class and options of each layout the gradient tests compare (built inside the ranks)."""
+
+
+def _one_step_gradients(rank: int, world_size: int, root: str, layouts: list[str]) -> dict | None:
+    out = {}
+    for name in layouts:
+        strategy_class, options = LAYOUTS[name]
+        pl.seed_everything(0, verbose=False)
+        moe = MoEOptions(experts="grouped", load_balance_weight=0.01, z_loss_weight=0.001)
+        module = CausalLM(Float64ModelFactory(preset="tiny-qwen3-moe", moe=moe), warmup_steps=0)
+        gradients = StepGradients()
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=world_size, strategy=strategy_class(**options), max_steps=1,
+            callbacks=[gradients], logger=False, enable_progress_bar=False, enable_model_summary=False,
+            enable_checkpointing=False, use_distributed_sampler=False, num_sanity_val_steps=0,
+            default_root_dir=Path(root) / name,
+        )
+        trainer.fit(module, DataLoader([_unequal_batch(rank)], batch_size=None))
+        out[name] = gradients.gradients
+    return out if rank == 0 else None
+
+
+def _assert_same_gradients(run: dict, reference: str, layouts: list[str]) -> None:
+    for layout in layouts:
+        assert run[layout].keys() == run[reference].keys()
+        for name, expected in run[reference].items():
+            difference = (run[layout][name] - expected).abs().max() / expected.abs().max()
+            assert difference <= GRAD_RTOL, f"{layout} {name}: max |diff| {difference:.2e} of the largest element"
+
+
+def test_expert_parallel_gradients_equal_no_expert_parallel_in_float64(tmp_path) -> None:
+    """One step's gradient of every parameter under EP (both dispatches) equals FSDP2's without EP, in
+    float64, with unequal useful tokens per rank and both router losses on.
+
+    The float32 loss-curve tests above cannot prove it: rounding decides top-k near-ties (two router
+    probabilities equal to the last bit), one token routed otherwise forks the runs, and Adam hides a
+    gradient scale (x1.01 on one expert's gradient moved no loss of a 12-step study run by more than
+    1 ulp; docs/moe.md). In float64 the layouts agree to 4.2e-16 of each tensor's largest element
+    (GRAD_RTOL leaves x2000). Seen failing: with FSDP's divide factor on the experts as before (torch
+    divides twice in float64: every expert gradient 0.5x), and with expert 0's weight gradient on
+    rank 0 scaled by 1.01 (a value-preserving scale in ``RoutedExperts.forward``): 5.1e-3.
+    """
+    layouts = ["no_ep", "all_to_all", "all_reduce"]
+    runs = run_ranks(_one_step_gradients, 2, str(tmp_path), layouts, init_process_group=False, timeout_s=300)
+    _assert_same_gradients(runs[0], "no_ep", layouts[1:])
+
+
+@pytest.mark.slow  # 4 gloo ranks on 2 cores, three fits (~50 s)
+def test_expert_parallel_gradients_equal_no_expert_parallel_beside_dp_shard_and_dp_replicate(tmp_path) -> None:
+    """The same float64 check on 4 ranks: ep 2 x dp_shard 2 (the experts' FSDP shard dimension holds 2
+    ranks) and ep 2 x dp_replicate 2 (it holds 1: torch's one-rank path). Measured 5.0e-16. Seen failing
+    with FSDP's divide factor applied to the experts as before: dp_replicate x ep expert gradients 0.25x."""
+    layouts = ["no_ep", "dp_shard_ep", "dp_replicate_ep"]
+    runs = run_ranks(_one_step_gradients, 4, str(tmp_path), layouts, init_process_group=False, timeout_s=600)
+    _assert_same_gradients(runs[0], "no_ep", layouts[1:])

@@ -94,16 +94,19 @@ class ExpertParallelSteps(FullyShardSteps):
 
             mesh = self.expert_fsdp_mesh()
             kwargs = {**self.fsdp_kwargs(), "mesh": mesh}
+            data_parallel = float(self.fsdp_mesh.size())
             for block in moe_blocks(model):
                 experts = fully_shard(block.experts, **kwargs)
-                # Each expert's gradient already sums the ep ranks' tokens (the all-to-all backward);
-                # dividing by every data-parallel rank makes it the same mean as a dense gradient.
-                experts.set_gradient_divide_factor(float(self.fsdp_mesh.size()))
-                # Plain sums, then divide: gloo has no pre-multiplied sum. Not when the shard dimension
-                # holds 1 rank (also HSDP's (dp_replicate, 1)): torch skips the reduce-scatter there and
-                # divides its copy by the factor, then would divide again after the sums (torch 2.13).
-                if mesh.size(mesh.ndim - 1) > 1:
-                    experts.set_force_sum_reduction_for_comms(True)
+                # Each expert's gradient already sums the ep ranks' tokens (the all-to-all backward); FSDP
+                # sums it over the ranks sharing the expert (plain sums: gloo has no pre-multiplied sum),
+                # and one division by every data-parallel rank after the reductions makes it the same mean
+                # as a dense gradient. Not through FSDP's divide factor: where the shard dimension holds
+                # one rank (ep = world, HSDP's (dp_replicate, 1)) torch 2.13 divides its copy by the factor
+                # and again after forced sums, or always for a reduce dtype other than float32/bfloat16
+                # (float64 at ep 2 on 2 ranks: every expert gradient came out halved).
+                experts.set_gradient_divide_factor(1.0)
+                experts.set_force_sum_reduction_for_comms(True)
+                experts.set_all_reduce_hook(lambda reduced: reduced.div_(data_parallel))
         super().apply_fsdp(model)
 
     def expert_fsdp_mesh(self) -> DeviceMesh:
