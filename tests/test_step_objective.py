@@ -12,7 +12,8 @@ is invisible when counts are equal. Each step holds the same four examples in ev
     ddp_accumulate  2 ranks, micro-batch 1 x accumulate 2
     ep         the tiny Qwen3-MoE, 2 ranks with expert parallelism (all-to-all), against the MoE
                model's own 1-process reference (router aux losses off: they are per micro-batch
-               statistics, weighted by useful tokens, so they equal a one-batch aux only when off)
+               statistics, weighted by useful tokens, so they equal a one-batch aux only when off),
+               both in float64 (below)
 
 After 5 steps at a real learning rate, per-step losses and every weight must equal the
 reference's. ``test_the_old_per_micro_batch_mean_fails_these_checks`` puts the old division
@@ -27,6 +28,16 @@ losses by at most ~3e-6 (``LOSS_ATOL``) and the weights by ~2e-7 on average per 
 (``WEIGHT_MEAN_ATOL``); single elements whose gradient is near zero can move by ~1e-4, since
 Adam's first updates are about ``lr * sign(g)`` (``WEIGHT_MAX_ATOL``). The old objective moves
 the losses by ~0.16 and the weights by ~0.02 on average per tensor (0.06 at most).
+
+The MoE pair trains in float64: in float32 the two reduction orders decide top-k near-ties
+differently on some CPUs' kernels (with ATen's AVX2 kernels, ``ATEN_CPU_CAPABILITY=avx2``, two
+tokens of step 5 whose 2nd and 3rd router probabilities were 6.7e-7 and 1.8e-6 apart picked other
+experts: 1.8e-4 off; an AMD EPYC without AVX-512 failed at 1.0e-4), and no tolerance separates that
+fork from a bug. In float64 they differ by at most 5.4e-7 in the (float32-logged) losses and
+1.6e-6 / 1.3e-9 in the weights' max / mean, measured with ATen's AVX-512, AVX2 and default kernels.
+Seen failing in float64 with EP's expert gradients divided twice (FSDP's divide factor on a
+one-rank shard dimension, the bug ``tests/test_moe_expert_parallel.py``'s float64 gradient test
+guards): losses 6.2e-5 off at step 2, weights 2.6e-4 on average, 2.9e-2 at most.
 """
 
 from __future__ import annotations
@@ -53,6 +64,7 @@ from lit_ablate.strategies import (
     ZeRO1Strategy,
 )
 from tests.distributed import run_ranks
+from tests.test_moe_expert_parallel import Float64ModelFactory
 
 STEPS = 5
 LOSS_ATOL = 2e-5
@@ -127,7 +139,7 @@ class StepLosses(Callback):
 def fit(variant: str, strategy="auto", devices: int = 1, rank: int = 0, old: bool = False, moe: bool = False) -> dict:
     pl.seed_everything(0, verbose=False)
     attention = "sdpa_packed" if variant == "packed" else "sdpa"
-    factory = (ModelFactory(preset="tiny-qwen3-moe", moe=MoEOptions(experts="grouped", load_balance_weight=0.0))
+    factory = (Float64ModelFactory(preset="tiny-qwen3-moe", moe=MoEOptions(experts="grouped", load_balance_weight=0.0))
                if moe else ModelFactory(preset="tiny-llama", attn_implementation=attention))
     module = CausalLM(factory, learning_rate=1e-2, warmup_steps=0, weight_decay=0.1)
     if old:
