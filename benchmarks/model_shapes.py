@@ -8,6 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
+CPU_35M: dict[str, Any] = {
+    "model_type": "llama", "vocab_size": 8192, "hidden_size": 512, "intermediate_size": 1536,
+    "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8,
+    "max_position_embeddings": 512, "tie_word_embeddings": False,
+}  # fmt: skip
+"""A Llama-shaped 35.7M model (31.5M in matmuls) large enough to be matmul-bound on a CPU (``benchmarks/mfu.py``)."""
+
 QWEN3_0_6B: dict[str, Any] = {
     "model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
     "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
@@ -22,7 +29,7 @@ QWEN3_8B: dict[str, Any] = {
 }  # fmt: skip
 """Qwen3-8B's config: hidden 4096, where fp8 matmuls can pay for their casts."""
 
-SHAPES: dict[str, dict[str, Any]] = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-8b": QWEN3_8B}
+SHAPES: dict[str, dict[str, Any]] = {"cpu-35m": CPU_35M, "qwen3-0.6b": QWEN3_0_6B, "qwen3-8b": QWEN3_8B}
 
 
 def model_config(name: str, layers: int | None = None) -> dict[str, Any]:
