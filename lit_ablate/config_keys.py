@@ -17,14 +17,21 @@ Errors about the strategy as a whole name it; only ``lit_ablate.run_config`` rea
 
 
 def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
-    """Set ``key`` in ``tree`` in place, creating the mappings on the way; the value is copied."""
+    """Set ``key`` in ``tree`` in place, creating the mappings on the way; the value is copied.
+
+    A class given by its path string (``trainer.strategy: lit_ablate.strategies.FSDP2Strategy``) that the
+    key goes on into by ``init_args`` becomes its ``class_path`` section, as jsonargparse reads
+    ``--trainer.strategy X --trainer.strategy.init_args.dp_shard 2``: the class is kept, not replaced."""
     *parents, leaf = key.split(".")
     node: Any = tree
-    for segment in parents:
+    for index, segment in enumerate(parents):
         if isinstance(node, list):
             node = node[_index(node, segment, key)]
             continue
-        if not isinstance(node.get(segment), (dict, list)):
+        below = (parents + [leaf])[index + 1]
+        if isinstance(node.get(segment), str) and below == "init_args":
+            node[segment] = {"class_path": node[segment]}
+        elif not isinstance(node.get(segment), (dict, list)):
             node[segment] = {}
         node = node[segment]
     if isinstance(node, list):

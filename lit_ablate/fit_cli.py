@@ -129,6 +129,16 @@ class LitAblateCLI(LightningCLI):
             run = RunConfig.of(self.config[self.subcommand])  # the parsed config, read once
             check_cpu_ranks(run.trainer)
             check_run_config(self.subcommand, run)
+            if run.trainer.strategy.names_a_class:
+                self._strategy_as_section(run.trainer.strategy.section.class_path)
+
+    def _strategy_as_section(self, class_path: str) -> None:
+        """``trainer.strategy`` given as a class's path or lit-ablate name (``lit_ablate.strategies.DDPStrategy``,
+        ``FSDP2Strategy``) becomes that class's ``class_path`` section, its arguments at their defaults, so
+        it is built (and saved in the run's config) as the ``class_path:`` form is: Lightning would read
+        the string as a registry name and refuse it."""
+        section = {"trainer": {"strategy": {"class_path": class_path}}}
+        self.config = self.parser.parse_object({self.subcommand: section}, self.config)
 
     def before_fit(self) -> None:
         """The built parts' combination rules (``check_parts``), before the strategy starts any rank."""

@@ -26,8 +26,10 @@ LIGHTNING_CKPT_NAMES = ("last", "best", "hpc")
 
 def check_run_config(subcommand: str, config: RunConfig | Mapping[str, Any]) -> None:
     """Raise ``ConfigError`` for the first value of ``config`` (one subcommand's namespace, or its view)
-    that cannot run: ``check_trainer``, ``check_mesh`` and, for ``fit``, the folders it will write."""
+    that cannot run: a ``trainer.strategy`` string that names no strategy, ``check_trainer``, ``check_mesh``
+    and, for ``fit``, the folders it will write."""
     run = RunConfig.of(config)
+    run.trainer.strategy.check_name()
     check_trainer(run.trainer, fitting=subcommand == "fit")
     check_mesh(run.trainer)
     if subcommand == "fit":  # validate and test write nothing (lit_ablate.terminal)

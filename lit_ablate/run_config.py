@@ -16,6 +16,7 @@ reads as no class (the run reports it itself when it builds).
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from lit_ablate.class_paths import import_class
-from lit_ablate.config_keys import get_dotted
+from lit_ablate.config_keys import TRAINER_STRATEGY_KEY, get_dotted
 from lit_ablate.errors import ConfigError
 from lit_ablate.mesh_sizes import MESH_DIMS, MeshSizes
 
@@ -100,17 +101,78 @@ class ClassChoice:
         return default if value is MISSING else value
 
 
+STRATEGIES_PACKAGE = "lit_ablate.strategies"
+
+
+def lit_ablate_strategy_names() -> list[str]:
+    """The strategies ``lit_ablate.strategies`` exports, by their own names (``FSDP2Strategy``)."""
+    from lightning.pytorch.strategies import Strategy
+
+    package = importlib.import_module(STRATEGIES_PACKAGE)
+    return [name for name in package.__all__
+            if isinstance(getattr(package, name), type) and issubclass(getattr(package, name), Strategy)]
+
+
+def lightning_strategy_names() -> list[str]:
+    """The names Lightning's ``Trainer(strategy=...)`` resolves itself: ``auto`` and its registry."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    return ["auto", *StrategyRegistry.available_strategies()]
+
+
+def strategy_class_path(name: str) -> str | None:
+    """The class a ``trainer.strategy`` string names, as a ``class_path``: a dotted path to a Lightning
+    ``Strategy`` class (``lit_ablate.strategies.DDPStrategy``, the README's own form) or the short name of
+    a lit-ablate strategy (``FSDP2Strategy``); None for a name Lightning resolves itself (``auto``, ``ddp``,
+    compared as Lightning compares them, case-insensitively). Lightning itself takes a string only as a
+    registry name (``invalid strategy name: 'lit_ablate.strategies.ddpstrategy'``), so the CLI builds the
+    class from this path. Raises ``ConfigError`` naming both lists for anything else."""
+    from lightning.pytorch.strategies import Strategy
+
+    if name.lower() in lightning_strategy_names():
+        return None
+    ours = lit_ablate_strategy_names()
+    path = f"{STRATEGIES_PACKAGE}.{name}" if name in ours else name
+    try:
+        named = import_class(path)
+    except ImportError:
+        named = None
+    if isinstance(named, type) and issubclass(named, Strategy):
+        return path
+    raise ConfigError(TRAINER_STRATEGY_KEY, name, f"not a strategy; give one of Lightning's names {lightning_strategy_names()}, "
+                      f"a lit-ablate strategy {ours} (or its lit_ablate.strategies.<Name> path), or a class_path")
+
+
 @dataclass(frozen=True)
 class StrategyChoice:
-    """``trainer.strategy``: a Lightning registry name (``auto``, ``ddp``, ``fsdp``) or a class section."""
+    """``trainer.strategy``: a Lightning registry name (``auto``, ``ddp``, ``fsdp``) or a class, as a
+    ``class_path``/``init_args`` section or by its path or lit-ablate name (``strategy_class_path``)."""
 
     configured: Any = "auto"
-    """As the config gives it: the name, or the ``class_path``/``init_args`` mapping."""
+    """As the config gives it: the name or path, or the ``class_path``/``init_args`` mapping."""
 
     @cached_property
     def section(self) -> ClassChoice | None:
-        """The ``class_path`` section; None for a registry name."""
+        """The ``class_path`` section (a class named by a string: with no ``init_args``); None for a
+        registry name, or a string that names no strategy (``named_class_path`` raises for it)."""
+        if isinstance(self.configured, str):
+            try:
+                path = strategy_class_path(self.configured)
+            except ConfigError:
+                return None
+            return None if path is None else ClassChoice(path)
         return ClassChoice.of(self.configured)
+
+    @property
+    def names_a_class(self) -> bool:
+        """Whether the config names the class by a string (a path or a lit-ablate name), which Lightning
+        would take for a registry name: the CLI replaces it by its ``class_path`` section."""
+        return isinstance(self.configured, str) and self.section is not None
+
+    def check_name(self) -> None:
+        """Raise ``ConfigError`` for a string that is neither a Lightning name nor a strategy class."""
+        if isinstance(self.configured, str):
+            strategy_class_path(self.configured)
 
     @property
     def name(self) -> str:
@@ -139,7 +201,8 @@ class StrategyChoice:
             return section.cls if isinstance(section.cls, type) else None
         from lightning.pytorch.strategies import StrategyRegistry
 
-        return StrategyRegistry[self.configured]["strategy"] if self.configured in StrategyRegistry else None
+        name = str(self.configured).lower()
+        return StrategyRegistry[name]["strategy"] if name in StrategyRegistry else None
 
     def is_a(self, base: type) -> bool:
         return isinstance(self.cls, type) and issubclass(self.cls, base)
@@ -180,7 +243,7 @@ class StrategyChoice:
             return self.configured
         from lightning.pytorch.cli import instantiate_class
 
-        return instantiate_class((), dict(self.configured))
+        return instantiate_class((), self.section.section)
 
 
 @dataclass(frozen=True)
