@@ -57,7 +57,7 @@ class Figure:
     label: str
     anchor: str = "—"
     goal: tuple[str, object] | None = None
-    """``(op, value)`` with op one of ``>=``, ``<=``, ``>``, ``==``; None: reported, no goal."""
+    """``(op, value)`` with op one of ``>=``, ``<=``, ``>``, ``<``, ``==``; None: reported, no goal."""
     unit: str = ""
 
     def entry(self, lane: dict) -> dict:
@@ -96,6 +96,9 @@ FIGURES: tuple[Figure, ...] = (
     Figure("loss backends", "loss", "liger_memory_ratio", "Liger fused linear-CE peak / torch's (V 151,936, H 1024, 16k tokens)",
            "0.21 (Liger: -79% memory)", ("<=", 0.21)),
     Figure("loss backends", "loss", "liger_time_ratio", "Liger time / torch's"),
+    Figure("loss backends", "loss", "liger_best_chunk_tokens", "Liger's fastest chunk size at this shape (own: Liger's choice)"),
+    Figure("loss backends", "loss", "liger_best_accum_dtype", "with the weight gradient summed in"),
+    Figure("loss backends", "loss", "liger_best_time_ratio", "Liger at that setting, time / torch's", goal=("<", 1.0)),
     Figure("loss backends", "loss", "torch_working_mib", "torch: loss memory beyond its gradients", "24 GB (CCE paper)",
            unit="MiB"),
     Figure("loss backends", "loss", "cce_working_mib", "CCE: loss memory beyond its gradients", "1 MB (CCE paper)",
@@ -139,7 +142,7 @@ def met(figure: Figure, value: object) -> str:
         return "yes" if str(value) in wanted else "no"
     if not isinstance(value, (int, float)):
         return "n/a"
-    ok = {">=": value >= target, "<=": value <= target, ">": value > target}[op]
+    ok = {">=": value >= target, "<=": value <= target, ">": value > target, "<": value < target}[op]
     return "yes" if ok else "no"
 
 
