@@ -19,29 +19,37 @@ SHARDED_METADATA_FILENAME = "meta.pt"
 
 
 def writable_dir(key: str, path: str | Path) -> Path:
-    """``path`` as a folder that exists (created if missing) and accepts new files."""
+    """``path`` as a folder that accepts new files: an existing folder, or one that can be created where no
+    file stands in its way. Nothing is created (a refusal that comes after this check leaves nothing behind):
+    the nearest existing folder on the way is probed with a temporary file, which is removed."""
     folder = Path(path).expanduser()
     if folder.exists() and not folder.is_dir():
         raise ConfigError(key, str(path), "it is a file, not a folder; give a folder path")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=folder).close()
-    except OSError as err:
-        raise ConfigError(key, str(path), f"cannot write there ({err.strerror or err}); choose a writable folder") from err
+    _check_creatable(key, path, folder, "choose a writable folder")
     return folder
 
 
 def writable_file(key: str, path: str | Path) -> Path:
-    """``path`` as a file that can be (re)written: not a folder, in a writable folder."""
+    """``path`` as a file that can be (re)written: not a folder, in a folder that exists or can be created
+    (nothing is created, as for ``writable_dir``)."""
     file = Path(path).expanduser()
     if file.is_dir():
         raise ConfigError(key, str(path), "it is a folder; give a file path (e.g. .../run.json)")
-    try:
-        file.parent.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=file.parent).close()
-    except OSError as err:
-        raise ConfigError(key, str(path), f"cannot write there ({err.strerror or err}); choose a writable path") from err
+    _check_creatable(key, path, file.parent, "choose a writable path")
     return file
+
+
+def _check_creatable(key: str, given: str | Path, folder: Path, fix: str) -> None:
+    """Refuse ``folder`` when a file stands on its way or its nearest existing folder takes no new file."""
+    existing = folder.absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(key, str(given), f"cannot write there ({existing} is a file, not a folder); {fix}")
+    try:
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as err:
+        raise ConfigError(key, str(given), f"cannot write there ({err.strerror or err}); {fix}") from err
 
 
 def checkpoint_path(key: str, path: str | Path) -> Path:

@@ -26,12 +26,11 @@ LIGHTNING_CKPT_NAMES = ("last", "best", "hpc")
 
 def check_run_config(subcommand: str, config: RunConfig | Mapping[str, Any]) -> None:
     """Raise ``ConfigError`` for the first value of ``config`` (one subcommand's namespace, or its view)
-    that cannot run: a ``trainer.strategy`` string that names no strategy, ``check_trainer``, ``check_mesh``
-    and, for ``fit``, the folders it will write."""
+    that cannot run: ``check_config``, a GPU accelerator without a GPU and, for ``fit``, the parts'
+    compatibility rules and the folders it will write."""
     run = RunConfig.of(config)
-    run.trainer.strategy.check_name()
-    check_trainer(run.trainer, fitting=subcommand == "fit")
-    check_mesh(run.trainer)
+    check_accelerator(run.trainer)
+    check_config(run, fitting=subcommand == "fit")
     if subcommand == "fit":  # validate and test write nothing (lit_ablate.terminal)
         check_parts_compatible(run)
         if run.trainer.default_root_dir:
@@ -40,6 +39,20 @@ def check_run_config(subcommand: str, config: RunConfig | Mapping[str, Any]) -> 
             writable_file("recorder.path", run.record_path)
         elif os.environ.get(run_record.RECORD_PATH_ENV):
             writable_file(run_record.RECORD_PATH_ENV, os.environ[run_record.RECORD_PATH_ENV])
+
+
+def check_config(config: RunConfig | Mapping[str, Any], fitting: bool = True) -> None:
+    """Raise ``ConfigError`` for a value of the run's config that cannot run on any machine: a
+    ``trainer.strategy`` string that names no strategy, ``check_trainer``'s values, ``check_mesh``, and a
+    loss backend's name and options.
+    ``lit-ablate fit`` calls it (``check_run_config``), and a study's planner on every variant before
+    the first one starts (a variant it refuses is a bad variant, not one that cannot run here)."""
+    run = RunConfig.of(config)
+    run.trainer.strategy.check_name()
+    check_trainer(run.trainer, fitting=fitting)
+    check_mesh(run.trainer)
+    if run.model.module.init_args.get("loss") is not None:
+        run.model.loss.check_named()
 
 
 FIT_RULES: tuple[str, ...] = (
@@ -86,14 +99,17 @@ def check_ckpt_path(ckpt_path: str | os.PathLike | None) -> None:
         checkpoint_path("--ckpt_path", name)
 
 
-def check_trainer(trainer: TrainerSettings, fitting: bool) -> None:
-    """Trainer values that fail late or silently: no GPU for a GPU accelerator, and (when fitting)
-    ``accumulate_grad_batches`` below 1 (a division by zero mid-loop) or ``max_steps`` 0 (a
-    "successful" run that trains nothing)."""
+def check_accelerator(trainer: TrainerSettings) -> None:
+    """A GPU accelerator needs a visible GPU (a study judges it per machine: ``accelerator_present``)."""
     accelerator = trainer.accelerator
     if accelerator in GPU_ACCELERATORS and not torch.cuda.is_available():
         raise ConfigError("trainer.accelerator", accelerator,
                           "no CUDA device is visible here (torch.cuda.is_available() is False); use cpu or auto")
+
+
+def check_trainer(trainer: TrainerSettings, fitting: bool) -> None:
+    """Trainer values that fail late or silently when fitting: ``accumulate_grad_batches`` below 1 (a
+    division by zero mid-loop) or ``max_steps`` 0 (a "successful" run that trains nothing)."""
     if not fitting:
         return
     accumulate = trainer.accumulate_grad_batches

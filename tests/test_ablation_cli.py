@@ -44,17 +44,20 @@ def test_loss_backend_study_runs_reports_and_resumes(tmp_path: Path, capsys: pyt
     path = tmp_path / "losses.yaml"
     path.write_text(yaml.safe_dump(study))
     out = tmp_path / "out"
-    assert ablate_main(["--config", str(path), "--output_dir", str(out), "--dry-run"]) == 0
+    assert ablate_main(["--config", str(path), "--output_dir", str(out), "--dry-run"]) == 2
     plan = capsys.readouterr().out
-    assert "chunked seed0" in plan and "model.init_args.loss='nonexistent'" in plan
+    assert "chunked seed0" in plan and "fails: config refused: model.init_args.loss='nonexistent'" in plan
     assert not out.exists(), "a dry run runs nothing and writes nothing"
+    # a bad variant refuses the study before its first run: nothing trained, nothing written
+    assert ablate_main(["--config", str(path), "--output_dir", str(out)]) == 2
+    assert "variants=['typo']" in capsys.readouterr().err and not out.exists()
+    study["variants"] = study["variants"][:2]
+    path.write_text(yaml.safe_dump(study))
     assert ablate_main(["--config", str(path), "--output_dir", str(out)]) == 0
 
-    records = {name: read_record(out / "runs" / name / "seed0" / "run.json") for name in ("torch", "chunked", "typo")}
+    records = {name: read_record(out / "runs" / name / "seed0" / "run.json") for name in ("torch", "chunked")}
     assert records["torch"]["summary"]["status"] == "ok" and len(records["torch"]["steps"]) == 3
     assert records["chunked"]["summary"]["status"] == "ok"
-    assert records["typo"]["summary"]["status"] == "error"
-    assert "nonexistent" in records["typo"]["summary"]["message"]
     text = (out / "report.md").read_text()
     assert "| chunked | ok |" in text and "| pass, max abs diff" in text
     assert (out / "loss.png").is_file()

@@ -95,7 +95,7 @@ def test_dry_run_shows_runs_ranks_skips_and_fails_and_runs_nothing(tmp_path, cap
     path.write_text(yaml.safe_dump(study))
     out = tmp_path / "out"
     args = ["--config", str(path), "--output_dir", str(out), "--steps", "4", "--seeds", "1", "--dry-run"]
-    assert ablate_main(args) == 0
+    assert ablate_main(args) == 2, "a variant that would fail refuses the study, after its plan is printed"
     printed = capsys.readouterr().out.splitlines()
     assert not out.exists(), "a dry run writes nothing"
     assert printed[0].startswith("study dry: 4 variants × 1 seeds (seeds 0) = 4 runs, 4 steps, baseline torch")
@@ -105,7 +105,7 @@ def test_dry_run_shows_runs_ranks_skips_and_fails_and_runs_nothing(tmp_path, cap
     assert rows["chunked"].split()[2] == "2" and "model.init_args.loss='chunked'" in rows["chunked"]
     assert "skip: model.init_args.loss='liger': liger needs CUDA" in rows["liger"]
     assert "fails: config does not resolve" in rows["typo"] and "learning_rate" in rows["typo"]
-    assert printed[-1] == "dry run, nothing ran: 2 would run, 1 skipped, 1 would fail (config does not resolve)"
+    assert printed[-1] == "dry run, nothing ran: 2 would run, 1 skipped, 1 would fail (bad config)"
 
     # a run an earlier invocation finished (same config) is shown as kept
     from lit_ablate.ablation.spec import load_study
@@ -115,7 +115,7 @@ def test_dry_run_shows_runs_ranks_skips_and_fails_and_runs_nothing(tmp_path, cap
     torch_run.run_dir.mkdir(parents=True)
     (torch_run.run_dir / "config.yaml").write_text(config_text(torch_run.config))
     write_record(torch_run.run_dir / "run.json", make_record("torch", 0, speed=1, peak_mib=1, losses=[3, 2, 1, 0.5]))
-    assert ablate_main(args) == 0
+    assert ablate_main(args) == 2
     printed = capsys.readouterr().out.splitlines()
     assert next(line for line in printed if line.startswith("torch ")).endswith("done (ok, kept)")
     assert printed[-1].startswith("dry run, nothing ran: 1 would run, 1 skipped, 1 would fail") and \

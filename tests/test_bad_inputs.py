@@ -192,6 +192,9 @@ ROWS: dict[str, tuple[Build, tuple[str, ...]]] = {
                                             "--trainer.strategy.class_path", "lit_ablate.strategies.ExpertParallelStrategy",
                                             "--trainer.strategy.init_args.ep", "4"),
                                       ("trainer.strategy.init_args.ep=4", "cannot exceed the world size (2 ranks")),
+    "unknown_strategy_name": (_fit("--trainer.strategy", "lit_ablate.strategies.FSDP3Strategy"),
+                              ("trainer.strategy='lit_ablate.strategies.FSDP3Strategy'", "not a strategy", "'ddp'",
+                               "'FSDP2Strategy'")),
     "strategy_refusal_inside_a_union": (_args("fit", "--config", FSDP2, "--trainer.default_root_dir", "{tmp}",
                                               "--trainer.strategy.init_args.checkpoint_every", "0"),
                                         ("trainer.strategy.init_args.checkpoint_every=0", "use 1 or more")),
@@ -231,7 +234,17 @@ ROWS: dict[str, tuple[Build, tuple[str, ...]]] = {
                        ("--config=", "study.yaml", "not valid YAML")),
     "study_where_no_variant_resolves": (
         _study({"name": "broken", "base": QUICKSTART, "steps": 1, "axes": {"data.init_args.batch_size": ["abc", "xyz"]}}),
-        ("variants=['abc', 'xyz']", "no variant's config resolves", "data.init_args.batch_size='abc'"),
+        ("variants=['abc', 'xyz']", "no variant's config can run", "data.init_args.batch_size='abc'"),
+    ),
+    # a bad variant refuses the whole study before its first run (the others trained first, and it exited 0)
+    "study_variant_with_a_value_of_the_wrong_type": (
+        _study({"name": "typo", "base": QUICKSTART, "steps": 1, "axes": {"data.init_args.batch_size": [2, "abc"]}}),
+        ("variants=['abc']", "nothing ran", "data.init_args.batch_size='abc'", "expected int"),
+    ),
+    "study_variant_that_fit_would_refuse": (
+        _study({"name": "named", "base": QUICKSTART, "steps": 1,
+                "axes": {"trainer.strategy": ["auto", "lit_ablate.strategies.FSDP3Strategy"]}}),
+        ("variants=['lit_ablate.strategies.FSDP3Strategy']", "config refused: trainer.strategy=", "not a strategy"),
     ),
     "study_unwritable_output_dir": (
         lambda tmp: ["ablate", "--config", str(CONFIGS / "studies" / "depth_grid.yaml"), "--output_dir", _text_file(tmp) + "/out"],
@@ -257,11 +270,32 @@ def test_bad_input_is_one_line_naming_the_key(row: str, tmp_path: Path, capsys: 
     build, expected = ROWS[row]
     if row == "gpu_accelerator_without_gpu" and torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the row needs one that has none")
-    code, lines = _stderr_lines(build(tmp_path), capsys)
+    argv = build(tmp_path)
+    inputs = _tree(tmp_path)
+    code, lines = _stderr_lines(argv, capsys)
     assert code not in (0, None), lines
     assert len(lines) == 1, lines
     missing = [fragment for fragment in expected if fragment not in lines[0]]
     assert not missing, f"{missing} not in: {lines[0]}"
+    left = sorted(_tree(tmp_path) - inputs)
+    if row in RECORDED_ROWS:  # refused once the trainer exists: the run's record of its error, and nothing else
+        left = [path for path in left if not path.endswith("run.json") and not _is_record_folder(tmp_path / path)]
+    assert not left, f"the refusal left {left} behind"
+
+
+RECORDED_ROWS = ("malformed_jsonl_line", "truncated_jsonl_line", "chat_message_without_content",
+                 "chat_message_with_null_content", "sft_row_without_response", "missing_reference_model")
+"""Rows refused once the trainer exists (data set-up, the model's build): such a run leaves its
+``run.json`` with ``status: error`` by design (``test_an_error_before_training_still_writes_the_run_record``)."""
+
+
+def _tree(root: Path) -> set[str]:
+    return {str(path.relative_to(root)) for path in root.rglob("*")}
+
+
+def _is_record_folder(path: Path) -> bool:
+    """A folder on the way to a run record (``lightning_logs/version_0``)."""
+    return path.is_dir() and any(p.name == "run.json" for p in path.rglob("*"))
 
 
 # One bad config per command: every command answers a usage or config error with EXIT_USAGE (2).

@@ -2,9 +2,10 @@
 
 Every variant's config is resolved exactly as ``lit-ablate fit`` would resolve it (the CLI's
 ``resolve_fit_config``), then the resolved configs are diffed (the single-variable check) and
-each is judged by the compatibility rules. A variant whose config does not resolve is not a
-reason to refuse the study: it is planned as a failed run carrying the resolver's message, and
-the other variants still run.
+each is checked as ``fit`` checks a config before it starts (``preflight.check_config``) and judged by
+the compatibility rules. A variant whose config does not resolve or is refused is planned as a failed
+run carrying the message (``--dry-run`` shows it as ``fails:``), and ``lit-ablate ablate`` refuses the
+study before the first run starts; a variant that only cannot run here is planned as skipped.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import yaml
 from lit_ablate.ablation.single_variable import check_single_variable
 from lit_ablate.ablation.spec import RUNNER_KEYS, Launch, StudySpec, Variant
 from lit_ablate.compatibility import cluster_rules, incompatibility
+from lit_ablate.errors import ConfigError
+from lit_ablate.preflight import check_config
 from lit_ablate.run_config import RunConfig
 
 Resolver = Callable[[list[str]], dict[str, Any]]
@@ -35,8 +38,8 @@ RESOLVE_ERRORS = (ValueError, TypeError, KeyError, argparse.ArgumentError, Syste
 class PlannedRun:
     """One variant × seed: where it runs, the config it gets, and whether it can run here.
 
-    ``skip_reason`` (a compatibility rule failed) and ``invalid`` (the config does not resolve)
-    are mutually exclusive; a run with neither is launched.
+    ``skip_reason`` (a compatibility rule failed) and ``invalid`` (the config does not resolve, or ``fit``
+    would refuse it) are mutually exclusive; a run with neither is launched.
     """
 
     variant: Variant
@@ -87,6 +90,10 @@ def plan_study(spec: StudySpec, output_dir: Path, resolve: Resolver | None = Non
                 resolved[variant.name] = outcome
     check_single_variable(resolved, spec.variables, ignored=RUNNER_KEYS)
     views = {name: RunConfig.of(config) for name, config in resolved.items()}  # each variant's config, read once
+    for name, view in views.items():
+        refused = _refused(view)
+        if refused:
+            invalid[name] = refused
     runs = []
     pairs = [(v, s) for s in spec.seeds for v in spec.variants]
     if spec.order == "by_variant":
@@ -109,6 +116,15 @@ def _incompatibility(config: RunConfig, launch: Launch) -> str | None:
     if (launch.accelerator or "auto") == "auto":
         launch = replace(launch, accelerator="gpu" if launch.slurm and launch.slurm.gpus_per_node else "cpu")
     return incompatibility(config, launch, cluster_rules())
+
+
+def _refused(view: RunConfig) -> str | None:
+    """Why ``fit`` would refuse this resolved config on any machine (``preflight.check_config``), or None."""
+    try:
+        check_config(view)
+    except ConfigError as err:
+        return f"config refused: {err}"
+    return None
 
 
 def _resolve(resolve: Resolver, path: Path) -> dict[str, Any] | str:

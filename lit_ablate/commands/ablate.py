@@ -3,9 +3,10 @@
 ``ablate --config STUDY.yaml`` plans the study (resolve every variant, refuse a second
 variable, mark what cannot run here), runs what is not finished yet, and writes the report.
 ``--steps N --seeds K --only a,b`` shorten it for a first try (``StudySpec.shortened``);
-``--dry-run`` prints the plan and runs nothing. While it runs, two live lines follow the study and
-the run in flight; at the end it prints one row per variant (``terminal_summary``) and the
-report's path. ``report DIR`` re-renders a study directory's report from its records. Both parse
+``--dry-run`` prints the plan and runs nothing. A study with a variant whose config does not resolve or
+that ``fit`` would refuse is refused (status 2) before any run starts (``--dry-run`` prints the plan
+first). While it runs, two live lines follow the study and the run in flight; at the end it prints one
+row per variant (``terminal_summary``) and the report's path. ``report DIR`` re-renders a study directory's report from its records. Both parse
 their own arguments with argparse: ``--config`` here is the study file, not a LightningCLI config.
 """
 
@@ -48,7 +49,7 @@ def run_study(
     On Ctrl-C the current run is stopped, the report of what finished is written, and
     ``KeyboardInterrupt`` propagates. ``fit_command`` and ``resolve`` default to the real CLI.
     """
-    runs = check_some_variant_resolves(plan_study(spec, output_dir, resolve))
+    runs = check_every_variant_resolves(plan_study(spec, output_dir, resolve))
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / PLAN_FILENAME).write_text(json.dumps(spec.plan(), indent=1) + "\n")
     try:
@@ -59,13 +60,17 @@ def run_study(
     return output_dir / "report.md"
 
 
-def check_some_variant_resolves(runs: list[PlannedRun]) -> list[PlannedRun]:
-    """``runs``, unless not one of them resolves: then the base config (or an override every variant
-    shares) is wrong, and a study of failed runs would only hide it behind a report."""
-    if runs and all(run.invalid for run in runs):
-        names = list(dict.fromkeys(run.variant.name for run in runs))
-        raise ConfigError("variants", names, f"no variant's config resolves ({names[0]}: {runs[0].invalid}); "
-                          "fix the base config or the overrides")
+def check_every_variant_resolves(runs: list[PlannedRun]) -> list[PlannedRun]:
+    """``runs``, unless a variant's config does not resolve or ``fit`` would refuse it: then the study is
+    refused before its first run starts (a study that trained the others and reported this one as failed
+    made a typo cost the whole study's time, and exited 0)."""
+    bad = list(dict.fromkeys((run.variant.name, run.invalid) for run in runs if run.invalid))
+    if bad:
+        names = [name for name, _ in bad]
+        total = len({run.variant.name for run in runs})
+        which = "no variant's config can run" if len(names) == total else f"{len(names)} of {total} variants' configs cannot run"
+        raise ConfigError("variants", names, f"{which}, nothing ran ({bad[0][0]}: {bad[0][1]}); fix the variant's "
+                          "overrides, or the base config (--dry-run lists every variant's problem)")
     return runs
 
 
@@ -99,8 +104,9 @@ def ablate_main(argv: list[str]) -> int:
         spec = full.shortened(steps=args.steps, seeds=args.seeds, only=args.only)
         output_dir = (args.output_dir or Path("studies") / spec.name).resolve()
         if args.dry_run:
-            print(dry_run(full, spec, check_some_variant_resolves(plan_study(spec, output_dir)), output_dir,
-                          args.retry_failed))
+            runs = plan_study(spec, output_dir)
+            print(dry_run(full, spec, runs, output_dir, args.retry_failed))
+            check_every_variant_resolves(runs)
             return 0
         writable_dir("--output_dir", output_dir)
         report = run_study(spec, output_dir, retry_failed=args.retry_failed, console=console, wait=not args.no_wait)
@@ -136,7 +142,7 @@ def dry_run(full: StudySpec, spec: StudySpec, runs: list[PlannedRun], output_dir
     lines.append(describe(runs, kept))
     counts = {"would run": sum(not (r.skip_reason or r.invalid or r.label in kept) for r in runs),
               "skipped": sum(bool(r.skip_reason) for r in runs),
-              "would fail (config does not resolve)": sum(bool(r.invalid) for r in runs),
+              "would fail (bad config)": sum(bool(r.invalid) for r in runs),
               "already done (kept)": len(kept)}  # fmt: skip
     lines.append("dry run, nothing ran: " + ", ".join(f"{n} {what}" for what, n in counts.items()
                                                       if n or what == "would run"))  # fmt: skip

@@ -18,6 +18,7 @@ from lit_ablate.models.losses.cross_entropy import (
     OPTIONS_KEY,
     LossBackend,
     check_loss_backend,
+    check_named,
     loss_backend,
 )
 
@@ -48,6 +49,11 @@ class LossChoice:
     @property
     def z_loss_weight(self) -> float:
         return float(self.options.get("z_loss_weight") or 0.0)
+
+    def check_named(self) -> None:
+        """Raise ``ConfigError`` for a name no backend has, or an option the backend does not take (what
+        ``build`` refuses, without building it: a study checks every variant before the first runs)."""
+        check_named(LOSS_BACKENDS, self.name, dict(self.options), key=LOSS_KEY, options_key=OPTIONS_KEY)
 
     def build(self) -> LossBackend:
         """The backend (``loss_backend``): unknown names, options or values raise ``ConfigError``."""
