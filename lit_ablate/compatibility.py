@@ -23,13 +23,13 @@ from typing import Any, Protocol
 
 import torch
 
-from lit_ablate.config_keys import TRAINER_STRATEGY_KEY
+from lit_ablate.config_keys import NOT_GIVEN, TRAINER_STRATEGY_KEY, PairedKey, ignored_key
 from lit_ablate.errors import ConfigError, Refusal
 from lit_ablate.models.adapters.quantization import OPTIONS_KEY as QUANTIZATION_KEY
 from lit_ablate.models.adapters.quantization import QuantizationOptions
 from lit_ablate.models.fp8.conversion import OPTIONS_KEY as FP8_KEY
 from lit_ablate.models.fp8.conversion import Fp8Options
-from lit_ablate.run_config import RunConfig, TrainerSettings
+from lit_ablate.run_config import RunConfig, TrainerSettings, class_default
 
 log = logging.getLogger(__name__)
 
@@ -346,6 +346,61 @@ def tensor_parallel_loss_fits(run: RunConfig, launch: LaunchLike) -> Refusal | N
     if _requested_size(run, "tp") == 1:
         return None
     return _refusal(run.model.loss.check_tensor_parallel)
+
+
+STRATEGY_OPTIONS = f"{TRAINER_STRATEGY_KEY}.init_args"
+MESH_OPTIONS = {"tp": ("sequence_parallel",), "cp": ("cp_impl", "cp_layout", "cp_block_kernel"), "ep": ("dispatch",),
+                "pp": ("schedule", "microbatches", "split_points", "stages_per_rank")}  # fmt: skip
+"""The strategy options of one mesh dimension's step: that step runs only when its size is not 1."""
+PAIRED_OPTIONS: tuple[PairedKey, ...] = (
+    *(PairedKey(f"{STRATEGY_OPTIONS}.{name}", f"{STRATEGY_OPTIONS}.{dim}", lambda size: size != 1, "not 1")
+      for dim, names in MESH_OPTIONS.items() for name in names),
+    PairedKey(f"{STRATEGY_OPTIONS}.checkpoint_every", f"{STRATEGY_OPTIONS}.activation_checkpointing",
+              lambda mode: mode not in (None, "none"), "full or selective"),
+    *(PairedKey(f"{STRATEGY_OPTIONS}.{name}", f"{STRATEGY_OPTIONS}.comm_hook", lambda hook: hook == "powersgd", "powersgd")
+      for name in ("powersgd_rank", "powersgd_start_iter")),
+    *(PairedKey(f"{QUANTIZATION_KEY}.{name}", f"{QUANTIZATION_KEY}.bits", lambda bits: bits == 4, "4")
+      for name in ("quant_type", "double_quant", "blocksize", "compute_dtype", "quant_storage")),
+    PairedKey(f"{QUANTIZATION_KEY}.outlier_threshold", f"{QUANTIZATION_KEY}.bits", lambda bits: bits == 8, "8"),
+)  # fmt: skip
+"""Options that act only together with another key's value (``config_keys.PairedKey``). A mesh size
+counts as given: ``-1`` (the ranks left) acts, so a study sweeping the devices from 1 keeps its options."""
+
+
+def check_keys_act_together(config: RunConfig | Mapping[str, Any]) -> None:
+    """Raise ``ConfigError`` for an option the config gives (other than its class's default) that its
+    partner turns off, so the run would ignore it without a word (``PAIRED_OPTIONS``): ``cp_layout`` with
+    ``cp: 1``, ``powersgd_rank`` without ``comm_hook: powersgd``, ``blocksize`` at ``bits: 8``."""
+    run = RunConfig.of(config)
+    refusal = ignored_key(PAIRED_OPTIONS, lambda key: _given_option(run, key), lambda key: _option_value(run, key))
+    if refusal:
+        raise refusal.error()
+
+
+def _option_section(run: RunConfig, key: str) -> tuple[Mapping[str, Any], Any, str]:
+    """``(what the config gives, the class whose defaults fill the rest, the option's name)`` for ``key``."""
+    section, _, name = key.rpartition(".")
+    if section == STRATEGY_OPTIONS:
+        strategy = run.trainer.strategy
+        return strategy.options, strategy.cls, name
+    quantization = run.model.quantization_section
+    return (quantization if isinstance(quantization, Mapping) else {}), QuantizationOptions, name
+
+
+def _given_option(run: RunConfig, key: str) -> Any:
+    given, cls, name = _option_section(run, key)
+    if name not in given or (isinstance(cls, type) and given[name] == class_default(cls, name)):
+        return NOT_GIVEN
+    return given[name]
+
+
+def _option_value(run: RunConfig, key: str) -> Any:
+    given, cls, name = _option_section(run, key)
+    if name in MESH_OPTIONS:
+        return _requested_size(run, name)
+    if name in given:
+        return given[name]
+    return class_default(cls, name) if isinstance(cls, type) else None
 
 
 RULES: dict[str, Rule] = {

@@ -2,14 +2,18 @@
 
 A study's overrides, axes and ``vary`` prefixes are dotted keys into a LightningCLI config, the
 same spelling as a ``fit`` command-line flag without the dashes. A segment that is an integer
-indexes a list (``trainer.callbacks.0.init_args.x``).
+indexes a list (``trainer.callbacks.0.init_args.x``). ``PairedKey``: a key that only acts together
+with another's value, refused where it would be ignored.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
+
+from lit_ablate.errors import Refusal
 
 TRAINER_STRATEGY_KEY = "trainer.strategy"
 """The run's strategy: a Lightning registry name (``ddp``) or a ``class_path``/``init_args`` mapping.
@@ -84,3 +88,41 @@ def _index(node: list[Any], segment: str, key: str) -> int:
     if not segment.isdigit() or int(segment) >= len(node):
         raise KeyError(f"{key}: segment {segment!r} does not index a list of length {len(node)}")
     return int(segment)
+
+
+NOT_GIVEN: Any = object()
+"""What a lookup answers for a key the config leaves at its default (``PairedKey``)."""
+
+
+@dataclass(frozen=True)
+class PairedKey:
+    """A key that only acts together with another key's value: ``cp_layout`` with ``cp`` above 1,
+    ``launch.slurm`` with ``launch.executor: slurm``. Given while its partner does not make it act, it
+    would be ignored without a word (a study meant for the cluster ran locally), so it is refused,
+    naming both keys (``ignored_key``)."""
+
+    key: str
+    partner: str
+    acts: Callable[[Any], bool]
+    """Whether the partner's value makes ``key`` act."""
+    acts_when: str
+    """The partner's values that make it act, in words (``above 1``, ``slurm``)."""
+
+    def refusal(self, value: Any, partner_value: Any) -> Refusal:
+        name = self.key.rsplit(".", 1)[-1]
+        return Refusal(self.key, value, f"{name} acts only when {self.partner} is {self.acts_when} (here "
+                       f"{partner_value!r}) and would be ignored; change {self.partner}, or leave {name} out")
+
+
+def ignored_key(pairs: Iterable[PairedKey], given: Callable[[str], Any], value: Callable[[str], Any]) -> Refusal | None:
+    """The refusal of the first pair whose key is given (``given(key)`` is not ``NOT_GIVEN``) while its
+    partner's value (``value(partner)``) does not make it act; None when every given key acts. One
+    mechanism for a study file's keys and a run config's: each supplies its own lookups."""
+    for pair in pairs:
+        mine = given(pair.key)
+        if mine is NOT_GIVEN:
+            continue
+        partner = value(pair.partner)
+        if not pair.acts(partner):
+            return pair.refusal(mine, partner)
+    return None

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from lit_ablate import record as run_record
-from lit_ablate.compatibility import GPU_ACCELERATORS, RULES, refusal_of
+from lit_ablate.compatibility import GPU_ACCELERATORS, RULES, check_keys_act_together, refusal_of
 from lit_ablate.errors import ConfigError
 from lit_ablate.path_checks import checkpoint_path, writable_dir, writable_file
 from lit_ablate.run_config import RunConfig, TrainerSettings
@@ -43,13 +43,14 @@ def check_run_config(subcommand: str, config: RunConfig | Mapping[str, Any]) -> 
 
 def check_config(config: RunConfig | Mapping[str, Any], fitting: bool = True) -> None:
     """Raise ``ConfigError`` for a value of the run's config that cannot run on any machine: a
-    ``trainer.strategy`` string that names no strategy, ``check_trainer``'s values, ``check_mesh``, and a
-    loss backend's name and options.
+    ``trainer.strategy`` string that names no strategy, ``check_trainer``'s values, an option its partner
+    turns off (``check_keys_act_together``), ``check_mesh``, and a loss backend's name and options.
     ``lit-ablate fit`` calls it (``check_run_config``), and a study's planner on every variant before
     the first one starts (a variant it refuses is a bad variant, not one that cannot run here)."""
     run = RunConfig.of(config)
     run.trainer.strategy.check_name()
     check_trainer(run.trainer, fitting=fitting)
+    check_keys_act_together(run)
     check_mesh(run.trainer)
     if run.model.module.init_args.get("loss") is not None:
         run.model.loss.check_named()

@@ -198,6 +198,25 @@ ROWS: dict[str, tuple[Build, tuple[str, ...]]] = {
     "strategy_refusal_inside_a_union": (_args("fit", "--config", FSDP2, "--trainer.default_root_dir", "{tmp}",
                                               "--trainer.strategy.init_args.checkpoint_every", "0"),
                                         ("trainer.strategy.init_args.checkpoint_every=0", "use 1 or more")),
+    # --- keys that only act together with another's value: refused where they would be ignored ---------
+    "cp_option_without_cp": (_args("fit", "--config", FSDP2, "--trainer.default_root_dir", "{tmp}",
+                                    "--trainer.strategy.class_path", "lit_ablate.strategies.MeshParallelStrategy",
+                                    "--trainer.strategy.init_args.cp_layout", "contiguous"),
+                             ("trainer.strategy.init_args.cp_layout='contiguous'",
+                              "acts only when trainer.strategy.init_args.cp is not 1 (here 1)")),
+    "powersgd_rank_without_powersgd": (_fit("--trainer.strategy", "lit_ablate.strategies.DDPStrategy",
+                                            "--trainer.strategy.init_args.powersgd_rank", "4"),
+                                       ("trainer.strategy.init_args.powersgd_rank=4", "comm_hook is powersgd")),
+    "study_slurm_block_without_the_slurm_executor": (
+        _study({"name": "local", "base": QUICKSTART, "steps": 1, "axes": {"data.init_args.batch_size": [2, 4]},
+                "launch": {"slurm": {"partition": "cpu"}}}),
+        ("launch.slurm={'partition': 'cpu'}", "acts only when launch.executor is 'slurm' (here 'local')"),
+    ),
+    "no_wait_on_a_local_study": (
+        lambda tmp: [*_study({"name": "local", "base": QUICKSTART, "steps": 1,
+                              "axes": {"data.init_args.batch_size": [2, 4]}})(tmp), "--no-wait"],
+        ("--no-wait=True", "acts only when launch.executor is 'slurm'"),
+    ),
     # --- schedules and DPO's reference ------------------------------------------------------------
     "negative_min_lr_ratio": (_fit("--model.init_args.min_lr_ratio", "-0.33"), ("model.init_args.min_lr_ratio=-0.33", "[0, 1]")),
     "unknown_lr_schedule": (_fit("--model.init_args.lr_schedule", "exp"),

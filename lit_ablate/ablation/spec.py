@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from lit_ablate.ablation.slurm_settings import SlurmSettings
-from lit_ablate.config_keys import is_under, with_overrides
+from lit_ablate.config_keys import NOT_GIVEN, PairedKey, ignored_key, is_under, with_overrides
 from lit_ablate.errors import ConfigError
 from lit_ablate.run_config import RunConfig
 
@@ -48,6 +48,9 @@ _SAFE_NAME = re.compile(r"[^A-Za-z0-9._=,+-]")
 
 EXECUTORS = ("local", "slurm")
 """``local``: each run a subprocess of the runner; ``slurm``: each run one job (``SlurmSettings``)."""
+SLURM_BLOCK = PairedKey("launch.slurm", "launch.executor", lambda executor: executor == "slurm", "'slurm'")
+"""A ``launch.slurm`` block describes the cluster the runs are submitted to: without ``executor: slurm``
+the study ran locally and ignored it without a word."""
 
 
 @dataclass(frozen=True)
@@ -280,6 +283,8 @@ def parse_study(raw: Any, source: Path | None = None) -> StudySpec:
         axes = {}
         variants = _explicit_variants(raw["variants"], launch)
         variables = _vary(raw.get("vary"), variants)
+    submitted = "slurm" if any(v.launch.executor == "slurm" for v in variants) else launch.executor
+    _check_paired(SLURM_BLOCK, raw.get("launch", {}), submitted)
     names = [v.name for v in variants]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -376,12 +381,23 @@ def _explicit_variants(raw: Any, launch: Launch) -> list[Variant]:
             raise ConfigError(f"{key}.name", name, "give a name of letters, digits, '.', '_', '-', '=', ','")
         variant_launch_raw = _mapping(item.get("launch", {}), f"{key}.launch")
         variant_launch = launch.updated(variant_launch_raw, f"{key}.launch")
+        _check_paired(replace(SLURM_BLOCK, key=f"{key}.launch.slurm", partner=f"{key}.launch.executor"),
+                      variant_launch_raw, variant_launch.executor)
         launch_overrides = {
             LAUNCH_TRAINER_KEYS[f]: variant_launch_raw[f] for f in LAUNCH_TRAINER_KEYS if f in variant_launch_raw
         }
         overrides = _dotted_mapping(item.get("overrides", {}), f"{key}.overrides")
         variants.append(Variant(name, overrides, variant_launch, launch_overrides))
     return variants
+
+
+def _check_paired(pair: PairedKey, block: Mapping[str, Any], partner_value: Any) -> None:
+    """Refuse ``pair.key`` (its last segment read in ``block``, as the file gives it) when ``partner_value``
+    does not make it act (``config_keys.ignored_key``)."""
+    name = pair.key.rsplit(".", 1)[-1]
+    refusal = ignored_key([pair], lambda key: block.get(name, NOT_GIVEN), lambda key: partner_value)
+    if refusal:
+        raise refusal.error()
 
 
 def _vary(raw: Any, variants: Sequence[Variant]) -> tuple[str, ...]:

@@ -27,9 +27,12 @@ from lit_ablate.ablation.run_folder import is_kept, previous_record
 from lit_ablate.ablation.runner import run_runs
 from lit_ablate.ablation.spec import StudySpec, load_study
 from lit_ablate.ablation.terminal_summary import terminal_summary
+from lit_ablate.config_keys import NOT_GIVEN, PairedKey, ignored_key
 from lit_ablate.errors import ConfigError
 from lit_ablate.path_checks import writable_dir
 
+NO_WAIT = PairedKey("--no-wait", "launch.executor", lambda executor: executor == "slurm", "'slurm'")
+"""``--no-wait`` returns once the jobs are queued; a local study has no queue (it ran to the end)."""
 EXIT_LOSS_MISMATCH = 1
 EXIT_REFUSED = 2
 EXIT_INTERRUPTED = 130
@@ -102,6 +105,10 @@ def ablate_main(argv: list[str]) -> int:
     try:
         full = _load_study(args.config)
         spec = full.shortened(steps=args.steps, seeds=args.seeds, only=args.only)
+        submitted = "slurm" if any(v.launch.executor == "slurm" for v in spec.variants) else spec.launch.executor
+        refusal = ignored_key([NO_WAIT], lambda key: True if args.no_wait else NOT_GIVEN, lambda key: submitted)
+        if refusal:
+            raise refusal.error()
         output_dir = (args.output_dir or Path("studies") / spec.name).resolve()
         if args.dry_run:
             runs = plan_study(spec, output_dir)
