@@ -349,6 +349,7 @@ def tensor_parallel_loss_fits(run: RunConfig, launch: LaunchLike) -> Refusal | N
 
 
 STRATEGY_OPTIONS = f"{TRAINER_STRATEGY_KEY}.init_args"
+DATA_OPTIONS = "data.init_args"
 MESH_OPTIONS = {"tp": ("sequence_parallel",), "cp": ("cp_impl", "cp_layout", "cp_block_kernel"), "ep": ("dispatch",),
                 "pp": ("schedule", "microbatches", "split_points", "stages_per_rank")}  # fmt: skip
 """The strategy options of one mesh dimension's step: that step runs only when its size is not 1."""
@@ -362,6 +363,8 @@ PAIRED_OPTIONS: tuple[PairedKey, ...] = (
     *(PairedKey(f"{QUANTIZATION_KEY}.{name}", f"{QUANTIZATION_KEY}.bits", lambda bits: bits == 4, "4")
       for name in ("quant_type", "double_quant", "blocksize", "compute_dtype", "quant_storage")),
     PairedKey(f"{QUANTIZATION_KEY}.outlier_threshold", f"{QUANTIZATION_KEY}.bits", lambda bits: bits == 8, "8"),
+    PairedKey(f"{DATA_OPTIONS}.cache_dir", f"{DATA_OPTIONS}.storage", lambda storage: storage in ("cache", "auto"),
+              "cache or auto"),
 )  # fmt: skip
 """Options that act only together with another key's value (``config_keys.PairedKey``). A mesh size
 counts as given: ``-1`` (the ranks left) acts, so a study sweeping the devices from 1 keeps its options."""
@@ -370,7 +373,8 @@ counts as given: ``-1`` (the ranks left) acts, so a study sweeping the devices f
 def check_keys_act_together(config: RunConfig | Mapping[str, Any]) -> None:
     """Raise ``ConfigError`` for an option the config gives (other than its class's default) that its
     partner turns off, so the run would ignore it without a word (``PAIRED_OPTIONS``): ``cp_layout`` with
-    ``cp: 1``, ``powersgd_rank`` without ``comm_hook: powersgd``, ``blocksize`` at ``bits: 8``."""
+    ``cp: 1``, ``powersgd_rank`` without ``comm_hook: powersgd``, ``blocksize`` at ``bits: 8``, ``cache_dir`` with
+    ``storage: memory``."""
     run = RunConfig.of(config)
     refusal = ignored_key(PAIRED_OPTIONS, lambda key: _given_option(run, key), lambda key: _option_value(run, key))
     if refusal:
@@ -383,6 +387,9 @@ def _option_section(run: RunConfig, key: str) -> tuple[Mapping[str, Any], Any, s
     if section == STRATEGY_OPTIONS:
         strategy = run.trainer.strategy
         return strategy.options, strategy.cls, name
+    if section == DATA_OPTIONS:
+        module = run.data.module
+        return (module.init_args, module.cls, name) if module is not None else ({}, None, name)
     quantization = run.model.quantization_section
     return (quantization if isinstance(quantization, Mapping) else {}), QuantizationOptions, name
 

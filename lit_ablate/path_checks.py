@@ -1,5 +1,6 @@
-"""Paths a user gives on the command line, checked before any work: a folder or file that will be
-written must be writable, a checkpoint to read must be one Lightning wrote.
+"""Paths a run will read or write, checked before any work: a folder or file that will be written must be
+writable (nothing is created to find out), a checkpoint to read must be one Lightning wrote, a file a run
+saved for later runs (a cache) must load.
 
 Without these, an unwritable ``default_root_dir`` fails after the model is built and a text file
 given as ``--ckpt_path`` fails as a pickle error deep inside ``torch.load``. Each check raises
@@ -65,3 +66,30 @@ def checkpoint_path(key: str, path: str | Path) -> Path:
     elif not zipfile.is_zipfile(checkpoint):
         raise ConfigError(key, str(path), f"not a checkpoint (torch.save writes a zip archive); {fix}")
     return checkpoint
+
+
+def saved_file(key: str, path: str | Path, required: tuple[str, ...], fix: str) -> Path:
+    """``path`` as a file a run reads back if it is there (a cache it wrote): absent, it must be writable
+    (``writable_file``); present, a ``torch.save`` archive of a mapping with the ``required`` keys that
+    loads with ``weights_only=True``. Otherwise ``ConfigError`` naming ``key`` and ``fix``, instead of torch's
+    own error from the middle of the run (an ``UnpicklingError`` that advises ``weights_only=False``)."""
+    file = Path(path).expanduser()
+    if not file.exists():
+        return writable_file(key, path)
+    if file.is_dir():
+        raise ConfigError(key, str(path), "it is a folder; give a file path")
+    if not zipfile.is_zipfile(file):
+        raise ConfigError(key, str(path), f"not a file lit-ablate wrote (torch.save writes a zip archive); {fix}")
+    import pickle
+
+    import torch
+
+    try:
+        saved = torch.load(file, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(key, str(path), f"it does not load as plain tensors ({reason[:120]}); {fix}") from err
+    missing = [name for name in required if not isinstance(saved, dict) or name not in saved]
+    if missing:
+        raise ConfigError(key, str(path), f"not a file lit-ablate wrote (no {', '.join(missing)}); {fix}")
+    return file

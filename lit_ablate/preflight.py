@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch import LightningDataModule
 
 from lit_ablate import record as run_record
 from lit_ablate.compatibility import GPU_ACCELERATORS, RULES, check_keys_act_together, refusal_of
 from lit_ablate.errors import ConfigError
-from lit_ablate.path_checks import checkpoint_path, writable_dir, writable_file
+from lit_ablate.data.token_cache import CACHE_DIR_ENV as DATA_CACHE_ENV
+from lit_ablate.data.token_cache import cache_root
+from lit_ablate.path_checks import checkpoint_path, saved_file, writable_dir, writable_file
 from lit_ablate.run_config import RunConfig, TrainerSettings
 
 LIGHTNING_CKPT_NAMES = ("last", "best", "hpc")
@@ -44,16 +48,60 @@ def check_run_config(subcommand: str, config: RunConfig | Mapping[str, Any]) -> 
 def check_config(config: RunConfig | Mapping[str, Any], fitting: bool = True) -> None:
     """Raise ``ConfigError`` for a value of the run's config that cannot run on any machine: a
     ``trainer.strategy`` string that names no strategy, ``check_trainer``'s values, an option its partner
-    turns off (``check_keys_act_together``), ``check_mesh``, and a loss backend's name and options.
+    turns off (``check_keys_act_together``), ``check_mesh``, a loss backend's name and options, and the paths
+    the run will read or write (``check_paths``).
     ``lit-ablate fit`` calls it (``check_run_config``), and a study's planner on every variant before
     the first one starts (a variant it refuses is a bad variant, not one that cannot run here)."""
     run = RunConfig.of(config)
     run.trainer.strategy.check_name()
     check_trainer(run.trainer, fitting=fitting)
     check_keys_act_together(run)
+    check_paths(run)
     check_mesh(run.trainer)
     if run.model.module.init_args.get("loss") is not None:
         run.model.loss.check_named()
+
+
+def check_paths(config: RunConfig | Mapping[str, Any]) -> None:
+    """The files and folders the run will read or write once it runs, checked before any rank starts: the
+    token cache's folder (under a regular file it failed with ``NotADirectoryError`` at data set-up), DPO's
+    reference cache (a corrupt one reached the user as torch's ``UnpicklingError``), and a checkpoint's
+    layout against the strategy that reads it (a sharded folder resumed on one device was opened as a file:
+    ``IsADirectoryError``)."""
+    run = RunConfig.of(config)
+    data = run.data.module
+    if data is not None and data.is_a(LightningDataModule):
+        storage, given = data.option("storage", "auto"), data.option("cache_dir")
+        from_env = os.environ.get(DATA_CACHE_ENV)
+        if storage == "cache" or (storage == "auto" and (given or from_env)):
+            writable_dir("data.init_args.cache_dir" if given or not from_env else DATA_CACHE_ENV, cache_root(given))
+    reference_cache = run.model.option("reference_cache")
+    if reference_cache and run.model.option("reference") == "precomputed":
+        saved_file("model.init_args.reference_cache", reference_cache, ("pairs_sha256", "logps"),
+                   "delete it (the run computes the log-probs again and rewrites it), or give another path")
+    check_checkpoint_layout(run)
+
+
+def check_checkpoint_layout(run: RunConfig) -> None:
+    """``--ckpt_path`` in the layout the run's strategy reads: a sharded folder only by a strategy that
+    loads shards (mesh strategies, FSDP, DeepSpeed), a single file not by the pipeline strategy, which
+    resumes from its own sharded folder."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+
+    from lit_ablate.strategies.pipeline_parallel import PipelineParallelStrategy
+
+    path = run.ckpt_path
+    if not path or path in LIGHTNING_CKPT_NAMES or path.startswith("registry"):
+        return
+    strategy = run.trainer.strategy
+    if Path(path).expanduser().is_dir():
+        if not any(strategy.is_a(cls) for cls in (ModelParallelStrategy, FSDPStrategy, DeepSpeedStrategy)):
+            raise ConfigError("--ckpt_path", path, f"a sharded checkpoint folder, which trainer.strategy "
+                              f"{strategy.short_name!r} would open as one file; resume with the strategy (and ranks) "
+                              "that wrote it, or from a single-file .ckpt")
+    elif strategy.is_a(PipelineParallelStrategy):
+        raise ConfigError("--ckpt_path", path, "a pipeline-parallel run resumes from the sharded checkpoint folder "
+                          "such a run saves; give that folder")
 
 
 FIT_RULES: tuple[str, ...] = (

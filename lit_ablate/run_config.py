@@ -395,12 +395,14 @@ class DataSettings:
     seq_len: Any = None
     format: str | None = None
     collator: ClassChoice | None = None
+    module: ClassChoice | None = None
+    """The data module's ``class_path`` and ``init_args`` (its other options: ``storage``, ``cache_dir``)."""
 
     @classmethod
     def of(cls, data: Any) -> DataSettings:
         init_args = (data.get("init_args") or {}) if isinstance(data, Mapping) else {}
         return cls(init_args.get("batch_size"), init_args.get("seq_len"), init_args.get("format"),
-                   ClassChoice.of(init_args.get("collator")))
+                   ClassChoice.of(init_args.get("collator")), ClassChoice.of(data))
 
     @property
     def packs_preference_pairs(self) -> bool:
@@ -438,6 +440,12 @@ class RunConfig(Mapping[str, Any]):
             optimizer=ClassChoice.of(get_dotted(tree, "optimizer")),
             record_path=get_dotted(tree, "recorder.path"),
         )
+
+    @property
+    def ckpt_path(self) -> str | None:
+        """``--ckpt_path``: the checkpoint the run resumes or evaluates (None: none)."""
+        path = self.resolved.get("ckpt_path")
+        return None if path is None else str(path)
 
     def __getitem__(self, key: str) -> Any:
         return self.resolved[key]

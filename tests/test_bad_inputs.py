@@ -80,11 +80,26 @@ def _text_file(tmp: Path) -> str:
     return _file(tmp, "notes.ckpt", "not a checkpoint\n")
 
 
-def _fake_checkpoint(tmp: Path) -> str:
-    """A real torch.save archive with hyper-parameters: passes the checkpoint checks, so a row can
-    reach the next argument's check without training anything."""
+def _fake_checkpoint(tmp: Path, hyper_parameters: bool = True) -> str:
+    """A real torch.save archive (with hyper-parameters, or none for ``fit`` to compare): passes the
+    checkpoint checks, so a row can reach the next argument's check without training anything."""
     path = tmp / "fake.ckpt"
-    torch.save({"hyper_parameters": {"model": {"preset": "tiny-llama"}}, "state_dict": {}}, path)
+    torch.save({"hyper_parameters": {"model": {"preset": "tiny-llama"}} if hyper_parameters else {}, "state_dict": {}}, path)
+    return str(path)
+
+
+def _sharded_folder(tmp: Path) -> str:
+    """A folder in the layout of a sharded checkpoint (``meta.pt`` beside the shards), no hyper-parameters."""
+    folder = tmp / "last.ckpt"
+    folder.mkdir()
+    torch.save({"state_dict": {}}, folder / "meta.pt")
+    return str(folder)
+
+
+def _unsafe_pickle(tmp: Path) -> str:
+    """A torch.save archive holding an object ``weights_only`` loading refuses (torch's UnpicklingError)."""
+    path = tmp / "ref.pt"
+    torch.save({"pairs_sha256": "0", "logps": logging.getLogger("a pickled object")}, path)
     return str(path)
 
 
@@ -180,6 +195,25 @@ ROWS: dict[str, tuple[Build, tuple[str, ...]]] = {
                                      ("--output_dir=", "notes.ckpt", "is a file")),
     "export_unwritable_output_dir": (lambda tmp: ["export", "--ckpt_path", _fake_checkpoint(tmp), "--output_dir", _text_file(tmp) + "/hf"],
                                      ("--output_dir=", "cannot write")),
+    # paths the run reads or writes once it runs: refused before any rank starts, naming the key and what to do
+    "data_cache_dir_under_a_file": (lambda tmp: [*FIT, "--trainer.default_root_dir", str(tmp), "--data.init_args.storage",
+                                                 "cache", "--data.init_args.cache_dir", _text_file(tmp) + "/cache"],
+                                    ("data.init_args.cache_dir=", "notes.ckpt/cache", "notes.ckpt is a file, not a folder")),
+    "corrupt_reference_cache": (lambda tmp: ["fit", "--config", DPO_TINY, "--trainer.default_root_dir", str(tmp),
+                                             "--model.init_args.reference", "precomputed",
+                                             "--model.init_args.reference_cache", _unsafe_pickle(tmp)],
+                                ("model.init_args.reference_cache=", "ref.pt", "does not load as plain tensors",
+                                 "delete it")),
+    "sharded_folder_resumed_on_one_device": (lambda tmp: [*FIT, "--trainer.default_root_dir", str(tmp),
+                                                          "--ckpt_path", _sharded_folder(tmp)],
+                                             ("--ckpt_path=", "a sharded checkpoint folder", "'auto' would open as one "
+                                              "file", "resume with the strategy (and ranks) that wrote it")),
+    "pipeline_resumed_from_a_file": (lambda tmp: ["fit", "--config", FSDP2, "--trainer.default_root_dir", str(tmp),
+                                                  "--trainer.strategy", "PipelineParallelStrategy",
+                                                  "--ckpt_path", _fake_checkpoint(tmp, hyper_parameters=False)],
+                                     ("--ckpt_path=", "fake.ckpt", "resumes from the sharded checkpoint folder")),
+    "cache_dir_with_memory_storage": (_fit("--data.init_args.storage", "memory", "--data.init_args.cache_dir", "{tmp}/c"),
+                                      ("data.init_args.cache_dir=", "acts only when data.init_args.storage is cache or auto")),
     # --- trainer ----------------------------------------------------------------------------------
     "accumulate_zero_batches": (_fit("--trainer.accumulate_grad_batches", "0"), ("trainer.accumulate_grad_batches=0",)),
     "zero_max_steps": (_fit("--trainer.max_steps", "0"), ("trainer.max_steps=0", "at least 1 step")),
