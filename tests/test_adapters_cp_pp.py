@@ -25,9 +25,9 @@ from torch.utils.data import DataLoader
 from lit_ablate.models.adapters.lora import AdapterOptions
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.modules import CausalLM
-from lit_ablate.modules.step_objective import StepObjective
 from lit_ablate.strategies import ContextParallelStrategy, MeshParallelStrategy
 from lit_ablate.strategies.pipeline_parallel import PipelineParallelStrategy
+from lit_ablate.strategies.step_objective import StepObjective
 from tests.distributed import run_ranks
 from tests.test_adapters_tensor_parallel import build
 from tests.test_pipeline_parallel import ATOL, LR, STEPS, sft_batch

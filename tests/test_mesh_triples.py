@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from lit_ablate.models.moe.blocks import collect_aux_losses
-from lit_ablate.modules.step_objective import StepObjective
 from lit_ablate.strategies import MeshParallelStrategy
+from lit_ablate.strategies.step_objective import StepObjective
 from tests.distributed import run_ranks
 from tests.test_pipeline_mesh import BATCHES, LR, assert_trains_one_process_model, build_model, rows_of, train_reference
 

@@ -23,8 +23,8 @@ from lit_ablate.errors import ConfigError
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.moe.blocks import MoEOptions
 from lit_ablate.modules import DPO
-from lit_ablate.modules.step_objective import StepObjective
 from lit_ablate.strategies.pipeline_parallel import PipelineParallelStrategy
+from lit_ablate.strategies.step_objective import StepObjective
 from tests.distributed import run_ranks
 from tests.test_dpo import padded, pairs
 

@@ -27,9 +27,9 @@ from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.losses.cross_entropy import loss_backend
 from lit_ablate.models.moe.blocks import MoEOptions, collect_aux_losses
-from lit_ablate.modules.step_objective import StepObjective
 from lit_ablate.strategies import MeshParallelStrategy
 from lit_ablate.strategies.pipeline_parallel import PipelineParallelStrategy
+from lit_ablate.strategies.step_objective import StepObjective
 from tests.distributed import run_ranks
 from tests.test_pipeline_parallel import (
     ATOL,

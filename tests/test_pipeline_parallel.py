@@ -39,11 +39,11 @@ from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.losses.cross_entropy import loss_backend
 from lit_ablate.models.presets import preset_config
 from lit_ablate.modules import CausalLM
-from lit_ablate.modules.step_objective import StepObjective
 from lit_ablate.record import read_record
 from lit_ablate.strategies.pipeline_parallel import PipelineParallelStrategy
 from lit_ablate.strategies.pipeline_split import balanced_split_points, check_split_points
 from lit_ablate.strategies.pipeline_stages import pipeline_batch
+from lit_ablate.strategies.step_objective import StepObjective
 from tests.distributed import run_ranks
 from tests.test_strategies_equivalence import fixed_batch, rows_of
 

@@ -54,7 +54,6 @@ from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX
 from lit_ablate.models.moe.blocks import MoEOptions
 from lit_ablate.modules import CausalLM
-from lit_ablate.modules.step_objective import StepObjective
 from lit_ablate.strategies import (
     DDPStrategy,
     ExpertParallelStrategy,
@@ -63,6 +62,7 @@ from lit_ablate.strategies import (
     HSDPStrategy,
     ZeRO1Strategy,
 )
+from lit_ablate.strategies.step_objective import StepObjective
 from tests.distributed import run_ranks
 from tests.test_moe_expert_parallel import Float64ModelFactory
 

@@ -30,9 +30,9 @@ from lit_ablate.modules.optim import (
     implementation_of,
     lr_scheduler,
 )
-from lit_ablate.modules.step_objective import StepObjective
 from lit_ablate.modules.step_output import StepOutput
 from lit_ablate.strategies.interface import interface_of
+from lit_ablate.strategies.step_objective import StepObjective
 
 
 class CausalLM(LightningModule):

@@ -12,8 +12,9 @@ A custom strategy implements this interface by inheriting it next to its Lightni
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import ParallelStrategy, Strategy
 from torch import Tensor
@@ -25,7 +26,19 @@ UnitLoss = Callable[[tuple[Tensor, ...], dict[str, Any]], Tensor]
 
 if TYPE_CHECKING:
     from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
-    from lit_ablate.modules.step_objective import StepObjective
+
+
+class ObjectiveScale(Protocol):
+    """What a strategy that runs forward and backward itself reads and fixes of the step objective
+    (``StepObjective``, which asks this interface for the gradient group, so it is named here by what
+    ``forward_backward`` uses of it): the run constant ``c`` and whether the step has begun."""
+
+    scale: float | None
+
+    @property
+    def step_started(self) -> bool: ...
+
+    def agree_scale(self, local_units: int, device: torch.device, group: dist.ProcessGroup | None) -> None: ...
 
 
 class StrategyInterface:
@@ -82,7 +95,7 @@ class StrategyInterface:
         of its stages inside one schedule); otherwise the module runs forward and Lightning backward."""
         return False
 
-    def forward_backward(self, model: CausalLMWithLoss, batch: dict[str, Any], objective: StepObjective,
+    def forward_backward(self, model: CausalLMWithLoss, batch: dict[str, Any], objective: ObjectiveScale,
                          unit_loss: UnitLoss | None = None) -> tuple[Tensor, Tensor]:
         """``(loss_sum, useful_tokens)`` of the batch after its forward and backward (see ``runs_forward_backward``).
 

@@ -48,7 +48,7 @@ import functools
 import itertools
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -66,7 +66,7 @@ from lit_ablate.models.losses.sequence_logprobs import SequenceLogProbs
 from lit_ablate.models.moe.blocks import moe_blocks
 from lit_ablate.strategies.context_parallel import ContextParallelImpl
 from lit_ablate.strategies.expert_parallel import DispatchMode
-from lit_ablate.strategies.interface import UnitLoss
+from lit_ablate.strategies.interface import ObjectiveScale, UnitLoss
 from lit_ablate.strategies.mesh import STRATEGY_KEY
 from lit_ablate.strategies.mesh_parallel import MeshParallelStrategy
 from lit_ablate.strategies.pipeline_chunk_timer import ChunkTimer
@@ -76,9 +76,6 @@ from lit_ablate.strategies.pipeline_stage_sharding import StageSharding
 from lit_ablate.strategies.pipeline_stages import PassThrough, StageModule, micro_batch, pair_rows, pipeline_batch
 from lit_ablate.strategies.state_sharding import REPLICATED, StateSharding
 from lit_ablate.strategies.tensor_parallel_plans import Plan
-
-if TYPE_CHECKING:
-    from lit_ablate.modules.step_objective import StepObjective
 
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -438,7 +435,7 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
     def runs_forward_backward(self) -> bool:
         return True
 
-    def forward_backward(self, model: CausalLMWithLoss, batch: dict[str, Any], objective: StepObjective,
+    def forward_backward(self, model: CausalLMWithLoss, batch: dict[str, Any], objective: ObjectiveScale,
                          unit_loss: UnitLoss | None = None) -> tuple[Tensor, Tensor]:
         """Forward and backward of every micro-batch through the stages; ``(loss_sum, units)`` of the
         whole batch, the same on every rank (``CausalLM.training_step`` calls it: useful tokens). A
