@@ -23,12 +23,14 @@ from torch.utils.data import DataLoader
 from lit_ablate.callbacks.expert_load import ExpertLoadMonitor
 from lit_ablate.data import LMDataModule, SyntheticText
 from lit_ablate.errors import ConfigError
+from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.moe.blocks import MoEOptions, moe_blocks
 from lit_ablate.models.moe.dispatch import AllReduceDispatcher, AllToAllDispatcher
 from lit_ablate.modules import CausalLM
 from lit_ablate.strategies import ExpertParallelStrategy, FSDP2Strategy, MeshParallelStrategy
-from lit_ablate.strategies.expert_parallel import clip_grad_norm_across_meshes
+from lit_ablate.strategies.fsdp2 import shard_layers_then_root
+from lit_ablate.strategies.gradient_clipping import clip_grad_norm_across_meshes
 from tests.distributed import run_ranks
 from tests.test_moe_expert_load import MoECausalLM
 
@@ -209,12 +211,21 @@ def _unequal_batch(rank: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels}
 
 
+class LayerUnitsOfItsOwn(ExpertParallelStrategy):
+    """Research code that replaces the FSDP step without calling ``super()``: its own units (each decoder
+    layer, then the root), with nothing about experts in it."""
+
+    def apply_fsdp(self, model: CausalLMWithLoss) -> None:
+        shard_layers_then_root(decoder_layers(model), model, self.fsdp_kwargs())
+
+
 LAYOUTS = {
     "no_ep": (FSDP2Strategy, {}),
     "all_to_all": (ExpertParallelStrategy, {"ep": 2, "dispatch": "all_to_all"}),
     "all_reduce": (ExpertParallelStrategy, {"ep": 2, "dispatch": "all_reduce"}),
     "dp_shard_ep": (ExpertParallelStrategy, {"ep": 2, "dp_shard": 2}),
     "dp_replicate_ep": (MeshParallelStrategy, {"dp_replicate": 2, "ep": 2}),
+    "own_fsdp_step": (LayerUnitsOfItsOwn, {"ep": 2}),
 }
 """Strategy class and options of each layout the gradient tests compare (built inside the ranks)."""
 
@@ -259,6 +270,17 @@ def test_expert_parallel_gradients_equal_no_expert_parallel_in_float64(tmp_path)
     rank 0 scaled by 1.01 (a value-preserving scale in ``RoutedExperts.forward``): 5.1e-3.
     """
     layouts = ["no_ep", "all_to_all", "all_reduce"]
+    runs = run_ranks(_one_step_gradients, 2, str(tmp_path), layouts, init_process_group=False, timeout_s=300)
+    _assert_same_gradients(runs[0], "no_ep", layouts[1:])
+
+
+def test_a_strategy_replacing_apply_fsdp_keeps_its_experts_sharded(tmp_path) -> None:
+    """The experts' FSDP is a step of its own (``apply_expert_fsdp``), not part of ``apply_fsdp``'s body:
+    a subclass that replaces ``apply_fsdp`` without ``super()`` still trains EP's model, the same float64
+    gradients as FSDP2 without EP. Seen failing with the experts' sharding back inside
+    ``ExpertParallelSteps.apply_fsdp`` (the subclass's root unit met the experts' ``ep`` DTensors: "Cannot
+    concatenate overlapping meshes"), while the presets' float64 EP test passed."""
+    layouts = ["no_ep", "own_fsdp_step"]
     runs = run_ranks(_one_step_gradients, 2, str(tmp_path), layouts, init_process_group=False, timeout_s=300)
     _assert_same_gradients(runs[0], "no_ep", layouts[1:])
 

@@ -28,7 +28,7 @@ from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX, loss_backend
 from lit_ablate.models.moe.blocks import MoEOptions, collect_aux_losses
 from lit_ablate.modules import CausalLM
-from lit_ablate.strategies.pipeline_clipping import clip_grad_norm_over_stages
+from lit_ablate.strategies.gradient_clipping import clip_grad_norm_across_meshes as clip_grad_norm_over_stages
 from lit_ablate.strategies.pipeline_parallel import PipelineParallelStrategy
 from lit_ablate.strategies.step_objective import StepObjective
 from tests.distributed import run_ranks

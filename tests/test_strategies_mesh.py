@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -20,6 +22,7 @@ from lit_ablate.strategies import (
     FSDP2Strategy,
     HSDPStrategy,
     MeshParallelStrategy,
+    PipelineParallelStrategy,
     TensorParallelStrategy,
     ZeRO1Strategy,
 )
@@ -116,6 +119,59 @@ def _mesh_layout(rank: int, world_size: int) -> dict:
             "fsdp_shape": list(mesh.shape),
         }
     return layouts
+
+
+STEPS = ("apply_tp", "apply_ep", "apply_cp", "apply_activation_checkpointing", "apply_compile", "apply_expert_fsdp",
+         "apply_fsdp")
+
+
+def _steps_run(strategy_class: type, world_size: int, sizes: dict[str, int]) -> list[str]:
+    """The steps ``apply_steps`` runs at these sizes, in order (each recorded, none applied)."""
+    calls: list[str] = []
+    recording = type("Recording", (strategy_class,), {
+        name: lambda self, model, name=name: calls.append(name) for name in STEPS})
+    strategy = recording(**sizes)
+    strategy.mesh_sizes = strategy.requested_mesh_sizes.resolved(world_size)
+    strategy.apply_steps(None)
+    return calls
+
+
+@pytest.mark.parametrize(("strategy_class", "world_size", "sizes", "ran"), [
+    (MeshParallelStrategy, 8, {"dp_shard": 1, "tp": 2, "ep": 2, "cp": 2}, STEPS),
+    (MeshParallelStrategy, 4, {"dp_shard": 2, "cp": 2}, STEPS[2:5] + STEPS[6:]),
+    (FSDP2Strategy, 2, {}, STEPS[3:5] + STEPS[6:]),
+    (PipelineParallelStrategy, 4, {"pp": 2, "dp_shard": 2}, STEPS[3:5] + STEPS[6:]),
+    (PipelineParallelStrategy, 4, {"pp": 2, "dp_replicate": 2}, STEPS[3:5]),  # whole stages, averaged after
+], ids=["tp-ep-cp", "dp-cp", "fsdp2", "pp-dp_shard", "pp-dp_replicate"])
+def test_one_ordered_list_runs_each_dimension_s_step_when_its_size_is_above_one(strategy_class, world_size, sizes, ran):
+    """torchtitan's order, each dimension's step guarded by its size (checkpointing and compile read their
+    options themselves, so a subclass's own step always runs). Seen failing with TP's guard dropped (TP
+    recorded at tp 1) and with the experts' FSDP after the root's."""
+    assert _steps_run(strategy_class, world_size, sizes) == list(ran)
+
+
+def test_step_context_enters_each_active_dimension_s_context():
+    """One context around Lightning's steps: TP's loss and CP's attention when their sizes are above 1,
+    in that order. Seen failing with CP's guard reading tp."""
+    entered: list[str] = []
+
+    @contextmanager
+    def context(name: str) -> Iterator[None]:
+        entered.append(name)
+        yield
+        entered.append(f"/{name}")
+
+    recording = type("Recording", (MeshParallelStrategy,), {
+        "vocabulary_parallel_loss": lambda self: context("tp"),
+        "context_parallel_attention": lambda self: context("cp")})
+    for sizes, world_size, expected in (({"dp_shard": 1, "tp": 2, "cp": 2}, 4, ["tp", "cp", "/cp", "/tp"]),
+                                        ({"dp_shard": 2, "cp": 2}, 4, ["cp", "/cp"]), ({}, 2, [])):
+        entered.clear()
+        strategy = recording(**sizes)
+        strategy.mesh_sizes = strategy.requested_mesh_sizes.resolved(world_size)
+        with strategy.step_context():
+            pass
+        assert entered == expected, sizes
 
 
 def test_sampler_gets_the_data_parallel_rank_and_fsdp_the_right_submesh():

@@ -1,4 +1,4 @@
-"""The CP step of the mesh pipeline: every sequence split over the mesh's ``cp`` ranks (``ContextParallelSteps``)."""
+"""The CP step of the mesh strategy: every sequence split over the mesh's ``cp`` ranks (``ContextParallelSteps``)."""
 
 from __future__ import annotations
 
@@ -45,10 +45,10 @@ class ContextParallelSteps(FullyShardSteps):
     attention layer. Each batch is cut along the sequence on the device, after the collator shifted
     the labels on the whole sequence; ``position_ids`` are made explicit (packed documents keep
     theirs), so rotary embeddings and document boundaries stay those of the whole sequence. While
-    the strategy runs a step (forward and backward; validation, test and predict steps), the model's
-    attention is the context-parallel backend ``cp_impl``; outside steps (generation) it is the
-    configured one. Parameters are FSDP2-sharded over ``dp_shard x cp`` (HSDP with
-    ``dp_replicate``); the step's gradients are the global token mean over every rank
+    the strategy runs a step (forward and backward; validation, test and predict steps: CP's part of
+    ``step_context``), the model's attention is the context-parallel backend ``cp_impl``; outside
+    steps (generation) it is the configured one. Parameters are FSDP2-sharded over ``dp_shard x cp``
+    (HSDP with ``dp_replicate``); the step's gradients are the global token mean over every rank
     (``StepObjective`` counts each shard's labels, and undoes FSDP's division by ``cp``), so the
     run trains the same model as one process on the whole batch.
 
@@ -120,13 +120,11 @@ class ContextParallelSteps(FullyShardSteps):
         ``cp`` ranks share one batch, and ``MFUMonitor`` counts each rank's ``1 / cp`` of it."""
         return 1.0 / self.mesh_sizes.cp
 
-    # ---------------------------------------------------------------- the pipeline step
+    # ---------------------------------------------------------------- the step
     def apply_cp(self, model: CausalLMWithLoss) -> None:
         """Attach the ``cp`` group and layout to every attention module (read by the ``ring`` and
         ``allgather`` backends), and remember the model so steps switch its attention to ``cp_impl``."""
-        if not self.splits_sequences:
-            return
-        group = self.device_mesh["cp"].get_group() if self.mesh_sizes.cp > 1 else None
+        group = self.device_mesh["cp"].get_group()
         kernel = block_kernel(self.cp_block_kernel, torch.device(self.device_mesh.device_type))
         self._cp_kernels.append(kernel)
         context = ContextParallelGroup(group, self.layout, self.cp_rank, kernel)
@@ -172,7 +170,8 @@ class ContextParallelSteps(FullyShardSteps):
 
     @contextmanager
     def context_parallel_attention(self) -> Iterator[None]:
-        """Within: the parallelised models attend with ``cp_impl`` (a step on sharded batches)."""
+        """Within: the parallelised models attend with ``cp_impl`` (a step on sharded batches;
+        ``step_context`` enters it around Lightning's steps)."""
         configs = [(model.lm.config, model.lm.config._attn_implementation) for model in self._cp_models]
         for config, _ in configs:
             config._attn_implementation = self.cp_impl
@@ -181,27 +180,6 @@ class ContextParallelSteps(FullyShardSteps):
         finally:
             for config, name in configs:
                 config._attn_implementation = name
-
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.context_parallel_attention():
-            return super().training_step(*args, **kwargs)
-
-    def backward(self, *args: Any, **kwargs: Any) -> Any:
-        # Activation checkpointing recomputes layers here: they must attend as in the forward.
-        with self.context_parallel_attention():
-            return super().backward(*args, **kwargs)
-
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.context_parallel_attention():
-            return super().validation_step(*args, **kwargs)
-
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.context_parallel_attention():
-            return super().test_step(*args, **kwargs)
-
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.context_parallel_attention():
-            return super().predict_step(*args, **kwargs)
 
 
 def attention_modules(model: CausalLMWithLoss) -> list[nn.Module]:

@@ -1,18 +1,13 @@
-"""The EP step of the mesh pipeline: experts sharded over the mesh's ``ep`` ranks (``ExpertParallelSteps``)."""
+"""The EP steps of the mesh strategy: experts sharded over the mesh's ``ep`` ranks (``ExpertParallelSteps``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any, Literal
 
-import torch
-import torch.distributed as dist
-from lightning.pytorch import Trainer
-from torch import Tensor, nn
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.optim import Optimizer
 
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
@@ -35,6 +30,8 @@ class ExpertParallelSteps(FullyShardSteps):
     EP ranks read different batches, like data-parallel ranks. Expert weights are additionally
     FSDP-sharded over ``dp_replicate x dp_shard x cp``; everything else is FSDP2-sharded over all
     ranks as with ``FSDP2Strategy``, so ``ep`` composes with ``dp_shard`` (world = ``dp_shard x ep``).
+    The experts' FSDP is a step of its own (``apply_expert_fsdp``), so a subclass that replaces
+    ``apply_fsdp`` keeps it.
     Expert gradients are divided by the full data-parallel size, like every other gradient, so
     the run trains the same model as without EP. Needs MoE blocks patched by lit-ablate
     (``moe.experts: grouped`` or ``loop``).
@@ -72,9 +69,6 @@ class ExpertParallelSteps(FullyShardSteps):
 
     def apply_ep(self, model: CausalLMWithLoss) -> None:
         """Keep this rank's slice of every expert weight (a DTensor on the ``ep`` mesh) and install the dispatcher."""
-        ep = self.mesh_sizes.ep
-        if ep == 1:
-            return
         blocks = self._moe_blocks(model)
         mesh = self.device_mesh["ep"]
         num_experts = blocks[0].gate.num_experts
@@ -87,27 +81,25 @@ class ExpertParallelSteps(FullyShardSteps):
                 setattr(owner, name, nn.Parameter(local, requires_grad=full.requires_grad))
             block.dispatcher = dispatcher
 
-    def apply_fsdp(self, model: CausalLMWithLoss) -> None:
-        """Experts first (over the non-EP data-parallel ranks), then the layers and the root as FSDP2 does."""
-        if self.mesh_sizes.ep > 1:
-            from torch.distributed.fsdp import fully_shard
+    def apply_expert_fsdp(self, model: CausalLMWithLoss) -> None:
+        """Each MoE block's experts an FSDP unit over the ranks holding the same experts (``expert_fsdp_mesh``),
+        before ``apply_fsdp`` shards the layers and the root as FSDP2 does."""
+        from torch.distributed.fsdp import fully_shard
 
-            mesh = self.expert_fsdp_mesh()
-            kwargs = {**self.fsdp_kwargs(), "mesh": mesh}
-            data_parallel = float(self.fsdp_mesh.size())
-            for block in moe_blocks(model):
-                experts = fully_shard(block.experts, **kwargs)
-                # Each expert's gradient already sums the ep ranks' tokens (the all-to-all backward); FSDP
-                # sums it over the ranks sharing the expert (plain sums: gloo has no pre-multiplied sum),
-                # and one division by every data-parallel rank after the reductions makes it the same mean
-                # as a dense gradient. Not through FSDP's divide factor: where the shard dimension holds
-                # one rank (ep = world, HSDP's (dp_replicate, 1)) torch 2.13 divides its copy by the factor
-                # and again after forced sums, or always for a reduce dtype other than float32/bfloat16
-                # (float64 at ep 2 on 2 ranks: every expert gradient came out halved).
-                experts.set_gradient_divide_factor(1.0)
-                experts.set_force_sum_reduction_for_comms(True)
-                experts.set_all_reduce_hook(lambda reduced: reduced.div_(data_parallel))
-        super().apply_fsdp(model)
+        kwargs = {**self.fsdp_kwargs(), "mesh": self.expert_fsdp_mesh()}
+        data_parallel = float(self.fsdp_mesh.size())
+        for block in moe_blocks(model):
+            experts = fully_shard(block.experts, **kwargs)
+            # Each expert's gradient already sums the ep ranks' tokens (the all-to-all backward); FSDP
+            # sums it over the ranks sharing the expert (plain sums: gloo has no pre-multiplied sum),
+            # and one division by every data-parallel rank after the reductions makes it the same mean
+            # as a dense gradient. Not through FSDP's divide factor: where the shard dimension holds
+            # one rank (ep = world, HSDP's (dp_replicate, 1)) torch 2.13 divides its copy by the factor
+            # and again after forced sums, or always for a reduce dtype other than float32/bfloat16
+            # (float64 at ep 2 on 2 ranks: every expert gradient came out halved).
+            experts.set_gradient_divide_factor(1.0)
+            experts.set_force_sum_reduction_for_comms(True)
+            experts.set_all_reduce_hook(lambda reduced: reduced.div_(data_parallel))
 
     def expert_fsdp_mesh(self) -> DeviceMesh:
         """The ranks holding the same experts: ``dp_shard x cp`` (flattened), with ``dp_replicate`` for HSDP."""
@@ -117,16 +109,6 @@ class ExpertParallelSteps(FullyShardSteps):
         if self.mesh_sizes.dp_replicate == 1:
             return shard
         return DeviceMesh._concatenate([mesh["dp_replicate"], shard])
-
-    def setup(self, trainer: Trainer) -> None:
-        super().setup(trainer)
-        # Lightning clips with torch's clip_grad_norm_, which cannot combine norms of DTensors on
-        # different meshes (experts vs the rest): route the precision plugin's norm clipping here.
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
-
-    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
-        params = (p for group in optimizer.param_groups for p in group["params"])
-        clip_grad_norm_across_meshes(params, clip_val)
 
     def _moe_blocks(self, model: CausalLMWithLoss) -> list[MoEBlock]:
         blocks = moe_blocks(model)
@@ -140,41 +122,3 @@ class ExpertParallelSteps(FullyShardSteps):
                               f"the model has {num_experts} experts per layer; use an ep that divides {num_experts}")
         return blocks
 
-
-@torch.no_grad()
-def clip_grad_norm_across_meshes(parameters: Iterable[Tensor], max_norm: float) -> Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` for gradients that are DTensors on several meshes.
-
-    Each gradient's squared norm is summed locally, then over the mesh dimensions it is sharded
-    on (one all-reduce per dimension and group of gradients), and the groups' sums combine into the
-    total. Not through DTensor's own norm: for expert weights sharded over ``ep`` and then by FSDP
-    over ``cp`` its mesh is ``(cp, ep)``, against the root mesh's order, which torch's
-    redistribution refuses (gradients with a ``Partial`` placement, not sums of local squares, still
-    take DTensor's norm). The gradients are then scaled as torch scales them
-    (``max_norm / (total + 1e-6)``, only when below 1). Returns the total norm.
-    """
-    groups: dict[tuple, list[Tensor]] = {}
-    for p in parameters:
-        if p.grad is not None:
-            key = (p.grad.device_mesh, tuple(p.grad.placements)) if isinstance(p.grad, DTensor) else (None, ())
-            groups.setdefault(key, []).append(p.grad)
-    if not groups:
-        return torch.tensor(0.0)
-    squares = []
-    for (mesh, placements), grads in groups.items():
-        if any(placement.is_partial() for placement in placements):  # not a sum of local squares: DTensor's norm
-            norm = torch.nn.utils.get_total_norm(grads)
-            squares.append(norm.full_tensor().float().square().cpu())
-            continue
-        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        square = torch.stack([t.detach().float().square().sum() for t in local]).sum()
-        for dim, placement in enumerate(placements):
-            if not placement.is_replicate():  # Shard, or FSDP's _StridedShard (which is_shard() does not count)
-                dist.all_reduce(square, group=mesh.get_group(dim))
-        squares.append(square.cpu())
-    total = torch.stack(squares).sum().sqrt()
-    coef = max_norm / (float(total) + 1e-6)
-    if coef < 1.0:
-        for grads in groups.values():
-            torch._foreach_mul_(grads, coef)
-    return total

@@ -1,4 +1,4 @@
-"""The FSDP step of the mesh pipeline: per-parameter sharding with torch's ``fully_shard`` (``FullyShardSteps``)."""
+"""The FSDP step of the mesh strategy: per-parameter sharding with torch's ``fully_shard`` (``FullyShardSteps``)."""
 
 from __future__ import annotations
 

@@ -17,11 +17,15 @@ data-parallel group the sampler sees); ``pp``, ``cp`` and ``tp`` peers read the 
 Gradients of dense parameters are reduced over ``dp_replicate x dp_shard x ep x cp`` (within one
 stage), so FSDP shards over ``dp_shard x ep x cp`` and replicates over ``dp_replicate``.
 
-Parallelism is applied to a model that knows nothing of it, in one order (torchtitan's):
-pipeline split (keep this rank's stage: ``PipelineParallelStrategy``) -> TP -> EP -> CP ->
-activation checkpointing -> compile -> FSDP (each decoder layer, then the root, or each stage's
-module under a pipeline). Each step is one method; overriding one is the research-code extension
-point (``examples/custom_strategy.py``).
+Parallelism is applied to a model that knows nothing of it, in one ordered list of steps
+(``MeshStrategy.apply_steps``, torchtitan's order): TP -> EP -> CP -> activation checkpointing ->
+compile -> the experts' FSDP -> FSDP (each decoder layer, then the root, or each stage's module under
+a pipeline), each step run when its dimension is on. A pipeline (``PipelineParallelStrategy``) puts
+its split in front: it keeps this rank's stages, then runs the same list on them. Each step is one
+method; overriding one is the research-code extension point (``examples/custom_strategy.py``), and
+every other step stays. The same holds around a step: what a dimension needs while a training,
+validation, test or predict step runs (forward and backward) is one context (``step_context``),
+and gradient clipping is one method that knows every dimension (``clip_gradients_by_norm``).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
 from typing import Any, Literal, TypedDict
 
@@ -37,10 +42,12 @@ import torch.distributed as dist
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.optim import Optimizer
 
 from lit_ablate.errors import ConfigError
 from lit_ablate.mesh_sizes import MESH_DIMS, STRATEGY_KEY, MeshSizes
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
+from lit_ablate.strategies.gradient_clipping import clip_grad_norm_across_meshes
 from lit_ablate.strategies.interface import StrategyInterface
 
 DATA_PARALLEL_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "ep")
@@ -68,17 +75,17 @@ class MeshOptions(TypedDict, total=False):
 
 
 class MeshStrategy(ModelParallelStrategy, StrategyInterface):
-    """Base of the mesh strategies: the named mesh, the data-parallel sampler, the ordered pipeline.
+    """Base of the mesh strategies: the named mesh, the data-parallel sampler, the ordered list of steps.
 
     Not selected on its own: it leaves ``apply_fsdp`` to a subclass (``FSDP2Strategy`` shards
     with ``fully_shard``). Pipeline, tensor, expert and context parallelism are steps a subclass
-    fills in (``apply_pp``, ``apply_tp``, ``apply_ep``, ``apply_cp``); here a size above 1 for them is
-    refused.
+    fills in (``apply_pp``, ``apply_tp``, ``apply_ep`` with ``apply_expert_fsdp``, ``apply_cp``, and
+    their step contexts); here a size above 1 for them is refused.
 
     The strategy parallelises every ``CausalLMWithLoss`` that the LightningModule builds in
     ``configure_model``. Initialisation: with more than one rank, only rank 0 builds real weights
     (in host memory, drawing exactly what one process draws from the seeded RNG); the other ranks
-    build on the ``meta`` device. After the pipeline, every rank allocates only its shards and
+    build on the ``meta`` device. After the steps, every rank allocates only its shards and
     receives their values from rank 0 (one tensor at a time). So no accelerator ever holds more
     than its shard, and an N-rank run starts from bit-identical weights to a 1-process run, which
     the equivalence tests and the studies' ``expect_equal_loss`` rely on. (A seeded per-shard init
@@ -238,9 +245,10 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
             if not getattr(model, "parallelized_by", None):
                 self.parallelize(model)
         super().setup(trainer)
+        self.precision_plugin.clip_grad_by_norm = self.clip_gradients_by_norm  # gradient_clip_val by norm
 
     def parallel_targets(self) -> list[CausalLMWithLoss]:
-        """The modules the pipeline applies to: every ``CausalLMWithLoss`` of the LightningModule."""
+        """The modules the steps apply to: every ``CausalLMWithLoss`` of the LightningModule."""
         targets = [m for m in self.lightning_module.modules() if isinstance(m, CausalLMWithLoss)]
         if not targets:
             raise ConfigError(
@@ -250,30 +258,53 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
             )
         return targets
 
-    # ---------------------------------------------------------------- the pipeline
+    # ---------------------------------------------------------------- the steps
     def parallelize(self, model: CausalLMWithLoss) -> CausalLMWithLoss:
-        """TP -> EP -> CP -> activation checkpointing -> compile -> FSDP, then materialise the shards."""
+        """Apply the steps (``apply_steps``), then materialise the shards from rank 0's weights."""
         source = model.state_dict() if _rank() == 0 else {}
-        self.apply_tp(model)
-        self.apply_ep(model)
-        self.apply_cp(model)
-        self.apply_activation_checkpointing(model)
-        self.apply_compile(model)
-        self.apply_fsdp(model)
+        self.apply_steps(model)
         self.materialize(model, source)
         model.parallelized_by = type(self).__name__
         return model
 
+    def apply_steps(self, model: CausalLMWithLoss) -> None:
+        """The one ordered list (torchtitan's): each mesh dimension's step runs when its size is above 1;
+        activation checkpointing and compile read their options themselves, so that a subclass's own
+        step runs whatever they say. The experts are sharded before the rest: FSDP's unit above them
+        takes every parameter no inner unit holds."""
+        sizes = self.mesh_sizes
+        if sizes.tp > 1:
+            self.apply_tp(model)
+        if sizes.ep > 1:
+            self.apply_ep(model)
+        if sizes.cp > 1:
+            self.apply_cp(model)
+        self.apply_activation_checkpointing(model)
+        self.apply_compile(model)
+        if sizes.ep > 1:
+            self.apply_expert_fsdp(model)
+        if self.shards_parameters:
+            self.apply_fsdp(model)
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Whether the FSDP step runs: always on a whole model (one rank too: one code path at any size)."""
+        return True
+
     def apply_pp(self, model: CausalLMWithLoss) -> None:
-        """Keep this rank's pipeline stage over ``device_mesh["pp"]`` (a subclass's step: the first of
-        ``PipelineParallelStrategy.parallelize``, whose stage schedule replaces the module's step;
-        refused here when pp > 1)."""
+        """Keep this rank's pipeline stages over ``device_mesh["pp"]`` (a subclass's step, in front of
+        the list: ``PipelineParallelStrategy.parallelize``, whose stage schedule replaces the module's
+        step; refused here when pp > 1)."""
 
     def apply_tp(self, model: CausalLMWithLoss) -> None:
         """Tensor parallelism over ``device_mesh["tp"]`` (a subclass's step; refused here when tp > 1)."""
 
     def apply_ep(self, model: CausalLMWithLoss) -> None:
         """Expert parallelism over ``device_mesh["ep"]`` (a subclass's step; refused here when ep > 1)."""
+
+    def apply_expert_fsdp(self, model: CausalLMWithLoss) -> None:
+        """FSDP of the experts ``apply_ep`` kept, over the data-parallel ranks that hold the same ones (a
+        subclass's step, with ``apply_ep``)."""
 
     def apply_cp(self, model: CausalLMWithLoss) -> None:
         """Context parallelism over ``device_mesh["cp"]`` (a subclass's step; refused here when cp > 1)."""
@@ -324,6 +355,57 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
         )
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
+
+    # ---------------------------------------------------------------- around a step
+    def step_context(self) -> ExitStack:
+        """Every active dimension's context, entered around each step Lightning runs (forward and
+        backward: the entry points below): TP's vocabulary-parallel loss, CP's attention over slices."""
+        stack = ExitStack()
+        if self.mesh_sizes.tp > 1:
+            stack.enter_context(self.vocabulary_parallel_loss())
+        if self.mesh_sizes.cp > 1:
+            stack.enter_context(self.context_parallel_attention())
+        return stack
+
+    def vocabulary_parallel_loss(self) -> AbstractContextManager:
+        """TP's step context (a subclass's: ``TensorParallelSteps``; nothing here)."""
+        return nullcontext()
+
+    def context_parallel_attention(self) -> AbstractContextManager:
+        """CP's step context (a subclass's: ``ContextParallelSteps``; nothing here)."""
+        return nullcontext()
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.step_context():
+            return super().training_step(*args, **kwargs)
+
+    def backward(self, *args: Any, **kwargs: Any) -> Any:
+        # loss_parallel's backward runs inside it too; activation checkpointing recomputes layers here,
+        # and they must attend as in the forward.
+        with self.step_context():
+            return super().backward(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.step_context():
+            return super().validation_step(*args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.step_context():
+            return super().test_step(*args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.step_context():
+            return super().predict_step(*args, **kwargs)
+
+    def clip_gradients_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        """``gradient_clip_val`` by the norm of the whole model's gradient (``clip_grad_norm_across_meshes``):
+        over every mesh its DTensors are sharded on (tensor-parallel slices, FSDP shards, experts) and,
+        with ``pp > 1``, over the pipeline stages. Lightning's precision plugin calls it (``setup``):
+        torch's ``clip_grad_norm_`` cannot combine DTensors on different meshes and would clip each
+        stage by its own norm."""
+        params = (p for group in optimizer.param_groups for p in group["params"])
+        stages = self.device_mesh.get_group("pp") if self.mesh_sizes.pp > 1 else None
+        clip_grad_norm_across_meshes(params, clip_val, stages)
 
     def _mesh_device(self) -> torch.device:
         if self.device_mesh.device_type == "cpu":

@@ -16,10 +16,10 @@ from lit_ablate.strategies.tensor_parallel import TensorParallelSteps
 
 class MeshParallelStrategy(TensorParallelSteps, ContextParallelSteps, ExpertParallelSteps):
     """Data, expert, context and tensor parallelism on one ``dp_replicate x dp_shard x ep x cp x tp``
-    mesh, applied to a built model in one order (``MeshStrategy.parallelize``): TP -> EP -> CP ->
-    activation checkpointing -> compile -> FSDP. Each step runs when its dimension is above 1 and
-    does nothing otherwise, so any combination of sizes is this one class; a new dimension adds one
-    step here, never a class per pair.
+    mesh, applied to a built model in one ordered list of steps (``MeshStrategy.apply_steps``): TP ->
+    EP -> CP -> activation checkpointing -> compile -> the experts' FSDP -> FSDP. Each dimension's step
+    runs when its size is above 1, so any combination of sizes is this one class; a new dimension adds
+    one step to the list, never a class per pair.
 
     The named strategies (``FSDP2Strategy``, ``HSDPStrategy``, ``TensorParallelStrategy``,
     ``ContextParallelStrategy``, ``ExpertParallelStrategy`` and the pairs) are presets of it: each

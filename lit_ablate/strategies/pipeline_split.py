@@ -1,16 +1,63 @@
-"""Where the decoder layers split into pipeline stages: checked split points, or balanced by parameter count."""
+"""Where the decoder layers split into pipeline stages (checked split points, or balanced by parameter
+count), and the split itself: a rank keeps its stages of a built model."""
 
 from __future__ import annotations
 
 import functools
 import itertools
-from typing import TYPE_CHECKING
+
+from torch import nn
 
 from lit_ablate.errors import ConfigError
-from lit_ablate.strategies.mesh import STRATEGY_KEY
+from lit_ablate.mesh_sizes import STRATEGY_KEY
+from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
+from lit_ablate.strategies.pipeline_stages import PassThrough, StageModule
 
-if TYPE_CHECKING:
-    pass
+
+def keep_stages(model: CausalLMWithLoss, pp: int, stage_index: int, stages_per_rank: int,
+                split_points: list[int] | None) -> tuple[list[int], dict[int, StageModule]]:
+    """Keep rank ``stage_index``'s stages of ``model``: other stages' layers become pass-throughs (indices
+    and names stay), the embeddings stay on the first stage and the final norm and LM head on the last.
+    Returns the decoder-layer indices kept and one ``StageModule`` per stage held.
+
+    With ``stages_per_rank = v`` there are ``pp x v`` stages, looped over the ranks: rank ``r`` holds
+    stages ``r, r + pp, r + 2 pp, ...``, so the first stage (embeddings) is on rank 0 and the last
+    (norm, LM head, loss) on rank ``pp - 1``, as without interleaving."""
+    layers = decoder_layers(model)
+    stages = pp * stages_per_rank
+    points = split_points if split_points is not None else balanced_split_points(
+        [_numel(layer) for layer in layers], stages,
+        _numel(model.lm.get_input_embeddings()), _numel(model.lm.get_output_embeddings()))
+    check_split_points(points, len(layers), stages)
+    bounds = [0, *points, len(layers)]
+    own = range(stage_index, stages, pp)
+    stage_layers = {s: list(range(bounds[s], bounds[s + 1])) for s in own}
+    kept = [index for s in own for index in stage_layers[s]]
+    decoder = model.lm.base_model
+    for index in range(len(layers)):
+        if index not in kept:
+            decoder.layers[index] = PassThrough()
+    if stage_index != 0:
+        decoder.embed_tokens = None
+    if stage_index != pp - 1:
+        decoder.norm = nn.Identity()
+        model.lm.lm_head = None
+    modules = {s: StageModule(model, first=s == 0, last=s == stages - 1,
+                              layers=None if stages_per_rank == 1 else stage_layers[s]) for s in own}
+    return kept, modules
+
+
+def holds(lm: nn.Module, name: str) -> bool:
+    """Whether the stage holds submodule ``name`` of ``lm`` (``keep_stages`` sets the ends it drops to
+    None, or the final norm to an identity)."""
+    module = lm
+    for part in name.split("."):
+        module = getattr(module, part, None)
+    return isinstance(module, nn.Module) and not isinstance(module, nn.Identity)
+
+
+def _numel(module: nn.Module | None) -> int:
+    return sum(p.numel() for p in module.parameters()) if module is not None else 0
 
 
 def check_split_points(points: list[int], num_layers: int, stages: int) -> None:

@@ -15,9 +15,8 @@ class StageSharding(FullyShardSteps):
     stage. The stage module's ``head_loss``, which the schedule calls outside the forward, gathers
     the LM head like a forward.
 
-    In ``PipelineParallelStrategy``'s method order it comes after ``ExpertParallelSteps``, whose
-    ``apply_fsdp`` shards the stage's experts first and then calls this one, as it calls the whole
-    model's FSDP step without a pipeline.
+    The stage's experts are FSDP units already (``apply_expert_fsdp``, the step before this one, as
+    without a pipeline).
     """
 
     def stage_modules(self) -> dict[int, nn.Module]:

@@ -1,11 +1,15 @@
-"""What a pipeline stage is: its module (``StageModule``), the stand-in for layers other stages hold, and the batch the stages take."""
+"""What a pipeline stage is: its module (``StageModule``), the stand-in for layers other stages hold, this
+rank's stages in the pipeline (``RankStages``), and the batch the stages take."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.moe.blocks import moe_blocks
@@ -116,6 +120,42 @@ class _AddAuxGradient(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
         (weight,) = ctx.saved_tensors
         return grad, weight.to(ctx.aux_dtype), None
+
+
+@dataclass(frozen=True)
+class RankStages:
+    """This rank's stages of the pipeline: their modules by stage index, and where they sit.
+
+    ``pp`` ranks hold ``pp x stages_per_rank`` stages, looped: rank ``stage_index`` holds stages
+    ``stage_index, stage_index + pp, ...``; ``group`` is the pipeline's (the ``pp`` dimension's)."""
+
+    modules: dict[int, StageModule]
+    pp: int
+    stage_index: int
+    stages_per_rank: int
+    group: ProcessGroup
+    device: torch.device
+
+    @property
+    def last(self) -> StageModule:
+        """This rank's last stage (the model's last, with the LM head, on rank ``pp - 1``)."""
+        return self.modules[max(self.modules)]
+
+    def from_last_stage(self, tensors: tuple[Tensor, ...] | None) -> tuple[Tensor, ...]:
+        """The last stage's ``tensors`` on every stage of the pipeline (their shapes only the last knows)."""
+        carried = [None if tensors is None else [t.detach().cpu() for t in tensors]]
+        dist.broadcast_object_list(carried, group=self.group, group_src=self.pp - 1)
+        return tuple(t.to(self.device) for t in carried[0])
+
+    def reshard(self) -> None:
+        """Free FSDP's gathered parameters: a forward without backward leaves the layers kept gathered
+        (``reshard_after_forward: false``) and the root, and a checkpoint saved now would hold them whole."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.modules.values():
+            for unit in module.modules():
+                if isinstance(unit, FSDPModule):
+                    unit.reshard()
 
 
 class PassThrough(nn.Module):

@@ -1,4 +1,4 @@
-"""The TP step of the mesh pipeline: every weight matrix split over the mesh's ``tp`` ranks (``TensorParallelSteps``)."""
+"""The TP step of the mesh strategy: each weight matrix split over the mesh's ``tp`` ranks (``TensorParallelSteps``)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
-from torch.optim import Optimizer
 
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
@@ -23,7 +21,6 @@ from lit_ablate.models.fp8.conversion import is_fp8, precompute_fp8_scales
 from lit_ablate.models.losses.cross_entropy import ChunkedCrossEntropy, TorchCrossEntropy
 from lit_ablate.models.losses.loss_choice import LossChoice
 from lit_ablate.models.losses.vocabulary_parallel_chunked import vocabulary_parallel_chunked_cross_entropy
-from lit_ablate.strategies.expert_parallel import clip_grad_norm_across_meshes
 from lit_ablate.strategies.fsdp2 import FullyShardSteps
 from lit_ablate.strategies.mesh import STRATEGY_KEY
 from lit_ablate.strategies.state_sharding import StateSharding
@@ -44,7 +41,8 @@ class TensorParallelSteps(FullyShardSteps):
     ``loss_parallel`` (without z-loss), ``chunked`` chunk by chunk with its log-sum-exp all-reduced
     (``VocabParallelChunkedCrossEntropy``; z-loss too); the fused kernels take a whole LM-head
     weight and are refused. Gradient clipping takes the global norm over the TP and
-    FSDP meshes together (``clip_grad_norm_across_meshes``: FSDP's strided shards of a TP shard included).
+    FSDP meshes together (``MeshStrategy.clip_gradients_by_norm``: FSDP's strided shards of a TP shard
+    included). The loss runs inside ``vocabulary_parallel_loss``, TP's part of ``step_context``.
 
     fp8 (tensorwise recipe): converted layers are split with torchao's float8 styles (``float8_styles``);
     with ``fp8.fsdp_all_gather`` the weights' fp8 scales are computed before the first step too (``on_train_start``).
@@ -69,11 +67,14 @@ class TensorParallelSteps(FullyShardSteps):
     def tp_mesh(self) -> DeviceMesh:
         return self.device_mesh["tp"]
 
-    # ---------------------------------------------------------------- the pipeline step
+    # ---------------------------------------------------------------- the step
     def apply_tp(self, model: CausalLMWithLoss) -> None:
-        """Split the decoder layers, embedding and LM head over ``tp``; the loss reads vocabulary shards."""
-        if self.mesh_sizes.tp == 1:
-            return
+        """Split the decoder layers, embedding and LM head over ``tp``; the loss reads vocabulary shards.
+
+        With ``compile_layers``, the first decoder layer gets a plain tensor: the split embedding
+        returns its all-reduce (or reduce-scatter) as an ``AsyncCollectiveTensor`` not yet waited for,
+        and a compiled layer given one returns a zero gradient to it (torch 2.13: the embedding stopped
+        learning, silently). A copy waits for the collective inside autograd."""
         self.check_model(model)
         mesh = self.tp_mesh
         if is_fp8(model) and not self.float8_styles(model):
@@ -87,14 +88,7 @@ class TensorParallelSteps(FullyShardSteps):
         model.loss_fn = split_vocabulary_loss(model.loss_fn, mesh)
         if self.sequence_parallel:
             model.lm.base_model.register_forward_pre_hook(whole_sequence_masks, with_kwargs=True)
-
-    def apply_compile(self, model: CausalLMWithLoss) -> None:
-        """Compile each decoder layer, and hand the first one a plain tensor: the split embedding
-        returns its all-reduce (or reduce-scatter) as an ``AsyncCollectiveTensor`` not yet waited
-        for, and a compiled layer given one returns a zero gradient to it (torch 2.13: the embedding
-        stopped learning, silently). A copy waits for the collective inside autograd."""
-        super().apply_compile(model)
-        if self.compile_layers and self.mesh_sizes.tp > 1:
+        if self.compile_layers:
             model.lm.get_input_embeddings().register_forward_hook(_waited_collective)
 
     def state_sharding(self, world_size: int) -> StateSharding:
@@ -159,25 +153,10 @@ class TensorParallelSteps(FullyShardSteps):
             batch = {**batch, "position_ids": torch.arange(length, device=batch["input_ids"].device).expand(rows, -1)}
         return batch
 
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.vocabulary_parallel_loss():
-            return super().training_step(*args, **kwargs)
-
-    def backward(self, *args: Any, **kwargs: Any) -> Any:
-        with self.vocabulary_parallel_loss():  # loss_parallel's backward must run inside it too
-            return super().backward(*args, **kwargs)
-
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.vocabulary_parallel_loss():
-            return super().validation_step(*args, **kwargs)
-
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.vocabulary_parallel_loss():
-            return super().test_step(*args, **kwargs)
-
     @contextmanager
     def vocabulary_parallel_loss(self) -> Iterator[None]:
-        """Within: cross-entropy on vocabulary-sharded logits reduces over ``tp`` (forward and backward)."""
+        """Within: cross-entropy on vocabulary-sharded logits reduces over ``tp`` (forward and backward;
+        ``step_context`` enters it around Lightning's steps)."""
         if self.mesh_sizes is None or self.mesh_sizes.tp == 1:
             yield
             return
@@ -204,16 +183,6 @@ class TensorParallelSteps(FullyShardSteps):
         super().on_test_start()
         precompute_fp8_scales(self.lightning_module)
 
-    # ---------------------------------------------------------------- clipping
-    def setup(self, trainer: Trainer) -> None:
-        super().setup(trainer)
-        # Tensor-parallel weights are DTensors on (dp, tp) meshes, the replicated ones on dp only:
-        # torch's clip_grad_norm_ cannot combine them.
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
-
-    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
-        clip_grad_norm_across_meshes((p for group in optimizer.param_groups for p in group["params"]), clip_val)
-
 
 def split_vocabulary_loss(loss: TorchCrossEntropy | ChunkedCrossEntropy, mesh: DeviceMesh) -> Any:
     """The loss backend's form for an LM head whose vocabulary rows are split over ``mesh``."""
@@ -228,7 +197,7 @@ class VocabParallelCrossEntropy:
     states by its rows of the head and keeps its logit columns; ``loss_parallel`` combines the
     ranks' log-sum-exps and target logits (a few numbers per token), never the logits.
 
-    Must run (forward and backward) inside ``TensorParallelStrategy.vocabulary_parallel_loss``.
+    Must run (forward and backward) inside ``TensorParallelSteps.vocabulary_parallel_loss``.
     """
 
     inner: TorchCrossEntropy

@@ -1,0 +1,64 @@
+"""Gradient clipping by the norm of the whole model's gradient, wherever its pieces live.
+
+torch's ``clip_grad_norm_`` takes the norm of the gradients it is given: under a mesh strategy those
+are DTensors on several meshes (tensor-parallel weights on ``(dp, tp)``, the rest on ``dp``; experts
+sharded over ``ep`` and then by FSDP over ``cp``, a mesh ``(cp, ep)`` against the root mesh's order,
+which DTensor's redistribution refuses), and under a pipeline each rank holds only its stages, so it
+would clip every stage by its own, larger scale. Here each rank sums its gradients' local squares
+per kind of shard (mesh and placements), over the mesh dimensions each kind is sharded on; the
+kinds add up, the stages add theirs over the pipeline group, and every rank scales by the one global
+norm as torch scales (``max_norm / (norm + 1e-6)``, only when below 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+
+@torch.no_grad()
+def clip_grad_norm_across_meshes(parameters: Iterable[Tensor], max_norm: float,
+                                 stage_group: ProcessGroup | None = None) -> Tensor:
+    """Clip the gradients by their global L2 norm over every mesh they are sharded on and, with
+    ``stage_group``, over the pipeline stages (every stage calls it, one without gradients too).
+    Returns that pre-clip norm (fp32, on the host)."""
+    kinds: dict[tuple, list[Tensor]] = {}  # one all-reduce per kind of shard, not per gradient
+    for p in parameters:
+        if p.grad is not None:
+            key = (p.grad.device_mesh, tuple(p.grad.placements)) if isinstance(p.grad, DTensor) else (None, ())
+            kinds.setdefault(key, []).append(p.grad)
+    squares = [_squared_norm(grads, mesh, placements).cpu() for (mesh, placements), grads in kinds.items()]
+    square = torch.stack(squares).sum() if squares else torch.zeros(())
+    if stage_group is not None:
+        device = next(iter(kinds.values()))[0].device if kinds else torch.device("cpu")
+        stages = square.to(device)
+        dist.all_reduce(stages, group=stage_group)
+        square = stages.cpu()
+    total = square.sqrt()
+    coef = max_norm / (float(total) + 1e-6)
+    if coef < 1.0:
+        for grads in kinds.values():
+            torch._foreach_mul_(grads, coef)
+    return total
+
+
+def _squared_norm(grads: list[Tensor], mesh: DeviceMesh | None, placements: tuple) -> Tensor:
+    """The squared norm of the whole gradients of which this rank holds pieces, the same on each holder.
+
+    DTensors sharded over some mesh dimensions (FSDP's shards, a tensor-parallel shard, an expert
+    shard) sum their local squares over those dimensions' groups; partial ones (unreduced sums) are
+    no sums of local squares and take DTensor's own norm."""
+    if mesh is not None and any(placement.is_partial() for placement in placements):
+        return torch.nn.utils.get_total_norm(grads).full_tensor().float().square()
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    square = torch.stack([t.detach().float().square().sum() for t in local]).sum()
+    for dim, placement in enumerate(placements):
+        if not placement.is_replicate():  # Shard, or FSDP's _StridedShard (which is_shard() does not count)
+            dist.all_reduce(square, group=mesh.get_group(dim))
+    return square
