@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 
@@ -26,9 +27,11 @@ from lit_ablate.callbacks.run_recorder import RunRecorder
 from lit_ablate.checkpoint_model import check_same_model, checkpoint_model_section
 from lit_ablate.command_table import SUMMARIES
 from lit_ablate.compatibility import check_cpu_ranks, check_parts
-from lit_ablate.preflight import check_ckpt_path, check_run_config
+from lit_ablate.preflight import check_ckpt_path, check_run_config, check_simulation
 from lit_ablate.run_config import RunConfig
+from lit_ablate.simulated_rank import SIMULATE_KEY, SIMULATE_RANK_KEY, SimulatedRank
 from lit_ablate.strategies.pipeline_parallel import PipelineParallelStrategy
+from lit_ablate.strategies.simulation import simulated_trainer_arguments, start_fake_process_group
 from lit_ablate.terminal import console_trainer_args, silence_noise
 
 SEED_LOGGER = "lightning.fabric.utilities.seed"
@@ -40,7 +43,14 @@ options only by their full name."""
 
 class LitAblateCLI(LightningCLI):
     """LightningCLI with lit-ablate's defaults: any LightningModule/DataModule by class_path,
-    a run record for every run, and the resolved config handed to it."""
+    a run record for every run, and the resolved config handed to it.
+
+    ``--simulate W [--simulate_rank R]`` (config keys ``simulate``, ``simulate_rank``): this one process
+    plays rank R of the configured mesh on W ranks over a fake process group (docs/simulation.md).
+    """
+
+    simulation: SimulatedRank | None = None
+    """The rank this run plays when ``simulate`` is set."""
 
     def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
         super().__init__(
@@ -69,6 +79,10 @@ class LitAblateCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(RunRecorder, "recorder")
+        parser.add_argument(f"--{SIMULATE_KEY}", type=int | None, default=None,
+                            help="play one rank of a job of this many ranks over a fake process group (one process; "
+                                 "docs/simulation.md)")
+        parser.add_argument(f"--{SIMULATE_RANK_KEY}", type=int, default=0, help="the rank --simulate plays")
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         """The trainer, printing and writing only what informs (``lit_ablate.terminal``).
@@ -82,6 +96,10 @@ class LitAblateCLI(LightningCLI):
         trainer_args = {**self._get(self.config_init, "trainer", default={}), **kwargs}
         configured = trainer_args.get("callbacks") or []
         callbacks = list(configured) if isinstance(configured, list) else [configured]
+        if self.simulation is not None:  # one rank of a larger job: no checkpoint, no validation
+            callbacks = [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
+            kwargs.update(simulated_trainer_arguments(self.simulation))
+            kwargs["plugins"] = [*_as_list(trainer_args.get("plugins")), *kwargs["plugins"]]
         if self.subcommand in ("validate", "test"):
             self.save_config_callback = None
             if trainer_args.get("logger") is None:
@@ -124,11 +142,19 @@ class LitAblateCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         """Refuse a run this machine cannot start (far more CPU ranks than cores) before any rank launches,
-        and values or paths that cannot run (``check_run_config``) before anything is built."""
+        and values or paths that cannot run (``check_run_config``) before anything is built. A simulated
+        rank (``check_simulation``) is one process: it joins its fake process group here, before Lightning
+        sets up, which then finds it and launches nothing."""
         if self.subcommand is not None:
-            run = RunConfig.of(self.config[self.subcommand])  # the parsed config, read once
-            check_cpu_ranks(run.trainer)
+            namespace = self.config[self.subcommand]
+            run = RunConfig.of(namespace)  # the parsed config, read once
+            check_simulation(self.subcommand, run, namespace.get("ckpt_path"))
+            if run.simulation is None:
+                check_cpu_ranks(run.trainer)
             check_run_config(self.subcommand, run)
+            if run.simulation is not None:
+                start_fake_process_group(run.simulation)
+                self.simulation = run.simulation
             if run.trainer.strategy.names_a_class:
                 self._strategy_as_section(run.trainer.strategy.section.class_path)
 
@@ -161,6 +187,10 @@ class LitAblateCLI(LightningCLI):
         for callback in self.trainer.callbacks:
             if isinstance(callback, RunRecorder):
                 callback.resolved_config = self.config_dump
+
+
+def _as_list(value: Any) -> list[Any]:
+    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def resolve_fit_config(args: list[str]) -> dict:

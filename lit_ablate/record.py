@@ -14,6 +14,9 @@ imports the other: both depend only on this module. A record is one JSON file pe
                       "fp8": "real" | "emulated" | null,  # which fp8 matmuls ran (lit_ablate.models.fp8.conversion)
                       "optimizer_implementation": "fused" | "foreach" | "for-loop" | null},  # torch's kernels
                                                 # for the update (lit_ablate.modules.optim); null: another library's
+      "simulated": null | {"world_size": 64, "rank": 0},  # one process played this rank of a larger job
+                                                # over a fake process group (docs/simulation.md): no loss and
+                                                # no job tokens/s; memory, step time and MFU are the rank's own
       "warmup_steps": 3,                        # steps excluded from the summary
       "resumed_from": null | {"checkpoint": "path", "step_offset": 3},  # a resumed fit: its steps are offset + 1, ...
       "steps_before_resume": null | [{"step": 1, "loss": ...}, ...],  # the losses the checkpoint carried (all ranks')

@@ -4,8 +4,8 @@ LightningCLI (jsonargparse) parses and types a ``fit`` config into ``class_path`
 sections. What the compatibility rules, ``lit-ablate fit``'s preflight, the estimator and the study
 planner then need to know about the run (its strategy and mesh sizes, the loss and its options,
 precision and dtype, fp8, quantisation, the collator and data format, devices and nodes, the
-model's section) is read from that dict here, into the values below, and nowhere else: no other
-module digs in the dict by dotted key or builds a strategy to learn a size.
+model's section, the simulated rank) is read from that dict here, into the values below, and nowhere
+else: no other module digs in the dict by dotted key or builds a strategy to learn a size.
 
 A config read here may be one ``lit-ablate fit`` resolved (every default filled in), a study
 variant's merged YAML before it is resolved, or a run record's: what it leaves out reads as the
@@ -27,6 +27,7 @@ from lit_ablate.class_paths import import_class
 from lit_ablate.config_keys import TRAINER_STRATEGY_KEY, get_dotted
 from lit_ablate.errors import ConfigError
 from lit_ablate.mesh_sizes import MESH_DIMS, MeshSizes
+from lit_ablate.simulated_rank import SIMULATE_KEY, SIMULATE_RANK_KEY, SimulatedRank
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import Strategy
@@ -259,6 +260,8 @@ class TrainerSettings:
     max_steps: Any = None
     default_root_dir: str | None = None
     strategy: StrategyChoice = field(default_factory=StrategyChoice)
+    callbacks: tuple[str, ...] = ()
+    """The ``class_path`` of each configured callback."""
 
     @classmethod
     def of(cls, trainer: Mapping[str, Any]) -> TrainerSettings:
@@ -272,6 +275,8 @@ class TrainerSettings:
             max_steps=trainer.get("max_steps"),
             default_root_dir=trainer.get("default_root_dir"),
             strategy=StrategyChoice(trainer.get("strategy") or "auto"),
+            callbacks=tuple(c["class_path"] for c in _as_list(trainer.get("callbacks"))
+                            if isinstance(c, Mapping) and isinstance(c.get("class_path"), str)),
         )
 
     @property
@@ -378,6 +383,16 @@ class ModelSettings:
         return ModelFactory(**self.factory)
 
 
+def _as_list(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, (list, tuple)) else [] if value is None else [value]
+
+
+def _simulation(tree: Mapping[str, Any]) -> SimulatedRank | None:
+    """``simulate`` (the job's world size) and ``simulate_rank``; None when the run is not simulated."""
+    world_size = tree.get(SIMULATE_KEY)
+    return None if world_size is None else SimulatedRank(world_size, tree.get(SIMULATE_RANK_KEY) or 0)
+
+
 def _options(section: Any, options_class: type) -> Any:
     if not isinstance(section, Mapping):
         return None
@@ -423,6 +438,8 @@ class RunConfig(Mapping[str, Any]):
     """LightningCLI's own ``optimizer:`` section, when the config has one."""
     record_path: str | None
     """``recorder.path``: where the run record goes."""
+    simulation: SimulatedRank | None = None
+    """``simulate`` / ``simulate_rank``: the one rank of a larger job this run plays (docs/simulation.md)."""
 
     @classmethod
     def of(cls, config: RunConfig | Mapping[str, Any]) -> RunConfig:
@@ -439,6 +456,7 @@ class RunConfig(Mapping[str, Any]):
             data=DataSettings.of(get_dotted(tree, "data")),
             optimizer=ClassChoice.of(get_dotted(tree, "optimizer")),
             record_path=get_dotted(tree, "recorder.path"),
+            simulation=_simulation(tree),
         )
 
     @property
@@ -455,6 +473,11 @@ class RunConfig(Mapping[str, Any]):
 
     def __len__(self) -> int:
         return len(self.resolved)
+
+    @property
+    def world_size(self) -> int:
+        """The job's ranks: the simulated job's under ``simulate``, else devices x nodes."""
+        return self.simulation.world_size if self.simulation else self.trainer.world_size
 
     @property
     def compute_dtype(self) -> str | None:

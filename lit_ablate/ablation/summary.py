@@ -151,9 +151,10 @@ def _estimate(record: Mapping[str, Any] | None, breakdowns: Sequence[Mapping[str
     if record is None:
         return {**none, "estimate_note": "no run config recorded"}
     world_size = (record.get("environment") or {}).get("world_size")
+    simulated = (record.get("simulated") or {}).get("rank")  # a simulated rank measured itself: its own estimate
     try:
         run = RunConfig.of(record["config"])  # the run's config, read once
-        estimate = estimate_for_config(run, world_size)
+        estimate = estimate_for_config(run, world_size, simulated)
         share = _token_share(run, world_size, tracked_tokens)
     except ConfigError as err:
         return {**none, "estimate_note": str(err)}

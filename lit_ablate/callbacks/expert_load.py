@@ -8,7 +8,7 @@ import warnings
 import torch
 from lightning.pytorch import LightningModule, Trainer
 
-from lit_ablate.callbacks.step_monitor import StepMonitor
+from lit_ablate.callbacks.step_monitor import StepMonitor, communicates
 from lit_ablate.models.moe.blocks import MoEBlock, moe_blocks
 
 
@@ -79,7 +79,7 @@ class ExpertLoadMonitor(StepMonitor):
             self._publish(step, raw, log=True)
 
     def finalize(self, trainer: Trainer) -> None:
-        if trainer.world_size == 1 or not self._raw:
+        if not communicates(trainer) or not self._raw:
             return
         steps, layers = sorted(self._raw), list(self._raw[min(self._raw)])
         local = torch.tensor([[self._raw[s][layer] for layer in layers] for s in steps], dtype=torch.float64,

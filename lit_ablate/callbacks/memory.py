@@ -11,7 +11,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed._tools.common_utils import get_untyped_storages
 
-from lit_ablate.callbacks.step_monitor import StepMonitor, step_clock
+from lit_ablate.callbacks.step_monitor import StepMonitor, gathered_ranks, step_clock
 from lit_ablate.callbacks.tensor_categories import CATEGORIES, TensorCategoryTracker, optimizer_states
 from lit_ablate.errors import ConfigError
 
@@ -98,7 +98,8 @@ class MemoryMonitor(StepMonitor):
     Every rank measures its own peaks; at the end of training ``memory_peak_bytes`` and
     ``tensor_peak_bytes`` become the largest over the ranks (the rank that runs out first decides
     whether a run fits), ``..._per_rank`` keep each rank's value in rank order, and
-    ``tensor_breakdown`` is the categories of the rank with the largest tensor peak.
+    ``tensor_breakdown`` is the categories of the rank with the largest tensor peak. A simulated rank
+    (``lit_ablate.simulated_rank``) has only its own values, and its breakdown names it.
 
     Args:
         warmup_steps: as ``StepMonitor``; the tracked steps are its last ones.
@@ -249,6 +250,7 @@ class MemoryMonitor(StepMonitor):
                                                               for c in self._categories)]
         gathered = self.gather_over_ranks(trainer, names)
         allocator = self.series.get("tensor_peak_bytes_per_rank", {})
+        ranks = gathered_ranks(trainer)
         breakdowns = {}
         for step, peaks in gathered["_tracked_peak"].items():
             rank = max(range(len(peaks)), key=peaks.__getitem__)
@@ -256,7 +258,7 @@ class MemoryMonitor(StepMonitor):
             if self.tensor_method == "cuda_max_allocated" and step in allocator:
                 at_peak["untracked"] = max(0, allocator[step][rank] - int(peaks[rank]))
             breakdowns[step] = {
-                "method": self.tensor_method, "rank": rank, "at_peak": at_peak,
+                "method": self.tensor_method, "rank": ranks[rank], "at_peak": at_peak,
                 "max": {c: int(gathered[f"_max_{c}"][step][rank]) for c in self._categories},
                 "forward_backward_max": int(gathered["_forward_backward_max"][step][rank]),
             }

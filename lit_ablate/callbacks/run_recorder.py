@@ -23,6 +23,7 @@ from lit_ablate.callbacks.mfu import MFUMonitor
 from lit_ablate.callbacks.record_section import RecordSection
 from lit_ablate.callbacks.step_monitor import DEFAULT_WARMUP_STEPS, StepMonitor
 from lit_ablate.models.losses import triton_interpreter
+from lit_ablate.simulated_rank import SimulatedRank, current_simulation
 from lit_ablate.strategies.interface import interface_of
 
 
@@ -60,6 +61,11 @@ _DEVICE_ERRORS = tuple(e for e in (getattr(torch, "AcceleratorError", None),) if
 """A failed device (torch >= 2.8 raises CUDA errors as ``AcceleratorError``) answers no more events:
 the steps whose time was still on it are left out of the record of such a failure."""
 
+NOT_SIMULATED = ("loss", "tokens_per_sec", "useful_tokens_per_sec")
+"""Series a simulated rank does not record: the loss (collectives moved no data, so its numbers are no
+model's) and the job's tokens/s (no other rank's tokens were counted). Per-device throughput, step time,
+MFU and memory are this rank's own and are recorded."""
+
 LOSS_CHECKPOINT_KEY = "lit_ablate_loss_by_step"
 """Where a checkpoint carries the loss of every step before it (``RunRecorder.on_save_checkpoint``)."""
 
@@ -81,6 +87,9 @@ class RunRecorder(StepMonitor):
     ``steps_before_resume``, so a killed run resumed elsewhere (a requeued SLURM job) still has
     its whole loss curve for the study to stitch.
 
+    A simulated rank (``lit-ablate fit --simulate``) writes its own record, says so under ``simulated``
+    (the job's world size and the rank it played) and leaves out what it cannot measure (``NOT_SIMULATED``).
+
     Args:
         path: where to write; default ``$LIT_ABLATE_RUN_RECORD``, else ``<log_dir>/run.json``.
         variant: the study variant name; default ``$LIT_ABLATE_VARIANT``.
@@ -99,6 +108,7 @@ class RunRecorder(StepMonitor):
         self._started = 0.0
         self._resumed_from: dict[str, Any] | None = None
         self._loss_before_resume: dict[int, float | None] = {}
+        self._simulated: SimulatedRank | None = None
 
     def _target(self, trainer: Trainer) -> Path:
         path = self.path or os.environ.get(run_record.RECORD_PATH_ENV)
@@ -144,6 +154,7 @@ class RunRecorder(StepMonitor):
         self._started = time.time()
         self.record_path = self._target(trainer)
         self._env = environment(trainer)
+        self._simulated = current_simulation()
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
@@ -173,6 +184,8 @@ class RunRecorder(StepMonitor):
         for callback in trainer.callbacks:
             if isinstance(callback, StepMonitor):
                 series.update({k: v for k, v in callback.series.items() if not k.startswith("_")})
+        if self._simulated is not None:
+            series = {name: values for name, values in series.items() if name not in NOT_SIMULATED}
         steps = sorted({s for values in series.values() for s in values})
         return [{"step": s, **{name: values.get(s) for name, values in series.items()}} for s in steps]
 
@@ -183,7 +196,7 @@ class RunRecorder(StepMonitor):
         return [*module, *interface_of(trainer.strategy).fallbacks, *(memory.fallbacks if memory else [])]
 
     def _write(self, trainer: Trainer, pl_module: LightningModule, status: str, message: str | None) -> None:
-        if not trainer.is_global_zero or self.record_path is None:
+        if not (trainer.is_global_zero or self._simulated) or self.record_path is None:
             return
         steps = self._steps(trainer)
         memory = next((c for c in trainer.callbacks if isinstance(c, MemoryMonitor)), None)
@@ -199,6 +212,7 @@ class RunRecorder(StepMonitor):
             "seed": (self.resolved_config or {}).get("seed_everything"),
             "config": self.resolved_config or {"model": dict(pl_module.hparams)},
             "environment": self._env,
+            "simulated": self._simulated.section if self._simulated else None,
             "model": asdict(counts) if counts is not None else None,
             "warmup_steps": self.warmup_steps,
             "fallbacks": self._fallbacks(trainer, pl_module, memory),

@@ -22,6 +22,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
+from lit_ablate.simulated_rank import current_simulation
 from lit_ablate.strategies.interface import interface_of
 
 DEFAULT_WARMUP_STEPS = 3
@@ -379,13 +380,13 @@ class StepMonitor(Callback):
     def reduce_over_ranks(self, trainer: Trainer, names: list[str]) -> dict[str, dict[int, float]]:
         """Sum each named series over all ranks, in one collective on a stacked tensor."""
         steps, local = self._stacked(trainer, names)
-        summed = trainer.strategy.reduce(local, reduce_op="sum") if trainer.world_size > 1 else local
+        summed = trainer.strategy.reduce(local, reduce_op="sum") if communicates(trainer) else local
         return {n: {s: float(summed[i, j]) for i, s in enumerate(steps)} for j, n in enumerate(names)}
 
     def gather_over_ranks(self, trainer: Trainer, names: list[str]) -> dict[str, dict[int, list[float]]]:
-        """Each named series from every rank (a list in rank order per step), in one collective."""
+        """Each named series from every rank (a list in rank order per step: ``gathered_ranks``), in one collective."""
         steps, local = self._stacked(trainer, names)
-        gathered = _all_gather(local) if trainer.world_size > 1 else local.unsqueeze(0)
+        gathered = _all_gather(local) if communicates(trainer) else local.unsqueeze(0)
         return {n: {s: [float(v) for v in gathered[:, i, j]] for i, s in enumerate(steps)} for j, n in enumerate(names)}
 
     def _stacked(self, trainer: Trainer, names: list[str]) -> tuple[list[int], torch.Tensor]:
@@ -393,6 +394,17 @@ class StepMonitor(Callback):
         local = torch.tensor([[self.series[n].get(s) or 0.0 for n in names] for s in steps],
                              dtype=torch.float64, device=trainer.strategy.root_device).reshape(len(steps), len(names))
         return steps, local
+
+
+def communicates(trainer: Trainer) -> bool:
+    """Whether a measurement's collective reaches other ranks: more than one, and none imaginary (a
+    simulated rank's fake collectives would hand back its own values as every rank's: it reports its own)."""
+    return trainer.world_size > 1 and current_simulation() is None
+
+
+def gathered_ranks(trainer: Trainer) -> list[int]:
+    """The global ranks whose values ``gather_over_ranks`` returns, in its order."""
+    return list(range(trainer.world_size)) if communicates(trainer) else [trainer.global_rank]
 
 
 def _all_gather(tensor: torch.Tensor) -> torch.Tensor:

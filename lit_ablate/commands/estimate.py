@@ -1,10 +1,14 @@
-"""``lit-ablate estimate``: parameters and per-rank memory of a fit config under each sharding, before running it."""
+"""``lit-ablate estimate``: parameters and per-rank memory of a fit config under each sharding, before running it;
+with ``--measure``, one rank of the configured mesh run as a simulated process beside its estimate."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+import tempfile
 from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Any
 
 from lit_ablate.estimate.from_config import (
@@ -25,11 +29,14 @@ from lit_ablate.run_config import RunConfig
 
 
 def estimate_main(argv: list[str]) -> int:
-    """``lit-ablate estimate --config FIT.yaml [--gpu_memory_gib 80] [--json] [--dotted.key value ...]``.
+    """``lit-ablate estimate --config FIT.yaml [--gpu_memory_gib 80] [--json] [--measure] [--dotted.key value ...]``.
 
     Prints the per-rank breakdown at the config's world size under its own strategy and each of
     ``SHARDINGS``, and the smallest number of GPUs of the given size that fits each; ``--json``
     prints the same numbers (exact counts and bytes) as one JSON object instead of the table.
+    ``--measure`` also runs rank ``--simulate_rank`` of the configured mesh at that world size as one
+    process over a fake process group (``lit-ablate fit --simulate``, a few steps) and puts its measured
+    memory beside that rank's estimate, per category, judged by the rule every study report uses.
     """
     import argparse
 
@@ -46,6 +53,10 @@ def estimate_main(argv: list[str]) -> int:
     parser.add_argument("--world_size", type=int, help="ranks for the breakdown (default: devices x num_nodes)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, help="default: the config's (CausalLM: adamw)")
     parser.add_argument("--json", action="store_true", help="print the numbers as JSON (bytes, exact counts)")
+    parser.add_argument("--measure", action="store_true",
+                        help="also run one rank of the configured mesh as a simulated process (fake process group, "
+                             f"{MEASURE_STEPS} steps) and show its measured memory beside its estimate (docs/simulation.md)")
+    parser.add_argument("--simulate_rank", type=int, default=0, help="the rank --measure runs")
     args, overrides = parser.parse_known_args(argv)
     from lit_ablate.fit_cli import resolve_fit_config
 
@@ -82,10 +93,19 @@ def estimate_main(argv: list[str]) -> int:
             here = at(kind, world)
             fewest = smallest_world_size(lambda n, kind=kind: (e := at(kind, n)) is not None and e.total <= budget, args.max_gpus)
             rows.append((kind, here, fewest))
+        if args.measure:
+            _check_measure_arguments(world, args.simulate_rank)
     except ConfigError as err:
         print(f"lit-ablate estimate: error: {err}", file=sys.stderr)
         return 2
     summary = _estimate_summary(config, counts, shape, training, world, rows, args)
+    if args.measure:
+        with tempfile.TemporaryDirectory(prefix="lit-ablate-measure-") as folder:
+            record, failure = simulated_record(args.config, overrides, config, world, args.simulate_rank, Path(folder))
+        if record is None:
+            print(f"lit-ablate estimate: the simulated rank failed:\n{failure}", file=sys.stderr)
+            return 1
+        summary["measured"] = measured_beside_estimate(config, record, world, args.simulate_rank)
     print(json.dumps(summary, indent=1) if args.json else _estimate_table(summary))
     return 0
 
@@ -103,6 +123,60 @@ def _check_estimate_arguments(args: Any) -> None:
         raise ConfigError("--gpu_memory_gib", args.gpu_memory_gib, "give one GPU's memory in GiB, e.g. 80")
     if not 0 < args.usable_fraction <= 1:
         raise ConfigError("--usable_fraction", args.usable_fraction, "give a share in (0, 1], e.g. 0.9")
+
+
+MEASURE_STEPS = 3
+"""Steps of ``--measure``'s simulated run: the first primes the tensor tracker, the second is tracked (its
+categories are measured), the third is timed without the tracker."""
+
+
+def _check_measure_arguments(world: int, rank: int) -> None:
+    from lit_ablate.errors import ConfigError
+
+    if world < 2:
+        raise ConfigError("--world_size", world, "--measure runs one rank of several: give --world_size 2 or more")
+    if not 0 <= rank < world:
+        raise ConfigError("--simulate_rank", rank, f"give a rank from 0 to {world - 1}")
+
+
+def simulated_record(config_path: str, overrides: list[str], config: RunConfig, world: int, rank: int,
+                     folder: Path) -> tuple[dict[str, Any] | None, str | None]:  # fmt: skip
+    """Run ``lit-ablate fit`` on the config as rank ``rank`` of ``world`` simulated ranks, in a process of its
+    own (its fake process group and its memory are its own), for ``MEASURE_STEPS`` steps with the tensor
+    tracker on the second (a ``MemoryMonitor`` is added when the config has none); ``(its run record,
+    None)``, or ``(None, its stderr's tail)`` when it failed."""
+    from lit_ablate.record import read_record
+    from lit_ablate.simulated_rank import SIMULATE_KEY, SIMULATE_RANK_KEY
+
+    record_path = folder / "run.json"
+    tracked = any(path.endswith("MemoryMonitor") for path in config.trainer.callbacks)
+    command = [sys.executable, "-m", "lit_ablate.cli", "fit", "--config", config_path, *overrides,
+               f"--{SIMULATE_KEY}", str(world), f"--{SIMULATE_RANK_KEY}", str(rank),
+               "--trainer.max_steps", str(MEASURE_STEPS), "--recorder.warmup_steps", str(MEASURE_STEPS - 1),
+               "--recorder.path", str(record_path), "--trainer.default_root_dir", str(folder), "--trainer.logger", "false",
+               *([] if tracked else ["--trainer.callbacks+=lit_ablate.callbacks.MemoryMonitor"])]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0 or not record_path.is_file():
+        return None, "\n".join(done.stderr.strip().splitlines()[-20:])
+    return read_record(record_path), None
+
+
+def measured_beside_estimate(config: RunConfig, record: dict[str, Any], world: int, rank: int) -> dict[str, Any]:
+    """The simulated rank's tracked categories beside its own estimate (``estimate_for_config``: under
+    pipeline parallelism its stage's), each judged by ``compare_with_measured``, and its step time and MFU
+    (compute alone: the fake collectives move no data)."""
+    from lit_ablate.estimate.agreement import AGREEMENT_FACTORS, compare_with_measured
+    from lit_ablate.estimate.from_config import estimate_for_config
+
+    summary = record["summary"]
+    breakdown = summary.get("tensor_breakdown")
+    median = lambda key: (summary.get(key) or {}).get("median")  # noqa: E731
+    out = {"world_size": world, "rank": rank, "device": record["environment"].get("device_name"),
+           "step_time_s": median("step_time_s"), "mfu": median("mfu"), "mfu_measured": median("mfu_measured"),
+           "peak_tensor_bytes": summary.get("peak_tensor_bytes"), "factors": AGREEMENT_FACTORS, "categories": None}
+    if breakdown:
+        out["categories"] = compare_with_measured(estimate_for_config(config, world, rank), breakdown)
+    return out
 
 
 MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "transient", "reference", "total")
@@ -159,7 +233,29 @@ def _estimate_table(summary: dict[str, Any]) -> str:
     lines += ["", "Activations are per rank and not divided by data parallelism: lower the micro-batch or "
               "checkpoint activations when they dominate. 'none': replicated state (or HSDP's node-sized "
               "shards) plus activations exceed a GPU at any count."]  # fmt: skip
+    if "measured" in summary:
+        lines += ["", *_measured_table(summary["measured"], unit, scale)]
     return "\n".join(lines)
+
+
+def _measured_table(measured: dict[str, Any], unit: str, scale: int) -> list[str]:
+    """``--measure``'s rows: each category's estimate and measurement on the simulated rank, their ratio and
+    whether they agree by the study reports' rule."""
+    head = (f"Rank {measured['rank']} of {measured['world_size']}, simulated (one process, fake process group: no "
+            f"communication, no numerics; docs/simulation.md) on {measured['device']}, {unit}")
+    if measured["step_time_s"] is not None:
+        mfu = measured["mfu"] if measured["mfu"] is not None else measured["mfu_measured"]
+        head += f"; step compute {measured['step_time_s']:.3g} s" + (f", MFU {mfu:.1%}" if mfu is not None else "")
+    categories = measured["categories"]
+    if categories is None:
+        return [head + ".", "", "No tensor categories were tracked (its MemoryMonitor tracked no step)."]
+    lines = [head + ".", "", "| category | estimated | measured | estimate / measured | agrees (within) |", "|---|---|---|---|---|"]
+    for category, row in categories.items():
+        ratio = f"{row['ratio']:.2f}" if row["ratio"] is not None else "—"
+        verdict = ("yes" if row["agrees"] else "NO") + f" (×{measured['factors'][category]:g})"
+        lines.append(f"| {category} | {_memory_cell(row['estimated'], scale)} | {_memory_cell(row['measured'], scale)} "
+                     f"| {ratio} | {verdict} |")
+    return lines
 
 
 def _memory_cell(num_bytes: int, scale: int) -> str:

@@ -17,7 +17,7 @@ from lit_ablate.estimate.flops import (
     flops_per_token,
     meta_model,
 )
-from lit_ablate.estimate.memory import estimate_memory
+from lit_ablate.estimate.memory import estimate_memory, pipeline_stage_estimates
 from lit_ablate.estimate.pipeline import pipeline_time_share
 from lit_ablate.estimate.shapes import MemoryEstimate, ModelShape, TrainingShape, model_shape
 from lit_ablate.run_config import RunConfig
@@ -131,14 +131,14 @@ def context_parallel_of(config: Config, world_size: int | None = None) -> tuple[
     sizes = strategy.requested_mesh_sizes
     if sizes is None or sizes.cp == 1:
         return 1, "ring"
-    return sizes.resolved(world_size or run.trainer.world_size).cp, strategy.option("cp_impl", "ring")
+    return sizes.resolved(world_size or run.world_size).cp, strategy.option("cp_impl", "ring")
 
 
 def tensor_parallel_of(config: Config, world_size: int | None = None) -> tuple[int, bool]:
     """``(tp ranks, sequence_parallel)`` of the config's strategy on ``world_size`` ranks (default:
     the config's; ``(1, False)`` for a strategy without tensor parallelism)."""
     run = RunConfig.of(config)
-    tp = run.trainer.strategy.mesh_size("tp", world_size or run.trainer.world_size)
+    tp = run.trainer.strategy.mesh_size("tp", world_size or run.world_size)
     return tp, bool(run.trainer.strategy.option("sequence_parallel", False)) and tp > 1
 
 
@@ -157,7 +157,7 @@ def pipeline_of(config: Config, world_size: int | None = None) -> dict[str, Any]
         raise ConfigError("trainer.strategy.init_args.reshard_after_forward", True,
                           "the estimate models FSDP stages that keep their layers gathered through the step (measured "
                           "agreement); with resharding per micro-batch it does not (estimate reshard_after_forward: false)")
-    pp = sizes.resolved(world_size or run.trainer.world_size).pp  # -1: the ranks the other sizes leave
+    pp = sizes.resolved(world_size or run.world_size).pp  # -1: the ranks the other sizes leave
     points = strategy.option("split_points")
     return {"pipeline_parallel": pp, "pipeline_schedule": strategy.option("schedule"),
             "pipeline_stages_per_rank": strategy.option("stages_per_rank"), "microbatches": strategy.option("microbatches"),
@@ -165,8 +165,9 @@ def pipeline_of(config: Config, world_size: int | None = None) -> dict[str, Any]
 
 
 def world_size_of(config: Config) -> int:
-    """Ranks of a resolved ``fit`` config: devices (an int or a list; "auto" counts as 1) x nodes."""
-    return RunConfig.of(config).trainer.world_size
+    """Ranks of a resolved ``fit`` config: devices (an int or a list; "auto" counts as 1) x nodes, or the
+    simulated job's (``simulate``)."""
+    return RunConfig.of(config).world_size
 
 
 def configured_sharding(config: Config, world_size: int) -> StateSharding:
@@ -197,13 +198,19 @@ def model_of(config: Config) -> tuple[ParameterCounts, ModelShape]:
     return count_parameters(lm, hf_config, factory.quantization), model_shape(hf_config)
 
 
-def estimate_for_config(config: Config, world_size: int | None = None) -> MemoryEstimate:
-    """Per-rank memory of a resolved ``fit`` config under its own strategy (what the report shows)."""
+def estimate_for_config(config: Config, world_size: int | None = None, rank: int | None = None) -> MemoryEstimate:
+    """Per-rank memory of a resolved ``fit`` config under its own strategy (what the report shows): the
+    largest rank's, or with ``rank`` that rank's (under pipeline parallelism its stage's; ``pp`` is the
+    outermost mesh dimension, so rank ``r`` holds stage ``r // (world_size / pp)``)."""
     run = RunConfig.of(config)
-    world_size = world_size or run.trainer.world_size
+    world_size = world_size or run.world_size
     training = training_shape_of(run, world_size=world_size)
     counts, shape = model_of(run)
-    return estimate_memory(counts, shape, training, configured_sharding(run, world_size), world_size)
+    sharding = configured_sharding(run, world_size)
+    if rank is not None and training.pipeline_parallel > 1:
+        stages = pipeline_stage_estimates(counts, shape, training, sharding)
+        return stages[rank // (world_size // training.pipeline_parallel)]
+    return estimate_memory(counts, shape, training, sharding, world_size)
 
 
 def predicted_step_seconds(config: Config, ceiling_tflops: float, world_size: int | None = None) -> float:
@@ -221,7 +228,7 @@ def predicted_step_seconds(config: Config, ceiling_tflops: float, world_size: in
     module = run.model.module.class_path
     if not module.endswith("CausalLM"):
         raise ConfigError("model.class_path", module, "step time is predicted for CausalLM runs only")
-    world_size = world_size or run.trainer.world_size
+    world_size = world_size or run.world_size
     training = training_shape_of(run, world_size=world_size)
     counts, shape = model_of(run)
     hf_config = run.model.build_factory().hf_config()

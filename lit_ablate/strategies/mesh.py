@@ -47,8 +47,10 @@ from torch.optim import Optimizer
 from lit_ablate.errors import ConfigError
 from lit_ablate.mesh_sizes import MESH_DIMS, STRATEGY_KEY, MeshSizes
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
+from lit_ablate.simulated_rank import current_simulation
 from lit_ablate.strategies.gradient_clipping import clip_grad_norm_across_meshes
 from lit_ablate.strategies.interface import StrategyInterface
+from lit_ablate.strategies.simulation import fill_shards
 
 DATA_PARALLEL_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "ep")
 """Ranks that differ in these dimensions read different batches."""
@@ -235,15 +237,29 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
         self.lightning_module._device_mesh = self.device_mesh
 
     def model_sharded_context(self):
-        """Where ``configure_model`` runs: on ranks other than 0 the model is built on ``meta``."""
-        if self.world_size > 1 and self.global_rank != 0:
+        """Where ``configure_model`` runs: on ranks other than 0 the model is built on ``meta``, and on a
+        simulated rank (``lit_ablate.strategies.simulation``), which has no rank 0 to receive from."""
+        if self.world_size > 1 and (self.global_rank != 0 or self.simulated):
             return torch.device("meta")
         return super().model_sharded_context()
+
+    @property
+    def simulated(self) -> bool:
+        """Whether this process plays one rank of a larger job over a fake process group: it draws its own
+        shards (``fill_shards``) and is its own source of every broadcast object."""
+        return current_simulation() is not None
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Lightning's object broadcast; a simulated rank's own object (a fake receive would read the length
+        of an object no rank sent)."""
+        return obj if self.simulated else super().broadcast(obj, src)
 
     def setup(self, trainer: Trainer) -> None:
         for model in self.parallel_targets():
             if not getattr(model, "parallelized_by", None):
                 self.parallelize(model)
+                if self.simulated:  # nothing came from rank 0: this rank draws its shards
+                    fill_shards(model, self._mesh_device())
         super().setup(trainer)
         self.precision_plugin.clip_grad_by_norm = self.clip_gradients_by_norm  # gradient_clip_val by norm
 
@@ -343,7 +359,7 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
         device = self._mesh_device()
         if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
             model.to_empty(device=device)
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
+        if not (dist.is_initialized() and dist.get_world_size() > 1) or self.simulated:
             return
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,

@@ -15,6 +15,10 @@ dispatcher they were given.
   rank's tokens, runs its local experts on all of them, and an all-reduce sums the partial
   outputs. It moves ``ep`` times more data; it exists so the two can be ablated.
 
+Under a simulated rank (``lit_ablate.simulated_rank``: a fake process group, collectives move nothing)
+the buffers whose contents set a size start as this rank's own counts and choices, so routing is
+balanced: each rank receives as many token copies per expert as it sends.
+
 Collectives come from ``torch.distributed._functional_collectives`` (autograd-aware, uneven
 splits, gloo and NCCL). Each autograd collective's backward depends on the previous one's
 result, and the all-reduce dispatcher gathers tokens and routing weights as *one* stacked
@@ -101,8 +105,10 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
 
     def __call__(self, x: Tensor, routing: Routing, experts: Experts) -> Tensor:
         tokens, order = sort_by_expert(x, routing)
-        # received[src * E_local + j]: copies that rank src sends to this rank's j-th expert.
-        received = torch.empty_like(routing.counts)
+        # received[src * E_local + j]: copies that rank src sends to this rank's j-th expert. The buffer starts
+        # as this rank's own counts, which the exchange overwrites: a simulated rank's fake exchange leaves
+        # them (balanced routing: a rank receives as many copies per expert as it sends).
+        received = routing.counts.clone()
         dist.all_to_all_single(received, routing.counts, group=self.group)
         send_splits = routing.counts.view(self.size, self.num_local).sum(dim=1).tolist()
         received = received.view(self.size, self.num_local)
@@ -140,7 +146,9 @@ class AllReduceDispatcher(ExpertParallelDispatcher):
         payload = torch.cat([x, routing.weights.to(x.dtype)], dim=1)
         gathered = all_to_all(payload.repeat(self.size, 1), sizes, [num_tokens] * self.size, self.group)
         all_x, all_weights = gathered.split([x.shape[1], top_k], dim=1)
-        all_indices = torch.empty(sum(sizes), top_k, dtype=routing.indices.dtype, device=x.device)
+        # Every rank's choices arrive here; the buffer starts as this rank's own, repeated (what a simulated
+        # rank's fake exchange leaves: valid expert ids, balanced routing), and the exchange overwrites it.
+        all_indices = routing.indices.repeat(-(-sum(sizes) // max(num_tokens, 1)), 1)[: sum(sizes)].contiguous()
         dist.all_to_all_single(all_indices, routing.indices.repeat(self.size, 1), sizes, [num_tokens] * self.size,
                                group=self.group)
 
