@@ -1,9 +1,12 @@
 """Research code: change one step of a strategy's parallelism pipeline by subclassing it.
 
-Every mesh strategy applies parallelism in one order, one method per step: ``apply_tp`` ->
-``apply_ep`` -> ``apply_cp`` -> ``apply_activation_checkpointing`` -> ``apply_compile`` ->
-``apply_fsdp``. To try an idea, subclass the strategy and override the one step it changes;
-the mesh, the sampler, initialisation, checkpoints and every other step stay as they are.
+Every mesh strategy applies parallelism in one ordered list of steps, one method each
+(``MeshStrategy.apply_steps``): ``apply_tp`` -> ``apply_ep`` -> ``apply_cp`` ->
+``apply_activation_checkpointing`` -> ``apply_compile`` -> ``apply_expert_fsdp`` -> ``apply_fsdp``,
+each dimension's step run when its size is above 1 (checkpointing and compile read their own
+options, so a step of yours runs whatever they say). To try an idea, subclass the strategy and
+override the one step it changes; the mesh, the sampler, initialisation, checkpoints and every
+other step stay as they are.
 
 The idea here: checkpoint only the feed-forward block of each decoder layer. Its activations
 (3-4x the hidden size) are most of a layer's activation memory, while recomputing it costs no
