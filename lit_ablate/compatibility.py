@@ -25,6 +25,7 @@ import torch
 
 from lit_ablate.config_keys import NOT_GIVEN, TRAINER_STRATEGY_KEY, PairedKey, ignored_key
 from lit_ablate.errors import ConfigError, Refusal
+from lit_ablate.extras import not_installed
 from lit_ablate.models.adapters.quantization import OPTIONS_KEY as QUANTIZATION_KEY
 from lit_ablate.models.adapters.quantization import QuantizationOptions
 from lit_ablate.models.fp8.conversion import OPTIONS_KEY as FP8_KEY
@@ -266,8 +267,9 @@ def preference_parts_fit(run: RunConfig, launch: LaunchLike) -> Refusal | None:
 
 @rule
 def fp8_runs_here(run: RunConfig, launch: LaunchLike) -> Refusal | None:
-    """fp8 with ``emulate: false`` needs fp8 kernels on this device; fp8 all-gather needs FSDP2; tensor
-    parallelism takes ``tensorwise`` only: ``resolve_emulation``, ``fp8_refusal``, ``fp8_tensor_parallel_refusal``."""
+    """fp8 needs torchao (the ``fp8`` extra); ``emulate: false`` needs fp8 kernels on this device; fp8
+    all-gather needs FSDP2; tensor parallelism takes ``tensorwise`` only: ``resolve_emulation``,
+    ``fp8_refusal``, ``fp8_tensor_parallel_refusal``."""
     return _fp8_refusal(run, launch, judge_gpu=True)
 
 
@@ -285,6 +287,9 @@ def _fp8_refusal(run: RunConfig, launch: LaunchLike, judge_gpu: bool) -> Refusal
     options = run.model.fp8
     if options is None:
         return None
+    missing = not_installed("torchao", "fp8 training (torchao float8)") if judge_gpu else None
+    if missing:  # this machine's package; a cluster's nodes have their own
+        return Refusal(FP8_KEY, run.model.fp8_section, missing)
     on_gpu = _on_gpu(run, launch)
     if judge_gpu or not on_gpu:
         refusal = _refusal(resolve_emulation, options, torch.device("cuda" if on_gpu else "cpu"))

@@ -132,5 +132,6 @@ def test_bad_configs_are_one_line_naming_the_key(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"source\.init_args\.tokens_dtype='float32'"):
         MDSShards(str(FIXTURES / "plain"), tokens_field="tokens", tokens_dtype="float32")
     monkeypatch.setitem(sys.modules, "zstandard", None)  # the mds extra not installed
-    with pytest.raises(ConfigError, match=r"zstd-compressed: pip install 'lit-ablate\[mds\]'"):
+    with pytest.raises(ConfigError, match=r"zstd-compressed shards needs zstandard, which is not installed here: "
+                                          r"pip install 'lit-ablate\[mds\]'"):
         MDSShards(str(FIXTURES / "zstd"))

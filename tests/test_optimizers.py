@@ -136,7 +136,8 @@ def test_what_runs_is_not_refused(name, strategy):
 def test_a_missing_library_is_refused_before_the_model_is_built(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
-    with pytest.raises(ConfigError, match=r"model\.init_args\.optimizer='torchao_adamw8bit': torchao is not installed"):
+    with pytest.raises(ConfigError, match=r"optimizer='torchao_adamw8bit': the torchao_adamw8bit optimizer needs torchao, "
+                                          r"which is not installed here: pip install 'lit-ablate\[optim8bit\]'"):
         CausalLM(ModelFactory(preset="tiny-llama"), optimizer="torchao_adamw8bit")
 
 

@@ -58,6 +58,7 @@ from lit_ablate.ablation.run_folder import (
 from lit_ablate.ablation.run_folder_lock import run_lock
 from lit_ablate.ablation.slurm_settings import SlurmSettings
 from lit_ablate.errors import ConfigError
+from lit_ablate.extras import require
 
 JOB_FILENAME = "job.json"
 SUBMITIT_DIRNAME = "submitit"
@@ -403,8 +404,12 @@ def _rank_tails(run: PlannedRun) -> str:
 
 
 def _submitit() -> Any:
-    try:
-        import submitit
-    except ImportError as err:
-        raise ConfigError("launch.executor", "slurm", "needs submitit: pip install 'lit-ablate[slurm]'") from err
+    require_submitit()
+    import submitit
+
     return submitit
+
+
+def require_submitit() -> None:
+    """``launch.executor: slurm`` submits through submitit (the ``slurm`` extra); checked before the study starts."""
+    require("submitit", "launch.executor", "slurm", "a study on SLURM")

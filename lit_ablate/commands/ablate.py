@@ -25,6 +25,7 @@ from lit_ablate.ablation.plan import PlannedRun, Resolver, describe, plan_study
 from lit_ablate.ablation.report import PLAN_FILENAME, write_report
 from lit_ablate.ablation.run_folder import is_kept, previous_record
 from lit_ablate.ablation.runner import run_runs
+from lit_ablate.ablation.slurm import require_submitit
 from lit_ablate.ablation.spec import StudySpec, load_study
 from lit_ablate.ablation.terminal_summary import terminal_summary
 from lit_ablate.config_keys import NOT_GIVEN, PairedKey, ignored_key
@@ -53,6 +54,8 @@ def run_study(
     ``KeyboardInterrupt`` propagates. ``fit_command`` and ``resolve`` default to the real CLI.
     """
     runs = check_every_variant_resolves(plan_study(spec, output_dir, resolve))
+    if any(run.launch.executor == "slurm" for run in runs):
+        require_submitit()
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / PLAN_FILENAME).write_text(json.dumps(spec.plan(), indent=1) + "\n")
     try:

@@ -29,6 +29,7 @@ from lit_ablate.data.formats import TOKENS_FIELD
 from lit_ablate.data.sources import DataSource, Row
 from lit_ablate.data.stream_parts import Position
 from lit_ablate.errors import ConfigError
+from lit_ablate.extras import require
 
 _KEY = "data.init_args.source.init_args"
 _SCALARS = {name: np.dtype(name) for name in (
@@ -199,9 +200,7 @@ def _decode_ndarray(encoding: str, data: bytes) -> np.ndarray:
 
 
 def _zstd_decompressor() -> Callable[[bytes], bytes]:
-    try:
-        import zstandard
-    except ImportError:
-        raise ConfigError(f"{_KEY}.path", "zstd", "the shards are zstd-compressed: pip install 'lit-ablate[mds]' "
-                          "(zstandard)") from None
+    require("zstandard", f"{_KEY}.path", "zstd", "reading zstd-compressed shards")
+    import zstandard
+
     return zstandard.ZstdDecompressor().decompress

@@ -16,7 +16,6 @@ the parameters rule it out or ``optimizer_options`` choose; the run record names
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from lit_ablate.class_paths import import_class
 from lit_ablate.errors import ConfigError
+from lit_ablate.extras import installed, not_installed
 
 OPTIMIZER_KEY = "model.init_args.optimizer"
 OPTIMIZERS: dict[str, str] = {
@@ -59,8 +59,9 @@ def optimizer_refusal(name: str, strategy: Strategy | type | None = None, device
     if name not in OPTIMIZERS:
         return f"choose one of {list(OPTIMIZERS)}"
     library = OPTIMIZERS[name].split(".")[0]
-    if importlib.util.find_spec(library) is None:
-        return f"{library} is not installed: pip install {library} (torchao: lit-ablate[optim8bit])"
+    missing = not_installed(library, f"the {name} optimizer", extra="optim8bit") if library == "torchao" else None
+    if missing or not installed(library):  # bitsandbytes is a dependency of lit-ablate itself
+        return missing or f"{library} is not installed here (a dependency of lit-ablate): pip install -e . or pip install {library}"
     strategy_class = strategy if isinstance(strategy, type) or strategy is None else type(strategy)
     if library == "bitsandbytes" and strategy_class is not None and issubclass(strategy_class, ModelParallelStrategy):
         return (f"bitsandbytes' optimizers cannot update the DTensor parameters of {strategy_class.__name__} "

@@ -20,7 +20,6 @@ A subclass of ``BlockKernel`` registered in ``BLOCK_KERNELS`` is a new choice.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -30,6 +29,7 @@ import torch
 from torch import Tensor
 
 from lit_ablate.errors import ConfigError
+from lit_ablate.extras import not_installed
 from lit_ablate.models.attention.chunk_masks import BlockMask
 
 KERNEL_KEY = "trainer.strategy.init_args.cp_block_kernel"
@@ -128,8 +128,9 @@ class FlashAttnBlockKernel(SdpaBlockKernel):
     def unavailable(self, device: torch.device) -> str | None:
         if device.type != "cuda":
             return f"flash-attn runs on CUDA only, this run is on {device.type}; use cp_block_kernel: sdpa"
-        if importlib.util.find_spec("flash_attn") is None:
-            return "the flash-attn package is not installed (pip install 'lit-ablate[gpu]'); or use cp_block_kernel: sdpa"
+        missing = not_installed("flash_attn", "the flash_attn block kernel")
+        if missing:
+            return f"{missing}; or use cp_block_kernel: sdpa"
         try:
             import flash_attn.flash_attn_interface  # noqa: F401 (registers torch.ops.flashattn)
         except (ImportError, OSError) as err:  # e.g. built for another torch or CUDA

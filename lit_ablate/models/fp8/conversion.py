@@ -33,13 +33,14 @@ all-reduce after each optimizer step (``FSDP2Strategy`` calls it).
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 import torch
 from torch import nn
 
 from lit_ablate.errors import ConfigError
+from lit_ablate.extras import require
 from lit_ablate.models.fp8.matmul import ALIGNMENT, Fp8Matmul, cast_input_as_autocast
 
 OPTIONS_KEY = "model.init_args.model.fp8"
@@ -162,6 +163,7 @@ def convert_fp8(model: nn.Module, options: Fp8Options, emulate: bool) -> list[st
     Call it on the built model before adapters are injected and before any sharding (the ``meta``
     device is fine: conversion reuses the parameters).
     """
+    require("torchao", OPTIONS_KEY, asdict(options), "fp8 training (torchao float8)")
     from torchao.float8 import convert_to_float8_training
 
     from lit_ablate.models.fp8.grouped_experts import convert_grouped_experts

@@ -24,7 +24,6 @@ that cannot run here ``skipped``). lit-ablate patches no Liger kernels into mode
 from __future__ import annotations
 
 import functools
-import importlib.util
 import inspect
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -34,12 +33,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lit_ablate.errors import ConfigError
+from lit_ablate.extras import installed, not_installed
 from lit_ablate.models.losses import triton_interpreter
 from lit_ablate.models.losses.chunked_cross_entropy import IGNORE_INDEX, chunked_linear_cross_entropy
 
 LOSS_KEY = "model.init_args.loss"
 OPTIONS_KEY = "model.init_args.loss_options"
-GPU_EXTRA_FIX = "pip install 'lit-ablate[gpu]' on a CUDA machine"
 DTYPE_KEY = "model.init_args.model.dtype"
 
 
@@ -58,9 +57,9 @@ def _check_z_loss_weight(z_loss_weight: float) -> None:
 def _require_kernel_package(backend: str, module: str, cpu_alternative: str) -> None:
     """The fused Triton backends need their package and a CUDA device, or the interpreter opt-in."""
     interpreted = triton_interpreter.requested()
-    if importlib.util.find_spec(module) is None:
-        fix = triton_interpreter.INSTALL_FIX if interpreted else GPU_EXTRA_FIX
-        raise ConfigError(LOSS_KEY, backend, f"the '{module}' package is not installed: {fix}")
+    missing = not_installed(module, f"the {backend} loss", extra="kernels-cpu" if interpreted else None)
+    if missing:
+        raise ConfigError(LOSS_KEY, backend, missing)
     if interpreted:
         triton_interpreter.enable(module)
     elif not torch.cuda.is_available():
@@ -239,9 +238,8 @@ class CutCrossEntropy:
         if self.impl == "cce":
             _require_kernel_package("cce", "cut_cross_entropy",
                                     "use 'chunked', or loss_options impl: torch_compile for CCE's CPU reference")
-        elif importlib.util.find_spec("cut_cross_entropy") is None:
-            raise ConfigError(LOSS_KEY, "cce", "the 'cut_cross_entropy' package is not installed: "
-                              "pip install 'lit-ablate[gpu]'")
+        elif not installed("cut_cross_entropy"):
+            raise ConfigError(LOSS_KEY, "cce", not_installed("cut_cross_entropy", "the cce loss"))
 
     def __call__(self, hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None = None) -> Tensor:
         self.check_compute_dtype(hidden.dtype, training=hidden.requires_grad or weight.requires_grad)

@@ -26,7 +26,6 @@ parameter of another module. DPO counts it in the ``reference`` memory category.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,14 +33,13 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from lit_ablate.errors import ConfigError
+from lit_ablate.extras import not_installed
 from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX
 from lit_ablate.models.losses.sequence_logprobs import PairStep, SequenceLogProbs
 
 LIGER = "liger"
 LIGER_LOSS_TYPES = ("sigmoid", "hinge")
 LIGER_REFERENCES = ("frozen", "none")
-INSTALL_FIX = ("pip install 'lit-ablate[gpu]' (on a machine without CUDA: 'lit-ablate[kernels-cpu]'); Liger's "
-               "fused DPO is plain torch and runs on CPU too")
 _KEY = "model.init_args"
 PADDED_ONLY_FIX = ("logprobs: liger needs one sequence per row: use lit_ablate.data.PreferencePaddingCollator, or "
                    "logprobs: chunked for packing")
@@ -49,8 +47,10 @@ PADDED_ONLY_FIX = ("logprobs: liger needs one sequence per row: use lit_ablate.d
 
 def check_liger_dpo(loss_type: str, label_smoothing: float, reference: str) -> None:
     """Raise ``ConfigError`` when ``logprobs: liger`` cannot run this configuration."""
-    if importlib.util.find_spec("liger_kernel") is None:
-        raise ConfigError(f"{_KEY}.logprobs", LIGER, f"the 'liger_kernel' package is not installed: {INSTALL_FIX}")
+    missing = not_installed("liger_kernel", "Liger's fused DPO loss")
+    if missing:
+        raise ConfigError(f"{_KEY}.logprobs", LIGER, f"{missing} (on a machine without CUDA: 'lit-ablate[kernels-cpu]'; "
+                          "Liger's fused DPO is plain torch and runs on CPU too)")
     if loss_type not in LIGER_LOSS_TYPES:
         raise ConfigError(f"{_KEY}.loss_type", loss_type, f"Liger's fused DPO supports {LIGER_LOSS_TYPES} here; use "
                           "logprobs: chunked (same memory class, every loss)")

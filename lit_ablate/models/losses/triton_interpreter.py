@@ -38,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lit_ablate.errors import ConfigError
+from lit_ablate.extras import require
 
 OPT_IN_ENV = "LIT_ABLATE_TRITON_INTERPRET"
 TRITON_VERSION = "3.9.0"
@@ -79,10 +80,8 @@ def enable(package: str) -> None:
     Raises ``ConfigError`` for a triton other than ``TRITON_VERSION``, or when triton or
     ``package`` was imported (and its kernels compiled) before the switch.
     """
-    try:
-        installed = importlib.metadata.version("triton")
-    except importlib.metadata.PackageNotFoundError:
-        raise ConfigError(OPT_IN_ENV, "1", f"triton is not installed: {INSTALL_FIX}") from None
+    require("triton", OPT_IN_ENV, "1", "Triton's interpreter")
+    installed = importlib.metadata.version("triton")
     if installed != TRITON_VERSION:
         raise ConfigError(OPT_IN_ENV, "1", f"triton {installed} is installed; the interpreter shims are checked on "
                           f"triton {TRITON_VERSION} only: {INSTALL_FIX}")
