@@ -25,6 +25,10 @@ from tests.test_step_objective import micro_batches
 IDS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))
 MERGE_ATOL = 1e-5
 """Merging adds B A into W once instead of adding B (A x) per token: fp32 rounding only (measured ~1e-6)."""
+INT8_MERGE_ATOL = 3e-2
+"""An 8-bit base's forward casts its inputs to float16 on this path (bitsandbytes says so: "inputs will be
+cast from torch.float32 to float16"), the merged plain model keeps them in float32: measured 9.9e-3 on the
+logits, against the adapters' own 0.63."""
 
 
 def train(tmp_path: Path, **factory) -> tuple[Path, torch.Tensor, torch.Tensor]:
@@ -84,16 +88,21 @@ def test_qlora_over_a_pretrained_base_exports_an_adapter_folder(tmp_path):
     torch.testing.assert_close(logits(PeftModel.from_pretrained(base, out)), trained, rtol=0, atol=0)
 
 
-def test_qlora_merges_into_its_dequantised_base(tmp_path):
-    """A config-built QLoRA base (which no folder holds) exports merged: the 4-bit weights dequantised,
-    then the adapters added; the plain model computes the QLoRA model's logits. Seen failing with the
-    4-bit weights left packed (strict loading refuses them)."""
-    checkpoint, trained, _ = train(tmp_path, preset="tiny-llama", adapter={"r": 8}, quantization={"bits": 4})
+@pytest.mark.parametrize("bits", [4, 8])
+def test_qlora_merges_into_its_dequantised_base(tmp_path, bits):
+    """A config-built quantised base (which no folder holds) exports merged: the 4-bit or 8-bit weights
+    dequantised, then the adapters added; the plain model computes the quantised model's logits. The
+    adapter folder is refused in one line pointing at --merge, which works, and leaves no folder. Seen
+    failing with the 4-bit weights left packed (strict loading refuses them), and at 8 bits while
+    --merge was refused in turn ("export the adapter folder": each refusal pointed at the other, and
+    left an empty output folder)."""
+    checkpoint, trained, _ = train(tmp_path, preset="tiny-llama", adapter={"r": 8}, quantization={"bits": bits})
     with pytest.raises(ConfigError, match="export with --merge"):
         export_hf_checkpoint(checkpoint, tmp_path / "adapter", tokenizer="byte")
+    assert not (tmp_path / "adapter").exists(), "the refusal left its output folder behind"
     merged = AutoModelForCausalLM.from_pretrained(export_hf_checkpoint(checkpoint, tmp_path / "merged", "byte", merge=True))
     assert all(p.dtype == torch.float32 for p in merged.parameters())
-    torch.testing.assert_close(logits(merged), trained, rtol=0, atol=MERGE_ATOL)
+    torch.testing.assert_close(logits(merged), trained, rtol=0, atol=MERGE_ATOL if bits == 4 else INT8_MERGE_ATOL)
 
 
 @pytest.mark.parametrize("experts", ["grouped", "hf"])

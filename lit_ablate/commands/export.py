@@ -16,10 +16,11 @@ the same base: by default a peft adapter folder (``adapter_config.json`` +
 ``adapter_model.safetensors``, loadable with ``PeftModel.from_pretrained``; a base built from a
 config, which no file holds, is written beside it in ``base_model/`` and named as the adapter's
 base), or with ``--merge`` one plain Hugging Face model with the adapters merged into its weights
-(``merge_and_unload``). A quantised (QLoRA) base exports as an adapter folder over its
+(``merge_and_unload``). A quantised (QLoRA, 4- or 8-bit) base exports as an adapter folder over its
 ``pretrained`` checkpoint, or with ``--merge`` (config-built bases too) as a plain full-precision
-model: the 4-bit weights are dequantised (what every forward multiplied by), then the adapters merged
-into them (peft's own merge into a 4-bit layer would requantise the sum). Expert adapters
+model: the quantised weights are dequantised (what every forward multiplied by), then the adapters
+merged into them (peft's own merge into a quantised layer would requantise the sum). Every refusal comes
+before the output folder is made, and each names an export that works. Expert adapters
 (``experts_r``) are lit-ablate's own, which a peft adapter folder cannot hold: they export with
 ``--merge`` (added into the expert weights).
 """

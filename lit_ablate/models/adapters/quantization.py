@@ -157,22 +157,26 @@ def _load_quant_state(module: nn.Module, state_dict: dict, prefix: str, *args: o
 
 
 def dequantized_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``model``'s state dict as the same model without quantisation holds it: every 4-bit weight
-    dequantised (bitsandbytes' ``dequantize_4bit``: exactly the matrix each forward multiplies by),
-    its quantisation-state entries dropped. What ``export --merge`` merges the adapters into."""
+    """``model``'s state dict as the same model without quantisation holds it: every quantised weight
+    dequantised (bitsandbytes' ``dequantize_4bit``, or for 8-bit its int8 rows times their scales,
+    ``int8_vectorwise_dequant``: the matrix each forward multiplies by), its quantisation-state entries
+    (4-bit ``weight.*``, 8-bit ``SCB`` and ``weight_format``) dropped. What ``export --merge`` merges the
+    adapters into."""
     import bitsandbytes as bnb
-    from bitsandbytes.functional import dequantize_4bit
+    from bitsandbytes.functional import dequantize_4bit, int8_vectorwise_dequant
 
     state = model.state_dict()
     for name, module in model.named_modules():
-        if isinstance(module, bnb.nn.Linear8bitLt):
-            raise ConfigError("--merge", True, "merging into an 8-bit base is not built; export the adapter folder "
-                              "over the pretrained base")  # fmt: skip
+        key = f"{name}.weight"
         if isinstance(module, bnb.nn.Linear4bit):
-            key = f"{name}.weight"
             for entry in [k for k in state if k.startswith(key + ".")]:
                 del state[entry]
             state[key] = dequantize_4bit(module.weight.data, module.weight.quant_state)
+        elif isinstance(module, bnb.nn.Linear8bitLt):
+            for entry in (f"{name}.SCB", f"{name}.weight_format"):
+                state.pop(entry, None)
+            scales = module.weight.SCB if module.weight.SCB is not None else module.state.SCB  # moved there by a forward
+            state[key] = int8_vectorwise_dequant(module.weight.data, scales)
     return state
 
 
