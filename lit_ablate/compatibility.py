@@ -44,6 +44,11 @@ before its first step), so 64 ranks on 2 cores spend minutes importing, need ~25
 on each other in every collective. 4 per core leaves 2x headroom over the densest shipped study
 (HSDP 2x2: 4 ranks on 2 cores) and still refuses such a request."""
 
+STRATEGY_OPTIONS = f"{TRAINER_STRATEGY_KEY}.init_args"
+DATA_OPTIONS = "data.init_args"
+COLLATOR_KEY = f"{DATA_OPTIONS}.collator"
+MOE_KEY = "model.init_args.model.moe"
+
 
 class LaunchLike(Protocol):
     devices: int | None
@@ -344,6 +349,170 @@ def pipeline_stages_train_the_objective(run: RunConfig, launch: LaunchLike) -> R
     return None
 
 
+# --- the model's shape and the batches against the mesh: what the ranks would refuse once they run ---------
+
+
+def _world_size(run: RunConfig, launch: LaunchLike) -> int:
+    """The run's ranks: the launch's devices and nodes where a study sets them, else the config's."""
+    return (launch.devices or run.trainer.devices_per_node or 1) * (launch.num_nodes or run.trainer.nodes)
+
+
+def _mesh_size(run: RunConfig, launch: LaunchLike, dim: str) -> int:
+    """The size of mesh dimension ``dim`` on the run's ranks (a ``-1`` resolved); 1 for a strategy without a
+    mesh, or sizes that do not make the world size (``check_mesh``'s refusal, named there)."""
+    try:
+        return run.trainer.strategy.mesh_size(dim, _world_size(run, launch))
+    except ConfigError:
+        return 1
+
+
+def _model_config(run: RunConfig) -> Any | None:
+    """The Hugging Face config of the run's model, as ``ModelFactory`` builds it (from a preset, a config or a
+    pretrained folder's ``config.json``, no weights); None for a model section the run itself refuses."""
+    try:
+        return run.model.build_factory().hf_config()
+    except (ConfigError, TypeError, OSError):
+        return None
+
+
+@rule
+def experts_split_over_ep(run: RunConfig, launch: LaunchLike) -> Refusal | None:
+    """Expert parallelism shards lit-ablate's MoE blocks (``moe.experts: grouped`` or ``loop``), each rank
+    holding ``experts / ep`` of them: ``ep`` must divide the experts of a layer. The ranks found out after
+    their start-up (104 s of it in a study's run)."""
+    ep = _mesh_size(run, launch, "ep")
+    if ep == 1:
+        return None
+    try:
+        factory = run.model.build_factory()
+    except (ConfigError, TypeError):
+        return None
+    experts = factory.moe.experts if factory.moe is not None else "hf"
+    if experts == "hf":
+        return Refusal(f"{MOE_KEY}.experts", experts, "expert parallelism shards lit-ablate's MoE blocks; use an MoE "
+                       "model with moe: {experts: grouped} (or loop)")
+    config = _model_config(run)
+    count = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if count and count % ep:
+        return Refusal(f"{STRATEGY_OPTIONS}.ep", ep, f"the model has {count} experts per layer; use an ep that "
+                       f"divides {count}")
+    return None
+
+
+@rule
+def tensor_parallel_splits_the_model(run: RunConfig, launch: LaunchLike) -> Refusal | None:
+    """Tensor parallelism splits the attention heads, the key/value heads and the vocabulary over ``tp``
+    ranks: ``tp`` must divide each (what the tensor-parallel step checks once the model is built)."""
+    tp = _mesh_size(run, launch, "tp")
+    config = _model_config(run) if tp != 1 else None
+    for name in ("num_attention_heads", "num_key_value_heads", "vocab_size"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value % tp:
+            return Refusal(f"{STRATEGY_OPTIONS}.tp", tp, f"the model's {name} is {value}; use a tp that divides it")
+    return None
+
+
+@rule
+def sequence_parallel_rows_split(run: RunConfig, launch: LaunchLike) -> Refusal | None:
+    """Sequence parallelism splits every row's tokens over the ``tp`` ranks: every batch's length must be a
+    multiple of ``tp``, which the collator decides (refused at the first batch before)."""
+    tp = _mesh_size(run, launch, "tp")
+    if tp == 1 or not run.trainer.strategy.option("sequence_parallel", False):
+        return None
+    return _rows_refusal(run, tp, f"sequence parallelism splits each row over tp={tp} ranks")
+
+
+def _rows_refusal(run: RunConfig, multiple: int, why: str) -> Refusal | None:
+    """Why a batch's length may not be a multiple of ``multiple`` (its rows are padded to a length the
+    collator picks), naming the key that fixes it; None when every batch's is."""
+    data, collator = run.data, run.data.collator
+    seq_len = data.seq_len if isinstance(data.seq_len, int) else None
+    fix = f"{why}, so every batch's length must be a multiple of {multiple}"
+    if collator is not None and collator.name == "PackingCollator":
+        capacity = collator.option("max_tokens") or seq_len
+        if not collator.option("static_shape", False):
+            return Refusal(f"{COLLATOR_KEY}.init_args.static_shape", False, f"{fix}, and packed rows are as long as "
+                           f"their longest; set static_shape: true with max_tokens (or seq_len) a multiple of {multiple}")
+        if capacity and capacity % multiple:
+            key = "max_tokens" if collator.option("max_tokens") else None
+            return Refusal(f"{COLLATOR_KEY}.init_args.{key}" if key else "data.init_args.seq_len", capacity,
+                           f"{fix}; use a multiple of {multiple}")
+        return None
+    if collator is not None and collator.name != "PaddingCollator":
+        return None  # a collator of the user's own: the first batch tells
+    pad_to = collator.option("pad_to_multiple_of", 1) if collator is not None else 1
+    fixed = data.format == "pretrain" or (collator is not None and collator.option("static_length", False))
+    if isinstance(pad_to, int) and pad_to % multiple == 0:
+        return None
+    if fixed and seq_len and -(-seq_len // pad_to) * pad_to % multiple == 0:
+        return None  # every row is seq_len long (pretrain windows, or static_length)
+    if collator is None:
+        return Refusal(COLLATOR_KEY, None, f"{fix}, and the default PaddingCollator pads each batch to its longest "
+                       f"row; set it to {{class_path: lit_ablate.data.PaddingCollator, init_args: {{pad_to_multiple_of: "
+                       f"{multiple}}}}}")
+    return Refusal(f"{COLLATOR_KEY}.init_args.pad_to_multiple_of", pad_to, f"{fix}; use a multiple of {multiple}")
+
+
+@rule
+def pipeline_stages_fit(run: RunConfig, launch: LaunchLike) -> Refusal | None:
+    """What the pipeline strategy refused once its ranks ran: a model type its stages are not built for,
+    more stages (``pp`` x ``stages_per_rank``) than decoder layers, split points that do not split the
+    layers into them, a schedule's micro-batch count (1f1b fills ``pp`` stages; interleaved runs rounds of
+    ``pp``), a batch the micro-batches do not divide, and batches of varying length (torch's stages size
+    their hand-off buffers by the first)."""
+    from lit_ablate.strategies.pipeline_parallel import SUPPORTED_MODEL_TYPES, PipelineParallelStrategy
+    from lit_ablate.strategies.pipeline_split import check_split_points
+
+    strategy = run.trainer.strategy
+    pp = _mesh_size(run, launch, "pp")
+    if pp == 1 or not strategy.is_a(PipelineParallelStrategy):
+        return None
+    config = _model_config(run)
+    if config is not None and config.model_type not in SUPPORTED_MODEL_TYPES:
+        return Refusal("model.init_args.model", config.model_type, f"pipeline stages are built for "
+                       f"{', '.join(SUPPORTED_MODEL_TYPES)} models; use one of them, or pp: 1", shown=config.model_type)
+    per_rank, layers = strategy.option("stages_per_rank", 1), getattr(config, "num_hidden_layers", None)
+    if isinstance(layers, int) and layers < pp * per_rank:
+        key, value = ("pp", pp) if per_rank == 1 else ("stages_per_rank", per_rank)
+        return Refusal(f"{STRATEGY_OPTIONS}.{key}", value, f"{pp * per_rank} stages of a model with {layers} decoder "
+                       f"layers; use at most {layers} stages (pp x stages_per_rank)")
+    points = strategy.option("split_points")
+    if points is not None and isinstance(layers, int):
+        refusal = _refusal(check_split_points, list(points), layers, pp * per_rank)
+        if refusal:
+            return refusal
+    microbatches, schedule = strategy.option("microbatches", 1), strategy.option("schedule", "1f1b")
+    if schedule == "1f1b" and microbatches < pp:
+        return Refusal(f"{STRATEGY_OPTIONS}.microbatches", microbatches, f"1f1b needs at least pp={pp} micro-batches "
+                       "to fill the pipeline; raise it or use gpipe")
+    if schedule == "interleaved_1f1b" and microbatches % max(1, microbatches // pp):
+        return Refusal(f"{STRATEGY_OPTIONS}.microbatches", microbatches, f"interleaved_1f1b runs rounds of pp={pp} "
+                       f"micro-batches: use a multiple of {pp}, or fewer than {pp}")
+    batch_size = run.data.batch_size
+    if isinstance(batch_size, int) and batch_size % microbatches:
+        return Refusal(f"{STRATEGY_OPTIONS}.microbatches", microbatches, f"data.init_args.batch_size is {batch_size}; "
+                       "use a divisor of the batch size")
+    if run.data.format not in (None, "pretrain"):
+        return _static_rows_refusal(run)
+    return None
+
+
+def _static_rows_refusal(run: RunConfig) -> Refusal | None:
+    """Pipeline stages take every batch in one shape: variable-length rows must be padded to ``seq_len``."""
+    collator = run.data.collator
+    why = "pipeline stages take every training batch in one shape (torch sizes their hand-off buffers once)"
+    if collator is None:
+        return Refusal(COLLATOR_KEY, None, f"{why}, and the default collator pads each batch to its longest row; "
+                       "set it to {class_path: lit_ablate.data.PaddingCollator, init_args: {static_length: true}} "
+                       "(PreferencePaddingCollator for preference pairs)")
+    option = {"PaddingCollator": "static_length", "PreferencePaddingCollator": "static_length",
+              "PackingCollator": "static_shape"}.get(collator.name)  # fmt: skip
+    if option and not collator.option(option, False):
+        return Refusal(f"{COLLATOR_KEY}.init_args.{option}", False, f"{why}; set {option}: true (every batch padded "
+                       "to seq_len)")
+    return None
+
+
 @rule
 def tensor_parallel_loss_fits(run: RunConfig, launch: LaunchLike) -> Refusal | None:
     """Tensor parallelism takes the ``torch`` (without z-loss) and ``chunked`` loss backends: those
@@ -353,8 +522,6 @@ def tensor_parallel_loss_fits(run: RunConfig, launch: LaunchLike) -> Refusal | N
     return _refusal(run.model.loss.check_tensor_parallel)
 
 
-STRATEGY_OPTIONS = f"{TRAINER_STRATEGY_KEY}.init_args"
-DATA_OPTIONS = "data.init_args"
 MESH_OPTIONS = {"tp": ("sequence_parallel",), "cp": ("cp_impl", "cp_layout", "cp_block_kernel"), "ep": ("dispatch",),
                 "pp": ("schedule", "microbatches", "split_points", "stages_per_rank")}  # fmt: skip
 """The strategy options of one mesh dimension's step: that step runs only when its size is not 1."""
@@ -432,6 +599,10 @@ RULES: dict[str, Rule] = {
     "tensor_parallel_loss_fits": tensor_parallel_loss_fits,
     "pipeline_stages_split_the_model": pipeline_stages_split_the_model,
     "pipeline_stages_train_the_objective": pipeline_stages_train_the_objective,
+    "experts_split_over_ep": experts_split_over_ep,
+    "tensor_parallel_splits_the_model": tensor_parallel_splits_the_model,
+    "sequence_parallel_rows_split": sequence_parallel_rows_split,
+    "pipeline_stages_fit": pipeline_stages_fit,
 }
 
 

@@ -108,12 +108,17 @@ FIT_RULES: tuple[str, ...] = (
     "strategy_accepts_cpu", "strategy_options_run_here", "optimizer_runs_here", "quantization_runs_under_strategy",
     "loss_backend_available", "attention_backend_available", "cp_block_kernel_runs_here", "fp8_runs_here",
     "preference_parts_fit", "pipeline_stages_split_the_model", "pipeline_stages_train_the_objective",
+    "tensor_parallel_loss_fits", "experts_split_over_ep", "tensor_parallel_splits_the_model",
+    "sequence_parallel_rows_split", "pipeline_stages_fit",
 )  # fmt: skip
-"""The study compatibility rules (``lit_ablate.compatibility.RULES``) about one run's own parts; the
-others are about launching a study (devices, nodes). The loss and attention backends' rules are here
-too, though their construction checks the same: a refusal from the model's construction comes once the
-trainer exists and leaves a run record behind, and the loss rule also knows what other parts refuse a
-backend (CCE's compiled backward under MemoryMonitor's tensor tracker)."""
+"""The study compatibility rules (``lit_ablate.compatibility.RULES``) about one run's own parts, the
+model's shape against the mesh among them (ep dividing the experts, tp the heads, the pipeline's stages
+and micro-batches, the batches' lengths): refused here before any rank starts, where the ranks found
+out after their start-up or at the first batch. The others are about launching a study (devices,
+nodes). The loss and attention backends' rules are here too, though their construction checks the
+same: a refusal from the model's construction comes once the trainer exists and leaves a run record
+behind, and the loss rule also knows what other parts refuse a backend (CCE's compiled backward under
+MemoryMonitor's tensor tracker)."""
 
 
 def check_parts_compatible(config: RunConfig | Mapping[str, Any]) -> None:

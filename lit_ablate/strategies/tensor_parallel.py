@@ -145,7 +145,7 @@ class TensorParallelSteps(FullyShardSteps):
         if length % tp:
             raise ConfigError(f"{STRATEGY_KEY}.sequence_parallel", True,
                               f"a batch has length {length}, not divisible by tp={tp}; pad to a multiple of {tp} "
-                              "(data pad_to_multiple_of) or set sequence_parallel: false")
+                              "(data.init_args.collator.init_args.pad_to_multiple_of) or set sequence_parallel: false")
         mask = batch.get("attention_mask")
         if mask is not None and bool(mask.all()):  # all ones: the causal mask is the same without it
             batch = {key: value for key, value in batch.items() if key != "attention_mask"}
