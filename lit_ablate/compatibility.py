@@ -148,7 +148,7 @@ def cpu_ranks_fit(run: RunConfig, launch: LaunchLike) -> Refusal | None:
 def single_node(run: RunConfig, launch: LaunchLike) -> Refusal | None:
     """The runner starts one node; a multi-node run is launched per node (torchrun) by the user."""
     if launch.num_nodes is not None and launch.num_nodes > 1:
-        return Refusal("num_nodes", launch.num_nodes, "the study runner launches a single node; run each node with torchrun")
+        return Refusal("trainer.num_nodes", launch.num_nodes, "the study runner launches a single node; run each node with torchrun")
     return None
 
 

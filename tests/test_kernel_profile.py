@@ -90,7 +90,7 @@ def test_graph_breaks_and_recompiles_of_the_fit_are_counted_with_their_reasons(t
 
 
 def test_profile_arguments_and_section_names_are_checked():
-    with pytest.raises(ConfigError, match=r"KernelProfile\.num_steps=0: use 1 or more"):
+    with pytest.raises(ConfigError, match=r"trainer\.callbacks\[KernelProfile\]\.init_args\.num_steps=0: use 1 or more"):
         KernelProfile(num_steps=0)
     with pytest.raises(ValueError, match="'steps' is one of the run record's own keys"):
         RecordSection("steps")

@@ -151,7 +151,7 @@ def test_the_ceiling_follows_the_run_dtype_a_given_ceiling_or_none_under_fp8(mea
         fp8 = _started(MFUMonitor(), fp8=True)
     assert fp8.ceiling is None and "fp8" in fp8.ceiling_source and len(measurements) == 3
     assert run_dtype(SimpleNamespace(precision="32-true"), SimpleNamespace(parameters=lambda: iter([]))) == torch.float32
-    with pytest.raises(ConfigError, match="MFUMonitor.ceiling_tflops"):
+    with pytest.raises(ConfigError, match=r"trainer\.callbacks\[MFUMonitor\]\.init_args\.ceiling_tflops"):
         MFUMonitor(ceiling_tflops=0)
 
 

@@ -47,7 +47,7 @@ class AdapterCheckpoint(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         factory = getattr(pl_module, "factory", None)
         if getattr(factory, "adapter", None) is None:
-            raise ConfigError("trainer.callbacks.AdapterCheckpoint", "added",
+            raise ConfigError("trainer.callbacks[AdapterCheckpoint]", "added",
                               "the model trains no adapters (its whole state must be saved): add "
                               "model.init_args.model.adapter or drop this callback")  # fmt: skip
         if isinstance(trainer.strategy, ModelParallelStrategy) and trainer.strategy._save_distributed_checkpoint:

@@ -53,7 +53,7 @@ class KernelProfile(RecordSection):
         for key, value in (("start_step", start_step), ("num_steps", num_steps), ("top", top),
                            ("top_reasons", top_reasons)):  # fmt: skip
             if value < 1:
-                raise ConfigError(f"KernelProfile.{key}", value, "use 1 or more")
+                raise ConfigError(f"trainer.callbacks[KernelProfile].init_args.{key}", value, "use 1 or more")
         self.start_step, self.num_steps, self.top, self.top_reasons = start_step, num_steps, top, top_reasons
         self._profiler: torch.profiler.profile | None = None
         self._device: torch.device | None = None

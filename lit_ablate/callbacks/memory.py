@@ -111,7 +111,8 @@ class MemoryMonitor(StepMonitor):
     def __init__(self, warmup_steps: int | None = None, tracked_steps: int = 1) -> None:
         super().__init__(warmup_steps=warmup_steps)
         if tracked_steps < 0:
-            raise ConfigError("MemoryMonitor.tracked_steps", tracked_steps, "use 0 (no tracking) or more")
+            raise ConfigError("trainer.callbacks[MemoryMonitor].init_args.tracked_steps", tracked_steps,
+                              "use 0 (no tracking) or more")
         self.tracked_steps = tracked_steps
         self.method: str | None = None
         self.tensor_method: str | None = None

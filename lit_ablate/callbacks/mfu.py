@@ -66,7 +66,7 @@ class MFUMonitor(StepMonitor):
         super().__init__(warmup_steps=warmup_steps)
         for key, value in (("peak_tflops", peak_tflops), ("ceiling_tflops", ceiling_tflops)):
             if value is not None and not value > 0:
-                raise ConfigError(f"MFUMonitor.{key}", value, "give the device's TFLOP/s, a positive number, or null")
+                raise ConfigError(f"trainer.callbacks[MFUMonitor].init_args.{key}", value, "give the device's TFLOP/s, a positive number, or null")
         self.peak_tflops = peak_tflops
         self.peak_source: str | None = None
         self.ceiling_tflops = ceiling_tflops

@@ -112,8 +112,9 @@ class LMDataModule(pl.LightningDataModule):
         for key, value in (("seq_len", seq_len), ("batch_size", batch_size)):
             if value <= 0:
                 raise ConfigError(f"data.init_args.{key}", value, "use a positive integer")
-        if num_workers < 0 or val_examples < 0:
-            raise ConfigError("data.init_args.num_workers/val_examples", (num_workers, val_examples), "use values >= 0")
+        for key, value in (("num_workers", num_workers), ("val_examples", val_examples)):
+            if value < 0:
+                raise ConfigError(f"data.init_args.{key}", value, "use 0 or more")
         if format not in FORMATS:
             raise ConfigError("data.init_args.format", format, f"choose one of {FORMATS}")
         if overlong not in OVERLONG_CHOICES:

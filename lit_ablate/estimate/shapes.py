@@ -119,7 +119,8 @@ class TrainingShape:
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError("--optimizer", self.optimizer, f"choose one of {list(OPTIMIZERS)}")
         if self.checkpointing not in CHECKPOINTING:
-            raise ConfigError("activation_checkpointing", self.checkpointing, f"choose one of {list(CHECKPOINTING)}")
+            raise ConfigError("trainer.strategy.init_args.activation_checkpointing", self.checkpointing,
+                              f"choose one of {list(CHECKPOINTING)}")
 
 
 @dataclass(frozen=True)

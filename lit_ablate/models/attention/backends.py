@@ -48,6 +48,8 @@ from lit_ablate.models.attention.block_kernels import flex_kernel
 from lit_ablate.models.attention.context_parallel import allgather_attention_backend, ring_attention_backend
 
 ATTENTION_KEY = "model.init_args.model.attn_implementation"
+CONFIG_KEY = "model.init_args.model.config"
+"""The model's config keys (its attention dropout, named where a backend has none)."""
 TRANSFORMERS_BACKENDS = ("sdpa", "eager")
 TRANSFORMERS_FLASH_BACKENDS = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
 """transformers' own FlashAttention integrations (they read packed documents from ``position_ids``)
@@ -121,7 +123,7 @@ def flex_document_attention(
     materialises scores), eager on CPU where only the forward exists."""
     _no_sliding_window(sliding_window)
     if dropout:
-        raise ConfigError("model attention_dropout", dropout, "flex attention has no dropout; set attention_dropout: 0")
+        raise ConfigError(f"{CONFIG_KEY}.attention_dropout", dropout, "flex attention has no dropout; set it to 0")
     out = flex_kernel(query.device)(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
 
@@ -194,7 +196,7 @@ def torch_varlen_segments(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, m
     ``repeat_kv`` does (query head ``h`` reads K/V head ``h // groups``); without a ``scale``
     argument the queries carry a non-default scaling themselves. It has no dropout."""
     if dropout:
-        raise ConfigError("model attention_dropout", dropout, "torch's varlen attention has no dropout; set attention_dropout: 0")
+        raise ConfigError(f"{CONFIG_KEY}.attention_dropout", dropout, "torch's varlen attention has no dropout; set it to 0")
     kernel = torch_varlen_kernel()
     accepts = inspect.signature(kernel).parameters
     options: dict[str, Any] = {"window_size": (-1, 0)} if "window_size" in accepts else {"is_causal": True}
