@@ -273,7 +273,7 @@ def test_lightning_fit_with_tp2_equals_one_device(tmp_path, name):
     from step 2; tp2_x_dp_shard2's losses by 1.2e-3 at step 3). HSDP (replicas of the TP x FSDP
     mesh) and layers checkpointed and compiled under TP (each rank compiles its own) go through the
     same pipeline and must train the same model: with compiled layers given the embedding's
-    unwaited ``AsyncCollectiveTensor`` (before ``TensorParallelStrategy.apply_compile`` waited for it)
+    unwaited ``AsyncCollectiveTensor`` (before ``TensorParallelStrategy.apply_tp`` waited for it under compile)
     the embedding's gradient was zero and tp2_checkpointed_compiled failed (pre-clip norms 9.5 % low).
     TP x EP (the ep ranks read different halves of the batch; tokens reach their experts among the
     ranks of one tp index) was seen failing with the ep ranks left out of StepObjective's W (pre-clip
