@@ -25,7 +25,7 @@ from lit_ablate.ablation.single_variable import check_single_variable
 from lit_ablate.ablation.spec import RUNNER_KEYS, Launch, StudySpec, Variant
 from lit_ablate.compatibility import cluster_rules, incompatibility
 from lit_ablate.errors import ConfigError
-from lit_ablate.preflight import check_config
+from lit_ablate.preflight import check_config, check_simulation
 from lit_ablate.run_config import RunConfig
 
 Resolver = Callable[[list[str]], dict[str, Any]]
@@ -90,6 +90,7 @@ def plan_study(spec: StudySpec, output_dir: Path, resolve: Resolver | None = Non
                 resolved[variant.name] = outcome
     check_single_variable(resolved, spec.variables, ignored=RUNNER_KEYS)
     views = {name: RunConfig.of(config) for name, config in resolved.items()}  # each variant's config, read once
+    check_losses_are_a_model_s(spec, views)
     for name, view in views.items():
         refused = _refused(view)
         if refused:
@@ -118,10 +119,22 @@ def _incompatibility(config: RunConfig, launch: Launch) -> str | None:
     return incompatibility(config, launch, cluster_rules())
 
 
+def check_losses_are_a_model_s(spec: StudySpec, views: Mapping[str, RunConfig]) -> None:
+    """Refuse ``expect_equal_loss`` over simulated ranks (``launch.simulate``): their collectives move no
+    data, so their losses are no model's and a check of them could only pass or fail by chance."""
+    simulated = [name for name, view in views.items() if view.simulation is not None]
+    if spec.expect_equal_loss is not None and simulated:
+        raise ConfigError("expect_equal_loss", vars(spec.expect_equal_loss),
+                          f"the variants {simulated} are simulated ranks (simulate), whose losses are no model's; "
+                          "drop expect_equal_loss, or the simulation")
+
+
 def _refused(view: RunConfig) -> str | None:
-    """Why ``fit`` would refuse this resolved config on any machine (``preflight.check_config``), or None."""
+    """Why ``fit`` would refuse this resolved config on any machine (``preflight.check_config``,
+    ``check_simulation``), or None."""
     try:
         check_config(view)
+        check_simulation("fit", view)
     except ConfigError as err:
         return f"config refused: {err}"
     return None
@@ -165,6 +178,8 @@ def describe(runs: Sequence[PlannedRun], kept: Mapping[str, str] | None = None) 
     for run in runs:
         launch = run.launch
         ranks = f"{launch.devices or 'base'}" + (f"x{launch.num_nodes}" if (launch.num_nodes or 1) > 1 else "")
+        if launch.simulate:  # one process playing one rank of a larger job
+            ranks = f"rank {launch.simulate_rank or 0} of {launch.simulate} (simulated)"
         overrides = ", ".join(f"{k}={_short(v)}" for k, v in {**run.variant.overrides, **run.variant.launch_overrides}.items())
         state = (f"skip: {run.skip_reason}" if run.skip_reason else f"fails: {run.invalid}" if run.invalid
                  else f"done ({kept[run.label]}, kept)" if run.label in kept else "run")

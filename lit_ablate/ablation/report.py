@@ -9,7 +9,7 @@ gets a report of what finished.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +142,7 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
     if fallbacks:  # what ran instead of what a row's config names (the run records' ``fallbacks``)
         lines += ["Fallbacks: what ran instead of what the row's config names, as its runs recorded.", "",
                   *(f"{i}. {line}" for i, line in enumerate(fallbacks, start=1)), ""]
+    lines += simulated_ranks_section(variants)
     lines += [f"![{Path(name).stem}]({name})" for name in summary.get("plots", [])]
     lines += loss_divergence_section(summary)
     failures = [(v["name"], r) for v in variants for r in v["runs"] if r["status"] != "ok"]
@@ -154,6 +155,38 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
             if tail and run["status"] != "skipped":
                 lines += ["", "  ```text", *(f"  {line}" for line in tail), "  ```"]
     return "\n".join(lines).rstrip() + "\n"
+
+
+SIMULATED_CATEGORIES = ("params", "grads", "optimizer", "activations", "transient")
+
+
+def simulated_ranks_section(variants: Sequence[Mapping[str, Any]]) -> list[str]:
+    """For variants whose runs were simulated ranks (``launch.simulate``): each category the rank held beside
+    the estimate of that rank, by the rule the table's est. ÷ measured column applies, and its step time and
+    MFU (no collective waits for another rank). Nothing for a study without them."""
+    simulated = [v for v in variants if v.get("simulated")]
+    if not simulated:
+        return []
+    lines = ["## Simulated ranks: estimate beside measurement", "",
+             "Each row is one process that played one rank of the layout over a fake process group "
+             "(lit-ablate's `docs/simulation.md`): its tensors by category on the tracked step "
+             "(measured) beside the estimate of that rank (`lit-ablate estimate`; a pipeline rank's own stage), "
+             f"as estimated / measured (estimate ÷ measured), **bold** where outside its factor ({_factors()}). "
+             "Step time and MFU are the rank's own: its compute, and the local copies a fake collective makes (an "
+             "all-gather fills its output with the rank's shard), never a wait for another rank.", "",
+             "| variant | rank | " + " | ".join(SIMULATED_CATEGORIES) + " | step time (s) | MFU (measured) |",
+             "|" + "---|" * (len(SIMULATED_CATEGORIES) + 4)]
+    for v in simulated:
+        comparison = v.get("estimate_vs_measured") or {}
+        cells = []
+        for category in SIMULATED_CATEGORIES:
+            result = comparison.get(category)
+            text = "—" if result is None else f"{_bytes(result['estimated'])} / {_bytes(result['measured'])} ({_ratio(result)})"
+            cells.append(text if result is None or result["agrees"] else f"**{text}**")
+        rank = f"{v['simulated']['rank']} of {v['simulated']['world_size']}"
+        lines.append(f"| {v['name']} | {rank} | " + " | ".join(cells)
+                     + f" | {_spread(v['step_time_s'], lambda x: f'{x:.3g}')} | {_mfu_cell(v, 'mfu_measured')} |")
+    return [*lines, ""]
 
 
 def _pipeline_cell(variant: Mapping[str, Any]) -> str:

@@ -26,6 +26,7 @@ from lit_ablate.ablation.slurm_settings import SlurmSettings
 from lit_ablate.config_keys import NOT_GIVEN, PairedKey, ignored_key, is_under, with_overrides
 from lit_ablate.errors import ConfigError
 from lit_ablate.run_config import RunConfig
+from lit_ablate.simulated_rank import SIMULATE_KEY, SIMULATE_RANK_KEY
 
 STUDY_KEYS = (
     "name", "base", "overrides", "axes", "variants", "vary", "baseline",
@@ -33,8 +34,10 @@ STUDY_KEYS = (
 )  # fmt: skip
 VARIANT_KEYS = ("name", "overrides", "launch")
 MAX_AXES = 2
-LAUNCH_TRAINER_KEYS = {"devices": "trainer.devices", "num_nodes": "trainer.num_nodes", "accelerator": "trainer.accelerator"}
-"""``launch`` fields that are trainer settings (so they land in the run's config and are diffed)."""
+LAUNCH_CONFIG_KEYS = {"devices": "trainer.devices", "num_nodes": "trainer.num_nodes", "accelerator": "trainer.accelerator",
+                      SIMULATE_KEY: SIMULATE_KEY, SIMULATE_RANK_KEY: SIMULATE_RANK_KEY}
+"""``launch`` fields that are run-config keys (so they land in the run's config and are diffed): the trainer's
+ranks, nodes and accelerator, and a simulated rank's job (``lit-ablate fit --simulate``)."""
 RUNNER_KEYS = ("trainer.max_steps", "seed_everything", "trainer.default_root_dir", "recorder.warmup_steps")
 """Keys the runner sets for every run: never a study variable, never a single-variable violation.
 (``recorder`` is the CLI's ``RunRecorder``: the study's warm-up is also the record's.)"""
@@ -60,7 +63,9 @@ class Launch:
     ``None`` leaves the base config's trainer value; ``timeout_s`` bounds a run so one hung
     variant cannot stall the study (on SLURM it is the job's time limit). ``executor: slurm``
     submits each run as a job with the ``slurm`` settings (a variant's ``launch.slurm`` keys
-    override the study's, key by key).
+    override the study's, key by key). ``simulate: W`` runs one process that plays rank
+    ``simulate_rank`` (default 0) of the configured mesh on W ranks over a fake process group: a layout
+    larger than this machine, measured per rank (docs/simulation.md).
     """
 
     devices: int | None = None
@@ -69,10 +74,12 @@ class Launch:
     timeout_s: float = DEFAULT_TIMEOUT_S
     executor: str = EXECUTORS[0]
     slurm: SlurmSettings | None = None
+    simulate: int | None = None
+    simulate_rank: int | None = None
 
-    def trainer_overrides(self) -> dict[str, Any]:
-        """The dotted trainer keys this launch sets."""
-        return {LAUNCH_TRAINER_KEYS[f]: getattr(self, f) for f in LAUNCH_TRAINER_KEYS if getattr(self, f) is not None}
+    def config_overrides(self) -> dict[str, Any]:
+        """The dotted config keys this launch sets."""
+        return {LAUNCH_CONFIG_KEYS[f]: getattr(self, f) for f in LAUNCH_CONFIG_KEYS if getattr(self, f) is not None}
 
     def updated(self, values: Mapping[str, Any], key: str) -> Launch:
         """This launch with ``values`` (a ``launch:`` mapping found at study key ``key``) applied."""
@@ -81,9 +88,13 @@ class Launch:
             if name not in known:
                 raise ConfigError(f"{key}.{name}", value, f"launch keys are {sorted(known)}")
         devices, nodes = values.get("devices", self.devices), values.get("num_nodes", self.num_nodes)
-        for name, value in (("devices", devices), ("num_nodes", nodes)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ConfigError(f"{key}.{name}", value, "give a positive integer")
+        simulate = values.get(SIMULATE_KEY, self.simulate)
+        simulate_rank = values.get(SIMULATE_RANK_KEY, self.simulate_rank)
+        for name, value, least in (("devices", devices, 1), ("num_nodes", nodes, 1), (SIMULATE_KEY, simulate, 2),
+                                   (SIMULATE_RANK_KEY, simulate_rank, 0)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+                raise ConfigError(f"{key}.{name}", value, "give a positive integer" if least == 1 else
+                                  f"give an integer of {least} or more")
         timeout = values.get("timeout_s", self.timeout_s)
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
             raise ConfigError(f"{key}.timeout_s", timeout, "give a positive number of seconds")
@@ -98,17 +109,22 @@ class Launch:
             slurm = (slurm or SlurmSettings()).updated(_mapping(values["slurm"], f"{key}.slurm"), f"{key}.slurm")
         if executor == "slurm" and slurm is None:
             slurm = SlurmSettings()
-        return Launch(devices, nodes, accelerator, float(timeout), executor, slurm)
+        return Launch(devices, nodes, accelerator, float(timeout), executor, slurm, simulate, simulate_rank)
 
     def with_config(self, config: Mapping[str, Any]) -> Launch:
         """This launch with the ranks, nodes and accelerator a merged run config describes (what
-        the compatibility rules judge and the executor requests)."""
-        trainer = RunConfig.of(config).trainer
+        the compatibility rules judge and the executor requests): a simulated rank is one process."""
+        run = RunConfig.of(config)
+        trainer, simulation = run.trainer, run.simulation
+        accelerator = trainer.accelerator if isinstance(trainer.accelerator, str) else None
+        if simulation is not None:
+            return replace(self, devices=1, num_nodes=1, accelerator=accelerator, simulate=simulation.world_size,
+                           simulate_rank=simulation.rank)
         return replace(
             self,
             devices=trainer.devices_per_node,
             num_nodes=trainer.num_nodes if isinstance(trainer.num_nodes, int) else None,
-            accelerator=trainer.accelerator if isinstance(trainer.accelerator, str) else None,
+            accelerator=accelerator,
         )
 
 
@@ -271,7 +287,7 @@ def parse_study(raw: Any, source: Path | None = None) -> StudySpec:
     if "steps" in raw and "trainer.max_steps" in overrides:
         raise ConfigError("overrides.trainer.max_steps", overrides["trainer.max_steps"], "set steps: or this, not both")
     launch = Launch().updated(_mapping(raw.get("launch", {}), "launch"), "launch")
-    launch_overrides = launch.trainer_overrides()
+    launch_overrides = launch.config_overrides()
     if ("axes" in raw) == ("variants" in raw):
         raise ConfigError("axes", raw.get("axes"), "give exactly one of axes: (a product of values) or variants: (a list)")
     if "axes" in raw:
@@ -384,7 +400,7 @@ def _explicit_variants(raw: Any, launch: Launch) -> list[Variant]:
         _check_paired(replace(SLURM_BLOCK, key=f"{key}.launch.slurm", partner=f"{key}.launch.executor"),
                       variant_launch_raw, variant_launch.executor)
         launch_overrides = {
-            LAUNCH_TRAINER_KEYS[f]: variant_launch_raw[f] for f in LAUNCH_TRAINER_KEYS if f in variant_launch_raw
+            LAUNCH_CONFIG_KEYS[f]: variant_launch_raw[f] for f in LAUNCH_CONFIG_KEYS if f in variant_launch_raw
         }
         overrides = _dotted_mapping(item.get("overrides", {}), f"{key}.overrides")
         variants.append(Variant(name, overrides, variant_launch, launch_overrides))

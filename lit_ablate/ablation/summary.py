@@ -90,6 +90,7 @@ def _variant(
         "final_loss": spread(r["summary"].get("final_loss") for r in ok),
         "fp8": ", ".join(sorted({r["environment"]["fp8"] for r in ok if (r.get("environment") or {}).get("fp8")})) or None,
         "fallbacks": sorted({line for r in ok for line in r.get("fallbacks") or []}),
+        "simulated": next((r["simulated"] for r in ok if r.get("simulated")), None),  # the rank one process played
         **{key: spread(r["summary"].get(key) for r in ok) for key in FINAL_VALUE_SERIES.values()},  # exact_match
         **_estimate(next((r for _, r in runs if r.get("config")), None), breakdowns,
                     _tracked_tokens(next((r for r in ok if r["summary"].get("tensor_breakdown")), None))),

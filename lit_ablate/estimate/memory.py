@@ -106,6 +106,25 @@ def loss_gradient_bytes(shape: ModelShape, training: TrainingShape) -> int:
     return shape.vocab * shape.hidden * weight_bytes + tokens * shape.hidden * training.activation_bytes
 
 
+def root_gradient_bytes(counts: ParameterCounts, shape: ModelShape, training: TrainingShape) -> tuple[float, float]:
+    """``(LM head, input embedding)``: bytes of the gradients an FSDP-sharded root unit (embeddings, final
+    norm, LM head) forms unsharded in the backward and holds until its reduce-scatter, at the backward's
+    end. The LM head's exists from the backward's start, beside every saved activation (``vocab / tp``
+    rows; none for a loss that forms it in the forward: ``loss_gradient_bytes``); the embedding's comes
+    last, when the activations are gone (the whole table, under tp too: DTensor's embedding backward has
+    no vocabulary-sharded form). Tied embeddings: one table, from the start. A tensor tracker sees them as
+    the backward's temporaries; they outweigh the activations of a wide model on few tokens (rank 0 of a
+    Qwen3-8B-wide model on 64 simulated ranks, 128 tokens: 512 MiB of root gradients against 141 MiB of
+    activations). A frozen base's share (adapters) forms none."""
+    share = counts.trainable / counts.total
+    embedding = counts.embedding * training.param_bytes * share
+    if counts.total - shape.layers * shape.layer_params < 2 * counts.embedding:  # tied: the LM head is the table
+        return embedding, 0.0
+    if loss_gradient_bytes(shape, training):
+        return 0.0, embedding
+    return shape.vocab * shape.hidden / training.tensor_parallel * training.param_bytes * share, embedding
+
+
 def optimizer_state_bytes(optimizer: str, param_bytes: int) -> float:
     """Optimizer-state bytes per parameter (torch keeps Adam's moments in the parameter dtype)."""
     return {"adamw": 2.0 * param_bytes, "adam": 2.0 * param_bytes, "sgd": 0.0,
@@ -131,7 +150,9 @@ def estimate_memory(counts: ParameterCounts, shape: ModelShape, training: Traini
     gradients and the reduce-scatter buffer they are copied into), the largest unit being a layer
     or the root (both divided by tensor parallelism, whose shards FSDP gathers); replicated gradients on more than one rank (or under DDP on one) also sit in DDP's buckets unless
     ``gradient_as_bucket_view``. Measured against FSDP2/FSDP1 on 2 ranks in
-    tests/test_estimate_memory.py. Under pipeline parallelism: the largest stage's
+    tests/test_estimate_memory.py. Activations: what the backward's peak holds beside the states, which
+    under FSDP includes the root's unsharded gradients (``root_gradient_bytes``; measured on simulated
+    ranks of 64 in tests/test_simulated_rank.py). Under pipeline parallelism: the largest stage's
     (``pipeline_stage_estimates``).
     """
     if training.pipeline_parallel > 1:
@@ -156,11 +177,15 @@ def estimate_memory(counts: ParameterCounts, shape: ModelShape, training: Traini
         transient += int(2 * max(gathered_layer, root) * training.param_bytes * counts.trainable / counts.total)
     elif (world_size > 1 or training.ddp) and not training.gradient_as_bucket_view:
         transient += trained
+    activations = activation_bytes(shape, training) + context_parallel_bytes(shape, training)[0]
+    if sharding.params > 1 or sharding.fsdp_units:  # the root's gradients wait, unsharded, for its reduce-scatter
+        head, embedding = root_gradient_bytes(counts, shape, training)
+        activations = int(head + max(activations, embedding))
     return MemoryEstimate(
         params=int(-(-full // _state_divisor(sharding.params, sharding, counts))) + _fp8_shard_cast(shape, training, sharding),
         grads=int(-(-trained // _state_divisor(sharding.grads, sharding, counts))),
         optimizer=int(optimizer_bytes(counts, training) / _state_divisor(sharding.optimizer, sharding, counts)),
-        activations=activation_bytes(shape, training) + context_parallel_bytes(shape, training)[0],
+        activations=activations,
         transient=transient + context_parallel_bytes(shape, training)[1],
         reference=reference_bytes(shape, training, full, sharding.params),
     )
