@@ -276,21 +276,23 @@ def check_attention_backend(name: str, training: bool) -> None:
     if name not in known:
         reserved = " (transformers reserves names containing 'flash' for its own kernels: use fa_varlen)" if "flash" in name else ""
         raise ConfigError(ATTENTION_KEY, name, f"choose one of {list(known)}{reserved}")
+    if name == "fa_varlen" and not torch.cuda.is_available():
+        raise ConfigError(ATTENTION_KEY, name, "flash-attn varlen needs CUDA (and flash-attn: pip install "
+                          "'lit-ablate[gpu]'); on CPU use sdpa_packed")
     if name == "fa_varlen" and not installed("flash_attn"):
         raise ConfigError(ATTENTION_KEY, name, f"{not_installed('flash_attn', 'flash-attn varlen')}; on CPU use sdpa_packed")
-    if name == "fa_varlen" and not torch.cuda.is_available():
-        raise ConfigError(ATTENTION_KEY, name, "flash-attn varlen needs CUDA; on CPU use sdpa_packed")
     if name == "torch_varlen":
         problem = torch_varlen_unavailable()
         if problem:
             raise ConfigError(ATTENTION_KEY, name, f"{problem}; on CPU use sdpa_packed")
     package = TRANSFORMERS_FLASH_BACKENDS.get(name)
+    if package and not torch.cuda.is_available():
+        raise ConfigError(ATTENTION_KEY, name, f"transformers' {name} needs CUDA and the {package} package; "
+                          "on CPU use sdpa_packed")
     if package and not installed(package):
         missing = not_installed(package, f"transformers' {name}") if package in EXTRAS else \
             f"transformers' {name} needs the {package} package, which is not installed here"
-        raise ConfigError(ATTENTION_KEY, name, f"{missing}; on CPU use sdpa_packed")
-    if package and not torch.cuda.is_available():
-        raise ConfigError(ATTENTION_KEY, name, f"transformers' {name} needs CUDA; on CPU use sdpa_packed")
+        raise ConfigError(ATTENTION_KEY, name, missing)
     if name == "flex" and training and not torch.cuda.is_available():
         raise ConfigError(ATTENTION_KEY, name, "flex attention trains only on CUDA (CPU has its forward only); use sdpa_packed")
 
