@@ -83,7 +83,8 @@ PY = "{python}"
 # (so 6 workers here), the dense MFU run ~120 s of which ~6 s were its 25 steps, loss 31 s, moe 21 s,
 # fp8 80 s cold for three variants, dpo 27 s, fit 23 s; packing compiled flex once per row width and
 # did not finish (rows have one static shape now). They add up, with the reserves, to LANE_BUDGET_S;
-# the most wanted steps come first, so an overrun costs the last ones.
+# the most wanted steps come first, so an overrun costs the last ones. mesh_sim's 30 s (six simulated
+# layouts in one process, never run on a GPU yet) came from fp8 (50 -> 35) and packing (40 -> 25).
 STEPS: tuple[Step, ...] = (
     Step("env", "versions, GPU, optional kernels", (PY, "benchmarks/gpu/environment.py"), 10),
     Step("gpu_tests", "every gpu-marked test in 6 workers, each skip with its reason, the slowest with their times",
@@ -106,6 +107,10 @@ STEPS: tuple[Step, ...] = (
          (PY, "-m", "lit_ablate.cli", "fit", "--config", "configs/quickstart.yaml", "--trainer.accelerator", "gpu",
           "--trainer.default_root_dir", "{scratch}/fit", "--recorder.path", "{scratch}/fit/run.json"),
          25, dry_argv=("--trainer.accelerator", "cpu", "--trainer.max_steps", "4"), collect="fit"),
+    Step("mesh_sim", "every mesh dimension's CUDA path (dp_shard, dp_replicate, tp, cp, ep, pp): rank 0 of 8, "
+         "simulated over a fake process group for two steps, bf16, memory beside the estimate",
+         (PY, "benchmarks/gpu/simulated_mesh.py", "--device", "cuda"),
+         30, dry_argv=("--device", "cpu", "--precision", "32-true", "--only", "dp_shard,pp")),
     Step("loss", "loss backends: vocab 151936, hidden 1024, 16k tokens, bf16; Liger's chunking swept",
          (PY, "benchmarks/loss_memory.py", "--vocab", "151936", "--tokens", "16384", "--hidden", "1024",
           "--dtype", "bfloat16", "--repeats", "2", "--liger-chunk-tokens", "own", "512", "2048",
@@ -121,13 +126,13 @@ STEPS: tuple[Step, ...] = (
     Step("fp8", "fp8: bf16 vs torchao tensorwise, Qwen3-8B shape (4 layers), 8k tokens, compiled",
          (PY, "benchmarks/fp8.py", "--shape", "qwen3-8b", "--layers", "4", "--seq-len", "8192", "--steps", "6",
           "--recipes", "tensorwise"),
-         50, dry_argv=("--shape", "tiny-qwen3", "--layers", "1", "--seq-len", "64", "--steps", "1", "--tokens", "64",
+         35, dry_argv=("--shape", "tiny-qwen3", "--layers", "1", "--seq-len", "64", "--steps", "1", "--tokens", "64",
                        "--timing-on-cpu", "--no-compile")),
     Step("packing", "packing vs padding, Qwen3-0.6B shape (8 layers), static packed rows, per packed attention backend",
          (PY, "benchmarks/packing.py", "--preset", "qwen3-0.6b", "--layers", "8", "--examples", "160", "--median", "400",
           "--max-len", "4096", "--batch-size", "4", "--rows", "2", "--repeats", "3",
           "--packed-attention", "torch_varlen", "flex", "sdpa_packed"),
-         40, dry_argv=("--device", "cpu", "--preset", "tiny-llama", "--layers", "2", "--examples", "24", "--median", "32",
+         25, dry_argv=("--device", "cpu", "--preset", "tiny-llama", "--layers", "2", "--examples", "24", "--median", "32",
                        "--max-len", "128", "--repeats", "1", "--packed-attention", "sdpa_packed")),
 )  # fmt: skip
 
@@ -407,6 +412,7 @@ def _write(out: Path, record: dict) -> None:
 HEADLINES: dict[str, tuple[str, ...]] = {
     "env": ("gpu", "torch", "torch_cuda", "triton", "transformers", "lightning"),
     "gpu_tests": ("selected", "passed", "failed", "error", "skipped"),
+    "mesh_sim": ("sim_dimensions_ok", "sim_dp_shard", "sim_dp_replicate", "sim_tp", "sim_cp", "sim_ep", "sim_pp"),
     "mfu_seed": ("seed_useful_tokens_per_s", "seed_lit_vs_hand", "seed_mfu", "seed_mfu_seed_formula", "seed_attention"),
     "mfu_dense": ("dense_useful_tokens_per_s", "dense_mfu", "dense_mfu_measured", "dense_attention", "dense_loss"),
     "loss": ("liger_memory_ratio", "cce_memory_ratio", "chunked_memory_ratio", "liger_best_chunk_tokens",

@@ -123,6 +123,12 @@ FIGURES: tuple[Figure, ...] = (
            "0.126 (CPU, 1k tokens)", ("<=", 0.15)),
     Figure("DPO", "dpo", "dpo_liger_memory_ratio", "Liger DPO's working memory / torch's", "6.0 (CPU, 1k tokens)"),
     Figure("fit", "fit", "status", "lit-ablate fit (quickstart, --trainer.accelerator gpu)", goal=("==", "ok")),
+    Figure("mesh on one GPU", "mesh_sim", "sim_dimensions_ok", "mesh dimensions whose CUDA path ran (rank 0 of 8, simulated)",
+           goal=("==", 6), unit="of 6"),
+    *(Figure("mesh on one GPU", "mesh_sim", f"sim_{dim}", f"{dim}: rank 0 of 8, two bf16 steps", goal=("==", "ok"))
+      for dim in ("dp_shard", "dp_replicate", "tp", "cp", "ep", "pp")),
+    *(Figure("mesh on one GPU", "mesh_sim", f"sim_{dim}_estimate", f"{dim}: the rank's memory vs the estimate")
+      for dim in ("dp_shard", "dp_replicate", "tp", "cp", "ep", "pp")),
     Figure("fit", "fit", "tensor_method", "memory measured by", goal=("==", "cuda_max_allocated")),
     Figure("gpu tests", "gpu_tests", "failed", "gpu-marked tests failed", goal=("==", 0)),
     Figure("gpu tests", "gpu_tests", "error", "gpu-marked tests in error", goal=("==", 0)),
