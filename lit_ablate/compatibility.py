@@ -454,6 +454,32 @@ def _rows_refusal(run: RunConfig, multiple: int, why: str) -> Refusal | None:
 
 
 @rule
+def context_parallel_attends(run: RunConfig, launch: LaunchLike) -> Refusal | None:
+    """Context-parallel attention (ring, all-gather) has no dropout and no sliding window, and shards
+    language-model batches, whose loss is a sum over tokens: DPO's per-sequence log-probs would sum each
+    rank's part of a sequence. The first forward (or batch) refused them once the ranks ran."""
+    from lit_ablate.modules.dpo import DPO
+
+    cp = _mesh_size(run, launch, "cp")
+    if cp == 1:
+        return None
+    if run.model.module.is_a(DPO):
+        return Refusal(f"{STRATEGY_OPTIONS}.cp", cp, "context parallelism shards language-model batches; DPO's "
+                       "per-sequence log-probs would sum each rank's part of a sequence: use cp: 1 for DPO")
+    config = _model_config(run)
+    dropout = getattr(config, "attention_dropout", 0.0) or 0.0
+    if dropout:
+        return Refusal("model.init_args.model.config.attention_dropout", dropout,
+                       "context-parallel attention has no dropout; set attention_dropout: 0")
+    layer_types = getattr(config, "layer_types", None) or ()
+    window = getattr(config, "sliding_window", None)
+    if "sliding_attention" in layer_types or (window and not layer_types and getattr(config, "use_sliding_window", True)):
+        return Refusal("model.init_args.model.config.sliding_window", window, "context-parallel attention has no "
+                       "sliding window; use a model without one, or cp: 1")
+    return None
+
+
+@rule
 def pipeline_stages_fit(run: RunConfig, launch: LaunchLike) -> Refusal | None:
     """What the pipeline strategy refused once its ranks ran: a model type its stages are not built for,
     more stages (``pp`` x ``stages_per_rank``) than decoder layers, split points that do not split the
@@ -603,6 +629,7 @@ RULES: dict[str, Rule] = {
     "tensor_parallel_splits_the_model": tensor_parallel_splits_the_model,
     "sequence_parallel_rows_split": sequence_parallel_rows_split,
     "pipeline_stages_fit": pipeline_stages_fit,
+    "context_parallel_attends": context_parallel_attends,
 }
 
 

@@ -277,6 +277,13 @@ ROWS: dict[str, tuple[Build, tuple[str, ...]]] = {
                                                   "--trainer.strategy", "PipelineParallelStrategy",
                                                   "--trainer.strategy.init_args.microbatches", "3"),
                                             ("trainer.strategy.init_args.microbatches=3", "batch_size is 4")),
+    "context_parallel_attention_dropout": (_args("fit", "--config", FSDP2, "--trainer.default_root_dir", "{tmp}",
+                                                 "--trainer.strategy", "ContextParallelStrategy",
+                                                 "--model.init_args.model.config", '{"attention_dropout": 0.1}'),
+                                           ("model.init_args.model.config.attention_dropout=0.1", "no dropout")),
+    "context_parallel_dpo": (_args("fit", "--config", DPO_TINY, "--trainer.default_root_dir", "{tmp}", "--trainer.devices",
+                                   "2", "--trainer.strategy", "ContextParallelStrategy"),
+                             ("trainer.strategy.init_args.cp=2", "DPO's per-sequence log-probs", "cp: 1")),
     "sequence_parallel_on_padded_sft_batches": (
         _args("fit", "--config", SFT, "--trainer.default_root_dir", "{tmp}", "--trainer.devices", "2",
               "--trainer.strategy", "TensorParallelStrategy", "--trainer.strategy.init_args.sequence_parallel", "true"),
