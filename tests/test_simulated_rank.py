@@ -311,3 +311,24 @@ def test_a_study_refuses_a_loss_check_over_simulated_ranks(tmp_path):
     spec = parse_study(_study(expect_equal_loss={"rtol": 1e-5}))
     with pytest.raises(ConfigError, match="expect_equal_loss.*simulated ranks"):
         plan_study(spec, tmp_path, resolve=lambda args: yaml.safe_load(Path(args[1]).read_text()))
+
+
+@pytest.mark.slow  # a lit-ablate fit subprocess (imports, 3 steps): ~30 s on 2 cores
+def test_estimate_measure_runs_the_rank_and_sets_it_beside_its_estimate(capsys):
+    """``lit-ablate estimate --measure``: ``lit-ablate fit --simulate 8`` in a process of its own (fsdp2_tiny:
+    rank 0 of FSDP2 x 8), its record read back and each category judged by the reports' rule; the table
+    names the rank and shows every category."""
+    import json as json_module
+
+    from lit_ablate.commands.estimate import _estimate_table, estimate_main
+
+    args = ["--config", str(CONFIGS / "fsdp2_tiny.yaml"), "--world_size", "8", "--measure", "--json"]
+    assert estimate_main(args) == 0
+    summary = json_module.loads(capsys.readouterr().out)
+    measured = summary["measured"]
+    assert (measured["world_size"], measured["rank"]) == (8, 0)
+    assert set(measured["categories"]) == set(AGREEMENT_FACTORS)
+    assert all(row["agrees"] for row in measured["categories"].values()), measured["categories"]
+    assert measured["step_time_s"] is not None
+    table = _estimate_table(summary)
+    assert "Rank 0 of 8, simulated" in table and all(f"| {c} |" in table for c in AGREEMENT_FACTORS)
