@@ -50,6 +50,8 @@ if os.environ.get("FAKE_HANG") == variant:
     time.sleep(60)
 if fake.get("crash"):
     raise RuntimeError("fake crash in " + variant)
+if fake.get("error"):
+    raise RuntimeError(fake["error"])
 if fake.get("oom"):
     print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", file=sys.stderr)
     sys.exit(1)
@@ -162,6 +164,23 @@ def test_failures_are_recorded_and_the_study_goes_on(tmp_path: Path, fake_fit: l
     assert len(launches(tmp_path)) == 4
     run_study(spec, out, fake_fit, fake_resolve, retry_failed=True)
     assert launches(tmp_path)[4:] == ["crash 0", "oom 0"]
+
+
+def test_an_error_message_that_looks_like_markup_is_printed_as_it_is(tmp_path: Path, fake_fit: list[str]):
+    """A run's error text goes to the terminal as text: gloo's ``[/__w/pytorch/.../pair.cc:553]`` is a closing
+    tag to rich's markup. Seen failing with markup on: ``MarkupError: closing tag '[/x]' ... doesn't match any
+    open tag`` ended the whole study after its first run (the next variant never ran)."""
+    import io
+
+    from rich.console import Console
+
+    error = "Connection closed by peer [/x] [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553]"
+    spec = make_spec([{"name": "broken", "overrides": {"fake.error": error}}, {"name": "fine"}])
+    out, printed = tmp_path / "study", io.StringIO()
+    run_study(spec, out, fake_fit, fake_resolve, console=Console(file=printed, width=400))
+    assert record(out, "broken")["summary"]["message"] == f"RuntimeError: {error}"
+    assert record(out, "fine")["summary"]["status"] == "ok" and (out / "report.md").is_file()
+    assert "broken seed0: error in " in printed.getvalue() and f"— RuntimeError: {error}\n" in printed.getvalue()
 
 
 def test_timeout_is_recorded(tmp_path: Path, fake_fit: list[str], monkeypatch: pytest.MonkeyPatch):

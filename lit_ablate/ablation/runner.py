@@ -85,7 +85,9 @@ def run_runs(
                 lines.finished(time.monotonic() - started)
                 outcome = f"{records[-1]['summary']['status']} in {time.monotonic() - started:.1f}s"
             message = records[-1]["summary"].get("message")
-            console.print(f"{run.label}: {outcome}" + (f" — {message}" if message and outcome[:2] != "ok" else ""))
+            # markup off: a run's error text is no rich markup (gloo's "[/__w/pytorch/...pair.cc:553]" is a closing tag)
+            console.print(f"{run.label}: {outcome}" + (f" — {message}" if message and outcome[:2] != "ok" else ""),
+                          markup=False)
             lines.advance()
     return records
 

@@ -321,7 +321,7 @@ class _ClusterQueue:
                 message = f" — {record['message']}" if record["status"] != "ok" and record.get("message") else ""
                 restarted = self.records[run_dir]["job"]["restarts"]
                 again = f", restarted {restarted}x" if restarted else ""
-                self.console.print(f"{run.label}: {record['status']} (job {job.job_id}{again}){message}")
+                self.console.print(f"{run.label}: {record['status']} (job {job.job_id}{again}){message}", markup=False)
                 if record["status"] == "preempted":  # the scheduler took the nodes back: the run goes back in line
                     job.cancel(check=False)  # never two jobs for one run, should the scheduler requeue it too
                     del self.records[run_dir]
