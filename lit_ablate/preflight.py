@@ -18,11 +18,14 @@ from lightning.pytorch import LightningDataModule
 
 from lit_ablate import record as run_record
 from lit_ablate.compatibility import GPU_ACCELERATORS, RULES, check_keys_act_together, refusal_of
-from lit_ablate.errors import ConfigError
+from lit_ablate.config_keys import TRAINER_STRATEGY_KEY
 from lit_ablate.data.token_cache import CACHE_DIR_ENV as DATA_CACHE_ENV
 from lit_ablate.data.token_cache import cache_root
+from lit_ablate.errors import ConfigError
+from lit_ablate.mesh_sizes import STRATEGY_KEY
 from lit_ablate.path_checks import checkpoint_path, saved_file, writable_dir, writable_file
 from lit_ablate.run_config import RunConfig, TrainerSettings
+from lit_ablate.simulated_rank import SIMULATE_KEY, SIMULATE_RANK_KEY, SimulatedRank
 
 LIGHTNING_CKPT_NAMES = ("last", "best", "hpc")
 """``--ckpt_path`` values Lightning resolves to a file itself (with ``registry...``)."""
@@ -57,7 +60,7 @@ def check_config(config: RunConfig | Mapping[str, Any], fitting: bool = True) ->
     check_trainer(run.trainer, fitting=fitting)
     check_keys_act_together(run)
     check_paths(run)
-    check_mesh(run.trainer)
+    check_mesh(run.trainer, run.simulation)
     if run.model.module.init_args.get("loss") is not None:
         run.model.loss.check_named()
 
@@ -135,14 +138,62 @@ def check_parts_compatible(config: RunConfig | Mapping[str, Any]) -> None:
         raise refusal.error()
 
 
-def check_mesh(trainer: TrainerSettings | Mapping[str, Any]) -> None:
-    """A mesh strategy's sizes must make the world size (devices x nodes). Checked here, before
-    Lightning starts the ranks: the strategy itself can only check once every rank runs.
+def check_mesh(trainer: TrainerSettings | Mapping[str, Any], simulation: SimulatedRank | None = None) -> None:
+    """A mesh strategy's sizes must make the world size (devices x nodes, or a simulated job's). Checked
+    here, before Lightning starts the ranks: the strategy itself can only check once every rank runs.
     ``trainer``: the run's ``TrainerSettings`` or its ``trainer`` section."""
     trainer = trainer if isinstance(trainer, TrainerSettings) else TrainerSettings.of(trainer)
     sizes, devices = trainer.strategy.requested_mesh_sizes, trainer.devices_per_node
-    if sizes is not None and devices is not None:  # not: a strategy without a mesh, or devices Lightning counts ("auto")
+    if sizes is not None and simulation is not None:
+        sizes.resolved(simulation.world_size)
+    elif sizes is not None and devices is not None:  # not: a strategy without a mesh, or devices Lightning counts ("auto")
         sizes.resolved(devices * trainer.nodes)
+
+
+def check_simulation(subcommand: str, config: RunConfig | Mapping[str, Any],
+                     ckpt_path: str | os.PathLike | None = None) -> None:  # fmt: skip
+    """Refuse a simulated rank (``simulate``: one process playing one rank of a larger job over a fake
+    process group) where it cannot mean anything: outside ``fit`` (its weights are drawn, not trained),
+    resuming (nothing real was saved), under a strategy the fake process group cannot run (torch's DDP
+    waits on the result of its gradient all-reduce, which a fake one never gives), with a quantised base
+    (its quantisation state is made from real weights on rank 0), or playing a pipeline rank past the first
+    stage (its inputs' shapes would come from a stage no process runs). The mesh must lay out on the
+    simulated world size (``check_mesh``)."""
+    run = RunConfig.of(config)
+    simulation = run.simulation
+    if simulation is None:
+        return
+    if subcommand != "fit":
+        raise ConfigError(SIMULATE_KEY, simulation.world_size, f"a simulated rank only trains; drop --{SIMULATE_KEY} "
+                          f"for {subcommand}")
+    if ckpt_path:
+        raise ConfigError("--ckpt_path", str(ckpt_path), "a simulated rank draws its own weights and saves nothing to "
+                          f"resume from; drop --ckpt_path (or --{SIMULATE_KEY})")
+    from lit_ablate.strategies.mesh import MeshStrategy
+    from lit_ablate.strategies.pipeline_parallel import PipelineParallelStrategy
+
+    strategy = run.trainer.strategy
+    if not strategy.is_a(MeshStrategy):
+        raise ConfigError(TRAINER_STRATEGY_KEY, strategy.short_name,
+                          "a simulated rank runs lit-ablate's mesh strategies (FSDP2Strategy, HSDPStrategy, "
+                          "TensorParallelStrategy, ContextParallelStrategy, ExpertParallelStrategy, MeshParallelStrategy, "
+                          "PipelineParallelStrategy); torch's DDP (ddp, DDPStrategy, ZeRO1Strategy) and FSDP1 wait on "
+                          "collective results a fake process group never gives")
+    if run.model.quantization_section is not None:
+        raise ConfigError("model.init_args.model.quantization", run.model.quantization_section,
+                          "a quantised base is made from real weights on rank 0, which a simulated rank does not build; "
+                          "simulate the unquantised model")
+    sizes = strategy.requested_mesh_sizes.resolved(simulation.world_size)
+    if sizes.pp > 1 and strategy.is_a(PipelineParallelStrategy):
+        per_stage = simulation.world_size // sizes.pp
+        if simulation.rank >= per_stage:
+            raise ConfigError(SIMULATE_RANK_KEY, simulation.rank,
+                              f"a simulated pipeline rank holds the first stage (ranks 0-{per_stage - 1} of {sizes.pp} "
+                              "stages): a later stage's inputs come from a stage no process runs")
+        if strategy.option("schedule") == "interleaved_1f1b":
+            raise ConfigError(f"{STRATEGY_KEY}.schedule", "interleaved_1f1b",
+                              "an interleaved rank also holds later stages, whose inputs come from stages no process "
+                              "runs; simulate 1f1b or gpipe")
 
 
 def check_ckpt_path(ckpt_path: str | os.PathLike | None) -> None:

@@ -15,7 +15,7 @@ Layers, top to bottom (a module may import its own layer and the layers below it
 - ``data/``;
 - ``models/``;
 - the ground floor: ``errors``, ``record``, ``terminal``, ``import_warnings``, ``config_keys``,
-  ``path_checks``, ``parse_errors``, ``command_table``, ``class_paths``, ``mesh_sizes``, ``extras``.
+  ``path_checks``, ``parse_errors``, ``command_table``, ``class_paths``, ``mesh_sizes``, ``simulated_rank``, ``extras``.
 
 Imports under ``if TYPE_CHECKING:`` are annotations only and never run, so they do not count.
 Seen failing on the circles and upward imports the house had (``ablation.plan`` -> ``cli``,
@@ -31,7 +31,7 @@ import pytest
 
 PACKAGE = Path(__file__).parents[1] / "lit_ablate"
 GROUND = ("errors", "record", "terminal", "import_warnings", "config_keys", "path_checks", "parse_errors",
-          "command_table", "class_paths", "mesh_sizes", "extras")
+          "command_table", "class_paths", "mesh_sizes", "simulated_rank", "extras")
 LAYERS: list[tuple[str, ...]] = [  # bottom first
     tuple(f"lit_ablate.{name}" for name in GROUND),
     ("lit_ablate.models",),
