@@ -309,19 +309,22 @@ def _fp8_refusal(run: RunConfig, launch: LaunchLike, judge_gpu: bool) -> Refusal
 
 @rule
 def pipeline_stages_split_the_model(run: RunConfig, launch: LaunchLike) -> Refusal | None:
-    """Pipeline stages hold the embeddings (first stage) and the LM head (last stage) apart: a model
-    that ties them would need the two stages' gradients of one matrix summed, which is not built."""
-    if _requested_size(run, "pp") == 1:
+    """A pipeline splits the model over ranks: its first and last stage (the embeddings, the LM head) are
+    on different ranks, rank 0 and rank ``pp - 1`` (interleaved stages loop from one to the other), and
+    a tied matrix is held as two copies whose gradients are summed (``pipeline_tied_embeddings``). With
+    ``pp`` 1 one rank would hold the first and the last stage, which torch's schedules do not run (tied
+    or not): refused, for the mesh strategy that runs a whole model on each rank."""
+    from lit_ablate.strategies.pipeline_parallel import PipelineParallelStrategy
+    from lit_ablate.strategies.pipeline_split import ONE_STAGE_FIX
+
+    strategy = run.trainer.strategy
+    if not strategy.is_a(PipelineParallelStrategy):
         return None
     try:
-        tied = bool(getattr(run.model.build_factory().hf_config(), "tie_word_embeddings", False))
-    except (ConfigError, TypeError, OSError):  # a model the run itself reports
+        pp = strategy.mesh_size("pp", _world_size(run, launch))
+    except ConfigError:  # sizes that do not make the world size: check_mesh's refusal
         return None
-    if tied:
-        return Refusal("model.init_args.model.config.tie_word_embeddings", True, "pipeline stages hold the "
-                       "embeddings (first stage) and the LM head (last stage) apart, and a tied pair is not built; set "
-                       "it false, or use trainer.strategy.init_args.pp: 1")
-    return None
+    return Refusal(f"{STRATEGY_OPTIONS}.pp", pp, ONE_STAGE_FIX) if pp == 1 else None
 
 
 @rule

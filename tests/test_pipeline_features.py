@@ -28,7 +28,6 @@ from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX, loss_backend
 from lit_ablate.models.moe.blocks import MoEOptions, collect_aux_losses
 from lit_ablate.modules import CausalLM
-from lit_ablate.strategies.gradient_clipping import clip_grad_norm_across_meshes as clip_grad_norm_over_stages
 from lit_ablate.strategies.pipeline_parallel import PipelineParallelStrategy
 from lit_ablate.strategies.step_objective import StepObjective
 from tests.distributed import run_ranks
@@ -127,8 +126,8 @@ def _pipeline_run(rank: int, world_size: int, preset: str, data: str, strategy_k
                 optimizer.zero_grad()  # Lightning zeroes after the step's first training_step
             strategy.deliver_gradients(len(batches))  # the strategy's backward
         objective.normalize_gradients(model.parameters(), strategy, accumulate_grad_batches=len(batches))
-        if clip is not None:
-            norms.append(clip_grad_norm_over_stages(model.parameters(), clip, strategy.device_mesh.get_group("pp")).item())
+        if clip is not None:  # what a fit's gradient_clip_val runs (the norm over the stages)
+            norms.append(strategy.clip_gradients_by_norm(optimizer, clip).item())
         optimizer.step()
         optimizer.zero_grad()
         losses.append(objective.last_step_loss.item())

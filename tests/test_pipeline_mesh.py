@@ -68,12 +68,12 @@ def sft_batch_of_8() -> dict[str, torch.Tensor]:
 BATCHES = {"sft": sft_batch, "packed": packed_rows, "sft8": sft_batch_of_8}
 
 
-def build_model(name: str, meta: bool = False) -> CausalLMWithLoss:
-    """A tiny preset, the MoE one with lit-ablate's grouped experts (what expert parallelism shards) and
-    its router losses (load balancing 0.5, z-loss 0.05, as ``tests/test_pipeline_features.py``), or
-    none (``tiny-qwen3-moe-no-aux``)."""
+def build_model(name: str, meta: bool = False, config: dict | None = None) -> CausalLMWithLoss:
+    """A tiny preset (its Hugging Face ``config`` keys overridden), the MoE one with lit-ablate's grouped
+    experts (what expert parallelism shards) and its router losses (load balancing 0.5, z-loss 0.05, as
+    ``tests/test_pipeline_features.py``), or none (``tiny-qwen3-moe-no-aux``)."""
     if not name.startswith("tiny-qwen3-moe"):
-        return build(name, meta)
+        return build(name, meta, config)
     torch.manual_seed(0)
     aux = not name.endswith("no-aux")
     moe = MoEOptions(experts="grouped", load_balance_weight=0.5 if aux else 0.0, z_loss_weight=0.05 if aux else 0.0)
@@ -82,14 +82,15 @@ def build_model(name: str, meta: bool = False) -> CausalLMWithLoss:
     return CausalLMWithLoss(lm, loss_backend("torch"))
 
 
-def train_reference(preset: str, batch_name: str, chunks: int = 1, steps: int = STEPS) -> dict:
+def train_reference(preset: str, batch_name: str, chunks: int = 1, steps: int = STEPS,
+                    config: dict | None = None) -> dict:
     """One process: ``steps`` SGD steps on the whole batch's objective, then its loss on the batch.
 
     With ``chunks``, the rows go through in that many consecutive parts, each part's router losses
     weighted by its useful tokens (the step objective's ``(loss_sum + units x aux) / N``): what a
     distributed run computes when each of its data-parallel ranks and micro-batches holds one part
     (a router loss is a function of the tokens routed together, not a sum over them)."""
-    model, batch = build_model(preset), BATCHES[batch_name]()
+    model, batch = build_model(preset, config=config), BATCHES[batch_name]()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for _ in range(steps):
@@ -109,7 +110,7 @@ def train_reference(preset: str, batch_name: str, chunks: int = 1, steps: int = 
 
 
 def _mesh_pipeline_run(rank: int, world_size: int, preset: str, strategy_kwargs: dict, batch_name: str = "sft",
-                       steps: int = STEPS) -> dict:
+                       steps: int = STEPS, config: dict | None = None) -> dict:
     """``steps`` SGD steps as ``CausalLM`` takes them under the strategy (inside its vocabulary-parallel
     loss and context-parallel attention, on the batch as its ``batch_to_device`` hands it over: this
     data-parallel rank's rows, this context-parallel rank's slice of them), then the trained model's
@@ -117,7 +118,7 @@ def _mesh_pipeline_run(rank: int, world_size: int, preset: str, strategy_kwargs:
     elements this rank holds."""
     strategy = PipelineParallelStrategy(**strategy_kwargs)
     strategy.build_mesh("cpu", world_size)
-    model = strategy.parallelize(build_model(preset, meta=rank != 0))
+    model = strategy.parallelize(build_model(preset, meta=rank != 0, config=config))
     objective = StepObjective()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
 
@@ -283,16 +284,6 @@ def _fit_refusal(*options: str) -> str:
     message = str(refusal.value)
     assert "\n" not in message, message
     return message
-
-
-def test_tied_embeddings_under_pp_are_refused_before_any_rank_starts():
-    """The embeddings (first stage) and a tied LM head (last stage) cannot share one matrix: ``lit-ablate
-    fit`` refuses it in one line naming the key and both fixes, before any class is instantiated (the
-    compatibility rule ``pipeline_stages_split_the_model``, which studies apply to their variants too).
-    Seen failing without the rule in ``FIT_RULES`` (no refusal: the fit started its ranks)."""
-    message = _fit_refusal("--trainer.strategy.class_path", "lit_ablate.strategies.PipelineParallelStrategy",
-                           "--model.init_args.model.config", '{"tie_word_embeddings": true}')
-    assert "tie_word_embeddings" in message and "pp: 1" in message
 
 
 def test_pp_on_mesh_parallel_strategy_names_the_pipeline_strategy():

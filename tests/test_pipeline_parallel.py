@@ -52,10 +52,11 @@ LR = 0.5
 ATOL = 1e-5
 
 
-def build(preset: str, meta: bool = False) -> CausalLMWithLoss:
+def build(preset: str, meta: bool = False, config: dict | None = None) -> CausalLMWithLoss:
+    """``preset`` (its Hugging Face ``config`` keys overridden: ``{"tie_word_embeddings": True}``)."""
     torch.manual_seed(0)
     with torch.device("meta") if meta else nullcontext():
-        lm = ModelFactory(preset=preset).build()
+        lm = ModelFactory(preset=preset, config=config or {}).build()
     return CausalLMWithLoss(lm, loss_backend("torch"))
 
 
@@ -227,13 +228,13 @@ class Seen(Callback):
 
 
 def fit(strategy, devices: int, root: Path, steps: int = 3, ckpt_path: str | None = None, batch_size: int = 2,
-        validate: bool = False) -> Seen:
-    """``steps`` AdamW steps; with ``validate``, a sanity batch before them and the 5 held-out rows
-    after them (the last batch smaller than the others)."""
+        validate: bool = False, config: dict | None = None) -> Seen:
+    """``steps`` AdamW steps of tiny Llama (its Hugging Face ``config`` keys overridden); with ``validate``,
+    a sanity batch before them and the 5 held-out rows after them (the last batch smaller than the others)."""
     pl.seed_everything(0, verbose=False)
     # Adam amplifies the summation-order difference of micro-batches: at 1e-2 the third loss drifted 8e-5
     # (one process splitting its own batch in two drifts 5e-6 the same way); the SGD tests above are exact.
-    module = CausalLM(ModelFactory(preset="tiny-llama"), learning_rate=1e-3, warmup_steps=1)
+    module = CausalLM(ModelFactory(preset="tiny-llama", config=config or {}), learning_rate=1e-3, warmup_steps=1)
     data = LMDataModule(SyntheticText(num_documents=40), seq_len=32, batch_size=batch_size, val_examples=5)
     seen = Seen()
     trainer = pl.Trainer(
@@ -270,12 +271,15 @@ def test_lightning_fit_with_pp2_equals_one_device(tmp_path):
     assert_ranks_fit_and_resume_as_one_device(tmp_path, _lightning_pp, 2)
 
 
-def assert_ranks_fit_and_resume_as_one_device(tmp_path: Path, ranks_fit, world_size: int) -> None:
+def assert_ranks_fit_and_resume_as_one_device(tmp_path: Path, ranks_fit, world_size: int,
+                                              config: dict | None = None) -> None:
     """``ranks_fit`` on ``world_size`` ranks (returning each rank's losses, validation loss and the
-    losses of a run saved after 2 steps and resumed) records one device's, saved and resumed the same way."""
-    reference = fit("auto", 1, tmp_path / "one", validate=True)
-    fit("auto", 1, tmp_path / "one-cut", steps=2)
-    resumed = fit("auto", 1, tmp_path / "one-resumed", ckpt_path=str(tmp_path / "one-cut" / "last.ckpt")).losses
+    losses of a run saved after 2 steps and resumed) records one device's (the model's ``config``
+    keys overridden alike), saved and resumed the same way."""
+    reference = fit("auto", 1, tmp_path / "one", validate=True, config=config)
+    fit("auto", 1, tmp_path / "one-cut", steps=2, config=config)
+    resumed = fit("auto", 1, tmp_path / "one-resumed", ckpt_path=str(tmp_path / "one-cut" / "last.ckpt"),
+                  config=config).losses
     ranks = run_ranks(ranks_fit, world_size, str(tmp_path / "ranks"), init_process_group=False, timeout_s=400)
     assert reference.losses[-1] < reference.losses[0] - 1e-3, "the model did not train"
     for run in ranks:
@@ -345,13 +349,12 @@ def test_split_points_out_of_range_are_refused(points, stages):
     check_split_points([1, 3], num_layers=4, stages=3)  # valid: no error
 
 
-def test_tied_embeddings_and_other_families_are_refused():
+def test_other_families_are_refused():
+    """Families whose decoder rescales ``inputs_embeds`` (Gemma) are refused; tied embeddings are taken
+    (tests/test_pipeline_tied_embeddings.py)."""
     strategy = PipelineParallelStrategy(pp=2)
     strategy.pp = 2
-    lm = ModelFactory(preset="tiny-llama", config={"tie_word_embeddings": True}).build(device="meta")
-    tied = CausalLMWithLoss(lm, loss_backend("torch"))
-    with pytest.raises(ConfigError, match="tie_word_embeddings"):
-        strategy.check_model(tied)
+    strategy.check_model(build("tiny-llama", meta=True, config={"tie_word_embeddings": True}))
     gemma = ModelFactory(config={**preset_config("tiny-llama"), "model_type": "gemma"}).build(device="meta")
     with pytest.raises(ConfigError, match="gemma"):
         strategy.check_model(CausalLMWithLoss(gemma, loss_backend("torch")))

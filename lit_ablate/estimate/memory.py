@@ -118,7 +118,7 @@ def root_gradient_bytes(counts: ParameterCounts, shape: ModelShape, training: Tr
     activations). A frozen base's share (adapters) forms none."""
     share = counts.trainable / counts.total
     embedding = counts.embedding * training.param_bytes * share
-    if counts.total - shape.layers * shape.layer_params < 2 * counts.embedding:  # tied: the LM head is the table
+    if shape.tied_embeddings:  # the LM head is the table
         return embedding, 0.0
     if loss_gradient_bytes(shape, training):
         return 0.0, embedding

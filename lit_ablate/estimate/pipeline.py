@@ -33,11 +33,15 @@ def pipeline_stage_layers(counts: ParameterCounts, shape: ModelShape, training: 
 
 
 def pipeline_stage_parameters(counts: ParameterCounts, shape: ModelShape, training: TrainingShape) -> list[int]:
-    """Parameters each stage holds: its layers, plus the embeddings (first) or final norm and LM head (last)."""
+    """Parameters each stage holds: its layers, plus the embeddings (first) or final norm and LM head (last).
+    A tied matrix is held twice when the first and last stage are on different ranks (``pp > 1``): the
+    embedding's copy and the LM head's (``pipeline_tied_embeddings``), so its gradients and optimizer
+    states are counted twice too."""
     layers = pipeline_stage_layers(counts, shape, training)
     root = counts.total - shape.layers * shape.layer_params
+    head_copy = shape.vocab * shape.hidden if shape.tied_embeddings and training.pipeline_parallel > 1 else 0
     return [n * shape.layer_params + (counts.embedding if i == 0 else 0)
-            + (root - counts.embedding if i == len(layers) - 1 else 0) for i, n in enumerate(layers)]  # fmt: skip
+            + (root - counts.embedding + head_copy if i == len(layers) - 1 else 0) for i, n in enumerate(layers)]  # fmt: skip
 
 
 @dataclass(frozen=True)

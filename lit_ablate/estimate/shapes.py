@@ -39,6 +39,8 @@ class ModelShape:
     shared_expert_intermediate: int
     layer_params: int
     """Parameters of the largest decoder layer: what a sharded strategy gathers at a time."""
+    tied_embeddings: bool
+    """The LM head is the input embedding's matrix (one table; a pipeline holds it on its first and last stage)."""
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,8 @@ def model_shape(config: PretrainedConfig) -> ModelShape:
         expert_intermediate=getattr(config, "moe_intermediate_size", None) or getattr(config, "intermediate_size", 0),
         shared_expert_intermediate=getattr(config, "shared_expert_intermediate_size", 0) or 0,
         layer_params=max(layer_params, default=0),
+        tied_embeddings=model.get_output_embeddings() is not None
+        and model.get_output_embeddings().weight is model.get_input_embeddings().weight,
     )
 
 

@@ -7,7 +7,8 @@ which DTensor's redistribution refuses), and under a pipeline each rank holds on
 would clip every stage by its own, larger scale. Here each rank sums its gradients' local squares
 per kind of shard (mesh and placements), over the mesh dimensions each kind is sharded on; the
 kinds add up, the stages add theirs over the pipeline group, and every rank scales by the one global
-norm as torch scales (``max_norm / (norm + 1e-6)``, only when below 1).
+norm as torch scales (``max_norm / (norm + 1e-6)``, only when below 1). A matrix two stages hold
+(tied embeddings: ``pipeline_tied_embeddings``) is counted once: its second copy is scaled, not counted.
 """
 
 from __future__ import annotations
@@ -24,13 +25,18 @@ from torch.distributed.tensor import DTensor
 
 @torch.no_grad()
 def clip_grad_norm_across_meshes(parameters: Iterable[Tensor], max_norm: float,
-                                 stage_group: ProcessGroup | None = None) -> Tensor:
+                                 stage_group: ProcessGroup | None = None, repeated: Iterable[Tensor] = ()) -> Tensor:
     """Clip the gradients by their global L2 norm over every mesh they are sharded on and, with
     ``stage_group``, over the pipeline stages (every stage calls it, one without gradients too).
-    Returns that pre-clip norm (fp32, on the host)."""
+    ``repeated``: parameters among them whose gradient another stage holds too (counted there), which
+    are scaled but not counted. Returns that pre-clip norm (fp32, on the host)."""
     kinds: dict[tuple, list[Tensor]] = {}  # one all-reduce per kind of shard, not per gradient
+    uncounted = {id(p) for p in repeated}
+    scaled_only = []
     for p in parameters:
-        if p.grad is not None:
+        if p.grad is not None and id(p) in uncounted:
+            scaled_only.append(p.grad)
+        elif p.grad is not None:
             key = (p.grad.device_mesh, tuple(p.grad.placements)) if isinstance(p.grad, DTensor) else (None, ())
             kinds.setdefault(key, []).append(p.grad)
     squares = [_squared_norm(grads, mesh, placements).cpu() for (mesh, placements), grads in kinds.items()]
@@ -43,7 +49,7 @@ def clip_grad_norm_across_meshes(parameters: Iterable[Tensor], max_norm: float,
     total = square.sqrt()
     coef = max_norm / (float(total) + 1e-6)
     if coef < 1.0:
-        for grads in kinds.values():
+        for grads in [*kinds.values(), *([grad] for grad in scaled_only)]:
             torch._foreach_mul_(grads, coef)
     return total
 

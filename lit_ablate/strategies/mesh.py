@@ -413,15 +413,21 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
         with self.step_context():
             return super().predict_step(*args, **kwargs)
 
-    def clip_gradients_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+    def clip_gradients_by_norm(self, optimizer: Optimizer, clip_val: float) -> torch.Tensor:
         """``gradient_clip_val`` by the norm of the whole model's gradient (``clip_grad_norm_across_meshes``):
         over every mesh its DTensors are sharded on (tensor-parallel slices, FSDP shards, experts) and,
-        with ``pp > 1``, over the pipeline stages. Lightning's precision plugin calls it (``setup``):
-        torch's ``clip_grad_norm_`` cannot combine DTensors on different meshes and would clip each
-        stage by its own norm."""
+        with ``pp > 1``, over the pipeline stages, a matrix two stages hold counted once
+        (``repeated_parameters``). Lightning's precision plugin calls it (``setup``): torch's
+        ``clip_grad_norm_`` cannot combine DTensors on different meshes and would clip each stage by its
+        own norm. Returns the pre-clip norm."""
         params = (p for group in optimizer.param_groups for p in group["params"])
         stages = self.device_mesh.get_group("pp") if self.mesh_sizes.pp > 1 else None
-        clip_grad_norm_across_meshes(params, clip_val, stages)
+        return clip_grad_norm_across_meshes(params, clip_val, stages, self.repeated_parameters())
+
+    def repeated_parameters(self) -> list[torch.nn.Parameter]:
+        """Parameters of this rank whose matrix another pipeline stage holds too and counts in the
+        gradient norm (a pipeline's tied embeddings: ``PipelineParallelStrategy``); none here."""
+        return []
 
     def _mesh_device(self) -> torch.device:
         if self.device_mesh.device_type == "cpu":

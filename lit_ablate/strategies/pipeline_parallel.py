@@ -24,8 +24,8 @@ tokens are counted over ``dp_replicate x dp_shard x ep x cp`` (never over ``pp``
 which count the same tokens) and ``StepObjective`` undoes FSDP's division by their number once;
 replicas of whole stages (``dp_replicate`` alone) average their gradients with one all-reduce after
 the schedule. Throughput and MFU count a step's tokens once per ``pp x tp`` group
-(``batch_replicas``). Tied embeddings cannot be split across stages and are refused before any rank
-starts (``compatibility.pipeline_stages_split_the_model``); sequence parallelism is not offered.
+(``batch_replicas``). A tied matrix has a copy on the first and on the last stage, their gradients
+summed (``pipeline_tied_embeddings``); sequence parallelism is not offered.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ from lit_ablate.strategies.pipeline_schedule import PipelineSchedule
 from lit_ablate.strategies.pipeline_split import holds, keep_stages
 from lit_ablate.strategies.pipeline_stage_sharding import StageSharding
 from lit_ablate.strategies.pipeline_stages import RankStages, StageModule
+from lit_ablate.strategies.pipeline_tied_embeddings import StageCopy, TiedNames, stage_copy, tied_names
 from lit_ablate.strategies.state_sharding import REPLICATED, StateSharding
 from lit_ablate.strategies.tensor_parallel_plans import Plan
 
@@ -82,11 +83,12 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
     of the stage; HSDP with ``dp_replicate`` beside it). Built: world size = ``dp_replicate x
     dp_shard x ep x cp x tp x pp``: ``tp``, ``ep`` and ``cp`` act on each stage as in
     ``MeshParallelStrategy`` (this class is it with the pipeline step; see the module docstring),
-    Llama, Qwen3 and Qwen3-MoE models without tied embeddings (every stage's router losses trained
-    and logged as one process's), padded or packed batches (every stage gets its micro-batch's
-    positions), gradient clipping by the norm over all stages, gradient accumulation over batches
-    (each batch still split into ``microbatches``), ``CausalLM`` and ``DPO`` (padded pairs, whole pairs
-    per micro-batch, a precomputed or no reference); the rest is refused with the key to change.
+    Llama, Qwen3 and Qwen3-MoE models (tied embeddings: a copy on the first and on the last stage, kept
+    equal; every stage's router losses trained and logged as one process's), padded or packed batches
+    (every stage gets its micro-batch's positions), gradient clipping by the norm over all stages,
+    gradient accumulation over batches (each batch still split into ``microbatches``), ``CausalLM``
+    and ``DPO`` (padded pairs, whole pairs per micro-batch, a precomputed or no reference); the rest
+    is refused with the key to change.
     Every training batch must have the first one's shape (torch's stages size their buffers once).
     Validation and test run each batch forward through the stages (``pipeline_forward``).
 
@@ -164,6 +166,8 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
         self._stages: RankStages | None = None
         self._schedule: PipelineSchedule | None = None
         self._pipelined: CausalLMWithLoss | None = None
+        self._tied: TiedNames | None = None
+        self._tied_copy: StageCopy | None = None
 
     # ---------------------------------------------------------------- the mesh
     def build_mesh(self, device_type: str, world_size: int) -> DeviceMesh:
@@ -239,20 +243,21 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
         """The split in front of the mesh's steps (torchtitan's order): keep this rank's stages of ``model``
         (``apply_pp``; parameter names unchanged), run the steps (``apply_steps``) on what is left, each
         stage module an FSDP2 root (``shards_parameters``), fill every rank's part from rank 0's whole
-        model (``materialize``), build the schedule over the stages. Each step acts on the stage as it
-        would on a whole model, over the stage's sub-mesh: the ``pp`` coordinate is fixed in every group
-        but the schedule's.
+        model (``materialize``), pair a tied matrix's copies (``stage_copy``), build the schedule over the
+        stages. Each step acts on the stage as it would on a whole model, over the stage's sub-mesh.
         """
         self.check_model(model)
+        self._tied = tied_names(model)
         # Before any step replaces a parameter: rank 0's whole model, every other rank's shapes (on meta).
         whole = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") if t.is_meta else t
                  for name, t in itertools.chain(model.named_parameters(), model.named_buffers())}
         self.apply_pp(model)
         self.apply_steps(model)
         self.materialize(model, whole)
+        self._tied_copy = stage_copy(model, self._tied, self.device_mesh) if self._tied and self.pp > 1 else None
         group, replicas = self.gradient_mean_group
         self._schedule = PipelineSchedule(self._stages, self.schedule_name, self.microbatches, group,
-                                          (None, 1) if self.shards_parameters else (group, replicas))
+                                          (None, 1) if self.shards_parameters else (group, replicas), self._tied_copy)
         self._pipelined = model
         model.forward = functools.partial(self.pipeline_forward, model)  # the stage alone would compute nonsense
         model.parallelized_by = type(self).__name__
@@ -270,6 +275,9 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
     def stage_modules(self) -> dict[int, StageModule]:
         return self._stages.modules
 
+    def repeated_parameters(self) -> list[torch.nn.Parameter]:
+        return self._tied_copy.repeated if self._tied_copy is not None else []  # the last stage's copy
+
     def root_plan(self, model: CausalLMWithLoss) -> Plan:
         """TP's plan for the ends this stage holds: the embeddings on the first, the LM head on the last."""
         return {name: style for name, style in super().root_plan(model).items() if holds(model.lm, name)}
@@ -284,10 +292,6 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError("model.init_args.model", config.model_type,
                               f"pipeline stages are built for {', '.join(SUPPORTED_MODEL_TYPES)} models")
-        if getattr(config, "tie_word_embeddings", False):
-            raise ConfigError("model.init_args.model.config.tie_word_embeddings", True,
-                              "the embeddings (first stage) and LM head (last stage) cannot share one matrix; "
-                              "use false")
         if config.num_hidden_layers < self.pp:
             raise ConfigError(f"{STRATEGY_KEY}.pp", self.pp,
                               f"the model has {config.num_hidden_layers} decoder layers; use at most that many stages")
@@ -297,7 +301,9 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
     def materialize(self, model: CausalLMWithLoss, source: Mapping[str, Tensor]) -> None:
         """Rank 0 built the whole model: broadcast each of its tensors (``source``: rank 0's values, every
         other rank's shapes on ``meta``); each rank keeps those of its stage (its own slice of them:
-        FSDP's shard over ``dp_shard x ep x cp``, TP's over ``tp``, EP's experts)."""
+        FSDP's shard over ``dp_shard x ep x cp``, TP's over ``tp``, EP's experts), a tied matrix's values
+        in the embedding's copy (first stage) and the LM head's (last)."""
+        copies = {self._tied.embedding: self._tied.head} if self._tied is not None else {}
         device = self._mesh_device()
         if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
             model.to_empty(device=device)
@@ -305,15 +311,13 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
             model.to(device)
         local = dict(itertools.chain(model.named_parameters(), model.named_buffers()))
         for name, full in source.items():
-            value = (torch.empty(full.shape, dtype=full.dtype, device=device) if full.is_meta
-                     else full.detach().to(device))
+            value = torch.empty(full.shape, dtype=full.dtype, device=device) if full.is_meta else full.detach().to(device)
             dist.broadcast(value, src=0)
-            if name in local:
-                target = local[name]
-                if isinstance(target, DTensor):  # this rank's piece of the full value, no communication
-                    value = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
+            for target in (local[held] for held in (name, copies.get(name)) if held in local):
+                piece = (distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
+                         if isinstance(target, DTensor) else value)  # this rank's piece, no communication
                 with torch.no_grad():
-                    target.copy_(value)
+                    target.copy_(piece)
 
     # ---------------------------------------------------------------- one step
     @property

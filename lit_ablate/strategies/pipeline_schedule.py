@@ -17,7 +17,9 @@ each batch's schedule gradients are added to the step's earlier ones, divided as
 loss; a packed batch's ``position_ids`` reach every stage with its micro-batch (the schedule chunks a
 step's keyword inputs for each stage); and the MoE router losses of each stage's layers are
 backpropagated by that stage (``StageModule.add_aux_gradient``: the schedule backpropagates only the
-last stage's loss), weighted by their micro-batch's useful tokens as ``CausalLM`` weighs them.
+last stage's loss), weighted by their micro-batch's useful tokens as ``CausalLM`` weighs them; a tied
+matrix's two copies (embedding on the first stage, LM head on the last) add each other's gradients
+after each batch's schedule, beside the replicas' average, as one process's one matrix takes both.
 
 DPO's loss is per pair: its padded batch is reordered so that each micro-batch holds whole pairs,
 and the last stage turns each micro-batch's sequence log-probs into pair losses with ``DPO``'s
@@ -42,6 +44,7 @@ from lit_ablate.models.moe.blocks import moe_blocks
 from lit_ablate.strategies.interface import ObjectiveScale, UnitLoss
 from lit_ablate.strategies.pipeline_chunk_timer import ChunkTimer
 from lit_ablate.strategies.pipeline_stages import RankStages, micro_batch, pair_rows, pipeline_batch
+from lit_ablate.strategies.pipeline_tied_embeddings import StageCopy
 
 if TYPE_CHECKING:
     from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
@@ -57,14 +60,16 @@ class PipelineSchedule:
         data_parallel_group: the ranks that agree on the run constant ``c`` (the gradient-mean group).
         replicas: the group and count of the pipeline replicas whose gradients one all-reduce
             averages after the schedule (``(None, 1)`` when FSDP reduces them: sharded stages).
+        tied: this rank's copy of a tied matrix (first or last stage), whose gradients are summed with
+            the other stage's copy after the schedule (``pipeline_tied_embeddings``).
     """
 
     def __init__(self, stages: RankStages, schedule: str, microbatches: int, data_parallel_group: ProcessGroup | None,
-                 replicas: tuple[ProcessGroup | None, int]) -> None:
+                 replicas: tuple[ProcessGroup | None, int], tied: StageCopy | None = None) -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         self.stages, self.microbatches = stages, microbatches
-        self.data_parallel_group, self.replicas = data_parallel_group, replicas
+        self.data_parallel_group, self.replicas, self.tied = data_parallel_group, replicas, tied
         self.timer = ChunkTimer(stages.device)
         self.timing: tuple[float, float] | None = None
         """``(schedule seconds, this rank's compute seconds)`` of the last step."""
@@ -137,6 +142,8 @@ class PipelineSchedule:
         compute = self.timer.seconds()  # synchronises a GPU first
         self.timing = (time.perf_counter() - started, compute)
         average_over_replicas(model, *self.replicas)
+        if self.tied is not None:  # the other stage's copy of the matrix: both take the two uses' gradients
+            self.tied.sum_gradients()
         # Lightning zeroes gradients between training_step and backward: this batch's wait until then.
         self._pending_gradients = [(p, p.grad) for p in model.parameters() if p.grad is not None]
         for p, _ in self._pending_gradients:

@@ -13,6 +13,12 @@ from lit_ablate.mesh_sizes import STRATEGY_KEY
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
 from lit_ablate.strategies.pipeline_stages import PassThrough, StageModule
 
+ONE_STAGE_FIX = ("a pipeline needs 2 or more stages, on as many ranks (with one, a rank would hold the first and the "
+                 "last stage, which torch's schedules do not run); raise pp and the devices to match, or use "
+                 "trainer.strategy lit_ablate.strategies.FSDP2Strategy")
+"""Why ``pp`` 1 is refused, and what to do (``keep_stages``, and before any rank starts the compatibility
+rule ``pipeline_stages_split_the_model``)."""
+
 
 def keep_stages(model: CausalLMWithLoss, pp: int, stage_index: int, stages_per_rank: int,
                 split_points: list[int] | None) -> tuple[list[int], dict[int, StageModule]]:
@@ -23,6 +29,8 @@ def keep_stages(model: CausalLMWithLoss, pp: int, stage_index: int, stages_per_r
     With ``stages_per_rank = v`` there are ``pp x v`` stages, looped over the ranks: rank ``r`` holds
     stages ``r, r + pp, r + 2 pp, ...``, so the first stage (embeddings) is on rank 0 and the last
     (norm, LM head, loss) on rank ``pp - 1``, as without interleaving."""
+    if pp == 1:
+        raise ConfigError(f"{STRATEGY_KEY}.pp", pp, ONE_STAGE_FIX)
     layers = decoder_layers(model)
     stages = pp * stages_per_rank
     points = split_points if split_points is not None else balanced_split_points(

@@ -237,10 +237,12 @@ def tie_split_embeddings(model: CausalLMWithLoss) -> None:
     their own gradient and drift apart (1.45e-1 in 3 steps, docs/platform.md). Tied, the lookup's and
     the head's gradients add into one ``Shard(0)`` gradient, as in one process. Runs before FSDP2,
     which then manages the one parameter on both modules and keeps them tied through ``to_empty``
-    on meta-built ranks (checked: a second re-tie after materialising changed nothing)."""
+    on meta-built ranks (checked: a second re-tie after materialising changed nothing). A pipeline
+    stage holds one of the two (``pipeline_tied_embeddings`` keeps the stages' copies equal)."""
     lm = model.lm
-    if getattr(lm.config, "tie_word_embeddings", False):
-        lm.get_output_embeddings().weight = lm.get_input_embeddings().weight
+    head, embedding = lm.get_output_embeddings(), lm.get_input_embeddings()
+    if getattr(lm.config, "tie_word_embeddings", False) and head is not None and embedding is not None:
+        head.weight = embedding.weight
 
 
 def whole_sequence_masks(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
