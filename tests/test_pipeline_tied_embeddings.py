@@ -198,9 +198,10 @@ def test_lightning_fit_resume_and_export_of_tied_pp2(tmp_path):
 def test_tied_embeddings_pass_and_one_stage_is_refused_before_any_rank_starts():
     """``lit-ablate fit`` takes tied embeddings under the pipeline (no refusal before the ranks start), and
     refuses a pipeline of one stage in one line, where one rank would hold the first and the last stage
-    (torch's schedules do not run it, tied or not): ``pp: 1``, or ``pp: -1`` on one device. Seen
-    failing without the rule in ``FIT_RULES`` (no refusal: the ranks started and torch raised
-    'loss_fn and target required for last stage'). The strategy refuses it too, as its backstop."""
+    (torch's schedules do not run it, tied or not: their first step raised 'loss_fn and target required
+    for last stage'): ``pp: 1``, or ``pp: -1`` on one device. The strategy's split refuses it too, as its
+    backstop. Seen failing with the rule returning nothing and with the split's check left out (no
+    refusal)."""
     from lit_ablate.fit_cli import resolve_fit_config
     from lit_ablate.preflight import check_run_config
 
