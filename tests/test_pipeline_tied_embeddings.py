@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from lit_ablate.errors import ConfigError
@@ -101,6 +102,40 @@ def test_clipping_counts_the_tied_matrix_once(two_ranks):
     expected = features.train_one_process(PRESET, "sft_accumulated", clip=features.CLIP, config=TIED)
     assert min(expected["norms"]) > 2 * features.CLIP, "the clip value must bite"
     features.assert_trains_as([rank["clipped_accumulated"] for rank in two_ranks], expected, falls=False)
+
+
+def _layouts(rank: int, world_size: int) -> list[str]:
+    """``StageCopy.check_matches`` between two ranks standing for the first and last stage: copies of one
+    layout, copies whose global shapes differ, and DTensor copies of one global shape sharded by rows on
+    one rank and by columns on the other (``ok`` or the error)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from lit_ablate.strategies.pipeline_tied_embeddings import StageCopy
+
+    mesh, group = init_device_mesh("cpu", (world_size,)), dist.group.WORLD
+    copies = {"same": torch.zeros(4, 2),
+              "shape": torch.zeros(4, 2) if rank == 0 else torch.zeros(2, 4),
+              "placement": DTensor.from_local(torch.zeros(2, 4) if rank == 0 else torch.zeros(4, 2), mesh,
+                                              [Shard(0) if rank == 0 else Shard(1)], run_check=False)}
+    outcomes = []
+    for copy in copies.values():
+        try:
+            StageCopy(torch.nn.Parameter(copy), group, counted=rank == 0).check_matches()
+            outcomes.append("ok")
+        except RuntimeError as error:
+            outcomes.append(str(error))
+    return outcomes
+
+
+def test_copies_laid_out_differently_are_refused():
+    """The copies' gradients are summed shard by shard, so both stages' copies must hold the same slice:
+    the same global and local shapes and placements. Copies of another shape, or of one global shape
+    split otherwise (rows on the first stage, columns on the last), fail at set-up on both ranks. Seen
+    failing with the placements and local shapes left out of the comparison (the split copies passed)."""
+    for outcomes in run_ranks(_layouts, 2):
+        assert outcomes[0] == "ok"
+        assert all("laid out differently" in outcome for outcome in outcomes[1:]), outcomes
 
 
 def _tied_shapes(tied: bool = True) -> tuple:

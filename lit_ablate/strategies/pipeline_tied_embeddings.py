@@ -76,16 +76,8 @@ class StageCopy:
         plus the head's, as the one matrix of one process does. FSDP-sharded copies sum their shards."""
         if not self.parameter.requires_grad:  # a frozen base (adapters): neither copy trains
             return
-        grad = self.parameter.grad
-        if grad is None:
-            grad = self.parameter.grad = torch.zeros_like(self.parameter)
-        local = grad.to_local() if isinstance(grad, DTensor) else grad
-        if local.is_contiguous():
-            dist.all_reduce(local, group=self.group)
-        else:
-            summed = local.contiguous()
-            dist.all_reduce(summed, group=self.group)
-            local.copy_(summed)
+        grad = self.parameter.grad  # FSDP's shard (rows of dim 0) or TP's rows: contiguous, summed in place
+        dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.group)
 
     def check_matches(self) -> None:
         """Both copies must hold the same slice of the matrix: the same global and local shapes, the same
