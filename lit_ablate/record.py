@@ -26,6 +26,9 @@ imports the other: both depend only on this module. A record is one JSON file pe
       "profile": {...},                         # only with KernelProfile (a RecordSection): top kernels or CPU
                                                 # operators of the profiled steps, host syncs, torch.compile's
                                                 # graph breaks and recompiles (docs/profiling.md)
+      "gradients": {"step": 1, "norms": {name: [norm, ...]}},  # only with GradientFingerprint (a study's
+                                                # expect_equal_gradients): each parameter's gradient norm at that
+                                                # step, before clipping; one per expert for stacked expert weights
       "data": null | {"storage": "memory" | "cache" | "stream", "storage_requested": "auto" | ...,
                "storage_reason": "why auto chose it", "seconds": ..., "cache_hit": bool | null,
                "cache_path": str | null, "examples": n},  # LMDataModule's set-up (null: another data module)
@@ -97,6 +100,9 @@ RECORD_PATH_ENV = "LIT_ABLATE_RUN_RECORD"
 record is written, without touching the run's config."""
 VARIANT_ENV = "LIT_ABLATE_VARIANT"
 """Environment variable naming the study variant a run belongs to (written into its record)."""
+GRADIENTS_SECTION = "gradients"
+"""The record's section of one step's gradient norms (``GradientFingerprint``), which a study's
+``expect_equal_gradients`` compares."""
 
 Status = Literal["ok", "error", "oom", "timeout", "running", "interrupted", "skipped"]
 FINISHED_STATUSES: tuple[str, ...] = ("ok", "error", "oom", "timeout")

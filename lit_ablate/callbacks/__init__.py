@@ -2,6 +2,7 @@
 
 from lit_ablate.callbacks.exact_match import ExactMatchEvaluator
 from lit_ablate.callbacks.expert_load import ExpertLoadMonitor
+from lit_ablate.callbacks.gradient_fingerprint import GradientFingerprint
 from lit_ablate.callbacks.kernel_profile import KernelProfile
 from lit_ablate.callbacks.memory import MemoryMonitor
 from lit_ablate.callbacks.mfu import MFUMonitor
@@ -12,4 +13,4 @@ from lit_ablate.callbacks.run_recorder import RunRecorder
 from lit_ablate.callbacks.step_monitor import StepMonitor
 from lit_ablate.callbacks.throughput import ThroughputMonitor
 
-__all__ = ["ExactMatchEvaluator", "ExpertLoadMonitor", "KernelProfile", "MemoryMonitor", "MFUMonitor", "PipelineBubbleMonitor", "PreferenceMonitor", "RecordSection", "RunRecorder", "StepMonitor", "ThroughputMonitor"]
+__all__ = ["ExactMatchEvaluator", "ExpertLoadMonitor", "GradientFingerprint", "KernelProfile", "MemoryMonitor", "MFUMonitor", "PipelineBubbleMonitor", "PreferenceMonitor", "RecordSection", "RunRecorder", "StepMonitor", "ThroughputMonitor"]

@@ -7,6 +7,7 @@ which FSDP1 cannot use; this subclass passes the device itself and wraps each de
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import Literal
 
@@ -17,7 +18,7 @@ from torch.optim import Optimizer
 
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.strategies.gpu_only import check_gpu_only_options
-from lit_ablate.strategies.interface import StrategyInterface
+from lit_ablate.strategies.interface import StrategyInterface, flat_parameter_gradients_in_full
 from lit_ablate.strategies.mesh import decoder_layers
 from lit_ablate.strategies.state_sharding import StateSharding, fsdp1_sharding
 
@@ -67,6 +68,9 @@ class FSDP1Strategy(FSDPStrategy, StrategyInterface):
 
     def state_sharding(self, world_size: int) -> StateSharding:
         return fsdp1_sharding(self.sharding_strategy.name, world_size)
+
+    def gradients_in_full(self) -> AbstractContextManager:
+        return flat_parameter_gradients_in_full(self.model)
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
         """Wrap with FSDP1: one unit per decoder layer, the rest in the root, on this rank's device."""

@@ -12,12 +12,13 @@ A custom strategy implements this interface by inheriting it next to its Lightni
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies import ParallelStrategy, Strategy
-from torch import Tensor
+from lightning.pytorch.strategies import FSDPStrategy, ParallelStrategy, Strategy
+from torch import Tensor, nn
 
 from lit_ablate.strategies.state_sharding import REPLICATED, StateSharding, lightning_state_sharding
 
@@ -125,6 +126,22 @@ class StrategyInterface:
         """How the strategy divides training state over ``world_size`` ranks (the memory estimate)."""
         return REPLICATED
 
+    def gradients_in_full(self) -> AbstractContextManager:
+        """A context in which every parameter's ``.grad`` is its whole gradient, or a DTensor of it (whose
+        reductions span its shards), on every rank that holds the parameter (``GradientFingerprint``):
+        nothing to do where gradients live on the parameters (the default); FSDP1's flat parameters are
+        gathered for the while. Every rank enters it."""
+        return nullcontext()
+
+
+def flat_parameter_gradients_in_full(root: nn.Module) -> AbstractContextManager:
+    """FSDP1's ``gradients_in_full``: its original parameters (``use_orig_params``) hold views of this
+    rank's flat shard only; gathered whole, gradients included, and not written back (the whole model on
+    every rank for the while: twice its size in memory)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel.summon_full_params(root, writeback=False, with_grads=True)
+
 
 class LightningStrategyAnswers(StrategyInterface):
     """The answers for one of Lightning's own strategies (or none: a module outside a trainer)."""
@@ -138,6 +155,11 @@ class LightningStrategyAnswers(StrategyInterface):
 
     def state_sharding(self, world_size: int) -> StateSharding:
         return lightning_state_sharding(self._strategy, world_size) if self._strategy is not None else REPLICATED
+
+    def gradients_in_full(self) -> AbstractContextManager:
+        if isinstance(self._strategy, FSDPStrategy):
+            return flat_parameter_gradients_in_full(self._strategy.model)
+        return nullcontext()
 
 
 def interface_of(strategy: Strategy | None) -> StrategyInterface:
