@@ -29,7 +29,7 @@ from jsonargparse._parameter_resolvers import get_signature_parameters
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 
 from lit_ablate.ablation.slurm_settings import SlurmSettings
-from lit_ablate.ablation.spec import STUDY_KEYS, VARIANT_KEYS, Launch, LossAgreement
+from lit_ablate.ablation.spec import STUDY_KEYS, VARIANT_KEYS, GradientAgreement, Launch, LossAgreement
 from lit_ablate.callbacks.run_recorder import RunRecorder
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lit_ablate"
@@ -201,8 +201,9 @@ def _study_key_exists(segments: list[str]) -> bool:
         return False
     if head == "variants":
         return not rest or rest[0] == ANY or rest[1:2] in ([], [ANY], *([k] for k in VARIANT_KEYS))
-    if head == "expect_equal_loss":
-        return not rest or rest[0] in (ANY, *(f.name for f in dataclasses.fields(LossAgreement)))
+    if head in ("expect_equal_loss", "expect_equal_gradients"):
+        check = LossAgreement if head == "expect_equal_loss" else GradientAgreement
+        return not rest or rest[0] in (ANY, *(f.name for f in dataclasses.fields(check)))
     return head in (*STUDY_KEYS, "study", "overrides", "axes")
 
 

@@ -301,15 +301,16 @@ def test_a_study_s_launch_simulates_every_run_as_one_process(tmp_path):
     assert all(run.skip_reason is None and run.invalid is None for run in runs)
 
 
-def test_a_study_refuses_a_loss_check_over_simulated_ranks(tmp_path):
+@pytest.mark.parametrize("check", ["expect_equal_loss", "expect_equal_gradients"])
+def test_a_study_refuses_a_loss_or_gradient_check_over_simulated_ranks(tmp_path, check):
     import yaml
 
     from lit_ablate.ablation.plan import plan_study
     from lit_ablate.ablation.spec import parse_study
     from lit_ablate.errors import ConfigError
 
-    spec = parse_study(_study(expect_equal_loss={"rtol": 1e-5}))
-    with pytest.raises(ConfigError, match="expect_equal_loss.*simulated ranks"):
+    spec = parse_study(_study(**{check: {"rtol": 1e-5}}))
+    with pytest.raises(ConfigError, match=f"{check}.*simulated ranks"):
         plan_study(spec, tmp_path, resolve=lambda args: yaml.safe_load(Path(args[1]).read_text()))
 
 

@@ -120,13 +120,15 @@ def _incompatibility(config: RunConfig, launch: Launch) -> str | None:
 
 
 def check_losses_are_a_model_s(spec: StudySpec, views: Mapping[str, RunConfig]) -> None:
-    """Refuse ``expect_equal_loss`` over simulated ranks (``launch.simulate``): their collectives move no
-    data, so their losses are no model's and a check of them could only pass or fail by chance."""
+    """Refuse ``expect_equal_loss`` and ``expect_equal_gradients`` over simulated ranks (``launch.simulate``):
+    their collectives move no data, so their losses and gradients are no model's and a check of them could
+    only pass or fail by chance."""
     simulated = [name for name, view in views.items() if view.simulation is not None]
-    if spec.expect_equal_loss is not None and simulated:
-        raise ConfigError("expect_equal_loss", vars(spec.expect_equal_loss),
-                          f"the variants {simulated} are simulated ranks (simulate), whose losses are no model's; "
-                          "drop expect_equal_loss, or the simulation")
+    for key, check, what in (("expect_equal_loss", spec.expect_equal_loss, "losses"),
+                             ("expect_equal_gradients", spec.expect_equal_gradients, "gradients")):
+        if check is not None and simulated:
+            raise ConfigError(key, vars(check), f"the variants {simulated} are simulated ranks (simulate), whose "
+                              f"{what} are no model's; drop {key}, or the simulation")
 
 
 def _refused(view: RunConfig) -> str | None:

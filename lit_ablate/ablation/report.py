@@ -98,6 +98,8 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
     pipeline = any(v.get("pipeline_idle_share") for v in variants)  # pipeline-parallel runs
     header += ["pipeline idle (schedule's)"] if pipeline else []
     header += [f"loss = {_reference_word(agreement)}"] if agreement else []
+    gradients = study.get("expect_equal_gradients")
+    header += ["gradients = baseline"] if gradients else []
     fallbacks = sorted({line for v in variants for line in v.get("fallbacks") or []})  # numbered notes below
     header += ["fallbacks"] if fallbacks else []
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -132,11 +134,13 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
             row.append(_pipeline_cell(v))
         if agreement:
             row.append(_agreement_cell(v, study["baseline"]))
+        if gradients:
+            row.append(_gradient_cell(v, study["baseline"]))
         if fallbacks:
             row.append(", ".join(f"[{fallbacks.index(line) + 1}]" for line in v.get("fallbacks") or []) or "—")
         lines.append("| " + " | ".join(row) + " |")
     rss_only = any(v.get("memory_ratio") is None and v.get("process_memory_ratio") is not None for v in variants)
-    lines += ["", _legend(agreement, rss_only) + (TRAINABLE_LEGEND if adapters else "") + (ACCURACY_LEGEND if accuracy else "") + (PREFERENCE_LEGEND if preference else "")
+    lines += ["", _legend(agreement, rss_only, gradients) + (TRAINABLE_LEGEND if adapters else "") + (ACCURACY_LEGEND if accuracy else "") + (PREFERENCE_LEGEND if preference else "")
               + (PIPELINE_LEGEND if pipeline else ""),
               ""]
     if fallbacks:  # what ran instead of what a row's config names (the run records' ``fallbacks``)
@@ -328,6 +332,19 @@ def _agreement_cell(variant: Mapping[str, Any], baseline: str) -> str:
     return f"pass{against}, " + diff if result["passed"] else _cell(f"**FAIL**{against} ({result['reason']}; {diff})")
 
 
+def _gradient_cell(variant: Mapping[str, Any], baseline: str) -> str:
+    """``expect_equal_gradients``' verdict: pass with the largest relative difference, FAIL with where, or why
+    there is none."""
+    if variant["name"] == baseline:
+        return "(baseline)"
+    result = variant.get("gradient_agreement")
+    if result and result.get("incomplete"):
+        return _cell(f"**INCOMPLETE** ({result['reason']})")
+    if not result or result["passed"] is None:
+        return "n/a" + (f": {result['reason']}" if result else "")
+    return f"pass, max rel diff {result['max_rel_diff']:.2e}" if result["passed"] else _cell(f"**FAIL** ({result['reason']})")
+
+
 def _memory_ratio_cell(variant: Mapping[str, Any]) -> str:
     """Peak tensor memory over the baseline's; a row without a tensor peak on either side says so and
     shows the process peaks' ratio as what it is, never in its place."""
@@ -337,7 +354,8 @@ def _memory_ratio_cell(variant: Mapping[str, Any]) -> str:
     return "—" if process is None else f"n/a (RSS only: {process:.2f}×)"
 
 
-def _legend(agreement: Mapping[str, Any] | None, rss_only: bool = False) -> str:
+def _legend(agreement: Mapping[str, Any] | None, rss_only: bool = False,
+            gradients: Mapping[str, Any] | None = None) -> str:
     text = ("tokens/s and step time: median [min–max] over every step after warm-up of every seed that "
             "finished ok; tokens/s count all ranks, useful tokens are labels that count in the loss. Step time "
             "runs from one optimizer step's end to the next; data wait: the share of it spent between "
@@ -366,12 +384,26 @@ def _legend(agreement: Mapping[str, Any] | None, rss_only: bool = False) -> str:
     if agreement:
         steps = f"the first {agreement['steps']} steps" if agreement.get("steps") else "every step"
         word = _reference_word(agreement)
-        text += (f" Loss = {word}: per seed, over {steps}, |loss − {word}| ≤ {agreement['atol']:g} + "
-                 f"{agreement['rtol']:g}·|{word}|.")  # fmt: skip
+        text += f" Loss = {word}: per seed, over {steps}, |loss − {word}| ≤ {_bound(agreement, word)}."
         if agreement.get("across"):
             text += (f" The reference of a variant differs from it only in `{agreement['across']}`, "
                      "holding the baseline's value.")
+    if gradients:
+        text += (f" Gradients = baseline: per seed, at step {gradients['step']}, every parameter's gradient norm "
+                 "after the step's rescaling to its token mean and before clipping, one per expert for stacked "
+                 "expert weights (`GradientFingerprint`): |norm − baseline's| ≤ "
+                 f"{gradients['rtol']:g}·(the tensor's largest norm in the baseline); max rel diff: the largest "
+                 "such ratio.")
     return text
+
+
+def _bound(agreement: Mapping[str, Any], word: str) -> str:
+    """``atol + rtol·|word|``, without the term that is zero."""
+    atol, rtol = agreement["atol"], agreement["rtol"]
+    relative = f"{rtol:g}·|{word}|"
+    if rtol == 0:
+        return f"{atol:g}"
+    return relative if atol == 0 else f"{atol:g} + {relative}"
 
 
 def _factors() -> str:

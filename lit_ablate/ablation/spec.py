@@ -7,7 +7,8 @@ over ``seeds``. Parsing validates everything before any run starts, and every mi
 
 Precedence when a run's config is assembled (later wins): the base config, the study
 ``overrides``, the study ``launch``, the variant's overrides (or axis values), the variant's
-``launch``, then what the runner owns (``steps``, the seed, the output directory).
+``launch``, then what the runner owns (``steps``, the seed, the output directory) and, with
+``expect_equal_gradients``, the callback that records what it compares.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from lit_ablate.simulated_rank import SIMULATE_KEY, SIMULATE_RANK_KEY
 
 STUDY_KEYS = (
     "name", "base", "overrides", "axes", "variants", "vary", "baseline",
-    "seeds", "steps", "warmup_steps", "launch", "expect_equal_loss", "order",
+    "seeds", "steps", "warmup_steps", "launch", "expect_equal_loss", "expect_equal_gradients", "order",
 )  # fmt: skip
 VARIANT_KEYS = ("name", "overrides", "launch")
 MAX_AXES = 2
@@ -146,6 +147,26 @@ class LossAgreement:
 
 
 @dataclass(frozen=True)
+class GradientAgreement:
+    """``expect_equal_gradients``: at optimizer step ``step``, every parameter's gradient norm (one per expert
+    for stacked expert weights) must match the baseline's, seed by seed (``GradientFingerprint`` records them).
+
+    Passes when every ``|norm - baseline_norm| <= rtol * largest``, ``largest`` being the tensor's largest
+    norm in the baseline (its largest expert's, for stacked experts). Gradients before any update compare the
+    layouts of one model where a loss curve cannot: a float32 MoE's top-k routing may split near-ties
+    differently per layout once the weights have moved, after which no loss tolerance tells rounding from a
+    bug, and Adam hides a gradient's scale from the loss (docs/moe.md#studies).
+    """
+
+    rtol: float = 1e-5
+    step: int = 1
+
+
+GRADIENT_CALLBACK = "lit_ablate.callbacks.GradientFingerprint"
+"""The callback ``expect_equal_gradients`` adds to every run's ``trainer.callbacks``."""
+
+
+@dataclass(frozen=True)
 class Variant:
     """One arm of the study: its name, the dotted overrides it applies, and its own launch."""
 
@@ -176,6 +197,7 @@ class StudySpec:
     launch_overrides: dict[str, Any]
     expect_equal_loss: LossAgreement | None
     order: str = RUN_ORDERS[0]
+    expect_equal_gradients: GradientAgreement | None = None
 
     def variant(self, name: str) -> Variant:
         return next(v for v in self.variants if v.name == name)
@@ -187,10 +209,27 @@ class StudySpec:
             runner["trainer.max_steps"] = self.steps
         if self.warmup_steps is not None:
             runner["recorder.warmup_steps"] = self.warmup_steps
-        return with_overrides(
+        config = with_overrides(
             self.base,
             {**self.overrides, **self.launch_overrides, **variant.overrides, **variant.launch_overrides, **runner},
         )
+        return self._with_gradient_fingerprint(config, variant)
+
+    def _with_gradient_fingerprint(self, config: dict[str, Any], variant: Variant) -> dict[str, Any]:
+        """``config`` with the callback that records what ``expect_equal_gradients`` compares, at its step,
+        after the variant's own callbacks (every variant gets the same one, so it is no study variable)."""
+        if self.expect_equal_gradients is None:
+            return config
+        trainer = config.setdefault("trainer", {})
+        callbacks = trainer.get("callbacks") or []
+        callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
+        if any(isinstance(c, Mapping) and str(c.get("class_path", "")).endswith("GradientFingerprint") for c in callbacks):
+            raise ConfigError("trainer.callbacks[GradientFingerprint]", f"listed for variant {variant.name}",
+                              "leave it out of the study's configs: expect_equal_gradients adds it to every "
+                              "variant, at its step")
+        trainer["callbacks"] = [*callbacks, {"class_path": GRADIENT_CALLBACK,
+                                             "init_args": {"step": self.expect_equal_gradients.step}}]
+        return config
 
     def shortened(self, steps: int | None = None, seeds: int | None = None, only: str | None = None) -> StudySpec:
         """This study cut down for a first try (``lit-ablate ablate --steps N --seeds K --only a,b``).
@@ -211,10 +250,13 @@ class StudySpec:
                 raise ConfigError("--steps", steps, f"the study excludes {self.warmup_steps} warm-up steps from its "
                                   f"numbers; give more than {self.warmup_steps} steps")
             overrides = {k: v for k, v in self.overrides.items() if k != "trainer.max_steps"}
-            agreement = self.expect_equal_loss
+            agreement, gradients = self.expect_equal_loss, self.expect_equal_gradients
             if agreement and agreement.steps is not None and agreement.steps > steps:  # compare the steps there are
                 agreement = replace(agreement, steps=steps)
-            spec = replace(spec, steps=steps, overrides=overrides, expect_equal_loss=agreement)
+            if gradients and gradients.step > steps:  # the last step there is
+                gradients = replace(gradients, step=steps)
+            spec = replace(spec, steps=steps, overrides=overrides, expect_equal_loss=agreement,
+                           expect_equal_gradients=gradients)
         if seeds is not None:
             if not _positive_int(seeds):
                 raise ConfigError("--seeds", seeds, "give how many seeds to run: a positive integer")
@@ -249,6 +291,7 @@ class StudySpec:
             "steps": self.steps,
             "warmup_steps": self.warmup_steps,
             "expect_equal_loss": vars(self.expect_equal_loss) if self.expect_equal_loss else None,
+            "expect_equal_gradients": vars(self.expect_equal_gradients) if self.expect_equal_gradients else None,
             "order": self.order,
             "variants": [
                 {
@@ -334,6 +377,7 @@ def parse_study(raw: Any, source: Path | None = None) -> StudySpec:
         launch_overrides=launch_overrides,
         expect_equal_loss=_loss_agreement(raw.get("expect_equal_loss"), axes),
         order=order,
+        expect_equal_gradients=_gradient_agreement(raw.get("expect_equal_gradients"), steps),
     )
 
 
@@ -469,6 +513,24 @@ def _loss_agreement(raw: Any, axes: Mapping[str, list[Any]]) -> LossAgreement | 
     if agreement.across is not None and agreement.across not in axes:
         raise ConfigError("expect_equal_loss.across", agreement.across,
                           f"name one of the study's axes {list(axes)} (it needs axes:, not variants:)")
+    return agreement
+
+
+def _gradient_agreement(raw: Any, steps: int | None) -> GradientAgreement | None:
+    if raw is None:
+        return None
+    raw = _mapping(raw, "expect_equal_gradients")
+    known = {f.name for f in fields(GradientAgreement)}
+    for key, value in raw.items():
+        if key not in known:
+            raise ConfigError(f"expect_equal_gradients.{key}", value, f"the keys are {sorted(known)}")
+    agreement = GradientAgreement(**raw)
+    if not isinstance(agreement.rtol, (int, float)) or isinstance(agreement.rtol, bool) or agreement.rtol < 0:
+        raise ConfigError("expect_equal_gradients.rtol", agreement.rtol, "give a non-negative number")
+    if not _positive_int(agreement.step) or (steps is not None and agreement.step > steps):
+        raise ConfigError("expect_equal_gradients.step", agreement.step,
+                          "give the optimizer step whose gradients are compared: a positive integer"
+                          + (f" of at most steps ({steps})" if steps is not None else ""))
     return agreement
 
 

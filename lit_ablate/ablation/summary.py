@@ -20,6 +20,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from lit_ablate.ablation.gradient_agreement import gradient_check
 from lit_ablate.ablation.loss_divergence import loss_delta_by_step
 from lit_ablate.record import FINAL_VALUE_SERIES, SUMMARISED_SERIES, spread
 from lit_ablate.run_config import RunConfig
@@ -43,7 +44,7 @@ def study_summary(plan: Mapping[str, Any] | None, runs: Sequence[tuple[str, Mapp
     axis_values = {v["name"]: v.get("axis_values", {}) for v in plan.get("variants", [])}
     variants = [_variant(n, by_variant.get(n, []), plan.get("warmup_steps"), axis_values.get(n, {})) for n in names]
     base = next((v for v in variants if v["name"] == baseline), None)
-    agreement = plan.get("expect_equal_loss")
+    agreement, gradients = plan.get("expect_equal_loss"), plan.get("expect_equal_gradients")
     for variant in variants:
         variant.update(_relative_to(variant, base))
         variant["loss_delta_by_step"] = loss_delta_by_step(variant, base)
@@ -51,10 +52,14 @@ def study_summary(plan: Mapping[str, Any] | None, runs: Sequence[tuple[str, Mapp
         variant["loss_reference"] = reference["name"] if reference else None
         checked = agreement and reference is not variant
         variant["loss_agreement"] = _loss_check(variant, reference, agreement) if checked else None
+        variant["gradient_agreement"] = gradient_check(
+            by_variant.get(variant["name"], []), by_variant.get(baseline, []), gradients,
+        ) if gradients and variant is not base else None
     environment, mismatched = _environment([r for _, r in runs], by_variant.get(baseline, []))
     return {
         "study": {k: plan.get(k) for k in ("name", "baseline", "variables", "axes", "seeds", "steps",
-                                            "warmup_steps", "expect_equal_loss", "order")} | {"baseline": baseline},
+                                            "warmup_steps", "expect_equal_loss", "expect_equal_gradients",
+                                            "order")} | {"baseline": baseline},
         "environment": environment,
         "environment_mismatch": mismatched,
         "matmul_ceilings": _ceilings_by_condition([r for _, r in runs if r.get("summary", {}).get("status") == "ok"]),
@@ -369,11 +374,12 @@ def _problems(variants: Sequence[Mapping[str, Any]]) -> list[str]:
     if not any(r["status"] == "ok" for v in variants for r in v["runs"]):
         problems.append("no variant finished ok: nothing was measured")
     for v in variants:
-        check = v["loss_agreement"] or {}
-        if check.get("passed") is False:
-            problems.append(f"loss check failed: {v['name']}: {check['reason']}")
-        elif check.get("incomplete"):
-            problems.append(f"loss check incomplete: {v['name']}: {check['reason']}")
+        for what, key in (("loss", "loss_agreement"), ("gradient", "gradient_agreement")):
+            check = v.get(key) or {}
+            if check.get("passed") is False:
+                problems.append(f"{what} check failed: {v['name']}: {check['reason']}")
+            elif check.get("incomplete"):
+                problems.append(f"{what} check incomplete: {v['name']}: {check['reason']}")
     return problems
 
 

@@ -3,8 +3,8 @@
 The report (``report.md``) has a column for every measurement; on the terminal a user first wants
 to know, per variant, whether it ran, how its speed and memory compare with the baseline, how far
 its final loss moved, and one verdict in words. The verdict never claims more than the report:
-a speed ratio inside the baseline's noise floor is "same speed", a loss check is named only where
-the study asked for one (``expect_equal_loss``).
+a speed ratio inside the baseline's noise floor is "same speed", a loss or gradient check is named only
+where the study asked for one (``expect_equal_loss``, ``expect_equal_gradients``).
 """
 
 from __future__ import annotations
@@ -46,6 +46,14 @@ def verdict(variant: Mapping[str, Any], baseline: str) -> str:
             words.append("LOSS DIFFERS")
         elif check.get("incomplete"):
             words.append("loss check incomplete")
+    gradients = variant.get("gradient_agreement")
+    if gradients:
+        if gradients.get("passed"):
+            words.append("gradients = baseline")
+        elif gradients.get("passed") is False:
+            words.append("GRADIENTS DIFFER")
+        elif gradients.get("incomplete"):
+            words.append("gradient check incomplete")
     return ", ".join(words) or "ok"
 
 

@@ -179,7 +179,7 @@ def report_main(argv: list[str]) -> int:
 
 
 def _loss_mismatch(directory: Path) -> bool:
-    """True when the report lists a study problem: an ``expect_equal_loss`` check failed or could
-    not be made (its reference has no ok run), or no variant finished ok."""
+    """True when the report lists a study problem: an ``expect_equal_loss`` or ``expect_equal_gradients``
+    check failed or could not be made (its reference has no ok run), or no variant finished ok."""
     summary = json.loads((directory / "report.json").read_text())
     return bool(summary["problems"])
