@@ -4,10 +4,9 @@ The MoE study (the tiny Qwen3-MoE, as ``configs/studies/ep_vs_fused_moe.yaml`` t
 FSDP2 with expert 0's gradient scaled by 1.01 in every MoE layer (``tests.planted_bugs``, by class path).
 EP passes both checks (measured: gradients within 1.0e-7 of FSDP2's, losses within 2.4e-7); the planted bug
 passes the loss check of the steps before routing can split (2.4e-7: Adam divides the scale out of the update)
-and fails the gradient check, on the expert it scaled. Seen failing with one norm per stacked expert tensor:
-the bug is still caught (2.6e-3 of the tensor's norm: one expert of 8 carries much of it) but not located,
-the report naming the tensor instead of its expert 0.
-The dense study (DDP and FSDP2 of ``configs/fsdp2_tiny.yaml``) passes.
+and fails the gradient check on the expert it scaled (9.9e-3 of its layer's largest expert norm). Seen failing
+with one norm per stacked expert tensor: the bug is still caught (2.6e-3 of the tensor's norm: one expert of
+8 carries much of it) but not located, the report naming the tensor instead of its expert 0. The dense study (DDP and FSDP2 of ``configs/fsdp2_tiny.yaml``) passes.
 """
 
 from __future__ import annotations
