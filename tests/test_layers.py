@@ -17,9 +17,12 @@ Layers, top to bottom (a module may import its own layer and the layers below it
 - the ground floor: ``errors``, ``record``, ``terminal``, ``import_warnings``, ``config_keys``,
   ``path_checks``, ``parse_errors``, ``command_table``, ``class_paths``, ``mesh_sizes``, ``simulated_rank``, ``extras``.
 
-Imports under ``if TYPE_CHECKING:`` are annotations only and never run, so they do not count.
+Imports under ``if TYPE_CHECKING:`` count like any other: an annotation that names a module above, or
+one that imports this module back, is a dependency a reader follows all the same.
 Seen failing on the circles and upward imports the house had (``ablation.plan`` -> ``cli``,
-``models.fp8`` <-> ``models.fp8_grouped_experts``, ``callbacks.preference_metrics`` -> ``modules.dpo``).
+``models.fp8`` <-> ``models.fp8_grouped_experts``, ``callbacks.preference_metrics`` -> ``modules.dpo``),
+and, once type-only imports counted, on ``strategies.interface`` naming ``modules.step_objective``
+(an arrow back up, and a circle through ``step_objective``'s import of the interface).
 """
 
 from __future__ import annotations
@@ -67,23 +70,11 @@ def layer_of(module: str) -> int:
     raise AssertionError(f"{module} is in no layer: add it to LAYERS in {__file__}")
 
 
-def _type_checking_nodes(tree: ast.Module) -> set[ast.AST]:
-    skipped: set[ast.AST] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skipped.update(ast.walk(node))
-    return skipped
-
-
 def imports_of(path: Path) -> set[str]:
-    """Every ``lit_ablate`` module ``path`` imports, at the top or inside a function (a submodule named
-    by ``from package import name`` counts as that submodule)."""
-    tree = ast.parse(path.read_text())
-    skipped = _type_checking_nodes(tree)
+    """Every ``lit_ablate`` module ``path`` imports, at the top, inside a function or under ``if
+    TYPE_CHECKING:`` (a submodule named by ``from package import name`` counts as that submodule)."""
     found: set[str] = set()
-    for node in ast.walk(tree):
-        if node in skipped:
-            continue
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lit_ablate"):
             for alias in node.names:
                 sub = f"{node.module}.{alias.name}"
