@@ -133,15 +133,15 @@ def test_only_warm_up_steps_are_tracked_and_the_tracker_is_gone_after(tmp_path, 
     clock is paused (it is not charged to the first timed step)."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-    from lit_ablate.callbacks import step_monitor
+    from lit_ablate.callbacks import step_clock
     from lit_ablate.callbacks.tensor_categories import TensorCategoryTracker
 
     paused_at_exit = []
     exit_ = TensorCategoryTracker.exit
-    earlier_clocks = {id(c) for c in step_monitor._CLOCKS.values()}  # trainers of earlier tests not yet collected
+    earlier_clocks = {id(c) for c in step_clock.RUNNING_CLOCKS.values()}  # trainers of earlier tests not yet collected
 
     def exit_and_look(self):
-        clocks = [c for c in step_monitor._CLOCKS.values() if id(c) not in earlier_clocks]
+        clocks = [c for c in step_clock.RUNNING_CLOCKS.values() if id(c) not in earlier_clocks]
         paused_at_exit.append(len(clocks) == 1 and clocks[0]._pause_start is not None)
         exit_(self)
 

@@ -209,7 +209,7 @@ def test_the_report_shows_both_mfu_figures_and_the_step_time_predicted_at_the_me
 def test_a_ceiling_below_what_the_run_reached_is_reported_once():
     """A ceiling cached while the machine was busy makes ``mfu_measured`` exceed 1 (seen: 1.9 with a
     ceiling measured at load 15): the user is told to remeasure, once, not on every step."""
-    from lit_ablate.callbacks.step_monitor import StepTotals
+    from lit_ablate.callbacks.step_clock import StepTotals
 
     monitor = _started(MFUMonitor(ceiling_tflops=0.5))
     monitor.log_to_logger = False

@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lit_ablate.callbacks import MFUMonitor, RunRecorder, ThroughputMonitor, step_monitor
-from lit_ablate.callbacks.step_monitor import CudaEventClock, WallClock
+from lit_ablate.callbacks.step_clock import CudaEventClock, WallClock
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX
 from lit_ablate.modules import CausalLM

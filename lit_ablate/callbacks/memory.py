@@ -11,7 +11,8 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed._tools.common_utils import get_untyped_storages
 
-from lit_ablate.callbacks.step_monitor import StepMonitor, gathered_ranks, step_clock
+from lit_ablate.callbacks.step_clock import step_clock
+from lit_ablate.callbacks.step_monitor import StepMonitor, gathered_ranks
 from lit_ablate.callbacks.tensor_categories import CATEGORIES, TensorCategoryTracker, optimizer_states
 from lit_ablate.errors import ConfigError
 

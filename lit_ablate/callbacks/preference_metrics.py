@@ -7,7 +7,8 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule, Trainer
 
-from lit_ablate.callbacks.step_monitor import HostValue, StepMonitor, step_clock
+from lit_ablate.callbacks.step_clock import HostValue, step_clock
+from lit_ablate.callbacks.step_monitor import StepMonitor
 from lit_ablate.record import PREFERENCE_STATS
 
 MEANS = {
