@@ -28,7 +28,7 @@ from typing import NoReturn
 
 from lit_ablate import __version__
 from lit_ablate.command_table import COMMANDS, SUMMARIES
-from lit_ablate.errors import ConfigError
+from lit_ablate.errors import ConfigError, quoted_refusal
 
 EXIT_USAGE = 2
 """A usage or config error: nothing ran (or the run stopped as it started), one line on stderr."""
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     # Only now the heavy imports (torch, Lightning, jsonargparse): --help and --version never need them.
     from jsonargparse import ArgumentError
 
-    from lit_ablate.parse_errors import concise_error, config_error_line
+    from lit_ablate.parse_errors import concise_error
 
     if args and args[0] in COMMANDS:
         try:
@@ -89,10 +89,10 @@ def main(argv: list[str] | None = None) -> None:
         cause = _config_error_in(err)
         # A class inside a Union (a strategy under ``trainer.strategy``) that refused its arguments reaches
         # here as jsonargparse's list of the alternatives it tried, with the refusal's text among them.
-        line = str(cause) if cause is not None else config_error_line(str(err))
+        line = cause if cause is not None else quoted_refusal(str(err))
         if line is None:
             raise
-        _refuse("lit-ablate", line)
+        _refuse("lit-ablate", str(line))
 
 
 def _refuse(command: str, message: str) -> NoReturn:

@@ -9,6 +9,7 @@ raises it as a ``ConfigError``, and neither reads the other's text back.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 
@@ -54,8 +55,24 @@ class ConfigError(ValueError):
     def __init__(self, key: str, value: object, fix: str) -> None:
         self.key, self.value, self.fix = key, value, fix
         super().__init__(_line(key, value, fix))
+        _RECENT.append(self)
 
     @property
     def refusal(self) -> Refusal:
         """The same key, value and fix as a ``Refusal`` (what a compatibility rule returns)."""
         return Refusal(self.key, self.value, self.fix)
+
+
+_RECENT: deque[ConfigError] = deque(maxlen=32)
+"""The last refusals made in this process, newest last (see ``quoted_refusal``)."""
+
+
+def quoted_refusal(message: str) -> ConfigError | None:
+    """The refusal whose line ``message`` quotes, or None.
+
+    jsonargparse tries each alternative of a Union (a strategy under ``trainer.strategy``) and, when a
+    class refused its arguments, raises a text listing every alternative's failure without chaining the
+    exception. The refusal itself was made in this process a moment before: it is found here by its
+    exact line, so its text is never parsed back."""
+    return next((error for error in reversed(_RECENT) if str(error) in message), None)
+

@@ -7,8 +7,8 @@ import contextlib
 import re
 
 from lit_ablate.class_paths import import_class
+from lit_ablate.errors import quoted_refusal
 
-_CONFIG_ERROR_LINE = re.compile(r"^\s*-?\s*([\w.\[\]/-]+=.*?: .+)$", re.MULTILINE)
 _PARSER_KEY = re.compile(r'^Parser key "([^"]+)":\s*(.*)$')
 _CLASS_PATH = re.compile(r"^Problem with given class_path '([^']+)':$")
 _EXPECTED = re.compile(r"^Expected an? (.+?)(?:\. Got value: (.*))?$")
@@ -27,8 +27,8 @@ def concise_error(message: str) -> str:
     value, an unknown key with the closest known one, or a class_path that does not import.
     jsonargparse nests one block per class and lists every Union alternative it tried; the
     problem is the first line under the innermost key (of the class_path alternative, if any)."""
-    if found := config_error_line(message):
-        return found
+    if refusal := quoted_refusal(message):
+        return str(refusal)
     if message.startswith("Problems parsing config"):
         where = re.sub(r'\s*in "<unicode string>",', "", " ".join(message.split(":", 1)[1].split()))
         return f"--config: not valid YAML ({where}); fix the file"
@@ -50,13 +50,6 @@ def concise_error(message: str) -> str:
     if keys == ["config"] and "does not exist" in problem:
         return f"--config: {problem}; give the path of a YAML config"
     return f"{key}: {problem}" if key else problem
-
-
-def config_error_line(message: str) -> str | None:
-    """The ``key=value: fix`` line of a ``ConfigError`` inside an error's text (jsonargparse quotes the
-    message of a class that refused its arguments among the alternatives it tried), or None."""
-    found = _CONFIG_ERROR_LINE.search(message)
-    return found.group(1).strip() if found else None
 
 
 def _innermost_problem(message: str) -> tuple[list[str], str | None, str | None]:
