@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
@@ -495,19 +495,13 @@ def _seeds(raw: Any) -> tuple[int, ...]:
     return tuple(raw)
 
 
+_Agreement = TypeVar("_Agreement", LossAgreement, GradientAgreement)
+
+
 def _loss_agreement(raw: Any, axes: Mapping[str, list[Any]]) -> LossAgreement | None:
-    if raw is None:
+    agreement = _agreement(raw, "expect_equal_loss", LossAgreement, ("rtol", "atol"))
+    if agreement is None:
         return None
-    raw = _mapping(raw, "expect_equal_loss")
-    known = {f.name for f in fields(LossAgreement)}
-    for key, value in raw.items():
-        if key not in known:
-            raise ConfigError(f"expect_equal_loss.{key}", value, f"the keys are {sorted(known)}")
-    agreement = LossAgreement(**raw)
-    for key in ("rtol", "atol"):
-        value = getattr(agreement, key)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-            raise ConfigError(f"expect_equal_loss.{key}", value, "give a non-negative number")
     if agreement.steps is not None and not _positive_int(agreement.steps):
         raise ConfigError("expect_equal_loss.steps", agreement.steps, "give a positive integer (or leave it out: all steps)")
     if agreement.across is not None and agreement.across not in axes:
@@ -517,20 +511,30 @@ def _loss_agreement(raw: Any, axes: Mapping[str, list[Any]]) -> LossAgreement | 
 
 
 def _gradient_agreement(raw: Any, steps: int | None) -> GradientAgreement | None:
-    if raw is None:
+    agreement = _agreement(raw, "expect_equal_gradients", GradientAgreement, ("rtol",))
+    if agreement is None:
         return None
-    raw = _mapping(raw, "expect_equal_gradients")
-    known = {f.name for f in fields(GradientAgreement)}
-    for key, value in raw.items():
-        if key not in known:
-            raise ConfigError(f"expect_equal_gradients.{key}", value, f"the keys are {sorted(known)}")
-    agreement = GradientAgreement(**raw)
-    if not isinstance(agreement.rtol, (int, float)) or isinstance(agreement.rtol, bool) or agreement.rtol < 0:
-        raise ConfigError("expect_equal_gradients.rtol", agreement.rtol, "give a non-negative number")
     if not _positive_int(agreement.step) or (steps is not None and agreement.step > steps):
         raise ConfigError("expect_equal_gradients.step", agreement.step,
                           "give the optimizer step whose gradients are compared: a positive integer"
                           + (f" of at most steps ({steps})" if steps is not None else ""))
+    return agreement
+
+
+def _agreement(raw: Any, key: str, kind: type[_Agreement], tolerances: tuple[str, ...]) -> _Agreement | None:
+    """A study's ``expect_equal_*`` block as its dataclass: only its own keys, tolerances non-negative numbers."""
+    if raw is None:
+        return None
+    raw = _mapping(raw, key)
+    known = {f.name for f in fields(kind)}
+    for name, value in raw.items():
+        if name not in known:
+            raise ConfigError(f"{key}.{name}", value, f"the keys are {sorted(known)}")
+    agreement = kind(**raw)
+    for name in tolerances:
+        value = getattr(agreement, name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"{key}.{name}", value, "give a non-negative number")
     return agreement
 
 
