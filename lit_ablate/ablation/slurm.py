@@ -24,14 +24,10 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import shlex
-import socket
-import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +35,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from lit_ablate import record as run_record
-from lit_ablate.ablation.attempts import keep_attempt, newest_checkpoint, restarts, stitched_steps
+from lit_ablate.ablation.attempts import restarts, stitched_steps
 from lit_ablate.ablation.job_states import GONE, job_states
 from lit_ablate.ablation.plan import PlannedRun, config_text
 from lit_ablate.ablation.run_folder import (
@@ -57,11 +53,11 @@ from lit_ablate.ablation.run_folder import (
 )  # fmt: skip
 from lit_ablate.ablation.run_folder_lock import run_lock
 from lit_ablate.ablation.slurm_settings import SlurmSettings
+from lit_ablate.ablation.slurm_task import FIT_EXITED, SUBMITIT_DIRNAME, FitTask
 from lit_ablate.errors import ConfigError
 from lit_ablate.extras import require
 
 JOB_FILENAME = "job.json"
-SUBMITIT_DIRNAME = "submitit"
 QUEUED_STATES = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING", "RESIZING", "SUSPENDED",
                  "UNKNOWN")  # fmt: skip
 """Scheduler states of a job that has not started (``UNKNOWN``: sacct has not seen it yet)."""
@@ -72,62 +68,6 @@ SCHEDULER_STATUSES = {
 }  # fmt: skip
 """Final states the scheduler decided, as run statuses. Any other final state (``COMPLETED``,
 ``FAILED``, the local executor's ``FINISHED``) leaves the decision to the run's exit code and record."""
-
-
-@dataclass(frozen=True)
-class FitTask:
-    """What each task of a run's job executes: the run's ``lit-ablate fit`` command, logging into
-    the run folder (submitit pickles this object into the job).
-
-    When SLURM runs the job again (``SLURM_RESTART_COUNT``: pre-empted, requeued), every task resumes
-    from the newest checkpoint under ``trainer_dir`` and appends to its logs, and rank 0 keeps the
-    earlier attempt's record (``attempts``).
-    """
-
-    command: tuple[str, ...]
-    env: Mapping[str, str]
-    run_dir: str
-    trainer_dir: str
-
-    def __call__(self) -> int:
-        import os
-
-        import submitit
-
-        job = submitit.JobEnvironment()
-        rank = job.global_rank
-        suffix = "" if rank == 0 else f".rank{rank}"
-        folder, command, note = Path(self.run_dir), list(self.command), ""
-        placement = {"rank": rank, "node_rank": job.node, "local_rank": job.local_rank,
-                     "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname()}  # fmt: skip
-        (folder / SUBMITIT_DIRNAME / f"rank{rank}.json").write_text(json.dumps(placement))
-        restart = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
-        if restart:
-            checkpoint = newest_checkpoint(Path(self.trainer_dir))
-            command += ["--ckpt_path", str(checkpoint)] if checkpoint else []
-            if rank == 0:
-                keep_attempt(folder)
-            note = (f"--- restart {restart} of job {os.environ.get('SLURM_JOB_ID')}: "
-                    f"{f'resuming from {checkpoint}' if checkpoint else 'no checkpoint, starting from step 0'} ---\n")
-        mode = "a" if restart else "w"
-        with open(folder / f"stdout{suffix}.log", mode) as out, open(folder / f"stderr{suffix}.log", mode) as err:
-            for log in (out, err):
-                log.write(note)
-                log.flush()
-            returncode = subprocess.run(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                        env={**os.environ, **self.env}).returncode  # fmt: skip
-        if returncode != 0:
-            raise FitExited(f"lit-ablate fit exited with code {returncode}")
-        return returncode
-
-
-class FitExited(RuntimeError):
-    """A task whose fit failed fails its job step, so that srun (``--kill-on-bad-exit``) stops the
-    job's other ranks at once instead of leaving them in a collective until the time limit."""
-
-
-FIT_EXITED = re.compile(r"FitExited: lit-ablate fit exited with code (-?\d+)")
-"""How ``_collect`` reads a failed fit's exit code back from the task's pickled traceback."""
 
 
 def on_gpu(run: PlannedRun) -> bool:
