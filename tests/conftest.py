@@ -15,6 +15,15 @@
    inherited by CLI subprocesses; ranks set it too). On 2 cores shared with ranks and other work,
    two OpenMP threads per process wait on each other: a 5-step tiny-Llama fit took 2-9 s with 2
    threads and 0.3 s with 1 on a loaded machine; test_moe.py + test_packing.py 30-68 s vs 20 s.
+4. The longest files start first (``LONGEST_FILES``). pytest-xdist's ``--dist loadfile`` hands out
+   files with the most tests first, which put the files of one or two long end-to-end tests (the
+   user guide, the SLURM cluster, the examples) last, one worker busy with one of them while the
+   other had nothing left; longest first, the run ends on short files.
+5. No test inherits a process group. A test that fails between a process group's start and its end
+   (an in-process fit, a simulated rank) leaves it initialised in the worker, and any later test of
+   that worker that starts one failed with "trying to initialize the default
+   process group twice" (seen: every test of test_simulated_rank.py after one such failure). It is
+   destroyed after each test.
 """
 
 from __future__ import annotations
@@ -56,6 +65,30 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     return report
 
 
+LONGEST_FILES = (
+    "tests/test_slurm_cluster.py", "tests/test_benchmarks.py", "tests/test_user_guide.py",
+    "tests/test_gradient_check_study.py", "tests/test_examples.py", "tests/test_estimate_composition.py",
+    "tests/test_context_parallel.py", "tests/test_bad_inputs.py", "tests/test_tensor_parallel.py",
+    "tests/test_pipeline_mesh.py", "tests/test_mesh_triples.py", "tests/test_estimate_memory.py",
+    "tests/test_moe_expert_parallel.py", "tests/test_ablation_runner.py", "tests/test_distributed_helper.py",
+    "tests/test_tensor_parallel_composition.py", "tests/test_exact_match.py", "tests/test_memory_categories.py",
+    "tests/test_ablation_report.py", "tests/test_dpo.py", "tests/test_adapters_strategies.py",
+    "tests/test_ablation_slurm.py", "tests/test_ablation_cli.py", "tests/test_ablation_first_try.py",
+)  # fmt: skip
+"""The files that took longest on 2 cores (``python -m pytest -n 2 --dist loadfile --durations=0``, summed
+per file), longest first: started first (rule 4). A file missing here only starts later."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order below (rule 4)
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: the rest keep their order
+
+
 RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
                         "NODE_RANK", "GROUP_RANK")
 
@@ -68,6 +101,16 @@ def _no_rendezvous_from_an_earlier_test(monkeypatch: pytest.MonkeyPatch) -> None
     and failed with EADDRINUSE (seen in CI: two multi-rank CLI tests on port 42519)."""
     for name in RENDEZVOUS_VARIABLES:
         monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind() -> Iterator[None]:
+    """Rule 5: whatever process group a test leaves initialised is destroyed after it."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -34,7 +34,7 @@ SMOKE: dict[str, tuple[list[str], set[str]]] = {
     "dpo_packing.py": (["--pairs", "8", "--repeats", "1", "--hidden", "32"], {"dpo_packing_speedup"}),
     "lora_memory.py": (["--seq-len", "64", "--steps", "4"], set()),
     "ring_attention.py": (["--lengths", "64", "--cp", "2", "--repeats", "1"], set()),
-    "data_setup.py": (["--mb", "0.05", "0.1", "--memory-up-to-mb", "0.05", "--stream-batches", "20", "--workers", "1",
+    "data_setup.py": (["--mb", "0.05", "--memory-up-to-mb", "0.05", "--stream-batches", "20", "--workers", "1",
                        "--out", ""], {"data_setup_cache_hit_ratio"}),
     "regenerate_reports.py": (["--check"], {"studies", "reports_with_problems"}),
 }  # fmt: skip

@@ -1,8 +1,6 @@
-"""The `lit-ablate` command: end to end in a subprocess, config round trip, one-line errors."""
+"""The `lit-ablate` command: config round trip, one-line errors. (The quickstart end to end in a subprocess,
+with test, resume and generate, runs in ``tests/test_user_guide.py`` on the guide's own run.)"""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -10,50 +8,9 @@ import yaml
 
 from lit_ablate.cli import main
 from lit_ablate.fit_cli import resolve_fit_config
-from lit_ablate.record import RECORD_PATH_ENV, read_record
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 QUICKSTART = str(CONFIGS / "quickstart.yaml")
-
-
-def _run(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lit_ablate.cli", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, cwd=cwd, timeout=300)
-
-
-@pytest.mark.slow
-def test_quickstart_fit_writes_a_record_and_generate_prints_text(tmp_path):
-    record_path = tmp_path / "run.json"
-    fit = _run("fit", "--config", QUICKSTART, "--trainer.max_steps", "5", "--trainer.default_root_dir", str(tmp_path),
-               env={RECORD_PATH_ENV: str(record_path)})
-    assert fit.returncode == 0, fit.stderr[-2000:]
-    record = read_record(record_path)
-    assert record["summary"]["status"] == "ok"
-    assert [s["step"] for s in record["steps"]] == [1, 2, 3, 4, 5]
-    assert record["summary"]["tokens_per_sec"]["median"] > 0
-    assert record["summary"]["useful_tokens_per_sec"]["median"] > 0
-    assert record["config"]["trainer"]["max_steps"] == 5  # the resolved config, overrides applied
-    assert record["environment"]["torch"] and record["summary"]["memory_method"] == "cpu_process_peak_rss"
-
-    checkpoint = next(tmp_path.rglob("last.ckpt"))
-    test = _run("test", "--config", QUICKSTART, "--ckpt_path", str(checkpoint), "--trainer.default_root_dir", str(tmp_path))
-    assert test.returncode == 0, test.stderr[-2000:]
-    assert "test/loss" in test.stdout
-    resumed_path = tmp_path / "resumed.json"
-    resumed = _run("fit", "--config", QUICKSTART, "--trainer.max_steps", "7", "--ckpt_path", str(checkpoint),
-                   "--trainer.default_root_dir", str(tmp_path), env={RECORD_PATH_ENV: str(resumed_path)})
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    resumed_record = read_record(resumed_path)
-    assert [s["step"] for s in resumed_record["steps"]] == [6, 7]  # resumed after step 5
-    assert resumed_record["resumed_from"] == {"checkpoint": str(checkpoint), "step_offset": 5}
-    from lit_ablate.modules import CausalLM
-
-    loaded = CausalLM.load_from_checkpoint(checkpoint, weights_only=True)  # Lightning's own API works too
-    assert loaded.factory.preset == "tiny-llama" and loaded.hparams.loss == "torch"
-    gen = _run("generate", "--ckpt_path", str(checkpoint), "--prompt", "The ", "--max_new_tokens", "8")
-    assert gen.returncode == 0, gen.stderr[-2000:]
-    text = gen.stdout.strip().splitlines()[-1]
-    assert text.startswith("The ") and len(text) > len("The ")
 
 
 def test_print_config_round_trips(tmp_path):

@@ -56,6 +56,35 @@ def test_tests_run_outside_the_checkout(run_tests, pytester: pytest.Pytester):
     assert not (pytester.path / "runs").exists()
 
 
+def test_a_process_group_a_test_leaves_is_gone_before_the_next_test(run_tests):
+    """Rule 5. Seen failing without the fixture (the second test found the first one's group)."""
+    result = run_tests(
+        """
+        import torch.distributed as dist
+
+        def test_leaves_a_group(tmp_path):
+            dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+
+        def test_starts_without_one():
+            assert not dist.is_initialized()
+        """
+    )
+    result.assert_outcomes(passed=2)
+
+
 def test_this_process_runs_the_thread_count_the_environment_sets():
     """Rule 3: the variable is set before torch loads, so it takes effect (1 unless the user set it)."""
     assert torch.get_num_threads() == int(os.environ["OMP_NUM_THREADS"])
+
+
+def test_the_longest_files_exist_and_start_first(request: pytest.FixtureRequest):
+    """Rule 4: every file ``LONGEST_FILES`` names exists (a renamed file would silently start last
+    again), and pytest-xdist's reordering by test count is off, so the session's order is what rule 4
+    sorted. Seen failing with a listed file renamed, and with the reorder option left on."""
+    from tests.conftest import LONGEST_FILES
+
+    root = Path(__file__).resolve().parents[1]
+    assert [name for name in LONGEST_FILES if not (root / name).is_file()] == []
+    assert len(set(LONGEST_FILES)) == len(LONGEST_FILES)
+    if hasattr(request.config.option, "loadscopereorder"):
+        assert request.config.option.loadscopereorder is False

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from lit_ablate.record import RECORD_PATH_ENV, read_record
+
 REPOSITORY = Path(__file__).parents[1]
 GUIDE = REPOSITORY / "docs" / "user-guide.md"
 
@@ -66,4 +68,39 @@ def test_the_user_guide_runs_as_written(tmp_path):
     assert chunked.endswith("loss = baseline"), study
     assert study.splitlines()[-1] == f"report: {tmp_path / 'studies' / 'liger_vs_cce' / 'report.md'}"
     assert "| variant |" in output_of("sed -n")[0]
+    the_guide_s_run_tests_and_resumes(tmp_path, env)
     assert {p.name for p in REPOSITORY.iterdir()} == before, "the guide wrote into the checkout"
+
+
+def the_guide_s_run_tests_and_resumes(folder: Path, env: dict[str, str]) -> None:
+    """What the CLI promises beyond the guide, on the guide's own run (one fit and one generate fewer than
+    a quickstart run of its own): the record's steps, throughput, resolved config and environment;
+    ``lit-ablate test`` on its last checkpoint; a fit resumed from it that records only the new steps and
+    where it resumed from; Lightning's own loader."""
+    run = folder / "runs" / "quickstart" / "lightning_logs" / "version_0"
+    record = read_record(run / "run.json")
+    assert [s["step"] for s in record["steps"]] == list(range(1, 21))
+    assert record["summary"]["tokens_per_sec"]["median"] > 0 and record["summary"]["useful_tokens_per_sec"]["median"] > 0
+    assert record["config"]["trainer"]["max_steps"] == 20  # the resolved config, the override applied
+    assert record["environment"]["torch"] and record["summary"]["memory_method"] == "cpu_process_peak_rss"
+    checkpoint = run / "checkpoints" / "last.ckpt"
+
+    def cli(*args: str, **extra_env: str) -> subprocess.CompletedProcess:
+        done = subprocess.run(["lit-ablate", *args], cwd=folder, env={**env, **extra_env}, capture_output=True,
+                              text=True, timeout=900)
+        assert done.returncode == 0, f"{args}\n{done.stderr[-3000:]}"
+        return done
+
+    tested = cli("test", "--config", "configs/quickstart.yaml", "--ckpt_path", str(checkpoint),
+                 "--trainer.default_root_dir", "runs/tested")
+    assert "test/loss" in tested.stdout
+    resumed_path = folder / "resumed.json"
+    cli("fit", "--config", "configs/quickstart.yaml", "--trainer.max_steps", "22", "--ckpt_path", str(checkpoint),
+        "--trainer.default_root_dir", "runs/resumed", **{RECORD_PATH_ENV: str(resumed_path)})
+    resumed = read_record(resumed_path)
+    assert [s["step"] for s in resumed["steps"]] == [21, 22]  # resumed after step 20
+    assert resumed["resumed_from"] == {"checkpoint": str(checkpoint), "step_offset": 20}
+    from lit_ablate.modules import CausalLM
+
+    loaded = CausalLM.load_from_checkpoint(checkpoint, weights_only=True)
+    assert loaded.factory.preset == "tiny-llama" and loaded.hparams.loss == "torch"
