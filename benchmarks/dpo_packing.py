@@ -1,6 +1,6 @@
 """Useful tokens/s of DPO training steps by batch layout: padded, packed, prefix-shared.
 
-Run by hand (never in CI):  python benchmarks/dpo_packing.py [--pairs 256] [--repeats 3]
+Run by hand (CI runs it only at a smoke size, tests/test_benchmarks.py):  python benchmarks/dpo_packing.py [--pairs 256] [--repeats 3]
 
 Every layout processes the very same pairs (one pass over ``--pairs`` pairs of
 ``ArithmeticPreference``), so every layout trains on the same useful tokens (response tokens of

@@ -1,6 +1,6 @@
 """Useful tokens per second, padding vs packing, on a skewed length distribution.
 
-Run by hand (never in CI):  python benchmarks/packing.py [--device cuda] [--max-len 4096]
+Run by hand (CI runs it only at a smoke size, tests/test_benchmarks.py):  python benchmarks/packing.py [--device cuda] [--max-len 4096]
 
 The same examples (log-normal lengths with a long tail, capped at ``--max-len``) go through one
 forward+backward of a tiny model per batch, in four layouts:

@@ -1,6 +1,6 @@
 """Context-parallel attention (ring, all-gather) against one-process SDPA: time and memory per rank.
 
-Run by hand (never in CI):
+Run by hand (CI runs it only at a smoke size, tests/test_benchmarks.py):
     python benchmarks/ring_attention.py [--lengths 2048 4096 8192] [--cp 2 4] [--repeats 3]
     python benchmarks/ring_attention.py --device cuda --dtype bfloat16 --lengths 8192 16384 32768 --cp 2 4 \
         --block-kernels sdpa flash_attn flex
