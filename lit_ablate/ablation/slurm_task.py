@@ -9,6 +9,7 @@ before the fit itself starts).
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import subprocess
@@ -38,9 +39,7 @@ class FitTask:
     trainer_dir: str
 
     def __call__(self) -> int:
-        import os
-
-        import submitit
+        import submitit  # only inside the job (the slurm extra)
 
         job = submitit.JobEnvironment()
         rank = job.global_rank
