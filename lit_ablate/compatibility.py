@@ -559,6 +559,7 @@ PAIRED_OPTIONS: tuple[PairedKey, ...] = (
       for dim, names in MESH_OPTIONS.items() for name in names),
     PairedKey(f"{STRATEGY_OPTIONS}.checkpoint_every", f"{STRATEGY_OPTIONS}.activation_checkpointing",
               lambda mode: mode not in (None, "none"), "full or selective"),
+    PairedKey(f"{STRATEGY_OPTIONS}.compile_backend", f"{STRATEGY_OPTIONS}.compile_layers", lambda on: on is True, "true"),
     *(PairedKey(f"{STRATEGY_OPTIONS}.{name}", f"{STRATEGY_OPTIONS}.comm_hook", lambda hook: hook == "powersgd", "powersgd")
       for name in ("powersgd_rank", "powersgd_start_iter")),
     *(PairedKey(f"{QUANTIZATION_KEY}.{name}", f"{QUANTIZATION_KEY}.bits", lambda bits: bits == 4, "4")

@@ -71,6 +71,7 @@ class MeshOptions(TypedDict, total=False):
     activation_checkpointing: ActivationCheckpointing
     checkpoint_every: int
     compile_layers: bool
+    compile_backend: str | None
     save_distributed_checkpoint: bool
     process_group_backend: str | None
     timeout_s: float
@@ -104,6 +105,11 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
             in backward); ``selective`` (layers 0, k, 2k, ... with k = ``checkpoint_every``).
         checkpoint_every: k for ``selective`` checkpointing.
         compile_layers: ``torch.compile`` each decoder layer (before sharding, as torchtitan does).
+        compile_backend: the ``torch.compile`` backend of ``compile_layers`` (default ``inductor``,
+            what a run is measured with). ``aot_eager`` traces the same graphs (dynamo and
+            AOTAutograd, graph breaks included) but runs them with eager kernels and generates no
+            code: it tells a bug of the tracing from one of inductor's kernels, and compiles in a
+            fraction of the time (on a CPU, inductor's C++ build takes most of a cold compile).
         save_distributed_checkpoint: ``True`` writes a sharded DCP folder (each rank its shards);
             ``False`` gathers one full file on rank 0.
         process_group_backend: ``gloo``/``nccl``; by default the device's.
@@ -121,6 +127,7 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
         activation_checkpointing: ActivationCheckpointing = "none",
         checkpoint_every: int = 2,
         compile_layers: bool = False,
+        compile_backend: str | None = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout_s: float = 1800.0,
@@ -140,6 +147,7 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
         self.activation_checkpointing = activation_checkpointing
         self.checkpoint_every = checkpoint_every
         self.compile_layers = compile_layers
+        self.compile_backend = _compile_backend(compile_backend)
         self.mesh_sizes: MeshSizes | None = None
         """``requested_mesh_sizes`` resolved against the world size, once the mesh is built."""
         self._fsdp_mesh: DeviceMesh | None = None
@@ -344,7 +352,7 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
         """``torch.compile`` each decoder layer in place (the same graph for every layer compiles once)."""
         if self.compile_layers:
             for layer in decoder_layers(model):
-                layer.compile()
+                layer.compile(backend=self.compile_backend)
 
     def apply_fsdp(self, model: CausalLMWithLoss) -> None:
         """Shard each decoder layer, then the root, over ``fsdp_mesh`` (a subclass's step)."""
@@ -437,3 +445,15 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _compile_backend(backend: str | None) -> str:
+    """``backend`` (``inductor`` when not given), refused when torch has no backend of that name."""
+    if backend is None:
+        return "inductor"
+    backends = torch._dynamo.list_backends(exclude_tags=())
+    if backend not in backends:
+        raise ConfigError(f"{STRATEGY_KEY}.compile_backend", backend,
+                          "use inductor (what runs are measured with), aot_eager (the same tracing, eager kernels) or "
+                          "eager; torch._dynamo.list_backends(exclude_tags=()) lists every backend")
+    return backend
