@@ -47,8 +47,8 @@ def _one_rank_dies(rank: int, world_size: int) -> None:
     dist.barrier()
 
 
-def _compiled_square(rank: int, world_size: int) -> float:
-    return torch.compile(lambda x: x * x)(torch.tensor([rank + 2.0])).item()
+def _compiled_square(rank: int, world_size: int, salt: int) -> float:
+    return torch.compile(lambda x: x * x + salt)(torch.tensor([rank + 2.0])).item()
 
 
 def test_results_come_back_in_rank_order():
@@ -85,14 +85,16 @@ def test_a_local_function_is_refused_with_the_reason():
         run_ranks(local, 2)
 
 
-@pytest.mark.slow  # three cold inductor compiles: ~15-80 s on 2 shared cores
-def test_ranks_compile_after_the_test_process_compiled(tmp_path, monkeypatch):
-    """Trap 4: ranks forked from a process that compiled wait forever in their first compile.
+@pytest.mark.slow  # three inductor compiles: ~10-40 s on 2 shared cores
+def test_ranks_compile_after_the_test_process_compiled():
+    """Ranks forked from a process that compiled would wait forever in their first compile.
 
-    An empty inductor cache (inherited by the ranks through the environment) makes the test
-    process and both ranks really compile; with a warm cache the ranks would load the kernel and
-    never reach the async-compile pool that a forked child inherits without its threads. With
-    ``fork`` instead of the forkserver this test times out (rank stacks in ``Future.result``)."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    assert torch.compile(lambda x: x + 1)(torch.tensor([1.0])).item() == 2.0
-    assert run_ranks(_compiled_square, 2, init_process_group=False, timeout_s=240) == [4.0, 9.0]
+    Every function compiled here bakes in a constant new to this run (``salt``), so the test process
+    and both ranks really compile: a kernel found in inductor's cache would be loaded without ever
+    reaching the async-compile pool that a forked child inherits without its threads. (A fresh cache
+    folder did the same at three times the cost: each process then also rebuilt inductor's probes of
+    the CPU's vector instructions.) With ``fork`` instead of the forkserver this test times out (rank
+    stacks in ``Future.result``)."""
+    salt = time.time_ns() % 1_000_000
+    assert torch.compile(lambda x: x + salt)(torch.tensor([1.0])).item() == 1.0 + salt
+    assert run_ranks(_compiled_square, 2, salt, init_process_group=False, timeout_s=240) == [4.0 + salt, 9.0 + salt]
