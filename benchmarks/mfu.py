@@ -59,6 +59,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import yaml
@@ -373,14 +374,15 @@ def main() -> int:
     args.attention = args.attention or fastest_packed_attention()
     args.loss = args.loss or memory_efficient_loss()
     args.name = args.name or ("cpu" if cpu_shape else "dense")
-    os.environ["LIT_ABLATE_CACHE_DIR"] = tempfile.mkdtemp(prefix="mfu-ceiling-")  # no ceiling of another load
     hand, lit, ceilings = [], [], []
-    for _ in range(args.repeats):
-        if args.hand_loop:
+    # a cache folder of this run's own: no ceiling measured under another load; removed at the end
+    with tempfile.TemporaryDirectory(prefix="mfu-ceiling-") as cache, mock.patch.dict(os.environ, LIT_ABLATE_CACHE_DIR=cache):
+        for _ in range(args.repeats):
+            if args.hand_loop:
+                ceilings.append(ceiling_now(args))
+                hand.append(hand_loop_run(args))
             ceilings.append(ceiling_now(args))
-            hand.append(hand_loop_run(args))
-        ceilings.append(ceiling_now(args))
-        lit.append(lit_ablate_run(args))
+            lit.append(lit_ablate_run(args))
     results = report(args, hand, lit, ceilings)
     if hand and args.device == "cpu" and args.precision == "32-true":
         diff = results[f"{args.name}_loss_max_abs_diff"]
