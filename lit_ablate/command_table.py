@@ -6,7 +6,7 @@ A table with no imports, so that ``--help`` and ``--version`` answer without loa
 # command -> "module:function" taking argv (without the command) and returning an exit code.
 COMMANDS: dict[str, str] = {
     "ablate": "lit_ablate.commands.ablate:ablate_main",
-    "report": "lit_ablate.commands.ablate:report_main",
+    "report": "lit_ablate.commands.report:report_main",
     "estimate": "lit_ablate.commands.estimate:estimate_main",
     "peak": "lit_ablate.commands.peak:peak_main",
     "generate": "lit_ablate.commands.generate:generate_main",

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lit_ablate.commands.ablate import ablate_main, report_main
+from lit_ablate.commands.ablate import ablate_main
+from lit_ablate.commands.report import report_main
 from lit_ablate.record import read_record
 
 QUICKSTART = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"

@@ -29,7 +29,8 @@ from lit_ablate.ablation.summary import study_summary
 from lit_ablate.ablation.terminal_summary import verdict
 from lit_ablate.callbacks.progress_file import PROGRESS_PATH_ENV, read_progress
 from lit_ablate.cli import main
-from lit_ablate.commands.ablate import ablate_main, report_main
+from lit_ablate.commands.ablate import ablate_main
+from lit_ablate.commands.report import report_main
 from lit_ablate.errors import ConfigError
 from lit_ablate.record import summarize_steps, write_record
 

@@ -10,7 +10,7 @@ import pytest
 
 from lit_ablate.ablation.report import render_markdown, write_report
 from lit_ablate.ablation.summary import study_summary
-from lit_ablate.commands.ablate import report_main
+from lit_ablate.commands.report import report_main
 from lit_ablate.record import SCHEMA_VERSION, summarize_steps, write_record
 
 AXIS = "model.init_args.model.config.num_hidden_layers"

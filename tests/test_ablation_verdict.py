@@ -16,7 +16,7 @@ from test_ablation_report import make_record, make_study
 
 from lit_ablate.ablation.report import write_report
 from lit_ablate.ablation.summary import study_summary
-from lit_ablate.commands.ablate import report_main
+from lit_ablate.commands.report import report_main
 
 EQUAL = {"rtol": 1e-4, "atol": 1e-6, "steps": None}
 LOSSES = [4.0, 3.0, 2.0]

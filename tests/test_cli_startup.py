@@ -48,3 +48,13 @@ def test_help_and_version_answer_in_under_a_second(flag):
         assert done.returncode == 0, done.stderr
     assert "lit-ablate" in done.stdout
     assert min(times) < 1.0, f"lit-ablate {flag}: best of 3 took {min(times):.2f} s"
+
+
+def test_report_imports_neither_torch_nor_lightning():
+    """``lit-ablate report`` re-renders a study from JSON records: it starts without torch, Lightning or
+    transformers (it lived beside ``ablate``, whose planning imports them all: ~8 s of start-up)."""
+    probe = ("import sys\nimport lit_ablate.commands.report\n"
+             "print('\\n' + __import__('json').dumps(sorted(m for m in ('torch', 'lightning', 'transformers') if m in sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []

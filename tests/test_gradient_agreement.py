@@ -18,7 +18,7 @@ from test_ablation_report import make_record, make_study
 from lit_ablate.ablation.spec import GRADIENT_CALLBACK, parse_study
 from lit_ablate.ablation.summary import study_summary
 from lit_ablate.ablation.terminal_summary import verdict
-from lit_ablate.commands.ablate import report_main
+from lit_ablate.commands.report import report_main
 from lit_ablate.errors import ConfigError
 
 EXPERTS = "model.lm.model.layers.0.mlp.experts.gate_up_proj"

@@ -1,4 +1,4 @@
-"""``lit-ablate ablate`` and ``lit-ablate report``: the study commands the CLI dispatches to.
+"""``lit-ablate ablate``: the study command the CLI dispatches to (``lit-ablate report``: ``commands.report``).
 
 ``ablate --config STUDY.yaml`` plans the study (resolve every variant, refuse a second
 variable, mark what cannot run here), runs what is not finished yet, and writes the report.
@@ -6,8 +6,8 @@ variable, mark what cannot run here), runs what is not finished yet, and writes 
 ``--dry-run`` prints the plan and runs nothing. A study with a variant whose config does not resolve or
 that ``fit`` would refuse is refused (status 2) before any run starts (``--dry-run`` prints the plan
 first). While it runs, two live lines follow the study and the run in flight; at the end it prints one
-row per variant (``terminal_summary``) and the report's path. ``report DIR`` re-renders a study directory's report from its records. Both parse
-their own arguments with argparse: ``--config`` here is the study file, not a LightningCLI config.
+row per variant (``terminal_summary``) and the report's path. It parses its own arguments with argparse:
+``--config`` here is the study file, not a LightningCLI config.
 """
 
 from __future__ import annotations
@@ -27,15 +27,13 @@ from lit_ablate.ablation.run_folder import is_kept, previous_record
 from lit_ablate.ablation.runner import run_runs
 from lit_ablate.ablation.slurm import require_submitit
 from lit_ablate.ablation.spec import StudySpec, load_study
-from lit_ablate.ablation.terminal_summary import terminal_summary
+from lit_ablate.commands.report import EXIT_LOSS_MISMATCH, EXIT_REFUSED, loss_mismatch, printed_summary
 from lit_ablate.config_keys import NOT_GIVEN, PairedKey, ignored_key
 from lit_ablate.errors import ConfigError
 from lit_ablate.path_checks import writable_dir
 
 NO_WAIT = PairedKey("--no-wait", "launch.executor", lambda executor: executor == "slurm", "'slurm'")
 """``--no-wait`` returns once the jobs are queued; a local study has no queue (it ran to the end)."""
-EXIT_LOSS_MISMATCH = 1
-EXIT_REFUSED = 2
 EXIT_INTERRUPTED = 130
 
 
@@ -126,8 +124,8 @@ def ablate_main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         console.print("interrupted: finished runs are kept; run the same command again to resume")
         return EXIT_INTERRUPTED
-    print(_printed_summary(report))
-    return EXIT_LOSS_MISMATCH if _loss_mismatch(report.parent) else 0
+    print(printed_summary(report))
+    return EXIT_LOSS_MISMATCH if loss_mismatch(report.parent) else 0
 
 
 def dry_run(full: StudySpec, spec: StudySpec, runs: list[PlannedRun], output_dir: Path, retry_failed: bool) -> str:
@@ -157,29 +155,3 @@ def dry_run(full: StudySpec, spec: StudySpec, runs: list[PlannedRun], output_dir
     lines.append("dry run, nothing ran: " + ", ".join(f"{n} {what}" for what, n in counts.items()
                                                       if n or what == "would run"))  # fmt: skip
     return "\n".join(lines)
-
-
-def _printed_summary(report: Path) -> str:
-    """The end of a study on the terminal (``terminal_summary``); the full table is in ``report``."""
-    return terminal_summary(json.loads((report.parent / "report.json").read_text()), report)
-
-
-def report_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lit-ablate report", description="Re-render a study's report from its records.",
-                                     allow_abbrev=False)
-    parser.add_argument("directory", type=Path, help="a study output directory (holding runs/ and study.json)")
-    args = parser.parse_args(argv)
-    try:
-        report = write_report(args.directory)
-    except FileNotFoundError as err:
-        Console(stderr=True).print(f"no report: {err}", highlight=False)
-        return EXIT_REFUSED
-    print(_printed_summary(report))
-    return EXIT_LOSS_MISMATCH if _loss_mismatch(args.directory) else 0
-
-
-def _loss_mismatch(directory: Path) -> bool:
-    """True when the report lists a study problem: an ``expect_equal_loss`` or ``expect_equal_gradients``
-    check failed or could not be made (its reference has no ok run), or no variant finished ok."""
-    summary = json.loads((directory / "report.json").read_text())
-    return bool(summary["problems"])
