@@ -3,10 +3,10 @@ run the real ``lit-ablate fit``, one cluster for the whole module.
 
 Each test names the broken mechanism it was seen failing with. The module skips with the reason
 where the cluster cannot start (not root, no apt); with ``LIT_ABLATE_REQUIRE_SLURM=1`` (CI) it fails
-instead. Tiny runs (one decoder layer, 32-token rows, 12 steps) keep the module to 100 s on the
-2-core dev machine (156 s with other work beside it, load average 3-4); most of it is the 15
-``lit-ablate fit`` processes' start-up (imports, ~8 s of CPU each). The runs' configs differ from
-the local reference only where the test says.
+instead. Tiny runs (one decoder layer, 32-token rows, 12 steps) and one requeued job that is also
+one of the study's variants keep the module to ~145 s on the 2-core dev machine with other tests
+beside it; most of it is the 13 ``lit-ablate fit`` processes' start-up (imports, ~8 s of CPU each).
+The runs' configs differ from the local reference only where the test says.
 """
 
 from __future__ import annotations
@@ -110,36 +110,55 @@ def record_of(out: Path, variant: str) -> dict[str, Any]:
 def multi_node_study(cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One study on the cluster: DDP 1 node x 2 tasks, DDP 2 nodes x 1 task, FSDP2 2 nodes x 1 task;
     and the same study on this machine (the 2-node variant cannot run here: its local twin is the
-    1-node one). Shared by the tests below (a requeued run is compared with the uninterrupted one)."""
+    1-node one). The 1-node DDP job is requeued mid-run (``scontrol requeue``, what pre-emption does):
+    its first attempt holds at step 7 until then (``slurm_cluster.HoldFirstAttempt``), so the requeue
+    lands mid-run every time, and the tests below see both a requeued and two uninterrupted jobs
+    (one requeued job of its own cost ~50 s more on 2 cores)."""
+    root = tmp_path_factory.mktemp("studies")
+    marker = root / "held"
+    hold = {"class_path": "slurm_cluster.HoldFirstAttempt", "init_args": {"step": PAUSED_AT, "marker": str(marker)}}
     variants = [
-        {"name": "ddp_1x2", "launch": {"devices": 2, "num_nodes": 1}},
+        {"name": "ddp_1x2", "overrides": {"trainer.callbacks": [CHECKPOINTS, hold]}, "launch": {"devices": 2, "num_nodes": 1}},
         {"name": "ddp_2x1", "launch": {"devices": 1, "num_nodes": 2}},
         {"name": "fsdp2_2x1", "overrides": {"trainer.strategy": FSDP2}, "launch": {"devices": 1, "num_nodes": 2}},
-    ]
+    ]  # fmt: skip
     vary = ["trainer.strategy", "trainer.devices", "trainer.num_nodes"]
-    root = tmp_path_factory.mktemp("studies")
-    started = time.monotonic()
-    report = run_study(study(variants, vary, slurm={}), root / "cluster")
-    on_cluster_s = time.monotonic() - started
+    requeued: list[str] = []
+
+    def requeue_when_held() -> None:
+        deadline = time.monotonic() + 240
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        job_id = json.loads((root / "cluster" / "runs" / "ddp_1x2" / "seed0" / "job.json").read_text())["job_id"]
+        cluster.requeue(job_id)
+        requeued.append(job_id)
+
+    watcher = threading.Thread(target=requeue_when_held, daemon=True)
+    watcher.start()
+    report = run_study(study(variants, [*vary, "trainer.callbacks"], slurm={}), root / "cluster")
+    watcher.join(timeout=5)
     here = [{"name": "ddp_1x2", "launch": {"devices": 2}},
             {"name": "fsdp2_1x2", "overrides": {"trainer.strategy": FSDP2}, "launch": {"devices": 2}}]  # fmt: skip
     run_study(study(here, vary, slurm=None), root / "here")
-    return {"cluster": root / "cluster", "here": root / "here", "report": report, "on_cluster_s": on_cluster_s}
+    return {"cluster": root / "cluster", "here": root / "here", "report": report, "requeued": requeued}
 
 
 def test_variants_run_as_real_jobs_on_one_and_two_nodes_with_the_losses_of_a_local_run(multi_node_study: dict[str, Any]):
     """Each variant is a SLURM job whose tasks Lightning turns into ranks: its record names the job,
     its nodes and each rank's node rank, world size 2, and its losses equal the same run on this
-    machine (DDP on one node x 2 tasks and on two nodes x 1 task, FSDP2 over two nodes; measured
-    0.0). Seen failing with ``--ntasks`` instead of ``--ntasks-per-node`` (Lightning refuses the job)."""
+    machine (DDP on one node x 2 tasks, requeued once, and on two nodes x 1 task, FSDP2 over two nodes;
+    measured 0.0). Seen failing with ``--ntasks`` instead of ``--ntasks-per-node`` (Lightning refuses
+    the job)."""
     out, here = multi_node_study["cluster"], multi_node_study["here"]
     placements = {"ddp_1x2": ["n1"], "ddp_2x1": ["n1", "n2"], "fsdp2_2x1": ["n1", "n2"]}
     twins = {"ddp_1x2": "ddp_1x2", "ddp_2x1": "ddp_1x2", "fsdp2_2x1": "fsdp2_1x2"}
+    restarts = {"ddp_1x2": 1, "ddp_2x1": 0, "fsdp2_2x1": 0}
     for variant, nodes in placements.items():
         record = record_of(out, variant)
         assert record["summary"]["status"] == "ok", record["summary"]
         job = record["job"]
-        assert job["cluster"] == "slurm" and job["id"].isdigit() and job["state"] == "COMPLETED" and job["restarts"] == 0
+        assert job["cluster"] == "slurm" and job["id"].isdigit() and job["state"] == "COMPLETED"
+        assert job["restarts"] == restarts[variant], (variant, job)
         assert job["nodes"] == nodes
         assert [(r["rank"], r["node_rank"]) for r in job["ranks"]] == [(0, 0), (1, len(nodes) - 1)]
         assert record["environment"]["world_size"] == 2 and record["environment"]["num_nodes"] == len(nodes)
@@ -152,47 +171,25 @@ def test_variants_run_as_real_jobs_on_one_and_two_nodes_with_the_losses_of_a_loc
         assert any(re.match(rf"\| (\*\*)?{variant}(\*\*)? \| ok \|", row) for row in rows), rows
 
 
-def test_a_requeued_job_resumes_from_its_checkpoint_with_the_whole_loss_curve(
-    cluster: SlurmCluster, multi_node_study: dict[str, Any], tmp_path: Path
-):
-    """``scontrol requeue`` (what pre-emption does) while the job is mid-run: SLURM starts it again, it
-    resumes from its last checkpoint (step 6 of 12), its logs keep both attempts, its record says it
-    restarted once, and its loss curve equals the uninterrupted run's at every step (measured 0.0).
-    The first attempt holds at step 7 until it is requeued (``slurm_cluster.HoldFirstAttempt``), so the
-    requeue lands mid-run every time. Seen failing: resumed without the checkpoint (from step 0:
-    ``resumed_from`` null), without the losses the checkpoint carries (steps 1-6 missing), and with
-    the logs reopened for writing (the first attempt's lines lost)."""
-    marker = tmp_path / "held"
-    hold = {"class_path": "slurm_cluster.HoldFirstAttempt", "init_args": {"step": PAUSED_AT, "marker": str(marker)}}
-    spec = study([{"name": "ddp_1x2", "launch": {"devices": 2, "num_nodes": 1}}], ["trainer.devices", "trainer.num_nodes"], slurm={},
-                 callbacks=[hold])  # fmt: skip
-    out = tmp_path / "requeued"
-    requeued: list[str] = []
-
-    def requeue_when_held() -> None:
-        deadline = time.monotonic() + 240
-        while not marker.exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        job_id = json.loads((out / "runs" / "ddp_1x2" / "seed0" / "job.json").read_text())["job_id"]
-        cluster.requeue(job_id)
-        requeued.append(job_id)
-
-    watcher = threading.Thread(target=requeue_when_held, daemon=True)
-    watcher.start()
-    run_study(spec, out)
-    watcher.join(timeout=5)
+def test_a_requeued_job_resumes_from_its_checkpoint_with_the_whole_loss_curve(multi_node_study: dict[str, Any]):
+    """The requeued job (``multi_node_study``'s 1-node DDP): SLURM starts it again, it resumes from its
+    last checkpoint (step 6 of 12), its logs keep both attempts, its record says it restarted once, and
+    its loss curve equals the uninterrupted local run's at every step (measured 0.0). Seen failing:
+    resumed without the checkpoint (from step 0: ``resumed_from`` null), without the losses the
+    checkpoint carries (steps 1-6 missing), and with the logs reopened for writing (the first
+    attempt's lines lost)."""
+    requeued = multi_node_study["requeued"]
     assert requeued, "the first attempt never reached the step it holds at"
-
-    record = record_of(out, "ddp_1x2")
+    record = record_of(multi_node_study["cluster"], "ddp_1x2")
     assert record["summary"]["status"] == "ok", record["summary"]
     assert record.get("job"), "the record names no SLURM job: the run did not go through the cluster"
     assert record["job"]["restarts"] == 1 and record["job"]["id"] == requeued[0], record["job"]
     assert record.get("resumed_from"), "the requeued job started again from step 0: its fit got no --ckpt_path"
     assert record["resumed_from"]["step_offset"] == PAUSED_AT - 1, record["resumed_from"]
-    reference = record_of(multi_node_study["cluster"], "ddp_1x2")
+    reference = record_of(multi_node_study["here"], "ddp_1x2")
     difference = largest_difference(losses(record), losses(reference))
     assert difference <= LOSS_TOLERANCE, f"the resumed curve differs from the uninterrupted one by {difference:.3g}"
-    run_dir = out / "runs" / "ddp_1x2" / "seed0"
+    run_dir = multi_node_study["cluster"] / "runs" / "ddp_1x2" / "seed0"
     log = (run_dir / "stderr.log").read_text()
     held, restarted = log.find(f"{HOLDING} {PAUSED_AT}"), log.find(f"--- restart 1 of job {requeued[0]}: resuming from")
     assert 0 <= held < restarted, log  # the first attempt's lines, then the second's
