@@ -13,9 +13,10 @@ The idea here: checkpoint only the feed-forward block of each decoder layer. Its
 attention, so it may keep most of full checkpointing's saving at a fraction of its recompute.
 An ablation can then compare it with ``activation_checkpointing: none | full | selective``.
 
-Run it from the repository root: it trains the FSDP2 tiny config (2 CPU ranks, 6 steps) three
-ways, each a ``lit-ablate fit`` of its own, and prints each one's activation peak per rank (the
-tracked tensors of a warm-up step, ``MemoryMonitor``) and step time, so you see what it saves:
+Run it from the repository root: it trains the FSDP2 tiny config three ways, each a ``lit-ablate
+fit`` of its own (6 steps on one CPU rank: what checkpointing saves is per rank, and a second rank
+would only double the start-up), and prints each one's activation peak (the tracked tensors of a
+warm-up step, ``MemoryMonitor``) and step time, so you see what it saves:
     python examples/custom_strategy.py
 Or select it from any config, in YAML (``strategy: {class_path: examples.custom_strategy.
 FeedForwardCheckpointing}``) or on the command line, from the repository root (``lit-ablate`` puts
@@ -70,7 +71,7 @@ def measure(name: str, overrides: list[str], folder: Path) -> dict:
     """One ``lit-ablate fit`` of configs/fsdp2_tiny.yaml with ``overrides``; its run record's summary."""
     record = folder / f"{len(list(folder.glob('*.json')))}.json"
     command = [sys.executable, "-m", "lit_ablate.cli", "fit", "--config", "configs/fsdp2_tiny.yaml",
-               "--trainer.max_steps", "6", "--trainer.default_root_dir", str(folder / "runs"), *overrides]
+               "--trainer.max_steps", "6", "--trainer.devices", "1", "--trainer.default_root_dir", str(folder / "runs"), *overrides]
     done = subprocess.run(command, cwd=REPOSITORY, capture_output=True, text=True,
                           env={**os.environ, RECORD_PATH_ENV: str(record)})
     if done.returncode != 0:
