@@ -1,7 +1,7 @@
 """Every triple of the mesh's dimensions without pipeline stages trains the same model as one process.
 
 ``MeshParallelStrategy`` with three of dp_replicate, dp_shard, tp, cp and ep at 2 (8 gloo ranks),
-2 SGD steps as ``CausalLM`` takes them under the strategy (inside its vocabulary-parallel loss and
+2 SGD steps (``sgd_on_shards``) as ``CausalLM`` takes them under the strategy (inside its vocabulary-parallel loss and
 context-parallel attention, on the batch as its ``batch_to_device`` shards it), on SFT rows with
 unequal useful tokens per rank, against one process: losses, evaluation, every weight within 1e-5,
 and the elements each rank holds. The pairs are tested by each technique's own tests (see the
@@ -20,7 +20,14 @@ from lit_ablate.models.moe.blocks import collect_aux_losses
 from lit_ablate.strategies import MeshParallelStrategy
 from lit_ablate.strategies.step_objective import StepObjective
 from tests.distributed import run_ranks
-from tests.test_pipeline_mesh import BATCHES, LR, assert_trains_one_process_model, build_model, rows_of, train_reference
+from tests.test_pipeline_mesh import (
+    BATCHES,
+    assert_trains_one_process_model,
+    build_model,
+    rows_of,
+    sgd_on_shards,
+    train_reference,
+)
 
 STEPS = 2
 TRIPLES = {  # name: (model, batch, one-process row chunks, mesh sizes)
@@ -45,7 +52,6 @@ def _mesh_run(rank: int, world_size: int, model_name: str, batch_name: str, size
     strategy = MeshParallelStrategy(**sizes)
     strategy.build_mesh("cpu", world_size)
     model = strategy.parallelize(build_model(model_name, meta=rank != 0))
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
 
     def on_device(batch: dict) -> dict:
         return strategy.shard_batch(batch) if strategy.splits_sequences else batch
@@ -58,8 +64,7 @@ def _mesh_run(rank: int, world_size: int, model_name: str, batch_name: str, size
             aux = sum(collect_aux_losses(model).values(), 0.0)
             objective.backward_loss(loss_sum, useful, aux, strategy).backward()
         objective.normalize_gradients(model.parameters(), strategy, accumulate_grad_batches=1)
-        optimizer.step()
-        optimizer.zero_grad()
+        sgd_on_shards(model)
         losses.append(objective.last_step_loss.item())
     with torch.no_grad(), strategy.vocabulary_parallel_loss(), strategy.context_parallel_attention():
         sums = torch.stack([value.float() for value in model(on_device(BATCHES[batch_name]()))])
