@@ -29,7 +29,10 @@ from typing import NoReturn
 from lit_ablate import __version__
 from lit_ablate.command_table import COMMANDS, SUMMARIES
 from lit_ablate.errors import ConfigError, quoted_refusal
+from lit_ablate.parse_errors import concise_error, missing_config
 
+FIT_CONFIG_COMMANDS = ("fit", "validate", "test", "estimate")
+"""The commands whose ``--config`` is a run config, a path that ``_missing_config_file`` checks first."""
 EXIT_USAGE = 2
 """A usage or config error: nothing ran (or the run stopped as it started), one line on stderr."""
 EXIT_FAILURE = 1
@@ -62,11 +65,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.parse_args(args[:1])  # prints the help or the version and exits
         parser.print_help(sys.stderr)
         sys.exit(2)
+    if missing := _missing_config_file(args):
+        print(f"lit-ablate{f' {args[0]}' if args[0] in COMMANDS else ''}: error: {missing_config(missing)}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
     _import_from_working_directory()
     # Only now the heavy imports (torch, Lightning, jsonargparse): --help and --version never need them.
     from jsonargparse import ArgumentError
-
-    from lit_ablate.parse_errors import concise_error
 
     if args and args[0] in COMMANDS:
         try:
@@ -102,6 +106,20 @@ def _refuse(command: str, message: str) -> NoReturn:
     if getattr(rank_zero_only, "rank", 0) == 0:
         print(f"{command}: error: {message}", file=sys.stderr)
     sys.exit(EXIT_USAGE)
+
+
+def _missing_config_file(args: list[str]) -> str | None:
+    """jsonargparse's words for a run config (``fit``, ``validate``, ``test``, ``estimate``) given by a path
+    that names no file, found before the ~8 s of imports that parsing it needs. A value that may be a
+    config written inline (``{...}``, ``key: value``) is left to the parser."""
+    if args[0] not in FIT_CONFIG_COMMANDS:
+        return None
+    values = [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
+    values += [after for before, after in zip(args, args[1:]) if before == "--config"]
+    for value in values:
+        if not any(c in value for c in "{:\n") and not os.path.exists(value):
+            return f"File does not exist: {os.path.abspath(value)!r}"
+    return None
 
 
 def _import_from_working_directory() -> None:

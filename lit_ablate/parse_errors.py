@@ -48,8 +48,13 @@ def concise_error(message: str) -> str:
     if class_path and any(p in problem for p in _IMPORT_PROBLEMS):
         return f"{'.'.join(keys[:-1])}: cannot import {class_path!r} ({problem}); check the class_path"
     if keys == ["config"] and "does not exist" in problem:
-        return f"--config: {problem}; give the path of a YAML config"
+        return missing_config(problem)
     return f"{key}: {problem}" if key else problem
+
+
+def missing_config(problem: str) -> str:
+    """The line for a ``--config`` that names no file (jsonargparse's ``problem``, or the CLI's own check)."""
+    return f"--config: {problem}; give the path of a YAML config"
 
 
 def _innermost_problem(message: str) -> tuple[list[str], str | None, str | None]:

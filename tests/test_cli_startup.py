@@ -1,4 +1,5 @@
-"""``lit-ablate --help`` and ``--version`` answer at once: neither imports torch, Lightning or jsonargparse.
+"""``lit-ablate --help`` and ``--version`` answer at once, and a missing run config is refused at once: none
+imports torch, Lightning or jsonargparse.
 
 Seen failing with ``from jsonargparse import ArgumentError`` back at the top of ``lit_ablate/cli.py``
 (the import check names jsonargparse), and with ``from lit_ablate.fit_cli import LitAblateCLI`` there
@@ -26,13 +27,21 @@ def _console_script() -> str:
     return str(beside) if beside.exists() else shutil.which("lit-ablate") or ""
 
 
-@pytest.mark.parametrize("flag", ["--help", "--version"])
-def test_help_and_version_import_no_heavy_library(flag):
-    probe = (f"import sys\nfrom lit_ablate.cli import main\ntry:\n    main([{flag!r}])\nexcept SystemExit:\n    pass\n"
-             f"print('\\n' + __import__('json').dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))")
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["fit", "--config", "missing.yaml"],
+                                  ["estimate", "--config=missing.yaml", "--trainer.max_steps", "2"]])
+def test_help_version_and_a_missing_config_import_no_heavy_library(argv, tmp_path):
+    """A run config that names no file is refused before the imports parsing it would need (it took
+    ~8 s to say so): the same line as the parser's, exit 2. Seen importing them all with the check
+    after ``from jsonargparse import ArgumentError``."""
+    probe = (f"import sys\nfrom lit_ablate.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit as e:\n"
+             f"    print('exit', e.code)\nprint('\\n' + __import__('json').dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+    if argv[0] in ("fit", "estimate"):
+        assert "exit 2" in done.stdout
+        assert done.stderr.strip() == (f"lit-ablate{' estimate' if argv[0] == 'estimate' else ''}: error: --config: File "
+                                       f"does not exist: '{tmp_path / 'missing.yaml'}'; give the path of a YAML config")
 
 
 @pytest.mark.parametrize("flag", ["--help", "--version"])
