@@ -66,8 +66,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.print_help(sys.stderr)
         sys.exit(2)
     if missing := _missing_config_file(args):
-        print(f"lit-ablate{f' {args[0]}' if args[0] in COMMANDS else ''}: error: {missing_config(missing)}", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
+        _refuse(f"lit-ablate {args[0]}" if args[0] in COMMANDS else "lit-ablate", missing_config(missing))
     _import_from_working_directory()
     # Only now the heavy imports (torch, Lightning, jsonargparse): --help and --version never need them.
     from jsonargparse import ArgumentError
@@ -100,12 +99,21 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _refuse(command: str, message: str) -> NoReturn:
-    """Print ``message`` once (rank 0 of a run whose ranks all refuse alike) and exit with ``EXIT_USAGE``."""
-    from lightning.fabric.utilities.rank_zero import rank_zero_only
-
-    if getattr(rank_zero_only, "rank", 0) == 0:
+    """Print ``message`` once (rank 0 of a run whose ranks all refuse alike) and exit with ``EXIT_USAGE``.
+    The rank is Lightning's (``rank_zero_only``) once Lightning is imported; a refusal made before the
+    imports reads it from the launcher's environment as Lightning does, without importing it."""
+    rank_zero = sys.modules.get("lightning.fabric.utilities.rank_zero")
+    rank = getattr(rank_zero.rank_zero_only, "rank", 0) if rank_zero else _launcher_rank()
+    if rank == 0:
         print(f"{command}: error: {message}", file=sys.stderr)
     sys.exit(EXIT_USAGE)
+
+
+def _launcher_rank() -> int:
+    """This process's rank as torchrun, Lightning's launcher or SLURM set it (0 when none did), read in
+    Lightning's order: ``LOCAL_RANK`` before ``SLURM_PROCID``, which a SLURM shell sets without ranks."""
+    return next((int(os.environ[key]) for key in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
+                 if os.environ.get(key) is not None), 0)
 
 
 def _missing_config_file(args: list[str]) -> str | None:

@@ -42,6 +42,10 @@ def test_help_version_and_a_missing_config_import_no_heavy_library(argv, tmp_pat
         assert "exit 2" in done.stdout
         assert done.stderr.strip() == (f"lit-ablate{' estimate' if argv[0] == 'estimate' else ''}: error: --config: File "
                                        f"does not exist: '{tmp_path / 'missing.yaml'}'; give the path of a YAML config")
+        # every rank of a launched job refuses alike: only rank 0 prints (seen printing on rank 1 too)
+        other_rank = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                                    cwd=tmp_path, env={**os.environ, "RANK": "1"})
+        assert "exit 2" in other_rank.stdout and other_rank.stderr.strip() == "", other_rank.stderr
 
 
 @pytest.mark.parametrize("flag", ["--help", "--version"])

@@ -44,7 +44,7 @@ TORCHAO_BACKEND = ">=0:aot_eager"
 these tests trace it with ``aot_eager`` (dynamo and AOTAutograd over the 8-bit state subclass and the
 DTensor shards, what lit-ablate's choices affect), its kernels run eagerly. Inductor's C++ kernels
 for it are what a CPU would build, not what a GPU runs (Triton), and cold they cost ~16 s of code
-generation and C++ build per shape and process: the two tests took 60 and 85 s on 2 cores, 9 and 19 s
+generation and C++ build per shape and process: the two tests took 60 and 85 s on 2 cores, 8 and 19 s
 now. Inductor itself stays tested where lit-ablate compiles (``compile_layers``)."""
 # name: (step-loss tolerance, least cosine of the total update with AdamW's)
 TOLERANCES = {"bnb_adamw8bit": (5e-3, 0.999), "torchao_adamw8bit": (0.05, 0.8)}
