@@ -11,13 +11,18 @@ different seed) accepted without the fingerprint check.
 
 from __future__ import annotations
 
+import math
 import os
 
+import lightning.pytorch as pl
 import pytest
 import torch
 
-from lit_ablate.callbacks.adapter_checkpoint import FINGERPRINT_KEY, AdapterCheckpoint
+from lit_ablate.callbacks.adapter_checkpoint import FINGERPRINT_KEY, AdapterCheckpoint, base_fingerprint
 from lit_ablate.errors import ConfigError
+from lit_ablate.models.adapters.quantization import QuantizationOptions
+from lit_ablate.models.factory import ModelFactory
+from lit_ablate.modules import CausalLM
 from lit_ablate.strategies import FSDP2Strategy
 from tests.test_adapters_resume import assert_resumed_exactly, fit
 
@@ -88,3 +93,21 @@ def test_an_adapter_only_checkpoint_exports_over_its_pretrained_base(tmp_path):
     fit(str(tmp_path / "config"), 1, False, callbacks=(AdapterCheckpoint(),))
     with pytest.raises(ConfigError, match="no file holds that base"):
         export_hf_checkpoint(tmp_path / "config" / "step1.ckpt", tmp_path / "refused", tokenizer="byte")
+
+
+def test_the_base_fingerprint_of_4bit_weights_stored_as_floats_is_that_of_their_bytes():
+    """Packed 4-bit bytes viewed as float32 (``quant_storage``) hold NaNs: summed as floats, the
+    fingerprint matched nothing, itself included (seen: every FSDP2 QLoRA resume from an adapter-only
+    checkpoint with float32 storage refused as "trained on another base"). Summed as bytes it is the
+    uint8-stored model's, and another base still differs."""
+    def fingerprint(storage: str, seed: int = 0) -> dict[str, float]:
+        pl.seed_everything(seed, verbose=False)
+        quantization = QuantizationOptions(bits=4, quant_type="nf4", quant_storage=storage)
+        module = CausalLM(ModelFactory(preset="tiny-llama", adapter={"r": 8}, quantization=quantization))
+        module.configure_model()
+        return base_fingerprint(module)
+
+    as_floats, as_bytes = fingerprint("float32"), fingerprint("uint8")
+    assert as_floats == as_bytes and all(math.isfinite(v) for v in as_floats.values())
+    assert any(".base_layer.weight" in name for name in as_floats)
+    assert fingerprint("float32", seed=1) != as_floats

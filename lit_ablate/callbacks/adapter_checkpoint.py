@@ -91,12 +91,20 @@ def trainable_names(pl_module: LightningModule) -> set[str]:
 @torch.no_grad()
 def base_fingerprint(pl_module: LightningModule) -> dict[str, float]:
     """``{name: float64 sum}`` of every frozen parameter (whole tensors: a sharded DTensor's sum is
-    reduced over its mesh, so every rank gets the same numbers; call it on every rank)."""
+    reduced over its mesh, so every rank gets the same numbers; call it on every rank).
+
+    4-bit weights packed into a float ``quant_storage`` are summed as their bytes: the float view of
+    packed bytes holds NaNs, whose sum matches nothing, itself included (seen: every FSDP2 QLoRA
+    resume with float32 storage refused as "trained on another base")."""
+    packed = {id(module.weight) for module in pl_module.modules() if getattr(module, "quant_state", None) is not None}
     sums = {}
     for name, p in pl_module.named_parameters():
         if p.requires_grad:
             continue
-        total = p.detach().to(torch.float64).sum()
+        values = p.detach()
+        if id(p) in packed and values.is_floating_point():
+            values = values.view(torch.uint8)
+        total = values.to(torch.float64).sum()
         sums[_clean(name)] = float(total.full_tensor() if hasattr(total, "full_tensor") else total)
     return sums
 
