@@ -76,12 +76,19 @@ ROWS: dict[str, tuple[str, Build, tuple[str, ...], dict[str, str]]] = {
     "slurm_study": ("submitit", _slurm_study, ("launch.executor='slurm'", "pip install 'lit-ablate[slurm]'"), {}),
 }
 
+REACHED_PAST: dict[str, str] = {"triton_interpreter": "liger_kernel"}
+"""Rows whose command reaches its package's check only with another optional package installed (without
+liger-kernel, the interpreter's row stops at liger's own line: the ``liger_loss`` row)."""
+
 
 @pytest.mark.parametrize("row", list(ROWS))
 def test_a_missing_optional_package_is_one_line_naming_its_extra(row: str, tmp_path: Path, capsys, monkeypatch) -> None:
     """Seen failing for ``fp8`` with neither the fp8 rule nor the conversion asking for torchao (``ModuleNotFoundError:
     No module named 'torchao.float8'`` inside jsonargparse's error), and for ``slurm_study`` with the study asking
     for submitit only once it ran (after its progress line)."""
+    if row in REACHED_PAST and not extras.installed(REACHED_PAST[row]):
+        pytest.skip(f"{REACHED_PAST[row]} is not installed here (it comes with the kernels-cpu extra), so this "
+                    f"command stops at its line first")  # fmt: skip
     package, build, expected, env = ROWS[row]
     for name, value in env.items():
         monkeypatch.setenv(name, value)
