@@ -31,6 +31,7 @@ from lit_ablate.models.adapters.quantization import QuantizationOptions
 from lit_ablate.models.fp8.conversion import OPTIONS_KEY as FP8_KEY
 from lit_ablate.models.fp8.conversion import Fp8Options
 from lit_ablate.run_config import RunConfig, TrainerSettings, class_default
+from lit_ablate.torch_versions import FSDP2_SHARDS_INTEGER_WEIGHTS
 
 log = logging.getLogger(__name__)
 
@@ -425,6 +426,19 @@ def sequence_parallel_rows_split(run: RunConfig, launch: LaunchLike) -> Refusal 
     return _rows_refusal(run, tp, f"sequence parallelism splits each row over tp={tp} ranks")
 
 
+@rule
+def sequence_parallel_adapters_run_here(run: RunConfig, launch: LaunchLike) -> Refusal | None:
+    """LoRA adapters under sequence parallelism need a torch whose DTensor computes a linear layer on a
+    sequence-sharded input (``sequence_parallel_adapters_refusal``; the plan refuses the same mid-run)."""
+    from lit_ablate.strategies.tensor_parallel_plans import sequence_parallel_adapters_refusal
+
+    if (_mesh_size(run, launch, "tp") == 1 or not run.trainer.strategy.option("sequence_parallel", False)
+            or run.model.adapter_section is None):  # fmt: skip
+        return None
+    reason = sequence_parallel_adapters_refusal()
+    return Refusal(f"{STRATEGY_OPTIONS}.sequence_parallel", True, reason) if reason else None
+
+
 def _rows_refusal(run: RunConfig, multiple: int, why: str) -> Refusal | None:
     """Why a batch's length may not be a multiple of ``multiple`` (its rows are padded to a length the
     collator picks), naming the key that fixes it; None when every batch's is."""
@@ -632,6 +646,7 @@ RULES: dict[str, Rule] = {
     "experts_split_over_ep": experts_split_over_ep,
     "tensor_parallel_splits_the_model": tensor_parallel_splits_the_model,
     "sequence_parallel_rows_split": sequence_parallel_rows_split,
+    "sequence_parallel_adapters_run_here": sequence_parallel_adapters_run_here,
     "pipeline_stages_fit": pipeline_stages_fit,
     "context_parallel_attends": context_parallel_attends,
 }
@@ -722,8 +737,13 @@ def quantization_refusal(options: QuantizationOptions | None, strategy: object, 
     - 8-bit layers under a DTensor strategy (FSDP2, HSDP, ...): ``Linear8bitLt`` keeps its scales
       outside the parameter and cannot take them back from the copy a strategy loads into each
       rank; 4-bit layers can (``_load_quant_state``).
+    - 4-bit weights packed as ``uint8`` under ``fully_shard`` (every mesh strategy) on a torch that
+      cannot shard integer parameters (2.11: ``FSDP2_SHARDS_INTEGER_WEIGHTS``); stored as the
+      model's dtype they shard on every supported torch.
     """
     from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    from lit_ablate.strategies.fsdp2 import FullyShardSteps
 
     if options is None or strategy is None:
         return None
@@ -734,6 +754,10 @@ def quantization_refusal(options: QuantizationOptions | None, strategy: object, 
                 "(bits: 4), or use FSDP2Strategy or DDP")  # fmt: skip
     if options.bits == 8 and issubclass(strategy_class, ModelParallelStrategy):
         return f"8-bit layers cannot be sharded by {strategy_class.__name__}; use bits: 4 (QLoRA), or DDP"
+    if (issubclass(strategy_class, FullyShardSteps) and options.quant_storage == "uint8"
+            and not FSDP2_SHARDS_INTEGER_WEIGHTS):  # fmt: skip
+        return (f"{strategy_class.__name__} shards with FSDP2, which in torch {torch.__version__} cannot hold the "
+                f"packed uint8 weights (torch >= 2.12 can); set quant_storage: {model_dtype}, or upgrade torch")
     return None
 
 

@@ -112,7 +112,8 @@ FIT_RULES: tuple[str, ...] = (
     "loss_backend_available", "attention_backend_available", "cp_block_kernel_runs_here", "fp8_runs_here",
     "preference_parts_fit", "pipeline_stages_split_the_model", "pipeline_stages_train_the_objective",
     "tensor_parallel_loss_fits", "experts_split_over_ep", "tensor_parallel_splits_the_model",
-    "sequence_parallel_rows_split", "pipeline_stages_fit", "context_parallel_attends",
+    "sequence_parallel_rows_split", "sequence_parallel_adapters_run_here", "pipeline_stages_fit",
+    "context_parallel_attends",
 )  # fmt: skip
 """The study compatibility rules (``lit_ablate.compatibility.RULES``) about one run's own parts, the
 model's shape against the mesh among them (ep dividing the experts, tp the heads, the pipeline's stages

@@ -351,6 +351,11 @@ class ModelSettings:
         return str(self._factory_value("attn_implementation", "sdpa"))
 
     @property
+    def adapter_section(self) -> Any:
+        """``init_args.model.adapter`` as given (None: no adapters)."""
+        return self._factory_value("adapter")
+
+    @property
     def quantization_section(self) -> Any:
         """``init_args.model.quantization`` as given."""
         return self._factory_value("quantization")

@@ -11,6 +11,7 @@ from bitsandbytes.functional import dequantize_4bit, get_4bit_type
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader
 
+from lit_ablate import compatibility
 from lit_ablate.compatibility import check_quantization, quantization_runs_under_strategy
 from lit_ablate.errors import ConfigError
 from lit_ablate.estimate.flops import count_parameters
@@ -18,7 +19,7 @@ from lit_ablate.models.adapters.lora import AdapterOptions, adapter_parameter_na
 from lit_ablate.models.adapters.quantization import QuantizationOptions
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.modules import CausalLM
-from lit_ablate.strategies import FSDP1Strategy, FSDP2Strategy
+from lit_ablate.strategies import DDPStrategy, FSDP1Strategy, FSDP2Strategy
 from tests.test_step_objective import micro_batches
 
 IDS = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(3))
@@ -200,8 +201,23 @@ def test_a_target_module_that_matches_nothing_is_refused_naming_the_key():
 def test_quantization_a_strategy_cannot_shard_is_refused(bits, storage, model_dtype, strategy, reason):
     with pytest.raises(ConfigError, match=rf"model\.init_args\.model\.quantization=.*{reason}"):
         check_quantization(QuantizationOptions(bits=bits, quant_storage=storage), strategy, model_dtype)
-    check_quantization(QuantizationOptions(bits=4), FSDP2Strategy)  # QLoRA under FSDP2 is fine
     check_quantization(QuantizationOptions(bits=4, quant_storage="bfloat16"), FSDP1Strategy, "bfloat16")  # FSDP-QLoRA
+
+
+@pytest.mark.parametrize("shards_integers", [True, False])
+def test_packed_uint8_weights_under_fsdp2_are_refused_where_torch_cannot_shard_them(monkeypatch, shards_integers):
+    """torch 2.11's ``fully_shard`` fails on a uint8 parameter ("only Tensors of floating point dtype can
+    require gradients", seen in every FSDP2 QLoRA test under 2.11): refused there before any work, with
+    the fix that works on every torch (the model's dtype as storage); QLoRA under FSDP2 is fine otherwise."""
+    monkeypatch.setattr(compatibility, "FSDP2_SHARDS_INTEGER_WEIGHTS", shards_integers)
+    if shards_integers:
+        check_quantization(QuantizationOptions(bits=4), FSDP2Strategy)
+    else:
+        with pytest.raises(ConfigError, match=r"model\.init_args\.model\.quantization=.*cannot hold the packed uint8 "
+                                              r"weights \(torch >= 2\.12 can\); set quant_storage: bfloat16, or upgrade"):
+            check_quantization(QuantizationOptions(bits=4), FSDP2Strategy, "bfloat16")
+    check_quantization(QuantizationOptions(bits=4, quant_storage="bfloat16"), FSDP2Strategy, "bfloat16")
+    check_quantization(QuantizationOptions(bits=4), DDPStrategy)  # DDP shards nothing
 
 
 @pytest.mark.parametrize(("dtype", "storage", "refused"), [("bfloat16", "bfloat16", False), ("float32", "bfloat16", True),

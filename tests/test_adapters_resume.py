@@ -22,6 +22,7 @@ from lit_ablate.models.factory import ModelFactory
 from lit_ablate.modules import CausalLM
 from lit_ablate.strategies import FSDP2Strategy
 from tests.distributed import run_ranks
+from tests.test_adapters_strategies import FSDP2_QUANT_STORAGE
 from tests.test_step_objective import StepLosses, micro_batches
 
 QUANTIZED = {"bits": 4, "quant_type": "nf4"}
@@ -30,7 +31,9 @@ QUANTIZED = {"bits": 4, "quant_type": "nf4"}
 def fit(root: str, steps: int, quantized: bool, ckpt_path: str | None = None, strategy="auto", devices: int = 1,
         rank: int = 0, callbacks: tuple = (), seed: int = 0) -> dict:  # fmt: skip
     pl.seed_everything(seed, verbose=False)
-    factory = ModelFactory(preset="tiny-llama", adapter={"r": 8}, quantization=QUANTIZED if quantized else None)
+    storage = FSDP2_QUANT_STORAGE if isinstance(strategy, FSDP2Strategy) else "uint8"
+    quantization = {**QUANTIZED, "quant_storage": storage} if quantized else None
+    factory = ModelFactory(preset="tiny-llama", adapter={"r": 8}, quantization=quantization)
     # A constant learning rate: the cosine schedule's length is max_steps, which the first part differs in.
     module = CausalLM(factory, learning_rate=1e-2, warmup_steps=0, weight_decay=0.1, min_lr_ratio=1.0)
     losses = StepLosses()

@@ -39,8 +39,13 @@ from lit_ablate.models.adapters.quantization import QuantizationOptions
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.modules import CausalLM
 from lit_ablate.strategies import DDPStrategy, FSDP1Strategy, FSDP2Strategy, HSDPStrategy
+from lit_ablate.torch_versions import FSDP2_SHARDS_INTEGER_WEIGHTS
 from tests.distributed import run_ranks
 from tests.test_step_objective import STEPS, StepLosses, assert_same_training, micro_batches
+
+FSDP2_QUANT_STORAGE = "uint8" if FSDP2_SHARDS_INTEGER_WEIGHTS else "float32"
+"""How FSDP2 and HSDP hold the packed 4-bit weights: as uint8, or on a torch whose ``fully_shard`` cannot
+hold integer parameters (2.11, where lit-ablate refuses uint8 there) as the float32 view of the same bytes."""
 
 STRATEGIES = {
     "ddp": DDPStrategy, "fsdp1": FSDP1Strategy, "fsdp2": FSDP2Strategy,
@@ -91,7 +96,9 @@ def fit(variant: str, strategy="auto", devices: int = 1, rank: int = 0, quantize
 
 
 def _two_rank_fits(rank: int, world_size: int, names: list[str], quantized: bool) -> dict:
-    return {name: fit("ranks", STRATEGIES[name](), devices=2, rank=rank, quantized=quantized) for name in names}
+    return {name: fit("ranks", STRATEGIES[name](), devices=2, rank=rank, quantized=quantized,
+                      quant_storage=FSDP2_QUANT_STORAGE if name in ("fsdp2", "hsdp") else "uint8")
+            for name in names}  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -573,3 +573,15 @@ def test_a_study_skips_a_variant_the_model_s_shape_refuses(tmp_path: Path) -> No
     assert runs["fsdp2"].skip_reason is None and runs["tp2"].invalid is None
     assert runs["tp2"].skip_reason == ("trainer.strategy.init_args.tp=2: the model's num_key_value_heads is 1; use a tp "
                                        "that divides it")
+
+
+def test_fit_applies_every_compatibility_rule_but_those_about_the_launch() -> None:
+    """``fit`` applies the studies' rules through its own list (``FIT_RULES``): a rule added to ``RULES``
+    alone skips a study's variant but lets ``fit`` start its ranks, to fail inside them. Seen twice: the
+    pipeline objective rule, and the sequence-parallel adapters rule (torch 2.11 refused it deep in
+    DTensor). Left out on purpose: the devices, nodes and accelerator, which fit's launcher judges."""
+    from lit_ablate.compatibility import RULES
+    from lit_ablate.preflight import FIT_RULES
+
+    assert set(RULES) - set(FIT_RULES) == {"accelerator_present", "enough_devices", "cpu_ranks_fit", "single_node"}
+    assert set(FIT_RULES) <= set(RULES)

@@ -15,7 +15,8 @@ Layers, top to bottom (a module may import its own layer and the layers below it
 - ``data/``;
 - ``models/``;
 - the ground floor: ``errors``, ``record``, ``terminal``, ``import_warnings``, ``config_keys``,
-  ``path_checks``, ``parse_errors``, ``command_table``, ``class_paths``, ``mesh_sizes``, ``simulated_rank``, ``extras``.
+  ``path_checks``, ``parse_errors``, ``command_table``, ``class_paths``, ``mesh_sizes``, ``simulated_rank``, ``extras``,
+  ``torch_versions``.
 
 Imports under ``if TYPE_CHECKING:`` count like any other: an annotation that names a module above, or
 one that imports this module back, is a dependency a reader follows all the same.
@@ -34,7 +35,7 @@ import pytest
 
 PACKAGE = Path(__file__).parents[1] / "lit_ablate"
 GROUND = ("errors", "record", "terminal", "import_warnings", "config_keys", "path_checks", "parse_errors",
-          "command_table", "class_paths", "mesh_sizes", "simulated_rank", "extras")
+          "command_table", "class_paths", "mesh_sizes", "simulated_rank", "extras", "torch_versions")
 LAYERS: list[tuple[str, ...]] = [  # bottom first
     tuple(f"lit_ablate.{name}" for name in GROUND),
     ("lit_ablate.models",),

@@ -265,8 +265,9 @@ def whole_sequence_masks(module: nn.Module, args: tuple, kwargs: dict[str, Any])
     config = module.config
     dtype = module.get_input_embeddings().weight.dtype
     whole = torch.empty((*input_ids.shape, 0), dtype=dtype, device=input_ids.device)  # only its shape is read
-    mask = create_causal_mask(config=config, inputs_embeds=whole, attention_mask=padding, cache=None,
-                              position_ids=position_ids)
+    # The cache is the fourth argument, passed by position: transformers renamed it from
+    # ``past_key_values`` (5.17, the GPU machines') to ``cache`` (5.24).
+    mask = create_causal_mask(config, whole, padding, None, position_ids=position_ids)
     if mask is None:  # plain causal: the kernel's own causal flag sees the whole sequence
         return None
     layer_types = getattr(config, "layer_types", None) or ()

@@ -36,6 +36,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -48,10 +49,12 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lit_ablate.errors import ConfigError
+from lit_ablate.mesh_sizes import STRATEGY_KEY
 from lit_ablate.models.adapters.lora import ADAPTER_NAME
 from lit_ablate.models.adapters.lora import OPTIONS_KEY as ADAPTER_OPTIONS_KEY
 from lit_ablate.models.adapters.quantization import OPTIONS_KEY as QUANTIZATION_KEY
 from lit_ablate.models.adapters.quantization import is_quantized
+from lit_ablate.torch_versions import DTENSOR_FLATTENS_SHARDED_SEQUENCES
 
 Plan = dict[str, ParallelStyle | tuple[ParallelStyle, ...]]
 """Submodule name -> its style, or several styles applied in order (their hooks run in that order)."""
@@ -138,6 +141,8 @@ def adapter_plan(layer: nn.Module, plan: Plan, sequence_parallel: bool = False) 
             out[name] = style
             continue
         _check_adapter_splits(module)
+        if sequence_parallel and (reason := sequence_parallel_adapters_refusal()):
+            raise ConfigError(f"{STRATEGY_KEY}.sequence_parallel", True, reason)
         out[f"{name}.base_layer"] = style
         if isinstance(style, ColwiseParallel):
             out[f"{name}.lora_B.{ADAPTER_NAME}"] = ColwiseParallel(output_layouts=style.output_layouts[0],
@@ -156,6 +161,16 @@ def adapter_plan(layer: nn.Module, plan: Plan, sequence_parallel: bool = False) 
                               f"its tensor-parallel style {type(style).__name__} has no adapter split; "
                               "leave it out of target_modules or use tp: 1")
     return out
+
+
+def sequence_parallel_adapters_refusal() -> str | None:
+    """Why LoRA adapters cannot train under sequence parallelism with this torch, or None: the
+    row-parallel layers' ``lora_B`` is a linear layer on a sequence-sharded DTensor
+    (``DTENSOR_FLATTENS_SHARDED_SEQUENCES``)."""
+    if DTENSOR_FLATTENS_SHARDED_SEQUENCES:
+        return None
+    return (f"LoRA's lora_B under sequence parallelism is a linear layer on a sequence-sharded DTensor, which "
+            f"torch {torch.__version__} cannot compute (torch >= 2.12 can); set sequence_parallel: false, or upgrade torch")
 
 
 def _is_lora_layer(module: nn.Module) -> bool:

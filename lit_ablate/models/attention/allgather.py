@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from lit_ablate.models.attention.block_attention import block_attention
 from lit_ablate.models.attention.block_kernels import SDPA, BlockKernel
 from lit_ablate.models.attention.chunk_masks import ChunkMasks
+from lit_ablate.torch_versions import all_gather_autograd
 
 
 def allgather_attention(q: Tensor, k: Tensor, v: Tensor, masks: ChunkMasks, group: ProcessGroup | None,
@@ -33,6 +33,6 @@ def allgather_attention(q: Tensor, k: Tensor, v: Tensor, masks: ChunkMasks, grou
     rank, size = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
     kv = torch.stack([k, v])
     if size > 1:
-        gathered = funcol.all_gather_single_autograd(kv, gather_dim=0, group=group)
+        gathered = all_gather_autograd(kv, 0, group)
         kv = masks.layout.unshard(list(gathered.chunk(size, dim=0)), dim=-2)
     return block_attention(q, kv, masks, rank, scale, kernel)

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
@@ -27,6 +26,7 @@ from lit_ablate.models.attention.block_kernels import SDPA, BlockKernel
 from lit_ablate.models.attention.chunk_masks import ChunkMasks, segment_ids
 from lit_ablate.models.attention.ring import ring_attention
 from lit_ablate.models.attention.sequence_layout import SequenceLayout
+from lit_ablate.torch_versions import all_gather_into
 
 CONTEXT_PARALLEL_ATTRIBUTE = "context_parallel"
 """The attribute of an attention module that holds its ``ContextParallelGroup``."""
@@ -62,7 +62,7 @@ class ContextParallelGroup:
         if size == 1:
             return ChunkMasks(self.layout, segments[None])
         gathered = segments.new_empty((size * batch, local_len))
-        dist.all_gather_single(gathered, segments, group=self.group)
+        all_gather_into(gathered, segments, self.group)
         return ChunkMasks(self.layout, gathered.view(size, batch, local_len))
 
 

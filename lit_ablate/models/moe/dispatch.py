@@ -37,6 +37,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 from lit_ablate.models.moe.router import Routing
+from lit_ablate.torch_versions import all_gather_into
 
 
 class Experts(Protocol):
@@ -140,7 +141,7 @@ class AllReduceDispatcher(ExpertParallelDispatcher):
     def __call__(self, x: Tensor, routing: Routing, experts: Experts) -> Tensor:
         num_tokens, top_k = routing.indices.shape
         sizes = torch.empty(self.size, dtype=torch.int64, device=x.device)
-        dist.all_gather_into_tensor(sizes, torch.tensor([num_tokens], device=x.device), group=self.group)
+        all_gather_into(sizes, torch.tensor([num_tokens], device=x.device), self.group)
         sizes = sizes.tolist()
         # One autograd collective for tokens and weights together (trap 1); the ids carry no grad.
         payload = torch.cat([x, routing.weights.to(x.dtype)], dim=1)
