@@ -21,6 +21,10 @@ def test_local_checkpoint_loads_offline_with_the_same_logits_and_the_asked_dtype
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids).logits, original(input_ids=ids).logits, rtol=0, atol=1e-5)
     assert loaded.config._attn_implementation == "sdpa_packed"
+    # transformers 5.25 turned Hub kernels on for every from_pretrained (Liger RMSNorm and a rotary
+    # kernel downloaded on a GPU): a loaded model must run the kernels its config names, as one
+    # built from a config does. Seen failing without ``use_kernels=False`` in the factory.
+    assert not loaded.use_kernels
     half = ModelFactory(pretrained=str(tmp_path / "ckpt"), dtype="bfloat16").build()
     assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
 

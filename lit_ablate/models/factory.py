@@ -171,10 +171,15 @@ class ModelFactory:
     def _build_base(self) -> PreTrainedModel:
         # On ``meta`` (a mesh strategy's ranks other than 0, whose shards receive rank 0's loaded
         # weights) only the shapes are built: transformers refuses from_pretrained there.
+        # ``use_kernels=False``: from transformers 5.25 a loaded checkpoint on a GPU gets Hub kernels
+        # (Liger's RMSNorm, a rotary kernel, inference-only activations, downloaded at load time)
+        # swapped in by default: a variant would run kernels its config does not name, and a model
+        # built from the same config would not. Kernels are parts a study varies, never added behind it.
         if self.pretrained and torch.get_default_device().type != "meta":
             with _pretrained_errors(self.pretrained):
                 model = AutoModelForCausalLM.from_pretrained(
-                    self.pretrained, dtype=self.torch_dtype, attn_implementation=self.attn_implementation
+                    self.pretrained, dtype=self.torch_dtype, attn_implementation=self.attn_implementation,
+                    use_kernels=False,
                 )
         else:
             model = AutoModelForCausalLM.from_config(self.hf_config(), attn_implementation=self.attn_implementation)
