@@ -230,6 +230,53 @@ def test_a_declared_category_may_not_reuse_a_built_in_name():
         declared_categories(module)
 
 
+class Func(torch.nn.Module):
+    """A module kept outside the module tree (in ``__dict__``, not a child) that may call another
+    of its class, as transformers 5.25's kernel-function wrappers do around the rotary embedding."""
+
+    def __init__(self, inner: Func | None = None) -> None:
+        super().__init__()
+        self.__dict__["inner"] = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) if self.inner is not None else x * 2
+
+
+def test_a_module_calling_another_of_its_class_outside_the_tree_is_tracked_without_a_warning():
+    """torch's module tracker names a module outside the tree by its class alone, so the nested call
+    looked like ``Func`` re-entering itself: a UserWarning on every layer, on the terminal of every
+    CPU run, and the process's ``warnings.formatwarning`` replaced. Seen failing with the tracker's
+    plain ``ModTracker`` (both the warning and the replaced format)."""
+    from lit_ablate.callbacks.tensor_categories import TensorCategoryTracker
+
+    shared = Func(Func())
+    linear = torch.nn.Linear(4, 4)
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = linear
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return shared(self.linear(x))
+
+    model = torch.nn.Sequential(Layer(), Layer())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracker = TensorCategoryTracker(model, [optimizer], torch.device("cpu"))
+    format_before = warnings.formatwarning
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        tracker.enter()
+        tracker.new_micro_batch()
+        loss = model(torch.ones(3, 4)).sum()
+        tracker.set_phase("backward")
+        loss.backward()
+        tracker.exit()
+    assert [str(w.message) for w in seen] == []
+    assert warnings.formatwarning is format_before
+    assert tracker.maxima["grads"] == linear.weight.numel() * 4 + linear.bias.numel() * 4
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_the_tensor_peak_is_the_allocators_and_the_categories_add_up_to_it(tmp_path):

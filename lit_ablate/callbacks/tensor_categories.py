@@ -47,6 +47,7 @@ import torch
 from torch import nn
 from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _UpdateType
+from torch.distributed._tools.mod_tracker import ModTracker
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
@@ -80,6 +81,20 @@ def optimizer_states(optimizer: Optimizer) -> list[torch.Tensor]:
     return states + optimizer_states(inner) if isinstance(inner, Optimizer) else states
 
 
+class _DistinctNamesModTracker(ModTracker):
+    """torch's module tracker, naming a module that is not a registered child by its class *and* its
+    ``id`` when its class name is taken. The plain tracker names both by the class alone, so a module
+    that calls another of its class outside the module tree (transformers 5.25 routes a layer's rotary
+    embedding through a shared ``Func`` module into the model's own ``Func``) looks like a module
+    re-entering itself: torch warns on every layer and replaces the process's warning format."""
+
+    def _get_mod_name(self, mod: nn.Module) -> str:
+        if mod not in self._known_modules:
+            name = type(mod).__name__
+            self._known_modules[mod] = name if name not in set(self._known_modules.values()) else f"{name}@{id(mod):x}"
+        return super()._get_mod_name(mod)
+
+
 class TensorCategoryTracker(MemTracker):
     """Peak tensor bytes of one step on ``device``, its composition, and each category's own maximum.
 
@@ -101,6 +116,7 @@ class TensorCategoryTracker(MemTracker):
     def __init__(self, module: nn.Module, optimizers: Sequence[Optimizer], device: torch.device,
                  extra: Mapping[str, Sequence[nn.Module]] | None = None) -> None:
         super().__init__()
+        self._mod_tracker = _DistinctNamesModTracker()
         extra = dict(extra or {})
         self.module, self.optimizers, self.device = module, list(optimizers), device
         self.categories: tuple[str, ...] = (*CATEGORIES, *extra)
