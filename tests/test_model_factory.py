@@ -1,4 +1,7 @@
-"""``ModelFactory``: presets, config mappings and local checkpoints (offline), with one-line errors."""
+"""``ModelFactory``: presets, config mappings and local checkpoints (offline), with one-line errors.
+
+Recorded mutant: loading without ``use_kernels=False`` (transformers 5.25 kernelizes every
+``from_pretrained`` by default) fails the offline-checkpoint test."""
 
 from __future__ import annotations
 
