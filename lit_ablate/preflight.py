@@ -206,16 +206,25 @@ def check_ckpt_path(ckpt_path: str | os.PathLike | None) -> None:
 
 
 def check_accelerator(trainer: TrainerSettings) -> None:
-    """A GPU accelerator needs a visible GPU (a study judges it per machine: ``accelerator_present``)."""
+    """A GPU accelerator needs a visible GPU (a study judges it per machine: ``accelerator_present``),
+    and another of Lightning's (``mps``, ``tpu``) its device."""
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+
     accelerator = trainer.accelerator
     if accelerator in GPU_ACCELERATORS and not torch.cuda.is_available():
         raise ConfigError("trainer.accelerator", accelerator,
                           "no CUDA device is visible here (torch.cuda.is_available() is False); use cpu or auto")
+    if accelerator in AcceleratorRegistry and not AcceleratorRegistry[accelerator]["accelerator"].is_available():
+        raise ConfigError("trainer.accelerator", accelerator, f"no {accelerator} device here; use cpu or auto")
 
 
 def check_trainer(trainer: TrainerSettings, fitting: bool) -> None:
-    """Trainer values that fail late or silently when fitting: ``accumulate_grad_batches`` below 1 (a
-    division by zero mid-loop) or ``max_steps`` 0 (a "successful" run that trains nothing)."""
+    """Trainer values Lightning would refuse with a stack trace once the Trainer is built (an
+    accelerator name it does not know, a device or node count below 1), and, when fitting, values
+    that fail late or silently: ``accumulate_grad_batches`` below 1 (a division by zero mid-loop),
+    ``val_check_interval`` 0 (the same, after the first step), or a run that trains nothing and ends
+    "successfully" (``max_steps`` 0, ``max_epochs`` 0, ``limit_train_batches`` 0)."""
+    check_placement(trainer)
     if not fitting:
         return
     accumulate = trainer.accumulate_grad_batches
@@ -224,3 +233,44 @@ def check_trainer(trainer: TrainerSettings, fitting: bool) -> None:
     max_steps = trainer.max_steps
     if isinstance(max_steps, int) and (max_steps == 0 or max_steps < -1):
         raise ConfigError("trainer.max_steps", max_steps, "train at least 1 step, or -1 to stop by max_epochs")
+    if _is_number(trainer.max_epochs) and (trainer.max_epochs == 0 or trainer.max_epochs < -1):
+        raise ConfigError("trainer.max_epochs", trainer.max_epochs, "train at least 1 epoch, or -1 to stop by max_steps")
+    if _is_number(trainer.limit_train_batches) and trainer.limit_train_batches <= 0:
+        raise ConfigError("trainer.limit_train_batches", trainer.limit_train_batches,
+                          "trains nothing; use a positive count of batches, or a fraction of the epoch up to 1.0")
+    if _is_number(trainer.val_check_interval) and trainer.val_check_interval <= 0:
+        raise ConfigError("trainer.val_check_interval", trainer.val_check_interval,
+                          "use a positive count of training batches, or a fraction of the epoch up to 1.0")
+
+
+def check_placement(trainer: TrainerSettings) -> None:
+    """``trainer.accelerator`` names one of Lightning's accelerators (or a class_path), and
+    ``devices`` / ``num_nodes`` are counts Lightning can place ranks by."""
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+
+    accelerator = trainer.accelerator
+    names = sorted({*AcceleratorRegistry.available_accelerators(), *GPU_ACCELERATORS, "auto"})
+    if isinstance(accelerator, str) and accelerator not in names and "." not in accelerator:
+        raise ConfigError("trainer.accelerator", accelerator, f"use one of {', '.join(names)}")
+    devices = trainer.devices
+    if devices is not None and devices not in ("auto", -1, "-1") and not _device_ids(devices) and (
+            trainer.devices_per_node is None or trainer.devices_per_node < 1):  # fmt: skip
+        raise ConfigError("trainer.devices", devices, "use a positive number of devices per node, a list of device ids, "
+                          "-1 (all) or auto")
+    nodes = trainer.num_nodes
+    if nodes is not None and (not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1):
+        raise ConfigError("trainer.num_nodes", nodes, "use a positive number of nodes (1 on one machine)")
+
+
+def _device_ids(devices: Any) -> bool:
+    """A non-empty list of device ids, or their comma-separated string (``"0,1"``)."""
+    if isinstance(devices, str) and "," in devices:
+        devices = [d.strip() for d in devices.split(",") if d.strip()]
+        return bool(devices) and all(d.isdigit() for d in devices)
+    return isinstance(devices, list) and bool(devices) and all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devices)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+

@@ -258,6 +258,9 @@ class TrainerSettings:
     precision: str = "32-true"
     accumulate_grad_batches: Any = None
     max_steps: Any = None
+    max_epochs: Any = None
+    limit_train_batches: Any = None
+    val_check_interval: Any = None
     default_root_dir: str | None = None
     strategy: StrategyChoice = field(default_factory=StrategyChoice)
     callbacks: tuple[str, ...] = ()
@@ -273,6 +276,9 @@ class TrainerSettings:
             precision=str(trainer.get("precision") or "32-true"),
             accumulate_grad_batches=trainer.get("accumulate_grad_batches"),
             max_steps=trainer.get("max_steps"),
+            max_epochs=trainer.get("max_epochs"),
+            limit_train_batches=trainer.get("limit_train_batches"),
+            val_check_interval=trainer.get("val_check_interval"),
             default_root_dir=trainer.get("default_root_dir"),
             strategy=StrategyChoice(trainer.get("strategy") or "auto"),
             callbacks=tuple(c["class_path"] for c in _as_list(trainer.get("callbacks"))

@@ -119,6 +119,8 @@ ROWS: dict[str, tuple[Build, tuple[str, ...]]] = {
     "hidden_not_divisible_by_heads": (_model(hidden_size=130), ("model.init_args.model.config.hidden_size=130", "num_attention_heads=4")),
     "kv_heads_not_dividing_heads": (_model(num_key_value_heads=3), ("config.num_key_value_heads=3", "[1, 2, 4]")),
     "negative_hidden_size": (_model(hidden_size=-8), ("config.hidden_size=-8", "positive")),
+    # transformers keeps an unknown key as an attribute no model reads: this trained the default size
+    "model_config_key_typo": (_model(hidden_sise=64), ("model.init_args.model.config.hidden_sise=64", "did you mean hidden_size")),
     "zero_heads": (_model(num_attention_heads=0), ("config.num_attention_heads=0",)),
     "zero_vocab": (_model(vocab_size=0), ("config.vocab_size=0",)),
     "zero_intermediate_size": (_model(intermediate_size=0), ("config.intermediate_size=0",)),
@@ -220,6 +222,22 @@ ROWS: dict[str, tuple[Build, tuple[str, ...]]] = {
     "accumulate_zero_batches": (_fit("--trainer.accumulate_grad_batches", "0"), ("trainer.accumulate_grad_batches=0",)),
     "zero_max_steps": (_fit("--trainer.max_steps", "0"), ("trainer.max_steps=0", "at least 1 step")),
     "gpu_accelerator_without_gpu": (_fit("--trainer.accelerator", "gpu"), ("trainer.accelerator='gpu'", "no CUDA device")),
+    # Lightning's own refusals of these were stack traces from Trainer.__init__, or came after step 1
+    "unknown_accelerator": (_fit("--trainer.accelerator", "cpuu"), ("trainer.accelerator='cpuu'", "auto, cpu, cuda")),
+    "accelerator_without_its_device": (_fit("--trainer.accelerator", "tpu"), ("trainer.accelerator='tpu'", "no tpu device")),
+    "negative_devices": (_fit("--trainer.devices", "-2"), ("trainer.devices='-2'", "a positive number of devices")),
+    "devices_in_words": (_fit("--trainer.devices", "two"), ("trainer.devices='two'", "a list of device ids")),
+    "zero_nodes": (_fit("--trainer.num_nodes", "0"), ("trainer.num_nodes=0", "a positive number of nodes")),
+    "zero_val_check_interval": (_fit("--trainer.val_check_interval", "0"), ("trainer.val_check_interval=0", "positive")),
+    # these trained nothing and exited 0
+    "zero_train_batches": (_fit("--trainer.limit_train_batches", "0"), ("trainer.limit_train_batches=0", "trains nothing")),
+    "zero_max_epochs": (_fit("--trainer.max_epochs", "0"), ("trainer.max_epochs=0", "at least 1 epoch")),
+    # --- optimizer: refused when the optimizer was built, after the ranks started and the model was built ---
+    "beta_of_one_or_more": (_fit("--model.init_args.betas", "[0.9, 1.5]"), ("model.init_args.betas=[0.9, 1.5]", "[0, 1)")),
+    "unknown_optimizer_option": (_fit("--model.init_args.optimizer_options", '{"epss": 1e-8}'),
+                                 ("model.init_args.optimizer_options.epss=", "did you mean eps")),
+    "optimizer_option_the_class_refuses": (_fit("--model.init_args.optimizer_options", '{"eps": -1}'),
+                                           ("model.init_args.optimizer_options={'eps': -1}", "Invalid epsilon value")),
     "fit_mesh_not_the_world_size": (_args("fit", "--config", FSDP2, "--trainer.default_root_dir", "{tmp}",
                                           "--trainer.strategy.init_args.dp_replicate", "2",
                                           "--trainer.strategy.init_args.dp_shard", "2"),
@@ -345,6 +363,10 @@ ROWS: dict[str, tuple[Build, tuple[str, ...]]] = {
         _study({"name": "named", "base": QUICKSTART, "steps": 1,
                 "axes": {"trainer.strategy": ["auto", "lit_ablate.strategies.FSDP3Strategy"]}}),
         ("variants=['lit_ablate.strategies.FSDP3Strategy']", "config refused: trainer.strategy=", "not a strategy"),
+    ),
+    "study_variant_with_an_unknown_accelerator": (
+        _study({"name": "acc", "base": QUICKSTART, "steps": 1, "axes": {"trainer.accelerator": ["cpu", "cpuu"]}}),
+        ("variants=['cpuu']", "nothing ran", "trainer.accelerator='cpuu'"),
     ),
     "study_unwritable_output_dir": (
         lambda tmp: ["ablate", "--config", str(CONFIGS / "studies" / "depth_grid.yaml"), "--output_dir", _text_file(tmp) + "/out"],

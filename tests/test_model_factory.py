@@ -66,3 +66,15 @@ def test_a_dotted_null_preset_switches_to_the_config():
     options = resolved["model"]["init_args"]["model"]
     lm = ModelFactory(**{k: options[k] for k in ("preset", "config", "pretrained")}).build(device="meta")
     assert lm.config.model_type == "llama" and lm.config.hidden_size == 32
+
+
+def test_config_keys_the_class_consumes_or_model_code_reads_are_kept_and_a_typo_is_refused():
+    """A key a config class does not declare is a typo only if no model code reads it: ``rope_theta``
+    becomes ``rope_parameters``, Qwen3-MoE reads ``head_dim`` (its preset sets it) with ``getattr``,
+    RoPE code reads ``partial_rotary_factor``. Seen failing with the check on the declared keys alone
+    (the tiny-qwen3-moe preset refused)."""
+    kept = ModelFactory(preset="tiny-llama", config={"rope_theta": 5000.0, "partial_rotary_factor": 0.5}).hf_config()
+    assert kept.rope_parameters["rope_theta"] == 5000.0
+    assert ModelFactory(preset="tiny-qwen3-moe").hf_config().head_dim == 32
+    with pytest.raises(ConfigError, match=r"config\.num_hidden_layer=2: Qwen3MoeConfig has no such key.*num_hidden_layers"):
+        ModelFactory(preset="tiny-qwen3-moe", config={"num_hidden_layer": 2})

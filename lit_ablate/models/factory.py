@@ -8,6 +8,12 @@ parallelism. Random initialisation draws from torch's global RNG, which the CLI 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
+import importlib
+import importlib.util
+import inspect
+import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -136,6 +142,7 @@ class ModelFactory:
             except (TypeError, ValueError, StrictDataclassError) as err:
                 reason = str(err).strip().splitlines()[-1].strip() if str(err).strip() else type(err).__name__
                 raise ConfigError(CONFIG_KEY, self.config, f"transformers rejected it: {reason}") from err
+            _check_known_keys(config, values)
         config._attn_implementation = self.attn_implementation
         return config
 
@@ -187,6 +194,41 @@ class ModelFactory:
         if self.moe is not None:
             apply_moe(model, self.moe)
         return model
+
+
+_SHARED_MODELING = ("transformers.modeling_utils", "transformers.modeling_rope_utils", "transformers.masking_utils")
+"""transformers' modules that read a config's keys for every model type (besides the type's own)."""
+
+
+def _check_known_keys(config: PretrainedConfig, values: Mapping[str, Any]) -> None:
+    """A key the config class does not know is kept by transformers as a plain attribute: unless
+    model code reads it, a typo (``hidden_sise``) trains the default size, and a study varying it
+    measures one model N times. Known: what a default config holds, its aliases, what the class
+    consumes into other fields (``rope_theta`` into ``rope_parameters``), and any key the model
+    type's modeling code or transformers' shared code reads (Qwen3-MoE reads ``head_dim`` with
+    ``getattr``, its config does not declare it)."""
+    cls = type(config)
+    defaults, held = set(cls().to_dict()), config.to_dict()
+    unknown = [k for k in values if k in held and k not in defaults and k not in getattr(cls, "attribute_map", {})]
+    if not unknown:
+        return
+    read = _keys_read_by_model_code(cls)
+    for key in unknown:
+        if key not in read:
+            close = difflib.get_close_matches(key, sorted(defaults), n=1)
+            hint = f"did you mean {close[0]}?" if close else f"{cls.__name__}'s keys are {sorted(defaults)}"
+            raise ConfigError(f"{CONFIG_KEY}.{key}", values[key], f"{cls.__name__} has no such key and no model code "
+                              f"reads it; {hint}")
+
+
+@functools.cache
+def _keys_read_by_model_code(config_class: type) -> frozenset[str]:
+    """Every ``config.<key>`` and ``getattr(config, "<key>"...)`` in the config class's modeling module
+    and transformers' shared modeling code."""
+    names = [config_class.__module__.replace(".configuration_", ".modeling_"), *_SHARED_MODELING]
+    sources = [inspect.getsource(importlib.import_module(name)) for name in names if importlib.util.find_spec(name)]
+    pattern = re.compile(r"config\.(\w+)|getattr\(\s*\w*config\w*\s*,\s*[\"'](\w+)[\"']")
+    return frozenset(a or b for source in sources for a, b in pattern.findall(source))
 
 
 def check_model_shape(model_type: str, values: Mapping[str, Any]) -> None:

@@ -25,6 +25,7 @@ from lit_ablate.modules.optim import (
     build_optimizer,
     check_lr_schedule,
     check_optimizer,
+    check_optimizer_arguments,
     decay_groups,
     decay_names,
     implementation_of,
@@ -99,6 +100,7 @@ class CausalLM(LightningModule):
         check_lr_schedule(lr_schedule, min_lr_ratio, decay_fraction, decay_shape)
         LossChoice(loss, dict(loss_options or {})).build()  # bad names/options fail here, before any model is built
         check_optimizer(optimizer)  # the strategy is checked in configure_model
+        check_optimizer_arguments(optimizer, betas, dict(optimizer_options or {}))
         # Plain values only, so checkpoints load with torch.load(weights_only=True). ``_class_path``
         # lets LightningCLI's ``--ckpt_path`` (test, validate, resumed fit) re-parse them.
         self.save_hyperparameters({"_class_path": f"{type(self).__module__}.{type(self).__qualname__}",

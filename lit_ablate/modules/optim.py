@@ -16,8 +16,10 @@ the parameters rule it out or ``optimizer_options`` choose; the run record names
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import math
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -32,6 +34,7 @@ from lit_ablate.errors import ConfigError
 from lit_ablate.extras import installed, not_installed
 
 OPTIMIZER_KEY = "model.init_args.optimizer"
+OPTIONS_KEY = "model.init_args.optimizer_options"
 OPTIMIZERS: dict[str, str] = {
     "adamw": "torch.optim.AdamW",
     "bnb_adamw8bit": "bitsandbytes.optim.AdamW8bit",
@@ -78,6 +81,29 @@ def check_optimizer(name: str, strategy: Strategy | type | None = None, device_t
         raise ConfigError(OPTIMIZER_KEY, name, reason)
 
 
+def check_optimizer_arguments(name: str, betas: Sequence[float], options: Mapping[str, Any]) -> None:
+    """``betas`` and ``optimizer_options`` as optimizer ``name``'s class will take them, checked at
+    construction (before any rank starts, and for every variant of a study) instead of when the
+    optimizer is built after the model: each beta in [0, 1), every option a keyword of the class,
+    and the values the class itself validates (AdamW's ``eps``), tried on a one-element parameter."""
+    for index, beta in enumerate(betas):
+        if not isinstance(beta, (int, float)) or isinstance(beta, bool) or not 0 <= beta < 1:
+            raise ConfigError("model.init_args.betas", list(betas), f"each beta must be in [0, 1) (index {index} is not); "
+                              "AdamW's usual are [0.9, 0.95]")
+    cls = import_class(OPTIMIZERS[name])
+    accepted = [k for k, p in inspect.signature(cls.__init__).parameters.items()
+                if k not in ("self", "params", "lr", "betas") and p.kind is not p.VAR_KEYWORD]  # fmt: skip
+    for key in options:
+        if key not in accepted:
+            close = difflib.get_close_matches(key, accepted, n=1)
+            raise ConfigError(f"{OPTIONS_KEY}.{key}", options[key], f"{OPTIMIZERS[name]} takes no {key}; "
+                              + (f"did you mean {close[0]}?" if close else f"it takes {accepted}"))
+    try:
+        cls([torch.zeros(1, requires_grad=True)], lr=1e-3, betas=tuple(betas), **options)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(OPTIONS_KEY, dict(options), f"{OPTIMIZERS[name]} refused them: {err}") from err
+
+
 def build_optimizer(name: str, groups: list[dict], lr: float, betas: tuple[float, float],
                     options: dict[str, Any] | None = None) -> tuple[torch.optim.Optimizer, str | None]:  # fmt: skip
     """Optimizer ``name`` over parameter ``groups`` (their ``weight_decay`` wins over the default),
@@ -88,7 +114,8 @@ def build_optimizer(name: str, groups: list[dict], lr: float, betas: tuple[float
     ``model.init_args.optimizer_options``.
     """
     cls = import_class(OPTIMIZERS[name])
-    options, fallback = dict(options or {}), None
+    given = options = dict(options or {})
+    fallback = None
     if name == "adamw":
         kinds = {parameter_kind(p) for group in groups for p in group["params"]}
         implementation, fallback = adamw_implementation(kinds, options)
@@ -98,7 +125,7 @@ def build_optimizer(name: str, groups: list[dict], lr: float, betas: tuple[float
     try:
         return cls(groups, lr=lr, betas=betas, **options), fallback
     except TypeError as err:
-        raise ConfigError("model.init_args.optimizer_options", options, f"{OPTIMIZERS[name]} refused them: {err}") from err
+        raise ConfigError(OPTIONS_KEY, given, f"{OPTIMIZERS[name]} refused them: {err}") from err
 
 
 AdamWImplementation = Literal["fused", "foreach", "for-loop"]
