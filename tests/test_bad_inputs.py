@@ -216,6 +216,11 @@ ROWS: dict[str, tuple[Build, tuple[str, ...]]] = {
                                                   "--trainer.strategy", "PipelineParallelStrategy",
                                                   "--ckpt_path", _fake_checkpoint(tmp, hyper_parameters=False)],
                                      ("--ckpt_path=", "fake.ckpt", "resumes from the sharded checkpoint folder")),
+    # an existing folder or file that holds no tokenizer was a 94-line traceback from transformers
+    "tokenizer_folder_without_a_tokenizer": (_fit("--data.init_args.tokenizer", "{tmp}"),
+                                             ("data.init_args.tokenizer=", "the folder holds no tokenizer", "save_pretrained")),
+    "tokenizer_that_is_a_file": (lambda tmp: _fit("--data.init_args.tokenizer", _file(tmp, "tok.json", "{}"))(tmp),
+                                 ("data.init_args.tokenizer=", "a file, not a tokenizer folder")),
     "cache_dir_with_memory_storage": (_fit("--data.init_args.storage", "memory", "--data.init_args.cache_dir", "{tmp}/c"),
                                       ("data.init_args.cache_dir=", "acts only when data.init_args.storage is cache or auto")),
     # --- trainer ----------------------------------------------------------------------------------

@@ -67,7 +67,7 @@ def export_hf_checkpoint(ckpt_path: str | Path, output_dir: str | Path, tokenize
     spec = tokenizer or recorded_tokenizer(checkpoint)
     if spec is None:
         raise ConfigError("--tokenizer", None, "the checkpoint records no tokenizer; pass --tokenizer byte or a path")
-    tok = load_tokenizer(spec)
+    tok = load_tokenizer(spec, "--tokenizer" if tokenizer else "data.init_args.tokenizer")
     module = CausalLM.from_hparams(checkpoint["hyper_parameters"], inference=True)
     _check_merge(module, merge)
     module.configure_model()

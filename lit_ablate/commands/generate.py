@@ -65,7 +65,7 @@ def generate(ckpt_path: str, prompt: str, max_new_tokens: int = 32, temperature:
     spec = tokenizer or recorded_tokenizer(checkpoint)
     if spec is None:
         raise ConfigError("--tokenizer", None, "the checkpoint records no tokenizer; pass --tokenizer byte or a path")
-    tok = load_tokenizer(spec)
+    tok = load_tokenizer(spec, "--tokenizer" if tokenizer else "data.init_args.tokenizer")
     if not tok.encode(prompt):
         raise ConfigError("--prompt", prompt, "it encodes to no tokens; give text to continue")
     module = CausalLM.from_hparams(checkpoint["hyper_parameters"], inference=True)

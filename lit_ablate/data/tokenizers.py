@@ -13,9 +13,15 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from functools import cached_property
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lit_ablate.errors import ConfigError
+
+TOKENIZER_KEY = "data.init_args.tokenizer"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model")
+"""Files one of which a Hugging Face tokenizer folder holds (fast, config, sentencepiece, BPE, WordPiece)."""
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -137,16 +143,25 @@ class HFTokenizer(Tokenizer):
     """A Hugging Face tokenizer (``AutoTokenizer``): a local directory works offline, a hub name
     needs the network. Conversations use the tokenizer's own chat template when it has one."""
 
-    def __init__(self, spec: str) -> None:
+    def __init__(self, spec: str, key: str = TOKENIZER_KEY) -> None:
         from transformers import AutoTokenizer
 
+        fix = "give a folder saved by save_pretrained (lit-ablate export writes one), a hub name (needs network) or byte"
+        path = Path(spec).expanduser()
+        if path.is_file():
+            raise ConfigError(key, spec, f"a file, not a tokenizer folder; {fix}")
+        if path.is_dir() and not any((path / name).exists() for name in TOKENIZER_FILES):
+            raise ConfigError(key, spec, f"the folder holds no tokenizer ({', '.join(TOKENIZER_FILES[:2])}, ...); {fix}")
+        if not path.exists() and spec.startswith(("/", "./", "../", "~")):
+            raise ConfigError(key, spec, f"no such folder; {fix}")
         try:
             self.hf = AutoTokenizer.from_pretrained(spec)
-        except OSError as err:
-            raise ConfigError("data.init_args.tokenizer", spec, f"not a loadable tokenizer ({err}); use 'byte' or a path") from err
+        except (OSError, ValueError) as err:
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ConfigError(key, spec, f"transformers could not load it ({reason}); {fix}") from err
         self.spec = spec
         if self.hf.eos_token_id is None:
-            raise ConfigError("data.init_args.tokenizer", spec, "the tokenizer has no eos token; pick one that defines it")
+            raise ConfigError(key, spec, "the tokenizer has no eos token; pick one that defines it")
         self.eos_id = int(self.hf.eos_token_id)
         self.bos_id = None if self.hf.bos_token_id is None else int(self.hf.bos_token_id)
         if self.hf.pad_token_id is None:
@@ -205,8 +220,9 @@ class HFTokenizer(Tokenizer):
         return self.hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation_prompt)
 
 
-def load_tokenizer(spec: str) -> Tokenizer:
-    """``"byte"`` -> ``ByteTokenizer``; anything else -> ``HFTokenizer(spec)`` (a path or hub name)."""
+def load_tokenizer(spec: str, key: str = TOKENIZER_KEY) -> Tokenizer:
+    """``"byte"`` -> ``ByteTokenizer``; anything else -> ``HFTokenizer(spec)`` (a path or hub name).
+    ``key``: what a refusal names (``generate`` and ``export`` take ``--tokenizer``)."""
     if not spec:
-        raise ConfigError("data.init_args.tokenizer", spec, "use 'byte' or a Hugging Face tokenizer path/name")
-    return ByteTokenizer() if spec == "byte" else HFTokenizer(spec)
+        raise ConfigError(key, spec, "use 'byte' or a Hugging Face tokenizer path/name")
+    return ByteTokenizer() if spec == "byte" else HFTokenizer(spec, key)
