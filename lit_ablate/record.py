@@ -202,7 +202,10 @@ def write_record(path: str | os.PathLike[str], record: Mapping[str, Any]) -> Pat
 def read_record(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a record; raises ``ValueError`` naming the file when it is not a run record."""
     with open(path) as f:
-        record = json.load(f)
+        try:
+            record = json.load(f)
+        except json.JSONDecodeError as err:  # a ValueError: the runner reads it as no record
+            raise ValueError(f"{path}: not valid JSON ({err.msg} at line {err.lineno}: cut short?)") from err
     if not isinstance(record, dict) or record.get("schema_version") != SCHEMA_VERSION:
         raise ValueError(f"{path}: not a lit-ablate run record (schema_version {SCHEMA_VERSION} expected)")
     return record

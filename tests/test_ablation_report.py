@@ -152,6 +152,23 @@ def test_report_of_an_empty_directory_is_refused(tmp_path: Path):
     assert report_main([str(tmp_path)]) == 2
 
 
+@pytest.mark.parametrize("broken", ["study.json", "runs/a/seed0/run.json", "not a folder"])
+def test_a_cut_short_record_or_plan_or_a_file_is_refused_in_one_line(tmp_path: Path, broken: str, capsys):
+    """A run record or study plan cut short (a full disk, a copy interrupted) was a JSONDecodeError
+    traceback; the one line names the file and what redoes it. Seen failing without the catches."""
+    records = [make_record("a", 0, speed=1, peak_mib=1, losses=[2, 1])]
+    study = make_study(tmp_path / "study", records, {"name": "s", "baseline": "a", "variants": [{"name": "a"}]})
+    if broken == "not a folder":
+        study = study / "study.json"
+    else:
+        target = study / broken
+        target.write_text(target.read_text()[:40])
+    assert report_main([str(study)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("no report: ")
+    assert ("is not a folder" if broken == "not a folder" else "not valid JSON") in err
+
+
 def test_a_failing_estimate_leaves_the_report_whole(monkeypatch, tmp_path: Path):
     from lit_ablate.estimate import from_config
 

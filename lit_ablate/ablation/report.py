@@ -38,11 +38,18 @@ PIPELINE_LEGEND = (" Pipeline idle: the share of the schedule's wall time the st
 def load_runs(directory: Path) -> tuple[dict[str, Any] | None, list[tuple[str, dict[str, Any]]]]:
     """The study plan (None when absent) and ``(relative path, record)`` of every run in ``directory``."""
     plan_path = directory / PLAN_FILENAME
-    plan = json.loads(plan_path.read_text()) if plan_path.is_file() else None
+    try:
+        plan = json.loads(plan_path.read_text()) if plan_path.is_file() else None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{plan_path}: not valid JSON ({err.msg}); run lit-ablate ablate on the study again, "
+                         "which rewrites it") from err
     planned = {v["name"] for v in plan["variants"]} if plan else None
     runs = []
     for path in sorted(directory.glob(f"runs/*/*/{RECORD_FILENAME}")):
-        record = read_record(path)
+        try:
+            record = read_record(path)
+        except ValueError as err:
+            raise ValueError(f"{err}; run lit-ablate ablate on the study again, which redoes that run") from err
         if planned is None or (record.get("variant") or path.parent.parent.name) in planned:
             runs.append((path.relative_to(directory).as_posix(), record))
     return plan, runs

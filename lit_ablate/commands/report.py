@@ -25,10 +25,14 @@ def report_main(argv: list[str]) -> int:
                                      allow_abbrev=False)
     parser.add_argument("directory", type=Path, help="a study output directory (holding runs/ and study.json)")
     args = parser.parse_args(argv)
+    if not args.directory.is_dir():
+        Console(stderr=True).print(f"no report: {args.directory} is not a folder; give a study's output folder "
+                                   "(lit-ablate ablate prints it)", highlight=False, soft_wrap=True)  # fmt: skip
+        return EXIT_REFUSED
     try:
         report = write_report(args.directory)
-    except FileNotFoundError as err:
-        Console(stderr=True).print(f"no report: {err}", highlight=False)
+    except (FileNotFoundError, ValueError) as err:  # no records; a record or plan that is not JSON
+        Console(stderr=True).print(f"no report: {err}", highlight=False, soft_wrap=True)
         return EXIT_REFUSED
     print(printed_summary(report))
     return EXIT_LOSS_MISMATCH if loss_mismatch(args.directory) else 0
