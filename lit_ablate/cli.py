@@ -32,7 +32,7 @@ from lit_ablate.errors import ConfigError, quoted_refusal
 from lit_ablate.parse_errors import concise_error, missing_config
 
 FIT_CONFIG_COMMANDS = ("fit", "validate", "test", "estimate")
-"""The commands whose ``--config`` is a run config, a path that ``_missing_config_file`` checks first."""
+"""The commands whose ``--config`` is a run config, a path that ``_config_file_refusal`` checks first."""
 EXIT_USAGE = 2
 """A usage or config error: nothing ran (or the run stopped as it started), one line on stderr."""
 EXIT_FAILURE = 1
@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.parse_args(args[:1])  # prints the help or the version and exits
         parser.print_help(sys.stderr)
         sys.exit(2)
-    if missing := _missing_config_file(args):
-        _refuse(f"lit-ablate {args[0]}" if args[0] in COMMANDS else "lit-ablate", missing_config(missing))
+    if refusal := _config_file_refusal(args):
+        _refuse(f"lit-ablate {args[0]}" if args[0] in COMMANDS else "lit-ablate", refusal)
     _import_from_working_directory()
     # Only now the heavy imports (torch, Lightning, jsonargparse): --help and --version never need them.
     from jsonargparse import ArgumentError
@@ -116,18 +116,35 @@ def _launcher_rank() -> int:
                  if os.environ.get(key) is not None), 0)
 
 
-def _missing_config_file(args: list[str]) -> str | None:
-    """jsonargparse's words for a run config (``fit``, ``validate``, ``test``, ``estimate``) given by a path
-    that names no file, found before the ~8 s of imports that parsing it needs. A value that may be a
-    config written inline (``{...}``, ``key: value``) is left to the parser."""
+def _config_file_refusal(args: list[str]) -> str | None:
+    """The line for a run config (``fit``, ``validate``, ``test``, ``estimate``) given by a path that
+    names no file, or that holds a study (jsonargparse would blame its first key, ``axes`` or
+    ``variants``, as an option ``fit`` does not take), found before the ~8 s of imports that parsing
+    needs. A value that may be a config written inline (``{...}``, ``key: value``) is left to the parser."""
     if args[0] not in FIT_CONFIG_COMMANDS:
         return None
     values = [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
     values += [after for before, after in zip(args, args[1:]) if before == "--config"]
     for value in values:
-        if not any(c in value for c in "{:\n") and not os.path.exists(value):
-            return f"File does not exist: {os.path.abspath(value)!r}"
+        if any(c in value for c in "{:\n"):
+            continue
+        if not os.path.exists(value):
+            return missing_config(f"File does not exist: {os.path.abspath(value)!r}")
+        if _is_study_file(value):
+            return (f"--config={value!r}: a study file (base with variants or axes), not a run config; "
+                    f"run it with lit-ablate ablate --config {value}")
     return None
+
+
+def _is_study_file(path: str) -> bool:
+    import yaml
+
+    try:
+        with open(path) as f:
+            content = yaml.safe_load(f)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):  # the parser's own words for these
+        return False
+    return isinstance(content, dict) and "base" in content and ("variants" in content or "axes" in content)
 
 
 def _import_from_working_directory() -> None:

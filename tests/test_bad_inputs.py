@@ -341,6 +341,12 @@ ROWS: dict[str, tuple[Build, tuple[str, ...]]] = {
     "generate_empty_prompt": (_args("generate", "--ckpt_path", "{tmp}/missing.ckpt", "--prompt", ""), ("--prompt=''",)),
     "generate_wrong_type": (_args(*GENERATE, "--max_new_tokens", "many"), ("max_new_tokens='many'", "expected int")),
     # --- estimate ---------------------------------------------------------------------------------
+    # jsonargparse blamed the study's first key as an option fit does not take
+    "fit_given_a_study_file": (_args("fit", "--config", str(CONFIGS / "studies" / "depth_grid.yaml")),
+                               ("--config=", "depth_grid.yaml", "a study file", "lit-ablate ablate --config")),
+    "study_whose_base_is_a_study": (_study({"name": "b", "base": str(CONFIGS / "studies" / "depth_grid.yaml"),
+                                            "axes": {"data.init_args.batch_size": [2, 4]}}),
+                                    ("base=", "a study file, not a fit config", "'../quickstart.yaml'")),
     "estimate_missing_config": (_args("estimate", "--config", "{tmp}/missing.yaml"), ("--config", "missing.yaml")),
     "estimate_config_not_yaml": (lambda tmp: ["estimate", "--config", _file(tmp, "bad.yaml", "trainer: [a\n")],
                                  ("--config", "not valid YAML")),

@@ -395,6 +395,9 @@ def _base(value: Any, source: Path | None) -> tuple[dict[str, Any], Path | None]
         base = yaml.safe_load(f) or {}
     if not isinstance(base, Mapping):
         raise ConfigError("base", value, "the base must be a fit config: a YAML mapping (trainer:, model:, data:)")
+    if "base" in base and ("variants" in base or "axes" in base):
+        raise ConfigError("base", value, "a study file, not a fit config; give the fit config it varies (its own base: "
+                          f"{base['base']!r})")
     return dict(base), path.resolve()
 
 
