@@ -344,6 +344,11 @@ ROWS: dict[str, tuple[Build, tuple[str, ...]]] = {
     # jsonargparse blamed the study's first key as an option fit does not take
     "fit_given_a_study_file": (_args("fit", "--config", str(CONFIGS / "studies" / "depth_grid.yaml")),
                                ("--config=", "depth_grid.yaml", "a study file", "lit-ablate ablate --config")),
+    # the fix was vary: [trainer.strategy] whatever the variants changed (a second refusal once followed)
+    "study_variants_without_vary": (_study({"name": "v", "base": QUICKSTART, "variants": [
+                                        {"name": "a", "overrides": {"data.init_args.batch_size": 2}},
+                                        {"name": "b", "overrides": {"data.init_args.batch_size": 4}}]}),
+                                    ("vary=None", "here vary: ['data.init_args.batch_size']")),
     "study_whose_base_is_a_study": (_study({"name": "b", "base": str(CONFIGS / "studies" / "depth_grid.yaml"),
                                             "axes": {"data.init_args.batch_size": [2, 4]}}),
                                     ("base=", "a study file, not a fit config", "'../quickstart.yaml'")),

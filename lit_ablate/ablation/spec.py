@@ -465,7 +465,9 @@ def _check_paired(pair: PairedKey, block: Mapping[str, Any], partner_value: Any)
 
 def _vary(raw: Any, variants: Sequence[Variant]) -> tuple[str, ...]:
     if raw is None:
-        raise ConfigError("vary", None, "with variants:, list the keys (or prefixes) they vary: vary: [trainer.strategy]")
+        changed = list(dict.fromkeys(k for v in variants for k in [*v.overrides, *v.launch_overrides]))
+        raise ConfigError("vary", None, "with variants:, list the keys (or prefixes) they vary"
+                          + (f": here vary: {changed}" if changed else ", e.g. vary: [trainer.strategy]"))
     if isinstance(raw, str):
         raw = [raw]
     if not isinstance(raw, list) or not raw or not all(isinstance(k, str) and k for k in raw):
