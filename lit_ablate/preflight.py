@@ -38,6 +38,8 @@ def check_run_config(subcommand: str, config: RunConfig | Mapping[str, Any]) -> 
     run = RunConfig.of(config)
     check_accelerator(run.trainer)
     check_config(run, fitting=subcommand == "fit")
+    if run.simulation is None:  # a simulated rank is one process, whatever the nodes
+        check_launched_nodes(run.trainer)
     if subcommand == "fit":  # validate and test write nothing (lit_ablate.terminal)
         check_parts_compatible(run)
         if run.trainer.default_root_dir:
@@ -216,6 +218,22 @@ def check_accelerator(trainer: TrainerSettings) -> None:
                           "no CUDA device is visible here (torch.cuda.is_available() is False); use cpu or auto")
     if accelerator in AcceleratorRegistry and not AcceleratorRegistry[accelerator]["accelerator"].is_available():
         raise ConfigError("trainer.accelerator", accelerator, f"no {accelerator} device here; use cpu or auto")
+
+
+NODE_LAUNCH_ENV = ("NODE_RANK", "GROUP_RANK", "MASTER_ADDR", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "LSB_JOBID",
+                   "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+"""What a launcher sets in each node's process (by hand, Lightning's ``NODE_RANK`` and ``MASTER_ADDR``;
+torchrun, SLURM, LSF, MPI): one of them tells a process which node it is and where node 0 waits."""
+
+
+def check_launched_nodes(trainer: TrainerSettings) -> None:
+    """``num_nodes`` above 1 in a process no launcher started: it waited for nodes that never came,
+    silently, until killed (a study on SLURM starts every node's process itself)."""
+    if trainer.nodes > 1 and not any(os.environ.get(name) for name in NODE_LAUNCH_ENV):
+        raise ConfigError("trainer.num_nodes", trainer.num_nodes,
+                          "no launcher started this process on one of the nodes (no NODE_RANK/MASTER_ADDR, torchrun, "
+                          "SLURM, LSF or MPI variables), so it would wait for the other nodes forever; run it under "
+                          "srun or torchrun --nnodes on each node, a study with launch.executor: slurm, or use 1")
 
 
 def check_trainer(trainer: TrainerSettings, fitting: bool) -> None:

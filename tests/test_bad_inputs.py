@@ -29,6 +29,7 @@ from lit_ablate.cli import EXIT_FAILURE, EXIT_USAGE, main
 from lit_ablate.command_table import SUMMARIES
 from lit_ablate.data import LocalFiles, build_examples, load_tokenizer
 from lit_ablate.errors import ConfigError
+from lit_ablate.preflight import NODE_LAUNCH_ENV
 from lit_ablate.record import read_record
 
 CONFIGS = Path(__file__).parents[1] / "configs"
@@ -233,6 +234,9 @@ ROWS: dict[str, tuple[Build, tuple[str, ...]]] = {
     "negative_devices": (_fit("--trainer.devices", "-2"), ("trainer.devices='-2'", "a positive number of devices")),
     "devices_in_words": (_fit("--trainer.devices", "two"), ("trainer.devices='two'", "a list of device ids")),
     "zero_nodes": (_fit("--trainer.num_nodes", "0"), ("trainer.num_nodes=0", "a positive number of nodes")),
+    # waited for the other node, silently, until killed
+    "nodes_without_a_launcher": (_fit("--trainer.num_nodes", "2", "--trainer.strategy", "ddp"),
+                                 ("trainer.num_nodes=2", "no launcher started this process", "srun or torchrun")),
     "zero_val_check_interval": (_fit("--trainer.val_check_interval", "0"), ("trainer.val_check_interval=0", "positive")),
     # these trained nothing and exited 0
     "zero_train_batches": (_fit("--trainer.limit_train_batches", "0"), ("trainer.limit_train_batches=0", "trains nothing")),
@@ -415,6 +419,8 @@ def nothing_runs(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(_SubprocessScriptLauncher, "launch", started)
     monkeypatch.setattr(ablate, "run_runs", started)
+    for name in NODE_LAUNCH_ENV:  # the suite run inside a SLURM job: a launcher's variables would let num_nodes 2 wait
+        monkeypatch.delenv(name, raising=False)
 
 
 @pytest.mark.parametrize("row", list(ROWS))
