@@ -61,7 +61,7 @@ from lit_ablate.errors import ConfigError
 CACHE_DIR_ENV = "LIT_ABLATE_DATA_CACHE"
 """Environment variable naming the cache directory when the config gives none."""
 DEFAULT_CACHE_DIR = "~/.cache/lit_ablate/data"
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 4
 """The version of the code that decides an entry's bytes: tokenisation, formats, how rows are read and
 the on-disk layout. Part of the key beside lit-ablate's release version (which a code change between
 releases does not move), so an entry is never read by code that would have built other bytes. Bump it
