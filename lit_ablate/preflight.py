@@ -256,6 +256,9 @@ def check_trainer(trainer: TrainerSettings, fitting: bool) -> None:
     if _is_number(trainer.limit_train_batches) and trainer.limit_train_batches <= 0:
         raise ConfigError("trainer.limit_train_batches", trainer.limit_train_batches,
                           "trains nothing; use a positive count of batches, or a fraction of the epoch up to 1.0")
+    if _is_number(trainer.gradient_clip_val) and trainer.gradient_clip_val < 0:  # Lightning: no clipping, no word
+        raise ConfigError("trainer.gradient_clip_val", trainer.gradient_clip_val,
+                          "use a positive gradient norm to clip at, or 0 / null for no clipping")
     if _is_number(trainer.val_check_interval) and trainer.val_check_interval <= 0:
         raise ConfigError("trainer.val_check_interval", trainer.val_check_interval,
                           "use a positive count of training batches, or a fraction of the epoch up to 1.0")

@@ -261,6 +261,7 @@ class TrainerSettings:
     max_epochs: Any = None
     limit_train_batches: Any = None
     val_check_interval: Any = None
+    gradient_clip_val: Any = None
     default_root_dir: str | None = None
     strategy: StrategyChoice = field(default_factory=StrategyChoice)
     callbacks: tuple[str, ...] = ()
@@ -279,6 +280,7 @@ class TrainerSettings:
             max_epochs=trainer.get("max_epochs"),
             limit_train_batches=trainer.get("limit_train_batches"),
             val_check_interval=trainer.get("val_check_interval"),
+            gradient_clip_val=trainer.get("gradient_clip_val"),
             default_root_dir=trainer.get("default_root_dir"),
             strategy=StrategyChoice(trainer.get("strategy") or "auto"),
             callbacks=tuple(c["class_path"] for c in _as_list(trainer.get("callbacks"))

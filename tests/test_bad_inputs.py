@@ -241,6 +241,10 @@ ROWS: dict[str, tuple[Build, tuple[str, ...]]] = {
     # these trained nothing and exited 0
     "zero_train_batches": (_fit("--trainer.limit_train_batches", "0"), ("trainer.limit_train_batches=0", "trains nothing")),
     "zero_max_epochs": (_fit("--trainer.max_epochs", "0"), ("trainer.max_epochs=0", "at least 1 epoch")),
+    # accepted without a word: clipping silently off, decay growing the weights, "median after -1 warm-up steps"
+    "negative_clip_value": (_fit("--trainer.gradient_clip_val", "-1"), ("trainer.gradient_clip_val=-1", "0 / null")),
+    "negative_weight_decay": (_fit("--model.init_args.weight_decay", "-0.1"), ("model.init_args.weight_decay=-0.1",)),
+    "negative_record_warmup": (_fit("--recorder.warmup_steps", "-1"), ("recorder.warmup_steps=-1", "0 or more")),
     # --- optimizer: refused when the optimizer was built, after the ranks started and the model was built ---
     "beta_of_one_or_more": (_fit("--model.init_args.betas", "[0.9, 1.5]"), ("model.init_args.betas=[0.9, 1.5]", "[0, 1)")),
     "unknown_optimizer_option": (_fit("--model.init_args.optimizer_options", '{"epss": 1e-8}'),

@@ -22,6 +22,7 @@ from lit_ablate.callbacks.memory import MemoryMonitor
 from lit_ablate.callbacks.mfu import MFUMonitor
 from lit_ablate.callbacks.record_section import RecordSection
 from lit_ablate.callbacks.step_monitor import DEFAULT_WARMUP_STEPS, StepMonitor
+from lit_ablate.errors import ConfigError
 from lit_ablate.models.losses import triton_interpreter
 from lit_ablate.simulated_rank import SimulatedRank, current_simulation
 from lit_ablate.strategies.interface import interface_of
@@ -99,6 +100,8 @@ class RunRecorder(StepMonitor):
 
     def __init__(self, path: str | None = None, variant: str | None = None,
                  warmup_steps: int = DEFAULT_WARMUP_STEPS) -> None:
+        if warmup_steps < 0:  # the summary said "median after -1 warm-up steps"
+            raise ConfigError("recorder.warmup_steps", warmup_steps, "use 0 or more steps left out of the summary")
         super().__init__(warmup_steps=warmup_steps, log_to_logger=False)
         self.path = path
         self.variant = variant or os.environ.get(run_record.VARIANT_ENV)

@@ -97,6 +97,8 @@ class CausalLM(LightningModule):
             raise ConfigError("model.init_args.learning_rate", learning_rate, "use a positive learning rate")
         if warmup_steps < 0:
             raise ConfigError("model.init_args.warmup_steps", warmup_steps, "use 0 or more warm-up steps")
+        if weight_decay < 0:  # decay that grows the weights, accepted without a word
+            raise ConfigError("model.init_args.weight_decay", weight_decay, "use 0 (no decay) or a positive rate, e.g. 0.1")
         check_lr_schedule(lr_schedule, min_lr_ratio, decay_fraction, decay_shape)
         LossChoice(loss, dict(loss_options or {})).build()  # bad names/options fail here, before any model is built
         check_optimizer(optimizer)  # the strategy is checked in configure_model
