@@ -72,10 +72,22 @@ def _innermost_problem(message: str) -> tuple[list[str], str | None, str | None]
                 return keys, class_path, parser_key.group(2)
         elif problem := _CLASS_PATH.match(line):
             class_path = problem.group(1)
-            keys.append("init_args")
+            if not _written_flat(class_path):
+                keys.append("init_args")
         elif not (line.startswith(_NOT_A_PROBLEM) or (has_class_path and class_path is None)):
             return keys, class_path, line
     return keys, class_path, None
+
+
+def _written_flat(class_path: str) -> bool:
+    """A dataclass (``Fp8Options``, ``AdapterOptions``): its keys sit right under its own key in a
+    config (``model.init_args.model.fp8.recipe``), with no ``init_args`` level as a class_path has."""
+    import dataclasses
+
+    try:
+        return dataclasses.is_dataclass(import_class(class_path))
+    except ImportError:  # a class_path that does not import keeps the class_path layout
+        return False
 
 
 def _type_name(expected: str) -> str:

@@ -155,6 +155,9 @@ ROWS: dict[str, tuple[Build, tuple[str, ...]]] = {
                                     ("data.init_args.source.init_args.num_documents='many'", "expected int")),
     "unknown_key_two_classes_deep": (_fit("--data.init_args.source.init_args.num_docs", "3"),
                                      ("data.init_args.source.init_args.num_docs", "did you mean num_documents")),
+    # a dataclass section's keys have no init_args level: the line named a key path the config cannot have
+    "wrong_value_in_a_dataclass_section": (_fit("--model.init_args.model.fp8", '{"recipe": "rowwis"}'),
+                                           ("model.init_args.model.fp8.recipe='rowwis'", "'tensorwise'")),
     "value_outside_a_literal": (_fit("--data.init_args.format", "sftt"),
                                 ("data.init_args.format='sftt'", "one of ['pretrain', 'documents', 'sft']")),
     "precision_outside_its_choices": (_fit("--trainer.precision", "17"),
