@@ -156,6 +156,11 @@ ROWS: dict[str, tuple[Build, tuple[str, ...]]] = {
     "unknown_key_two_classes_deep": (_fit("--data.init_args.source.init_args.num_docs", "3"),
                                      ("data.init_args.source.init_args.num_docs", "did you mean num_documents")),
     # a dataclass section's keys have no init_args level: the line named a key path the config cannot have
+    # refused by peft once the model was built, after the trainer and its run record existed
+    "lora_target_that_matches_nothing": (_args("fit", "--config", str(CONFIGS / "sft_lora_tiny.yaml"), "--trainer.max_steps", "1",
+                                                "--trainer.default_root_dir", "{tmp}",
+                                                "--model.init_args.model.adapter.target_modules", "[q_projj]"),
+                                          ("adapter.target_modules=['q_projj']", "linear layers are ['down_proj'", "all-linear")),
     "wrong_value_in_a_dataclass_section": (_fit("--model.init_args.model.fp8", '{"recipe": "rowwis"}'),
                                            ("model.init_args.model.fp8.recipe='rowwis'", "'tensorwise'")),
     "value_outside_a_literal": (_fit("--data.init_args.format", "sftt"),

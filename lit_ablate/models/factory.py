@@ -124,6 +124,9 @@ class ModelFactory:
         if self.fp8 is not None and not self.pretrained:
             with torch.device("meta"):  # what fp8 cannot convert (sizes, experts), refused before any real build
                 convert_fp8(self._build_base(), self.fp8, emulate=True)
+        if self.adapter is not None and not self.pretrained:
+            with torch.device("meta"):  # target_modules that match nothing, refused before any rank starts
+                apply_adapters(self._build_base(), self.adapter)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -116,8 +116,10 @@ def apply_adapters(model: nn.Module, options: AdapterOptions) -> nn.Module:
     try:
         inject_adapter_in_model(options.lora_config(), model, adapter_name=ADAPTER_NAME)
     except ValueError as err:
-        reason = str(err).strip().splitlines()[0]
-        raise ConfigError(f"{OPTIONS_KEY}.target_modules", options.target_modules, f"peft refused it: {reason}") from err
+        reason = str(err).strip().splitlines()[0].rstrip(".")
+        linears = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)})
+        raise ConfigError(f"{OPTIONS_KEY}.target_modules", options.target_modules,
+                          f"peft refused it: {reason}; this model's linear layers are {linears}, or use all-linear") from err
     if options.experts_r is not None:
         apply_expert_adapters(model, options)
     return model
