@@ -118,6 +118,19 @@ def test_a_two_node_gpu_variant_asks_sbatch_for_its_resources(tmp_path: Path, fa
     assert launches(tmp_path) == [], "nothing ran here: the jobs are the scheduler's"
 
 
+def test_sbatch_s_refusal_is_one_line_naming_the_slurm_settings(tmp_path: Path, fake_fit: list[str], fake_slurm: Path):
+    """A partition or account the cluster does not have is known only to sbatch: its refusal reached
+    the user as submitit's 45-line FailedJobError traceback. Seen failing without ``_submitted``."""
+    sbatch = fake_slurm / "bin" / "sbatch"
+    sbatch.write_text("#!/bin/sh\necho 'sbatch: error: invalid partition specified: h200x' >&2\nexit 1\n")
+    launch = {"executor": "slurm", "slurm": {"partition": "h200x"}}
+    spec = make_spec([{"name": "a"}], launch=launch)
+    with pytest.raises(ConfigError, match=r"launch\.slurm=.*'partition': 'h200x'.*sbatch refused a.*invalid partition "
+                                          r"specified: h200x.*fix the partition"):
+        run_study(spec, tmp_path / "study", fake_fit, fake_resolve, wait=False)
+    assert launches(tmp_path) == []
+
+
 def test_a_variant_larger_than_the_partition_is_refused_before_anything_is_submitted(
     tmp_path: Path, fake_fit: list[str], fake_slurm: Path
 ):

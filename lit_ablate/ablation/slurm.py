@@ -218,7 +218,7 @@ class _ClusterQueue:
                 executor = self._executor(run)
                 task = FitTask(tuple(fit_arguments(run, self.fit_command)), run_environment(run), str(run.run_dir),
                                str(trainer_dir(run)))  # fmt: skip
-                job = executor.submit(task)
+                job = _submitted(executor, task, run)
                 (run.run_dir / JOB_FILENAME).write_text(json.dumps(
                     {"job_id": job.job_id, "cluster": self.settings.cluster, "config": config_text(run.config)}))
             self.active[run.run_dir] = (run, job)
@@ -353,3 +353,19 @@ def _submitit() -> Any:
 def require_submitit() -> None:
     """``launch.executor: slurm`` submits through submitit (the ``slurm`` extra); checked before the study starts."""
     require("submitit", "launch.executor", "slurm", "a study on SLURM")
+
+
+def _submitted(executor: Any, task: FitTask, run: PlannedRun) -> Any:
+    """``executor.submit(task)``; sbatch's refusal (a partition, account or limit the cluster does not
+    have) as one line naming ``launch.slurm`` with sbatch's own words, not submitit's traceback."""
+    submitit = _submitit()
+    try:
+        return executor.submit(task)
+    except submitit.core.utils.FailedJobError as err:
+        said = [line.strip() for line in str(err).splitlines() if "error" in line.lower() and line.strip()]
+        reason = said[-1] if said else " ".join(str(err).split())[:300]
+        settings = run.launch.slurm or SlurmSettings()
+        raise ConfigError("launch.slurm", {"partition": settings.partition, "account": settings.account, **settings.sbatch},
+                          f"sbatch refused {run.label}'s job ({reason}); fix the partition, account or limits "
+                          "there (sinfo and sacctmgr show what this cluster has)") from err
+
