@@ -160,7 +160,10 @@ def test_fit_refuses_bnb_under_fsdp2_before_building_the_model():
 
 
 def test_unknown_optimizer_options_name_their_key():
-    with pytest.raises(ConfigError, match=r"model\.init_args\.optimizer_options=\{'min_8bit': 0\}"):
+    """Refused when the module is made (before any rank starts), naming the option and the class's
+    closest keyword; it was refused when the optimizer was built, after the model."""
+    with pytest.raises(ConfigError, match=r"model\.init_args\.optimizer_options\.min_8bit=0: bitsandbytes\.optim\."
+                                          r"AdamW8bit takes no min_8bit; did you mean min_8bit_size\?"):
         fit("bnb_adamw8bit", {"min_8bit": 0})
 
 
