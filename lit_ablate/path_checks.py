@@ -93,3 +93,8 @@ def saved_file(key: str, path: str | Path, required: tuple[str, ...], fix: str) 
     if missing:
         raise ConfigError(key, str(path), f"not a file lit-ablate wrote (no {', '.join(missing)}); {fix}")
     return file
+
+
+def looks_local(name: str) -> bool:
+    """A filesystem path rather than a hub name (``org/name``): it exists, or it is written as a path."""
+    return name.startswith(("/", "./", "../", "~")) or Path(name).expanduser().exists()

@@ -29,7 +29,7 @@ CODE_DECIDING_THE_BYTES = (
     mds_source._decode_ndarray,
     token_cache._batches, token_cache._tokenise, token_cache._Writer, token_cache.TokenStore.example,
 )
-PINNED = {1: "76f48ad3ef2fc129", 2: "06c92d307114bd4f", 3: "7f0171f2301c5010", 4: "318be3f2c710833c"}  # 2: rows read by part (streams by shard); 3: MDS samples read from an offset (a resumed stream); 4: HFTokenizer refuses a path without a tokenizer (bytes unchanged, the pin covers the class)
+PINNED = {1: "76f48ad3ef2fc129", 2: "06c92d307114bd4f", 3: "7f0171f2301c5010", 4: "581dd90dd8dfd15b"}  # 2: rows read by part (streams by shard); 3: MDS samples read from an offset (a resumed stream); 4: HFTokenizer refuses a path without a tokenizer (bytes unchanged, the pin covers the class)
 """Every LAYOUT_VERSION -> the hash of CODE_DECIDING_THE_BYTES it was set for (old pins stay: the history)."""
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lit_ablate.errors import ConfigError
+from lit_ablate.path_checks import looks_local
 
 TOKENIZER_KEY = "data.init_args.tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
@@ -152,7 +153,7 @@ class HFTokenizer(Tokenizer):
             raise ConfigError(key, spec, f"a file, not a tokenizer folder; {fix}")
         if path.is_dir() and not any((path / name).exists() for name in TOKENIZER_FILES):
             raise ConfigError(key, spec, f"the folder holds no tokenizer ({', '.join(TOKENIZER_FILES[:2])}, ...); {fix}")
-        if not path.exists() and spec.startswith(("/", "./", "../", "~")):
+        if not path.exists() and looks_local(spec):
             raise ConfigError(key, spec, f"no such folder; {fix}")
         try:
             self.hf = AutoTokenizer.from_pretrained(spec)

@@ -35,6 +35,7 @@ from lit_ablate.models.fp8.conversion import OPTIONS_KEY as FP8_KEY
 from lit_ablate.models.fp8.conversion import Fp8Options, convert_fp8, resolve_emulation
 from lit_ablate.models.moe.blocks import MoEOptions, apply_moe
 from lit_ablate.models.presets import preset_config
+from lit_ablate.path_checks import looks_local
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CONFIG_KEY = "model.init_args.model.config"
@@ -105,7 +106,7 @@ class ModelFactory:
             raise ConfigError("model.init_args.model.pretrained", self.pretrained, "give either pretrained or preset/config, not both")
         if not (self.pretrained or self.preset or self.config):
             raise ConfigError("model.init_args.model", None, "set preset, config (with model_type) or pretrained")
-        if self.pretrained and _looks_local(self.pretrained) and not Path(self.pretrained).expanduser().is_dir():
+        if self.pretrained and looks_local(self.pretrained) and not Path(self.pretrained).expanduser().is_dir():
             raise ConfigError("model.init_args.model.pretrained", self.pretrained,
                               "no such directory: give a local checkpoint folder (save_pretrained / lit-ablate "
                               "export) or a hub name such as Qwen/Qwen3-0.6B")
@@ -121,12 +122,15 @@ class ModelFactory:
         if not self.pretrained:
             check_model_shape(model_type, self._config_values())
             self.hf_config()  # what transformers itself rejects, also before any build
-        if self.fp8 is not None and not self.pretrained:
-            with torch.device("meta"):  # what fp8 cannot convert (sizes, experts), refused before any real build
-                convert_fp8(self._build_base(), self.fp8, emulate=True)
-        if self.adapter is not None and not self.pretrained:
-            with torch.device("meta"):  # target_modules that match nothing, refused before any rank starts
-                apply_adapters(self._build_base(), self.adapter)
+        if (self.fp8 is not None or self.adapter is not None) and not self.pretrained:
+            # On a meta copy, before any real build or rank: what fp8 cannot convert (sizes, experts),
+            # adapter target_modules that match nothing.
+            with torch.device("meta"):
+                model = self._build_base()
+                if self.fp8 is not None:
+                    convert_fp8(model, self.fp8, emulate=True)
+                if self.adapter is not None:
+                    apply_adapters(model, self.adapter)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -268,11 +272,6 @@ def _derives_head_dim(model_type: str) -> bool:
     if not dataclasses.is_dataclass(config_class):
         return True
     return next((f.default for f in dataclasses.fields(config_class) if f.name == "head_dim"), None) is None
-
-
-def _looks_local(name: str) -> bool:
-    """A filesystem path rather than a hub name (``org/name``)."""
-    return name.startswith(("/", "./", "../", "~")) or Path(name).expanduser().exists()
 
 
 @contextmanager
