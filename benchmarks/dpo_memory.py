@@ -66,8 +66,9 @@ PAIRS = 4
 PROMPT_SHARE = 0.2
 
 
-def make_inputs(tokens: int, hidden: int = HIDDEN, vocab: int = VOCAB, device: str = "cpu",
-                seed: int = 0) -> dict[str, torch.Tensor]:
+def make_inputs(
+    tokens: int, hidden: int = HIDDEN, vocab: int = VOCAB, device: str = "cpu", seed: int = 0
+) -> dict[str, torch.Tensor]:
     """Hidden states, weight, shifted labels and the sequence index of each token (4 pairs,
     chosen sequences twice the length of rejected ones, a prompt share of each masked)."""
     generator = torch.Generator().manual_seed(seed)
@@ -82,7 +83,8 @@ def make_inputs(tokens: int, hidden: int = HIDDEN, vocab: int = VOCAB, device: s
     tensors = {
         "hidden": torch.randn(len(labels), hidden, generator=generator),
         "weight": torch.randn(vocab, hidden, generator=generator) * 0.02,
-        "labels": labels, "sequence_ids": sequence_ids,
+        "labels": labels,
+        "sequence_ids": sequence_ids,
         "reference": -torch.rand(2 * PAIRS, generator=generator) * 10,
     }
     tensors = {name: t.to(device) for name, t in tensors.items()}
@@ -96,8 +98,9 @@ def logprob_and_loss(backend, inputs: dict[str, torch.Tensor]) -> None:
     logps = per_token.new_zeros(2 * PAIRS).index_add(0, inputs["sequence_ids"], per_token)
     counts = torch.bincount(inputs["sequence_ids"][inputs["labels"] != -100], minlength=2 * PAIRS)
     ref = inputs["reference"]
-    result = PreferenceLoss("sigmoid", beta=0.1)(logps[:PAIRS], logps[PAIRS:], ref[:PAIRS], ref[PAIRS:],
-                                                 counts[:PAIRS], counts[PAIRS:])
+    result = PreferenceLoss("sigmoid", beta=0.1)(
+        logps[:PAIRS], logps[PAIRS:], ref[:PAIRS], ref[PAIRS:], counts[:PAIRS], counts[PAIRS:]
+    )
     result.losses.mean().backward()
 
 
@@ -106,7 +109,9 @@ def padded(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     sequences = inputs["sequence_ids"]
     lengths = torch.bincount(sequences, minlength=2 * PAIRS)
     longest = int(lengths.max())
-    position = torch.arange(len(sequences), device=sequences.device) - torch.cumsum(lengths, 0)[sequences] + lengths[sequences]
+    position = (
+        torch.arange(len(sequences), device=sequences.device) - torch.cumsum(lengths, 0)[sequences] + lengths[sequences]
+    )
     hidden = inputs["hidden"].new_zeros(2 * PAIRS, longest, inputs["hidden"].shape[-1])
     hidden[sequences, position] = inputs["hidden"].detach()
     labels = torch.full((2 * PAIRS, longest), -100, device=sequences.device)
@@ -115,8 +120,9 @@ def padded(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def liger_loss(options: dict, inputs: dict[str, torch.Tensor]) -> None:
-    step = LigerDPOLoss(beta=0.1, loss_type="sigmoid", **options)(inputs["hidden"], inputs["weight"], inputs["labels"],
-                                                                   None, None)
+    step = LigerDPOLoss(beta=0.1, loss_type="sigmoid", **options)(
+        inputs["hidden"], inputs["weight"], inputs["labels"], None, None
+    )
     (step.loss_sum / PAIRS).backward()
 
 
@@ -163,28 +169,44 @@ def main() -> None:
     parser.add_argument("--chunk-tokens", type=int, default=128, help="chunked: tokens per chunk")
     parser.add_argument("--chunk-vocab", type=int, default=None, help="chunked: vocabulary columns per chunk")
     parser.add_argument("--chunk-pairs", type=int, default=1, help="liger: pairs per chunk")
-    parser.add_argument("--backends", nargs="+", default=["torch", "chunked", "liger"],
-                        choices=["torch", "chunked", "liger"], help="rows to measure (liger: when installed)")
+    parser.add_argument(
+        "--backends",
+        nargs="+",
+        default=["torch", "chunked", "liger"],
+        choices=["torch", "chunked", "liger"],
+        help="rows to measure (liger: when installed)",
+    )
     parser.add_argument("--hidden", type=int, default=HIDDEN, help="LM-head width (default: Qwen3-32B's)")
     parser.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary (default: Qwen3's)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="cuda: the allocator's peak (the GPU lane runs --tokens 15360, the seed's size)")
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cuda: the allocator's peak (the GPU lane runs --tokens 15360, the seed's size)",
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     inputs = make_inputs(args.tokens, args.hidden, args.vocab, args.device)
-    options = {"torch": {}, "chunked": {"chunk_tokens": args.chunk_tokens, "chunk_vocab": args.chunk_vocab},
-               "liger": {"chunk_pairs": args.chunk_pairs}}
+    options = {
+        "torch": {},
+        "chunked": {"chunk_tokens": args.chunk_tokens, "chunk_vocab": args.chunk_vocab},
+        "liger": {"chunk_pairs": args.chunk_pairs},
+    }
     liger_missing = importlib.util.find_spec("liger_kernel") is None
-    rows = {name: measure(name, options[name], inputs) for name in args.backends
-            if not (name == "liger" and liger_missing)}
+    rows = {
+        name: measure(name, options[name], inputs) for name in args.backends if not (name == "liger" and liger_missing)
+    }
     gib = 2**30
-    print(f"DPO log-prob + loss, hidden {args.hidden}, vocabulary {args.vocab}, fp32, {len(inputs['labels'])} tokens "
-          f"({PAIRS} pairs), chunk_tokens {args.chunk_tokens}, chunk_vocab {args.chunk_vocab}\n")
+    print(
+        f"DPO log-prob + loss, hidden {args.hidden}, vocabulary {args.vocab}, fp32, {len(inputs['labels'])} tokens "
+        f"({PAIRS} pairs), chunk_tokens {args.chunk_tokens}, chunk_vocab {args.chunk_vocab}\n"
+    )
     print("| backend | peak above inputs (GiB) | working: peak - gradients (GiB) | wall (s) | cpu (s) |")
     print("|---|---|---|---|---|")
     for name, row in rows.items():
-        print(f"| {name} | {row['peak'] / gib:.3f} | {row['working'] / gib:.3f} | {row['seconds']:.1f} | "
-              f"{row['cpu_seconds']:.1f} |")
+        print(
+            f"| {name} | {row['peak'] / gib:.3f} | {row['working'] / gib:.3f} | {row['seconds']:.1f} | "
+            f"{row['cpu_seconds']:.1f} |"
+        )
     if {"torch", "chunked"} <= set(rows):
         print(f"\nRESULT dpo_chunked_memory_ratio={rows['chunked']['working'] / rows['torch']['working']:.3f}")
         print(f"RESULT dpo_chunked_peak_ratio={rows['chunked']['peak'] / rows['torch']['peak']:.3f}")

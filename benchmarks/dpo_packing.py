@@ -69,8 +69,12 @@ DATASETS = {  # ArithmeticPreference options
 
 
 def pairs_of(count: int, options: dict) -> list[dict]:
-    data = LMDataModule(ArithmeticPreference(num_examples=count, max_operand=99, **options), format="preference",
-                        seq_len=SEQ_LEN, shuffle=False)
+    data = LMDataModule(
+        ArithmeticPreference(num_examples=count, max_operand=99, **options),
+        format="preference",
+        seq_len=SEQ_LEN,
+        shuffle=False,
+    )
     data.setup()
     return data.train_set.examples
 
@@ -87,10 +91,19 @@ def layouts(pairs: list[dict]) -> dict[str, list[dict]]:
         collator = PreferencePackingCollator(max_tokens=MAX_TOKENS, prefix_sharing=shared)
         collator.bind(256, SEQ_LEN)
         dataset = ExampleDataset(pairs)
-        rows = collator.sampler(dataset, dataset.lengths, num_replicas=1, rank=0, shuffle=False, seed=0,
-                                drop_last=False, batch_size=ROWS_PER_STEP).rank_items()
-        batches[name] = [collator([dataset[row] for row in rows[i : i + ROWS_PER_STEP]])
-                         for i in range(0, len(rows), ROWS_PER_STEP)]
+        rows = collator.sampler(
+            dataset,
+            dataset.lengths,
+            num_replicas=1,
+            rank=0,
+            shuffle=False,
+            seed=0,
+            drop_last=False,
+            batch_size=ROWS_PER_STEP,
+        ).rank_items()
+        batches[name] = [
+            collator([dataset[row] for row in rows[i : i + ROWS_PER_STEP]]) for i in range(0, len(rows), ROWS_PER_STEP)
+        ]
     return batches
 
 
@@ -106,8 +119,12 @@ def run_pass(dpo: DPO, batches: list[dict]) -> float:
 
 def model_of(hidden: int) -> ModelFactory:
     """The tiny Llama preset widened to ``hidden`` (head dim 32, MLP 3x hidden)."""
-    shape = {"hidden_size": hidden, "intermediate_size": 3 * hidden, "num_attention_heads": hidden // 32,
-             "num_key_value_heads": max(1, hidden // 64)}
+    shape = {
+        "hidden_size": hidden,
+        "intermediate_size": 3 * hidden,
+        "num_attention_heads": hidden // 32,
+        "num_key_value_heads": max(1, hidden // 64),
+    }
     return ModelFactory(preset="tiny-llama", config=shape, attn_implementation="sdpa")
 
 
@@ -125,10 +142,19 @@ def measure(name: str, count: int, repeats: int, hidden: int) -> dict[str, dict[
         for layout, layout_batches in batches.items():
             assert sum(int((b["labels"] != -100).sum()) for b in layout_batches) == useful  # same useful tokens
             seconds[layout].append(run_pass(dpo, layout_batches))
-    processed = {layout: sum(b["input_ids"].numel() for b in layout_batches) for layout, layout_batches in batches.items()}
-    return {layout: {"seconds": statistics.median(times), "useful_per_s": useful / statistics.median(times),
-                     "processed": processed[layout], "useful": useful, "steps": len(batches[layout])}
-            for layout, times in seconds.items()}
+    processed = {
+        layout: sum(b["input_ids"].numel() for b in layout_batches) for layout, layout_batches in batches.items()
+    }
+    return {
+        layout: {
+            "seconds": statistics.median(times),
+            "useful_per_s": useful / statistics.median(times),
+            "processed": processed[layout],
+            "useful": useful,
+            "steps": len(batches[layout]),
+        }
+        for layout, times in seconds.items()
+    }
 
 
 def main() -> None:
@@ -141,18 +167,28 @@ def main() -> None:
     results = {name: measure(name, args.pairs, args.repeats, args.hidden) for name in DATASETS}
     for name, rows in results.items():
         base = rows["padded"]["useful_per_s"]
-        print(f"\n{name}: {args.pairs} pairs, {rows['padded']['useful']} useful tokens, seq_len {SEQ_LEN}, "
-              f"hidden {args.hidden}\n")
+        print(
+            f"\n{name}: {args.pairs} pairs, {rows['padded']['useful']} useful tokens, seq_len {SEQ_LEN}, "
+            f"hidden {args.hidden}\n"
+        )
         print("| layout | steps | processed tokens | useful share | CPU s | useful tokens/s | × padded |")
         print("|---|---|---|---|---|---|---|")
         for layout, row in rows.items():
-            print(f"| {layout} | {row['steps']} | {row['processed']} | {row['useful'] / row['processed']:.1%} | "
-                  f"{row['seconds']:.1f} | {row['useful_per_s']:.0f} | {row['useful_per_s'] / base:.2f} |")
+            print(
+                f"| {layout} | {row['steps']} | {row['processed']} | {row['useful'] / row['processed']:.1%} | "
+                f"{row['seconds']:.1f} | {row['useful_per_s']:.0f} | {row['useful_per_s'] / base:.2f} |"
+            )
     skewed, long = results["skewed"], results["long_prompts"]
-    print(f"\nRESULT dpo_packing_speedup={skewed['multipacked']['useful_per_s'] / skewed['padded']['useful_per_s']:.2f}")
-    print(f"RESULT dpo_packing_batch_speedup={skewed['packed_batch']['useful_per_s'] / skewed['padded']['useful_per_s']:.2f}")
-    print("RESULT dpo_prefix_sharing_speedup="
-          f"{long['multipacked_shared']['useful_per_s'] / long['multipacked']['useful_per_s']:.2f}")
+    print(
+        f"\nRESULT dpo_packing_speedup={skewed['multipacked']['useful_per_s'] / skewed['padded']['useful_per_s']:.2f}"
+    )
+    print(
+        f"RESULT dpo_packing_batch_speedup={skewed['packed_batch']['useful_per_s'] / skewed['padded']['useful_per_s']:.2f}"
+    )
+    print(
+        "RESULT dpo_prefix_sharing_speedup="
+        f"{long['multipacked_shared']['useful_per_s'] / long['multipacked']['useful_per_s']:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -75,8 +75,9 @@ def layer_numerics(device: torch.device, tokens: int) -> dict[str, dict[str, flo
     return rows
 
 
-def step_time_and_memory(config: dict, recipe: str | None, seq_len: int, steps: int, compile_layers: bool,
-                         device: torch.device) -> tuple[float, int | None, int]:
+def step_time_and_memory(
+    config: dict, recipe: str | None, seq_len: int, steps: int, compile_layers: bool, device: torch.device
+) -> tuple[float, int | None, int]:
     """Median step seconds after 3 warm-up steps, peak allocated bytes (CUDA only) and the fp8
     matmuls of one more, profiled, step (``_scaled_mm`` calls, or fp8 GPU kernels if more); bf16 weights."""
     on_cuda = device.type == "cuda"
@@ -115,8 +116,12 @@ def step_time_and_memory(config: dict, recipe: str | None, seq_len: int, steps: 
         sync()
     events = profile.key_averages()
     scaled_mm = sum(event.count for event in events if event.key.endswith("_scaled_mm"))
-    fp8_kernels = sum(event.count for event in events if event.device_type == torch.autograd.DeviceType.CUDA
-                      and any(tag in event.key.lower() for tag in FP8_KERNEL_TAGS))  # fmt: skip
+    fp8_kernels = sum(
+        event.count
+        for event in events
+        if event.device_type == torch.autograd.DeviceType.CUDA
+        and any(tag in event.key.lower() for tag in FP8_KERNEL_TAGS)
+    )
     return statistics.median(times[3:]), peak, max(scaled_mm, fp8_kernels)
 
 
@@ -129,8 +134,11 @@ def main() -> None:
     parser.add_argument("--shape", default="qwen3-0.6b", choices=shape_names(), help="the timed model's shape")
     parser.add_argument("--layers", type=int, help="decoder layers of the timed model (default: the shape's)")
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES), help="fp8 variants timed")
-    parser.add_argument("--timing-on-cpu", action="store_true",
-                        help="time on a CPU too (emulated fp8: checks the code path; the numbers mean nothing)")
+    parser.add_argument(
+        "--timing-on-cpu",
+        action="store_true",
+        help="time on a CPU too (emulated fp8: checks the code path; the numbers mean nothing)",
+    )
     args = parser.parse_args()
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     unavailable = fp8_kernels_unavailable(device)
@@ -145,7 +153,9 @@ def main() -> None:
 
     speed: dict[str, tuple[float, int | None, int]] = {}
     if unavailable and not args.timing_on_cpu:
-        print(f"SKIP fp8 step time and memory: {unavailable}; a CPU runs fp8 only emulated, with no speed or memory gain")
+        print(
+            f"SKIP fp8 step time and memory: {unavailable}; a CPU runs fp8 only emulated, with no speed or memory gain"
+        )
     else:
         for recipe in (None, *args.recipes):
             name = recipe or "bf16"

@@ -45,10 +45,17 @@ SETUPS: dict[str, str] = {
 }
 """Each setup's YAML, given as a second --config over the shipped one."""
 QWEN3_06B = {
-    "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072,
-    "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
-    "tie_word_embeddings": True, "max_position_embeddings": 40960,
-}  # fmt: skip
+    "model_type": "qwen3",
+    "vocab_size": 151936,
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 40960,
+}
 STATE = ("params", "grads", "optimizer")
 
 
@@ -57,12 +64,28 @@ def measured_tiny(setup: str, override: str, steps: int, workdir: Path) -> tuple
     run = workdir / setup
     run.mkdir(parents=True)
     (run / "setup.yaml").write_text(override)
-    argv = ["--config", str(CONFIG), "--config", str(run / "setup.yaml"), "--trainer.max_steps", str(steps),
-            "--trainer.limit_val_batches", "0",
-            "--trainer.enable_checkpointing", "false", "--trainer.callbacks", json.dumps(
-                [{"class_path": "lit_ablate.callbacks.MemoryMonitor"}]),
-            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-            "--trainer.default_root_dir", str(run), "--recorder.path", str(run / "run.json")]  # fmt: skip
+    argv = [
+        "--config",
+        str(CONFIG),
+        "--config",
+        str(run / "setup.yaml"),
+        "--trainer.max_steps",
+        str(steps),
+        "--trainer.limit_val_batches",
+        "0",
+        "--trainer.enable_checkpointing",
+        "false",
+        "--trainer.callbacks",
+        json.dumps([{"class_path": "lit_ablate.callbacks.MemoryMonitor"}]),
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.enable_model_summary",
+        "false",
+        "--trainer.default_root_dir",
+        str(run),
+        "--recorder.path",
+        str(run / "run.json"),
+    ]
     with contextlib.redirect_stdout(io.StringIO()):  # the fit's own lines; the tables are this script's output
         lit_ablate_main(["fit", *argv])
     record = json.loads((run / "run.json").read_text())
@@ -75,13 +98,19 @@ def measured_tiny(setup: str, override: str, steps: int, workdir: Path) -> tuple
 def qwen3_estimates(seq_len: int) -> dict[str, dict[str, int]]:
     shape = TrainingShape(micro_batch=1, seq_len=seq_len, param_bytes=2, activation_bytes=2)
     out = {}
-    for setup, model in (("full", {}), ("lora", {"adapter": {"r": 16}}),
-                         ("qlora", {"adapter": {"r": 16}, "quantization": {"bits": 4}})):  # fmt: skip
+    for setup, model in (
+        ("full", {}),
+        ("lora", {"adapter": {"r": 16}}),
+        ("qlora", {"adapter": {"r": 16}, "quantization": {"bits": 4}}),
+    ):
         config = {"model": {"init_args": {"model": {"config": QWEN3_06B, "dtype": "bfloat16", **model}}}}
         counts, model_shape = model_of(config)
         estimate = estimate_memory(counts, model_shape, shape, REPLICATED, 1)
-        out[setup] = {**{k: getattr(estimate, k) for k in (*STATE, "activations")}, "total": estimate.total,
-                      "trainable": counts.trainable}  # fmt: skip
+        out[setup] = {
+            **{k: getattr(estimate, k) for k in (*STATE, "activations")},
+            "total": estimate.total,
+            "trainable": counts.trainable,
+        }
     return out
 
 
@@ -111,8 +140,10 @@ def main() -> None:
         print(f"| {setup} | {row['trainable']:,} | {gib} |")
     for setup in ("lora", "qlora"):
         print(f"RESULT qwen3_0.6b_{setup}_vs_full_memory_ratio={qwen[setup]['total'] / qwen['full']['total']:.3f}")
-        print(f"RESULT qwen3_0.6b_{setup}_vs_full_state_ratio="
-              f"{sum(qwen[setup][k] for k in STATE) / sum(qwen['full'][k] for k in STATE):.3f}")
+        print(
+            f"RESULT qwen3_0.6b_{setup}_vs_full_state_ratio="
+            f"{sum(qwen[setup][k] for k in STATE) / sum(qwen['full'][k] for k in STATE):.3f}"
+        )
     for setup, ratio in ratios.items():
         print(f"RESULT tiny_{setup}_state_estimate_over_measured={ratio:.3f}")
 

@@ -83,8 +83,9 @@ class Measurement:
     chunk: int | None  # tokens per chunk at this point (None: no token chunks)
 
 
-def make_inputs(vocab: int, tokens: int, hidden: int, dtype: torch.dtype, device: torch.device,
-                seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def make_inputs(
+    vocab: int, tokens: int, hidden: int, dtype: torch.dtype, device: torch.device, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     h = torch.randn(tokens, hidden, generator=generator).to(device, dtype).requires_grad_()
     w = (torch.randn(vocab, hidden, generator=generator) * 0.02).to(device, dtype).requires_grad_()
@@ -120,8 +121,16 @@ def measure_cpu(run: Callable[[], None], *inputs: torch.Tensor) -> tuple[int, fl
     return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] - before, seconds, cpu_seconds
 
 
-def measure_point(backends: dict[str, LossBackend], vocab: int, tokens: int, hidden: int, dtype: torch.dtype,
-                  device: torch.device, warmup: int, repeats: int) -> list[Measurement]:
+def measure_point(
+    backends: dict[str, LossBackend],
+    vocab: int,
+    tokens: int,
+    hidden: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    warmup: int,
+    repeats: int,
+) -> list[Measurement]:
     """All backends on the same inputs, repeats interleaved so drifting machine load hits each alike."""
     h, w, labels = make_inputs(vocab, tokens, hidden, dtype, device)
     chunks = {}
@@ -137,16 +146,30 @@ def measure_point(backends: dict[str, LossBackend], vocab: int, tokens: int, hid
             forward_backward(loss_fn, h, w, labels)
     for _ in range(repeats):
         for name, loss_fn in backends.items():
+
             def run(loss_fn=loss_fn) -> None:
                 forward_backward(loss_fn, h, w, labels)
 
             sample = measure_cuda(run, device) if device.type == "cuda" else measure_cpu(run, h, w, labels)
             samples[name].append(sample)
-            print(f"measured {name} V={vocab} N={tokens} H={hidden}: {sample[0] / 2**20:.0f} MiB, "
-                  f"{sample[1]:.2f} s wall, {sample[2]:.2f} s cpu", flush=True)
-    return [Measurement(vocab, tokens, hidden, name, max(s[0] for s in runs),
-                        statistics.median(s[1] for s in runs), statistics.median(s[2] for s in runs), chunks[name])
-            for name, runs in samples.items()]
+            print(
+                f"measured {name} V={vocab} N={tokens} H={hidden}: {sample[0] / 2**20:.0f} MiB, "
+                f"{sample[1]:.2f} s wall, {sample[2]:.2f} s cpu",
+                flush=True,
+            )
+    return [
+        Measurement(
+            vocab,
+            tokens,
+            hidden,
+            name,
+            max(s[0] for s in runs),
+            statistics.median(s[1] for s in runs),
+            statistics.median(s[2] for s in runs),
+            chunks[name],
+        )
+        for name, runs in samples.items()
+    ]
 
 
 def chunk_at(loss_fn: LossBackend, vocab: int, tokens: int, hidden: int) -> int | None:
@@ -171,8 +194,12 @@ class Row:
     swept: bool  # whether its family has several settings
 
 
-def benchmark_rows(families: list[str], chunk_tokens: list[int], liger_chunk_tokens: list[int | None],
-                   liger_accum_dtypes: list[str | None]) -> list[Row]:
+def benchmark_rows(
+    families: list[str],
+    chunk_tokens: list[int],
+    liger_chunk_tokens: list[int | None],
+    liger_accum_dtypes: list[str | None],
+) -> list[Row]:
     """Every setting to measure: each family once, ``chunked`` per chunk size, ``liger`` per chunk
     size and accumulation dtype. A setting is named by what it changes (``liger-chunk256-fp32acc``);
     the backend's default setting keeps the family's name (``liger``, ``chunked``)."""
@@ -181,10 +208,16 @@ def benchmark_rows(families: list[str], chunk_tokens: list[int], liger_chunk_tok
         name, options = BENCHMARKED[family]
         settings, default = [{}], {}
         if name == "chunked":
-            settings, default = [{"chunk_tokens": n} for n in chunk_tokens], {"chunk_tokens": ChunkedCrossEntropy.chunk_tokens}
+            settings, default = (
+                [{"chunk_tokens": n} for n in chunk_tokens],
+                {"chunk_tokens": ChunkedCrossEntropy.chunk_tokens},
+            )
         elif name == "liger":
-            settings = [{k: v for k, v in (("chunk_tokens", n), ("accum_dtype", a)) if v is not None}
-                        for n in liger_chunk_tokens for a in liger_accum_dtypes]
+            settings = [
+                {k: v for k, v in (("chunk_tokens", n), ("accum_dtype", a)) if v is not None}
+                for n in liger_chunk_tokens
+                for a in liger_accum_dtypes
+            ]
         for setting in settings:
             label = family
             if len(settings) > 1 and setting != default:
@@ -224,7 +257,9 @@ def best_settings(rows: list[Row], headline: dict[str, Measurement], device: tor
         if row.backend == "liger":
             lines.append(f"RESULT {key}_best_accum_dtype={row.options.get('accum_dtype') or 'none'}")
         if torch_run is not None:
-            lines.append(f"RESULT {key}_best_time_ratio={timed_seconds(run, device) / timed_seconds(torch_run, device):.3f}")
+            lines.append(
+                f"RESULT {key}_best_time_ratio={timed_seconds(run, device) / timed_seconds(torch_run, device):.3f}"
+            )
             lines.append(f"RESULT {key}_best_memory_ratio={run.peak_bytes / torch_run.peak_bytes:.4f}")
     return lines
 
@@ -236,32 +271,52 @@ def timed_seconds(m: Measurement, device: torch.device) -> float:
 
 def markdown_table(rows: list[Measurement], dtype: torch.dtype, device: torch.device) -> str:
     reference = {(r.vocab, r.tokens, r.hidden): r for r in rows if r.backend == "torch"}
-    lines = ["| device | dtype | vocab | tokens | hidden | backend | chunk | peak MiB | memory × torch "
-             "| wall s | cpu s | time × torch |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| device | dtype | vocab | tokens | hidden | backend | chunk | peak MiB | memory × torch "
+        "| wall s | cpu s | time × torch |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         ref = reference.get((r.vocab, r.tokens, r.hidden))
         mem_ratio = f"{r.peak_bytes / ref.peak_bytes:.3f}" if ref else "n/a"
         time_ratio = f"{timed_seconds(r, device) / timed_seconds(ref, device):.2f}" if ref else "n/a"
-        lines.append(f"| {device.type} | {str(dtype).removeprefix('torch.')} | {r.vocab} | {r.tokens} | {r.hidden} "
-                     f"| {r.backend} | {r.chunk or '—'} | {r.peak_bytes / 2**20:.0f} | {mem_ratio} | {r.seconds:.2f} "
-                     f"| {r.cpu_seconds:.2f} | {time_ratio} |")
+        lines.append(
+            f"| {device.type} | {str(dtype).removeprefix('torch.')} | {r.vocab} | {r.tokens} | {r.hidden} "
+            f"| {r.backend} | {r.chunk or '—'} | {r.peak_bytes / 2**20:.0f} | {mem_ratio} | {r.seconds:.2f} "
+            f"| {r.cpu_seconds:.2f} | {time_ratio} |"
+        )
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="the whole grid (GPU-sized)")
-    parser.add_argument("--hidden", type=int, nargs="+", default=None,
-                        help="hidden sizes (default 1024; --full: 1024 4096)")
+    parser.add_argument(
+        "--hidden", type=int, nargs="+", default=None, help="hidden sizes (default 1024; --full: 1024 4096)"
+    )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--backends", nargs="+", default=list(BENCHMARKED), choices=list(BENCHMARKED))
-    parser.add_argument("--chunk-tokens", type=int, nargs="+", default=[1024],
-                        help="chunked backend's chunk_tokens (several: one row per size)")
-    parser.add_argument("--liger-chunk-tokens", type=_chunk_setting, nargs="+", default=[None],
-                        help="liger's chunk_tokens: powers of two, or 'own' for Liger's own choice (default)")
-    parser.add_argument("--liger-accum-dtype", type=_accum_setting, nargs="+", default=[None],
-                        help="liger's accum_dtype: 'none' (the weight's dtype, default) and/or float32")
+    parser.add_argument(
+        "--chunk-tokens",
+        type=int,
+        nargs="+",
+        default=[1024],
+        help="chunked backend's chunk_tokens (several: one row per size)",
+    )
+    parser.add_argument(
+        "--liger-chunk-tokens",
+        type=_chunk_setting,
+        nargs="+",
+        default=[None],
+        help="liger's chunk_tokens: powers of two, or 'own' for Liger's own choice (default)",
+    )
+    parser.add_argument(
+        "--liger-accum-dtype",
+        type=_accum_setting,
+        nargs="+",
+        default=[None],
+        help="liger's accum_dtype: 'none' (the weight's dtype, default) and/or float32",
+    )
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per point (default: cpu 1, cuda 3)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--vocab", type=int, nargs="+", help="vocabulary sizes (with --tokens: this grid only)")
@@ -288,8 +343,12 @@ def main() -> None:
             continue
         forward_backward(loss_fn, *make_inputs(1024, 256, 64, dtype, device))
 
-    measured = [m for hidden in hidden_sizes for vocab, tokens in points
-                for m in measure_point(backends, vocab, tokens, hidden, dtype, device, warmup, repeats)]
+    measured = [
+        m
+        for hidden in hidden_sizes
+        for vocab, tokens in points
+        for m in measure_point(backends, vocab, tokens, hidden, dtype, device, warmup, repeats)
+    ]
     print()
     print(f"{device.type}, {torch.get_num_threads()} threads, torch {torch.__version__}, repeats={repeats}")
     print(markdown_table(measured, dtype, device))

@@ -109,33 +109,76 @@ def fit_config(args: argparse.Namespace, root: str) -> dict:
         model["vocab_size"] = args.vocab
     bf16 = args.precision == "bf16-true"
     documents = max(400, args.steps * args.accumulate * args.rows * args.seq_len // 150)  # ~450 tokens each
-    callbacks = [{"class_path": "lit_ablate.callbacks.ThroughputMonitor"}, {"class_path": "lit_ablate.callbacks.MFUMonitor"}]
+    callbacks = [
+        {"class_path": "lit_ablate.callbacks.ThroughputMonitor"},
+        {"class_path": "lit_ablate.callbacks.MFUMonitor"},
+    ]
     if args.profile:  # after the measured steps: a profiled step is slower, and left out of the medians
-        callbacks.append({"class_path": "lit_ablate.callbacks.KernelProfile",
-                          "init_args": {"start_step": args.steps + 1, "num_steps": PROFILED_STEPS}})  # fmt: skip
+        callbacks.append(
+            {
+                "class_path": "lit_ablate.callbacks.KernelProfile",
+                "init_args": {"start_step": args.steps + 1, "num_steps": PROFILED_STEPS},
+            }
+        )
     return {
         "seed_everything": 0,
-        "trainer": {"accelerator": "gpu" if args.device == "cuda" else "cpu", "devices": 1, "precision": args.precision,
-                    "max_steps": scheduled_steps(args), "accumulate_grad_batches": args.accumulate, "gradient_clip_val": 1.0,
-                    "limit_val_batches": 0, "log_every_n_steps": 5, "enable_checkpointing": False,
-                    "enable_progress_bar": False, "logger": False, "default_root_dir": root, "callbacks": callbacks},
-        "model": {"class_path": "lit_ablate.modules.CausalLM",
-                  "init_args": {"model": {"config": model, "dtype": "bfloat16" if bf16 else "float32",
-                                          "attn_implementation": args.attention},
-                                "loss": args.loss, "loss_options": args.loss_options, "learning_rate": 3e-4,
-                                "warmup_steps": 0, "compile": args.compile}},
-        "data": {"class_path": "lit_ablate.data.LMDataModule",
-                 "init_args": {"source": {"class_path": "lit_ablate.data.SyntheticText",
-                                          "init_args": {"num_documents": documents, "seed": 0, "median_sentences": 12.0,
-                                                        "length_sigma": 1.0, "max_sentences": 200}},
-                               "format": "documents", "tokenizer": "byte", "seq_len": args.seq_len,
-                               "batch_size": args.rows,
-                               "collator": {"class_path": "lit_ablate.data.PackingCollator",
-                                            "init_args": {"strategy": "ffd", "max_tokens": args.seq_len,
-                                                          "static_shape": True}},
-                               "val_examples": 0, "num_workers": 0}},
+        "trainer": {
+            "accelerator": "gpu" if args.device == "cuda" else "cpu",
+            "devices": 1,
+            "precision": args.precision,
+            "max_steps": scheduled_steps(args),
+            "accumulate_grad_batches": args.accumulate,
+            "gradient_clip_val": 1.0,
+            "limit_val_batches": 0,
+            "log_every_n_steps": 5,
+            "enable_checkpointing": False,
+            "enable_progress_bar": False,
+            "logger": False,
+            "default_root_dir": root,
+            "callbacks": callbacks,
+        },
+        "model": {
+            "class_path": "lit_ablate.modules.CausalLM",
+            "init_args": {
+                "model": {
+                    "config": model,
+                    "dtype": "bfloat16" if bf16 else "float32",
+                    "attn_implementation": args.attention,
+                },
+                "loss": args.loss,
+                "loss_options": args.loss_options,
+                "learning_rate": 3e-4,
+                "warmup_steps": 0,
+                "compile": args.compile,
+            },
+        },
+        "data": {
+            "class_path": "lit_ablate.data.LMDataModule",
+            "init_args": {
+                "source": {
+                    "class_path": "lit_ablate.data.SyntheticText",
+                    "init_args": {
+                        "num_documents": documents,
+                        "seed": 0,
+                        "median_sentences": 12.0,
+                        "length_sigma": 1.0,
+                        "max_sentences": 200,
+                    },
+                },
+                "format": "documents",
+                "tokenizer": "byte",
+                "seq_len": args.seq_len,
+                "batch_size": args.rows,
+                "collator": {
+                    "class_path": "lit_ablate.data.PackingCollator",
+                    "init_args": {"strategy": "ffd", "max_tokens": args.seq_len, "static_shape": True},
+                },
+                "val_examples": 0,
+                "num_workers": 0,
+            },
+        },
         "recorder": {"path": str(Path(root) / "run.json"), "warmup_steps": args.warmup},
-    }  # fmt: skip
+    }
 
 
 def _cli(config: dict, root: str, run: bool):  # noqa: ANN202 (LitAblateCLI, imported lazily)
@@ -181,10 +224,22 @@ def hand_loop_run(args: argparse.Namespace) -> Side:
     module.configure_model()
     data.setup("fit")
     model, hp = module.model, module.hparams
-    optimizer, _ = build_optimizer(module.optimizer_name, decay_groups(model, decay_names(model, model.lm.get_input_embeddings().weight),
-                                hp.weight_decay), hp.learning_rate, hp.betas, module.optimizer_options)  # fmt: skip
-    scheduler = lr_scheduler(optimizer, hp.lr_schedule, hp.warmup_steps, scheduled_steps(args), hp.min_lr_ratio,
-                             hp.decay_fraction, hp.decay_shape)  # fmt: skip
+    optimizer, _ = build_optimizer(
+        module.optimizer_name,
+        decay_groups(model, decay_names(model, model.lm.get_input_embeddings().weight), hp.weight_decay),
+        hp.learning_rate,
+        hp.betas,
+        module.optimizer_options,
+    )
+    scheduler = lr_scheduler(
+        optimizer,
+        hp.lr_schedule,
+        hp.warmup_steps,
+        scheduled_steps(args),
+        hp.min_lr_ratio,
+        hp.decay_fraction,
+        hp.decay_shape,
+    )
     clock = _Clock(device)
     side, losses = Side(), []
     batches = iter(data.train_dataloader())
@@ -284,25 +339,40 @@ def report(args: argparse.Namespace, hand: list[Side], lit: list[Side], ceilings
         best = max(runs, key=lambda s: s.useful_per_s(measured))
         rows.append((label, best, best.useful_per_s(measured), best.flops_per_s(measured)))
     seed_flops = seed_formula_flops_per_token(hf_config, args.seq_len)
-    print(f"\n{args.shape} ({hf_config.num_hidden_layers} layers, vocabulary {hf_config.vocab_size}), {args.rows} x "
-          f"{args.seq_len} packed tokens per micro-batch, {args.accumulate} per optimizer step, {args.precision}, "
-          f"attention {args.attention}, loss {args.loss} {args.loss_options or ''}, compile {args.compile}, "
-          f"{args.device} ({device_name(torch.device(args.device))}); medians of steps {w + 1}-{args.steps}, "
-          f"best of {args.repeats} run(s) per side")
-    print(f"matmul ceilings measured before each run (TFLOP/s): {', '.join(f'{c:.4g}' for c in ceilings)}; "
-          f"spec peak {_fmt(peak)}")
-    print("\n| loop | useful tokens/s | step (s) | MFU (ours, spec peak) | MFU (ours, best measured ceiling) "
-          "| seed-formula MFU (spec peak) | runs: useful tokens/s |\n|---|---|---|---|---|---|---|")
+    print(
+        f"\n{args.shape} ({hf_config.num_hidden_layers} layers, vocabulary {hf_config.vocab_size}), {args.rows} x "
+        f"{args.seq_len} packed tokens per micro-batch, {args.accumulate} per optimizer step, {args.precision}, "
+        f"attention {args.attention}, loss {args.loss} {args.loss_options or ''}, compile {args.compile}, "
+        f"{args.device} ({device_name(torch.device(args.device))}); medians of steps {w + 1}-{args.steps}, "
+        f"best of {args.repeats} run(s) per side"
+    )
+    print(
+        f"matmul ceilings measured before each run (TFLOP/s): {', '.join(f'{c:.4g}' for c in ceilings)}; "
+        f"spec peak {_fmt(peak)}"
+    )
+    print(
+        "\n| loop | useful tokens/s | step (s) | MFU (ours, spec peak) | MFU (ours, best measured ceiling) "
+        "| seed-formula MFU (spec peak) | runs: useful tokens/s |\n|---|---|---|---|---|---|---|"
+    )
     for label, best, useful, flops in rows:
         runs = hand if label.startswith("hand") else lit
         step_s = best.median(best.seconds, measured)
         mfu = flops / (peak * 1e12) if peak else None
         seed_mfu = useful * seed_flops / (peak * 1e12) if peak else None
-        print(f"| {label} | {useful:,.0f} | {step_s:.4f} | {_fmt(mfu)} | {_fmt(flops / (ceiling * 1e12))} | {_fmt(seed_mfu)} "
-              f"| {', '.join(f'{r.useful_per_s(measured):,.0f}' for r in runs)} |")
+        print(
+            f"| {label} | {useful:,.0f} | {step_s:.4f} | {_fmt(mfu)} | {_fmt(flops / (ceiling * 1e12))} | {_fmt(seed_mfu)} "
+            f"| {', '.join(f'{r.useful_per_s(measured):,.0f}' for r in runs)} |"
+        )
         key = p if label.startswith("lit") else f"{p}_hand"
-        results.update({f"{key}_useful_tokens_per_s": useful, f"{key}_step_s": step_s, f"{key}_mfu": mfu,
-                        f"{key}_mfu_measured": flops / (ceiling * 1e12), f"{key}_mfu_seed_formula": seed_mfu})  # fmt: skip
+        results.update(
+            {
+                f"{key}_useful_tokens_per_s": useful,
+                f"{key}_step_s": step_s,
+                f"{key}_mfu": mfu,
+                f"{key}_mfu_measured": flops / (ceiling * 1e12),
+                f"{key}_mfu_seed_formula": seed_mfu,
+            }
+        )
     if hand and lit:
         h, lt = rows[0][2], rows[1][2]
         diff = max(abs(a - b) for a, b in zip(hand[0].losses[: args.steps], lit[0].losses[: args.steps]))
@@ -313,11 +383,20 @@ def report(args: argparse.Namespace, hand: list[Side], lit: list[Side], ceilings
         lengths = hand[0].document_lengths
         results[f"{p}_mean_document_tokens"] = sum(lengths) / len(lengths)
     summary = rows[-1][1].summary
-    results.update({f"{p}_tokens_per_step": args.rows * args.seq_len * args.accumulate, f"{p}_seq_len": args.seq_len,
-                    f"{p}_vocab": hf_config.vocab_size, f"{p}_layers": hf_config.num_hidden_layers,
-                    f"{p}_attention": args.attention, f"{p}_loss": args.loss, f"{p}_compile": args.compile,
-                    f"{p}_spec_peak_tflops": peak, f"{p}_ceiling_tflops": ceiling,
-                    f"{p}_final_loss": summary.get("final_loss")})  # fmt: skip
+    results.update(
+        {
+            f"{p}_tokens_per_step": args.rows * args.seq_len * args.accumulate,
+            f"{p}_seq_len": args.seq_len,
+            f"{p}_vocab": hf_config.vocab_size,
+            f"{p}_layers": hf_config.num_hidden_layers,
+            f"{p}_attention": args.attention,
+            f"{p}_loss": args.loss,
+            f"{p}_compile": args.compile,
+            f"{p}_spec_peak_tflops": peak,
+            f"{p}_ceiling_tflops": ceiling,
+            f"{p}_final_loss": summary.get("final_loss"),
+        }
+    )
     if args.device == "cuda":
         results[f"{p}_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
     if summary.get("profile"):
@@ -331,9 +410,11 @@ def report(args: argparse.Namespace, hand: list[Side], lit: list[Side], ceilings
 def print_profile(profile: dict[str, Any]) -> None:
     """``KernelProfile``'s record section: where the profiled steps' time went."""
     compiled = profile.get("compile") or {}
-    print(f"\nprofile of steps {profile.get('steps')} ({profile.get('kind')}): wall {_fmt(profile.get('wall_ms'))} ms, "
-          f"device {_fmt(profile.get('device_ms'))} ms; host syncs per step {_fmt(profile.get('host_syncs_per_step'))}; "
-          f"graph breaks {_fmt(compiled.get('graph_breaks'))}, recompiles {_fmt(compiled.get('recompiles'))}")
+    print(
+        f"\nprofile of steps {profile.get('steps')} ({profile.get('kind')}): wall {_fmt(profile.get('wall_ms'))} ms, "
+        f"device {_fmt(profile.get('device_ms'))} ms; host syncs per step {_fmt(profile.get('host_syncs_per_step'))}; "
+        f"graph breaks {_fmt(compiled.get('graph_breaks'))}, recompiles {_fmt(compiled.get('recompiles'))}"
+    )
     print("\n| kernel | ms | calls | share |\n|---|---|---|---|")
     for row in profile.get("top") or []:
         print(f"| {row['name'][:90]} | {row['time_ms']:.2f} | {row['calls']} | {row['share']:.1%} |")
@@ -341,7 +422,9 @@ def print_profile(profile: dict[str, Any]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", default=CPU_SHAPE, help="a model shape of benchmarks/model_shapes.py or a tiny preset")
+    parser.add_argument(
+        "--shape", default=CPU_SHAPE, help="a model shape of benchmarks/model_shapes.py or a tiny preset"
+    )
     parser.add_argument("--layers", type=int, help="fewer decoder layers than the shape's")
     parser.add_argument("--vocab", type=int, help="another vocabulary size than the shape's (the seed: 217473)")
     parser.add_argument("--seq-len", type=int, help="tokens per packed row (default 512 on the CPU shape, else 8192)")
@@ -350,15 +433,22 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of the medians")
     parser.add_argument("--repeats", type=int, default=1, help="runs per side (alternating); the best counts")
-    parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if present, on shapes other than the CPU one")
-    parser.add_argument("--precision", choices=["32-true", "bf16-true"], help="default 32-true on a CPU, bf16-true on CUDA")
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], help="default: cuda if present, on shapes other than the CPU one"
+    )
+    parser.add_argument(
+        "--precision", choices=["32-true", "bf16-true"], help="default 32-true on a CPU, bf16-true on CUDA"
+    )
     parser.add_argument("--attention", help="packed attention backend (default: the fastest that trains here)")
     parser.add_argument("--loss", help="loss backend (default: liger where it runs, else torch)")
     parser.add_argument("--loss-options", type=json.loads, default=None, help="the loss backend's options as JSON")
-    parser.add_argument("--no-compile", dest="compile", action="store_false", help="eager decoder layers (default: "
-                        "compiled on CUDA)")  # fmt: skip
+    parser.add_argument(
+        "--no-compile", dest="compile", action="store_false", help="eager decoder layers (default: compiled on CUDA)"
+    )
     parser.add_argument("--no-hand-loop", dest="hand_loop", action="store_false", help="lit-ablate's run only")
-    parser.add_argument("--profile", action="store_true", help="KernelProfile on the lit run: top kernels, graph breaks")
+    parser.add_argument(
+        "--profile", action="store_true", help="KernelProfile on the lit run: top kernels, graph breaks"
+    )
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--name", help="prefix of the RESULT names (default: cpu on the CPU shape, else dense)")
     parser.set_defaults(compile=None)
@@ -376,7 +466,10 @@ def main() -> int:
     args.name = args.name or ("cpu" if cpu_shape else "dense")
     hand, lit, ceilings = [], [], []
     # a cache folder of this run's own: no ceiling measured under another load; removed at the end
-    with tempfile.TemporaryDirectory(prefix="mfu-ceiling-") as cache, mock.patch.dict(os.environ, LIT_ABLATE_CACHE_DIR=cache):
+    with (
+        tempfile.TemporaryDirectory(prefix="mfu-ceiling-") as cache,
+        mock.patch.dict(os.environ, LIT_ABLATE_CACHE_DIR=cache),
+    ):
         for _ in range(args.repeats):
             if args.hand_loop:
                 ceilings.append(ceiling_now(args))

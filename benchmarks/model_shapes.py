@@ -9,24 +9,44 @@ from __future__ import annotations
 from typing import Any
 
 CPU_35M: dict[str, Any] = {
-    "model_type": "llama", "vocab_size": 8192, "hidden_size": 512, "intermediate_size": 1536,
-    "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8,
-    "max_position_embeddings": 512, "tie_word_embeddings": False,
-}  # fmt: skip
+    "model_type": "llama",
+    "vocab_size": 8192,
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+}
 """A Llama-shaped 35.7M model (31.5M in matmuls) large enough to be matmul-bound on a CPU (``benchmarks/mfu.py``)."""
 
 QWEN3_0_6B: dict[str, Any] = {
-    "model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
-    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
-    "tie_word_embeddings": True, "max_position_embeddings": 40960,
-}  # fmt: skip
+    "model_type": "qwen3",
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 40960,
+}
 """Qwen3-0.6B's config: the seed study's dense model (596M parameters, the embedding tied)."""
 
 QWEN3_8B: dict[str, Any] = {
-    "model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
-    "tie_word_embeddings": False, "max_position_embeddings": 40960,
-}  # fmt: skip
+    "model_type": "qwen3",
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 40960,
+}
 """Qwen3-8B's config: hidden 4096, where fp8 matmuls can pay for their casts."""
 
 SHAPES: dict[str, dict[str, Any]] = {"cpu-35m": CPU_35M, "qwen3-0.6b": QWEN3_0_6B, "qwen3-8b": QWEN3_8B}

@@ -65,9 +65,14 @@ class Timing:
 def build_rows(shape: dict[str, int], dtype: torch.dtype, device: torch.device) -> dict[str, nn.Module]:
     """The same layer (same weights) under each implementation."""
     torch.manual_seed(0)
-    config = Qwen3MoeConfig(hidden_size=shape["hidden"], moe_intermediate_size=shape["intermediate"],
-                            num_experts=shape["experts"], num_experts_per_tok=shape["top_k"], norm_topk_prob=True,
-                            experts_implementation="eager")
+    config = Qwen3MoeConfig(
+        hidden_size=shape["hidden"],
+        moe_intermediate_size=shape["intermediate"],
+        num_experts=shape["experts"],
+        num_experts_per_tok=shape["top_k"],
+        norm_topk_prob=True,
+        experts_implementation="eager",
+    )
     hf = Qwen3MoeSparseMoeBlock(config)
     for p in hf.parameters():
         nn.init.normal_(p, std=0.02)
@@ -102,8 +107,9 @@ def timed(run: Callable[[], object], device: torch.device) -> float:
     return time.process_time() - start
 
 
-def measure_shape(name: str, dtype: torch.dtype, device: torch.device, repeats: int,
-                  tokens: int | None) -> list[Timing]:
+def measure_shape(
+    name: str, dtype: torch.dtype, device: torch.device, repeats: int, tokens: int | None
+) -> list[Timing]:
     shape = {**SHAPES[name], **({"tokens": tokens} if tokens else {})}
     rows = build_rows(shape, dtype, device)
     generator = torch.Generator().manual_seed(1)
@@ -125,13 +131,17 @@ def measure_shape(name: str, dtype: torch.dtype, device: torch.device, repeats: 
 
 def markdown_table(timings: list[Timing], device: torch.device) -> str:
     clock = "wall" if device.type == "cuda" else "cpu"
-    lines = [f"| shape | experts, top-k | tokens | row | {clock} ms (median) | speedup vs loop | note |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| shape | experts, top-k | tokens | row | {clock} ms (median) | speedup vs loop | note |",
+        "|---|---|---|---|---|---|---|",
+    ]
     loop = {t.shape: t.median for t in timings if t.row == "loop"}
     for t in timings:
         s = SHAPES[t.shape]
-        lines.append(f"| {t.shape} | {s['experts']}, {s['top_k']} | {t.tokens} | {t.row} | {1e3 * t.median:.1f} | "
-                     f"{loop[t.shape] / t.median:.2f} | {t.note} |")
+        lines.append(
+            f"| {t.shape} | {s['experts']}, {s['top_k']} | {t.tokens} | {t.row} | {1e3 * t.median:.1f} | "
+            f"{loop[t.shape] / t.median:.2f} | {t.note} |"
+        )
     return "\n".join(lines)
 
 
@@ -141,8 +151,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=None, help="tokens per layer call (default: per shape)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), choices=list(SHAPES),
-                        help="shapes to measure; the RESULT lines' headline is the last")
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        default=list(DEFAULT_SHAPES),
+        choices=list(SHAPES),
+        help="shapes to measure; the RESULT lines' headline is the last",
+    )
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     timings = [t for name in args.shapes for t in measure_shape(name, dtype, device, args.repeats, args.tokens)]
@@ -159,7 +174,9 @@ def main() -> None:
     print(f"RESULT grouped_ms={1e3 * by_row[headline, 'grouped']:.2f}")
     print(f"RESULT loop_ms={1e3 * by_row[headline, 'loop']:.2f}")
     print(f"RESULT hf_eager_ms={1e3 * by_row[headline, 'hf-eager']:.2f}")
-    print(f"RESULT grouped_speedup_vs_hf_grouped_mm={by_row[headline, 'hf-grouped_mm'] / by_row[headline, 'grouped']:.2f}")
+    print(
+        f"RESULT grouped_speedup_vs_hf_grouped_mm={by_row[headline, 'hf-grouped_mm'] / by_row[headline, 'grouped']:.2f}"
+    )
     print(f"RESULT grouped_speedup_vs_hf_eager={by_row[headline, 'hf-eager'] / by_row[headline, 'grouped']:.2f}")
     print(f"RESULT grouped_speedup={by_row[headline, 'loop'] / by_row[headline, 'grouped']:.2f}")
 

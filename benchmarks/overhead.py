@@ -126,8 +126,19 @@ class ShiftedLabels:
 
 
 def _cli(steps: int, root: str) -> LitAblateCLI:
-    return LitAblateCLI(args=["--config", QUICKSTART, "--trainer.max_steps", str(steps),
-                              "--trainer.default_root_dir", root, "--trainer.limit_val_batches", "0"], run=False)
+    return LitAblateCLI(
+        args=[
+            "--config",
+            QUICKSTART,
+            "--trainer.max_steps",
+            str(steps),
+            "--trainer.default_root_dir",
+            root,
+            "--trainer.limit_val_batches",
+            "0",
+        ],
+        run=False,
+    )
 
 
 def _built(steps: int):
@@ -139,8 +150,11 @@ def _built(steps: int):
     module.configure_model()
     data.setup("fit")
     model, hp = module.model, module.hparams
-    optimizer = torch.optim.AdamW(decay_groups(model, decay_names(model, model.lm.get_input_embeddings().weight), hp.weight_decay),
-                                  lr=hp.learning_rate, betas=hp.betas)
+    optimizer = torch.optim.AdamW(
+        decay_groups(model, decay_names(model, model.lm.get_input_embeddings().weight), hp.weight_decay),
+        lr=hp.learning_rate,
+        betas=hp.betas,
+    )
     return module, data, optimizer, warmup_cosine(optimizer, hp.warmup_steps, steps, hp.min_lr_ratio), cli
 
 
@@ -181,14 +195,25 @@ def hf_trainer_run(steps: int) -> Run:
     recorder = TrainerRecorder()
     with tempfile.TemporaryDirectory() as root:
         args = TrainingArguments(
-            output_dir=root, max_steps=steps, per_device_train_batch_size=data.batch_size,
-            logging_steps=cli.trainer.log_every_n_steps, max_grad_norm=cli.trainer.gradient_clip_val,
-            train_sampling_strategy="sequential", dataloader_drop_last=True, use_cpu=True,
+            output_dir=root,
+            max_steps=steps,
+            per_device_train_batch_size=data.batch_size,
+            logging_steps=cli.trainer.log_every_n_steps,
+            max_grad_norm=cli.trainer.gradient_clip_val,
+            train_sampling_strategy="sequential",
+            dataloader_drop_last=True,
+            use_cpu=True,
         )
         if profiler is not None:
             module.model.lm.forward = profiler.wrap("model forward + loss", module.model.lm.forward)
-        trainer = Trainer(model=module.model.lm, args=args, train_dataset=ordered, data_collator=ShiftedLabels(data.collator),
-                          optimizers=(optimizer, scheduler), callbacks=[recorder])
+        trainer = Trainer(
+            model=module.model.lm,
+            args=args,
+            train_dataset=ordered,
+            data_collator=ShiftedLabels(data.collator),
+            optimizers=(optimizer, scheduler),
+            callbacks=[recorder],
+        )
         trainer.train()
     recorder.run.losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     return recorder.run
@@ -251,10 +276,23 @@ class ExclusiveTimes:
         return parts
 
 
-TRAIN_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
-               "on_before_optimizer_step", "on_before_zero_grad")
-COMPUTE = ("model forward + loss", "backward", "AdamW step", "clip_grad_norm_", "zero_grad", "LR schedule",
-           "data: DataLoader + collate")
+TRAIN_HOOKS = (
+    "on_train_batch_start",
+    "on_train_batch_end",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_before_zero_grad",
+)
+COMPUTE = (
+    "model forward + loss",
+    "backward",
+    "AdamW step",
+    "clip_grad_norm_",
+    "zero_grad",
+    "LR schedule",
+    "data: DataLoader + collate",
+)
 REST = "the rest: loop code, hook dispatch"
 CLOSURE = "optimizer closure's own code (a module's gradient rescale, Lightning's plumbing)"
 profiler: ExclusiveTimes | None = None
@@ -300,19 +338,28 @@ def profile(steps: int) -> None:
     profiler = install_profiler()
     clock = profiler.mark
     columns = {}
-    for name, run in (("hand-written", hand_written_run), ("lit-ablate fit", lit_ablate_run),
-                      ("Trainer", hf_trainer_run)):
+    for name, run in (
+        ("hand-written", hand_written_run),
+        ("lit-ablate fit", lit_ablate_run),
+        ("Trainer", hf_trainer_run),
+    ):
         profiler.marks, profiler.totals = [], collections.Counter()
         run(steps)
         columns[name] = profiler.per_step()
     labels = [*COMPUTE, *sorted({k for c in columns.values() for k in c} - set(COMPUTE))]
-    print(f"\nmain-thread CPU ms per step, {steps} steps after {WARMUP} warm-up, one torch thread; "
-          "each part net of the parts it calls\n")
+    print(
+        f"\nmain-thread CPU ms per step, {steps} steps after {WARMUP} warm-up, one torch thread; "
+        "each part net of the parts it calls\n"
+    )
     print(f"| part | {' | '.join(columns)} |\n|---|{'---|' * len(columns)}")
     for label in labels:
         print(f"| {label} | " + " | ".join(f"{c[label]:.3f}" if label in c else "" for c in columns.values()) + " |")
     for name, parts in (("compute and data", COMPUTE), ("everything else", [k for k in labels if k not in COMPUTE])):
-        print(f"| **{name}** | " + " | ".join(f"**{sum(c.get(k, 0.0) for k in parts):.2f}**" for c in columns.values()) + " |")
+        print(
+            f"| **{name}** | "
+            + " | ".join(f"**{sum(c.get(k, 0.0) for k in parts):.2f}**" for c in columns.values())
+            + " |"
+        )
     print("| **step** | " + " | ".join(f"**{sum(c.values()):.2f}**" for c in columns.values()) + " |")
 
 
@@ -340,8 +387,11 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(args.threads)
     if args.profile:
         return profile(args.steps)
-    sides = {"hand-written PyTorch": hand_written_run, "lit-ablate fit": lit_ablate_run,
-             "transformers Trainer": hf_trainer_run}
+    sides = {
+        "hand-written PyTorch": hand_written_run,
+        "lit-ablate fit": lit_ablate_run,
+        "transformers Trainer": hf_trainer_run,
+    }
     runs: dict[str, list[Run]] = {name: [] for name in sides}
     for _ in range(args.repeats):
         for name, run in sides.items():
@@ -353,8 +403,10 @@ def main(argv: list[str]) -> None:
     vs_hand = max(max_gap(l.losses, h.losses) for l, h in zip(lit, hand))
     vs_hf = max(max_gap(window_means(l.losses, window), t.losses) for l, t in zip(lit, hf))
     print(f"\nclock: {args.clock}, torch threads: {args.threads}, {args.steps} steps, {args.repeats} runs per side")
-    print(f"loss curves, max |difference| over all runs (tolerance {LOSS_TOLERANCE:g}): lit-ablate vs hand-written "
-          f"{vs_hand:.2e} per step; lit-ablate vs Trainer {vs_hf:.2e} per {window}-step logging window")
+    print(
+        f"loss curves, max |difference| over all runs (tolerance {LOSS_TOLERANCE:g}): lit-ablate vs hand-written "
+        f"{vs_hand:.2e} per step; lit-ablate vs Trainer {vs_hf:.2e} per {window}-step logging window"
+    )
     print("\n| loop | best median step (ms) | median of runs (ms) | runs (ms) |\n|---|---|---|---|")
     best = {}
     for name, side in runs.items():

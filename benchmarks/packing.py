@@ -87,7 +87,11 @@ def length_grouped_order(lengths: list[int], batch_size: int, seed: int) -> list
     which only moves one example and is left out here)."""
     order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed)).tolist()
     size = MEGABATCH_BATCHES * batch_size
-    return [i for start in range(0, len(order), size) for i in sorted(order[start : start + size], key=lambda i: -lengths[i])]
+    return [
+        i
+        for start in range(0, len(order), size)
+        for i in sorted(order[start : start + size], key=lambda i: -lengths[i])
+    ]
 
 
 def length_grouped_plan(examples: list, batch_size: int) -> Plan:
@@ -141,7 +145,9 @@ def run_epoch(model: CausalLMWithLoss, layout: Layout, device: torch.device, lim
         (loss_sum / useful).backward()
         useful_tokens = useful_tokens + useful
     sync()
-    return Epoch(time.perf_counter() - wall, time.process_time() - cpu, data_cpu, processed, int(useful_tokens), len(plan))
+    return Epoch(
+        time.perf_counter() - wall, time.process_time() - cpu, data_cpu, processed, int(useful_tokens), len(plan)
+    )
 
 
 def main() -> None:
@@ -153,16 +159,28 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="examples per padded batch")
     parser.add_argument("--rows", type=int, default=2, help="packed rows per batch")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--preset", default="tiny-llama", choices=shape_names(),
-                        help="a tiny preset or a real shape (benchmarks/model_shapes.py: qwen3-0.6b on a GPU)")
+    parser.add_argument(
+        "--preset",
+        default="tiny-llama",
+        choices=shape_names(),
+        help="a tiny preset or a real shape (benchmarks/model_shapes.py: qwen3-0.6b on a GPU)",
+    )
     parser.add_argument("--layers", type=int, help="decoder layers (default: the preset's)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    parser.add_argument("--static-shape", action=argparse.BooleanOptionalAction, default=None,
-                        help="pad packed rows to --max-len (default: on a GPU, where compiled kernels need one shape)")
-    parser.add_argument("--packed-attention", nargs="+", default=None,
-                        help="packed backends; the first packs greedy and FFD rows, each further one FFD rows "
-                             "(default: the fastest that trains here, benchmarks/kernels_here.py; sdpa_packed on CPU)")
+    parser.add_argument(
+        "--static-shape",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="pad packed rows to --max-len (default: on a GPU, where compiled kernels need one shape)",
+    )
+    parser.add_argument(
+        "--packed-attention",
+        nargs="+",
+        default=None,
+        help="packed backends; the first packs greedy and FFD rows, each further one FFD rows "
+        "(default: the fastest that trains here, benchmarks/kernels_here.py; sdpa_packed on CPU)",
+    )
     args = parser.parse_args()
 
     device = torch.device(args.device)
@@ -177,22 +195,37 @@ def main() -> None:
     layouts: dict[str, Layout] = {
         "padding, arrival order": Layout("sdpa", lambda: arrival_order_plan(examples, args.batch_size), padding),
         "padding, length-grouped": Layout("sdpa", lambda: length_grouped_plan(examples, args.batch_size), padding),
-        **{f"packing {strategy}": Layout(packed_attention, functools.partial(packed_plan, examples, args.max_len, args.rows, strategy),
-                                         _bound(PackingCollator(max_tokens=args.max_len, strategy=strategy, static_shape=static)))
-           for strategy in ("greedy", "ffd")},
-        **{f"packing ffd, {attention}": Layout(attention, functools.partial(packed_plan, examples, args.max_len, args.rows, "ffd"),
-                                               _bound(PackingCollator(max_tokens=args.max_len, strategy="ffd", static_shape=static)))
-           for attention in other_attention},
+        **{
+            f"packing {strategy}": Layout(
+                packed_attention,
+                functools.partial(packed_plan, examples, args.max_len, args.rows, strategy),
+                _bound(PackingCollator(max_tokens=args.max_len, strategy=strategy, static_shape=static)),
+            )
+            for strategy in ("greedy", "ffd")
+        },
+        **{
+            f"packing ffd, {attention}": Layout(
+                attention,
+                functools.partial(packed_plan, examples, args.max_len, args.rows, "ffd"),
+                _bound(PackingCollator(max_tokens=args.max_len, strategy="ffd", static_shape=static)),
+            )
+            for attention in other_attention
+        },
     }
     useful = sum(int((e["labels"] != IGNORE_INDEX).sum()) for e in examples)
     lengths = [len(e["input_ids"]) for e in examples]
     clock = "wall" if device.type == "cuda" else "CPU"  # a GPU's host thread waits in synchronize: wall time
-    print(f"\n{len(examples)} examples, lengths median {statistics.median(lengths):.0f} / mean {statistics.mean(lengths):.0f}"
-          f" / max {max(lengths)}, {useful} useful tokens; {args.preset} ({model['num_hidden_layers']} layers) {dtype} on "
-          f"{device.type}, {args.threads} torch thread(s); median of {args.repeats} repeats; every row's time includes its "
-          "plan and collation; speedup: useful tokens/s over padding in arrival order\n", flush=True)
-    print("| layout | attention | batches | processed tokens | useful/processed | wall s | useful tok/s (wall) "
-          f"| CPU s | of which data | useful tok/s (CPU) | speedup ({clock}) |")
+    print(
+        f"\n{len(examples)} examples, lengths median {statistics.median(lengths):.0f} / mean {statistics.mean(lengths):.0f}"
+        f" / max {max(lengths)}, {useful} useful tokens; {args.preset} ({model['num_hidden_layers']} layers) {dtype} on "
+        f"{device.type}, {args.threads} torch thread(s); median of {args.repeats} repeats; every row's time includes its "
+        "plan and collation; speedup: useful tokens/s over padding in arrival order\n",
+        flush=True,
+    )
+    print(
+        "| layout | attention | batches | processed tokens | useful/processed | wall s | useful tok/s (wall) "
+        f"| CPU s | of which data | useful tok/s (CPU) | speedup ({clock}) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     rates: dict[str, float] = {}
     for name, layout in layouts.items():
@@ -207,9 +240,12 @@ def main() -> None:
         data = statistics.median(e.data_cpu for e in epochs)
         rates[name] = useful / (wall if clock == "wall" else cpu)
         baseline = rates[next(iter(layouts))]
-        print(f"| {name} | {layout.attention} | {epochs[0].batches} | {epochs[0].processed} | "
-              f"{useful / epochs[0].processed:.1%} | {wall:.2f} | {useful / wall:,.0f} | {cpu:.2f} | {data:.3f} | "
-              f"{useful / cpu:,.0f} | {rates[name] / baseline:.2f}x |", flush=True)
+        print(
+            f"| {name} | {layout.attention} | {epochs[0].batches} | {epochs[0].processed} | "
+            f"{useful / epochs[0].processed:.1%} | {wall:.2f} | {useful / wall:,.0f} | {cpu:.2f} | {data:.3f} | "
+            f"{useful / cpu:,.0f} | {rates[name] / baseline:.2f}x |",
+            flush=True,
+        )
         for result, (over, under) in RESULTS.items():
             if name in (over, under) and over in rates and under in rates:
                 print(f"RESULT {result}={rates[over] / rates[under]:.2f}", flush=True)
@@ -217,7 +253,9 @@ def main() -> None:
             print(f"RESULT packing_speedup_{layout.attention}={rates[name] / baseline:.2f}", flush=True)
         if name == "packing ffd":
             print(f"RESULT packing_attention={packed_attention}\nRESULT packing_useful_tokens_per_s={rates[name]:.0f}")
-    print("\npacking_speedup_vs_grouped compares FFD packing with length-grouped padding, the baseline transformers users")
+    print(
+        "\npacking_speedup_vs_grouped compares FFD packing with length-grouped padding, the baseline transformers users"
+    )
     print("get from group_by_length.")
 
 

@@ -42,8 +42,10 @@ def studies(only: list[str] | None = None) -> list[str]:
 
 def run_commits(result_dir: Path) -> dict[Path, str | None]:
     """Each run record of a study's results and the commit it names."""
-    return {p: json.loads(p.read_text()).get("environment", {}).get("git_commit")
-            for p in sorted(result_dir.glob("runs/*/*/run.json"))}  # fmt: skip
+    return {
+        p: json.loads(p.read_text()).get("environment", {}).get("git_commit")
+        for p in sorted(result_dir.glob("runs/*/*/run.json"))
+    }
 
 
 def started(record: Path) -> bool:
@@ -64,8 +66,9 @@ def problems(names: list[str], results: Path = RESULTS) -> list[str]:
         commits.update(c for record, c in runs.items() if started(record))
         if not runs:
             found.append(f"{name}: no run records")
-        environment = next((line for line in (directory / "report.md").read_text().splitlines()
-                            if line.startswith("Environment:")), "")  # fmt: skip
+        environment = next(
+            (line for line in (directory / "report.md").read_text().splitlines() if line.startswith("Environment:")), ""
+        )
         if "warning" in environment.lower() or "mismatch" in environment.lower():
             found.append(f"{name}: the environment line has a warning: {environment}")
     if len(commits) > 1 or None in commits:
@@ -75,7 +78,9 @@ def problems(names: list[str], results: Path = RESULTS) -> list[str]:
 
 
 def head_commit() -> str:
-    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    return subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 def regenerate(name: str, commit: str) -> int:
@@ -91,13 +96,20 @@ def regenerate(name: str, commit: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("--check", action="store_true", help="list what is not regenerated at one commit; change nothing")
+    parser.add_argument(
+        "--check", action="store_true", help="list what is not regenerated at one commit; change nothing"
+    )
     parser.add_argument("--only", help="comma-separated study names")
     args = parser.parse_args(argv)
     names = studies(args.only.split(",") if args.only else None)
     if not args.check:
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "lit_ablate", "configs", "pyproject.toml"],
-                               cwd=ROOT, capture_output=True, text=True, check=True).stdout  # fmt: skip
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "lit_ablate", "configs", "pyproject.toml"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         if dirty:
             raise SystemExit(f"commit first: the reports must name the code that made them\n{dirty}")
         commit = head_commit()

@@ -116,8 +116,18 @@ def measure(call, repeats: int, barrier=None, device: str = "cpu") -> tuple[floa
     return statistics.median(work), statistics.median(wall)
 
 
-def _rank(rank: int, world: int, impl: str, kernel: str, lengths: list[int], repeats: int, port: int, out_dir: str,
-          device: str, dtype: str) -> None:  # fmt: skip
+def _rank(
+    rank: int,
+    world: int,
+    impl: str,
+    kernel: str,
+    lengths: list[int],
+    repeats: int,
+    port: int,
+    out_dir: str,
+    device: str,
+    dtype: str,
+) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if device == "cuda":
@@ -169,7 +179,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args()
     if args.device == "cuda" and torch.cuda.device_count() < max(args.cp):
-        raise SystemExit(f"--device cuda needs a GPU per rank: {torch.cuda.device_count()} GPUs for cp up to {max(args.cp)}")
+        raise SystemExit(
+            f"--device cuda needs a GPU per rank: {torch.cuda.device_count()} GPUs for cp up to {max(args.cp)}"
+        )
     for n in args.cp:
         if any(length % (2 * n) for length in args.lengths):
             raise SystemExit(f"--lengths must be multiples of 2 x cp = {2 * n} (zigzag)")
@@ -185,41 +197,75 @@ def main() -> None:
     for length in args.lengths:
         x = whole_inputs(length, args.device, getattr(torch, args.dtype))
         cpu, wall = measure(lambda x=x: sdpa_call(x), args.repeats, device=args.device)
-        reference[length] = {"cpu_s": cpu, "wall_s": wall, "peak_bytes": peak_bytes(lambda x=x: sdpa_call(x), args.device)}
+        reference[length] = {
+            "cpu_s": cpu,
+            "wall_s": wall,
+            "peak_bytes": peak_bytes(lambda x=x: sdpa_call(x), args.device),
+        }
     del x  # the one-process tensors leave GPU 0 before rank 0 starts there
     rows = []
     with tempfile.TemporaryDirectory() as out_dir:
         for impl in args.impls:
             for kernel in kernels:
                 for world in args.cp:
-                    mp.start_processes(_rank, args=(world, impl, kernel, args.lengths, args.repeats, free_port(), out_dir,
-                                                    args.device, args.dtype), nprocs=world, start_method="spawn")  # fmt: skip
-                    ranks = [json.loads(Path(out_dir, f"{impl}-{kernel}-{world}-{r}.json").read_text()) for r in range(world)]
+                    mp.start_processes(
+                        _rank,
+                        args=(
+                            world,
+                            impl,
+                            kernel,
+                            args.lengths,
+                            args.repeats,
+                            free_port(),
+                            out_dir,
+                            args.device,
+                            args.dtype,
+                        ),
+                        nprocs=world,
+                        start_method="spawn",
+                    )
+                    ranks = [
+                        json.loads(Path(out_dir, f"{impl}-{kernel}-{world}-{r}.json").read_text()) for r in range(world)
+                    ]
                     rows.append((impl if kernel == "sdpa" else f"{impl}_{kernel}", world, ranks))
     where = torch.cuda.get_device_name() if args.device == "cuda" else f"1 thread per process, {os.cpu_count()} CPUs"
-    print(f"torch {torch.__version__}, {where}; batch {BATCH}, {HEADS} heads ({KV_HEADS} kv), head dim {HEAD_DIM}, "
-          f"{args.dtype}, causal, forward + backward; medians of {args.repeats}\n")
+    print(
+        f"torch {torch.__version__}, {where}; batch {BATCH}, {HEADS} heads ({KV_HEADS} kv), head dim {HEAD_DIM}, "
+        f"{args.dtype}, causal, forward + backward; medians of {args.repeats}\n"
+    )
     work = "GPU s" if args.device == "cuda" else "CPU s"
-    print(f"| length | row | {work} / rank (busiest) | share of sdpa | wall s (slowest rank) | peak MiB / rank | "
-          "share of sdpa | max abs error |")
+    print(
+        f"| length | row | {work} / rank (busiest) | share of sdpa | wall s (slowest rank) | peak MiB / rank | "
+        "share of sdpa | max abs error |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for length in args.lengths:
         ref = reference[length]
-        print(f"| {length} | sdpa | {ref['cpu_s']:.3f} | 1 | {ref['wall_s']:.3f} | {ref['peak_bytes'] / 2**20:.1f} | 1 | |")
+        print(
+            f"| {length} | sdpa | {ref['cpu_s']:.3f} | 1 | {ref['wall_s']:.3f} | {ref['peak_bytes'] / 2**20:.1f} | 1 | |"
+        )
         for impl, world, ranks in rows:
             per = [r[str(length)] for r in ranks]
-            cpu, wall, peak = max(p["cpu_s"] for p in per), max(p["wall_s"] for p in per), max(p["peak_bytes"] for p in per)
+            cpu, wall, peak = (
+                max(p["cpu_s"] for p in per),
+                max(p["wall_s"] for p in per),
+                max(p["peak_bytes"] for p in per),
+            )
             errors = [p["max_error"] for p in per if p["max_error"] is not None]
             error = f"{max(errors):.1e}" if errors else ""
-            print(f"| {length} | {impl} cp={world} | {cpu:.3f} | {cpu / ref['cpu_s']:.2f} | {wall:.3f} | "
-                  f"{peak / 2**20:.1f} | {peak / ref['peak_bytes']:.2f} | {error} |")
+            print(
+                f"| {length} | {impl} cp={world} | {cpu:.3f} | {cpu / ref['cpu_s']:.2f} | {wall:.3f} | "
+                f"{peak / 2**20:.1f} | {peak / ref['peak_bytes']:.2f} | {error} |"
+            )
     longest = args.lengths[-1]
     print()
     for impl, world, ranks in rows:
         per = [r[str(longest)] for r in ranks]
         ref = reference[longest]
         print(f"RESULT {impl}_cp{world}_time_share_L{longest}={max(p['cpu_s'] for p in per) / ref['cpu_s']:.3f}")
-        print(f"RESULT {impl}_cp{world}_memory_share_L{longest}={max(p['peak_bytes'] for p in per) / ref['peak_bytes']:.3f}")
+        print(
+            f"RESULT {impl}_cp{world}_memory_share_L{longest}={max(p['peak_bytes'] for p in per) / ref['peak_bytes']:.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -45,7 +45,10 @@ REPOSITORY = Path(__file__).resolve().parents[1]
 STRATEGY = "--trainer.strategy.init_args.activation_checkpointing"
 VARIANTS: dict[str, list[str]] = {
     "no checkpointing": [STRATEGY, "none"],
-    "feed-forward only (this file)": ["--trainer.strategy.class_path", "examples.custom_strategy.FeedForwardCheckpointing"],
+    "feed-forward only (this file)": [
+        "--trainer.strategy.class_path",
+        "examples.custom_strategy.FeedForwardCheckpointing",
+    ],
     "every layer (full)": [STRATEGY, "full"],
 }
 
@@ -70,10 +73,24 @@ class FeedForwardCheckpointing(FSDP2Strategy):
 def measure(name: str, overrides: list[str], folder: Path) -> dict:
     """One ``lit-ablate fit`` of configs/fsdp2_tiny.yaml with ``overrides``; its run record's summary."""
     record = folder / f"{len(list(folder.glob('*.json')))}.json"
-    command = [sys.executable, "-m", "lit_ablate.cli", "fit", "--config", "configs/fsdp2_tiny.yaml",
-               "--trainer.max_steps", "6", "--trainer.devices", "1", "--trainer.default_root_dir", str(folder / "runs"), *overrides]
-    done = subprocess.run(command, cwd=REPOSITORY, capture_output=True, text=True,
-                          env={**os.environ, RECORD_PATH_ENV: str(record)})
+    command = [
+        sys.executable,
+        "-m",
+        "lit_ablate.cli",
+        "fit",
+        "--config",
+        "configs/fsdp2_tiny.yaml",
+        "--trainer.max_steps",
+        "6",
+        "--trainer.devices",
+        "1",
+        "--trainer.default_root_dir",
+        str(folder / "runs"),
+        *overrides,
+    ]
+    done = subprocess.run(
+        command, cwd=REPOSITORY, capture_output=True, text=True, env={**os.environ, RECORD_PATH_ENV: str(record)}
+    )
     if done.returncode != 0:
         sys.exit(f"{name}: lit-ablate fit failed:\n{done.stderr[-3000:]}")
     return json.loads(record.read_text())["summary"]
@@ -87,8 +104,10 @@ def main() -> None:
     print(f"{'activation checkpointing':<32} {'activations/rank':>17} {'saved':>7} {'step time':>10}")
     for name, summary in summaries.items():
         activations = summary["tensor_breakdown"]["max"]["activations"]
-        print(f"{name:<32} {activations / mib:>13.1f} MiB {1 - activations / baseline:>7.0%} "
-              f"{summary['step_time_s']['median'] * 1000:>7.0f} ms")
+        print(
+            f"{name:<32} {activations / mib:>13.1f} MiB {1 - activations / baseline:>7.0%} "
+            f"{summary['step_time_s']['median'] * 1000:>7.0f} ms"
+        )
 
 
 if __name__ == "__main__":

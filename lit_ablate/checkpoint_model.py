@@ -42,10 +42,14 @@ def checkpoint_model_section(ckpt_path: str | Path) -> dict[str, Any] | None:
     return hparams
 
 
-def model_differences(config_model: Mapping[str, Any], checkpoint_model: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+def model_differences(
+    config_model: Mapping[str, Any], checkpoint_model: Mapping[str, Any]
+) -> dict[str, tuple[Any, Any]]:
     """``{dotted key under model: (config value, checkpoint value)}`` for every leaf that differs."""
     mine, theirs = _normalised(config_model), _normalised(checkpoint_model)
-    return {key: (mine.get(key), theirs.get(key)) for key in sorted({*mine, *theirs}) if mine.get(key) != theirs.get(key)}
+    return {
+        key: (mine.get(key), theirs.get(key)) for key in sorted({*mine, *theirs}) if mine.get(key) != theirs.get(key)
+    }
 
 
 def check_same_model(config_model: Mapping[str, Any], checkpoint_model: Mapping[str, Any], ckpt_path: str) -> None:
@@ -53,14 +57,17 @@ def check_same_model(config_model: Mapping[str, Any], checkpoint_model: Mapping[
     differences = model_differences(config_model, checkpoint_model)
     if not differences:
         return
-    shown = [f"model.{key} (config {mine!r}, checkpoint {theirs!r})"
-             for key, (mine, theirs) in list(differences.items())[:DIFFERENCES_SHOWN]]  # fmt: skip
+    shown = [
+        f"model.{key} (config {mine!r}, checkpoint {theirs!r})"
+        for key, (mine, theirs) in list(differences.items())[:DIFFERENCES_SHOWN]
+    ]
     more = f" and {len(differences) - DIFFERENCES_SHOWN} more" if len(differences) > DIFFERENCES_SHOWN else ""
     raise ConfigError(
-        "--ckpt_path", str(ckpt_path),
+        "--ckpt_path",
+        str(ckpt_path),
         f"the checkpoint's model differs from the config's in {'; '.join(shown)}{more}. Lightning would silently "
         "train the checkpoint's; make the config's model section match the checkpoint's, or drop --ckpt_path",
-    )  # fmt: skip
+    )
 
 
 def _normalised(section: Mapping[str, Any]) -> dict[str, Any]:

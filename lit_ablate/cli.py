@@ -47,9 +47,11 @@ def _command(spec: str) -> Callable[[list[str]], int]:
 def _top_level_parser() -> argparse.ArgumentParser:
     """``lit-ablate --help`` (every command, one line each) and ``--version``."""
     parser = argparse.ArgumentParser(
-        prog="lit-ablate", description="Ablation studies of LLM training techniques on PyTorch Lightning.",
+        prog="lit-ablate",
+        description="Ablation studies of LLM training techniques on PyTorch Lightning.",
         epilog="`lit-ablate COMMAND --help` lists a command's options. Exit status: 0 done, 2 a usage or "
-               "config error (one line naming the key), 1 a failure during a run.", allow_abbrev=False,
+        "config error (one line naming the key), 1 a failure during a run.",
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
@@ -112,8 +114,14 @@ def _refuse(command: str, message: str) -> NoReturn:
 def _launcher_rank() -> int:
     """This process's rank as torchrun, Lightning's launcher or SLURM set it (0 when none did), read in
     Lightning's order: ``LOCAL_RANK`` before ``SLURM_PROCID``, which a SLURM shell sets without ranks."""
-    return next((int(os.environ[key]) for key in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
-                 if os.environ.get(key) is not None), 0)
+    return next(
+        (
+            int(os.environ[key])
+            for key in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
+            if os.environ.get(key) is not None
+        ),
+        0,
+    )
 
 
 def _config_file_refusal(args: list[str]) -> str | None:
@@ -131,8 +139,10 @@ def _config_file_refusal(args: list[str]) -> str | None:
         if not os.path.exists(value):
             return missing_config(f"File does not exist: {os.path.abspath(value)!r}")
         if _is_study_file(value):
-            return (f"--config={value!r}: a study file (base with variants or axes), not a run config; "
-                    f"run it with lit-ablate ablate --config {value}")
+            return (
+                f"--config={value!r}: a study file (base with variants or axes), not a run config; "
+                f"run it with lit-ablate ablate --config {value}"
+            )
     return None
 
 

@@ -102,8 +102,11 @@ def accelerator_present(run: RunConfig, launch: LaunchLike) -> Refusal | None:
 def enough_devices(run: RunConfig, launch: LaunchLike) -> Refusal | None:
     """GPU runs need as many devices per node as they ask for (CPU ranks: ``cpu_ranks_fit``)."""
     if _on_gpu(run, launch) and launch.devices is not None and launch.devices > torch.cuda.device_count():
-        return Refusal("trainer.devices", launch.devices,
-                       f"needs {launch.devices} GPUs per node, {torch.cuda.device_count()} visible")
+        return Refusal(
+            "trainer.devices",
+            launch.devices,
+            f"needs {launch.devices} GPUs per node, {torch.cuda.device_count()} visible",
+        )
     return None
 
 
@@ -130,18 +133,22 @@ def check_cpu_ranks(trainer: TrainerSettings | Mapping[str, Any], cores: int | N
     limit = CPU_RANKS_PER_CORE * cores
     if devices > limit:
         raise ConfigError(
-            "trainer.devices", devices,
+            "trainer.devices",
+            devices,
             f"on CPU every rank is a process; {devices} ranks on {cores} usable cores is more than the limit of "
             f"{limit} ({CPU_RANKS_PER_CORE} per core), past which the run waits (rank start-up, every collective) until it times out; "
             f"use at most {limit} devices",
-        )  # fmt: skip
+        )
 
 
 @rule
 def cpu_ranks_fit(run: RunConfig, launch: LaunchLike) -> Refusal | None:
     """``check_cpu_ranks`` on the run's trainer settings (launch values win, as in the run's config)."""
-    launched = {name: value for name, value in (("devices", launch.devices), ("accelerator", launch.accelerator))
-                if value is not None}  # fmt: skip
+    launched = {
+        name: value
+        for name, value in (("devices", launch.devices), ("accelerator", launch.accelerator))
+        if value is not None
+    }
     return _refusal(check_cpu_ranks, replace(run.trainer, **launched))
 
 
@@ -149,7 +156,11 @@ def cpu_ranks_fit(run: RunConfig, launch: LaunchLike) -> Refusal | None:
 def single_node(run: RunConfig, launch: LaunchLike) -> Refusal | None:
     """The runner starts one node; a multi-node run is launched per node (torchrun) by the user."""
     if launch.num_nodes is not None and launch.num_nodes > 1:
-        return Refusal("trainer.num_nodes", launch.num_nodes, "the study runner launches a single node; run each node with torchrun")
+        return Refusal(
+            "trainer.num_nodes",
+            launch.num_nodes,
+            "the study runner launches a single node; run each node with torchrun",
+        )
     return None
 
 
@@ -158,8 +169,12 @@ def strategy_accepts_cpu(run: RunConfig, launch: LaunchLike) -> Refusal | None:
     """Lightning's ``FSDPStrategy`` (FSDP1) refuses the CPU accelerator."""
     strategy = run.trainer.strategy
     if strategy.name in CPU_REFUSING_STRATEGIES and not _on_gpu(run, launch):
-        return Refusal(TRAINER_STRATEGY_KEY, strategy.configured,
-                       "Lightning's FSDP1 refuses CPU; use FSDP2Strategy or run on GPU", shown=strategy.name)
+        return Refusal(
+            TRAINER_STRATEGY_KEY,
+            strategy.configured,
+            "Lightning's FSDP1 refuses CPU; use FSDP2Strategy or run on GPU",
+            shown=strategy.name,
+        )
     return None
 
 
@@ -188,8 +203,11 @@ def attention_backend_available(run: RunConfig, launch: LaunchLike) -> Refusal |
         ("check_attention_backend", "TRANSFORMERS_BACKENDS", "TRANSFORMERS_FLASH_BACKENDS", "BACKENDS"),
     )
     name = run.model.attention
-    known = () if attention is None else (*attention.TRANSFORMERS_BACKENDS, *attention.TRANSFORMERS_FLASH_BACKENDS,
-                                          *attention.BACKENDS)
+    known = (
+        ()
+        if attention is None
+        else (*attention.TRANSFORMERS_BACKENDS, *attention.TRANSFORMERS_FLASH_BACKENDS, *attention.BACKENDS)
+    )
     if name not in known:
         return None
     return _refusal(attention.check_attention_backend, name, training=True)
@@ -254,20 +272,38 @@ def preference_parts_fit(run: RunConfig, launch: LaunchLike) -> Refusal | None:
     dpo = module.is_a(DPO)  # research subclasses included
     data_format = run.data.format
     if dpo and data_format not in (None, "preference"):
-        return Refusal("data.init_args.format", data_format, "DPO trains on preference pairs; use format: preference",
-                       shown=data_format)
+        return Refusal(
+            "data.init_args.format",
+            data_format,
+            "DPO trains on preference pairs; use format: preference",
+            shown=data_format,
+        )
     if module.cls is not None and not dpo and data_format == "preference":
-        return Refusal("data.init_args.format", data_format, f"{module.class_path} trains on tokens; preference pairs "
-                       "need lit_ablate.modules.DPO or a subclass of it", shown=data_format)
+        return Refusal(
+            "data.init_args.format",
+            data_format,
+            f"{module.class_path} trains on tokens; preference pairs need lit_ablate.modules.DPO or a subclass of it",
+            shown=data_format,
+        )
     packed = run.data.packs_preference_pairs
     attention = run.model.attention
     if packed and run.data.collator.option("prefix_sharing") and attention not in MASK_BACKENDS:
-        return Refusal("model.init_args.model.attn_implementation", attention, "prefix sharing masks the rejected "
-                       f"branch off the chosen one, which only {MASK_BACKENDS} take; use one of them or prefix_sharing: "
-                       "false", shown=attention)
+        return Refusal(
+            "model.init_args.model.attn_implementation",
+            attention,
+            "prefix sharing masks the rejected "
+            f"branch off the chosen one, which only {MASK_BACKENDS} take; use one of them or prefix_sharing: "
+            "false",
+            shown=attention,
+        )
     if dpo and packed and run.model.option("logprobs") == "liger":
-        return Refusal("model.init_args.logprobs", "liger", "Liger's fused DPO sums one sequence per padded row; use "
-                       "PreferencePaddingCollator, or logprobs: chunked for packed rows", shown="liger")
+        return Refusal(
+            "model.init_args.logprobs",
+            "liger",
+            "Liger's fused DPO sums one sequence per padded row; use "
+            "PreferencePaddingCollator, or logprobs: chunked for packed rows",
+            shown="liger",
+        )
     return None
 
 
@@ -339,17 +375,29 @@ def pipeline_stages_train_the_objective(run: RunConfig, launch: LaunchLike) -> R
         return None
     reference = run.model.option("reference")
     if reference in ("frozen", "adapter"):
-        return Refusal("model.init_args.reference", reference, "pipeline stages run one model once per micro-batch; "
-                       "use reference: precomputed (its log-probs computed once through the stages) or none, or pp: 1",
-                       shown=reference)
+        return Refusal(
+            "model.init_args.reference",
+            reference,
+            "pipeline stages run one model once per micro-batch; "
+            "use reference: precomputed (its log-probs computed once through the stages) or none, or pp: 1",
+            shown=reference,
+        )
     if run.model.option("logprobs") == "liger":
-        return Refusal("model.init_args.logprobs", "liger", "Liger's fused DPO loss reads the whole batch's hidden "
-                       "states at once, which the last stage never holds; use logprobs: chunked or torch, or pp: 1",
-                       shown="liger")
+        return Refusal(
+            "model.init_args.logprobs",
+            "liger",
+            "Liger's fused DPO loss reads the whole batch's hidden "
+            "states at once, which the last stage never holds; use logprobs: chunked or torch, or pp: 1",
+            shown="liger",
+        )
     if run.data.packs_preference_pairs:
-        return Refusal("data.init_args.collator", run.data.collator.section, "packed pairs cannot be cut into "
-                       "micro-batches of whole pairs; use PreferencePaddingCollator with static_length: true, or pp: 1",
-                       shown=run.data.collator.name)
+        return Refusal(
+            "data.init_args.collator",
+            run.data.collator.section,
+            "packed pairs cannot be cut into "
+            "micro-batches of whole pairs; use PreferencePaddingCollator with static_length: true, or pp: 1",
+            shown=run.data.collator.name,
+        )
     return None
 
 
@@ -393,13 +441,18 @@ def experts_split_over_ep(run: RunConfig, launch: LaunchLike) -> Refusal | None:
         return None
     experts = factory.moe.experts if factory.moe is not None else "hf"
     if experts == "hf":
-        return Refusal(f"{MOE_KEY}.experts", experts, "expert parallelism shards lit-ablate's MoE blocks; use an MoE "
-                       "model with moe: {experts: grouped} (or loop)")
+        return Refusal(
+            f"{MOE_KEY}.experts",
+            experts,
+            "expert parallelism shards lit-ablate's MoE blocks; use an MoE "
+            "model with moe: {experts: grouped} (or loop)",
+        )
     config = _model_config(run)
     count = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
     if count and count % ep:
-        return Refusal(f"{STRATEGY_OPTIONS}.ep", ep, f"the model has {count} experts per layer; use an ep that "
-                       f"divides {count}")
+        return Refusal(
+            f"{STRATEGY_OPTIONS}.ep", ep, f"the model has {count} experts per layer; use an ep that divides {count}"
+        )
     return None
 
 
@@ -432,8 +485,11 @@ def sequence_parallel_adapters_run_here(run: RunConfig, launch: LaunchLike) -> R
     sequence-sharded input (``sequence_parallel_adapters_refusal``; the plan refuses the same mid-run)."""
     from lit_ablate.strategies.tensor_parallel_plans import sequence_parallel_adapters_refusal
 
-    if (_mesh_size(run, launch, "tp") == 1 or not run.trainer.strategy.option("sequence_parallel", False)
-            or run.model.adapter_section is None):  # fmt: skip
+    if (
+        _mesh_size(run, launch, "tp") == 1
+        or not run.trainer.strategy.option("sequence_parallel", False)
+        or run.model.adapter_section is None
+    ):
         return None
     reason = sequence_parallel_adapters_refusal()
     return Refusal(f"{STRATEGY_OPTIONS}.sequence_parallel", True, reason) if reason else None
@@ -448,12 +504,19 @@ def _rows_refusal(run: RunConfig, multiple: int, why: str) -> Refusal | None:
     if collator is not None and collator.name == "PackingCollator":
         capacity = collator.option("max_tokens") or seq_len
         if not collator.option("static_shape", False):
-            return Refusal(f"{COLLATOR_KEY}.init_args.static_shape", False, f"{fix}, and packed rows are as long as "
-                           f"their longest; set static_shape: true with max_tokens (or seq_len) a multiple of {multiple}")
+            return Refusal(
+                f"{COLLATOR_KEY}.init_args.static_shape",
+                False,
+                f"{fix}, and packed rows are as long as "
+                f"their longest; set static_shape: true with max_tokens (or seq_len) a multiple of {multiple}",
+            )
         if capacity and capacity % multiple:
             key = "max_tokens" if collator.option("max_tokens") else None
-            return Refusal(f"{COLLATOR_KEY}.init_args.{key}" if key else "data.init_args.seq_len", capacity,
-                           f"{fix}; use a multiple of {multiple}")
+            return Refusal(
+                f"{COLLATOR_KEY}.init_args.{key}" if key else "data.init_args.seq_len",
+                capacity,
+                f"{fix}; use a multiple of {multiple}",
+            )
         return None
     if collator is not None and collator.name != "PaddingCollator":
         return None  # a collator of the user's own: the first batch tells
@@ -464,9 +527,13 @@ def _rows_refusal(run: RunConfig, multiple: int, why: str) -> Refusal | None:
     if fixed and seq_len and -(-seq_len // pad_to) * pad_to % multiple == 0:
         return None  # every row is seq_len long (pretrain windows, or static_length)
     if collator is None:
-        return Refusal(COLLATOR_KEY, None, f"{fix}, and the default PaddingCollator pads each batch to its longest "
-                       f"row; set it to {{class_path: lit_ablate.data.PaddingCollator, init_args: {{pad_to_multiple_of: "
-                       f"{multiple}}}}}")
+        return Refusal(
+            COLLATOR_KEY,
+            None,
+            f"{fix}, and the default PaddingCollator pads each batch to its longest "
+            f"row; set it to {{class_path: lit_ablate.data.PaddingCollator, init_args: {{pad_to_multiple_of: "
+            f"{multiple}}}}}",
+        )
     return Refusal(f"{COLLATOR_KEY}.init_args.pad_to_multiple_of", pad_to, f"{fix}; use a multiple of {multiple}")
 
 
@@ -481,18 +548,30 @@ def context_parallel_attends(run: RunConfig, launch: LaunchLike) -> Refusal | No
     if cp == 1:
         return None
     if run.model.module.is_a(DPO):
-        return Refusal(f"{STRATEGY_OPTIONS}.cp", cp, "context parallelism shards language-model batches; DPO's "
-                       "per-sequence log-probs would sum each rank's part of a sequence: use cp: 1 for DPO")
+        return Refusal(
+            f"{STRATEGY_OPTIONS}.cp",
+            cp,
+            "context parallelism shards language-model batches; DPO's "
+            "per-sequence log-probs would sum each rank's part of a sequence: use cp: 1 for DPO",
+        )
     config = _model_config(run)
     dropout = getattr(config, "attention_dropout", 0.0) or 0.0
     if dropout:
-        return Refusal("model.init_args.model.config.attention_dropout", dropout,
-                       "context-parallel attention has no dropout; set attention_dropout: 0")
+        return Refusal(
+            "model.init_args.model.config.attention_dropout",
+            dropout,
+            "context-parallel attention has no dropout; set attention_dropout: 0",
+        )
     layer_types = getattr(config, "layer_types", None) or ()
     window = getattr(config, "sliding_window", None)
-    if "sliding_attention" in layer_types or (window and not layer_types and getattr(config, "use_sliding_window", True)):
-        return Refusal("model.init_args.model.config.sliding_window", window, "context-parallel attention has no "
-                       "sliding window; use a model without one, or cp: 1")
+    if "sliding_attention" in layer_types or (
+        window and not layer_types and getattr(config, "use_sliding_window", True)
+    ):
+        return Refusal(
+            "model.init_args.model.config.sliding_window",
+            window,
+            "context-parallel attention has no sliding window; use a model without one, or cp: 1",
+        )
     return None
 
 
@@ -512,13 +591,21 @@ def pipeline_stages_fit(run: RunConfig, launch: LaunchLike) -> Refusal | None:
         return None
     config = _model_config(run)
     if config is not None and config.model_type not in SUPPORTED_MODEL_TYPES:
-        return Refusal("model.init_args.model", config.model_type, f"pipeline stages are built for "
-                       f"{', '.join(SUPPORTED_MODEL_TYPES)} models; use one of them, or pp: 1", shown=config.model_type)
+        return Refusal(
+            "model.init_args.model",
+            config.model_type,
+            f"pipeline stages are built for {', '.join(SUPPORTED_MODEL_TYPES)} models; use one of them, or pp: 1",
+            shown=config.model_type,
+        )
     per_rank, layers = strategy.option("stages_per_rank", 1), getattr(config, "num_hidden_layers", None)
     if isinstance(layers, int) and layers < pp * per_rank:
         key, value = ("pp", pp) if per_rank == 1 else ("stages_per_rank", per_rank)
-        return Refusal(f"{STRATEGY_OPTIONS}.{key}", value, f"{pp * per_rank} stages of a model with {layers} decoder "
-                       f"layers; use at most {layers} stages (pp x stages_per_rank)")
+        return Refusal(
+            f"{STRATEGY_OPTIONS}.{key}",
+            value,
+            f"{pp * per_rank} stages of a model with {layers} decoder "
+            f"layers; use at most {layers} stages (pp x stages_per_rank)",
+        )
     points = strategy.option("split_points")
     if points is not None and isinstance(layers, int):
         refusal = _refusal(check_split_points, list(points), layers, pp * per_rank)
@@ -526,15 +613,24 @@ def pipeline_stages_fit(run: RunConfig, launch: LaunchLike) -> Refusal | None:
             return refusal
     microbatches, schedule = strategy.option("microbatches", 1), strategy.option("schedule", "1f1b")
     if schedule == "1f1b" and microbatches < pp:
-        return Refusal(f"{STRATEGY_OPTIONS}.microbatches", microbatches, f"1f1b needs at least pp={pp} micro-batches "
-                       "to fill the pipeline; raise it or use gpipe")
+        return Refusal(
+            f"{STRATEGY_OPTIONS}.microbatches",
+            microbatches,
+            f"1f1b needs at least pp={pp} micro-batches to fill the pipeline; raise it or use gpipe",
+        )
     if schedule == "interleaved_1f1b" and microbatches % max(1, microbatches // pp):
-        return Refusal(f"{STRATEGY_OPTIONS}.microbatches", microbatches, f"interleaved_1f1b runs rounds of pp={pp} "
-                       f"micro-batches: use a multiple of {pp}, or fewer than {pp}")
+        return Refusal(
+            f"{STRATEGY_OPTIONS}.microbatches",
+            microbatches,
+            f"interleaved_1f1b runs rounds of pp={pp} micro-batches: use a multiple of {pp}, or fewer than {pp}",
+        )
     batch_size = run.data.batch_size
     if isinstance(batch_size, int) and batch_size % microbatches:
-        return Refusal(f"{STRATEGY_OPTIONS}.microbatches", microbatches, f"data.init_args.batch_size is {batch_size}; "
-                       "use a divisor of the batch size")
+        return Refusal(
+            f"{STRATEGY_OPTIONS}.microbatches",
+            microbatches,
+            f"data.init_args.batch_size is {batch_size}; use a divisor of the batch size",
+        )
     if run.data.format not in (None, "pretrain"):
         return _static_rows_refusal(run)
     return None
@@ -545,14 +641,22 @@ def _static_rows_refusal(run: RunConfig) -> Refusal | None:
     collator = run.data.collator
     why = "pipeline stages take every training batch in one shape (torch sizes their hand-off buffers once)"
     if collator is None:
-        return Refusal(COLLATOR_KEY, None, f"{why}, and the default collator pads each batch to its longest row; "
-                       "set it to {class_path: lit_ablate.data.PaddingCollator, init_args: {static_length: true}} "
-                       "(PreferencePaddingCollator for preference pairs)")
-    option = {"PaddingCollator": "static_length", "PreferencePaddingCollator": "static_length",
-              "PackingCollator": "static_shape"}.get(collator.name)  # fmt: skip
+        return Refusal(
+            COLLATOR_KEY,
+            None,
+            f"{why}, and the default collator pads each batch to its longest row; "
+            "set it to {class_path: lit_ablate.data.PaddingCollator, init_args: {static_length: true}} "
+            "(PreferencePaddingCollator for preference pairs)",
+        )
+    option = {
+        "PaddingCollator": "static_length",
+        "PreferencePaddingCollator": "static_length",
+        "PackingCollator": "static_shape",
+    }.get(collator.name)
     if option and not collator.option(option, False):
-        return Refusal(f"{COLLATOR_KEY}.init_args.{option}", False, f"{why}; set {option}: true (every batch padded "
-                       "to seq_len)")
+        return Refusal(
+            f"{COLLATOR_KEY}.init_args.{option}", False, f"{why}; set {option}: true (every batch padded to seq_len)"
+        )
     return None
 
 
@@ -565,23 +669,46 @@ def tensor_parallel_loss_fits(run: RunConfig, launch: LaunchLike) -> Refusal | N
     return _refusal(run.model.loss.check_tensor_parallel)
 
 
-MESH_OPTIONS = {"tp": ("sequence_parallel",), "cp": ("cp_impl", "cp_layout", "cp_block_kernel"), "ep": ("dispatch",),
-                "pp": ("schedule", "microbatches", "split_points", "stages_per_rank")}  # fmt: skip
+MESH_OPTIONS = {
+    "tp": ("sequence_parallel",),
+    "cp": ("cp_impl", "cp_layout", "cp_block_kernel"),
+    "ep": ("dispatch",),
+    "pp": ("schedule", "microbatches", "split_points", "stages_per_rank"),
+}
 """The strategy options of one mesh dimension's step: that step runs only when its size is not 1."""
 PAIRED_OPTIONS: tuple[PairedKey, ...] = (
-    *(PairedKey(f"{STRATEGY_OPTIONS}.{name}", f"{STRATEGY_OPTIONS}.{dim}", lambda size: size != 1, "not 1")
-      for dim, names in MESH_OPTIONS.items() for name in names),
-    PairedKey(f"{STRATEGY_OPTIONS}.checkpoint_every", f"{STRATEGY_OPTIONS}.activation_checkpointing",
-              lambda mode: mode not in (None, "none"), "full or selective"),
-    PairedKey(f"{STRATEGY_OPTIONS}.compile_backend", f"{STRATEGY_OPTIONS}.compile_layers", lambda on: on is True, "true"),
-    *(PairedKey(f"{STRATEGY_OPTIONS}.{name}", f"{STRATEGY_OPTIONS}.comm_hook", lambda hook: hook == "powersgd", "powersgd")
-      for name in ("powersgd_rank", "powersgd_start_iter")),
-    *(PairedKey(f"{QUANTIZATION_KEY}.{name}", f"{QUANTIZATION_KEY}.bits", lambda bits: bits == 4, "4")
-      for name in ("quant_type", "double_quant", "blocksize", "compute_dtype", "quant_storage")),
+    *(
+        PairedKey(f"{STRATEGY_OPTIONS}.{name}", f"{STRATEGY_OPTIONS}.{dim}", lambda size: size != 1, "not 1")
+        for dim, names in MESH_OPTIONS.items()
+        for name in names
+    ),
+    PairedKey(
+        f"{STRATEGY_OPTIONS}.checkpoint_every",
+        f"{STRATEGY_OPTIONS}.activation_checkpointing",
+        lambda mode: mode not in (None, "none"),
+        "full or selective",
+    ),
+    PairedKey(
+        f"{STRATEGY_OPTIONS}.compile_backend", f"{STRATEGY_OPTIONS}.compile_layers", lambda on: on is True, "true"
+    ),
+    *(
+        PairedKey(
+            f"{STRATEGY_OPTIONS}.{name}", f"{STRATEGY_OPTIONS}.comm_hook", lambda hook: hook == "powersgd", "powersgd"
+        )
+        for name in ("powersgd_rank", "powersgd_start_iter")
+    ),
+    *(
+        PairedKey(f"{QUANTIZATION_KEY}.{name}", f"{QUANTIZATION_KEY}.bits", lambda bits: bits == 4, "4")
+        for name in ("quant_type", "double_quant", "blocksize", "compute_dtype", "quant_storage")
+    ),
     PairedKey(f"{QUANTIZATION_KEY}.outlier_threshold", f"{QUANTIZATION_KEY}.bits", lambda bits: bits == 8, "8"),
-    PairedKey(f"{DATA_OPTIONS}.cache_dir", f"{DATA_OPTIONS}.storage", lambda storage: storage in ("cache", "auto"),
-              "cache or auto"),
-)  # fmt: skip
+    PairedKey(
+        f"{DATA_OPTIONS}.cache_dir",
+        f"{DATA_OPTIONS}.storage",
+        lambda storage: storage in ("cache", "auto"),
+        "cache or auto",
+    ),
+)
 """Options that act only together with another key's value (``config_keys.PairedKey``). A mesh size
 counts as given: ``-1`` (the ranks left) acts, so a study sweeping the devices from 1 keeps its options."""
 
@@ -652,8 +779,15 @@ RULES: dict[str, Rule] = {
 }
 
 
-MACHINE_RULES = ("accelerator_present", "enough_devices", "cpu_ranks_fit", "single_node", "loss_backend_available",
-                 "attention_backend_available", "cp_block_kernel_runs_here")  # fmt: skip
+MACHINE_RULES = (
+    "accelerator_present",
+    "enough_devices",
+    "cpu_ranks_fit",
+    "single_node",
+    "loss_backend_available",
+    "attention_backend_available",
+    "cp_block_kernel_runs_here",
+)
 """Rules that judge this machine (its CUDA devices, cores and packages), not the run. A study
 submitted to a cluster skips them (``cluster_rules``): the partition's size is checked instead,
 and each job's own start-up judges its node."""
@@ -669,8 +803,9 @@ def cluster_rules() -> dict[str, Rule]:
     return {name: CLUSTER_VERSIONS.get(name, judge) for name, judge in RULES.items() if name not in MACHINE_RULES}
 
 
-def refusal_of(config: RunConfig | Mapping[str, Any], launch: LaunchLike,
-               rules: Mapping[str, Rule] = RULES) -> Refusal | None:  # fmt: skip
+def refusal_of(
+    config: RunConfig | Mapping[str, Any], launch: LaunchLike, rules: Mapping[str, Rule] = RULES
+) -> Refusal | None:
     """The first rule's refusal of this run here, or None when every rule passes (the view is built once)."""
     run = RunConfig.of(config)
     for judge in rules.values():
@@ -680,8 +815,9 @@ def refusal_of(config: RunConfig | Mapping[str, Any], launch: LaunchLike,
     return None
 
 
-def incompatibility(config: RunConfig | Mapping[str, Any], launch: LaunchLike,
-                    rules: Mapping[str, Rule] = RULES) -> str | None:  # fmt: skip
+def incompatibility(
+    config: RunConfig | Mapping[str, Any], launch: LaunchLike, rules: Mapping[str, Rule] = RULES
+) -> str | None:
     """The first reason this run cannot run here, as a study's skip reason shows it, or None."""
     refusal = refusal_of(config, launch, rules)
     return None if refusal is None else str(refusal)
@@ -714,6 +850,7 @@ def _helper_module(module: str, names: tuple[str, ...]) -> ModuleType | None:
         return None
     return found
 
+
 # --- the parts of a built run (``LitAblateCLI.before_fit``; a Python user calls ``check_parts``) -------------
 
 
@@ -727,7 +864,9 @@ def check_parts(module: object, strategy: object) -> None:
         check_fp8(module.factory.fp8, strategy)
 
 
-def quantization_refusal(options: QuantizationOptions | None, strategy: object, model_dtype: str = "float32") -> str | None:
+def quantization_refusal(
+    options: QuantizationOptions | None, strategy: object, model_dtype: str = "float32"
+) -> str | None:
     """Why quantised weights cannot train under ``strategy`` (an instance or class), or None.
 
     - FSDP1 flattens each unit's parameters into one tensor of one dtype: it cannot flatten packed
@@ -749,15 +888,22 @@ def quantization_refusal(options: QuantizationOptions | None, strategy: object, 
         return None
     strategy_class = strategy if isinstance(strategy, type) else type(strategy)
     if issubclass(strategy_class, FSDPStrategy) and options.quant_storage != model_dtype:
-        return (f"{strategy_class.__name__} (FSDP1) flattens each layer's weights into one {model_dtype} tensor, and "
-                f"the packed weights are stored as {options.quant_storage}; set quant_storage: {model_dtype} "
-                "(bits: 4), or use FSDP2Strategy or DDP")  # fmt: skip
+        return (
+            f"{strategy_class.__name__} (FSDP1) flattens each layer's weights into one {model_dtype} tensor, and "
+            f"the packed weights are stored as {options.quant_storage}; set quant_storage: {model_dtype} "
+            "(bits: 4), or use FSDP2Strategy or DDP"
+        )
     if options.bits == 8 and issubclass(strategy_class, ModelParallelStrategy):
         return f"8-bit layers cannot be sharded by {strategy_class.__name__}; use bits: 4 (QLoRA), or DDP"
-    if (issubclass(strategy_class, FullyShardSteps) and options.quant_storage == "uint8"
-            and not FSDP2_SHARDS_INTEGER_WEIGHTS):  # fmt: skip
-        return (f"{strategy_class.__name__} shards with FSDP2, which in torch {torch.__version__} cannot hold the "
-                f"packed uint8 weights (torch >= 2.12 can); set quant_storage: {model_dtype}, or upgrade torch")
+    if (
+        issubclass(strategy_class, FullyShardSteps)
+        and options.quant_storage == "uint8"
+        and not FSDP2_SHARDS_INTEGER_WEIGHTS
+    ):
+        return (
+            f"{strategy_class.__name__} shards with FSDP2, which in torch {torch.__version__} cannot hold the "
+            f"packed uint8 weights (torch >= 2.12 can); set quant_storage: {model_dtype}, or upgrade torch"
+        )
     return None
 
 
@@ -787,8 +933,10 @@ def fp8_tensor_parallel_refusal(options: Fp8Options, tp: int) -> str | None:
     None: torchao's float8 styles (``tensor_parallel_plans``) cast activations and gradients with one
     scale per tensor, so only the ``tensorwise`` recipe."""
     if tp != 1 and options.recipe != "tensorwise":
-        return ("tp > 1 splits fp8 layers with torchao's float8 styles, which scale one per tensor; "
-                "use recipe: tensorwise or tp: 1")
+        return (
+            "tp > 1 splits fp8 layers with torchao's float8 styles, which scale one per tensor; "
+            "use recipe: tensorwise or tp: 1"
+        )
     return None
 
 

@@ -110,8 +110,12 @@ class PairedKey:
 
     def refusal(self, value: Any, partner_value: Any) -> Refusal:
         name = self.key.rsplit(".", 1)[-1]
-        return Refusal(self.key, value, f"{name} acts only when {self.partner} is {self.acts_when} (here "
-                       f"{partner_value!r}) and would be ignored; change {self.partner}, or leave {name} out")
+        return Refusal(
+            self.key,
+            value,
+            f"{name} acts only when {self.partner} is {self.acts_when} (here "
+            f"{partner_value!r}) and would be ignored; change {self.partner}, or leave {name} out",
+        )
 
 
 def ignored_key(pairs: Iterable[PairedKey], given: Callable[[str], Any], value: Callable[[str], Any]) -> Refusal | None:

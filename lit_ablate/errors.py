@@ -75,4 +75,3 @@ def quoted_refusal(message: str) -> ConfigError | None:
     exception. The refusal itself was made in this process a moment before: it is found here by its
     exact line, so its text is never parsed back."""
     return next((error for error in reversed(_RECENT) if str(error) in message), None)
-

@@ -24,8 +24,11 @@ EXTRAS: dict[str, str] = {
 }
 """Each optional package (its import name) and the extra of ``pyproject.toml`` that installs it (torchao
 also comes with ``optim8bit``, liger and cce with ``kernels-cpu`` for Triton's interpreter on CPU)."""
-PACKAGES: dict[str, str] = {"flash_attn": "flash-attn", "liger_kernel": "liger-kernel",
-                            "cut_cross_entropy": "cut-cross-entropy"}  # fmt: skip
+PACKAGES: dict[str, str] = {
+    "flash_attn": "flash-attn",
+    "liger_kernel": "liger-kernel",
+    "cut_cross_entropy": "cut-cross-entropy",
+}
 """Distribution names where they differ from the import name."""
 
 
@@ -43,7 +46,9 @@ def not_installed(module: str, feature: str, extra: str | None = None) -> str | 
     if installed(module):
         return None
     package = PACKAGES.get(module, module)
-    return f"{feature} needs {package}, which is not installed here: pip install 'lit-ablate[{extra or EXTRAS[module]}]'"
+    return (
+        f"{feature} needs {package}, which is not installed here: pip install 'lit-ablate[{extra or EXTRAS[module]}]'"
+    )
 
 
 def require(module: str, key: str, value: Any, feature: str, extra: str | None = None) -> None:

@@ -60,8 +60,10 @@ class LitAblateCLI(LightningCLI):
             subclass_mode_data=True,
             save_config_kwargs={"overwrite": True},
             # Raise instead of exiting so main() can print one line instead of a usage dump.
-            parser_kwargs={**PARSER_KWARGS,
-                           **{c: {**PARSER_KWARGS, "description": SUMMARIES[c]} for c in self.subcommands()}},
+            parser_kwargs={
+                **PARSER_KWARGS,
+                **{c: {**PARSER_KWARGS, "description": SUMMARIES[c]} for c in self.subcommands()},
+            },
             args=args,
             run=run,
         )
@@ -79,9 +81,13 @@ class LitAblateCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(RunRecorder, "recorder")
-        parser.add_argument(f"--{SIMULATE_KEY}", type=int | None, default=None,
-                            help="play one rank of a job of this many ranks over a fake process group (one process; "
-                                 "docs/simulation.md)")
+        parser.add_argument(
+            f"--{SIMULATE_KEY}",
+            type=int | None,
+            default=None,
+            help="play one rank of a job of this many ranks over a fake process group (one process; "
+            "docs/simulation.md)",
+        )
         parser.add_argument(f"--{SIMULATE_RANK_KEY}", type=int, default=0, help="the rank --simulate plays")
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
@@ -109,7 +115,8 @@ class LitAblateCLI(LightningCLI):
         kwargs.update(console_trainer_args(trainer_args, callbacks))
         trainer = super().instantiate_trainer(**kwargs)
         if isinstance(trainer.strategy, PipelineParallelStrategy) and not any(
-                isinstance(c, PipelineBubbleMonitor) for c in trainer.callbacks):
+            isinstance(c, PipelineBubbleMonitor) for c in trainer.callbacks
+        ):
             trainer.callbacks.append(PipelineBubbleMonitor())  # the bubble belongs in every pipeline run's record
         if self.subcommand == "fit" and os.environ.get(PROGRESS_PATH_ENV):  # a study's run: its live progress line
             trainer.callbacks.append(ProgressFile(os.environ[PROGRESS_PATH_ENV]))

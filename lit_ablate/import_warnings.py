@@ -46,5 +46,9 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_not_bitsandbytes_k
 
 
 warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
-warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning,
-                        module=r"lightning\.pytorch\.utilities\._pytree")
+warnings.filterwarnings(
+    "ignore",
+    message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+    category=FutureWarning,
+    module=r"lightning\.pytorch\.utilities\._pytree",
+)

@@ -41,9 +41,13 @@ class MeshSizes(Mapping[str, int]):
     def __post_init__(self) -> None:
         for dim, size in self.items():
             if not isinstance(size, int) or (size < 1 and size != -1):
-                raise ConfigError(f"{STRATEGY_KEY}.{dim}", size, "use a positive integer, or -1 for 'the rest of the ranks'")
+                raise ConfigError(
+                    f"{STRATEGY_KEY}.{dim}", size, "use a positive integer, or -1 for 'the rest of the ranks'"
+                )
         if sum(size == -1 for size in self.values()) > 1:
-            raise ConfigError(STRATEGY_KEY, self.shown, "at most one mesh size may be -1 (the rest); give the others explicitly")
+            raise ConfigError(
+                STRATEGY_KEY, self.shown, "at most one mesh size may be -1 (the rest); give the others explicitly"
+            )
 
     @classmethod
     def of(cls, sizes: Mapping[str, int]) -> MeshSizes:
@@ -92,15 +96,20 @@ class MeshSizes(Mapping[str, int]):
         """
         for dim, size in self.items():  # named on its own: "the sizes multiply to 8" hides which one is wrong
             if size > world_size:
-                raise ConfigError(f"{STRATEGY_KEY}.{dim}", size, f"{dim} cannot exceed the world size ({world_size} ranks = "
-                                  f"devices x nodes); use {dim} <= {world_size}, or -1 for the ranks the others leave")
+                raise ConfigError(
+                    f"{STRATEGY_KEY}.{dim}",
+                    size,
+                    f"{dim} cannot exceed the world size ({world_size} ranks = "
+                    f"devices x nodes); use {dim} <= {world_size}, or -1 for the ranks the others leave",
+                )
         known = math.prod(size for size in self.values() if size != -1)
         rest = [dim for dim, size in self.items() if size == -1]
         resolved = dict(self)
         if rest:
             if world_size % known:
                 raise ConfigError(
-                    f"{STRATEGY_KEY}.{rest[0]}", -1,
+                    f"{STRATEGY_KEY}.{rest[0]}",
+                    -1,
                     f"the other mesh sizes {self.shown} multiply to {known}, which does not divide the world size "
                     f"{world_size}; change them or the number of devices",
                 )
@@ -108,7 +117,8 @@ class MeshSizes(Mapping[str, int]):
         sizes = MeshSizes(**resolved)
         if sizes.world_size != world_size:
             raise ConfigError(
-                STRATEGY_KEY, sizes.shown,
+                STRATEGY_KEY,
+                sizes.shown,
                 f"the mesh sizes multiply to {sizes.world_size} but the world size (devices x nodes) is "
                 f"{world_size}; make them multiply to {world_size}, or set one of them to -1",
             )

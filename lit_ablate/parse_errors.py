@@ -37,8 +37,14 @@ def concise_error(message: str) -> str:
         return " ".join(line.strip() for line in message.strip().splitlines()[:3])
     key = ".".join(keys)
     if expected := _EXPECTED.match(problem):
-        value = expected.group(2) if expected.group(2) is not None else (given := _GIVEN_VALUE.search(message)) and given.group(1)
-        return f"{key}{f'={value!r}' if value else ''}: expected {_union_name(message) or _type_name(expected.group(1))}"
+        value = (
+            expected.group(2)
+            if expected.group(2) is not None
+            else (given := _GIVEN_VALUE.search(message)) and given.group(1)
+        )
+        return (
+            f"{key}{f'={value!r}' if value else ''}: expected {_union_name(message) or _type_name(expected.group(1))}"
+        )
     if unknown := _NOT_ACCEPTED.match(problem):
         return f"{key}.{unknown.group(1)}: {_unknown_key_fix(unknown.group(1), class_path)}"
     if unknown := _UNRECOGNIZED.match(problem):
@@ -132,8 +138,11 @@ def _unknown_key_fix(name: str, class_path: str | None) -> str:
     class_path = class_path or ("lightning.pytorch.Trainer" if name.startswith("trainer.") else None)
     if class_path:
         with contextlib.suppress(ImportError, TypeError, ValueError):  # only a hint: the key is unknown anyway
-            known = [p.name for p in get_signature_parameters(import_class(class_path))
-                     if p.name not in ("self", "args", "kwargs")]
+            known = [
+                p.name
+                for p in get_signature_parameters(import_class(class_path))
+                if p.name not in ("self", "args", "kwargs")
+            ]
     close = difflib.get_close_matches(name.split(".")[-1], known, n=1)
     where = f"not a parameter of {class_path}" if class_path else "unknown key"
     if close:

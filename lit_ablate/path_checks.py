@@ -60,7 +60,9 @@ def checkpoint_path(key: str, path: str | Path) -> Path:
     fix = "give a .ckpt file or sharded checkpoint folder written by lit-ablate fit (e.g. .../checkpoints/last.ckpt)"
     if checkpoint.is_dir():
         if not (checkpoint / SHARDED_METADATA_FILENAME).is_file():
-            raise ConfigError(key, str(path), f"a folder without {SHARDED_METADATA_FILENAME} is not a sharded checkpoint; {fix}")
+            raise ConfigError(
+                key, str(path), f"a folder without {SHARDED_METADATA_FILENAME} is not a sharded checkpoint; {fix}"
+            )
     elif not checkpoint.is_file():
         raise ConfigError(key, str(path), f"no such file or folder; {fix}")
     elif not zipfile.is_zipfile(checkpoint):

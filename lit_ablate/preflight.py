@@ -82,8 +82,12 @@ def check_paths(config: RunConfig | Mapping[str, Any]) -> None:
             writable_dir("data.init_args.cache_dir" if given or not from_env else DATA_CACHE_ENV, cache_root(given))
     reference_cache = run.model.option("reference_cache")
     if reference_cache and run.model.option("reference") == "precomputed":
-        saved_file("model.init_args.reference_cache", reference_cache, ("pairs_sha256", "logps"),
-                   "delete it (the run computes the log-probs again and rewrites it), or give another path")
+        saved_file(
+            "model.init_args.reference_cache",
+            reference_cache,
+            ("pairs_sha256", "logps"),
+            "delete it (the run computes the log-probs again and rewrites it), or give another path",
+        )
     check_checkpoint_layout(run)
 
 
@@ -101,22 +105,41 @@ def check_checkpoint_layout(run: RunConfig) -> None:
     strategy = run.trainer.strategy
     if Path(path).expanduser().is_dir():
         if not any(strategy.is_a(cls) for cls in (ModelParallelStrategy, FSDPStrategy, DeepSpeedStrategy)):
-            raise ConfigError("--ckpt_path", path, f"a sharded checkpoint folder, which trainer.strategy "
-                              f"{strategy.short_name!r} would open as one file; resume with the strategy (and ranks) "
-                              "that wrote it, or from a single-file .ckpt")
+            raise ConfigError(
+                "--ckpt_path",
+                path,
+                f"a sharded checkpoint folder, which trainer.strategy "
+                f"{strategy.short_name!r} would open as one file; resume with the strategy (and ranks) "
+                "that wrote it, or from a single-file .ckpt",
+            )
     elif strategy.is_a(PipelineParallelStrategy):
-        raise ConfigError("--ckpt_path", path, "a pipeline-parallel run resumes from the sharded checkpoint folder "
-                          "such a run saves; give that folder")
+        raise ConfigError(
+            "--ckpt_path",
+            path,
+            "a pipeline-parallel run resumes from the sharded checkpoint folder such a run saves; give that folder",
+        )
 
 
 FIT_RULES: tuple[str, ...] = (
-    "strategy_accepts_cpu", "strategy_options_run_here", "optimizer_runs_here", "quantization_runs_under_strategy",
-    "loss_backend_available", "attention_backend_available", "cp_block_kernel_runs_here", "fp8_runs_here",
-    "preference_parts_fit", "pipeline_stages_split_the_model", "pipeline_stages_train_the_objective",
-    "tensor_parallel_loss_fits", "experts_split_over_ep", "tensor_parallel_splits_the_model",
-    "sequence_parallel_rows_split", "sequence_parallel_adapters_run_here", "pipeline_stages_fit",
+    "strategy_accepts_cpu",
+    "strategy_options_run_here",
+    "optimizer_runs_here",
+    "quantization_runs_under_strategy",
+    "loss_backend_available",
+    "attention_backend_available",
+    "cp_block_kernel_runs_here",
+    "fp8_runs_here",
+    "preference_parts_fit",
+    "pipeline_stages_split_the_model",
+    "pipeline_stages_train_the_objective",
+    "tensor_parallel_loss_fits",
+    "experts_split_over_ep",
+    "tensor_parallel_splits_the_model",
+    "sequence_parallel_rows_split",
+    "sequence_parallel_adapters_run_here",
+    "pipeline_stages_fit",
     "context_parallel_attends",
-)  # fmt: skip
+)
 """The study compatibility rules (``lit_ablate.compatibility.RULES``) about one run's own parts, the
 model's shape against the mesh among them (ep dividing the experts, tp the heads, the pipeline's stages
 and micro-batches, the batches' lengths): refused here before any rank starts, where the ranks found
@@ -149,12 +172,15 @@ def check_mesh(trainer: TrainerSettings | Mapping[str, Any], simulation: Simulat
     sizes, devices = trainer.strategy.requested_mesh_sizes, trainer.devices_per_node
     if sizes is not None and simulation is not None:
         sizes.resolved(simulation.world_size)
-    elif sizes is not None and devices is not None:  # not: a strategy without a mesh, or devices Lightning counts ("auto")
+    elif (
+        sizes is not None and devices is not None
+    ):  # not: a strategy without a mesh, or devices Lightning counts ("auto")
         sizes.resolved(devices * trainer.nodes)
 
 
-def check_simulation(subcommand: str, config: RunConfig | Mapping[str, Any],
-                     ckpt_path: str | os.PathLike | None = None) -> None:  # fmt: skip
+def check_simulation(
+    subcommand: str, config: RunConfig | Mapping[str, Any], ckpt_path: str | os.PathLike | None = None
+) -> None:
     """Refuse a simulated rank (``simulate``: one process playing one rank of a larger job over a fake
     process group) where it cannot mean anything: outside ``fit`` (its weights are drawn, not trained),
     resuming (nothing real was saved), under a strategy the fake process group cannot run (torch's DDP
@@ -167,36 +193,53 @@ def check_simulation(subcommand: str, config: RunConfig | Mapping[str, Any],
     if simulation is None:
         return
     if subcommand != "fit":
-        raise ConfigError(SIMULATE_KEY, simulation.world_size, f"a simulated rank only trains; drop --{SIMULATE_KEY} "
-                          f"for {subcommand}")
+        raise ConfigError(
+            SIMULATE_KEY, simulation.world_size, f"a simulated rank only trains; drop --{SIMULATE_KEY} for {subcommand}"
+        )
     if ckpt_path:
-        raise ConfigError("--ckpt_path", str(ckpt_path), "a simulated rank draws its own weights and saves nothing to "
-                          f"resume from; drop --ckpt_path (or --{SIMULATE_KEY})")
+        raise ConfigError(
+            "--ckpt_path",
+            str(ckpt_path),
+            "a simulated rank draws its own weights and saves nothing to "
+            f"resume from; drop --ckpt_path (or --{SIMULATE_KEY})",
+        )
     from lit_ablate.strategies.mesh import MeshStrategy
     from lit_ablate.strategies.pipeline_parallel import PipelineParallelStrategy
 
     strategy = run.trainer.strategy
     if not strategy.is_a(MeshStrategy):
-        raise ConfigError(TRAINER_STRATEGY_KEY, strategy.short_name,
-                          "a simulated rank runs lit-ablate's mesh strategies (FSDP2Strategy, HSDPStrategy, "
-                          "TensorParallelStrategy, ContextParallelStrategy, ExpertParallelStrategy, MeshParallelStrategy, "
-                          "PipelineParallelStrategy); torch's DDP (ddp, DDPStrategy, ZeRO1Strategy) and FSDP1 wait on "
-                          "collective results a fake process group never gives")
+        raise ConfigError(
+            TRAINER_STRATEGY_KEY,
+            strategy.short_name,
+            "a simulated rank runs lit-ablate's mesh strategies (FSDP2Strategy, HSDPStrategy, "
+            "TensorParallelStrategy, ContextParallelStrategy, ExpertParallelStrategy, MeshParallelStrategy, "
+            "PipelineParallelStrategy); torch's DDP (ddp, DDPStrategy, ZeRO1Strategy) and FSDP1 wait on "
+            "collective results a fake process group never gives",
+        )
     if run.model.quantization_section is not None:
-        raise ConfigError("model.init_args.model.quantization", run.model.quantization_section,
-                          "a quantised base is made from real weights on rank 0, which a simulated rank does not build; "
-                          "simulate the unquantised model")
+        raise ConfigError(
+            "model.init_args.model.quantization",
+            run.model.quantization_section,
+            "a quantised base is made from real weights on rank 0, which a simulated rank does not build; "
+            "simulate the unquantised model",
+        )
     sizes = strategy.requested_mesh_sizes.resolved(simulation.world_size)
     if sizes.pp > 1 and strategy.is_a(PipelineParallelStrategy):
         per_stage = simulation.world_size // sizes.pp
         if simulation.rank >= per_stage:
-            raise ConfigError(SIMULATE_RANK_KEY, simulation.rank,
-                              f"a simulated pipeline rank holds the first stage (ranks 0-{per_stage - 1} of {sizes.pp} "
-                              "stages): a later stage's inputs come from a stage no process runs")
+            raise ConfigError(
+                SIMULATE_RANK_KEY,
+                simulation.rank,
+                f"a simulated pipeline rank holds the first stage (ranks 0-{per_stage - 1} of {sizes.pp} "
+                "stages): a later stage's inputs come from a stage no process runs",
+            )
         if strategy.option("schedule") == "interleaved_1f1b":
-            raise ConfigError(f"{STRATEGY_KEY}.schedule", "interleaved_1f1b",
-                              "an interleaved rank also holds later stages, whose inputs come from stages no process "
-                              "runs; simulate 1f1b or gpipe")
+            raise ConfigError(
+                f"{STRATEGY_KEY}.schedule",
+                "interleaved_1f1b",
+                "an interleaved rank also holds later stages, whose inputs come from stages no process "
+                "runs; simulate 1f1b or gpipe",
+            )
 
 
 def check_ckpt_path(ckpt_path: str | os.PathLike | None) -> None:
@@ -214,14 +257,25 @@ def check_accelerator(trainer: TrainerSettings) -> None:
 
     accelerator = trainer.accelerator
     if accelerator in GPU_ACCELERATORS and not torch.cuda.is_available():
-        raise ConfigError("trainer.accelerator", accelerator,
-                          "no CUDA device is visible here (torch.cuda.is_available() is False); use cpu or auto")
+        raise ConfigError(
+            "trainer.accelerator",
+            accelerator,
+            "no CUDA device is visible here (torch.cuda.is_available() is False); use cpu or auto",
+        )
     if accelerator in AcceleratorRegistry and not AcceleratorRegistry[accelerator]["accelerator"].is_available():
         raise ConfigError("trainer.accelerator", accelerator, f"no {accelerator} device here; use cpu or auto")
 
 
-NODE_LAUNCH_ENV = ("NODE_RANK", "GROUP_RANK", "MASTER_ADDR", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "LSB_JOBID",
-                   "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+NODE_LAUNCH_ENV = (
+    "NODE_RANK",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "TORCHELASTIC_RUN_ID",
+    "SLURM_NTASKS",
+    "LSB_JOBID",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_SIZE",
+)
 """What a launcher sets in each node's process (by hand, Lightning's ``NODE_RANK`` and ``MASTER_ADDR``;
 torchrun, SLURM, LSF, MPI): one of them tells a process which node it is and where node 0 waits."""
 
@@ -230,10 +284,13 @@ def check_launched_nodes(trainer: TrainerSettings) -> None:
     """``num_nodes`` above 1 in a process no launcher started: it waited for nodes that never came,
     silently, until killed (a study on SLURM starts every node's process itself)."""
     if trainer.nodes > 1 and not any(os.environ.get(name) for name in NODE_LAUNCH_ENV):
-        raise ConfigError("trainer.num_nodes", trainer.num_nodes,
-                          "no launcher started this process on one of the nodes (no NODE_RANK/MASTER_ADDR, torchrun, "
-                          "SLURM, LSF or MPI variables), so it would wait for the other nodes forever; run it under "
-                          "srun or torchrun --nnodes on each node, a study with launch.executor: slurm, or use 1")
+        raise ConfigError(
+            "trainer.num_nodes",
+            trainer.num_nodes,
+            "no launcher started this process on one of the nodes (no NODE_RANK/MASTER_ADDR, torchrun, "
+            "SLURM, LSF or MPI variables), so it would wait for the other nodes forever; run it under "
+            "srun or torchrun --nnodes on each node, a study with launch.executor: slurm, or use 1",
+        )
 
 
 def check_trainer(trainer: TrainerSettings, fitting: bool) -> None:
@@ -247,21 +304,34 @@ def check_trainer(trainer: TrainerSettings, fitting: bool) -> None:
         return
     accumulate = trainer.accumulate_grad_batches
     if isinstance(accumulate, int) and accumulate < 1:
-        raise ConfigError("trainer.accumulate_grad_batches", accumulate, "use 1 (no accumulation) or more micro-batches per step")
+        raise ConfigError(
+            "trainer.accumulate_grad_batches", accumulate, "use 1 (no accumulation) or more micro-batches per step"
+        )
     max_steps = trainer.max_steps
     if isinstance(max_steps, int) and (max_steps == 0 or max_steps < -1):
         raise ConfigError("trainer.max_steps", max_steps, "train at least 1 step, or -1 to stop by max_epochs")
     if _is_number(trainer.max_epochs) and (trainer.max_epochs == 0 or trainer.max_epochs < -1):
-        raise ConfigError("trainer.max_epochs", trainer.max_epochs, "train at least 1 epoch, or -1 to stop by max_steps")
+        raise ConfigError(
+            "trainer.max_epochs", trainer.max_epochs, "train at least 1 epoch, or -1 to stop by max_steps"
+        )
     if _is_number(trainer.limit_train_batches) and trainer.limit_train_batches <= 0:
-        raise ConfigError("trainer.limit_train_batches", trainer.limit_train_batches,
-                          "trains nothing; use a positive count of batches, or a fraction of the epoch up to 1.0")
+        raise ConfigError(
+            "trainer.limit_train_batches",
+            trainer.limit_train_batches,
+            "trains nothing; use a positive count of batches, or a fraction of the epoch up to 1.0",
+        )
     if _is_number(trainer.gradient_clip_val) and trainer.gradient_clip_val < 0:  # Lightning: no clipping, no word
-        raise ConfigError("trainer.gradient_clip_val", trainer.gradient_clip_val,
-                          "use a positive gradient norm to clip at, or 0 / null for no clipping")
+        raise ConfigError(
+            "trainer.gradient_clip_val",
+            trainer.gradient_clip_val,
+            "use a positive gradient norm to clip at, or 0 / null for no clipping",
+        )
     if _is_number(trainer.val_check_interval) and trainer.val_check_interval <= 0:
-        raise ConfigError("trainer.val_check_interval", trainer.val_check_interval,
-                          "use a positive count of training batches, or a fraction of the epoch up to 1.0")
+        raise ConfigError(
+            "trainer.val_check_interval",
+            trainer.val_check_interval,
+            "use a positive count of training batches, or a fraction of the epoch up to 1.0",
+        )
 
 
 def check_placement(trainer: TrainerSettings) -> None:
@@ -274,10 +344,17 @@ def check_placement(trainer: TrainerSettings) -> None:
     if isinstance(accelerator, str) and accelerator not in names and "." not in accelerator:
         raise ConfigError("trainer.accelerator", accelerator, f"use one of {', '.join(names)}")
     devices = trainer.devices
-    if devices is not None and devices not in ("auto", -1, "-1") and not _device_ids(devices) and (
-            trainer.devices_per_node is None or trainer.devices_per_node < 1):  # fmt: skip
-        raise ConfigError("trainer.devices", devices, "use a positive number of devices per node, a list of device ids, "
-                          "-1 (all) or auto")
+    if (
+        devices is not None
+        and devices not in ("auto", -1, "-1")
+        and not _device_ids(devices)
+        and (trainer.devices_per_node is None or trainer.devices_per_node < 1)
+    ):
+        raise ConfigError(
+            "trainer.devices",
+            devices,
+            "use a positive number of devices per node, a list of device ids, -1 (all) or auto",
+        )
     nodes = trainer.num_nodes
     if nodes is not None and (not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1):
         raise ConfigError("trainer.num_nodes", nodes, "use a positive number of nodes (1 on one machine)")
@@ -288,10 +365,12 @@ def _device_ids(devices: Any) -> bool:
     if isinstance(devices, str) and "," in devices:
         devices = [d.strip() for d in devices.split(",") if d.strip()]
         return bool(devices) and all(d.isdigit() for d in devices)
-    return isinstance(devices, list) and bool(devices) and all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devices)
+    return (
+        isinstance(devices, list)
+        and bool(devices)
+        and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devices)
+    )
 
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-

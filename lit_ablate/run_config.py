@@ -110,8 +110,11 @@ def lit_ablate_strategy_names() -> list[str]:
     from lightning.pytorch.strategies import Strategy
 
     package = importlib.import_module(STRATEGIES_PACKAGE)
-    return [name for name in package.__all__
-            if isinstance(getattr(package, name), type) and issubclass(getattr(package, name), Strategy)]
+    return [
+        name
+        for name in package.__all__
+        if isinstance(getattr(package, name), type) and issubclass(getattr(package, name), Strategy)
+    ]
 
 
 def lightning_strategy_names() -> list[str]:
@@ -140,8 +143,12 @@ def strategy_class_path(name: str) -> str | None:
         named = None
     if isinstance(named, type) and issubclass(named, Strategy):
         return path
-    raise ConfigError(TRAINER_STRATEGY_KEY, name, f"not a strategy; give one of Lightning's names {lightning_strategy_names()}, "
-                      f"a lit-ablate strategy {ours} (or its lit_ablate.strategies.<Name> path), or a class_path")
+    raise ConfigError(
+        TRAINER_STRATEGY_KEY,
+        name,
+        f"not a strategy; give one of Lightning's names {lightning_strategy_names()}, "
+        f"a lit-ablate strategy {ours} (or its lit_ablate.strategies.<Name> path), or a class_path",
+    )
 
 
 @dataclass(frozen=True)
@@ -283,8 +290,11 @@ class TrainerSettings:
             gradient_clip_val=trainer.get("gradient_clip_val"),
             default_root_dir=trainer.get("default_root_dir"),
             strategy=StrategyChoice(trainer.get("strategy") or "auto"),
-            callbacks=tuple(c["class_path"] for c in _as_list(trainer.get("callbacks"))
-                            if isinstance(c, Mapping) and isinstance(c.get("class_path"), str)),
+            callbacks=tuple(
+                c["class_path"]
+                for c in _as_list(trainer.get("callbacks"))
+                if isinstance(c, Mapping) and isinstance(c.get("class_path"), str)
+            ),
         )
 
     @property
@@ -333,7 +343,9 @@ class ModelSettings:
         """The loss backend and its options (``init_args.loss``, ``loss_options``)."""
         from lit_ablate.models.losses.loss_choice import LossChoice
 
-        return LossChoice(self.module.init_args.get("loss") or "torch", dict(self.module.init_args.get("loss_options") or {}))
+        return LossChoice(
+            self.module.init_args.get("loss") or "torch", dict(self.module.init_args.get("loss_options") or {})
+        )
 
     @property
     def optimizer(self) -> str | None:
@@ -392,7 +404,9 @@ class ModelSettings:
         from lit_ablate.models.factory import ModelFactory
 
         if not isinstance(self.factory, Mapping):
-            raise ConfigError("model.init_args.model", self.factory, "give the model to build: preset, config or pretrained")
+            raise ConfigError(
+                "model.init_args.model", self.factory, "give the model to build: preset, config or pretrained"
+            )
         return ModelFactory(**self.factory)
 
 
@@ -429,8 +443,13 @@ class DataSettings:
     @classmethod
     def of(cls, data: Any) -> DataSettings:
         init_args = (data.get("init_args") or {}) if isinstance(data, Mapping) else {}
-        return cls(init_args.get("batch_size"), init_args.get("seq_len"), init_args.get("format"),
-                   ClassChoice.of(init_args.get("collator")), ClassChoice.of(data))
+        return cls(
+            init_args.get("batch_size"),
+            init_args.get("seq_len"),
+            init_args.get("format"),
+            ClassChoice.of(init_args.get("collator")),
+            ClassChoice.of(data),
+        )
 
     @property
     def packs_preference_pairs(self) -> bool:
@@ -461,7 +480,8 @@ class RunConfig(Mapping[str, Any]):
             return config
         tree = config.as_dict() if hasattr(config, "as_dict") else dict(config)
         module = ClassChoice.of(get_dotted(tree, "model")) or ClassChoice(
-            "", dict(get_dotted(tree, "model.init_args") or {}))  # a bare model section (tests, partial configs)
+            "", dict(get_dotted(tree, "model.init_args") or {})
+        )  # a bare model section (tests, partial configs)
         return cls(
             resolved=tree,
             trainer=TrainerSettings.of(get_dotted(tree, "trainer") or {}),

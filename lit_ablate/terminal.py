@@ -81,7 +81,9 @@ class ParameterSummary(RichModelSummary):
         columns = [(name, values) for name, values in summary_data if name != "FLOPs"]
         table = Table(header_style=summarize_kwargs.get("header_style", "bold magenta"))
         for name, _ in columns:
-            table.add_column(name, justify="right" if name == "Params" else "left", style="dim" if name == " " else None)
+            table.add_column(
+                name, justify="right" if name == "Params" else "left", style="dim" if name == " " else None
+            )
         for row in zip(*(values for _, values in columns)):
             table.add_row(*row)
         console = get_console()
@@ -104,7 +106,9 @@ def console_trainer_args(trainer_args: Mapping[str, Any], callbacks: list[Callba
     args: dict[str, Any] = {}
     if trainer_args.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
         extra.append(QuietProgressBar())
-    if trainer_args.get("enable_model_summary") is not False and not any(isinstance(c, ModelSummary) for c in callbacks):
+    if trainer_args.get("enable_model_summary") is not False and not any(
+        isinstance(c, ModelSummary) for c in callbacks
+    ):
         extra.append(ParameterSummary())
         args["enable_model_summary"] = False
     return {"callbacks": callbacks + extra + [FrozenEvalModules()], **args}
@@ -126,8 +130,9 @@ def frozen_on_purpose(module: nn.Module) -> bool:
                 tops.append(child)
 
     visit(module)
-    return all(any(True for _ in top.parameters()) and not any(p.requires_grad for p in top.parameters())
-               for top in tops)
+    return all(
+        any(True for _ in top.parameters()) and not any(p.requires_grad for p in top.parameters()) for top in tops
+    )
 
 
 class FrozenEvalModules(Callback):
@@ -164,8 +169,9 @@ world size and backend are in the run record, and a 4-rank fit printed six lines
 class _DropNoise(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         message = str(record.msg)
-        return not (message.startswith(TIP_PREFIX) or ABSENT_DEVICE_LINE.match(message)
-                    or message.startswith(DISTRIBUTED_LINES))  # fmt: skip
+        return not (
+            message.startswith(TIP_PREFIX) or ABSENT_DEVICE_LINE.match(message) or message.startswith(DISTRIBUTED_LINES)
+        )
 
 
 def silence_noise() -> None:

@@ -40,8 +40,12 @@ def run(script: str, argv: list[str]) -> dict:
             status = 1
             traceback.print_exc()
     text = out.getvalue()
-    return {"status": status, "seconds": round(time.perf_counter() - started, 1),
-            "results": dict(RESULT_LINE.findall(text)), "tail": text[-4000:]}
+    return {
+        "status": status,
+        "seconds": round(time.perf_counter() - started, 1),
+        "results": dict(RESULT_LINE.findall(text)),
+        "tail": text[-4000:],
+    }
 
 
 def main() -> None:

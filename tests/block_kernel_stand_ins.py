@@ -88,6 +88,7 @@ class FlashAttnOnCpu(FlashAttnBlockKernel):
 
 # --- torch's CUDA memory-efficient op, from its contract (meta registration's shapes) -----------
 
+
 def _padded_rows(q: Tensor) -> int:
     return -(-q.shape[2] // 32) * 32
 
@@ -109,8 +110,9 @@ def efficient_attention_stand_in(q, k, v, bias, compute_log_sumexp, dropout_p=0.
     return torch.softmax(scores, -1) @ v, lse, no_seed, no_seed  # softmax of a row without keys: NaN
 
 
-def efficient_attention_backward_stand_in(grad_out, q, k, v, bias, out, lse, seed, offset, dropout_p, grad_input_mask,
-                                          is_causal=False, scale=None):  # fmt: skip
+def efficient_attention_backward_stand_in(
+    grad_out, q, k, v, bias, out, lse, seed, offset, dropout_p, grad_input_mask, is_causal=False, scale=None
+):
     assert q.shape[1] == k.shape[1] and lse.shape[-1] == _padded_rows(q), "heads or log-sum-exp layout"
     p = torch.exp(_efficient_scores(q, k, bias, is_causal, scale) - lse[..., : q.shape[2], None])
     ds = p * (grad_out @ v.transpose(-1, -2) - (grad_out * out).sum(-1, keepdim=True))
@@ -121,14 +123,17 @@ def efficient_attention_backward_stand_in(grad_out, q, k, v, bias, out, lse, see
 def use_efficient_attention_stand_ins(set_attribute) -> None:
     """``set_attribute(target, name, value)``: monkeypatch's in a test, plain ``setattr`` in a rank process."""
     set_attribute(torch.ops.aten, "_scaled_dot_product_efficient_attention", efficient_attention_stand_in)
-    set_attribute(torch.ops.aten, "_scaled_dot_product_efficient_attention_backward",
-                  efficient_attention_backward_stand_in)  # fmt: skip
+    set_attribute(
+        torch.ops.aten, "_scaled_dot_product_efficient_attention_backward", efficient_attention_backward_stand_in
+    )
 
 
 # --- flash-attn's registered ops (flash_attn 2.7+: torch.ops.flashattn), from their schema --------
 
-def _check_flash_call(q: Tensor, k: Tensor, v: Tensor, dropout_p, window_size_left, window_size_right, softcap,
-                      alibi_slopes) -> None:  # fmt: skip
+
+def _check_flash_call(
+    q: Tensor, k: Tensor, v: Tensor, dropout_p, window_size_left, window_size_right, softcap, alibi_slopes
+) -> None:
     assert all(t.is_contiguous() for t in (q, k, v)), "flash-attn takes contiguous [B, T, H, D] tensors"
     assert k.shape == v.shape and k.shape[0] == q.shape[0] and k.shape[3] == q.shape[3], "layout"
     assert q.shape[2] % k.shape[2] == 0, "K/V heads must divide query heads"
@@ -142,8 +147,19 @@ def _flash_scores(q: Tensor, k: Tensor, softmax_scale: float, causal: bool) -> T
     return _causal(scores) if causal else scores
 
 
-def flash_attn_forward_stand_in(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
-                                alibi_slopes, return_softmax):  # fmt: skip
+def flash_attn_forward_stand_in(
+    q,
+    k,
+    v,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size_left,
+    window_size_right,
+    softcap,
+    alibi_slopes,
+    return_softmax,
+):
     _check_flash_call(q, k, v, dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
     assert isinstance(softmax_scale, float) and not return_softmax
     scores = _flash_scores(q, k, softmax_scale, causal)
@@ -151,9 +167,26 @@ def flash_attn_forward_stand_in(q, k, v, dropout_p, softmax_scale, causal, windo
     return out.transpose(1, 2).contiguous(), scores.logsumexp(-1), torch.empty(0), torch.zeros(2, dtype=torch.long)
 
 
-def flash_attn_backward_stand_in(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                                 window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
-                                 rng_state=None):  # fmt: skip
+def flash_attn_backward_stand_in(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq,
+    dk,
+    dv,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size_left,
+    window_size_right,
+    softcap,
+    alibi_slopes,
+    deterministic,
+    rng_state=None,
+):
     _check_flash_call(q, k, v, dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
     assert out.shape == dout.shape == q.shape and softmax_lse.shape == (q.shape[0], q.shape[2], q.shape[1])
     groups = q.shape[2] // k.shape[2]

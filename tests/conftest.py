@@ -59,22 +59,40 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
         where = "\n".join(dict.fromkeys(_forks))  # one line per place, not per rank
         _forks.clear()
         report.outcome = "failed"
-        report.longrepr = ("forked the pytest process "
-                           "(docs/platform.md#forking-after-inductor-compiled-deadlocks):\n"
-                           f"{where}\nstart ranks with tests.distributed.run_ranks (Lightning: strategy 'ddp' inside it)")
+        report.longrepr = (
+            "forked the pytest process "
+            "(docs/platform.md#forking-after-inductor-compiled-deadlocks):\n"
+            f"{where}\nstart ranks with tests.distributed.run_ranks (Lightning: strategy 'ddp' inside it)"
+        )
     return report
 
 
 LONGEST_FILES = (
-    "tests/test_slurm_cluster.py", "tests/test_benchmarks.py", "tests/test_user_guide.py",
-    "tests/test_gradient_check_study.py", "tests/test_examples.py", "tests/test_estimate_composition.py",
-    "tests/test_context_parallel.py", "tests/test_bad_inputs.py", "tests/test_tensor_parallel.py",
-    "tests/test_pipeline_mesh.py", "tests/test_mesh_triples.py", "tests/test_estimate_memory.py",
-    "tests/test_moe_expert_parallel.py", "tests/test_ablation_runner.py", "tests/test_distributed_helper.py",
-    "tests/test_tensor_parallel_composition.py", "tests/test_exact_match.py", "tests/test_memory_categories.py",
-    "tests/test_ablation_report.py", "tests/test_dpo.py", "tests/test_adapters_strategies.py",
-    "tests/test_ablation_slurm.py", "tests/test_ablation_cli.py", "tests/test_ablation_first_try.py",
-)  # fmt: skip
+    "tests/test_slurm_cluster.py",
+    "tests/test_benchmarks.py",
+    "tests/test_user_guide.py",
+    "tests/test_gradient_check_study.py",
+    "tests/test_examples.py",
+    "tests/test_estimate_composition.py",
+    "tests/test_context_parallel.py",
+    "tests/test_bad_inputs.py",
+    "tests/test_tensor_parallel.py",
+    "tests/test_pipeline_mesh.py",
+    "tests/test_mesh_triples.py",
+    "tests/test_estimate_memory.py",
+    "tests/test_moe_expert_parallel.py",
+    "tests/test_ablation_runner.py",
+    "tests/test_distributed_helper.py",
+    "tests/test_tensor_parallel_composition.py",
+    "tests/test_exact_match.py",
+    "tests/test_memory_categories.py",
+    "tests/test_ablation_report.py",
+    "tests/test_dpo.py",
+    "tests/test_adapters_strategies.py",
+    "tests/test_ablation_slurm.py",
+    "tests/test_ablation_cli.py",
+    "tests/test_ablation_first_try.py",
+)
 """The files that took longest on 2 cores (``python -m pytest -n 2 --dist loadfile --durations=0``, summed
 per file), longest first: started first (rule 4). A file missing here only starts later."""
 
@@ -89,8 +107,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: the rest keep their order
 
 
-RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                        "NODE_RANK", "GROUP_RANK")
+RENDEZVOUS_VARIABLES = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "GROUP_RANK",
+)
 
 
 @pytest.fixture(autouse=True)

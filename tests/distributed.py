@@ -67,9 +67,17 @@ from lit_ablate.models.presets import PRESETS
 # loaded cores: a 2-rank call takes ~5 s if its ranks import transformers' models and pytest
 # themselves, ~0.4 s with this list, as fast as forking the test process).
 PRELOAD = [
-    "pytest", "torch.distributed.fsdp", "torch.distributed.tensor", "lightning.pytorch", "transformers.modeling_utils",
+    "pytest",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "lightning.pytorch",
+    "transformers.modeling_utils",
     *sorted({f"transformers.models.{c['model_type']}.modeling_{c['model_type']}" for c in PRESETS.values()}),
-    "lit_ablate.cli", "lit_ablate.callbacks", "lit_ablate.data", "lit_ablate.modules", "lit_ablate.strategies",
+    "lit_ablate.cli",
+    "lit_ablate.callbacks",
+    "lit_ablate.data",
+    "lit_ablate.modules",
+    "lit_ablate.strategies",
 ]
 STACK_SIGNAL = signal.SIGUSR1
 STACK_WAIT_S = 5.0  # a rank writes its stack within milliseconds of the signal unless it is stopped
@@ -96,7 +104,9 @@ def run_ranks(
         out = Path(tmp)
         processes = [
             context.Process(
-                target=_rank_main, name=f"rank {rank}", daemon=True,
+                target=_rank_main,
+                name=f"rank {rank}",
+                daemon=True,
                 args=(rank, fn, world_size, port, tmp, init_process_group, args, dict(os.environ)),
             )
             for rank in range(world_size)

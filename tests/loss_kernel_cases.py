@@ -27,30 +27,74 @@ GRAD_SCALE = 0.37  # a backward seed other than 1
 CASES: dict[str, dict[str, Any]] = {
     # liger in fp32 (Triton's interpreter computes fp32 like the GPU, minus TF32).
     "liger_odd_shape_ignored_sum": {"backend": "liger", "tokens": 37, "vocab": 101, "dtype": "float32"},
-    "liger_bias_mean": {"backend": "liger", "tokens": 29, "vocab": 67, "dtype": "float32", "bias": True,
-                        "reduction": "mean"},
-    "liger_z_loss_bias": {"backend": "liger", "tokens": 37, "vocab": 101, "dtype": "float32", "bias": True,
-                          "options": {"z_loss_weight": 1e-2}},
+    "liger_bias_mean": {
+        "backend": "liger",
+        "tokens": 29,
+        "vocab": 67,
+        "dtype": "float32",
+        "bias": True,
+        "reduction": "mean",
+    },
+    "liger_z_loss_bias": {
+        "backend": "liger",
+        "tokens": 37,
+        "vocab": 101,
+        "dtype": "float32",
+        "bias": True,
+        "options": {"z_loss_weight": 1e-2},
+    },
     "liger_all_ignored": {"backend": "liger", "tokens": 11, "vocab": 31, "dtype": "float32", "ignored": 1.0},
     # liger's chunking (37 tokens, vocabulary 101, hidden 24: Liger's own chunk is 8 tokens): chunks of
     # 16 (two full, one of 5), 32 with the weight gradient summed in fp32, and 64 (one chunk of 37).
-    "liger_chunk_tokens_16": {"backend": "liger", "tokens": 37, "vocab": 101, "dtype": "float32", "bias": True,
-                              "options": {"chunk_tokens": 16}},
-    "liger_chunk_tokens_32_accum_fp32": {"backend": "liger", "tokens": 37, "vocab": 101, "dtype": "float32",
-                                         "options": {"chunk_tokens": 32, "accum_dtype": "float32"}},
-    "liger_chunk_tokens_64": {"backend": "liger", "tokens": 37, "vocab": 101, "dtype": "float32",
-                              "options": {"chunk_tokens": 64, "z_loss_weight": 1e-2}},
+    "liger_chunk_tokens_16": {
+        "backend": "liger",
+        "tokens": 37,
+        "vocab": 101,
+        "dtype": "float32",
+        "bias": True,
+        "options": {"chunk_tokens": 16},
+    },
+    "liger_chunk_tokens_32_accum_fp32": {
+        "backend": "liger",
+        "tokens": 37,
+        "vocab": 101,
+        "dtype": "float32",
+        "options": {"chunk_tokens": 32, "accum_dtype": "float32"},
+    },
+    "liger_chunk_tokens_64": {
+        "backend": "liger",
+        "tokens": 37,
+        "vocab": 101,
+        "dtype": "float32",
+        "options": {"chunk_tokens": 64, "z_loss_weight": 1e-2},
+    },
     # cce in fp16: its backward takes only fp16/bf16 hidden states, bf16 is wrong under the interpreter.
-    "cce_odd_shape_ignored_sum": {"backend": "cce", "tokens": 37, "vocab": 101, "dtype": "float16",
-                                  "options": {"filter_eps": None}},
-    "cce_mean": {"backend": "cce", "tokens": 29, "vocab": 67, "dtype": "float16", "reduction": "mean",
-                 "options": {"filter_eps": None}},
+    "cce_odd_shape_ignored_sum": {
+        "backend": "cce",
+        "tokens": 37,
+        "vocab": 101,
+        "dtype": "float16",
+        "options": {"filter_eps": None},
+    },
+    "cce_mean": {
+        "backend": "cce",
+        "tokens": 29,
+        "vocab": 67,
+        "dtype": "float16",
+        "reduction": "mean",
+        "options": {"filter_eps": None},
+    },
     "cce_default_filter_eps": {"backend": "cce", "tokens": 37, "vocab": 101, "dtype": "float16"},
     # bf16, the GPU training dtype: compiled only (wrong without an error under the interpreter).
     "liger_bf16_cuda": {"backend": "liger", "tokens": 300, "vocab": 1000, "dtype": "bfloat16", "devices": ["cuda"]},
-    "liger_bf16_chunk_tokens_128_accum_fp32_cuda": {"backend": "liger", "tokens": 300, "vocab": 1000,
-                                                    "dtype": "bfloat16", "devices": ["cuda"],
-                                                    "options": {"chunk_tokens": 128, "accum_dtype": "float32"}},
+    "liger_bf16_chunk_tokens_128_accum_fp32_cuda": {
+        "backend": "liger",
+        "tokens": 300,
+        "vocab": 1000,
+        "dtype": "bfloat16",
+        "devices": ["cuda"],
+        "options": {"chunk_tokens": 128, "accum_dtype": "float32"},
+    },
     "cce_bf16_cuda": {"backend": "cce", "tokens": 300, "vocab": 1000, "dtype": "bfloat16", "devices": ["cuda"]},
 }
 
@@ -63,8 +107,12 @@ def make_inputs(case: dict[str, Any], device: str, seed: int = 0) -> dict[str, t
     hidden = torch.randn(tokens, 24, generator=generator)
     weight = torch.randn(vocab, 24, generator=generator) * 0.5
     bias = torch.randn(vocab, generator=generator) if case.get("bias") else None
-    return {"hidden": hidden.to(device, dtype), "weight": weight.to(device, dtype), "labels": labels.to(device),
-            "bias": None if bias is None else bias.to(device, dtype)}
+    return {
+        "hidden": hidden.to(device, dtype),
+        "weight": weight.to(device, dtype),
+        "labels": labels.to(device),
+        "bias": None if bias is None else bias.to(device, dtype),
+    }
 
 
 def loss_and_grads(loss_fn, inputs: dict, reduction: str, upcast: bool) -> list[torch.Tensor | None]:
@@ -103,8 +151,9 @@ def parity_errors(device: str) -> dict[str, dict[str, float]]:
         actual = loss_and_grads(loss_backend(case["backend"], **options), inputs, reduction, upcast=False)
         labels = ["loss", "d_hidden", "d_weight", "d_bias"]
         results[name] = {label: relative_error(a, e) for label, a, e in zip(labels, actual, expected) if a is not None}
-        results[name]["grad_dtypes_match_inputs"] = float(all(
-            g.dtype == inputs["hidden"].dtype for g in actual[1:] if g is not None))  # fmt: skip
+        results[name]["grad_dtypes_match_inputs"] = float(
+            all(g.dtype == inputs["hidden"].dtype for g in actual[1:] if g is not None)
+        )
         results[name]["loss_abs"] = abs(expected[0].item())
     return results
 
@@ -130,14 +179,20 @@ def liger_chunks(device: str) -> dict[str, dict[str, Any]]:
         seen.update(accum_dtype=str(kwargs.get("accum_dtype")), chunk_mem_const=kwargs.get("chunk_mem_const"))
         return real_forward(*args, **kwargs)
 
-    settings = {"own": {}, "16": {"chunk_tokens": 16}, "32_fp32": {"chunk_tokens": 32, "accum_dtype": "float32"},
-                "64": {"chunk_tokens": 64}}  # fmt: skip
+    settings = {
+        "own": {},
+        "16": {"chunk_tokens": 16},
+        "32_fp32": {"chunk_tokens": 32, "accum_dtype": "float32"},
+        "64": {"chunk_tokens": 64},
+    }
     results = {}
     fused.liger_cross_entropy_kernel, fused.fused_linear_cross_entropy_forward = RecordingKernel(), recording_forward
     try:
         for name, options in settings.items():
             seen = {"rows": []}
-            loss_and_grads(loss_backend("liger", **options), make_inputs(CASES[CHUNK_CASE], device), "sum", upcast=False)
+            loss_and_grads(
+                loss_backend("liger", **options), make_inputs(CASES[CHUNK_CASE], device), "sum", upcast=False
+            )
             results[name] = seen
     finally:
         fused.liger_cross_entropy_kernel, fused.fused_linear_cross_entropy_forward = real_kernel, real_forward
@@ -156,7 +211,8 @@ def refusals() -> dict[str, str]:
         "liger_float32_check": lambda: check_loss_backend("liger", compute_dtype="float32"),
         "cce_float16_check": lambda: check_loss_backend("cce", compute_dtype="float16"),
         "liger_chunk_below_its_own": lambda: loss_backend("liger", chunk_tokens=4)(
-            *(make_inputs(CASES[CHUNK_CASE], "cpu")[k] for k in ("hidden", "weight", "labels"))),
+            *(make_inputs(CASES[CHUNK_CASE], "cpu")[k] for k in ("hidden", "weight", "labels"))
+        ),
     }
     messages = {}
     for name, attempt in attempts.items():

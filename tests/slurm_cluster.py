@@ -135,7 +135,8 @@ class SlurmCluster:
 
 def missing_software() -> list[str]:
     return [name for name in (*DAEMONS.values(), *CLIENTS) if shutil.which(name) is None] + (
-        [] if MUNGE_KEY.is_file() else [str(MUNGE_KEY)])  # fmt: skip
+        [] if MUNGE_KEY.is_file() else [str(MUNGE_KEY)]
+    )
 
 
 def ensure_installed() -> None:
@@ -143,10 +144,17 @@ def ensure_installed() -> None:
     if not missing_software():
         return
     if shutil.which("apt-get") is None:
-        raise ClusterUnavailable(f"no apt-get to install {' '.join(PACKAGES)} (missing: {', '.join(missing_software())})")
+        raise ClusterUnavailable(
+            f"no apt-get to install {' '.join(PACKAGES)} (missing: {', '.join(missing_software())})"
+        )
     for command in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", *PACKAGES]):
-        done = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+        done = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+        )
         if done.returncode != 0:
             raise ClusterUnavailable(f"{' '.join(command)} failed: {done.stderr.strip()[-500:]}")
     if missing_software():
@@ -172,15 +180,25 @@ def start_cluster(root: Path) -> SlurmCluster:
     (root / "state").mkdir()
     cluster = SlurmCluster(root, conf, munge_dir)
     try:
-        cluster.processes["munged"] = _start(root / "munged.log", [
-            DAEMONS["munged"], "--foreground", f"--socket={munge_dir / 'munge.socket'}", f"--key-file={MUNGE_KEY}",
-            f"--pid-file={munge_dir / 'munged.pid'}", f"--seed-file={munge_dir / 'munged.seed'}",
-            f"--log-file={munge_dir / 'munged.file.log'}"], user="munge")  # fmt: skip
+        cluster.processes["munged"] = _start(
+            root / "munged.log",
+            [
+                DAEMONS["munged"],
+                "--foreground",
+                f"--socket={munge_dir / 'munge.socket'}",
+                f"--key-file={MUNGE_KEY}",
+                f"--pid-file={munge_dir / 'munged.pid'}",
+                f"--seed-file={munge_dir / 'munged.seed'}",
+                f"--log-file={munge_dir / 'munged.file.log'}",
+            ],
+            user="munge",
+        )
         _wait_for(lambda: (munge_dir / "munge.socket").exists(), "munged's socket", cluster)
         cluster.processes["slurmctld"] = _start(root / "slurmctld.log", [DAEMONS["slurmctld"], "-D", "-f", str(conf)])
         for node in NODES:
-            cluster.processes[f"slurmd.{node}"] = _start(root / f"slurmd.{node}.log",
-                                                         [DAEMONS["slurmd"], "-D", "-N", node, "-f", str(conf)])
+            cluster.processes[f"slurmd.{node}"] = _start(
+                root / f"slurmd.{node}.log", [DAEMONS["slurmd"], "-D", "-N", node, "-f", str(conf)]
+            )
         cluster.wait_idle()
     except BaseException:
         cluster.stop()
@@ -190,8 +208,15 @@ def start_cluster(root: Path) -> SlurmCluster:
 
 def _start(log: Path, command: list[str], user: str | None = None) -> subprocess.Popen:
     with open(log, "w") as out:
-        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, user=user, group=user)  # fmt: skip
+        return subprocess.Popen(
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            user=user,
+            group=user,
+        )
 
 
 def _wait_for(ready, what: str, cluster: SlurmCluster) -> None:
@@ -219,9 +244,11 @@ def _slurm_conf(root: Path, munge_socket: Path, ports: list[int]) -> str:
     signal jobs. ``cred_expire=30`` and ``bf_interval=5`` let a requeued job start again after
     ~30 s instead of ~120 s (docs/platform.md#slurm-clusters)."""
     host = socket.gethostname()
-    nodes = "\n".join(f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} "
-                      f"CPUs={CPUS_PER_NODE} RealMemory=4000 State=UNKNOWN"
-                      for node, port in zip(NODES, ports[1:]))  # fmt: skip
+    nodes = "\n".join(
+        f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} "
+        f"CPUs={CPUS_PER_NODE} RealMemory=4000 State=UNKNOWN"
+        for node, port in zip(NODES, ports[1:])
+    )
     return f"""ClusterName=litablate
 SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={ports[0]}
@@ -229,12 +256,12 @@ SlurmUser=root
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={munge_socket},cred_expire=30
-StateSaveLocation={root / 'state'}
-SlurmdSpoolDir={root / 'spool'}/%n
-SlurmctldPidFile={root / 'slurmctld.pid'}
-SlurmdPidFile={root / 'slurmd.%n.pid'}
-SlurmctldLogFile={root / 'slurmctld.file.log'}
-SlurmdLogFile={root / 'slurmd.%n.file.log'}
+StateSaveLocation={root / "state"}
+SlurmdSpoolDir={root / "spool"}/%n
+SlurmctldPidFile={root / "slurmctld.pid"}
+SlurmdPidFile={root / "slurmd.%n.pid"}
+SlurmctldLogFile={root / "slurmctld.file.log"}
+SlurmdLogFile={root / "slurmd.%n.file.log"}
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres

@@ -64,7 +64,9 @@ def test_a_checkpoint_of_another_model_is_refused_in_one_line_naming_the_key(tmp
 def test_a_changed_loss_is_refused_for_files_and_sharded_folders(tmp_path: Path, sharded: bool):
     ckpt = checkpoint(tmp_path, "tiny-llama", sharded=sharded)
     with pytest.raises(ConfigError) as info:
-        LitAblateCLI(args=["test", "--config", QUICKSTART, "--ckpt_path", str(ckpt), "--model.init_args.loss", "chunked"])
+        LitAblateCLI(
+            args=["test", "--config", QUICKSTART, "--ckpt_path", str(ckpt), "--model.init_args.loss", "chunked"]
+        )
     assert "model.init_args.loss (config 'chunked', checkpoint 'torch')" in str(info.value)
     assert "preset" not in str(info.value), "only the differing keys are named"
 
@@ -80,8 +82,13 @@ def test_the_checkpoints_own_model_passes_and_the_config_stays_as_given(tmp_path
 
 def test_differences_ignore_spelling_but_not_values():
     config = {"class_path": "lit_ablate.modules.CausalLM", "init_args": {"loss_options": None, "betas": (0.9, 0.95)}}
-    same = {"class_path": "lit_ablate.modules.causal_lm.CausalLM", "init_args": {"loss_options": {}, "betas": (0.9, 0.95)}}
+    same = {
+        "class_path": "lit_ablate.modules.causal_lm.CausalLM",
+        "init_args": {"loss_options": {}, "betas": (0.9, 0.95)},
+    }
     assert model_differences(config, same) == {}
     other = {**same, "init_args": {"loss_options": {"chunk_tokens": 8}, "betas": (0.9, 0.99)}}
-    assert model_differences(config, other) == {"init_args.betas": ((0.9, 0.95), (0.9, 0.99)),
-                                                "init_args.loss_options.chunk_tokens": (None, 8)}  # fmt: skip
+    assert model_differences(config, other) == {
+        "init_args.betas": ((0.9, 0.95), (0.9, 0.99)),
+        "init_args.loss_options.chunk_tokens": (None, 8),
+    }

@@ -40,12 +40,21 @@ LOSS, DTYPE, LR = "model.init_args.loss", "model.init_args.model.dtype", "model.
 
 
 def grid_study(**extra) -> dict:
-    return {"name": "grid", "base": str(QUICKSTART), "axes": {LOSS: ["torch", "chunked"], DTYPE: ["float32", "bfloat16"]},
-            "baseline": "loss=torch,dtype=float32", "seeds": [3, 7], "steps": 20, "warmup_steps": 3,
-            "expect_equal_loss": {"rtol": 1e-4, "atol": 1e-6, "across": LOSS}, **extra}  # fmt: skip
+    return {
+        "name": "grid",
+        "base": str(QUICKSTART),
+        "axes": {LOSS: ["torch", "chunked"], DTYPE: ["float32", "bfloat16"]},
+        "baseline": "loss=torch,dtype=float32",
+        "seeds": [3, 7],
+        "steps": 20,
+        "warmup_steps": 3,
+        "expect_equal_loss": {"rtol": 1e-4, "atol": 1e-6, "across": LOSS},
+        **extra,
+    }
 
 
 # --- --steps / --seeds / --only ---------------------------------------------------------------------
+
 
 def test_shortened_study_keeps_the_baseline_and_the_loss_references():
     """``--only`` a grid variant (its name holds a comma) keeps it, the baseline and its loss reference
@@ -53,8 +62,11 @@ def test_shortened_study_keeps_the_baseline_and_the_loss_references():
     and without the reference (the report's loss check would be incomplete: exit 1)."""
     spec = parse_study(grid_study())
     short = spec.shortened(steps=5, seeds=3, only="loss=chunked,dtype=bfloat16")
-    assert [v.name for v in short.variants] == ["loss=torch,dtype=float32", "loss=torch,dtype=bfloat16",
-                                                "loss=chunked,dtype=bfloat16"]
+    assert [v.name for v in short.variants] == [
+        "loss=torch,dtype=float32",
+        "loss=torch,dtype=bfloat16",
+        "loss=chunked,dtype=bfloat16",
+    ]
     assert short.steps == 5 and short.seeds == (3, 7, 8)  # the study's seeds, then the integers after its last
     assert parse_study(grid_study(expect_equal_loss={"steps": 10})).shortened(steps=5).expect_equal_loss.steps == 5
     assert spec.shortened(seeds=1).seeds == (3,)
@@ -70,13 +82,16 @@ def test_shortened_steps_replace_a_study_max_steps_override():
     assert short.run_config(short.variants[0], 0, "/x")["trainer"]["max_steps"] == 6
 
 
-@pytest.mark.parametrize(("kwargs", "flag", "words"), [
-    ({"steps": 0}, "--steps", "positive integer"),
-    ({"steps": 3}, "--steps", "more than 3"),  # the study leaves 3 warm-up steps out of its numbers
-    ({"seeds": 0}, "--seeds", "positive integer"),
-    ({"only": "loss=liger"}, "--only", "starts no variant's name"),
-    ({"only": ","}, "--only", "starts no variant"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "flag", "words"),
+    [
+        ({"steps": 0}, "--steps", "positive integer"),
+        ({"steps": 3}, "--steps", "more than 3"),  # the study leaves 3 warm-up steps out of its numbers
+        ({"seeds": 0}, "--seeds", "positive integer"),
+        ({"only": "loss=liger"}, "--only", "starts no variant's name"),
+        ({"only": ","}, "--only", "starts no variant"),
+    ],
+)
 def test_bad_shortening_is_one_line_naming_the_flag(kwargs, flag, words):
     with pytest.raises(ConfigError) as err:
         parse_study(grid_study()).shortened(**kwargs)
@@ -85,14 +100,25 @@ def test_bad_shortening_is_one_line_naming_the_flag(kwargs, flag, words):
 
 # --- --dry-run ------------------------------------------------------------------------------------
 
+
 def test_dry_run_shows_runs_ranks_skips_and_fails_and_runs_nothing(tmp_path, capsys):
     """Seen failing with the counts line counting skipped runs as runs, and (done row) with the
     resume check left out of the dry run."""
-    study = {"name": "dry", "base": str(QUICKSTART), "vary": [LOSS, "trainer.devices", LR], "steps": 20, "seeds": [0, 1],
-             "warmup_steps": 2, "launch": {"devices": 1, "accelerator": "cpu"},
-             "variants": [{"name": "torch"}, {"name": "chunked", "overrides": {LOSS: "chunked"}, "launch": {"devices": 2}},
-                          {"name": "liger", "overrides": {LOSS: "liger"}},
-                          {"name": "typo", "overrides": {LR: "fast"}}]}  # fmt: skip
+    study = {
+        "name": "dry",
+        "base": str(QUICKSTART),
+        "vary": [LOSS, "trainer.devices", LR],
+        "steps": 20,
+        "seeds": [0, 1],
+        "warmup_steps": 2,
+        "launch": {"devices": 1, "accelerator": "cpu"},
+        "variants": [
+            {"name": "torch"},
+            {"name": "chunked", "overrides": {LOSS: "chunked"}, "launch": {"devices": 2}},
+            {"name": "liger", "overrides": {LOSS: "liger"}},
+            {"name": "typo", "overrides": {LR: "fast"}},
+        ],
+    }
     path = tmp_path / "dry.yaml"
     path.write_text(yaml.safe_dump(study))
     out = tmp_path / "out"
@@ -122,19 +148,34 @@ def test_dry_run_shows_runs_ranks_skips_and_fails_and_runs_nothing(tmp_path, cap
     assert ablate_main(args) == 2
     printed = capsys.readouterr().out.splitlines()
     assert next(line for line in printed if line.startswith("torch ")).endswith("done (ok, kept)")
-    assert printed[-1].startswith("dry run, nothing ran: 1 would run, 1 skipped, 1 would fail") and \
-        printed[-1].endswith("1 already done (kept)")
+    assert printed[-1].startswith("dry run, nothing ran: 1 would run, 1 skipped, 1 would fail") and printed[
+        -1
+    ].endswith("1 already done (kept)")
 
 
 # --- live progress --------------------------------------------------------------------------------
+
 
 def test_a_fit_in_a_study_writes_its_progress_file(tmp_path, monkeypatch):
     """The file the runner watches: the last step, its loss and tokens/s. Seen failing with the
     ``ProgressFile`` left out of ``LitAblateCLI.instantiate_trainer`` (no file)."""
     progress = tmp_path / "progress.json"
     monkeypatch.setenv(PROGRESS_PATH_ENV, str(progress))
-    main(["fit", "--config", str(QUICKSTART), "--trainer.max_steps", "4", "--trainer.default_root_dir", str(tmp_path),
-          "--trainer.enable_progress_bar", "false", "--trainer.val_check_interval", "100"])
+    main(
+        [
+            "fit",
+            "--config",
+            str(QUICKSTART),
+            "--trainer.max_steps",
+            "4",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.val_check_interval",
+            "100",
+        ]
+    )
     written = read_progress(progress)
     assert written["step"] == written["max_steps"] == 4 and written["eta_s"] == 0
     assert math.isfinite(written["loss"]) and 3 < written["loss"] < 7  # byte-level vocabulary: ln(256) = 5.5
@@ -175,13 +216,16 @@ def test_the_runner_shows_the_run_in_flight_and_the_study(tmp_path):
 
 
 def test_progress_line_words():
-    assert run_line({"step": 12, "max_steps": 60, "loss": 4.21349, "tokens_per_sec": 5123.0, "eta_s": 25.2}) == \
-        "step 12/60, loss 4.213, 5.12k tokens/s, ETA 25s"
+    assert (
+        run_line({"step": 12, "max_steps": 60, "loss": 4.21349, "tokens_per_sec": 5123.0, "eta_s": 25.2})
+        == "step 12/60, loss 4.213, 5.12k tokens/s, ETA 25s"
+    )
     assert run_line({"step": 3, "max_steps": None, "loss": None, "tokens_per_sec": None, "eta_s": None}) == "step 3"
     assert [duration(s) for s in (0.4, 59, 185, 7620)] == ["0s", "59s", "3m05s", "2h07m"]
 
 
 # --- the end-of-study summary ---------------------------------------------------------------------
+
 
 def summary_of(records: list[dict], plan: dict) -> dict:
     return study_summary(plan, [(f"runs/{r['variant']}/seed{r['seed']}/run.json", r) for r in records])
@@ -190,8 +234,9 @@ def summary_of(records: list[dict], plan: dict) -> dict:
 EQUAL = {"rtol": 1e-4, "atol": 1e-6, "steps": None}
 
 
-def flat_record(variant: str, seed: int, *, speed: float, peak_mib: float, losses: list[float],
-                status: str = "ok") -> dict:
+def flat_record(
+    variant: str, seed: int, *, speed: float, peak_mib: float, losses: list[float], status: str = "ok"
+) -> dict:
     """``make_record`` with the same tokens/s at every step (its ramp makes a noise floor of ~60%)."""
     record = make_record(variant, seed, speed=speed, peak_mib=peak_mib, losses=losses, status=status)
     for step in record["steps"]:
@@ -214,8 +259,14 @@ def five_variants() -> tuple[list[dict], dict]:
             flat_record("same", seed, speed=100.5 + seed, peak_mib=5, losses=losses),
         ]
     records.append(flat_record("oom", 0, speed=1, peak_mib=1, losses=[4.0], status="oom"))
-    plan = {"name": "five", "baseline": "base", "expect_equal_loss": EQUAL, "seeds": [0, 1], "warmup_steps": 1,
-            "variants": [{"name": n} for n in ("base", "fast", "slow_fat", "same", "oom")]}  # fmt: skip
+    plan = {
+        "name": "five",
+        "baseline": "base",
+        "expect_equal_loss": EQUAL,
+        "seeds": [0, 1],
+        "warmup_steps": 1,
+        "variants": [{"name": n} for n in ("base", "fast", "slow_fat", "same", "oom")],
+    }
     return records, plan
 
 
@@ -251,6 +302,7 @@ def test_a_study_ends_with_a_short_summary_and_the_reports_path(tmp_path, capsys
 
 # --- report cells and plots -----------------------------------------------------------------------
 
+
 def test_estimate_cell_gives_sizes_where_a_ratio_says_nothing():
     """A one-rank run's transient category estimated at 0 read ``transient ×0.00``; seen failing
     with ``_ratio`` printing the ratio whatever the estimate."""
@@ -274,8 +326,11 @@ def _drawn_texts(fig: plt.Figure) -> list[plt.Text]:
         texts += ax.get_legend().get_texts() if ax.get_legend() else []
         for axis in (ax.xaxis, ax.yaxis):
             low, high = sorted(axis.get_view_interval())
-            texts += [t.label1 for t in axis.get_major_ticks() + axis.get_minor_ticks()
-                      if low - 1e-9 * abs(high) <= t.get_loc() <= high * (1 + 1e-9) and t.label1.get_visible()]
+            texts += [
+                t.label1
+                for t in axis.get_major_ticks() + axis.get_minor_ticks()
+                if low - 1e-9 * abs(high) <= t.get_loc() <= high * (1 + 1e-9) and t.label1.get_visible()
+            ]
     return [t for t in texts if t.get_visible() and t.get_text().strip()]
 
 
@@ -297,21 +352,40 @@ def test_every_plot_keeps_its_text_inside_the_figure(count, tmp_path, monkeypatc
     variants with grid-length names. Seen failing with the memory-categories title on one line (cut
     at both edges with 1 and 2 variants), and with the memory bars' method on the title's line (cut)."""
     names = [f"loss=chunked,dtype=bfloat16,n={i}" for i in range(count)]
-    records = [make_record(n, 0, speed=100 + i, peak_mib=10 + i, losses=[4.0, 3.0, 2.0], parameters=1000 * (i + 1))
-               for i, n in enumerate(names)]
-    breakdown = {"params": 3 * 2**20, "grads": 3 * 2**20, "optimizer": 6 * 2**20, "activations": 5 * 2**20,
-                 "temporaries": 2**19, "transient": 2**20}
+    records = [
+        make_record(n, 0, speed=100 + i, peak_mib=10 + i, losses=[4.0, 3.0, 2.0], parameters=1000 * (i + 1))
+        for i, n in enumerate(names)
+    ]
+    breakdown = {
+        "params": 3 * 2**20,
+        "grads": 3 * 2**20,
+        "optimizer": 6 * 2**20,
+        "activations": 5 * 2**20,
+        "temporaries": 2**19,
+        "transient": 2**20,
+    }
     for r in records:
         r["summary"]["tensor_breakdown"] = {"at_peak": breakdown, "max": breakdown, "forward_backward_max": 6 * 2**20}
         r["summary"]["peak_tensor_bytes"] = 19 * 2**20
         r["summary"]["tensor_method"] = "cpu_tracked_tensors"
     axis = "model.init_args.model.config.num_hidden_layers"
-    plan = {"name": "p", "baseline": names[0], "axes": {axis: list(range(1, count + 1))}, "seeds": [0],
-            "warmup_steps": 1, "variants": [{"name": n, "axis_values": {axis: i + 1}} for i, n in enumerate(names)]}
+    plan = {
+        "name": "p",
+        "baseline": names[0],
+        "axes": {axis: list(range(1, count + 1))},
+        "seeds": [0],
+        "warmup_steps": 1,
+        "variants": [{"name": n, "axis_values": {axis: i + 1}} for i, n in enumerate(names)],
+    }
     summary = summary_of(records, plan)
     for v in summary["variants"]:
-        v["estimated_memory_categories"] = {"params": 3 * 2**20, "grads": 3 * 2**20, "optimizer": 6 * 2**20,
-                                            "activations": 14 * 2**20, "transient": 0}
+        v["estimated_memory_categories"] = {
+            "params": 3 * 2**20,
+            "grads": 3 * 2**20,
+            "optimizer": 6 * 2**20,
+            "activations": 14 * 2**20,
+            "transient": 0,
+        }
     problems: dict[str, list[str]] = {}
     save = plots._save
 

@@ -55,12 +55,21 @@ def wait_until(condition, timeout_s: float, what: str) -> None:
 
 def test_die_with_runner_kills_the_child_when_its_parent_is_sigkilled():
     """The kernel's death signal: a SIGKILLed parent cannot run any clean-up of its own."""
-    middle = subprocess.Popen([sys.executable, "-c", (
-        "import subprocess, sys, time\n"
-        "from lit_ablate.ablation.run_folder_lock import die_with_runner\n"
-        f"child = subprocess.Popen({SLEEPER!r}, preexec_fn=die_with_runner())\n"
-        "print(child.pid, flush=True)\n"
-        "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    middle = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import subprocess, sys, time\n"
+                "from lit_ablate.ablation.run_folder_lock import die_with_runner\n"
+                f"child = subprocess.Popen({SLEEPER!r}, preexec_fn=die_with_runner())\n"
+                "print(child.pid, flush=True)\n"
+                "time.sleep(60)\n"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     child = int(middle.stdout.readline())
     assert alive(child)
     middle.kill()
@@ -100,8 +109,12 @@ def test_sigkilled_runner_takes_its_run_and_the_runs_ranks_down(tmp_path: Path, 
     wait_until(lambda: not alive(rank), GONE_WITHIN_S, "a rank of the fit outlived the SIGKILLed runner")
     assert read_record(run_dir / "run.json")["summary"]["status"] == "running"
     # resuming: the folder is free again, the run is redone
-    run_study(make_spec([{"name": "first"}, {"name": "second", "overrides": {"model.init_args.lr": 0.2}}]),
-              out, fake_fit, fake_resolve)  # fmt: skip
+    run_study(
+        make_spec([{"name": "first"}, {"name": "second", "overrides": {"model.init_args.lr": 0.2}}]),
+        out,
+        fake_fit,
+        fake_resolve,
+    )
     assert record(out, "first")["summary"]["status"] == "ok"
 
 

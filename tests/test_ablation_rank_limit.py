@@ -39,8 +39,17 @@ def test_fit_refuses_before_any_rank_starts(tmp_path: Path, capsys):
     """In-process: had the check come after the launch, this would start 64 processes and hang."""
     too_many = CPU_RANKS_PER_CORE * usable_cpu_cores() * 8
     with pytest.raises(SystemExit) as info:
-        main(["fit", "--config", QUICKSTART, "--trainer.devices", str(too_many),
-              "--trainer.default_root_dir", str(tmp_path)])  # fmt: skip
+        main(
+            [
+                "fit",
+                "--config",
+                QUICKSTART,
+                "--trainer.devices",
+                str(too_many),
+                "--trainer.default_root_dir",
+                str(tmp_path),
+            ]
+        )
     message = capsys.readouterr().err.strip()
     assert info.value.code == 2  # a config error
     assert message.startswith(f"lit-ablate: error: trainer.devices={too_many}: on CPU every rank is a process")

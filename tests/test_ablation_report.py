@@ -16,16 +16,43 @@ from lit_ablate.record import SCHEMA_VERSION, summarize_steps, write_record
 AXIS = "model.init_args.model.config.num_hidden_layers"
 
 
-def make_record(variant: str, seed: int, *, speed: float, peak_mib: float, losses: list[float], status: str = "ok",
-                parameters: int = 1000, device: str = "cpu0") -> dict:  # fmt: skip
-    steps = [{"step": i + 1, "loss": loss, "tokens_per_sec": speed * (i + 1), "useful_tokens_per_sec": speed * (i + 1) / 2,
-              "step_time_s": 1.0 / (i + 1), "mfu": None, "memory_peak_bytes": int(peak_mib * 2**20)}
-             for i, loss in enumerate(losses)]  # fmt: skip
+def make_record(
+    variant: str,
+    seed: int,
+    *,
+    speed: float,
+    peak_mib: float,
+    losses: list[float],
+    status: str = "ok",
+    parameters: int = 1000,
+    device: str = "cpu0",
+) -> dict:
+    steps = [
+        {
+            "step": i + 1,
+            "loss": loss,
+            "tokens_per_sec": speed * (i + 1),
+            "useful_tokens_per_sec": speed * (i + 1) / 2,
+            "step_time_s": 1.0 / (i + 1),
+            "mfu": None,
+            "memory_peak_bytes": int(peak_mib * 2**20),
+        }
+        for i, loss in enumerate(losses)
+    ]
     summary = summarize_steps(steps, 1)
     summary.update(status=status, message=None if status == "ok" else "boom", memory_method="cpu_process_peak_rss")
-    return {"schema_version": SCHEMA_VERSION, "variant": variant, "seed": seed, "config": {}, "warmup_steps": 1,
-            "environment": {"device_name": device, "device_type": "cpu", "torch": "2.x", "git_commit": "abcdef123456"},
-            "model": {"total": parameters}, "fallbacks": [], "steps": steps, "summary": summary}  # fmt: skip
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "variant": variant,
+        "seed": seed,
+        "config": {},
+        "warmup_steps": 1,
+        "environment": {"device_name": device, "device_type": "cpu", "torch": "2.x", "git_commit": "abcdef123456"},
+        "model": {"total": parameters},
+        "fallbacks": [],
+        "steps": steps,
+        "summary": summary,
+    }
 
 
 def make_study(directory: Path, records: list[dict], plan: dict) -> Path:
@@ -37,9 +64,18 @@ def make_study(directory: Path, records: list[dict], plan: dict) -> Path:
 
 def depth_plan(**extra) -> dict:
     names = ["num_hidden_layers=1", "num_hidden_layers=2", "num_hidden_layers=3"]
-    return {"name": "depth", "baseline": names[0], "variables": [AXIS], "axes": {AXIS: [1, 2, 3]}, "seeds": [0, 1],
-            "steps": 4, "warmup_steps": 1, "expect_equal_loss": None,
-            "variants": [{"name": n, "axis_values": {AXIS: i + 1}} for i, n in enumerate(names)], **extra}  # fmt: skip
+    return {
+        "name": "depth",
+        "baseline": names[0],
+        "variables": [AXIS],
+        "axes": {AXIS: [1, 2, 3]},
+        "seeds": [0, 1],
+        "steps": 4,
+        "warmup_steps": 1,
+        "expect_equal_loss": None,
+        "variants": [{"name": n, "axis_values": {AXIS: i + 1}} for i, n in enumerate(names)],
+        **extra,
+    }
 
 
 def depth_records() -> list[dict]:
@@ -47,8 +83,16 @@ def depth_records() -> list[dict]:
     for layers in (1, 2, 3):
         for seed in (0, 1):
             losses = [5.0, 4.0, 3.0, 2.0 + 0.1 * seed - 0.2 * layers]
-            records.append(make_record(f"num_hidden_layers={layers}", seed, speed=100.0 / layers + seed,
-                                       peak_mib=100 * layers, losses=losses, parameters=1000 * layers))  # fmt: skip
+            records.append(
+                make_record(
+                    f"num_hidden_layers={layers}",
+                    seed,
+                    speed=100.0 / layers + seed,
+                    peak_mib=100 * layers,
+                    losses=losses,
+                    parameters=1000 * layers,
+                )
+            )
     return records
 
 
@@ -71,8 +115,12 @@ def test_summary_medians_ratios_and_deltas():
 
 def test_loss_agreement_within_tolerance_passes_and_outside_fails():
     base = [4.0, 3.0, 2.0, 1.0]
-    plan = {"name": "eq", "baseline": "ddp", "expect_equal_loss": {"rtol": 1e-4, "atol": 1e-6, "steps": 3},
-            "variants": [{"name": n} for n in ("ddp", "close", "far", "late")]}  # fmt: skip
+    plan = {
+        "name": "eq",
+        "baseline": "ddp",
+        "expect_equal_loss": {"rtol": 1e-4, "atol": 1e-6, "steps": 3},
+        "variants": [{"name": n} for n in ("ddp", "close", "far", "late")],
+    }
     records = [
         make_record("ddp", 0, speed=1, peak_mib=1, losses=base),
         make_record("close", 0, speed=1, peak_mib=1, losses=[x * (1 + 5e-5) for x in base]),
@@ -93,9 +141,13 @@ def test_loss_agreement_across_one_axis_compares_within_the_other(tmp_path: Path
     loss, dtype = "model.init_args.loss", "model.init_args.model.dtype"
     grid = [(b, d) for b in ("torch", "chunked") for d in ("float32", "bfloat16")]
     name = {(b, d): f"loss={b},dtype={d}" for b, d in grid}
-    plan = {"name": "lvc", "baseline": name["torch", "float32"], "axes": {loss: ["torch", "chunked"], dtype: ["float32", "bfloat16"]},
-            "expect_equal_loss": {"rtol": 1e-4, "atol": 0.0, "steps": None, "across": loss},
-            "variants": [{"name": name[b, d], "axis_values": {loss: b, dtype: d}} for b, d in grid]}  # fmt: skip
+    plan = {
+        "name": "lvc",
+        "baseline": name["torch", "float32"],
+        "axes": {loss: ["torch", "chunked"], dtype: ["float32", "bfloat16"]},
+        "expect_equal_loss": {"rtol": 1e-4, "atol": 0.0, "steps": None, "across": loss},
+        "variants": [{"name": name[b, d], "axis_values": {loss: b, dtype: d}} for b, d in grid],
+    }
     curves = {"float32": [4.0, 3.0, 2.0], "bfloat16": [4.1, 3.1, 2.1]}
     records = [make_record(name[b, d], 0, speed=1, peak_mib=1, losses=curves[d]) for b, d in grid]
     summary = study_summary(plan, [(f"runs/{r['variant']}/seed0/run.json", r) for r in records])
@@ -108,8 +160,10 @@ def test_loss_agreement_across_one_axis_compares_within_the_other(tmp_path: Path
 
 
 def test_failed_seed_is_reported_and_left_out_of_the_numbers():
-    records = [make_record("a", 0, speed=10, peak_mib=1, losses=[3, 2, 1]),
-               make_record("a", 1, speed=1000, peak_mib=1, losses=[3, 2], status="oom")]  # fmt: skip
+    records = [
+        make_record("a", 0, speed=10, peak_mib=1, losses=[3, 2, 1]),
+        make_record("a", 1, speed=1000, peak_mib=1, losses=[3, 2], status="oom"),
+    ]
     summary = study_summary(None, [("runs/a/seed0/run.json", records[0]), ("runs/a/seed1/run.json", records[1])])
     (a,) = summary["variants"]
     assert a["status"] == "ok 1/2, oom 1/2"
@@ -124,8 +178,15 @@ def test_report_files_and_identical_re_render(tmp_path: Path, monkeypatch):
     directory = make_study(tmp_path, depth_records(), depth_plan())
     write_report(directory)
     produced = {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file() and p.name != "study.json"}
-    assert set(produced) == {"report.md", "report.json", "loss.png", "throughput.png", "memory.png",
-                             "vs_num_hidden_layers.png", "vs_parameters.png"}  # fmt: skip
+    assert set(produced) == {
+        "report.md",
+        "report.json",
+        "loss.png",
+        "throughput.png",
+        "memory.png",
+        "vs_num_hidden_layers.png",
+        "vs_parameters.png",
+    }
     text = produced["report.md"].decode()
     assert "| **num_hidden_layers=1** | ok | 301.5 [200–404] |" in text
     assert "| 200 MiB (cpu_process_peak_rss) |" in text and "2.00×" in text
@@ -139,8 +200,10 @@ def test_report_files_and_identical_re_render(tmp_path: Path, monkeypatch):
 
 
 def test_report_without_plan_and_mixed_environments(tmp_path: Path):
-    records = [make_record("b", 0, speed=2, peak_mib=1, losses=[2, 1], device="gpuA"),
-               make_record("a", 0, speed=1, peak_mib=1, losses=[2, 1], device="gpuB")]  # fmt: skip
+    records = [
+        make_record("b", 0, speed=2, peak_mib=1, losses=[2, 1], device="gpuA"),
+        make_record("a", 0, speed=1, peak_mib=1, losses=[2, 1], device="gpuB"),
+    ]
     for r in records:
         write_record(tmp_path / "runs" / r["variant"] / "seed0" / "run.json", r)
     text = write_report(tmp_path).read_text()
@@ -189,7 +252,10 @@ def test_data_wait_share_is_a_column_per_variant(tmp_path):
     for r in records:  # a quarter of every step waiting for data in seed 0, half in seed 1
         for s in r["steps"]:
             s["data_wait_s"] = s["step_time_s"] * (0.25 if r["seed"] == 0 else 0.5)
-        r["summary"] = {**summarize_steps(r["steps"], 1), **{k: r["summary"][k] for k in ("status", "message", "memory_method")}}
+        r["summary"] = {
+            **summarize_steps(r["steps"], 1),
+            **{k: r["summary"][k] for k in ("status", "message", "memory_method")},
+        }
     summary = study_summary(depth_plan(), [(f"runs/{r['variant']}/seed{r['seed']}/run.json", r) for r in records])
     assert summary["variants"][0]["data_wait_share"] == {"median": 0.375, "min": 0.25, "max": 0.5, "n": 2}
     table = render_markdown(summary)
@@ -208,8 +274,15 @@ def test_a_row_without_a_tensor_peak_says_so_instead_of_showing_the_process_peak
 
 
 def _with_ceiling(record: dict, tflops: float, conditions: str | None = None) -> dict:
-    record["summary"]["mfu_ceilings"] = {"mfu_measured": {"tflops": tflops, "source": "measured", "measured_at": 1.0,
-                                                          "sweep_seconds": 0.4, "conditions": conditions}}  # fmt: skip
+    record["summary"]["mfu_ceilings"] = {
+        "mfu_measured": {
+            "tflops": tflops,
+            "source": "measured",
+            "measured_at": 1.0,
+            "sweep_seconds": 0.4,
+            "conditions": conditions,
+        }
+    }
     return record
 
 
@@ -219,8 +292,11 @@ def _ceiling_line(tmp_path: Path, ceilings: list[float], conditions: list[str | 
     return next(line for line in text.splitlines() if line.startswith("Matmul ceiling measured at each run's start"))
 
 
-@pytest.mark.parametrize(("ceilings", "flagged"), [([0.095] * 6, False), ([0.095, 0.095, 0.095, 0.095, 0.095, 0.022], True)],
-                         ids=["steady", "moved"])
+@pytest.mark.parametrize(
+    ("ceilings", "flagged"),
+    [([0.095] * 6, False), ([0.095, 0.095, 0.095, 0.095, 0.095, 0.022], True)],
+    ids=["steady", "moved"],
+)
 def test_the_report_shows_the_ceilings_the_runs_measured_and_flags_a_move(tmp_path: Path, ceilings, flagged):
     """Issue 30: MFU came from one ceiling measured under another load. Each run now measures its own; the
     report gives their spread and flags a move above the noise floor (22 against 95 GFLOP/s is what load did
@@ -250,19 +326,31 @@ def test_ceilings_of_different_threads_or_dtypes_are_not_a_load_change(tmp_path:
     bf16 on a CPU measures below fp32. Each condition gets its own spread, and only a move within one is
     flagged. Seen failing with the ceilings spread over all runs (every multi-rank and mixed-precision
     study of the first regeneration warned that the load changed, e.g. context_parallel "moved 109.6%")."""
-    steady = _ceiling_line(tmp_path / "a", [0.33, 0.33, 0.16, 0.16, 0.16, 0.33],
-                           ["float32 on cpu, 2 thread(s)"] * 2 + ["float32 on cpu, 1 thread(s)"] * 3 + ["float32 on cpu, 2 thread(s)"])
+    steady = _ceiling_line(
+        tmp_path / "a",
+        [0.33, 0.33, 0.16, 0.16, 0.16, 0.33],
+        ["float32 on cpu, 2 thread(s)"] * 2 + ["float32 on cpu, 1 thread(s)"] * 3 + ["float32 on cpu, 2 thread(s)"],
+    )
     assert "float32 on cpu, 1 thread(s): 0.16 TFLOP/s over 3 runs (moved 0.0%)" in steady
     assert "float32 on cpu, 2 thread(s): 0.33 TFLOP/s over 3 runs" in steady
     assert "Warning" not in steady
-    moved = _ceiling_line(tmp_path / "b", [0.33, 0.33, 0.16, 0.16, 0.02, 0.33],
-                          ["float32 on cpu, 2 thread(s)"] * 2 + ["float32 on cpu, 1 thread(s)"] * 3 + ["float32 on cpu, 2 thread(s)"])
+    moved = _ceiling_line(
+        tmp_path / "b",
+        [0.33, 0.33, 0.16, 0.16, 0.02, 0.33],
+        ["float32 on cpu, 2 thread(s)"] * 2 + ["float32 on cpu, 1 thread(s)"] * 3 + ["float32 on cpu, 2 thread(s)"],
+    )
     assert "Warning: under float32 on cpu, 1 thread(s) it moved" in moved
 
 
-@pytest.mark.parametrize(("share", "shown"), [(None, "activations ×2.00"), (0.9, "activations ×2.00"),
-                                              (0.46, "agrees; activations ×2.00: upper bound, the tracked step held 46% of its tokens")],
-                         ids=["rows_full", "rows_nearly_full", "rows_shorter"])  # fmt: skip
+@pytest.mark.parametrize(
+    ("share", "shown"),
+    [
+        (None, "activations ×2.00"),
+        (0.9, "activations ×2.00"),
+        (0.46, "agrees; activations ×2.00: upper bound, the tracked step held 46% of its tokens"),
+    ],
+    ids=["rows_full", "rows_nearly_full", "rows_shorter"],
+)
 def test_an_activations_estimate_for_full_rows_is_an_upper_bound_for_shorter_ones(share, shown):
     """dpo_packing_vs_padding's estimate counts rows of seq_len; its padded, packed and prefix-shared
     steps held 46%, 25% and 12% of those tokens, and the report flagged activations ×1.85 / ×3.06 /
@@ -274,8 +362,11 @@ def test_an_activations_estimate_for_full_rows_is_an_upper_bound_for_shorter_one
     from lit_ablate.estimate.shapes import MemoryEstimate
 
     estimate = MemoryEstimate(params=100, grads=100, optimizer=200, activations=2000, transient=0, reference=0)
-    breakdown = {"max": {"params": 100, "grads": 100, "optimizer": 200, "transient": 0}, "forward_backward_max": 1000,
-                 "at_peak": {"params": 100, "grads": 100, "optimizer": 200, "activations": 1000}}  # fmt: skip
+    breakdown = {
+        "max": {"params": 100, "grads": 100, "optimizer": 200, "transient": 0},
+        "forward_backward_max": 1000,
+        "at_peak": {"params": 100, "grads": 100, "optimizer": 200, "activations": 1000},
+    }
     assert _estimate_check_cell(compare_with_measured(estimate, breakdown, share)) == shown
 
 
@@ -285,10 +376,14 @@ def test_the_token_share_is_the_tracked_step_s_tokens_over_the_config_s_rows():
     accumulation left in (a share twice the truth under ``accumulate_grad_batches: 2``)."""
     from lit_ablate.ablation.summary import _token_share, _tracked_tokens
 
-    record = {"config": {"trainer": {"accumulate_grad_batches": 2}},
-              "summary": {"tensor_breakdown": {"step": 2}},
-              "steps": [{"step": 1, "tokens_per_sec_per_device": 10.0, "step_time_s": 1.0},
-                        {"step": 2, "tokens_per_sec_per_device": 512.0, "step_time_s": 0.5}]}  # fmt: skip
+    record = {
+        "config": {"trainer": {"accumulate_grad_batches": 2}},
+        "summary": {"tensor_breakdown": {"step": 2}},
+        "steps": [
+            {"step": 1, "tokens_per_sec_per_device": 10.0, "step_time_s": 1.0},
+            {"step": 2, "tokens_per_sec_per_device": 512.0, "step_time_s": 0.5},
+        ],
+    }
     assert _tracked_tokens(record) == 128
     quickstart = Path(__file__).parents[1] / "configs" / "quickstart.yaml"
     from lit_ablate.fit_cli import resolve_fit_config
@@ -296,8 +391,18 @@ def test_the_token_share_is_the_tracked_step_s_tokens_over_the_config_s_rows():
     config = resolve_fit_config(["--config", str(quickstart)])
     rows = config["data"]["init_args"]["batch_size"] * config["data"]["init_args"]["seq_len"]
     assert _token_share(config, 1, rows / 4) == pytest.approx(0.25)
-    tp = resolve_fit_config(["--config", str(quickstart), "--trainer.strategy.class_path", "lit_ablate.strategies.TensorParallelStrategy",
-                             "--trainer.strategy.init_args.tp", "2", "--trainer.devices", "2"])  # fmt: skip
+    tp = resolve_fit_config(
+        [
+            "--config",
+            str(quickstart),
+            "--trainer.strategy.class_path",
+            "lit_ablate.strategies.TensorParallelStrategy",
+            "--trainer.strategy.init_args.tp",
+            "2",
+            "--trainer.devices",
+            "2",
+        ]
+    )
     assert _token_share(tp, 2, rows / 4) is None
 
 

@@ -24,7 +24,7 @@ from lit_ablate.commands.ablate import run_study
 from lit_ablate.errors import ConfigError
 from lit_ablate.record import read_record
 
-FAKE_FIT = r'''
+FAKE_FIT = r"""
 import os, sys, time, yaml
 from lit_ablate import record as R
 config = yaml.safe_load(open(sys.argv[sys.argv.index("--config") + 1]))
@@ -60,7 +60,7 @@ steps = [{"step": s, "loss": 4.0 / (1 + lr * s) + 1e-3 * seed, "tokens_per_sec":
           "useful_tokens_per_sec": 800.0 * fake.get("speed", 1) + s, "step_time_s": 0.1, "mfu": None,
           "memory_peak_bytes": 2**20 * fake.get("mib", 100)} for s in range(1, config["trainer"]["max_steps"] + 1)]
 write("ok", steps)
-'''
+"""
 
 BASE = {"trainer": {"max_steps": 100}, "model": {"init_args": {"lr": 0.1}}, "fake": {}}
 KNOWN_MODEL_ARGS = {"lr", "extra"}
@@ -97,8 +97,15 @@ def launches(tmp_path: Path) -> list[str]:
 
 
 def make_spec(variants: list[dict], base: dict = BASE, **extra):
-    raw = {"name": "t", "base": base, "variants": variants, "vary": ["model.init_args", "fake"], "steps": 4,
-           "warmup_steps": 1, **extra}  # fmt: skip
+    raw = {
+        "name": "t",
+        "base": base,
+        "variants": variants,
+        "vary": ["model.init_args", "fake"],
+        "steps": 4,
+        "warmup_steps": 1,
+        **extra,
+    }
     return parse_study(raw)
 
 
@@ -107,8 +114,10 @@ def record(out: Path, variant: str, seed: int = 0) -> dict:
 
 
 def test_two_variants_report_and_resume(tmp_path: Path, fake_fit: list[str]):
-    spec = make_spec([{"name": "slow"}, {"name": "fast", "overrides": {"fake.speed": 2, "fake.mib": 50}}],
-                     expect_equal_loss={"rtol": 1e-6, "atol": 0.0})  # fmt: skip
+    spec = make_spec(
+        [{"name": "slow"}, {"name": "fast", "overrides": {"fake.speed": 2, "fake.mib": 50}}],
+        expect_equal_loss={"rtol": 1e-6, "atol": 0.0},
+    )
     out = tmp_path / "study"
     report = run_study(spec, out, fake_fit, fake_resolve)
     assert record(out, "slow")["summary"]["status"] == "ok" and record(out, "fast")["summary"]["status"] == "ok"
@@ -143,12 +152,14 @@ def test_a_variant_that_does_not_resolve_refuses_the_study_before_any_run(tmp_pa
 
 
 def test_failures_are_recorded_and_the_study_goes_on(tmp_path: Path, fake_fit: list[str]):
-    spec = make_spec([
-        {"name": "good"},
-        {"name": "crash", "overrides": {"fake.crash": True}},
-        {"name": "oom", "overrides": {"fake.oom": True}},
-        {"name": "good2", "overrides": {"model.init_args.lr": 0.2}},
-    ])  # fmt: skip
+    spec = make_spec(
+        [
+            {"name": "good"},
+            {"name": "crash", "overrides": {"fake.crash": True}},
+            {"name": "oom", "overrides": {"fake.oom": True}},
+            {"name": "good2", "overrides": {"model.init_args.lr": 0.2}},
+        ]
+    )
     out = tmp_path / "study"
     run_study(spec, out, fake_fit, fake_resolve)
     status = {v.name: record(out, v.name)["summary"] for v in spec.variants}
@@ -196,9 +207,14 @@ def test_timeout_is_recorded(tmp_path: Path, fake_fit: list[str], monkeypatch: p
 
 
 def test_skipped_variant_gets_a_record_and_is_rechecked_on_resume(tmp_path: Path, fake_fit: list[str]):
-    spec = make_spec([{"name": "cpu"}, {"name": "fsdp1", "overrides": {"model.init_args.extra": 1},
-                                        "launch": {"accelerator": "cpu"}}], vary=["model.init_args", "trainer"],
-                     base={**BASE, "trainer": {"strategy": "fsdp", "accelerator": "cpu"}})  # fmt: skip
+    spec = make_spec(
+        [
+            {"name": "cpu"},
+            {"name": "fsdp1", "overrides": {"model.init_args.extra": 1}, "launch": {"accelerator": "cpu"}},
+        ],
+        vary=["model.init_args", "trainer"],
+        base={**BASE, "trainer": {"strategy": "fsdp", "accelerator": "cpu"}},
+    )
     out = tmp_path / "study"
     run_study(spec, out, fake_fit, fake_resolve)
     skipped = record(out, "fsdp1")["summary"]
@@ -236,13 +252,17 @@ def test_changed_config_and_incomplete_records_are_redone(tmp_path: Path, fake_f
     run_study(spec, out, fake_fit, fake_resolve)
     assert launches(tmp_path)[4:] == ["b 1"]
     # more steps: every run's config changed, so every run is redone
-    run_study(make_spec([{"name": "a"}, {"name": "b", "overrides": {"model.init_args.lr": 0.2}}], seeds=[0, 1], steps=6),
-              out, fake_fit, fake_resolve)  # fmt: skip
+    run_study(
+        make_spec([{"name": "a"}, {"name": "b", "overrides": {"model.init_args.lr": 0.2}}], seeds=[0, 1], steps=6),
+        out,
+        fake_fit,
+        fake_resolve,
+    )
     assert len(launches(tmp_path)) == 9
     assert len(record(out, "a", 1)["steps"]) == 6
 
 
-RUNNER_SCRIPT = r'''
+RUNNER_SCRIPT = r"""
 import signal
 import sys
 from pathlib import Path
@@ -257,7 +277,7 @@ from lit_ablate.commands.ablate import run_study
 compatibility.RULES.clear()  # the stand-in runs need no pre-check; spares this process importing transformers
 spec = make_spec([{{"name": "first"}}, {{"name": "second", "overrides": {{"model.init_args.lr": 0.2}}}}])
 run_study(spec, Path({out!r}), [sys.executable, {fake!r}], fake_resolve)
-'''
+"""
 
 
 def test_interrupted_run_is_redone_on_resume(tmp_path: Path, fake_fit: list[str], monkeypatch: pytest.MonkeyPatch):
@@ -278,13 +298,19 @@ def test_interrupted_run_is_redone_on_resume(tmp_path: Path, fake_fit: list[str]
     assert interrupted["status"] == "interrupted"
     assert not (out / "runs" / "second").exists(), "the study stopped at the interrupted run"
     assert (out / "report.md").is_file(), "the report of what there is was written"
-    run_study(make_spec([{"name": "first"}, {"name": "second", "overrides": {"model.init_args.lr": 0.2}}]),
-              out, fake_fit, fake_resolve)  # fmt: skip
+    run_study(
+        make_spec([{"name": "first"}, {"name": "second", "overrides": {"model.init_args.lr": 0.2}}]),
+        out,
+        fake_fit,
+        fake_resolve,
+    )
     assert launches(tmp_path) == ["first 0", "first 0", "second 0"]
     assert record(out, "first")["summary"]["status"] == "ok"
 
 
-def test_run_killed_by_a_signal_is_redone_on_resume(tmp_path: Path, fake_fit: list[str], monkeypatch: pytest.MonkeyPatch):
+def test_run_killed_by_a_signal_is_redone_on_resume(
+    tmp_path: Path, fake_fit: list[str], monkeypatch: pytest.MonkeyPatch
+):
     """A run killed from outside (SIGKILL, as the OOM killer or a user would) is interrupted, not failed."""
     monkeypatch.setenv("FAKE_HANG", "victim")
     out = tmp_path / "study"
@@ -312,8 +338,17 @@ def test_run_killed_by_a_signal_is_redone_on_resume(tmp_path: Path, fake_fit: li
 
 
 def test_undeclared_difference_refuses_the_study_before_any_run(tmp_path: Path, fake_fit: list[str]):
-    spec = parse_study({"name": "t", "base": BASE, "variants": [{"name": "a"}, {"name": "b", "overrides": {
-        "model.init_args.lr": 0.2, "trainer.max_epochs": 3}}], "vary": ["model.init_args.lr", "trainer"]})  # fmt: skip
+    spec = parse_study(
+        {
+            "name": "t",
+            "base": BASE,
+            "variants": [
+                {"name": "a"},
+                {"name": "b", "overrides": {"model.init_args.lr": 0.2, "trainer.max_epochs": 3}},
+            ],
+            "vary": ["model.init_args.lr", "trainer"],
+        }
+    )
 
     def resolve_adds_epochs(args):  # what the resolved configs say is what counts
         config = fake_resolve(args)

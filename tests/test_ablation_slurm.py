@@ -60,7 +60,12 @@ def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     root = tmp_path / "slurm"
     (root / "bin").mkdir(parents=True)
     (root / "states.json").write_text("{}")
-    for name, text in (("sbatch", FAKE_SBATCH), ("sacct", FAKE_SACCT), ("scancel", FAKE_SCANCEL), ("srun", "#!/bin/sh\n")):
+    for name, text in (
+        ("sbatch", FAKE_SBATCH),
+        ("sacct", FAKE_SACCT),
+        ("scancel", FAKE_SCANCEL),
+        ("srun", "#!/bin/sh\n"),
+    ):
         path = root / "bin" / name
         path.write_text(text.format(python=sys.executable, root=str(root)))
         path.chmod(path.stat().st_mode | stat.S_IEXEC)
@@ -103,16 +108,37 @@ def test_local_cluster_runs_a_study_like_the_local_executor(tmp_path: Path, fake
 def test_a_two_node_gpu_variant_asks_sbatch_for_its_resources(tmp_path: Path, fake_fit: list[str], fake_slurm: Path):
     """What submitit passes to sbatch for a 2-node x 8-GPU variant (catches: tasks per node not
     equal to the ranks Lightning's SLURM environment expects, GPUs or time limit not requested)."""
-    launch = {"executor": "slurm", "devices": 8, "num_nodes": 2, "timeout_s": 5400,
-              "slurm": {"partition": "h100", "account": "ablate", "gpus_per_node": 8, "max_nodes": 4,
-                        "cpus_per_task": 12, "sbatch": {"qos": "high"}, "setup": ["module load cuda"]}}  # fmt: skip
+    launch = {
+        "executor": "slurm",
+        "devices": 8,
+        "num_nodes": 2,
+        "timeout_s": 5400,
+        "slurm": {
+            "partition": "h100",
+            "account": "ablate",
+            "gpus_per_node": 8,
+            "max_nodes": 4,
+            "cpus_per_task": 12,
+            "sbatch": {"qos": "high"},
+            "setup": ["module load cuda"],
+        },
+    }
     spec = make_spec([{"name": "a"}, {"name": "b", "overrides": {"model.init_args.lr": 0.2}}], launch=launch)
     run_study(spec, tmp_path / "study", fake_fit, fake_resolve, wait=False)
     jobs = submitted(fake_slurm)
     assert sorted(jobs) == ["1001", "1002"]
     script = jobs["1001"]
-    for line in ("--nodes=2", "--ntasks-per-node=8", "--gpus-per-node=8", "--partition=h100", "--account=ablate",
-                 "--cpus-per-task=12", "--time=90", "--qos=high", "--job-name=lit-ablate.a.seed0"):
+    for line in (
+        "--nodes=2",
+        "--ntasks-per-node=8",
+        "--gpus-per-node=8",
+        "--partition=h100",
+        "--account=ablate",
+        "--cpus-per-task=12",
+        "--time=90",
+        "--qos=high",
+        "--job-name=lit-ablate.a.seed0",
+    ):
         assert f"#SBATCH {line}\n" in script, line
     assert "module load cuda" in script and "srun" in script
     assert launches(tmp_path) == [], "nothing ran here: the jobs are the scheduler's"
@@ -125,8 +151,11 @@ def test_sbatch_s_refusal_is_one_line_naming_the_slurm_settings(tmp_path: Path, 
     sbatch.write_text("#!/bin/sh\necho 'sbatch: error: invalid partition specified: h200x' >&2\nexit 1\n")
     launch = {"executor": "slurm", "slurm": {"partition": "h200x"}}
     spec = make_spec([{"name": "a"}], launch=launch)
-    with pytest.raises(ConfigError, match=r"launch\.slurm=.*'partition': 'h200x'.*sbatch refused a.*invalid partition "
-                                          r"specified: h200x.*fix the partition"):
+    with pytest.raises(
+        ConfigError,
+        match=r"launch\.slurm=.*'partition': 'h200x'.*sbatch refused a.*invalid partition "
+        r"specified: h200x.*fix the partition",
+    ):
         run_study(spec, tmp_path / "study", fake_fit, fake_resolve, wait=False)
     assert launches(tmp_path) == []
 
@@ -135,14 +164,17 @@ def test_a_variant_larger_than_the_partition_is_refused_before_anything_is_submi
     tmp_path: Path, fake_fit: list[str], fake_slurm: Path
 ):
     launch = {"executor": "slurm", "devices": 8, "slurm": {"gpus_per_node": 8}}
-    spec = make_spec([{"name": "fits"}, {"name": "too_big", "launch": {"devices": 16}}], launch=launch,
-                     vary=["trainer.devices"])  # fmt: skip
+    spec = make_spec(
+        [{"name": "fits"}, {"name": "too_big", "launch": {"devices": 16}}], launch=launch, vary=["trainer.devices"]
+    )
     with pytest.raises(ConfigError, match=r"variants.too_big.launch.*16 GPUs per node.*have 8.*nothing was submitted"):
         run_study(spec, tmp_path / "study", fake_fit, fake_resolve, wait=False)
     assert submitted(fake_slurm) == {}
 
 
-def test_rerun_resubmits_only_the_preempted_run_and_never_a_queued_one(tmp_path: Path, fake_fit: list[str], fake_slurm: Path):
+def test_rerun_resubmits_only_the_preempted_run_and_never_a_queued_one(
+    tmp_path: Path, fake_fit: list[str], fake_slurm: Path
+):
     """Across invocations: a queued or running job is never submitted twice, a pre-empted one is
     recorded with the scheduler's reason and resubmitted (catches: resubmitting every unfinished run,
     or losing the pre-emption)."""
@@ -172,8 +204,13 @@ def test_a_changed_config_cancels_its_earlier_job(tmp_path: Path, fake_fit: list
     launch = {"executor": "slurm", "slurm": {"partition": "cpu"}}
     out = tmp_path / "study"
     run_study(make_spec([{"name": "a"}], launch=launch), out, fake_fit, fake_resolve, wait=False)
-    run_study(make_spec([{"name": "a", "overrides": {"model.init_args.lr": 0.3}}], launch=launch), out, fake_fit,
-              fake_resolve, wait=False)  # fmt: skip
+    run_study(
+        make_spec([{"name": "a", "overrides": {"model.init_args.lr": 0.3}}], launch=launch),
+        out,
+        fake_fit,
+        fake_resolve,
+        wait=False,
+    )
     assert (fake_slurm / "cancelled").read_text().split() == ["1001"]
     assert sorted(submitted(fake_slurm)) == ["1001", "1002"]
 
@@ -188,8 +225,9 @@ def test_slurm_settings_are_checked_when_the_study_is_read():
 
 
 @pytest.mark.parametrize("answer", ["y", None])
-def test_ctrl_c_asks_whether_to_cancel_the_submitted_jobs(tmp_path: Path, fake_fit: list[str], fake_slurm: Path,
-                                                          monkeypatch: pytest.MonkeyPatch, answer: str | None):
+def test_ctrl_c_asks_whether_to_cancel_the_submitted_jobs(
+    tmp_path: Path, fake_fit: list[str], fake_slurm: Path, monkeypatch: pytest.MonkeyPatch, answer: str | None
+):
     """On a terminal, "y" cancels every submitted job (recorded interrupted, redone on resume);
     without a terminal the jobs are left queued for the next invocation to collect."""
     from lit_ablate.ablation import slurm
@@ -200,8 +238,10 @@ def test_ctrl_c_asks_whether_to_cancel_the_submitted_jobs(tmp_path: Path, fake_f
     monkeypatch.setattr(slurm, "time", SimpleNamespace(sleep=interrupt))  # the runner's wait only (not subprocess's)
     monkeypatch.setattr(sys.stdin, "isatty", lambda: answer is not None)
     monkeypatch.setattr(slurm.Console, "input", lambda self, prompt: answer)
-    spec = make_spec([{"name": "a"}, {"name": "b", "overrides": {"model.init_args.lr": 0.2}}],
-                     launch={"executor": "slurm", "slurm": {"partition": "cpu"}})  # fmt: skip
+    spec = make_spec(
+        [{"name": "a"}, {"name": "b", "overrides": {"model.init_args.lr": 0.2}}],
+        launch={"executor": "slurm", "slurm": {"partition": "cpu"}},
+    )
     out = tmp_path / "study"
     with pytest.raises(KeyboardInterrupt):
         run_study(spec, out, fake_fit, fake_resolve)
@@ -216,8 +256,9 @@ def test_ctrl_c_asks_whether_to_cancel_the_submitted_jobs(tmp_path: Path, fake_f
 
 
 @pytest.mark.parametrize("partition_gpus", [8, None])
-def test_a_gpu_study_plans_for_slurm_on_a_login_node_without_cuda(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                  partition_gpus: int | None):
+def test_a_gpu_study_plans_for_slurm_on_a_login_node_without_cuda(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, partition_gpus: int | None
+):
     """Planning judges the nodes the study declares, never the machine planning it: with every CUDA
     probe of torch failing (a login node; torch+cpu says "Torch not compiled with CUDA enabled"), an
     fp8 / flash-attn / Liger study for a GPU partition plans with nothing skipped (a GPU's fp8
@@ -237,19 +278,25 @@ def test_a_gpu_study_plans_for_slurm_on_a_login_node_without_cuda(tmp_path: Path
     for name in ("is_available", "device_count", "get_device_capability", "get_device_name"):
         monkeypatch.setattr(torch.cuda, name, probe)
     slurm = {"partition": "h100", "max_nodes": 4, **({"gpus_per_node": partition_gpus} if partition_gpus else {})}
-    spec = parse_study({
-        "name": "gpu_parts", "base": str(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"),
-        "overrides": {"trainer.enable_checkpointing": False, "trainer.precision": "bf16-true"},
-        "variants": [
-            {"name": "fp8", "overrides": {"model.init_args.model.fp8": {"recipe": "tensorwise"}}},
-            {"name": "fp8_kernels", "overrides": {"model.init_args.model.fp8": {"recipe": "tensorwise", "emulate": False}}},
-            {"name": "flash", "overrides": {"model.init_args.model.attn_implementation": "flash_attention_2"}},
-            {"name": "liger", "overrides": {"model.init_args.loss": "liger"}},
-        ],
-        "vary": ["model.init_args.model.fp8", "model.init_args.model.attn_implementation", "model.init_args.loss"],
-        "steps": 5,
-        "launch": {"executor": "slurm", "devices": 8, "num_nodes": 2, "accelerator": "auto", "slurm": slurm},
-    })  # fmt: skip
+    spec = parse_study(
+        {
+            "name": "gpu_parts",
+            "base": str(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"),
+            "overrides": {"trainer.enable_checkpointing": False, "trainer.precision": "bf16-true"},
+            "variants": [
+                {"name": "fp8", "overrides": {"model.init_args.model.fp8": {"recipe": "tensorwise"}}},
+                {
+                    "name": "fp8_kernels",
+                    "overrides": {"model.init_args.model.fp8": {"recipe": "tensorwise", "emulate": False}},
+                },
+                {"name": "flash", "overrides": {"model.init_args.model.attn_implementation": "flash_attention_2"}},
+                {"name": "liger", "overrides": {"model.init_args.loss": "liger"}},
+            ],
+            "vary": ["model.init_args.model.fp8", "model.init_args.model.attn_implementation", "model.init_args.loss"],
+            "steps": 5,
+            "launch": {"executor": "slurm", "devices": 8, "num_nodes": 2, "accelerator": "auto", "slurm": slurm},
+        }
+    )
     runs = {run.variant.name: run for run in plan_study(spec, tmp_path / "study")}
     assert {name: run.invalid for name, run in runs.items()} == dict.fromkeys(runs)
     skipped = {name: run.skip_reason for name, run in runs.items() if run.skip_reason}
@@ -259,8 +306,9 @@ def test_a_gpu_study_plans_for_slurm_on_a_login_node_without_cuda(tmp_path: Path
         assert list(skipped) == ["fp8_kernels"] and "emulate" in skipped["fp8_kernels"], skipped
 
 
-def test_job_states_come_from_the_controller_where_sacct_has_no_accounting(tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch):
+def test_job_states_come_from_the_controller_where_sacct_has_no_accounting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
     """Without SLURM's accounting daemon ``sacct`` fails for every job: states then come from
     ``scontrol``, and a job neither knows while the controller answers is ``GONE`` (final), so the
     runner collects it instead of waiting on ``UNKNOWN`` for ever. Seen failing without the
@@ -272,8 +320,8 @@ def test_job_states_come_from_the_controller_where_sacct_has_no_accounting(tmp_p
     scripts = {
         "sacct": "#!/bin/sh\necho 'Slurm accounting storage is disabled' >&2\nexit 1\n",
         "scontrol": "#!/bin/sh\necho 'JobId=7 JobName=a UserId=root(0) JobState=RUNNING Reason=None Restarts=0'\n"
-                    "echo 'JobId=8 JobName=b UserId=root(0) JobState=FAILED Reason=NonZeroExitCode Restarts=0'\n",
-    }  # fmt: skip
+        "echo 'JobId=8 JobName=b UserId=root(0) JobState=FAILED Reason=NonZeroExitCode Restarts=0'\n",
+    }
     for name, text in scripts.items():
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
@@ -336,12 +384,21 @@ def test_a_requeued_task_runs_its_fit_with_the_newest_checkpoint(tmp_path: Path,
     (run_dir / "run.json").write_text('{"summary": {"status": "interrupted"}}')
     (run_dir / "stderr.log").write_text("first attempt\n")
     argv_file = tmp_path / "argv.json"
-    fit = [sys.executable, "-c", f"import json, sys; json.dump(sys.argv[1:], open({str(argv_file)!r}, 'w'))", "fit", "--config", "c.yaml"]
+    fit = [
+        sys.executable,
+        "-c",
+        f"import json, sys; json.dump(sys.argv[1:], open({str(argv_file)!r}, 'w'))",
+        "fit",
+        "--config",
+        "c.yaml",
+    ]
     assert FitTask(tuple(fit), {}, str(run_dir), str(trainer))() == 0
     argv = json.loads(argv_file.read_text())
     log = (run_dir / "stderr.log").read_text()
     if restart:
-        assert argv == ["fit", "--config", "c.yaml", "--ckpt_path", str(checkpoint)], "the restarted fit does not resume"
+        assert argv == ["fit", "--config", "c.yaml", "--ckpt_path", str(checkpoint)], (
+            "the restarted fit does not resume"
+        )
         assert log.startswith("first attempt\n") and f"restart 1 of job 4242: resuming from {checkpoint}" in log
         assert json.loads((run_dir / "attempts" / "run.0.json").read_text())["summary"]["status"] == "interrupted"
     else:
@@ -360,8 +417,10 @@ def test_a_slurm_task_unpickles_without_torch_or_lightning(tmp_path: Path):
     from lit_ablate.ablation.slurm_task import FitTask
 
     task = pickle.dumps(FitTask(("true",), {}, str(tmp_path), str(tmp_path)))
-    code = ("import pickle, sys; pickle.loads(sys.stdin.buffer.read()); "
-            "print(sorted(m for m in ('torch', 'lightning', 'transformers', 'jsonargparse') if m in sys.modules))")
+    code = (
+        "import pickle, sys; pickle.loads(sys.stdin.buffer.read()); "
+        "print(sorted(m for m in ('torch', 'lightning', 'transformers', 'jsonargparse') if m in sys.modules))"
+    )
     done = subprocess.run([sys.executable, "-c", code], input=task, capture_output=True, timeout=120)
     assert done.returncode == 0, done.stderr.decode()
     assert done.stdout.decode().strip() == "[]"

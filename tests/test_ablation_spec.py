@@ -60,8 +60,11 @@ def test_one_axis_names_variants_by_value_and_defaults_baseline_to_first():
 
 
 def test_two_axes_make_a_grid_and_numeric_values_carry_their_key():
-    spec = parse_study(study(axes={"trainer.devices": [1, 2], "data.init_args.seq_len": [64, 128, 256]},
-                             baseline="devices=2,seq_len=64"))  # fmt: skip
+    spec = parse_study(
+        study(
+            axes={"trainer.devices": [1, 2], "data.init_args.seq_len": [64, 128, 256]}, baseline="devices=2,seq_len=64"
+        )
+    )
     assert len(spec.variants) == 6
     assert spec.variants[0].name == "devices=1,seq_len=64"
     assert spec.variant("devices=2,seq_len=256").axis_values == {"trainer.devices": 2, "data.init_args.seq_len": 256}
@@ -74,10 +77,17 @@ def test_baseline_may_be_named_by_its_axis_value():
 
 
 def test_explicit_variants_with_vary_and_per_variant_launch():
-    spec = parse_study(study(
-        axes=None, launch={"devices": 1, "accelerator": "cpu", "timeout_s": 60}, vary=["trainer.devices", "data"],
-        variants=[{"name": "one"}, {"name": "two", "overrides": {"data.init_args.batch_size": 4}, "launch": {"devices": 2}}],
-    ))  # fmt: skip
+    spec = parse_study(
+        study(
+            axes=None,
+            launch={"devices": 1, "accelerator": "cpu", "timeout_s": 60},
+            vary=["trainer.devices", "data"],
+            variants=[
+                {"name": "one"},
+                {"name": "two", "overrides": {"data.init_args.batch_size": 4}, "launch": {"devices": 2}},
+            ],
+        )
+    )
     two = spec.variant("two")
     assert two.launch == Launch(devices=2, accelerator="cpu", timeout_s=60.0)
     config = spec.run_config(two, seed=3, root_dir="/r")
@@ -88,11 +98,19 @@ def test_explicit_variants_with_vary_and_per_variant_launch():
 
 
 def test_precedence_base_study_launch_variant_runner():
-    spec = parse_study(study(
-        axes=None, vary=["trainer.devices"], overrides={"trainer.devices": 8, "trainer.max_epochs": 1},
-        launch={"devices": 4}, variants=[{"name": "a"}, {"name": "b", "overrides": {"trainer.devices": 2}},
-                                         {"name": "c", "overrides": {"trainer.devices": 2}, "launch": {"devices": 3}}],
-    ))  # fmt: skip
+    spec = parse_study(
+        study(
+            axes=None,
+            vary=["trainer.devices"],
+            overrides={"trainer.devices": 8, "trainer.max_epochs": 1},
+            launch={"devices": 4},
+            variants=[
+                {"name": "a"},
+                {"name": "b", "overrides": {"trainer.devices": 2}},
+                {"name": "c", "overrides": {"trainer.devices": 2}, "launch": {"devices": 3}},
+            ],
+        )
+    )
     devices = {v.name: spec.run_config(v, 0, "/r")["trainer"]["devices"] for v in spec.variants}
     assert devices == {"a": 4, "b": 2, "c": 3}
     assert spec.run_config(spec.variants[0], 0, "/r")["trainer"]["max_epochs"] == 1
@@ -138,12 +156,18 @@ def test_mistakes_are_refused_naming_the_key(changes, key):
 
 
 def test_variants_need_vary_and_every_override_under_it():
-    variants = [{"name": "a"}, {"name": "b", "overrides": {"model.init_args.loss": "chunked", "data.init_args.batch_size": 4}}]
+    variants = [
+        {"name": "a"},
+        {"name": "b", "overrides": {"model.init_args.loss": "chunked", "data.init_args.batch_size": 4}},
+    ]
     assert refused_key(study(axes=None, variants=variants)) == "vary"
     key = refused_key(study(axes=None, variants=variants, vary=["model.init_args.loss"]))
     assert key == "variants.b.overrides.data.init_args.batch_size"
     assert refused_key(study(axes=None, variants=[{"name": "a"}, {"name": "a"}], vary=["x"])) == "variants"
-    assert refused_key(study(axes=None, variants=[{"name": "a", "launch": {"nodes": 2}}], vary=["x"])) == "variants[0].launch.nodes"
+    assert (
+        refused_key(study(axes=None, variants=[{"name": "a", "launch": {"nodes": 2}}], vary=["x"]))
+        == "variants[0].launch.nodes"
+    )
 
 
 def test_max_steps_override_is_allowed_for_the_study_without_steps():

@@ -23,8 +23,14 @@ LOSSES = [4.0, 3.0, 2.0]
 
 
 def plan(names: list[str], agreement: dict | None = EQUAL, baseline: str | None = None) -> dict:
-    return {"name": "t", "baseline": baseline or names[0], "expect_equal_loss": agreement, "seeds": [0, 1],
-            "warmup_steps": 1, "variants": [{"name": n} for n in names]}  # fmt: skip
+    return {
+        "name": "t",
+        "baseline": baseline or names[0],
+        "expect_equal_loss": agreement,
+        "seeds": [0, 1],
+        "warmup_steps": 1,
+        "variants": [{"name": n} for n in names],
+    }
 
 
 def by_name(summary: dict) -> dict:
@@ -36,8 +42,10 @@ def summarise(records: list[dict], study: dict) -> dict:
 
 
 def test_reference_without_an_ok_run_makes_the_loss_check_incomplete_and_exit_1(tmp_path: Path):
-    records = [make_record("ref", 0, speed=1, peak_mib=1, losses=LOSSES, status="error"),
-               make_record("v", 0, speed=1, peak_mib=1, losses=LOSSES)]  # fmt: skip
+    records = [
+        make_record("ref", 0, speed=1, peak_mib=1, losses=LOSSES, status="error"),
+        make_record("v", 0, speed=1, peak_mib=1, losses=LOSSES),
+    ]
     summary = summarise(records, plan(["ref", "v"]))
     check = by_name(summary)["v"]["loss_agreement"]
     assert check["passed"] is None and check["incomplete"] is True
@@ -49,23 +57,32 @@ def test_reference_without_an_ok_run_makes_the_loss_check_incomplete_and_exit_1(
 
 
 def test_a_seed_the_reference_lacks_is_incomplete_but_a_mismatch_still_fails():
-    ref = [make_record("ref", 0, speed=1, peak_mib=1, losses=LOSSES),
-           make_record("ref", 1, speed=1, peak_mib=1, losses=LOSSES, status="oom")]  # fmt: skip
+    ref = [
+        make_record("ref", 0, speed=1, peak_mib=1, losses=LOSSES),
+        make_record("ref", 1, speed=1, peak_mib=1, losses=LOSSES, status="oom"),
+    ]
     same = [make_record("same", s, speed=1, peak_mib=1, losses=LOSSES) for s in (0, 1)]
     off = [make_record("off", s, speed=1, peak_mib=1, losses=[4.0, 3.5, 2.0]) for s in (0, 1)]
     summary = summarise(ref + same + off, plan(["ref", "same", "off"]))
     assert by_name(summary)["same"]["loss_agreement"]["incomplete"] is True  # seed 0 agrees, seed 1 unchecked
     assert by_name(summary)["off"]["loss_agreement"]["passed"] is False  # a seen mismatch is a failure
-    assert summary["problems"] == ["loss check incomplete: same: reference ref has no ok run of seed 1",
-                                   "loss check failed: off: seed 0, step 2: 3.5 vs 3"]  # fmt: skip
+    assert summary["problems"] == [
+        "loss check incomplete: same: reference ref has no ok run of seed 1",
+        "loss check failed: off: seed 0, step 2: 3.5 vs 3",
+    ]
 
 
 def test_a_variant_that_failed_itself_is_not_a_loss_problem():
-    records = [make_record("ref", 0, speed=1, peak_mib=1, losses=LOSSES),
-               make_record("broken", 0, speed=1, peak_mib=1, losses=LOSSES[:1], status="error")]  # fmt: skip
+    records = [
+        make_record("ref", 0, speed=1, peak_mib=1, losses=LOSSES),
+        make_record("broken", 0, speed=1, peak_mib=1, losses=LOSSES[:1], status="error"),
+    ]
     summary = summarise(records, plan(["ref", "broken"]))
     assert by_name(summary)["broken"]["loss_agreement"] == {
-        "passed": None, "incomplete": False, "reason": "this variant has no ok run"}  # fmt: skip
+        "passed": None,
+        "incomplete": False,
+        "reason": "this variant has no ok run",
+    }
     assert summary["problems"] == []  # its row says error; the study goes on (a result, not a crash)
 
 
@@ -78,24 +95,30 @@ def test_a_baseline_that_never_ran_is_not_replaced_by_another_variant():
 
 
 def test_a_study_where_every_variant_failed_exits_non_zero(tmp_path: Path):
-    records = [make_record(n, 0, speed=1, peak_mib=1, losses=LOSSES[:1], status=s)
-               for n, s in (("a", "error"), ("b", "oom"), ("c", "skipped"))]  # fmt: skip
+    records = [
+        make_record(n, 0, speed=1, peak_mib=1, losses=LOSSES[:1], status=s)
+        for n, s in (("a", "error"), ("b", "oom"), ("c", "skipped"))
+    ]
     directory = make_study(tmp_path, records, plan(["a", "b", "c"], agreement=None))
     assert report_main([str(directory)]) == 1
     assert json.loads((directory / "report.json").read_text())["problems"] == [
-        "no variant finished ok: nothing was measured"]  # fmt: skip
+        "no variant finished ok: nothing was measured"
+    ]
 
 
 def with_useful(record: dict, useful: list[float]) -> dict:
     """``record`` with these useful tokens/s at steps 2.. (step 1 is warm-up)."""
-    record["steps"] = [{**record["steps"][0], "step": i + 1, "useful_tokens_per_sec": u}
-                       for i, u in enumerate([1.0, *useful])]  # fmt: skip
+    record["steps"] = [
+        {**record["steps"][0], "step": i + 1, "useful_tokens_per_sec": u} for i, u in enumerate([1.0, *useful])
+    ]
     return record
 
 
 def test_noise_floor_is_the_spread_of_half_run_medians_and_marks_ratios_within_it(tmp_path: Path):
-    base = [with_useful(make_record("base", 0, speed=1, peak_mib=1, losses=[1.0]), [100, 102, 98, 101, 99, 104]),
-            with_useful(make_record("base", 1, speed=1, peak_mib=1, losses=[1.0]), [96, 97, 95, 98])]  # fmt: skip
+    base = [
+        with_useful(make_record("base", 0, speed=1, peak_mib=1, losses=[1.0]), [100, 102, 98, 101, 99, 104]),
+        with_useful(make_record("base", 1, speed=1, peak_mib=1, losses=[1.0]), [96, 97, 95, 98]),
+    ]
     # half-run medians: seed 0 -> 100 (100, 102, 98) and 101 (101, 99, 104); seed 1 -> 96.5 and 96.5;
     # median of all ten steps 98.5; floor = (101 - 96.5) / 98.5
     close = [with_useful(make_record("close", s, speed=1, peak_mib=1, losses=[1.0]), [98.5 * 1.04] * 4) for s in (0, 1)]

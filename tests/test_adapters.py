@@ -62,8 +62,11 @@ def test_all_linear_adapts_every_decoder_linear_layer_and_freezes_the_rest():
 
 
 def test_dora_rslora_and_modules_to_save_reach_peft():
-    model = build(adapter=AdapterOptions(r=4, alpha=8.0, target_modules=["q_proj"], use_dora=True, use_rslora=True,
-                                         modules_to_save=["lm_head"]))  # fmt: skip
+    model = build(
+        adapter=AdapterOptions(
+            r=4, alpha=8.0, target_modules=["q_proj"], use_dora=True, use_rslora=True, modules_to_save=["lm_head"]
+        )
+    )
     q_proj = model.model.layers[0].self_attn.q_proj
     assert q_proj.use_dora["default"] and q_proj.scaling["default"] == pytest.approx(8.0 / 4**0.5)
     assert "lora_magnitude_vector" in str(sorted(adapter_parameter_names(model)))
@@ -72,16 +75,28 @@ def test_dora_rslora_and_modules_to_save_reach_peft():
 
 
 def _fit(module: CausalLM, steps: int = 5) -> None:
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0)  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(module, DataLoader(micro_batches("reference"), batch_size=None))
 
 
 @pytest.mark.parametrize("quantization", [None, {"bits": 4}], ids=["lora", "qlora"])
 def test_only_adapter_parameters_change_in_training(quantization):
     pl.seed_everything(0, verbose=False)
-    module = CausalLM(ModelFactory(preset="tiny-llama", adapter={"r": 8}, quantization=quantization),
-                      learning_rate=1e-2, warmup_steps=0, weight_decay=0.1)  # fmt: skip
+    module = CausalLM(
+        ModelFactory(preset="tiny-llama", adapter={"r": 8}, quantization=quantization),
+        learning_rate=1e-2,
+        warmup_steps=0,
+        weight_decay=0.1,
+    )
     module.configure_model()
     before = {k: v.clone() for k, v in module.model.lm.state_dict().items()}
     adapters = adapter_parameter_names(module.model.lm)
@@ -149,7 +164,10 @@ def test_bitsandbytes_default_repacks_in_place_on_this_cpu():
 def test_a_4bit_state_dict_loads_back_with_its_scales():
     """bitsandbytes saves each 4-bit weight's scales beside it but loads none back; the copy of rank 0's
     weights that sharding strategies load into every rank depends on it (without the pre-hook: unexpected keys)."""
-    source, target = build(seed=0, adapter={"r": 4}, quantization={"bits": 4}), build(seed=1, adapter={"r": 4}, quantization={"bits": 4})
+    source, target = (
+        build(seed=0, adapter={"r": 4}, quantization={"bits": 4}),
+        build(seed=1, adapter={"r": 4}, quantization={"bits": 4}),
+    )
     assert not torch.equal(logits(source), logits(target))
     target.load_state_dict(source.state_dict(), strict=True)
     torch.testing.assert_close(logits(target), logits(source), rtol=0, atol=0)
@@ -157,8 +175,11 @@ def test_a_4bit_state_dict_loads_back_with_its_scales():
 
 def test_int8_base_trains_its_adapters():
     pl.seed_everything(0, verbose=False)
-    module = CausalLM(ModelFactory(preset="tiny-llama", adapter={"r": 8}, quantization={"bits": 8}), learning_rate=1e-2,
-                      warmup_steps=0)  # fmt: skip
+    module = CausalLM(
+        ModelFactory(preset="tiny-llama", adapter={"r": 8}, quantization={"bits": 8}),
+        learning_rate=1e-2,
+        warmup_steps=0,
+    )
     module.configure_model()
     batch = micro_batches("reference")[0]
     losses = []
@@ -172,15 +193,18 @@ def test_int8_base_trains_its_adapters():
     assert losses[-1] < losses[0] - 0.05
 
 
-@pytest.mark.parametrize(("options", "key", "fix"), [
-    ({"adapter": {"r": 0}}, "adapter.r", "positive integer rank"),
-    ({"adapter": {"target_modules": "q_proj"}}, "adapter.target_modules", "list of module names"),
-    ({"adapter": {"dropout": 1.0}}, "adapter.dropout", r"\[0, 1\)"),
-    ({"adapter": {"method": "ia3"}}, "adapter.method", "use lora"),
-    ({"quantization": {"bits": 4}}, "quantization", "add an model.init_args.model.adapter section"),
-    ({"adapter": {}, "quantization": {"bits": 3}}, "quantization.bits", "use 4"),
-    ({"adapter": {}, "quantization": {"quant_type": "int4"}}, "quantization.quant_type", "nf4"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("options", "key", "fix"),
+    [
+        ({"adapter": {"r": 0}}, "adapter.r", "positive integer rank"),
+        ({"adapter": {"target_modules": "q_proj"}}, "adapter.target_modules", "list of module names"),
+        ({"adapter": {"dropout": 1.0}}, "adapter.dropout", r"\[0, 1\)"),
+        ({"adapter": {"method": "ia3"}}, "adapter.method", "use lora"),
+        ({"quantization": {"bits": 4}}, "quantization", "add an model.init_args.model.adapter section"),
+        ({"adapter": {}, "quantization": {"bits": 3}}, "quantization.bits", "use 4"),
+        ({"adapter": {}, "quantization": {"quant_type": "int4"}}, "quantization.quant_type", "nf4"),
+    ],
+)
 def test_bad_adapter_and_quantization_options_name_the_key(options, key, fix):
     with pytest.raises(ConfigError, match=rf"model\.init_args\.model\.{key}=.*{fix}"):
         ModelFactory(preset="tiny-llama", **options)
@@ -191,13 +215,16 @@ def test_a_target_module_that_matches_nothing_is_refused_naming_the_key():
         build(adapter={"target_modules": ["qkv"]})
 
 
-@pytest.mark.parametrize(("bits", "storage", "model_dtype", "strategy", "reason"), [
-    (4, "uint8", "float32", FSDP1Strategy, "packed weights are stored as uint8; set quant_storage: float32"),
-    (4, "bfloat16", "float32", FSDP1Strategy, "stored as bfloat16; set quant_storage: float32"),
-    (8, "uint8", "bfloat16", FSDP1Strategy, "stored as uint8; set quant_storage: bfloat16"),
-    (8, "uint8", "float32", FSDP2Strategy, "8-bit layers cannot be sharded"),
-    (8, "uint8", "float32", ModelParallelStrategy, "8-bit layers cannot be sharded"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("bits", "storage", "model_dtype", "strategy", "reason"),
+    [
+        (4, "uint8", "float32", FSDP1Strategy, "packed weights are stored as uint8; set quant_storage: float32"),
+        (4, "bfloat16", "float32", FSDP1Strategy, "stored as bfloat16; set quant_storage: float32"),
+        (8, "uint8", "bfloat16", FSDP1Strategy, "stored as uint8; set quant_storage: bfloat16"),
+        (8, "uint8", "float32", FSDP2Strategy, "8-bit layers cannot be sharded"),
+        (8, "uint8", "float32", ModelParallelStrategy, "8-bit layers cannot be sharded"),
+    ],
+)
 def test_quantization_a_strategy_cannot_shard_is_refused(bits, storage, model_dtype, strategy, reason):
     with pytest.raises(ConfigError, match=rf"model\.init_args\.model\.quantization=.*{reason}"):
         check_quantization(QuantizationOptions(bits=bits, quant_storage=storage), strategy, model_dtype)
@@ -213,21 +240,33 @@ def test_packed_uint8_weights_under_fsdp2_are_refused_where_torch_cannot_shard_t
     if shards_integers:
         check_quantization(QuantizationOptions(bits=4), FSDP2Strategy)
     else:
-        with pytest.raises(ConfigError, match=r"model\.init_args\.model\.quantization=.*cannot hold the packed uint8 "
-                                              r"weights \(torch >= 2\.12 can\); set quant_storage: bfloat16, or upgrade"):
+        with pytest.raises(
+            ConfigError,
+            match=r"model\.init_args\.model\.quantization=.*cannot hold the packed uint8 "
+            r"weights \(torch >= 2\.12 can\); set quant_storage: bfloat16, or upgrade",
+        ):
             check_quantization(QuantizationOptions(bits=4), FSDP2Strategy, "bfloat16")
     check_quantization(QuantizationOptions(bits=4, quant_storage="bfloat16"), FSDP2Strategy, "bfloat16")
     check_quantization(QuantizationOptions(bits=4), DDPStrategy)  # DDP shards nothing
 
 
-@pytest.mark.parametrize(("dtype", "storage", "refused"), [("bfloat16", "bfloat16", False), ("float32", "bfloat16", True),
-                                                        ("float32", "uint8", True), ("float32", "float32", False)])
+@pytest.mark.parametrize(
+    ("dtype", "storage", "refused"),
+    [
+        ("bfloat16", "bfloat16", False),
+        ("float32", "bfloat16", True),
+        ("float32", "uint8", True),
+        ("float32", "float32", False),
+    ],
+)
 def test_the_study_rule_reads_the_model_dtype_for_fsdp1_qlora(dtype, storage, refused):
     """A study's config-level rule (``quantization_runs_under_strategy``) judges quant_storage against
     the config's ``model.init_args.model.dtype``, as the run's own check does (seen failing with the
     rule not passing the dtype on: bfloat16 storage in a bfloat16 model refused)."""
-    config = {"model": {"init_args": {"model": {"dtype": dtype, "quantization": {"bits": 4, "quant_storage": storage}}}},
-              "trainer": {"strategy": {"class_path": "lit_ablate.strategies.FSDP1Strategy"}}}  # fmt: skip
+    config = {
+        "model": {"init_args": {"model": {"dtype": dtype, "quantization": {"bits": 4, "quant_storage": storage}}}},
+        "trainer": {"strategy": {"class_path": "lit_ablate.strategies.FSDP1Strategy"}},
+    }
     reason = quantization_runs_under_strategy(config, None)
     assert (reason is not None) == refused, reason
     if refused:
@@ -250,17 +289,24 @@ def test_quant_storage_is_a_view_of_the_same_packed_bytes():
     assert count_parameters(as_float, as_float.config) == count_parameters(packed, packed.config)
 
 
-@pytest.mark.parametrize(("options", "key"), [({"quant_storage": "int4"}, "quant_storage"),
-                                              ({"bits": 8, "quant_storage": "bfloat16"}, "quant_storage")])
+@pytest.mark.parametrize(
+    ("options", "key"),
+    [({"quant_storage": "int4"}, "quant_storage"), ({"bits": 8, "quant_storage": "bfloat16"}, "quant_storage")],
+)
 def test_bad_quant_storage_is_refused_naming_the_key(options, key):
     with pytest.raises(ConfigError, match=rf"model\.init_args\.model\.quantization\.{key}="):
         QuantizationOptions(**options)
 
 
-@pytest.mark.parametrize(("study", "skipped"), [
-    ("fsdp1_peft_vs_fsdp2_lora", set()), ("lora_rank_targets", set()), ("lora_vs_qlora_vs_full", set()),
-    ("optimizer_states", {"fsdp2_bnb_adamw8bit"}),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("study", "skipped"),
+    [
+        ("fsdp1_peft_vs_fsdp2_lora", set()),
+        ("lora_rank_targets", set()),
+        ("lora_vs_qlora_vs_full", set()),
+        ("optimizer_states", {"fsdp2_bnb_adamw8bit"}),
+    ],
+)
 def test_the_adapter_studies_plan_on_cpu(study, skipped, tmp_path):
     """Every variant resolves as ``fit`` would; only bitsandbytes under FSDP2 is skipped (and torchao's
     variants where torchao is not installed), with the reason."""
@@ -271,5 +317,7 @@ def test_the_adapter_studies_plan_on_cpu(study, skipped, tmp_path):
 
     runs = plan_study(load_study(Path(__file__).parents[1] / "configs" / "studies" / f"{study}.yaml"), tmp_path)
     assert [r.variant.name for r in runs if r.invalid] == []
-    found = {r.variant.name for r in runs if r.skip_reason and "needs torchao, which is not installed" not in r.skip_reason}
+    found = {
+        r.variant.name for r in runs if r.skip_reason and "needs torchao, which is not installed" not in r.skip_reason
+    }
     assert found == skipped

@@ -78,9 +78,19 @@ def test_an_adapter_only_checkpoint_exports_over_its_pretrained_base(tmp_path):
     torch.manual_seed(0)
     ModelFactory(preset="tiny-llama").build().save_pretrained(tmp_path / "base")
     pl.seed_everything(0, verbose=False)
-    module = CausalLM(ModelFactory(pretrained=str(tmp_path / "base"), adapter={"r": 8}), learning_rate=1e-2, warmup_steps=0)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                         enable_checkpointing=False, default_root_dir=tmp_path, callbacks=[AdapterCheckpoint()])  # fmt: skip
+    module = CausalLM(
+        ModelFactory(pretrained=str(tmp_path / "base"), adapter={"r": 8}), learning_rate=1e-2, warmup_steps=0
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+        callbacks=[AdapterCheckpoint()],
+    )
     trainer.fit(module, DataLoader(micro_batches("reference"), batch_size=None))
     trainer.save_checkpoint(tmp_path / "adapters.ckpt")
     ids = torch.arange(40).reshape(2, 20) % 250
@@ -100,6 +110,7 @@ def test_the_base_fingerprint_of_4bit_weights_stored_as_floats_is_that_of_their_
     fingerprint matched nothing, itself included (seen: every FSDP2 QLoRA resume from an adapter-only
     checkpoint with float32 storage refused as "trained on another base"). Summed as bytes it is the
     uint8-stored model's, and another base still differs."""
+
     def fingerprint(storage: str, seed: int = 0) -> dict[str, float]:
         pl.seed_everything(seed, verbose=False)
         quantization = QuantizationOptions(bits=4, quant_type="nf4", quant_storage=storage)

@@ -60,7 +60,10 @@ def test_a_frozen_base_costs_4n_per_token_and_adapters_6n(full):
 
 
 def test_qlora_counts_packed_weights_as_the_weights_they_hold():
-    lora, qlora = module(adapter={"r": 4}).parameter_counts, module(adapter={"r": 4}, quantization={"bits": 4}).parameter_counts
+    lora, qlora = (
+        module(adapter={"r": 4}).parameter_counts,
+        module(adapter={"r": 4}, quantization={"bits": 4}).parameter_counts,
+    )
     assert qlora.quantized == LINEAR_WEIGHTS
     assert (qlora.total, qlora.trainable, qlora.matmul) == (lora.total, lora.trainable, lora.matmul)
     # NF4 + double quantisation: 4 bits, an 8-bit scale per 64 weights, an fp32 scale per 256 scales,
@@ -70,8 +73,14 @@ def test_qlora_counts_packed_weights_as_the_weights_they_hold():
     assert LINEAR_WEIGHTS * per_weight <= qlora.quantized_bytes <= LINEAR_WEIGHTS * per_weight + tables + 28 * 4
 
 
-@pytest.mark.parametrize("options", [{"adapter": {"r": 4}}, {"adapter": {"r": 4}, "quantization": {"bits": 4}},
-                                     {"adapter": {"r": 8, "target_modules": ["q_proj", "v_proj"]}}])  # fmt: skip
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"adapter": {"r": 4}},
+        {"adapter": {"r": 4}, "quantization": {"bits": 4}},
+        {"adapter": {"r": 8, "target_modules": ["q_proj", "v_proj"]}},
+    ],
+)
 def test_the_estimate_counts_a_config_like_the_built_model(options):
     """``lit-ablate estimate`` counts from a meta build (no weights, nothing quantised): the same
     counts as the model a run builds, except the per-layer code tables in the quantised bytes."""
@@ -95,16 +104,25 @@ def test_memory_estimate_of_lora_and_qlora(full):
     assert lora_fp.params == lora.total * 4
     assert q.params == (qlora.total - LINEAR_WEIGHTS) * 4 + qlora.quantized_bytes
     # 8-bit AdamW: every LoRA matrix of this model is under 4096 elements, so its states stay fp32.
-    eight = estimate_memory(lora, model_shape, TrainingShape(micro_batch=2, seq_len=64, optimizer="adamw8bit"), REPLICATED, 1)
+    eight = estimate_memory(
+        lora, model_shape, TrainingShape(micro_batch=2, seq_len=64, optimizer="adamw8bit"), REPLICATED, 1
+    )
     assert lora.small_trainable == LORA_R4 and eight.optimizer == LORA_R4 * 8
 
 
 def test_the_run_record_holds_total_trainable_and_adapter_counts(tmp_path):
     pl.seed_everything(0, verbose=False)
     lm = CausalLM(ModelFactory(preset="tiny-llama", adapter={"r": 4}), warmup_steps=0)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False,
-                         callbacks=[RunRecorder(path=str(tmp_path / "run.json"), warmup_steps=1)])  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[RunRecorder(path=str(tmp_path / "run.json"), warmup_steps=1)],
+    )
     trainer.fit(lm, DataLoader(micro_batches("reference"), batch_size=None))
     model = json.loads((tmp_path / "run.json").read_text())["model"]
     assert (model["trainable"], model["adapter"]) == (LORA_R4, LORA_R4)
@@ -114,7 +132,9 @@ def test_the_run_record_holds_total_trainable_and_adapter_counts(tmp_path):
 def test_count_parameters_reads_a_quantised_model_without_options():
     built = module(adapter={"r": 4}, quantization={"bits": 8}).model.lm
     counts = count_parameters(built, built.config)
-    assert counts.quantized == LINEAR_WEIGHTS and counts.quantized_bytes >= LINEAR_WEIGHTS  # int8: a byte each + row scales
+    assert (
+        counts.quantized == LINEAR_WEIGHTS and counts.quantized_bytes >= LINEAR_WEIGHTS
+    )  # int8: a byte each + row scales
     assert all(p.dtype == torch.int8 for n, p in built.named_parameters() if n.endswith("base_layer.weight"))
 
 
@@ -128,8 +148,9 @@ def test_memory_breakdown_splits_frozen_and_trainable_parameters(tmp_path):
     from lit_ablate.modules import CausalLM
     from tests.test_memory_categories import _fit
 
-    module = CausalLM(ModelFactory(preset="tiny-llama", adapter={"r": 8, "target_modules": ["q_proj", "v_proj"]}),
-                      warmup_steps=0)  # fmt: skip
+    module = CausalLM(
+        ModelFactory(preset="tiny-llama", adapter={"r": 8, "target_modules": ["q_proj", "v_proj"]}), warmup_steps=0
+    )
     record = _fit(str(tmp_path), "lora", 1, module=module)
     nbytes = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
     frozen = nbytes(p for p in module.parameters() if not p.requires_grad)
@@ -137,11 +158,20 @@ def test_memory_breakdown_splits_frozen_and_trainable_parameters(tmp_path):
     maxima = record["summary"]["tensor_breakdown"]["max"]
     assert maxima["frozen_params"] == frozen > 10 * trainable
     assert maxima["params"] == trainable + nbytes(module.buffers())
-    assert all(s["memory_frozen_params_bytes"] == frozen and s["memory_params_bytes"] == trainable
-               for s in record["steps"])  # fmt: skip
-    config = {"model": {"init_args": {"model": {"preset": "tiny-llama", "adapter": {"r": 8, "target_modules": [
-        "q_proj", "v_proj"]}}}}, "data": {"init_args": {"batch_size": 4, "seq_len": 16}}}  # fmt: skip
-    assert compare_with_measured(estimate_for_config(config, 1), record["summary"]["tensor_breakdown"])["params"]["agrees"]
+    assert all(
+        s["memory_frozen_params_bytes"] == frozen and s["memory_params_bytes"] == trainable for s in record["steps"]
+    )
+    config = {
+        "model": {
+            "init_args": {
+                "model": {"preset": "tiny-llama", "adapter": {"r": 8, "target_modules": ["q_proj", "v_proj"]}}
+            }
+        },
+        "data": {"init_args": {"batch_size": 4, "seq_len": 16}},
+    }
+    assert compare_with_measured(estimate_for_config(config, 1), record["summary"]["tensor_breakdown"])["params"][
+        "agrees"
+    ]
 
 
 def test_study_report_shows_trainable_parameters(tmp_path):
@@ -159,5 +189,5 @@ def test_study_report_shows_trainable_parameters(tmp_path):
     lines = table.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("| variant"))
     column = lines[start].split(" | ").index("trainable params")
-    rows = [line.split(" | ") for line in lines[start + 2:start + 5]]
+    rows = [line.split(" | ") for line in lines[start + 2 : start + 5]]
     assert len(rows) == 3 and all(row[column] == "98.3k" for row in rows)  # 98304 adapter weights of 1.56M

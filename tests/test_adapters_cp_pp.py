@@ -41,8 +41,11 @@ ADAPTERS = 4 * 7 * 2
 
 def kept(state: dict) -> dict[str, torch.Tensor]:
     """The adapters and one frozen base weight, whole."""
-    return {name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
-            for name, value in state.items() if ".lora_" in name or name == FROZEN}  # fmt: skip
+    return {
+        name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
+        for name, value in state.items()
+        if ".lora_" in name or name == FROZEN
+    }
 
 
 def train_reference() -> dict:
@@ -161,17 +164,27 @@ def fit_losses(strategy: object = "auto", devices: int = 1) -> list[float]:
     module = CausalLM(factory, learning_rate=1e-3, warmup_steps=0)
     losses = StepLosses()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, callbacks=[losses], logger=False,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        use_distributed_sampler=False, num_sanity_val_steps=0,
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=STEPS,
+        callbacks=[losses],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(module, DataLoader([sft_batch()] * STEPS, batch_size=None))
     return losses.losses
 
 
 def _lightning_fits(rank: int, world_size: int) -> dict:
-    return {"cp2": fit_losses(ContextParallelStrategy(cp=2), world_size),
-            "pp2": fit_losses(PipelineParallelStrategy(pp=2, schedule="1f1b", microbatches=2), world_size)}  # fmt: skip
+    return {
+        "cp2": fit_losses(ContextParallelStrategy(cp=2), world_size),
+        "pp2": fit_losses(PipelineParallelStrategy(pp=2, schedule="1f1b", microbatches=2), world_size),
+    }
 
 
 @pytest.mark.slow
@@ -184,5 +197,10 @@ def test_lightning_fits_lora_under_cp2_and_pp2_as_one_process():
     assert reference[-1] < reference[0] - 0.05, reference
     for rank_run in run_ranks(_lightning_fits, 2, init_process_group=False, timeout_s=400):
         for run in ("cp2", "pp2"):
-            torch.testing.assert_close(torch.tensor(rank_run[run]), torch.tensor(reference), rtol=0, atol=ATOL,
-                                       msg=lambda m, r=run: f"{r}: {m}")  # fmt: skip
+            torch.testing.assert_close(
+                torch.tensor(rank_run[run]),
+                torch.tensor(reference),
+                rtol=0,
+                atol=ATOL,
+                msg=lambda m, r=run: f"{r}: {m}",
+            )

@@ -68,10 +68,14 @@ def _reference(experts, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Ten
     """The LoRA formula on activations, one expert at a time."""
     lora, out = experts.adapters, []
     for e, rows in enumerate(tokens.split(counts.tolist())):
-        gate_up = F.linear(rows, experts.gate_up_proj[e]) + lora.scaling * (rows @ lora.gate_up_A[e].T) @ lora.gate_up_B[e].T
+        gate_up = (
+            F.linear(rows, experts.gate_up_proj[e]) + lora.scaling * (rows @ lora.gate_up_A[e].T) @ lora.gate_up_B[e].T
+        )
         gate, up = gate_up.chunk(2, dim=-1)
         hidden = experts.act_fn(gate) * up
-        out.append(F.linear(hidden, experts.down_proj[e]) + lora.scaling * (hidden @ lora.down_A[e].T) @ lora.down_B[e].T)
+        out.append(
+            F.linear(hidden, experts.down_proj[e]) + lora.scaling * (hidden @ lora.down_A[e].T) @ lora.down_B[e].T
+        )
     return torch.cat(out)
 
 
@@ -172,15 +176,31 @@ def test_expert_adapter_options_are_checked():
 def _fit(strategy: pl.strategies.Strategy | str, root: Path, devices: int, batches: list[dict]) -> dict:
     pl.seed_everything(0, verbose=False)
     moe = MoEOptions(experts="grouped", load_balance_weight=0.0, z_loss_weight=0.0)  # router losses are per rank
-    module = CausalLM(ModelFactory(preset="tiny-qwen3-moe", moe=moe, adapter=ADAPTER), learning_rate=1e-2, warmup_steps=0)
+    module = CausalLM(
+        ModelFactory(preset="tiny-qwen3-moe", moe=moe, adapter=ADAPTER), learning_rate=1e-2, warmup_steps=0
+    )
     losses = StepLosses()
-    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=3, callbacks=[losses],
-                         logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                         default_root_dir=root, use_distributed_sampler=False, num_sanity_val_steps=0)  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=3,
+        callbacks=[losses],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=root,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(module, DataLoader(batches, batch_size=None))
     lora = moe_blocks(module.model)[0].experts.adapters
-    return {"losses": losses.losses, "mesh": getattr(getattr(lora.gate_up_A, "device_mesh", None), "mesh_dim_names", ()),
-            "moved": float(_full(lora.gate_up_B).abs().max())}  # fmt: skip
+    return {
+        "losses": losses.losses,
+        "mesh": getattr(getattr(lora.gate_up_A, "device_mesh", None), "mesh_dim_names", ()),
+        "moved": float(_full(lora.gate_up_B).abs().max()),
+    }
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -209,19 +229,29 @@ def test_expert_adapter_counts_and_flops():
     from lit_ablate.estimate.from_config import model_of
 
     model = build("grouped")
-    counts, plain = count_parameters(model, model.config), count_parameters(build("grouped", adapter=None), model.config)
+    counts, plain = (
+        count_parameters(model, model.config),
+        count_parameters(build("grouped", adapter=None), model.config),
+    )
     expert_lora = sum(p.numel() for n, p in model.named_parameters() if ".experts.adapters." in n)
     attention_lora = counts.adapter - expert_lora
     assert expert_lora > 0 and counts.trainable == counts.adapter
     assert counts.matmul == plain.matmul + attention_lora  # q_proj's LoRA is per token; expert LoRA is not
     active_experts = plain.experts * model.config.num_experts_per_tok // model.config.num_experts
     assert counts.trainable_matmul == attention_lora + active_experts
-    config = {"model": {"init_args": {"model": {"preset": "tiny-qwen3-moe", "moe": {"experts": "grouped"},
-                                                "adapter": ADAPTER}}}}  # fmt: skip
+    config = {
+        "model": {
+            "init_args": {"model": {"preset": "tiny-qwen3-moe", "moe": {"experts": "grouped"}, "adapter": ADAPTER}}
+        }
+    }
     assert model_of(config)[0] == counts
     # transformers' own experts with peft's parameter LoRA (merged per forward through a parametrization)
     # count the same; seen failing when only ExpertLoRA was recognised (trainable_matmul without the experts).
     hf = build("hf")
     assert count_parameters(hf, hf.config) == counts
-    assert model_of({"model": {"init_args": {"model": {**config["model"]["init_args"]["model"],
-                                                       "moe": {"experts": "hf"}}}}})[0] == counts
+    assert (
+        model_of(
+            {"model": {"init_args": {"model": {**config["model"]["init_args"]["model"], "moe": {"experts": "hf"}}}}}
+        )[0]
+        == counts
+    )

@@ -35,8 +35,16 @@ def train(tmp_path: Path, **factory) -> tuple[Path, torch.Tensor, torch.Tensor]:
     """(checkpoint, the trained model's logits on IDS, the logits with the adapters disabled)."""
     pl.seed_everything(0, verbose=False)
     module = CausalLM(ModelFactory(**factory), learning_rate=1e-2, warmup_steps=0)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path)  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(module, DataLoader(micro_batches("reference"), batch_size=None))
     trainer.save_checkpoint(tmp_path / "last.ckpt")
     module.eval()
@@ -70,8 +78,12 @@ def test_adapter_folder_reloads_with_peft_and_the_trained_logits(lora_run, tmp_p
 
 def test_merged_export_is_one_plain_model_with_the_trained_logits(lora_run, tmp_path):
     checkpoint, trained, _ = lora_run
-    assert export_main(["--ckpt_path", str(checkpoint), "--output_dir", str(tmp_path / "merged"), "--tokenizer", "byte",
-                        "--merge"]) == 0  # fmt: skip
+    assert (
+        export_main(
+            ["--ckpt_path", str(checkpoint), "--output_dir", str(tmp_path / "merged"), "--tokenizer", "byte", "--merge"]
+        )
+        == 0
+    )
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert not any("lora" in name for name, _ in merged.named_parameters())
     torch.testing.assert_close(logits(merged), trained, rtol=0, atol=MERGE_ATOL)
@@ -81,10 +93,14 @@ def test_qlora_over_a_pretrained_base_exports_an_adapter_folder(tmp_path):
     torch.manual_seed(0)
     ModelFactory(preset="tiny-llama").build().save_pretrained(tmp_path / "base")
     quantization = {"bits": 4}
-    checkpoint, trained, _ = train(tmp_path, pretrained=str(tmp_path / "base"), adapter={"r": 8}, quantization=quantization)
+    checkpoint, trained, _ = train(
+        tmp_path, pretrained=str(tmp_path / "base"), adapter={"r": 8}, quantization=quantization
+    )
     out = export_hf_checkpoint(checkpoint, tmp_path / "adapter", tokenizer="byte")
     assert not (out / BASE_MODEL_DIR).exists()  # the adapter names the pretrained folder as its base
-    base = ModelFactory(pretrained=str(tmp_path / "base"), adapter={"r": 8}, quantization=quantization).build(with_adapters=False)
+    base = ModelFactory(pretrained=str(tmp_path / "base"), adapter={"r": 8}, quantization=quantization).build(
+        with_adapters=False
+    )
     torch.testing.assert_close(logits(PeftModel.from_pretrained(base, out)), trained, rtol=0, atol=0)
 
 
@@ -100,7 +116,9 @@ def test_qlora_merges_into_its_dequantised_base(tmp_path, bits):
     with pytest.raises(ConfigError, match="export with --merge"):
         export_hf_checkpoint(checkpoint, tmp_path / "adapter", tokenizer="byte")
     assert not (tmp_path / "adapter").exists(), "the refusal left its output folder behind"
-    merged = AutoModelForCausalLM.from_pretrained(export_hf_checkpoint(checkpoint, tmp_path / "merged", "byte", merge=True))
+    merged = AutoModelForCausalLM.from_pretrained(
+        export_hf_checkpoint(checkpoint, tmp_path / "merged", "byte", merge=True)
+    )
     assert all(p.dtype == torch.float32 for p in merged.parameters())
     torch.testing.assert_close(logits(merged), trained, rtol=0, atol=MERGE_ATOL if bits == 4 else INT8_MERGE_ATOL)
 
@@ -116,15 +134,25 @@ def test_expert_adapters_merge_into_the_hugging_face_experts(tmp_path, experts):
     assert (trained - base).abs().max() > 1e-3
     with pytest.raises(ConfigError, match="experts_r=2: expert adapters"):
         export_hf_checkpoint(checkpoint, tmp_path / "adapter", tokenizer="byte")
-    merged = AutoModelForCausalLM.from_pretrained(export_hf_checkpoint(checkpoint, tmp_path / "merged", "byte", merge=True))
+    merged = AutoModelForCausalLM.from_pretrained(
+        export_hf_checkpoint(checkpoint, tmp_path / "merged", "byte", merge=True)
+    )
     torch.testing.assert_close(logits(merged), trained, rtol=0, atol=1e-4)
 
 
 def test_merge_without_adapters_is_refused(tmp_path):
     pl.seed_everything(0, verbose=False)
     module = CausalLM(ModelFactory(preset="tiny-llama"))
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path)  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(module, DataLoader(micro_batches("reference"), batch_size=None))
     trainer.save_checkpoint(tmp_path / "full.ckpt")
     with pytest.raises(ConfigError, match="--merge=True: the run trained no adapters"):

@@ -18,11 +18,15 @@ FSDP2 = '{"class_path": "lit_ablate.strategies.FSDP2Strategy"}'
 QLORA = '{"bits": 4}'
 
 ROWS = {
-    "bitsandbytes_optimizer_under_fsdp2": (["--model.init_args.optimizer", "bnb_adamw8bit", "--trainer.strategy", FSDP2,
-                                            "--trainer.devices", "2"], ("model.init_args.optimizer", "torchao_adamw8bit")),
-    "qlora_under_fsdp1": (["--model.init_args.model.quantization", QLORA, "--trainer.strategy", FSDP1,
-                           "--trainer.devices", "2"], ("model.init_args.model.quantization", "set quant_storage: float32")),
-}  # fmt: skip
+    "bitsandbytes_optimizer_under_fsdp2": (
+        ["--model.init_args.optimizer", "bnb_adamw8bit", "--trainer.strategy", FSDP2, "--trainer.devices", "2"],
+        ("model.init_args.optimizer", "torchao_adamw8bit"),
+    ),
+    "qlora_under_fsdp1": (
+        ["--model.init_args.model.quantization", QLORA, "--trainer.strategy", FSDP1, "--trainer.devices", "2"],
+        ("model.init_args.model.quantization", "set quant_storage: float32"),
+    ),
+}
 
 
 @pytest.mark.parametrize("row", list(ROWS))

@@ -28,8 +28,17 @@ from tests.test_step_objective import StepLosses, micro_batches
 QUANTIZED = {"bits": 4, "quant_type": "nf4"}
 
 
-def fit(root: str, steps: int, quantized: bool, ckpt_path: str | None = None, strategy="auto", devices: int = 1,
-        rank: int = 0, callbacks: tuple = (), seed: int = 0) -> dict:  # fmt: skip
+def fit(
+    root: str,
+    steps: int,
+    quantized: bool,
+    ckpt_path: str | None = None,
+    strategy="auto",
+    devices: int = 1,
+    rank: int = 0,
+    callbacks: tuple = (),
+    seed: int = 0,
+) -> dict:
     pl.seed_everything(seed, verbose=False)
     storage = FSDP2_QUANT_STORAGE if isinstance(strategy, FSDP2Strategy) else "uint8"
     quantization = {**QUANTIZED, "quant_storage": storage} if quantized else None
@@ -38,9 +47,18 @@ def fit(root: str, steps: int, quantized: bool, ckpt_path: str | None = None, st
     module = CausalLM(factory, learning_rate=1e-2, warmup_steps=0, weight_decay=0.1, min_lr_ratio=1.0)
     losses = StepLosses()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, callbacks=[losses, *callbacks], logger=False,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, default_root_dir=root,
-        use_distributed_sampler=False, num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=steps,
+        callbacks=[losses, *callbacks],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=root,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
     )
     batches = micro_batches("reference" if devices == 1 else "ranks", rank)
     # Lightning resumes a plain DataLoader at the saved batch index but from its first item: rotate the
@@ -75,10 +93,21 @@ def _fsdp2_resume(rank: int, world_size: int, root: str, quantized: bool) -> dic
     one_file = {"strategy": FSDP2Strategy(save_distributed_checkpoint=False), "devices": 2, "rank": rank}
     adapters_first = fit(f"{root}/adapters", 2, quantized, callbacks=(AdapterCheckpoint(),), **one_file)
     one_file["strategy"] = FSDP2Strategy(save_distributed_checkpoint=False)
-    adapters_resumed = fit(f"{root}/adapters", 4, quantized, ckpt_path=f"{root}/adapters/step2.ckpt",
-                           callbacks=(AdapterCheckpoint(),), **one_file)  # fmt: skip
-    return {"first": first, "resumed": resumed, "straight": straight, "adapters_first": adapters_first,
-            "adapters_resumed": adapters_resumed}  # fmt: skip
+    adapters_resumed = fit(
+        f"{root}/adapters",
+        4,
+        quantized,
+        ckpt_path=f"{root}/adapters/step2.ckpt",
+        callbacks=(AdapterCheckpoint(),),
+        **one_file,
+    )
+    return {
+        "first": first,
+        "resumed": resumed,
+        "straight": straight,
+        "adapters_first": adapters_first,
+        "adapters_resumed": adapters_resumed,
+    }
 
 
 @pytest.mark.slow  # ~45 s on a loaded 2-core machine: 5 Trainer runs per rank

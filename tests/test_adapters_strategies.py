@@ -48,9 +48,11 @@ FSDP2_QUANT_STORAGE = "uint8" if FSDP2_SHARDS_INTEGER_WEIGHTS else "float32"
 hold integer parameters (2.11, where lit-ablate refuses uint8 there) as the float32 view of the same bytes."""
 
 STRATEGIES = {
-    "ddp": DDPStrategy, "fsdp1": FSDP1Strategy, "fsdp2": FSDP2Strategy,
+    "ddp": DDPStrategy,
+    "fsdp1": FSDP1Strategy,
+    "fsdp2": FSDP2Strategy,
     "hsdp": lambda: HSDPStrategy(dp_replicate=2, dp_shard=1),
-}  # fmt: skip
+}
 
 
 def factory(quantized: bool, quant_storage: str = "uint8") -> ModelFactory:
@@ -67,26 +69,47 @@ class EvalForwardAfter(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self.step:
             root = trainer.strategy.model  # FSDP1 holds whole weights only inside its root's forward, or when asked
-            whole = FullyShardedDataParallel.summon_full_params(root, writeback=False) if isinstance(
-                root, FullyShardedDataParallel) else nullcontext()  # fmt: skip
+            whole = (
+                FullyShardedDataParallel.summon_full_params(root, writeback=False)
+                if isinstance(root, FullyShardedDataParallel)
+                else nullcontext()
+            )
             pl_module.eval()
             with torch.no_grad(), whole:
                 pl_module.model.logits(batch["input_ids"][:1])
             pl_module.train()
 
 
-def fit(variant: str, strategy="auto", devices: int = 1, rank: int = 0, quantized: bool = False,
-        optimizer: str = "adamw", quant_storage: str = "uint8") -> dict:  # fmt: skip
+def fit(
+    variant: str,
+    strategy="auto",
+    devices: int = 1,
+    rank: int = 0,
+    quantized: bool = False,
+    optimizer: str = "adamw",
+    quant_storage: str = "uint8",
+) -> dict:
     """Train 5 steps; returns step losses, the trainable weights (gathered whole) and the frozen
     weights' checksum before and after."""
     pl.seed_everything(0, verbose=False)
-    module = CausalLM(factory(quantized, quant_storage), learning_rate=1e-2, warmup_steps=0, weight_decay=0.1, optimizer=optimizer)
+    module = CausalLM(
+        factory(quantized, quant_storage), learning_rate=1e-2, warmup_steps=0, weight_decay=0.1, optimizer=optimizer
+    )
     losses = StepLosses()
     callbacks = [losses, EvalForwardAfter(2)] if quantized else [losses]
     trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, callbacks=callbacks,
-        gradient_clip_val=1.0, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False, use_distributed_sampler=False, num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=STEPS,
+        callbacks=callbacks,
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
     )
     trainer.fit(module, DataLoader(micro_batches(variant, rank), batch_size=None))
     options = StateDictOptions(full_state_dict=True, ignore_frozen_params=True)
@@ -96,9 +119,17 @@ def fit(variant: str, strategy="auto", devices: int = 1, rank: int = 0, quantize
 
 
 def _two_rank_fits(rank: int, world_size: int, names: list[str], quantized: bool) -> dict:
-    return {name: fit("ranks", STRATEGIES[name](), devices=2, rank=rank, quantized=quantized,
-                      quant_storage=FSDP2_QUANT_STORAGE if name in ("fsdp2", "hsdp") else "uint8")
-            for name in names}  # fmt: skip
+    return {
+        name: fit(
+            "ranks",
+            STRATEGIES[name](),
+            devices=2,
+            rank=rank,
+            quantized=quantized,
+            quant_storage=FSDP2_QUANT_STORAGE if name in ("fsdp2", "hsdp") else "uint8",
+        )
+        for name in names
+    }
 
 
 @pytest.fixture(scope="module")

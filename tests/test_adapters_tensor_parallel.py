@@ -61,8 +61,9 @@ def build(meta: bool = False, **adapter: object) -> CausalLMWithLoss:
     return CausalLMWithLoss(lm, loss_backend("torch"))
 
 
-def train(model: CausalLMWithLoss, strategy: TensorParallelStrategy | None = None,
-          batches: list[dict] | None = None) -> dict:  # fmt: skip
+def train(
+    model: CausalLMWithLoss, strategy: TensorParallelStrategy | None = None, batches: list[dict] | None = None
+) -> dict:
     """SGD over the trainable weights, one micro-batch per step (``test_step_objective``'s by
     default); losses (mean over ranks) and the adapters and one frozen base weight, gathered whole."""
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
@@ -75,7 +76,9 @@ def train(model: CausalLMWithLoss, strategy: TensorParallelStrategy | None = Non
         optimizer.zero_grad()
         losses.append((loss_sum / useful).detach())
     weights = full_weights(model)
-    kept = {k: v for k, v in weights.items() if ".lora_" in k or k.endswith("layers.0.self_attn.q_proj.base_layer.weight")}
+    kept = {
+        k: v for k, v in weights.items() if ".lora_" in k or k.endswith("layers.0.self_attn.q_proj.base_layer.weight")
+    }
     return {"losses": mean_over_ranks(losses), "weights": kept}
 
 
@@ -130,7 +133,9 @@ def test_the_reference_trains(reference):
 
 def assert_same_training(runs: list[dict], reference: dict) -> None:
     for run in runs:
-        torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(reference["losses"]), rtol=0, atol=LOSS_ATOL)
+        torch.testing.assert_close(
+            torch.tensor(run["losses"]), torch.tensor(reference["losses"]), rtol=0, atol=LOSS_ATOL
+        )
         assert sorted(run["weights"]) == sorted(reference["weights"])
         for name, weight in reference["weights"].items():
             torch.testing.assert_close(run["weights"][name], weight, rtol=0, atol=PARAM_ATOL, msg=name)
@@ -141,9 +146,11 @@ def test_tp2_lora_trains_the_reference_adapters(reference, tp2):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not DTENSOR_FLATTENS_SHARDED_SEQUENCES,
-                    reason=f"torch {torch.__version__} refuses LoRA under sequence parallelism (its DTensor cannot compute "
-                           "lora_B on a sequence-sharded input): see the refusal's test below")
+@pytest.mark.skipif(
+    not DTENSOR_FLATTENS_SHARDED_SEQUENCES,
+    reason=f"torch {torch.__version__} refuses LoRA under sequence parallelism (its DTensor cannot compute "
+    "lora_B on a sequence-sharded input): see the refusal's test below",
+)
 def test_tp2_sequence_parallel_lora_trains_the_reference_adapters():
     """Under sequence parallelism a column-parallel block's input arrives as a replicated DTensor, and
     a row-parallel layer's ``lora_B`` reads only this rank's tokens. Seen failing: without handing the
@@ -175,7 +182,9 @@ def test_tp_refuses_dora_and_adapter_dropout(adapter):
 
 def test_tp_refuses_a_quantized_base():
     torch.manual_seed(0)
-    lm = ModelFactory(preset="tiny-llama", adapter=AdapterOptions(r=8), quantization=QuantizationOptions(bits=4)).build()
+    lm = ModelFactory(
+        preset="tiny-llama", adapter=AdapterOptions(r=8), quantization=QuantizationOptions(bits=4)
+    ).build()
     with pytest.raises(ConfigError, match=r"model\.init_args\.model\.quantization=.*use tp: 1"):
         layer_plan_for("llama")(lm.model.layers[0], False)
 
@@ -190,11 +199,21 @@ def test_lora_under_sequence_parallelism_is_refused_before_any_rank_where_torch_
     from lit_ablate.strategies import tensor_parallel_plans
 
     monkeypatch.setattr(tensor_parallel_plans, "DTENSOR_FLATTENS_SHARDED_SEQUENCES", False)
-    args = ["--config", str(CONFIGS / "sft_lora_tiny.yaml"), "--trainer.devices", "2", "--trainer.strategy",
-            "TensorParallelStrategy", "--data.init_args.collator",
-            '{"class_path": "lit_ablate.data.PaddingCollator", "init_args": {"pad_to_multiple_of": 2}}']  # fmt: skip
-    with pytest.raises(ConfigError, match=r"^trainer\.strategy\.init_args\.sequence_parallel=True: LoRA's lora_B .*"
-                                          r"cannot compute \(torch >= 2\.12 can\); set sequence_parallel: false"):
+    args = [
+        "--config",
+        str(CONFIGS / "sft_lora_tiny.yaml"),
+        "--trainer.devices",
+        "2",
+        "--trainer.strategy",
+        "TensorParallelStrategy",
+        "--data.init_args.collator",
+        '{"class_path": "lit_ablate.data.PaddingCollator", "init_args": {"pad_to_multiple_of": 2}}',
+    ]
+    with pytest.raises(
+        ConfigError,
+        match=r"^trainer\.strategy\.init_args\.sequence_parallel=True: LoRA's lora_B .*"
+        r"cannot compute \(torch >= 2\.12 can\); set sequence_parallel: false",
+    ):
         check_run_config("fit", resolve_fit_config([*args, "--trainer.strategy.init_args.sequence_parallel", "true"]))
     check_run_config("fit", resolve_fit_config([*args, "--trainer.strategy.init_args.sequence_parallel", "false"]))
     with pytest.raises(ConfigError, match="sequence_parallel=True: LoRA's lora_B"):

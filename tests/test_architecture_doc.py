@@ -25,8 +25,13 @@ from tests.test_layers import LAYERS
 
 REPOSITORY = Path(__file__).parents[1]
 PAGE = REPOSITORY / "docs" / "architecture.md"
-EXTENSIONS = ("A strategy step", "A callback: a custom metric", "A loss backend", "An attention backend",
-              "A study axis")
+EXTENSIONS = (
+    "A strategy step",
+    "A callback: a custom metric",
+    "A loss backend",
+    "An attention backend",
+    "A study axis",
+)
 
 RUN_BLOCKS = textwrap.dedent("""
     import re, sys, traceback
@@ -68,8 +73,9 @@ def test_the_layer_table_names_every_layer_the_layer_test_enforces():
 def test_every_python_block_runs(tmp_path: Path):
     python = blocks("python")
     assert len(python) == 4
-    done = subprocess.run([sys.executable, "-c", RUN_BLOCKS, str(PAGE)], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", RUN_BLOCKS, str(PAGE)], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-6000:]
     assert done.stdout.count(": ok") == len(python)
 
@@ -80,8 +86,10 @@ def test_the_study_axis_plans_its_variants(tmp_path: Path, capsys):
     folder.mkdir(parents=True)
     shutil.copy(REPOSITORY / "configs" / "quickstart.yaml", tmp_path / "configs")
     (folder / "loss_axis.yaml").write_text(study)
-    assert ablate_main(["--config", str(folder / "loss_axis.yaml"), "--output_dir", str(tmp_path / "out"),
-                        "--dry-run"]) == 0
+    assert (
+        ablate_main(["--config", str(folder / "loss_axis.yaml"), "--output_dir", str(tmp_path / "out"), "--dry-run"])
+        == 0
+    )
     plan = capsys.readouterr().out
     assert "2 variants" in plan and "2 would run" in plan, plan
     assert "torch seed0" in plan and "chunked seed0" in plan, plan

@@ -122,7 +122,9 @@ def _segment_attention(q, k, v, cu_q, cu_k, max_q, causal, scale, enable_gqa):
     out = torch.empty_like(q)
     for start, end in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
         segment = [t[start:end].transpose(0, 1)[None] for t in (q, k, v)]
-        out[start:end] = F.scaled_dot_product_attention(*segment, is_causal=causal, scale=scale, enable_gqa=enable_gqa)[0].transpose(0, 1)
+        out[start:end] = F.scaled_dot_product_attention(*segment, is_causal=causal, scale=scale, enable_gqa=enable_gqa)[
+            0
+        ].transpose(0, 1)
     return out
 
 
@@ -137,24 +139,56 @@ def _torch_varlen_is_causal(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
     return _segment_attention(query, key, value, cu_seq_q, cu_seq_k, max_q, is_causal, None, enable_gqa=False)
 
 
-def _torch_varlen_window(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                         window_size=(-1, -1), seqused_k=None):
+def _torch_varlen_window(
+    query,
+    key,
+    value,
+    cu_seq_q,
+    cu_seq_k,
+    max_q,
+    max_k,
+    *,
+    return_aux=None,
+    scale=None,
+    window_size=(-1, -1),
+    seqused_k=None,
+):
     """A later ``varlen_attn``: ``scale``, causal only as ``window_size == (-1, 0)``; no GQA."""
     assert query.shape[1] == key.shape[1] == value.shape[1], "as many K/V heads as query heads"
     assert window_size in ((-1, -1), (-1, 0)), "no sliding window here"
-    return _segment_attention(query, key, value, cu_seq_q, cu_seq_k, max_q, window_size == (-1, 0), scale, enable_gqa=False)
+    return _segment_attention(
+        query, key, value, cu_seq_q, cu_seq_k, max_q, window_size == (-1, 0), scale, enable_gqa=False
+    )
 
 
-def _torch_varlen_window_gqa(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                             window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+def _torch_varlen_window_gqa(
+    query,
+    key,
+    value,
+    cu_seq_q,
+    cu_seq_k,
+    max_q,
+    max_k,
+    *,
+    return_aux=None,
+    scale=None,
+    window_size=(-1, -1),
+    enable_gqa=False,
+    seqused_k=None,
+    block_table=None,
+    num_splits=None,
+):
     """torch 2.13's ``varlen_attn``: ``scale``, causal as ``window_size == (-1, 0)``, ``enable_gqa``."""
     assert enable_gqa or query.shape[1] == key.shape[1], "fewer K/V heads need enable_gqa"
     assert window_size in ((-1, -1), (-1, 0)), "no sliding window here"
     return _segment_attention(query, key, value, cu_seq_q, cu_seq_k, max_q, window_size == (-1, 0), scale, enable_gqa)
 
 
-TORCH_VARLEN_SIGNATURES = {"is_causal": _torch_varlen_is_causal, "window": _torch_varlen_window,
-                           "window_gqa": _torch_varlen_window_gqa}  # fmt: skip
+TORCH_VARLEN_SIGNATURES = {
+    "is_causal": _torch_varlen_is_causal,
+    "window": _torch_varlen_window,
+    "window_gqa": _torch_varlen_window_gqa,
+}
 """Stand-ins for torch's ``varlen_attn`` (CUDA only) with each signature it has had, strict about
 their arguments as the real ones are (an unknown keyword is a TypeError)."""
 
@@ -170,7 +204,9 @@ def test_fa_varlen_plumbing_with_a_reference_kernel(monkeypatch):
     positions = torch.cat([torch.arange(n) for n in LENGTHS])[None]
     cu_seqlens, max_seqlen = cu_seqlens_from_position_ids(positions)
     assert cu_seqlens.tolist() == [0, 7, 19, 24] and max_seqlen == 12
-    given = _packed_logits(model, docs, cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=12, max_length_k=12)
+    given = _packed_logits(
+        model, docs, cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=12, max_length_k=12
+    )
     torch.testing.assert_close(given, torch.cat(alone), rtol=0, atol=ATOL)
     ids, mask = torch.full((2, 12), 256), torch.zeros(2, 12, dtype=torch.long)  # a padded batch
     for row, d in enumerate(docs[:2]):
@@ -204,7 +240,9 @@ def test_fa_varlen_takes_the_packers_segments_from_the_batch(monkeypatch):
     losses = {}
     for attn in ("fa_varlen", "sdpa_packed"):
         torch.manual_seed(0)
-        model = CausalLMWithLoss(ModelFactory(preset="tiny-llama", attn_implementation=attn).build(), loss_backend("torch"))
+        model = CausalLMWithLoss(
+            ModelFactory(preset="tiny-llama", attn_implementation=attn).build(), loss_backend("torch")
+        )
         with torch.no_grad():
             losses[attn] = model(batch)[0]
     assert seen and all(cu is batch["cu_seqlens"] and m == batch["max_seqlen"] for cu, m in seen)
@@ -222,14 +260,21 @@ def test_torch_varlen_glue_equals_sdpa_packed(monkeypatch, signature):
     scaling left out where the kernel takes no ``scale`` (0.23)."""
     monkeypatch.setattr(attention, "torch_varlen_kernel", lambda: TORCH_VARLEN_SIGNATURES[signature])
     gen = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(2, 4, 16, 8, generator=gen), torch.randn(2, 2, 16, 8, generator=gen), torch.randn(2, 2, 16, 8, generator=gen)
+    q, k, v = (
+        torch.randn(2, 4, 16, 8, generator=gen),
+        torch.randn(2, 2, 16, 8, generator=gen),
+        torch.randn(2, 2, 16, 8, generator=gen),
+    )
     cotangent = torch.randn(2, 16, 4, 8, generator=gen)
     rows = ((7, 5, 4), (3, 13))
     positions = torch.stack([torch.cat([torch.arange(n) for n in docs]) for docs in rows])
     cu_seqlens, longest = cu_seqlens_from_position_ids(positions)
     padding = (torch.arange(16)[None] < torch.tensor([[11], [16]])).long()
-    cases = {"positions": ({"position_ids": positions}, None), "given segments": ({"position_ids": positions,
-             "cu_seq_lens_q": cu_seqlens, "max_length_q": longest}, None), "padded": ({}, padding)}  # fmt: skip
+    cases = {
+        "positions": ({"position_ids": positions}, None),
+        "given segments": ({"position_ids": positions, "cu_seq_lens_q": cu_seqlens, "max_length_q": longest}, None),
+        "padded": ({}, padding),
+    }
     for case, (inputs, mask) in cases.items():
         results = []
         for backend in (attention.torch_varlen_attention, attention.sdpa_packed_attention):
@@ -267,7 +312,9 @@ def test_torch_varlen_trains_the_packers_batch_like_sdpa_packed(monkeypatch, sig
     results = {}
     for attn in ("torch_varlen", "sdpa_packed"):
         torch.manual_seed(0)
-        model = CausalLMWithLoss(ModelFactory(preset="tiny-qwen3", attn_implementation=attn).build(), loss_backend("torch"))
+        model = CausalLMWithLoss(
+            ModelFactory(preset="tiny-qwen3", attn_implementation=attn).build(), loss_backend("torch")
+        )
         loss = model(batch)[0]
         loss.backward()
         results[attn] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
@@ -279,12 +326,18 @@ def test_torch_varlen_trains_the_packers_batch_like_sdpa_packed(monkeypatch, sig
 
 def test_torch_varlen_is_refused_where_it_cannot_train(monkeypatch):
     if not torch.cuda.is_available():
-        with pytest.raises(ConfigError, match=r"'torch_varlen': torch's varlen attention runs flash kernels on CUDA only; "
-                                              r"on CPU use sdpa_packed$"):  # fmt: skip
+        with pytest.raises(
+            ConfigError,
+            match=r"'torch_varlen': torch's varlen attention runs flash kernels on CUDA only; "
+            r"on CPU use sdpa_packed$",
+        ):
             check_attention_backend("torch_varlen", training=True)
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch.nn.attention.varlen"
-                        else find_spec(name, *a))  # fmt: skip
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "torch.nn.attention.varlen" else find_spec(name, *a),
+    )
     with pytest.raises(ConfigError, match=r"has no torch\.nn\.attention\.varlen \(torch 2\.10\+\)"):
         check_attention_backend("torch_varlen", training=True)
 
@@ -307,10 +360,19 @@ def test_check_attention_backend_rejects_what_cannot_run_here():
 
 GPU_TRAINING_BACKENDS = [
     "flex",
-    pytest.param("fa_varlen", marks=pytest.mark.skipif(
-        importlib.util.find_spec("flash_attn") is None, reason="needs the flash-attn package (not installed)")),
-    pytest.param("torch_varlen", marks=pytest.mark.skipif(
-        importlib.util.find_spec("torch.nn.attention.varlen") is None, reason="needs torch.nn.attention.varlen (torch 2.10+)")),
+    pytest.param(
+        "fa_varlen",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("flash_attn") is None, reason="needs the flash-attn package (not installed)"
+        ),
+    ),
+    pytest.param(
+        "torch_varlen",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("torch.nn.attention.varlen") is None,
+            reason="needs torch.nn.attention.varlen (torch 2.10+)",
+        ),
+    ),
 ]
 """Backends whose training runs only on CUDA; one that needs a missing package skips with that reason
 (``check_attention_backend`` would refuse it), so any other refusal on a GPU machine fails the test."""

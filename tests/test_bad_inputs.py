@@ -50,9 +50,17 @@ def _file(tmp: Path, name: str, text: str) -> str:
 
 def _model(**config) -> Build:
     """fit with the quickstart's tiny-llama and ``config`` over its sizes."""
+
     def build(tmp: Path) -> list[str]:
         model = {"class_path": "lit_ablate.modules.CausalLM", "init_args": {"model": {"config": config}}}
-        return [*FIT, "--trainer.default_root_dir", str(tmp), "--config", _file(tmp, "model.yaml", yaml.safe_dump({"model": model}))]
+        return [
+            *FIT,
+            "--trainer.default_root_dir",
+            str(tmp),
+            "--config",
+            _file(tmp, "model.yaml", yaml.safe_dump({"model": model})),
+        ]
+
     return build
 
 
@@ -62,12 +70,26 @@ def _estimate_model(**config) -> Build:
 
 def _sft_file(*rows: object) -> Build:
     """fit on a local JSONL of ``rows`` (a str row is written as it is: a malformed line)."""
+
     def build(tmp: Path) -> list[str]:
         lines = [row if isinstance(row, str) else json.dumps(row) for row in rows]
         path = _file(tmp, "rows.jsonl", "\n".join(lines) + "\n")
-        return ["fit", "--config", SFT, "--trainer.max_steps", "1", "--trainer.default_root_dir", str(tmp),
-                "--data.init_args.val_examples", "0", "--data.init_args.source", "lit_ablate.data.LocalFiles",
-                "--data.init_args.source.path", path]
+        return [
+            "fit",
+            "--config",
+            SFT,
+            "--trainer.max_steps",
+            "1",
+            "--trainer.default_root_dir",
+            str(tmp),
+            "--data.init_args.val_examples",
+            "0",
+            "--data.init_args.source",
+            "lit_ablate.data.LocalFiles",
+            "--data.init_args.source.path",
+            path,
+        ]
+
     return build
 
 
@@ -87,7 +109,9 @@ def _fake_checkpoint(tmp: Path, hyper_parameters: bool = True) -> str:
     """A real torch.save archive (with hyper-parameters, or none for ``fit`` to compare): passes the
     checkpoint checks, so a row can reach the next argument's check without training anything."""
     path = tmp / "fake.ckpt"
-    torch.save({"hyper_parameters": {"model": {"preset": "tiny-llama"}} if hyper_parameters else {}, "state_dict": {}}, path)
+    torch.save(
+        {"hyper_parameters": {"model": {"preset": "tiny-llama"}} if hyper_parameters else {}, "state_dict": {}}, path
+    )
     return str(path)
 
 
@@ -108,7 +132,14 @@ def _unsafe_pickle(tmp: Path) -> str:
 
 def _study(study: dict) -> Build:
     def build(tmp: Path) -> list[str]:
-        return ["ablate", "--config", _file(tmp, "study.yaml", yaml.safe_dump(study)), "--output_dir", str(tmp / "study")]
+        return [
+            "ablate",
+            "--config",
+            _file(tmp, "study.yaml", yaml.safe_dump(study)),
+            "--output_dir",
+            str(tmp / "study"),
+        ]
+
     return build
 
 
@@ -117,238 +148,573 @@ CHAT = [{"role": "user", "content": "1+1="}]
 
 ROWS: dict[str, tuple[Build, tuple[str, ...]]] = {
     # --- model shape: refused when ModelFactory is made, before anything is built -----------------
-    "hidden_not_divisible_by_heads": (_model(hidden_size=130), ("model.init_args.model.config.hidden_size=130", "num_attention_heads=4")),
+    "hidden_not_divisible_by_heads": (
+        _model(hidden_size=130),
+        ("model.init_args.model.config.hidden_size=130", "num_attention_heads=4"),
+    ),
     "kv_heads_not_dividing_heads": (_model(num_key_value_heads=3), ("config.num_key_value_heads=3", "[1, 2, 4]")),
     "negative_hidden_size": (_model(hidden_size=-8), ("config.hidden_size=-8", "positive")),
     # transformers keeps an unknown key as an attribute no model reads: this trained the default size
-    "model_config_key_typo": (_model(hidden_sise=64), ("model.init_args.model.config.hidden_sise=64", "did you mean hidden_size")),
+    "model_config_key_typo": (
+        _model(hidden_sise=64),
+        ("model.init_args.model.config.hidden_sise=64", "did you mean hidden_size"),
+    ),
     "zero_heads": (_model(num_attention_heads=0), ("config.num_attention_heads=0",)),
     "zero_vocab": (_model(vocab_size=0), ("config.vocab_size=0",)),
     "zero_intermediate_size": (_model(intermediate_size=0), ("config.intermediate_size=0",)),
     "zero_decoder_layers": (_model(num_hidden_layers=0), ("config.num_hidden_layers=0", "decoder layer")),
     "more_experts_per_token_than_experts": (
-        _fit("--model.init_args.model.preset", "tiny-qwen3-moe", "--model.init_args.model.config", '{"num_experts_per_tok": 9}'),
+        _fit(
+            "--model.init_args.model.preset",
+            "tiny-qwen3-moe",
+            "--model.init_args.model.config",
+            '{"num_experts_per_tok": 9}',
+        ),
         ("config.num_experts_per_tok=9", "8 experts"),
     ),
     "estimate_hidden_not_divisible": (_estimate_model(hidden_size=130), ("config.hidden_size=130",)),
     "estimate_zero_decoder_layers": (_estimate_model(num_hidden_layers=0), ("config.num_hidden_layers=0",)),
     # --- data: the file and line, the row and message -------------------------------------------
-    "malformed_jsonl_line": (_sft_file({"prompt": "1+1=", "response": "2"}, '{"prompt": "2+2=", "respo'),
-                             ("data.init_args.source.init_args.path", "line 2 of", "rows.jsonl", "not valid JSON")),
-    "truncated_jsonl_line": (_sft_file({"prompt": "1+1=", "response": "2"}, '{"prompt": "1+1=", "response": {'),
-                             ("data.init_args.source.init_args.path", "line 2 of", "rows.jsonl", "cut short")),
-    "chat_message_without_content": (_sft_file({"messages": [*CHAT, {"role": "assistant"}]}),
-                                     ("data.init_args.source row 1 messages[1]", "'content'")),
-    "chat_message_with_null_content": (_sft_file({"messages": [{"role": "user", "content": None}]}),
-                                       ("data.init_args.source row 1 messages[0]", "None", "'content'")),
-    "sft_row_without_response": (_sft_file({"prompt": "1+1=", "response": "2"}, {"prompt": "2+2="}),
-                                 ("data.init_args.source row 2", "'prompt'", "'response'")),
+    "malformed_jsonl_line": (
+        _sft_file({"prompt": "1+1=", "response": "2"}, '{"prompt": "2+2=", "respo'),
+        ("data.init_args.source.init_args.path", "line 2 of", "rows.jsonl", "not valid JSON"),
+    ),
+    "truncated_jsonl_line": (
+        _sft_file({"prompt": "1+1=", "response": "2"}, '{"prompt": "1+1=", "response": {'),
+        ("data.init_args.source.init_args.path", "line 2 of", "rows.jsonl", "cut short"),
+    ),
+    "chat_message_without_content": (
+        _sft_file({"messages": [*CHAT, {"role": "assistant"}]}),
+        ("data.init_args.source row 1 messages[1]", "'content'"),
+    ),
+    "chat_message_with_null_content": (
+        _sft_file({"messages": [{"role": "user", "content": None}]}),
+        ("data.init_args.source row 1 messages[0]", "None", "'content'"),
+    ),
+    "sft_row_without_response": (
+        _sft_file({"prompt": "1+1=", "response": "2"}, {"prompt": "2+2="}),
+        ("data.init_args.source row 2", "'prompt'", "'response'"),
+    ),
     # --- jsonargparse: the key, the expected type and the value, not "cannot import" ---------------
-    "wrong_type_in_init_args": (_fit("--data.init_args.batch_size", "abc"), ("data.init_args.batch_size='abc'", "expected int")),
+    "wrong_type_in_init_args": (
+        _fit("--data.init_args.batch_size", "abc"),
+        ("data.init_args.batch_size='abc'", "expected int"),
+    ),
     "unknown_key_in_init_args_yaml": (
         lambda tmp: [*FIT, "--config", _file(tmp, "unknown.yaml", "data:\n  init_args:\n    batch_sizee: 4\n")],
         ("data.init_args.batch_sizee", "did you mean batch_size"),
     ),
-    "wrong_type_in_model_init_args": (_fit("--model.init_args.learning_rate", "fast"),
-                                      ("model.init_args.learning_rate='fast'", "expected float")),
-    "wrong_type_two_classes_deep": (_fit("--data.init_args.source.init_args.num_documents", "many"),
-                                    ("data.init_args.source.init_args.num_documents='many'", "expected int")),
-    "unknown_key_two_classes_deep": (_fit("--data.init_args.source.init_args.num_docs", "3"),
-                                     ("data.init_args.source.init_args.num_docs", "did you mean num_documents")),
+    "wrong_type_in_model_init_args": (
+        _fit("--model.init_args.learning_rate", "fast"),
+        ("model.init_args.learning_rate='fast'", "expected float"),
+    ),
+    "wrong_type_two_classes_deep": (
+        _fit("--data.init_args.source.init_args.num_documents", "many"),
+        ("data.init_args.source.init_args.num_documents='many'", "expected int"),
+    ),
+    "unknown_key_two_classes_deep": (
+        _fit("--data.init_args.source.init_args.num_docs", "3"),
+        ("data.init_args.source.init_args.num_docs", "did you mean num_documents"),
+    ),
     # a dataclass section's keys have no init_args level: the line named a key path the config cannot have
     # refused by peft once the model was built, after the trainer and its run record existed
-    "lora_target_that_matches_nothing": (_args("fit", "--config", str(CONFIGS / "sft_lora_tiny.yaml"), "--trainer.max_steps", "1",
-                                                "--trainer.default_root_dir", "{tmp}",
-                                                "--model.init_args.model.adapter.target_modules", "[q_projj]"),
-                                          ("adapter.target_modules=['q_projj']", "linear layers are ['down_proj'", "all-linear")),
-    "wrong_value_in_a_dataclass_section": (_fit("--model.init_args.model.fp8", '{"recipe": "rowwis"}'),
-                                           ("model.init_args.model.fp8.recipe='rowwis'", "'tensorwise'")),
-    "value_outside_a_literal": (_fit("--data.init_args.format", "sftt"),
-                                ("data.init_args.format='sftt'", "one of ['pretrain', 'documents', 'sft']")),
-    "precision_outside_its_choices": (_fit("--trainer.precision", "17"),
-                                      ("trainer.precision='17'", "'bf16-mixed'", "'32-true'", "16", "or null")),
+    "lora_target_that_matches_nothing": (
+        _args(
+            "fit",
+            "--config",
+            str(CONFIGS / "sft_lora_tiny.yaml"),
+            "--trainer.max_steps",
+            "1",
+            "--trainer.default_root_dir",
+            "{tmp}",
+            "--model.init_args.model.adapter.target_modules",
+            "[q_projj]",
+        ),
+        ("adapter.target_modules=['q_projj']", "linear layers are ['down_proj'", "all-linear"),
+    ),
+    "wrong_value_in_a_dataclass_section": (
+        _fit("--model.init_args.model.fp8", '{"recipe": "rowwis"}'),
+        ("model.init_args.model.fp8.recipe='rowwis'", "'tensorwise'"),
+    ),
+    "value_outside_a_literal": (
+        _fit("--data.init_args.format", "sftt"),
+        ("data.init_args.format='sftt'", "one of ['pretrain', 'documents', 'sft']"),
+    ),
+    "precision_outside_its_choices": (
+        _fit("--trainer.precision", "17"),
+        ("trainer.precision='17'", "'bf16-mixed'", "'32-true'", "16", "or null"),
+    ),
     "unknown_trainer_key": (_fit("--trainer.max_stepz", "3"), ("trainer.max_stepz", "did you mean max_steps")),
     # DPO hands its optimizer options on to CausalLM as **kwargs: the hint reads them as the parser does
     # (seen failing with inspect.signature: "its parameters are [..., 'optimization']", no warmup_steps)
-    "unknown_dpo_optimizer_key": (_args("fit", "--config", DPO_TINY, "--model.init_args.warmup_step", "3"),
-                                  ("model.init_args.warmup_step", "did you mean warmup_steps")),
-    "unknown_class_path": (_fit("--data.init_args.source", "lit_ablate.data.NoSuchSource"),
-                           ("data.init_args.source", "cannot import 'lit_ablate.data.NoSuchSource'")),
+    "unknown_dpo_optimizer_key": (
+        _args("fit", "--config", DPO_TINY, "--model.init_args.warmup_step", "3"),
+        ("model.init_args.warmup_step", "did you mean warmup_steps"),
+    ),
+    "unknown_class_path": (
+        _fit("--data.init_args.source", "lit_ablate.data.NoSuchSource"),
+        ("data.init_args.source", "cannot import 'lit_ablate.data.NoSuchSource'"),
+    ),
     "missing_fit_config": (_args("fit", "--config", "{tmp}/missing.yaml"), ("--config", "missing.yaml")),
-    "fit_config_not_yaml": (lambda tmp: ["fit", "--config", _file(tmp, "bad.yaml", "trainer: [a\n")],
-                            ("--config", "not valid YAML", "line 2")),
+    "fit_config_not_yaml": (
+        lambda tmp: ["fit", "--config", _file(tmp, "bad.yaml", "trainer: [a\n")],
+        ("--config", "not valid YAML", "line 2"),
+    ),
     # --- files ------------------------------------------------------------------------------------
-    "unwritable_default_root_dir": (lambda tmp: [*FIT, "--trainer.default_root_dir", _text_file(tmp) + "/runs"],
-                                    ("trainer.default_root_dir=", "notes.ckpt/runs", "cannot write")),
-    "unwritable_recorder_path": (lambda tmp: [*FIT, "--trainer.default_root_dir", str(tmp), "--recorder.path", _text_file(tmp) + "/run.json"],
-                                 ("recorder.path=", "cannot write")),
+    "unwritable_default_root_dir": (
+        lambda tmp: [*FIT, "--trainer.default_root_dir", _text_file(tmp) + "/runs"],
+        ("trainer.default_root_dir=", "notes.ckpt/runs", "cannot write"),
+    ),
+    "unwritable_recorder_path": (
+        lambda tmp: [*FIT, "--trainer.default_root_dir", str(tmp), "--recorder.path", _text_file(tmp) + "/run.json"],
+        ("recorder.path=", "cannot write"),
+    ),
     "recorder_path_is_a_folder": (_fit("--recorder.path", "{tmp}"), ("recorder.path=", "is a folder")),
-    "fit_missing_checkpoint": (_fit("--ckpt_path", "{tmp}/missing.ckpt"), ("--ckpt_path=", "missing.ckpt", "no such file")),
-    "fit_text_file_as_checkpoint": (lambda tmp: [*FIT, "--ckpt_path", _text_file(tmp)], ("--ckpt_path=", "notes.ckpt", "not a checkpoint")),
-    "validate_missing_checkpoint": (_args("validate", "--config", QUICKSTART, "--ckpt_path", "{tmp}/missing.ckpt"),
-                                    ("--ckpt_path=", "no such file")),
-    "test_text_file_as_checkpoint": (lambda tmp: ["test", "--config", QUICKSTART, "--ckpt_path", _text_file(tmp)],
-                                     ("--ckpt_path=", "not a checkpoint")),
+    "fit_missing_checkpoint": (
+        _fit("--ckpt_path", "{tmp}/missing.ckpt"),
+        ("--ckpt_path=", "missing.ckpt", "no such file"),
+    ),
+    "fit_text_file_as_checkpoint": (
+        lambda tmp: [*FIT, "--ckpt_path", _text_file(tmp)],
+        ("--ckpt_path=", "notes.ckpt", "not a checkpoint"),
+    ),
+    "validate_missing_checkpoint": (
+        _args("validate", "--config", QUICKSTART, "--ckpt_path", "{tmp}/missing.ckpt"),
+        ("--ckpt_path=", "no such file"),
+    ),
+    "test_text_file_as_checkpoint": (
+        lambda tmp: ["test", "--config", QUICKSTART, "--ckpt_path", _text_file(tmp)],
+        ("--ckpt_path=", "not a checkpoint"),
+    ),
     "generate_missing_checkpoint": (_args(*GENERATE), ("--ckpt_path=", "missing.ckpt", "no such file")),
-    "generate_text_file_as_checkpoint": (lambda tmp: ["generate", "--ckpt_path", _text_file(tmp), "--prompt", "hi"],
-                                         ("--ckpt_path=", "not a checkpoint")),
+    "generate_text_file_as_checkpoint": (
+        lambda tmp: ["generate", "--ckpt_path", _text_file(tmp), "--prompt", "hi"],
+        ("--ckpt_path=", "not a checkpoint"),
+    ),
     "generate_archive_without_hyperparameters": (
-        lambda tmp: (torch.save({"weights": torch.zeros(1)}, tmp / "w.pt"), ["generate", "--ckpt_path", str(tmp / "w.pt"), "--prompt", "hi"])[1],
+        lambda tmp: (
+            torch.save({"weights": torch.zeros(1)}, tmp / "w.pt"),
+            ["generate", "--ckpt_path", str(tmp / "w.pt"), "--prompt", "hi"],
+        )[1],
         ("--ckpt_path=", "no hyper_parameters"),
     ),
-    "generate_empty_folder": (lambda tmp: ["generate", "--ckpt_path", str(tmp), "--prompt", "hi"],
-                              ("--ckpt_path=", "a folder without meta.pt is not a sharded checkpoint")),
-    "export_empty_folder": (lambda tmp: ["export", "--ckpt_path", str(tmp), "--output_dir", str(tmp / "hf")],
-                            ("lit-ablate export: error: --ckpt_path=", "a folder without meta.pt is not a sharded checkpoint")),
-    "export_missing_checkpoint": (_args("export", "--ckpt_path", "{tmp}/missing.ckpt", "--output_dir", "{tmp}/hf"),
-                                  ("--ckpt_path=", "no such file")),
-    "export_text_file_as_checkpoint": (lambda tmp: ["export", "--ckpt_path", _text_file(tmp), "--output_dir", str(tmp / "hf")],
-                                       ("--ckpt_path=", "not a checkpoint")),
-    "export_onto_an_existing_file": (lambda tmp: ["export", "--ckpt_path", _fake_checkpoint(tmp), "--output_dir", _text_file(tmp)],
-                                     ("--output_dir=", "notes.ckpt", "is a file")),
-    "export_unwritable_output_dir": (lambda tmp: ["export", "--ckpt_path", _fake_checkpoint(tmp), "--output_dir", _text_file(tmp) + "/hf"],
-                                     ("--output_dir=", "cannot write")),
+    "generate_empty_folder": (
+        lambda tmp: ["generate", "--ckpt_path", str(tmp), "--prompt", "hi"],
+        ("--ckpt_path=", "a folder without meta.pt is not a sharded checkpoint"),
+    ),
+    "export_empty_folder": (
+        lambda tmp: ["export", "--ckpt_path", str(tmp), "--output_dir", str(tmp / "hf")],
+        ("lit-ablate export: error: --ckpt_path=", "a folder without meta.pt is not a sharded checkpoint"),
+    ),
+    "export_missing_checkpoint": (
+        _args("export", "--ckpt_path", "{tmp}/missing.ckpt", "--output_dir", "{tmp}/hf"),
+        ("--ckpt_path=", "no such file"),
+    ),
+    "export_text_file_as_checkpoint": (
+        lambda tmp: ["export", "--ckpt_path", _text_file(tmp), "--output_dir", str(tmp / "hf")],
+        ("--ckpt_path=", "not a checkpoint"),
+    ),
+    "export_onto_an_existing_file": (
+        lambda tmp: ["export", "--ckpt_path", _fake_checkpoint(tmp), "--output_dir", _text_file(tmp)],
+        ("--output_dir=", "notes.ckpt", "is a file"),
+    ),
+    "export_unwritable_output_dir": (
+        lambda tmp: ["export", "--ckpt_path", _fake_checkpoint(tmp), "--output_dir", _text_file(tmp) + "/hf"],
+        ("--output_dir=", "cannot write"),
+    ),
     # paths the run reads or writes once it runs: refused before any rank starts, naming the key and what to do
-    "data_cache_dir_under_a_file": (lambda tmp: [*FIT, "--trainer.default_root_dir", str(tmp), "--data.init_args.storage",
-                                                 "cache", "--data.init_args.cache_dir", _text_file(tmp) + "/cache"],
-                                    ("data.init_args.cache_dir=", "notes.ckpt/cache", "notes.ckpt is a file, not a folder")),
-    "corrupt_reference_cache": (lambda tmp: ["fit", "--config", DPO_TINY, "--trainer.default_root_dir", str(tmp),
-                                             "--model.init_args.reference", "precomputed",
-                                             "--model.init_args.reference_cache", _unsafe_pickle(tmp)],
-                                ("model.init_args.reference_cache=", "ref.pt", "does not load as plain tensors",
-                                 "delete it")),
-    "sharded_folder_resumed_on_one_device": (lambda tmp: [*FIT, "--trainer.default_root_dir", str(tmp),
-                                                          "--ckpt_path", _sharded_folder(tmp)],
-                                             ("--ckpt_path=", "a sharded checkpoint folder", "'auto' would open as one "
-                                              "file", "resume with the strategy (and ranks) that wrote it")),
-    "pipeline_resumed_from_a_file": (lambda tmp: ["fit", "--config", FSDP2, "--trainer.default_root_dir", str(tmp),
-                                                  "--trainer.strategy", "PipelineParallelStrategy",
-                                                  "--ckpt_path", _fake_checkpoint(tmp, hyper_parameters=False)],
-                                     ("--ckpt_path=", "fake.ckpt", "resumes from the sharded checkpoint folder")),
+    "data_cache_dir_under_a_file": (
+        lambda tmp: [
+            *FIT,
+            "--trainer.default_root_dir",
+            str(tmp),
+            "--data.init_args.storage",
+            "cache",
+            "--data.init_args.cache_dir",
+            _text_file(tmp) + "/cache",
+        ],
+        ("data.init_args.cache_dir=", "notes.ckpt/cache", "notes.ckpt is a file, not a folder"),
+    ),
+    "corrupt_reference_cache": (
+        lambda tmp: [
+            "fit",
+            "--config",
+            DPO_TINY,
+            "--trainer.default_root_dir",
+            str(tmp),
+            "--model.init_args.reference",
+            "precomputed",
+            "--model.init_args.reference_cache",
+            _unsafe_pickle(tmp),
+        ],
+        ("model.init_args.reference_cache=", "ref.pt", "does not load as plain tensors", "delete it"),
+    ),
+    "sharded_folder_resumed_on_one_device": (
+        lambda tmp: [*FIT, "--trainer.default_root_dir", str(tmp), "--ckpt_path", _sharded_folder(tmp)],
+        (
+            "--ckpt_path=",
+            "a sharded checkpoint folder",
+            "'auto' would open as one file",
+            "resume with the strategy (and ranks) that wrote it",
+        ),
+    ),
+    "pipeline_resumed_from_a_file": (
+        lambda tmp: [
+            "fit",
+            "--config",
+            FSDP2,
+            "--trainer.default_root_dir",
+            str(tmp),
+            "--trainer.strategy",
+            "PipelineParallelStrategy",
+            "--ckpt_path",
+            _fake_checkpoint(tmp, hyper_parameters=False),
+        ],
+        ("--ckpt_path=", "fake.ckpt", "resumes from the sharded checkpoint folder"),
+    ),
     # an existing folder or file that holds no tokenizer was a 94-line traceback from transformers
-    "tokenizer_folder_without_a_tokenizer": (_fit("--data.init_args.tokenizer", "{tmp}"),
-                                             ("data.init_args.tokenizer=", "the folder holds no tokenizer", "save_pretrained")),
-    "tokenizer_that_is_a_file": (lambda tmp: _fit("--data.init_args.tokenizer", _file(tmp, "tok.json", "{}"))(tmp),
-                                 ("data.init_args.tokenizer=", "a file, not a tokenizer folder")),
-    "cache_dir_with_memory_storage": (_fit("--data.init_args.storage", "memory", "--data.init_args.cache_dir", "{tmp}/c"),
-                                      ("data.init_args.cache_dir=", "acts only when data.init_args.storage is cache or auto")),
+    "tokenizer_folder_without_a_tokenizer": (
+        _fit("--data.init_args.tokenizer", "{tmp}"),
+        ("data.init_args.tokenizer=", "the folder holds no tokenizer", "save_pretrained"),
+    ),
+    "tokenizer_that_is_a_file": (
+        lambda tmp: _fit("--data.init_args.tokenizer", _file(tmp, "tok.json", "{}"))(tmp),
+        ("data.init_args.tokenizer=", "a file, not a tokenizer folder"),
+    ),
+    "cache_dir_with_memory_storage": (
+        _fit("--data.init_args.storage", "memory", "--data.init_args.cache_dir", "{tmp}/c"),
+        ("data.init_args.cache_dir=", "acts only when data.init_args.storage is cache or auto"),
+    ),
     # --- trainer ----------------------------------------------------------------------------------
     "accumulate_zero_batches": (_fit("--trainer.accumulate_grad_batches", "0"), ("trainer.accumulate_grad_batches=0",)),
     "zero_max_steps": (_fit("--trainer.max_steps", "0"), ("trainer.max_steps=0", "at least 1 step")),
-    "gpu_accelerator_without_gpu": (_fit("--trainer.accelerator", "gpu"), ("trainer.accelerator='gpu'", "no CUDA device")),
+    "gpu_accelerator_without_gpu": (
+        _fit("--trainer.accelerator", "gpu"),
+        ("trainer.accelerator='gpu'", "no CUDA device"),
+    ),
     # Lightning's own refusals of these were stack traces from Trainer.__init__, or came after step 1
     "unknown_accelerator": (_fit("--trainer.accelerator", "cpuu"), ("trainer.accelerator='cpuu'", "auto, cpu, cuda")),
-    "accelerator_without_its_device": (_fit("--trainer.accelerator", "tpu"), ("trainer.accelerator='tpu'", "no tpu device")),
+    "accelerator_without_its_device": (
+        _fit("--trainer.accelerator", "tpu"),
+        ("trainer.accelerator='tpu'", "no tpu device"),
+    ),
     "negative_devices": (_fit("--trainer.devices", "-2"), ("trainer.devices='-2'", "a positive number of devices")),
     "devices_in_words": (_fit("--trainer.devices", "two"), ("trainer.devices='two'", "a list of device ids")),
     "zero_nodes": (_fit("--trainer.num_nodes", "0"), ("trainer.num_nodes=0", "a positive number of nodes")),
     # waited for the other node, silently, until killed
-    "nodes_without_a_launcher": (_fit("--trainer.num_nodes", "2", "--trainer.strategy", "ddp"),
-                                 ("trainer.num_nodes=2", "no launcher started this process", "srun or torchrun")),
-    "zero_val_check_interval": (_fit("--trainer.val_check_interval", "0"), ("trainer.val_check_interval=0", "positive")),
+    "nodes_without_a_launcher": (
+        _fit("--trainer.num_nodes", "2", "--trainer.strategy", "ddp"),
+        ("trainer.num_nodes=2", "no launcher started this process", "srun or torchrun"),
+    ),
+    "zero_val_check_interval": (
+        _fit("--trainer.val_check_interval", "0"),
+        ("trainer.val_check_interval=0", "positive"),
+    ),
     # these trained nothing and exited 0
-    "zero_train_batches": (_fit("--trainer.limit_train_batches", "0"), ("trainer.limit_train_batches=0", "trains nothing")),
+    "zero_train_batches": (
+        _fit("--trainer.limit_train_batches", "0"),
+        ("trainer.limit_train_batches=0", "trains nothing"),
+    ),
     "zero_max_epochs": (_fit("--trainer.max_epochs", "0"), ("trainer.max_epochs=0", "at least 1 epoch")),
     # accepted without a word: clipping silently off, decay growing the weights, "median after -1 warm-up steps"
     "negative_clip_value": (_fit("--trainer.gradient_clip_val", "-1"), ("trainer.gradient_clip_val=-1", "0 / null")),
     "negative_weight_decay": (_fit("--model.init_args.weight_decay", "-0.1"), ("model.init_args.weight_decay=-0.1",)),
     "negative_record_warmup": (_fit("--recorder.warmup_steps", "-1"), ("recorder.warmup_steps=-1", "0 or more")),
     # --- optimizer: refused when the optimizer was built, after the ranks started and the model was built ---
-    "beta_of_one_or_more": (_fit("--model.init_args.betas", "[0.9, 1.5]"), ("model.init_args.betas=[0.9, 1.5]", "[0, 1)")),
-    "unknown_optimizer_option": (_fit("--model.init_args.optimizer_options", '{"epss": 1e-8}'),
-                                 ("model.init_args.optimizer_options.epss=", "did you mean eps")),
-    "optimizer_option_the_class_refuses": (_fit("--model.init_args.optimizer_options", '{"eps": -1}'),
-                                           ("model.init_args.optimizer_options={'eps': -1}", "Invalid epsilon value")),
-    "fit_mesh_not_the_world_size": (_args("fit", "--config", FSDP2, "--trainer.default_root_dir", "{tmp}",
-                                          "--trainer.strategy.init_args.dp_replicate", "2",
-                                          "--trainer.strategy.init_args.dp_shard", "2"),
-                                    ("trainer.strategy.init_args", "multiply to 4", "world size", "is 2")),
-    "ep_larger_than_the_world_size": (_args("fit", "--config", FSDP2, "--trainer.default_root_dir", "{tmp}",
-                                            "--trainer.strategy.class_path", "lit_ablate.strategies.ExpertParallelStrategy",
-                                            "--trainer.strategy.init_args.ep", "4"),
-                                      ("trainer.strategy.init_args.ep=4", "cannot exceed the world size (2 ranks")),
-    "unknown_strategy_name": (_fit("--trainer.strategy", "lit_ablate.strategies.FSDP3Strategy"),
-                              ("trainer.strategy='lit_ablate.strategies.FSDP3Strategy'", "not a strategy", "'ddp'",
-                               "'FSDP2Strategy'")),
-    "strategy_refusal_inside_a_union": (_args("fit", "--config", FSDP2, "--trainer.default_root_dir", "{tmp}",
-                                              "--trainer.strategy.init_args.activation_checkpointing", "full",
-                                              "--trainer.strategy.init_args.checkpoint_every", "0"),
-                                        ("trainer.strategy.init_args.checkpoint_every=0", "use 1 or more")),
+    "beta_of_one_or_more": (
+        _fit("--model.init_args.betas", "[0.9, 1.5]"),
+        ("model.init_args.betas=[0.9, 1.5]", "[0, 1)"),
+    ),
+    "unknown_optimizer_option": (
+        _fit("--model.init_args.optimizer_options", '{"epss": 1e-8}'),
+        ("model.init_args.optimizer_options.epss=", "did you mean eps"),
+    ),
+    "optimizer_option_the_class_refuses": (
+        _fit("--model.init_args.optimizer_options", '{"eps": -1}'),
+        ("model.init_args.optimizer_options={'eps': -1}", "Invalid epsilon value"),
+    ),
+    "fit_mesh_not_the_world_size": (
+        _args(
+            "fit",
+            "--config",
+            FSDP2,
+            "--trainer.default_root_dir",
+            "{tmp}",
+            "--trainer.strategy.init_args.dp_replicate",
+            "2",
+            "--trainer.strategy.init_args.dp_shard",
+            "2",
+        ),
+        ("trainer.strategy.init_args", "multiply to 4", "world size", "is 2"),
+    ),
+    "ep_larger_than_the_world_size": (
+        _args(
+            "fit",
+            "--config",
+            FSDP2,
+            "--trainer.default_root_dir",
+            "{tmp}",
+            "--trainer.strategy.class_path",
+            "lit_ablate.strategies.ExpertParallelStrategy",
+            "--trainer.strategy.init_args.ep",
+            "4",
+        ),
+        ("trainer.strategy.init_args.ep=4", "cannot exceed the world size (2 ranks"),
+    ),
+    "unknown_strategy_name": (
+        _fit("--trainer.strategy", "lit_ablate.strategies.FSDP3Strategy"),
+        ("trainer.strategy='lit_ablate.strategies.FSDP3Strategy'", "not a strategy", "'ddp'", "'FSDP2Strategy'"),
+    ),
+    "strategy_refusal_inside_a_union": (
+        _args(
+            "fit",
+            "--config",
+            FSDP2,
+            "--trainer.default_root_dir",
+            "{tmp}",
+            "--trainer.strategy.init_args.activation_checkpointing",
+            "full",
+            "--trainer.strategy.init_args.checkpoint_every",
+            "0",
+        ),
+        ("trainer.strategy.init_args.checkpoint_every=0", "use 1 or more"),
+    ),
     # --- keys that only act together with another's value: refused where they would be ignored ---------
-    "cp_option_without_cp": (_args("fit", "--config", FSDP2, "--trainer.default_root_dir", "{tmp}",
-                                    "--trainer.strategy.class_path", "lit_ablate.strategies.MeshParallelStrategy",
-                                    "--trainer.strategy.init_args.cp_layout", "contiguous"),
-                             ("trainer.strategy.init_args.cp_layout='contiguous'",
-                              "acts only when trainer.strategy.init_args.cp is not 1 (here 1)")),
-    "compile_backend_without_compile_layers": (_args("fit", "--config", FSDP2, "--trainer.default_root_dir", "{tmp}",
-                                                     "--trainer.strategy.init_args.compile_backend", "aot_eager"),
-                                               ("trainer.strategy.init_args.compile_backend='aot_eager'",
-                                                "acts only when trainer.strategy.init_args.compile_layers is true")),
-    "unknown_compile_backend": (_args("fit", "--config", FSDP2, "--trainer.default_root_dir", "{tmp}",
-                                      "--trainer.strategy.init_args.compile_layers", "true",
-                                      "--trainer.strategy.init_args.compile_backend", "inductr"),
-                                ("trainer.strategy.init_args.compile_backend='inductr'", "use inductor")),
-    "powersgd_rank_without_powersgd": (_fit("--trainer.strategy", "lit_ablate.strategies.DDPStrategy",
-                                            "--trainer.strategy.init_args.powersgd_rank", "4"),
-                                       ("trainer.strategy.init_args.powersgd_rank=4", "comm_hook is powersgd")),
+    "cp_option_without_cp": (
+        _args(
+            "fit",
+            "--config",
+            FSDP2,
+            "--trainer.default_root_dir",
+            "{tmp}",
+            "--trainer.strategy.class_path",
+            "lit_ablate.strategies.MeshParallelStrategy",
+            "--trainer.strategy.init_args.cp_layout",
+            "contiguous",
+        ),
+        (
+            "trainer.strategy.init_args.cp_layout='contiguous'",
+            "acts only when trainer.strategy.init_args.cp is not 1 (here 1)",
+        ),
+    ),
+    "compile_backend_without_compile_layers": (
+        _args(
+            "fit",
+            "--config",
+            FSDP2,
+            "--trainer.default_root_dir",
+            "{tmp}",
+            "--trainer.strategy.init_args.compile_backend",
+            "aot_eager",
+        ),
+        (
+            "trainer.strategy.init_args.compile_backend='aot_eager'",
+            "acts only when trainer.strategy.init_args.compile_layers is true",
+        ),
+    ),
+    "unknown_compile_backend": (
+        _args(
+            "fit",
+            "--config",
+            FSDP2,
+            "--trainer.default_root_dir",
+            "{tmp}",
+            "--trainer.strategy.init_args.compile_layers",
+            "true",
+            "--trainer.strategy.init_args.compile_backend",
+            "inductr",
+        ),
+        ("trainer.strategy.init_args.compile_backend='inductr'", "use inductor"),
+    ),
+    "powersgd_rank_without_powersgd": (
+        _fit(
+            "--trainer.strategy", "lit_ablate.strategies.DDPStrategy", "--trainer.strategy.init_args.powersgd_rank", "4"
+        ),
+        ("trainer.strategy.init_args.powersgd_rank=4", "comm_hook is powersgd"),
+    ),
     "study_slurm_block_without_the_slurm_executor": (
-        _study({"name": "local", "base": QUICKSTART, "steps": 1, "axes": {"data.init_args.batch_size": [2, 4]},
-                "launch": {"slurm": {"partition": "cpu"}}}),
+        _study(
+            {
+                "name": "local",
+                "base": QUICKSTART,
+                "steps": 1,
+                "axes": {"data.init_args.batch_size": [2, 4]},
+                "launch": {"slurm": {"partition": "cpu"}},
+            }
+        ),
         ("launch.slurm={'partition': 'cpu'}", "acts only when launch.executor is 'slurm' (here 'local')"),
     ),
     "no_wait_on_a_local_study": (
-        lambda tmp: [*_study({"name": "local", "base": QUICKSTART, "steps": 1,
-                              "axes": {"data.init_args.batch_size": [2, 4]}})(tmp), "--no-wait"],
+        lambda tmp: [
+            *_study({"name": "local", "base": QUICKSTART, "steps": 1, "axes": {"data.init_args.batch_size": [2, 4]}})(
+                tmp
+            ),
+            "--no-wait",
+        ],
         ("--no-wait=True", "acts only when launch.executor is 'slurm'"),
     ),
     # --- the model's shape against the mesh, and the batches: refused before any rank starts ------------
-    "ep_not_dividing_the_experts": (_args("fit", "--config", FSDP2, "--trainer.default_root_dir", "{tmp}",
-                                          "--trainer.strategy.class_path", "lit_ablate.strategies.ExpertParallelStrategy",
-                                          "--trainer.strategy.init_args.ep", "2", "--model.init_args.model.preset",
-                                          "tiny-qwen3-moe", "--model.init_args.model.moe", '{"experts": "grouped"}',
-                                          "--model.init_args.model.config", '{"num_experts": 3}'),
-                                    ("trainer.strategy.init_args.ep=2", "3 experts per layer", "divides 3")),
-    "tp_not_dividing_the_heads": (_args("fit", "--config", FSDP2, "--trainer.default_root_dir", "{tmp}",
-                                        "--trainer.strategy.class_path", "lit_ablate.strategies.TensorParallelStrategy",
-                                        "--trainer.strategy.init_args.tp", "2", "--trainer.strategy.init_args.dp_shard", "1",
-                                        "--model.init_args.model.config", '{"num_key_value_heads": 1}'),
-                                  ("trainer.strategy.init_args.tp=2", "num_key_value_heads is 1")),
-    "more_stages_than_layers": (_args("fit", "--config", FSDP2, "--trainer.default_root_dir", "{tmp}",
-                                      "--trainer.strategy", "PipelineParallelStrategy",
-                                      "--model.init_args.model.config", '{"num_hidden_layers": 1}'),
-                                ("trainer.strategy.init_args.pp=2", "1 decoder layers", "at most 1 stages")),
-    "split_points_outside_the_layers": (_args("fit", "--config", FSDP2, "--trainer.default_root_dir", "{tmp}",
-                                              "--trainer.strategy", "PipelineParallelStrategy",
-                                              "--trainer.strategy.init_args.split_points", "[4]"),
-                                        ("trainer.strategy.init_args.split_points=[4]", "between 1 and 3")),
-    "microbatches_not_dividing_the_batch": (_args("fit", "--config", FSDP2, "--trainer.default_root_dir", "{tmp}",
-                                                  "--trainer.strategy", "PipelineParallelStrategy",
-                                                  "--trainer.strategy.init_args.microbatches", "3"),
-                                            ("trainer.strategy.init_args.microbatches=3", "batch_size is 4")),
-    "context_parallel_attention_dropout": (_args("fit", "--config", FSDP2, "--trainer.default_root_dir", "{tmp}",
-                                                 "--trainer.strategy", "ContextParallelStrategy",
-                                                 "--model.init_args.model.config", '{"attention_dropout": 0.1}'),
-                                           ("model.init_args.model.config.attention_dropout=0.1", "no dropout")),
-    "context_parallel_dpo": (_args("fit", "--config", DPO_TINY, "--trainer.default_root_dir", "{tmp}", "--trainer.devices",
-                                   "2", "--trainer.strategy", "ContextParallelStrategy"),
-                             ("trainer.strategy.init_args.cp=2", "DPO's per-sequence log-probs", "cp: 1")),
+    "ep_not_dividing_the_experts": (
+        _args(
+            "fit",
+            "--config",
+            FSDP2,
+            "--trainer.default_root_dir",
+            "{tmp}",
+            "--trainer.strategy.class_path",
+            "lit_ablate.strategies.ExpertParallelStrategy",
+            "--trainer.strategy.init_args.ep",
+            "2",
+            "--model.init_args.model.preset",
+            "tiny-qwen3-moe",
+            "--model.init_args.model.moe",
+            '{"experts": "grouped"}',
+            "--model.init_args.model.config",
+            '{"num_experts": 3}',
+        ),
+        ("trainer.strategy.init_args.ep=2", "3 experts per layer", "divides 3"),
+    ),
+    "tp_not_dividing_the_heads": (
+        _args(
+            "fit",
+            "--config",
+            FSDP2,
+            "--trainer.default_root_dir",
+            "{tmp}",
+            "--trainer.strategy.class_path",
+            "lit_ablate.strategies.TensorParallelStrategy",
+            "--trainer.strategy.init_args.tp",
+            "2",
+            "--trainer.strategy.init_args.dp_shard",
+            "1",
+            "--model.init_args.model.config",
+            '{"num_key_value_heads": 1}',
+        ),
+        ("trainer.strategy.init_args.tp=2", "num_key_value_heads is 1"),
+    ),
+    "more_stages_than_layers": (
+        _args(
+            "fit",
+            "--config",
+            FSDP2,
+            "--trainer.default_root_dir",
+            "{tmp}",
+            "--trainer.strategy",
+            "PipelineParallelStrategy",
+            "--model.init_args.model.config",
+            '{"num_hidden_layers": 1}',
+        ),
+        ("trainer.strategy.init_args.pp=2", "1 decoder layers", "at most 1 stages"),
+    ),
+    "split_points_outside_the_layers": (
+        _args(
+            "fit",
+            "--config",
+            FSDP2,
+            "--trainer.default_root_dir",
+            "{tmp}",
+            "--trainer.strategy",
+            "PipelineParallelStrategy",
+            "--trainer.strategy.init_args.split_points",
+            "[4]",
+        ),
+        ("trainer.strategy.init_args.split_points=[4]", "between 1 and 3"),
+    ),
+    "microbatches_not_dividing_the_batch": (
+        _args(
+            "fit",
+            "--config",
+            FSDP2,
+            "--trainer.default_root_dir",
+            "{tmp}",
+            "--trainer.strategy",
+            "PipelineParallelStrategy",
+            "--trainer.strategy.init_args.microbatches",
+            "3",
+        ),
+        ("trainer.strategy.init_args.microbatches=3", "batch_size is 4"),
+    ),
+    "context_parallel_attention_dropout": (
+        _args(
+            "fit",
+            "--config",
+            FSDP2,
+            "--trainer.default_root_dir",
+            "{tmp}",
+            "--trainer.strategy",
+            "ContextParallelStrategy",
+            "--model.init_args.model.config",
+            '{"attention_dropout": 0.1}',
+        ),
+        ("model.init_args.model.config.attention_dropout=0.1", "no dropout"),
+    ),
+    "context_parallel_dpo": (
+        _args(
+            "fit",
+            "--config",
+            DPO_TINY,
+            "--trainer.default_root_dir",
+            "{tmp}",
+            "--trainer.devices",
+            "2",
+            "--trainer.strategy",
+            "ContextParallelStrategy",
+        ),
+        ("trainer.strategy.init_args.cp=2", "DPO's per-sequence log-probs", "cp: 1"),
+    ),
     "sequence_parallel_on_padded_sft_batches": (
-        _args("fit", "--config", SFT, "--trainer.default_root_dir", "{tmp}", "--trainer.devices", "2",
-              "--trainer.strategy", "TensorParallelStrategy", "--trainer.strategy.init_args.sequence_parallel", "true"),
+        _args(
+            "fit",
+            "--config",
+            SFT,
+            "--trainer.default_root_dir",
+            "{tmp}",
+            "--trainer.devices",
+            "2",
+            "--trainer.strategy",
+            "TensorParallelStrategy",
+            "--trainer.strategy.init_args.sequence_parallel",
+            "true",
+        ),
         ("data.init_args.collator=None", "multiple of 2", "pad_to_multiple_of: 2"),
     ),
     # --- schedules and DPO's reference ------------------------------------------------------------
-    "negative_min_lr_ratio": (_fit("--model.init_args.min_lr_ratio", "-0.33"), ("model.init_args.min_lr_ratio=-0.33", "[0, 1]")),
-    "unknown_lr_schedule": (_fit("--model.init_args.lr_schedule", "exp"),
-                            ("model.init_args.lr_schedule='exp'", "one of ['linear', 'cosine', 'constant', 'wsd']")),
-    "missing_reference_model": (_args("fit", "--config", DPO_TINY, "--trainer.default_root_dir", "{tmp}",
-                                      "--model.init_args.reference_model", "{tmp}/sft"),
-                                ("model.init_args.reference_model=", "sft'", "no such directory")),
-    "cp_block_kernel_without_its_gpu": (_args("fit", "--config", FSDP2, "--trainer.default_root_dir", "{tmp}",
-                                              "--trainer.strategy.class_path", "lit_ablate.strategies.ContextParallelStrategy",
-                                              "--trainer.strategy.init_args.dp_shard", "1",
-                                              "--trainer.strategy.init_args.cp_block_kernel", "flex"),
-                                        ("trainer.strategy.init_args.cp_block_kernel='flex'", "CUDA only", "sdpa")),
+    "negative_min_lr_ratio": (
+        _fit("--model.init_args.min_lr_ratio", "-0.33"),
+        ("model.init_args.min_lr_ratio=-0.33", "[0, 1]"),
+    ),
+    "unknown_lr_schedule": (
+        _fit("--model.init_args.lr_schedule", "exp"),
+        ("model.init_args.lr_schedule='exp'", "one of ['linear', 'cosine', 'constant', 'wsd']"),
+    ),
+    "missing_reference_model": (
+        _args(
+            "fit",
+            "--config",
+            DPO_TINY,
+            "--trainer.default_root_dir",
+            "{tmp}",
+            "--model.init_args.reference_model",
+            "{tmp}/sft",
+        ),
+        ("model.init_args.reference_model=", "sft'", "no such directory"),
+    ),
+    "cp_block_kernel_without_its_gpu": (
+        _args(
+            "fit",
+            "--config",
+            FSDP2,
+            "--trainer.default_root_dir",
+            "{tmp}",
+            "--trainer.strategy.class_path",
+            "lit_ablate.strategies.ContextParallelStrategy",
+            "--trainer.strategy.init_args.dp_shard",
+            "1",
+            "--trainer.strategy.init_args.cp_block_kernel",
+            "flex",
+        ),
+        ("trainer.strategy.init_args.cp_block_kernel='flex'", "CUDA only", "sdpa"),
+    ),
     # --- generate ---------------------------------------------------------------------------------
     "generate_zero_new_tokens": (_args(*GENERATE, "--max_new_tokens", "0"), ("--max_new_tokens=0",)),
     "generate_negative_new_tokens": (_args(*GENERATE, "--max_new_tokens", "-3"), ("--max_new_tokens=-3",)),
@@ -358,32 +724,65 @@ ROWS: dict[str, tuple[Build, tuple[str, ...]]] = {
     "generate_wrong_type": (_args(*GENERATE, "--max_new_tokens", "many"), ("max_new_tokens='many'", "expected int")),
     # --- estimate ---------------------------------------------------------------------------------
     # jsonargparse blamed the study's first key as an option fit does not take
-    "fit_given_a_study_file": (_args("fit", "--config", str(CONFIGS / "studies" / "depth_grid.yaml")),
-                               ("--config=", "depth_grid.yaml", "a study file", "lit-ablate ablate --config")),
+    "fit_given_a_study_file": (
+        _args("fit", "--config", str(CONFIGS / "studies" / "depth_grid.yaml")),
+        ("--config=", "depth_grid.yaml", "a study file", "lit-ablate ablate --config"),
+    ),
     # the fix was vary: [trainer.strategy] whatever the variants changed (a second refusal once followed)
-    "study_variants_without_vary": (_study({"name": "v", "base": QUICKSTART, "variants": [
-                                        {"name": "a", "overrides": {"data.init_args.batch_size": 2}},
-                                        {"name": "b", "overrides": {"data.init_args.batch_size": 4}}]}),
-                                    ("vary=None", "here vary: ['data.init_args.batch_size']")),
-    "study_whose_base_is_a_study": (_study({"name": "b", "base": str(CONFIGS / "studies" / "depth_grid.yaml"),
-                                            "axes": {"data.init_args.batch_size": [2, 4]}}),
-                                    ("base=", "a study file, not a fit config", "'../quickstart.yaml'")),
+    "study_variants_without_vary": (
+        _study(
+            {
+                "name": "v",
+                "base": QUICKSTART,
+                "variants": [
+                    {"name": "a", "overrides": {"data.init_args.batch_size": 2}},
+                    {"name": "b", "overrides": {"data.init_args.batch_size": 4}},
+                ],
+            }
+        ),
+        ("vary=None", "here vary: ['data.init_args.batch_size']"),
+    ),
+    "study_whose_base_is_a_study": (
+        _study(
+            {
+                "name": "b",
+                "base": str(CONFIGS / "studies" / "depth_grid.yaml"),
+                "axes": {"data.init_args.batch_size": [2, 4]},
+            }
+        ),
+        ("base=", "a study file, not a fit config", "'../quickstart.yaml'"),
+    ),
     "estimate_missing_config": (_args("estimate", "--config", "{tmp}/missing.yaml"), ("--config", "missing.yaml")),
-    "estimate_config_not_yaml": (lambda tmp: ["estimate", "--config", _file(tmp, "bad.yaml", "trainer: [a\n")],
-                                 ("--config", "not valid YAML")),
-    "estimate_unknown_key": (_args("estimate", "--config", QUICKSTART, "--trainer.max_stepz", "3"), ("trainer.max_stepz",)),
+    "estimate_config_not_yaml": (
+        lambda tmp: ["estimate", "--config", _file(tmp, "bad.yaml", "trainer: [a\n")],
+        ("--config", "not valid YAML"),
+    ),
+    "estimate_unknown_key": (
+        _args("estimate", "--config", QUICKSTART, "--trainer.max_stepz", "3"),
+        ("trainer.max_stepz",),
+    ),
     "estimate_zero_world_size": (_args("estimate", "--config", QUICKSTART, "--world_size", "0"), ("--world_size=0",)),
-    "estimate_negative_gpu_memory": (_args("estimate", "--config", QUICKSTART, "--gpu_memory_gib", "-1"), ("--gpu_memory_gib=-1.0",)),
-    "estimate_usable_fraction_above_one": (_args("estimate", "--config", QUICKSTART, "--usable_fraction", "2"),
-                                           ("--usable_fraction=2.0",)),
-    "estimate_mesh_not_the_world_size": (_args("estimate", "--config", FSDP2, "--world_size", "3",
-                                               "--trainer.strategy.init_args.dp_shard", "2"),
-                                         ("trainer.strategy.init_args", "multiply to 2", "world size", "is 3")),
+    "estimate_negative_gpu_memory": (
+        _args("estimate", "--config", QUICKSTART, "--gpu_memory_gib", "-1"),
+        ("--gpu_memory_gib=-1.0",),
+    ),
+    "estimate_usable_fraction_above_one": (
+        _args("estimate", "--config", QUICKSTART, "--usable_fraction", "2"),
+        ("--usable_fraction=2.0",),
+    ),
+    "estimate_mesh_not_the_world_size": (
+        _args("estimate", "--config", FSDP2, "--world_size", "3", "--trainer.strategy.init_args.dp_shard", "2"),
+        ("trainer.strategy.init_args", "multiply to 2", "world size", "is 3"),
+    ),
     # --- ablate -----------------------------------------------------------------------------------
-    "study_not_yaml": (lambda tmp: ["ablate", "--config", _file(tmp, "study.yaml", "name: x\nbase: [a\n"), "--dry-run"],
-                       ("--config=", "study.yaml", "not valid YAML")),
+    "study_not_yaml": (
+        lambda tmp: ["ablate", "--config", _file(tmp, "study.yaml", "name: x\nbase: [a\n"), "--dry-run"],
+        ("--config=", "study.yaml", "not valid YAML"),
+    ),
     "study_where_no_variant_resolves": (
-        _study({"name": "broken", "base": QUICKSTART, "steps": 1, "axes": {"data.init_args.batch_size": ["abc", "xyz"]}}),
+        _study(
+            {"name": "broken", "base": QUICKSTART, "steps": 1, "axes": {"data.init_args.batch_size": ["abc", "xyz"]}}
+        ),
         ("variants=['abc', 'xyz']", "no variant's config can run", "data.init_args.batch_size='abc'"),
     ),
     # a bad variant refuses the whole study before its first run (the others trained first, and it exited 0)
@@ -392,8 +791,14 @@ ROWS: dict[str, tuple[Build, tuple[str, ...]]] = {
         ("variants=['abc']", "nothing ran", "data.init_args.batch_size='abc'", "expected int"),
     ),
     "study_variant_that_fit_would_refuse": (
-        _study({"name": "named", "base": QUICKSTART, "steps": 1,
-                "axes": {"trainer.strategy": ["auto", "lit_ablate.strategies.FSDP3Strategy"]}}),
+        _study(
+            {
+                "name": "named",
+                "base": QUICKSTART,
+                "steps": 1,
+                "axes": {"trainer.strategy": ["auto", "lit_ablate.strategies.FSDP3Strategy"]},
+            }
+        ),
         ("variants=['lit_ablate.strategies.FSDP3Strategy']", "config refused: trainer.strategy=", "not a strategy"),
     ),
     "study_variant_with_an_unknown_accelerator": (
@@ -401,7 +806,13 @@ ROWS: dict[str, tuple[Build, tuple[str, ...]]] = {
         ("variants=['cpuu']", "nothing ran", "trainer.accelerator='cpuu'"),
     ),
     "study_unwritable_output_dir": (
-        lambda tmp: ["ablate", "--config", str(CONFIGS / "studies" / "depth_grid.yaml"), "--output_dir", _text_file(tmp) + "/out"],
+        lambda tmp: [
+            "ablate",
+            "--config",
+            str(CONFIGS / "studies" / "depth_grid.yaml"),
+            "--output_dir",
+            _text_file(tmp) + "/out",
+        ],
         ("--output_dir=", "cannot write"),
     ),
 }
@@ -436,8 +847,9 @@ def nothing_runs(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("row", list(ROWS))
-def test_bad_input_is_one_line_naming_the_key(row: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                              nothing_runs: None) -> None:
+def test_bad_input_is_one_line_naming_the_key(
+    row: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], nothing_runs: None
+) -> None:
     build, expected = ROWS[row]
     if row == "gpu_accelerator_without_gpu" and torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the row needs one that has none")
@@ -454,8 +866,14 @@ def test_bad_input_is_one_line_naming_the_key(row: str, tmp_path: Path, capsys: 
     assert not left, f"the refusal left {left} behind"
 
 
-RECORDED_ROWS = ("malformed_jsonl_line", "truncated_jsonl_line", "chat_message_without_content",
-                 "chat_message_with_null_content", "sft_row_without_response", "missing_reference_model")
+RECORDED_ROWS = (
+    "malformed_jsonl_line",
+    "truncated_jsonl_line",
+    "chat_message_without_content",
+    "chat_message_with_null_content",
+    "sft_row_without_response",
+    "missing_reference_model",
+)
 """Rows refused once the trainer exists (data set-up, the model's build): such a run leaves its
 ``run.json`` with ``status: error`` by design (``test_an_error_before_training_still_writes_the_run_record``)."""
 
@@ -502,8 +920,14 @@ class FailsAtTheFirstStep(Callback):
 
 
 def _real_process(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lit_ablate.cli", *argv], capture_output=True, text=True, cwd=cwd,
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "lit_ablate.cli", *argv],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+        timeout=300,
+    )
 
 
 def test_a_failure_during_a_run_exits_1_and_a_wrong_multi_rank_config_prints_once(tmp_path: Path) -> None:
@@ -511,23 +935,51 @@ def test_a_failure_during_a_run_exits_1_and_a_wrong_multi_rank_config_prints_onc
     can see (a vocabulary smaller than the tokenizer's, found when each of 2 FSDP2 ranks builds the
     model) is printed by rank 0 alone and exits 2. Seen failing (the error printed once per rank) with
     every rank printing its refusal."""
-    failed = _real_process([*FIT, "--trainer.default_root_dir", str(tmp_path),
-                            "--trainer.callbacks+=tests.test_bad_inputs.FailsAtTheFirstStep"], tmp_path)
+    failed = _real_process(
+        [
+            *FIT,
+            "--trainer.default_root_dir",
+            str(tmp_path),
+            "--trainer.callbacks+=tests.test_bad_inputs.FailsAtTheFirstStep",
+        ],
+        tmp_path,
+    )
     assert failed.returncode == EXIT_FAILURE, failed.stderr
     assert "RuntimeError: a failure during the run" in failed.stderr
-    ranks = _real_process(["fit", "--config", FSDP2, "--trainer.max_steps", "1", "--trainer.default_root_dir", str(tmp_path),
-                           "--model.init_args.model.config", '{"vocab_size": 100}'], tmp_path)  # fmt: skip
+    ranks = _real_process(
+        [
+            "fit",
+            "--config",
+            FSDP2,
+            "--trainer.max_steps",
+            "1",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+            "--model.init_args.model.config",
+            '{"vocab_size": 100}',
+        ],
+        tmp_path,
+    )
     errors = [line for line in ranks.stderr.splitlines() if "error:" in line]
     assert ranks.returncode == EXIT_USAGE and len(errors) == 1, ranks.stderr
     assert "model.init_args.model.config.vocab_size=100" in errors[0]
 
 
-@pytest.mark.parametrize(("argv", "key"), [
-    (["estimate", "--config", "missing.yaml"], "--config"),
-    ([*FIT, "--model.init_args.model.config", '{"num_hidden_layers": 0}'], "config.num_hidden_layers=0"),
-    ([*FIT, "--data.init_args.source", '{"class_path": "lit_ablate.data.LocalFiles", "init_args": {"path": "bad.jsonl"}}'],
-     "line 2 of bad.jsonl"),
-])
+@pytest.mark.parametrize(
+    ("argv", "key"),
+    [
+        (["estimate", "--config", "missing.yaml"], "--config"),
+        ([*FIT, "--model.init_args.model.config", '{"num_hidden_layers": 0}'], "config.num_hidden_layers=0"),
+        (
+            [
+                *FIT,
+                "--data.init_args.source",
+                '{"class_path": "lit_ablate.data.LocalFiles", "init_args": {"path": "bad.jsonl"}}',
+            ],
+            "line 2 of bad.jsonl",
+        ),
+    ],
+)
 def test_a_real_process_prints_one_line(argv: list[str], key: str, tmp_path: Path) -> None:
     """What a user's terminal shows, loggers included (in-process, Lightning's log handlers write
     past capsys): ``estimate`` printed 98 lines of traceback, ``fit`` a "Seed set to 0" line before
@@ -541,13 +993,24 @@ def test_a_real_process_prints_one_line(argv: list[str], key: str, tmp_path: Pat
     srun = tmp_path / "bin" / "srun"
     srun.write_text("#!/bin/sh\nexit 1\n")
     srun.chmod(srun.stat().st_mode | stat.S_IEXEC)
-    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}",
-           "PYTHONPATH": str(Path(__file__).parents[1])}  # fmt: skip
+    env = {
+        **os.environ,
+        "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(Path(__file__).parents[1]),
+    }
     for name in [n for n in env if n.startswith("SLURM_")]:
         del env[name]
-    done = subprocess.run([sys.executable, "-m", "lit_ablate.cli", *argv], capture_output=True, text=True, cwd=tmp_path,
-                          env=env, timeout=300)
-    lines = [line for line in done.stderr.splitlines() if line.strip() and not re.match(r"[GT]PU available: True", line)]
+    done = subprocess.run(
+        [sys.executable, "-m", "lit_ablate.cli", *argv],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=300,
+    )
+    lines = [
+        line for line in done.stderr.splitlines() if line.strip() and not re.match(r"[GT]PU available: True", line)
+    ]
     assert done.returncode != 0 and len(lines) == 1, done.stderr
     assert key in lines[0]
 
@@ -559,10 +1022,18 @@ def test_an_error_before_training_still_writes_the_run_record(failure: str, tmp_
     record's contract promises (it used to be written only from on_fit_start on)."""
     record = tmp_path / "run.json"
     if failure == "data_set_up":
-        argv = [*_sft_file({"messages": [*CHAT, {"role": "assistant", "content": None}]})(tmp_path), "--recorder.path", str(record)]
+        argv = [
+            *_sft_file({"messages": [*CHAT, {"role": "assistant", "content": None}]})(tmp_path),
+            "--recorder.path",
+            str(record),
+        ]
         key = "data.init_args.source row 1 messages[1]"
     else:
-        argv = [*_fit("--model.init_args.model.config", '{"vocab_size": 100}')(tmp_path), "--recorder.path", str(record)]
+        argv = [
+            *_fit("--model.init_args.model.config", '{"vocab_size": 100}')(tmp_path),
+            "--recorder.path",
+            str(record),
+        ]
         key = "model.init_args.model.config.vocab_size=100"
     code, lines = _stderr_lines(argv, capsys)
     assert code not in (0, None) and key in lines[-1]
@@ -590,13 +1061,18 @@ def test_a_file_mixing_chat_and_prompt_response_rows_trains_both(tmp_path: Path)
 def test_overlong_truncate_says_how_many_it_dropped(caplog) -> None:
     """Truncation drops an example whose labels all fall past seq_len; the log must count those as
     dropped, not claim it kept the first seq_len tokens of every overlong example."""
-    rows = [{"prompt": "1+1=", "response": "2"}, {"prompt": "long prompt: ", "response": "a much longer answer"},
-            {"prompt": "x" * 40, "response": "y"}]
+    rows = [
+        {"prompt": "1+1=", "response": "2"},
+        {"prompt": "long prompt: ", "response": "a much longer answer"},
+        {"prompt": "x" * 40, "response": "y"},
+    ]
     with caplog.at_level(logging.WARNING, logger="lit_ablate.data.formats"):
         kept = build_examples(rows, load_tokenizer("byte"), "sft", 16, "truncate")
     assert len(kept) == 2
-    assert "2 of 3 examples were longer than seq_len=16; overlong=truncate kept the first 16 tokens of 1 " \
-           "and dropped 1 with no labelled token left" in caplog.text
+    assert (
+        "2 of 3 examples were longer than seq_len=16; overlong=truncate kept the first 16 tokens of 1 "
+        "and dropped 1 with no labelled token left" in caplog.text
+    )
 
 
 def test_the_fix_of_sequence_parallelism_s_refusal_is_accepted() -> None:
@@ -606,8 +1082,16 @@ def test_the_fix_of_sequence_parallelism_s_refusal_is_accepted() -> None:
     from lit_ablate.fit_cli import resolve_fit_config
     from lit_ablate.preflight import check_run_config
 
-    tensor_parallel = ["--config", SFT, "--trainer.devices", "2", "--trainer.strategy", "TensorParallelStrategy",
-                       "--trainer.strategy.init_args.sequence_parallel", "true"]  # fmt: skip
+    tensor_parallel = [
+        "--config",
+        SFT,
+        "--trainer.devices",
+        "2",
+        "--trainer.strategy",
+        "TensorParallelStrategy",
+        "--trainer.strategy.init_args.sequence_parallel",
+        "true",
+    ]
     with pytest.raises(ConfigError, match=r"data\.init_args\.collator=None: .*pad_to_multiple_of: 2"):
         check_run_config("fit", resolve_fit_config(tensor_parallel))
     fixed = '{"class_path": "lit_ablate.data.PaddingCollator", "init_args": {"pad_to_multiple_of": 2}}'
@@ -621,14 +1105,25 @@ def test_a_study_skips_a_variant_the_model_s_shape_refuses(tmp_path: Path) -> No
     from lit_ablate.ablation.plan import plan_study
     from lit_ablate.ablation.spec import parse_study
 
-    tensor_parallel = {"class_path": "lit_ablate.strategies.TensorParallelStrategy", "init_args": {"tp": 2, "dp_shard": 1}}
-    study = parse_study({"name": "tp", "base": FSDP2, "steps": 1, "vary": ["trainer.strategy"],
-                         "overrides": {"model.init_args.model.config": {"num_key_value_heads": 1}},
-                         "variants": [{"name": "fsdp2"}, {"name": "tp2", "overrides": {"trainer.strategy": tensor_parallel}}]})
+    tensor_parallel = {
+        "class_path": "lit_ablate.strategies.TensorParallelStrategy",
+        "init_args": {"tp": 2, "dp_shard": 1},
+    }
+    study = parse_study(
+        {
+            "name": "tp",
+            "base": FSDP2,
+            "steps": 1,
+            "vary": ["trainer.strategy"],
+            "overrides": {"model.init_args.model.config": {"num_key_value_heads": 1}},
+            "variants": [{"name": "fsdp2"}, {"name": "tp2", "overrides": {"trainer.strategy": tensor_parallel}}],
+        }
+    )
     runs = {run.variant.name: run for run in plan_study(study, tmp_path / "study")}
     assert runs["fsdp2"].skip_reason is None and runs["tp2"].invalid is None
-    assert runs["tp2"].skip_reason == ("trainer.strategy.init_args.tp=2: the model's num_key_value_heads is 1; use a tp "
-                                       "that divides it")
+    assert runs["tp2"].skip_reason == (
+        "trainer.strategy.init_args.tp=2: the model's num_key_value_heads is 1; use a tp that divides it"
+    )
 
 
 def test_fit_applies_every_compatibility_rule_but_those_about_the_launch() -> None:

@@ -21,24 +21,37 @@ NOT_BENCHMARKS = {"model_shapes.py", "kernels_here.py"}
 """Modules the benchmarks import, not scripts."""
 
 SMOKE: dict[str, tuple[list[str], set[str]]] = {
-    "mfu.py": (["--layers", "1", "--seq-len", "64", "--rows", "2", "--accumulate", "2", "--steps", "3", "--warmup", "1"],
-               {"cpu_mfu_measured", "cpu_lit_vs_hand", "cpu_useful_tokens_per_s"}),
+    "mfu.py": (
+        ["--layers", "1", "--seq-len", "64", "--rows", "2", "--accumulate", "2", "--steps", "3", "--warmup", "1"],
+        {"cpu_mfu_measured", "cpu_lit_vs_hand", "cpu_useful_tokens_per_s"},
+    ),
     "overhead.py": (["--steps", "8", "--repeats", "1"], {"overhead_ratio", "vs_hf_trainer_ratio"}),
-    "packing.py": (["--examples", "16", "--median", "16", "--max-len", "64", "--repeats", "1"],
-                   {"packing_speedup", "packing_speedup_vs_grouped"}),
+    "packing.py": (
+        ["--examples", "16", "--median", "16", "--max-len", "64", "--repeats", "1"],
+        {"packing_speedup", "packing_speedup_vs_grouped"},
+    ),
     "loss_memory.py": (["--vocab", "256", "--tokens", "64", "--hidden", "32"], {"chunked_memory_ratio"}),
     "moe.py": (["--shapes", "tiny", "--tokens", "32", "--repeats", "1"], {"grouped_speedup", "grouped_fallback"}),
-    "fp8.py": (["--shape", "tiny-qwen3", "--layers", "1", "--seq-len", "32", "--steps", "1", "--tokens", "32",
-                "--no-compile"], {"fp8_tensorwise_output_rel_error"}),
-    "dpo_memory.py": (["--tokens", "64", "--vocab", "512", "--hidden", "32", "--chunk-tokens", "16"],
-                      {"dpo_chunked_memory_ratio"}),
+    "fp8.py": (
+        ["--shape", "tiny-qwen3", "--layers", "1", "--seq-len", "32", "--steps", "1", "--tokens", "32", "--no-compile"],
+        {"fp8_tensorwise_output_rel_error"},
+    ),
+    "dpo_memory.py": (
+        ["--tokens", "64", "--vocab", "512", "--hidden", "32", "--chunk-tokens", "16"],
+        {"dpo_chunked_memory_ratio"},
+    ),
     "dpo_packing.py": (["--pairs", "8", "--repeats", "1", "--hidden", "32"], {"dpo_packing_speedup"}),
-    "lora_memory.py": (["--seq-len", "64", "--steps", "4"], {f"tiny_{s}_state_estimate_over_measured" for s in ("full", "lora", "qlora")}),
+    "lora_memory.py": (
+        ["--seq-len", "64", "--steps", "4"],
+        {f"tiny_{s}_state_estimate_over_measured" for s in ("full", "lora", "qlora")},
+    ),
     "ring_attention.py": (["--lengths", "64", "--cp", "2", "--repeats", "1"], set()),
-    "data_setup.py": (["--mb", "0.05", "--memory-up-to-mb", "0.05", "--stream-batches", "20", "--workers", "1",
-                       "--out", ""], {"data_setup_cache_hit_ratio"}),
+    "data_setup.py": (
+        ["--mb", "0.05", "--memory-up-to-mb", "0.05", "--stream-batches", "20", "--workers", "1", "--out", ""],
+        {"data_setup_cache_hit_ratio"},
+    ),
     "regenerate_reports.py": (["--check"], {"studies", "reports_with_problems"}),
-}  # fmt: skip
+}
 """Per script: its arguments at smoke size, and RESULT names it must print."""
 
 
@@ -51,10 +64,19 @@ def test_every_benchmark_has_a_smoke_case():
 def smoke_runs(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("benchmarks") / "smoke.json"
     scripts = {script: args for script, (args, _) in SMOKE.items()}
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "LIT_ABLATE_CACHE_DIR": str(out.parent / "cache"),
-           "LIT_ABLATE_DATA_CACHE": str(out.parent / "data_cache")}  # fmt: skip
-    subprocess.run([sys.executable, str(ROOT / "tests" / "benchmark_smoke.py"), str(out), json.dumps(scripts)],
-                   cwd=out.parent, env=env, timeout=900, check=True)  # fmt: skip
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "LIT_ABLATE_CACHE_DIR": str(out.parent / "cache"),
+        "LIT_ABLATE_DATA_CACHE": str(out.parent / "data_cache"),
+    }
+    subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "benchmark_smoke.py"), str(out), json.dumps(scripts)],
+        cwd=out.parent,
+        env=env,
+        timeout=900,
+        check=True,
+    )
     return json.loads(out.read_text())
 
 

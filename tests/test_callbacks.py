@@ -34,9 +34,16 @@ def _fit(tmp_path, callbacks, batches, accumulate=1, module=None, max_steps=4, l
     L.seed_everything(0)
     module = module or CausalLM(ModelFactory(preset="tiny-llama"), learning_rate=lr, warmup_steps=0)
     recorder = RunRecorder(path=str(tmp_path / "run.json"), warmup_steps=1)
-    trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", accumulate_grad_batches=accumulate,
-                        callbacks=[*callbacks, recorder], logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        accumulate_grad_batches=accumulate,
+        callbacks=[*callbacks, recorder],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, DataLoader(batches, batch_size=None))
     return json.loads((tmp_path / "run.json").read_text()), module
 
@@ -64,12 +71,23 @@ def test_monitor_values_reach_the_lightning_logger_every_n_steps(tmp_path):
 
     L.seed_everything(0)
     module = CausalLM(ModelFactory(preset="tiny-llama"), warmup_steps=0)
-    trainer = L.Trainer(max_steps=4, accelerator="cpu", log_every_n_steps=2, logger=CSVLogger(tmp_path, name="csv"),
-                        callbacks=[ThroughputMonitor(), RunRecorder(path=str(tmp_path / "run.json"))],
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        max_steps=4,
+        accelerator="cpu",
+        log_every_n_steps=2,
+        logger=CSVLogger(tmp_path, name="csv"),
+        callbacks=[ThroughputMonitor(), RunRecorder(path=str(tmp_path / "run.json"))],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, DataLoader(_batches(4, 2, masked_prefix=[0]), batch_size=None))
     rows = list(csv.DictReader(open(tmp_path / "csv" / "version_0" / "metrics.csv")))
-    logged = {int(r["step"]): float(r["ThroughputMonitor/step_time_s"]) for r in rows if r.get("ThroughputMonitor/step_time_s")}
+    logged = {
+        int(r["step"]): float(r["ThroughputMonitor/step_time_s"])
+        for r in rows
+        if r.get("ThroughputMonitor/step_time_s")
+    }
     recorded = {s["step"]: s["step_time_s"] for s in json.loads((tmp_path / "run.json").read_text())["steps"]}
     assert logged == {step: pytest.approx(recorded[step]) for step in (2, 4)}
 
@@ -142,8 +160,16 @@ def test_step_time_includes_every_micro_batch_fetch_and_data_wait_shows_it(tmp_p
     L.seed_everything(0)
     module = CausalLM(ModelFactory(preset="tiny-llama"), warmup_steps=0)
     recorder = RunRecorder(path=str(tmp_path / "run.json"), warmup_steps=1)
-    trainer = L.Trainer(max_steps=3, accelerator="cpu", accumulate_grad_batches=2, callbacks=[ThroughputMonitor(), recorder],
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        max_steps=3,
+        accelerator="cpu",
+        accumulate_grad_batches=2,
+        callbacks=[ThroughputMonitor(), recorder],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, DataLoader(_SlowBatches(_batches(6, 2, masked_prefix=[0]), delay), batch_size=None))
     record = json.loads((tmp_path / "run.json").read_text())
     for s in record["steps"]:
@@ -192,8 +218,9 @@ class _FailingModule(CausalLM):
         return super().training_step(batch, batch_idx)
 
 
-@pytest.mark.parametrize(("error", "status"), [(RuntimeError("boom"), "error"),
-                                               (torch.OutOfMemoryError("out of memory"), "oom")])
+@pytest.mark.parametrize(
+    ("error", "status"), [(RuntimeError("boom"), "error"), (torch.OutOfMemoryError("out of memory"), "oom")]
+)
 def test_failed_run_still_writes_its_record(tmp_path, error, status):
     with pytest.raises(type(error)):
         _fit(tmp_path, [ThroughputMonitor()], _batches(4, 2, masked_prefix=[0]), module=_FailingModule(error))
@@ -230,9 +257,18 @@ class _Ballast(L.Callback):
 def _two_rank_memory(rank: int, world_size: int, path: str) -> None:
     L.seed_everything(0)
     module = CausalLM(ModelFactory(preset="tiny-llama"), warmup_steps=0)
-    trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=2, strategy="ddp", use_distributed_sampler=False,
-                        callbacks=[_Ballast(), MemoryMonitor(), RunRecorder(path=path, warmup_steps=1)], logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        max_steps=3,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        use_distributed_sampler=False,
+        callbacks=[_Ballast(), MemoryMonitor(), RunRecorder(path=path, warmup_steps=1)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, DataLoader(_batches(3, 2, masked_prefix=[0]), batch_size=None))
 
 

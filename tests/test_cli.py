@@ -32,20 +32,31 @@ def _error_of(args: list[str], capsys) -> str:
     return message
 
 
-@pytest.mark.parametrize(("args", "expected"), [
-    (["--model.init_args.model.preset", "tiny-gpt9"], "model.init_args.model.preset='tiny-gpt9': choose one of"),
-    (["--data.init_args.seq_len", "0"], "data.init_args.seq_len=0: use a positive integer"),
-    (["--model.init_args.loss", "fused9"], "model.init_args.loss='fused9': choose one of"),
-    (["--trainer.callbacks+=lit_ablate.callbacks.NoSuchMonitor"], "trainer.callbacks: cannot import"),
-])
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--model.init_args.model.preset", "tiny-gpt9"], "model.init_args.model.preset='tiny-gpt9': choose one of"),
+        (["--data.init_args.seq_len", "0"], "data.init_args.seq_len=0: use a positive integer"),
+        (["--model.init_args.loss", "fused9"], "model.init_args.loss='fused9': choose one of"),
+        (["--trainer.callbacks+=lit_ablate.callbacks.NoSuchMonitor"], "trainer.callbacks: cannot import"),
+    ],
+)
 def test_bad_input_is_one_line_naming_the_key(args, expected, capsys):
     assert expected in _error_of(args, capsys)
 
 
 def test_unknown_model_type_names_the_key(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump({"model": {"class_path": "lit_ablate.modules.CausalLM", "init_args": {
-        "model": {"preset": None, "config": {"model_type": "gpt9", "hidden_size": 64}}}}}))
+    bad.write_text(
+        yaml.safe_dump(
+            {
+                "model": {
+                    "class_path": "lit_ablate.modules.CausalLM",
+                    "init_args": {"model": {"preset": None, "config": {"model_type": "gpt9", "hidden_size": 64}}},
+                }
+            }
+        )
+    )
     assert "model.init_args.model.config.model_type='gpt9'" in _error_of(["--config", str(bad)], capsys)
 
 
@@ -62,6 +73,15 @@ def test_missing_and_empty_data_files_name_the_key(tmp_path, capsys):
 def test_sft_response_longer_than_seq_len_is_rejected_when_asked(tmp_path, capsys):
     """`overlong: reject` drops examples longer than seq_len; if that leaves nothing, the error
     names the setting instead of training on an empty dataset."""
-    message = _error_of(["--config", str(CONFIGS / "sft_tiny.yaml"), "--data.init_args.seq_len", "4",
-                         "--data.init_args.overlong", "reject"], capsys)
+    message = _error_of(
+        [
+            "--config",
+            str(CONFIGS / "sft_tiny.yaml"),
+            "--data.init_args.seq_len",
+            "4",
+            "--data.init_args.overlong",
+            "reject",
+        ],
+        capsys,
+    )
     assert "lit-ablate: error:" in message and "overlong" in message

@@ -63,13 +63,20 @@ def test_help_lists_every_command_on_one_line_and_version_prints_the_package_ver
     assert _exit_code(["--help"]) == 0
     help_text = capsys.readouterr().out
     commands = {*COMMANDS, *LitAblateCLI.subcommands()}
-    assert commands == set(SUMMARIES) >= {"fit", "validate", "test", "generate", "ablate", "report", "estimate", "export",
-                                          "peak"}
+    assert (
+        commands
+        == set(SUMMARIES)
+        >= {"fit", "validate", "test", "generate", "ablate", "report", "estimate", "export", "peak"}
+    )
     for command, summary in SUMMARIES.items():
         assert re.search(rf"^ +{command} +{re.escape(summary)}$", help_text, re.MULTILINE), command
     assert "predict" not in help_text and "predict" not in LitAblateCLI.subcommands()
     assert _exit_code(["--version"]) == 0
-    assert capsys.readouterr().out.strip() == f"lit-ablate {__version__}" == f"lit-ablate {importlib.metadata.version('lit-ablate')}"
+    assert (
+        capsys.readouterr().out.strip()
+        == f"lit-ablate {__version__}"
+        == f"lit-ablate {importlib.metadata.version('lit-ablate')}"
+    )
     assert _exit_code([]) == 2 and "export" in capsys.readouterr().err  # no command: the help, as an error
 
 
@@ -105,12 +112,31 @@ def test_trainer_max_step_is_not_taken_for_max_steps(capsys):
     err = capsys.readouterr().err
     assert code == 2 and re.search(r"trainer\.max_step(?!s)", err), err
 
+
 @pytest.fixture(scope="module")
 def fit_run(tmp_path_factory) -> tuple[Path, str]:
     """A 3-step quickstart fit as a user runs it (a subprocess): (its root dir, what it printed)."""
     root = tmp_path_factory.mktemp("fit")
-    fit = subprocess.run([sys.executable, "-m", "lit_ablate.cli", "fit", "--config", QUICKSTART, "--trainer.max_steps", "3",
-                          "--trainer.log_every_n_steps", "1", "--trainer.default_root_dir", str(root)], capture_output=True, text=True, cwd=root, timeout=600)
+    fit = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lit_ablate.cli",
+            "fit",
+            "--config",
+            QUICKSTART,
+            "--trainer.max_steps",
+            "3",
+            "--trainer.log_every_n_steps",
+            "1",
+            "--trainer.default_root_dir",
+            str(root),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        timeout=600,
+    )
     assert fit.returncode == 0, fit.stderr[-2000:]
     return root, fit.stdout + fit.stderr
 
@@ -149,10 +175,19 @@ def test_exported_tokenizer_round_trips_lit_ablate_ids(exported):
         assert hf(text, split_special_tokens=True).input_ids == [tok.bos_id, *ids]  # as the documents/SFT formats
     # As in any HF tokenizer, text spelling a special token is that token unless split_special_tokens:
     assert hf.encode("<eos>!", add_special_tokens=False) == [tok.eos_id, *tok.encode("!")]
-    assert (hf.pad_token_id, hf.bos_token_id, hf.eos_token_id, len(hf)) == (tok.pad_id, tok.bos_id, tok.eos_id, tok.vocab_size)
+    assert (hf.pad_token_id, hf.bos_token_id, hf.eos_token_id, len(hf)) == (
+        tok.pad_id,
+        tok.bos_id,
+        tok.eos_id,
+        tok.vocab_size,
+    )
     assert hf.decode([tok.bos_id, *tok.encode("ok"), tok.eos_id, tok.pad_id], skip_special_tokens=True) == "ok"
-    conversation = [{"role": "system", "content": "add"}, {"role": "user", "content": "1+2="},
-                    {"role": "assistant", "content": "3"}, {"role": "user", "content": "2+2="}]
+    conversation = [
+        {"role": "system", "content": "add"},
+        {"role": "user", "content": "1+2="},
+        {"role": "assistant", "content": "3"},
+        {"role": "user", "content": "2+2="},
+    ]
     assert hf.apply_chat_template(conversation, tokenize=True)["input_ids"] == tok.chat(conversation)[0]
 
 
@@ -169,7 +204,7 @@ def test_exported_folder_generates_offline_like_lit_ablate(exported):
     prompt = hf("The ", add_special_tokens=False, return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**prompt, max_new_tokens=12, do_sample=False)
-    text = hf.decode(out[0, prompt.input_ids.shape[1]:], skip_special_tokens=True)
+    text = hf.decode(out[0, prompt.input_ids.shape[1] :], skip_special_tokens=True)
     assert text == generate(str(checkpoint), "The ", max_new_tokens=12)
 
 
@@ -198,7 +233,9 @@ def test_estimate_prints_the_exact_parameter_count_and_the_same_numbers_as_json(
         name = "configured (auto)" if row["sharding"] == "configured" else row["sharding"]
         line = next(line for line in table.splitlines() if line.startswith(f"| {name} |"))
         cells = [c.strip() for c in line.strip("|").split("|")][1:]
-        table_mib = [float(c) for c in cells[: len(MEMORY_KINDS)]]  # cells are rounded to 0.1 MiB or 2 significant digits
+        table_mib = [
+            float(c) for c in cells[: len(MEMORY_KINDS)]
+        ]  # cells are rounded to 0.1 MiB or 2 significant digits
         assert table_mib == pytest.approx([row["bytes_per_rank"][k] / unit for k in MEMORY_KINDS], rel=0.05, abs=0.05)
         assert cells[-1] == (str(row["gpus_needed"]) if row["gpus_needed"] else "none up to 8")
 
@@ -210,8 +247,13 @@ def test_fit_prints_no_noise_and_keeps_what_informs(fit_run):
     for noise in ("Tip:", "litlogger", "tensorboardX", "v_num", "FLOPs", "Trainer already configured"):
         assert noise not in printed, noise
     assert not re.search(r"Epoch \d+/-\d", printed)
-    informs = ["Parameters: 869 K (869 K trainable)", "Epoch 0", "train/loss", "`Trainer.fit` stopped: `max_steps=3`",
-               f"run record: {root}/lightning_logs/version_0/run.json"]
+    informs = [
+        "Parameters: 869 K (869 K trainable)",
+        "Epoch 0",
+        "train/loss",
+        "`Trainer.fit` stopped: `max_steps=3`",
+        f"run record: {root}/lightning_logs/version_0/run.json",
+    ]
     assert [line for line in informs if line not in printed] == []
     assert (root / "lightning_logs" / "version_0" / "metrics.csv").is_file()  # fit still logs CSV
 
@@ -222,14 +264,29 @@ def test_validate_and_test_add_no_version_folder(fit_run, command, capsys):
     which sends the user's next fit to version_2."""
     root = fit_run[0]
     before = sorted(p.relative_to(root) for p in root.rglob("*"))
-    main([command, "--config", QUICKSTART, "--ckpt_path", str(next(root.rglob("last.ckpt"))),
-          "--trainer.default_root_dir", str(root), "--trainer.limit_val_batches", "2", "--trainer.limit_test_batches", "2"])
+    main(
+        [
+            command,
+            "--config",
+            QUICKSTART,
+            "--ckpt_path",
+            str(next(root.rglob("last.ckpt"))),
+            "--trainer.default_root_dir",
+            str(root),
+            "--trainer.limit_val_batches",
+            "2",
+            "--trainer.limit_test_batches",
+            "2",
+        ]
+    )
     assert f"{command.replace('validate', 'val')}/loss" in capsys.readouterr().out  # the metrics are printed
     assert sorted(p.relative_to(root) for p in root.rglob("*")) == before
 
 
-@pytest.mark.parametrize(("data_format", "with_bos"), [("sft", True), ("documents", True), ("preference", True),
-                                                       ("pretrain", False), (None, False)])
+@pytest.mark.parametrize(
+    ("data_format", "with_bos"),
+    [("sft", True), ("documents", True), ("preference", True), ("pretrain", False), (None, False)],
+)
 def test_generate_starts_the_prompt_as_the_run_started_its_examples(data_format, with_bos):
     """An SFT model trained on ``bos + 38+45=`` answers a bare ``38+45=`` wrongly (the 95% SFT
     example gave ``11111`` for ``99+99=``): generate begins the prompt as the run's format did."""

@@ -96,8 +96,11 @@ class FirstBatch(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step == 0 and batch_idx == 0:
-            self.batch = {key: batch[key].detach().cpu().clone() for key in ("input_ids", "position_ids")
-                          if batch.get(key) is not None}
+            self.batch = {
+                key: batch[key].detach().cpu().clone()
+                for key in ("input_ids", "position_ids")
+                if batch.get(key) is not None
+            }
 
 
 def fit(preset: str, data: str, strategy="auto", devices: int = 1, rank: int = 0, accelerator: str = "cpu") -> dict:
@@ -106,15 +109,25 @@ def fit(preset: str, data: str, strategy="auto", devices: int = 1, rank: int = 0
     pl.seed_everything(0, verbose=False)
     attention = "sdpa_packed" if data == "packed" else "sdpa"
     moe = MoEOptions(experts="grouped", load_balance_weight=0.0) if preset.endswith("-moe") else None  # see EXPERT_RUN
-    module = CausalLM(ModelFactory(preset=preset, attn_implementation=attention, moe=moe), learning_rate=LEARNING_RATE,
-                      warmup_steps=0)  # fmt: skip
+    module = CausalLM(
+        ModelFactory(preset=preset, attn_implementation=attention, moe=moe), learning_rate=LEARNING_RATE, warmup_steps=0
+    )
     losses, grads, first_batch = StepLosses(), StepGradients(), FirstBatch()
     throughput, mfu = ThroughputMonitor(warmup_steps=0), MFUMonitor(peak_tflops=1.0, warmup_steps=0)
     trainer = pl.Trainer(
-        accelerator=accelerator, devices=devices, strategy=strategy, max_steps=STEPS,
-        accumulate_grad_batches=2 if data == "packed" else 1, callbacks=[losses, grads, throughput, mfu, first_batch], gradient_clip_val=1.0,
-        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        use_distributed_sampler=False, num_sanity_val_steps=0,
+        accelerator=accelerator,
+        devices=devices,
+        strategy=strategy,
+        max_steps=STEPS,
+        accumulate_grad_batches=2 if data == "packed" else 1,
+        callbacks=[losses, grads, throughput, mfu, first_batch],
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
     )
     trainer.fit(module, DataLoader(micro_batches(data, rank), batch_size=None))
     weights = get_model_state_dict(trainer.strategy.model, options=StateDictOptions(full_state_dict=True))
@@ -124,9 +137,14 @@ def fit(preset: str, data: str, strategy="auto", devices: int = 1, rank: int = 0
         "useful_tokens": [throughput.series["useful_tokens_per_sec"][s] * seconds[s] for s in sorted(seconds)],
         "flops": [mfu.series["mfu"][s] * seconds[s] * 1e12 for s in sorted(seconds)],
     }
-    return {"losses": losses.losses, "grads": grads.grads, "counted": counted, "first_batch": first_batch.batch,
-            "layout": getattr(trainer.strategy, "cp_layout", None),
-            "weights": {k: v.detach().clone() for k, v in weights.items()}}
+    return {
+        "losses": losses.losses,
+        "grads": grads.grads,
+        "counted": counted,
+        "first_batch": first_batch.batch,
+        "layout": getattr(trainer.strategy, "cp_layout", None),
+        "weights": {k: v.detach().clone() for k, v in weights.items()},
+    }
 
 
 def assert_same_training(run: dict, reference: dict, loss_atol: float = LOSS_ATOL, grad_atol: dict = GRAD_ATOL) -> None:
@@ -135,12 +153,18 @@ def assert_same_training(run: dict, reference: dict, loss_atol: float = LOSS_ATO
     for step, grads in reference["grads"].items():
         assert sorted(run["grads"][step]) == sorted(grads)
         for name, grad in grads.items():
-            torch.testing.assert_close(run["grads"][step][name], grad, rtol=0, atol=grad_atol[step],
-                                       msg=lambda m, n=name, s=step: f"step {s} gradient of {n}: {m}")
+            torch.testing.assert_close(
+                run["grads"][step][name],
+                grad,
+                rtol=0,
+                atol=grad_atol[step],
+                msg=lambda m, n=name, s=step: f"step {s} gradient of {n}: {m}",
+            )
     for name, value in reference["weights"].items():
         difference = (run["weights"][name] - value).abs()
         assert difference.mean() <= WEIGHT_MEAN_ATOL and difference.max() <= WEIGHT_MAX_ATOL, (
-            f"{name}: mean |diff| {difference.mean():.2e}, max {difference.max():.2e}")
+            f"{name}: mean |diff| {difference.mean():.2e}, max {difference.max():.2e}"
+        )
 
 
 def chunks_by_definition(whole: torch.Tensor, layout: str, cp: int, cp_rank: int) -> torch.Tensor:
@@ -168,12 +192,19 @@ def assert_ranks_hold_their_chunks(rank_runs: list[dict], run: tuple) -> None:
         rows, length = batch["input_ids"].shape
         extra = -length % (2 * cp if layout == "zigzag" else cp)
         positions = batch.get("position_ids", torch.arange(length).expand(rows, length))
-        whole = {"input_ids": torch.cat([batch["input_ids"], torch.zeros(rows, extra, dtype=torch.long)], dim=1),
-                 "position_ids": torch.cat([positions, positions[:, -1:] + torch.arange(1, extra + 1)], dim=1)}
+        whole = {
+            "input_ids": torch.cat([batch["input_ids"], torch.zeros(rows, extra, dtype=torch.long)], dim=1),
+            "position_ids": torch.cat([positions, positions[:, -1:] + torch.arange(1, extra + 1)], dim=1),
+        }
         for key, value in whole.items():
             expected = chunks_by_definition(value, layout, cp, rank % cp)
-            torch.testing.assert_close(result["first_batch"][key], expected, rtol=0, atol=0,
-                                       msg=lambda m, k=key, r=rank, n=layout: f"{n} rank {r}'s {k}: {m}")
+            torch.testing.assert_close(
+                result["first_batch"][key],
+                expected,
+                rtol=0,
+                atol=0,
+                msg=lambda m, k=key, r=rank, n=layout: f"{n} rank {r}'s {k}: {m}",
+            )
 
 
 class WithoutContextParallelRanksInW(ContextParallelStrategy):
@@ -200,25 +231,54 @@ class FlexBlocksOnCpu(ContextParallelStrategy):
 # unless dp_shard or dp_replicate say otherwise (then rank // cp is the data-parallel rank: cp is
 # the inner mesh dimension).
 TWO_RANK_RUNS = {
-    "ring-zigzag-llama-checkpointed-compiled": ("tiny-llama", "reference", ContextParallelStrategy,
-                                                {"cp": 2, "cp_impl": "ring", "activation_checkpointing": "full",
-                                                 "compile_layers": True, "compile_backend": "aot_eager"}),
-    "ring-contiguous-qwen3-packed": ("tiny-qwen3", "packed", ContextParallelStrategy,
-                                     {"cp": 2, "cp_impl": "ring", "cp_layout": "contiguous"}),
-    "allgather-zigzag-qwen3-packed": ("tiny-qwen3", "packed", ContextParallelStrategy,
-                                      {"cp": 2, "cp_impl": "allgather", "cp_layout": "zigzag"}),
-    "allgather-contiguous-llama": ("tiny-llama", "reference", ContextParallelStrategy,
-                                   {"cp": 2, "cp_impl": "allgather", "cp_layout": "contiguous"}),
+    "ring-zigzag-llama-checkpointed-compiled": (
+        "tiny-llama",
+        "reference",
+        ContextParallelStrategy,
+        {
+            "cp": 2,
+            "cp_impl": "ring",
+            "activation_checkpointing": "full",
+            "compile_layers": True,
+            "compile_backend": "aot_eager",
+        },
+    ),
+    "ring-contiguous-qwen3-packed": (
+        "tiny-qwen3",
+        "packed",
+        ContextParallelStrategy,
+        {"cp": 2, "cp_impl": "ring", "cp_layout": "contiguous"},
+    ),
+    "allgather-zigzag-qwen3-packed": (
+        "tiny-qwen3",
+        "packed",
+        ContextParallelStrategy,
+        {"cp": 2, "cp_impl": "allgather", "cp_layout": "zigzag"},
+    ),
+    "allgather-contiguous-llama": (
+        "tiny-llama",
+        "reference",
+        ContextParallelStrategy,
+        {"cp": 2, "cp_impl": "allgather", "cp_layout": "contiguous"},
+    ),
     "flex-blocks-ring-qwen3-packed": ("tiny-qwen3", "packed", FlexBlocksOnCpu, {"cp": 2, "cp_impl": "ring"}),
     "broken-W": ("tiny-llama", "reference", WithoutContextParallelRanksInW, {"cp": 2}),
 }
 FOUR_RANK_RUNS = {
     "fsdp2-dp_shard2-x-ring-cp2": ("tiny-llama", "ranks", ContextParallelStrategy, {"dp_shard": 2, "cp": 2}),
     "allgather-cp4-qwen3-packed": ("tiny-qwen3", "packed", ContextParallelStrategy, {"cp": 4, "cp_impl": "allgather"}),
-    "ring-contiguous-cp4-llama": ("tiny-llama", "reference", ContextParallelStrategy,
-                                  {"cp": 4, "cp_impl": "ring", "cp_layout": "contiguous"}),
-    "hsdp-dp_replicate2-x-allgather-cp2": ("tiny-llama", "ranks", ContextParallelStrategy,
-                                           {"dp_replicate": 2, "cp": 2, "cp_impl": "allgather", "cp_layout": "contiguous"}),
+    "ring-contiguous-cp4-llama": (
+        "tiny-llama",
+        "reference",
+        ContextParallelStrategy,
+        {"cp": 4, "cp_impl": "ring", "cp_layout": "contiguous"},
+    ),
+    "hsdp-dp_replicate2-x-allgather-cp2": (
+        "tiny-llama",
+        "ranks",
+        ContextParallelStrategy,
+        {"dp_replicate": 2, "cp": 2, "cp_impl": "allgather", "cp_layout": "contiguous"},
+    ),
     "ep2-x-ring-cp2-qwen3-moe": ("tiny-qwen3-moe", "ranks", ExpertContextParallelStrategy, {"ep": 2, "cp": 2}),
 }
 EXPERT_RUN = "ep2-x-ring-cp2-qwen3-moe"
@@ -243,7 +303,9 @@ def _fits(rank: int, world_size: int, runs: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def references() -> dict:
-    keys = {(preset, REFERENCE_DATA[data]) for preset, data, _, _ in (*TWO_RANK_RUNS.values(), *FOUR_RANK_RUNS.values())}
+    keys = {
+        (preset, REFERENCE_DATA[data]) for preset, data, _, _ in (*TWO_RANK_RUNS.values(), *FOUR_RANK_RUNS.values())
+    }
     return {key: fit(*key) for key in keys}
 
 
@@ -355,7 +417,9 @@ def test_a_batch_without_document_lengths_counts_its_whole_rows_flops_on_every_r
         assert batch_model_flops(shard, per_token) == batch_model_flops(rows, per_token)
 
 
-@pytest.mark.parametrize(("key", "value"), [("cp_impl", "ulysses"), ("cp_layout", "striped"), ("cp_block_kernel", "xformers")])
+@pytest.mark.parametrize(
+    ("key", "value"), [("cp_impl", "ulysses"), ("cp_layout", "striped"), ("cp_block_kernel", "xformers")]
+)
 def test_unknown_options_are_refused_naming_the_key(key, value):
     with pytest.raises(ConfigError, match=f"trainer.strategy.init_args.{key}"):
         ContextParallelStrategy(**{key: value})
@@ -377,13 +441,22 @@ def test_gpu_block_kernels_are_refused_on_cpu_at_start_up(monkeypatch, kernel, r
     monkeypatch.setattr(ContextParallelStrategy, "root_device", property(lambda self: torch.device("cpu")))
     with pytest.raises(ConfigError, match=f"cp_block_kernel='{kernel}'.*{reason}.*use cp_block_kernel: sdpa"):
         ContextParallelStrategy(cp=2, cp_block_kernel=kernel).setup_environment()
-    config = {"trainer": {"accelerator": "cpu", "strategy": {
-        "class_path": "lit_ablate.strategies.ContextParallelStrategy", "init_args": {"cp": 2, "cp_block_kernel": kernel}}}}
+    config = {
+        "trainer": {
+            "accelerator": "cpu",
+            "strategy": {
+                "class_path": "lit_ablate.strategies.ContextParallelStrategy",
+                "init_args": {"cp": 2, "cp_block_kernel": kernel},
+            },
+        }
+    }
     assert reason in cp_block_kernel_runs_here(config, Launch(devices=2, num_nodes=1, accelerator="cpu"))
 
 
 def _two_gpus(rank: int, world_size: int) -> dict:
-    return fit("tiny-qwen3", "packed", ContextParallelStrategy(cp=2, cp_impl="ring"), devices=world_size, accelerator="gpu")
+    return fit(
+        "tiny-qwen3", "packed", ContextParallelStrategy(cp=2, cp_impl="ring"), devices=world_size, accelerator="gpu"
+    )
 
 
 @pytest.mark.gpu
@@ -393,7 +466,9 @@ def test_two_gpus_train_the_one_process_model():
     Tolerances: ten times the CPU ones, not yet measured on a GPU (fp32 kernels without TF32)."""
     reference = fit("tiny-qwen3", "packed", accelerator="gpu")
     for run in run_ranks(_two_gpus, 2, init_process_group=False, timeout_s=600):
-        assert_same_training(run, reference, loss_atol=10 * LOSS_ATOL, grad_atol={s: 10 * a for s, a in GRAD_ATOL.items()})
+        assert_same_training(
+            run, reference, loss_atol=10 * LOSS_ATOL, grad_atol={s: 10 * a for s, a in GRAD_ATOL.items()}
+        )
 
 
 def test_a_device_without_block_kernels_is_refused_naming_the_accelerator(monkeypatch):
@@ -421,4 +496,7 @@ def test_a_flash_attn_that_does_not_import_is_one_line(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else None)
     monkeypatch.setattr(builtins, "__import__", broken)
     reason = FlashAttnBlockKernel().unavailable(torch.device("cuda"))
-    assert reason.startswith("flash-attn does not import here (flash_attn_2_cuda.so: undefined symbol") and "sdpa" in reason
+    assert (
+        reason.startswith("flash-attn does not import here (flash_attn_2_cuda.so: undefined symbol")
+        and "sdpa" in reason
+    )

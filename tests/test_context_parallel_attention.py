@@ -75,28 +75,47 @@ def reference(case: str) -> dict[str, torch.Tensor]:
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
-def _sharded(rank: int, world_size: int, impl: str, layout_name: str, case: str, device: str = "cpu",
-             kernel: BlockKernel = SDPA, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:  # fmt: skip
+def _sharded(
+    rank: int,
+    world_size: int,
+    impl: str,
+    layout_name: str,
+    case: str,
+    device: str = "cpu",
+    kernel: BlockKernel = SDPA,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, torch.Tensor]:
     layout = SequenceLayout(layout_name, world_size)
     x = {name: t.to(device, dtype) if t.is_floating_point() else t.to(device) for name, t in inputs(case).items()}
     q, k, v = (layout.shard(x[n], rank, dim=2).requires_grad_() for n in "qkv")
     module = nn.Module()
     setattr(module, CONTEXT_PARALLEL_ATTRIBUTE, ContextParallelGroup(dist.group.WORLD, layout, rank, kernel))
     padding = layout.shard(x["padding"], rank) if case == "padded" else None
-    out, _ = CONTEXT_PARALLEL_BACKENDS[impl](module, q, k, v, padding, position_ids=layout.shard(x["position_ids"], rank))
+    out, _ = CONTEXT_PARALLEL_BACKENDS[impl](
+        module, q, k, v, padding, position_ids=layout.shard(x["position_ids"], rank)
+    )
     out = out.transpose(1, 2)
     out.backward(layout.shard(x["grad"], rank, dim=2))
-    return {"out": out.detach().float().cpu(), "dq": q.grad.float().cpu(), "dk": k.grad.float().cpu(),
-            "dv": v.grad.float().cpu()}
+    return {
+        "out": out.detach().float().cpu(),
+        "dq": q.grad.float().cpu(),
+        "dk": k.grad.float().cpu(),
+        "dv": v.grad.float().cpu(),
+    }
 
 
 def _all_cases(rank: int, world_size: int) -> dict[str, dict[str, torch.Tensor]]:
-    return {f"{impl}-{layout}-{case}": _sharded(rank, world_size, impl, layout, case)
-            for impl in IMPLS for layout in LAYOUTS for case in DOCUMENTS}  # fmt: skip
+    return {
+        f"{impl}-{layout}-{case}": _sharded(rank, world_size, impl, layout, case)
+        for impl in IMPLS
+        for layout in LAYOUTS
+        for case in DOCUMENTS
+    }
 
 
-def assert_equals_reference(shards: list[dict[str, torch.Tensor]], layout: SequenceLayout, case: str,
-                            atol: float = ATOL) -> None:  # fmt: skip
+def assert_equals_reference(
+    shards: list[dict[str, torch.Tensor]], layout: SequenceLayout, case: str, atol: float = ATOL
+) -> None:
     expected = reference(case)
     real = inputs(case)["padding"].bool()[:, None, :, None]
     for name in ("out", "dq", "dk", "dv"):
@@ -209,8 +228,12 @@ def _all_cases_then_cuda_kernels(rank: int, world_size: int) -> dict[str, dict[s
     """``_all_cases``, then (one rank group for all) ring and all-gather through the GPU kernels' glue."""
     cases = _all_cases(rank, world_size)
     use_flash_attn_stand_ins(_set)  # a rank process of its own: nothing to restore
-    return cases | {f"{kernel}-{impl}-{case}": _sharded(rank, world_size, impl, "zigzag", case, kernel=STAND_INS[kernel]())
-                    for kernel in STAND_INS for impl in IMPLS for case in DOCUMENTS}  # fmt: skip
+    return cases | {
+        f"{kernel}-{impl}-{case}": _sharded(rank, world_size, impl, "zigzag", case, kernel=STAND_INS[kernel]())
+        for kernel in STAND_INS
+        for impl in IMPLS
+        for case in DOCUMENTS
+    }
 
 
 @pytest.mark.parametrize("kernel", list(STAND_INS))
@@ -273,8 +296,12 @@ def test_gpu_flex_block_kernel_equals_full_attention(impl):
 def _on_gpus(rank: int, world_size: int) -> dict[str, dict[str, torch.Tensor]]:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world_size)
-    return {f"{impl}-{layout}-{case}": _sharded(rank, world_size, impl, layout, case, device="cuda")
-            for impl in IMPLS for layout in LAYOUTS for case in DOCUMENTS}  # fmt: skip
+    return {
+        f"{impl}-{layout}-{case}": _sharded(rank, world_size, impl, layout, case, device="cuda")
+        for impl in IMPLS
+        for layout in LAYOUTS
+        for case in DOCUMENTS
+    }
 
 
 @pytest.mark.gpu

@@ -41,8 +41,11 @@ def _measured_peak(rank: int, world_size: int, impl: str) -> int:
     for module in attention_modules(model):
         setattr(module, CONTEXT_PARALLEL_ATTRIBUTE, ContextParallelGroup(dist.group.WORLD, layout, rank))
     ids = torch.randint(0, 300, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    batch = {"input_ids": layout.shard(ids, rank), "labels": layout.shard(ids, rank),
-             "position_ids": layout.shard(torch.arange(SEQ).expand(BATCH, SEQ), rank)}  # fmt: skip
+    batch = {
+        "input_ids": layout.shard(ids, rank),
+        "labels": layout.shard(ids, rank),
+        "position_ids": layout.shard(torch.arange(SEQ).expand(BATCH, SEQ), rank),
+    }
     tracker = MemTracker()
     tracker.track_external(model)
     with tracker:
@@ -70,13 +73,23 @@ def test_a_config_s_context_parallelism_reaches_the_estimate():
     base = yaml.safe_load(QUICKSTART.read_text())
 
     def config(devices: int, impl: str) -> dict:
-        strategy = {"class_path": "lit_ablate.strategies.ContextParallelStrategy",
-                    "init_args": {"cp": -1, "dp_shard": 1, "cp_impl": impl}}  # fmt: skip
-        return with_overrides(base, {"trainer.devices": devices, "trainer.strategy": strategy, "data.init_args.seq_len": 1024})
+        strategy = {
+            "class_path": "lit_ablate.strategies.ContextParallelStrategy",
+            "init_args": {"cp": -1, "dp_shard": 1, "cp_impl": impl},
+        }
+        return with_overrides(
+            base, {"trainer.devices": devices, "trainer.strategy": strategy, "data.init_args.seq_len": 1024}
+        )
 
-    assert (training_shape_of(config(4, "allgather")).context_parallel,
-            training_shape_of(config(4, "allgather")).context_parallel_impl) == (4, "allgather")
-    one, ring, gather = estimate_for_config(config(1, "ring")), estimate_for_config(config(4, "ring")), estimate_for_config(config(4, "allgather"))
+    assert (
+        training_shape_of(config(4, "allgather")).context_parallel,
+        training_shape_of(config(4, "allgather")).context_parallel_impl,
+    ) == (4, "allgather")
+    one, ring, gather = (
+        estimate_for_config(config(1, "ring")),
+        estimate_for_config(config(4, "ring")),
+        estimate_for_config(config(4, "allgather")),
+    )
     assert ring.activations < one.activations / 3 and ring.params == -(-one.params // 4)
     assert gather.activations > ring.activations and ring.transient > 0
     # --world_size (or the report's world size) resolves cp: -1 as the strategy would on that many ranks
@@ -92,7 +105,9 @@ def test_estimate_world_size_resolves_cp_minus_one(tmp_path, capsys):
 
     strategy = {"class_path": "lit_ablate.strategies.ContextParallelStrategy", "init_args": {"cp": -1}}
     path = tmp_path / "cp.yaml"
-    path.write_text(yaml.safe_dump(with_overrides(yaml.safe_load(QUICKSTART.read_text()), {"trainer.strategy": strategy})))
+    path.write_text(
+        yaml.safe_dump(with_overrides(yaml.safe_load(QUICKSTART.read_text()), {"trainer.strategy": strategy}))
+    )
     assert estimate_main(["--config", str(path), "--world_size", "4", "--max_gpus", "8", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["world_size"] == 4 and summary["run"]["context_parallel"] == 4
@@ -102,8 +117,10 @@ def test_loss_gradients_held_in_the_forward_count_a_rank_s_tokens():
     """The chunked loss holds ``d hidden`` for the tokens it saw: a rank's ``seq_len / cp`` under CP
     (catches the whole sequence counted on every rank); ``d weight`` stays whole."""
     shape = model_shape(ModelFactory(preset="tiny-llama").hf_config())
-    one, two = (loss_gradient_bytes(shape, TrainingShape(micro_batch=BATCH, seq_len=SEQ, loss="chunked", context_parallel=cp))
-                for cp in (1, 2))  # fmt: skip
+    one, two = (
+        loss_gradient_bytes(shape, TrainingShape(micro_batch=BATCH, seq_len=SEQ, loss="chunked", context_parallel=cp))
+        for cp in (1, 2)
+    )
     weight = shape.vocab * shape.hidden * 4
     assert one - weight == BATCH * SEQ * shape.hidden * 4
     assert two - weight == BATCH * SEQ // 2 * shape.hidden * 4

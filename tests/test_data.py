@@ -73,8 +73,12 @@ def _tiny_hf_tokenizer(path) -> str:
     raw = RawTokenizer(models.WordLevel(unk_token="<unk>"))
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
     corpus = ["what is two plus two", "four", "and three plus three", "six", "user assistant system"]
-    raw.train_from_iterator(corpus, trainers.WordLevelTrainer(special_tokens=["<unk>", "<pad>", "<s>", "</s>", "<|im|>"]))
-    hf = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    raw.train_from_iterator(
+        corpus, trainers.WordLevelTrainer(special_tokens=["<unk>", "<pad>", "<s>", "</s>", "<|im|>"])
+    )
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=raw, unk_token="<unk>", pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
     hf.chat_template = (
         "{% for m in messages %}<|im|> {{ m['role'] }} {{ m['content'] }} {% if m['role'] == 'assistant' %}</s> {% endif %}"
         "{% endfor %}{% if add_generation_prompt %}<|im|> assistant {% endif %}"
@@ -144,7 +148,10 @@ def test_overlong_truncate_keeps_a_prefix_and_reject_drops_with_a_logged_count(c
     assert [len(e["input_ids"]) for e in truncated] == [7, 16]
     full = build_examples(rows, tok, "sft", seq_len=64, overlong="truncate")[1]
     assert truncated[1]["input_ids"].tolist() == full["input_ids"][:16].tolist()
-    assert truncated[1]["labels"][:15].tolist() == full["labels"][:15].tolist() and truncated[1]["labels"][15] == IGNORE_INDEX
+    assert (
+        truncated[1]["labels"][:15].tolist() == full["labels"][:15].tolist()
+        and truncated[1]["labels"][15] == IGNORE_INDEX
+    )
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="lit_ablate.data.formats"):
         rejected = build_examples(rows, tok, "sft", seq_len=16, overlong="reject")
@@ -328,8 +335,14 @@ def _fit(tmp_path, max_steps: int, ckpt_path: str | None = None) -> list[torch.T
     module = _BatchRecorder()
     checkpoints = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
     trainer = pl.Trainer(
-        max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[checkpoints], num_sanity_val_steps=0,
+        max_steps=max_steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[checkpoints],
+        num_sanity_val_steps=0,
     )
     trainer.fit(module, datamodule=_datamodule(batch_size=2, val_examples=4), ckpt_path=ckpt_path)
     return module.seen

@@ -49,8 +49,16 @@ CASES = {  # format -> (source, collator or None for padding)
 
 def _setup(tmp_path, fmt: str, **kwargs) -> LMDataModule:
     source, collator = CASES[fmt]
-    options = {"source": source, "format": fmt, "seq_len": 40, "batch_size": 3, "val_examples": 5,
-               "collator": collator, "cache_dir": str(tmp_path), **kwargs}
+    options = {
+        "source": source,
+        "format": fmt,
+        "seq_len": 40,
+        "batch_size": 3,
+        "val_examples": 5,
+        "collator": collator,
+        "cache_dir": str(tmp_path),
+        **kwargs,
+    }
     dm = LMDataModule(**options)
     dm.setup("fit")
     return dm
@@ -75,19 +83,25 @@ def test_cached_examples_and_batches_equal_the_in_memory_ones(fmt, tmp_path, mon
         for key, value in want.items():
             assert torch.equal(got[key], value) if isinstance(value, torch.Tensor) else got[key] == value, key
     again = _setup(tmp_path, fmt, storage="cache")
-    assert again.setup_record["cache_hit"] is True and again.setup_record["cache_path"] == cached.setup_record["cache_path"]
+    assert (
+        again.setup_record["cache_hit"] is True
+        and again.setup_record["cache_path"] == cached.setup_record["cache_path"]
+    )
 
 
 def test_a_mixed_sft_file_read_as_a_stream_caches_the_in_memory_examples(tmp_path):
-    rows = [{"prompt": "1+1=", "response": "2"},
-            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
-            {"prompt": "late column ", "response": "ok", "source": 3}] * 4
+    rows = [
+        {"prompt": "1+1=", "response": "2"},
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+        {"prompt": "late column ", "response": "ok", "source": 3},
+    ] * 4
     path = tmp_path / "mixed.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     built = {}
     for storage in ("memory", "cache"):
-        built[storage] = LMDataModule(LocalFiles(str(path)), format="sft", seq_len=64, storage=storage,
-                                      cache_dir=str(tmp_path / "cache"))
+        built[storage] = LMDataModule(
+            LocalFiles(str(path)), format="sft", seq_len=64, storage=storage, cache_dir=str(tmp_path / "cache")
+        )
         built[storage].setup()
     for got, want in zip(built["cache"].train_set.examples, built["memory"].train_set.examples, strict=True):
         assert all(torch.equal(got[key], want[key]) for key in want)
@@ -128,8 +142,14 @@ def _change_file(path: str) -> None:
 @pytest.mark.parametrize("change", ["source", "tokenizer", "format", "seq_len", "overlong", "version"])
 def test_each_key_input_invalidates_the_entry(change, tmp_path, monkeypatch):
     corpus = _write_corpus(tmp_path / "corpus.txt")
-    options = {"source": LocalFiles(corpus), "format": "documents", "seq_len": 32, "overlong": "truncate",
-               "storage": "cache", "cache_dir": str(tmp_path / "cache")}
+    options = {
+        "source": LocalFiles(corpus),
+        "format": "documents",
+        "seq_len": 32,
+        "overlong": "truncate",
+        "storage": "cache",
+        "cache_dir": str(tmp_path / "cache"),
+    }
 
     def setup(**changes) -> LMDataModule:
         dm = LMDataModule(**(options | changes))
@@ -157,19 +177,24 @@ def test_each_key_input_invalidates_the_entry(change, tmp_path, monkeypatch):
 def test_a_retrained_tokenizer_at_the_same_path_is_another_entry(tmp_path):
     corpus = _write_corpus(tmp_path / "corpus.txt", "what is two plus two\n")
     tokenizer = _tiny_hf_tokenizer(tmp_path / "tok")
-    first = LMDataModule(LocalFiles(corpus), format="documents", tokenizer=tokenizer, storage="cache",
-                         cache_dir=str(tmp_path / "cache"))
+    first = LMDataModule(
+        LocalFiles(corpus), format="documents", tokenizer=tokenizer, storage="cache", cache_dir=str(tmp_path / "cache")
+    )
     first.setup()
     (tmp_path / "tok" / "tokenizer.json").write_text(
-        (tmp_path / "tok" / "tokenizer.json").read_text().replace('"two"', '"TWO"'))
-    second = LMDataModule(LocalFiles(corpus), format="documents", tokenizer=tokenizer, storage="cache",
-                          cache_dir=str(tmp_path / "cache"))
+        (tmp_path / "tok" / "tokenizer.json").read_text().replace('"two"', '"TWO"')
+    )
+    second = LMDataModule(
+        LocalFiles(corpus), format="documents", tokenizer=tokenizer, storage="cache", cache_dir=str(tmp_path / "cache")
+    )
     second.setup()
     assert second.setup_record["cache_hit"] is False
 
 
-@pytest.mark.parametrize(("key", "value", "storage"),
-                         [("storage", "disk", "disk"), ("tokenize_workers", -1, "auto"), ("tokenize_workers", 2, "memory")])
+@pytest.mark.parametrize(
+    ("key", "value", "storage"),
+    [("storage", "disk", "disk"), ("tokenize_workers", -1, "auto"), ("tokenize_workers", 2, "memory")],
+)
 def test_bad_storage_options_name_the_key(key, value, storage):
     with pytest.raises(ConfigError, match=rf"data\.init_args\.{key}={value!r}"):
         LMDataModule(SyntheticText(num_documents=4), **{"storage": storage, key: value})
@@ -198,8 +223,12 @@ def _setup_together(rank: int, world_size: int, cache_dir: str) -> dict:
     dist.barrier()  # both ranks find no entry, then race for it
     dm = LMDataModule(SlowText(delay_s=0.5), seq_len=16, storage="cache", cache_dir=cache_dir)
     dm.setup("fit")
-    return {"hit": int(dm.setup_record["cache_hit"]), "path": dm.setup_record["cache_path"],
-            "first": dm.train_set[0]["input_ids"], "count": len(dm.train_set)}
+    return {
+        "hit": int(dm.setup_record["cache_hit"]),
+        "path": dm.setup_record["cache_path"],
+        "first": dm.train_set[0]["input_ids"],
+        "count": len(dm.train_set),
+    }
 
 
 def test_two_ranks_starting_together_build_the_entry_once(tmp_path):
@@ -227,11 +256,20 @@ def test_run_record_carries_the_data_setup(tmp_path):
     from lit_ablate.callbacks import RunRecorder
     from lit_ablate.record import read_record
 
-    dm = LMDataModule(SyntheticText(num_documents=40), seq_len=16, batch_size=2, storage="cache",
-                      cache_dir=str(tmp_path / "cache"))
-    trainer = pl.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path,
-                         callbacks=[RunRecorder(path=str(tmp_path / "run.json"))])
+    dm = LMDataModule(
+        SyntheticText(num_documents=40), seq_len=16, batch_size=2, storage="cache", cache_dir=str(tmp_path / "cache")
+    )
+    trainer = pl.Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+        callbacks=[RunRecorder(path=str(tmp_path / "run.json"))],
+    )
     trainer.fit(_Quiet(), datamodule=dm)
     data = read_record(tmp_path / "run.json")["data"]
     assert data["storage"] == "cache" and data["cache_hit"] is False and data["examples"] == len(dm.train_set)

@@ -54,8 +54,9 @@ def test_examples_equal_those_of_the_same_text_from_a_jsonl_file(tmp_path, fmt):
 
 def test_pretokenised_rows_are_one_stream_as_stored():
     """No tokenising and no eos added: a token column holds what the pipeline that wrote it decided."""
-    examples = build_examples(MDSShards(str(FIXTURES / "zstd"), tokens_field="tokens"), ByteTokenizer(), "pretrain", 16,
-                              "truncate")
+    examples = build_examples(
+        MDSShards(str(FIXTURES / "zstd"), tokens_field="tokens"), ByteTokenizer(), "pretrain", 16, "truncate"
+    )
     stream = [t for text in documents() for t in text.encode()]
     assert [e["input_ids"].tolist() for e in examples] == [stream[s : s + 16] for s in range(0, len(stream) - 16, 16)]
 
@@ -65,8 +66,17 @@ def test_two_ranks_of_two_workers_see_every_row_once_per_epoch():
     collator.bind(256, 64)
     seen = Counter()
     for rank in range(2):
-        dataset = StreamingExamples(MDSShards(str(FIXTURES / "plain")), ByteTokenizer(), "documents", 64, "truncate", 1,
-                                    rank=rank, num_replicas=2, epochs=1)
+        dataset = StreamingExamples(
+            MDSShards(str(FIXTURES / "plain")),
+            ByteTokenizer(),
+            "documents",
+            64,
+            "truncate",
+            1,
+            rank=rank,
+            num_replicas=2,
+            epochs=1,
+        )
         seen.update(_sequences(DataLoader(dataset, batch_size=1, collate_fn=collator, num_workers=2)))
     reference = build_examples(MDSShards(str(FIXTURES / "plain")), ByteTokenizer(), "documents", 64, "truncate")
     assert seen == Counter(tuple(e["input_ids"].tolist()) for e in reference)
@@ -75,10 +85,19 @@ def test_two_ranks_of_two_workers_see_every_row_once_per_epoch():
 def _fit(root, max_steps: int, ckpt_path: str | None = None) -> list[torch.Tensor]:
     module = _BatchRecorder()
     checkpoints = pl.callbacks.ModelCheckpoint(dirpath=root, every_n_train_steps=3, save_top_k=-1)
-    trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[checkpoints], num_sanity_val_steps=0)
-    dm = LMDataModule(MDSShards(str(FIXTURES / "zstd")), format="documents", seq_len=64, batch_size=2, num_workers=2,
-                      storage="stream")
+    trainer = pl.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[checkpoints],
+        num_sanity_val_steps=0,
+    )
+    dm = LMDataModule(
+        MDSShards(str(FIXTURES / "zstd")), format="documents", seq_len=64, batch_size=2, num_workers=2, storage="stream"
+    )
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
     return module.seen
 
@@ -132,6 +151,9 @@ def test_bad_configs_are_one_line_naming_the_key(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"source\.init_args\.tokens_dtype='float32'"):
         MDSShards(str(FIXTURES / "plain"), tokens_field="tokens", tokens_dtype="float32")
     monkeypatch.setitem(sys.modules, "zstandard", None)  # the mds extra not installed
-    with pytest.raises(ConfigError, match=r"zstd-compressed shards needs zstandard, which is not installed here: "
-                                          r"pip install 'lit-ablate\[mds\]'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"zstd-compressed shards needs zstandard, which is not installed here: "
+        r"pip install 'lit-ablate\[mds\]'",
+    ):
         MDSShards(str(FIXTURES / "zstd"))

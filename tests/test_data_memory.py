@@ -29,7 +29,7 @@ CORPUS_BYTES = 64 * 10**6
 ALLOWED_MIB = 100
 STEPS = 5
 
-_MEASURE = r'''
+_MEASURE = r"""
 import json, sys
 import lightning as L
 from lit_ablate.data import LMDataModule, LocalFiles, SyntheticText
@@ -59,7 +59,7 @@ baseline = peak_mib()
 reset_peak()
 large = fit(LocalFiles(sys.argv[1]), int(sys.argv[3]))
 print(json.dumps({"baseline_mib": baseline, "large_mib": peak_mib(), "tiny": tiny, "large": large}))
-'''
+"""
 
 
 def write_corpus(path: Path, size: int) -> int:
@@ -86,8 +86,14 @@ def test_a_large_corpus_on_a_cache_hit_trains_in_bounded_memory(tmp_path):
     cache = str(tmp_path / "cache")
     LMDataModule(LocalFiles(str(corpus)), seq_len=64, batch_size=4, cache_dir=cache).setup()  # the build
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", _MEASURE, str(corpus), cache, str(STEPS)], capture_output=True,
-                          text=True, env=env, cwd=tmp_path, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", _MEASURE, str(corpus), cache, str(STEPS)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     grown = result["large_mib"] - result["baseline_mib"]

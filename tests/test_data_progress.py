@@ -26,8 +26,11 @@ def _console() -> tuple[Console, io.StringIO]:
 def test_a_build_draws_rows_rate_and_eta(tmp_path, monkeypatch):
     console, out = _console()
     monkeypatch.setattr(token_cache, "BATCH_ROWS", 16)
-    monkeypatch.setattr(token_cache, "BuildProgress",
-                        lambda label, total_rows: build_progress.BuildProgress(label, total_rows, console=console))
+    monkeypatch.setattr(
+        token_cache,
+        "BuildProgress",
+        lambda label, total_rows: build_progress.BuildProgress(label, total_rows, console=console),
+    )
     LMDataModule(SyntheticText(num_documents=120), seq_len=16, storage="cache", cache_dir=str(tmp_path)).setup()
     drawn = out.getvalue()
     assert "data cache pretrain-" in drawn and "rows/s" in drawn and "ETA" in drawn
@@ -40,9 +43,10 @@ def test_a_build_without_a_terminal_prints_nothing(tmp_path, capfd, monkeypatch)
     assert capfd.readouterr().err == ""
 
 
-@pytest.mark.parametrize(("setting", "rank", "terminal", "drawn"),
-                         [("0", 0, True, False), ("1", 0, False, True), ("", 0, True, True), ("", 1, True, False),
-                          ("1", 1, False, False)])
+@pytest.mark.parametrize(
+    ("setting", "rank", "terminal", "drawn"),
+    [("0", 0, True, False), ("1", 0, False, True), ("", 0, True, True), ("", 1, True, False), ("1", 1, False, False)],
+)
 def test_only_rank_zero_draws(setting, rank, terminal, drawn, monkeypatch):
     monkeypatch.setenv(build_progress.PROGRESS_ENV, setting)
     monkeypatch.setattr(build_progress.rank_zero_only, "rank", rank)

@@ -36,9 +36,17 @@ def test_auto_caches_a_large_file_source_and_records_why(tmp_path, monkeypatch):
     large = _jsonl(tmp_path / "large.jsonl", 100)  # ~4.5 kB
     dm = LMDataModule(LocalFiles(large), seq_len=16, batch_size=2, cache_dir=str(tmp_path / "cache"))
     assert dm.storage == "auto"  # the default
-    trainer = pl.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path,
-                         callbacks=[RunRecorder(path=str(tmp_path / "run.json"))])
+    trainer = pl.Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+        callbacks=[RunRecorder(path=str(tmp_path / "run.json"))],
+    )
     trainer.fit(_Quiet(), datamodule=dm)
     data = read_record(tmp_path / "run.json")["data"]
     assert data["storage"] == "cache" and data["storage_requested"] == "auto" and data["cache_hit"] is False
@@ -49,8 +57,9 @@ def test_auto_caches_a_large_file_source_and_records_why(tmp_path, monkeypatch):
 @pytest.mark.parametrize("source", [SyntheticText(num_documents=30), ArithmeticSFT(num_examples=30)])
 def test_auto_keeps_generated_sources_in_memory(source, tmp_path, monkeypatch):
     monkeypatch.setattr(storage_choice, "AUTO_CACHE_BYTES", 1)
-    dm = LMDataModule(source, format="documents" if isinstance(source, SyntheticText) else "sft",
-                      cache_dir=str(tmp_path / "cache"))
+    dm = LMDataModule(
+        source, format="documents" if isinstance(source, SyntheticText) else "sft", cache_dir=str(tmp_path / "cache")
+    )
     dm.setup()
     assert dm.setup_record["storage"] == "memory" and dm.setup_record["cache_path"] is None
     assert "generates its rows in code" in dm.setup_record["storage_reason"]
@@ -68,10 +77,15 @@ def test_the_threshold_is_in_bytes_and_inclusive(tmp_path, monkeypatch):
 def test_an_explicit_storage_is_recorded_as_set_in_the_config(tmp_path):
     dm = LMDataModule(LocalFiles(_jsonl(tmp_path / "c.jsonl", 50)), storage="memory")
     dm.setup()
-    assert dm.setup_record | {"seconds": 0} == {"storage": "memory", "storage_requested": "memory",
-                                                "storage_reason": "set in the config", "seconds": 0,
-                                                "cache_hit": None, "examples": dm.setup_record["examples"],
-                                                "cache_path": None}
+    assert dm.setup_record | {"seconds": 0} == {
+        "storage": "memory",
+        "storage_requested": "memory",
+        "storage_reason": "set in the config",
+        "seconds": 0,
+        "cache_hit": None,
+        "examples": dm.setup_record["examples"],
+        "cache_path": None,
+    }
 
 
 def _fake_builder(splits: dict | None, dataset_size: int | None):
@@ -83,8 +97,9 @@ def test_a_hub_source_is_sized_by_its_split_else_cached(monkeypatch):
     import datasets
 
     hub = HubDataset("someone/corpus", split="train", revision="abc123")
-    monkeypatch.setattr(datasets, "load_dataset_builder",
-                        _fake_builder({"train": SimpleNamespace(num_bytes=1000)}, dataset_size=10**12))
+    monkeypatch.setattr(
+        datasets, "load_dataset_builder", _fake_builder({"train": SimpleNamespace(num_bytes=1000)}, dataset_size=10**12)
+    )
     assert hub.stored_bytes() == 1000 and storage_choice.choose_storage(hub)[0] == "memory"
     monkeypatch.setattr(datasets, "load_dataset_builder", _fake_builder({}, dataset_size=10**9))
     assert storage_choice.choose_storage(hub)[0] == "cache"
@@ -109,6 +124,8 @@ def test_a_hub_source_reads_and_keys_its_revision(monkeypatch):
             next(rows)
     assert [call.get("revision") for call in calls] == ["abc123", "abc123"]
     tokenizer = load_tokenizer("byte")
-    keys = {cache_key(HubDataset("someone/corpus", revision=r), tokenizer, "pretrain", 16, "truncate")[0]
-            for r in (None, "abc123", "def456")}
+    keys = {
+        cache_key(HubDataset("someone/corpus", revision=r), tokenizer, "pretrain", 16, "truncate")[0]
+        for r in (None, "abc123", "def456")
+    }
     assert len(keys) == 3

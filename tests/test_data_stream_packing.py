@@ -64,8 +64,18 @@ def test_two_ranks_of_two_workers_pack_every_example_once(tmp_path):
     collator = _collator()
     seen: Counter = Counter()
     for rank in range(2):
-        dataset = StreamingBatches(LocalFiles(path), ByteTokenizer(), "documents", SEQ_LEN, "truncate", 2, rank=rank,
-                                    num_replicas=2, epochs=1, packing=collator.stream_packing())
+        dataset = StreamingBatches(
+            LocalFiles(path),
+            ByteTokenizer(),
+            "documents",
+            SEQ_LEN,
+            "truncate",
+            2,
+            rank=rank,
+            num_replicas=2,
+            epochs=1,
+            packing=collator.stream_packing(),
+        )
         for batch in DataLoader(dataset, batch_size=None, collate_fn=StreamBatchCollate(collator), num_workers=2):
             assert batch["input_ids"].shape[1] <= MAX_TOKENS
             seen.update(_documents(batch))
@@ -74,8 +84,19 @@ def test_two_ranks_of_two_workers_pack_every_example_once(tmp_path):
 
 
 def _slot_examples(source, slot: int, slots: int) -> list[dict]:
-    return list(SlotStream(source, ByteTokenizer(), "documents", SEQ_LEN, "truncate", slot, slots,
-                           slot_reads(source.stream_shards(), slots, slot), epochs=1))
+    return list(
+        SlotStream(
+            source,
+            ByteTokenizer(),
+            "documents",
+            SEQ_LEN,
+            "truncate",
+            slot,
+            slots,
+            slot_reads(source.stream_shards(), slots, slot),
+            epochs=1,
+        )
+    )
 
 
 def _tokens(row: list[dict]) -> tuple[tuple[int, ...], ...]:
@@ -90,11 +111,24 @@ def test_a_slot_packs_its_examples_as_the_in_memory_packer_does(tmp_path, strate
     for slot in range(4):
         examples = _slot_examples(source, slot, 4)
         dataset = ExampleDataset(examples)
-        sampler = collator.sampler(dataset, dataset.lengths, num_replicas=1, rank=0, shuffle=False, seed=0,
-                                   drop_last=False, batch_size=2)
+        sampler = collator.sampler(
+            dataset, dataset.lengths, num_replicas=1, rank=0, shuffle=False, seed=0, drop_last=False, batch_size=2
+        )
         in_memory = [[examples[i] for i in row] for row in sampler.epoch_rows()]
-        streamed = list(SlotStream(source, ByteTokenizer(), "documents", SEQ_LEN, "truncate", slot, 4,
-                                   slot_reads(1, 4, slot), packing=collator.stream_packing(), epochs=1))
+        streamed = list(
+            SlotStream(
+                source,
+                ByteTokenizer(),
+                "documents",
+                SEQ_LEN,
+                "truncate",
+                slot,
+                4,
+                slot_reads(1, 4, slot),
+                packing=collator.stream_packing(),
+                epochs=1,
+            )
+        )
         assert [_tokens(r) for r in streamed] == [_tokens(r) for r in in_memory] and len(in_memory) > WINDOW // 2
         if overlong == "reject":
             assert all(len(e["input_ids"]) <= MAX_TOKENS for row in streamed for e in row)
@@ -114,9 +148,20 @@ def test_a_resumed_packed_stream_continues_exactly(tmp_path, shuffle_buffer):
     collator = _collator()
 
     def stream(skip: int = 0, positions=None) -> StreamingBatches:
-        return StreamingBatches(source, ByteTokenizer(), "documents", SEQ_LEN, "truncate", 2, skip_batches=skip,
-                                 positions=positions, epochs=2, shuffle_buffer=shuffle_buffer, seed=1,
-                                 packing=collator.stream_packing())
+        return StreamingBatches(
+            source,
+            ByteTokenizer(),
+            "documents",
+            SEQ_LEN,
+            "truncate",
+            2,
+            skip_batches=skip,
+            positions=positions,
+            epochs=2,
+            shuffle_buffer=shuffle_buffer,
+            seed=1,
+            packing=collator.stream_packing(),
+        )
 
     whole = [collator(items) for items, _ in stream()]
     assert len(whole) > 8
@@ -125,13 +170,23 @@ def test_a_resumed_packed_stream_continues_exactly(tmp_path, shuffle_buffer):
         resumed = [collator(items) for items, _ in stream(consumed, positions)]
         assert len(resumed) == len(whole) - consumed, consumed
         for got, want in zip(resumed, whole[consumed:]):
-            assert torch.equal(got["input_ids"], want["input_ids"]) and torch.equal(got["position_ids"], want["position_ids"])
+            assert torch.equal(got["input_ids"], want["input_ids"]) and torch.equal(
+                got["position_ids"], want["position_ids"]
+            )
 
 
 def test_a_packed_batch_carries_its_slot_state(tmp_path):
     collator = _collator()
-    dataset = StreamingBatches(LocalFiles(_corpus(tmp_path)), ByteTokenizer(), "documents", SEQ_LEN, "truncate", 2,
-                                epochs=1, packing=collator.stream_packing())
+    dataset = StreamingBatches(
+        LocalFiles(_corpus(tmp_path)),
+        ByteTokenizer(),
+        "documents",
+        SEQ_LEN,
+        "truncate",
+        2,
+        epochs=1,
+        packing=collator.stream_packing(),
+    )
     batch = next(iter(DataLoader(dataset, batch_size=None, collate_fn=StreamBatchCollate(collator))))
     slot, state = batch[STREAM_STATE]
     assert slot == 0 and state["epoch"] == 0 and state["items"]["rows_served"] == 2  # two rows of the first window
@@ -144,8 +199,9 @@ def test_a_stream_resumes_only_with_the_packing_it_was_saved_with(tmp_path, save
     from lit_ablate.errors import ConfigError
 
     def data_module(collator) -> LMDataModule:
-        return LMDataModule(LocalFiles(_corpus(tmp_path)), format="documents", seq_len=SEQ_LEN, storage="stream",
-                            collator=collator)
+        return LMDataModule(
+            LocalFiles(_corpus(tmp_path)), format="documents", seq_len=SEQ_LEN, storage="stream", collator=collator
+        )
 
     state = data_module(saved).state_dict()
     with pytest.raises(ConfigError, match="data.init_args.collator"):

@@ -101,9 +101,22 @@ def test_a_resumed_stream_reads_only_what_remains(tmp_path, monkeypatch, case):
     tokenizer = _CountingTokenizer()
 
     def stream(skip: int = 0, positions=None) -> StreamingBatches:  # one slot of 2 ranks: rank 1's
-        return StreamingBatches(source, tokenizer, fmt, SEQ_LEN, "truncate", 2, rank=1, num_replicas=2,
-                                 skip_batches=skip, positions=positions, epochs=1, shuffle_buffer=buffer, seed=2,
-                                 packing=collator.stream_packing() if packed else None)
+        return StreamingBatches(
+            source,
+            tokenizer,
+            fmt,
+            SEQ_LEN,
+            "truncate",
+            2,
+            rank=1,
+            num_replicas=2,
+            skip_batches=skip,
+            positions=positions,
+            epochs=1,
+            shuffle_buffer=buffer,
+            seed=2,
+            packing=collator.stream_packing() if packed else None,
+        )
 
     whole, read_by = [], []  # the batches, and the rows read when each was made
     for items, _ in stream():
@@ -125,10 +138,13 @@ def test_a_resumed_stream_reads_only_what_remains(tmp_path, monkeypatch, case):
             assert reads.lines == reads.rows
 
 
-@pytest.mark.parametrize("lines", [
-    b'{"text": "a"}\n\n{"text": "b", "n": 1}\n   \n{"text": "\\u00e9t\\u00e9"}',  # blank lines, no final newline
-    b'\xef\xbb\xbf{"text": "bom"}\n{"text": "x"}\n',
-])
+@pytest.mark.parametrize(
+    "lines",
+    [
+        b'{"text": "a"}\n\n{"text": "b", "n": 1}\n   \n{"text": "\\u00e9t\\u00e9"}',  # blank lines, no final newline
+        b'\xef\xbb\xbf{"text": "bom"}\n{"text": "x"}\n',
+    ],
+)
 def test_jsonl_rows_are_the_rows_datasets_reads_and_resume_anywhere(tmp_path, lines):
     from datasets import load_dataset
 
@@ -160,8 +176,9 @@ def test_parquet_rows_resume_inside_a_row_group(tmp_path):
 
     path = _parquet(tmp_path, rows=20)
     rows = list(stream_parts.parquet_rows([path], None, None))
-    assert [row["text"] for row, _ in rows] == [row["text"] for row in load_dataset("parquet", data_files=path,
-                                                                                    split="train")]
+    assert [row["text"] for row, _ in rows] == [
+        row["text"] for row in load_dataset("parquet", data_files=path, split="train")
+    ]
     for index, (_, position) in enumerate(rows):
         assert list(stream_parts.parquet_rows([path], position, None)) == rows[index + 1 :]
 
@@ -172,8 +189,11 @@ def test_a_hub_stream_resumes_from_datasets_state(tmp_path, monkeypatch):
     local = LocalFiles(_jsonl(tmp_path, 2, rows=11))
     per_file = [[row["text"] for row in local.stream_shard(part)] for part in range(2)]
     real = datasets.load_dataset
-    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: real(
-        "json", data_files=local.files, split="train", streaming=True))  # a hub dataset of two files
+    monkeypatch.setattr(
+        datasets,
+        "load_dataset",
+        lambda *args, **kwargs: real("json", data_files=local.files, split="train", streaming=True),
+    )  # a hub dataset of two files
     monkeypatch.setattr(sources, "_STREAM_BATCH", 4)
     hub = HubDataset("someone/corpus")
     assert hub.stream_shards() == 2

@@ -27,8 +27,9 @@ def _stream(tmp_path, **kwargs) -> StreamingBatches:
     path = tmp_path / "docs.jsonl"
     if not path.exists():
         path.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(40)))
-    return StreamingBatches(LocalFiles(str(path)), load_tokenizer("byte"), "documents", 32, "truncate",
-                             batch_size=2, **kwargs)
+    return StreamingBatches(
+        LocalFiles(str(path)), load_tokenizer("byte"), "documents", 32, "truncate", batch_size=2, **kwargs
+    )
 
 
 def _ids(stream: StreamingBatches) -> list[tuple[int, ...]]:
@@ -55,14 +56,18 @@ def test_the_buffer_holds_at_most_its_size():
     pulled = []
     rows = source.stream_part
     source.stream_part = lambda index, after=None: ((pulled.append(row) or row, p) for row, p in rows(index, after))
-    stream = iter(SlotStream(source, load_tokenizer("byte"), "documents", 4096, "truncate", 0, 1, [(0, 1, 0)],
-                             shuffle_buffer=5, epochs=1))
+    stream = iter(
+        SlotStream(
+            source, load_tokenizer("byte"), "documents", 4096, "truncate", 0, 1, [(0, 1, 0)], shuffle_buffer=5, epochs=1
+        )
+    )
     first = next(stream)
     assert len(pulled) == 6  # the 6th example displaced the first served
     everything = [first, *stream]
     assert sorted(tuple(e["input_ids"].tolist()) for e in everything) == sorted(
-        tuple(e["input_ids"].tolist()) for e in SlotStream(source, load_tokenizer("byte"), "documents", 4096, "truncate",
-                                                           0, 1, [(0, 1, 0)], epochs=1))
+        tuple(e["input_ids"].tolist())
+        for e in SlotStream(source, load_tokenizer("byte"), "documents", 4096, "truncate", 0, 1, [(0, 1, 0)], epochs=1)
+    )
 
 
 def test_a_resumed_shuffled_stream_continues_with_the_next_examples(tmp_path):
@@ -84,7 +89,8 @@ def test_a_shuffle_buffer_is_for_streams_only(tmp_path):
 def test_the_data_module_gives_its_stream_the_buffer_and_seed(tmp_path, shuffle, buffer):
     path = tmp_path / "d.jsonl"
     path.write_text('{"text": "x"}\n')
-    dm = LMDataModule(LocalFiles(str(path)), format="documents", storage="stream", shuffle_buffer=8, seed=3,
-                      shuffle=shuffle)
+    dm = LMDataModule(
+        LocalFiles(str(path)), format="documents", storage="stream", shuffle_buffer=8, seed=3, shuffle=shuffle
+    )
     dataset = dm.train_dataloader().dataset
     assert (dataset.shuffle_buffer, dataset.seed) == (buffer, 3)

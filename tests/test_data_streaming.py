@@ -33,10 +33,22 @@ def _sft_file(tmp_path, rows: int = 45) -> str:
     return str(path)
 
 
-def _loader(path: str, rank: int, *, workers: int = 2, skip: int = 0, positions=None, epochs: int | None = 1,
-            batch: int = 2) -> DataLoader:
-    dataset = StreamingBatches(LocalFiles(path), ByteTokenizer(), "sft", 32, "truncate", batch, rank=rank,
-                                num_replicas=2, skip_batches=skip, positions=positions, epochs=epochs)
+def _loader(
+    path: str, rank: int, *, workers: int = 2, skip: int = 0, positions=None, epochs: int | None = 1, batch: int = 2
+) -> DataLoader:
+    dataset = StreamingBatches(
+        LocalFiles(path),
+        ByteTokenizer(),
+        "sft",
+        32,
+        "truncate",
+        batch,
+        rank=rank,
+        num_replicas=2,
+        skip_batches=skip,
+        positions=positions,
+        epochs=epochs,
+    )
     collator = PaddingCollator()
     collator.bind(256, 32)
     return DataLoader(dataset, batch_size=None, collate_fn=StreamBatchCollate(collator), num_workers=workers)
@@ -64,21 +76,48 @@ def test_worker_shares_of_consumed_batches_add_up():
 def test_resume_continues_with_the_next_batch_of_the_rank(tmp_path, consumed):
     path = _sft_file(tmp_path, rows=40)  # 20 rows per rank: 10 batches of 2 per epoch
     uninterrupted = list(zip(range(consumed + 4), _loader(path, 1, epochs=None)))
-    positions = dict(batch[STREAM_STATE] for _, batch in uninterrupted[:consumed])  # each slot's latest, as the data module keeps them
+    positions = dict(
+        batch[STREAM_STATE] for _, batch in uninterrupted[:consumed]
+    )  # each slot's latest, as the data module keeps them
     resumed = list(zip(range(4), _loader(path, 1, skip=consumed, positions=positions, epochs=None)))
     for (_, want), (_, got) in zip(uninterrupted[consumed:], resumed, strict=True):
         assert torch.equal(got["input_ids"], want["input_ids"]) and torch.equal(got["labels"], want["labels"])
 
 
-def _fit(path: str, root, max_steps: int, ckpt_path: str | None = None, shuffle_buffer: int = 0, packing: bool = False,
-         devices: int = 1, strategy: str = "auto", workers: int = 2) -> list[torch.Tensor]:
+def _fit(
+    path: str,
+    root,
+    max_steps: int,
+    ckpt_path: str | None = None,
+    shuffle_buffer: int = 0,
+    packing: bool = False,
+    devices: int = 1,
+    strategy: str = "auto",
+    workers: int = 2,
+) -> list[torch.Tensor]:
     module = _BatchRecorder()
     checkpoints = pl.callbacks.ModelCheckpoint(dirpath=root, every_n_train_steps=3, save_top_k=-1)
-    trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", devices=devices, strategy=strategy, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[checkpoints],
-                         num_sanity_val_steps=0)
-    dm = LMDataModule(LocalFiles(path), format="sft", seq_len=32, batch_size=2, num_workers=workers, storage="stream",
-                      shuffle_buffer=shuffle_buffer, collator=PackingCollator(window=5) if packing else None)
+    trainer = pl.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[checkpoints],
+        num_sanity_val_steps=0,
+    )
+    dm = LMDataModule(
+        LocalFiles(path),
+        format="sft",
+        seq_len=32,
+        batch_size=2,
+        num_workers=workers,
+        storage="stream",
+        shuffle_buffer=shuffle_buffer,
+        collator=PackingCollator(window=5) if packing else None,
+    )
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path)
     return module.seen
 
@@ -89,8 +128,9 @@ def test_lightning_resume_of_a_stream_continues_exactly(tmp_path, shuffle_buffer
     uninterrupted = _fit(path, tmp_path / "a", max_steps=8, shuffle_buffer=shuffle_buffer, packing=packing)
     _fit(path, tmp_path / "b", max_steps=3, shuffle_buffer=shuffle_buffer, packing=packing)
     (checkpoint,) = (tmp_path / "b").glob("*.ckpt")
-    resumed = _fit(path, tmp_path / "c", max_steps=8, ckpt_path=str(checkpoint), shuffle_buffer=shuffle_buffer,
-                   packing=packing)
+    resumed = _fit(
+        path, tmp_path / "c", max_steps=8, ckpt_path=str(checkpoint), shuffle_buffer=shuffle_buffer, packing=packing
+    )
     assert len(resumed) == 5
     assert all(torch.equal(a, b) for a, b in zip(resumed, uninterrupted[3:], strict=True))
 

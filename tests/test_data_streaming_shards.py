@@ -42,22 +42,28 @@ def _files(tmp_path, count: int) -> str:
     return str(tmp_path / "*.jsonl")
 
 
-@pytest.mark.parametrize(("files", "reads"), [
-    (5, {0: [0, 4], 1: [1], 2: [2], 3: [3]}),  # more files than slots, not a multiple: slot 0 reads two
-    (3, {0: [0], 1: [1], 2: [2], 3: [0]}),     # fewer files than slots: slots 0 and 3 share file 0 by row
-    (4, {0: [0], 1: [1], 2: [2], 3: [3]}),
-])
+@pytest.mark.parametrize(
+    ("files", "reads"),
+    [
+        (5, {0: [0, 4], 1: [1], 2: [2], 3: [3]}),  # more files than slots, not a multiple: slot 0 reads two
+        (3, {0: [0], 1: [1], 2: [2], 3: [0]}),  # fewer files than slots: slots 0 and 3 share file 0 by row
+        (4, {0: [0], 1: [1], 2: [2], 3: [3]}),
+    ],
+)
 def test_two_ranks_of_two_workers_read_only_their_own_files(files, reads, tmp_path, monkeypatch):
     source = LocalFiles(_files(tmp_path, files))
     tokenizer = load_tokenizer("byte")
     opened: list[int] = []
     part_rows = source.stream_part
-    monkeypatch.setattr(source, "stream_part", lambda index, after=None: opened.append(index) or part_rows(index, after))
+    monkeypatch.setattr(
+        source, "stream_part", lambda index, after=None: opened.append(index) or part_rows(index, after)
+    )
 
     def examples(rank: int, ranks: int, worker: int, workers: int) -> list[tuple[int, ...]]:
         monkeypatch.setattr(streaming, "get_worker_info", lambda: SimpleNamespace(id=worker, num_workers=workers))
-        dataset = StreamingExamples(source, tokenizer, "documents", 64, "truncate", batch_size=1, rank=rank,
-                                    num_replicas=ranks, epochs=1)
+        dataset = StreamingExamples(
+            source, tokenizer, "documents", 64, "truncate", batch_size=1, rank=rank, num_replicas=ranks, epochs=1
+        )
         return [tuple(e["input_ids"].tolist()) for e in dataset]
 
     every_row = Counter(examples(0, 1, 0, 1))  # one slot reads all parts
@@ -77,8 +83,11 @@ def test_a_hub_source_streams_its_shards_apart(tmp_path, monkeypatch):
     local = LocalFiles(_files(tmp_path, 2))
     per_file = [[row["text"] for row in local.stream_shard(index)] for index in range(2)]
     real = datasets.load_dataset
-    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: real(
-        "json", data_files=local.files, split="train", streaming=True))  # a hub dataset of two files
+    monkeypatch.setattr(
+        datasets,
+        "load_dataset",
+        lambda *args, **kwargs: real("json", data_files=local.files, split="train", streaming=True),
+    )  # a hub dataset of two files
     hub = HubDataset("someone/corpus")
     assert hub.stream_shards() == 2 and len(per_file[0]) == 6 and len(per_file[1]) == 7
     assert [[row["text"] for row in hub.stream_shard(index)] for index in range(2)] == per_file

@@ -25,11 +25,17 @@ def _fit(path: Path, devices: int) -> dict:
     L.seed_everything(0)
     data = LMDataModule(source=SyntheticText(num_documents=200), seq_len=64, batch_size=GLOBAL_BATCH // devices)
     module = CausalLM(ModelFactory(preset="tiny-llama"), warmup_steps=2)
-    trainer = L.Trainer(max_steps=STEPS, accelerator="cpu", devices=devices,
-                        strategy="ddp" if devices > 1 else "auto",
-                        callbacks=[ThroughputMonitor(), RunRecorder(path=str(path), warmup_steps=1)],
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    trainer = L.Trainer(
+        max_steps=STEPS,
+        accelerator="cpu",
+        devices=devices,
+        strategy="ddp" if devices > 1 else "auto",
+        callbacks=[ThroughputMonitor(), RunRecorder(path=str(path), warmup_steps=1)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, data)
     return json.loads(path.read_text()) if trainer.is_global_zero else {}  # rank 0 writes the record
 

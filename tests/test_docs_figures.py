@@ -35,7 +35,7 @@ def quoting_passages() -> list[tuple[str, str, str]]:
                 continue
             passage = [line]
             if line.startswith("- "):  # a bullet runs on over its indented continuation lines
-                passage += [next_line for next_line in _continuation(lines[i + 1:])]
+                passage += [next_line for next_line in _continuation(lines[i + 1 :])]
             passages.append((page.name, opening.group(1), " ".join(passage)))
     return passages
 
@@ -53,8 +53,9 @@ def test_the_pages_quote_studies():
     assert len({study for _, study, _ in quoting_passages()}) >= 15
 
 
-@pytest.mark.parametrize(("page", "study", "passage"), quoting_passages(),
-                         ids=[f"{p}:{s}" for p, s, _ in quoting_passages()])  # fmt: skip
+@pytest.mark.parametrize(
+    ("page", "study", "passage"), quoting_passages(), ids=[f"{p}:{s}" for p, s, _ in quoting_passages()]
+)
 def test_every_figure_a_page_quotes_is_in_the_study_s_report(page: str, study: str, passage: str):
     report = ROOT / "benchmarks" / "results" / study / "report.md"
     assert report.exists(), f"docs/{page} quotes {study}, which has no committed report"

@@ -48,8 +48,12 @@ SEQ_LEN = 96
 
 
 def pairs(count: int = 6, seed: int = 0) -> list[dict]:
-    data = LMDataModule(ArithmeticPreference(num_examples=count, max_operand=30, median_shots=2.0, seed=seed),
-                        format="preference", seq_len=SEQ_LEN, shuffle=False)
+    data = LMDataModule(
+        ArithmeticPreference(num_examples=count, max_operand=30, median_shots=2.0, seed=seed),
+        format="preference",
+        seq_len=SEQ_LEN,
+        shuffle=False,
+    )
     data.setup()
     return data.train_set.examples
 
@@ -70,8 +74,13 @@ def module(kind: str, attention: str) -> DPO:
     """A DPO module whose policy is the seeded tiny Llama moved 0.02 x noise away from its reference."""
     options = dict(LOSS_TYPES[kind])
     torch.manual_seed(0)
-    dpo = DPO(ModelFactory(preset="tiny-llama", attn_implementation=attention), loss_type=kind, beta=0.5,
-              reference=options.pop("reference", "frozen"), **options)
+    dpo = DPO(
+        ModelFactory(preset="tiny-llama", attn_implementation=attention),
+        loss_type=kind,
+        beta=0.5,
+        reference=options.pop("reference", "frozen"),
+        **options,
+    )
     dpo.configure_model()
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -180,26 +189,50 @@ def micro_batches(variant: str, rank: int = 0) -> list[dict]:
     return [padded(step[:3] if rank == 0 else step[3:]) for step in steps]  # ranks: 3 pairs vs 1
 
 
-def fit(variant: str, strategy="auto", devices: int = 1, rank: int = 0, old: bool = False, lora: bool = False,
-        reference_model: str | None = None) -> dict:
+def fit(
+    variant: str,
+    strategy="auto",
+    devices: int = 1,
+    rank: int = 0,
+    old: bool = False,
+    lora: bool = False,
+    reference_model: str | None = None,
+) -> dict:
     """``lora``: LoRA adapters on the policy and ``reference: adapter`` (the policy, adapters off);
     ``reference_model``: a separate frozen reference checkpoint."""
     from lit_ablate.models.adapters.lora import AdapterOptions
 
     pl.seed_everything(0, verbose=False)
     attention = "sdpa_packed" if variant == "packed" else "sdpa"
-    factory = ModelFactory(preset="tiny-llama", attn_implementation=attention,
-                           adapter=AdapterOptions(r=4) if lora else None)
-    dpo = DPO(factory, beta=0.5, learning_rate=1e-2, warmup_steps=0, weight_decay=0.1,
-              reference="adapter" if lora else "frozen", reference_model=reference_model)
+    factory = ModelFactory(
+        preset="tiny-llama", attn_implementation=attention, adapter=AdapterOptions(r=4) if lora else None
+    )
+    dpo = DPO(
+        factory,
+        beta=0.5,
+        learning_rate=1e-2,
+        warmup_steps=0,
+        weight_decay=0.1,
+        reference="adapter" if lora else "frozen",
+        reference_model=reference_model,
+    )
     if old:
         dpo.objective = PerMicroBatchMean()
     losses = StepLosses()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, callbacks=[losses],
-        accumulate_grad_batches=2 if variant == "accumulate" else 1, gradient_clip_val=1.0, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        use_distributed_sampler=False, num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=STEPS,
+        callbacks=[losses],
+        accumulate_grad_batches=2 if variant == "accumulate" else 1,
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
     )
     trainer.fit(dpo, DataLoader(micro_batches(variant, rank), batch_size=None))
     weights = get_model_state_dict(trainer.strategy.model, options=StateDictOptions(full_state_dict=True))
@@ -255,12 +288,26 @@ def test_fsdp2_two_ranks_with_adapter_reference_equal_one_process() -> None:
 def precomputed_reference(rank: int = 0, world_size: int = 1, reference_model: str | None = None) -> torch.Tensor:
     """The reference log-probs a ``reference: precomputed`` fit computes before its first step."""
     pl.seed_everything(0, verbose=False)
-    data = LMDataModule(ArithmeticPreference(num_examples=23, max_operand=30, median_shots=2.0), format="preference",
-                        seq_len=SEQ_LEN, batch_size=2, val_examples=3)
+    data = LMDataModule(
+        ArithmeticPreference(num_examples=23, max_operand=30, median_shots=2.0),
+        format="preference",
+        seq_len=SEQ_LEN,
+        batch_size=2,
+        val_examples=3,
+    )
     dpo = DPO(ModelFactory(preset="tiny-llama"), reference="precomputed", reference_model=reference_model)
-    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=FSDP2Strategy() if world_size > 1 else "auto",
-                         max_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                         enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=FSDP2Strategy() if world_size > 1 else "auto",
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     trainer.fit(dpo, data)
     return dpo.reference_logps.cpu()
 
@@ -352,14 +399,22 @@ def test_a_cache_from_another_model_is_refused(reference_folder, tmp_path) -> No
     the policy's start computing ``precomputed`` log-probs whatever ``reference_model`` says."""
     from lit_ablate.errors import ConfigError
 
-    data = LMDataModule(ArithmeticPreference(num_examples=6, max_operand=30, median_shots=2.0), format="preference",
-                        seq_len=SEQ_LEN, batch_size=2)
+    data = LMDataModule(
+        ArithmeticPreference(num_examples=6, max_operand=30, median_shots=2.0),
+        format="preference",
+        seq_len=SEQ_LEN,
+        batch_size=2,
+    )
     data.setup()
 
     def logps(reference_model: str | None, cache: str) -> torch.Tensor:
         torch.manual_seed(0)
-        dpo = DPO(ModelFactory(preset="tiny-llama"), reference="precomputed", reference_model=reference_model,
-                  reference_cache=str(tmp_path / cache))
+        dpo = DPO(
+            ModelFactory(preset="tiny-llama"),
+            reference="precomputed",
+            reference_model=reference_model,
+            reference_cache=str(tmp_path / cache),
+        )
         dpo.configure_model()
         return dpo.precompute_reference(data)
 
@@ -380,14 +435,30 @@ def wider_folder(tmp_path_factory) -> str:
     return str(folder)
 
 
-@pytest.mark.parametrize(("options", "message"), [
-    ({"reference": "none", "loss_type": "simpo"}, r"reference_model=.*only reference: frozen or precomputed .*\(reference is none\)"),
-    ({"reference": "adapter"}, r"reference_model=.*only reference: frozen or precomputed .*\(reference is adapter\)"),
-    ({"reference_model": "./no/such/folder"}, r"model\.init_args\.reference_model='\./no/such/folder': no such directory"),
-    ({"reference_model": "wider"}, r"reference_model=.*architecture differs.*intermediate_size 256 \(the policy's: 384\)"),
-])  # fmt: skip
-def test_a_reference_model_that_cannot_serve_is_refused_naming_the_key(options, message, reference_folder,
-                                                                       wider_folder) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            {"reference": "none", "loss_type": "simpo"},
+            r"reference_model=.*only reference: frozen or precomputed .*\(reference is none\)",
+        ),
+        (
+            {"reference": "adapter"},
+            r"reference_model=.*only reference: frozen or precomputed .*\(reference is adapter\)",
+        ),
+        (
+            {"reference_model": "./no/such/folder"},
+            r"model\.init_args\.reference_model='\./no/such/folder': no such directory",
+        ),
+        (
+            {"reference_model": "wider"},
+            r"reference_model=.*architecture differs.*intermediate_size 256 \(the policy's: 384\)",
+        ),
+    ],
+)
+def test_a_reference_model_that_cannot_serve_is_refused_naming_the_key(
+    options, message, reference_folder, wider_folder
+) -> None:
     from lit_ablate.errors import ConfigError
     from lit_ablate.models.adapters.lora import AdapterOptions
 

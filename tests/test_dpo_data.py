@@ -54,18 +54,25 @@ def sequences(pair: dict) -> list[tuple[list[int], list[int]]]:
 def test_text_rows_mask_the_prompt_and_end_responses_with_eos():
     pair = build([{"prompt": "ab", "chosen": "c", "rejected": "de"}]).train_set.examples[0]
     a, b, c, d, e = (ord(x) for x in "abcde")
-    assert sequences(pair) == [([BOS, a, b, c, EOS], [-100, -100, c, EOS, -100]),
-                               ([BOS, a, b, d, e, EOS], [-100, -100, d, e, EOS, -100])]
+    assert sequences(pair) == [
+        ([BOS, a, b, c, EOS], [-100, -100, c, EOS, -100]),
+        ([BOS, a, b, d, e, EOS], [-100, -100, d, e, EOS, -100]),
+    ]
     assert int(pair["prompt_tokens"]) == 3
 
 
 def test_chat_rows_in_both_forms_give_the_same_pair():
     """Whole conversations sharing their prefix, and TRL's prompt + assistant-only form."""
     user = [{"role": "user", "content": "2+2?"}]
-    whole = {"chosen": [*user, {"role": "assistant", "content": "4"}],
-             "rejected": [*user, {"role": "assistant", "content": "5"}]}
-    split = {"prompt": user, "chosen": [{"role": "assistant", "content": "4"}],
-             "rejected": [{"role": "assistant", "content": "5"}]}
+    whole = {
+        "chosen": [*user, {"role": "assistant", "content": "4"}],
+        "rejected": [*user, {"role": "assistant", "content": "5"}],
+    }
+    split = {
+        "prompt": user,
+        "chosen": [{"role": "assistant", "content": "4"}],
+        "rejected": [{"role": "assistant", "content": "5"}],
+    }
     first, second = (build([row]).train_set.examples[0] for row in (whole, split))
     assert sequences(first) == sequences(second)
     ids, labels = sequences(first)[0]
@@ -73,14 +80,25 @@ def test_chat_rows_in_both_forms_give_the_same_pair():
     assert [t for t in labels if t != -100] == [ord("4"), EOS]  # only the final assistant turn (and its eos) counts
 
 
-@pytest.mark.parametrize("row,message", [
-    ({"prompt": "a", "chosen": "b"}, r"row 2=.*'rejected'\] missing"),
-    ({"prompt": "a", "chosen": "", "rejected": "c"}, "row 2 chosen=''.*empty response"),
-    ({"prompt": "a", "chosen": "same", "rejected": "same"}, "row 2 chosen='same'.*no preference"),
-    ({"chosen": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
-      "rejected": [{"role": "user", "content": "other"}, {"role": "assistant", "content": "z"}]}, "row 2.*same conversation"),
-    ({"chosen": [{"role": "user", "content": "x"}], "rejected": [{"role": "user", "content": "y"}]}, "row 2 chosen.*assistant"),
-])
+@pytest.mark.parametrize(
+    "row,message",
+    [
+        ({"prompt": "a", "chosen": "b"}, r"row 2=.*'rejected'\] missing"),
+        ({"prompt": "a", "chosen": "", "rejected": "c"}, "row 2 chosen=''.*empty response"),
+        ({"prompt": "a", "chosen": "same", "rejected": "same"}, "row 2 chosen='same'.*no preference"),
+        (
+            {
+                "chosen": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+                "rejected": [{"role": "user", "content": "other"}, {"role": "assistant", "content": "z"}],
+            },
+            "row 2.*same conversation",
+        ),
+        (
+            {"chosen": [{"role": "user", "content": "x"}], "rejected": [{"role": "user", "content": "y"}]},
+            "row 2 chosen.*assistant",
+        ),
+    ],
+)
 def test_bad_rows_stop_setup_with_one_line_naming_the_row(row: dict, message: str):
     good = {"prompt": "p", "chosen": "c", "rejected": "r"}
     with pytest.raises(ConfigError, match=message) as error:
@@ -89,10 +107,12 @@ def test_bad_rows_stop_setup_with_one_line_naming_the_row(row: dict, message: st
 
 
 def test_overlong_pairs_cut_the_prompt_first_then_responses_or_are_rejected(caplog):
-    rows = [{"prompt": "p" * 20, "chosen": "c" * 5, "rejected": "r" * 3},   # prompt cut from its start
-            {"prompt": "q", "chosen": "x" * 30, "rejected": "y" * 30},       # responses cut
-            {"prompt": "q", "chosen": "z" * 30 + "1", "rejected": "z" * 30 + "2"},  # equal once cut: dropped
-            {"prompt": "ok", "chosen": "a", "rejected": "b"}]
+    rows = [
+        {"prompt": "p" * 20, "chosen": "c" * 5, "rejected": "r" * 3},  # prompt cut from its start
+        {"prompt": "q", "chosen": "x" * 30, "rejected": "y" * 30},  # responses cut
+        {"prompt": "q", "chosen": "z" * 30 + "1", "rejected": "z" * 30 + "2"},  # equal once cut: dropped
+        {"prompt": "ok", "chosen": "a", "rejected": "b"},
+    ]
     with caplog.at_level(logging.WARNING):
         kept = build(rows, seq_len=16).train_set.examples
     chosen = sequences(kept[0])[0][0]
@@ -100,9 +120,11 @@ def test_overlong_pairs_cut_the_prompt_first_then_responses_or_are_rejected(capl
     assert chosen[0] == ord("p")  # the prompt lost its start (and bos), kept its end next to the response
     cut = sequences(kept[1])
     assert all(len(ids) == 16 and EOS not in ids for ids, _ in cut)
-    assert ("3 of 4 pairs had a sequence longer than seq_len=16; overlong=truncate: 3 prompts cut from the start, "
-            "2 pairs' responses cut at the end, 0 pairs dropped as too long, 1 dropped because their cut responses "
-            "became equal") in caplog.text
+    assert (
+        "3 of 4 pairs had a sequence longer than seq_len=16; overlong=truncate: 3 prompts cut from the start, "
+        "2 pairs' responses cut at the end, 0 pairs dropped as too long, 1 dropped because their cut responses "
+        "became equal"
+    ) in caplog.text
     with caplog.at_level(logging.WARNING):
         assert len(build(rows, seq_len=16, overlong="reject").train_set.examples) == 1
     assert "3 pairs dropped as too long" in caplog.text
@@ -121,8 +143,13 @@ def test_collators_must_match_the_format():
 def test_multipacking_keeps_every_pair_whole_and_in_one_row(prefix_sharing: bool):
     """Each pair once per epoch; its chosen and rejected sequence in the same row; rows within capacity."""
     collator = PreferencePackingCollator(max_tokens=256, prefix_sharing=prefix_sharing)
-    data = LMDataModule(ArithmeticPreference(num_examples=60, median_shots=3.0), format="preference", seq_len=128,
-                        batch_size=2, collator=collator)
+    data = LMDataModule(
+        ArithmeticPreference(num_examples=60, median_shots=3.0),
+        format="preference",
+        seq_len=128,
+        batch_size=2,
+        collator=collator,
+    )
     data.setup()
     seen = []
     for batch in data.train_dataloader():
@@ -136,14 +163,20 @@ def test_multipacking_keeps_every_pair_whole_and_in_one_row(prefix_sharing: bool
 
 
 def tiny_dpo(**kwargs) -> DPO:
-    factory = ModelFactory(preset="tiny-llama", config={"num_hidden_layers": 1, "hidden_size": 64,
-                                                         "intermediate_size": 128})
+    factory = ModelFactory(
+        preset="tiny-llama", config={"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128}
+    )
     return DPO(factory, **kwargs)
 
 
 def test_precomputed_reference_is_cached_reused_and_checked(tmp_path):
-    data = LMDataModule(ArithmeticPreference(num_examples=24, max_operand=9), format="preference", seq_len=32,
-                        batch_size=5, val_examples=4)
+    data = LMDataModule(
+        ArithmeticPreference(num_examples=24, max_operand=9),
+        format="preference",
+        seq_len=32,
+        batch_size=5,
+        val_examples=4,
+    )
     data.setup()
     cache = tmp_path / "reference.pt"
 
@@ -182,15 +215,18 @@ def test_flops_count_the_reference_forward():
     assert frozen.flops_per_pair_batch(batch) == pytest.approx(precomputed.flops_per_pair_batch(batch) * 4 / 3)
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"loss_type": "simpo"}, "reference='frozen': simpo uses no reference model"),
-    ({"loss_type": "hinge", "label_smoothing": 0.1}, "label_smoothing=0.1: hinge has no label smoothing"),
-    ({"beta": 0.0}, "beta=0.0"),
-    ({"reference": "adapter"}, "reference='adapter': the adapter-disabled policy needs adapters"),
-    ({"reference": "copy"}, "reference='copy': choose one of"),
-    ({"reference_cache": "x.pt"}, "only reference: precomputed"),
-    ({"logprobs": "fused"}, "logprobs='fused': choose one of"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"loss_type": "simpo"}, "reference='frozen': simpo uses no reference model"),
+        ({"loss_type": "hinge", "label_smoothing": 0.1}, "label_smoothing=0.1: hinge has no label smoothing"),
+        ({"beta": 0.0}, "beta=0.0"),
+        ({"reference": "adapter"}, "reference='adapter': the adapter-disabled policy needs adapters"),
+        ({"reference": "copy"}, "reference='copy': choose one of"),
+        ({"reference_cache": "x.pt"}, "only reference: precomputed"),
+        ({"logprobs": "fused"}, "logprobs='fused': choose one of"),
+    ],
+)
 def test_bad_module_options_name_the_key(kwargs: dict, message: str):
     with pytest.raises(ConfigError, match=message):
         tiny_dpo(**kwargs)
@@ -201,8 +237,9 @@ def test_reward_accuracy_rises_on_arithmetic_pairs():
     pairs (reward accuracy of the last steps well above the first steps' ~0.5); the monitor's
     loss is the objective's exact pair mean of each step."""
     pl.seed_everything(0, verbose=False)
-    data = LMDataModule(ArithmeticPreference(num_examples=32, max_operand=9), format="preference", seq_len=24,
-                        batch_size=16)
+    data = LMDataModule(
+        ArithmeticPreference(num_examples=32, max_operand=9), format="preference", seq_len=24, batch_size=16
+    )
     dpo = tiny_dpo(beta=0.5, learning_rate=2e-2, warmup_steps=2)
     monitor = PreferenceMonitor(log_to_logger=False)
     losses = []
@@ -211,8 +248,15 @@ def test_reward_accuracy_rises_on_arithmetic_pairs():
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             losses.append(pl_module.objective.last_step_loss.item())
 
-    trainer = pl.Trainer(accelerator="cpu", max_steps=40, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[monitor, StepLoss()])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=40,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[monitor, StepLoss()],
+    )
     trainer.fit(dpo, data)
     accuracy = monitor.series["reward_accuracy"]
     early = sum(accuracy[s] for s in range(1, 6)) / 5
@@ -238,11 +282,13 @@ def test_a_dpo_checkpoint_rebuilds_as_dpo_for_generate_and_export():
         CausalLM.from_hparams({**dict(dpo.hparams), "_class_path": "collections.OrderedDict"})
 
 
-
-@pytest.mark.parametrize("config,extra", [
-    ("dpo_tiny.yaml", []),
-    ("dpo_multipack.yaml", ["--trainer.devices", "1"]),  # one rank here: the test process must not launch ranks
-])
+@pytest.mark.parametrize(
+    "config,extra",
+    [
+        ("dpo_tiny.yaml", []),
+        ("dpo_multipack.yaml", ["--trainer.devices", "1"]),  # one rank here: the test process must not launch ranks
+    ],
+)
 def test_shipped_configs_fit_and_record_preference_metrics(config: str, extra: list[str], tmp_path, monkeypatch):
     """Both DPO configs run as shipped (a few steps) and their run records hold the monitor's series."""
     from pathlib import Path
@@ -253,8 +299,20 @@ def test_shipped_configs_fit_and_record_preference_metrics(config: str, extra: l
     record = tmp_path / "run.json"
     monkeypatch.setenv(RECORD_PATH_ENV, str(record))
     path = Path(__file__).parents[1] / "configs" / config
-    main(["fit", "--config", str(path), "--trainer.max_steps", "4", "--trainer.default_root_dir", str(tmp_path),
-          "--trainer.limit_val_batches", "0", *extra])
+    main(
+        [
+            "fit",
+            "--config",
+            str(path),
+            "--trainer.max_steps",
+            "4",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+            "--trainer.limit_val_batches",
+            "0",
+            *extra,
+        ]
+    )
     steps = read_record(record)["steps"]
     assert [s["step"] for s in steps] == [1, 2, 3, 4]
     assert all(0 <= s["reward_accuracy"] <= 1 and s["dpo_loss"] > 0 and s["useful_tokens_per_sec"] > 0 for s in steps)

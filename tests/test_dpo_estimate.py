@@ -33,10 +33,14 @@ from lit_ablate.modules import DPO
 BATCH_PAIRS, SEQ_LEN = 2, 64
 CONFIG = {
     "trainer": {"accelerator": "cpu", "devices": 1, "strategy": "auto"},
-    "model": {"class_path": "lit_ablate.modules.DPO",
-              "init_args": {"model": {"preset": "tiny-llama"}, "reference": "frozen", "logprobs": "torch"}},
-    "data": {"class_path": "lit_ablate.data.LMDataModule",
-             "init_args": {"format": "preference", "batch_size": BATCH_PAIRS, "seq_len": SEQ_LEN}},
+    "model": {
+        "class_path": "lit_ablate.modules.DPO",
+        "init_args": {"model": {"preset": "tiny-llama"}, "reference": "frozen", "logprobs": "torch"},
+    },
+    "data": {
+        "class_path": "lit_ablate.data.LMDataModule",
+        "init_args": {"format": "preference", "batch_size": BATCH_PAIRS, "seq_len": SEQ_LEN},
+    },
 }
 
 
@@ -48,7 +52,12 @@ def config(**model_args: object) -> dict:
 
 def test_estimate_counts_pairs_and_the_reference_model() -> None:
     shape = training_shape_of(config())
-    assert (shape.micro_batch, shape.seq_len, shape.reference, shape.loss) == (2 * BATCH_PAIRS, SEQ_LEN, "frozen", "torch")
+    assert (shape.micro_batch, shape.seq_len, shape.reference, shape.loss) == (
+        2 * BATCH_PAIRS,
+        SEQ_LEN,
+        "frozen",
+        "torch",
+    )
     frozen = estimate_for_config(config())
     assert frozen.reference == frozen.params > 0  # a second copy of the model, no grads or optimizer states
     for reference in ("precomputed", "adapter", "none"):
@@ -65,12 +74,25 @@ def test_estimate_counts_pairs_and_the_reference_model() -> None:
 def test_fit_counts_the_frozen_reference_apart(tmp_path) -> None:
     L.seed_everything(0)
     module = DPO(ModelFactory(preset="tiny-llama"), logprobs="liger", warmup_steps=0)
-    data = LMDataModule(ArithmeticPreference(num_examples=16, max_operand=9), format="preference", seq_len=SEQ_LEN,
-                        batch_size=BATCH_PAIRS, val_examples=0)
+    data = LMDataModule(
+        ArithmeticPreference(num_examples=16, max_operand=9),
+        format="preference",
+        seq_len=SEQ_LEN,
+        batch_size=BATCH_PAIRS,
+        val_examples=0,
+    )
     path = tmp_path / "run.json"
-    trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        callbacks=[MemoryMonitor(), RunRecorder(path=str(path), warmup_steps=2)])
+    trainer = L.Trainer(
+        max_steps=3,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[MemoryMonitor(), RunRecorder(path=str(path), warmup_steps=2)],
+    )
     trainer.fit(module, data)
     record = json.loads(path.read_text())
     maxima = record["summary"]["tensor_breakdown"]["max"]
@@ -78,7 +100,8 @@ def test_fit_counts_the_frozen_reference_apart(tmp_path) -> None:
     policy = [p for p in module.model.parameters() if p.requires_grad]
     assert maxima["reference"] == sum(t.numel() * t.element_size() for t in reference)
     assert maxima["params"] == sum(t.numel() * t.element_size() for t in policy) + sum(
-        b.numel() * b.element_size() for b in module.model.buffers())
+        b.numel() * b.element_size() for b in module.model.buffers()
+    )
     assert all(s["loss"] > 0 for s in record["steps"])  # the fused loss trained through Lightning
     estimate = estimate_for_config(config(logprobs="liger"))
     assert estimate.reference == pytest.approx(maxima["reference"], rel=0.01)

@@ -27,15 +27,23 @@ from lit_ablate.models.factory import ModelFactory
 from lit_ablate.modules import DPO
 from tests.test_dpo import GRAD_RTOL, packed, padded, pairs
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None,
-                                reason="liger-kernel is not installed (pip install 'lit-ablate[gpu]')")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("liger_kernel") is None,
+    reason="liger-kernel is not installed (pip install 'lit-ablate[gpu]')",
+)
 
 
 def perturbed(loss_type: str, reference: str, logprobs: str, options: dict | None = None) -> DPO:
     """The tiny Llama policy moved 0.02 x noise away from its (frozen) initial weights (as ``tests/test_dpo.module``)."""
     torch.manual_seed(0)
-    dpo = DPO(ModelFactory(preset="tiny-llama", attn_implementation="sdpa"), loss_type=loss_type, beta=0.5,
-              reference=reference, logprobs=logprobs, logprobs_options=options)
+    dpo = DPO(
+        ModelFactory(preset="tiny-llama", attn_implementation="sdpa"),
+        loss_type=loss_type,
+        beta=0.5,
+        reference=reference,
+        logprobs=logprobs,
+        logprobs_options=options,
+    )
     dpo.configure_model()
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -60,8 +68,13 @@ def test_liger_equals_torch_and_chunked(loss_type: str, reference: str) -> None:
     for backend in ("torch", "chunked"):
         want, want_grads = step_and_grads(perturbed(loss_type, reference, backend), batch)
         for field in ("loss_sum", "chosen_logps", "rejected_logps", "chosen_rewards", "rejected_rewards"):
-            torch.testing.assert_close(getattr(got, field), getattr(want, field).detach(), atol=1e-5, rtol=0,
-                                       msg=lambda m, f=field, b=backend: f"{f} vs {b}: {m}")
+            torch.testing.assert_close(
+                getattr(got, field),
+                getattr(want, field).detach(),
+                atol=1e-5,
+                rtol=0,
+                msg=lambda m, f=field, b=backend: f"{f} vs {b}: {m}",
+            )
         for name, value in want_grads.items():
             error = ((got_grads[name] - value).abs().max() / value.abs().max().clamp(min=1e-30)).item()
             assert error <= GRAD_RTOL, f"{name} vs {backend}: relative gradient error {error:.1e}"
@@ -76,8 +89,13 @@ def test_liger_with_a_separate_reference_equals_torch(tmp_path) -> None:
 
     def step(logprobs: str, options: dict | None = None) -> tuple:
         torch.manual_seed(0)
-        dpo = DPO(ModelFactory(preset="tiny-llama", attn_implementation="sdpa"), beta=0.5, reference_model=str(tmp_path),
-                  logprobs=logprobs, logprobs_options=options)  # fmt: skip
+        dpo = DPO(
+            ModelFactory(preset="tiny-llama", attn_implementation="sdpa"),
+            beta=0.5,
+            reference_model=str(tmp_path),
+            logprobs=logprobs,
+            logprobs_options=options,
+        )
         dpo.configure_model()
         return step_and_grads(dpo, batch)
 
@@ -100,13 +118,16 @@ def test_liger_training_step_reports_the_same_statistics() -> None:
     torch.testing.assert_close(got["loss"], want["loss"].detach(), atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("options,key", [
-    ({"loss_type": "ipo"}, "loss_type"),
-    ({"loss_type": "simpo", "reference": "none"}, "loss_type"),
-    ({"label_smoothing": 0.1}, "label_smoothing"),
-    ({"reference": "precomputed"}, "reference"),
-    ({"logprobs_options": {"chunk_tokens": 4}}, "logprobs_options"),
-])
+@pytest.mark.parametrize(
+    "options,key",
+    [
+        ({"loss_type": "ipo"}, "loss_type"),
+        ({"loss_type": "simpo", "reference": "none"}, "loss_type"),
+        ({"label_smoothing": 0.1}, "label_smoothing"),
+        ({"reference": "precomputed"}, "reference"),
+        ({"logprobs_options": {"chunk_tokens": 4}}, "logprobs_options"),
+    ],
+)
 def test_liger_refuses_what_it_cannot_compute(options: dict, key: str) -> None:
     with pytest.raises(ConfigError, match=rf"model\.init_args\.{key}.*"):
         DPO(ModelFactory(preset="tiny-llama"), logprobs="liger", **options)
@@ -120,8 +141,9 @@ def test_liger_refuses_packed_batches() -> None:
 
 def test_liger_missing_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "liger_kernel" else
-                        find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "liger_kernel" else find_spec(name, *a)
+    )
     with pytest.raises(ConfigError, match=r"model\.init_args\.logprobs='liger'.*lit-ablate\[gpu\]"):
         DPO(ModelFactory(preset="tiny-llama"), logprobs="liger")
 
@@ -132,9 +154,22 @@ def test_liger_fit_refuses_a_packing_collator_before_the_first_step(tmp_path) ->
     from lit_ablate.data import ArithmeticPreference, LMDataModule, PreferencePackingCollator
 
     module = DPO(ModelFactory(preset="tiny-llama"), logprobs="liger")
-    data = LMDataModule(ArithmeticPreference(num_examples=8, max_operand=9), format="preference", seq_len=64,
-                        batch_size=2, val_examples=0, collator=PreferencePackingCollator())
-    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    data = LMDataModule(
+        ArithmeticPreference(num_examples=8, max_operand=9),
+        format="preference",
+        seq_len=64,
+        batch_size=2,
+        val_examples=0,
+        collator=PreferencePackingCollator(),
+    )
+    trainer = L.Trainer(
+        max_steps=1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     with pytest.raises(ConfigError, match=r"data\.init_args\.collator='PreferencePackingCollator'"):
         trainer.fit(module, data)

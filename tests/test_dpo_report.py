@@ -16,9 +16,17 @@ from tests.test_ablation_report import make_record
 def _study(tmp_path, preference: dict[str, list[tuple[float, float]]] | None) -> str:
     """Two variants x two seeds; with ``preference``, every step carries (reward_accuracy, reward_margin)
     and the last step the given values."""
-    plan = {"name": "dpo", "baseline": "a", "variables": ["x"], "axes": {"x": [1, 2]}, "seeds": [0, 1], "steps": 3,
-            "warmup_steps": 1, "expect_equal_loss": None,
-            "variants": [{"name": n, "axis_values": {"x": i}} for i, n in enumerate("ab")]}
+    plan = {
+        "name": "dpo",
+        "baseline": "a",
+        "variables": ["x"],
+        "axes": {"x": [1, 2]},
+        "seeds": [0, 1],
+        "steps": 3,
+        "warmup_steps": 1,
+        "expect_equal_loss": None,
+        "variants": [{"name": n, "axis_values": {"x": i}} for i, n in enumerate("ab")],
+    }
     for name in "ab":
         for seed in (0, 1):
             record = make_record(name, seed, speed=100.0, peak_mib=100, losses=[0.7, 0.6, 0.5])
@@ -35,7 +43,7 @@ def _study(tmp_path, preference: dict[str, list[tuple[float, float]]] | None) ->
 
 def test_report_shows_the_last_steps_reward_accuracy_and_margin(tmp_path):
     text = _study(tmp_path / "dpo", {"a": [(0.5, 0.1), (0.75, 0.3)], "b": [(1.0, 2.0), (1.0, 2.0)]})
-    table = text[text.index("| variant"):].split("\n\n")[0]  # the variants table (other tables follow)
+    table = text[text.index("| variant") :].split("\n\n")[0]  # the variants table (other tables follow)
     header, _, row_a, row_b = [[cell.strip() for cell in line.strip("|").split("|")] for line in table.splitlines()]
     accuracy, margin = header.index("reward accuracy"), header.index("reward margin")
     assert row_a[accuracy] == "62.5% [50.0%–75.0%]" and row_b[accuracy] == "100.0%"

@@ -92,21 +92,42 @@ def trl_per_pair(models: dict[str, str], kind: str, precompute: bool, tmp_path) 
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
-    args = DPOConfig(output_dir=str(tmp_path), loss_type=[kind], beta=BETA, max_length=None, use_cpu=True, bf16=False,
-                     precompute_ref_log_probs=precompute, per_device_train_batch_size=1, report_to=[],
-                     save_strategy="no", model_init_kwargs={"dtype": torch.float32})
+    args = DPOConfig(
+        output_dir=str(tmp_path),
+        loss_type=[kind],
+        beta=BETA,
+        max_length=None,
+        use_cpu=True,
+        bf16=False,
+        precompute_ref_log_probs=precompute,
+        per_device_train_batch_size=1,
+        report_to=[],
+        save_strategy="no",
+        model_init_kwargs={"dtype": torch.float32},
+    )
     reference = AutoModelForCausalLM.from_pretrained(models["A"], dtype=torch.float32)
-    trainer = DPOTrainer(model=models["B"], ref_model=reference, args=args, train_dataset=Dataset.from_list(ROWS),
-                         processing_class=ByteTokenizer().hf)
+    trainer = DPOTrainer(
+        model=models["B"],
+        ref_model=reference,
+        args=args,
+        train_dataset=Dataset.from_list(ROWS),
+        processing_class=ByteTokenizer().hf,
+    )
     trainer.model.train()
     out = []
     for i in range(len(ROWS)):
         batch = trainer.data_collator([trainer.train_dataset[i]])
         loss = trainer.compute_loss(trainer.model, batch)
         metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
-        out.append({"loss": loss.item(), "chosen_rewards": metrics["rewards/chosen"],
-                    "rejected_rewards": metrics["rewards/rejected"], "chosen_logps": metrics["logps/chosen"],
-                    "rejected_logps": metrics["logps/rejected"]})
+        out.append(
+            {
+                "loss": loss.item(),
+                "chosen_rewards": metrics["rewards/chosen"],
+                "rejected_rewards": metrics["rewards/rejected"],
+                "chosen_logps": metrics["logps/chosen"],
+                "rejected_logps": metrics["logps/rejected"],
+            }
+        )
     return out
 
 
@@ -125,9 +146,15 @@ def lit_ablate_per_pair(models: dict[str, str], kind: str, reference: str) -> li
         assert batch["pair_index"].tolist() == [i]
         with torch.no_grad():
             result, logps, _ = module.pair_losses(batch)
-        out.append({"loss": result.losses.item(), "chosen_rewards": result.chosen_rewards.item(),
-                    "rejected_rewards": result.rejected_rewards.item(), "chosen_logps": logps[0].item(),
-                    "rejected_logps": logps[1].item()})
+        out.append(
+            {
+                "loss": result.losses.item(),
+                "chosen_rewards": result.chosen_rewards.item(),
+                "rejected_rewards": result.rejected_rewards.item(),
+                "chosen_logps": logps[0].item(),
+                "rejected_logps": logps[1].item(),
+            }
+        )
     return out
 
 
@@ -148,13 +175,20 @@ def test_text_and_chat_rows_tokenize_as_trl(models, tmp_path) -> None:
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
-    chat = [{"prompt": [{"role": "user", "content": "What is 2+2?"}], "chosen": [{"role": "assistant", "content": "4"}],
-             "rejected": [{"role": "assistant", "content": "5, I think"}]}]
+    chat = [
+        {
+            "prompt": [{"role": "user", "content": "What is 2+2?"}],
+            "chosen": [{"role": "assistant", "content": "4"}],
+            "rejected": [{"role": "assistant", "content": "5, I think"}],
+        }
+    ]
     for rows in (ROWS, chat):
-        args = DPOConfig(output_dir=str(tmp_path), max_length=None, use_cpu=True, bf16=False, report_to=[],
-                         save_strategy="no")
-        trainer = DPOTrainer(model=models["A"], args=args, train_dataset=Dataset.from_list(rows),
-                             processing_class=ByteTokenizer().hf)
+        args = DPOConfig(
+            output_dir=str(tmp_path), max_length=None, use_cpu=True, bf16=False, report_to=[], save_strategy="no"
+        )
+        trainer = DPOTrainer(
+            model=models["A"], args=args, train_dataset=Dataset.from_list(rows), processing_class=ByteTokenizer().hf
+        )
         data = LMDataModule(Rows(rows), format="preference", seq_len=128, batch_size=len(rows), shuffle=False)
         data.setup()
         for i in range(len(rows)):
@@ -169,8 +203,13 @@ def test_text_and_chat_rows_tokenize_as_trl(models, tmp_path) -> None:
 # --- a separate reference checkpoint (TRL's ref_model): three training steps -----------------
 TRAIN_STEPS = 3
 TRAIN_LR = 1e-3
-STEP_KEYS = {"loss": "loss", "rewards/chosen": "reward_chosen", "rewards/rejected": "reward_rejected",
-             "logps/chosen": "logps_chosen", "logps/rejected": "logps_rejected"}
+STEP_KEYS = {
+    "loss": "loss",
+    "rewards/chosen": "reward_chosen",
+    "rewards/rejected": "reward_rejected",
+    "logps/chosen": "logps_chosen",
+    "logps/rejected": "logps_rejected",
+}
 """TRL's logged metric -> lit-ablate's ``PREFERENCE_STATS`` name (each a mean over the step's pairs)."""
 TRAIN_ATOL = 1e-5
 """Per-step means over 3 steps, fp32, Adam updates in between: measured at most 1.9e-6 apart (one fp32
@@ -192,15 +231,38 @@ def trl_steps(models: dict[str, str], precompute: bool, tmp_path) -> list[dict[s
             if logs and "loss" in logs:
                 self.steps.append({key: logs[key] for key in STEP_KEYS})
 
-    args = DPOConfig(output_dir=str(tmp_path), loss_type=["sigmoid"], beta=BETA, max_length=None, use_cpu=True,
-                     bf16=False, precompute_ref_log_probs=precompute, per_device_train_batch_size=len(ROWS),
-                     max_steps=TRAIN_STEPS, learning_rate=TRAIN_LR, lr_scheduler_type="linear", warmup_steps=0,
-                     optim="adamw_torch", adam_beta1=0.9, adam_beta2=0.999, weight_decay=0.0, max_grad_norm=1.0,
-                     logging_steps=1, report_to=[], save_strategy="no", model_init_kwargs={"dtype": torch.float32})
+    args = DPOConfig(
+        output_dir=str(tmp_path),
+        loss_type=["sigmoid"],
+        beta=BETA,
+        max_length=None,
+        use_cpu=True,
+        bf16=False,
+        precompute_ref_log_probs=precompute,
+        per_device_train_batch_size=len(ROWS),
+        max_steps=TRAIN_STEPS,
+        learning_rate=TRAIN_LR,
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        optim="adamw_torch",
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        model_init_kwargs={"dtype": torch.float32},
+    )
     logs = Logs()
-    trainer = DPOTrainer(model=models["B"], ref_model=AutoModelForCausalLM.from_pretrained(models["A"], dtype=torch.float32),
-                         args=args, train_dataset=Dataset.from_list(ROWS), processing_class=ByteTokenizer().hf,
-                         callbacks=[logs])  # fmt: skip
+    trainer = DPOTrainer(
+        model=models["B"],
+        ref_model=AutoModelForCausalLM.from_pretrained(models["A"], dtype=torch.float32),
+        args=args,
+        train_dataset=Dataset.from_list(ROWS),
+        processing_class=ByteTokenizer().hf,
+        callbacks=[logs],
+    )
     trainer.train()
     return logs.steps
 
@@ -222,13 +284,31 @@ def lit_ablate_steps(models: dict[str, str], reference: str, reference_model: st
             self.steps.append({key: sums[name] / sums["pairs"] for key, name in STEP_KEYS.items()})
 
     data = LMDataModule(Rows(ROWS), format="preference", seq_len=128, batch_size=len(ROWS), shuffle=False)
-    module = DPO(ModelFactory(pretrained=models["B"]), beta=BETA, reference=reference, reference_model=reference_model,
-                 learning_rate=TRAIN_LR, betas=(0.9, 0.999), weight_decay=0.0, warmup_steps=0, lr_schedule="linear",
-                 min_lr_ratio=0.0)  # fmt: skip
+    module = DPO(
+        ModelFactory(pretrained=models["B"]),
+        beta=BETA,
+        reference=reference,
+        reference_model=reference_model,
+        learning_rate=TRAIN_LR,
+        betas=(0.9, 0.999),
+        weight_decay=0.0,
+        warmup_steps=0,
+        lr_schedule="linear",
+        min_lr_ratio=0.0,
+    )
     steps = Steps()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=TRAIN_STEPS, gradient_clip_val=1.0, callbacks=[steps],
-                         logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                         num_sanity_val_steps=0)  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=TRAIN_STEPS,
+        gradient_clip_val=1.0,
+        callbacks=[steps],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(module, data)
     return steps.steps
 

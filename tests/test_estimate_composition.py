@@ -94,18 +94,35 @@ def _fit(rank: int, world_size: int, root: str, name: str, sizes: dict, model: d
     accumulate = sizes.get("accumulate_grad_batches", 1)
     strategy = composed_strategy(sizes) if sizes else "auto"
     memory = MemoryMonitor()
-    trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=world_size, strategy=strategy,
-                        accumulate_grad_batches=accumulate,
-                        use_distributed_sampler=False, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[memory, ThroughputMonitor(), MFUMonitor(ceiling_tflops=CEILING_TFLOPS),
-                                   RunRecorder(path=f"{root}/{name}.json", warmup_steps=3)])
+    trainer = L.Trainer(
+        max_steps=3,
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy,
+        accumulate_grad_batches=accumulate,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[
+            memory,
+            ThroughputMonitor(),
+            MFUMonitor(ceiling_tflops=CEILING_TFLOPS),
+            RunRecorder(path=f"{root}/{name}.json", warmup_steps=3),
+        ],
+    )
     options = {**model, "moe": MoEOptions(**model["moe"])} if "moe" in model else model
-    trainer.fit(CausalLM(ModelFactory(**options), warmup_steps=0),
-                DataLoader(_batches(seq) * accumulate, batch_size=None))
+    trainer.fit(
+        CausalLM(ModelFactory(**options), warmup_steps=0), DataLoader(_batches(seq) * accumulate, batch_size=None)
+    )
     if sizes:
-        tracked = {key[len("_max_"):]: values[max(values)] for key, values in memory.series.items() if key.startswith("_max_")}
-        tracked["forward_backward_max"] = memory.series["_forward_backward_max"][max(memory.series["_forward_backward_max"])]
+        tracked = {
+            key[len("_max_") :]: values[max(values)] for key, values in memory.series.items() if key.startswith("_max_")
+        }
+        tracked["forward_backward_max"] = memory.series["_forward_backward_max"][
+            max(memory.series["_forward_backward_max"])
+        ]
         Path(f"{root}/{name}.rank{rank}.json").write_text(json.dumps(tracked))
 
 
@@ -121,9 +138,13 @@ def measured(tmp_path_factory):
         if name not in _MEASURED:
             ranks, sizes, model, seq = RUNS[name] if name in RUNS else (1, {}, LLAMA, SEQ)
             run_ranks(_fit, ranks, str(root), name, sizes, model, seq, init_process_group=False, timeout_s=600)
-            _MEASURED[name] = {"record": json.loads((root / f"{name}.json").read_text()),
-                               "ranks": [json.loads(p.read_text()) for p in sorted(root.glob(f"{name}.rank*.json"),
-                                                                                   key=lambda p: int(p.suffixes[0][5:]))]}  # fmt: skip
+            _MEASURED[name] = {
+                "record": json.loads((root / f"{name}.json").read_text()),
+                "ranks": [
+                    json.loads(p.read_text())
+                    for p in sorted(root.glob(f"{name}.rank*.json"), key=lambda p: int(p.suffixes[0][5:]))
+                ],
+            }
         return _MEASURED[name]
 
     yield run
@@ -137,10 +158,16 @@ def stage_estimates(name: str):
     counts, shape = count_parameters(lm, lm.config), model_shape(lm.config)
     sharding = composed_strategy(sizes).state_sharding(ranks)
     pp = sizes.get("pp", 2)
-    training = TrainingShape(micro_batch=ROWS, seq_len=seq, pipeline_parallel=pp, pipeline_schedule=sizes.get("schedule", "1f1b"),
-                             microbatches=MICROBATCHES if pp > 1 else 1, tensor_parallel=sizes.get("tp", 1),
-                             context_parallel=sizes.get("cp", 1),
-                             accumulate_grad_batches=sizes.get("accumulate_grad_batches", 1))  # fmt: skip
+    training = TrainingShape(
+        micro_batch=ROWS,
+        seq_len=seq,
+        pipeline_parallel=pp,
+        pipeline_schedule=sizes.get("schedule", "1f1b"),
+        microbatches=MICROBATCHES if pp > 1 else 1,
+        tensor_parallel=sizes.get("tp", 1),
+        context_parallel=sizes.get("cp", 1),
+        accumulate_grad_batches=sizes.get("accumulate_grad_batches", 1),
+    )
     if pp == 1:
         return counts, shape, training, sharding, [estimate_memory(counts, shape, training, sharding, ranks)]
     return counts, shape, training, sharding, pipeline_stage_estimates(counts, shape, training, sharding)
@@ -166,9 +193,11 @@ def test_every_rank_s_categories_are_within_their_factors_of_its_stage_s_estimat
     run = measured(name)
     assert len(run["ranks"]) == ranks
     for rank, tracked in enumerate(run["ranks"]):
-        breakdown = {"max": {c: tracked[c] for c in (*CATEGORIES, "frozen_params")},
-                     "forward_backward_max": tracked["forward_backward_max"],
-                     "at_peak": {c: tracked[c] for c in CATEGORIES}}  # the 1% floor of ``compare_with_measured``
+        breakdown = {
+            "max": {c: tracked[c] for c in (*CATEGORIES, "frozen_params")},
+            "forward_backward_max": tracked["forward_backward_max"],
+            "at_peak": {c: tracked[c] for c in CATEGORIES},
+        }  # the 1% floor of ``compare_with_measured``
         comparison = compare_with_measured(stages[rank // (ranks // len(stages))], breakdown)
         disagreeing = {c: round(r["ratio"], 3) for c, r in comparison.items() if not r["agrees"]}
         assert not disagreeing, (rank, disagreeing)
@@ -187,7 +216,9 @@ def test_the_8_rank_stage_state_is_the_4_rank_one_over_dp_shard():
     *_, four = stage_estimates("pp2_tp2")
     counts, shape, training, sharding, eight = stage_estimates("pp2_tp2_dp_shard2")
     for small, large in zip(eight, four, strict=True):
-        assert small.params == pytest.approx(large.params / 2, abs=1) and small.optimizer == pytest.approx(large.optimizer / 2, abs=1)
+        assert small.params == pytest.approx(large.params / 2, abs=1) and small.optimizer == pytest.approx(
+            large.optimizer / 2, abs=1
+        )
         assert small.activations == large.activations and small.transient == large.transient
     states = pipeline_stage_states(counts, shape, training, sharding)
     norms = [2 * 2 * shape.hidden, 2 * 2 * shape.hidden + shape.hidden]  # 2 layers per stage, + the final norm
@@ -214,8 +245,13 @@ def test_the_mfu_of_a_composed_pipeline_counts_the_model_once(measured, name):
 
     def per_step(record: dict) -> list[tuple[float, float]]:  # (FLOPs claimed by the job, tokens) per step
         ranks = record["environment"]["world_size"]
-        return [(step["mfu_measured"] * CEILING_TFLOPS * 1e12 * step["step_time_s"] * ranks,
-                 step["tokens_per_sec"] * step["step_time_s"]) for step in record["steps"][1:]]  # fmt: skip
+        return [
+            (
+                step["mfu_measured"] * CEILING_TFLOPS * 1e12 * step["step_time_s"] * ranks,
+                step["tokens_per_sec"] * step["step_time_s"],
+            )
+            for step in record["steps"][1:]
+        ]
 
     reference = per_step(one)
     assert reference and len(per_step(composed)) == len(reference)
@@ -234,14 +270,25 @@ def test_the_estimate_command_prints_a_pp_x_tp_config_s_per_rank_numbers(capsys:
     from lit_ablate.estimate.from_config import estimate_for_config, predicted_step_seconds, training_shape_of
     from lit_ablate.fit_cli import resolve_fit_config
 
-    options = ["--trainer.devices", "4", "--trainer.gradient_clip_val", "null",
-               "--trainer.strategy.class_path", "lit_ablate.strategies.PipelineParallelStrategy",
-               "--trainer.strategy.init_args.tp", "2", "--trainer.strategy.init_args.microbatches", "2"]
+    options = [
+        "--trainer.devices",
+        "4",
+        "--trainer.gradient_clip_val",
+        "null",
+        "--trainer.strategy.class_path",
+        "lit_ablate.strategies.PipelineParallelStrategy",
+        "--trainer.strategy.init_args.tp",
+        "2",
+        "--trainer.strategy.init_args.microbatches",
+        "2",
+    ]
     config = resolve_fit_config(["--config", str(QUICKSTART), *options])
     training = training_shape_of(config)
     assert (training.pipeline_parallel, training.tensor_parallel) == (2, 2)
     estimate = estimate_for_config(config)
-    alone = estimate_for_config(resolve_fit_config(["--config", str(QUICKSTART), *options[:-4], "--trainer.devices", "2"]))
+    alone = estimate_for_config(
+        resolve_fit_config(["--config", str(QUICKSTART), *options[:-4], "--trainer.devices", "2"])
+    )
     assert estimate.params == pytest.approx(alone.params / 2, rel=0.01)  # the norms stay whole on both tp ranks
     assert estimate_main(["--config", str(QUICKSTART), "--json", *options]) == 0
     summary = json.loads(capsys.readouterr().out)
@@ -251,5 +298,10 @@ def test_the_estimate_command_prints_a_pp_x_tp_config_s_per_rank_numbers(capsys:
     assert estimate_main(["--config", str(QUICKSTART), *options]) == 0
     assert "Pipeline: 2 ranks" in (out := capsys.readouterr().out) and "tp 2" in out
     # a rank's FLOPs per step: its stage's share of the model, and 1 / tp of that
-    assert predicted_step_seconds(config, 1.0) == pytest.approx(predicted_step_seconds(
-        resolve_fit_config(["--config", str(QUICKSTART), *options[:-4], "--trainer.devices", "2"]), 1.0) / 2, rel=1e-9)
+    assert predicted_step_seconds(config, 1.0) == pytest.approx(
+        predicted_step_seconds(
+            resolve_fit_config(["--config", str(QUICKSTART), *options[:-4], "--trainer.devices", "2"]), 1.0
+        )
+        / 2,
+        rel=1e-9,
+    )

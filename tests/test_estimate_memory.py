@@ -40,19 +40,24 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-@pytest.mark.parametrize(("preset", "dtype"), [("tiny-llama", "float32"), ("tiny-qwen3", "bfloat16"), ("tiny-qwen3-moe", "float32")])
+@pytest.mark.parametrize(
+    ("preset", "dtype"), [("tiny-llama", "float32"), ("tiny-qwen3", "bfloat16"), ("tiny-qwen3-moe", "float32")]
+)
 def test_state_bytes_match_the_tensors_exactly(preset: str, dtype: str):
     model = build(preset, dtype)
     training = TrainingShape(micro_batch=2, seq_len=16, param_bytes=torch.finfo(getattr(torch, dtype)).bits // 8)
-    estimate = estimate_memory(count_parameters(model.lm, model.lm.config), model_shape(model.lm.config), training,
-                               REPLICATED, world_size=1)  # fmt: skip
+    estimate = estimate_memory(
+        count_parameters(model.lm, model.lm.config), model_shape(model.lm.config), training, REPLICATED, world_size=1
+    )
     optimizer = torch.optim.AdamW(model.parameters())
     ids = torch.randint(0, 300, (2, 16))
     model({"input_ids": ids, "labels": ids})[0].backward()
     optimizer.step()
     assert estimate.params == tensor_bytes(model.parameters())
     assert estimate.grads == tensor_bytes(p.grad for p in model.parameters())
-    moments = [v for state in optimizer.state.values() for k, v in state.items() if k != "step"]  # step: one scalar each
+    moments = [
+        v for state in optimizer.state.values() for k, v in state.items() if k != "step"
+    ]  # step: one scalar each
     assert estimate.optimizer == tensor_bytes(moments)
     assert estimate.transient == 0, "one process: no gathered layers, no DDP buckets"
 
@@ -83,8 +88,9 @@ def test_activation_estimate_is_within_the_stated_factor_of_the_measured_peak(pr
     model = build(preset, loss=loss, num_hidden_layers=layers)
     FSDP2Strategy(activation_checkpointing=checkpointing, checkpoint_every=2).apply_activation_checkpointing(model)
     measured = measured_activation_peak(model, batch, seq)
-    training = TrainingShape(micro_batch=batch, seq_len=seq, checkpointing=checkpointing, loss=loss,
-                             chunk_tokens=CHUNK_TOKENS)  # fmt: skip
+    training = TrainingShape(
+        micro_batch=batch, seq_len=seq, checkpointing=checkpointing, loss=loss, chunk_tokens=CHUNK_TOKENS
+    )
     estimated = activation_bytes(model_shape(model.lm.config), training)
     assert 1 / ACTIVATION_FACTOR <= estimated / measured <= ACTIVATION_FACTOR, (estimated, measured)
 
@@ -145,7 +151,10 @@ MEASURED_RUNS = [
     ("llama_fsdp2_fp8", "tiny-llama", {}, None, "FSDP2Strategy", {}),
     ("llama_fsdp2_fp8_all_gather", "tiny-llama", {}, None, "FSDP2Strategy", {}),
 ]
-FP8_RUNS = {"llama_fsdp2_fp8": {"emulate": True}, "llama_fsdp2_fp8_all_gather": {"emulate": True, "fsdp_all_gather": True}}
+FP8_RUNS = {
+    "llama_fsdp2_fp8": {"emulate": True},
+    "llama_fsdp2_fp8_all_gather": {"emulate": True, "fsdp_all_gather": True},
+}
 """The runs whose linear layers compute in fp8 (tensorwise, emulated on CPU as a GPU run computes it)."""
 MICRO_BATCH, SEQ = 4, 32
 
@@ -165,12 +174,24 @@ def _measured_runs(rank: int, world_size: int, root: str) -> None:
         L.seed_everything(0)
         moe = MoEOptions(experts="grouped") if strategy == "ExpertParallelStrategy" else None
         fp8 = Fp8Options(**FP8_RUNS[name]) if name in FP8_RUNS else None
-        module = CausalLM(ModelFactory(preset=preset, config=config, moe=moe, fp8=fp8), loss="chunked" if loss_options else "torch",
-                          loss_options=loss_options, warmup_steps=0)
-        trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=world_size, strategy=getattr(strategies, strategy)(**options),
-                            use_distributed_sampler=False, logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False,
-                            callbacks=[MemoryMonitor(), RunRecorder(path=f"{root}/{name}.json", warmup_steps=3)])
+        module = CausalLM(
+            ModelFactory(preset=preset, config=config, moe=moe, fp8=fp8),
+            loss="chunked" if loss_options else "torch",
+            loss_options=loss_options,
+            warmup_steps=0,
+        )
+        trainer = L.Trainer(
+            max_steps=3,
+            accelerator="cpu",
+            devices=world_size,
+            strategy=getattr(strategies, strategy)(**options),
+            use_distributed_sampler=False,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[MemoryMonitor(), RunRecorder(path=f"{root}/{name}.json", warmup_steps=3)],
+        )
         trainer.fit(module, DataLoader(_batches(3, MICRO_BATCH, masked_prefix=[0]), batch_size=None))
 
 
@@ -182,7 +203,10 @@ def measured_breakdowns(tmp_path_factory) -> dict[str, dict]:
 
     root = tmp_path_factory.mktemp("measured")
     run_ranks(_measured_runs, 2, str(root), init_process_group=False, timeout_s=600)
-    return {name: json.loads((root / f"{name}.json").read_text())["summary"]["tensor_breakdown"] for name, *_ in MEASURED_RUNS}
+    return {
+        name: json.loads((root / f"{name}.json").read_text())["summary"]["tensor_breakdown"]
+        for name, *_ in MEASURED_RUNS
+    }
 
 
 @pytest.mark.slow
@@ -204,13 +228,18 @@ def test_every_estimated_category_is_within_its_factor_of_the_measured_one(measu
 
     name, preset, config, loss_options, strategy, options = run
     model = build(preset, **config)
-    training = TrainingShape(micro_batch=MICRO_BATCH, seq_len=SEQ, loss="chunked" if loss_options else "torch",
-                             chunk_tokens=(loss_options or {}).get("chunk_tokens", 1024),
-                             checkpointing=options.get("activation_checkpointing", "none"),
-                             fp8_all_gather=FP8_RUNS.get(name, {}).get("fsdp_all_gather", False))
+    training = TrainingShape(
+        micro_batch=MICRO_BATCH,
+        seq_len=SEQ,
+        loss="chunked" if loss_options else "torch",
+        chunk_tokens=(loss_options or {}).get("chunk_tokens", 1024),
+        checkpointing=options.get("activation_checkpointing", "none"),
+        fp8_all_gather=FP8_RUNS.get(name, {}).get("fsdp_all_gather", False),
+    )
     sharding = state_sharding_of(getattr(strategies, strategy)(**options), 2)
-    estimate = estimate_memory(count_parameters(model.lm, model.lm.config), model_shape(model.lm.config), training,
-                               sharding, world_size=2)
+    estimate = estimate_memory(
+        count_parameters(model.lm, model.lm.config), model_shape(model.lm.config), training, sharding, world_size=2
+    )
     comparison = compare_with_measured(estimate, measured_breakdowns[name])
     assert set(comparison) == set(AGREEMENT_FACTORS)
     disagreeing = {c: round(r["ratio"], 3) if r["ratio"] else r for c, r in comparison.items() if not r["agrees"]}
@@ -225,8 +254,11 @@ def test_ddp_on_one_rank_counts_its_gradient_buckets():
     from lit_ablate.fit_cli import resolve_fit_config
 
     quickstart = str(Path(__file__).parents[1] / "configs" / "quickstart.yaml")
-    ddp = estimate_for_config(resolve_fit_config(["--config", quickstart, "--trainer.strategy.class_path",
-                                                  "lit_ablate.strategies.DDPStrategy"]))  # fmt: skip
+    ddp = estimate_for_config(
+        resolve_fit_config(
+            ["--config", quickstart, "--trainer.strategy.class_path", "lit_ablate.strategies.DDPStrategy"]
+        )
+    )
     single = estimate_for_config(resolve_fit_config(["--config", quickstart]))
     assert ddp.transient == ddp.grads > 0
     assert single.transient == 0
@@ -242,12 +274,22 @@ def _one_rank_fsdp2(rank: int, world_size: int, root: str) -> None:
     from tests.test_callbacks import _batches
 
     L.seed_everything(0)
-    trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, strategy=FSDP2Strategy(),
-                        use_distributed_sampler=False, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[MemoryMonitor(), RunRecorder(path=f"{root}/run.json", warmup_steps=3)])
-    trainer.fit(CausalLM(ModelFactory(preset="tiny-llama"), warmup_steps=0),
-                DataLoader(_batches(3, MICRO_BATCH, masked_prefix=[0]), batch_size=None))
+    trainer = L.Trainer(
+        max_steps=3,
+        accelerator="cpu",
+        devices=1,
+        strategy=FSDP2Strategy(),
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[MemoryMonitor(), RunRecorder(path=f"{root}/run.json", warmup_steps=3)],
+    )
+    trainer.fit(
+        CausalLM(ModelFactory(preset="tiny-llama"), warmup_steps=0),
+        DataLoader(_batches(3, MICRO_BATCH, masked_prefix=[0]), batch_size=None),
+    )
 
 
 @pytest.mark.slow  # one gloo rank, ~10 s
@@ -266,9 +308,13 @@ def test_fsdp2_on_one_rank_counts_its_gathered_layers(tmp_path: Path):
     run_ranks(_one_rank_fsdp2, 1, str(tmp_path), init_process_group=False, timeout_s=300)
     breakdown = json.loads((tmp_path / "run.json").read_text())["summary"]["tensor_breakdown"]
     model = build("tiny-llama")
-    estimate = estimate_memory(count_parameters(model.lm, model.lm.config), model_shape(model.lm.config),
-                               TrainingShape(micro_batch=MICRO_BATCH, seq_len=SEQ),
-                               state_sharding_of(FSDP2Strategy(), 1), world_size=1)  # fmt: skip
+    estimate = estimate_memory(
+        count_parameters(model.lm, model.lm.config),
+        model_shape(model.lm.config),
+        TrainingShape(micro_batch=MICRO_BATCH, seq_len=SEQ),
+        state_sharding_of(FSDP2Strategy(), 1),
+        world_size=1,
+    )
     transient = compare_with_measured(estimate, breakdown)["transient"]
     assert transient["measured"] > 0 and estimate.transient > 0
     assert transient["agrees"], transient

@@ -43,9 +43,17 @@ def _answering(answers: dict[tuple[int, ...], list[int]]):
 
 
 def test_prompt_and_answer_split_an_sft_example_where_its_labels_start():
-    rows = [{"prompt": "12+7=", "response": "19"}, {"messages": [
-        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
-        {"role": "user", "content": "and?"}, {"role": "assistant", "content": "no"}]}]
+    rows = [
+        {"prompt": "12+7=", "response": "19"},
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "yo"},
+                {"role": "user", "content": "and?"},
+                {"role": "assistant", "content": "no"},
+            ]
+        },
+    ]
     (prompt, answer), (chat_prompt, chat_answer) = _pairs(rows)
     assert prompt == [TOK.bos_id, *TOK.encode("12+7=")] and answer == [*TOK.encode("19"), TOK.eos_id]
     assert TOK.decode(chat_prompt) == "<user>\nhi\n<assistant>\n"  # the first assistant turn only
@@ -91,9 +99,16 @@ def test_greedy_continuation_equals_transformers_greedy_generate():
 def _fit_with_evaluator(tmp_path, steps: int, data: LMDataModule, evaluator: ExactMatchEvaluator):
     L.seed_everything(0)
     module = CausalLM(ModelFactory(preset="tiny-qwen3"), learning_rate=1e-2, warmup_steps=0)
-    trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        callbacks=[evaluator, RunRecorder(path=str(tmp_path / "run.json"))])
+    trainer = L.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[evaluator, RunRecorder(path=str(tmp_path / "run.json"))],
+    )
     trainer.fit(module, datamodule=data)
     return json.loads((tmp_path / "run.json").read_text()), module
 
@@ -105,8 +120,9 @@ def _generate_accuracy(module: CausalLM, rows) -> float:
     for row in rows:
         ids = torch.tensor([[TOK.bos_id, *TOK.encode(row["prompt"])]])
         with torch.no_grad():
-            out = module.model.lm.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=TOK.eos_id,
-                                           pad_token_id=TOK.pad_id)[0, ids.shape[1]:].tolist()
+            out = module.model.lm.generate(
+                ids, max_new_tokens=6, do_sample=False, eos_token_id=TOK.eos_id, pad_token_id=TOK.pad_id
+            )[0, ids.shape[1] :].tolist()
         correct += TOK.eos_id in out and TOK.decode(out[: out.index(TOK.eos_id)]) == row["response"]
     return correct / len(rows)
 
@@ -127,8 +143,15 @@ def test_evaluator_records_the_accuracy_that_generate_gives_in_the_run_record(tm
 
 def test_evaluator_refuses_data_it_cannot_score_before_training(tmp_path):
     def fit(data):
-        trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False, callbacks=[ExactMatchEvaluator()])
+        trainer = L.Trainer(
+            max_steps=1,
+            accelerator="cpu",
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[ExactMatchEvaluator()],
+        )
         trainer.fit(CausalLM(ModelFactory(preset="tiny-qwen3")), datamodule=data)
 
     with pytest.raises(ConfigError, match="data.init_args.format='pretrain'"):
@@ -142,10 +165,13 @@ def test_evaluator_refuses_data_it_cannot_score_before_training(tmp_path):
 def test_arithmetic_held_out_problems_are_never_trained_on():
     """Held-out accuracy must measure arithmetic, not recall: drawing problems with replacement
     (as ArithmeticSFT once did) puts copies of held-out problems in the training split."""
-    data = LMDataModule(ArithmeticSFT(num_examples=400, max_operand=19, operators="+"), format="sft", seq_len=16,
-                        val_examples=100)
+    data = LMDataModule(
+        ArithmeticSFT(num_examples=400, max_operand=19, operators="+"), format="sft", seq_len=16, val_examples=100
+    )
     data.setup("fit")
-    prompts = [{TOK.decode(prompt_and_answer(e)[0]) for e in split.examples} for split in (data.train_set, data.val_set)]
+    prompts = [
+        {TOK.decode(prompt_and_answer(e)[0]) for e in split.examples} for split in (data.train_set, data.val_set)
+    ]
     assert len(prompts[0]) == 300 and len(prompts[1]) == 100 and not prompts[0] & prompts[1]
     with pytest.raises(ConfigError, match="num_examples=401.*only 400 distinct problems"):
         ArithmeticSFT(num_examples=401, max_operand=19, operators="++")
@@ -164,8 +190,12 @@ def test_padded_operands_are_the_same_problems_at_fixed_digit_places():
 
 def test_record_summary_keeps_the_accuracy_after_the_last_evaluation():
     """The model a run ends with, not a median or the best of its evaluations."""
-    steps = [{"step": 1, "loss": 2.0, "exact_match": 0.5}, {"step": 2, "loss": 1.5, "exact_match": 0.9},
-             {"step": 3, "loss": 1.2}, {"step": 4, "loss": 1.0, "exact_match": 0.25}]
+    steps = [
+        {"step": 1, "loss": 2.0, "exact_match": 0.5},
+        {"step": 2, "loss": 1.5, "exact_match": 0.9},
+        {"step": 3, "loss": 1.2},
+        {"step": 4, "loss": 1.0, "exact_match": 0.25},
+    ]
     assert summarize_steps(steps, warmup_steps=1)["exact_match"] == 0.25
     assert summarize_steps(steps[2:3], warmup_steps=0)["exact_match"] is None  # never evaluated
 
@@ -174,9 +204,17 @@ def _study_with_accuracy(tmp_path, accuracies: dict[str, list[float]] | None):
     """Two-variant study records; with ``accuracies``, each seed's last step carries ``exact_match``."""
     from tests.test_ablation_report import make_record
 
-    plan = {"name": "acc", "baseline": "a", "variables": ["x"], "axes": {"x": [1, 2]}, "seeds": [0, 1], "steps": 3,
-            "warmup_steps": 1, "expect_equal_loss": None,
-            "variants": [{"name": n, "axis_values": {"x": i}} for i, n in enumerate("ab")]}
+    plan = {
+        "name": "acc",
+        "baseline": "a",
+        "variables": ["x"],
+        "axes": {"x": [1, 2]},
+        "seeds": [0, 1],
+        "steps": 3,
+        "warmup_steps": 1,
+        "expect_equal_loss": None,
+        "variants": [{"name": n, "axis_values": {"x": i}} for i, n in enumerate("ab")],
+    }
     for name in "ab":
         for seed in (0, 1):
             record = make_record(name, seed, speed=100.0, peak_mib=100, losses=[3.0, 2.0, 1.0])
@@ -190,7 +228,7 @@ def _study_with_accuracy(tmp_path, accuracies: dict[str, list[float]] | None):
 
 def test_report_has_an_accuracy_column_only_when_runs_were_evaluated(tmp_path):
     text = _study_with_accuracy(tmp_path / "with", {"a": [0.5, 0.75], "b": [0.25, 0.25]})
-    table = text[text.index("| variant"):].split("\n\n")[0]  # the variants table (other tables follow)
+    table = text[text.index("| variant") :].split("\n\n")[0]  # the variants table (other tables follow)
     header, _, row_a, row_b = [[cell.strip() for cell in line.strip("|").split("|")] for line in table.splitlines()]
     column = header.index("exact match")
     assert row_a[column] == "62.5% [50.0%–75.0%]" and row_b[column] == "25.0%"
@@ -211,9 +249,19 @@ def _evaluate_under_mesh_strategies(rank: int, world_size: int, root: str) -> di
         L.seed_everything(0, verbose=False)
         module = CausalLM(ModelFactory(preset="tiny-qwen3"), learning_rate=1e-2, warmup_steps=0)
         evaluator = ExactMatchEvaluator(examples=source, batch_size=5)
-        trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=STEPS,
-                            callbacks=[evaluator], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=root)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=world_size,
+            strategy=strategy,
+            max_steps=STEPS,
+            callbacks=[evaluator],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            default_root_dir=root,
+        )
         trainer.fit(module, datamodule=LMDataModule(source, format="sft", seq_len=16, batch_size=batch_size))
         return module, evaluator
 
@@ -263,14 +311,27 @@ def test_the_sft_example_recipe_learns_addition_it_never_saw(tmp_path):
     model, data = config["model"]["init_args"], config["data"]["init_args"]
     source = {**data["source"]["init_args"], "num_examples": 100, "max_operand": 9}
     L.seed_everything(0)
-    module = CausalLM(ModelFactory(**model["model"]), learning_rate=model["learning_rate"],
-                      warmup_steps=model["warmup_steps"])
+    module = CausalLM(
+        ModelFactory(**model["model"]), learning_rate=model["learning_rate"], warmup_steps=model["warmup_steps"]
+    )
     evaluator = ExactMatchEvaluator()
-    trainer = L.Trainer(max_steps=300, accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        limit_val_batches=0, gradient_clip_val=config["trainer"]["gradient_clip_val"],
-                        callbacks=[evaluator, RunRecorder(path=str(tmp_path / "run.json"))])
-    trainer.fit(module, datamodule=LMDataModule(ArithmeticSFT(**source), format="sft", seq_len=data["seq_len"],
-                                                batch_size=16, val_examples=30))
+    trainer = L.Trainer(
+        max_steps=300,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        gradient_clip_val=config["trainer"]["gradient_clip_val"],
+        callbacks=[evaluator, RunRecorder(path=str(tmp_path / "run.json"))],
+    )
+    trainer.fit(
+        module,
+        datamodule=LMDataModule(
+            ArithmeticSFT(**source), format="sft", seq_len=data["seq_len"], batch_size=16, val_examples=30
+        ),
+    )
     accuracy = json.loads((tmp_path / "run.json").read_text())["summary"]["exact_match"]
     assert accuracy >= 0.4, f"{accuracy:.0%} of 30 held-out one-digit sums: not clearly above the 10% of a guess"

@@ -37,13 +37,16 @@ def documented_commands(example: str) -> list[str]:
     return [line.strip() for line in joined.splitlines() if re.match(r"\s*(lit-ablate|python) ", line)]
 
 
-def run_from_the_repository(command: str, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_from_the_repository(
+    command: str, *extra: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """``command`` as a user types it in the repository root, without PYTHONPATH; ``extra`` appended."""
     argv = shlex.split(command)
     argv[0] = str(CONSOLE_SCRIPT) if argv[0] == "lit-ablate" else sys.executable
     clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    return subprocess.run([*argv, *extra], cwd=REPOSITORY, capture_output=True, text=True, timeout=900,
-                          env={**clean, **(env or {})})
+    return subprocess.run(
+        [*argv, *extra], cwd=REPOSITORY, capture_output=True, text=True, timeout=900, env={**clean, **(env or {})}
+    )
 
 
 def checkout_outputs() -> set[str]:
@@ -53,9 +56,20 @@ def checkout_outputs() -> set[str]:
 
 def test_custom_metric_lands_in_the_run_record(tmp_path, monkeypatch):
     monkeypatch.setenv(RECORD_PATH_ENV, str(tmp_path / "run.json"))
-    main(["fit", "--config", QUICKSTART, "--trainer.max_steps", "3",
-          "--trainer.default_root_dir", str(tmp_path), "--trainer.enable_progress_bar", "false",
-          "--trainer.callbacks+=examples.custom_metric.GradNormMonitor"])
+    main(
+        [
+            "fit",
+            "--config",
+            QUICKSTART,
+            "--trainer.max_steps",
+            "3",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.callbacks+=examples.custom_metric.GradNormMonitor",
+        ]
+    )
     steps = read_record(tmp_path / "run.json")["steps"]
     norms = [s["grad_norm"] for s in steps]
     assert len(norms) == 3 and all(n is not None and math.isfinite(n) and n > 0 for n in norms)
@@ -66,8 +80,15 @@ def test_custom_metric_runs_as_its_docstring_says(tmp_path):
     (command,) = documented_commands("custom_metric.py")
     assert "--trainer.callbacks+=examples.custom_metric.GradNormMonitor" in command
     before = checkout_outputs()
-    done = run_from_the_repository(command, "--trainer.max_steps", "3", "--trainer.default_root_dir", str(tmp_path),
-                                   "--recorder.path", str(tmp_path / "run.json"))
+    done = run_from_the_repository(
+        command,
+        "--trainer.max_steps",
+        "3",
+        "--trainer.default_root_dir",
+        str(tmp_path),
+        "--recorder.path",
+        str(tmp_path / "run.json"),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     norms = [s["grad_norm"] for s in read_record(tmp_path / "run.json")["steps"]]
     assert len(norms) == 3 and all(math.isfinite(n) and n > 0 for n in norms)

@@ -35,12 +35,19 @@ from lit_ablate.models.fp8.conversion import Fp8Options, convert_fp8, fp8_linear
 from lit_ablate.modules import CausalLM
 from tests.test_step_objective import StepLosses, micro_batches
 
-TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2}  # fmt: skip
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
-def dequantised(x: torch.Tensor, dtype: torch.dtype, dim: int | None = None, power_of_two: bool = False) -> torch.Tensor:
+def dequantised(
+    x: torch.Tensor, dtype: torch.dtype, dim: int | None = None, power_of_two: bool = False
+) -> torch.Tensor:
     """``x`` quantised to ``dtype`` with a dynamic scale (per tensor, or per slice along ``dim``) and back."""
     amax = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
     scale = (torch.finfo(dtype).max / amax.double().clamp(min=1e-12)).float()
@@ -80,7 +87,9 @@ def test_emulated_rowwise_forward_equals_its_reference():
 
 
 def test_the_filter_skips_the_lm_head_routers_and_unaligned_layers():
-    model = ModelFactory(preset="tiny-qwen3-moe", moe={"experts": "loop"}, config={**TINY, "moe_intermediate_size": 40}).build()
+    model = ModelFactory(
+        preset="tiny-qwen3-moe", moe={"experts": "loop"}, config={**TINY, "moe_intermediate_size": 40}
+    ).build()
     names = fp8_linear_names(model, Fp8Options())
     assert names and not any(n == "lm_head" or n.endswith(".gate") for n in names)
     with pytest.raises(ConfigError, match=r"experts: sizes 64 -> 40 are not multiples of 16"):
@@ -91,11 +100,14 @@ def test_the_filter_skips_the_lm_head_routers_and_unaligned_layers():
         fp8_linear_names(dense, Fp8Options(target_modules=["down_proj"]))
 
 
-@pytest.mark.parametrize(("options", "match"), [
-    ({"recipe": "rowwise", "fsdp_all_gather": True}, r"fp8.fsdp_all_gather.*use recipe: tensorwise"),
-    ({"recipe": "blockwise"}, r"fp8.recipe.*choose one of"),
-    ({"emulate": "maybe"}, r"fp8.emulate.*auto, true or false"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"recipe": "rowwise", "fsdp_all_gather": True}, r"fp8.fsdp_all_gather.*use recipe: tensorwise"),
+        ({"recipe": "blockwise"}, r"fp8.recipe.*choose one of"),
+        ({"emulate": "maybe"}, r"fp8.emulate.*auto, true or false"),
+    ],
+)
 def test_bad_options_are_refused_in_one_line(options, match):
     with pytest.raises(ConfigError, match=match) as err:
         Fp8Options(**options)
@@ -103,7 +115,9 @@ def test_bad_options_are_refused_in_one_line(options, match):
 
 
 def test_real_kernels_on_a_cpu_are_refused_and_auto_emulates():
-    with pytest.raises(ConfigError, match=r"fp8.emulate.*need a CUDA GPU of compute capability 8.9\+.*use emulate: auto"):
+    with pytest.raises(
+        ConfigError, match=r"fp8.emulate.*need a CUDA GPU of compute capability 8.9\+.*use emulate: auto"
+    ):
         resolve_emulation(Fp8Options(emulate=False), torch.device("cpu"))
     assert resolve_emulation(Fp8Options(), torch.device("cpu"))[0] is True
 
@@ -111,15 +125,26 @@ def test_real_kernels_on_a_cpu_are_refused_and_auto_emulates():
 def test_fp8_with_quantised_weights_tensorwise_grouped_experts_or_all_gather_without_fsdp2_is_refused():
     with pytest.raises(ConfigError, match="fp8 and model.init_args.model.quantization both replace"):
         ModelFactory(preset="tiny-llama", fp8={}, adapter={}, quantization={"bits": 4})
-    with pytest.raises(ConfigError, match=r"fp8.recipe='tensorwise'.*grouped matmul.*rowwise recipe only; use recipe: rowwise"):
+    with pytest.raises(
+        ConfigError, match=r"fp8.recipe='tensorwise'.*grouped matmul.*rowwise recipe only; use recipe: rowwise"
+    ):
         ModelFactory(preset="tiny-qwen3-moe", config=TINY, moe={"experts": "grouped"}, fp8={}).build()
     module = CausalLM(ModelFactory(preset="tiny-llama", config=TINY, fp8={"fsdp_all_gather": True}))
     with pytest.raises(ConfigError, match=r"fsdp_all_gather.*SingleDeviceStrategy gathers nothing"):
         check_parts(module, SingleDeviceStrategy(torch.device("cpu")))  # what lit-ablate fit runs before fitting
 
 
-def fit(steps: int = 5, fp8: dict | None = None, ckpt_path: str | None = None, root: str | None = None,
-        adapter: dict | None = None, strategy="auto", devices: int = 1, rank: int = 0, accumulate: int = 1) -> dict:  # fmt: skip
+def fit(
+    steps: int = 5,
+    fp8: dict | None = None,
+    ckpt_path: str | None = None,
+    root: str | None = None,
+    adapter: dict | None = None,
+    strategy="auto",
+    devices: int = 1,
+    rank: int = 0,
+    accumulate: int = 1,
+) -> dict:
     """Train the step-objective data (a constant learning rate); returns step losses and weights.
     ``accumulate=2``: each step's two halves as micro-batches, the very rows each of 2 ranks reads."""
     pl.seed_everything(0, verbose=False)
@@ -127,11 +152,21 @@ def fit(steps: int = 5, fp8: dict | None = None, ckpt_path: str | None = None, r
     module = CausalLM(factory, learning_rate=1e-2, warmup_steps=0, weight_decay=0.1, min_lr_ratio=1.0)
     losses = StepLosses()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, callbacks=[losses], gradient_clip_val=1.0,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=steps,
+        callbacks=[losses],
+        gradient_clip_val=1.0,
         accumulate_grad_batches=accumulate,
-        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        default_root_dir=root, use_distributed_sampler=False, num_sanity_val_steps=0,
-    )  # fmt: skip
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=root,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+    )
     batches = micro_batches("ranks" if devices > 1 else "accumulate" if accumulate > 1 else "reference", rank)
     start = 2 if ckpt_path else 0  # Lightning restarts a plain DataLoader at its first item (see test_adapters_resume)
     trainer.fit(module, DataLoader(batches[start:] + batches[:start], batch_size=None), ckpt_path=ckpt_path)
@@ -140,11 +175,17 @@ def fit(steps: int = 5, fp8: dict | None = None, ckpt_path: str | None = None, r
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     weights = get_model_state_dict(trainer.strategy.model, options=StateDictOptions(full_state_dict=True))
-    return {"losses": losses.losses, "weights": {k: v.detach().clone() for k, v in weights.items()},
-            "fp8_kernels": module.fp8_kernels, "fallbacks": module.fallbacks,
-            "fp8_gathered": sum(type(getattr(p, "_local_tensor", p)).__name__ == "WeightWithDynamicFloat8CastTensor"
-                                for p in module.parameters()),
-            "converted": sorted(type(m).__name__ for m in module.model.modules() if "Float8" in type(m).__name__)}  # fmt: skip
+    return {
+        "losses": losses.losses,
+        "weights": {k: v.detach().clone() for k, v in weights.items()},
+        "fp8_kernels": module.fp8_kernels,
+        "fallbacks": module.fallbacks,
+        "fp8_gathered": sum(
+            type(getattr(p, "_local_tensor", p)).__name__ == "WeightWithDynamicFloat8CastTensor"
+            for p in module.parameters()
+        ),
+        "converted": sorted(type(m).__name__ for m in module.model.modules() if "Float8" in type(m).__name__),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +223,9 @@ def test_loop_experts_run_the_fp8_matmul():
     factory = ModelFactory(preset="tiny-qwen3-moe", config=TINY, moe={"experts": "loop"})
     plain = factory.build()
     torch.manual_seed(0)
-    fp8 = ModelFactory(preset="tiny-qwen3-moe", config=TINY, moe={"experts": "loop"}, fp8={"skip": ["lm_head", "self_attn"]}).build()
+    fp8 = ModelFactory(
+        preset="tiny-qwen3-moe", config=TINY, moe={"experts": "loop"}, fp8={"skip": ["lm_head", "self_attn"]}
+    ).build()
     ids = torch.randint(0, 64, (2, 16))
     layer = 0  # the experts of layer 0 alone differ between the two: compare their outputs on one input
     hidden = torch.randn(32, 64)
@@ -229,8 +272,15 @@ def test_the_run_record_says_which_fp8_ran(tmp_path):
 
     pl.seed_everything(0, verbose=False)
     module = CausalLM(ModelFactory(preset="tiny-llama", config=TINY, fp8={}), learning_rate=1e-2, warmup_steps=0)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=1, callbacks=[RunRecorder(path=str(tmp_path / "run.json"))],
-                         logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        callbacks=[RunRecorder(path=str(tmp_path / "run.json"))],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     trainer.fit(module, DataLoader(micro_batches("reference")[:1], batch_size=None))
     record = read_record(tmp_path / "run.json")
     assert record["environment"]["fp8"] == "emulated"
@@ -242,7 +292,9 @@ def test_a_study_skips_fp8_without_kernels_or_fp8_all_gather_without_fsdp2():
 
     launch = SimpleNamespace(devices=1, num_nodes=1, accelerator="cpu")
     config = {"trainer": {"accelerator": "cpu"}, "model": {"init_args": {"model": {"fp8": {"emulate": False}}}}}
-    assert incompatibility(config, launch).startswith("model.init_args.model.fp8.emulate=False: fp8 kernels need a CUDA GPU")
+    assert incompatibility(config, launch).startswith(
+        "model.init_args.model.fp8.emulate=False: fp8 kernels need a CUDA GPU"
+    )
     config["model"]["init_args"]["model"]["fp8"] = {"fsdp_all_gather": True}
     config["trainer"]["strategy"] = "ddp"
     assert "fp8 all-gather happens inside FSDP2" in incompatibility(config, launch)
@@ -250,17 +302,34 @@ def test_a_study_skips_fp8_without_kernels_or_fp8_all_gather_without_fsdp2():
     assert incompatibility(config, launch) is None
 
 
-@pytest.mark.parametrize(("fp8", "config", "expected"), [
-    ("{emulate: false}", "{}", "model.init_args.model.fp8.emulate=False: fp8 kernels need a CUDA GPU"),
-    ("{target_modules: [down_proj]}", "{intermediate_size: 100}", "down_proj: sizes 100 -> 128 are not multiples of 16"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("fp8", "config", "expected"),
+    [
+        ("{emulate: false}", "{}", "model.init_args.model.fp8.emulate=False: fp8 kernels need a CUDA GPU"),
+        (
+            "{target_modules: [down_proj]}",
+            "{intermediate_size: 100}",
+            "down_proj: sizes 100 -> 128 are not multiples of 16",
+        ),
+    ],
+)
 def test_the_cli_refuses_bad_fp8_combinations_in_one_line(fp8, config, expected, capsys):
     from tests.test_bad_inputs import CONFIGS, _stderr_lines
 
     if "emulate" in fp8 and torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the row needs one that has none")
-    code, lines = _stderr_lines(["fit", "--config", str(CONFIGS / "quickstart.yaml"), "--model.init_args.model.fp8", fp8,
-                                 "--model.init_args.model.config", config], capsys)  # fmt: skip
+    code, lines = _stderr_lines(
+        [
+            "fit",
+            "--config",
+            str(CONFIGS / "quickstart.yaml"),
+            "--model.init_args.model.fp8",
+            fp8,
+            "--model.init_args.model.config",
+            config,
+        ],
+        capsys,
+    )
     assert code not in (0, None) and len(lines) == 1 and expected in lines[0], lines
 
 

@@ -32,8 +32,10 @@ STEPS = 3
 
 
 def _two_rank_fits(rank: int, world_size: int) -> dict:
-    return {name: fit(STEPS, fp8={"fsdp_all_gather": gather}, strategy=FSDP2Strategy(), devices=2, rank=rank)
-            for name, gather in (("fsdp2", False), ("fsdp2_fp8_all_gather", True))}  # fmt: skip
+    return {
+        name: fit(STEPS, fp8={"fsdp_all_gather": gather}, strategy=FSDP2Strategy(), devices=2, rank=rank)
+        for name, gather in (("fsdp2", False), ("fsdp2_fp8_all_gather", True))
+    }
 
 
 @pytest.fixture(scope="module")

@@ -29,8 +29,14 @@ from lit_ablate.models.moe.experts import loop_experts
 E, H, I = 4, 32, 48
 COUNTS = [3, 0, 21, 6]
 """Tokens per expert: an empty expert, groups below and above 16 rows."""
-TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "moe_intermediate_size": 32}  # fmt: skip
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "moe_intermediate_size": 32,
+}
 
 
 def rowwise_matmul() -> Fp8Matmul:
@@ -84,9 +90,12 @@ def test_grouped_fp8_glue_equals_the_loop_experts_fp8(monkeypatch):
 
 def test_an_emulated_grouped_model_trains_the_loop_fp8_numerics_and_says_so():
     """``experts: grouped`` + rowwise, emulated: each expert through Float8Linear's matmul, as loop."""
+
     def build(experts: str):
         torch.manual_seed(0)
-        return ModelFactory(preset="tiny-qwen3-moe", config=TINY, moe={"experts": experts}, fp8={"recipe": "rowwise"}).build()
+        return ModelFactory(
+            preset="tiny-qwen3-moe", config=TINY, moe={"experts": experts}, fp8={"recipe": "rowwise"}
+        ).build()
 
     grouped, loop = build("grouped"), build("loop")
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -100,8 +109,9 @@ def test_an_emulated_grouped_model_trains_the_loop_fp8_numerics_and_says_so():
 
 def test_grouped_fp8_refusals_name_the_key():
     with pytest.raises(ConfigError, match=r"fp8.recipe='rowwise_with_gw_hp'.*rowwise recipe only"):
-        ModelFactory(preset="tiny-qwen3-moe", config=TINY, moe={"experts": "grouped"},
-                     fp8={"recipe": "rowwise_with_gw_hp"}).build()  # fmt: skip
+        ModelFactory(
+            preset="tiny-qwen3-moe", config=TINY, moe={"experts": "grouped"}, fp8={"recipe": "rowwise_with_gw_hp"}
+        ).build()
 
 
 def _gpu_capability() -> tuple[int, int]:

@@ -55,15 +55,29 @@ def one_row_per_rank(variant: str, rank: int = 0) -> list[dict]:
 
 def _hsdp_fits(rank: int, world_size: int) -> dict:
     test_fp8.micro_batches = one_row_per_rank  # this rank's process only
-    return {name: test_fp8.fit(STEPS, fp8={"fsdp_all_gather": gather}, strategy=HSDPStrategy(dp_replicate=2, dp_shard=2),
-                               devices=world_size, rank=rank)
-            for name, gather in GATHERS.items()}  # fmt: skip
+    return {
+        name: test_fp8.fit(
+            STEPS,
+            fp8={"fsdp_all_gather": gather},
+            strategy=HSDPStrategy(dp_replicate=2, dp_shard=2),
+            devices=world_size,
+            rank=rank,
+        )
+        for name, gather in GATHERS.items()
+    }
 
 
 def _checkpointed_fits(rank: int, world_size: int) -> dict:
-    return {name: test_fp8.fit(STEPS, fp8={"fsdp_all_gather": gather}, devices=world_size, rank=rank,
-                               strategy=FSDP2Strategy(activation_checkpointing="full"))
-            for name, gather in GATHERS.items()}  # fmt: skip
+    return {
+        name: test_fp8.fit(
+            STEPS,
+            fp8={"fsdp_all_gather": gather},
+            devices=world_size,
+            rank=rank,
+            strategy=FSDP2Strategy(activation_checkpointing="full"),
+        )
+        for name, gather in GATHERS.items()
+    }
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,15 @@ from lit_ablate.ablation.report import render_markdown
 from lit_ablate.ablation.summary import study_summary
 from tests.test_ablation_report import make_record
 
-PLAN = {"name": "precision", "baseline": "fp32", "variables": ["model.init_args.model.fp8"], "seeds": [0, 1],
-        "steps": 8, "warmup_steps": 1, "variants": [{"name": n} for n in ("fp32", "fp8")]}  # fmt: skip
+PLAN = {
+    "name": "precision",
+    "baseline": "fp32",
+    "variables": ["model.init_args.model.fp8"],
+    "seeds": [0, 1],
+    "steps": 8,
+    "warmup_steps": 1,
+    "variants": [{"name": n} for n in ("fp32", "fp8")],
+}
 
 
 def _runs() -> list[tuple[str, dict]]:
@@ -20,8 +27,9 @@ def _runs() -> list[tuple[str, dict]]:
     runs = []
     for seed in (0, 1):
         fp32 = make_record("fp32", seed, speed=100.0, peak_mib=10, losses=[x + 0.01 * seed for x in base])
-        fp8 = make_record("fp8", seed, speed=100.0, peak_mib=10,
-                          losses=[x + 0.01 * seed + 0.002 * i for i, x in enumerate(base)])  # drifts: +0.002 per step
+        fp8 = make_record(
+            "fp8", seed, speed=100.0, peak_mib=10, losses=[x + 0.01 * seed + 0.002 * i for i, x in enumerate(base)]
+        )  # drifts: +0.002 per step
         fp8["environment"]["fp8"] = "emulated"
         runs += [(f"runs/fp32/seed{seed}/run.json", fp32), (f"runs/fp8/seed{seed}/run.json", fp8)]
     return runs

@@ -82,15 +82,21 @@ def _mlp_block(mlp: torch.nn.Module, x: torch.Tensor, grad_out: torch.Tensor) ->
     out = mlp(x)
     out.backward(grad_out)
     grads = {name: getattr(mlp, name).weight.grad for name in MLP_WEIGHTS}
-    result = {"out": out.detach(), "x_grad": x.grad,
-              **{name: g.full_tensor() if isinstance(g, DTensor) else g for name, g in grads.items()}}
+    result = {
+        "out": out.detach(),
+        "x_grad": x.grad,
+        **{name: g.full_tensor() if isinstance(g, DTensor) else g for name, g in grads.items()},
+    }
     return {name: value.clone() for name, value in result.items()}  # waits for a collective still in flight
 
 
 def _tp_mlp_block(rank: int, world_size: int, sequence_parallel: bool, float8: bool) -> dict:
     layer = build_fp8("tiny-llama").lm.model.layers[0]
-    plan = {name: style for name, style in llama_layer_plan(layer, sequence_parallel, float8).items()
-            if name.startswith("mlp")}  # fmt: skip
+    plan = {
+        name: style
+        for name, style in llama_layer_plan(layer, sequence_parallel, float8).items()
+        if name.startswith("mlp")
+    }
     _parallelize(layer, init_device_mesh("cpu", (world_size,)), plan)
     x, grad_out = _block_inputs()
     if sequence_parallel:  # this rank's slice of the sequence in and out
@@ -98,8 +104,11 @@ def _tp_mlp_block(rank: int, world_size: int, sequence_parallel: bool, float8: b
     return _mlp_block(layer.mlp, x, grad_out)
 
 
-@pytest.mark.parametrize(("sequence_parallel", "float8"), [(False, True), (True, False)],
-                         ids=["float8-styles", "sequence-parallel-plain-styles"])  # fmt: skip
+@pytest.mark.parametrize(
+    ("sequence_parallel", "float8"),
+    [(False, True), (True, False)],
+    ids=["float8-styles", "sequence-parallel-plain-styles"],
+)
 def test_fp8_mlp_block_tp2_equals_one_process(sequence_parallel, float8):
     """``float8``: as ``TensorParallelStrategy.float8_styles`` chooses on CPU (gloo cannot move the
     float8 tensors torchao's styles all-gather under sequence parallelism)."""
@@ -122,13 +131,18 @@ def _tp_run(rank: int, world_size: int, preset: str, sequence_parallel: bool) ->
     model = strategy.parallelize(build_fp8(preset, meta=rank != 0))
     seen = []  # what q_proj receives once its style has prepared the input
     model.lm.model.layers[0].self_attn.q_proj.register_forward_pre_hook(
-        lambda _, args: seen.append(type(getattr(args[0], "_local_tensor", args[0])).__name__))
+        lambda _, args: seen.append(type(getattr(args[0], "_local_tensor", args[0])).__name__)
+    )
     batch = fixed_batch()
     if sequence_parallel:
         batch = strategy.sequence_parallel_batch(batch)
     result = train(model, batch, strategy)
-    return {"losses": result["losses"][:STEPS], "weights": result["weights"] if rank == 0 else {},
-            "q_proj_input": seen[0], "float8_styles": strategy.float8_styles(model)}  # fmt: skip
+    return {
+        "losses": result["losses"][:STEPS],
+        "weights": result["weights"] if rank == 0 else {},
+        "q_proj_input": seen[0],
+        "float8_styles": strategy.float8_styles(model),
+    }
 
 
 def _tp_runs(rank: int, world_size: int) -> dict:
@@ -145,14 +159,18 @@ def test_fp8_tp2_trains_the_one_process_model(tp_runs, name):
     preset, sequence_parallel = RUNS[name]
     reference = train(build_fp8(preset), fixed_batch())
     result = tp_runs[0][name]
-    first, later = abs(result["losses"][0] - reference["losses"][0]), [
-        abs(a - b) for a, b in zip(result["losses"][1:], reference["losses"][1:STEPS])]
+    first, later = (
+        abs(result["losses"][0] - reference["losses"][0]),
+        [abs(a - b) for a, b in zip(result["losses"][1:], reference["losses"][1:STEPS])],
+    )
     assert first <= FIRST_LOSS_ATOL and max(later) <= LATER_LOSS_ATOL, (first, later)
     assert result["losses"][-1] < result["losses"][0] - 0.1, "the model did not train"
     # train() ran 4 steps (test_tensor_parallel's); the weights are compared after all of them
     difference = torch.cat([(result["weights"][k] - v).abs().flatten() for k, v in reference["weights"].items()])
     assert difference.mean() <= WEIGHT_MEAN_ATOL, difference.mean()
-    expected = ("Tensor", False) if sequence_parallel else ("Float8TrainingTensor", True)  # plain styles under SP on CPU
+    expected = (
+        ("Tensor", False) if sequence_parallel else ("Float8TrainingTensor", True)
+    )  # plain styles under SP on CPU
     assert all((run[name]["q_proj_input"], run[name]["float8_styles"]) == expected for run in tp_runs)
 
 
@@ -174,9 +192,12 @@ LIGHTNING_RUNS = {
 
 def _lightning_tp_fits(rank: int, world_size: int) -> dict:
     test_fp8.micro_batches = _same_rows_on_both_ranks  # this rank's process only
-    return {name: test_fp8.fit(STEPS, fp8=fp8, strategy=TensorParallelStrategy(tp=2, **strategy), devices=world_size,
-                               rank=rank)
-            for name, (fp8, strategy) in LIGHTNING_RUNS.items()}  # fmt: skip
+    return {
+        name: test_fp8.fit(
+            STEPS, fp8=fp8, strategy=TensorParallelStrategy(tp=2, **strategy), devices=world_size, rank=rank
+        )
+        for name, (fp8, strategy) in LIGHTNING_RUNS.items()
+    }
 
 
 @pytest.mark.slow  # one 2-rank run of three fits
@@ -186,8 +207,9 @@ def test_fp8_all_gather_and_checkpointing_under_tp_equal_tp_without_them():
     for rank in run_ranks(_lightning_tp_fits, 2, init_process_group=False, timeout_s=500):
         assert rank["tp2_fp8_all_gather"]["fp8_gathered"] == 2 * 7 and rank["tp2"]["fp8_gathered"] == 0
         for name in ("tp2_fp8_all_gather", "tp2_checkpointed"):
-            torch.testing.assert_close(torch.tensor(rank[name]["losses"]), torch.tensor(rank["tp2"]["losses"]),
-                                       rtol=0, atol=1e-6, msg=name)
+            torch.testing.assert_close(
+                torch.tensor(rank[name]["losses"]), torch.tensor(rank["tp2"]["losses"]), rtol=0, atol=1e-6, msg=name
+            )
 
 
 # ---------------------------------------------------------------- refusals and the plan
@@ -205,7 +227,9 @@ def test_the_plan_gives_converted_layers_torchao_styles_and_fp8_inputs_only_to_a
     """Under sequence parallelism on a GPU the block inputs are all-gathered in fp8 (the path gloo
     cannot run, so only its plan is checked here); a layer left in high precision keeps the plain
     style, and so does the input of a block one of whose readers it is."""
-    layer = build_fp8("tiny-llama", meta=True, target_modules=["q_proj", "k_proj", "gate_proj", "up_proj"]).lm.model.layers[0]
+    layer = build_fp8(
+        "tiny-llama", meta=True, target_modules=["q_proj", "k_proj", "gate_proj", "up_proj"]
+    ).lm.model.layers[0]
     plan = {name: type(style).__name__ for name, style in llama_layer_plan(layer, True, float8=True).items()}
     assert plan["self_attn.q_proj"] == "Float8ColwiseParallel" and plan["self_attn.v_proj"] == "ColwiseParallel"
     assert plan["self_attn"] == "PrepareModuleInput"  # v_proj reads it in high precision
@@ -224,10 +248,20 @@ def test_the_estimate_takes_fp8_under_tensor_parallelism():
     from tests.test_estimate_memory import QUICKSTART
 
     def estimate(gather: bool):  # noqa: ANN202
-        strategy = {"class_path": "lit_ablate.strategies.TensorParallelStrategy",
-                    "init_args": {"tp": 2, "dp_shard": 2, "sequence_parallel": True}}  # fmt: skip
-        return estimate_for_config(with_overrides(yaml.safe_load(QUICKSTART.read_text()), {
-            "trainer.devices": 4, "trainer.strategy": strategy, "model.init_args.model.fp8": {"fsdp_all_gather": gather}}))
+        strategy = {
+            "class_path": "lit_ablate.strategies.TensorParallelStrategy",
+            "init_args": {"tp": 2, "dp_shard": 2, "sequence_parallel": True},
+        }
+        return estimate_for_config(
+            with_overrides(
+                yaml.safe_load(QUICKSTART.read_text()),
+                {
+                    "trainer.devices": 4,
+                    "trainer.strategy": strategy,
+                    "model.init_args.model.fp8": {"fsdp_all_gather": gather},
+                },
+            )
+        )
 
     plain, gathered = estimate(False), estimate(True)
     layer_params = model_shape(ModelFactory(preset="tiny-llama").build().config).layer_params
@@ -242,9 +276,17 @@ def test_a_study_skips_rowwise_fp8_under_tensor_parallelism_and_fit_stops_in_one
     from lit_ablate.ablation.spec import Launch
     from lit_ablate.compatibility import fp8_runs_here
 
-    config = {"trainer": {"accelerator": "cpu", "strategy": {"class_path": "lit_ablate.strategies.TensorParallelStrategy",
-                                                             "init_args": {"tp": 2}}},
-              "model": {"init_args": {"model": {"fp8": {"recipe": recipe}}}}}  # fmt: skip
+    config = {
+        "trainer": {
+            "accelerator": "cpu",
+            "strategy": {"class_path": "lit_ablate.strategies.TensorParallelStrategy", "init_args": {"tp": 2}},
+        },
+        "model": {"init_args": {"model": {"fp8": {"recipe": recipe}}}},
+    }
     reason = fp8_runs_here(config, Launch(devices=2, accelerator="cpu"))
     assert (reason is not None) == skipped
-    assert not skipped or reason.startswith("model.init_args.model.fp8.recipe='rowwise': tp > 1") and "tensorwise" in reason
+    assert (
+        not skipped
+        or reason.startswith("model.init_args.model.fp8.recipe='rowwise': tp > 1")
+        and "tensorwise" in reason
+    )

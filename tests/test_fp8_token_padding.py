@@ -53,8 +53,10 @@ def reference_or_skip(compute):
     except RuntimeError as error:
         if not any(words in str(error) for words in CPU_KERNEL_REFUSALS):
             raise
-        pytest.skip(f"this CPU's _scaled_mm (torch {torch.__version__}) has no real fp8 kernel here: "
-                    f"{str(error).splitlines()[0]}")  # fmt: skip
+        pytest.skip(
+            f"this CPU's _scaled_mm (torch {torch.__version__}) has no real fp8 kernel here: "
+            f"{str(error).splitlines()[0]}"
+        )
 
 
 @pytest.fixture(autouse=True)
@@ -64,8 +66,10 @@ def hopper_scaled_mm(monkeypatch):
 
     def strict(mat1: torch.Tensor, mat2: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if mat1.shape[1] % 16:
-            raise RuntimeError("Expected trailing dimension of mat1 to be divisible by 16 "
-                               f"but got mat1 shape: ({mat1.shape[0]}x{mat1.shape[1]}).")  # fmt: skip
+            raise RuntimeError(
+                "Expected trailing dimension of mat1 to be divisible by 16 "
+                f"but got mat1 shape: ({mat1.shape[0]}x{mat1.shape[1]})."
+            )
         if mat2.shape[0] % 16 or mat2.shape[1] % 16:
             raise RuntimeError(f"mat2 shape ({mat2.shape[0]}x{mat2.shape[1]}) must be divisible by 16")
         return real(mat1, mat2, *args, **kwargs)
@@ -75,6 +79,7 @@ def hopper_scaled_mm(monkeypatch):
 
 def rows_padded_by_hand(matmul):
     """``matmul(x, w)`` on ``x``'s rows zero-padded to a multiple of 16, the padding's output dropped."""
+
     def padded(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         return matmul(F.pad(x, (0, 0, 0, -rows % 16)), weight)[:rows]

@@ -60,7 +60,7 @@ def test_step_table_is_well_formed():
     assert "tests/test_memory_categories.py" in files and "tests/test_gpu_lane.py" not in files
     assert all(lane.GPU_MARK in (ROOT / f).read_text() for f in files)
     pytest_step = next(s for s in lane.STEPS if s.name == "gpu_tests")
-    assert lane.command(pytest_step, Path("/scratch"), dry_run=False)[-len(files):] == files
+    assert lane.command(pytest_step, Path("/scratch"), dry_run=False)[-len(files) :] == files
 
 
 def test_step_limits_fit_the_budget():
@@ -94,8 +94,15 @@ def test_every_flag_a_step_passes_is_defined_by_its_script():
 
 
 def test_result_lines_become_numbers_or_text():
-    lines = ["noise", "RESULT a=1", "RESULT b=0.25", "RESULT gpu=NVIDIA H100 80GB HBM3", "  RESULT ok=True",
-             "RESULT none=None", "RESULTS c=3"]
+    lines = [
+        "noise",
+        "RESULT a=1",
+        "RESULT b=0.25",
+        "RESULT gpu=NVIDIA H100 80GB HBM3",
+        "  RESULT ok=True",
+        "RESULT none=None",
+        "RESULTS c=3",
+    ]
     assert lane.result_lines(lines) == {"a": 1, "b": 0.25, "gpu": "NVIDIA H100 80GB HBM3", "ok": True, "none": None}
 
 
@@ -104,24 +111,39 @@ def test_pytest_outcomes_from_junit_xml_and_from_verbose_lines(tmp_path):
         '<testsuites><testsuite><testcase classname="tests.test_a" name="test_x"/>'
         '<testcase classname="tests.test_a" name="test_y"><skipped message="needs 2 CUDA devices"/></testcase>'
         '<testcase classname="tests.test_b" name="test_z"><failure message="assert 1 == 2">trace</failure></testcase>'
-        "</testsuite></testsuites>")  # fmt: skip
+        "</testsuite></testsuites>"
+    )
     got = lane.collect_pytest(["collecting ... collected 9 items / 6 deselected / 3 selected"], tmp_path)
     assert (got["selected"], got["passed"], got["skipped"], got["failed"]) == (3, 1, 1, 1)
     assert got["tests"]["tests.test_a::test_y"] == {"outcome": "skipped", "message": "needs 2 CUDA devices"}
-    killed = ["tests/test_a.py::test_x PASSED [ 50%]", "tests/test_a.py::test_y SKIPPED (needs flash-attn) [100%]",
-              "SKIPPED [1] tests/test_a.py:12: needs the flash-attn package"]
+    killed = [
+        "tests/test_a.py::test_x PASSED [ 50%]",
+        "tests/test_a.py::test_y SKIPPED (needs flash-attn) [100%]",
+        "SKIPPED [1] tests/test_a.py:12: needs the flash-attn package",
+    ]
     got = lane.collect_pytest(killed, tmp_path / "no-xml-here")
     assert got["passed"] == 1 and got["tests"]["tests/test_a.py::test_y"]["message"] == "needs the flash-attn package"
 
 
 def test_pytest_durations_are_collected():
-    lines = ["============================= slowest 15 durations =============================",
-             "21.35s call     tests/test_loss_kernels.py::test_compiled_kernel_matches_torch[liger_bf16_cuda]",
-             "3.02s setup    tests/test_attention.py::test_gpu_backends_train_packed_like_separate_documents[flex]"]
+    lines = [
+        "============================= slowest 15 durations =============================",
+        "21.35s call     tests/test_loss_kernels.py::test_compiled_kernel_matches_torch[liger_bf16_cuda]",
+        "3.02s setup    tests/test_attention.py::test_gpu_backends_train_packed_like_separate_documents[flex]",
+    ]
     got = lane.collect_pytest(lines, Path("/no-xml-here"))["durations"]
     assert got == [
-        {"seconds": 21.35, "phase": "call", "test": "tests/test_loss_kernels.py::test_compiled_kernel_matches_torch[liger_bf16_cuda]"},
-        {"seconds": 3.02, "phase": "setup", "test": "tests/test_attention.py::test_gpu_backends_train_packed_like_separate_documents[flex]"}]
+        {
+            "seconds": 21.35,
+            "phase": "call",
+            "test": "tests/test_loss_kernels.py::test_compiled_kernel_matches_torch[liger_bf16_cuda]",
+        },
+        {
+            "seconds": 3.02,
+            "phase": "setup",
+            "test": "tests/test_attention.py::test_gpu_backends_train_packed_like_separate_documents[flex]",
+        },
+    ]
 
 
 def test_the_compile_cache_comes_back_and_is_restored_only_when_small_enough(tmp_path):
@@ -169,33 +191,70 @@ def test_steps_past_the_budget_are_skipped_not_started(tmp_path):
 
 
 def _sample_lane() -> dict:
-    tests = {"tests.test_attention::test_gpu_backends_train_packed_like_separate_documents[fa_varlen]":
-             {"outcome": "skipped", "message": "flash-attn varlen needs CUDA and the flash-attn package"},
-             "tests.test_memory_categories::test_on_cuda": {"outcome": "passed", "message": ""}}  # fmt: skip
-    breakdown = {"step": 3, "method": "cuda_max_allocated", "at_peak": {"params": 2**20, "activations": 3 * 2**20},
-                 "max": {"params": 2**20, "activations": 4 * 2**20}}  # fmt: skip
-    step = lambda status, results, tail="": {"what": "w", "command": "c", "timeout_s": 60, "status": status,  # noqa: E731
-                                             "seconds": 12.5, "results": results, "tail": tail}
+    tests = {
+        "tests.test_attention::test_gpu_backends_train_packed_like_separate_documents[fa_varlen]": {
+            "outcome": "skipped",
+            "message": "flash-attn varlen needs CUDA and the flash-attn package",
+        },
+        "tests.test_memory_categories::test_on_cuda": {"outcome": "passed", "message": ""},
+    }
+    breakdown = {
+        "step": 3,
+        "method": "cuda_max_allocated",
+        "at_peak": {"params": 2**20, "activations": 3 * 2**20},
+        "max": {"params": 2**20, "activations": 4 * 2**20},
+    }
+    step = lambda status, results, tail="": {
+        "what": "w",
+        "command": "c",
+        "timeout_s": 60,
+        "status": status,  # noqa: E731
+        "seconds": 12.5,
+        "results": results,
+        "tail": tail,
+    }
     return {
-        "lane": {"budget_s": 480, "dry_run": False, "started_at": "2026-12-01T10:00:00+0000", "elapsed_s": 401.2,
-                 "prepared": {"git_commit": "0123456789abcdef", "git_dirty": False}},
+        "lane": {
+            "budget_s": 480,
+            "dry_run": False,
+            "started_at": "2026-12-01T10:00:00+0000",
+            "elapsed_s": 401.2,
+            "prepared": {"git_commit": "0123456789abcdef", "git_dirty": False},
+        },
         "steps": {
             "env": step("ok", {"gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130", "torch_cuda": "13.0"}),
-            "gpu_tests": step("failed", {"passed": 1, "failed": 0, "error": 0, "skipped": 1, "selected": 2,
-                                         "tests": tests}),
-            "mfu_seed": step("ok", {"seed_useful_tokens_per_s": 66123.4, "seed_lit_vs_hand": 0.975,
-                                    "seed_mfu_seed_formula": 0.655, "seed_attention": "torch_varlen"}),
+            "gpu_tests": step(
+                "failed", {"passed": 1, "failed": 0, "error": 0, "skipped": 1, "selected": 2, "tests": tests}
+            ),
+            "mfu_seed": step(
+                "ok",
+                {
+                    "seed_useful_tokens_per_s": 66123.4,
+                    "seed_lit_vs_hand": 0.975,
+                    "seed_mfu_seed_formula": 0.655,
+                    "seed_attention": "torch_varlen",
+                },
+            ),
             "mfu": step("ok", {"dense_mfu": 0.612, "dense_mfu_measured": 0.77, "dense_attention": "flex"}),
             "loss": step("ok", {"liger_memory_ratio": 0.30, "cce_working_mib": 0.5}),
             "moe": step("timeout", {}, tail="compiling...\nstill compiling"),
-            "fit": step("ok", {"status": "ok", "tensor_method": "cuda_max_allocated", "peak_tensor_bytes": 4 * 2**20,
-                               "tensor_breakdown": breakdown}),
+            "fit": step(
+                "ok",
+                {
+                    "status": "ok",
+                    "tensor_method": "cuda_max_allocated",
+                    "peak_tensor_bytes": 4 * 2**20,
+                    "tensor_breakdown": breakdown,
+                },
+            ),
         },
-    }  # fmt: skip
+    }
 
 
 def _rows(text: str, label: str) -> list[list[str]]:
-    return [[cell.strip() for cell in line.strip("|").split("|")] for line in text.splitlines() if f"| {label} |" in line]
+    return [
+        [cell.strip() for cell in line.strip("|").split("|")] for line in text.splitlines() if f"| {label} |" in line
+    ]
 
 
 def _row(text: str, label: str) -> list[str]:
@@ -206,10 +265,21 @@ def test_render_puts_each_figure_beside_its_anchor_and_goal(tmp_path):
     text = render.readme(_sample_lane())
     assert text.startswith("# GPU lane: NVIDIA H100 80GB HBM3, 2026-12-01")
     assert "torch 2.11.0+cu130 (CUDA 13.0)" in text and "0123456789" in text
-    seed = _row(text, "useful tokens/s, Qwen3-0.6B + 65,537 tokens (vocab 217,473), 10,240-token packed rows, bf16, compiled")
-    assert seed[2:] == ["66,123 tok/s", "~61k (seed: one H100, 32 x 10,240-token packs, FA3 varlen + Liger + compile)",
-                        ">= 65000", "yes"]
-    assert _row(text, "lit-ablate / the hand-written loop, useful tokens/s, same run")[2:] == ["0.975x", "—", ">= 0.98x", "no"]
+    seed = _row(
+        text, "useful tokens/s, Qwen3-0.6B + 65,537 tokens (vocab 217,473), 10,240-token packed rows, bf16, compiled"
+    )
+    assert seed[2:] == [
+        "66,123 tok/s",
+        "~61k (seed: one H100, 32 x 10,240-token packs, FA3 varlen + Liger + compile)",
+        ">= 65000",
+        "yes",
+    ]
+    assert _row(text, "lit-ablate / the hand-written loop, useful tokens/s, same run")[2:] == [
+        "0.975x",
+        "—",
+        ">= 0.98x",
+        "no",
+    ]
     assert _row(text, "our MFU / spec peak")[2:] == ["0.612", "—", "—", "—"], "an older lane's step 'mfu' still renders"
     liger = _row(text, "Liger fused linear-CE peak / torch's (V 151,936, H 1024, 16k tokens)")
     assert liger[2:] == ["0.3", "0.21 (Liger: -79% memory)", "<= 0.21", "no"]
@@ -218,13 +288,17 @@ def test_render_puts_each_figure_beside_its_anchor_and_goal(tmp_path):
     assert moe[2] == "(timeout)" and moe[5] == "n/a"
     assert [r[2:] for r in _rows(text, "packed attention used")] == [
         ["torch_varlen", "—", "== fa_varlen or torch_varlen or flex", "yes"],
-        ["flex", "—", "== fa_varlen or torch_varlen or flex", "yes"]]
+        ["flex", "—", "== fa_varlen or torch_varlen or flex", "yes"],
+    ]
     assert _row(text, "memory measured by")[-1] == "yes"
     skipped = _row(text, "`tests.test_attention::test_gpu_backends_train_packed_like_separate_documents[fa_varlen]`")
     assert skipped[1:] == ["skipped", "flash-attn varlen needs CUDA and the flash-attn package"]
     assert _row(text, "activations")[1:] == ["3.00", "4.00"]
     assert "### moe (timeout)" in text and "still compiling" in text and "### mfu" not in text
-    assert _row(text, "useful tokens/s, Qwen3-0.6B (vocab 151,936), 8,192-token packed rows, bf16, compiled")[2] == "(not reported)"
+    assert (
+        _row(text, "useful tokens/s, Qwen3-0.6B (vocab 151,936), 8,192-token packed rows, bf16, compiled")[2]
+        == "(not reported)"
+    )
 
 
 def test_render_saves_the_results_folder(tmp_path):
@@ -247,7 +321,8 @@ def test_a_rerun_is_shown_beside_the_lane_never_instead_of_it(tmp_path):
     tests_log.write_text(
         "tests/test_a.py::test_x[p] FAILED [ 50%]\ntests/test_a.py::test_y PASSED [100%]\n"
         "=================================== FAILURES ===================================\n"
-        "______ test_x[p] ______\n\n    def test_x():\n>       boom()\nE       RuntimeError: mat1 (32x6)\n")  # fmt: skip
+        "______ test_x[p] ______\n\n    def test_x():\n>       boom()\nE       RuntimeError: mat1 (32x6)\n"
+    )
     reruns = [render.Rerun("mfu", 150, log), render.Rerun("gpu_tests", 150, tests_log)]
     text = render.readme(_sample_lane(), reruns)
     assert _row(text, "dense_mfu") == ["dense_mfu", "0.612", "0.238"]  # the sample lane's step is the older "mfu"

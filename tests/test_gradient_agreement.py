@@ -34,10 +34,19 @@ def with_gradients(record: dict, norms: dict | None, step: int = 1) -> dict:
 
 
 def gradient_study(variants: dict[str, dict | None], check: dict | None = CHECK, loss: dict | None = None) -> tuple:
-    records = [with_gradients(make_record(name, 0, speed=1, peak_mib=1, losses=[4.0, 3.0]), norms)
-               for name, norms in variants.items()]  # fmt: skip
-    plan = {"name": "g", "baseline": next(iter(variants)), "expect_equal_loss": loss, "expect_equal_gradients": check,
-            "seeds": [0], "warmup_steps": 1, "variants": [{"name": n} for n in variants]}  # fmt: skip
+    records = [
+        with_gradients(make_record(name, 0, speed=1, peak_mib=1, losses=[4.0, 3.0]), norms)
+        for name, norms in variants.items()
+    ]
+    plan = {
+        "name": "g",
+        "baseline": next(iter(variants)),
+        "expect_equal_loss": loss,
+        "expect_equal_gradients": check,
+        "seeds": [0],
+        "warmup_steps": 1,
+        "variants": [{"name": n} for n in variants],
+    }
     return records, plan
 
 
@@ -51,21 +60,29 @@ def test_rounding_passes_and_one_expert_scaled_by_1_01_fails(tmp_path: Path):
     rounding = {EXPERTS: [0.2 * (1 + 3e-7), 0.001 * (1 + 2e-5), 0.5, 0.3 * (1 - 4e-7)], ROUTER: [0.04 * (1 + 2e-7)]}
     scaled = {EXPERTS: [0.2 * 1.01, 0.001, 0.5, 0.3], ROUTER: [0.04]}  # expert 0 x1.01: 2e-3 of the largest norm
     no_router = {EXPERTS: NORMS[EXPERTS]}
-    records, plan = gradient_study({"fsdp2": NORMS, "ep": rounding, "bug": scaled, "frozen_router": no_router,
-                                    "unrecorded": None})  # fmt: skip
+    records, plan = gradient_study(
+        {"fsdp2": NORMS, "ep": rounding, "bug": scaled, "frozen_router": no_router, "unrecorded": None}
+    )
     summary = summarise(records, plan)
     checks = {v["name"]: v["gradient_agreement"] for v in summary["variants"]}
     assert checks["fsdp2"] is None  # the baseline
     assert checks["ep"]["passed"] is True and checks["ep"]["max_rel_diff"] == pytest.approx(0.3 * 4e-7 / 0.5)
     assert checks["bug"]["passed"] is False and checks["bug"]["max_rel_diff"] == pytest.approx(0.2 * 0.01 / 0.5)
     assert checks["bug"]["reason"] == f"seed 0: {EXPERTS} (expert 0) off by 4.00e-03 of its largest norm"
-    assert checks["frozen_router"]["passed"] is False and f"({ROUTER} only in the baseline)" in checks["frozen_router"]["reason"]
-    assert checks["unrecorded"] == {"passed": None, "incomplete": True,
-                                    "reason": "seed 0: this variant recorded no gradients at step 1"}  # fmt: skip
+    assert (
+        checks["frozen_router"]["passed"] is False
+        and f"({ROUTER} only in the baseline)" in checks["frozen_router"]["reason"]
+    )
+    assert checks["unrecorded"] == {
+        "passed": None,
+        "incomplete": True,
+        "reason": "seed 0: this variant recorded no gradients at step 1",
+    }
     assert summary["problems"] == [
         f"gradient check failed: bug: {checks['bug']['reason']}",
         f"gradient check failed: frozen_router: {checks['frozen_router']['reason']}",
-        "gradient check incomplete: unrecorded: seed 0: this variant recorded no gradients at step 1"]  # fmt: skip
+        "gradient check incomplete: unrecorded: seed 0: this variant recorded no gradients at step 1",
+    ]
     variants = {v["name"]: v for v in summary["variants"]}
     assert verdict(variants["ep"], "fsdp2").endswith("gradients = baseline")
     assert verdict(variants["bug"], "fsdp2").endswith("GRADIENTS DIFFER")
@@ -80,7 +97,11 @@ def test_rounding_passes_and_one_expert_scaled_by_1_01_fails(tmp_path: Path):
 def test_a_baseline_without_an_ok_run_or_a_record_leaves_the_check_incomplete():
     records, plan = gradient_study({"fsdp2": None, "ep": NORMS})
     check = summarise(records, plan)["variants"][1]["gradient_agreement"]
-    assert check == {"passed": None, "incomplete": True, "reason": "seed 0: the baseline recorded no gradients at step 1"}
+    assert check == {
+        "passed": None,
+        "incomplete": True,
+        "reason": "seed 0: the baseline recorded no gradients at step 1",
+    }
     records[0]["summary"]["status"] = "error"
     check = summarise(records, plan)["variants"][1]["gradient_agreement"]
     assert check == {"passed": None, "incomplete": True, "reason": "the baseline has no ok run of seed 0"}
@@ -94,38 +115,52 @@ def test_a_non_finite_norm_fails():
 
 def test_a_loss_bound_without_its_relative_term_reads_as_the_absolute_one(tmp_path: Path):
     """``rtol: 0`` renders as ``≤ 2e-06``, not ``≤ 2e-06 + 0·|baseline|``; ``atol: 0`` as ``≤ 1e-05·|baseline|``."""
-    for loss, bound in (({"rtol": 0.0, "atol": 2e-6, "steps": 3}, "| ≤ 2e-06."),
-                        ({"rtol": 1e-5, "atol": 0.0, "steps": 3}, "| ≤ 1e-05·|baseline|."),
-                        ({"rtol": 1e-4, "atol": 1e-5, "steps": 3}, "| ≤ 1e-05 + 0.0001·|baseline|.")):  # fmt: skip
+    for loss, bound in (
+        ({"rtol": 0.0, "atol": 2e-6, "steps": 3}, "| ≤ 2e-06."),
+        ({"rtol": 1e-5, "atol": 0.0, "steps": 3}, "| ≤ 1e-05·|baseline|."),
+        ({"rtol": 1e-4, "atol": 1e-5, "steps": 3}, "| ≤ 1e-05 + 0.0001·|baseline|."),
+    ):
         records, plan = gradient_study({"a": NORMS, "b": NORMS}, check=None, loss=loss)
         report = make_study(tmp_path / str(loss["rtol"]), records, plan)
         report_main([str(report)])
         assert f"over the first 3 steps, |loss − baseline{bound}" in (report / "report.md").read_text()
 
 
-STUDY = {"name": "s", "base": {"trainer": {"callbacks": [{"class_path": "lit_ablate.callbacks.ThroughputMonitor"}]}},
-         "variants": [{"name": "a"}, {"name": "b", "overrides": {"trainer.strategy": "ddp"}}], "vary": ["trainer.strategy"],
-         "steps": 4}  # fmt: skip
+STUDY = {
+    "name": "s",
+    "base": {"trainer": {"callbacks": [{"class_path": "lit_ablate.callbacks.ThroughputMonitor"}]}},
+    "variants": [{"name": "a"}, {"name": "b", "overrides": {"trainer.strategy": "ddp"}}],
+    "vary": ["trainer.strategy"],
+    "steps": 4,
+}
 
 
 def test_every_variant_gets_the_callback_at_the_check_s_step():
     spec = parse_study({**STUDY, "expect_equal_gradients": {"rtol": 1e-5, "step": 2}})
     for variant in spec.variants:
         callbacks = spec.run_config(variant, 0, "/tmp/x")["trainer"]["callbacks"]
-        assert callbacks == [{"class_path": "lit_ablate.callbacks.ThroughputMonitor"},
-                             {"class_path": GRADIENT_CALLBACK, "init_args": {"step": 2}}]  # fmt: skip
+        assert callbacks == [
+            {"class_path": "lit_ablate.callbacks.ThroughputMonitor"},
+            {"class_path": GRADIENT_CALLBACK, "init_args": {"step": 2}},
+        ]
     assert spec.plan()["expect_equal_gradients"] == {"rtol": 1e-5, "step": 2}
     assert spec.shortened(steps=1).expect_equal_gradients.step == 1  # a first try compares the last step it runs
     unchecked = parse_study(STUDY)
-    assert unchecked.run_config(unchecked.variants[0], 0, "/tmp/x")["trainer"]["callbacks"] == STUDY["base"]["trainer"]["callbacks"]
+    assert (
+        unchecked.run_config(unchecked.variants[0], 0, "/tmp/x")["trainer"]["callbacks"]
+        == STUDY["base"]["trainer"]["callbacks"]
+    )
 
 
-@pytest.mark.parametrize(("check", "key"), [
-    ({"rtol": -1}, "expect_equal_gradients.rtol"),
-    ({"steps": 1}, "expect_equal_gradients.steps"),
-    ({"step": 5}, "expect_equal_gradients.step"),
-    ({"step": 0}, "expect_equal_gradients.step"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("check", "key"),
+    [
+        ({"rtol": -1}, "expect_equal_gradients.rtol"),
+        ({"steps": 1}, "expect_equal_gradients.steps"),
+        ({"step": 5}, "expect_equal_gradients.step"),
+        ({"step": 0}, "expect_equal_gradients.step"),
+    ],
+)
 def test_a_bad_gradient_check_is_refused_naming_its_key(check, key):
     with pytest.raises(ConfigError) as refused:
         parse_study({**STUDY, "expect_equal_gradients": check})

@@ -29,16 +29,27 @@ STRATEGIES = {
     "ddp": {"class_path": "lit_ablate.strategies.DDPStrategy"},
 }
 SMALL = {  # 2 ranks, a few short steps, nothing but the record
-    "data.init_args.source.init_args.num_documents": 200, "data.init_args.val_examples": 2,
-    "trainer.limit_val_batches": 0, "trainer.enable_checkpointing": False, "trainer.callbacks": [],
-}  # fmt: skip
+    "data.init_args.source.init_args.num_documents": 200,
+    "data.init_args.val_examples": 2,
+    "trainer.limit_val_batches": 0,
+    "trainer.enable_checkpointing": False,
+    "trainer.callbacks": [],
+}
 
 
 def study(tmp_path: Path, name: str, base: str, variants: list[str], **extra) -> Path:
-    spec = {"name": name, "base": str(CONFIGS / base), "overrides": SMALL, "vary": ["trainer.strategy"],
-            "variants": [{"name": v, "overrides": {"trainer.strategy": STRATEGIES[v]}} for v in variants],
-            "steps": 3, "warmup_steps": 1, "launch": {"devices": 2, "accelerator": "cpu", "timeout_s": 300},
-            "expect_equal_gradients": {"rtol": 1e-5, "step": 1}, **extra}  # fmt: skip
+    spec = {
+        "name": name,
+        "base": str(CONFIGS / base),
+        "overrides": SMALL,
+        "vary": ["trainer.strategy"],
+        "variants": [{"name": v, "overrides": {"trainer.strategy": STRATEGIES[v]}} for v in variants],
+        "steps": 3,
+        "warmup_steps": 1,
+        "launch": {"devices": 2, "accelerator": "cpu", "timeout_s": 300},
+        "expect_equal_gradients": {"rtol": 1e-5, "step": 1},
+        **extra,
+    }
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
@@ -52,9 +63,14 @@ def planted_bugs_importable(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.slow  # three 2-rank fit processes of 3 steps
 def test_ep_passes_and_a_planted_expert_bug_fails_the_moe_study_s_gradient_check(tmp_path, planted_bugs_importable):
-    path = study(tmp_path, "moe", "pretrain_tiny_moe.yaml", ["fsdp2", "ep", "expert0_x1.01"],
-                 overrides={**SMALL, "data.init_args.batch_size": 4},
-                 expect_equal_loss={"rtol": 0.0, "atol": 2.0e-6, "steps": 3})  # fmt: skip
+    path = study(
+        tmp_path,
+        "moe",
+        "pretrain_tiny_moe.yaml",
+        ["fsdp2", "ep", "expert0_x1.01"],
+        overrides={**SMALL, "data.init_args.batch_size": 4},
+        expect_equal_loss={"rtol": 0.0, "atol": 2.0e-6, "steps": 3},
+    )
     assert ablate_main(["--config", str(path), "--output_dir", str(tmp_path / "moe")]) == 1
     summary = json.loads((tmp_path / "moe" / "report.json").read_text())
     variants = {v["name"]: v for v in summary["variants"]}

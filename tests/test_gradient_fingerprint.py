@@ -46,17 +46,35 @@ class ModelAtStart(pl.Callback):
         self.model = copy.deepcopy(pl_module.model)
 
 
-def fit(strategy="auto", devices: int = 1, data: str = "reference", rank: int = 0, preset: str = "tiny-qwen3",
-        accumulate: int = 1, clip: float | None = 1.0, callbacks: tuple = ()) -> dict:  # fmt: skip
+def fit(
+    strategy="auto",
+    devices: int = 1,
+    data: str = "reference",
+    rank: int = 0,
+    preset: str = "tiny-qwen3",
+    accumulate: int = 1,
+    clip: float | None = 1.0,
+    callbacks: tuple = (),
+) -> dict:
     pl.seed_everything(0, verbose=False)
     moe = MoEOptions(experts="grouped") if preset == "tiny-qwen3-moe" else None
     module = CausalLM(ModelFactory(preset=preset, moe=moe), learning_rate=1e-2, warmup_steps=0)
     fingerprint = GradientFingerprint(step=1)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=1, accumulate_grad_batches=accumulate,
-        callbacks=[fingerprint, *callbacks], gradient_clip_val=clip, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, use_distributed_sampler=False, num_sanity_val_steps=0,
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=1,
+        accumulate_grad_batches=accumulate,
+        callbacks=[fingerprint, *callbacks],
+        gradient_clip_val=clip,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(module, DataLoader(micro_batches(data, rank), batch_size=None))
     return fingerprint.record_section()
 
@@ -90,11 +108,13 @@ def test_the_norms_are_the_step_objective_s_gradients_before_clipping():
 
 def _dense_layouts(rank: int, world_size: int) -> dict:
     layouts = {
-        "ddp": (DDPStrategy(), "ranks"), "fsdp1": (FSDP1Strategy(), "ranks"), "fsdp2": (FSDP2Strategy(), "ranks"),
+        "ddp": (DDPStrategy(), "ranks"),
+        "fsdp1": (FSDP1Strategy(), "ranks"),
+        "fsdp2": (FSDP2Strategy(), "ranks"),
         "fsdp2_ac": (FSDP2Strategy(activation_checkpointing="full"), "ranks"),
         "tp2": (TensorParallelStrategy(tp=2), "reference"),
         "pp2": (PipelineParallelStrategy(pp=2, microbatches=2), "reference"),
-    }  # fmt: skip
+    }
     return {name: fit(strategy, 2, batches, rank) for name, (strategy, batches) in layouts.items()}
 
 
@@ -109,8 +129,12 @@ def test_dense_layouts_record_one_process_s_norms_under_its_names():
 
 
 def _moe_layouts(rank: int, world_size: int) -> dict:
-    layouts = {"fsdp2": FSDP2Strategy(), "fsdp1": FSDP1Strategy(), "ep_all_to_all": ExpertParallelStrategy(ep=2),
-               "ep_all_reduce": ExpertParallelStrategy(ep=2, dispatch="all_reduce")}  # fmt: skip
+    layouts = {
+        "fsdp2": FSDP2Strategy(),
+        "fsdp1": FSDP1Strategy(),
+        "ep_all_to_all": ExpertParallelStrategy(ep=2),
+        "ep_all_reduce": ExpertParallelStrategy(ep=2, dispatch="all_reduce"),
+    }
     return {name: fit(strategy, 2, "ranks", rank, "tiny-qwen3-moe") for name, strategy in layouts.items()}
 
 

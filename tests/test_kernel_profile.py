@@ -20,10 +20,15 @@ from tests.test_callbacks import _batches
 def _fit(tmp_path, profile: KernelProfile, module: CausalLM | None = None, max_steps: int = 4) -> dict:
     L.seed_everything(0)
     module = module or CausalLM(ModelFactory(preset="tiny-llama"), warmup_steps=0)
-    trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[ThroughputMonitor(), profile,
-                                   RunRecorder(path=str(tmp_path / "run.json"))])  # fmt: skip
+    trainer = L.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ThroughputMonitor(), profile, RunRecorder(path=str(tmp_path / "run.json"))],
+    )
     trainer.fit(module, DataLoader(_batches(2 * max_steps, 2, masked_prefix=[0, 5]), batch_size=None))
     return json.loads((tmp_path / "run.json").read_text())
 
@@ -75,22 +80,28 @@ def test_graph_breaks_and_recompiles_of_the_fit_are_counted_with_their_reasons(t
     for run in ("first", "second"):  # the second fit recompiles nothing new: its own counts only
         folder = tmp_path / run
         folder.mkdir()
-        record = _fit(folder, KernelProfile(start_step=2, num_steps=1), module=_BreakingLM(
-            ModelFactory(preset="tiny-llama"), warmup_steps=0))
+        record = _fit(
+            folder,
+            KernelProfile(start_step=2, num_steps=1),
+            module=_BreakingLM(ModelFactory(preset="tiny-llama"), warmup_steps=0),
+        )
         compile_ = record["profile"]["compile"]
         if run == "first":
             assert (compile_["graph_breaks"], compile_["unique_graphs"], compile_["recompiles"]) == (2, 4, 2)
             (reason,) = compile_["graph_break_reasons"]
             assert reason["count"] == 2 and "torch._dynamo.graph_break()" in reason["reason"]
             reasons = compile_["recompile_reasons"]
-            assert len(reasons) == 2 and all("size mismatch at index 0. expected 4, actual 6" in r["reason"]
-                                             for r in reasons)
+            assert len(reasons) == 2 and all(
+                "size mismatch at index 0. expected 4, actual 6" in r["reason"] for r in reasons
+            )
         else:
             assert (compile_["graph_breaks"], compile_["unique_graphs"], compile_["recompiles"]) == (0, 0, 0)
 
 
 def test_profile_arguments_and_section_names_are_checked():
-    with pytest.raises(ConfigError, match=r"trainer\.callbacks\[KernelProfile\]\.init_args\.num_steps=0: use 1 or more"):
+    with pytest.raises(
+        ConfigError, match=r"trainer\.callbacks\[KernelProfile\]\.init_args\.num_steps=0: use 1 or more"
+    ):
         KernelProfile(num_steps=0)
     with pytest.raises(ValueError, match="'steps' is one of the run record's own keys"):
         RecordSection("steps")
@@ -107,10 +118,20 @@ def test_a_window_past_the_end_of_training_records_no_operators_but_the_compile_
 def test_gpu_profile_names_cuda_kernels_and_the_host_syncs(tmp_path):
     L.seed_everything(0)
     module = CausalLM(ModelFactory(preset="tiny-llama"), warmup_steps=0)
-    trainer = L.Trainer(max_steps=4, accelerator="gpu", devices=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[ThroughputMonitor(), KernelProfile(start_step=2, num_steps=2, top=10),
-                                   RunRecorder(path=str(tmp_path / "run.json"))])  # fmt: skip
+    trainer = L.Trainer(
+        max_steps=4,
+        accelerator="gpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[
+            ThroughputMonitor(),
+            KernelProfile(start_step=2, num_steps=2, top=10),
+            RunRecorder(path=str(tmp_path / "run.json")),
+        ],
+    )
     trainer.fit(module, DataLoader(_batches(4, 2, masked_prefix=[0]), batch_size=None))
     profile = json.loads((tmp_path / "run.json").read_text())["profile"]
     assert profile["kind"] == "cuda_kernels" and profile["profiled_steps"] == 2

@@ -34,8 +34,21 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).parents[1] / "lit_ablate"
-GROUND = ("errors", "record", "terminal", "import_warnings", "config_keys", "path_checks", "parse_errors",
-          "command_table", "class_paths", "mesh_sizes", "simulated_rank", "extras", "torch_versions")
+GROUND = (
+    "errors",
+    "record",
+    "terminal",
+    "import_warnings",
+    "config_keys",
+    "path_checks",
+    "parse_errors",
+    "command_table",
+    "class_paths",
+    "mesh_sizes",
+    "simulated_rank",
+    "extras",
+    "torch_versions",
+)
 LAYERS: list[tuple[str, ...]] = [  # bottom first
     tuple(f"lit_ablate.{name}" for name in GROUND),
     ("lit_ablate.models",),
@@ -51,9 +64,11 @@ LAYERS: list[tuple[str, ...]] = [  # bottom first
     ("lit_ablate.cli", "lit_ablate.commands"),
 ]
 ALLOWED_UPWARD: dict[tuple[str, str], str] = {
-    ("lit_ablate", "lit_ablate.models.losses.triton_interpreter"):
-        "the package's __init__ must opt Triton into its interpreter before anything imports triton, "
-        "so it runs that one switch of the losses' interpreter module first",
+    (
+        "lit_ablate",
+        "lit_ablate.models.losses.triton_interpreter",
+    ): "the package's __init__ must opt Triton into its interpreter before anything imports triton, "
+    "so it runs that one switch of the losses' interpreter module first",
 }
 
 
@@ -80,7 +95,8 @@ def imports_of(path: Path) -> set[str]:
             for alias in node.names:
                 sub = f"{node.module}.{alias.name}"
                 is_module = (PACKAGE.parent / (sub.replace(".", "/") + ".py")).exists() or (
-                    PACKAGE.parent / sub.replace(".", "/")).is_dir()
+                    PACKAGE.parent / sub.replace(".", "/")
+                ).is_dir()
                 found.add(sub if is_module else node.module)
         elif isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names if alias.name.startswith("lit_ablate"))
@@ -92,14 +108,18 @@ def import_graph() -> dict[str, set[str]]:
 
 
 def test_every_import_points_down_or_across():
-    upward = [f"{a} (layer {layer_of(a)}) imports {b} (layer {layer_of(b)})"
-              for a, targets in import_graph().items() for b in sorted(targets)
-              if layer_of(b) > layer_of(a) and (a, b) not in ALLOWED_UPWARD]
+    upward = [
+        f"{a} (layer {layer_of(a)}) imports {b} (layer {layer_of(b)})"
+        for a, targets in import_graph().items()
+        for b in sorted(targets)
+        if layer_of(b) > layer_of(a) and (a, b) not in ALLOWED_UPWARD
+    ]
     assert not upward, "imports that run back up the layers:\n" + "\n".join(upward)
 
 
 def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
     """One import circle between modules (a package's ``__init__`` re-exporting its own modules is not one)."""
+
     def own_init(a: str, b: str) -> bool:
         return b.startswith(a + ".")
 
@@ -113,7 +133,7 @@ def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
             if own_init(node, nxt) or nxt not in graph:
                 continue
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state and (circle := visit(nxt)):
                 return circle
         stack.pop()
@@ -131,11 +151,14 @@ def test_no_import_circles():
     assert circle is None, "import circle: " + " -> ".join(circle)
 
 
-@pytest.mark.parametrize(("graph", "circle"), [
-    ({"a": {"b"}, "b": {"a"}}, True),
-    ({"a": {"b"}, "b": {"c"}, "c": set()}, False),
-    ({"p": {"p.x"}, "p.x": set()}, False),
-])
+@pytest.mark.parametrize(
+    ("graph", "circle"),
+    [
+        ({"a": {"b"}, "b": {"a"}}, True),
+        ({"a": {"b"}, "b": {"c"}, "c": set()}, False),
+        ({"p": {"p.x"}, "p.x": set()}, False),
+    ],
+)
 def test_the_circle_finder_finds_circles(graph, circle):
     assert (find_circle(graph) is not None) is circle
 
@@ -144,7 +167,7 @@ CONFIG_VIEW = "lit_ablate.run_config"
 RAW_CONFIG_READERS: dict[str, str] = {
     CONFIG_VIEW: "the typed view of a run config: the one module that reads the config dict by dotted key",
     "lit_ablate.config_keys": "defines get_dotted, and TRAINER_STRATEGY_KEY, the one spelling of the strategy's key "
-                              "(errors about the strategy as a whole name it)",
+    "(errors about the strategy as a whole name it)",
 }
 """The modules that may call ``get_dotted`` or spell ``"trainer.strategy"``, and why."""
 
@@ -167,17 +190,24 @@ def test_only_the_config_view_reads_the_config_dict():
     """A run config is read once, by ``lit_ablate.run_config``: compatibility rules, preflight, the estimator
     and the study planner read its typed values, never the dict by dotted key. Seen failing on the 28
     ``get_dotted`` calls of ``compatibility.py`` and the 29 of ``estimate/from_config.py`` the house had."""
-    readers = {module_name(path): reads for path in sorted(PACKAGE.rglob("*.py"))
-               if (reads := raw_config_reads(path.read_text())) and module_name(path) not in RAW_CONFIG_READERS}
+    readers = {
+        module_name(path): reads
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if (reads := raw_config_reads(path.read_text())) and module_name(path) not in RAW_CONFIG_READERS
+    }
     assert not readers, "read the run config through lit_ablate.run_config.RunConfig instead:\n" + "\n".join(
-        f"{module}: {', '.join(reads)}" for module, reads in readers.items())
+        f"{module}: {', '.join(reads)}" for module, reads in readers.items()
+    )
 
 
-@pytest.mark.parametrize(("source", "found"), [
-    ('get_dotted(config, "trainer.devices")', 1),
-    ('config_keys.get_dotted(config, "x")', 1),
-    ('raise ConfigError("trainer.strategy", name, "fix")', 1),
-    ('key = f"{STRATEGY_KEY}.tp"; other = "trainer.strategy.init_args"', 0),
-])
+@pytest.mark.parametrize(
+    ("source", "found"),
+    [
+        ('get_dotted(config, "trainer.devices")', 1),
+        ('config_keys.get_dotted(config, "x")', 1),
+        ('raise ConfigError("trainer.strategy", name, "fix")', 1),
+        ('key = f"{STRATEGY_KEY}.tp"; other = "trainer.strategy.init_args"', 0),
+    ],
+)
 def test_the_raw_read_finder_finds_raw_reads(source, found):
     assert len(raw_config_reads(source)) == found

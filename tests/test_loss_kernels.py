@@ -44,15 +44,27 @@ TESTS = Path(__file__).resolve().parent
 CASES_SCRIPT = TESTS / "loss_kernel_cases.py"
 KERNEL_PACKAGES = ("triton", "liger_kernel", "cut_cross_entropy", "numpy")
 MISSING = [p for p in KERNEL_PACKAGES if importlib.util.find_spec(p) is None]
-needs_kernels = pytest.mark.skipif(bool(MISSING), reason=f"{', '.join(MISSING)} not installed: "
-                                   f"{triton_interpreter.INSTALL_FIX} runs the liger/cce kernels interpreted on CPU")
+needs_kernels = pytest.mark.skipif(
+    bool(MISSING),
+    reason=f"{', '.join(MISSING)} not installed: "
+    f"{triton_interpreter.INSTALL_FIX} runs the liger/cce kernels interpreted on CPU",
+)
 TOLERANCES = {  # device -> backend -> (loss, gradients); bf16 (CUDA only): about two bf16 ulps
     "cpu": {"liger": (1e-5, 1e-5), "cce": (1e-4, 2e-3)},
     "cuda": {"liger": (1e-4, 1e-3), "cce": (1e-4, 2e-3), "bf16": (5e-3, 2e-2)},
 }
-CASE_NAMES = ["liger_odd_shape_ignored_sum", "liger_bias_mean", "liger_z_loss_bias", "liger_all_ignored",
-              "liger_chunk_tokens_16", "liger_chunk_tokens_32_accum_fp32", "liger_chunk_tokens_64",
-              "cce_odd_shape_ignored_sum", "cce_mean", "cce_default_filter_eps"]
+CASE_NAMES = [
+    "liger_odd_shape_ignored_sum",
+    "liger_bias_mean",
+    "liger_z_loss_bias",
+    "liger_all_ignored",
+    "liger_chunk_tokens_16",
+    "liger_chunk_tokens_32_accum_fp32",
+    "liger_chunk_tokens_64",
+    "cce_odd_shape_ignored_sum",
+    "cce_mean",
+    "cce_default_filter_eps",
+]
 CUDA_CASE_NAMES = [*CASE_NAMES, "liger_bf16_cuda", "liger_bf16_chunk_tokens_128_accum_fp32_cuda", "cce_bf16_cuda"]
 
 
@@ -60,11 +72,15 @@ CUDA_CASE_NAMES = [*CASE_NAMES, "liger_bf16_cuda", "liger_bf16_chunk_tokens_128_
 def interpreted() -> dict[str, Any]:
     """Every case, computed once by a fresh interpreted process: ~12 s of CPU (imports, the kernels in
     Python, CCE's compiled vocabulary sort), 20 s wall on a quiet 2-core machine, so its tests are slow."""
-    env = {**os.environ, triton_interpreter.OPT_IN_ENV: "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS.parent), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        triton_interpreter.OPT_IN_ENV: "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS.parent), os.environ.get("PYTHONPATH")])),
+    }
     env.pop("TRITON_INTERPRET", None)  # the opt-in alone must switch the interpreter on
-    done = subprocess.run([sys.executable, str(CASES_SCRIPT), "cpu"], env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(CASES_SCRIPT), "cpu"], env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -128,15 +144,19 @@ def test_interpreted_liger_chunks_hold_the_asked_tokens(interpreted: dict[str, A
     assert chunks["32_fp32"]["accum_dtype"] == "torch.float32" and chunks["16"]["accum_dtype"] == "None"
     assert interpreted["refusals"]["liger_chunk_below_its_own"] == (
         "model.init_args.loss_options.chunk_tokens=4: Liger's chunks of 37 tokens at vocabulary 101 and hidden 24 "
-        "can hold [8, 16, 32, 37] tokens (its own: 8); use one of these or null")
+        "can hold [8, 16, 32, 37] tokens (its own: 8); use one of these or null"
+    )
 
 
-@pytest.mark.parametrize(("options", "match"), [
-    ({"chunk_tokens": 24}, r"loss_options\.chunk_tokens=24: Liger's chunks are powers of two"),
-    ({"chunk_tokens": 0}, r"loss_options\.chunk_tokens=0: Liger's chunks are powers of two"),
-    ({"accum_dtype": "bfloat16"}, r"loss_options\.accum_dtype='bfloat16': use float32 .* or null"),
-    ({"chunk_size": 256}, r"loss_options=\{'chunk_size': 256\}: 'liger' takes no option \['chunk_size'\]"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"chunk_tokens": 24}, r"loss_options\.chunk_tokens=24: Liger's chunks are powers of two"),
+        ({"chunk_tokens": 0}, r"loss_options\.chunk_tokens=0: Liger's chunks are powers of two"),
+        ({"accum_dtype": "bfloat16"}, r"loss_options\.accum_dtype='bfloat16': use float32 .* or null"),
+        ({"chunk_size": 256}, r"loss_options=\{'chunk_size': 256\}: 'liger' takes no option \['chunk_size'\]"),
+    ],
+)
 def test_liger_chunking_options_are_refused_in_one_line(options: dict[str, Any], match: str) -> None:
     """Checked before the backend looks for a GPU or the package, so they hold on any machine."""
     with pytest.raises(ConfigError, match=match):

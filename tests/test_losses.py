@@ -40,8 +40,16 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.double() - expected).abs().max() / expected.abs().max().clamp(min=1e-30)).item()
 
 
-def make_inputs(n_tokens: int, vocab: int, hidden: int, dtype: torch.dtype = torch.float32, bias: bool = False,
-                ignored: float = 0.25, device: str = "cpu", seed: int = 0) -> dict[str, torch.Tensor | None]:
+def make_inputs(
+    n_tokens: int,
+    vocab: int,
+    hidden: int,
+    dtype: torch.dtype = torch.float32,
+    bias: bool = False,
+    ignored: float = 0.25,
+    device: str = "cpu",
+    seed: int = 0,
+) -> dict[str, torch.Tensor | None]:
     generator = torch.Generator().manual_seed(seed)
     labels = torch.randint(0, vocab, (n_tokens,), generator=generator)
     labels[torch.rand(n_tokens, generator=generator) < ignored] = IGNORE_INDEX
@@ -102,7 +110,7 @@ def test_torch_z_loss_is_ce_plus_weighted_squared_logsumexp() -> None:
     """The reference's z-loss against the formula in float64: sum over counted tokens of CE + w*lse^2."""
     inputs = make_inputs(29, 53, hidden=16, bias=True)
     weight_z = 0.05
-    logits = (inputs["hidden"].double() @ inputs["weight"].double().T + inputs["bias"].double())
+    logits = inputs["hidden"].double() @ inputs["weight"].double().T + inputs["bias"].double()
     labels = inputs["labels"]
     counted = labels != IGNORE_INDEX
     lse = torch.logsumexp(logits, dim=-1)[counted]
@@ -196,8 +204,12 @@ def test_causal_lm_with_chunked_loss_matches_torch() -> None:
         lm.zero_grad(set_to_none=True)
         loss_sum, useful = module(batch)
         (loss_sum / useful).backward()
-        results[name] = (loss_sum.detach(), lm.get_output_embeddings().weight.grad.clone(),
-                         lm.get_input_embeddings().weight.grad.clone(), useful)
+        results[name] = (
+            loss_sum.detach(),
+            lm.get_output_embeddings().weight.grad.clone(),
+            lm.get_input_embeddings().weight.grad.clone(),
+            useful,
+        )
     assert results["torch"][3] == results["chunked"][3] == (labels != IGNORE_INDEX).sum()
     for a, e in zip(results["chunked"][:3], results["torch"][:3]):
         assert relative_error(a, e) <= FP32_RTOL
@@ -235,13 +247,16 @@ def test_cce_rejects_z_loss_and_unknown_impl() -> None:
         check_loss_backend("cce", impl="triton")
 
 
-
-@pytest.mark.parametrize(("study", "second_axis", "variants"), [
-    ("liger_vs_cce", "model.init_args.model.dtype", 12),
-    ("loss_batch_size", "data.init_args.batch_size", 12),
-])
-def test_loss_studies_plan_with_gpu_variants_skipped_on_cpu(study: str, second_axis: str, variants: int,
-                                                              tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("study", "second_axis", "variants"),
+    [
+        ("liger_vs_cce", "model.init_args.model.dtype", 12),
+        ("loss_batch_size", "data.init_args.batch_size", 12),
+    ],
+)
+def test_loss_studies_plan_with_gpu_variants_skipped_on_cpu(
+    study: str, second_axis: str, variants: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every variant resolves as ``fit`` would (~3 s a study); liger/cce are skipped where they cannot run
     (without the interpreter opt-in: on CPU all of them; cce in float32 everywhere)."""
     monkeypatch.delenv("LIT_ABLATE_TRITON_INTERPRET", raising=False)

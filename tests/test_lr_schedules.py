@@ -49,9 +49,14 @@ def _theirs(make) -> list[float]:
 
 
 def _wsd(shape: str, fraction: float, ratio: float):
-    return lambda opt, warmup: hf.get_wsd_schedule(opt, warmup, num_decay_steps=round(fraction * TOTAL),
-                                                   num_training_steps=TOTAL, decay_type=HF_SHAPES[shape],
-                                                   min_lr_ratio=ratio)  # fmt: skip
+    return lambda opt, warmup: hf.get_wsd_schedule(
+        opt,
+        warmup,
+        num_decay_steps=round(fraction * TOTAL),
+        num_training_steps=TOTAL,
+        decay_type=HF_SHAPES[shape],
+        min_lr_ratio=ratio,
+    )
 
 
 def _decay_after_warmup(shape: str, ratio: float):
@@ -62,21 +67,39 @@ def _decay_after_warmup(shape: str, ratio: float):
 # name: (lit-ablate's lr_factor arguments, transformers' schedule (optimizer, warm-up steps), whether
 # its warm-up starts at LR 0 like lit-ablate's)
 CASES = {
-    "linear": ({"schedule": "linear", "min_lr_ratio": 0.0}, lambda opt, w: hf.get_linear_schedule_with_warmup(opt, w, TOTAL),
-               True),
+    "linear": (
+        {"schedule": "linear", "min_lr_ratio": 0.0},
+        lambda opt, w: hf.get_linear_schedule_with_warmup(opt, w, TOTAL),
+        True,
+    ),
     "linear-min": ({"schedule": "linear", "min_lr_ratio": 0.2}, _decay_after_warmup("linear", 0.2), False),
-    "cosine": ({"schedule": "cosine", "min_lr_ratio": 0.0}, lambda opt, w: hf.get_cosine_schedule_with_warmup(opt, w, TOTAL),
-               True),
-    "cosine-min": ({"schedule": "cosine", "min_lr_ratio": 0.1},
-                   lambda opt, w: hf.get_cosine_with_min_lr_schedule_with_warmup(opt, w, TOTAL, min_lr_rate=0.1), True),
+    "cosine": (
+        {"schedule": "cosine", "min_lr_ratio": 0.0},
+        lambda opt, w: hf.get_cosine_schedule_with_warmup(opt, w, TOTAL),
+        True,
+    ),
+    "cosine-min": (
+        {"schedule": "cosine", "min_lr_ratio": 0.1},
+        lambda opt, w: hf.get_cosine_with_min_lr_schedule_with_warmup(opt, w, TOTAL, min_lr_rate=0.1),
+        True,
+    ),
     "constant": ({"schedule": "constant", "min_lr_ratio": 0.1}, hf.get_constant_schedule_with_warmup, True),
-    **{f"wsd-{shape}-{ratio}": ({"schedule": "wsd", "min_lr_ratio": ratio, "decay_fraction": 0.25, "decay_shape": shape},
-                                _wsd(shape, 0.25, ratio), ratio == 0)
-       for shape in HF_SHAPES for ratio in (0.0, 0.2)},
+    **{
+        f"wsd-{shape}-{ratio}": (
+            {"schedule": "wsd", "min_lr_ratio": ratio, "decay_fraction": 0.25, "decay_shape": shape},
+            _wsd(shape, 0.25, ratio),
+            ratio == 0,
+        )
+        for shape in HF_SHAPES
+        for ratio in (0.0, 0.2)
+    },
     "wsd-defaults": ({"schedule": "wsd", "min_lr_ratio": 0.0}, _wsd("cosine", 0.1, 0.0), True),
-    "wsd-all-decay": ({"schedule": "wsd", "min_lr_ratio": 0.0, "decay_fraction": 1.0, "decay_shape": "linear"},
-                      _decay_after_warmup("linear", 0.0), True),  # the decay shortened to what the warm-up leaves
-}  # fmt: skip
+    "wsd-all-decay": (
+        {"schedule": "wsd", "min_lr_ratio": 0.0, "decay_fraction": 1.0, "decay_shape": "linear"},
+        _decay_after_warmup("linear", 0.0),
+        True,
+    ),  # the decay shortened to what the warm-up leaves
+}
 
 
 @pytest.mark.parametrize("warmup", [WARMUP, 0])
@@ -123,12 +146,27 @@ def test_a_fit_steps_the_configured_schedule() -> None:
     """A Lightning fit applies ``lr_schedule`` (here wsd, half of the run decaying linearly) at
     every optimizer step: the LR each step trains with is the peak times ``lr_factor``."""
     pl.seed_everything(0, verbose=False)
-    module = CausalLM(ModelFactory(preset="tiny-llama"), learning_rate=1e-2, warmup_steps=1, min_lr_ratio=0.0,
-                      lr_schedule="wsd", decay_fraction=0.6, decay_shape="linear")
+    module = CausalLM(
+        ModelFactory(preset="tiny-llama"),
+        learning_rate=1e-2,
+        warmup_steps=1,
+        min_lr_ratio=0.0,
+        lr_schedule="wsd",
+        decay_fraction=0.6,
+        decay_shape="linear",
+    )
     seen = LearningRates()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, callbacks=[seen], logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                         num_sanity_val_steps=0)  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=STEPS,
+        callbacks=[seen],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(module, DataLoader(micro_batches("reference"), batch_size=None))
     expected = [1e-2 * lr_factor(s, "wsd", 1, STEPS, 0.0, 0.6, "linear") for s in range(STEPS)]
     assert seen.rates == pytest.approx(expected, rel=1e-12)
@@ -136,15 +174,21 @@ def test_a_fit_steps_the_configured_schedule() -> None:
 
 
 @pytest.mark.parametrize("module_class", [CausalLM, DPO])
-@pytest.mark.parametrize(("options", "message"), [
-    ({"min_lr_ratio": -0.33}, r"model\.init_args\.min_lr_ratio=-0\.33: .*in \[0, 1\]"),
-    ({"min_lr_ratio": 1.5}, r"model\.init_args\.min_lr_ratio=1\.5: .*in \[0, 1\]"),
-    ({"lr_schedule": "wsd", "decay_fraction": 1.2}, r"model\.init_args\.decay_fraction=1\.2: .*in \[0, 1\]"),
-    ({"lr_schedule": "wsd", "decay_fraction": -0.1}, r"model\.init_args\.decay_fraction=-0\.1: .*in \[0, 1\]"),
-    ({"lr_schedule": "exponential"}, r"model\.init_args\.lr_schedule='exponential': choose one of \['linear', "),
-    ({"lr_schedule": "wsd", "decay_shape": "step"}, r"model\.init_args\.decay_shape='step': choose one of"),
-    ({"decay_fraction": 0.2}, r"model\.init_args\.decay_fraction=0\.2: only lr_schedule: wsd .*\(lr_schedule is cosine\)"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"min_lr_ratio": -0.33}, r"model\.init_args\.min_lr_ratio=-0\.33: .*in \[0, 1\]"),
+        ({"min_lr_ratio": 1.5}, r"model\.init_args\.min_lr_ratio=1\.5: .*in \[0, 1\]"),
+        ({"lr_schedule": "wsd", "decay_fraction": 1.2}, r"model\.init_args\.decay_fraction=1\.2: .*in \[0, 1\]"),
+        ({"lr_schedule": "wsd", "decay_fraction": -0.1}, r"model\.init_args\.decay_fraction=-0\.1: .*in \[0, 1\]"),
+        ({"lr_schedule": "exponential"}, r"model\.init_args\.lr_schedule='exponential': choose one of \['linear', "),
+        ({"lr_schedule": "wsd", "decay_shape": "step"}, r"model\.init_args\.decay_shape='step': choose one of"),
+        (
+            {"decay_fraction": 0.2},
+            r"model\.init_args\.decay_fraction=0\.2: only lr_schedule: wsd .*\(lr_schedule is cosine\)",
+        ),
+    ],
+)
 def test_values_that_would_give_a_wrong_schedule_are_refused(module_class, options: dict, message: str) -> None:
     """``min_lr_ratio: -0.33`` used to be accepted and drove the learning rate negative at the end."""
     with pytest.raises(ConfigError, match=message):
@@ -153,11 +197,24 @@ def test_values_that_would_give_a_wrong_schedule_are_refused(module_class, optio
 
 def test_dpo_takes_the_schedule_keys() -> None:
     """DPO's optimiser set-up is CausalLM's: the keys reach the scheduler it builds."""
-    dpo = DPO(ModelFactory(preset="tiny-llama"), lr_schedule="wsd", decay_fraction=0.5, decay_shape="sqrt",
-              min_lr_ratio=0.0, warmup_steps=0)
+    dpo = DPO(
+        ModelFactory(preset="tiny-llama"),
+        lr_schedule="wsd",
+        decay_fraction=0.5,
+        decay_shape="sqrt",
+        min_lr_ratio=0.0,
+        warmup_steps=0,
+    )
     hp = dpo.hparams
-    scheduler = lr_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), hp.lr_schedule,
-                             hp.warmup_steps, 10, hp.min_lr_ratio, hp.decay_fraction, hp.decay_shape)
+    scheduler = lr_scheduler(
+        torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0),
+        hp.lr_schedule,
+        hp.warmup_steps,
+        10,
+        hp.min_lr_ratio,
+        hp.decay_fraction,
+        hp.decay_shape,
+    )
     factors = []
     for _ in range(10):
         factors.append(scheduler.get_last_lr()[0])

@@ -45,20 +45,40 @@ STATE = ("params", "grads", "optimizer")
 def _strategy(name: str):
     from lit_ablate.strategies import DDPStrategy, FSDP1Strategy, FSDP2Strategy, ZeRO1Strategy
 
-    return {"ddp": DDPStrategy, "zero1": ZeRO1Strategy, "fsdp2": FSDP2Strategy, "fsdp1": FSDP1Strategy,
-            "fsdp2_checkpointed": lambda: FSDP2Strategy(activation_checkpointing="full")}[name]()
+    return {
+        "ddp": DDPStrategy,
+        "zero1": ZeRO1Strategy,
+        "fsdp2": FSDP2Strategy,
+        "fsdp1": FSDP1Strategy,
+        "fsdp2_checkpointed": lambda: FSDP2Strategy(activation_checkpointing="full"),
+    }[name]()
 
 
-def _fit(root: str, name: str, devices: int, module: CausalLM | None = None, steps: int = 4, warmup: int = 3,
-         monitor: MemoryMonitor | None = None) -> dict:
+def _fit(
+    root: str,
+    name: str,
+    devices: int,
+    module: CausalLM | None = None,
+    steps: int = 4,
+    warmup: int = 3,
+    monitor: MemoryMonitor | None = None,
+) -> dict:
     """A short fit with a MemoryMonitor; the run record (written by rank 0)."""
     L.seed_everything(0)
     module = module or CausalLM(ModelFactory(preset="tiny-llama"), warmup_steps=0)
     path = f"{root}/{name}.json"
-    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=devices,
-                        strategy=_strategy(name) if devices > 1 else "auto", use_distributed_sampler=False,
-                        callbacks=[monitor or MemoryMonitor(), RunRecorder(path=path, warmup_steps=warmup)],
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        devices=devices,
+        strategy=_strategy(name) if devices > 1 else "auto",
+        use_distributed_sampler=False,
+        callbacks=[monitor or MemoryMonitor(), RunRecorder(path=path, warmup_steps=warmup)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, DataLoader(_batches(steps, 4, masked_prefix=[0]), batch_size=None))
     with open(path) as f:
         return json.load(f) if trainer.is_global_zero else {}
@@ -120,8 +140,12 @@ def test_ddp_buckets_and_each_ranks_peak_are_kept(two_rank_records):
 def test_chunked_loss_lowers_activations_and_temporaries_at_a_large_vocabulary(tmp_path):
     working = {}
     for loss, options in (("torch", {}), ("chunked", {"chunk_tokens": 32})):
-        module = CausalLM(ModelFactory(preset="tiny-llama", config={"vocab_size": 8192}), loss=loss,
-                          loss_options=options, warmup_steps=0)
+        module = CausalLM(
+            ModelFactory(preset="tiny-llama", config={"vocab_size": 8192}),
+            loss=loss,
+            loss_options=options,
+            warmup_steps=0,
+        )
         record = _fit(str(tmp_path), loss, 1, module=module, steps=3)
         working[loss] = record["summary"]["tensor_breakdown"]["forward_backward_max"]
     assert working["chunked"] / working["torch"] < 0.75
@@ -153,7 +177,9 @@ def test_only_warm_up_steps_are_tracked_and_the_tracker_is_gone_after(tmp_path, 
     assert [s["step"] for s in record["steps"] if s.get("tensor_peak_bytes")] == [4, 5]
     assert _get_current_dispatch_mode() is None
     summary = record["summary"]
-    assert summary["peak_tensor_bytes"] == max(s["tensor_peak_bytes"] for s in record["steps"] if s.get("tensor_peak_bytes"))
+    assert summary["peak_tensor_bytes"] == max(
+        s["tensor_peak_bytes"] for s in record["steps"] if s.get("tensor_peak_bytes")
+    )
     breakdown = summary["tensor_breakdown"]
     assert sum(breakdown["at_peak"].values()) == summary["peak_tensor_bytes"]  # the categories make the peak
     assert summary["tensor_method"] == "cpu_tracked_tensors"
@@ -284,9 +310,16 @@ def test_on_cuda_the_tensor_peak_is_the_allocators_and_the_categories_add_up_to_
     (tensors made before tracking that no operator wrote) are that peak."""
     L.seed_everything(0)
     module = CausalLM(ModelFactory(preset="tiny-llama"), warmup_steps=0)
-    trainer = L.Trainer(max_steps=4, accelerator="gpu", devices=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[MemoryMonitor(), RunRecorder(path=str(tmp_path / "run.json"), warmup_steps=3)])
+    trainer = L.Trainer(
+        max_steps=4,
+        accelerator="gpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[MemoryMonitor(), RunRecorder(path=str(tmp_path / "run.json"), warmup_steps=3)],
+    )
     trainer.fit(module, DataLoader(_batches(4, 4, masked_prefix=[0]), batch_size=None))
     record = json.loads((tmp_path / "run.json").read_text())
     assert record["summary"]["tensor_method"] == "cuda_max_allocated"

@@ -23,17 +23,48 @@ MIB = 2**20
 def _record(variant: str, config: dict, categories: dict[str, int], forward_backward: int, rss_mib: float) -> dict:
     """A run whose tracked step (3) held ``categories`` at its peak (each also its own maximum)."""
     peak = sum(categories.values())
-    breakdown = {"method": "cpu_tracked_tensors", "rank": 0, "at_peak": categories, "max": categories,
-                 "forward_backward_max": forward_backward}
-    steps = [{"step": s, "loss": 1.0, "tokens_per_sec": 10.0, "useful_tokens_per_sec": 10.0, "step_time_s": 1.0,
-              "memory_peak_bytes": int(rss_mib * MIB), "memory_peak_bytes_per_rank": [int(rss_mib * MIB)] * 2,
-              **({"tensor_peak_bytes": peak, "tensor_peak_bytes_per_rank": [peak, peak - 1],
-                  "tensor_breakdown": breakdown} if s == 3 else {})} for s in range(1, 6)]
+    breakdown = {
+        "method": "cpu_tracked_tensors",
+        "rank": 0,
+        "at_peak": categories,
+        "max": categories,
+        "forward_backward_max": forward_backward,
+    }
+    steps = [
+        {
+            "step": s,
+            "loss": 1.0,
+            "tokens_per_sec": 10.0,
+            "useful_tokens_per_sec": 10.0,
+            "step_time_s": 1.0,
+            "memory_peak_bytes": int(rss_mib * MIB),
+            "memory_peak_bytes_per_rank": [int(rss_mib * MIB)] * 2,
+            **(
+                {
+                    "tensor_peak_bytes": peak,
+                    "tensor_peak_bytes_per_rank": [peak, peak - 1],
+                    "tensor_breakdown": breakdown,
+                }
+                if s == 3
+                else {}
+            ),
+        }
+        for s in range(1, 6)
+    ]
     summary = summarize_steps(steps, 3)
     summary.update(status="ok", message=None, memory_method="cpu_process_peak_rss")
-    return {"schema_version": SCHEMA_VERSION, "variant": variant, "seed": 0, "config": config, "warmup_steps": 3,
-            "environment": {"device_name": "cpu", "device_type": "cpu", "world_size": 1}, "model": {"total": 1},
-            "fallbacks": [], "steps": steps, "summary": summary}
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "variant": variant,
+        "seed": 0,
+        "config": config,
+        "warmup_steps": 3,
+        "environment": {"device_name": "cpu", "device_type": "cpu", "world_size": 1},
+        "model": {"total": 1},
+        "fallbacks": [],
+        "steps": steps,
+        "summary": summary,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +76,20 @@ def config() -> dict:
 
 def _records(config: dict) -> list[dict]:
     estimate = estimate_for_config(config, 1)
-    exact = {"params": estimate.params, "grads": estimate.grads, "optimizer": estimate.optimizer,
-             "activations": estimate.activations, "temporaries": 0, "transient": estimate.transient}
+    exact = {
+        "params": estimate.params,
+        "grads": estimate.grads,
+        "optimizer": estimate.optimizer,
+        "activations": estimate.activations,
+        "temporaries": 0,
+        "transient": estimate.transient,
+    }
     # the second variant measured three times the activations the estimator predicts, at a smaller RSS
     tripled = {**exact, "activations": 3 * estimate.activations}
-    return [_record("agrees", config, exact, estimate.activations, rss_mib=500),
-            _record("more_activations", config, tripled, 3 * estimate.activations, rss_mib=400)]
+    return [
+        _record("agrees", config, exact, estimate.activations, rss_mib=500),
+        _record("more_activations", config, tripled, 3 * estimate.activations, rss_mib=400),
+    ]
 
 
 def test_the_tensor_peak_is_the_main_column_and_the_estimate_is_checked_per_category(config):

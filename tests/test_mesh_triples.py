@@ -70,14 +70,21 @@ def _mesh_run(rank: int, world_size: int, model_name: str, batch_name: str, size
         sums = torch.stack([value.float() for value in model(on_device(BATCHES[batch_name]()))])
     if strategy.splits_sequences:
         dist.all_reduce(sums, group=strategy.device_mesh.get_group("cp"))
-    return {"losses": losses, "eval": (sums[0] / sums[1]).item(),
-            "local_numel": sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters()),
-            "weights": {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-                        for k, v in model.state_dict().items()}}
+    return {
+        "losses": losses,
+        "eval": (sums[0] / sums[1]).item(),
+        "local_numel": sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters()),
+        "weights": {
+            k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in model.state_dict().items()
+        },
+    }
 
 
 def _triples(rank: int, world_size: int) -> dict:
-    return {name: _mesh_run(rank, world_size, model, batch, sizes) for name, (model, batch, _, sizes) in TRIPLES.items()}
+    return {
+        name: _mesh_run(rank, world_size, model, batch, sizes) for name, (model, batch, _, sizes) in TRIPLES.items()
+    }
 
 
 @pytest.mark.slow  # 8 gloo ranks on 2 cores, ten runs
@@ -86,9 +93,16 @@ def test_every_mesh_triple_equals_one_process():
     ``dp_replicate`` copies of the model (tp keeps routed experts whole: one more copy of them per
     tp rank). Seen failing with the experts' FSDP forcing plain sums on a one-rank shard dimension
     (dp_replicate x tp x ep: torch divides their gradients twice; second loss off by 2.6e-4)."""
-    references = {(model, batch, chunks): train_reference(model, batch, chunks, steps=STEPS)
-                  for model, batch, chunks, _ in TRIPLES.values()}
+    references = {
+        (model, batch, chunks): train_reference(model, batch, chunks, steps=STEPS)
+        for model, batch, chunks, _ in TRIPLES.values()
+    }
     ranks = run_ranks(_triples, 8, timeout_s=600)
     for name, (model, batch, chunks, sizes) in TRIPLES.items():
-        assert_trains_one_process_model([rank[name] for rank in ranks], references[model, batch, chunks], holders=8,
-                                        split=sizes.get("dp_replicate", 1), expert_copies=sizes.get("tp", 1))
+        assert_trains_one_process_model(
+            [rank[name] for rank in ranks],
+            references[model, batch, chunks],
+            holders=8,
+            split=sizes.get("dp_replicate", 1),
+            expert_copies=sizes.get("tp", 1),
+        )

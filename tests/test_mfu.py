@@ -53,8 +53,9 @@ def peaked_run(tmp_path_factory):
 
 def test_a_tiny_sweep_measures_a_positive_rate_on_one_of_its_shapes():
     shapes = ((64, 64, 64), (32, 128, 16))
-    tflops, shape = matmul_ceiling.measure_matmul_ceiling(torch.device("cpu"), torch.float32, shapes,
-                                                          seconds_per_shape=0.01, window_seconds=0.002)
+    tflops, shape = matmul_ceiling.measure_matmul_ceiling(
+        torch.device("cpu"), torch.float32, shapes, seconds_per_shape=0.01, window_seconds=0.002
+    )
     assert tflops > 0 and shape in shapes
 
 
@@ -65,7 +66,9 @@ def test_the_ceiling_is_measured_once_per_device_dtype_and_threads_then_read_fro
     again = matmul_ceiling.measured_ceiling("cpu", torch.float32)
     assert len(measurements) == 1 and first == again and first.tflops == FAKE_TFLOPS > 0
     assert matmul_ceiling.cache_path(torch.device("cpu"), torch.float32).parent == tmp_path / "cache" / "matmul_ceiling"
-    assert json.loads(matmul_ceiling.cache_path(torch.device("cpu"), torch.float32).read_text())["tflops"] == FAKE_TFLOPS
+    assert (
+        json.loads(matmul_ceiling.cache_path(torch.device("cpu"), torch.float32).read_text())["tflops"] == FAKE_TFLOPS
+    )
 
     matmul_ceiling.measured_ceiling("cpu", torch.bfloat16)
     assert len(measurements) == 2 and measurements[-1][1] == torch.bfloat16
@@ -110,7 +113,9 @@ def test_mfu_measured_divides_the_same_flops_by_the_measured_ceiling_and_mfu_by_
     ceilings = summary["mfu_ceilings"]
     assert ceilings["mfu"] == {"tflops": peak, "source": "peak_tflops (user)"}
     assert ceilings["mfu_measured"]["tflops"] == FAKE_TFLOPS
-    assert ceilings["mfu_measured"]["source"].startswith(f"measured: float32 8x8x8 matmuls on {matmul_ceiling.device_name(torch.device('cpu'))}")
+    assert ceilings["mfu_measured"]["source"].startswith(
+        f"measured: float32 8x8x8 matmuls on {matmul_ceiling.device_name(torch.device('cpu'))}"
+    )
     assert measurements == [("cpu", torch.float32, torch.get_num_threads())]  # the run's dtype and threads, once
 
 
@@ -123,12 +128,16 @@ def test_a_device_without_a_spec_peak_still_gets_mfu_measured(measurements, tmp_
     assert summary["mfu_ceilings"]["mfu"]["source"].startswith("unavailable: no peak is known for device type 'cpu'")
 
 
-def _started(monitor: MFUMonitor, precision: str = "32-true", dtype: torch.dtype = torch.float32,
-             fp8: bool = False) -> MFUMonitor:
+def _started(
+    monitor: MFUMonitor, precision: str = "32-true", dtype: torch.dtype = torch.float32, fp8: bool = False
+) -> MFUMonitor:
     """``monitor.on_fit_start`` against a one-process CPU trainer and a one-parameter module."""
     trainer = SimpleNamespace(strategy=SimpleNamespace(), precision=precision, world_size=1, local_rank=0)
-    module = SimpleNamespace(device=torch.device("cpu"), computes_in_fp8=fp8,
-                             parameters=lambda: iter([torch.nn.Parameter(torch.zeros(2, dtype=dtype))]))
+    module = SimpleNamespace(
+        device=torch.device("cpu"),
+        computes_in_fp8=fp8,
+        parameters=lambda: iter([torch.nn.Parameter(torch.zeros(2, dtype=dtype))]),
+    )
     monitor.on_fit_start(trainer, module)
     return monitor
 
@@ -150,7 +159,9 @@ def test_the_ceiling_follows_the_run_dtype_a_given_ceiling_or_none_under_fp8(mea
     with pytest.warns(UserWarning, match="fp8"):
         fp8 = _started(MFUMonitor(), fp8=True)
     assert fp8.ceiling is None and "fp8" in fp8.ceiling_source and len(measurements) == 3
-    assert run_dtype(SimpleNamespace(precision="32-true"), SimpleNamespace(parameters=lambda: iter([]))) == torch.float32
+    assert (
+        run_dtype(SimpleNamespace(precision="32-true"), SimpleNamespace(parameters=lambda: iter([]))) == torch.float32
+    )
     with pytest.raises(ConfigError, match=r"trainer\.callbacks\[MFUMonitor\]\.init_args\.ceiling_tflops"):
         MFUMonitor(ceiling_tflops=0)
 
@@ -184,8 +195,11 @@ def test_the_report_shows_both_mfu_figures_and_the_step_time_predicted_at_the_me
     from lit_ablate.estimate.from_config import predicted_step_seconds
 
     record, _, _ = peaked_run
-    config = {"model": {"class_path": "lit_ablate.modules.CausalLM", "init_args": {"model": {"preset": "tiny-llama"}}},
-              "data": {"init_args": {"batch_size": 2, "seq_len": SEQ}}, "trainer": {"devices": 1}}  # _fit's run
+    config = {
+        "model": {"class_path": "lit_ablate.modules.CausalLM", "init_args": {"model": {"preset": "tiny-llama"}}},
+        "data": {"init_args": {"batch_size": 2, "seq_len": SEQ}},
+        "trainer": {"devices": 1},
+    }  # _fit's run
     predicted = predicted_step_seconds(config, FAKE_TFLOPS)
     for s in record["steps"]:
         assert predicted == pytest.approx(s["mfu_measured"] * s["step_time_s"], rel=1e-9)
@@ -230,9 +244,21 @@ def test_each_run_measures_its_ceiling_now_and_records_when(measurements, tmp_pa
     measurement for two runs, the stale cached value used), and without the conditions recorded."""
     stale = matmul_ceiling.cache_path(torch.device("cpu"), torch.float32)
     stale.parent.mkdir(parents=True, exist_ok=True)
-    stale.write_text(json.dumps({"tflops": 99.0, "device_name": "x", "device_type": "cpu", "dtype": "float32",
-                                 "torch": torch.__version__, "threads": torch.get_num_threads(), "shape": [8, 8, 8],
-                                 "measured_at": 0.0, "sweep_seconds": 1.0}))
+    stale.write_text(
+        json.dumps(
+            {
+                "tflops": 99.0,
+                "device_name": "x",
+                "device_type": "cpu",
+                "dtype": "float32",
+                "torch": torch.__version__,
+                "threads": torch.get_num_threads(),
+                "shape": [8, 8, 8],
+                "measured_at": 0.0,
+                "sweep_seconds": 1.0,
+            }
+        )
+    )
     before = time.time()
     first, _ = _fit(tmp_path / "a", [MFUMonitor()], _batches(2, 2, [0]))
     second, _ = _fit(tmp_path / "b", [MFUMonitor()], _batches(2, 2, [0]))

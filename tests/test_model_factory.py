@@ -59,10 +59,20 @@ def test_a_dotted_null_preset_switches_to_the_config():
     "preset='None': choose one of [...]")."""
     from lit_ablate.fit_cli import resolve_fit_config
 
-    config = '{"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, ' \
-             '"num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 300}'
-    resolved = resolve_fit_config(["--config", str(Path(__file__).parents[1] / "configs" / "quickstart.yaml"),
-                                   "--model.init_args.model.preset", "null", "--model.init_args.model.config", config])
+    config = (
+        '{"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, '
+        '"num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 300}'
+    )
+    resolved = resolve_fit_config(
+        [
+            "--config",
+            str(Path(__file__).parents[1] / "configs" / "quickstart.yaml"),
+            "--model.init_args.model.preset",
+            "null",
+            "--model.init_args.model.config",
+            config,
+        ]
+    )
     options = resolved["model"]["init_args"]["model"]
     lm = ModelFactory(**{k: options[k] for k in ("preset", "config", "pretrained")}).build(device="meta")
     assert lm.config.model_type == "llama" and lm.config.hidden_size == 32
@@ -76,5 +86,7 @@ def test_config_keys_the_class_consumes_or_model_code_reads_are_kept_and_a_typo_
     kept = ModelFactory(preset="tiny-llama", config={"rope_theta": 5000.0, "partial_rotary_factor": 0.5}).hf_config()
     assert kept.rope_parameters["rope_theta"] == 5000.0
     assert ModelFactory(preset="tiny-qwen3-moe").hf_config().head_dim == 32
-    with pytest.raises(ConfigError, match=r"config\.num_hidden_layer=2: Qwen3MoeConfig has no such key.*num_hidden_layers"):
+    with pytest.raises(
+        ConfigError, match=r"config\.num_hidden_layer=2: Qwen3MoeConfig has no such key.*num_hidden_layers"
+    ):
         ModelFactory(preset="tiny-qwen3-moe", config={"num_hidden_layer": 2})

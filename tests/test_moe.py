@@ -35,6 +35,7 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, **tol: float) -> None:
 
 # --- experts implementations on sorted tokens --------------------------------------------------
 
+
 @pytest.mark.parametrize("experts_fn", [grouped_mm_experts, padded_bmm_experts], ids=["grouped_mm", "padded_bmm"])
 @pytest.mark.parametrize("counts", [[3, 0, 5, 1], [0, 0, 9, 0], [0, 0, 0, 0]], ids=["one-empty", "all-to-one", "none"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -43,8 +44,10 @@ def test_grouped_experts_equal_loop_values_and_gradients(experts_fn, counts, dty
     torch.manual_seed(0)
     num_experts, hidden, inter = 4, 16, 8
     tokens = torch.randn(sum(counts), hidden).to(dtype)
-    weights = [(torch.randn(num_experts, 2 * inter, hidden) * 0.3).to(dtype),
-               (torch.randn(num_experts, hidden, inter) * 0.3).to(dtype)]
+    weights = [
+        (torch.randn(num_experts, 2 * inter, hidden) * 0.3).to(dtype),
+        (torch.randn(num_experts, hidden, inter) * 0.3).to(dtype),
+    ]
     grad_out = torch.randn(sum(counts), hidden).to(dtype)
     tol = TOL if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     results = []
@@ -63,8 +66,11 @@ def test_grouped_experts_equal_loop_values_and_gradients(experts_fn, counts, dty
 
 def test_grouped_mm_runs_where_torch_supports_it() -> None:
     def operands(hidden: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        return (torch.zeros(3, hidden, dtype=dtype), torch.zeros(2, 16, hidden, dtype=dtype),
-                torch.zeros(2, hidden, 8, dtype=dtype))
+        return (
+            torch.zeros(3, hidden, dtype=dtype),
+            torch.zeros(2, 16, hidden, dtype=dtype),
+            torch.zeros(2, hidden, 8, dtype=dtype),
+        )
 
     assert grouped_mm_unsupported(*operands(16, torch.float32)) is None
     assert grouped_mm_unsupported(*operands(16, torch.bfloat16)) is None
@@ -74,9 +80,17 @@ def test_grouped_mm_runs_where_torch_supports_it() -> None:
 
 # --- the patched block against transformers' eager block ----------------------------------------
 
+
 def _hf_block(top_k: int, norm_topk_prob: bool) -> Qwen3MoeSparseMoeBlock:
-    config = Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=top_k,
-                            norm_topk_prob=norm_topk_prob, hidden_act="silu", experts_implementation="eager")
+    config = Qwen3MoeConfig(
+        hidden_size=32,
+        moe_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=norm_topk_prob,
+        hidden_act="silu",
+        experts_implementation="eager",
+    )
     block = Qwen3MoeSparseMoeBlock(config)
     for p in block.parameters():
         nn.init.normal_(p, std=0.3)
@@ -144,8 +158,16 @@ def _assert_patching_keeps_outputs(config) -> None:
 
 
 def test_patching_mixtral_keeps_its_outputs() -> None:
-    config = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    config = MixtralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
     _assert_patching_keeps_outputs(config)
     jittery = AutoModelForCausalLM.from_config(MixtralConfig(**{**config.to_dict(), "router_jitter_noise": 0.1}))
     with pytest.raises(ConfigError, match="jitter"):
@@ -153,12 +175,22 @@ def test_patching_mixtral_keeps_its_outputs() -> None:
 
 
 def test_patching_olmoe_keeps_its_outputs() -> None:
-    _assert_patching_keeps_outputs(OlmoeConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2))
+    _assert_patching_keeps_outputs(
+        OlmoeConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+        )
+    )
 
 
 # --- router and auxiliary losses --------------------------------------------------------------
+
 
 def test_load_balancing_loss_matches_transformers_for_one_layer_and_is_top_k_when_balanced() -> None:
     torch.manual_seed(0)
@@ -238,6 +270,7 @@ def test_grouped_and_loop_train_the_same_model() -> None:
 
 
 # --- fallbacks and errors --------------------------------------------------------------------
+
 
 def test_grouped_falls_back_to_padded_bmm_with_one_warning(caplog, monkeypatch) -> None:
     """The warning is made once per process and reason: this test starts from none made (an earlier test

@@ -25,8 +25,13 @@ TOKENS_PER_RANK = (5, 9)  # uneven on purpose: the all-to-all splits differ per 
 
 def _block(experts: str) -> MoEBlock:
     torch.manual_seed(0)
-    config = Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=8, num_experts=NUM_EXPERTS,
-                            num_experts_per_tok=2, norm_topk_prob=False)
+    config = Qwen3MoeConfig(
+        hidden_size=HIDDEN,
+        moe_intermediate_size=8,
+        num_experts=NUM_EXPERTS,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+    )
     hf = Qwen3MoeSparseMoeBlock(config)
     for p in hf.parameters():
         nn.init.normal_(p, std=0.5)
@@ -105,6 +110,7 @@ def test_skewed_routing_sends_nothing_to_the_other_rank() -> None:
 
 
 # --- two autograd collectives in one backward (docs/platform.md) -------------------------------
+
 
 def _gathered_gradients(rank: int, world_size: int, stacked: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather two same-shaped tensors with autograd collectives; return their gradients.

@@ -38,12 +38,20 @@ def test_load_statistics_of_even_and_collapsed_routing() -> None:
 
 def test_expert_load_in_the_run_record_matches_the_routing(tmp_path) -> None:
     L.seed_everything(0)
-    module = MoECausalLM(MoEOptions(experts="grouped", load_balance_weight=0.01, z_loss_weight=0.001),
-                         learning_rate=1e-12)  # weights stay put, so the routing can be replayed afterwards
+    module = MoECausalLM(
+        MoEOptions(experts="grouped", load_balance_weight=0.01, z_loss_weight=0.001), learning_rate=1e-12
+    )  # weights stay put, so the routing can be replayed afterwards
     data = batches(4)
-    trainer = L.Trainer(max_steps=2, accelerator="cpu", accumulate_grad_batches=2, logger=False,
-                        callbacks=[ExpertLoadMonitor(), RunRecorder(path=str(tmp_path / "run.json"), warmup_steps=0)],
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        accumulate_grad_batches=2,
+        logger=False,
+        callbacks=[ExpertLoadMonitor(), RunRecorder(path=str(tmp_path / "run.json"), warmup_steps=0)],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, DataLoader(data, batch_size=None))
     steps = json.loads((tmp_path / "run.json").read_text())["steps"]
     assert [s["step"] for s in steps] == [1, 2]

@@ -56,9 +56,19 @@ def fit(strategy: pl.strategies.Strategy, root: Path, devices: int = 2) -> dict:
     data = LMDataModule(SyntheticText(num_documents=60), seq_len=32, batch_size=2)
     series, load = LossSeries(), ExpertLoadMonitor(log_to_logger=False)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, callbacks=[series, load],
-        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=root, gradient_clip_val=1.0,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=STEPS,
+        callbacks=[series, load],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        default_root_dir=root,
+        gradient_clip_val=1.0,
     )
     trainer.fit(module, data)
     loss_sum, useful = module.model(PROBE)
@@ -73,8 +83,9 @@ def fit(strategy: pl.strategies.Strategy, root: Path, devices: int = 2) -> dict:
         "raw_counts": {s: v["moe/layer0"][:-2] for s, v in load._raw.items()},
         "fractions": load.series["moe/layer0/expert_fraction"],
         "grad_norm": clip_grad_norm_across_meshes(params, float("inf")).item(),
-        "torch_grad_norm": None if isinstance(strategy, ExpertParallelStrategy) else _full(get_total_norm(
-            [p.grad for p in params])).item(),
+        "torch_grad_norm": None
+        if isinstance(strategy, ExpertParallelStrategy)
+        else _full(get_total_norm([p.grad for p in params])).item(),
     }
 
 
@@ -88,8 +99,10 @@ def _three_ways(rank: int, world_size: int, root: str) -> dict:
         "no_ep": fit(FSDP2Strategy(), root / "fsdp2"),
         "all_to_all": fit(ExpertParallelStrategy(ep=2, dispatch="all_to_all"), root / "a2a"),
         "all_reduce": fit(ExpertParallelStrategy(ep=2, dispatch="all_reduce"), root / "ar"),
-        "compiled": fit(ExpertParallelStrategy(ep=2, dispatch="all_to_all", compile_layers=True, compile_backend="aot_eager"),
-                        root / "compiled"),
+        "compiled": fit(
+            ExpertParallelStrategy(ep=2, dispatch="all_to_all", compile_layers=True, compile_backend="aot_eager"),
+            root / "compiled",
+        ),
     }
 
 
@@ -202,8 +215,9 @@ class StepGradients(Callback):
     """Every parameter's whole gradient as the optimizer gets it (after the step objective's rescaling)."""
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        self.gradients = {name: _full(p.grad).detach().clone() for name, p in pl_module.named_parameters()
-                          if p.grad is not None}
+        self.gradients = {
+            name: _full(p.grad).detach().clone() for name, p in pl_module.named_parameters() if p.grad is not None
+        }
 
 
 def _unequal_batch(rank: int) -> dict[str, torch.Tensor]:
@@ -243,9 +257,17 @@ def _one_step_gradients(rank: int, world_size: int, root: str, layouts: list[str
         module = CausalLM(Float64ModelFactory(preset="tiny-qwen3-moe", moe=moe), warmup_steps=0)
         gradients = StepGradients()
         trainer = pl.Trainer(
-            accelerator="cpu", devices=world_size, strategy=strategy_class(**options), max_steps=1,
-            callbacks=[gradients], logger=False, enable_progress_bar=False, enable_model_summary=False,
-            enable_checkpointing=False, use_distributed_sampler=False, num_sanity_val_steps=0,
+            accelerator="cpu",
+            devices=world_size,
+            strategy=strategy_class(**options),
+            max_steps=1,
+            callbacks=[gradients],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            use_distributed_sampler=False,
+            num_sanity_val_steps=0,
             default_root_dir=Path(root) / name,
         )
         trainer.fit(module, DataLoader([_unequal_batch(rank)], batch_size=None))

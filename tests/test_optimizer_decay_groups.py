@@ -36,8 +36,14 @@ def optimizer_groups(factory: ModelFactory) -> tuple[CausalLM, list[dict]]:
     pl.seed_everything(0, verbose=False)
     module = CausalLM(factory, learning_rate=1e-2, warmup_steps=0, weight_decay=WEIGHT_DECAY)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
     )
     trainer.fit(module, DataLoader(micro_batches("reference"), batch_size=None))
     return module, trainer.optimizers[0].param_groups

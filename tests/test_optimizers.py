@@ -49,28 +49,60 @@ now. Inductor itself stays tested where lit-ablate compiles (``compile_layers``)
 # name: (step-loss tolerance, least cosine of the total update with AdamW's)
 TOLERANCES = {"bnb_adamw8bit": (5e-3, 0.999), "torchao_adamw8bit": (0.05, 0.8)}
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
-                                   reason="torchao is not installed (pip install torchao; CI installs it)")  # fmt: skip
+needs_torchao = pytest.mark.skipif(
+    importlib.util.find_spec("torchao") is None, reason="torchao is not installed (pip install torchao; CI installs it)"
+)
 
 
-def fit(optimizer: str, options: dict | None = None, strategy="auto", devices: int = 1, rank: int = 0,
-        accelerator: str = "cpu", steps: int = STEPS, record: Path | None = None) -> dict:  # fmt: skip
+def fit(
+    optimizer: str,
+    options: dict | None = None,
+    strategy="auto",
+    devices: int = 1,
+    rank: int = 0,
+    accelerator: str = "cpu",
+    steps: int = STEPS,
+    record: Path | None = None,
+) -> dict:
     pl.seed_everything(0, verbose=False)
-    module = CausalLM(ModelFactory(preset="tiny-llama"), learning_rate=1e-2, warmup_steps=0, weight_decay=0.1,
-                      optimizer=optimizer, optimizer_options=options)  # fmt: skip
+    module = CausalLM(
+        ModelFactory(preset="tiny-llama"),
+        learning_rate=1e-2,
+        warmup_steps=0,
+        weight_decay=0.1,
+        optimizer=optimizer,
+        optimizer_options=options,
+    )
     losses = StepLosses()
     recorder = [RunRecorder(path=str(record))] if record else []
     trainer = pl.Trainer(
-        accelerator=accelerator, devices=devices, strategy=strategy, max_steps=steps, callbacks=[losses, *recorder],
-        gradient_clip_val=1.0, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False, use_distributed_sampler=False, num_sanity_val_steps=0,
+        accelerator=accelerator,
+        devices=devices,
+        strategy=strategy,
+        max_steps=steps,
+        callbacks=[losses, *recorder],
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
     )
-    with torch._dynamo.config.patch(debug_backend_override=TORCHAO_BACKEND) if optimizer.startswith("torchao") else nullcontext():
+    with (
+        torch._dynamo.config.patch(debug_backend_override=TORCHAO_BACKEND)
+        if optimizer.startswith("torchao")
+        else nullcontext()
+    ):
         trainer.fit(module, DataLoader(micro_batches("reference" if devices == 1 else "ranks", rank), batch_size=None))
     weights = get_model_state_dict(trainer.strategy.model, options=StateDictOptions(full_state_dict=True))
     states = [s for o in trainer.optimizers for s in o.state.values()]
-    return {"losses": losses.losses, "weights": {k: v.detach().cpu().clone() for k, v in weights.items()},
-            "states": states, "implementation": module.optimizer_implementation}
+    return {
+        "losses": losses.losses,
+        "weights": {k: v.detach().cpu().clone() for k, v in weights.items()},
+        "states": states,
+        "implementation": module.optimizer_implementation,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +134,9 @@ def test_8bit_adamw_stays_within_the_stated_tolerance_of_adamw(name, adamw, star
     run = fit(name)
     assert_close_to_adamw(run, adamw, start, *TOLERANCES[name])
     # The states of the large matrices really are 8-bit (bitsandbytes: uint8 tensors; torchao: 8-bit codes).
-    firsts = [t for s in run["states"] for t in (s.get("state1"), getattr(s.get("exp_avg"), "codes", None)) if t is not None]
+    firsts = [
+        t for s in run["states"] for t in (s.get("state1"), getattr(s.get("exp_avg"), "codes", None)) if t is not None
+    ]
     large = [t for t in firsts if t.numel() >= SMALL_TENSOR_ELEMENTS]
     assert large and all(t.dtype == torch.uint8 for t in large)
 
@@ -125,19 +159,29 @@ def test_torchao_adamw8bit_trains_under_fsdp2_like_adamw(adamw, start):
         assert_close_to_adamw(run, adamw, start, *TOLERANCES["torchao_adamw8bit"])
 
 
-@pytest.mark.parametrize(("name", "strategy", "device", "reason"), [
-    ("bnb_adamw8bit", FSDP2Strategy, "cpu", "cannot update the DTensor parameters of FSDP2Strategy"),
-    ("bnb_adamw8bit", HSDPStrategy, "cpu", "use torchao_adamw8bit"),
-    ("bnb_paged_adamw8bit", DDPStrategy, "cpu", "paged optimizers need CUDA unified memory"),
-    ("adam8", None, None, "choose one of"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "strategy", "device", "reason"),
+    [
+        ("bnb_adamw8bit", FSDP2Strategy, "cpu", "cannot update the DTensor parameters of FSDP2Strategy"),
+        ("bnb_adamw8bit", HSDPStrategy, "cpu", "use torchao_adamw8bit"),
+        ("bnb_paged_adamw8bit", DDPStrategy, "cpu", "paged optimizers need CUDA unified memory"),
+        ("adam8", None, None, "choose one of"),
+    ],
+)
 def test_an_optimizer_that_cannot_run_is_refused_naming_the_key(name, strategy, device, reason):
     with pytest.raises(ConfigError, match=rf"model\.init_args\.optimizer='{name}': .*{reason}"):
         check_optimizer(name, strategy, device)
 
 
-@pytest.mark.parametrize(("name", "strategy"), [("bnb_adamw8bit", DDPStrategy), ("bnb_adamw8bit", FSDP1Strategy),
-                                                ("bnb_paged_adamw8bit", None), ("adamw", FSDP2Strategy)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "strategy"),
+    [
+        ("bnb_adamw8bit", DDPStrategy),
+        ("bnb_adamw8bit", FSDP1Strategy),
+        ("bnb_paged_adamw8bit", None),
+        ("adamw", FSDP2Strategy),
+    ],
+)
 def test_what_runs_is_not_refused(name, strategy):
     assert optimizer_refusal(name, strategy, "cpu" if strategy else "cuda") is None
 
@@ -145,15 +189,26 @@ def test_what_runs_is_not_refused(name, strategy):
 def test_a_missing_library_is_refused_before_the_model_is_built(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
-    with pytest.raises(ConfigError, match=r"optimizer='torchao_adamw8bit': the torchao_adamw8bit optimizer needs torchao, "
-                                          r"which is not installed here: pip install 'lit-ablate\[optim8bit\]'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"optimizer='torchao_adamw8bit': the torchao_adamw8bit optimizer needs torchao, "
+        r"which is not installed here: pip install 'lit-ablate\[optim8bit\]'",
+    ):
         CausalLM(ModelFactory(preset="tiny-llama"), optimizer="torchao_adamw8bit")
 
 
 def test_fit_refuses_bnb_under_fsdp2_before_building_the_model():
     module = CausalLM(ModelFactory(preset="tiny-llama"), optimizer="bnb_adamw8bit")
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=FSDP2Strategy(), max_steps=1, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=FSDP2Strategy(),
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     with pytest.raises(ConfigError, match=r"model\.init_args\.optimizer='bnb_adamw8bit'"):
         trainer.fit(module, DataLoader(micro_batches("reference"), batch_size=None))
     assert module.model is None
@@ -162,20 +217,44 @@ def test_fit_refuses_bnb_under_fsdp2_before_building_the_model():
 def test_unknown_optimizer_options_name_their_key():
     """Refused when the module is made (before any rank starts), naming the option and the class's
     closest keyword; it was refused when the optimizer was built, after the model."""
-    with pytest.raises(ConfigError, match=r"model\.init_args\.optimizer_options\.min_8bit=0: bitsandbytes\.optim\."
-                                          r"AdamW8bit takes no min_8bit; did you mean min_8bit_size\?"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model\.init_args\.optimizer_options\.min_8bit=0: bitsandbytes\.optim\."
+        r"AdamW8bit takes no min_8bit; did you mean min_8bit_size\?",
+    ):
         fit("bnb_adamw8bit", {"min_8bit": 0})
 
 
-@pytest.mark.parametrize(("config", "reason"), [
-    ({"model": {"init_args": {"optimizer": "bnb_adamw8bit"}},
-      "trainer": {"strategy": {"class_path": "lit_ablate.strategies.FSDP2Strategy"}}}, "cannot update the DTensor"),
-    ({"model": {"init_args": {"optimizer": "bnb_paged_adamw8bit"}}, "trainer": {"strategy": "ddp"}}, "paged optimizers"),
-    ({"model": {"init_args": {"model": {"adapter": {}, "quantization": {"bits": 4}}}}, "trainer": {"strategy": "fsdp"}},
-     "packed weights are stored as uint8; set quant_storage: float32"),
-    ({"model": {"init_args": {"model": {"adapter": {}, "quantization": {"bits": 8}}}},
-      "trainer": {"strategy": {"class_path": "lit_ablate.strategies.HSDPStrategy"}}}, "8-bit layers cannot be sharded"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("config", "reason"),
+    [
+        (
+            {
+                "model": {"init_args": {"optimizer": "bnb_adamw8bit"}},
+                "trainer": {"strategy": {"class_path": "lit_ablate.strategies.FSDP2Strategy"}},
+            },
+            "cannot update the DTensor",
+        ),
+        (
+            {"model": {"init_args": {"optimizer": "bnb_paged_adamw8bit"}}, "trainer": {"strategy": "ddp"}},
+            "paged optimizers",
+        ),
+        (
+            {
+                "model": {"init_args": {"model": {"adapter": {}, "quantization": {"bits": 4}}}},
+                "trainer": {"strategy": "fsdp"},
+            },
+            "packed weights are stored as uint8; set quant_storage: float32",
+        ),
+        (
+            {
+                "model": {"init_args": {"model": {"adapter": {}, "quantization": {"bits": 8}}}},
+                "trainer": {"strategy": {"class_path": "lit_ablate.strategies.HSDPStrategy"}},
+            },
+            "8-bit layers cannot be sharded",
+        ),
+    ],
+)
 def test_studies_skip_optimizers_and_quantization_the_strategy_cannot_run(config, reason):
     from lit_ablate import compatibility
     from lit_ablate.ablation.spec import Launch
@@ -206,21 +285,27 @@ def test_torchao_8bit_states_count_their_stored_bytes_not_their_fp32_shape():
 PLAIN_CUDA, DTENSOR_CUDA = ParameterKind("tensor", "cuda", True), ParameterKind("dtensor", "cuda", True)
 
 
-@pytest.mark.parametrize(("kinds", "options", "implementation", "fallback"), [
-    ({PLAIN_CUDA}, {}, "fused", None),
-    ({DTENSOR_CUDA}, {}, "fused", None),  # FSDP2, TP: every parameter a DTensor
-    ({ParameterKind("tensor", "cpu", True)}, {}, "for-loop", None),  # torch's default on CPU, numerics unchanged
-    ({PLAIN_CUDA, DTENSOR_CUDA}, {}, "for-loop", "mix DTensors and plain tensors"),
-    ({PLAIN_CUDA, ParameterKind("WeightWithDynamicFloat8CastTensor", "cuda", True)}, {}, "for-loop",
-     "include ['WeightWithDynamicFloat8CastTensor']"),
-    ({PLAIN_CUDA}, {"fused": False}, "foreach", None),  # the user's choice: no fallback
-    ({PLAIN_CUDA}, {"fused": False, "foreach": False}, "for-loop", None),
-    ({PLAIN_CUDA, DTENSOR_CUDA}, {"fused": False}, "for-loop", None),
-    ({PLAIN_CUDA}, {"differentiable": True}, "for-loop", None),
-    ({ParameterKind("tensor", "cpu", True)}, {"fused": True}, "fused", None),
-])  # fmt: skip
-def test_adamw_is_fused_on_cuda_unless_the_parameters_or_the_user_rule_it_out(kinds, options, implementation,
-                                                                               fallback):  # fmt: skip
+@pytest.mark.parametrize(
+    ("kinds", "options", "implementation", "fallback"),
+    [
+        ({PLAIN_CUDA}, {}, "fused", None),
+        ({DTENSOR_CUDA}, {}, "fused", None),  # FSDP2, TP: every parameter a DTensor
+        ({ParameterKind("tensor", "cpu", True)}, {}, "for-loop", None),  # torch's default on CPU, numerics unchanged
+        ({PLAIN_CUDA, DTENSOR_CUDA}, {}, "for-loop", "mix DTensors and plain tensors"),
+        (
+            {PLAIN_CUDA, ParameterKind("WeightWithDynamicFloat8CastTensor", "cuda", True)},
+            {},
+            "for-loop",
+            "include ['WeightWithDynamicFloat8CastTensor']",
+        ),
+        ({PLAIN_CUDA}, {"fused": False}, "foreach", None),  # the user's choice: no fallback
+        ({PLAIN_CUDA}, {"fused": False, "foreach": False}, "for-loop", None),
+        ({PLAIN_CUDA, DTENSOR_CUDA}, {"fused": False}, "for-loop", None),
+        ({PLAIN_CUDA}, {"differentiable": True}, "for-loop", None),
+        ({ParameterKind("tensor", "cpu", True)}, {"fused": True}, "fused", None),
+    ],
+)
+def test_adamw_is_fused_on_cuda_unless_the_parameters_or_the_user_rule_it_out(kinds, options, implementation, fallback):
     """The choice on plain descriptions of the parameters (no GPU needed). Seen failing with the
     mixed check dropped (mixed DTensor/plain CUDA parameters got ``fused``, which fails at the first
     step: ``test_fused_and_foreach_refuse_a_mix_of_dtensor_and_plain_parameters``) and with fused as
@@ -269,8 +354,9 @@ def test_fused_adamw_over_fsdp2_dtensors_trains_the_for_loop_model():
     differ by 3.1e-5 already, Adam amplifying rounding, so the reference is FSDP2's for-loop). Seen
     failing with the fused choice built as ``torch.optim.Adam`` (L2 decay instead of decoupled:
     step losses 1.1 off)."""
-    fused, loop = (run_ranks(_fsdp2, 2, {"fused": fused}, init_process_group=False, timeout_s=300)[0]
-                   for fused in (True, False))  # fmt: skip
+    fused, loop = (
+        run_ranks(_fsdp2, 2, {"fused": fused}, init_process_group=False, timeout_s=300)[0] for fused in (True, False)
+    )
     assert (fused["implementation"], loop["implementation"]) == ("fused", "for-loop")
     torch.testing.assert_close(torch.tensor(fused["losses"]), torch.tensor(loop["losses"]), rtol=0, atol=1e-6)
     for name, weight in loop["weights"].items():

@@ -27,8 +27,22 @@ QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
 DPO_TINY = str(ROOT / "configs" / "dpo_tiny.yaml")
 FIT = ["fit", "--config", QUICKSTART, "--trainer.max_steps", "1"]
 
-BASE_IMPORTS = {"torch", "lightning", "transformers", "datasets", "numpy", "tokenizers", "peft", "bitsandbytes",
-                "torchmetrics", "jsonargparse", "matplotlib", "rich", "safetensors", "yaml"}
+BASE_IMPORTS = {
+    "torch",
+    "lightning",
+    "transformers",
+    "datasets",
+    "numpy",
+    "tokenizers",
+    "peft",
+    "bitsandbytes",
+    "torchmetrics",
+    "jsonargparse",
+    "matplotlib",
+    "rich",
+    "safetensors",
+    "yaml",
+}
 """The import names of ``pyproject.toml``'s dependencies: always installed."""
 TRANSITIVE_IMPORTS = {"huggingface_hub": "transformers", "pyarrow": "datasets", "typing_extensions": "torch"}
 """Packages lit-ablate imports that a dependency installs (and which one)."""
@@ -38,16 +52,28 @@ def _mds_folder(tmp: Path) -> str:
     """An MDS folder whose index declares zstd-compressed shards (the reader refuses it before reading one)."""
     folder = tmp / "mds"
     folder.mkdir()
-    shard = {"format": "mds", "compression": "zstd", "column_names": ["text"], "column_encodings": ["str"],
-             "column_sizes": [None], "samples": 1, "raw_data": {"basename": "shard.00000.mds"},
-             "zip_data": {"basename": "shard.00000.mds.zstd"}}  # fmt: skip
+    shard = {
+        "format": "mds",
+        "compression": "zstd",
+        "column_names": ["text"],
+        "column_encodings": ["str"],
+        "column_sizes": [None],
+        "samples": 1,
+        "raw_data": {"basename": "shard.00000.mds"},
+        "zip_data": {"basename": "shard.00000.mds.zstd"},
+    }
     (folder / "index.json").write_text(json.dumps({"version": 2, "shards": [shard]}))
     return str(folder)
 
 
 def _slurm_study(tmp: Path) -> list[str]:
-    study = {"name": "queued", "base": QUICKSTART, "steps": 1, "axes": {"data.init_args.batch_size": [2, 4]},
-             "launch": {"executor": "slurm", "slurm": {"partition": "cpu"}}}
+    study = {
+        "name": "queued",
+        "base": QUICKSTART,
+        "steps": 1,
+        "axes": {"data.init_args.batch_size": [2, 4]},
+        "launch": {"executor": "slurm", "slurm": {"partition": "cpu"}},
+    }
     (tmp / "study.yaml").write_text(yaml.safe_dump(study))
     return ["ablate", "--config", str(tmp / "study.yaml"), "--output_dir", str(tmp / "out")]
 
@@ -55,24 +81,60 @@ def _slurm_study(tmp: Path) -> list[str]:
 Build = Callable[[Path], list[str]]
 ROWS: dict[str, tuple[str, Build, tuple[str, ...], dict[str, str]]] = {
     # name: (the missing package, the command, what its line names, environment)
-    "fp8": ("torchao", lambda tmp: [*FIT, "--model.init_args.model.fp8", '{"emulate": true}'],
-            ("model.init_args.model.fp8=", "fp8 training", "torchao", "pip install 'lit-ablate[fp8]'"), {}),
-    "torchao_optimizer": ("torchao", lambda tmp: [*FIT, "--model.init_args.optimizer", "torchao_adamw8bit"],
-                          ("model.init_args.optimizer='torchao_adamw8bit'", "pip install 'lit-ablate[optim8bit]'"), {}),
-    "liger_loss": ("liger_kernel", lambda tmp: [*FIT, "--model.init_args.loss", "liger"],
-                   ("model.init_args.loss='liger'", "liger-kernel", "pip install 'lit-ablate[gpu]'"), {}),
-    "cce_loss": ("cut_cross_entropy", lambda tmp: [*FIT, "--model.init_args.loss", "cce"],
-                 ("model.init_args.loss='cce'", "cut-cross-entropy", "pip install 'lit-ablate[gpu]'"), {}),
-    "liger_dpo": ("liger_kernel", lambda tmp: ["fit", "--config", DPO_TINY, "--model.init_args.logprobs", "liger"],
-                  ("model.init_args.logprobs='liger'", "pip install 'lit-ablate[gpu]'"), {}),
-    "flash_attn_varlen": ("flash_attn", lambda tmp: [*FIT, "--model.init_args.model.attn_implementation", "fa_varlen"],
-                          ("attn_implementation='fa_varlen'", "flash-attn", "pip install 'lit-ablate[gpu]'"), {}),
-    "triton_interpreter": ("triton", lambda tmp: [*FIT, "--model.init_args.loss", "liger"],
-                           ("LIT_ABLATE_TRITON_INTERPRET='1'", "pip install 'lit-ablate[kernels-cpu]'"),
-                           {"LIT_ABLATE_TRITON_INTERPRET": "1"}),
-    "zstd_shards": ("zstandard", lambda tmp: [*FIT, "--data.init_args.source", "lit_ablate.data.MDSShards",
-                                              "--data.init_args.source.path", _mds_folder(tmp)],
-                    ("data.init_args.source.init_args.path='zstd'", "pip install 'lit-ablate[mds]'"), {}),
+    "fp8": (
+        "torchao",
+        lambda tmp: [*FIT, "--model.init_args.model.fp8", '{"emulate": true}'],
+        ("model.init_args.model.fp8=", "fp8 training", "torchao", "pip install 'lit-ablate[fp8]'"),
+        {},
+    ),
+    "torchao_optimizer": (
+        "torchao",
+        lambda tmp: [*FIT, "--model.init_args.optimizer", "torchao_adamw8bit"],
+        ("model.init_args.optimizer='torchao_adamw8bit'", "pip install 'lit-ablate[optim8bit]'"),
+        {},
+    ),
+    "liger_loss": (
+        "liger_kernel",
+        lambda tmp: [*FIT, "--model.init_args.loss", "liger"],
+        ("model.init_args.loss='liger'", "liger-kernel", "pip install 'lit-ablate[gpu]'"),
+        {},
+    ),
+    "cce_loss": (
+        "cut_cross_entropy",
+        lambda tmp: [*FIT, "--model.init_args.loss", "cce"],
+        ("model.init_args.loss='cce'", "cut-cross-entropy", "pip install 'lit-ablate[gpu]'"),
+        {},
+    ),
+    "liger_dpo": (
+        "liger_kernel",
+        lambda tmp: ["fit", "--config", DPO_TINY, "--model.init_args.logprobs", "liger"],
+        ("model.init_args.logprobs='liger'", "pip install 'lit-ablate[gpu]'"),
+        {},
+    ),
+    "flash_attn_varlen": (
+        "flash_attn",
+        lambda tmp: [*FIT, "--model.init_args.model.attn_implementation", "fa_varlen"],
+        ("attn_implementation='fa_varlen'", "flash-attn", "pip install 'lit-ablate[gpu]'"),
+        {},
+    ),
+    "triton_interpreter": (
+        "triton",
+        lambda tmp: [*FIT, "--model.init_args.loss", "liger"],
+        ("LIT_ABLATE_TRITON_INTERPRET='1'", "pip install 'lit-ablate[kernels-cpu]'"),
+        {"LIT_ABLATE_TRITON_INTERPRET": "1"},
+    ),
+    "zstd_shards": (
+        "zstandard",
+        lambda tmp: [
+            *FIT,
+            "--data.init_args.source",
+            "lit_ablate.data.MDSShards",
+            "--data.init_args.source.path",
+            _mds_folder(tmp),
+        ],
+        ("data.init_args.source.init_args.path='zstd'", "pip install 'lit-ablate[mds]'"),
+        {},
+    ),
     "slurm_study": ("submitit", _slurm_study, ("launch.executor='slurm'", "pip install 'lit-ablate[slurm]'"), {}),
 }
 
@@ -87,8 +149,10 @@ def test_a_missing_optional_package_is_one_line_naming_its_extra(row: str, tmp_p
     No module named 'torchao.float8'`` inside jsonargparse's error), and for ``slurm_study`` with the study asking
     for submitit only once it ran (after its progress line)."""
     if row in REACHED_PAST and not extras.installed(REACHED_PAST[row]):
-        pytest.skip(f"{REACHED_PAST[row]} is not installed here (it comes with the kernels-cpu extra), so this "
-                    f"command stops at its line first")  # fmt: skip
+        pytest.skip(
+            f"{REACHED_PAST[row]} is not installed here (it comes with the kernels-cpu extra), so this "
+            f"command stops at its line first"
+        )
     package, build, expected, env = ROWS[row]
     for name, value in env.items():
         monkeypatch.setenv(name, value)

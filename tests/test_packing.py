@@ -83,7 +83,9 @@ def test_rows_are_balanced_by_tokens_across_ranks():
 
 def _sampler(lengths, epoch=0, **kwargs) -> PackedSampler:
     options = {"num_replicas": 1, "rank": 0, "shuffle": True, "seed": 0, "drop_last": False, "batch_size": 2, **kwargs}
-    sampler = PackedSampler(list(range(len(lengths))), lengths, 256, "ffd", 100, options.pop("overlong", "truncate"), **options)
+    sampler = PackedSampler(
+        list(range(len(lengths))), lengths, 256, "ffd", 100, options.pop("overlong", "truncate"), **options
+    )
     sampler.set_epoch(epoch)
     return sampler
 
@@ -193,8 +195,12 @@ def test_packed_batch_trains_exactly_like_the_padded_one(attn):
 
 def _packed_datamodule(**kwargs) -> LMDataModule:
     options = {
-        "source": ArithmeticSFT(num_examples=300, seed=1), "format": "sft", "seq_len": 24, "batch_size": 2,
-        "collator": PackingCollator(max_tokens=64), **kwargs,
+        "source": ArithmeticSFT(num_examples=300, seed=1),
+        "format": "sft",
+        "seq_len": 24,
+        "batch_size": 2,
+        "collator": PackingCollator(max_tokens=64),
+        **kwargs,
     }
     dm = LMDataModule(**options)
     dm.setup("fit")
@@ -240,8 +246,15 @@ def _fit_packed_ddp(rank: int, world_size: int, path: str) -> None:
     )
     module = CausalLM(ModelFactory(preset="tiny-llama", attn_implementation="sdpa_packed"), warmup_steps=2)
     trainer = L.Trainer(
-        max_steps=12, accelerator="cpu", devices=world_size, strategy="ddp", logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[RunRecorder(path=path)],
+        max_steps=12,
+        accelerator="cpu",
+        devices=world_size,
+        strategy="ddp",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[RunRecorder(path=path)],
     )
     trainer.fit(module, data)
 

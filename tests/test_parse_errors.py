@@ -13,9 +13,11 @@ from lit_ablate.parse_errors import concise_error
 
 def test_a_refusal_quoted_inside_jsonargparse_s_message_is_its_own_line():
     refusal = ConfigError("trainer.strategy.init_args.checkpoint_every", 0, "use 1 or more")
-    message = ("Does not validate against any of the Union subtypes\nSubtypes: [str, Strategy]\nErrors:\n"
-               f"  - Problem with given class_path 'lit_ablate.strategies.FSDP2Strategy':\n    {refusal}\n"
-               "  - Expected a <class 'str'>\nGiven value type: <class 'dict'>")
+    message = (
+        "Does not validate against any of the Union subtypes\nSubtypes: [str, Strategy]\nErrors:\n"
+        f"  - Problem with given class_path 'lit_ablate.strategies.FSDP2Strategy':\n    {refusal}\n"
+        "  - Expected a <class 'str'>\nGiven value type: <class 'dict'>"
+    )
     assert quoted_refusal(message) is refusal
     assert concise_error(message) == "trainer.strategy.init_args.checkpoint_every=0: use 1 or more"
 

@@ -41,14 +41,21 @@ def dpo_module(loss_type: str, preset: str = "tiny-llama") -> DPO:
     options = dict(LOSSES[loss_type])
     torch.manual_seed(0)
     moe = MoEOptions(load_balance_weight=0.5) if preset == "tiny-qwen3-moe" else None
-    dpo = DPO(ModelFactory(preset=preset, moe=moe), loss_type=loss_type, beta=0.5,
-              reference=options.pop("reference", "precomputed"), **options)
+    dpo = DPO(
+        ModelFactory(preset=preset, moe=moe),
+        loss_type=loss_type,
+        beta=0.5,
+        reference=options.pop("reference", "precomputed"),
+        **options,
+    )
     dpo.configure_model()
     data = batch()
     with torch.no_grad():  # the initial policy's log-probs, moved 0.5 x noise: log-ratios far from 0, not huge
         logps = dpo.model(data)[0].view(2, -1).t()
     dpo.reference_logps = torch.zeros(int(data["pair_index"].max()) + 1, 2)
-    dpo.reference_logps[data["pair_index"]] = logps + 0.5 * torch.randn(logps.shape, generator=torch.Generator().manual_seed(5))
+    dpo.reference_logps[data["pair_index"]] = logps + 0.5 * torch.randn(
+        logps.shape, generator=torch.Generator().manual_seed(5)
+    )
     return dpo
 
 
@@ -57,7 +64,7 @@ def batch(part: int = 0, parts: int = 1) -> dict:
     ``parts``: a data-parallel rank's share of them)."""
     items = sorted(pairs(4, seed=3), key=lambda p: -len(p["input_ids"]))
     share = len(items) // parts
-    return padded(items[part * share:(part + 1) * share])
+    return padded(items[part * share : (part + 1) * share])
 
 
 def train_one_process(loss_type: str, preset: str = "tiny-llama") -> dict:
@@ -78,8 +85,10 @@ def train_one_process(loss_type: str, preset: str = "tiny-llama") -> dict:
 
 
 def _weights(dpo: DPO) -> dict[str, torch.Tensor]:
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-            for k, v in dpo.model.state_dict().items()}
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+        for k, v in dpo.model.state_dict().items()
+    }
 
 
 def _pipeline_run(rank: int, world_size: int, loss_type: str, strategy_kwargs: dict, preset: str) -> dict:
@@ -93,8 +102,11 @@ def _pipeline_run(rank: int, world_size: int, loss_type: str, strategy_kwargs: d
     losses, statistics = [], []
     for _ in range(STEPS):
         totals, pairs_ = strategy.forward_backward(
-            model, {**data, "reference_logps": dpo._pipeline_reference(data)}, objective,
-            unit_loss=dpo._micro_batch_pair_losses)
+            model,
+            {**data, "reference_logps": dpo._pipeline_reference(data)},
+            objective,
+            unit_loss=dpo._micro_batch_pair_losses,
+        )
         objective.backward_loss(totals[0], pairs_, 0.0, strategy)  # the router losses: trained by the stages
         strategy.deliver_gradients()
         objective.normalize_gradients(model.parameters(), strategy, accumulate_grad_batches=1)
@@ -104,15 +116,25 @@ def _pipeline_run(rank: int, world_size: int, loss_type: str, strategy_kwargs: d
         statistics.append(totals[1:].double())
     with torch.no_grad():
         logps, tokens = model(data)  # evaluation: forward only through the stages
-    return {"losses": losses, "statistics": torch.stack(statistics), "weights": _weights(dpo), "eval": logps,
-            "shard": strategy.data_parallel_rank}
+    return {
+        "losses": losses,
+        "statistics": torch.stack(statistics),
+        "weights": _weights(dpo),
+        "eval": logps,
+        "shard": strategy.data_parallel_rank,
+    }
 
 
-RUNS = {"sigmoid_1f1b": ("sigmoid", {"schedule": "1f1b", "microbatches": 2}, "tiny-llama"),
-        "ipo_gpipe": ("ipo", {"schedule": "gpipe", "microbatches": 4}, "tiny-llama"),
-        "simpo_interleaved": ("simpo", {"schedule": "interleaved_1f1b", "stages_per_rank": 2, "microbatches": 2},
-                              "tiny-llama"),
-        "sigmoid_moe_gpipe": ("sigmoid", {"schedule": "gpipe", "microbatches": 1}, "tiny-qwen3-moe")}
+RUNS = {
+    "sigmoid_1f1b": ("sigmoid", {"schedule": "1f1b", "microbatches": 2}, "tiny-llama"),
+    "ipo_gpipe": ("ipo", {"schedule": "gpipe", "microbatches": 4}, "tiny-llama"),
+    "simpo_interleaved": (
+        "simpo",
+        {"schedule": "interleaved_1f1b", "stages_per_rank": 2, "microbatches": 2},
+        "tiny-llama",
+    ),
+    "sigmoid_moe_gpipe": ("sigmoid", {"schedule": "gpipe", "microbatches": 1}, "tiny-qwen3-moe"),
+}
 
 
 def _two_ranks(rank: int, world_size: int) -> dict:
@@ -139,7 +161,9 @@ def test_dpo_pp2_equals_one_process(two_ranks, run):
     reference = train_one_process(loss_type, preset)
     held = set()
     for result in (rank[run] for rank in two_ranks):
-        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=1e-6, atol=ATOL)
+        torch.testing.assert_close(
+            torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=1e-6, atol=ATOL
+        )
         torch.testing.assert_close(result["statistics"], reference["statistics"], rtol=1e-5, atol=1e-4)
         for name, weight in result["weights"].items():
             if name in reference["weights"]:
@@ -151,8 +175,9 @@ def test_dpo_pp2_equals_one_process(two_ranks, run):
 
 
 def _sharded(rank: int, world_size: int) -> dict:
-    return _pipeline_run(rank, world_size, "sigmoid", {"schedule": "1f1b", "microbatches": 2, "dp_shard": 2},
-                         "tiny-llama")
+    return _pipeline_run(
+        rank, world_size, "sigmoid", {"schedule": "1f1b", "microbatches": 2, "dp_shard": 2}, "tiny-llama"
+    )
 
 
 @pytest.mark.slow  # 4 gloo ranks on 2 cores
@@ -165,7 +190,9 @@ def test_dpo_pp2_x_dp_shard2_equals_one_process():
     reference = train_one_process("sigmoid")
     ranks = run_ranks(_sharded, 4, timeout_s=300)
     for result in ranks:
-        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=1e-6, atol=ATOL)
+        torch.testing.assert_close(
+            torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=1e-6, atol=ATOL
+        )
         for name, weight in result["weights"].items():
             if name in reference["weights"]:
                 torch.testing.assert_close(weight, reference["weights"][name], rtol=0, atol=ATOL, msg=name)
@@ -189,8 +216,9 @@ def test_liger_s_fused_policy_is_refused_naming_the_fix():
 
     strategy = PipelineParallelStrategy(pp=2)
     strategy.pp = 2
-    policy = LigerDPOPolicy(ModelFactory(preset="tiny-llama").build(device="meta"), loss_fn=lambda *args: None,
-                            frozen_reference=False)
+    policy = LigerDPOPolicy(
+        ModelFactory(preset="tiny-llama").build(device="meta"), loss_fn=lambda *args: None, frozen_reference=False
+    )
     with pytest.raises(ConfigError, match="Liger's fused DPO .* use logprobs: chunked"):
         strategy.check_model(policy)
 
@@ -199,19 +227,38 @@ def test_liger_s_fused_policy_is_refused_naming_the_fix():
 def fit(strategy: object, devices: int, root: Path, reference: str = "precomputed") -> dict:
     """3 AdamW steps of DPO (precomputed reference, computed before the first step), validation after."""
     pl.seed_everything(0, verbose=False)
-    data = LMDataModule(ArithmeticPreference(num_examples=30, max_operand=30, median_shots=2.0, seed=3),
-                        format="preference", seq_len=96, batch_size=4, val_examples=6,
-                        collator=PreferencePaddingCollator(static_length=True))  # one shape for the stages
+    data = LMDataModule(
+        ArithmeticPreference(num_examples=30, max_operand=30, median_shots=2.0, seed=3),
+        format="preference",
+        seq_len=96,
+        batch_size=4,
+        val_examples=6,
+        collator=PreferencePaddingCollator(static_length=True),
+    )  # one shape for the stages
     dpo = DPO(ModelFactory(preset="tiny-llama"), reference=reference, learning_rate=1e-2, warmup_steps=0)
     seen = Outputs()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=3, callbacks=[seen], logger=False,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, val_check_interval=3,
-        num_sanity_val_steps=0, gradient_clip_val=1.0, default_root_dir=root,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=3,
+        callbacks=[seen],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        val_check_interval=3,
+        num_sanity_val_steps=0,
+        gradient_clip_val=1.0,
+        default_root_dir=root,
     )
     trainer.fit(dpo, data)
-    return {"losses": seen.losses, "statistics": seen.statistics, "reference": dpo.reference_logps.cpu(),
-            "val_loss": trainer.callback_metrics["val/loss"].item()}
+    return {
+        "losses": seen.losses,
+        "statistics": seen.statistics,
+        "reference": dpo.reference_logps.cpu(),
+        "val_loss": trainer.callback_metrics["val/loss"].item(),
+    }
 
 
 class Outputs(pl.Callback):
@@ -260,12 +307,25 @@ DPO_TINY = Path(__file__).resolve().parents[1] / "configs" / "dpo_tiny.yaml"
 PIPELINE = ("--trainer.devices", "2", "--trainer.strategy.class_path", "lit_ablate.strategies.PipelineParallelStrategy")
 
 
-@pytest.mark.parametrize(("options", "named"), [
-    ((), "model.init_args.reference='frozen'"),  # dpo_tiny's own reference
-    (("--model.init_args.reference", "precomputed", "--model.init_args.logprobs", "liger"), "model.init_args.logprobs='liger'"),
-    (("--model.init_args.reference", "precomputed", "--data.init_args.collator.class_path",
-      "lit_ablate.data.PreferencePackingCollator"), "data.init_args.collator="),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ((), "model.init_args.reference='frozen'"),  # dpo_tiny's own reference
+        (
+            ("--model.init_args.reference", "precomputed", "--model.init_args.logprobs", "liger"),
+            "model.init_args.logprobs='liger'",
+        ),
+        (
+            (
+                "--model.init_args.reference",
+                "precomputed",
+                "--data.init_args.collator.class_path",
+                "lit_ablate.data.PreferencePackingCollator",
+            ),
+            "data.init_args.collator=",
+        ),
+    ],
+)
 def test_what_the_stages_cannot_train_is_refused_before_any_rank_starts(options, named):
     """A frozen reference, Liger's fused DPO and packed pairs under pp are refused by ``lit-ablate fit``'s
     preflight in one line naming the key and the fix, before any class is built (the compatibility rule
@@ -279,5 +339,17 @@ def test_what_the_stages_cannot_train_is_refused_before_any_rank_starts(options,
         check_run_config("fit", resolve_fit_config(["--config", str(DPO_TINY), *PIPELINE, *options]))
     message = str(refusal.value)
     assert "\n" not in message and message.startswith(named) and "pp: 1" in message, message
-    check_run_config("fit", resolve_fit_config(["--config", str(DPO_TINY), *PIPELINE, "--model.init_args.reference",
-                                                "precomputed", "--data.init_args.collator.init_args.static_length", "true"]))
+    check_run_config(
+        "fit",
+        resolve_fit_config(
+            [
+                "--config",
+                str(DPO_TINY),
+                *PIPELINE,
+                "--model.init_args.reference",
+                "precomputed",
+                "--data.init_args.collator.init_args.static_length",
+                "true",
+            ]
+        ),
+    )

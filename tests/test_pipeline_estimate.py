@@ -63,14 +63,27 @@ def _pp_runs(rank: int, world_size: int, root: str, runs: dict) -> None:
 
     for name, options in runs.items():
         L.seed_everything(0)
-        trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=world_size,
-                            strategy=PipelineParallelStrategy(pp=2, **options),
-                            use_distributed_sampler=False, logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False,
-                            callbacks=[MemoryMonitor(), ThroughputMonitor(), MFUMonitor(ceiling_tflops=CEILING_TFLOPS),
-                                       RunRecorder(path=f"{root}/{name}.json", warmup_steps=3)])
-        trainer.fit(CausalLM(ModelFactory(**MODEL), warmup_steps=0),
-                    DataLoader(_batches(3, ROWS, masked_prefix=[0]), batch_size=None))
+        trainer = L.Trainer(
+            max_steps=3,
+            accelerator="cpu",
+            devices=world_size,
+            strategy=PipelineParallelStrategy(pp=2, **options),
+            use_distributed_sampler=False,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[
+                MemoryMonitor(),
+                ThroughputMonitor(),
+                MFUMonitor(ceiling_tflops=CEILING_TFLOPS),
+                RunRecorder(path=f"{root}/{name}.json", warmup_steps=3),
+            ],
+        )
+        trainer.fit(
+            CausalLM(ModelFactory(**MODEL), warmup_steps=0),
+            DataLoader(_batches(3, ROWS, masked_prefix=[0]), batch_size=None),
+        )
 
 
 @pytest.fixture(scope="module")
@@ -94,9 +107,15 @@ def counts_and_shape():
 
 def pp_training(options: dict) -> TrainingShape:
     points = options.get("split_points")
-    return TrainingShape(micro_batch=ROWS, seq_len=SEQ, pipeline_parallel=2, pipeline_schedule=options["schedule"],
-                         pipeline_stages_per_rank=options.get("stages_per_rank", 1), microbatches=options["microbatches"],
-                         split_points=None if points is None else tuple(points))  # fmt: skip
+    return TrainingShape(
+        micro_batch=ROWS,
+        seq_len=SEQ,
+        pipeline_parallel=2,
+        pipeline_schedule=options["schedule"],
+        pipeline_stages_per_rank=options.get("stages_per_rank", 1),
+        microbatches=options["microbatches"],
+        split_points=None if points is None else tuple(points),
+    )
 
 
 @pytest.mark.slow
@@ -116,7 +135,9 @@ def test_fsdp_stages_are_within_their_factors_of_the_measured_rank(measured_fsdp
     unit. Measured ratios: state 1.0, activations 0.99, transient 1.0 (seen failing without the
     gathered stage and unsharded gradients: transient 0.014)."""
     sharding = PipelineParallelStrategy(pp=2, **FSDP_RUNS[run]).state_sharding(4)
-    assert_largest_stage_agrees(FSDP_RUNS[run], measured_fsdp[run]["summary"]["tensor_breakdown"], sharding, world_size=4)
+    assert_largest_stage_agrees(
+        FSDP_RUNS[run], measured_fsdp[run]["summary"]["tensor_breakdown"], sharding, world_size=4
+    )
 
 
 def assert_largest_stage_agrees(options: dict, breakdown: dict, sharding, world_size: int) -> None:
@@ -151,18 +172,36 @@ def test_mfu_counts_the_model_once_over_the_stages(measured):
 def test_a_fit_config_gives_the_strategy_s_stages():
     from lit_ablate.fit_cli import resolve_fit_config
 
-    config = resolve_fit_config([
-        "--config", str(QUICKSTART), "--trainer.devices", "2", "--trainer.gradient_clip_val", "null",
-        "--trainer.strategy.class_path", "lit_ablate.strategies.PipelineParallelStrategy",
-        "--trainer.strategy.init_args.schedule", "gpipe", "--trainer.strategy.init_args.microbatches", "4",
-        "--trainer.strategy.init_args.split_points", "[1]"])
+    config = resolve_fit_config(
+        [
+            "--config",
+            str(QUICKSTART),
+            "--trainer.devices",
+            "2",
+            "--trainer.gradient_clip_val",
+            "null",
+            "--trainer.strategy.class_path",
+            "lit_ablate.strategies.PipelineParallelStrategy",
+            "--trainer.strategy.init_args.schedule",
+            "gpipe",
+            "--trainer.strategy.init_args.microbatches",
+            "4",
+            "--trainer.strategy.init_args.split_points",
+            "[1]",
+        ]
+    )
     training = training_shape_of(config)
     assert (training.pipeline_parallel, training.pipeline_schedule, training.microbatches, training.split_points) == (
-        2, "gpipe", 4, (1,))  # pp: -1 resolved to the 2 devices
+        2,
+        "gpipe",
+        4,
+        (1,),
+    )  # pp: -1 resolved to the 2 devices
     # what `lit-ablate estimate` and the reports show: the largest stage, not the whole model with DDP's buckets
     config_counts, config_shape = model_of(config)
-    assert estimate_for_config(config) == max(pipeline_stage_estimates(config_counts, config_shape, training, REPLICATED),
-                                              key=lambda e: e.total)
+    assert estimate_for_config(config) == max(
+        pipeline_stage_estimates(config_counts, config_shape, training, REPLICATED), key=lambda e: e.total
+    )
     counts, shape, _ = counts_and_shape()
     whole = estimate_memory(counts, shape, TrainingShape(micro_batch=ROWS, seq_len=SEQ), REPLICATED, 1)
     stages = pipeline_stage_estimates(counts, shape, pp_training(PP_RUNS["gpipe"]), REPLICATED)
@@ -180,11 +219,15 @@ def test_a_rank_s_step_flops_are_its_stage_s_with_the_bubble():
     last_stage = [lm.model.layers[3], lm.model.norm, lm.lm_head]
     stage_matmul = sum(p.numel() for module in last_stage for p in module.parameters())
     attention = 12 * lm.config.num_attention_heads * (lm.config.hidden_size // lm.config.num_attention_heads) * SEQ
-    expected = (6 * stage_matmul + attention) / flops_per_token(counts, lm.config, SEQ) * (MICROBATCHES + 1) / MICROBATCHES
+    expected = (
+        (6 * stage_matmul + attention) / flops_per_token(counts, lm.config, SEQ) * (MICROBATCHES + 1) / MICROBATCHES
+    )
     assert pipeline_time_share(counts, shape, training, SEQ, lm.config) == pytest.approx(expected, rel=1e-9)
 
 
-@pytest.mark.parametrize(("pp", "stages_per_rank", "microbatches"), [(2, 2, 4), (4, 2, 8), (4, 3, 4), (2, 2, 1), (3, 2, 6)])
+@pytest.mark.parametrize(
+    ("pp", "stages_per_rank", "microbatches"), [(2, 2, 4), (4, 2, 8), (4, 3, 4), (2, 2, 1), (3, 2, 6)]
+)
 def test_the_pieces_held_follow_torch_s_interleaved_schedule(pp, stages_per_rank, microbatches):
     """``pipeline_pieces_held`` against the op list torch's ``ScheduleInterleaved1F1B`` runs on each
     rank: the most (stage, piece) forwards whose backward has not run, counted per stage at the
@@ -196,10 +239,21 @@ def test_the_pieces_held_follow_torch_s_interleaved_schedule(pp, stages_per_rank
 
     schedule = object.__new__(ScheduleInterleaved1F1B)  # the op list needs only these, no stages or groups
     rounds = max(1, microbatches // pp)
-    schedule.__dict__.update(n_local_stages=stages_per_rank, pp_group_size=pp, _n_microbatches=microbatches,
-                             number_of_rounds=rounds, microbatches_per_round=microbatches // rounds)
-    training = TrainingShape(micro_batch=microbatches, seq_len=SEQ, pipeline_parallel=pp, microbatches=microbatches,
-                             pipeline_schedule="interleaved_1f1b", pipeline_stages_per_rank=stages_per_rank)  # fmt: skip
+    schedule.__dict__.update(
+        n_local_stages=stages_per_rank,
+        pp_group_size=pp,
+        _n_microbatches=microbatches,
+        number_of_rounds=rounds,
+        microbatches_per_round=microbatches // rounds,
+    )
+    training = TrainingShape(
+        micro_batch=microbatches,
+        seq_len=SEQ,
+        pipeline_parallel=pp,
+        microbatches=microbatches,
+        pipeline_schedule="interleaved_1f1b",
+        pipeline_stages_per_rank=stages_per_rank,
+    )
     for rank in range(pp):
         held: Counter = Counter()
         for action in filter(None, schedule._calculate_single_rank_operations(rank)):
@@ -217,5 +271,12 @@ def test_fit_preflight_leaves_the_stages_to_the_strategy():
     refused every pipeline run before it started (seen failing: "the mesh sizes multiply to 1")."""
     from lit_ablate.preflight import check_mesh
 
-    check_mesh({"devices": 2, "strategy": {"class_path": "lit_ablate.strategies.PipelineParallelStrategy",
-                                          "init_args": {"pp": -1, "dp_shard": 1, "tp": 1}}})
+    check_mesh(
+        {
+            "devices": 2,
+            "strategy": {
+                "class_path": "lit_ablate.strategies.PipelineParallelStrategy",
+                "init_args": {"pp": -1, "dp_shard": 1, "tp": 1},
+            },
+        }
+    )

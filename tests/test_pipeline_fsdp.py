@@ -27,11 +27,21 @@ from tests.test_pipeline_parallel import ATOL, _pipeline_run, fit, train_one_pro
 
 
 def _pp2_x_dp_shard2(rank: int, world_size: int) -> dict:
-    return {"1f1b": _pipeline_run(rank, world_size, "tiny-llama", {"schedule": "1f1b", "microbatches": 2, "dp_shard": 2}),
-            "gpipe_reshard": _pipeline_run(rank, world_size, "tiny-llama", {"schedule": "gpipe", "microbatches": 2,
-                                                                            "dp_shard": 2, "reshard_after_forward": True}),
-            "interleaved": _pipeline_run(rank, world_size, "tiny-llama", {"schedule": "interleaved_1f1b", "microbatches": 2,
-                                                                          "stages_per_rank": 2, "dp_shard": 2})}
+    return {
+        "1f1b": _pipeline_run(rank, world_size, "tiny-llama", {"schedule": "1f1b", "microbatches": 2, "dp_shard": 2}),
+        "gpipe_reshard": _pipeline_run(
+            rank,
+            world_size,
+            "tiny-llama",
+            {"schedule": "gpipe", "microbatches": 2, "dp_shard": 2, "reshard_after_forward": True},
+        ),
+        "interleaved": _pipeline_run(
+            rank,
+            world_size,
+            "tiny-llama",
+            {"schedule": "interleaved_1f1b", "microbatches": 2, "stages_per_rank": 2, "dp_shard": 2},
+        ),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +69,9 @@ def test_pp2_x_dp_shard2_equals_one_process(reference):
     for run in ("1f1b", "gpipe_reshard", "interleaved"):
         held = set()
         for result in (rank[run] for rank in ranks):
-            torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=0, atol=ATOL)
+            torch.testing.assert_close(
+                torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=0, atol=ATOL
+            )
             assert result["eval"] == pytest.approx(reference["eval"], abs=ATOL)  # evaluation through sharded stages
             for name, weight in result["weights"].items():
                 if name in reference["weights"]:
@@ -70,8 +82,9 @@ def test_pp2_x_dp_shard2_equals_one_process(reference):
 
 
 def _pp2_x_hsdp(rank: int, world_size: int) -> dict:
-    return _pipeline_run(rank, world_size, "tiny-llama", {"schedule": "gpipe", "microbatches": 1,
-                                                          "dp_replicate": 2, "dp_shard": 2})
+    return _pipeline_run(
+        rank, world_size, "tiny-llama", {"schedule": "gpipe", "microbatches": 1, "dp_replicate": 2, "dp_shard": 2}
+    )
 
 
 @pytest.mark.slow  # 8 gloo ranks on 2 cores (~6 s: the tiny model's steps are short)
@@ -89,7 +102,9 @@ def test_pp2_x_dp_replicate2_x_dp_shard2_equals_one_process(reference):
         for name, weight in result["weights"].items():
             if name in reference["weights"]:
                 torch.testing.assert_close(weight, reference["weights"][name], rtol=0, atol=ATOL, msg=name)
-        assert result["local_numel"] == pytest.approx(sum(w.numel() for w in reference["weights"].values()) / 4, rel=0.01)
+        assert result["local_numel"] == pytest.approx(
+            sum(w.numel() for w in reference["weights"].values()) / 4, rel=0.01
+        )
 
 
 def _lightning_pp_x_dp_shard(rank: int, world_size: int, root: str) -> dict:
@@ -117,8 +132,9 @@ def test_lightning_fit_with_pp2_x_dp_shard2_equals_one_device(tmp_path):
     Seen failing with the resume not reading the checkpoint (off by 0.67)."""
     reference = fit("auto", 1, tmp_path / "one", batch_size=4)
     fit("auto", 1, tmp_path / "one-cut", steps=2, batch_size=4, validate=True)
-    resumed = fit("auto", 1, tmp_path / "one-resumed", ckpt_path=str(tmp_path / "one-cut" / "last.ckpt"),
-                  batch_size=4).losses
+    resumed = fit(
+        "auto", 1, tmp_path / "one-resumed", ckpt_path=str(tmp_path / "one-cut" / "last.ckpt"), batch_size=4
+    ).losses
     ranks = run_ranks(_lightning_pp_x_dp_shard, 4, str(tmp_path / "pp"), init_process_group=False, timeout_s=400)
     assert reference.losses[-1] < reference.losses[0] - 1e-3, "the model did not train"
     for stage in (0, 1):  # pp outermost: stage 0 on ranks 0 and 1 (dp 0, dp 1), stage 1 on ranks 2 and 3
@@ -132,9 +148,19 @@ def test_lightning_fit_with_pp2_x_dp_shard2_equals_one_device(tmp_path):
 def _pipeline_config(*options: str) -> dict:
     from lit_ablate.fit_cli import resolve_fit_config
 
-    return resolve_fit_config([
-        "--config", str(QUICKSTART), "--trainer.devices", "4", "--trainer.gradient_clip_val", "null",
-        "--trainer.strategy.class_path", "lit_ablate.strategies.PipelineParallelStrategy", *options])
+    return resolve_fit_config(
+        [
+            "--config",
+            str(QUICKSTART),
+            "--trainer.devices",
+            "4",
+            "--trainer.gradient_clip_val",
+            "null",
+            "--trainer.strategy.class_path",
+            "lit_ablate.strategies.PipelineParallelStrategy",
+            *options,
+        ]
+    )
 
 
 def test_the_estimate_shards_stages_refuses_resharding_and_counts_replicas():
@@ -152,10 +178,18 @@ def test_the_estimate_shards_stages_refuses_resharding_and_counts_replicas():
     sharded = pipeline_stage_estimates(counts, shape, training, configured_sharding(config, 4))
     whole = pipeline_stage_estimates(counts, shape, training, REPLICATED)
     for stage, unsharded in zip(sharded, whole, strict=True):
-        assert stage.optimizer == pytest.approx(unsharded.optimizer / 2, abs=8) and stage.transient > unsharded.transient
+        assert (
+            stage.optimizer == pytest.approx(unsharded.optimizer / 2, abs=8) and stage.transient > unsharded.transient
+        )
     assert estimate_for_config(config) == max(sharded, key=lambda e: e.total)
     with pytest.raises(ConfigError, match="reshard_after_forward"):
-        estimate_for_config(_pipeline_config("--trainer.strategy.init_args.dp_shard", "2",
-                                             "--trainer.strategy.init_args.reshard_after_forward", "true"))
+        estimate_for_config(
+            _pipeline_config(
+                "--trainer.strategy.init_args.dp_shard",
+                "2",
+                "--trainer.strategy.init_args.reshard_after_forward",
+                "true",
+            )
+        )
     training = training_shape_of(_pipeline_config("--trainer.strategy.init_args.dp_replicate", "2"))
     assert training.pipeline_parallel == 2

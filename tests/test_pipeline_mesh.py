@@ -82,8 +82,9 @@ def build_model(name: str, meta: bool = False, config: dict | None = None) -> Ca
     return CausalLMWithLoss(lm, loss_backend("torch"))
 
 
-def train_reference(preset: str, batch_name: str, chunks: int = 1, steps: int = STEPS,
-                    config: dict | None = None) -> dict:
+def train_reference(
+    preset: str, batch_name: str, chunks: int = 1, steps: int = STEPS, config: dict | None = None
+) -> dict:
     """One process: ``steps`` SGD steps on the whole batch's objective, then its loss on the batch.
 
     With ``chunks``, the rows go through in that many consecutive parts, each part's router losses
@@ -105,8 +106,11 @@ def train_reference(preset: str, batch_name: str, chunks: int = 1, steps: int = 
         losses.append(objective.last_step_loss.item())
     with torch.no_grad():
         loss_sum, useful = model(batch)
-    return {"losses": losses, "eval": (loss_sum / useful).item(),
-            "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return {
+        "losses": losses,
+        "eval": (loss_sum / useful).item(),
+        "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+    }
 
 
 @torch.no_grad()
@@ -119,14 +123,23 @@ def sgd_on_shards(model: torch.nn.Module) -> None:
     for param in model.parameters():
         grad = param.grad
         if isinstance(param, DTensor):
-            assert grad.placements == param.placements, f"a gradient placed {grad.placements}, its parameter {param.placements}"
+            assert grad.placements == param.placements, (
+                f"a gradient placed {grad.placements}, its parameter {param.placements}"
+            )
             param, grad = param.to_local(), grad.to_local()
         param.add_(grad, alpha=-LR)
     model.zero_grad()
 
 
-def _mesh_pipeline_run(rank: int, world_size: int, preset: str, strategy_kwargs: dict, batch_name: str = "sft",
-                       steps: int = STEPS, config: dict | None = None) -> dict:
+def _mesh_pipeline_run(
+    rank: int,
+    world_size: int,
+    preset: str,
+    strategy_kwargs: dict,
+    batch_name: str = "sft",
+    steps: int = STEPS,
+    config: dict | None = None,
+) -> dict:
     """``steps`` SGD steps as ``CausalLM`` takes them under the strategy (inside its vocabulary-parallel
     loss and context-parallel attention, on the batch as its ``batch_to_device`` hands it over: this
     data-parallel rank's rows, this context-parallel rank's slice of them), then the trained model's
@@ -157,17 +170,25 @@ def _mesh_pipeline_run(rank: int, world_size: int, preset: str, strategy_kwargs:
     if strategy.splits_sequences:
         dist.all_reduce(sums, group=strategy.device_mesh.get_group("cp"))
     group, size = strategy.gradient_mean_group
-    return {"losses": losses, "eval": (sums[0] / sums[1]).item(), "stage": strategy.stage_index,
-            "gradient_mean_ranks": dist.get_process_group_ranks(group) if group is not None else [rank],
-            "gradient_mean_size": size, "batch_replicas": strategy.batch_replicas,
-            "sampler": strategy.distributed_sampler_kwargs,
-            "local_numel": sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters()),
-            "weights": {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-                        for k, v in model.state_dict().items()}}
+    return {
+        "losses": losses,
+        "eval": (sums[0] / sums[1]).item(),
+        "stage": strategy.stage_index,
+        "gradient_mean_ranks": dist.get_process_group_ranks(group) if group is not None else [rank],
+        "gradient_mean_size": size,
+        "batch_replicas": strategy.batch_replicas,
+        "sampler": strategy.distributed_sampler_kwargs,
+        "local_numel": sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters()),
+        "weights": {
+            k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in model.state_dict().items()
+        },
+    }
 
 
-def assert_trains_one_process_model(ranks: list[dict], reference: dict, holders: int, split: int,
-                                    expert_copies: int = 1) -> None:
+def assert_trains_one_process_model(
+    ranks: list[dict], reference: dict, holders: int, split: int, expert_copies: int = 1
+) -> None:
     """Every rank's losses and evaluation are one process's; every weight is held by the ``holders``
     ranks of its stage, each equal to one process's; the ranks hold ``split`` copies of the model
     between them (1: every element on one rank; replicated norms and biases add under 1%), routed
@@ -185,7 +206,9 @@ def assert_trains_one_process_model(ranks: list[dict], reference: dict, holders:
                 torch.testing.assert_close(weight, reference["weights"][name], rtol=0, atol=ATOL, msg=name)
                 held[name] = held.get(name, 0) + 1
     assert held == dict.fromkeys(reference["weights"], holders), "each weight lives on one stage's ranks"
-    assert min(reference["losses"][1:]) < reference["losses"][0] - 0.1, "the model did not train"  # (MoE overshoots at step 3)
+    assert min(reference["losses"][1:]) < reference["losses"][0] - 0.1, (
+        "the model did not train"
+    )  # (MoE overshoots at step 3)
 
 
 @pytest.fixture(scope="module")
@@ -194,10 +217,17 @@ def references() -> dict[str, dict]:
 
 
 def _pp2_x_tp2(rank: int, world_size: int) -> dict:
-    return {"llama": _mesh_pipeline_run(rank, world_size, "tiny-llama",
-                                        {"pp": 2, "tp": 2, "schedule": "1f1b", "microbatches": 2}),
-            "qwen3": _mesh_pipeline_run(rank, world_size, "tiny-qwen3",
-                                        {"pp": 2, "tp": 2, "schedule": "gpipe", "microbatches": 2, "split_points": [1]})}
+    return {
+        "llama": _mesh_pipeline_run(
+            rank, world_size, "tiny-llama", {"pp": 2, "tp": 2, "schedule": "1f1b", "microbatches": 2}
+        ),
+        "qwen3": _mesh_pipeline_run(
+            rank,
+            world_size,
+            "tiny-qwen3",
+            {"pp": 2, "tp": 2, "schedule": "gpipe", "microbatches": 2, "split_points": [1]},
+        ),
+    }
 
 
 @pytest.mark.slow  # 4 gloo ranks on 2 cores
@@ -216,8 +246,9 @@ def test_pp2_x_tp2_equals_one_process(references):
 
 
 def _pp2_x_tp2_x_dp_shard2(rank: int, world_size: int) -> dict:
-    return _mesh_pipeline_run(rank, world_size, "tiny-qwen3",
-                              {"pp": 2, "tp": 2, "dp_shard": 2, "schedule": "1f1b", "microbatches": 2})
+    return _mesh_pipeline_run(
+        rank, world_size, "tiny-qwen3", {"pp": 2, "tp": 2, "dp_shard": 2, "schedule": "1f1b", "microbatches": 2}
+    )
 
 
 @pytest.mark.slow  # 8 gloo ranks on 2 cores
@@ -239,7 +270,10 @@ def test_pp2_x_tp2_x_dp_shard2_equals_one_process(references):
         assert result["stage"] == stage
         assert result["sampler"] == {"num_replicas": 2, "rank": dp}
         assert result["batch_replicas"] == 4
-        assert (result["gradient_mean_ranks"], result["gradient_mean_size"]) == ([4 * stage + tp, 4 * stage + 2 + tp], 2)
+        assert (result["gradient_mean_ranks"], result["gradient_mean_size"]) == (
+            [4 * stage + tp, 4 * stage + 2 + tp],
+            2,
+        )
 
 
 def _lightning_pp2_x_tp2(rank: int, world_size: int, root: str) -> dict:
@@ -303,14 +337,18 @@ def _fit_refusal(*options: str) -> str:
 def test_pp_on_mesh_parallel_strategy_names_the_pipeline_strategy():
     """``MeshParallelStrategy`` has no pipeline step: ``pp: 2`` there is refused in one line naming
     ``PipelineParallelStrategy``, which takes every dimension with the stages."""
-    with pytest.raises(ConfigError, match=r"init_args.pp=2: MeshParallelStrategy does not implement apply_pp.*"
-                                          r"lit_ablate.strategies.PipelineParallelStrategy"):
+    with pytest.raises(
+        ConfigError,
+        match=r"init_args.pp=2: MeshParallelStrategy does not implement apply_pp.*"
+        r"lit_ablate.strategies.PipelineParallelStrategy",
+    ):
         MeshParallelStrategy(pp=2, tp=2)
 
 
 def _pp2_x_cp2(rank: int, world_size: int) -> dict:
-    return _mesh_pipeline_run(rank, world_size, "tiny-llama", {"pp": 2, "cp": 2, "schedule": "1f1b", "microbatches": 2},
-                              "packed")
+    return _mesh_pipeline_run(
+        rank, world_size, "tiny-llama", {"pp": 2, "cp": 2, "schedule": "1f1b", "microbatches": 2}, "packed"
+    )
 
 
 @pytest.mark.slow  # 4 gloo ranks on 2 cores
@@ -332,7 +370,9 @@ def test_pp2_x_cp2_on_packed_documents_equals_one_process():
 
 
 def _pp2_x_ep2(rank: int, world_size: int) -> dict:
-    return _mesh_pipeline_run(rank, world_size, "tiny-qwen3-moe", {"pp": 2, "ep": 2, "schedule": "1f1b", "microbatches": 2})
+    return _mesh_pipeline_run(
+        rank, world_size, "tiny-qwen3-moe", {"pp": 2, "ep": 2, "schedule": "1f1b", "microbatches": 2}
+    )
 
 
 @pytest.mark.slow  # 4 gloo ranks on 2 cores
@@ -371,8 +411,10 @@ reference cannot split the same way, so that run has none."""
 
 
 def _pp_triples(rank: int, world_size: int) -> dict:
-    return {name: _mesh_pipeline_run(rank, world_size, model, {"pp": 2, **options}, steps=2)
-            for name, (model, _, options) in TRIPLES.items()}
+    return {
+        name: _mesh_pipeline_run(rank, world_size, model, {"pp": 2, **options}, steps=2)
+        for name, (model, _, options) in TRIPLES.items()
+    }
 
 
 @pytest.mark.slow  # 8 gloo ranks on 2 cores, eight runs
@@ -385,11 +427,18 @@ def test_every_pp_triple_equals_one_process():
     on the last stage's ranks), and, before its fix, on a real bug: dp_replicate x ep, where torch
     divides the experts' gradients twice when their FSDP shard dimension holds one rank (HSDP's
     (dp_replicate, 1)) and sums are forced (losses off by 4.8e-4, expert weights by 5.8e-3)."""
-    references = {(model, chunks): train_reference(model, "sft", chunks, steps=2) for model, chunks, _ in TRIPLES.values()}
+    references = {
+        (model, chunks): train_reference(model, "sft", chunks, steps=2) for model, chunks, _ in TRIPLES.values()
+    }
     ranks = run_ranks(_pp_triples, 8, timeout_s=600)
     for name, (model, chunks, options) in TRIPLES.items():  # dp_replicate's copies each hold the model
-        assert_trains_one_process_model([rank[name] for rank in ranks], references[model, chunks], holders=4,
-                                        split=options.get("dp_replicate", 1), expert_copies=options.get("tp", 1))
+        assert_trains_one_process_model(
+            [rank[name] for rank in ranks],
+            references[model, chunks],
+            holders=4,
+            split=options.get("dp_replicate", 1),
+            expert_copies=options.get("tp", 1),
+        )
 
 
 def test_pipeline_sizes_that_miss_the_world_size_are_refused_before_any_rank_starts():
@@ -397,8 +446,14 @@ def test_pipeline_sizes_that_miss_the_world_size_are_refused_before_any_rank_sta
     from ``check_mesh`` before the ranks start, devices given on the command line (a string there)
     included. Seen failing while ``check_mesh`` skipped the pipeline strategy, and while it skipped
     devices given as ``--trainer.devices 2`` (no refusal: each rank raised in ``build_mesh``)."""
-    message = _fit_refusal("--trainer.strategy.class_path", "lit_ablate.strategies.PipelineParallelStrategy",
-                           "--trainer.strategy.init_args.pp", "2", "--trainer.strategy.init_args.tp", "2")
+    message = _fit_refusal(
+        "--trainer.strategy.class_path",
+        "lit_ablate.strategies.PipelineParallelStrategy",
+        "--trainer.strategy.init_args.pp",
+        "2",
+        "--trainer.strategy.init_args.tp",
+        "2",
+    )
     assert "multiply to 4 but the world size (devices x nodes) is 2" in message
 
 
@@ -411,9 +466,13 @@ def test_state_sharding_divides_each_stage_over_its_fsdp_and_tp_ranks():
     from lit_ablate.strategies.state_sharding import REPLICATED, StateSharding
 
     # tp keeps routed experts whole: they are divided by the FSDP ranks only (expert_shards)
-    assert PipelineParallelStrategy(pp=2, tp=2).state_sharding(4) == StateSharding(2, 2, 2, gathered=2, fsdp_units=True, expert_shards=1)
+    assert PipelineParallelStrategy(pp=2, tp=2).state_sharding(4) == StateSharding(
+        2, 2, 2, gathered=2, fsdp_units=True, expert_shards=1
+    )
     assert PipelineParallelStrategy(pp=2, tp=2, dp_shard=2).state_sharding(8) == StateSharding(
-        4, 4, 4, gathered=2, fsdp_units=True, expert_shards=2)
-    assert PipelineParallelStrategy(pp=2, cp=2, dp_shard=2, reshard_after_forward=True).state_sharding(8) == \
-        StateSharding(4, 4, 4, gathered=None, fsdp_units=True)
+        4, 4, 4, gathered=2, fsdp_units=True, expert_shards=2
+    )
+    assert PipelineParallelStrategy(pp=2, cp=2, dp_shard=2, reshard_after_forward=True).state_sharding(
+        8
+    ) == StateSharding(4, 4, 4, gathered=None, fsdp_units=True)
     assert PipelineParallelStrategy(pp=2, dp_replicate=2).state_sharding(4) == REPLICATED

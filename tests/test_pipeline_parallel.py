@@ -79,7 +79,11 @@ def train_one_process(preset: str) -> dict:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "eval": evaluate(model), "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return {
+        "losses": losses,
+        "eval": evaluate(model),
+        "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+    }
 
 
 @torch.no_grad()
@@ -108,18 +112,28 @@ def _pipeline_run(rank: int, world_size: int, preset: str, strategy_kwargs: dict
         optimizer.step()
         optimizer.zero_grad()
         losses.append(objective.last_step_loss.item())
-    return {"losses": losses, "stage_layers": strategy.stage_layers, "eval": evaluate(model),
-            "local_numel": sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters()),
-            "weights": {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-                        for k, v in model.state_dict().items()}}
+    return {
+        "losses": losses,
+        "stage_layers": strategy.stage_layers,
+        "eval": evaluate(model),
+        "local_numel": sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters()),
+        "weights": {
+            k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in model.state_dict().items()
+        },
+    }
 
 
 def _two_ranks(rank: int, world_size: int) -> dict:
-    return {"gpipe_llama": _pipeline_run(rank, world_size, "tiny-llama", {"schedule": "gpipe", "microbatches": 4}),
-            "1f1b_qwen3": _pipeline_run(rank, world_size, "tiny-qwen3",
-                                        {"schedule": "1f1b", "microbatches": 2, "split_points": [1]}),
-            "interleaved_llama": _pipeline_run(rank, world_size, "tiny-llama",
-                                               {"schedule": "interleaved_1f1b", "stages_per_rank": 2, "microbatches": 4})}
+    return {
+        "gpipe_llama": _pipeline_run(rank, world_size, "tiny-llama", {"schedule": "gpipe", "microbatches": 4}),
+        "1f1b_qwen3": _pipeline_run(
+            rank, world_size, "tiny-qwen3", {"schedule": "1f1b", "microbatches": 2, "split_points": [1]}
+        ),
+        "interleaved_llama": _pipeline_run(
+            rank, world_size, "tiny-llama", {"schedule": "interleaved_1f1b", "stages_per_rank": 2, "microbatches": 4}
+        ),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -132,8 +146,10 @@ def two_ranks() -> list[dict]:
     return run_ranks(_two_ranks, 2)
 
 
-@pytest.mark.parametrize(("run", "preset"), [("gpipe_llama", "tiny-llama"), ("1f1b_qwen3", "tiny-qwen3"),
-                                             ("interleaved_llama", "tiny-llama")])
+@pytest.mark.parametrize(
+    ("run", "preset"),
+    [("gpipe_llama", "tiny-llama"), ("1f1b_qwen3", "tiny-qwen3"), ("interleaved_llama", "tiny-llama")],
+)
 def test_pp2_equals_one_process(two_ranks, references, run, preset):
     reference = references[preset]
     held = set()
@@ -209,8 +225,9 @@ def test_a_balanced_run_s_stages_are_the_balanced_split(references):
     assert held == [list(range(point)), list(range(point, n))]
     assert max(stage_size(h[0], h[-1] + 1) for h in held) == smallest_largest
     for result in ranks:
-        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(references["tiny-llama"]["losses"]),
-                                   rtol=0, atol=ATOL)
+        torch.testing.assert_close(
+            torch.tensor(result["losses"]), torch.tensor(references["tiny-llama"]["losses"]), rtol=0, atol=ATOL
+        )
 
 
 # ---------------------------------------------------------------- under a Lightning Trainer
@@ -227,8 +244,16 @@ class Seen(Callback):
         self.sums.append((outputs["loss_sum"].item(), float(outputs["useful_tokens"])))
 
 
-def fit(strategy, devices: int, root: Path, steps: int = 3, ckpt_path: str | None = None, batch_size: int = 2,
-        validate: bool = False, config: dict | None = None) -> Seen:
+def fit(
+    strategy,
+    devices: int,
+    root: Path,
+    steps: int = 3,
+    ckpt_path: str | None = None,
+    batch_size: int = 2,
+    validate: bool = False,
+    config: dict | None = None,
+) -> Seen:
     """``steps`` AdamW steps of tiny Llama (its Hugging Face ``config`` keys overridden); with ``validate``,
     a sanity batch before them and the 5 held-out rows after them (the last batch smaller than the others)."""
     pl.seed_everything(0, verbose=False)
@@ -238,9 +263,18 @@ def fit(strategy, devices: int, root: Path, steps: int = 3, ckpt_path: str | Non
     data = LMDataModule(SyntheticText(num_documents=40), seq_len=32, batch_size=batch_size, val_examples=5)
     seen = Seen()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, callbacks=[seen],
-        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        limit_val_batches=1.0 if validate else 0, val_check_interval=steps, num_sanity_val_steps=int(validate),
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=steps,
+        callbacks=[seen],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=1.0 if validate else 0,
+        val_check_interval=steps,
+        num_sanity_val_steps=int(validate),
         default_root_dir=root,
     )
     trainer.fit(module, data, ckpt_path=ckpt_path)
@@ -271,15 +305,17 @@ def test_lightning_fit_with_pp2_equals_one_device(tmp_path):
     assert_ranks_fit_and_resume_as_one_device(tmp_path, _lightning_pp, 2)
 
 
-def assert_ranks_fit_and_resume_as_one_device(tmp_path: Path, ranks_fit, world_size: int,
-                                              config: dict | None = None) -> None:
+def assert_ranks_fit_and_resume_as_one_device(
+    tmp_path: Path, ranks_fit, world_size: int, config: dict | None = None
+) -> None:
     """``ranks_fit`` on ``world_size`` ranks (returning each rank's losses, validation loss and the
     losses of a run saved after 2 steps and resumed) records one device's (the model's ``config``
     keys overridden alike), saved and resumed the same way."""
     reference = fit("auto", 1, tmp_path / "one", validate=True, config=config)
     fit("auto", 1, tmp_path / "one-cut", steps=2, config=config)
-    resumed = fit("auto", 1, tmp_path / "one-resumed", ckpt_path=str(tmp_path / "one-cut" / "last.ckpt"),
-                  config=config).losses
+    resumed = fit(
+        "auto", 1, tmp_path / "one-resumed", ckpt_path=str(tmp_path / "one-cut" / "last.ckpt"), config=config
+    ).losses
     ranks = run_ranks(ranks_fit, world_size, str(tmp_path / "ranks"), init_process_group=False, timeout_s=400)
     assert reference.losses[-1] < reference.losses[0] - 1e-3, "the model did not train"
     for run in ranks:
@@ -294,10 +330,17 @@ def _bubble_runs(rank: int, world_size: int, root: str) -> None:
         pl.seed_everything(0, verbose=False)
         module = CausalLM(ModelFactory(preset="tiny-llama"), learning_rate=1e-3, warmup_steps=1)
         trainer = pl.Trainer(
-            accelerator="cpu", devices=world_size, max_steps=4, logger=False, enable_progress_bar=False,
+            accelerator="cpu",
+            devices=world_size,
+            max_steps=4,
+            logger=False,
+            enable_progress_bar=False,
             strategy=PipelineParallelStrategy(pp=2, schedule="gpipe", microbatches=microbatches),
             callbacks=[RunRecorder(path=f"{root}/m{microbatches}.json", warmup_steps=1), PipelineBubbleMonitor()],
-            enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
             default_root_dir=root,
         )
         trainer.fit(module, LMDataModule(SyntheticText(num_documents=40), seq_len=32, batch_size=4))
@@ -307,8 +350,17 @@ def test_the_cli_adds_the_bubble_monitor_to_a_pipeline_run():
     """``lit-ablate fit`` puts PipelineBubbleMonitor into every pipeline run (seen failing without it)."""
     from lit_ablate.fit_cli import LitAblateCLI
 
-    cli = LitAblateCLI(args=["--config", str(Path(__file__).parents[1] / "configs" / "quickstart.yaml"), "--trainer.strategy.class_path",
-                             "lit_ablate.strategies.PipelineParallelStrategy", "--trainer.devices", "2"], run=False)
+    cli = LitAblateCLI(
+        args=[
+            "--config",
+            str(Path(__file__).parents[1] / "configs" / "quickstart.yaml"),
+            "--trainer.strategy.class_path",
+            "lit_ablate.strategies.PipelineParallelStrategy",
+            "--trainer.devices",
+            "2",
+        ],
+        run=False,
+    )
     assert sum(isinstance(c, PipelineBubbleMonitor) for c in cli.trainer.callbacks) == 1
 
 
@@ -331,18 +383,27 @@ def test_the_record_shows_the_pipeline_bubble(tmp_path):
 # ---------------------------------------------------------------- refusals and the split, one process
 @pytest.mark.parametrize(
     ("kwargs", "key"),
-    [({"tp": 0}, "init_args.tp"), ({"dp_shard": 0}, "init_args.dp_shard"),
-     ({"reshard_after_forward": True}, "init_args.reshard_after_forward"), ({"schedule": "zb"}, "init_args.schedule"),
-     ({"schedule": "interleaved_1f1b"}, "init_args.stages_per_rank"), ({"stages_per_rank": 2}, "init_args.stages_per_rank"),
-     ({"microbatches": 0}, "init_args.microbatches"), ({"pp": 0}, "init_args.pp")],
+    [
+        ({"tp": 0}, "init_args.tp"),
+        ({"dp_shard": 0}, "init_args.dp_shard"),
+        ({"reshard_after_forward": True}, "init_args.reshard_after_forward"),
+        ({"schedule": "zb"}, "init_args.schedule"),
+        ({"schedule": "interleaved_1f1b"}, "init_args.stages_per_rank"),
+        ({"stages_per_rank": 2}, "init_args.stages_per_rank"),
+        ({"microbatches": 0}, "init_args.microbatches"),
+        ({"pp": 0}, "init_args.pp"),
+    ],
 )
 def test_bad_options_are_refused_naming_the_key(kwargs, key):
     with pytest.raises(ConfigError, match=key):
         PipelineParallelStrategy(**kwargs)
 
 
-@pytest.mark.parametrize(("points", "stages"), [([0], 2), ([4], 2), ([2, 1], 3), ([1, 2], 2)],
-                         ids=["before-first", "past-last", "decreasing", "too-many"])
+@pytest.mark.parametrize(
+    ("points", "stages"),
+    [([0], 2), ([4], 2), ([2, 1], 3), ([1, 2], 2)],
+    ids=["before-first", "past-last", "decreasing", "too-many"],
+)
 def test_split_points_out_of_range_are_refused(points, stages):
     with pytest.raises(ConfigError, match="split_points"):
         check_split_points(points, num_layers=4, stages=stages)

@@ -29,17 +29,22 @@ def _largest_stage(sizes: list[int], points: list[int], head: int, tail: int) ->
 
 
 def _brute_force(sizes: list[int], stages: int, head: int, tail: int) -> int:
-    return min(_largest_stage(sizes, list(points), head, tail)
-               for points in itertools.combinations(range(1, len(sizes)), stages - 1))  # fmt: skip
+    return min(
+        _largest_stage(sizes, list(points), head, tail)
+        for points in itertools.combinations(range(1, len(sizes)), stages - 1)
+    )
 
 
-@pytest.mark.parametrize(("sizes", "stages", "head", "tail", "expected"), [
-    ([1, 1, 10], 2, 0, 0, [2]),  # the heavy layer alone on the last stage: the last allowed point
-    ([10, 1, 1], 2, 0, 0, [1]),  # the heavy layer alone on the first stage: the first allowed point
-    ([3, 1, 4, 1], 4, 0, 0, [1, 2, 3]),  # as many stages as layers: one layer each
-    ([1, 1, 1, 1], 2, 5, 0, [1]),  # a large embedding pushes the first split forward
-    ([1, 1, 1, 1], 2, 0, 5, [3]),  # a large head pulls the last split back
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("sizes", "stages", "head", "tail", "expected"),
+    [
+        ([1, 1, 10], 2, 0, 0, [2]),  # the heavy layer alone on the last stage: the last allowed point
+        ([10, 1, 1], 2, 0, 0, [1]),  # the heavy layer alone on the first stage: the first allowed point
+        ([3, 1, 4, 1], 4, 0, 0, [1, 2, 3]),  # as many stages as layers: one layer each
+        ([1, 1, 1, 1], 2, 5, 0, [1]),  # a large embedding pushes the first split forward
+        ([1, 1, 1, 1], 2, 0, 5, [3]),  # a large head pulls the last split back
+    ],
+)
 def test_edge_splits(sizes, stages, head, tail, expected):
     assert balanced_split_points(sizes, stages, head, tail) == expected
 
@@ -53,5 +58,9 @@ def test_the_split_is_valid_and_as_balanced_as_any():
         head, tail = rng.randint(0, 150), rng.randint(0, 150)
         points = balanced_split_points(sizes, stages, head, tail)
         check_split_points(points, n, stages)  # stages - 1 increasing points in 1 .. n - 1
-        assert _largest_stage(sizes, points, head, tail) == _brute_force(sizes, stages, head, tail), (sizes, stages,
-                                                                                                       head, tail)
+        assert _largest_stage(sizes, points, head, tail) == _brute_force(sizes, stages, head, tail), (
+            sizes,
+            stages,
+            head,
+            tail,
+        )

@@ -44,18 +44,28 @@ TWO_RANKS = {  # name: strategy options (pp=2 on 2 ranks)
 }
 FOUR_RANKS = {  # name: (strategy options, ranks holding each weight)
     "pp2_x_tp2": ({"pp": 2, "tp": 2, "schedule": "1f1b", "microbatches": 2}, 2),
-    "pp2_x_dp_shard2": ({"pp": 2, "dp_shard": 2, "schedule": "interleaved_1f1b", "stages_per_rank": 2,
-                         "microbatches": 2}, 2),
+    "pp2_x_dp_shard2": (
+        {"pp": 2, "dp_shard": 2, "schedule": "interleaved_1f1b", "stages_per_rank": 2, "microbatches": 2},
+        2,
+    ),
     "pp2_x_dp_replicate2": ({"pp": 2, "dp_replicate": 2, "schedule": "gpipe", "microbatches": 2}, 2),
     "pp4": ({"pp": 4, "schedule": "1f1b", "microbatches": 4}, 1),
 }
 
 
 def _two_ranks(rank: int, world_size: int) -> dict:
-    runs = {name: _mesh_pipeline_run(rank, world_size, PRESET, options, config=TIED) for name, options in TWO_RANKS.items()}
-    runs["clipped_accumulated"] = features._pipeline_run(rank, world_size, PRESET, "sft_accumulated",
-                                                         {"schedule": "gpipe", "microbatches": 2}, features.CLIP,
-                                                         {"config": TIED})
+    runs = {
+        name: _mesh_pipeline_run(rank, world_size, PRESET, options, config=TIED) for name, options in TWO_RANKS.items()
+    }
+    runs["clipped_accumulated"] = features._pipeline_run(
+        rank,
+        world_size,
+        PRESET,
+        "sft_accumulated",
+        {"schedule": "gpipe", "microbatches": 2},
+        features.CLIP,
+        {"config": TIED},
+    )
     return runs
 
 
@@ -114,10 +124,16 @@ def _layouts(rank: int, world_size: int) -> list[str]:
     from lit_ablate.strategies.pipeline_tied_embeddings import StageCopy
 
     mesh, group = init_device_mesh("cpu", (world_size,)), dist.group.WORLD
-    copies = {"same": torch.zeros(4, 2),
-              "shape": torch.zeros(4, 2) if rank == 0 else torch.zeros(2, 4),
-              "placement": DTensor.from_local(torch.zeros(2, 4) if rank == 0 else torch.zeros(4, 2), mesh,
-                                              [Shard(0) if rank == 0 else Shard(1)], run_check=False)}
+    copies = {
+        "same": torch.zeros(4, 2),
+        "shape": torch.zeros(4, 2) if rank == 0 else torch.zeros(2, 4),
+        "placement": DTensor.from_local(
+            torch.zeros(2, 4) if rank == 0 else torch.zeros(4, 2),
+            mesh,
+            [Shard(0) if rank == 0 else Shard(1)],
+            run_check=False,
+        ),
+    }
     outcomes = []
     for copy in copies.values():
         try:
@@ -159,8 +175,10 @@ def test_the_estimate_holds_the_tied_matrix_on_both_ends(two_ranks):
 
 
 def _four_ranks(rank: int, world_size: int) -> dict:
-    return {name: _mesh_pipeline_run(rank, world_size, PRESET, options, config=TIED)
-            for name, (options, _) in FOUR_RANKS.items()}
+    return {
+        name: _mesh_pipeline_run(rank, world_size, PRESET, options, config=TIED)
+        for name, (options, _) in FOUR_RANKS.items()
+    }
 
 
 @pytest.mark.slow  # 4 gloo ranks on 2 cores, four runs
@@ -181,10 +199,15 @@ def test_tied_embeddings_over_the_mesh_equal_one_process(reference):
         assert_trains_one_process_model(runs, reference, holders=holders, split=options.get("dp_replicate", 1))
         assert_copies_equal(runs)
         strategy = PipelineParallelStrategy(**options)
-        training = TrainingShape(micro_batch=4, seq_len=32, pipeline_parallel=options["pp"],
-                                 tensor_parallel=options.get("tp", 1), pipeline_schedule=options["schedule"],
-                                 microbatches=options["microbatches"],
-                                 pipeline_stages_per_rank=options.get("stages_per_rank", 1))
+        training = TrainingShape(
+            micro_batch=4,
+            seq_len=32,
+            pipeline_parallel=options["pp"],
+            tensor_parallel=options.get("tp", 1),
+            pipeline_schedule=options["schedule"],
+            microbatches=options["microbatches"],
+            pipeline_stages_per_rank=options.get("stages_per_rank", 1),
+        )
         estimates = pipeline_stage_estimates(counts, shape, training, strategy.state_sharding(4))
         for run in runs:
             assert 4 * run["local_numel"] == pytest.approx(estimates[run["stage"]].params, rel=0.01), name
@@ -220,8 +243,9 @@ def test_lightning_fit_resume_and_export_of_tied_pp2(tmp_path):
     embedding, head = state[f"model.{EMBEDDING}"], state[f"model.{HEAD}"]
     assert torch.equal(embedding, head)
     pipelined = AutoModelForCausalLM.from_pretrained(export_hf_checkpoint(saved, tmp_path / "hf_pp")).eval()
-    one = AutoModelForCausalLM.from_pretrained(export_hf_checkpoint(tmp_path / "one" / "last.ckpt",
-                                                                    tmp_path / "hf_one")).eval()
+    one = AutoModelForCausalLM.from_pretrained(
+        export_hf_checkpoint(tmp_path / "one" / "last.ckpt", tmp_path / "hf_one")
+    ).eval()
     assert pipelined.config.tie_word_embeddings
     assert pipelined.get_output_embeddings().weight is pipelined.get_input_embeddings().weight
     assert torch.equal(pipelined.get_input_embeddings().weight, embedding)
@@ -241,11 +265,24 @@ def test_tied_embeddings_pass_and_one_stage_is_refused_before_any_rank_starts():
     from lit_ablate.preflight import check_run_config
 
     pipeline = ("--trainer.strategy.class_path", "lit_ablate.strategies.PipelineParallelStrategy")
-    check_run_config("fit", resolve_fit_config(["--config", str(Path(__file__).parents[1] / "configs" / "quickstart.yaml"),
-                                                "--trainer.devices", "2", *pipeline,
-                                                "--model.init_args.model.config", '{"tie_word_embeddings": true}']))
-    for options in (("--trainer.strategy.init_args.pp", "1", "--trainer.strategy.init_args.dp_shard", "2"),
-                    ("--trainer.devices", "1")):
+    check_run_config(
+        "fit",
+        resolve_fit_config(
+            [
+                "--config",
+                str(Path(__file__).parents[1] / "configs" / "quickstart.yaml"),
+                "--trainer.devices",
+                "2",
+                *pipeline,
+                "--model.init_args.model.config",
+                '{"tie_word_embeddings": true}',
+            ]
+        ),
+    )
+    for options in (
+        ("--trainer.strategy.init_args.pp", "1", "--trainer.strategy.init_args.dp_shard", "2"),
+        ("--trainer.devices", "1"),
+    ):
         message = _fit_refusal(*pipeline, *options)
         assert "trainer.strategy.init_args.pp=1" in message and "2 or more stages" in message
     with pytest.raises(ConfigError, match="2 or more stages"):

@@ -36,15 +36,21 @@ CANNOT_PREVENT: dict[str, str] = {
 
 
 def unexplained(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if line.strip()
-            and not any(p.search(line) for p in INFORMS)
-            and not any(re.search(pattern, line) for pattern in CANNOT_PREVENT)]
+    return [
+        line
+        for line in stderr.splitlines()
+        if line.strip()
+        and not any(p.search(line) for p in INFORMS)
+        and not any(re.search(pattern, line) for pattern in CANNOT_PREVENT)
+    ]
 
 
 def test_unexplained_flags_warnings():
     """The classifier itself: a Python warning line and a log warning are unexplained, our summary is not."""
-    stderr = ("/x/lightning/pytorch/utilities/_pytree.py:21: `isinstance(treespec, LeafSpec)` is deprecated\n"
-              "ThroughputMonitor (median after 3 warm-up steps): tokens_per_sec=4455\nrun record: /tmp/a/run.json\n")
+    stderr = (
+        "/x/lightning/pytorch/utilities/_pytree.py:21: `isinstance(treespec, LeafSpec)` is deprecated\n"
+        "ThroughputMonitor (median after 3 warm-up steps): tokens_per_sec=4455\nrun record: /tmp/a/run.json\n"
+    )
     assert unexplained(stderr) == [stderr.splitlines()[0]]
 
 
@@ -55,9 +61,25 @@ def test_quickstart_fit_prints_no_warning_lit_ablate_could_prevent(tmp_path):
     ``lit_ablate/import_warnings.py`` (Lightning's ``_pytree.py:21`` FutureWarning on stderr)."""
     script = Path(sys.executable).with_name("lit-ablate")
     done = subprocess.run(
-        [str(script), "fit", "--config", QUICKSTART, "--trainer.max_steps", "4", "--trainer.val_check_interval", "2",
-         "--trainer.limit_val_batches", "2", "--trainer.default_root_dir", str(tmp_path)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        [
+            str(script),
+            "fit",
+            "--config",
+            QUICKSTART,
+            "--trainer.max_steps",
+            "4",
+            "--trainer.val_check_interval",
+            "2",
+            "--trainer.limit_val_batches",
+            "2",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert unexplained(done.stderr) == []
     assert "run record:" in done.stderr  # what informs is still there
@@ -86,8 +108,15 @@ def _frozen() -> nn.Module:
 def _eval_mode_warnings(extra: nn.Module, tmp_path) -> list[str]:
     extra.eval()
     module = _WithSubmodule(extra)
-    trainer_args = {"max_steps": 1, "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
-                    "enable_model_summary": False, "accelerator": "cpu", "default_root_dir": str(tmp_path)}
+    trainer_args = {
+        "max_steps": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "accelerator": "cpu",
+        "default_root_dir": str(tmp_path),
+    }
     before = list(warnings.filters)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -96,11 +125,14 @@ def _eval_mode_warnings(extra: nn.Module, tmp_path) -> list[str]:
     return [str(w.message) for w in caught if "in eval mode" in str(w.message)]
 
 
-@pytest.mark.parametrize(("extra", "warns"), [
-    (_frozen, False),  # DPO's reference: a frozen model in eval mode on purpose
-    (lambda: nn.Linear(4, 4), True),  # a trainable layer left in eval mode: a real mistake
-    (lambda: nn.Dropout(0.1), True),  # a bare dropout in eval mode (no parameters to say it is frozen)
-])
+@pytest.mark.parametrize(
+    ("extra", "warns"),
+    [
+        (_frozen, False),  # DPO's reference: a frozen model in eval mode on purpose
+        (lambda: nn.Linear(4, 4), True),  # a trainable layer left in eval mode: a real mistake
+        (lambda: nn.Dropout(0.1), True),  # a bare dropout in eval mode (no parameters to say it is frozen)
+    ],
+)
 def test_eval_mode_warning_only_for_modules_not_frozen_on_purpose(extra, warns, tmp_path):
     """Seen failing with ``frozen_on_purpose`` returning True always (the trainable layer and the
     dropout lost their warning) and returning False always (the frozen model warned)."""
@@ -111,8 +143,10 @@ def _gather_warnings(rank: int, world_size: int) -> tuple[list[list[float]], lis
     monitor = StepMonitor(warmup_steps=0, log_to_logger=False)
     for step in (1, 2):
         monitor.record("x", step, 10.0 * step + rank)
-    trainer = SimpleNamespace(world_size=world_size, strategy=SimpleNamespace(
-        root_device=torch.device("cpu"), all_gather=_all_gather_ddp_if_available))  # Lightning's DDP all_gather
+    trainer = SimpleNamespace(
+        world_size=world_size,
+        strategy=SimpleNamespace(root_device=torch.device("cpu"), all_gather=_all_gather_ddp_if_available),
+    )  # Lightning's DDP all_gather
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         gathered = monitor.gather_over_ranks(trainer, ["x"])["x"]
@@ -138,7 +172,9 @@ def test_the_process_group_banner_is_dropped_and_other_lines_kept(caplog):
     silence_noise()
     with caplog.at_level(logging.INFO):
         logging.getLogger(DISTRIBUTED_LOGGER).info("Initializing distributed: GLOBAL_RANK: 0, MEMBER: 1/2")
-        logging.getLogger(RANK_ZERO_LOGGER).info(f"{'-' * 100}\ndistributed_backend=gloo\nAll distributed processes "
-                                                 f"registered. Starting with 2 processes\n{'-' * 100}\n")  # fmt: skip
+        logging.getLogger(RANK_ZERO_LOGGER).info(
+            f"{'-' * 100}\ndistributed_backend=gloo\nAll distributed processes "
+            f"registered. Starting with 2 processes\n{'-' * 100}\n"
+        )
         logging.getLogger(RANK_ZERO_LOGGER).info("`Trainer.fit` stopped: `max_steps=2` reached.")
     assert [r.getMessage() for r in caplog.records] == ["`Trainer.fit` stopped: `max_steps=2` reached."]

@@ -38,9 +38,19 @@ CONFIG_ROOTS = ("trainer", "model", "data", "recorder")
 CONFIG_KEY_IN_TEXT = re.compile(r"(?<![\w.])((?:trainer|model|data|recorder)\.[A-Za-z_][\w.]*[A-Za-z_\d])")
 """A dotted config key written in a fix's prose (``model.init_args.model.adapter``), trailing dot excluded."""
 ANY = "*"
-ROOT: dict[str, object] = {"trainer": Trainer, "model": LightningModule, "data": LightningDataModule,
-                           "recorder": RunRecorder, "ckpt_path": None, "seed_everything": None, "config": None,
-                           "optimizer": None, "lr_scheduler": None, "simulate": None, "simulate_rank": None}  # fmt: skip
+ROOT: dict[str, object] = {
+    "trainer": Trainer,
+    "model": LightningModule,
+    "data": LightningDataModule,
+    "recorder": RunRecorder,
+    "ckpt_path": None,
+    "seed_everything": None,
+    "config": None,
+    "optimizer": None,
+    "lr_scheduler": None,
+    "simulate": None,
+    "simulate_rank": None,
+}
 """The fit subcommand's top-level keys: a class whose arguments are keys below it, or a leaf."""
 SUBCLASS_PACKAGES = ("lit_ablate.modules", "lit_ablate.data", "lit_ablate.strategies", "lit_ablate.callbacks")
 """Where the classes a ``class_path`` may choose are exported."""
@@ -103,8 +113,10 @@ def _exported_subclasses(base: type) -> list[type]:
     found = []
     for package in SUBCLASS_PACKAGES:
         root = importlib.import_module(package)
-        modules = [root, *(importlib.import_module(info.name)
-                           for info in pkgutil.walk_packages(root.__path__, f"{package}."))]  # fmt: skip
+        modules = [
+            root,
+            *(importlib.import_module(info.name) for info in pkgutil.walk_packages(root.__path__, f"{package}.")),
+        ]
         for module in modules:
             for value in vars(module).values():
                 if isinstance(value, type) and issubclass(value, base) and value not in found:
@@ -127,8 +139,11 @@ def _parameters(cls: type) -> dict[str, object]:
 
 def _is_mapping(annotation: object) -> bool:
     """A ``dict`` (or ``Any``) argument, possibly optional: any key below it is the user's."""
-    options = [annotation, *typing.get_args(annotation)] if typing.get_origin(annotation) in (typing.Union,
-                                                                                              types.UnionType) else [annotation]
+    options = (
+        [annotation, *typing.get_args(annotation)]
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        else [annotation]
+    )
     return any(a in (dict, typing.Any) or typing.get_origin(a) is dict for a in options)
 
 
@@ -180,7 +195,12 @@ def _command_options() -> set[str]:
     fit CLI's own."""
     from lit_ablate.commands.generate import generate
 
-    found = {"--config", "--ckpt_path", "--print_config", *(f"--{name}" for name in inspect.signature(generate).parameters)}
+    found = {
+        "--config",
+        "--ckpt_path",
+        "--print_config",
+        *(f"--{name}" for name in inspect.signature(generate).parameters),
+    }
     for path in (PACKAGE / "commands").glob("*.py"):
         found |= set(re.findall(r'add_argument\(\s*"(--[\w-]+)"', path.read_text()))
     return found
@@ -195,8 +215,15 @@ def _study_key_exists(segments: list[str]) -> bool:
     if head == "launch" or (head == "variants" and rest[1:2] == ["launch"]):
         launch = rest if head == "launch" else rest[2:]
         fields = {f.name for f in dataclasses.fields(Launch)}
-        if not launch or launch[0] in (ANY, *fields) and (launch[0] != "slurm" or len(launch) < 2
-                                                         or launch[1] in (ANY, *(f.name for f in dataclasses.fields(SlurmSettings)))):
+        if (
+            not launch
+            or launch[0] in (ANY, *fields)
+            and (
+                launch[0] != "slurm"
+                or len(launch) < 2
+                or launch[1] in (ANY, *(f.name for f in dataclasses.fields(SlurmSettings)))
+            )
+        ):
             return True
         return False
     if head == "variants":
@@ -241,20 +268,38 @@ def test_the_sources_name_refusal_keys():
     """The walk finds what it must: the keys of the house's refusals (a walk that finds nothing passes)."""
     keys = {key for _, key in KEYS}
     assert len(KEYS) > 150
-    assert {"trainer.strategy.init_args.ep", "model.init_args.model.fp8", "launch.slurm", "--ckpt_path",
-            "data.init_args.collator.init_args.pad_to_multiple_of"} <= keys  # fmt: skip
+    assert {
+        "trainer.strategy.init_args.ep",
+        "model.init_args.model.fp8",
+        "launch.slurm",
+        "--ckpt_path",
+        "data.init_args.collator.init_args.pad_to_multiple_of",
+    } <= keys
 
 
-@pytest.mark.parametrize(("key", "exists"), [
-    ("trainer.strategy.init_args.cp_layout", True), ("data.init_args.collator.init_args.pad_to_multiple_of", True),
-    ("model.init_args.model.quantization.bits", True), ("model.init_args.model.config.num_key_value_heads", True),
-    ("launch.slurm.partition", True), ("variants[2].launch.executor", True), ("--no-wait", True),
-    ("trainer.callbacks[MemoryMonitor].init_args.tracked_steps", True), ("data.init_args.source row 3", True),
-    ("trainer.callbacks[MemoryMonitor].init_args.tracked_step", False), ("MemoryMonitor.tracked_steps", False),
-    ("data.pad_to_multiple_of", False), ("data.init_args.pad_to_multiple_of", False),
-    ("trainer.strategy.init_args.cp_layuot", False), ("model.init_args.model.quantization.bitz", False),
-    ("launch.slurm.partitions", False), ("--merged", False), ("LIT_ABLATE_NO_SUCH", False),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("key", "exists"),
+    [
+        ("trainer.strategy.init_args.cp_layout", True),
+        ("data.init_args.collator.init_args.pad_to_multiple_of", True),
+        ("model.init_args.model.quantization.bits", True),
+        ("model.init_args.model.config.num_key_value_heads", True),
+        ("launch.slurm.partition", True),
+        ("variants[2].launch.executor", True),
+        ("--no-wait", True),
+        ("trainer.callbacks[MemoryMonitor].init_args.tracked_steps", True),
+        ("data.init_args.source row 3", True),
+        ("trainer.callbacks[MemoryMonitor].init_args.tracked_step", False),
+        ("MemoryMonitor.tracked_steps", False),
+        ("data.pad_to_multiple_of", False),
+        ("data.init_args.pad_to_multiple_of", False),
+        ("trainer.strategy.init_args.cp_layuot", False),
+        ("model.init_args.model.quantization.bitz", False),
+        ("launch.slurm.partitions", False),
+        ("--merged", False),
+        ("LIT_ABLATE_NO_SUCH", False),
+    ],
+)
 def test_the_schema_tells_a_key_from_a_typo(key, exists):
     assert key_exists(key) is exists
 

@@ -14,14 +14,18 @@ from pathlib import Path
 from benchmarks.regenerate_reports import problems, studies
 
 
-def _study(results: Path, name: str, commits: list[str | None], environment: str = "Environment: device cpu, commit x.") -> None:
+def _study(
+    results: Path, name: str, commits: list[str | None], environment: str = "Environment: device cpu, commit x."
+) -> None:
     """A study's results; a None commit is a variant refused before launch (skipped, no environment)."""
     directory = results / name
     for i, commit in enumerate(commits):
         run = directory / "runs" / f"v{i}" / "seed0"
         run.mkdir(parents=True)
         record = {"environment": {"git_commit": commit}, "summary": {"status": "ok"}}
-        (run / "run.json").write_text(json.dumps(record if commit else {"environment": {}, "summary": {"status": "skipped"}}))
+        (run / "run.json").write_text(
+            json.dumps(record if commit else {"environment": {}, "summary": {"status": "skipped"}})
+        )
     (directory / "report.md").write_text(f"# {name}\n\n{environment}\n")
 
 
@@ -63,7 +67,9 @@ def test_every_shipped_study_tracks_tensor_memory():
         spec = load_study(Path(__file__).parents[1] / "configs" / "studies" / f"{name}.yaml")
         for variant in spec.variants:
             callbacks = spec.run_config(variant, spec.seeds[0], "/tmp/unused")["trainer"].get("callbacks") or []
-            memory = [c for c in callbacks if isinstance(c, dict) and str(c.get("class_path", "")).endswith("MemoryMonitor")]
+            memory = [
+                c for c in callbacks if isinstance(c, dict) and str(c.get("class_path", "")).endswith("MemoryMonitor")
+            ]
             if not memory or any((c.get("init_args") or {}).get("tracked_steps") == 0 for c in memory):
                 untracked.append(f"{name}/{variant.name}")
     assert not untracked, untracked

@@ -25,9 +25,13 @@ SKIPPED_DIRS = {"__pycache__", ".pytest_cache"}
 SKIPPED_PATHS = (ROOT / "benchmarks" / "results", ROOT / "benchmarks" / "gpu" / "wheels")
 TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".toml", ".txt", ".cfg", ".sh", ""}
 
-OUTSIDE_NOTES = re.compile("PLATFORM" "_NOTES" r"|\bDES" r"IGN\b|\b(?:STYLE|DEVELOPERS)\.md\b|\.\./sha" r"red\b|/work/sha" "red")
+OUTSIDE_NOTES = re.compile(
+    "PLATFORM" "_NOTES" r"|\bDES" r"IGN\b|\b(?:STYLE|DEVELOPERS)\.md\b|\.\./sha" r"red\b|/work/sha" "red"
+)
 """The outside notes by name (spelled in pieces, so that this file does not name them either)."""
-REPOSITORY_PATH = re.compile(r"(?<![\w/.-])((?:lit_ablate|tests|docs|examples|configs|benchmarks)/[\w/.-]*\w\.(?:py|md|yaml|json))")
+REPOSITORY_PATH = re.compile(
+    r"(?<![\w/.-])((?:lit_ablate|tests|docs|examples|configs|benchmarks)/[\w/.-]*\w\.(?:py|md|yaml|json))"
+)
 PLACEHOLDERS = {
     "configs/studies/S.yaml": "the README's usage line for any study",
     "configs/studies/loss_axis.yaml": "docs/architecture.md's study the reader saves",
@@ -43,9 +47,13 @@ def text_files() -> Iterator[tuple[Path, str]]:
     for name in SEARCHED:
         top = ROOT / name
         for path in sorted([top] if top.is_file() else top.rglob("*")):
-            if (not path.is_file() or path.suffix not in TEXT_SUFFIXES or SKIPPED_DIRS & set(path.parts)
-                    or any(path.is_relative_to(skipped) for skipped in SKIPPED_PATHS)
-                    or path == Path(__file__)):  # this docstring names the bad examples it was seen failing on
+            if (
+                not path.is_file()
+                or path.suffix not in TEXT_SUFFIXES
+                or SKIPPED_DIRS & set(path.parts)
+                or any(path.is_relative_to(skipped) for skipped in SKIPPED_PATHS)
+                or path == Path(__file__)
+            ):  # this docstring names the bad examples it was seen failing on
                 continue
             try:
                 yield path, path.read_text()
@@ -64,30 +72,42 @@ def where(path: Path, text: str, offset: int) -> str:
 
 
 def test_nothing_cites_a_note_outside_the_repository():
-    found = [f"{where(path, text, m.start())}: {m.group(0)}" for path, text in text_files()
-             for m in OUTSIDE_NOTES.finditer(text)]
+    found = [
+        f"{where(path, text, m.start())}: {m.group(0)}"
+        for path, text in text_files()
+        for m in OUTSIDE_NOTES.finditer(text)
+    ]
     assert not found, "cited outside the repository (what a reader needs belongs in docs/):\n" + "\n".join(found)
 
 
 def test_every_repository_path_named_exists():
-    missing = [f"{where(path, text, m.start())}: {m.group(1)}" for path, text in text_files()
-               for m in REPOSITORY_PATH.finditer(text)
-               if m.group(1) not in PLACEHOLDERS and not (ROOT / m.group(1)).exists()]
+    missing = [
+        f"{where(path, text, m.start())}: {m.group(1)}"
+        for path, text in text_files()
+        for m in REPOSITORY_PATH.finditer(text)
+        if m.group(1) not in PLACEHOLDERS and not (ROOT / m.group(1)).exists()
+    ]
     assert not missing, "names a file the repository does not hold:\n" + "\n".join(missing)
 
 
 def test_every_relative_markdown_link_resolves():
-    broken = [f"{where(path, text, m.start())}: {m.group(1)}" for path, text in text_files() if path.suffix == ".md"
-              for m in LINK.finditer(text)
-              if "://" not in m.group(1) and not m.group(1).startswith("mailto:")
-              and not (path.parent / m.group(1)).exists()]
+    broken = [
+        f"{where(path, text, m.start())}: {m.group(1)}"
+        for path, text in text_files()
+        if path.suffix == ".md"
+        for m in LINK.finditer(text)
+        if "://" not in m.group(1) and not m.group(1).startswith("mailto:") and not (path.parent / m.group(1)).exists()
+    ]
     assert not broken, "links to nothing:\n" + "\n".join(broken)
 
 
 def test_every_cited_docs_anchor_is_a_heading():
     pages = {p.stem: p for p in (ROOT / "docs").glob("*.md") if p.stem != "README"}
     anchors = {name: heading_anchors(page) for name, page in pages.items()}
-    unknown = [f"{where(path, text, m.start())}: {m.group(0)}" for path, text in text_files()
-               for m in PAGE_ANCHOR.finditer(text)
-               if m.group(1) in pages and m.group(2) not in anchors[m.group(1)]]
+    unknown = [
+        f"{where(path, text, m.start())}: {m.group(0)}"
+        for path, text in text_files()
+        for m in PAGE_ANCHOR.finditer(text)
+        if m.group(1) in pages and m.group(2) not in anchors[m.group(1)]
+    ]
     assert not unknown, "cites a heading its page does not have:\n" + "\n".join(unknown)

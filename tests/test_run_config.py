@@ -40,13 +40,21 @@ class KeywordsOnlyTensorParallel(presets.TensorParallelStrategy):
 
 
 STRATEGIES = [
-    (presets.FSDP2Strategy, {}), (presets.HSDPStrategy, {"dp_shard": 2}), (presets.TensorParallelStrategy, {}),
-    (presets.TensorParallelStrategy, {"tp": 2, "dp_shard": 2}), (presets.ContextParallelStrategy, {}),
-    (presets.ExpertParallelStrategy, {"dp_shard": 2}), (presets.ExpertTensorParallelStrategy, {"tp": 2, "ep": 2}),
-    (presets.TensorContextParallelStrategy, {"tp": 2}), (presets.ExpertContextParallelStrategy, {"ep": 2}),
-    (MeshParallelStrategy, {}), (MeshParallelStrategy, {"tp": 2, "cp": -1, "dp_shard": 1}), (PipelineParallelStrategy, {}),
-    (PipelineParallelStrategy, {"tp": 2, "dp_shard": 2}), (KeywordsOnlyTensorParallel, {}),
-]  # fmt: skip
+    (presets.FSDP2Strategy, {}),
+    (presets.HSDPStrategy, {"dp_shard": 2}),
+    (presets.TensorParallelStrategy, {}),
+    (presets.TensorParallelStrategy, {"tp": 2, "dp_shard": 2}),
+    (presets.ContextParallelStrategy, {}),
+    (presets.ExpertParallelStrategy, {"dp_shard": 2}),
+    (presets.ExpertTensorParallelStrategy, {"tp": 2, "ep": 2}),
+    (presets.TensorContextParallelStrategy, {"tp": 2}),
+    (presets.ExpertContextParallelStrategy, {"ep": 2}),
+    (MeshParallelStrategy, {}),
+    (MeshParallelStrategy, {"tp": 2, "cp": -1, "dp_shard": 1}),
+    (PipelineParallelStrategy, {}),
+    (PipelineParallelStrategy, {"tp": 2, "dp_shard": 2}),
+    (KeywordsOnlyTensorParallel, {}),
+]
 
 
 def _strategy_config(cls: type, init_args: dict) -> dict:
@@ -70,10 +78,19 @@ def test_a_strategy_without_a_mesh_has_no_mesh_sizes_and_every_dimension_of_size
 def test_mesh_sizes_are_one_frozen_value():
     """Resolution of -1 as the strategies resolve it (``tests/test_strategies_mesh.py`` checks the refusals)."""
     sizes = MeshSizes(dp_shard=-1, tp=2)
-    assert sizes.on == ("dp_shard", "tp") and sizes == {"pp": 1, "dp_replicate": 1, "dp_shard": -1, "ep": 1, "cp": 1, "tp": 2}
+    assert sizes.on == ("dp_shard", "tp") and sizes == {
+        "pp": 1,
+        "dp_replicate": 1,
+        "dp_shard": -1,
+        "ep": 1,
+        "cp": 1,
+        "tp": 2,
+    }
     resolved = sizes.resolved(8)
     assert (resolved.dp_shard, resolved.world_size, resolved.on) == (4, 8, ("dp_shard", "tp"))
-    assert MeshSizes.of({"tp": 2}).resolved(2) == MeshSizes(tp=2) and hash(MeshSizes(tp=2)) == hash(MeshSizes.of({"tp": 2}))
+    assert MeshSizes.of({"tp": 2}).resolved(2) == MeshSizes(tp=2) and hash(MeshSizes(tp=2)) == hash(
+        MeshSizes.of({"tp": 2})
+    )
     with pytest.raises(AttributeError):
         sizes.tp = 4  # type: ignore[misc]
     with pytest.raises(ValueError, match="resolve it"):
@@ -90,18 +107,40 @@ def test_the_raw_yaml_and_the_resolved_config_read_the_same():
     from lit_ablate.fit_cli import resolve_fit_config
 
     strategy = "lit_ablate.strategies.ContextParallelStrategy"
-    raw = with_overrides(yaml.safe_load(QUICKSTART.read_text()),
-                         {"trainer.devices": 2, "trainer.strategy": {"class_path": strategy}, "model.init_args.loss": "chunked"})
-    resolved = resolve_fit_config(["--config", str(QUICKSTART), "--trainer.devices", "2", "--trainer.strategy.class_path",
-                                   strategy, "--model.init_args.loss", "chunked"])  # fmt: skip
+    raw = with_overrides(
+        yaml.safe_load(QUICKSTART.read_text()),
+        {"trainer.devices": 2, "trainer.strategy": {"class_path": strategy}, "model.init_args.loss": "chunked"},
+    )
+    resolved = resolve_fit_config(
+        [
+            "--config",
+            str(QUICKSTART),
+            "--trainer.devices",
+            "2",
+            "--trainer.strategy.class_path",
+            strategy,
+            "--model.init_args.loss",
+            "chunked",
+        ]
+    )
     views = [RunConfig.of(raw), RunConfig.of(resolved)]
 
     def read(run: RunConfig) -> tuple:
         strategy = run.trainer.strategy
-        return (strategy.requested_mesh_sizes, strategy.mesh_size("cp", run.trainer.world_size), strategy.option("cp_impl"),
-                strategy.option("cp_block_kernel"), strategy.short_name, run.model.loss, run.compute_dtype,
-                run.model.attention, run.trainer.world_size, run.trainer.accumulation, run.data.seq_len,
-                run.model.module.class_path)  # fmt: skip
+        return (
+            strategy.requested_mesh_sizes,
+            strategy.mesh_size("cp", run.trainer.world_size),
+            strategy.option("cp_impl"),
+            strategy.option("cp_block_kernel"),
+            strategy.short_name,
+            run.model.loss,
+            run.compute_dtype,
+            run.model.attention,
+            run.trainer.world_size,
+            run.trainer.accumulation,
+            run.data.seq_len,
+            run.model.module.class_path,
+        )
 
     assert read(views[0]) == read(views[1])
     assert read(views[0])[:3] == (MeshSizes(cp=-1), 2, "ring")
@@ -121,9 +160,17 @@ def test_the_estimator_builds_no_strategy_to_learn_sizes_and_options(monkeypatch
     tensor = {"class_path": "lit_ablate.strategies.TensorParallelStrategy", "init_args": {"sequence_parallel": True}}
     shape = training_shape_of(with_overrides(base, {"trainer.devices": 2, "trainer.strategy": tensor}))
     assert (shape.tensor_parallel, shape.sequence_parallel) == (2, True)
-    pipeline = {"class_path": "lit_ablate.strategies.PipelineParallelStrategy", "init_args": {"tp": 2, "microbatches": 4}}
+    pipeline = {
+        "class_path": "lit_ablate.strategies.PipelineParallelStrategy",
+        "init_args": {"tp": 2, "microbatches": 4},
+    }
     shape = training_shape_of(with_overrides(base, {"trainer.devices": 8, "trainer.strategy": pipeline}))
-    assert (shape.pipeline_parallel, shape.tensor_parallel, shape.microbatches, shape.pipeline_schedule) == (4, 2, 4, "1f1b")
+    assert (shape.pipeline_parallel, shape.tensor_parallel, shape.microbatches, shape.pipeline_schedule) == (
+        4,
+        2,
+        4,
+        "1f1b",
+    )
 
 
 def test_a_refusal_is_its_key_value_and_fix_and_the_line_a_study_shows():
@@ -133,7 +180,8 @@ def test_a_refusal_is_its_key_value_and_fix_and_the_line_a_study_shows():
     assert (error.key, error.value, error.fix) == ("model.init_args.loss", "liger", "use loss: chunked")
     assert error.refusal == refusal and pickle.loads(pickle.dumps(refusal)).value == "liger"
     assert Refusal("data.init_args.format", "sft", "use format: preference", shown="sft") == (
-        "data.init_args.format=sft: use format: preference")
+        "data.init_args.format=sft: use format: preference"
+    )
     with pytest.raises(AttributeError):
         refusal.key = "x"  # type: ignore[misc]
 

@@ -27,15 +27,34 @@ from lit_ablate.simulated_rank import SimulatedRank, current_simulation
 
 WORLD = 64
 ROWS, SEQ = 2, 128
-WIDE = {"vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 64}
+WIDE = {
+    "vocab_size": 1024,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+}
 DENSE = {"preset": "tiny-qwen3", "config": WIDE}
-MOE = {"preset": "tiny-qwen3-moe", "config": {**WIDE, "num_experts": 64, "moe_intermediate_size": 128},
-       "moe": {"experts": "grouped"}}  # 64 experts: 8 per ep rank, 1 per FSDP rank
+MOE = {
+    "preset": "tiny-qwen3-moe",
+    "config": {**WIDE, "num_experts": 64, "moe_intermediate_size": 128},
+    "moe": {"experts": "grouped"},
+}  # 64 experts: 8 per ep rank, 1 per FSDP rank
 STRATEGIES = "lit_ablate.strategies"
-WIDER = {"preset": "tiny-qwen3", "config": {"vocab_size": 8192, "hidden_size": 1024, "intermediate_size": 3072,
-                                            "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 8,
-                                            "head_dim": 128}}
+WIDER = {
+    "preset": "tiny-qwen3",
+    "config": {
+        "vocab_size": 8192,
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+    },
+}
 LAYOUTS = {  # name: (strategy class, its init_args, model, rows and tokens per rank)
     "fsdp2_64": ("FSDP2Strategy", {"dp_shard": 64}, DENSE, (ROWS, SEQ)),
     "tp4_fsdp16": ("TensorParallelStrategy", {"tp": 4, "dp_shard": 16}, DENSE, (ROWS, SEQ)),
@@ -52,9 +71,15 @@ def layout_config(name: str, world_size: int = WORLD, rank: int = 0) -> dict:
     strategy, options, model, (rows, seq) = LAYOUTS[name]
     return {
         "seed_everything": 0,
-        "simulate": world_size, "simulate_rank": rank,
-        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 2, "precision": "32-true",
-                    "strategy": {"class_path": f"{STRATEGIES}.{strategy}", "init_args": options}},
+        "simulate": world_size,
+        "simulate_rank": rank,
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": 1,
+            "max_steps": 2,
+            "precision": "32-true",
+            "strategy": {"class_path": f"{STRATEGIES}.{strategy}", "init_args": options},
+        },
         "model": {"class_path": "lit_ablate.modules.CausalLM", "init_args": {"model": model, "warmup_steps": 0}},
         "data": {"class_path": "lit_ablate.data.LMDataModule", "init_args": {"batch_size": rows, "seq_len": seq}},
     }
@@ -93,13 +118,21 @@ def simulate(config: dict, record_path: Path) -> dict:
     start_fake_process_group(run.simulation)
     try:
         L.seed_everything(0)
-        trainer = L.Trainer(max_steps=run.trainer.max_steps, accelerator="cpu", strategy=run.trainer.strategy.build(),
-                            use_distributed_sampler=False, logger=False, enable_progress_bar=False,
-                            enable_model_summary=False,
-                            callbacks=[MemoryMonitor(), ThroughputMonitor(), RunRecorder(path=str(record_path), warmup_steps=2)],
-                            **simulated_trainer_arguments(run.simulation))  # fmt: skip
-        trainer.fit(CausalLM(ModelFactory(**run.model.factory), warmup_steps=0),
-                    DataLoader(batches(run.trainer.max_steps, run.data.batch_size, run.data.seq_len), batch_size=None))
+        trainer = L.Trainer(
+            max_steps=run.trainer.max_steps,
+            accelerator="cpu",
+            strategy=run.trainer.strategy.build(),
+            use_distributed_sampler=False,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[MemoryMonitor(), ThroughputMonitor(), RunRecorder(path=str(record_path), warmup_steps=2)],
+            **simulated_trainer_arguments(run.simulation),
+        )
+        trainer.fit(
+            CausalLM(ModelFactory(**run.model.factory), warmup_steps=0),
+            DataLoader(batches(run.trainer.max_steps, run.data.batch_size, run.data.seq_len), batch_size=None),
+        )
     finally:
         dist.destroy_process_group()
         rank_zero_only.rank = rank
@@ -202,13 +235,22 @@ def _stderr_lines(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 FIT = ["fit", "--config", str(CONFIGS / "fsdp2_tiny.yaml"), "--trainer.max_steps", "1"]
-PIPELINE = ["--trainer.strategy", "lit_ablate.strategies.PipelineParallelStrategy",
-            "--trainer.strategy.init_args.pp", "2", "--trainer.strategy.init_args.dp_shard", "4"]
+PIPELINE = [
+    "--trainer.strategy",
+    "lit_ablate.strategies.PipelineParallelStrategy",
+    "--trainer.strategy.init_args.pp",
+    "2",
+    "--trainer.strategy.init_args.dp_shard",
+    "4",
+]
 REFUSALS = {  # name: (arguments after FIT, fragments of the one line)
     "resume": (["--simulate", "64", "--ckpt_path", "last"], ["--ckpt_path", "resume"]),
     "validate": (None, ["simulate", "only trains"]),
     "ddp": (["--simulate", "8", "--trainer.strategy", "ddp"], ["trainer.strategy", "mesh strategies"]),
-    "mesh_not_dividing": (["--simulate", "48", "--trainer.strategy.init_args.dp_shard", "32"], ["dp_shard", "32", "48"]),
+    "mesh_not_dividing": (
+        ["--simulate", "48", "--trainer.strategy.init_args.dp_shard", "32"],
+        ["dp_shard", "32", "48"],
+    ),
     "one_rank": (["--simulate", "1"], ["simulate", "2 or more"]),
     "rank_outside": (["--simulate", "8", "--simulate_rank", "8"], ["simulate_rank", "0 to 7"]),
     "later_stage": (["--simulate", "8", "--simulate_rank", "5", *PIPELINE], ["simulate_rank", "first stage", "0-3"]),
@@ -219,8 +261,11 @@ REFUSALS = {  # name: (arguments after FIT, fragments of the one line)
 def test_a_simulation_that_cannot_mean_anything_is_one_line_before_any_work(name, tmp_path, capsys):
     """Refused before the process group or anything else starts (the fake group would be left behind)."""
     extra, fragments = REFUSALS[name]
-    argv = (["validate", "--config", str(CONFIGS / "fsdp2_tiny.yaml"), "--simulate", "64"] if extra is None
-            else [*FIT, "--trainer.default_root_dir", str(tmp_path), *extra])
+    argv = (
+        ["validate", "--config", str(CONFIGS / "fsdp2_tiny.yaml"), "--simulate", "64"]
+        if extra is None
+        else [*FIT, "--trainer.default_root_dir", str(tmp_path), *extra]
+    )
     code, lines = _stderr_lines(argv, capsys)
     assert code == 2 and len(lines) == 1, lines
     assert all(fragment in lines[0] for fragment in fragments), lines[0]
@@ -244,8 +289,13 @@ def test_expert_parallel_dispatch_is_balanced_when_a_fake_exchange_leaves_its_bu
         tokens, top_k, experts = 64, 4, 16
         generator = torch.Generator().manual_seed(0)
         indices = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)])
-        routing = Routing(torch.full((tokens, top_k), 1 / top_k), indices, torch.zeros(tokens, experts),
-                          torch.zeros(tokens, experts), torch.bincount(indices.reshape(-1), minlength=experts))
+        routing = Routing(
+            torch.full((tokens, top_k), 1 / top_k),
+            indices,
+            torch.zeros(tokens, experts),
+            torch.zeros(tokens, experts),
+            torch.bincount(indices.reshape(-1), minlength=experts),
+        )
         seen = []
 
         def local_experts(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -281,9 +331,17 @@ def test_the_report_sets_a_simulated_rank_s_categories_beside_its_estimate(simul
 
 
 def _study(**extra) -> dict:
-    return {"name": "sim", "base": layout_config("fsdp2_64"), "vary": ["trainer.strategy"],
-            "variants": [{"name": "fsdp2"}, {"name": "tp4", "overrides": {"trainer.strategy": layout_config("tp4_fsdp16")["trainer"]["strategy"]}}],
-            "launch": {"simulate": 64}, **extra}
+    return {
+        "name": "sim",
+        "base": layout_config("fsdp2_64"),
+        "vary": ["trainer.strategy"],
+        "variants": [
+            {"name": "fsdp2"},
+            {"name": "tp4", "overrides": {"trainer.strategy": layout_config("tp4_fsdp16")["trainer"]["strategy"]}},
+        ],
+        "launch": {"simulate": 64},
+        **extra,
+    }
 
 
 def test_a_study_s_launch_simulates_every_run_as_one_process(tmp_path):

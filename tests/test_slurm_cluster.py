@@ -38,8 +38,10 @@ PAUSED_AT = 7
 """The requeue test's first attempt holds at this step, after the checkpoint of the step before."""
 DDP = {"class_path": "lit_ablate.strategies.DDPStrategy"}
 FSDP2 = {"class_path": "lit_ablate.strategies.FSDP2Strategy"}
-CHECKPOINTS = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-               "init_args": {"save_last": True, "every_n_train_steps": CHECKPOINT_EVERY}}  # fmt: skip
+CHECKPOINTS = {
+    "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+    "init_args": {"save_last": True, "every_n_train_steps": CHECKPOINT_EVERY},
+}
 SHAPE = {  # a model and data small enough that a rank's start-up (imports) is most of a run
     "model.init_args.model.config": {"num_hidden_layers": 1},
     "data.init_args.source.init_args.num_documents": 80,
@@ -79,18 +81,34 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
             started.stop()
 
 
-def study(variants: list[dict[str, Any]], vary: list[str], slurm: dict[str, Any] | None,
-          overrides: dict[str, Any] | None = None, callbacks: list[dict[str, Any]] | None = None) -> Any:
+def study(
+    variants: list[dict[str, Any]],
+    vary: list[str],
+    slurm: dict[str, Any] | None,
+    overrides: dict[str, Any] | None = None,
+    callbacks: list[dict[str, Any]] | None = None,
+) -> Any:
     """A study of tiny runs that checkpoint every few steps; ``slurm`` None runs it on this machine."""
     launch: dict[str, Any] = {"accelerator": "cpu", "timeout_s": 300}
     if slurm is not None:
         launch.update(executor="slurm", slurm={**ON_THIS_CLUSTER, **slurm})
-    return parse_study({
-        "name": "slurm", "base": str(QUICKSTART), "steps": STEPS, "warmup_steps": 1, "vary": vary,
-        "overrides": {**SHAPE, "trainer.strategy": DDP, "trainer.callbacks": [CHECKPOINTS, *(callbacks or [])],
-                      **(overrides or {})},
-        "variants": variants, "launch": launch,
-    })  # fmt: skip
+    return parse_study(
+        {
+            "name": "slurm",
+            "base": str(QUICKSTART),
+            "steps": STEPS,
+            "warmup_steps": 1,
+            "vary": vary,
+            "overrides": {
+                **SHAPE,
+                "trainer.strategy": DDP,
+                "trainer.callbacks": [CHECKPOINTS, *(callbacks or [])],
+                **(overrides or {}),
+            },
+            "variants": variants,
+            "launch": launch,
+        }
+    )
 
 
 def losses(record: dict[str, Any]) -> dict[int, float]:
@@ -118,10 +136,14 @@ def multi_node_study(cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFac
     marker = root / "held"
     hold = {"class_path": "slurm_cluster.HoldFirstAttempt", "init_args": {"step": PAUSED_AT, "marker": str(marker)}}
     variants = [
-        {"name": "ddp_1x2", "overrides": {"trainer.callbacks": [CHECKPOINTS, hold]}, "launch": {"devices": 2, "num_nodes": 1}},
+        {
+            "name": "ddp_1x2",
+            "overrides": {"trainer.callbacks": [CHECKPOINTS, hold]},
+            "launch": {"devices": 2, "num_nodes": 1},
+        },
         {"name": "ddp_2x1", "launch": {"devices": 1, "num_nodes": 2}},
         {"name": "fsdp2_2x1", "overrides": {"trainer.strategy": FSDP2}, "launch": {"devices": 1, "num_nodes": 2}},
-    ]  # fmt: skip
+    ]
     vary = ["trainer.strategy", "trainer.devices", "trainer.num_nodes"]
     requeued: list[str] = []
 
@@ -137,13 +159,17 @@ def multi_node_study(cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFac
     watcher.start()
     report = run_study(study(variants, [*vary, "trainer.callbacks"], slurm={}), root / "cluster")
     watcher.join(timeout=5)
-    here = [{"name": "ddp_1x2", "launch": {"devices": 2}},
-            {"name": "fsdp2_1x2", "overrides": {"trainer.strategy": FSDP2}, "launch": {"devices": 2}}]  # fmt: skip
+    here = [
+        {"name": "ddp_1x2", "launch": {"devices": 2}},
+        {"name": "fsdp2_1x2", "overrides": {"trainer.strategy": FSDP2}, "launch": {"devices": 2}},
+    ]
     run_study(study(here, vary, slurm=None), root / "here")
     return {"cluster": root / "cluster", "here": root / "here", "report": report, "requeued": requeued}
 
 
-def test_variants_run_as_real_jobs_on_one_and_two_nodes_with_the_losses_of_a_local_run(multi_node_study: dict[str, Any]):
+def test_variants_run_as_real_jobs_on_one_and_two_nodes_with_the_losses_of_a_local_run(
+    multi_node_study: dict[str, Any],
+):
     """Each variant is a SLURM job whose tasks Lightning turns into ranks: its record names the job,
     its nodes and each rank's node rank, world size 2, and its losses equal the same run on this
     machine (DDP on one node x 2 tasks, requeued once, and on two nodes x 1 task, FSDP2 over two nodes;
@@ -208,7 +234,10 @@ def test_a_job_that_dies_is_a_failed_row_with_its_reason_never_a_hang(cluster: S
     killed = {**ON_THIS_CLUSTER, "setup": ["kill -9 $$"]}
     variants = [
         {"name": "killed", "launch": {"slurm": killed}},
-        {"name": "bad_vocab", "overrides": {"model.init_args.model.config": {"num_hidden_layers": 1, "vocab_size": 100}}},
+        {
+            "name": "bad_vocab",
+            "overrides": {"model.init_args.model.config": {"num_hidden_layers": 1, "vocab_size": 100}},
+        },
     ]
     spec = study(variants, ["model.init_args.model.config"], slurm={})
     out = tmp_path / "dying"

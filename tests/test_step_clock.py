@@ -104,27 +104,48 @@ class Watch(L.Callback):
         self.device.training_ended = True
 
 
-def fit_with_events(tmp_path, monkeypatch, accumulate: int, max_steps: int, stop_at: int | None = None,
-                    validate_every: int | None = None,
-                    warmup: int = 1) -> tuple[dict, list[dict], Watch, FakeDevice, TimedLM]:  # fmt: skip
+def fit_with_events(
+    tmp_path,
+    monkeypatch,
+    accumulate: int,
+    max_steps: int,
+    stop_at: int | None = None,
+    validate_every: int | None = None,
+    warmup: int = 1,
+) -> tuple[dict, list[dict], Watch, FakeDevice, TimedLM]:
     """A fit whose monitors run on the CUDA clock over stand-in events."""
     device = FakeDevice()
     event = type("Event", (FakeEvent,), {"device": device})
-    monkeypatch.setattr(step_monitor, "clock_for",
-                        lambda _, first, last: CudaEventClock(first, last, event_class=event))
+    monkeypatch.setattr(
+        step_monitor, "clock_for", lambda _, first, last: CudaEventClock(first, last, event_class=event)
+    )
     L.seed_everything(0)
     batches = _batches(len(MICRO_BATCH_MS), 2, masked_prefix=[0, 9, 21, 4])
     watch = Watch(device, stop_at)
     trainer = L.Trainer(
-        max_steps=max_steps, accelerator="cpu", accumulate_grad_batches=accumulate, logger=False,
-        callbacks=[watch, ThroughputMonitor(), MFUMonitor(peak_tflops=1.0, measure_ceiling=False),
-                   RunRecorder(path=str(tmp_path / "run.json"), warmup_steps=warmup)],
-        val_check_interval=validate_every, limit_val_batches=1 if validate_every else 0, num_sanity_val_steps=0,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+        max_steps=max_steps,
+        accelerator="cpu",
+        accumulate_grad_batches=accumulate,
+        logger=False,
+        callbacks=[
+            watch,
+            ThroughputMonitor(),
+            MFUMonitor(peak_tflops=1.0, measure_ceiling=False),
+            RunRecorder(path=str(tmp_path / "run.json"), warmup_steps=warmup),
+        ],
+        val_check_interval=validate_every,
+        limit_val_batches=1 if validate_every else 0,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     module = TimedLM(device)
-    trainer.fit(module, DataLoader(batches, batch_size=None),
-                DataLoader(batches[:1], batch_size=None) if validate_every else None)
+    trainer.fit(
+        module,
+        DataLoader(batches, batch_size=None),
+        DataLoader(batches[:1], batch_size=None) if validate_every else None,
+    )
     return json.loads((tmp_path / "run.json").read_text()), batches, watch, device, module
 
 
@@ -136,13 +157,17 @@ def useful_tokens(batches: list[dict], step: int, accumulate: int) -> int:
     return sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches[(step - 1) * accumulate : step * accumulate])
 
 
-@pytest.mark.parametrize(("accumulate", "max_steps", "stop_at", "validate_every"), [
-    (1, 5, None, None),
-    (2, 5, None, 4),  # a validation run after step 2 (4 micro-batches): paused out of step 3
-    (3, 4, 2, None),  # training stopped early, at step 2
-])  # fmt: skip
-def test_each_step_gets_its_own_device_time_tokens_and_loss(tmp_path, monkeypatch, accumulate, max_steps, stop_at,
-                                                            validate_every):  # fmt: skip
+@pytest.mark.parametrize(
+    ("accumulate", "max_steps", "stop_at", "validate_every"),
+    [
+        (1, 5, None, None),
+        (2, 5, None, 4),  # a validation run after step 2 (4 micro-batches): paused out of step 3
+        (3, 4, 2, None),  # training stopped early, at step 2
+    ],
+)
+def test_each_step_gets_its_own_device_time_tokens_and_loss(
+    tmp_path, monkeypatch, accumulate, max_steps, stop_at, validate_every
+):
     """Step N's values are read at step N+1's end and the last step's at the end of training, each
     under its own step: step time = the device time of exactly its micro-batches, tokens/s x time =
     its useful tokens, MFU x time = its FLOPs, loss = the objective's loss of that step; the host
@@ -150,8 +175,9 @@ def test_each_step_gets_its_own_device_time_tokens_and_loss(tmp_path, monkeypatc
     given step N+1's time (step 1 read 0.005 s for 0.003 s), with the newest step read at once, as
     a synchronising clock does (a stall at every step end), with step N given step N+1's tokens
     (44 useful tokens for 62), and with pauses not subtracted (step 3 read 1.03 s for 0.03 s)."""
-    record, batches, watch, device, module = fit_with_events(tmp_path, monkeypatch, accumulate, max_steps, stop_at,
-                                                     validate_every)  # fmt: skip
+    record, batches, watch, device, module = fit_with_events(
+        tmp_path, monkeypatch, accumulate, max_steps, stop_at, validate_every
+    )
     steps = record["steps"]
     last = stop_at or max_steps
     assert [s["step"] for s in steps] == list(range(1, last + 1))
@@ -232,14 +258,28 @@ def test_gpu_event_clock_agrees_with_a_synchronised_wall_clock(tmp_path):
             self.marks[trainer.global_step] = time.perf_counter()
 
     L.seed_everything(0)
-    factory = ModelFactory(preset="tiny-llama", config={"hidden_size": 1024, "intermediate_size": 4096,
-                                                         "num_hidden_layers": 4, "num_attention_heads": 8,
-                                                         "num_key_value_heads": 8})  # fmt: skip
+    factory = ModelFactory(
+        preset="tiny-llama",
+        config={
+            "hidden_size": 1024,
+            "intermediate_size": 4096,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 8,
+        },
+    )
     module = CausalLM(factory, warmup_steps=0)
     wall = SyncedWallClock()
-    trainer = L.Trainer(max_steps=12, accelerator="gpu", devices=1, logger=False,
-                        callbacks=[wall, ThroughputMonitor(), RunRecorder(path=str(tmp_path / "run.json"))],
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer = L.Trainer(
+        max_steps=12,
+        accelerator="gpu",
+        devices=1,
+        logger=False,
+        callbacks=[wall, ThroughputMonitor(), RunRecorder(path=str(tmp_path / "run.json"))],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, DataLoader(_batches(12, 8, masked_prefix=[0]), batch_size=None))
     steps = json.loads((tmp_path / "run.json").read_text())["steps"]
     for s in steps[2:]:
@@ -259,9 +299,14 @@ def test_a_checkpoint_carries_the_loss_of_the_step_it_was_saved_at(tmp_path):
     module = CausalLM(ModelFactory(preset="tiny-llama"), warmup_steps=0)
     watch = Watch(FakeDevice(), stop_at=None)
     saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
-    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_progress_bar=False,
-                        enable_model_summary=False,
-                        callbacks=[watch, RunRecorder(path=str(tmp_path / "run.json")), saver])  # fmt: skip
+    trainer = L.Trainer(
+        max_steps=3,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[watch, RunRecorder(path=str(tmp_path / "run.json")), saver],
+    )
     trainer.fit(module, DataLoader(_batches(3, 2, masked_prefix=[0, 7]), batch_size=None))
     (checkpoint,) = (tmp_path / "ckpt").glob("*step=2*.ckpt")
     carried = torch.load(checkpoint, weights_only=False)[LOSS_CHECKPOINT_KEY]

@@ -71,8 +71,28 @@ LOSS_ATOL = 2e-5
 WEIGHT_MEAN_ATOL = 2e-6
 WEIGHT_MAX_ATOL = 1e-3
 # (length, masked prompt) per example; per step: two long rows (rank 0), two short ones (rank 1).
-SHAPES = [(31, 2), (26, 0), (6, 4), (9, 7), (28, 20), (30, 1), (5, 0), (4, 3), (29, 3), (24, 0),
-          (8, 5), (7, 6), (31, 0), (27, 12), (6, 1), (10, 8), (25, 2), (30, 18), (4, 0), (9, 2)]
+SHAPES = [
+    (31, 2),
+    (26, 0),
+    (6, 4),
+    (9, 7),
+    (28, 20),
+    (30, 1),
+    (5, 0),
+    (4, 3),
+    (29, 3),
+    (24, 0),
+    (8, 5),
+    (7, 6),
+    (31, 0),
+    (27, 12),
+    (6, 1),
+    (10, 8),
+    (25, 2),
+    (30, 18),
+    (4, 0),
+    (9, 2),
+]
 
 
 def _examples() -> list[dict]:
@@ -139,17 +159,30 @@ class StepLosses(Callback):
 def fit(variant: str, strategy="auto", devices: int = 1, rank: int = 0, old: bool = False, moe: bool = False) -> dict:
     pl.seed_everything(0, verbose=False)
     attention = "sdpa_packed" if variant == "packed" else "sdpa"
-    factory = (Float64ModelFactory(preset="tiny-qwen3-moe", moe=MoEOptions(experts="grouped", load_balance_weight=0.0))
-               if moe else ModelFactory(preset="tiny-llama", attn_implementation=attention))
+    factory = (
+        Float64ModelFactory(preset="tiny-qwen3-moe", moe=MoEOptions(experts="grouped", load_balance_weight=0.0))
+        if moe
+        else ModelFactory(preset="tiny-llama", attn_implementation=attention)
+    )
     module = CausalLM(factory, learning_rate=1e-2, warmup_steps=0, weight_decay=0.1)
     if old:
         module.objective = PerMicroBatchMean()
     losses = StepLosses()
     accumulate = 2 if variant in ("accumulate", "packed", "ddp_accumulate") else 1
     trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, accumulate_grad_batches=accumulate,
-        callbacks=[losses], gradient_clip_val=1.0, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False, use_distributed_sampler=False, num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=STEPS,
+        accumulate_grad_batches=accumulate,
+        callbacks=[losses],
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
     )
     trainer.fit(module, DataLoader(micro_batches(variant, rank), batch_size=None))
     # The strategy's root (DDP/FSDP1 wrap the whole LightningModule), gathered whole on every rank.
@@ -158,19 +191,38 @@ def fit(variant: str, strategy="auto", devices: int = 1, rank: int = 0, old: boo
 
 
 STRATEGIES = {
-    "ddp": DDPStrategy, "zero1": ZeRO1Strategy, "fsdp1": FSDP1Strategy, "fsdp2": FSDP2Strategy,
-    "hsdp": lambda: HSDPStrategy(dp_replicate=2, dp_shard=1), "ddp_accumulate": DDPStrategy,
+    "ddp": DDPStrategy,
+    "zero1": ZeRO1Strategy,
+    "fsdp1": FSDP1Strategy,
+    "fsdp2": FSDP2Strategy,
+    "hsdp": lambda: HSDPStrategy(dp_replicate=2, dp_shard=1),
+    "ddp_accumulate": DDPStrategy,
     "ep": lambda: ExpertParallelStrategy(ep=2, dispatch="all_to_all"),
 }
 
 
 def _two_rank_fits(rank: int, world_size: int, names: list[str], old: bool) -> dict:
-    return {name: fit(name if name == "ddp_accumulate" else "ranks", STRATEGIES[name](), devices=2, rank=rank, old=old,
-                      moe=name == "ep") for name in names}
+    return {
+        name: fit(
+            name if name == "ddp_accumulate" else "ranks",
+            STRATEGIES[name](),
+            devices=2,
+            rank=rank,
+            old=old,
+            moe=name == "ep",
+        )
+        for name in names
+    }
 
 
-def assert_same_training(run: dict, reference: dict, steps: int = STEPS, loss_atol: float = LOSS_ATOL,
-                         weight_mean_atol: float = WEIGHT_MEAN_ATOL, weight_max_atol: float = WEIGHT_MAX_ATOL) -> None:
+def assert_same_training(
+    run: dict,
+    reference: dict,
+    steps: int = STEPS,
+    loss_atol: float = LOSS_ATOL,
+    weight_mean_atol: float = WEIGHT_MEAN_ATOL,
+    weight_max_atol: float = WEIGHT_MAX_ATOL,
+) -> None:
     """Equal per-step losses and equal weights after the last step (the tolerances above unless a
     test measured its own)."""
     assert len(run["losses"]) == steps
@@ -178,7 +230,8 @@ def assert_same_training(run: dict, reference: dict, steps: int = STEPS, loss_at
     for name, value in reference["weights"].items():
         difference = (run["weights"][name] - value).abs()
         assert difference.mean() <= weight_mean_atol and difference.max() <= weight_max_atol, (
-            f"{name}: mean |diff| {difference.mean():.2e}, max {difference.max():.2e}")
+            f"{name}: mean |diff| {difference.mean():.2e}, max {difference.max():.2e}"
+        )
 
 
 @pytest.fixture(scope="module")

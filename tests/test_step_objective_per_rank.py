@@ -35,8 +35,12 @@ from tests.test_step_objective import micro_batches
 
 GRAD_ATOL = 1e-6
 """Same token losses summed in another order: measured <= 3e-8 on gradient entries up to 0.23."""
-STRATEGIES = {"ddp": DDPStrategy, "zero1": ZeRO1Strategy, "hsdp": lambda: HSDPStrategy(dp_replicate=2, dp_shard=1),
-              "ddp_accumulate": DDPStrategy}  # fmt: skip
+STRATEGIES = {
+    "ddp": DDPStrategy,
+    "zero1": ZeRO1Strategy,
+    "hsdp": lambda: HSDPStrategy(dp_replicate=2, dp_shard=1),
+    "ddp_accumulate": DDPStrategy,
+}
 
 
 class FirstStepGradients(Callback):
@@ -47,8 +51,10 @@ class FirstStepGradients(Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if trainer.global_step == 0:
-            self.grads = {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
-                          for name, p in pl_module.model.named_parameters()}  # fmt: skip
+            self.grads = {
+                name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+                for name, p in pl_module.model.named_parameters()
+            }
 
 
 def first_step_gradients(variant: str, strategy="auto", devices: int = 1, rank: int = 0) -> dict[str, torch.Tensor]:
@@ -56,18 +62,29 @@ def first_step_gradients(variant: str, strategy="auto", devices: int = 1, rank: 
     module = CausalLM(ModelFactory(preset="tiny-llama"), learning_rate=1e-2, warmup_steps=0, weight_decay=0.1)
     grads = FirstStepGradients()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=1,
-        accumulate_grad_batches=2 if variant == "ddp_accumulate" else 1, callbacks=[grads], gradient_clip_val=1.0,
-        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        use_distributed_sampler=False, num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=1,
+        accumulate_grad_batches=2 if variant == "ddp_accumulate" else 1,
+        callbacks=[grads],
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
     )
     trainer.fit(module, DataLoader(micro_batches(variant, rank), batch_size=None))
     return grads.grads
 
 
 def _two_rank_gradients(rank: int, world_size: int) -> dict[str, dict[str, torch.Tensor]]:
-    return {name: first_step_gradients("ddp_accumulate" if name == "ddp_accumulate" else "ranks", make(), 2, rank)
-            for name, make in STRATEGIES.items()}  # fmt: skip
+    return {
+        name: first_step_gradients("ddp_accumulate" if name == "ddp_accumulate" else "ranks", make(), 2, rank)
+        for name, make in STRATEGIES.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -87,5 +104,10 @@ def test_every_rank_s_first_gradient_equals_one_process_s(reference, two_rank_gr
     assert max(g.abs().max() for g in reference.values()) > 0.1, "gradients too small to show a scale"
     for rank, run in enumerate(two_rank_gradients):
         for param, grad in reference.items():
-            torch.testing.assert_close(run[name][param], grad, rtol=0, atol=GRAD_ATOL,
-                                       msg=lambda m, p=param, r=rank: f"rank {r}, gradient of {p}: {m}")
+            torch.testing.assert_close(
+                run[name][param],
+                grad,
+                rtol=0,
+                atol=GRAD_ATOL,
+                msg=lambda m, p=param, r=rank: f"rank {r}, gradient of {p}: {m}",
+            )

@@ -37,7 +37,12 @@ QUICKSTART = Path(__file__).parents[1] / "configs" / "quickstart.yaml"
 
 def test_minus_one_takes_the_rest_of_the_ranks():
     assert resolve_mesh_sizes({"dp_replicate": 2, "dp_shard": -1}, 8) == {
-        "pp": 1, "dp_replicate": 2, "dp_shard": 4, "ep": 1, "cp": 1, "tp": 1
+        "pp": 1,
+        "dp_replicate": 2,
+        "dp_shard": 4,
+        "ep": 1,
+        "cp": 1,
+        "tp": 1,
     }
     assert resolve_mesh_sizes({"dp_shard": 2, "tp": 2, "cp": -1}, 8)["cp"] == 2
 
@@ -64,7 +69,13 @@ def test_a_preset_refuses_a_dimension_it_does_not_take():
         FSDP2Strategy(tp=2)
     assert TensorParallelStrategy(tp=2).requested_mesh_sizes["tp"] == 2
     assert MeshParallelStrategy(tp=2, cp=2, ep=2).requested_mesh_sizes == {
-        "pp": 1, "dp_replicate": 1, "dp_shard": -1, "ep": 2, "cp": 2, "tp": 2}
+        "pp": 1,
+        "dp_replicate": 1,
+        "dp_shard": -1,
+        "ep": 2,
+        "cp": 2,
+        "tp": 2,
+    }
 
 
 def test_a_preset_refuses_a_dimension_at_parse_time_in_one_line(capsys):
@@ -74,8 +85,17 @@ def test_a_preset_refuses_a_dimension_at_parse_time_in_one_line(capsys):
     from lit_ablate.cli import main
 
     with pytest.raises(SystemExit) as exit_:
-        main(["fit", "--config", str(QUICKSTART), "--trainer.strategy.class_path", "lit_ablate.strategies.FSDP2Strategy",
-              "--trainer.strategy.init_args.tp", "2"])
+        main(
+            [
+                "fit",
+                "--config",
+                str(QUICKSTART),
+                "--trainer.strategy.class_path",
+                "lit_ablate.strategies.FSDP2Strategy",
+                "--trainer.strategy.init_args.tp",
+                "2",
+            ]
+        )
     message = capsys.readouterr().err.strip() or str(exit_.value.code)
     assert "init_args.tp: not a parameter of lit_ablate.strategies.FSDP2Strategy" in message and "\n" not in message
 
@@ -121,28 +141,40 @@ def _mesh_layout(rank: int, world_size: int) -> dict:
     return layouts
 
 
-STEPS = ("apply_tp", "apply_ep", "apply_cp", "apply_activation_checkpointing", "apply_compile", "apply_expert_fsdp",
-         "apply_fsdp")
+STEPS = (
+    "apply_tp",
+    "apply_ep",
+    "apply_cp",
+    "apply_activation_checkpointing",
+    "apply_compile",
+    "apply_expert_fsdp",
+    "apply_fsdp",
+)
 
 
 def _steps_run(strategy_class: type, world_size: int, sizes: dict[str, int]) -> list[str]:
     """The steps ``apply_steps`` runs at these sizes, in order (each recorded, none applied)."""
     calls: list[str] = []
-    recording = type("Recording", (strategy_class,), {
-        name: lambda self, model, name=name: calls.append(name) for name in STEPS})
+    recording = type(
+        "Recording", (strategy_class,), {name: lambda self, model, name=name: calls.append(name) for name in STEPS}
+    )
     strategy = recording(**sizes)
     strategy.mesh_sizes = strategy.requested_mesh_sizes.resolved(world_size)
     strategy.apply_steps(None)
     return calls
 
 
-@pytest.mark.parametrize(("strategy_class", "world_size", "sizes", "ran"), [
-    (MeshParallelStrategy, 8, {"dp_shard": 1, "tp": 2, "ep": 2, "cp": 2}, STEPS),
-    (MeshParallelStrategy, 4, {"dp_shard": 2, "cp": 2}, STEPS[2:5] + STEPS[6:]),
-    (FSDP2Strategy, 2, {}, STEPS[3:5] + STEPS[6:]),
-    (PipelineParallelStrategy, 4, {"pp": 2, "dp_shard": 2}, STEPS[3:5] + STEPS[6:]),
-    (PipelineParallelStrategy, 4, {"pp": 2, "dp_replicate": 2}, STEPS[3:5]),  # whole stages, averaged after
-], ids=["tp-ep-cp", "dp-cp", "fsdp2", "pp-dp_shard", "pp-dp_replicate"])
+@pytest.mark.parametrize(
+    ("strategy_class", "world_size", "sizes", "ran"),
+    [
+        (MeshParallelStrategy, 8, {"dp_shard": 1, "tp": 2, "ep": 2, "cp": 2}, STEPS),
+        (MeshParallelStrategy, 4, {"dp_shard": 2, "cp": 2}, STEPS[2:5] + STEPS[6:]),
+        (FSDP2Strategy, 2, {}, STEPS[3:5] + STEPS[6:]),
+        (PipelineParallelStrategy, 4, {"pp": 2, "dp_shard": 2}, STEPS[3:5] + STEPS[6:]),
+        (PipelineParallelStrategy, 4, {"pp": 2, "dp_replicate": 2}, STEPS[3:5]),  # whole stages, averaged after
+    ],
+    ids=["tp-ep-cp", "dp-cp", "fsdp2", "pp-dp_shard", "pp-dp_replicate"],
+)
 def test_one_ordered_list_runs_each_dimension_s_step_when_its_size_is_above_one(strategy_class, world_size, sizes, ran):
     """torchtitan's order, each dimension's step guarded by its size (checkpointing and compile read their
     options themselves, so a subclass's own step always runs). Seen failing with TP's guard dropped (TP
@@ -161,11 +193,19 @@ def test_step_context_enters_each_active_dimension_s_context():
         yield
         entered.append(f"/{name}")
 
-    recording = type("Recording", (MeshParallelStrategy,), {
-        "vocabulary_parallel_loss": lambda self: context("tp"),
-        "context_parallel_attention": lambda self: context("cp")})
-    for sizes, world_size, expected in (({"dp_shard": 1, "tp": 2, "cp": 2}, 4, ["tp", "cp", "/cp", "/tp"]),
-                                        ({"dp_shard": 2, "cp": 2}, 4, ["cp", "/cp"]), ({}, 2, [])):
+    recording = type(
+        "Recording",
+        (MeshParallelStrategy,),
+        {
+            "vocabulary_parallel_loss": lambda self: context("tp"),
+            "context_parallel_attention": lambda self: context("cp"),
+        },
+    )
+    for sizes, world_size, expected in (
+        ({"dp_shard": 1, "tp": 2, "cp": 2}, 4, ["tp", "cp", "/cp", "/tp"]),
+        ({"dp_shard": 2, "cp": 2}, 4, ["cp", "/cp"]),
+        ({}, 2, []),
+    ):
         entered.clear()
         strategy = recording(**sizes)
         strategy.mesh_sizes = strategy.requested_mesh_sizes.resolved(world_size)
@@ -191,8 +231,16 @@ def test_sampler_gets_the_data_parallel_rank_and_fsdp_the_right_submesh():
 def _fit_one_step(strategy: pl.strategies.Strategy) -> None:
     module = CausalLM(ModelFactory(preset="tiny-llama"))
     data = LMDataModule(SyntheticText(num_documents=10), seq_len=16, batch_size=2)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
-                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, data)
 
 
@@ -222,7 +270,9 @@ def test_gpu_only_options_are_judged_from_a_config_alone():
 def test_state_sharding_per_strategy():
     assert state_sharding_of(DDPStrategy(), 8) == StateSharding(1, 1, 1)
     assert state_sharding_of(ZeRO1Strategy(), 8) == StateSharding(1, 1, 8)
-    assert state_sharding_of(FSDP2Strategy(reshard_after_forward=False), 8) == StateSharding(8, 8, 8, gathered=1, fsdp_units=True)
+    assert state_sharding_of(FSDP2Strategy(reshard_after_forward=False), 8) == StateSharding(
+        8, 8, 8, gathered=1, fsdp_units=True
+    )
     assert state_sharding_of(FSDP2Strategy(), 8) == StateSharding(8, 8, 8, fsdp_units=True)
     assert state_sharding_of(HSDPStrategy(dp_replicate=2), 8) == StateSharding(4, 4, 4, fsdp_units=True)
     assert state_sharding_of(FSDP1Strategy(sharding_strategy="SHARD_GRAD_OP"), 8) == StateSharding(8, 8, 8, gathered=1)

@@ -50,14 +50,25 @@ def fit(
     data = LMDataModule(SyntheticText(num_documents=60), seq_len=32, batch_size=2)
     series = LossSeries()
     checkpoint = ModelCheckpoint(
-        dirpath=root, filename="{step}", every_n_train_steps=CHECKPOINT_STEP, save_top_k=-1,
+        dirpath=root,
+        filename="{step}",
+        every_n_train_steps=CHECKPOINT_STEP,
+        save_top_k=-1,
         enable_version_counter=False,
     )
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, callbacks=[series, checkpoint],
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=STEPS,
+        callbacks=[series, checkpoint],
         gradient_clip_val=1.0,  # the shipped configs clip: each strategy must clip by the global norm
-        logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-        num_sanity_val_steps=0, default_root_dir=root,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        default_root_dir=root,
     )
     trainer.fit(module, data, ckpt_path=resume_from)
     return series.losses, module
@@ -71,8 +82,14 @@ def _ddp_family(rank: int, world_size: int, root: str) -> dict:
     zero1_resumed, _ = fit(ZeRO1Strategy(), root / "zero1-resumed", resume_from=root / "zero1" / "step=3.ckpt")
     fp16, _ = fit(DDPStrategy(comm_hook="fp16"), root / "fp16")
     powersgd, _ = fit(DDPStrategy(comm_hook="powersgd", powersgd_start_iter=2), root / "powersgd")
-    return {"ddp": ddp, "resumed": resumed, "zero1": zero1, "zero1_resumed": zero1_resumed, "fp16": fp16,
-            "powersgd": powersgd}
+    return {
+        "ddp": ddp,
+        "resumed": resumed,
+        "zero1": zero1,
+        "zero1_resumed": zero1_resumed,
+        "fp16": fp16,
+        "powersgd": powersgd,
+    }
 
 
 def _fsdp_family(rank: int, world_size: int, root: str) -> dict:
@@ -84,8 +101,7 @@ def _fsdp_family(rank: int, world_size: int, root: str) -> dict:
     # With weight decay: decay groups are chosen by name before wrapping, so FSDP1's flat shards
     # decay exactly the parameters FSDP2 decays.
     fsdp1, _ = fit(FSDP1Strategy(), root / "fsdp1")
-    return {"fsdp2": fsdp2, "resumed": resumed, "logits": logits,
-            "fsdp1": fsdp1}
+    return {"fsdp2": fsdp2, "resumed": resumed, "logits": logits, "fsdp1": fsdp1}
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +145,7 @@ def test_compression_hooks_train(ddp_runs):
         # fp16 rounds gradients by ~1e-3 relative; Adam's first updates are ~lr * sign(g), so a few
         # near-zero gradients flip sign: measured 0.3% at step 3. 1% separates that from not training.
         torch.testing.assert_close(torch.tensor(run["fp16"]), torch.tensor(run["ddp"]), rtol=1e-2, atol=0)
-        assert run["powersgd"][: 2] == pytest.approx(run["ddp"][: 2], abs=LOSS_ATOL)  # plain all-reduce first
+        assert run["powersgd"][:2] == pytest.approx(run["ddp"][:2], abs=LOSS_ATOL)  # plain all-reduce first
         assert run["powersgd"][-1] < run["powersgd"][0] - 0.1
 
 

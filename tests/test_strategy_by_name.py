@@ -29,8 +29,22 @@ QUICKSTART = Path(__file__).resolve().parent.parent / "configs" / "quickstart.ya
 def _fit(tmp_path: Path, *args: str) -> dict:
     """A one-step quickstart fit with ``args``; returns its run record."""
     record = tmp_path / "run.json"
-    main(["fit", "--config", str(QUICKSTART), "--trainer.max_steps", "1", "--trainer.val_check_interval", "null",
-          "--trainer.default_root_dir", str(tmp_path), "--recorder.path", str(record), *args])
+    main(
+        [
+            "fit",
+            "--config",
+            str(QUICKSTART),
+            "--trainer.max_steps",
+            "1",
+            "--trainer.val_check_interval",
+            "null",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+            "--recorder.path",
+            str(record),
+            *args,
+        ]
+    )
     return read_record(record)
 
 
@@ -59,7 +73,10 @@ def test_init_args_given_after_a_string_keep_its_class(tmp_path: Path) -> None:
     ``{init_args: {dp_shard: 2}}`` (no class_path: the variant's strategy read as no strategy)."""
     base = {"trainer": {"strategy": "lit_ablate.strategies.HSDPStrategy"}}
     merged = with_overrides(base, {"trainer.strategy.init_args.dp_shard": 2})
-    assert merged["trainer"]["strategy"] == {"class_path": "lit_ablate.strategies.HSDPStrategy", "init_args": {"dp_shard": 2}}
+    assert merged["trainer"]["strategy"] == {
+        "class_path": "lit_ablate.strategies.HSDPStrategy",
+        "init_args": {"dp_shard": 2},
+    }
     view = RunConfig.of(merged).trainer.strategy
     assert view.cls is HSDPStrategy and view.requested_mesh_sizes.dp_shard == 2
 
@@ -69,6 +86,7 @@ def test_the_view_reads_the_class_a_string_names() -> None:
     the class's defaults as its options; Lightning's names keep their registry class, compared without
     case as Lightning compares them. Seen failing with the view reading only registry names (the path
     read as no strategy: ``requested_mesh_sizes`` None for FSDP2Strategy)."""
+
     def strategy(value: str):
         return RunConfig.of({"trainer": {"strategy": value}}).trainer.strategy
 
@@ -95,11 +113,18 @@ def test_a_study_variant_may_name_its_strategy_by_a_string(tmp_path: Path) -> No
     as ``fit`` would and reads the class it names (one variable, nothing refused), so the run builds
     what the plan judged. Seen failing with the view reading only registry names: both variants read
     as no strategy, their mesh unchecked."""
-    study = parse_study({
-        "name": "by_name", "base": str(QUICKSTART), "steps": 1, "vary": ["trainer.strategy"],
-        "variants": [{"name": "ddp", "overrides": {"trainer.strategy": "lit_ablate.strategies.DDPStrategy"}},
-                     {"name": "fsdp2", "overrides": {"trainer.strategy": "FSDP2Strategy"}}],
-    })  # fmt: skip
+    study = parse_study(
+        {
+            "name": "by_name",
+            "base": str(QUICKSTART),
+            "steps": 1,
+            "vary": ["trainer.strategy"],
+            "variants": [
+                {"name": "ddp", "overrides": {"trainer.strategy": "lit_ablate.strategies.DDPStrategy"}},
+                {"name": "fsdp2", "overrides": {"trainer.strategy": "FSDP2Strategy"}},
+            ],
+        }
+    )
     runs = plan_study(study, tmp_path / "study")
     assert [(r.variant.name, r.invalid, r.skip_reason) for r in runs] == [("ddp", None, None), ("fsdp2", None, None)]
     assert [RunConfig.of(r.config).trainer.strategy.cls for r in runs] == [DDPStrategy, FSDP2Strategy]

@@ -95,17 +95,22 @@ def _tensor_parallel_run(rank: int, world_size: int, preset: str, strategy_kwarg
         batch = strategy.sequence_parallel_batch(batch)
     result = train(model, batch, strategy)
     group, group_size = strategy.gradient_mean_group
-    result.update(sampler=strategy.distributed_sampler_kwargs, gradient_mean_size=group_size,
-                  batch_replicas=strategy.batch_replicas)
+    result.update(
+        sampler=strategy.distributed_sampler_kwargs,
+        gradient_mean_size=group_size,
+        batch_replicas=strategy.batch_replicas,
+    )
     if rank:
         result["weights"] = {}
     return result
 
 
 def _two_ranks(rank: int, world_size: int) -> dict:
-    return {"llama": _tensor_parallel_run(rank, world_size, "tiny-llama", {}),
-            "qwen3_sp": _tensor_parallel_run(rank, world_size, "tiny-qwen3", {"sequence_parallel": True}),
-            "qwen3_moe_sp": _tensor_parallel_run(rank, world_size, "tiny-qwen3-moe", {"sequence_parallel": True})}
+    return {
+        "llama": _tensor_parallel_run(rank, world_size, "tiny-llama", {}),
+        "qwen3_sp": _tensor_parallel_run(rank, world_size, "tiny-qwen3", {"sequence_parallel": True}),
+        "qwen3_moe_sp": _tensor_parallel_run(rank, world_size, "tiny-qwen3-moe", {"sequence_parallel": True}),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +125,9 @@ def two_ranks() -> list[dict]:
 
 
 def assert_same_training(result: dict, reference: dict) -> None:
-    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]),
-                               rtol=0, atol=LOSS_ATOL)
+    torch.testing.assert_close(
+        torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=0, atol=LOSS_ATOL
+    )
     assert result["losses"][-1] < result["losses"][0] - 0.1, "the model did not train"
     assert sorted(result["weights"]) == sorted(reference["weights"])
     for name, weight in reference["weights"].items():
@@ -151,9 +157,12 @@ def test_qwen3_q_k_norm_gradients_are_reduced_over_tp(two_ranks, references):
 
 
 def _four_ranks(rank: int, world_size: int) -> dict:
-    return {"tp_dp": _tensor_parallel_run(rank, world_size, "tiny-qwen3", {"tp": 2, "dp_shard": 2,
-                                                                           "sequence_parallel": True}),
-            "tp_cp": _tp_x_cp_gradients(rank, world_size)}
+    return {
+        "tp_dp": _tensor_parallel_run(
+            rank, world_size, "tiny-qwen3", {"tp": 2, "dp_shard": 2, "sequence_parallel": True}
+        ),
+        "tp_cp": _tp_x_cp_gradients(rank, world_size),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -188,8 +197,9 @@ class Seen(Callback):
         self.norms.append(torch.stack([g.float().square().sum() for g in grads]).sum().sqrt().item())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        sums = torch.stack([outputs["loss_sum"].detach().float(), outputs["useful_tokens"].float(),
-                            batch["input_ids"].sum().float()])
+        sums = torch.stack(
+            [outputs["loss_sum"].detach().float(), outputs["useful_tokens"].float(), batch["input_ids"].sum().float()]
+        )
         if trainer.world_size > 1:  # every rank's share (dp rows, cp slices); TP peers read the same tokens
             dist.all_reduce(sums)
             sums[2] /= batch_replicas(trainer)
@@ -229,10 +239,19 @@ def fit(strategy, devices: int, root: Path, batch_size: int = 2, moe: bool = Fal
     data = LMDataModule(SyntheticText(num_documents=40), seq_len=32, batch_size=batch_size)
     seen = Seen()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=FIT_STEPS, callbacks=[seen],
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=FIT_STEPS,
+        callbacks=[seen],
         gradient_clip_val=CLIP,  # TP gradients live on two meshes: the strategy must clip by the global norm
-        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=root,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        default_root_dir=root,
     )
     trainer.fit(module, data)
     return seen
@@ -248,8 +267,13 @@ def lightning_strategy(strategy_kwargs: dict) -> TensorParallelStrategy:
 
 def _lightning_tp(rank: int, world_size: int, root: str, strategy_kwargs: dict, moe: bool) -> dict:
     seen = fit(lightning_strategy(strategy_kwargs), world_size, Path(root), moe=moe)
-    return {"losses": seen.losses, "batches": seen.batches, "norms": seen.norms, "weights": seen.weights if rank == 0 else {},
-            "local_param_bytes": seen.local_param_bytes}
+    return {
+        "losses": seen.losses,
+        "batches": seen.batches,
+        "norms": seen.norms,
+        "weights": seen.weights if rank == 0 else {},
+        "local_param_bytes": seen.local_param_bytes,
+    }
 
 
 LIGHTNING_RUNS = {
@@ -257,7 +281,11 @@ LIGHTNING_RUNS = {
     "tp2_x_dp_shard2": {"dp_shard": 2},
     "tp2_x_cp2": {"cp": 2},
     "tp2_x_dp_replicate2": {"dp_replicate": 2},
-    "tp2_checkpointed_compiled": {"activation_checkpointing": "full", "compile_layers": True, "compile_backend": "aot_eager"},
+    "tp2_checkpointed_compiled": {
+        "activation_checkpointing": "full",
+        "compile_layers": True,
+        "compile_backend": "aot_eager",
+    },
     "tp2_moe": {},
     "tp2_x_ep2_moe": {"ep": 2},
 }
@@ -291,8 +319,9 @@ def test_lightning_fit_with_tp2_equals_one_device(tmp_path, name):
     data_parallel = kwargs.get("dp_replicate", 1) * kwargs.get("dp_shard", 1) * kwargs.get("ep", 1)
     reference = fit("auto", 1, tmp_path / "one", batch_size=2 * data_parallel, moe=moe)
     world_size = 2 * data_parallel * kwargs.get("cp", 1)
-    ranks = run_ranks(_lightning_tp, world_size, str(tmp_path / "tp"), kwargs, moe, init_process_group=False,
-                      timeout_s=300)
+    ranks = run_ranks(
+        _lightning_tp, world_size, str(tmp_path / "tp"), kwargs, moe, init_process_group=False, timeout_s=300
+    )
     assert min(reference.norms) > CLIP, "clipping never scaled the gradients"
     for run in ranks:
         assert run["batches"] == reference.batches
@@ -301,11 +330,20 @@ def test_lightning_fit_with_tp2_equals_one_device(tmp_path, name):
     assert sorted(ranks[0]["weights"]) == sorted(reference.weights)
     for name, weight in reference.weights.items():
         difference = (ranks[0]["weights"][name] - weight).abs()
-        assert difference.max() <= PARAM_ATOL and difference.mean() <= PARAM_ATOL, (name, difference.max(), difference.mean())
+        assert difference.max() <= PARAM_ATOL and difference.mean() <= PARAM_ATOL, (
+            name,
+            difference.max(),
+            difference.mean(),
+        )
     lm = lightning_model(moe).build()
     training = TrainingShape(micro_batch=2, seq_len=32, param_bytes=next(lm.parameters()).element_size())
-    estimate = estimate_memory(count_parameters(lm, lm.config), model_shape(lm.config), training,
-                               state_sharding_of(lightning_strategy(kwargs), world_size), world_size)
+    estimate = estimate_memory(
+        count_parameters(lm, lm.config),
+        model_shape(lm.config),
+        training,
+        state_sharding_of(lightning_strategy(kwargs), world_size),
+        world_size,
+    )
     assert max(run["local_param_bytes"] for run in ranks) == pytest.approx(estimate.params, rel=0.02)
 
 
@@ -349,7 +387,10 @@ def test_sequence_parallel_makes_positions_explicit_and_keeps_only_padding_masks
     assert "attention_mask" not in unpadded  # all ones: the decoder's causal mask is the same without it
     padded = torch.ones(2, 8)
     padded[1, 6:] = 0  # kept: whole_sequence_masks builds the whole sequence's mask from it
-    assert strategy.sequence_parallel_batch({"input_ids": torch.zeros(2, 8), "attention_mask": padded})["attention_mask"] is padded
+    assert (
+        strategy.sequence_parallel_batch({"input_ids": torch.zeros(2, 8), "attention_mask": padded})["attention_mask"]
+        is padded
+    )
     with pytest.raises(ConfigError, match="not divisible by tp=2"):
         strategy.sequence_parallel_batch({"input_ids": torch.zeros(2, 7)})
 
@@ -402,14 +443,19 @@ def test_a_config_s_tensor_parallelism_reaches_the_estimate():
     base = yaml.safe_load(QUICKSTART.read_text())
 
     def config(devices: int, sequence_parallel: bool = False) -> dict:
-        strategy = {"class_path": "lit_ablate.strategies.TensorParallelStrategy",
-                    "init_args": {"tp": -1, "sequence_parallel": sequence_parallel}}  # fmt: skip
+        strategy = {
+            "class_path": "lit_ablate.strategies.TensorParallelStrategy",
+            "init_args": {"tp": -1, "sequence_parallel": sequence_parallel},
+        }
         return with_overrides(base, {"trainer.devices": devices, "trainer.strategy": strategy})
 
     shape = training_shape_of(config(2, sequence_parallel=True))
     assert (shape.tensor_parallel, shape.sequence_parallel) == (2, True)
-    one, tp2, tp2_sp = (estimate_for_config(config(1)), estimate_for_config(config(2)),
-                        estimate_for_config(config(2, sequence_parallel=True)))
+    one, tp2, tp2_sp = (
+        estimate_for_config(config(1)),
+        estimate_for_config(config(2)),
+        estimate_for_config(config(2, sequence_parallel=True)),
+    )
     assert tp2.params == -(-one.params // 2) and tp2.optimizer == one.optimizer // 2
     assert one.activations / 2 < tp2.activations < one.activations
     assert tp2_sp.activations < tp2.activations
@@ -421,10 +467,14 @@ def test_a_study_skips_tensor_parallelism_with_a_fused_loss_up_front():
     from lit_ablate.ablation.spec import Launch
 
     def config(loss: str, tp: int = 2) -> dict:
-        return {"trainer": {"accelerator": "cpu", "devices": 2,
-                            "strategy": {"class_path": "lit_ablate.strategies.TensorParallelStrategy",
-                                         "init_args": {"tp": tp}}},
-                "model": {"init_args": {"loss": loss}}}
+        return {
+            "trainer": {
+                "accelerator": "cpu",
+                "devices": 2,
+                "strategy": {"class_path": "lit_ablate.strategies.TensorParallelStrategy", "init_args": {"tp": tp}},
+            },
+            "model": {"init_args": {"loss": loss}},
+        }
 
     launch = Launch(devices=2, accelerator="cpu")
     reason = compatibility.tensor_parallel_loss_fits(config("liger"), launch)  # the rule alone: liger needs CUDA

@@ -40,8 +40,12 @@ CHUNKED = {"chunk_tokens": 24, "chunk_vocab": 48, "z_loss_weight": 1e-3}  # 160 
 CASES = {
     "tied": {"model": {"tie_word_embeddings": True}, "loss": "torch", "options": {}, "sequence_parallel": False},
     "chunked": {"model": {}, "loss": "chunked", "options": CHUNKED, "sequence_parallel": True},
-    "tied_chunked": {"model": {"tie_word_embeddings": True}, "loss": "chunked", "options": CHUNKED,
-                     "sequence_parallel": False},
+    "tied_chunked": {
+        "model": {"tie_word_embeddings": True},
+        "loss": "chunked",
+        "options": CHUNKED,
+        "sequence_parallel": False,
+    },
     "packed_sp": {"model": {}, "loss": "torch", "options": {}, "sequence_parallel": True, "packed": True},
     "padded_sp": {"model": {}, "loss": "torch", "options": {}, "sequence_parallel": True, "padded": True},
 }
@@ -70,7 +74,7 @@ def packed_batch(rows: list[int]) -> dict:
     for row in range(len(DOCUMENT_ROWS)):
         row_examples = []
         for length in DOCUMENT_ROWS[row]:
-            ids = tokens[start:start + length]
+            ids = tokens[start : start + length]
             labels = torch.cat([ids[1:], torch.tensor([IGNORE_INDEX])])
             if row < 2:
                 labels[:3] = IGNORE_INDEX
@@ -161,8 +165,9 @@ def one_process(name: str) -> dict:
 
 
 def assert_same_training(result: dict, reference: dict) -> None:
-    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=0,
-                               atol=LOSS_ATOL)
+    torch.testing.assert_close(
+        torch.tensor(result["losses"]), torch.tensor(reference["losses"]), rtol=0, atol=LOSS_ATOL
+    )
     assert result["losses"][-1] < result["losses"][0] - 0.1, "the model did not train"
     assert sorted(result["weights"]) == sorted(reference["weights"])
     for key, weight in reference["weights"].items():
@@ -190,8 +195,13 @@ def test_tp2_tied_embeddings_estimate_counts_the_shared_weight_once(four_ranks):
     each rank then holds two shards (871168 bytes against the estimate's 828800)."""
     lm = build("tiny-qwen3", meta=True, tie_word_embeddings=True).lm
     strategy = MeshParallelStrategy(tp=TP, dp_shard=DP)
-    estimate = estimate_memory(count_parameters(lm, lm.config), model_shape(lm.config),
-                               TrainingShape(micro_batch=2, seq_len=32), state_sharding_of(strategy, TP * DP), TP * DP)
+    estimate = estimate_memory(
+        count_parameters(lm, lm.config),
+        model_shape(lm.config),
+        TrainingShape(micro_batch=2, seq_len=32),
+        state_sharding_of(strategy, TP * DP),
+        TP * DP,
+    )
     assert max(run["local_param_bytes"] for run in four_ranks("tied")) == pytest.approx(estimate.params, rel=0.02)
 
 
@@ -244,13 +254,15 @@ def test_whole_sequence_masks_keep_packed_documents_apart_and_refuse_sliding_win
     expected = (same_document[:, None] == same_document[None, :]) & torch.ones(8, 8, dtype=torch.bool).tril()
     assert torch.equal(kwargs["attention_mask"].reshape(8, 8), expected)
     assert whole_sequence_masks(decoder, (), {"input_ids": input_ids, "position_ids": torch.arange(8)[None]}) is None
-    sliding = build("tiny-qwen3", layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=4,
-                    use_sliding_window=True).lm.base_model
+    sliding = build(
+        "tiny-qwen3", layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=4, use_sliding_window=True
+    ).lm.base_model
     with pytest.raises(ConfigError, match="sequence_parallel.*sliding-window"):
         whole_sequence_masks(sliding, (), packed)
     padding = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1]])
-    _, kwargs = whole_sequence_masks(decoder, (), {"input_ids": input_ids, "position_ids": torch.arange(8)[None],
-                                                   "attention_mask": padding})
+    _, kwargs = whole_sequence_masks(
+        decoder, (), {"input_ids": input_ids, "position_ids": torch.arange(8)[None], "attention_mask": padding}
+    )
     causal = torch.ones(8, 8, dtype=torch.bool).tril()
     assert torch.equal(kwargs["attention_mask"].reshape(8, 8), causal & padding.bool())
 
@@ -277,15 +289,35 @@ def _fit(strategy, devices: int, root: str, steps: int | None = None, ckpt_path:
     from tests.test_tensor_parallel import CLIP, FIT_LR, FIT_STEPS, Seen
 
     pl.seed_everything(0, verbose=False)
-    module = CausalLM(ModelFactory(preset="tiny-qwen3", config={"tie_word_embeddings": True}), loss="chunked",
-                      loss_options=FIT_CHUNKED, learning_rate=FIT_LR, warmup_steps=1)
-    data = LMDataModule(ArithmeticSFT(num_examples=200), format="sft", seq_len=32, batch_size=2,
-                        collator=PackingCollator(max_tokens=32, static_shape=True))
+    module = CausalLM(
+        ModelFactory(preset="tiny-qwen3", config={"tie_word_embeddings": True}),
+        loss="chunked",
+        loss_options=FIT_CHUNKED,
+        learning_rate=FIT_LR,
+        warmup_steps=1,
+    )
+    data = LMDataModule(
+        ArithmeticSFT(num_examples=200),
+        format="sft",
+        seq_len=32,
+        batch_size=2,
+        collator=PackingCollator(max_tokens=32, static_shape=True),
+    )
     seen = Seen()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps or FIT_STEPS, callbacks=[seen],
-        gradient_clip_val=CLIP, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=root,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=steps or FIT_STEPS,
+        callbacks=[seen],
+        gradient_clip_val=CLIP,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        default_root_dir=root,
     )
     trainer.fit(module, data, ckpt_path=ckpt_path)
     if steps is not None and ckpt_path is None:
@@ -306,8 +338,9 @@ def test_lightning_fit_tp2_tied_chunked_packed_sequence_parallel_equals_one_devi
     for run in ranks:
         assert run["batches"] == reference["batches"]
         torch.testing.assert_close(torch.tensor(run["norms"]), torch.tensor(reference["norms"]), rtol=1e-5, atol=0)
-        torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(reference["losses"]), rtol=0,
-                                   atol=LOSS_ATOL)
+        torch.testing.assert_close(
+            torch.tensor(run["losses"]), torch.tensor(reference["losses"]), rtol=0, atol=LOSS_ATOL
+        )
 
 
 def _lightning_resume(rank: int, world_size: int, root: str) -> list[float]:

@@ -36,8 +36,15 @@ def bash_blocks(markdown: str) -> list[str]:
 def test_the_guide_has_its_commands():
     blocks = bash_blocks(GUIDE.read_text())
     commands = " ".join(blocks)
-    for command in ("lit-ablate fit", "lit-ablate generate", "lit-ablate export", "from_pretrained",
-                    "lit-ablate ablate", "--dry-run", "lit-ablate report"):
+    for command in (
+        "lit-ablate fit",
+        "lit-ablate generate",
+        "lit-ablate export",
+        "from_pretrained",
+        "lit-ablate ablate",
+        "--dry-run",
+        "lit-ablate report",
+    ):
         assert command in commands, command
 
 
@@ -49,8 +56,14 @@ def test_the_user_guide_runs_as_written(tmp_path, capsys):
     before = {p.name for p in REPOSITORY.iterdir()}
     outputs = []
     for block in bash_blocks(GUIDE.read_text()):
-        done = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", block], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=900)
+        done = subprocess.run(
+            ["bash", "-e", "-o", "pipefail", "-c", block],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert done.returncode == 0, f"{block}\nexit {done.returncode}\n{done.stderr[-3000:]}"
         outputs.append((block, done.stdout, done.stderr))
 
@@ -82,18 +95,43 @@ def the_guide_s_run_tests_and_resumes(folder: Path, capsys: pytest.CaptureFixtur
     run = folder / "runs" / "quickstart" / "lightning_logs" / "version_0"
     record = read_record(run / "run.json")
     assert [s["step"] for s in record["steps"]] == list(range(1, 21))
-    assert record["summary"]["tokens_per_sec"]["median"] > 0 and record["summary"]["useful_tokens_per_sec"]["median"] > 0
+    assert (
+        record["summary"]["tokens_per_sec"]["median"] > 0 and record["summary"]["useful_tokens_per_sec"]["median"] > 0
+    )
     assert record["config"]["trainer"]["max_steps"] == 20  # the resolved config, the override applied
     assert record["environment"]["torch"] and record["summary"]["memory_method"] == "cpu_process_peak_rss"
     checkpoint = run / "checkpoints" / "last.ckpt"
     config = str(folder / "configs" / "quickstart.yaml")
 
     capsys.readouterr()
-    main(["test", "--config", config, "--ckpt_path", str(checkpoint), "--trainer.default_root_dir", str(folder / "runs" / "tested")])
+    main(
+        [
+            "test",
+            "--config",
+            config,
+            "--ckpt_path",
+            str(checkpoint),
+            "--trainer.default_root_dir",
+            str(folder / "runs" / "tested"),
+        ]
+    )
     assert "test/loss" in capsys.readouterr().out
     resumed_path = folder / "resumed.json"
-    main(["fit", "--config", config, "--trainer.max_steps", "22", "--ckpt_path", str(checkpoint),
-          "--trainer.default_root_dir", str(folder / "runs" / "resumed"), "--recorder.path", str(resumed_path)])
+    main(
+        [
+            "fit",
+            "--config",
+            config,
+            "--trainer.max_steps",
+            "22",
+            "--ckpt_path",
+            str(checkpoint),
+            "--trainer.default_root_dir",
+            str(folder / "runs" / "resumed"),
+            "--recorder.path",
+            str(resumed_path),
+        ]
+    )
     resumed = read_record(resumed_path)
     assert [s["step"] for s in resumed["steps"]] == [21, 22]  # resumed after step 20
     assert resumed["resumed_from"] == {"checkpoint": str(checkpoint), "step_offset": 20}

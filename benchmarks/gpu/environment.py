@@ -12,8 +12,22 @@ import platform
 import sys
 from importlib import metadata
 
-PACKAGES = ("torch", "triton", "transformers", "lightning", "peft", "torchmetrics", "jsonargparse", "liger-kernel",
-            "cut-cross-entropy", "torchao", "bitsandbytes", "submitit", "datasets", "flash-attn")  # fmt: skip
+PACKAGES = (
+    "torch",
+    "triton",
+    "transformers",
+    "lightning",
+    "peft",
+    "torchmetrics",
+    "jsonargparse",
+    "liger-kernel",
+    "cut-cross-entropy",
+    "torchao",
+    "bitsandbytes",
+    "submitit",
+    "datasets",
+    "flash-attn",
+)
 
 
 def package_version(name: str) -> str:

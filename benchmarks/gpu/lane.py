@@ -85,6 +85,7 @@ PY = "{python}"
 # did not finish (rows have one static shape now). They add up, with the reserves, to LANE_BUDGET_S;
 # the most wanted steps come first, so an overrun costs the last ones. mesh_sim's 30 s (six simulated
 # layouts in one process, never run on a GPU yet) came from fp8 (50 -> 35) and packing (40 -> 25).
+# A table kept out of the formatter (fmt: skip): one step a row, each flag beside its value.
 STEPS: tuple[Step, ...] = (
     Step("env", "versions, GPU, optional kernels", (PY, "benchmarks/gpu/environment.py"), 10),
     Step("gpu_tests", "every gpu-marked test in 6 workers, each skip with its reason, the slowest with their times",
@@ -164,26 +165,40 @@ def step_timeout(step: Step, dry_run: bool, seconds_left: float) -> int:
 def step_environment(scratch: Path, dry_run: bool) -> dict[str, str]:
     env = dict(os.environ)
     path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env.update({
-        "PYTHONPATH": os.pathsep.join(path if str(ROOT) in path else [*path, str(ROOT)]),
-        "PYTHONUNBUFFERED": "1",
-        "LIT_ABLATE_CACHE_DIR": str(scratch / "cache"),  # matmul ceilings measured on this machine, this run
-        "LIT_ABLATE_DATA_CACHE": str(scratch / "data_cache"),
-        "TORCHINDUCTOR_CACHE_DIR": str(scratch / "compile_cache" / "inductor"),
-        "TRITON_CACHE_DIR": str(scratch / "compile_cache" / "triton"),
-        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-    })  # fmt: skip
+    env.update(
+        {
+            "PYTHONPATH": os.pathsep.join(path if str(ROOT) in path else [*path, str(ROOT)]),
+            "PYTHONUNBUFFERED": "1",
+            "LIT_ABLATE_CACHE_DIR": str(scratch / "cache"),  # matmul ceilings measured on this machine, this run
+            "LIT_ABLATE_DATA_CACHE": str(scratch / "data_cache"),
+            "TORCHINDUCTOR_CACHE_DIR": str(scratch / "compile_cache" / "inductor"),
+            "TRITON_CACHE_DIR": str(scratch / "compile_cache" / "triton"),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    )
     if dry_run:
         env.setdefault("OMP_NUM_THREADS", "1")  # the CPU here is 2 cores shared with other work
     return env
 
 
-def run_step(argv: list[str], timeout_s: int, env: dict[str, str], log: Callable[[str], None]) -> tuple[int | None, float, list[str]]:
+def run_step(
+    argv: list[str], timeout_s: int, env: dict[str, str], log: Callable[[str], None]
+) -> tuple[int | None, float, list[str]]:
     """``(returncode or None on timeout, seconds, output lines)``; the whole process group is
     killed at the limit (a benchmark's compile workers and ranks included)."""
     started = time.monotonic()
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            errors="replace", start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )
     lines: list[str] = []
 
     def read() -> None:
@@ -261,11 +276,18 @@ def collect_pytest(lines: list[str], scratch: Path) -> dict[str, object]:
                     if name.startswith(match.group(1)) and test["outcome"] == "skipped" and not test["message"]:
                         test["message"] = match.group(2)
         _failure_messages(lines, tests)
-    counts = {outcome: sum(t["outcome"] == outcome for t in tests.values())
-              for outcome in ("passed", "failed", "error", "skipped")}  # fmt: skip
-    durations = [{"seconds": float(m.group(1)), "phase": m.group(2), "test": m.group(3)} for m in
-                 (re.match(r"^(\d+\.\d+)s (setup|call|teardown) +(\S+)", line) for line in lines) if m]  # fmt: skip
-    collected = next((line for line in lines if line.startswith("collect")), "")  # "collected 114 items / ... / 21 selected"
+    counts = {
+        outcome: sum(t["outcome"] == outcome for t in tests.values())
+        for outcome in ("passed", "failed", "error", "skipped")
+    }
+    durations = [
+        {"seconds": float(m.group(1)), "phase": m.group(2), "test": m.group(3)}
+        for m in (re.match(r"^(\d+\.\d+)s (setup|call|teardown) +(\S+)", line) for line in lines)
+        if m
+    ]
+    collected = next(
+        (line for line in lines if line.startswith("collect")), ""
+    )  # "collected 114 items / ... / 21 selected"
     selected = re.search(r"(\d+) selected", collected) or re.search(r"collected (\d+) item", collected)
     selected = int(selected.group(1)) if selected else None
     return {**counts, "selected": selected, "tests": tests, "durations": durations}
@@ -278,8 +300,16 @@ def _failure_messages(lines: list[str], tests: dict[str, dict[str, str]]) -> Non
     for line in lines:
         header = re.match(r"^_{3,} (\S+) _{3,}$", line)
         if header:
-            current = next((t for name, t in tests.items() if name.endswith(f"::{header.group(1)}")
-                            and t["outcome"] in ("failed", "error") and not t["message"]), None)  # fmt: skip
+            current = next(
+                (
+                    t
+                    for name, t in tests.items()
+                    if name.endswith(f"::{header.group(1)}")
+                    and t["outcome"] in ("failed", "error")
+                    and not t["message"]
+                ),
+                None,
+            )
         elif current is not None and line.startswith("E "):
             current["message"] = line[1:].strip()[:500]
             current = None
@@ -289,13 +319,20 @@ def collect_fit(lines: list[str], scratch: Path) -> dict[str, object]:
     """The run record's summary (memory categories included) and environment."""
     record = json.loads((scratch / "fit" / "run.json").read_text())
     summary = record["summary"]
-    return {"status": summary["status"], "final_loss": summary.get("final_loss"),
-            "tokens_per_sec": (summary.get("tokens_per_sec") or {}).get("median"),
-            "mfu": (summary.get("mfu") or {}).get("median"), "mfu_measured": (summary.get("mfu_measured") or {}).get("median"),
-            "memory_method": summary.get("memory_method"), "tensor_method": summary.get("tensor_method"),
-            "peak_memory_bytes": summary.get("peak_memory_bytes"), "peak_tensor_bytes": summary.get("peak_tensor_bytes"),
-            "tensor_breakdown": summary.get("tensor_breakdown"), "environment": record.get("environment"),
-            "fallbacks": record.get("fallbacks")}  # fmt: skip
+    return {
+        "status": summary["status"],
+        "final_loss": summary.get("final_loss"),
+        "tokens_per_sec": (summary.get("tokens_per_sec") or {}).get("median"),
+        "mfu": (summary.get("mfu") or {}).get("median"),
+        "mfu_measured": (summary.get("mfu_measured") or {}).get("median"),
+        "memory_method": summary.get("memory_method"),
+        "tensor_method": summary.get("tensor_method"),
+        "peak_memory_bytes": summary.get("peak_memory_bytes"),
+        "peak_tensor_bytes": summary.get("peak_tensor_bytes"),
+        "tensor_breakdown": summary.get("tensor_breakdown"),
+        "environment": record.get("environment"),
+        "fallbacks": record.get("fallbacks"),
+    }
 
 
 COLLECTORS: dict[str, Callable[[list[str], Path], dict[str, object]]] = {
@@ -322,10 +359,17 @@ def run_lane(steps: tuple[Step, ...], out: Path, dry_run: bool, started_at: floa
     out.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="gpu-lane-"))
     env = step_environment(scratch, dry_run)
-    record = {"lane": {"budget_s": LANE_BUDGET_S, "dry_run": dry_run, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                       "prepared": _manifest(), "gpu_test_files": gpu_test_files(),
-                       "compile_cache": restore_compile_cache(scratch / "compile_cache")},
-              "steps": {}}  # fmt: skip
+    record = {
+        "lane": {
+            "budget_s": LANE_BUDGET_S,
+            "dry_run": dry_run,
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "prepared": _manifest(),
+            "gpu_test_files": gpu_test_files(),
+            "compile_cache": restore_compile_cache(scratch / "compile_cache"),
+        },
+        "steps": {},
+    }
     log_path, written = out / "lane.log", 0
     with log_path.open("w") as log_file:
 
@@ -358,15 +402,23 @@ def run_lane(steps: tuple[Step, ...], out: Path, dry_run: bool, started_at: floa
                 results = COLLECTORS[step.collect](lines, scratch)
             except (OSError, ValueError, KeyError) as err:  # a step that died before writing what is read
                 results, error = {}, f"{type(err).__name__}: {err}"
-            entry.update(status=status_of(returncode, error), returncode=returncode,
-                         seconds=round(seconds, 1), results=results, tail=tail(lines))  # fmt: skip
+            entry.update(
+                status=status_of(returncode, error),
+                returncode=returncode,
+                seconds=round(seconds, 1),
+                results=results,
+                tail=tail(lines),
+            )
             if error:
                 entry["collect_error"] = error
             record["steps"][step.name] = entry
             record["lane"]["elapsed_s"] = round(time.time() - started_at, 1)
             _write(out, record)
             figures = ", ".join(f"{k}={results[k]}" for k in HEADLINES.get(step.name, ()) if k in results)
-            print(f"[lane] {step.name}: {entry['status']} in {seconds:.1f} s" + (f": {figures}" if figures else ""), flush=True)
+            print(
+                f"[lane] {step.name}: {entry['status']} in {seconds:.1f} s" + (f": {figures}" if figures else ""),
+                flush=True,
+            )
     record["lane"]["compile_cache"]["saved"] = save_compile_cache(scratch / "compile_cache", out)
     record["lane"]["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     _write(out, record)
@@ -374,7 +426,9 @@ def run_lane(steps: tuple[Step, ...], out: Path, dry_run: bool, started_at: floa
     return record
 
 
-def restore_compile_cache(folder: Path, archive: Path = ROOT / "benchmarks" / "gpu" / "wheels" / COMPILE_CACHE) -> dict[str, object]:
+def restore_compile_cache(
+    folder: Path, archive: Path = ROOT / "benchmarks" / "gpu" / "wheels" / COMPILE_CACHE
+) -> dict[str, object]:
     """Unpacks a carried ``COMPILE_CACHE`` (from an earlier lane run's ``--out``) into ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
     if not archive.is_file():
@@ -415,8 +469,13 @@ HEADLINES: dict[str, tuple[str, ...]] = {
     "mesh_sim": ("sim_dimensions_ok", "sim_dp_shard", "sim_dp_replicate", "sim_tp", "sim_cp", "sim_ep", "sim_pp"),
     "mfu_seed": ("seed_useful_tokens_per_s", "seed_lit_vs_hand", "seed_mfu", "seed_mfu_seed_formula", "seed_attention"),
     "mfu_dense": ("dense_useful_tokens_per_s", "dense_mfu", "dense_mfu_measured", "dense_attention", "dense_loss"),
-    "loss": ("liger_memory_ratio", "cce_memory_ratio", "chunked_memory_ratio", "liger_best_chunk_tokens",
-             "liger_best_time_ratio"),
+    "loss": (
+        "liger_memory_ratio",
+        "cce_memory_ratio",
+        "chunked_memory_ratio",
+        "liger_best_chunk_tokens",
+        "liger_best_time_ratio",
+    ),
     "moe": ("grouped_speedup", "grouped_speedup_vs_hf_eager"),
     "fp8": ("fp8_tensorwise_speedup", "fp8_rowwise_speedup", "fp8_kernels"),
     "packing": ("packing_speedup", "packing_speedup_vs_grouped"),
@@ -432,7 +491,9 @@ def summary_table(record: dict) -> str:
         results = entry.get("results") or {}
         figures = ", ".join(f"{k}={results[k]}" for k in HEADLINES.get(name, ()) if k in results)
         if entry["status"] != "ok":
-            figures = figures or (entry.get("collect_error") or entry.get("message") or _last_line(entry.get("tail", "")))
+            figures = figures or (
+                entry.get("collect_error") or entry.get("message") or _last_line(entry.get("tail", ""))
+            )
         lines.append(f"| {name} | {entry['status']} | {entry.get('seconds', '-')} / {entry['timeout_s']} | {figures} |")
     return "\n".join(lines)
 
@@ -456,9 +517,14 @@ def _last_line(text: str) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--dry-run", action="store_true", help="every step on the CPU with tiny shapes (prepare runs it)")
-    parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(tempfile.gettempdir()) / "lit-ablate-gpu-lane"),
-                        help="where lane.json and lane.log go (default: $OUT, the device's returned folder)")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="every step on the CPU with tiny shapes (prepare runs it)"
+    )
+    parser.add_argument(
+        "--out",
+        default=os.environ.get("OUT") or str(Path(tempfile.gettempdir()) / "lit-ablate-gpu-lane"),
+        help="where lane.json and lane.log go (default: $OUT, the device's returned folder)",
+    )
     parser.add_argument("--only", nargs="+", choices=[s.name for s in STEPS], help="run these steps only")
     parser.add_argument("--list", action="store_true", help="print the step table (limits and commands) and exit")
     args = parser.parse_args()

@@ -67,68 +67,182 @@ class Figure:
 
 
 FIGURES: tuple[Figure, ...] = (
-    Figure("seed headline", "mfu_seed", "seed_useful_tokens_per_s",
-           "useful tokens/s, Qwen3-0.6B + 65,537 tokens (vocab 217,473), 10,240-token packed rows, bf16, compiled",
-           "~61k (seed: one H100, 32 x 10,240-token packs, FA3 varlen + Liger + compile)", (">=", 65000), "tok/s"),
-    Figure("seed headline", "mfu_seed", "seed_lit_vs_hand", "lit-ablate / the hand-written loop, useful tokens/s, same run",
-           goal=(">=", 0.98), unit="x"),
-    Figure("seed headline", "mfu_seed", "seed_mfu_seed_formula", "seed-formula MFU: (6 (N - N_emb) + 12 L H d seq) / spec peak",
-           "0.60-0.62 (seed's own formula and run)"),
-    Figure("seed headline", "mfu_seed", "seed_mfu", "our MFU (per-document causal attention, head counted) / spec peak"),
+    Figure(
+        "seed headline",
+        "mfu_seed",
+        "seed_useful_tokens_per_s",
+        "useful tokens/s, Qwen3-0.6B + 65,537 tokens (vocab 217,473), 10,240-token packed rows, bf16, compiled",
+        "~61k (seed: one H100, 32 x 10,240-token packs, FA3 varlen + Liger + compile)",
+        (">=", 65000),
+        "tok/s",
+    ),
+    Figure(
+        "seed headline",
+        "mfu_seed",
+        "seed_lit_vs_hand",
+        "lit-ablate / the hand-written loop, useful tokens/s, same run",
+        goal=(">=", 0.98),
+        unit="x",
+    ),
+    Figure(
+        "seed headline",
+        "mfu_seed",
+        "seed_mfu_seed_formula",
+        "seed-formula MFU: (6 (N - N_emb) + 12 L H d seq) / spec peak",
+        "0.60-0.62 (seed's own formula and run)",
+    ),
+    Figure(
+        "seed headline", "mfu_seed", "seed_mfu", "our MFU (per-document causal attention, head counted) / spec peak"
+    ),
     Figure("seed headline", "mfu_seed", "seed_mfu_measured", "our MFU / the measured bf16 matmul ceiling"),
     Figure("seed headline", "mfu_seed", "seed_mean_document_tokens", "mean document length", unit="tokens"),
-    Figure("seed headline", "mfu_seed", "seed_hand_useful_tokens_per_s", "the hand-written loop's useful tokens/s", unit="tok/s"),
-    Figure("seed headline", "mfu_seed", "seed_loss_max_abs_diff", "largest per-step loss difference, lit-ablate vs hand loop"),
-    Figure("seed headline", "mfu_seed", "seed_attention", "packed attention used",
-           goal=("==", "fa_varlen or torch_varlen or flex")),
+    Figure(
+        "seed headline",
+        "mfu_seed",
+        "seed_hand_useful_tokens_per_s",
+        "the hand-written loop's useful tokens/s",
+        unit="tok/s",
+    ),
+    Figure(
+        "seed headline",
+        "mfu_seed",
+        "seed_loss_max_abs_diff",
+        "largest per-step loss difference, lit-ablate vs hand loop",
+    ),
+    Figure(
+        "seed headline",
+        "mfu_seed",
+        "seed_attention",
+        "packed attention used",
+        goal=("==", "fa_varlen or torch_varlen or flex"),
+    ),
     Figure("seed headline", "mfu_seed", "seed_loss", "loss used"),
-    Figure("dense MFU", "mfu_dense|mfu", "dense_useful_tokens_per_s", "useful tokens/s, Qwen3-0.6B (vocab 151,936), "
-           "8,192-token packed rows, bf16, compiled", unit="tok/s"),
+    Figure(
+        "dense MFU",
+        "mfu_dense|mfu",
+        "dense_useful_tokens_per_s",
+        "useful tokens/s, Qwen3-0.6B (vocab 151,936), 8,192-token packed rows, bf16, compiled",
+        unit="tok/s",
+    ),
     Figure("dense MFU", "mfu_dense|mfu", "dense_mfu", "our MFU / spec peak"),
     Figure("dense MFU", "mfu_dense|mfu", "dense_mfu_measured", "our MFU / the measured bf16 matmul ceiling"),
     Figure("dense MFU", "mfu_dense|mfu", "dense_mfu_seed_formula", "seed-formula MFU / spec peak"),
-    Figure("dense MFU", "mfu_dense|mfu", "dense_attention", "packed attention used",
-           goal=("==", "fa_varlen or torch_varlen or flex")),
+    Figure(
+        "dense MFU",
+        "mfu_dense|mfu",
+        "dense_attention",
+        "packed attention used",
+        goal=("==", "fa_varlen or torch_varlen or flex"),
+    ),
     Figure("dense MFU", "mfu_dense|mfu", "dense_loss", "loss used"),
     Figure("dense MFU", "mfu_dense|mfu", "dense_peak_allocated_gib", "peak allocated", unit="GiB"),
     Figure("dense MFU", "mfu_dense|mfu", "dense_spec_peak_tflops", "spec peak, dense bf16", unit="TFLOP/s"),
     Figure("dense MFU", "mfu_dense|mfu", "dense_ceiling_tflops", "measured bf16 matmul ceiling", unit="TFLOP/s"),
-    Figure("loss backends", "loss", "liger_memory_ratio", "Liger fused linear-CE peak / torch's (V 151,936, H 1024, 16k tokens)",
-           "0.21 (Liger: -79% memory)", ("<=", 0.21)),
+    Figure(
+        "loss backends",
+        "loss",
+        "liger_memory_ratio",
+        "Liger fused linear-CE peak / torch's (V 151,936, H 1024, 16k tokens)",
+        "0.21 (Liger: -79% memory)",
+        ("<=", 0.21),
+    ),
     Figure("loss backends", "loss", "liger_time_ratio", "Liger time / torch's"),
-    Figure("loss backends", "loss", "liger_best_chunk_tokens", "Liger's fastest chunk size at this shape (own: Liger's choice)"),
+    Figure(
+        "loss backends",
+        "loss",
+        "liger_best_chunk_tokens",
+        "Liger's fastest chunk size at this shape (own: Liger's choice)",
+    ),
     Figure("loss backends", "loss", "liger_best_accum_dtype", "with the weight gradient summed in"),
     Figure("loss backends", "loss", "liger_best_time_ratio", "Liger at that setting, time / torch's", goal=("<", 1.0)),
-    Figure("loss backends", "loss", "torch_working_mib", "torch: loss memory beyond its gradients", "24 GB (CCE paper)",
-           unit="MiB"),
-    Figure("loss backends", "loss", "cce_working_mib", "CCE: loss memory beyond its gradients", "1 MB (CCE paper)",
-           ("<=", 1.0), unit="MiB"),
+    Figure(
+        "loss backends",
+        "loss",
+        "torch_working_mib",
+        "torch: loss memory beyond its gradients",
+        "24 GB (CCE paper)",
+        unit="MiB",
+    ),
+    Figure(
+        "loss backends",
+        "loss",
+        "cce_working_mib",
+        "CCE: loss memory beyond its gradients",
+        "1 MB (CCE paper)",
+        ("<=", 1.0),
+        unit="MiB",
+    ),
     Figure("loss backends", "loss", "cce_time_ratio", "CCE time / torch's"),
     Figure("loss backends", "loss", "chunked_memory_ratio", "chunked peak / torch's"),
-    Figure("MoE", "moe", "grouped_speedup", "grouped vs loop experts, Qwen3-30B-A3B layer, bf16 fwd+bwd",
-           "~10x fused vs naive (seed)", (">=", 10.0), "x"),
-    Figure("MoE", "moe", "grouped_speedup_vs_hf_eager", "grouped vs transformers' eager experts", goal=(">", 1.0), unit="x"),
+    Figure(
+        "MoE",
+        "moe",
+        "grouped_speedup",
+        "grouped vs loop experts, Qwen3-30B-A3B layer, bf16 fwd+bwd",
+        "~10x fused vs naive (seed)",
+        (">=", 10.0),
+        "x",
+    ),
+    Figure(
+        "MoE", "moe", "grouped_speedup_vs_hf_eager", "grouped vs transformers' eager experts", goal=(">", 1.0), unit="x"
+    ),
     Figure("MoE", "moe", "grouped_fallback", "grouped kernel fallback", goal=("==", "none")),
-    Figure("fp8", "fp8", "fp8_tensorwise_speedup", "tensorwise vs bf16 step (Qwen3-8B shape, 4 layers, 8k tokens)",
-           goal=(">", 1.0), unit="x"),
+    Figure(
+        "fp8",
+        "fp8",
+        "fp8_tensorwise_speedup",
+        "tensorwise vs bf16 step (Qwen3-8B shape, 4 layers, 8k tokens)",
+        goal=(">", 1.0),
+        unit="x",
+    ),
     Figure("fp8", "fp8", "fp8_rowwise_speedup", "rowwise vs bf16 step", goal=(">", 1.0), unit="x"),
     Figure("fp8", "fp8", "fp8_tensorwise_memory_ratio", "tensorwise peak / bf16's"),
     Figure("fp8", "fp8", "fp8_kernels", "fp8 matmuls that ran", goal=("==", "real")),
-    Figure("packing", "packing", "packing_speedup", "FFD packing vs padding, useful tokens/s (Qwen3-0.6B shape, 8 layers)",
-           "2.26-2.29x (CPU, tiny model)", (">=", 1.8), "x"),
-    Figure("packing", "packing", "packing_speedup_vs_grouped", "FFD packing vs length-grouped padding",
-           "0.87-0.89x (CPU, tiny model)", (">", 1.0), "x"),
+    Figure(
+        "packing",
+        "packing",
+        "packing_speedup",
+        "FFD packing vs padding, useful tokens/s (Qwen3-0.6B shape, 8 layers)",
+        "2.26-2.29x (CPU, tiny model)",
+        (">=", 1.8),
+        "x",
+    ),
+    Figure(
+        "packing",
+        "packing",
+        "packing_speedup_vs_grouped",
+        "FFD packing vs length-grouped padding",
+        "0.87-0.89x (CPU, tiny model)",
+        (">", 1.0),
+        "x",
+    ),
     Figure("packing", "packing", "packing_attention", "packed attention of those rows"),
-    Figure("DPO", "dpo", "dpo_chunked_memory_ratio", "chunked log-probs' working memory / torch's (Qwen3-32B head, 15k tokens)",
-           "0.126 (CPU, 1k tokens)", ("<=", 0.15)),
+    Figure(
+        "DPO",
+        "dpo",
+        "dpo_chunked_memory_ratio",
+        "chunked log-probs' working memory / torch's (Qwen3-32B head, 15k tokens)",
+        "0.126 (CPU, 1k tokens)",
+        ("<=", 0.15),
+    ),
     Figure("DPO", "dpo", "dpo_liger_memory_ratio", "Liger DPO's working memory / torch's", "6.0 (CPU, 1k tokens)"),
     Figure("fit", "fit", "status", "lit-ablate fit (quickstart, --trainer.accelerator gpu)", goal=("==", "ok")),
-    Figure("mesh on one GPU", "mesh_sim", "sim_dimensions_ok", "mesh dimensions whose CUDA path ran (rank 0 of 8, simulated)",
-           goal=("==", 6), unit="of 6"),
-    *(Figure("mesh on one GPU", "mesh_sim", f"sim_{dim}", f"{dim}: rank 0 of 8, two bf16 steps", goal=("==", "ok"))
-      for dim in ("dp_shard", "dp_replicate", "tp", "cp", "ep", "pp")),
-    *(Figure("mesh on one GPU", "mesh_sim", f"sim_{dim}_estimate", f"{dim}: the rank's memory vs the estimate")
-      for dim in ("dp_shard", "dp_replicate", "tp", "cp", "ep", "pp")),
+    Figure(
+        "mesh on one GPU",
+        "mesh_sim",
+        "sim_dimensions_ok",
+        "mesh dimensions whose CUDA path ran (rank 0 of 8, simulated)",
+        goal=("==", 6),
+        unit="of 6",
+    ),
+    *(
+        Figure("mesh on one GPU", "mesh_sim", f"sim_{dim}", f"{dim}: rank 0 of 8, two bf16 steps", goal=("==", "ok"))
+        for dim in ("dp_shard", "dp_replicate", "tp", "cp", "ep", "pp")
+    ),
+    *(
+        Figure("mesh on one GPU", "mesh_sim", f"sim_{dim}_estimate", f"{dim}: the rank's memory vs the estimate")
+        for dim in ("dp_shard", "dp_replicate", "tp", "cp", "ep", "pp")
+    ),
     Figure("fit", "fit", "tensor_method", "memory measured by", goal=("==", "cuda_max_allocated")),
     Figure("gpu tests", "gpu_tests", "failed", "gpu-marked tests failed", goal=("==", 0)),
     Figure("gpu tests", "gpu_tests", "error", "gpu-marked tests in error", goal=("==", 0)),
@@ -184,14 +298,18 @@ def figures_table(lane: dict) -> str:
             status = figure.entry(lane).get("status", "not run")
             value = "(not reported)" if status == "ok" else f"({status})"
             verdict = "n/a" if figure.goal else "—"
-        lines.append(f"| {figure.benchmark} | {figure.label} | {value} | {figure.anchor} | {goal_text(figure)} | {verdict} |")
+        lines.append(
+            f"| {figure.benchmark} | {figure.label} | {value} | {figure.anchor} | {goal_text(figure)} | {verdict} |"
+        )
     return "\n".join(lines)
 
 
 def steps_table(lane: dict) -> str:
     lines = ["| step | status | seconds / limit | what |", "|---|---|---|---|"]
     for name, entry in lane["steps"].items():
-        lines.append(f"| {name} | {entry['status']} | {entry.get('seconds', '-')} / {entry['timeout_s']} | {entry['what']} |")
+        lines.append(
+            f"| {name} | {entry['status']} | {entry.get('seconds', '-')} / {entry['timeout_s']} | {entry['what']} |"
+        )
     return "\n".join(lines)
 
 
@@ -213,9 +331,13 @@ def memory_table(lane: dict) -> str:
     if not breakdown.get("at_peak"):
         return "No memory categories recorded."
     mib = 2**20
-    lines = [f"Tracked step {breakdown.get('step')}, method {breakdown.get('method')}; peak tensor bytes "
-             f"{formatted((results.get('peak_tensor_bytes') or 0) / mib, 'MiB')}.", "",
-             "| category | at the peak (MiB) | its own max (MiB) |", "|---|---|---|"]  # fmt: skip
+    lines = [
+        f"Tracked step {breakdown.get('step')}, method {breakdown.get('method')}; peak tensor bytes "
+        f"{formatted((results.get('peak_tensor_bytes') or 0) / mib, 'MiB')}.",
+        "",
+        "| category | at the peak (MiB) | its own max (MiB) |",
+        "|---|---|---|",
+    ]
     for category, at_peak in breakdown["at_peak"].items():
         lines.append(f"| {category} | {at_peak / mib:.2f} | {breakdown.get('max', {}).get(category, 0) / mib:.2f} |")
     return "\n".join(lines)
@@ -232,9 +354,13 @@ def reruns_section(lane: dict, reruns: list[Rerun]) -> str:
         entry = lane["steps"].get(rerun.step) or {}
         lane_results = entry.get("results") or {}
         keys = [f.key for f in FIGURES if rerun.step in f.step.split("|")] or list(results)
-        lines = [f"### {rerun.step}: lane {entry.get('status', 'not run')} at {entry.get('seconds', '-')} / "
-                 f"{entry.get('timeout_s', '-')} s; rerun under {rerun.limit_s} s (`rerun_{rerun.step}.log`)", "",
-                 "| figure | lane | rerun |", "|---|---|---|"]  # fmt: skip
+        lines = [
+            f"### {rerun.step}: lane {entry.get('status', 'not run')} at {entry.get('seconds', '-')} / "
+            f"{entry.get('timeout_s', '-')} s; rerun under {rerun.limit_s} s (`rerun_{rerun.step}.log`)",
+            "",
+            "| figure | lane | rerun |",
+            "|---|---|---|",
+        ]
         for key in keys:
             if key in results or key in lane_results:
                 lines.append(f"| {key} | {formatted(lane_results.get(key))} | {formatted(results.get(key))} |")
@@ -248,32 +374,62 @@ def header(lane: dict) -> tuple[str, str]:
     env = (lane["steps"].get("env") or {}).get("results") or {}
     meta = lane["lane"]
     prepared = meta.get("prepared") or {}
-    commit = (prepared.get("git_commit") or "unknown")[:10] + (" + uncommitted changes" if prepared.get("git_dirty") else "")
+    commit = (prepared.get("git_commit") or "unknown")[:10] + (
+        " + uncommitted changes" if prepared.get("git_dirty") else ""
+    )
     title = f"# GPU lane: {env.get('gpu', 'unknown device')}, {meta['started_at'][:10]}"
     kind = " (dry run on the CPU: the figures mean nothing)" if meta.get("dry_run") else ""
-    line = (f"torch {env.get('torch')} (CUDA {env.get('torch_cuda')}), triton {env.get('triton')}, transformers "
-            f"{env.get('transformers')}, lightning {env.get('lightning')}; lit-ablate at {commit}; "
-            f"{meta.get('elapsed_s')} s of the {meta['budget_s']} s budget{kind}.")
+    line = (
+        f"torch {env.get('torch')} (CUDA {env.get('torch_cuda')}), triton {env.get('triton')}, transformers "
+        f"{env.get('transformers')}, lightning {env.get('lightning')}; lit-ablate at {commit}; "
+        f"{meta.get('elapsed_s')} s of the {meta['budget_s']} s budget{kind}."
+    )
     return title, line
 
 
 def readme(lane: dict, reruns: list[Rerun] | None = None) -> str:
     title, line = header(lane)
     failed = [name for name, entry in lane["steps"].items() if entry["status"] != "ok"]
-    tails = "\n\n".join(f"### {name} ({lane['steps'][name]['status']})\n\n```\n{lane['steps'][name].get('tail', '')}\n```"
-                        for name in failed) or "Every step finished ok."  # fmt: skip
-    return "\n\n".join([
-        title, line, "Made by `benchmarks/gpu/render` from `lane.json` (`benchmarks/gpu/README.md` says how the lane runs).",
-        "## Figures", figures_table(lane), "## Steps", steps_table(lane), "## gpu-marked tests", tests_table(lane),
-        "## Memory categories of the fit (run.json)", memory_table(lane),
-        "## Reruns on the same machine, after the lane", reruns_section(lane, reruns or []),
-        "## Log tails of the steps that did not finish ok", tails,
-    ]) + "\n"  # fmt: skip
+    tails = (
+        "\n\n".join(
+            f"### {name} ({lane['steps'][name]['status']})\n\n```\n{lane['steps'][name].get('tail', '')}\n```"
+            for name in failed
+        )
+        or "Every step finished ok."
+    )
+    return (
+        "\n\n".join(
+            [
+                title,
+                line,
+                "Made by `benchmarks/gpu/render` from `lane.json` (`benchmarks/gpu/README.md` says how the lane runs).",
+                "## Figures",
+                figures_table(lane),
+                "## Steps",
+                steps_table(lane),
+                "## gpu-marked tests",
+                tests_table(lane),
+                "## Memory categories of the fit (run.json)",
+                memory_table(lane),
+                "## Reruns on the same machine, after the lane",
+                reruns_section(lane, reruns or []),
+                "## Log tails of the steps that did not finish ok",
+                tails,
+            ]
+        )
+        + "\n"
+    )
 
 
 def log_tails(lane: dict) -> str:
-    return "\n\n".join(f"## {name} ({entry['status']}, {entry.get('seconds', '-')} s)\n\n`{entry['command']}`\n\n"
-                       f"```\n{entry.get('tail', '')}\n```" for name, entry in lane["steps"].items()) + "\n"  # fmt: skip
+    return (
+        "\n\n".join(
+            f"## {name} ({entry['status']}, {entry.get('seconds', '-')} s)\n\n`{entry['command']}`\n\n"
+            f"```\n{entry.get('tail', '')}\n```"
+            for name, entry in lane["steps"].items()
+        )
+        + "\n"
+    )
 
 
 def results_folder(lane: dict) -> Path:
@@ -299,10 +455,20 @@ def save(lane_json: Path, folder: Path, reruns: list[Rerun] | None = None) -> Pa
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("lane_json", type=Path, help="lane.json from the device ($OUT)")
-    parser.add_argument("--save", action="store_true", help="write README.md, lane.json, log_tails.md to the results folder")
-    parser.add_argument("--folder", type=Path, help="with --save: this folder instead of benchmarks/results/gpu/<kind>-<date>")
-    parser.add_argument("--rerun", nargs=3, action="append", default=[], metavar=("STEP", "LIMIT_S", "LOG"),
-                        help="a step rerun by hand on the same machine: its limit and its whole output")
+    parser.add_argument(
+        "--save", action="store_true", help="write README.md, lane.json, log_tails.md to the results folder"
+    )
+    parser.add_argument(
+        "--folder", type=Path, help="with --save: this folder instead of benchmarks/results/gpu/<kind>-<date>"
+    )
+    parser.add_argument(
+        "--rerun",
+        nargs=3,
+        action="append",
+        default=[],
+        metavar=("STEP", "LIMIT_S", "LOG"),
+        help="a step rerun by hand on the same machine: its limit and its whole output",
+    )
     args = parser.parse_args()
     lane = json.loads(args.lane_json.read_text())
     reruns = [Rerun(step, int(limit), Path(log)) for step, limit, log in args.rerun]

@@ -31,26 +31,61 @@ WORLD = 8
 MOE = ["--model.init_args.model.preset", "tiny-qwen3-moe", "--model.init_args.model.moe", '{"experts": "grouped"}']
 LAYOUTS: dict[str, tuple[dict, list[str]]] = {  # dimension: (strategy, extra fit arguments)
     "dp_shard": ({"class_path": "lit_ablate.strategies.FSDP2Strategy", "init_args": {"dp_shard": 8}}, []),
-    "dp_replicate": ({"class_path": "lit_ablate.strategies.HSDPStrategy", "init_args": {"dp_replicate": 2, "dp_shard": 4}}, []),
+    "dp_replicate": (
+        {"class_path": "lit_ablate.strategies.HSDPStrategy", "init_args": {"dp_replicate": 2, "dp_shard": 4}},
+        [],
+    ),
     "tp": ({"class_path": "lit_ablate.strategies.TensorParallelStrategy", "init_args": {"tp": 2, "dp_shard": 4}}, []),
     "cp": ({"class_path": "lit_ablate.strategies.ContextParallelStrategy", "init_args": {"cp": 2, "dp_shard": 4}}, []),
     "ep": ({"class_path": "lit_ablate.strategies.ExpertParallelStrategy", "init_args": {"ep": 2, "dp_shard": 4}}, MOE),
-    "pp": ({"class_path": "lit_ablate.strategies.PipelineParallelStrategy",
-            "init_args": {"pp": 2, "dp_shard": 4, "microbatches": 2}}, []),
-}  # fmt: skip
+    "pp": (
+        {
+            "class_path": "lit_ablate.strategies.PipelineParallelStrategy",
+            "init_args": {"pp": 2, "dp_shard": 4, "microbatches": 2},
+        },
+        [],
+    ),
+}
 
 
 def fit_arguments(dimension: str, device: str, precision: str, folder: Path) -> list[str]:
     """``lit-ablate fit`` arguments of one layout: the quickstart's tiny model, rank 0 of ``WORLD``, 2 steps."""
     strategy, extra = LAYOUTS[dimension]
     dtype = {"bf16-true": "bfloat16", "16-true": "float16"}.get(precision, "float32")
-    return ["fit", "--config", str(CONFIG), "--simulate", str(WORLD), "--trainer.accelerator", device,
-            "--trainer.precision", precision, "--model.init_args.model.dtype", dtype,
-            "--trainer.strategy", json.dumps(strategy), *extra,
-            "--trainer.max_steps", "2", "--recorder.warmup_steps", "2", "--recorder.path", str(folder / "run.json"),
-            "--trainer.default_root_dir", str(folder), "--trainer.logger", "false",
-            "--trainer.enable_progress_bar", "false", "--data.init_args.batch_size", "4",
-            "--data.init_args.seq_len", "64", "--data.init_args.val_examples", "0"]  # fmt: skip
+    return [
+        "fit",
+        "--config",
+        str(CONFIG),
+        "--simulate",
+        str(WORLD),
+        "--trainer.accelerator",
+        device,
+        "--trainer.precision",
+        precision,
+        "--model.init_args.model.dtype",
+        dtype,
+        "--trainer.strategy",
+        json.dumps(strategy),
+        *extra,
+        "--trainer.max_steps",
+        "2",
+        "--recorder.warmup_steps",
+        "2",
+        "--recorder.path",
+        str(folder / "run.json"),
+        "--trainer.default_root_dir",
+        str(folder),
+        "--trainer.logger",
+        "false",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--data.init_args.batch_size",
+        "4",
+        "--data.init_args.seq_len",
+        "64",
+        "--data.init_args.val_examples",
+        "0",
+    ]
 
 
 def simulate(dimension: str, device: str, precision: str) -> dict:
@@ -82,8 +117,11 @@ def measured(record: dict) -> dict:
     from lit_ablate.estimate.from_config import estimate_for_config
 
     summary = record["summary"]
-    out = {"peak_mib": (summary.get("peak_tensor_bytes") or 0) / 2**20, "tensor_method": summary.get("tensor_method"),
-           "estimate": "not tracked"}
+    out = {
+        "peak_mib": (summary.get("peak_tensor_bytes") or 0) / 2**20,
+        "tensor_method": summary.get("tensor_method"),
+        "estimate": "not tracked",
+    }
     breakdown = summary.get("tensor_breakdown")
     if breakdown:
         comparison = compare_with_measured(estimate_for_config(record["config"], WORLD, 0), breakdown)

@@ -83,9 +83,26 @@ def download(include_bitsandbytes: bool) -> list[Path]:
 
 def _pip_download(requirements: list[str], into: Path) -> None:
     platforms = [arg for platform in PLATFORMS for arg in ("--platform", platform)]
-    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-                    "--python-version", "3.12", "--implementation", "cp", *platforms, "-d", str(into), *requirements],
-                   check=True)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            "3.12",
+            "--implementation",
+            "cp",
+            *platforms,
+            "-d",
+            str(into),
+            *requirements,
+        ],
+        check=True,
+    )
 
 
 def slim_bitsandbytes(source: Path, target: Path) -> None:
@@ -94,25 +111,35 @@ def slim_bitsandbytes(source: Path, target: Path) -> None:
     The RECORD keeps the hashes of the files kept (pip installs what the archive holds and rewrites
     RECORD; a RECORD line for a missing file would be listed as installed but absent)."""
     with zipfile.ZipFile(source) as old, zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as new:
-        dropped = {n for n in old.namelist() if n.endswith(".so") and "libbitsandbytes_" in n
-                   and not KEEP_CUDA_LIBRARIES.search(n)}  # fmt: skip
+        dropped = {
+            n
+            for n in old.namelist()
+            if n.endswith(".so") and "libbitsandbytes_" in n and not KEEP_CUDA_LIBRARIES.search(n)
+        }
         if not any(KEEP_CUDA_LIBRARIES.search(n) and "cuda" in n for n in old.namelist()):
-            raise SystemExit(f"{source.name} has no CUDA 13 library: check KEEP_CUDA_LIBRARIES against the device's CUDA")
+            raise SystemExit(
+                f"{source.name} has no CUDA 13 library: check KEEP_CUDA_LIBRARIES against the device's CUDA"
+            )
         for info in old.infolist():
             if info.filename in dropped:
                 continue
             data = old.read(info)
             if info.filename.endswith(".dist-info/RECORD"):
-                data = "".join(line for line in data.decode().splitlines(keepends=True)
-                               if line.split(",", 1)[0] not in dropped).encode()  # fmt: skip
+                data = "".join(
+                    line for line in data.decode().splitlines(keepends=True) if line.split(",", 1)[0] not in dropped
+                ).encode()
             new.writestr(info, data)
 
 
 def manifest(wheels: list[Path]) -> dict:
     commit = _git("rev-parse", "HEAD")
     dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
-    return {"prepared_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_commit": commit, "git_dirty": dirty,
-            "wheels": {w.name: {"bytes": w.stat().st_size, "sha256": _sha256(w)} for w in wheels}}  # fmt: skip
+    return {
+        "prepared_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "wheels": {w.name: {"bytes": w.stat().st_size, "sha256": _sha256(w)} for w in wheels},
+    }
 
 
 def _sha256(path: Path) -> str:
@@ -160,11 +187,15 @@ def main() -> int:
             print(f"note: {line}")
         return 0
     sizes = travelling_bytes()
-    print(f"travels: checkout {sizes['checkout'] / 2**20:.1f} MiB + wheels {sizes['wheels'] / 2**20:.1f} MiB "
-          f"= {sizes['total'] / 2**20:.1f} MiB of {LIMIT_BYTES / 2**20:.0f} MiB")
+    print(
+        f"travels: checkout {sizes['checkout'] / 2**20:.1f} MiB + wheels {sizes['wheels'] / 2**20:.1f} MiB "
+        f"= {sizes['total'] / 2**20:.1f} MiB of {LIMIT_BYTES / 2**20:.0f} MiB"
+    )
     if sizes["total"] > LIMIT_BYTES - HEADROOM_BYTES:
-        print(f"too large: keep under {(LIMIT_BYTES - HEADROOM_BYTES) / 2**20:.0f} MiB "
-              "(prepare --no-bitsandbytes, or move large untracked files out of the checkout)")
+        print(
+            f"too large: keep under {(LIMIT_BYTES - HEADROOM_BYTES) / 2**20:.0f} MiB "
+            "(prepare --no-bitsandbytes, or move large untracked files out of the checkout)"
+        )
         return 1
     return 0
 

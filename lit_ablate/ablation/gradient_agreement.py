@@ -16,8 +16,11 @@ from typing import Any
 from lit_ablate.record import GRADIENTS_SECTION
 
 
-def gradient_check(runs: Sequence[tuple[str, Mapping[str, Any]]], baseline_runs: Sequence[tuple[str, Mapping[str, Any]]],
-                   tolerance: Mapping[str, Any]) -> dict[str, Any]:  # fmt: skip
+def gradient_check(
+    runs: Sequence[tuple[str, Mapping[str, Any]]],
+    baseline_runs: Sequence[tuple[str, Mapping[str, Any]]],
+    tolerance: Mapping[str, Any],
+) -> dict[str, Any]:
     """One variant's check from its ``(path, record)`` runs and the baseline's: pass, fail, or ``incomplete``
     (never a silent pass). A variant without an ok run is not checked (``passed: None``); a seed of it that
     the baseline has no ok run of, or a run without the step's record, leaves the check incomplete."""
@@ -38,14 +41,22 @@ def gradient_check(runs: Sequence[tuple[str, Mapping[str, Any]]], baseline_runs:
         unmatched = sorted(set(norms) ^ set(reference))
         if unmatched:
             where = "this variant" if unmatched[0] in norms else "the baseline"
-            return {"passed": False, "incomplete": False, **worst,
-                    "reason": f"seed {seed}: {len(unmatched)} of the tensors have a gradient in one of the runs "
-                              f"only ({unmatched[0]} only in {where})"}  # fmt: skip
+            return {
+                "passed": False,
+                "incomplete": False,
+                **worst,
+                "reason": f"seed {seed}: {len(unmatched)} of the tensors have a gradient in one of the runs "
+                f"only ({unmatched[0]} only in {where})",
+            }
         for name, expected in reference.items():
             found = norms[name]
             if len(found) != len(expected) or not all(_finite(x) for x in [*found, *expected]):
-                return {"passed": False, "incomplete": False, **worst,
-                        "reason": f"seed {seed}: {name}: norms {_short(found)} vs {_short(expected)}"}  # fmt: skip
+                return {
+                    "passed": False,
+                    "incomplete": False,
+                    **worst,
+                    "reason": f"seed {seed}: {name}: norms {_short(found)} vs {_short(expected)}",
+                }
             scale = max(expected) or max(found) or 1.0
             for index, (x, y) in enumerate(zip(found, expected)):
                 difference = abs(x - y) / scale
@@ -54,9 +65,14 @@ def gradient_check(runs: Sequence[tuple[str, Mapping[str, Any]]], baseline_runs:
                     worst = {"max_rel_diff": difference, "worst_tensor": label, "worst_seed": seed}
     seeds = sorted(mine, key=_seed_order)
     if worst["max_rel_diff"] > tolerance["rtol"]:
-        return {"passed": False, "incomplete": False, "compared_seeds": seeds, **worst,
-                "reason": f"seed {worst['worst_seed']}: {worst['worst_tensor']} off by {worst['max_rel_diff']:.2e} "
-                          "of its largest norm"}  # fmt: skip
+        return {
+            "passed": False,
+            "incomplete": False,
+            "compared_seeds": seeds,
+            **worst,
+            "reason": f"seed {worst['worst_seed']}: {worst['worst_tensor']} off by {worst['max_rel_diff']:.2e} "
+            "of its largest norm",
+        }
     return {"passed": True, "incomplete": False, "reason": None, "compared_seeds": seeds, **worst}
 
 
@@ -74,7 +90,11 @@ def _finite(x: Any) -> bool:
 
 
 def _short(values: Sequence[Any]) -> str:
-    return "[" + ", ".join("null" if v is None else f"{v:.4g}" for v in values[:4]) + (", ...]" if len(values) > 4 else "]")
+    return (
+        "["
+        + ", ".join("null" if v is None else f"{v:.4g}" for v in values[:4])
+        + (", ...]" if len(values) > 4 else "]")
+    )
 
 
 def _seed_order(seed: int | None) -> tuple[bool, int]:

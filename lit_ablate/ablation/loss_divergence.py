@@ -34,11 +34,21 @@ def loss_divergence_section(summary: Mapping[str, Any]) -> list[str]:
     shown = sorted({1, *(max(1, round(f * last)) for f in SHOWN_FRACTIONS)})
     fp8 = any(v.get("fp8") for v in summary["variants"])
     header = ["variant", *(["fp8 matmuls"] if fp8 else []), *(f"Δ step {s}" for s in shown), "largest abs Δ (step)"]
-    lines = ["", f"## Loss difference from the baseline ({summary['study']['baseline']}) by step", "",
-             "Δ = the variant's loss minus the baseline's at the same step (median over seeds)."
-             + (" fp8 matmuls: `real` fp8 kernels, or `emulated` (fp8-rounded operands multiplied in fp32: fp8's "
-                "numerics, not its speed or memory), as each run recorded." if fp8 else ""),
-             "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]  # fmt: skip
+    lines = [
+        "",
+        f"## Loss difference from the baseline ({summary['study']['baseline']}) by step",
+        "",
+        "Δ = the variant's loss minus the baseline's at the same step (median over seeds)."
+        + (
+            " fp8 matmuls: `real` fp8 kernels, or `emulated` (fp8-rounded operands multiplied in fp32: fp8's "
+            "numerics, not its speed or memory), as each run recorded."
+            if fp8
+            else ""
+        ),
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
     for v in rows:
         delta = dict(zip(v["loss_delta_by_step"]["step"], v["loss_delta_by_step"]["delta"]))
         worst = max(delta, key=lambda s: abs(delta[s]))

@@ -124,11 +124,17 @@ def check_losses_are_a_model_s(spec: StudySpec, views: Mapping[str, RunConfig]) 
     their collectives move no data, so their losses and gradients are no model's and a check of them could
     only pass or fail by chance."""
     simulated = [name for name, view in views.items() if view.simulation is not None]
-    for key, check, what in (("expect_equal_loss", spec.expect_equal_loss, "losses"),
-                             ("expect_equal_gradients", spec.expect_equal_gradients, "gradients")):
+    for key, check, what in (
+        ("expect_equal_loss", spec.expect_equal_loss, "losses"),
+        ("expect_equal_gradients", spec.expect_equal_gradients, "gradients"),
+    ):
         if check is not None and simulated:
-            raise ConfigError(key, vars(check), f"the variants {simulated} are simulated ranks (simulate), whose "
-                              f"{what} are no model's; drop {key}, or the simulation")
+            raise ConfigError(
+                key,
+                vars(check),
+                f"the variants {simulated} are simulated ranks (simulate), whose "
+                f"{what} are no model's; drop {key}, or the simulation",
+            )
 
 
 def _refused(view: RunConfig) -> str | None:
@@ -182,9 +188,18 @@ def describe(runs: Sequence[PlannedRun], kept: Mapping[str, str] | None = None) 
         ranks = f"{launch.devices or 'base'}" + (f"x{launch.num_nodes}" if (launch.num_nodes or 1) > 1 else "")
         if launch.simulate:  # one process playing one rank of a larger job
             ranks = f"rank {launch.simulate_rank or 0} of {launch.simulate} (simulated)"
-        overrides = ", ".join(f"{k}={_short(v)}" for k, v in {**run.variant.overrides, **run.variant.launch_overrides}.items())
-        state = (f"skip: {run.skip_reason}" if run.skip_reason else f"fails: {run.invalid}" if run.invalid
-                 else f"done ({kept[run.label]}, kept)" if run.label in kept else "run")
+        overrides = ", ".join(
+            f"{k}={_short(v)}" for k, v in {**run.variant.overrides, **run.variant.launch_overrides}.items()
+        )
+        state = (
+            f"skip: {run.skip_reason}"
+            if run.skip_reason
+            else f"fails: {run.invalid}"
+            if run.invalid
+            else f"done ({kept[run.label]}, kept)"
+            if run.label in kept
+            else "run"
+        )
         rows.append((run.label, ranks, launch.accelerator or "base", overrides or "(base config)", state))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row[:4], widths)) + "  " + row[4] for row in rows)

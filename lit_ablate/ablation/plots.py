@@ -69,8 +69,9 @@ def _loss_curves(variants: Sequence[Mapping[str, Any]], path: Path) -> str:
     return _save(fig, path)
 
 
-def _bars(ax: plt.Axes, variants: Sequence[Mapping[str, Any]], key: str, scale: float, offset: float,
-          width: float, label: str) -> None:  # fmt: skip
+def _bars(
+    ax: plt.Axes, variants: Sequence[Mapping[str, Any]], key: str, scale: float, offset: float, width: float, label: str
+) -> None:
     """One bar per variant at its median, whiskers to min and max; missing values are left out."""
     xs, heights, low, high = [], [], [], []
     for i, v in enumerate(variants):
@@ -101,8 +102,11 @@ def _throughput_bars(variants: Sequence[Mapping[str, Any]], path: Path) -> str:
 def _memory_bars(variants: Sequence[Mapping[str, Any]], path: Path) -> str:
     """The report's main memory column: the tensor peak (or, for records without it, the process peak)."""
     fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(variants) + 2), 4.5))
-    key, method = ("peak_tensor_bytes", "tensor_method") if any(v.get("peak_tensor_bytes") for v in variants) else \
-        ("peak_memory_bytes", "memory_method")
+    key, method = (
+        ("peak_tensor_bytes", "tensor_method")
+        if any(v.get("peak_tensor_bytes") for v in variants)
+        else ("peak_memory_bytes", "memory_method")
+    )
     _bars(ax, variants, key, 2**20, 0.0, 0.6, "peak")
     methods = sorted({v[method] for v in variants if v.get(method)})
     what = "Peak tensor memory" if key == "peak_tensor_bytes" else "Peak memory"
@@ -111,8 +115,15 @@ def _memory_bars(variants: Sequence[Mapping[str, Any]], path: Path) -> str:
     return _save(fig, path)
 
 
-MEASURED_COLORS = {"params": "#1f77b4", "grads": "#ff7f0e", "optimizer": "#2ca02c", "activations": "#d62728",
-                   "temporaries": "#e377c2", "transient": "#9467bd", "untracked": "#7f7f7f"}
+MEASURED_COLORS = {
+    "params": "#1f77b4",
+    "grads": "#ff7f0e",
+    "optimizer": "#2ca02c",
+    "activations": "#d62728",
+    "temporaries": "#e377c2",
+    "transient": "#9467bd",
+    "untracked": "#7f7f7f",
+}
 """One colour per category, shared by the measured and the estimated bars (the estimator's
 activations include what is measured as temporaries during forward and backward)."""
 
@@ -128,19 +139,32 @@ def _memory_categories(variants: Sequence[Mapping[str, Any]], path: Path) -> str
     colors = {c: MEASURED_COLORS.get(c, f"C{i}") for i, c in enumerate(categories)}
     labelled: set[str] = set()
     for i, v in enumerate(variants):
-        for offset, values, hatch in ((-0.2, (v.get("tensor_breakdown") or {}).get("at_peak"), None),
-                                      (0.2, v.get("estimated_memory_categories"), "//")):
+        for offset, values, hatch in (
+            (-0.2, (v.get("tensor_breakdown") or {}).get("at_peak"), None),
+            (0.2, v.get("estimated_memory_categories"), "//"),
+        ):
             bottom = 0.0
             for category in categories:
                 height = (values or {}).get(category, 0) / 2**20
                 if height:
                     label = category if category not in labelled else None
                     labelled.add(category)
-                    ax.bar(i + offset, height, 0.38, bottom=bottom, color=colors[category], hatch=hatch,
-                           edgecolor="white" if hatch is None else "black", linewidth=0.3, label=label)
+                    ax.bar(
+                        i + offset,
+                        height,
+                        0.38,
+                        bottom=bottom,
+                        color=colors[category],
+                        hatch=hatch,
+                        edgecolor="white" if hatch is None else "black",
+                        linewidth=0.3,
+                        label=label,
+                    )
                     bottom += height
-    ax.set(ylabel="MiB per rank", title="Tensor memory by category\nmeasured at the peak (left, plain), "
-           "estimated (right, hatched)")  # two lines: one was wider than a two-variant figure
+    ax.set(
+        ylabel="MiB per rank",
+        title="Tensor memory by category\nmeasured at the peak (left, plain), estimated (right, hatched)",
+    )  # two lines: one was wider than a two-variant figure
     ax.title.set_fontsize("medium")
     _variant_axis(ax, variants)
     ax.legend(fontsize="small", ncols=2)
@@ -148,7 +172,11 @@ def _memory_categories(variants: Sequence[Mapping[str, Any]], path: Path) -> str
 
 
 def _versus(
-    variants: Sequence[Mapping[str, Any]], axis_key: str | None, label: str, directory: Path, group_key: str | None = None
+    variants: Sequence[Mapping[str, Any]],
+    axis_key: str | None,
+    label: str,
+    directory: Path,
+    group_key: str | None = None,
 ) -> str:
     """Final loss and useful tokens/s against an axis value (``axis_key``) or the parameter count (None)."""
     groups: dict[str, list[tuple[float, Mapping[str, Any]]]] = {}
@@ -158,7 +186,10 @@ def _versus(
             group = f"{group_key.rsplit('.', 1)[-1]}={v['axis_values'].get(group_key)}" if group_key else None
             groups.setdefault(group, []).append((x, v))
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, ylabel in ((axes[0], "final_loss", "final loss"), (axes[1], "useful_tokens_per_sec", "useful tokens/s")):
+    for ax, key, ylabel in (
+        (axes[0], "final_loss", "final loss"),
+        (axes[1], "useful_tokens_per_sec", "useful tokens/s"),
+    ):
         for group, points in groups.items():
             measured = sorted(((x, v[key]) for x, v in points if v[key]), key=lambda p: p[0])
             if not measured:

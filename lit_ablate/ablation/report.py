@@ -24,15 +24,23 @@ ORDER_WORDS = {
     "by_variant": "variant by variant (every seed of a variant, then the next variant)",
 }
 STDERR_TAIL_SHOWN = 15
-ACCURACY_LEGEND = (" Exact match: the share of held-out prompts whose greedy answer was entirely right after the "
-                   "last step (`ExactMatchEvaluator`), median [min–max] over seeds.")
-TRAINABLE_LEGEND = (" Trainable params: the parameters the optimizer updates (an adapter run's adapters; its frozen "
-                    "base is not counted), from the run record's model counts.")
-PREFERENCE_LEGEND = (" Reward accuracy / margin (DPO, `PreferenceMonitor`): the share of the last step's pairs whose "
-                     "chosen response earns the higher implicit reward, and their mean reward margin, median over seeds.")
-PIPELINE_LEGEND = (" Pipeline idle: the share of the schedule's wall time the stages spent not computing their own "
-                   "chunks (`PipelineBubbleMonitor`, mean over stages, median [min–max] over steps), and in brackets "
-                   "the schedule's own bubble with equal stages and free communication, (pp - 1) / (m + pp - 1).")
+ACCURACY_LEGEND = (
+    " Exact match: the share of held-out prompts whose greedy answer was entirely right after the "
+    "last step (`ExactMatchEvaluator`), median [min–max] over seeds."
+)
+TRAINABLE_LEGEND = (
+    " Trainable params: the parameters the optimizer updates (an adapter run's adapters; its frozen "
+    "base is not counted), from the run record's model counts."
+)
+PREFERENCE_LEGEND = (
+    " Reward accuracy / margin (DPO, `PreferenceMonitor`): the share of the last step's pairs whose "
+    "chosen response earns the higher implicit reward, and their mean reward margin, median over seeds."
+)
+PIPELINE_LEGEND = (
+    " Pipeline idle: the share of the schedule's wall time the stages spent not computing their own "
+    "chunks (`PipelineBubbleMonitor`, mean over stages, median [min–max] over steps), and in brackets "
+    "the schedule's own bubble with equal stages and free communication, (pp - 1) / (m + pp - 1)."
+)
 
 
 def load_runs(directory: Path) -> tuple[dict[str, Any] | None, list[tuple[str, dict[str, Any]]]]:
@@ -41,8 +49,9 @@ def load_runs(directory: Path) -> tuple[dict[str, Any] | None, list[tuple[str, d
     try:
         plan = json.loads(plan_path.read_text()) if plan_path.is_file() else None
     except json.JSONDecodeError as err:
-        raise ValueError(f"{plan_path}: not valid JSON ({err.msg}); run lit-ablate ablate on the study again, "
-                         "which rewrites it") from err
+        raise ValueError(
+            f"{plan_path}: not valid JSON ({err.msg}); run lit-ablate ablate on the study again, which rewrites it"
+        ) from err
     planned = {v["name"] for v in plan["variants"]} if plan else None
     runs = []
     for path in sorted(directory.glob(f"runs/*/*/{RECORD_FILENAME}")):
@@ -92,10 +101,25 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
     if summary.get("problems"):
         lines += ["**Study problems (exit code 1):**", "", *(f"- {p}" for p in summary["problems"]), ""]
     agreement = study.get("expect_equal_loss")
-    header = ["variant", "status", "tokens/s", "useful tokens/s", "step time (s)", "predicted step (s)", "data wait",
-              "MFU (spec)", "MFU (measured)",
-              "peak tensor memory", "process peak", "est. memory", "est. ÷ measured", "final loss", "Δ loss", "speed ×",
-              "memory ×"]  # fmt: skip
+    header = [
+        "variant",
+        "status",
+        "tokens/s",
+        "useful tokens/s",
+        "step time (s)",
+        "predicted step (s)",
+        "data wait",
+        "MFU (spec)",
+        "MFU (measured)",
+        "peak tensor memory",
+        "process peak",
+        "est. memory",
+        "est. ÷ measured",
+        "final loss",
+        "Δ loss",
+        "speed ×",
+        "memory ×",
+    ]
     adapters = any(v.get("trainable_parameters") not in (None, v["parameters"]) for v in variants)  # a frozen base
     header += ["trainable params"] if adapters else []
     accuracy = any(v["exact_match"] for v in variants)  # a column only when some run was evaluated
@@ -135,8 +159,10 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
         if accuracy:
             row.append(_spread(v["exact_match"], lambda x: f"{100 * x:.1f}%"))
         if preference:
-            row += [_spread(v.get("reward_accuracy"), lambda x: f"{100 * x:.1f}%"),
-                    _spread(v.get("reward_margin"), lambda x: f"{x:.3g}")]
+            row += [
+                _spread(v.get("reward_accuracy"), lambda x: f"{100 * x:.1f}%"),
+                _spread(v.get("reward_margin"), lambda x: f"{x:.3g}"),
+            ]
         if pipeline:
             row.append(_pipeline_cell(v))
         if agreement:
@@ -147,12 +173,22 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
             row.append(", ".join(f"[{fallbacks.index(line) + 1}]" for line in v.get("fallbacks") or []) or "—")
         lines.append("| " + " | ".join(row) + " |")
     rss_only = any(v.get("memory_ratio") is None and v.get("process_memory_ratio") is not None for v in variants)
-    lines += ["", _legend(agreement, rss_only, gradients) + (TRAINABLE_LEGEND if adapters else "") + (ACCURACY_LEGEND if accuracy else "") + (PREFERENCE_LEGEND if preference else "")
-              + (PIPELINE_LEGEND if pipeline else ""),
-              ""]
+    lines += [
+        "",
+        _legend(agreement, rss_only, gradients)
+        + (TRAINABLE_LEGEND if adapters else "")
+        + (ACCURACY_LEGEND if accuracy else "")
+        + (PREFERENCE_LEGEND if preference else "")
+        + (PIPELINE_LEGEND if pipeline else ""),
+        "",
+    ]
     if fallbacks:  # what ran instead of what a row's config names (the run records' ``fallbacks``)
-        lines += ["Fallbacks: what ran instead of what the row's config names, as its runs recorded.", "",
-                  *(f"{i}. {line}" for i, line in enumerate(fallbacks, start=1)), ""]
+        lines += [
+            "Fallbacks: what ran instead of what the row's config names, as its runs recorded.",
+            "",
+            *(f"{i}. {line}" for i, line in enumerate(fallbacks, start=1)),
+            "",
+        ]
     lines += simulated_ranks_section(variants)
     lines += [f"![{Path(name).stem}]({name})" for name in summary.get("plots", [])]
     lines += loss_divergence_section(summary)
@@ -160,8 +196,10 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
     if failures:
         lines += ["", "## Runs that did not finish ok", ""]
         for name, run in failures:
-            lines.append(f"- `{name}` seed {run['seed']}: **{run['status']}** — {run['message'] or 'no message'} "
-                         f"(`{run['path']}`)")  # fmt: skip
+            lines.append(
+                f"- `{name}` seed {run['seed']}: **{run['status']}** — {run['message'] or 'no message'} "
+                f"(`{run['path']}`)"
+            )
             tail = (run.get("stderr_tail") or "").splitlines()[-STDERR_TAIL_SHOWN:]
             if tail and run["status"] != "skipped":
                 lines += ["", "  ```text", *(f"  {line}" for line in tail), "  ```"]
@@ -178,25 +216,36 @@ def simulated_ranks_section(variants: Sequence[Mapping[str, Any]]) -> list[str]:
     simulated = [v for v in variants if v.get("simulated")]
     if not simulated:
         return []
-    lines = ["## Simulated ranks: estimate beside measurement", "",
-             "Each row is one process that played one rank of the layout over a fake process group "
-             "(lit-ablate's `docs/simulation.md`): its tensors by category on the tracked step "
-             "(measured) beside the estimate of that rank (`lit-ablate estimate`; a pipeline rank's own stage), "
-             f"as estimated / measured (estimate ÷ measured), **bold** where outside its factor ({_factors()}). "
-             "Step time and MFU are the rank's own: its compute, and the local copies a fake collective makes (an "
-             "all-gather fills its output with the rank's shard), never a wait for another rank.", "",
-             "| variant | rank | " + " | ".join(SIMULATED_CATEGORIES) + " | step time (s) | MFU (measured) |",
-             "|" + "---|" * (len(SIMULATED_CATEGORIES) + 4)]
+    lines = [
+        "## Simulated ranks: estimate beside measurement",
+        "",
+        "Each row is one process that played one rank of the layout over a fake process group "
+        "(lit-ablate's `docs/simulation.md`): its tensors by category on the tracked step "
+        "(measured) beside the estimate of that rank (`lit-ablate estimate`; a pipeline rank's own stage), "
+        f"as estimated / measured (estimate ÷ measured), **bold** where outside its factor ({_factors()}). "
+        "Step time and MFU are the rank's own: its compute, and the local copies a fake collective makes (an "
+        "all-gather fills its output with the rank's shard), never a wait for another rank.",
+        "",
+        "| variant | rank | " + " | ".join(SIMULATED_CATEGORIES) + " | step time (s) | MFU (measured) |",
+        "|" + "---|" * (len(SIMULATED_CATEGORIES) + 4),
+    ]
     for v in simulated:
         comparison = v.get("estimate_vs_measured") or {}
         cells = []
         for category in SIMULATED_CATEGORIES:
             result = comparison.get(category)
-            text = "—" if result is None else f"{_bytes(result['estimated'])} / {_bytes(result['measured'])} ({_ratio(result)})"
+            text = (
+                "—"
+                if result is None
+                else f"{_bytes(result['estimated'])} / {_bytes(result['measured'])} ({_ratio(result)})"
+            )
             cells.append(text if result is None or result["agrees"] else f"**{text}**")
         rank = f"{v['simulated']['rank']} of {v['simulated']['world_size']}"
-        lines.append(f"| {v['name']} | {rank} | " + " | ".join(cells)
-                     + f" | {_spread(v['step_time_s'], lambda x: f'{x:.3g}')} | {_mfu_cell(v, 'mfu_measured')} |")
+        lines.append(
+            f"| {v['name']} | {rank} | "
+            + " | ".join(cells)
+            + f" | {_spread(v['step_time_s'], lambda x: f'{x:.3g}')} | {_mfu_cell(v, 'mfu_measured')} |"
+        )
     return [*lines, ""]
 
 
@@ -229,15 +278,19 @@ def _ceiling_line(summary: Mapping[str, Any], noise: float | None) -> str | None
     for group in groups:
         moved = (group["max"] - group["min"]) / group["median"]
         condition = group["conditions"] or "condition not recorded"
-        parts.append(f"{condition}: {_spread(group, lambda x: f'{x:.4g}')} TFLOP/s over {group['n']} runs "
-                     f"(moved {100 * moved:.1f}%)")  # fmt: skip
+        parts.append(
+            f"{condition}: {_spread(group, lambda x: f'{x:.4g}')} TFLOP/s over {group['n']} runs "
+            f"(moved {100 * moved:.1f}%)"
+        )
         if moved > floor:
             moved_conditions.append(condition)
     line = "Matmul ceiling measured at each run's start, by condition: " + "; ".join(parts) + "."
     if moved_conditions:
-        line += (f" **Warning: under {', '.join(moved_conditions)} it moved more than the noise floor ({100 * floor:.1f}%): "
-                 "the machine's load changed during the study, so MFU (measured) and speed compare runs under "
-                 "different loads.**")
+        line += (
+            f" **Warning: under {', '.join(moved_conditions)} it moved more than the noise floor ({100 * floor:.1f}%): "
+            "the machine's load changed during the study, so MFU (measured) and speed compare runs under "
+            "different loads.**"
+        )
     return line
 
 
@@ -297,8 +350,11 @@ def _estimate_check_cell(comparison: Mapping[str, Any] | None) -> str:
     if not comparison:
         return "—"
     off = [f"{c} {_ratio(r)}" for c, r in comparison.items() if not r["agrees"]]
-    bounds = [f"{c} {_ratio(r)}: upper bound, the tracked step held {100 * r['upper_bound']:.0f}% of its tokens"
-              for c, r in comparison.items() if r.get("upper_bound")]  # fmt: skip
+    bounds = [
+        f"{c} {_ratio(r)}: upper bound, the tracked step held {100 * r['upper_bound']:.0f}% of its tokens"
+        for c, r in comparison.items()
+        if r.get("upper_bound")
+    ]
     return "; ".join(off + bounds) if off else "; ".join(["agrees", *bounds])
 
 
@@ -349,7 +405,11 @@ def _gradient_cell(variant: Mapping[str, Any], baseline: str) -> str:
         return _cell(f"**INCOMPLETE** ({result['reason']})")
     if not result or result["passed"] is None:
         return "n/a" + (f": {result['reason']}" if result else "")
-    return f"pass, max rel diff {result['max_rel_diff']:.2e}" if result["passed"] else _cell(f"**FAIL** ({result['reason']})")
+    return (
+        f"pass, max rel diff {result['max_rel_diff']:.2e}"
+        if result["passed"]
+        else _cell(f"**FAIL** ({result['reason']})")
+    )
 
 
 def _memory_ratio_cell(variant: Mapping[str, Any]) -> str:
@@ -361,46 +421,58 @@ def _memory_ratio_cell(variant: Mapping[str, Any]) -> str:
     return "—" if process is None else f"n/a (RSS only: {process:.2f}×)"
 
 
-def _legend(agreement: Mapping[str, Any] | None, rss_only: bool = False,
-            gradients: Mapping[str, Any] | None = None) -> str:
-    text = ("tokens/s and step time: median [min–max] over every step after warm-up of every seed that "
-            "finished ok; tokens/s count all ranks, useful tokens are labels that count in the loss. Step time "
-            "runs from one optimizer step's end to the next; data wait: the share of it spent between "
-            "micro-batches (fetching, collating and moving batches), median [min–max] over seeds. "
-            "Peak tensor memory: the most tensor bytes one rank held (the largest rank), median [min–max] over "
-            "seeds: on CPU counted by `MemoryMonitor`'s tensor tracker on the last warm-up step(s), on CUDA the "
-            "allocator's peak allocated bytes; memory.png shows it, memory_categories.png its categories. Process "
-            "peak: the secondary measure, with its method (on CPU the process's resident set, ~0.5 GB of Python "
-            "runtime included, so it hides what a technique changes). Est. memory: the analytic per-rank model of "
-            "`lit-ablate estimate` for the run's config; est. ÷ measured: its categories that differ from the "
-            f"measured ones by more than their stated factor ({_factors()}), or *agrees*; an *upper bound* is an "
-            "activations estimate for rows of seq_len above the measured step's, whose rows were shorter (padded to "
-            "the batch's longest, or packed): scaled to the step's tokens it is within the factor. Final loss: "
-            "median over seeds. Speed ×: useful tokens/s over the baseline's; memory ×: peak tensor memory over the "
-            "baseline's" + ("; *n/a (RSS only: r×)*: this run or the baseline has no tensor peak, and r is the "
-            "ratio of process peaks (resident sets), which hide most of what a technique changes" if rss_only else "")
-            + "; the baseline's cell gives the noise floor: its useful tokens/s medians over the first and "
-            "the second half of each ok seed's measured steps, (max − min) over the median of all its steps; a "
-            "ratio within 1 ± that floor is marked *within noise*. "
-            "MFU (spec): model FLOPs/s over the device's spec-sheet peak (n/a: none is known for this device "
-            "or precision); MFU (measured): over the matmul ceiling measured on the run's device, dtype and "
-            "threads (`lit-ablate peak`). Predicted step: the run config's model FLOPs per rank and step at that "
-            "ceiling (`lit-ablate estimate`'s model; padded or packed data compute less, so an upper bound for "
-            "them), with the measured step time as a multiple of it: the excess is communication, "
-            "memory-bound work and overhead.")  # fmt: skip
+def _legend(
+    agreement: Mapping[str, Any] | None, rss_only: bool = False, gradients: Mapping[str, Any] | None = None
+) -> str:
+    text = (
+        "tokens/s and step time: median [min–max] over every step after warm-up of every seed that "
+        "finished ok; tokens/s count all ranks, useful tokens are labels that count in the loss. Step time "
+        "runs from one optimizer step's end to the next; data wait: the share of it spent between "
+        "micro-batches (fetching, collating and moving batches), median [min–max] over seeds. "
+        "Peak tensor memory: the most tensor bytes one rank held (the largest rank), median [min–max] over "
+        "seeds: on CPU counted by `MemoryMonitor`'s tensor tracker on the last warm-up step(s), on CUDA the "
+        "allocator's peak allocated bytes; memory.png shows it, memory_categories.png its categories. Process "
+        "peak: the secondary measure, with its method (on CPU the process's resident set, ~0.5 GB of Python "
+        "runtime included, so it hides what a technique changes). Est. memory: the analytic per-rank model of "
+        "`lit-ablate estimate` for the run's config; est. ÷ measured: its categories that differ from the "
+        f"measured ones by more than their stated factor ({_factors()}), or *agrees*; an *upper bound* is an "
+        "activations estimate for rows of seq_len above the measured step's, whose rows were shorter (padded to "
+        "the batch's longest, or packed): scaled to the step's tokens it is within the factor. Final loss: "
+        "median over seeds. Speed ×: useful tokens/s over the baseline's; memory ×: peak tensor memory over the "
+        "baseline's"
+        + (
+            "; *n/a (RSS only: r×)*: this run or the baseline has no tensor peak, and r is the "
+            "ratio of process peaks (resident sets), which hide most of what a technique changes"
+            if rss_only
+            else ""
+        )
+        + "; the baseline's cell gives the noise floor: its useful tokens/s medians over the first and "
+        "the second half of each ok seed's measured steps, (max − min) over the median of all its steps; a "
+        "ratio within 1 ± that floor is marked *within noise*. "
+        "MFU (spec): model FLOPs/s over the device's spec-sheet peak (n/a: none is known for this device "
+        "or precision); MFU (measured): over the matmul ceiling measured on the run's device, dtype and "
+        "threads (`lit-ablate peak`). Predicted step: the run config's model FLOPs per rank and step at that "
+        "ceiling (`lit-ablate estimate`'s model; padded or packed data compute less, so an upper bound for "
+        "them), with the measured step time as a multiple of it: the excess is communication, "
+        "memory-bound work and overhead."
+    )
     if agreement:
         steps = f"the first {agreement['steps']} steps" if agreement.get("steps") else "every step"
         word = _reference_word(agreement)
         text += f" Loss = {word}: per seed, over {steps}, |loss − {word}| ≤ {_bound(agreement, word)}."
         if agreement.get("across"):
-            text += (f" The reference of a variant differs from it only in `{agreement['across']}`, "
-                     "holding the baseline's value.")
+            text += (
+                f" The reference of a variant differs from it only in `{agreement['across']}`, "
+                "holding the baseline's value."
+            )
     if gradients:
-        text += (f" Gradients = baseline: per seed, at step {gradients['step']}, every parameter's gradient norm "
-                 "after the step's rescaling to its token mean and before clipping, one per expert for stacked "
-                 "expert weights (`GradientFingerprint`): |norm − baseline's| ≤ "
-                 f"{gradients['rtol']:g}·(the tensor's largest norm in the baseline); max rel diff: the largest "
-                 "such ratio.")
+        text += (
+            f" Gradients = baseline: per seed, at step {gradients['step']}, every parameter's gradient norm "
+            "after the step's rescaling to its token mean and before clipping, one per expert for stacked "
+            "expert weights (`GradientFingerprint`): |norm − baseline's| ≤ "
+            f"{gradients['rtol']:g}·(the tensor's largest norm in the baseline); max rel diff: the largest "
+            "such ratio."
+        )
     return text
 
 

@@ -72,10 +72,14 @@ def finalise(
     """
     own = _read(run.run_dir / run_record.RECORD_FILENAME)
     record = own or {
-        "schema_version": run_record.SCHEMA_VERSION, "config": run.config, "environment": {},
-        "warmup_steps": 0, "fallbacks": [], "steps": [],
+        "schema_version": run_record.SCHEMA_VERSION,
+        "config": run.config,
+        "environment": {},
+        "warmup_steps": 0,
+        "fallbacks": [],
+        "steps": [],
         "summary": {**run_record.summarize_steps([], 0), "memory_method": None},
-    }  # fmt: skip
+    }
     summary = record["summary"]
     if status is None:
         recorded = summary.get("status")
@@ -93,8 +97,7 @@ def finalise(
                 message = f"exited 0 without finishing its run record ({message})"
             message = message or f"exit code {returncode}"
     record.update(variant=run.variant.name, seed=run.seed)
-    summary.update(status=status, message=message, returncode=returncode,
-                   stderr_tail=None if status == "ok" else tail)  # fmt: skip
+    summary.update(status=status, message=message, returncode=returncode, stderr_tail=None if status == "ok" else tail)
     run_record.write_record(run.run_dir / run_record.RECORD_FILENAME, record)
     return record
 

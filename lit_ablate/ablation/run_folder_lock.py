@@ -89,8 +89,11 @@ class GroupReaper:
     def __init__(self, pgid: int, grace_s: float = REAPER_GRACE_S) -> None:
         self._process = subprocess.Popen(
             [sys.executable, "-I", "-S", "-c", _REAPER, str(pgid), str(grace_s)],
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
     def done(self) -> None:
         """The run is over (reaped by the runner): the watcher exits without touching anything."""
@@ -128,9 +131,12 @@ def run_lock(run_dir: Path, wait_s: float | None = None) -> Iterator[RunLock]:
         try:
             fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise RunFolderBusy(str(path), _read(file).get("runner_pid"),
-                                "another `lit-ablate ablate` (this pid) is running this run now; "
-                                "let it finish or stop it, then run the same command again") from None  # fmt: skip
+            raise RunFolderBusy(
+                str(path),
+                _read(file).get("runner_pid"),
+                "another `lit-ablate ablate` (this pid) is running this run now; "
+                "let it finish or stop it, then run the same command again",
+            ) from None
         previous = _read(file).get("process_group")
         if isinstance(previous, int):
             _wait_for_group(previous, path, LOCK_WAIT_S if wait_s is None else wait_s)
@@ -155,10 +161,13 @@ def _wait_for_group(pgid: int, path: Path, wait_s: float) -> None:
     deadline = time.monotonic() + wait_s
     while group_alive(pgid):
         if time.monotonic() >= deadline:
-            raise RunFolderBusy(str(path), group_members(pgid) or pgid,
-                                f"processes of an earlier run of this folder (process group {pgid}) are still "
-                                f"alive and may write into it; stop them (kill -- -{pgid}) or wait for them, "
-                                "then run the same command again")  # fmt: skip
+            raise RunFolderBusy(
+                str(path),
+                group_members(pgid) or pgid,
+                f"processes of an earlier run of this folder (process group {pgid}) are still "
+                f"alive and may write into it; stop them (kill -- -{pgid}) or wait for them, "
+                "then run the same command again",
+            )
         time.sleep(0.1)
 
 

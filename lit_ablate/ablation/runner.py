@@ -33,7 +33,7 @@ from lit_ablate.ablation.run_folder import (
     previous_record,
     run_environment,
     stderr_tail,
-)  # fmt: skip
+)
 from lit_ablate.ablation.run_folder_lock import GroupReaper, RunLock, die_with_runner, run_lock
 from lit_ablate.ablation.slurm import run_on_cluster
 from lit_ablate.callbacks.progress_file import PROGRESS_PATH_ENV, read_progress
@@ -86,8 +86,9 @@ def run_runs(
                 outcome = f"{records[-1]['summary']['status']} in {time.monotonic() - started:.1f}s"
             message = records[-1]["summary"].get("message")
             # markup off: a run's error text is no rich markup (gloo's "[/__w/pytorch/...pair.cc:553]" is a closing tag)
-            console.print(f"{run.label}: {outcome}" + (f" — {message}" if message and outcome[:2] != "ok" else ""),
-                          markup=False)
+            console.print(
+                f"{run.label}: {outcome}" + (f" — {message}" if message and outcome[:2] != "ok" else ""), markup=False
+            )
             lines.advance()
     return records
 
@@ -116,13 +117,18 @@ class LiveLines:
     def watch(self, progress: dict[str, Any] | None) -> None:
         if progress is None or self.run is None:
             return
-        self.progress.update(self.run, description=f"  {self.label}: {run_line(progress)}",
-                             total=progress.get("max_steps"), completed=progress["step"])
+        self.progress.update(
+            self.run,
+            description=f"  {self.label}: {run_line(progress)}",
+            total=progress.get("max_steps"),
+            completed=progress["step"],
+        )
         if progress.get("eta_s") is not None:
             per_run = statistics.mean(self.durations) if self.durations else progress["elapsed_s"] + progress["eta_s"]
             left = progress["eta_s"] + per_run * (self.total - self.index - 1)
-            self.progress.update(self.study, description=f"study: run {self.index + 1} of {self.total}, "
-                                                         f"ETA {duration(left)}")
+            self.progress.update(
+                self.study, description=f"study: run {self.index + 1} of {self.total}, ETA {duration(left)}"
+            )
 
     def finished(self, seconds: float) -> None:
         self.durations.append(seconds)
@@ -178,15 +184,24 @@ def _execute_locked(run: PlannedRun, fit_command: Sequence[str], lock: RunLock, 
     env = {**os.environ, **run_environment(run), PROGRESS_PATH_ENV: str(progress)}
     command = fit_arguments(run, fit_command)
     with open(run.run_dir / "stdout.log", "w") as out, open(run.run_dir / "stderr.log", "w") as err:
-        process = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env,
-                                   process_group=0, preexec_fn=die_with_runner())  # fmt: skip
+        process = subprocess.Popen(
+            command,
+            stdout=out,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            process_group=0,
+            preexec_fn=die_with_runner(),
+        )
         lock.started(process.pid)  # its own process group: pgid == pid
         reaper = GroupReaper(process.pid)
         try:
             returncode = _wait(process, run.launch.timeout_s, lambda: watch(read_progress(progress)) if watch else None)
         except subprocess.TimeoutExpired:
             _stop(process)
-            return finalise(run, None, "timeout", f"exceeded launch.timeout_s={run.launch.timeout_s:g}", stderr_tail(run))
+            return finalise(
+                run, None, "timeout", f"exceeded launch.timeout_s={run.launch.timeout_s:g}", stderr_tail(run)
+            )
         except KeyboardInterrupt:
             _stop(process)
             finalise(run, None, "interrupted", "stopped by Ctrl-C / SIGTERM; redone on resume", stderr_tail(run))

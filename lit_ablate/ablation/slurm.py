@@ -50,7 +50,7 @@ from lit_ablate.ablation.run_folder import (
     run_environment,
     stderr_tail,
     trainer_dir,
-)  # fmt: skip
+)
 from lit_ablate.ablation.run_folder_lock import run_lock
 from lit_ablate.ablation.slurm_settings import SlurmSettings
 from lit_ablate.ablation.slurm_task import FIT_EXITED, SUBMITIT_DIRNAME, FitTask
@@ -58,14 +58,28 @@ from lit_ablate.errors import ConfigError
 from lit_ablate.extras import require
 
 JOB_FILENAME = "job.json"
-QUEUED_STATES = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING", "RESIZING", "SUSPENDED",
-                 "UNKNOWN")  # fmt: skip
+QUEUED_STATES = (
+    "PENDING",
+    "REQUEUED",
+    "REQUEUE_HOLD",
+    "REQUEUE_FED",
+    "CONFIGURING",
+    "RESIZING",
+    "SUSPENDED",
+    "UNKNOWN",
+)
 """Scheduler states of a job that has not started (``UNKNOWN``: sacct has not seen it yet)."""
 RUNNING_STATES = ("RUNNING", "COMPLETING", "STAGE_OUT", "SIGNALING", "STOPPED")
 SCHEDULER_STATUSES = {
-    "TIMEOUT": "timeout", "DEADLINE": "timeout", "PREEMPTED": "preempted", "CANCELLED": "interrupted",
-    "INTERRUPTED": "interrupted", "NODE_FAIL": "error", "BOOT_FAIL": "error", "OUT_OF_MEMORY": "oom",
-}  # fmt: skip
+    "TIMEOUT": "timeout",
+    "DEADLINE": "timeout",
+    "PREEMPTED": "preempted",
+    "CANCELLED": "interrupted",
+    "INTERRUPTED": "interrupted",
+    "NODE_FAIL": "error",
+    "BOOT_FAIL": "error",
+    "OUT_OF_MEMORY": "oom",
+}
 """Final states the scheduler decided, as run statuses. Any other final state (``COMPLETED``,
 ``FAILED``, the local executor's ``FINISHED``) leaves the decision to the run's exit code and record."""
 
@@ -96,8 +110,12 @@ def sbatch_parameters(run: PlannedRun) -> dict[str, Any]:
     }
     if on_gpu(run):
         parameters["gpus_per_node"] = devices
-    optional = {"partition": settings.partition, "account": settings.account, "cpus_per_task": settings.cpus_per_task,
-                "mem": settings.mem_gb}  # fmt: skip
+    optional = {
+        "partition": settings.partition,
+        "account": settings.account,
+        "cpus_per_task": settings.cpus_per_task,
+        "mem": settings.mem_gb,
+    }
     parameters.update({k: v for k, v in optional.items() if v is not None})
     return parameters
 
@@ -115,8 +133,11 @@ def check_cluster_runs(runs: Sequence[PlannedRun]) -> None:
     executors = {run.launch.executor for run in runs}
     clusters = {(run.launch.slurm or SlurmSettings()).cluster for run in runs}
     if len(executors) > 1 or len(clusters) > 1:
-        raise ConfigError("launch.executor", sorted(executors | clusters),
-                          "every variant of a study runs through one executor and cluster; set them at study level")  # fmt: skip
+        raise ConfigError(
+            "launch.executor",
+            sorted(executors | clusters),
+            "every variant of a study runs through one executor and cluster; set them at study level",
+        )
     for run in runs:
         if run.skip_reason or run.invalid:
             continue
@@ -125,8 +146,11 @@ def check_cluster_runs(runs: Sequence[PlannedRun]) -> None:
         if reason is None and settings.cluster == "local" and (run.launch.num_nodes or 1) > 1:
             reason = "asks for several nodes; launch.slurm.cluster=local runs on this one machine"
         if reason:
-            raise ConfigError(f"variants.{run.variant.name}.launch", {"devices": run.launch.devices,
-                              "num_nodes": run.launch.num_nodes}, f"{reason}; nothing was submitted")  # fmt: skip
+            raise ConfigError(
+                f"variants.{run.variant.name}.launch",
+                {"devices": run.launch.devices, "num_nodes": run.launch.num_nodes},
+                f"{reason}; nothing was submitted",
+            )
 
 
 def run_on_cluster(
@@ -145,7 +169,9 @@ def run_on_cluster(
     queue = _ClusterQueue(list(runs), list(fit_command), console)
     queue.collect_previous(retry_failed)
     if queue.waiting and queue.settings.cluster == "local" and not wait:
-        raise ConfigError("--no-wait", True, "jobs of launch.slurm.cluster=local end with this command; run without --no-wait")
+        raise ConfigError(
+            "--no-wait", True, "jobs of launch.slurm.cluster=local end with this command; run without --no-wait"
+        )
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     try:
         with Progress(*columns, console=console, transient=False) as progress:
@@ -216,11 +242,18 @@ class _ClusterQueue:
                     self.records[run.run_dir] = unrunnable
                     continue
                 executor = self._executor(run)
-                task = FitTask(tuple(fit_arguments(run, self.fit_command)), run_environment(run), str(run.run_dir),
-                               str(trainer_dir(run)))  # fmt: skip
+                task = FitTask(
+                    tuple(fit_arguments(run, self.fit_command)),
+                    run_environment(run),
+                    str(run.run_dir),
+                    str(trainer_dir(run)),
+                )
                 job = _submitted(executor, task, run)
-                (run.run_dir / JOB_FILENAME).write_text(json.dumps(
-                    {"job_id": job.job_id, "cluster": self.settings.cluster, "config": config_text(run.config)}))
+                (run.run_dir / JOB_FILENAME).write_text(
+                    json.dumps(
+                        {"job_id": job.job_id, "cluster": self.settings.cluster, "config": config_text(run.config)}
+                    )
+                )
             self.active[run.run_dir] = (run, job)
 
     def _executor(self, run: PlannedRun) -> Any:
@@ -229,14 +262,19 @@ class _ClusterQueue:
         if self.settings.cluster == "local":
             # One machine: one task, and Lightning's own launcher starts the ranks, as for a local run.
             executor = submitit.LocalExecutor(folder)
-            executor.update_parameters(timeout_min=run.launch.timeout_s / 60, tasks_per_node=1,
-                                       setup=[_same_package(), *self.settings.setup])  # fmt: skip
+            executor.update_parameters(
+                timeout_min=run.launch.timeout_s / 60, tasks_per_node=1, setup=[_same_package(), *self.settings.setup]
+            )
             return executor
         try:
             executor = submitit.SlurmExecutor(folder)
         except RuntimeError as err:  # no srun here
-            raise ConfigError("launch.slurm.cluster", "slurm", f"{err}: run the study from a SLURM login node, "
-                              "or set launch.slurm.cluster: local to try it on this machine") from err  # fmt: skip
+            raise ConfigError(
+                "launch.slurm.cluster",
+                "slurm",
+                f"{err}: run the study from a SLURM login node, "
+                "or set launch.slurm.cluster: local to try it on this machine",
+            ) from err
         executor.update_parameters(**sbatch_parameters(run))
         return executor
 
@@ -269,9 +307,13 @@ class _ClusterQueue:
 
     def describe(self) -> str:
         phases = [_phase(self.states.get(d, "UNKNOWN")) for d in self.active]
-        failed = sum(r["summary"]["status"] in (*FAILED_STATUSES, "preempted", "interrupted") for r in self.records.values())
-        return (f"queued {phases.count('queued') + len(self.waiting)} · running {phases.count('running')} · "
-                f"done {len(self.records) - failed} · failed {failed}")  # fmt: skip
+        failed = sum(
+            r["summary"]["status"] in (*FAILED_STATUSES, "preempted", "interrupted") for r in self.records.values()
+        )
+        return (
+            f"queued {phases.count('queued') + len(self.waiting)} · running {phases.count('running')} · "
+            f"done {len(self.records) - failed} · failed {failed}"
+        )
 
     def interrupted(self) -> None:
         """Ctrl-C: cancel the submitted jobs, or leave them queued/running for a later invocation."""
@@ -327,10 +369,18 @@ def _collect(run: PlannedRun, job: Any, state: str) -> dict[str, Any]:
         status, message = "error", f"{ended}: {reason or 'it ended without its result'}"
     record = finalise(run, returncode, status, message, tail or detail)
     record["steps"] = stitched_steps(record)
-    ranks = sorted((json.loads(p.read_text()) for p in (run.run_dir / SUBMITIT_DIRNAME).glob("rank*.json")),
-                   key=lambda placement: placement["rank"])  # fmt: skip
-    record["job"] = {"id": str(job.job_id), "state": state, "cluster": (run.launch.slurm or SlurmSettings()).cluster,
-                     "restarts": restarts(run.run_dir), "nodes": sorted({r["node"] for r in ranks}), "ranks": ranks}  # fmt: skip
+    ranks = sorted(
+        (json.loads(p.read_text()) for p in (run.run_dir / SUBMITIT_DIRNAME).glob("rank*.json")),
+        key=lambda placement: placement["rank"],
+    )
+    record["job"] = {
+        "id": str(job.job_id),
+        "state": state,
+        "cluster": (run.launch.slurm or SlurmSettings()).cluster,
+        "restarts": restarts(run.run_dir),
+        "nodes": sorted({r["node"] for r in ranks}),
+        "ranks": ranks,
+    }
     run_record.write_record(run.run_dir / run_record.RECORD_FILENAME, record)
     return record
 
@@ -339,7 +389,9 @@ def _rank_tails(run: PlannedRun) -> str:
     """Rank 0's stderr tail, then the last line of every other rank that printed one (a rank that
     failed alone says why there, while rank 0 only waited)."""
     others = sorted(run.run_dir.glob("stderr.rank*.log"), key=lambda p: int(p.stem.rpartition("rank")[2] or 0))
-    lines = [f"{p.stem.partition('.')[2]}: {line}" for p in others if (line := last_line(p.read_text(errors="replace")))]
+    lines = [
+        f"{p.stem.partition('.')[2]}: {line}" for p in others if (line := last_line(p.read_text(errors="replace")))
+    ]
     return "\n".join(filter(None, [stderr_tail(run), *lines]))
 
 
@@ -365,7 +417,9 @@ def _submitted(executor: Any, task: FitTask, run: PlannedRun) -> Any:
         said = [line.strip() for line in str(err).splitlines() if "error" in line.lower() and line.strip()]
         reason = said[-1] if said else " ".join(str(err).split())[:300]
         settings = run.launch.slurm or SlurmSettings()
-        raise ConfigError("launch.slurm", {"partition": settings.partition, "account": settings.account, **settings.sbatch},
-                          f"sbatch refused {run.label}'s job ({reason}); fix the partition, account or limits "
-                          "there (sinfo and sacctmgr show what this cluster has)") from err
-
+        raise ConfigError(
+            "launch.slurm",
+            {"partition": settings.partition, "account": settings.account, **settings.sbatch},
+            f"sbatch refused {run.label}'s job ({reason}); fix the partition, account or limits "
+            "there (sinfo and sacctmgr show what this cluster has)",
+        ) from err

@@ -59,7 +59,9 @@ class SlurmSettings:
             if merged[name] is not None and not _positive_int(merged[name]):
                 raise ConfigError(f"{key}.{name}", merged[name], "give a positive integer")
         if not _positive_int(merged["max_jobs"]):
-            raise ConfigError(f"{key}.max_jobs", merged["max_jobs"], "give a positive integer (jobs queued or running at once)")
+            raise ConfigError(
+                f"{key}.max_jobs", merged["max_jobs"], "give a positive integer (jobs queued or running at once)"
+            )
         for name in ("mem_gb", "poll_s"):
             value = merged[name]
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):

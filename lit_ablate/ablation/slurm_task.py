@@ -45,8 +45,12 @@ class FitTask:
         rank = job.global_rank
         suffix = "" if rank == 0 else f".rank{rank}"
         folder, command, note = Path(self.run_dir), list(self.command), ""
-        placement = {"rank": rank, "node_rank": job.node, "local_rank": job.local_rank,
-                     "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname()}  # fmt: skip
+        placement = {
+            "rank": rank,
+            "node_rank": job.node,
+            "local_rank": job.local_rank,
+            "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+        }
         (folder / SUBMITIT_DIRNAME / f"rank{rank}.json").write_text(json.dumps(placement))
         restart = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
         if restart:
@@ -54,15 +58,18 @@ class FitTask:
             command += ["--ckpt_path", str(checkpoint)] if checkpoint else []
             if rank == 0:
                 keep_attempt(folder)
-            note = (f"--- restart {restart} of job {os.environ.get('SLURM_JOB_ID')}: "
-                    f"{f'resuming from {checkpoint}' if checkpoint else 'no checkpoint, starting from step 0'} ---\n")
+            note = (
+                f"--- restart {restart} of job {os.environ.get('SLURM_JOB_ID')}: "
+                f"{f'resuming from {checkpoint}' if checkpoint else 'no checkpoint, starting from step 0'} ---\n"
+            )
         mode = "a" if restart else "w"
         with open(folder / f"stdout{suffix}.log", mode) as out, open(folder / f"stderr{suffix}.log", mode) as err:
             for log in (out, err):
                 log.write(note)
                 log.flush()
-            returncode = subprocess.run(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                        env={**os.environ, **self.env}).returncode  # fmt: skip
+            returncode = subprocess.run(
+                command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env={**os.environ, **self.env}
+            ).returncode
         if returncode != 0:
             raise FitExited(f"lit-ablate fit exited with code {returncode}")
         return returncode

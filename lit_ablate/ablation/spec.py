@@ -30,13 +30,30 @@ from lit_ablate.run_config import RunConfig
 from lit_ablate.simulated_rank import SIMULATE_KEY, SIMULATE_RANK_KEY
 
 STUDY_KEYS = (
-    "name", "base", "overrides", "axes", "variants", "vary", "baseline",
-    "seeds", "steps", "warmup_steps", "launch", "expect_equal_loss", "expect_equal_gradients", "order",
-)  # fmt: skip
+    "name",
+    "base",
+    "overrides",
+    "axes",
+    "variants",
+    "vary",
+    "baseline",
+    "seeds",
+    "steps",
+    "warmup_steps",
+    "launch",
+    "expect_equal_loss",
+    "expect_equal_gradients",
+    "order",
+)
 VARIANT_KEYS = ("name", "overrides", "launch")
 MAX_AXES = 2
-LAUNCH_CONFIG_KEYS = {"devices": "trainer.devices", "num_nodes": "trainer.num_nodes", "accelerator": "trainer.accelerator",
-                      SIMULATE_KEY: SIMULATE_KEY, SIMULATE_RANK_KEY: SIMULATE_RANK_KEY}
+LAUNCH_CONFIG_KEYS = {
+    "devices": "trainer.devices",
+    "num_nodes": "trainer.num_nodes",
+    "accelerator": "trainer.accelerator",
+    SIMULATE_KEY: SIMULATE_KEY,
+    SIMULATE_RANK_KEY: SIMULATE_RANK_KEY,
+}
 """``launch`` fields that are run-config keys (so they land in the run's config and are diffed): the trainer's
 ranks, nodes and accelerator, and a simulated rank's job (``lit-ablate fit --simulate``)."""
 RUNNER_KEYS = ("trainer.max_steps", "seed_everything", "trainer.default_root_dir", "recorder.warmup_steps")
@@ -91,17 +108,26 @@ class Launch:
         devices, nodes = values.get("devices", self.devices), values.get("num_nodes", self.num_nodes)
         simulate = values.get(SIMULATE_KEY, self.simulate)
         simulate_rank = values.get(SIMULATE_RANK_KEY, self.simulate_rank)
-        for name, value, least in (("devices", devices, 1), ("num_nodes", nodes, 1), (SIMULATE_KEY, simulate, 2),
-                                   (SIMULATE_RANK_KEY, simulate_rank, 0)):
+        for name, value, least in (
+            ("devices", devices, 1),
+            ("num_nodes", nodes, 1),
+            (SIMULATE_KEY, simulate, 2),
+            (SIMULATE_RANK_KEY, simulate_rank, 0),
+        ):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
-                raise ConfigError(f"{key}.{name}", value, "give a positive integer" if least == 1 else
-                                  f"give an integer of {least} or more")
+                raise ConfigError(
+                    f"{key}.{name}",
+                    value,
+                    "give a positive integer" if least == 1 else f"give an integer of {least} or more",
+                )
         timeout = values.get("timeout_s", self.timeout_s)
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
             raise ConfigError(f"{key}.timeout_s", timeout, "give a positive number of seconds")
         accelerator = values.get("accelerator", self.accelerator)
         if accelerator is not None and not isinstance(accelerator, str):
-            raise ConfigError(f"{key}.accelerator", accelerator, "give a Lightning accelerator name: cpu, gpu, cuda, auto")
+            raise ConfigError(
+                f"{key}.accelerator", accelerator, "give a Lightning accelerator name: cpu, gpu, cuda, auto"
+            )
         executor = values.get("executor", self.executor)
         if executor not in EXECUTORS:
             raise ConfigError(f"{key}.executor", executor, f"give one of {list(EXECUTORS)}")
@@ -119,8 +145,14 @@ class Launch:
         trainer, simulation = run.trainer, run.simulation
         accelerator = trainer.accelerator if isinstance(trainer.accelerator, str) else None
         if simulation is not None:
-            return replace(self, devices=1, num_nodes=1, accelerator=accelerator, simulate=simulation.world_size,
-                           simulate_rank=simulation.rank)
+            return replace(
+                self,
+                devices=1,
+                num_nodes=1,
+                accelerator=accelerator,
+                simulate=simulation.world_size,
+                simulate_rank=simulation.rank,
+            )
         return replace(
             self,
             devices=trainer.devices_per_node,
@@ -223,12 +255,18 @@ class StudySpec:
         trainer = config.setdefault("trainer", {})
         callbacks = trainer.get("callbacks") or []
         callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
-        if any(isinstance(c, Mapping) and str(c.get("class_path", "")).endswith("GradientFingerprint") for c in callbacks):
-            raise ConfigError("trainer.callbacks[GradientFingerprint]", f"listed for variant {variant.name}",
-                              "leave it out of the study's configs: expect_equal_gradients adds it to every "
-                              "variant, at its step")
-        trainer["callbacks"] = [*callbacks, {"class_path": GRADIENT_CALLBACK,
-                                             "init_args": {"step": self.expect_equal_gradients.step}}]
+        if any(
+            isinstance(c, Mapping) and str(c.get("class_path", "")).endswith("GradientFingerprint") for c in callbacks
+        ):
+            raise ConfigError(
+                "trainer.callbacks[GradientFingerprint]",
+                f"listed for variant {variant.name}",
+                "leave it out of the study's configs: expect_equal_gradients adds it to every variant, at its step",
+            )
+        trainer["callbacks"] = [
+            *callbacks,
+            {"class_path": GRADIENT_CALLBACK, "init_args": {"step": self.expect_equal_gradients.step}},
+        ]
         return config
 
     def shortened(self, steps: int | None = None, seeds: int | None = None, only: str | None = None) -> StudySpec:
@@ -247,16 +285,21 @@ class StudySpec:
             if not _positive_int(steps):
                 raise ConfigError("--steps", steps, "give a positive integer number of optimizer steps")
             if self.warmup_steps is not None and self.warmup_steps >= steps:
-                raise ConfigError("--steps", steps, f"the study excludes {self.warmup_steps} warm-up steps from its "
-                                  f"numbers; give more than {self.warmup_steps} steps")
+                raise ConfigError(
+                    "--steps",
+                    steps,
+                    f"the study excludes {self.warmup_steps} warm-up steps from its "
+                    f"numbers; give more than {self.warmup_steps} steps",
+                )
             overrides = {k: v for k, v in self.overrides.items() if k != "trainer.max_steps"}
             agreement, gradients = self.expect_equal_loss, self.expect_equal_gradients
             if agreement and agreement.steps is not None and agreement.steps > steps:  # compare the steps there are
                 agreement = replace(agreement, steps=steps)
             if gradients and gradients.step > steps:  # the last step there is
                 gradients = replace(gradients, step=steps)
-            spec = replace(spec, steps=steps, overrides=overrides, expect_equal_loss=agreement,
-                           expect_equal_gradients=gradients)
+            spec = replace(
+                spec, steps=steps, overrides=overrides, expect_equal_loss=agreement, expect_equal_gradients=gradients
+            )
         if seeds is not None:
             if not _positive_int(seeds):
                 raise ConfigError("--seeds", seeds, "give how many seeds to run: a positive integer")
@@ -318,7 +361,9 @@ def load_study(path: str | Path) -> StudySpec:
 def parse_study(raw: Any, source: Path | None = None) -> StudySpec:
     """Validate a study mapping; ``source`` (the study file) anchors a relative ``base`` path."""
     if not isinstance(raw, Mapping):
-        raise ConfigError("study", type(raw).__name__, "a study file is a YAML mapping with base: and axes: or variants:")
+        raise ConfigError(
+            "study", type(raw).__name__, "a study file is a YAML mapping with base: and axes: or variants:"
+        )
     for key in raw:
         if key not in STUDY_KEYS:
             raise ConfigError(str(key), raw[key], f"unknown study key; the keys are {list(STUDY_KEYS)}")
@@ -332,10 +377,14 @@ def parse_study(raw: Any, source: Path | None = None) -> StudySpec:
     launch = Launch().updated(_mapping(raw.get("launch", {}), "launch"), "launch")
     launch_overrides = launch.config_overrides()
     if ("axes" in raw) == ("variants" in raw):
-        raise ConfigError("axes", raw.get("axes"), "give exactly one of axes: (a product of values) or variants: (a list)")
+        raise ConfigError(
+            "axes", raw.get("axes"), "give exactly one of axes: (a product of values) or variants: (a list)"
+        )
     if "axes" in raw:
         if "vary" in raw:
-            raise ConfigError("vary", raw["vary"], "vary: goes with variants:; with axes: the axis keys are the variables")
+            raise ConfigError(
+                "vary", raw["vary"], "vary: goes with variants:; with axes: the axis keys are the variables"
+            )
         axes, variants = _expand_axes(raw["axes"], launch)
         variables = tuple(axes)
     else:
@@ -396,8 +445,11 @@ def _base(value: Any, source: Path | None) -> tuple[dict[str, Any], Path | None]
     if not isinstance(base, Mapping):
         raise ConfigError("base", value, "the base must be a fit config: a YAML mapping (trainer:, model:, data:)")
     if "base" in base and ("variants" in base or "axes" in base):
-        raise ConfigError("base", value, "a study file, not a fit config; give the fit config it varies (its own base: "
-                          f"{base['base']!r})")
+        raise ConfigError(
+            "base",
+            value,
+            f"a study file, not a fit config; give the fit config it varies (its own base: {base['base']!r})",
+        )
     return dict(base), path.resolve()
 
 
@@ -444,8 +496,11 @@ def _explicit_variants(raw: Any, launch: Launch) -> list[Variant]:
             raise ConfigError(f"{key}.name", name, "give a name of letters, digits, '.', '_', '-', '=', ','")
         variant_launch_raw = _mapping(item.get("launch", {}), f"{key}.launch")
         variant_launch = launch.updated(variant_launch_raw, f"{key}.launch")
-        _check_paired(replace(SLURM_BLOCK, key=f"{key}.launch.slurm", partner=f"{key}.launch.executor"),
-                      variant_launch_raw, variant_launch.executor)
+        _check_paired(
+            replace(SLURM_BLOCK, key=f"{key}.launch.slurm", partner=f"{key}.launch.executor"),
+            variant_launch_raw,
+            variant_launch.executor,
+        )
         launch_overrides = {
             LAUNCH_CONFIG_KEYS[f]: variant_launch_raw[f] for f in LAUNCH_CONFIG_KEYS if f in variant_launch_raw
         }
@@ -466,8 +521,12 @@ def _check_paired(pair: PairedKey, block: Mapping[str, Any], partner_value: Any)
 def _vary(raw: Any, variants: Sequence[Variant]) -> tuple[str, ...]:
     if raw is None:
         changed = list(dict.fromkeys(k for v in variants for k in [*v.overrides, *v.launch_overrides]))
-        raise ConfigError("vary", None, "with variants:, list the keys (or prefixes) they vary"
-                          + (f": here vary: {changed}" if changed else ", e.g. vary: [trainer.strategy]"))
+        raise ConfigError(
+            "vary",
+            None,
+            "with variants:, list the keys (or prefixes) they vary"
+            + (f": here vary: {changed}" if changed else ", e.g. vary: [trainer.strategy]"),
+        )
     if isinstance(raw, str):
         raw = [raw]
     if not isinstance(raw, list) or not raw or not all(isinstance(k, str) and k for k in raw):
@@ -476,9 +535,10 @@ def _vary(raw: Any, variants: Sequence[Variant]) -> tuple[str, ...]:
         for key in [*variant.overrides, *variant.launch_overrides]:
             if not any(is_under(key, prefix) for prefix in raw):
                 raise ConfigError(
-                    f"variants.{variant.name}.overrides.{key}", variant.overrides.get(key, variant.launch_overrides.get(key)),
+                    f"variants.{variant.name}.overrides.{key}",
+                    variant.overrides.get(key, variant.launch_overrides.get(key)),
                     f"this key is not declared as a variable; add it (or a prefix of it) to vary: {raw}",
-                )  # fmt: skip
+                )
     return tuple(raw)
 
 
@@ -508,10 +568,15 @@ def _loss_agreement(raw: Any, axes: Mapping[str, list[Any]]) -> LossAgreement | 
     if agreement is None:
         return None
     if agreement.steps is not None and not _positive_int(agreement.steps):
-        raise ConfigError("expect_equal_loss.steps", agreement.steps, "give a positive integer (or leave it out: all steps)")
+        raise ConfigError(
+            "expect_equal_loss.steps", agreement.steps, "give a positive integer (or leave it out: all steps)"
+        )
     if agreement.across is not None and agreement.across not in axes:
-        raise ConfigError("expect_equal_loss.across", agreement.across,
-                          f"name one of the study's axes {list(axes)} (it needs axes:, not variants:)")
+        raise ConfigError(
+            "expect_equal_loss.across",
+            agreement.across,
+            f"name one of the study's axes {list(axes)} (it needs axes:, not variants:)",
+        )
     return agreement
 
 
@@ -520,9 +585,12 @@ def _gradient_agreement(raw: Any, steps: int | None) -> GradientAgreement | None
     if agreement is None:
         return None
     if not _positive_int(agreement.step) or (steps is not None and agreement.step > steps):
-        raise ConfigError("expect_equal_gradients.step", agreement.step,
-                          "give the optimizer step whose gradients are compared: a positive integer"
-                          + (f" of at most steps ({steps})" if steps is not None else ""))
+        raise ConfigError(
+            "expect_equal_gradients.step",
+            agreement.step,
+            "give the optimizer step whose gradients are compared: a positive integer"
+            + (f" of at most steps ({steps})" if steps is not None else ""),
+        )
     return agreement
 
 
@@ -554,7 +622,9 @@ def _dotted_mapping(value: Any, key: str, study_level: bool = False) -> dict[str
     mapping = _mapping(value, key)
     for dotted in mapping:
         if not isinstance(dotted, str) or not dotted or any(not s for s in dotted.split(".")):
-            raise ConfigError(f"{key}.{dotted}", mapping[dotted], "keys are dotted config keys like model.init_args.loss")
+            raise ConfigError(
+                f"{key}.{dotted}", mapping[dotted], "keys are dotted config keys like model.init_args.loss"
+            )
         owned = [k for k in RUNNER_KEYS if is_under(dotted, k)]
         if owned and not (study_level and owned == ["trainer.max_steps"] and dotted == "trainer.max_steps"):
             raise ConfigError(f"{key}.{dotted}", mapping[dotted], "the runner sets this per run: use steps:/seeds:")
@@ -568,7 +638,9 @@ def _variant_names(text: str, names: Sequence[str]) -> list[str]:
     while start < len(pieces):
         end = next((end for end in range(len(pieces), start, -1) if ",".join(pieces[start:end]).strip() in names), None)
         if end is None:
-            raise ConfigError("--only", text, f"{pieces[start].strip()!r} starts no variant's name; the variants: {list(names)}")
+            raise ConfigError(
+                "--only", text, f"{pieces[start].strip()!r} starts no variant's name; the variants: {list(names)}"
+            )
         chosen.append(",".join(pieces[start:end]).strip())
         start = end
     if not chosen:

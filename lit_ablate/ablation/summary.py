@@ -27,8 +27,17 @@ from lit_ablate.run_config import RunConfig
 
 NOISE_SERIES = "useful_tokens_per_sec"
 """The series behind the speed ratio, and so behind its noise floor."""
-ENVIRONMENT_KEYS = ("device_name", "device_type", "python", "torch", "lightning", "transformers", "git_commit", "hostname",
-                    "triton_kernels")
+ENVIRONMENT_KEYS = (
+    "device_name",
+    "device_type",
+    "python",
+    "torch",
+    "lightning",
+    "transformers",
+    "git_commit",
+    "hostname",
+    "triton_kernels",
+)
 """Environment fields that must agree for records to be comparable (world size may vary by design)."""
 
 
@@ -52,20 +61,39 @@ def study_summary(plan: Mapping[str, Any] | None, runs: Sequence[tuple[str, Mapp
         variant["loss_reference"] = reference["name"] if reference else None
         checked = agreement and reference is not variant
         variant["loss_agreement"] = _loss_check(variant, reference, agreement) if checked else None
-        variant["gradient_agreement"] = gradient_check(
-            by_variant.get(variant["name"], []), by_variant.get(baseline, []), gradients,
-        ) if gradients and variant is not base else None
+        variant["gradient_agreement"] = (
+            gradient_check(
+                by_variant.get(variant["name"], []),
+                by_variant.get(baseline, []),
+                gradients,
+            )
+            if gradients and variant is not base
+            else None
+        )
     environment, mismatched = _environment([r for _, r in runs], by_variant.get(baseline, []))
     return {
-        "study": {k: plan.get(k) for k in ("name", "baseline", "variables", "axes", "seeds", "steps",
-                                            "warmup_steps", "expect_equal_loss", "expect_equal_gradients",
-                                            "order")} | {"baseline": baseline},
+        "study": {
+            k: plan.get(k)
+            for k in (
+                "name",
+                "baseline",
+                "variables",
+                "axes",
+                "seeds",
+                "steps",
+                "warmup_steps",
+                "expect_equal_loss",
+                "expect_equal_gradients",
+                "order",
+            )
+        }
+        | {"baseline": baseline},
         "environment": environment,
         "environment_mismatch": mismatched,
         "matmul_ceilings": _ceilings_by_condition([r for _, r in runs if r.get("summary", {}).get("status") == "ok"]),
         "variants": variants,
         "problems": _problems(variants),
-    }  # fmt: skip
+    }
 
 
 def _variant(
@@ -87,18 +115,24 @@ def _variant(
         "data_wait_share": spread(r["summary"].get("data_wait_share") for r in ok),
         "speed_noise": _noise_floor(ok, warmup),
         "peak_tensor_bytes": spread(r["summary"].get("peak_tensor_bytes") for r in ok),
-        "tensor_method": ", ".join(sorted({r["summary"]["tensor_method"] for r in ok if r["summary"].get("tensor_method")}))
-                         or None,
+        "tensor_method": ", ".join(
+            sorted({r["summary"]["tensor_method"] for r in ok if r["summary"].get("tensor_method")})
+        )
+        or None,
         "tensor_breakdown": _median_breakdown(breakdowns),
         "peak_memory_bytes": spread(r["summary"].get("peak_memory_bytes") for r in ok),
         "memory_method": ", ".join(methods) or None,
         "final_loss": spread(r["summary"].get("final_loss") for r in ok),
-        "fp8": ", ".join(sorted({r["environment"]["fp8"] for r in ok if (r.get("environment") or {}).get("fp8")})) or None,
+        "fp8": ", ".join(sorted({r["environment"]["fp8"] for r in ok if (r.get("environment") or {}).get("fp8")}))
+        or None,
         "fallbacks": sorted({line for r in ok for line in r.get("fallbacks") or []}),
         "simulated": next((r["simulated"] for r in ok if r.get("simulated")), None),  # the rank one process played
         **{key: spread(r["summary"].get(key) for r in ok) for key in FINAL_VALUE_SERIES.values()},  # exact_match
-        **_estimate(next((r for _, r in runs if r.get("config")), None), breakdowns,
-                    _tracked_tokens(next((r for r in ok if r["summary"].get("tensor_breakdown")), None))),
+        **_estimate(
+            next((r for _, r in runs if r.get("config")), None),
+            breakdowns,
+            _tracked_tokens(next((r for r in ok if r["summary"].get("tensor_breakdown")), None)),
+        ),
         **_predicted_step_time(next((r for r in ok if r.get("config")), None)),
         "parameters": parameters[0] if len(parameters) == 1 else None,
         "trainable_parameters": trainable[0] if len(trainable) == 1 else None,
@@ -143,8 +177,9 @@ def _token_share(config: RunConfig, world_size: int | None, tracked_tokens: floa
     return tracked_tokens / (training.micro_batch * training.seq_len)
 
 
-def _estimate(record: Mapping[str, Any] | None, breakdowns: Sequence[Mapping[str, Any]] = (),
-              tracked_tokens: float | None = None) -> dict[str, Any]:  # fmt: skip
+def _estimate(
+    record: Mapping[str, Any] | None, breakdowns: Sequence[Mapping[str, Any]] = (), tracked_tokens: float | None = None
+) -> dict[str, Any]:
     """The analytic per-rank memory of the run's config (``lit_ablate.estimate``), or why there is
     none: its total, its categories, and each category against the measured one (first ok seed; the
     activations an upper bound when that seed's tracked step held fewer tokens than the config's rows:
@@ -167,9 +202,12 @@ def _estimate(record: Mapping[str, Any] | None, breakdowns: Sequence[Mapping[str
     except Exception as err:  # noqa: BLE001  an advisory column must never cost the report
         return {**none, "estimate_note": f"estimate failed: {type(err).__name__}: {err}"}
     categories = {k: getattr(estimate, k) for k in ("params", "grads", "optimizer", "activations", "transient")}
-    return {"estimated_memory_bytes": estimate.total, "estimated_memory_categories": categories,
-            "estimate_vs_measured": compare_with_measured(estimate, breakdowns[0], share) if breakdowns else None,
-            "estimate_note": None}
+    return {
+        "estimated_memory_bytes": estimate.total,
+        "estimated_memory_categories": categories,
+        "estimate_vs_measured": compare_with_measured(estimate, breakdowns[0], share) if breakdowns else None,
+        "estimate_note": None,
+    }
 
 
 def _predicted_step_time(record: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -185,8 +223,10 @@ def _predicted_step_time(record: Mapping[str, Any] | None) -> dict[str, Any]:
         return {"predicted_step_time_s": None, "predicted_note": "no measured matmul ceiling recorded (MFUMonitor)"}
     world_size = (record.get("environment") or {}).get("world_size")
     try:
-        return {"predicted_step_time_s": predicted_step_seconds(dict(record["config"]), ceiling, world_size),
-                "predicted_note": None}
+        return {
+            "predicted_step_time_s": predicted_step_seconds(dict(record["config"]), ceiling, world_size),
+            "predicted_note": None,
+        }
     except ConfigError as err:
         return {"predicted_step_time_s": None, "predicted_note": str(err)}
     except Exception as err:  # noqa: BLE001  an advisory column must never cost the report
@@ -198,8 +238,10 @@ def _median_breakdown(breakdowns: Sequence[Mapping[str, Any]]) -> dict[str, Any]
     ``forward_backward_max``); None when no run tracked its tensors."""
     if not breakdowns:
         return None
-    median = {kind: {c: statistics.median(b[kind].get(c, 0) for b in breakdowns) for c in breakdowns[0][kind]}
-              for kind in ("at_peak", "max")}
+    median = {
+        kind: {c: statistics.median(b[kind].get(c, 0) for b in breakdowns) for c in breakdowns[0][kind]}
+        for kind in ("at_peak", "max")
+    }
     return {**median, "forward_backward_max": statistics.median(b["forward_backward_max"] for b in breakdowns)}
 
 
@@ -224,9 +266,13 @@ def _noise_floor(ok: Sequence[Mapping[str, Any]], study_warmup: int | None) -> f
     """
     pieces, pooled = [], []
     for record in ok:
-        values = [float(s[NOISE_SERIES]) for s in record.get("steps", [])
-                  if s["step"] > _warmup(record, study_warmup) and s.get(NOISE_SERIES) is not None
-                  and math.isfinite(s[NOISE_SERIES])]  # fmt: skip
+        values = [
+            float(s[NOISE_SERIES])
+            for s in record.get("steps", [])
+            if s["step"] > _warmup(record, study_warmup)
+            and s.get(NOISE_SERIES) is not None
+            and math.isfinite(s[NOISE_SERIES])
+        ]
         half = len(values) // 2
         if half:
             pieces += [statistics.median(values[:half]), statistics.median(values[half:])]
@@ -287,7 +333,9 @@ def _relative_to(variant: Mapping[str, Any], base: Mapping[str, Any] | None) -> 
 
 
 def _loss_reference(
-    variant: dict[str, Any], base: dict[str, Any] | None, variants: Sequence[dict[str, Any]],
+    variant: dict[str, Any],
+    base: dict[str, Any] | None,
+    variants: Sequence[dict[str, Any]],
     agreement: Mapping[str, Any] | None,
 ) -> dict[str, Any] | None:
     """The variant whose loss ``variant``'s must equal: the baseline, or (``across``) the variant
@@ -319,8 +367,12 @@ def _loss_check(
     result = _loss_agreement(variant, reference, tolerance)
     if missing and result["passed"] is not False:
         seeds = ", ".join(str(s) for s in missing)
-        return {**result, "passed": None, "incomplete": True,
-                "reason": f"reference {reference['name']} has no ok run of seed {seeds}"}  # fmt: skip
+        return {
+            **result,
+            "passed": None,
+            "incomplete": True,
+            "reason": f"reference {reference['name']} has no ok run of seed {seeds}",
+        }
     return {**result, "incomplete": False}
 
 

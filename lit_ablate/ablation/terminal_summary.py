@@ -36,7 +36,9 @@ def verdict(variant: Mapping[str, Any], baseline: str) -> str:
         words.append("same speed" if variant.get("speed_within_noise") else "faster" if speed > 1 else "slower")
     memory = variant.get("memory_ratio")
     if memory is not None:
-        words.append("same memory" if abs(memory - 1) <= SAME_MEMORY else "less memory" if memory < 1 else "more memory")
+        words.append(
+            "same memory" if abs(memory - 1) <= SAME_MEMORY else "less memory" if memory < 1 else "more memory"
+        )
     check = variant.get("loss_agreement")
     if check:
         reference = variant.get("loss_reference") or baseline
@@ -62,20 +64,31 @@ def terminal_summary(summary: Mapping[str, Any], report: Path) -> str:
     baseline = summary["study"]["baseline"]
     rows = [("variant", "speed ×", "memory ×", "Δ loss", "verdict")]
     for v in summary["variants"]:
-        rows.append((
-            v["name"],
-            "—" if v.get("speed_ratio") is None else f"{v['speed_ratio']:.2f}",
-            "—" if v.get("memory_ratio") is None else f"{v['memory_ratio']:.2f}",
-            "—" if v.get("loss_delta") is None else f"{v['loss_delta']:+.4f}" if abs(v["loss_delta"]) >= 5e-5 or
-            v["loss_delta"] == 0 else f"{v['loss_delta']:+.1e}",
-            verdict(v, baseline),
-        ))
+        rows.append(
+            (
+                v["name"],
+                "—" if v.get("speed_ratio") is None else f"{v['speed_ratio']:.2f}",
+                "—" if v.get("memory_ratio") is None else f"{v['memory_ratio']:.2f}",
+                "—"
+                if v.get("loss_delta") is None
+                else f"{v['loss_delta']:+.4f}"
+                if abs(v["loss_delta"]) >= 5e-5 or v["loss_delta"] == 0
+                else f"{v['loss_delta']:+.1e}",
+                verdict(v, baseline),
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row[:4], widths)))
-             + "  " + row[4] for row in rows]
+    lines = [
+        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row[:4], widths)))
+        + "  "
+        + row[4]
+        for row in rows
+    ]
     study = summary["study"]
-    lines.insert(0, f"study {study.get('name') or 'runs'}: speed × and memory × relative to {baseline}, as in the "
-                    "report's columns")
+    lines.insert(
+        0,
+        f"study {study.get('name') or 'runs'}: speed × and memory × relative to {baseline}, as in the report's columns",
+    )
     lines += [f"problem: {p}" for p in summary.get("problems", [])]
     lines.append(f"report: {report}")
     return "\n".join(lines)

@@ -13,4 +13,17 @@ from lit_ablate.callbacks.run_recorder import RunRecorder
 from lit_ablate.callbacks.step_monitor import StepMonitor
 from lit_ablate.callbacks.throughput import ThroughputMonitor
 
-__all__ = ["ExactMatchEvaluator", "ExpertLoadMonitor", "GradientFingerprint", "KernelProfile", "MemoryMonitor", "MFUMonitor", "PipelineBubbleMonitor", "PreferenceMonitor", "RecordSection", "RunRecorder", "StepMonitor", "ThroughputMonitor"]
+__all__ = [
+    "ExactMatchEvaluator",
+    "ExpertLoadMonitor",
+    "GradientFingerprint",
+    "KernelProfile",
+    "MemoryMonitor",
+    "MFUMonitor",
+    "PipelineBubbleMonitor",
+    "PreferenceMonitor",
+    "RecordSection",
+    "RunRecorder",
+    "StepMonitor",
+    "ThroughputMonitor",
+]

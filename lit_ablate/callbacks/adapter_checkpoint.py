@@ -47,17 +47,26 @@ class AdapterCheckpoint(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         factory = getattr(pl_module, "factory", None)
         if getattr(factory, "adapter", None) is None:
-            raise ConfigError("trainer.callbacks[AdapterCheckpoint]", "added",
-                              "the model trains no adapters (its whole state must be saved): add "
-                              "model.init_args.model.adapter or drop this callback")  # fmt: skip
+            raise ConfigError(
+                "trainer.callbacks[AdapterCheckpoint]",
+                "added",
+                "the model trains no adapters (its whole state must be saved): add "
+                "model.init_args.model.adapter or drop this callback",
+            )
         if isinstance(trainer.strategy, ModelParallelStrategy) and trainer.strategy._save_distributed_checkpoint:
-            raise ConfigError("trainer.strategy.init_args.save_distributed_checkpoint", True,
-                              "a sharded (DCP) checkpoint is read back key by key, base included; with "
-                              "AdapterCheckpoint set it to false (one file of adapters, gathered on rank 0)")  # fmt: skip
+            raise ConfigError(
+                "trainer.strategy.init_args.save_distributed_checkpoint",
+                True,
+                "a sharded (DCP) checkpoint is read back key by key, base included; with "
+                "AdapterCheckpoint set it to false (one file of adapters, gathered on rank 0)",
+            )
         if isinstance(trainer.strategy, FSDPStrategy):
-            raise ConfigError(TRAINER_STRATEGY_KEY, type(trainer.strategy).__name__,
-                              "AdapterCheckpoint is not built for FSDP1 (its flat parameters hold pieces of the frozen "
-                              "weights, which the base fingerprint would need to gather); use FSDP2Strategy or DDP")  # fmt: skip
+            raise ConfigError(
+                TRAINER_STRATEGY_KEY,
+                type(trainer.strategy).__name__,
+                "AdapterCheckpoint is not built for FSDP1 (its flat parameters hold pieces of the frozen "
+                "weights, which the base fingerprint would need to gather); use FSDP2Strategy or DDP",
+            )
         pl_module.strict_loading = False  # the base's weights are absent from the checkpoint by design
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -67,20 +76,29 @@ class AdapterCheckpoint(Callback):
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         if FINGERPRINT_KEY in checkpoint:  # else a full checkpoint: the base came from it
-            check_same_base(checkpoint, pl_module, trainer.ckpt_path,
-                            "resume with the run's model config and seed_everything seed")  # fmt: skip
+            check_same_base(
+                checkpoint, pl_module, trainer.ckpt_path, "resume with the run's model config and seed_everything seed"
+            )
 
 
 def check_same_base(checkpoint: dict[str, Any], pl_module: LightningModule, ckpt_path: object, fix: str) -> None:
     """Raise ``ConfigError`` naming ``--ckpt_path`` when ``pl_module``'s frozen weights are not the base
     an adapter-only ``checkpoint`` was trained on (``base_fingerprint``); ``fix`` says what to do."""
     saved, built = checkpoint[FINGERPRINT_KEY], base_fingerprint(pl_module)
-    differing = sorted(k for k in saved.keys() | built.keys()
-                       if k not in saved or k not in built
-                       or not math.isclose(saved[k], built[k], rel_tol=FINGERPRINT_RTOL, abs_tol=1e-12))  # fmt: skip
+    differing = sorted(
+        k
+        for k in saved.keys() | built.keys()
+        if k not in saved
+        or k not in built
+        or not math.isclose(saved[k], built[k], rel_tol=FINGERPRINT_RTOL, abs_tol=1e-12)
+    )
     if differing:
-        raise ConfigError("--ckpt_path", str(ckpt_path), f"its adapters trained on another base ({len(differing)} "
-                          f"frozen weights differ, e.g. {differing[0]}): {fix}")  # fmt: skip
+        raise ConfigError(
+            "--ckpt_path",
+            str(ckpt_path),
+            f"its adapters trained on another base ({len(differing)} "
+            f"frozen weights differ, e.g. {differing[0]}): {fix}",
+        )
 
 
 def trainable_names(pl_module: LightningModule) -> set[str]:

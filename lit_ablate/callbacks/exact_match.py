@@ -64,7 +64,10 @@ def greedy_continuation(logits_of: Callable[[Tensor], Tensor], prompts: Tensor, 
 
 
 def exact_match(
-    logits_of: Callable[[Tensor], Tensor], pairs: Sequence[PromptAnswer], batch_size: int, num_classes: int,
+    logits_of: Callable[[Tensor], Tensor],
+    pairs: Sequence[PromptAnswer],
+    batch_size: int,
+    num_classes: int,
     device: torch.device | str = "cpu",
 ) -> float:
     """Fraction of ``pairs`` whose greedy continuation starts with the whole reference answer.
@@ -107,7 +110,9 @@ class ExactMatchEvaluator(StepMonitor):
         batch_size: prompts per forward.
     """
 
-    def __init__(self, examples: DataSource | None = None, max_examples: int | None = None, batch_size: int = 64) -> None:
+    def __init__(
+        self, examples: DataSource | None = None, max_examples: int | None = None, batch_size: int = 64
+    ) -> None:
         super().__init__(warmup_steps=0, log_to_logger=False)  # logs each evaluation itself, when it happens
         if max_examples is not None and max_examples <= 0:
             raise ConfigError(f"{_KEY}.max_examples", max_examples, "use a positive number, or null for all")
@@ -124,15 +129,25 @@ class ExactMatchEvaluator(StepMonitor):
         data = trainer.datamodule
         tokenizer = getattr(data, "tokenizer", None)
         if tokenizer is None:
-            raise ConfigError("data", type(data).__name__, "ExactMatchEvaluator needs a data module with a tokenizer: use LMDataModule")
+            raise ConfigError(
+                "data",
+                type(data).__name__,
+                "ExactMatchEvaluator needs a data module with a tokenizer: use LMDataModule",
+            )
         if self.examples is not None:
             return build_examples(self.examples, tokenizer, "sft", data.seq_len, data.overlong)
         if data.format != "sft":
-            raise ConfigError("data.init_args.format", data.format,
-                              f"ExactMatchEvaluator scores answers to prompts: use format sft, or give {_KEY}.examples")
+            raise ConfigError(
+                "data.init_args.format",
+                data.format,
+                f"ExactMatchEvaluator scores answers to prompts: use format sft, or give {_KEY}.examples",
+            )
         if not data.val_set:
-            raise ConfigError("data.init_args.val_examples", data.val_examples,
-                              f"hold out examples to evaluate on (e.g. 128), or give {_KEY}.examples")
+            raise ConfigError(
+                "data.init_args.val_examples",
+                data.val_examples,
+                f"hold out examples to evaluate on (e.g. 128), or give {_KEY}.examples",
+            )
         return data.val_set.examples
 
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -164,7 +179,9 @@ class ExactMatchEvaluator(StepMonitor):
         if not values:
             return f"{self.log_prefix}: not evaluated"
         value = values[max(values)]
-        return f"{self.log_prefix}: exact_match={value:.4g} ({round(value * len(self.pairs))}/{len(self.pairs)} prompts)"
+        return (
+            f"{self.log_prefix}: exact_match={value:.4g} ({round(value * len(self.pairs))}/{len(self.pairs)} prompts)"
+        )
 
 
 def _check_can_generate(trainer: Trainer, pl_module: LightningModule) -> None:
@@ -173,8 +190,14 @@ def _check_can_generate(trainer: Trainer, pl_module: LightningModule) -> None:
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     if not callable(getattr(getattr(pl_module, "model", None), "logits", None)):
-        raise ConfigError("model", type(pl_module).__name__,
-                          "ExactMatchEvaluator generates with a causal LM module: use lit_ablate.modules.CausalLM")
+        raise ConfigError(
+            "model",
+            type(pl_module).__name__,
+            "ExactMatchEvaluator generates with a causal LM module: use lit_ablate.modules.CausalLM",
+        )
     if any(isinstance(m, FullyShardedDataParallel) for m in trainer.strategy.model.modules()):
-        raise ConfigError(TRAINER_STRATEGY_KEY, type(trainer.strategy).__name__,
-                          "ExactMatchEvaluator cannot generate under FSDP1; use FSDP2Strategy, DDP or one process")
+        raise ConfigError(
+            TRAINER_STRATEGY_KEY,
+            type(trainer.strategy).__name__,
+            "ExactMatchEvaluator cannot generate under FSDP1; use FSDP2Strategy, DDP or one process",
+        )

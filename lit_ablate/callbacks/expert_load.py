@@ -47,7 +47,9 @@ class ExpertLoadMonitor(StepMonitor):
         log_to_logger: send the scalar series to the Lightning logger.
     """
 
-    def __init__(self, log_expert_fractions: bool = True, warmup_steps: int | None = None, log_to_logger: bool = True) -> None:
+    def __init__(
+        self, log_expert_fractions: bool = True, warmup_steps: int | None = None, log_to_logger: bool = True
+    ) -> None:
         super().__init__(warmup_steps=warmup_steps, log_to_logger=log_to_logger)
         self.log_expert_fractions = log_expert_fractions
         self.blocks: list[MoEBlock] = []
@@ -61,8 +63,11 @@ class ExpertLoadMonitor(StepMonitor):
         super().on_train_start(trainer, pl_module)
         self.blocks = moe_blocks(pl_module)
         if not self.blocks:
-            warnings.warn("ExpertLoadMonitor: the model has no lit-ablate MoE blocks (a dense model, or "
-                          "moe.experts: hf); it records nothing", stacklevel=2)
+            warnings.warn(
+                "ExpertLoadMonitor: the model has no lit-ablate MoE blocks (a dense model, or "
+                "moe.experts: hf); it records nothing",
+                stacklevel=2,
+            )
 
     def start_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
         for block in self.blocks:  # forget forwards that ran outside this step
@@ -82,8 +87,11 @@ class ExpertLoadMonitor(StepMonitor):
         if not communicates(trainer) or not self._raw:
             return
         steps, layers = sorted(self._raw), list(self._raw[min(self._raw)])
-        local = torch.tensor([[self._raw[s][layer] for layer in layers] for s in steps], dtype=torch.float64,
-                             device=trainer.strategy.root_device)
+        local = torch.tensor(
+            [[self._raw[s][layer] for layer in layers] for s in steps],
+            dtype=torch.float64,
+            device=trainer.strategy.root_device,
+        )
         summed = trainer.strategy.reduce(local, reduce_op="sum").cpu()
         summed[..., -2:] /= trainer.world_size  # losses: the mean over ranks; counts: the sum
         for i, step in enumerate(steps):

@@ -76,8 +76,12 @@ class GradientFingerprint(RecordSection):
 def gradient_norms(module: torch.nn.Module) -> dict[str, list[float]]:
     """``{name: [norm]}`` of every parameter of ``module`` that has a gradient, ``[norm per expert]`` for
     stacked expert weights; every rank that holds a parameter gets its whole gradient's norms."""
-    experts = {id(getattr(owner, name)) for m in module.modules() if isinstance(m, RoutedExperts)
-               for owner, name in m.expert_dim_parameters()}
+    experts = {
+        id(getattr(owner, name))
+        for m in module.modules()
+        if isinstance(m, RoutedExperts)
+        for owner, name in m.expert_dim_parameters()
+    }
     norms = {}
     for name, param in module.named_parameters():
         if param.grad is not None:

@@ -50,8 +50,12 @@ class KernelProfile(RecordSection):
 
     def __init__(self, start_step: int = 5, num_steps: int = 3, top: int = 20, top_reasons: int = 5) -> None:
         super().__init__(SECTION)
-        for key, value in (("start_step", start_step), ("num_steps", num_steps), ("top", top),
-                           ("top_reasons", top_reasons)):  # fmt: skip
+        for key, value in (
+            ("start_step", start_step),
+            ("num_steps", num_steps),
+            ("top", top),
+            ("top_reasons", top_reasons),
+        ):
             if value < 1:
                 raise ConfigError(f"trainer.callbacks[KernelProfile].init_args.{key}", value, "use 1 or more")
         self.start_step, self.num_steps, self.top, self.top_reasons = start_step, num_steps, top, top_reasons
@@ -80,8 +84,9 @@ class KernelProfile(RecordSection):
             self._profiler.start()
             self._started_at = time.perf_counter()
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:  # fmt: skip
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step  # the last optimizer step that ended
         if self._profiler is not None and step >= self.start_step and step not in self._steps:
             self._steps.append(step)
@@ -110,8 +115,13 @@ class KernelProfile(RecordSection):
     def record_section(self) -> dict[str, Any] | None:
         if self._kernels is None and self._compile is None:
             return None
-        return {"start_step": self.start_step, "profiled_steps": len(self._steps), "steps": list(self._steps),
-                **(self._kernels or {"kind": None, "top": []}), "compile": self._compile}
+        return {
+            "start_step": self.start_step,
+            "profiled_steps": len(self._steps),
+            "steps": list(self._steps),
+            **(self._kernels or {"kind": None, "top": []}),
+            "compile": self._compile,
+        }
 
     def _summarise(self, events: Any) -> dict[str, Any]:
         """The top kernels (CUDA) or CPU operators (elsewhere), their shares, and the host's waits."""
@@ -127,8 +137,15 @@ class KernelProfile(RecordSection):
         return {
             "kind": "cuda_kernels" if cuda else "cpu_operators",
             "device_ms": total_us / 1e3,
-            "top": [{"name": name[:REASON_CHARS], "time_ms": us / 1e3, "calls": calls,
-                     "share": us / total_us if total_us else None} for name, us, calls in top],  # fmt: skip
+            "top": [
+                {
+                    "name": name[:REASON_CHARS],
+                    "time_ms": us / 1e3,
+                    "calls": calls,
+                    "share": us / total_us if total_us else None,
+                }
+                for name, us, calls in top
+            ],
             "host_syncs_per_step": {name: count / steps for name, count in sorted(syncs.items())},
         }
 
@@ -143,15 +160,19 @@ class KernelProfile(RecordSection):
         breaks = now["graph_breaks"] - start["graph_breaks"]
         failures = collections.Counter()
         for code, reasons in now["guard_failures"].items():  # a reason per cache entry whose guards failed
-            for reason in reasons[len(start["guard_failures"].get(code, [])):]:
+            for reason in reasons[len(start["guard_failures"].get(code, [])) :]:
                 failures[f"{getattr(code, 'co_name', code)}: {_one_line(reason)}"] += 1
         # "frame/n": the frame's n-th compile, a recompile from n = 1 ("!n": compiled autograd's graph)
-        recompiles = None if None in self._compile_ids else sum(
-            1 for compile_id in self._compile_ids if "/" in compile_id and compile_id.rsplit("/", 1)[1] != "0")
+        recompiles = (
+            None
+            if None in self._compile_ids
+            else sum(1 for compile_id in self._compile_ids if "/" in compile_id and compile_id.rsplit("/", 1)[1] != "0")
+        )
         return {
             "graph_breaks": sum(breaks.values()),
-            "graph_break_reasons": [{"reason": _one_line(reason), "count": count}
-                                    for reason, count in breaks.most_common(self.top_reasons)],
+            "graph_break_reasons": [
+                {"reason": _one_line(reason), "count": count} for reason, count in breaks.most_common(self.top_reasons)
+            ],
             "unique_graphs": now["unique_graphs"] - start["unique_graphs"],
             "compiles": len(self._compile_ids),
             "recompiles": recompiles,
@@ -169,9 +190,11 @@ def _dynamo_state() -> dict[str, Any]:
     """torch.compile's process-wide counters, copied: a fit reports what changed during it."""
     from torch._dynamo.utils import counters, guard_failures
 
-    return {"graph_breaks": collections.Counter(counters["graph_break"]),
-            "unique_graphs": counters["stats"]["unique_graphs"],
-            "guard_failures": {code: list(reasons) for code, reasons in guard_failures.items()}}  # fmt: skip
+    return {
+        "graph_breaks": collections.Counter(counters["graph_break"]),
+        "unique_graphs": counters["stats"]["unique_graphs"],
+        "guard_failures": {code: list(reasons) for code, reasons in guard_failures.items()},
+    }
 
 
 def _one_line(text: str) -> str:

@@ -35,10 +35,17 @@ def tensor_breakdown(pl_module: LightningModule) -> dict[str, int]:
     frozen = [t for t, trains in local if not trains]
     grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
     grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-    states = [v.to_local() if hasattr(v, "to_local") else v
-              for optimizer in pl_module.trainer.optimizers for v in optimizer_states(optimizer)]
-    return {"params": _tensor_bytes(params), "frozen_params": _tensor_bytes(frozen), "grads": _tensor_bytes(grads),
-            "optimizer": _tensor_bytes(states)}
+    states = [
+        v.to_local() if hasattr(v, "to_local") else v
+        for optimizer in pl_module.trainer.optimizers
+        for v in optimizer_states(optimizer)
+    ]
+    return {
+        "params": _tensor_bytes(params),
+        "frozen_params": _tensor_bytes(frozen),
+        "grads": _tensor_bytes(grads),
+        "optimizer": _tensor_bytes(states),
+    }
 
 
 MEMORY_CATEGORIES_ATTRIBUTE = "memory_categories"
@@ -53,8 +60,10 @@ def declared_categories(pl_module: LightningModule) -> dict[str, list[torch.nn.M
     out: dict[str, list[torch.nn.Module]] = {}
     for category, paths in declared.items():
         if category in CATEGORIES:
-            raise ValueError(f"{type(pl_module).__name__}.{MEMORY_CATEGORIES_ATTRIBUTE}: {category!r} is a built-in "
-                             f"category ({', '.join(CATEGORIES)}); name the submodules' category otherwise")
+            raise ValueError(
+                f"{type(pl_module).__name__}.{MEMORY_CATEGORIES_ATTRIBUTE}: {category!r} is a built-in "
+                f"category ({', '.join(CATEGORIES)}); name the submodules' category otherwise"
+            )
         modules = [m for m in (_attribute_path(pl_module, path) for path in paths) if m is not None]
         if modules:
             out[category] = modules
@@ -112,8 +121,9 @@ class MemoryMonitor(StepMonitor):
     def __init__(self, warmup_steps: int | None = None, tracked_steps: int = 1) -> None:
         super().__init__(warmup_steps=warmup_steps)
         if tracked_steps < 0:
-            raise ConfigError("trainer.callbacks[MemoryMonitor].init_args.tracked_steps", tracked_steps,
-                              "use 0 (no tracking) or more")
+            raise ConfigError(
+                "trainer.callbacks[MemoryMonitor].init_args.tracked_steps", tracked_steps, "use 0 (no tracking) or more"
+            )
         self.tracked_steps = tracked_steps
         self.method: str | None = None
         self.tensor_method: str | None = None
@@ -135,8 +145,10 @@ class MemoryMonitor(StepMonitor):
             self.method = "cpu_process_peak_rss"
             if not self._reset_rss_peak():
                 self.method = "cpu_process_peak_rss_since_start"
-                rank_zero_warn("MemoryMonitor: cannot reset the RSS peak (/proc/self/clear_refs); "
-                               "each step's peak is the peak since the process started")
+                rank_zero_warn(
+                    "MemoryMonitor: cannot reset the RSS peak (/proc/self/clear_refs); "
+                    "each step's peak is the peak since the process started"
+                )
         else:
             self.method = None
             rank_zero_warn("MemoryMonitor: no memory measurement on this platform; peak memory is not reported")
@@ -174,8 +186,10 @@ class MemoryMonitor(StepMonitor):
         super().on_train_start(trainer, pl_module)
         self.tensor_method = "cuda_max_allocated" if pl_module.device.type == "cuda" else "cpu_tracked_tensors"
         if self.tracked_steps and not self.tracked():
-            rank_zero_warn(f"MemoryMonitor: no tensor peak by category: it is tracked on warm-up steps after the "
-                           f"first, and warmup_steps is {self.warmup_steps}; set recorder.warmup_steps to 2 or more")
+            rank_zero_warn(
+                f"MemoryMonitor: no tensor peak by category: it is tracked on warm-up steps after the "
+                f"first, and warmup_steps is {self.warmup_steps}; set recorder.warmup_steps to 2 or more"
+            )
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
@@ -221,8 +235,10 @@ class MemoryMonitor(StepMonitor):
         clock.pause()
         tracker.exit()
         if tracker.compiled_code_ran_eager:
-            self.fallbacks = ["MemoryMonitor: torch.compile'd code ran eagerly on the tracked steps (torch refuses it "
-                              "under the tensor tracker): their tensor peak counts eager temporaries, an upper bound"]
+            self.fallbacks = [
+                "MemoryMonitor: torch.compile'd code ran eagerly on the tracked steps (torch refuses it "
+                "under the tensor tracker): their tensor peak counts eager temporaries, an upper bound"
+            ]
         del tracker
         gc.collect()
         clock.resume()
@@ -248,8 +264,11 @@ class MemoryMonitor(StepMonitor):
 
     def _gather_breakdowns(self, trainer: Trainer) -> None:
         """``tensor_breakdown`` per tracked step: the categories of the rank with the largest peak."""
-        names = ["_tracked_peak", "_forward_backward_max", *(f"_{kind}_{c}" for kind in ("at_peak", "max")
-                                                              for c in self._categories)]
+        names = [
+            "_tracked_peak",
+            "_forward_backward_max",
+            *(f"_{kind}_{c}" for kind in ("at_peak", "max") for c in self._categories),
+        ]
         gathered = self.gather_over_ranks(trainer, names)
         allocator = self.series.get("tensor_peak_bytes_per_rank", {})
         ranks = gathered_ranks(trainer)
@@ -260,7 +279,9 @@ class MemoryMonitor(StepMonitor):
             if self.tensor_method == "cuda_max_allocated" and step in allocator:
                 at_peak["untracked"] = max(0, allocator[step][rank] - int(peaks[rank]))
             breakdowns[step] = {
-                "method": self.tensor_method, "rank": ranks[rank], "at_peak": at_peak,
+                "method": self.tensor_method,
+                "rank": ranks[rank],
+                "at_peak": at_peak,
                 "max": {c: int(gathered[f"_max_{c}"][step][rank]) for c in self._categories},
                 "forward_backward_max": int(gathered["_forward_backward_max"][step][rank]),
             }

@@ -61,12 +61,21 @@ class MFUMonitor(StepMonitor):
             every run's start, before the first step, never timed). ``false``: ``mfu_measured`` is null.
     """
 
-    def __init__(self, peak_tflops: float | None = None, ceiling_tflops: float | None = None,
-                 measure_ceiling: bool = True, warmup_steps: int | None = None) -> None:
+    def __init__(
+        self,
+        peak_tflops: float | None = None,
+        ceiling_tflops: float | None = None,
+        measure_ceiling: bool = True,
+        warmup_steps: int | None = None,
+    ) -> None:
         super().__init__(warmup_steps=warmup_steps)
         for key, value in (("peak_tflops", peak_tflops), ("ceiling_tflops", ceiling_tflops)):
             if value is not None and not value > 0:
-                raise ConfigError(f"trainer.callbacks[MFUMonitor].init_args.{key}", value, "give the device's TFLOP/s, a positive number, or null")
+                raise ConfigError(
+                    f"trainer.callbacks[MFUMonitor].init_args.{key}",
+                    value,
+                    "give the device's TFLOP/s, a positive number, or null",
+                )
         self.peak_tflops = peak_tflops
         self.peak_source: str | None = None
         self.ceiling_tflops = ceiling_tflops
@@ -92,18 +101,28 @@ class MFUMonitor(StepMonitor):
     def _set_peak(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.peak_tflops is not None:
             self.peak_source = "peak_tflops (user)"
-        elif getattr(pl_module, "fp8_kernels", None) == "emulated":  # lit_ablate.models.fp8.conversion on a device without fp8 kernels
+        elif (
+            getattr(pl_module, "fp8_kernels", None) == "emulated"
+        ):  # lit_ablate.models.fp8.conversion on a device without fp8 kernels
             self._unavailable("fp8 is emulated (fp32 matmuls of fp8-rounded operands): no fp8 peak applies", warn=False)
         elif runs_in_fp8(trainer, pl_module):
-            name = torch.cuda.get_device_name(pl_module.device) if pl_module.device.type == "cuda" else pl_module.device.type
+            name = (
+                torch.cuda.get_device_name(pl_module.device)
+                if pl_module.device.type == "cuda"
+                else pl_module.device.type
+            )
             self.peak_tflops = peak_tflops_of(name, PEAK_FP8_TFLOPS)
             if self.peak_tflops is None:
-                self._unavailable(f"the run computes in fp8 and {name!r} is not in the fp8 peak table; set peak_tflops", warn=True)
+                self._unavailable(
+                    f"the run computes in fp8 and {name!r} is not in the fp8 peak table; set peak_tflops", warn=True
+                )
             else:
                 self.peak_source = f"table (fp8): {name}"
         elif pl_module.device.type != "cuda":
             # Expected on a CPU: recorded, not warned about on every run.
-            self._unavailable(f"no peak is known for device type {pl_module.device.type!r}; set peak_tflops", warn=False)
+            self._unavailable(
+                f"no peak is known for device type {pl_module.device.type!r}; set peak_tflops", warn=False
+            )
         else:
             name = torch.cuda.get_device_name(pl_module.device)
             self.peak_tflops = peak_tflops_of(name)
@@ -133,10 +152,16 @@ class MFUMonitor(StepMonitor):
 
     def ceilings(self) -> dict[str, dict[str, float | str | None]]:
         """Each MFU series' denominator (TFLOP/s) and where it came from: what the run record keeps."""
-        return {"mfu": {"tflops": self.peak_tflops, "source": self.peak_source},
-                "mfu_measured": {"tflops": self.ceiling, "source": self.ceiling_source,
-                                 "measured_at": self.ceiling_measured_at, "sweep_seconds": self.ceiling_sweep_seconds,
-                                 "conditions": self.ceiling_conditions}}
+        return {
+            "mfu": {"tflops": self.peak_tflops, "source": self.peak_source},
+            "mfu_measured": {
+                "tflops": self.ceiling,
+                "source": self.ceiling_source,
+                "measured_at": self.ceiling_measured_at,
+                "sweep_seconds": self.ceiling_sweep_seconds,
+                "conditions": self.ceiling_conditions,
+            },
+        }
 
     def measure_timed(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
         t = self.totals
@@ -146,6 +171,9 @@ class MFUMonitor(StepMonitor):
         self.record("mfu_measured", step, measured)
         if measured is not None and measured > 1.0 and not self._warned_low_ceiling:
             self._warned_low_ceiling = True  # a ceiling measured while the device was busy: say so once
-            warnings.warn(f"MFUMonitor: mfu_measured={measured:.2f} > 1: the ceiling ({self.ceiling_source}) is "
-                          "below what this run reached; measure it on an idle device (`lit-ablate peak --remeasure`) "
-                          "or give ceiling_tflops", stacklevel=2)
+            warnings.warn(
+                f"MFUMonitor: mfu_measured={measured:.2f} > 1: the ceiling ({self.ceiling_source}) is "
+                "below what this run reached; measure it on an idle device (`lit-ablate peak --remeasure`) "
+                "or give ceiling_tflops",
+                stacklevel=2,
+            )

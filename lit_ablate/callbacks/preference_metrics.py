@@ -12,8 +12,12 @@ from lit_ablate.callbacks.step_monitor import StepMonitor
 from lit_ablate.record import PREFERENCE_STATS
 
 MEANS = {
-    "dpo_loss": "loss", "reward_accuracy": "correct", "rewards_chosen": "reward_chosen",
-    "rewards_rejected": "reward_rejected", "logps_chosen": "logps_chosen", "logps_rejected": "logps_rejected",
+    "dpo_loss": "loss",
+    "reward_accuracy": "correct",
+    "rewards_chosen": "reward_chosen",
+    "rewards_rejected": "reward_rejected",
+    "logps_chosen": "logps_chosen",
+    "logps_rejected": "logps_rejected",
 }
 """Series recorded per step: the mean over the step's pairs of each of ``PREFERENCE_STATS``."""
 
@@ -38,8 +42,9 @@ class PreferenceMonitor(StepMonitor):
     def start_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._sums = 0.0
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if isinstance(outputs, dict) and "preference" in outputs:
             self._sums = self._sums + outputs["preference"]
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)

@@ -56,14 +56,17 @@ class ProgressFile(StepMonitor):
         recent = self._seconds[1:][-RECENT_STEPS:] or self._seconds
         totals = self.totals
         data_ranks = max(1, trainer.world_size // batch_replicas(trainer))
-        write_progress(self.path, {
-            "step": step,
-            "max_steps": limit,
-            "loss": totals.loss_sum / totals.loss_units if totals.loss_units else None,
-            "tokens_per_sec": totals.tokens * data_ranks / totals.seconds if totals.seconds > 0 else None,
-            "elapsed_s": now - self._started,
-            "eta_s": (limit - step) * statistics.median(recent) if limit else None,
-        })
+        write_progress(
+            self.path,
+            {
+                "step": step,
+                "max_steps": limit,
+                "loss": totals.loss_sum / totals.loss_units if totals.loss_units else None,
+                "tokens_per_sec": totals.tokens * data_ranks / totals.seconds if totals.seconds > 0 else None,
+                "elapsed_s": now - self._started,
+                "eta_s": (limit - step) * statistics.median(recent) if limit else None,
+            },
+        )
 
 
 def write_progress(path: Path, progress: dict[str, Any]) -> None:

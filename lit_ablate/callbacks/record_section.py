@@ -6,8 +6,24 @@ from typing import Any
 
 from lightning.pytorch import Callback
 
-RESERVED = ("schema_version", "variant", "seed", "config", "environment", "model", "warmup_steps", "fallbacks",
-            "started_at", "finished_at", "resumed_from", "steps_before_resume", "data", "steps", "summary", "job")
+RESERVED = (
+    "schema_version",
+    "variant",
+    "seed",
+    "config",
+    "environment",
+    "model",
+    "warmup_steps",
+    "fallbacks",
+    "started_at",
+    "finished_at",
+    "resumed_from",
+    "steps_before_resume",
+    "data",
+    "steps",
+    "summary",
+    "job",
+)
 """The record's own top-level keys (``lit_ablate.record``), which no section may take."""
 
 

@@ -32,8 +32,13 @@ def git_commit() -> str | None:
     """The commit of the lit-ablate checkout that runs (not of the working directory: a study's runs
     start wherever the user is); None for an installed package."""
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(lit_ablate.__file__).resolve().parent)
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(lit_ablate.__file__).resolve().parent,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
@@ -47,11 +52,20 @@ def environment(trainer: Trainer) -> dict[str, Any]:
     device = trainer.strategy.root_device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
     return {
-        "python": sys.version.split()[0], "torch": torch.__version__, "lightning": lightning.__version__,
-        "transformers": transformers.__version__, "device_type": device.type, "device_name": name,
-        "device_count": trainer.num_devices, "num_nodes": trainer.num_nodes, "world_size": trainer.world_size,
-        "cpu_count": os.cpu_count(), "hostname": platform.node(), "git_commit": git_commit(),
-        "strategy": type(trainer.strategy).__name__, "precision": str(trainer.precision),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "transformers": transformers.__version__,
+        "device_type": device.type,
+        "device_name": name,
+        "device_count": trainer.num_devices,
+        "num_nodes": trainer.num_nodes,
+        "world_size": trainer.world_size,
+        "cpu_count": os.cpu_count(),
+        "hostname": platform.node(),
+        "git_commit": git_commit(),
+        "strategy": type(trainer.strategy).__name__,
+        "precision": str(trainer.precision),
         "triton_kernels": triton_interpreter.kernel_mode(),
         "fp8": getattr(trainer.lightning_module, "fp8_kernels", None),  # real / emulated fp8 matmuls, or null
         "optimizer_implementation": getattr(trainer.lightning_module, "optimizer_implementation", None),
@@ -98,8 +112,9 @@ class RunRecorder(StepMonitor):
             every monitor that does not set its own.
     """
 
-    def __init__(self, path: str | None = None, variant: str | None = None,
-                 warmup_steps: int = DEFAULT_WARMUP_STEPS) -> None:
+    def __init__(
+        self, path: str | None = None, variant: str | None = None, warmup_steps: int = DEFAULT_WARMUP_STEPS
+    ) -> None:
         if warmup_steps < 0:  # the summary said "median after -1 warm-up steps"
             raise ConfigError("recorder.warmup_steps", warmup_steps, "use 0 or more steps left out of the summary")
         super().__init__(warmup_steps=warmup_steps, log_to_logger=False)
@@ -205,27 +220,39 @@ class RunRecorder(StepMonitor):
         memory = next((c for c in trainer.callbacks if isinstance(c, MemoryMonitor)), None)
         mfu = next((c for c in trainer.callbacks if isinstance(c, MFUMonitor)), None)
         summary = run_record.summarize_steps(steps, self.warmup_steps)
-        summary.update(status=status, message=message, memory_method=memory.method if memory else None,
-                       mfu_peak=mfu.peak_source if mfu else None, mfu_ceilings=mfu.ceilings() if mfu else None)
+        summary.update(
+            status=status,
+            message=message,
+            memory_method=memory.method if memory else None,
+            mfu_peak=mfu.peak_source if mfu else None,
+            mfu_ceilings=mfu.ceilings() if mfu else None,
+        )
         counts = getattr(pl_module, "parameter_counts", None)
         sections = {c.section: c.record_section() for c in trainer.callbacks if isinstance(c, RecordSection)}
-        run_record.write_record(self.record_path, {
-            "schema_version": run_record.SCHEMA_VERSION,
-            "variant": self.variant,
-            "seed": (self.resolved_config or {}).get("seed_everything"),
-            "config": self.resolved_config or {"model": dict(pl_module.hparams)},
-            "environment": self._env,
-            "simulated": self._simulated.section if self._simulated else None,
-            "model": asdict(counts) if counts is not None else None,
-            "warmup_steps": self.warmup_steps,
-            "fallbacks": self._fallbacks(trainer, pl_module, memory),
-            "started_at": self._started,
-            "finished_at": None if status == "running" else time.time(),
-            "resumed_from": self._resumed_from,
-            "steps_before_resume": [{"step": s, "loss": v} for s, v in sorted(self._loss_before_resume.items())
-                                    if self._resumed_from and s <= self._resumed_from["step_offset"]] or None,
-            "data": getattr(trainer.datamodule, "setup_record", None),
-            "steps": steps,
-            "summary": summary,
-            **sections,
-        })
+        run_record.write_record(
+            self.record_path,
+            {
+                "schema_version": run_record.SCHEMA_VERSION,
+                "variant": self.variant,
+                "seed": (self.resolved_config or {}).get("seed_everything"),
+                "config": self.resolved_config or {"model": dict(pl_module.hparams)},
+                "environment": self._env,
+                "simulated": self._simulated.section if self._simulated else None,
+                "model": asdict(counts) if counts is not None else None,
+                "warmup_steps": self.warmup_steps,
+                "fallbacks": self._fallbacks(trainer, pl_module, memory),
+                "started_at": self._started,
+                "finished_at": None if status == "running" else time.time(),
+                "resumed_from": self._resumed_from,
+                "steps_before_resume": [
+                    {"step": s, "loss": v}
+                    for s, v in sorted(self._loss_before_resume.items())
+                    if self._resumed_from and s <= self._resumed_from["step_offset"]
+                ]
+                or None,
+                "data": getattr(trainer.datamodule, "setup_record", None),
+                "steps": steps,
+                "summary": summary,
+                **sections,
+            },
+        )

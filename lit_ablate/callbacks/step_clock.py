@@ -51,8 +51,11 @@ class StepTotals:
 
     def close(self, clock: StepClock) -> None:
         """The step ended: start copying its device sums to the host."""
-        self._copies = {name: clock.read_later(getattr(self, name)) for name in _DEVICE_SUMS
-                        if isinstance(getattr(self, name), torch.Tensor)}  # fmt: skip
+        self._copies = {
+            name: clock.read_later(getattr(self, name))
+            for name in _DEVICE_SUMS
+            if isinstance(getattr(self, name), torch.Tensor)
+        }
 
     def finish(self, seconds: float, data_wait_seconds: float) -> None:
         for name, copy in self._copies.items():
@@ -182,8 +185,7 @@ class CudaEventClock(StepClock):
     two boundary events: exactly what a synchronisation at every step end measured, without the
     synchronisation, which would leave the device idle while the host prepares the next step."""
 
-    def __init__(self, first: Callback | None = None, last: Callback | None = None,
-                 event_class: Any = None) -> None:  # fmt: skip
+    def __init__(self, first: Callback | None = None, last: Callback | None = None, event_class: Any = None) -> None:
         self.event_class = event_class or torch.cuda.Event
         super().__init__(first, last)
 

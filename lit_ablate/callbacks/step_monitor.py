@@ -190,8 +190,11 @@ class StepMonitor(Callback):
 
     def _stacked(self, trainer: Trainer, names: list[str]) -> tuple[list[int], torch.Tensor]:
         steps = sorted(self.series[names[0]]) if names and names[0] in self.series else []
-        local = torch.tensor([[self.series[n].get(s) or 0.0 for n in names] for s in steps],
-                             dtype=torch.float64, device=trainer.strategy.root_device).reshape(len(steps), len(names))
+        local = torch.tensor(
+            [[self.series[n].get(s) or 0.0 for n in names] for s in steps],
+            dtype=torch.float64,
+            device=trainer.strategy.root_device,
+        ).reshape(len(steps), len(names))
         return steps, local
 
 

@@ -59,8 +59,12 @@ _FSDP_NAMESPACE = "fsdp"
 """FSDP2's copy-in/out operators: every tensor they touch is a communication buffer or a gathered
 parameter. (Other collectives are not: tensor/expert/context parallelism send activations.)"""
 _TOTAL = "Total"
-_ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
-                torch.ops.aten.new_empty.default, torch.ops.aten.empty_like.default}
+_ALLOCATIONS = {
+    torch.ops.aten.empty.memory_format,
+    torch.ops.aten.empty_strided.default,
+    torch.ops.aten.new_empty.default,
+    torch.ops.aten.empty_like.default,
+}
 """Operators that only allocate: their output's role is known once the next operator writes it
 (FSDP's all-gather and reduce-scatter buffers are made by ``torch.empty``, then filled by FSDP's
 copy-in operators, which make them ``transient``)."""
@@ -113,8 +117,13 @@ class TensorCategoryTracker(MemTracker):
         extra: category name -> submodules whose parameters count there instead of ``params``.
     """
 
-    def __init__(self, module: nn.Module, optimizers: Sequence[Optimizer], device: torch.device,
-                 extra: Mapping[str, Sequence[nn.Module]] | None = None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizers: Sequence[Optimizer],
+        device: torch.device,
+        extra: Mapping[str, Sequence[nn.Module]] | None = None,
+    ) -> None:
         super().__init__()
         self._mod_tracker = _DistinctNamesModTracker()
         extra = dict(extra or {})
@@ -187,13 +196,17 @@ class TensorCategoryTracker(MemTracker):
         """Re-categorise what the rank holds now: parameters, their gradients, optimizer states."""
         for module in self.module.modules():
             extra = self._extra_of.get(id(module))
-            for tensors, owned in ((module.parameters(recurse=False), "params"), (module.buffers(recurse=False), "params")):
+            for tensors, owned in (
+                (module.parameters(recurse=False), "params"),
+                (module.buffers(recurse=False), "params"),
+            ):
                 for p in tensors:
                     storages = get_untyped_storages(p)
                     own = any(s in self._own for s in storages)
                     frozen = any(s in self._frozen for s in storages)
-                    self._update_and_maybe_create_winfos(p, extra or (("frozen_params" if frozen else owned) if own
-                                                                      else "transient"))  # fmt: skip
+                    self._update_and_maybe_create_winfos(
+                        p, extra or (("frozen_params" if frozen else owned) if own else "transient")
+                    )
                     grad = getattr(p, "grad", None)
                     if grad is not None:
                         self._update_and_maybe_create_winfos(grad, extra or ("grads" if own else "transient"))
@@ -247,8 +260,11 @@ class TensorCategoryTracker(MemTracker):
         """A top-level module called again in one step (a pipeline stage, once per micro-batch, with
         earlier micro-batches' backward still to come): its per-module record restarts, where
         MemTracker would refuse. Per-module records are not used here; the categories go on."""
-        if module in self.memory_tracking and not self._mod_tracker.is_bw and not self._mod_tracker.parents - {
-                "Global", self._mod_tracker.get_known_fqn(module)}:  # fmt: skip
+        if (
+            module in self.memory_tracking
+            and not self._mod_tracker.is_bw
+            and not self._mod_tracker.parents - {"Global", self._mod_tracker.get_known_fqn(module)}
+        ):
             del self.memory_tracking[module]
         super()._pre_fw_hook(module, inputs)
 
@@ -263,8 +279,9 @@ class TensorCategoryTracker(MemTracker):
     def _update_peak_stats(self, peak_state: Any) -> None:
         """Per-module peaks are not needed; the step's peak is kept in ``_update_snap``."""
 
-    def _update_snap(self, u_type: Any, winfo: Any, old_mem_consumed: int | None = None,
-                     old_reftype: Any = None) -> None:
+    def _update_snap(
+        self, u_type: Any, winfo: Any, old_mem_consumed: int | None = None, old_reftype: Any = None
+    ) -> None:
         super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
         if u_type is _UpdateType.SIZE and old_mem_consumed is not None and winfo.mem_consumed > old_mem_consumed:
             self._update_statistics()  # a storage grown outside any operator (FSDP's resize_ to gather)

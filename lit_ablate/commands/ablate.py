@@ -72,9 +72,17 @@ def check_every_variant_resolves(runs: list[PlannedRun]) -> list[PlannedRun]:
     if bad:
         names = [name for name, _ in bad]
         total = len({run.variant.name for run in runs})
-        which = "no variant's config can run" if len(names) == total else f"{len(names)} of {total} variants' configs cannot run"
-        raise ConfigError("variants", names, f"{which}, nothing ran ({bad[0][0]}: {bad[0][1]}); fix the variant's "
-                          "overrides, or the base config (--dry-run lists every variant's problem)")
+        which = (
+            "no variant's config can run"
+            if len(names) == total
+            else f"{len(names)} of {total} variants' configs cannot run"
+        )
+        raise ConfigError(
+            "variants",
+            names,
+            f"{which}, nothing ran ({bad[0][0]}: {bad[0][1]}); fix the variant's "
+            "overrides, or the base config (--dry-run lists every variant's problem)",
+        )
     return runs
 
 
@@ -83,24 +91,43 @@ def _load_study(path: Path) -> StudySpec:
     try:
         return load_study(path)
     except yaml.YAMLError as err:
-        raise ConfigError("--config", str(path), f"not valid YAML ({' '.join(str(err).split())}); fix the study file") from err
+        raise ConfigError(
+            "--config", str(path), f"not valid YAML ({' '.join(str(err).split())}); fix the study file"
+        ) from err
 
 
 def ablate_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lit-ablate ablate", description="Run an ablation study and write its report.",
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        prog="lit-ablate ablate", description="Run an ablation study and write its report.", allow_abbrev=False
+    )
     parser.add_argument("--config", required=True, type=Path, help="the study YAML (configs/studies/*.yaml)")
     parser.add_argument("--output_dir", type=Path, help="where runs and the report go (default: studies/<study name>/)")
     parser.add_argument("--steps", type=int, help="optimizer steps per run, instead of the study's (a first try)")
-    parser.add_argument("--seeds", type=int, help="how many seeds: the study's first K (more: the integers after its last)")
-    parser.add_argument("--only", help="comma-separated variants to run (the baseline and loss references "
-                                                    "come along)")  # fmt: skip
-    parser.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true",
-                        help="resolve and check every variant, print the plan (runs, ranks, skips and why), run nothing")  # fmt: skip
-    parser.add_argument("--retry-failed", "--retry_failed", dest="retry_failed", action="store_true",
-                        help="also redo runs that ended in error, oom or timeout (finished ok runs are kept)")  # fmt: skip
-    parser.add_argument("--no-wait", "--no_wait", dest="no_wait", action="store_true",
-                        help="launch.executor slurm: submit, print the queue and return; the same command collects later")  # fmt: skip
+    parser.add_argument(
+        "--seeds", type=int, help="how many seeds: the study's first K (more: the integers after its last)"
+    )
+    parser.add_argument("--only", help="comma-separated variants to run (the baseline and loss references come along)")
+    parser.add_argument(
+        "--dry-run",
+        "--dry_run",
+        dest="dry_run",
+        action="store_true",
+        help="resolve and check every variant, print the plan (runs, ranks, skips and why), run nothing",
+    )
+    parser.add_argument(
+        "--retry-failed",
+        "--retry_failed",
+        dest="retry_failed",
+        action="store_true",
+        help="also redo runs that ended in error, oom or timeout (finished ok runs are kept)",
+    )
+    parser.add_argument(
+        "--no-wait",
+        "--no_wait",
+        dest="no_wait",
+        action="store_true",
+        help="launch.executor slurm: submit, print the queue and return; the same command collects later",
+    )
     args = parser.parse_args(argv)
     console = Console(stderr=True)
     try:
@@ -131,8 +158,10 @@ def ablate_main(argv: list[str]) -> int:
 def dry_run(full: StudySpec, spec: StudySpec, runs: list[PlannedRun], output_dir: Path, retry_failed: bool) -> str:
     """The plan ``--dry-run`` prints: the study's size and what shortened it, then one row per run."""
     steps = f"{spec.steps} steps" if spec.steps is not None else "the base config's steps"
-    lines = [f"study {spec.name}: {len(spec.variants)} variants × {len(spec.seeds)} seeds (seeds "
-             f"{', '.join(map(str, spec.seeds))}) = {len(runs)} runs, {steps}, baseline {spec.baseline} -> {output_dir}"]
+    lines = [
+        f"study {spec.name}: {len(spec.variants)} variants × {len(spec.seeds)} seeds (seeds "
+        f"{', '.join(map(str, spec.seeds))}) = {len(runs)} runs, {steps}, baseline {spec.baseline} -> {output_dir}"
+    ]
     cut = []
     if spec.steps != full.steps:
         cut.append(f"steps {spec.steps} (study: {full.steps if full.steps is not None else 'the base config'})")
@@ -148,10 +177,13 @@ def dry_run(full: StudySpec, spec: StudySpec, runs: list[PlannedRun], output_dir
         if previous is not None and is_kept(previous, run, retry_failed):
             kept[run.label] = previous["summary"]["status"]
     lines.append(describe(runs, kept))
-    counts = {"would run": sum(not (r.skip_reason or r.invalid or r.label in kept) for r in runs),
-              "skipped": sum(bool(r.skip_reason) for r in runs),
-              "would fail (bad config)": sum(bool(r.invalid) for r in runs),
-              "already done (kept)": len(kept)}  # fmt: skip
-    lines.append("dry run, nothing ran: " + ", ".join(f"{n} {what}" for what, n in counts.items()
-                                                      if n or what == "would run"))  # fmt: skip
+    counts = {
+        "would run": sum(not (r.skip_reason or r.invalid or r.label in kept) for r in runs),
+        "skipped": sum(bool(r.skip_reason) for r in runs),
+        "would fail (bad config)": sum(bool(r.invalid) for r in runs),
+        "already done (kept)": len(kept),
+    }
+    lines.append(
+        "dry run, nothing ran: " + ", ".join(f"{n} {what}" for what, n in counts.items() if n or what == "would run")
+    )
     return "\n".join(lines)

@@ -42,20 +42,28 @@ def estimate_main(argv: list[str]) -> int:
 
     from lit_ablate.errors import ConfigError
 
-    parser = argparse.ArgumentParser(prog="lit-ablate estimate", description=estimate_main.__doc__.split("\n")[0],
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        prog="lit-ablate estimate", description=estimate_main.__doc__.split("\n")[0], allow_abbrev=False
+    )
     parser.add_argument("--config", required=True, help="a fit config (extra --dotted.key value pairs override it)")
     parser.add_argument("--gpu_memory_gib", type=float, default=80.0, help="memory of one GPU")
-    parser.add_argument("--usable_fraction", type=float, default=0.9,
-                        help="share of it training may use (CUDA context, allocator fragmentation take the rest)")
+    parser.add_argument(
+        "--usable_fraction",
+        type=float,
+        default=0.9,
+        help="share of it training may use (CUDA context, allocator fragmentation take the rest)",
+    )
     parser.add_argument("--gpus_per_node", type=int, default=8, help="HSDP shards within a node of this many GPUs")
     parser.add_argument("--max_gpus", type=int, default=4096, help="search limit for the smallest fitting number")
     parser.add_argument("--world_size", type=int, help="ranks for the breakdown (default: devices x num_nodes)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, help="default: the config's (CausalLM: adamw)")
     parser.add_argument("--json", action="store_true", help="print the numbers as JSON (bytes, exact counts)")
-    parser.add_argument("--measure", action="store_true",
-                        help="also run one rank of the configured mesh as a simulated process (fake process group, "
-                             f"{MEASURE_STEPS} steps) and show its measured memory beside its estimate (docs/simulation.md)")
+    parser.add_argument(
+        "--measure",
+        action="store_true",
+        help="also run one rank of the configured mesh as a simulated process (fake process group, "
+        f"{MEASURE_STEPS} steps) and show its measured memory beside its estimate (docs/simulation.md)",
+    )
     parser.add_argument("--simulate_rank", type=int, default=0, help="the rank --measure runs")
     args, overrides = parser.parse_known_args(argv)
     from lit_ablate.fit_cli import resolve_fit_config
@@ -76,14 +84,18 @@ def estimate_main(argv: list[str]) -> int:
                 run = training
                 if kind == "configured":
                     sharding = configured_sharding(config, n)
-                    run = replace(training, context_parallel=context_parallel_of(config, n)[0],  # cp: -1 grows with n
-                                  **dict(zip(("tensor_parallel", "sequence_parallel"), tensor_parallel_of(config, n))),
-                                  **pipeline_of(config, n))  # tp and pp: -1 too
+                    run = replace(
+                        training,
+                        context_parallel=context_parallel_of(config, n)[0],  # cp: -1 grows with n
+                        **dict(zip(("tensor_parallel", "sequence_parallel"), tensor_parallel_of(config, n))),
+                        **pipeline_of(config, n),
+                    )  # tp and pp: -1 too
                 else:
                     sharding = canonical_sharding(kind, n, args.gpus_per_node)
                     # the data-parallel layouts: whole sequences and matrices on every rank, no stages
-                    run = replace(training, pipeline_parallel=1, tensor_parallel=1, sequence_parallel=False,
-                                  context_parallel=1)
+                    run = replace(
+                        training, pipeline_parallel=1, tensor_parallel=1, sequence_parallel=False, context_parallel=1
+                    )
             except ConfigError:  # the configured mesh cannot be laid out on n ranks
                 return None
             return estimate_memory(counts, shape, run, sharding, n)
@@ -91,7 +103,9 @@ def estimate_main(argv: list[str]) -> int:
         rows = []
         for kind in ("configured", *SHARDINGS):
             here = at(kind, world)
-            fewest = smallest_world_size(lambda n, kind=kind: (e := at(kind, n)) is not None and e.total <= budget, args.max_gpus)
+            fewest = smallest_world_size(
+                lambda n, kind=kind: (e := at(kind, n)) is not None and e.total <= budget, args.max_gpus
+            )
             rows.append((kind, here, fewest))
         if args.measure:
             _check_measure_arguments(world, args.simulate_rank)
@@ -139,8 +153,9 @@ def _check_measure_arguments(world: int, rank: int) -> None:
         raise ConfigError("--simulate_rank", rank, f"give a rank from 0 to {world - 1}")
 
 
-def simulated_record(config_path: str, overrides: list[str], config: RunConfig, world: int, rank: int,
-                     folder: Path) -> tuple[dict[str, Any] | None, str | None]:  # fmt: skip
+def simulated_record(
+    config_path: str, overrides: list[str], config: RunConfig, world: int, rank: int, folder: Path
+) -> tuple[dict[str, Any] | None, str | None]:
     """Run ``lit-ablate fit`` on the config as rank ``rank`` of ``world`` simulated ranks, in a process of its
     own (its fake process group and its memory are its own), for ``MEASURE_STEPS`` steps with the tensor
     tracker on the second (a ``MemoryMonitor`` is added when the config has none); ``(its run record,
@@ -150,11 +165,30 @@ def simulated_record(config_path: str, overrides: list[str], config: RunConfig, 
 
     record_path = folder / "run.json"
     tracked = any(path.endswith("MemoryMonitor") for path in config.trainer.callbacks)
-    command = [sys.executable, "-m", "lit_ablate.cli", "fit", "--config", config_path, *overrides,
-               f"--{SIMULATE_KEY}", str(world), f"--{SIMULATE_RANK_KEY}", str(rank),
-               "--trainer.max_steps", str(MEASURE_STEPS), "--recorder.warmup_steps", str(MEASURE_STEPS - 1),
-               "--recorder.path", str(record_path), "--trainer.default_root_dir", str(folder), "--trainer.logger", "false",
-               *([] if tracked else ["--trainer.callbacks+=lit_ablate.callbacks.MemoryMonitor"])]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "lit_ablate.cli",
+        "fit",
+        "--config",
+        config_path,
+        *overrides,
+        f"--{SIMULATE_KEY}",
+        str(world),
+        f"--{SIMULATE_RANK_KEY}",
+        str(rank),
+        "--trainer.max_steps",
+        str(MEASURE_STEPS),
+        "--recorder.warmup_steps",
+        str(MEASURE_STEPS - 1),
+        "--recorder.path",
+        str(record_path),
+        "--trainer.default_root_dir",
+        str(folder),
+        "--trainer.logger",
+        "false",
+        *([] if tracked else ["--trainer.callbacks+=lit_ablate.callbacks.MemoryMonitor"]),
+    ]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0 or not record_path.is_file():
         return None, "\n".join(done.stderr.strip().splitlines()[-20:])
@@ -171,9 +205,17 @@ def measured_beside_estimate(config: RunConfig, record: dict[str, Any], world: i
     summary = record["summary"]
     breakdown = summary.get("tensor_breakdown")
     median = lambda key: (summary.get(key) or {}).get("median")  # noqa: E731
-    out = {"world_size": world, "rank": rank, "device": record["environment"].get("device_name"),
-           "step_time_s": median("step_time_s"), "mfu": median("mfu"), "mfu_measured": median("mfu_measured"),
-           "peak_tensor_bytes": summary.get("peak_tensor_bytes"), "factors": AGREEMENT_FACTORS, "categories": None}
+    out = {
+        "world_size": world,
+        "rank": rank,
+        "device": record["environment"].get("device_name"),
+        "step_time_s": median("step_time_s"),
+        "mfu": median("mfu"),
+        "mfu_measured": median("mfu_measured"),
+        "peak_tensor_bytes": summary.get("peak_tensor_bytes"),
+        "factors": AGREEMENT_FACTORS,
+        "categories": None,
+    }
     if breakdown:
         out["categories"] = compare_with_measured(estimate_for_config(config, world, rank), breakdown)
     return out
@@ -187,15 +229,31 @@ def _estimate_summary(config, counts, shape, training, world, rows, args) -> dic
     """Everything ``estimate`` reports, in exact numbers: what ``--json`` prints and the table renders."""
     strategy = config.trainer.strategy.short_name
     return {
-        "model": {"parameters": counts.total, "active_parameters": counts.active, "trainable_parameters": counts.trainable,
-                  "quantized_parameters": counts.quantized, "layers": shape.layers,
-                  "hidden": shape.hidden, "vocab": shape.vocab},
+        "model": {
+            "parameters": counts.total,
+            "active_parameters": counts.active,
+            "trainable_parameters": counts.trainable,
+            "quantized_parameters": counts.quantized,
+            "layers": shape.layers,
+            "hidden": shape.hidden,
+            "vocab": shape.vocab,
+        },
         "run": asdict(training),
-        "world_size": world, "strategy": strategy, "gpu_memory_gib": args.gpu_memory_gib,
-        "usable_fraction": args.usable_fraction, "gpus_per_node": args.gpus_per_node, "max_gpus": args.max_gpus,
-        "shardings": [{"sharding": kind, "bytes_per_rank": {k: getattr(e, k) for k in MEMORY_KINDS} if e else None,
-                       "gpus_needed": fewest} for kind, e, fewest in rows],
-    }  # fmt: skip
+        "world_size": world,
+        "strategy": strategy,
+        "gpu_memory_gib": args.gpu_memory_gib,
+        "usable_fraction": args.usable_fraction,
+        "gpus_per_node": args.gpus_per_node,
+        "max_gpus": args.max_gpus,
+        "shardings": [
+            {
+                "sharding": kind,
+                "bytes_per_rank": {k: getattr(e, k) for k in MEMORY_KINDS} if e else None,
+                "gpus_needed": fewest,
+            }
+            for kind, e, fewest in rows
+        ],
+    }
 
 
 def _estimate_table(summary: dict[str, Any]) -> str:
@@ -211,11 +269,14 @@ def _estimate_table(summary: dict[str, Any]) -> str:
         f"parameters {training['param_bytes']} B, activations {training['activation_bytes']} B, "
         f"optimizer {training['optimizer']}, checkpointing {training['checkpointing']}, "
         f"loss {training['loss']}, attention {training['attention']}."
-        + (f" Pipeline: {training['pipeline_parallel']} ranks x {training['pipeline_stages_per_rank']} stage(s), "
-           f"{training['pipeline_schedule']}, {training['microbatches']} micro-batches per step, each stage over "
-           f"tp {training['tensor_parallel']} and cp {training['context_parallel']} (and the strategy's FSDP and "
-           "expert ranks); the configured row is the largest rank's."
-           if training["pipeline_parallel"] > 1 else ""),
+        + (
+            f" Pipeline: {training['pipeline_parallel']} ranks x {training['pipeline_stages_per_rank']} stage(s), "
+            f"{training['pipeline_schedule']}, {training['microbatches']} micro-batches per step, each stage over "
+            f"tp {training['tensor_parallel']} and cp {training['context_parallel']} (and the strategy's FSDP and "
+            "expert ranks); the configured row is the largest rank's."
+            if training["pipeline_parallel"] > 1
+            else ""
+        ),
         "",
         f"Per rank at {summary['world_size']} rank(s), {unit}; last column: smallest number of "
         f"{summary['gpu_memory_gib']:g} GiB GPUs that fit ({summary['usable_fraction']:.0%} usable, HSDP shards "
@@ -230,9 +291,12 @@ def _estimate_table(summary: dict[str, Any]) -> str:
         cells = [_memory_cell(memory[k], scale) for k in MEMORY_KINDS] if memory else ["—"] * len(MEMORY_KINDS)
         need = str(row["gpus_needed"]) if row["gpus_needed"] else f"none up to {summary['max_gpus']}"
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {need} |")
-    lines += ["", "Activations are per rank and not divided by data parallelism: lower the micro-batch or "
-              "checkpoint activations when they dominate. 'none': replicated state (or HSDP's node-sized "
-              "shards) plus activations exceed a GPU at any count."]  # fmt: skip
+    lines += [
+        "",
+        "Activations are per rank and not divided by data parallelism: lower the micro-batch or "
+        "checkpoint activations when they dominate. 'none': replicated state (or HSDP's node-sized "
+        "shards) plus activations exceed a GPU at any count.",
+    ]
     if "measured" in summary:
         lines += ["", *_measured_table(summary["measured"], unit, scale)]
     return "\n".join(lines)
@@ -241,20 +305,29 @@ def _estimate_table(summary: dict[str, Any]) -> str:
 def _measured_table(measured: dict[str, Any], unit: str, scale: int) -> list[str]:
     """``--measure``'s rows: each category's estimate and measurement on the simulated rank, their ratio and
     whether they agree by the study reports' rule."""
-    head = (f"Rank {measured['rank']} of {measured['world_size']}, simulated (one process, fake process group: no "
-            f"communication, no numerics; docs/simulation.md) on {measured['device']}, {unit}")
+    head = (
+        f"Rank {measured['rank']} of {measured['world_size']}, simulated (one process, fake process group: no "
+        f"communication, no numerics; docs/simulation.md) on {measured['device']}, {unit}"
+    )
     if measured["step_time_s"] is not None:
         mfu = measured["mfu"] if measured["mfu"] is not None else measured["mfu_measured"]
         head += f"; step compute {measured['step_time_s']:.3g} s" + (f", MFU {mfu:.1%}" if mfu is not None else "")
     categories = measured["categories"]
     if categories is None:
         return [head + ".", "", "No tensor categories were tracked (its MemoryMonitor tracked no step)."]
-    lines = [head + ".", "", "| category | estimated | measured | estimate / measured | agrees (within) |", "|---|---|---|---|---|"]
+    lines = [
+        head + ".",
+        "",
+        "| category | estimated | measured | estimate / measured | agrees (within) |",
+        "|---|---|---|---|---|",
+    ]
     for category, row in categories.items():
         ratio = f"{row['ratio']:.2f}" if row["ratio"] is not None else "—"
         verdict = ("yes" if row["agrees"] else "NO") + f" (×{measured['factors'][category]:g})"
-        lines.append(f"| {category} | {_memory_cell(row['estimated'], scale)} | {_memory_cell(row['measured'], scale)} "
-                     f"| {ratio} | {verdict} |")
+        lines.append(
+            f"| {category} | {_memory_cell(row['estimated'], scale)} | {_memory_cell(row['measured'], scale)} "
+            f"| {ratio} | {verdict} |"
+        )
     return lines
 
 
@@ -268,4 +341,3 @@ def _count(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.4g}{suffix}"
     return str(n)
-

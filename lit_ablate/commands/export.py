@@ -49,8 +49,9 @@ BASE_MODEL_DIR = "base_model"
 """Where an adapter export writes a base that was built from a config (no other file holds it)."""
 
 
-def export_hf_checkpoint(ckpt_path: str | Path, output_dir: str | Path, tokenizer: str | None = None,
-                         merge: bool = False) -> Path:  # fmt: skip
+def export_hf_checkpoint(
+    ckpt_path: str | Path, output_dir: str | Path, tokenizer: str | None = None, merge: bool = False
+) -> Path:
     """Write the checkpoint's model and tokenizer as a Hugging Face folder in ``output_dir``; returns it.
 
     ``tokenizer`` overrides the one the checkpoint recorded (``"byte"`` or an HF path). ``merge``:
@@ -84,9 +85,13 @@ def export_hf_checkpoint(ckpt_path: str | Path, output_dir: str | Path, tokenize
         state = checkpoint["state_dict"]
     adapter_only = FINGERPRINT_KEY in checkpoint
     if adapter_only and not module.factory.pretrained:
-        raise ConfigError("--ckpt_path", str(ckpt_path), "an adapter-only checkpoint (AdapterCheckpoint) of a base built "
-                          "from a config: no file holds that base; export a full checkpoint (train without "
-                          "AdapterCheckpoint), or train over a pretrained base")  # fmt: skip
+        raise ConfigError(
+            "--ckpt_path",
+            str(ckpt_path),
+            "an adapter-only checkpoint (AdapterCheckpoint) of a base built "
+            "from a config: no file holds that base; export a full checkpoint (train without "
+            "AdapterCheckpoint), or train over a pretrained base",
+        )
     module.load_state_dict(state, strict=not adapter_only)  # adapter-only: the base is the pretrained folder's
     if adapter_only:
         check_same_base(checkpoint, module, ckpt_path, "the pretrained folder changed since training")
@@ -110,13 +115,18 @@ def _check_merge(module: Any, merge: bool) -> None:
     if merge:
         return
     if factory.quantization is not None and not factory.pretrained:
-        raise ConfigError("model.init_args.model.quantization", asdict(factory.quantization),
-                          "a quantised base built from a config exists only quantised, which no Hugging Face folder "
-                          "holds; export with --merge (dequantised and merged), or train over a pretrained base")
+        raise ConfigError(
+            "model.init_args.model.quantization",
+            asdict(factory.quantization),
+            "a quantised base built from a config exists only quantised, which no Hugging Face folder "
+            "holds; export with --merge (dequantised and merged), or train over a pretrained base",
+        )
     if factory.adapter is not None and factory.adapter.experts_r is not None:
-        raise ConfigError("model.init_args.model.adapter.experts_r", factory.adapter.experts_r,
-                          "expert adapters are lit-ablate's own and a peft adapter folder cannot hold them; "
-                          "export with --merge")  # fmt: skip
+        raise ConfigError(
+            "model.init_args.model.adapter.experts_r",
+            factory.adapter.experts_r,
+            "expert adapters are lit-ablate's own and a peft adapter folder cannot hold them; export with --merge",
+        )
 
 
 def _save_adapters(module: Any, output_dir: Path, merge: bool) -> None:
@@ -163,14 +173,18 @@ def _apply_umask(paths: Iterable[Path]) -> None:
 
 def export_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="lit-ablate export", description="Export a training checkpoint as a Hugging Face model (safetensors).",
+        prog="lit-ablate export",
+        description="Export a training checkpoint as a Hugging Face model (safetensors).",
         allow_abbrev=False,
     )
     parser.add_argument("--ckpt_path", required=True, type=Path, help="a .ckpt file or a sharded checkpoint folder")
     parser.add_argument("--output_dir", required=True, type=Path, help="the Hugging Face model folder to write")
     parser.add_argument("--tokenizer", help="byte or an HF tokenizer path (default: the one the run recorded)")
-    parser.add_argument("--merge", action="store_true",
-                        help="an adapter run: one model with the adapters merged (default: a peft adapter folder)")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="an adapter run: one model with the adapters merged (default: a peft adapter folder)",
+    )
     args = parser.parse_args(argv)
     from transformers.utils import logging as hf_logging
 

@@ -18,14 +18,22 @@ def load_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
     ``meta.pt`` (hyper-parameters and data state, no weights). Anything else is a one-line error."""
     path = checkpoint_path("--ckpt_path", ckpt_path)
     try:
-        checkpoint = torch.load(path / SHARDED_METADATA_FILENAME if path.is_dir() else path, map_location="cpu", weights_only=True)
+        checkpoint = torch.load(
+            path / SHARDED_METADATA_FILENAME if path.is_dir() else path, map_location="cpu", weights_only=True
+        )
     except (pickle.UnpicklingError, RuntimeError, EOFError) as err:  # a zip torch.save did not write, or a cut one
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConfigError("--ckpt_path", str(ckpt_path), f"torch cannot read it as a checkpoint ({first}); "
-                          "give a checkpoint written by lit-ablate fit") from err
+        raise ConfigError(
+            "--ckpt_path",
+            str(ckpt_path),
+            f"torch cannot read it as a checkpoint ({first}); give a checkpoint written by lit-ablate fit",
+        ) from err
     if not isinstance(checkpoint, dict) or "hyper_parameters" not in checkpoint:
-        raise ConfigError("--ckpt_path", str(ckpt_path), "it holds no hyper_parameters; give a checkpoint of "
-                          "lit_ablate.modules.CausalLM written by lit-ablate fit")
+        raise ConfigError(
+            "--ckpt_path",
+            str(ckpt_path),
+            "it holds no hyper_parameters; give a checkpoint of lit_ablate.modules.CausalLM written by lit-ablate fit",
+        )
     return checkpoint
 
 
@@ -51,16 +59,27 @@ def _data_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
-def generate(ckpt_path: str, prompt: str, max_new_tokens: int = 32, temperature: float = 0.0,
-             top_k: int | None = None, tokenizer: str | None = None, seed: int = 0) -> str:
+def generate(
+    ckpt_path: str,
+    prompt: str,
+    max_new_tokens: int = 32,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    tokenizer: str | None = None,
+    seed: int = 0,
+) -> str:
     """The prompt's continuation. ``temperature`` 0 is greedy decoding; ``top_k`` limits sampling."""
     from lit_ablate.data import load_tokenizer
     from lit_ablate.modules import CausalLM
 
     check_sampling(prompt, max_new_tokens, temperature, top_k)
     if checkpoint_path("--ckpt_path", ckpt_path).is_dir():  # a folder that is no checkpoint: export's words too
-        raise ConfigError("--ckpt_path", ckpt_path, "generate reads a single-file .ckpt; turn a sharded folder into "
-                          "a model folder with lit-ablate export and sample from that with transformers")
+        raise ConfigError(
+            "--ckpt_path",
+            ckpt_path,
+            "generate reads a single-file .ckpt; turn a sharded folder into "
+            "a model folder with lit-ablate export and sample from that with transformers",
+        )
     checkpoint = load_checkpoint(ckpt_path)
     spec = tokenizer or recorded_tokenizer(checkpoint)
     if spec is None:
@@ -74,11 +93,14 @@ def generate(ckpt_path: str, prompt: str, max_new_tokens: int = 32, temperature:
     lm = module.model.lm.eval()
     torch.manual_seed(seed)
     input_ids = torch.tensor([prompt_ids(tok, prompt, checkpoint)])
-    sampling = {"do_sample": True, "temperature": temperature, "top_k": top_k} if temperature > 0 else {"do_sample": False}
+    sampling = (
+        {"do_sample": True, "temperature": temperature, "top_k": top_k} if temperature > 0 else {"do_sample": False}
+    )
     with torch.no_grad():
-        out = lm.generate(input_ids, max_new_tokens=max_new_tokens, eos_token_id=tok.eos_id,
-                          pad_token_id=tok.pad_id, **sampling)
-    return tok.decode(out[0, input_ids.shape[1]:].tolist())
+        out = lm.generate(
+            input_ids, max_new_tokens=max_new_tokens, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, **sampling
+        )
+    return tok.decode(out[0, input_ids.shape[1] :].tolist())
 
 
 def check_sampling(prompt: str, max_new_tokens: int, temperature: float, top_k: int | None) -> None:

@@ -22,14 +22,24 @@ def peak_main(argv: list[str]) -> int:
     from lit_ablate.estimate.peaks import PEAK_DTYPE, peak_tflops_of
 
     parser = argparse.ArgumentParser(
-        prog="lit-ablate peak", allow_abbrev=False,
-        description="This device's spec peak and measured matmul ceiling: MFUMonitor's two denominators.")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="cpu, cuda or cuda:N (default: cuda when there is one)")
-    parser.add_argument("--dtype", choices=list(DTYPES), help="matmul dtype (default: bfloat16 on a GPU, float32 on CPU)")
+        prog="lit-ablate peak",
+        allow_abbrev=False,
+        description="This device's spec peak and measured matmul ceiling: MFUMonitor's two denominators.",
+    )
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cpu, cuda or cuda:N (default: cuda when there is one)",
+    )
+    parser.add_argument(
+        "--dtype", choices=list(DTYPES), help="matmul dtype (default: bfloat16 on a GPU, float32 on CPU)"
+    )
     parser.add_argument("--threads", type=int, help="intra-op threads on CPU (default: torch's, as a run uses)")
-    parser.add_argument("--remeasure", action="store_true",
-                        help="measure again; the cache keeps the higher of the two (a busy machine measures low)")
+    parser.add_argument(
+        "--remeasure",
+        action="store_true",
+        help="measure again; the cache keeps the higher of the two (a busy machine measures low)",
+    )
     parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
     args = parser.parse_args(argv)
     try:
@@ -47,17 +57,30 @@ def peak_main(argv: list[str]) -> int:
     spec = peak_tflops_of(name) if device.type == "cuda" else None
     ceiling = measured_ceiling(device, dtype, remeasure=args.remeasure)
     if args.json:
-        print(json.dumps({"spec_peak_tflops": spec, "spec_peak_dtype": PEAK_DTYPE, "measured": asdict(ceiling),
-                          "cache_file": str(cache_path(device, dtype))}, indent=1))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "spec_peak_tflops": spec,
+                    "spec_peak_dtype": PEAK_DTYPE,
+                    "measured": asdict(ceiling),
+                    "cache_file": str(cache_path(device, dtype)),
+                },
+                indent=1,
+            )
+        )
         return 0
     print(f"Device: {name} ({device.type})")
-    print(f"Spec peak ({PEAK_DTYPE}, dense): " + (f"{spec:g} TFLOP/s" if spec else
-          "unknown (not in the peak table; MFUMonitor's peak_tflops sets one)"))  # fmt: skip
+    print(
+        f"Spec peak ({PEAK_DTYPE}, dense): "
+        + (f"{spec:g} TFLOP/s" if spec else "unknown (not in the peak table; MFUMonitor's peak_tflops sets one)")
+    )
     print(f"Measured ceiling: {ceiling.tflops:.4g} TFLOP/s ({ceiling.describe()})")
     if spec:
         print(f"Measured / spec: {ceiling.tflops / spec:.2f}")
-    print(f"Cached in {cache_path(device, dtype)} (--remeasure replaces it with a higher measurement; "
-          "delete it to start over)")
+    print(
+        f"Cached in {cache_path(device, dtype)} (--remeasure replaces it with a higher measurement; "
+        "delete it to start over)"
+    )
     return 0
 
 

@@ -21,13 +21,17 @@ EXIT_REFUSED = 2
 
 
 def report_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lit-ablate report", description="Re-render a study's report from its records.",
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        prog="lit-ablate report", description="Re-render a study's report from its records.", allow_abbrev=False
+    )
     parser.add_argument("directory", type=Path, help="a study output directory (holding runs/ and study.json)")
     args = parser.parse_args(argv)
     if not args.directory.is_dir():
-        Console(stderr=True).print(f"no report: {args.directory} is not a folder; give a study's output folder "
-                                   "(lit-ablate ablate prints it)", highlight=False, soft_wrap=True)  # fmt: skip
+        Console(stderr=True).print(
+            f"no report: {args.directory} is not a folder; give a study's output folder (lit-ablate ablate prints it)",
+            highlight=False,
+            soft_wrap=True,
+        )
         return EXIT_REFUSED
     try:
         report = write_report(args.directory)

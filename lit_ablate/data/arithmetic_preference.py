@@ -34,14 +34,28 @@ class ArithmeticPreference(DataSource):
         seed: the pairs are a pure function of the arguments.
     """
 
-    def __init__(self, num_examples: int = 2000, max_operand: int = 50, operators: str = "+", max_error: int = 3,
-                 median_shots: float = 0.0, shots_sigma: float = 1.0, max_shots: int = 32, seed: int = 0) -> None:
-        self.problems = ArithmeticSFT(num_examples=num_examples, max_operand=max_operand, operators=operators, seed=seed)
+    def __init__(
+        self,
+        num_examples: int = 2000,
+        max_operand: int = 50,
+        operators: str = "+",
+        max_error: int = 3,
+        median_shots: float = 0.0,
+        shots_sigma: float = 1.0,
+        max_shots: int = 32,
+        seed: int = 0,
+    ) -> None:
+        self.problems = ArithmeticSFT(
+            num_examples=num_examples, max_operand=max_operand, operators=operators, seed=seed
+        )
         if max_error < 1:
             raise ConfigError(f"{_SOURCE_KEY}.max_error", max_error, "use 1 or more (a wrong answer must differ)")
         if median_shots < 0 or shots_sigma < 0 or max_shots < 0:
-            raise ConfigError(f"{_SOURCE_KEY}.median_shots", (median_shots, shots_sigma, max_shots),
-                              "median_shots, shots_sigma and max_shots must be >= 0")
+            raise ConfigError(
+                f"{_SOURCE_KEY}.median_shots",
+                (median_shots, shots_sigma, max_shots),
+                "median_shots, shots_sigma and max_shots must be >= 0",
+            )
         self.max_error, self.seed = max_error, seed
         self.median_shots, self.shots_sigma, self.max_shots = median_shots, shots_sigma, max_shots
 

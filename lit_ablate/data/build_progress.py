@@ -63,10 +63,18 @@ class BuildProgress:
         console = console or Console(stderr=True)
         self._bar: Progress | None = None
         if progress_wanted(console):
-            self._bar = Progress(TextColumn("data cache {task.description}"), BarColumn(),
-                                 MofNCompleteColumn(), TextColumn("rows"), _RowsPerSecond(),
-                                 TextColumn("{task.fields[tokens]:,} tokens"), TimeElapsedColumn(),
-                                 TextColumn("ETA"), TimeRemainingColumn(), console=console)
+            self._bar = Progress(
+                TextColumn("data cache {task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("rows"),
+                _RowsPerSecond(),
+                TextColumn("{task.fields[tokens]:,} tokens"),
+                TimeElapsedColumn(),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                console=console,
+            )
             self._task = self._bar.add_task(label, total=total_rows(), tokens=0)
             self._bar.start()
 

@@ -40,11 +40,21 @@ class Collator(ABC):
         self.pad_id, self.seq_len = pad_id, seq_len
 
     def sampler(
-        self, dataset: Sized, lengths: Sequence[int], *, num_replicas: int, rank: int, shuffle: bool, seed: int,
-        drop_last: bool, batch_size: int,
+        self,
+        dataset: Sized,
+        lengths: Sequence[int],
+        *,
+        num_replicas: int,
+        rank: int,
+        shuffle: bool,
+        seed: int,
+        drop_last: bool,
+        batch_size: int,
     ) -> ShardedSampler:
         """The sampler whose items ``__call__`` receives; by default one example index per item."""
-        return ShardedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        return ShardedSampler(
+            dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+        )
 
     @abstractmethod
     def __call__(self, items: list[Any]) -> dict[str, Any]: ...
@@ -64,7 +74,9 @@ class PaddingCollator(Collator):
 
     def __init__(self, pad_to_multiple_of: int = 1, static_length: bool = False) -> None:
         if pad_to_multiple_of <= 0:
-            raise ConfigError("data.init_args.collator.init_args.pad_to_multiple_of", pad_to_multiple_of, "use a positive integer")
+            raise ConfigError(
+                "data.init_args.collator.init_args.pad_to_multiple_of", pad_to_multiple_of, "use a positive integer"
+            )
         self.pad_to_multiple_of, self.static_length = pad_to_multiple_of, static_length
 
     def __call__(self, items: list[Example]) -> dict[str, Tensor]:
@@ -80,5 +92,9 @@ class PaddingCollator(Collator):
         for row, example in enumerate(items):
             n = len(example["input_ids"])
             input_ids[row, :n], labels[row, :n], attention_mask[row, :n] = example["input_ids"], example["labels"], 1
-        return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask,
-                "document_lengths": [len(e["input_ids"]) for e in items]}
+        return {
+            "input_ids": input_ids,
+            "labels": labels,
+            "attention_mask": attention_mask,
+            "document_lengths": [len(e["input_ids"]) for e in items],
+        }

@@ -122,31 +122,52 @@ class LMDataModule(pl.LightningDataModule):
         if storage not in STORAGES:
             raise ConfigError("data.init_args.storage", storage, f"choose one of {STORAGES}")
         if tokenize_workers < 0 or (tokenize_workers and storage not in ("cache", "auto")):
-            raise ConfigError("data.init_args.tokenize_workers", tokenize_workers,
-                              "use 0 (this process) or more, and only with storage: cache or auto (a stream tokenises in "
-                              "num_workers; memory in the rank itself)")
-        if storage == "stream" and (format == "preference" or val_examples or
-                                    not isinstance(collator, (PaddingCollator, PackingCollator, type(None)))):
-            raise ConfigError("data.init_args.storage", storage,
-                              "a stream serves pretrain/documents/sft examples with PaddingCollator or PackingCollator "
-                              "and no val_examples (preference pairs and a held-out split need the whole data set): "
-                              "use storage: cache")
+            raise ConfigError(
+                "data.init_args.tokenize_workers",
+                tokenize_workers,
+                "use 0 (this process) or more, and only with storage: cache or auto (a stream tokenises in "
+                "num_workers; memory in the rank itself)",
+            )
+        if storage == "stream" and (
+            format == "preference"
+            or val_examples
+            or not isinstance(collator, (PaddingCollator, PackingCollator, type(None)))
+        ):
+            raise ConfigError(
+                "data.init_args.storage",
+                storage,
+                "a stream serves pretrain/documents/sft examples with PaddingCollator or PackingCollator "
+                "and no val_examples (preference pairs and a held-out split need the whole data set): "
+                "use storage: cache",
+            )
         if shuffle_buffer < 0 or (shuffle_buffer and storage != "stream"):
-            raise ConfigError("data.init_args.shuffle_buffer", shuffle_buffer,
-                              "use 0, or a positive size with storage: stream (memory and cache shuffle the whole "
-                              "data set with shuffle: true)")
+            raise ConfigError(
+                "data.init_args.shuffle_buffer",
+                shuffle_buffer,
+                "use 0, or a positive size with storage: stream (memory and cache shuffle the whole "
+                "data set with shuffle: true)",
+            )
         self.storage, self.cache_dir, self.tokenize_workers = storage, cache_dir, tokenize_workers
         self.shuffle_buffer = shuffle_buffer
         self.source, self.format, self.seq_len, self.batch_size = source, format, seq_len, batch_size
-        self.num_workers, self.val_examples, self.shuffle, self.seed, self.overlong = num_workers, val_examples, shuffle, seed, overlong
+        self.num_workers, self.val_examples, self.shuffle, self.seed, self.overlong = (
+            num_workers,
+            val_examples,
+            shuffle,
+            seed,
+            overlong,
+        )
         self.tokenizer = load_tokenizer(tokenizer)
         preference = format == "preference"
         if collator is None:
             collator = PreferencePaddingCollator() if preference else PaddingCollator()
         if preference != isinstance(collator, PreferenceCollator):
-            raise ConfigError("data.init_args.collator", type(collator).__name__,
-                              "format preference needs PreferencePaddingCollator or PreferencePackingCollator, and "
-                              "other formats need PaddingCollator or PackingCollator")
+            raise ConfigError(
+                "data.init_args.collator",
+                type(collator).__name__,
+                "format preference needs PreferencePaddingCollator or PreferencePackingCollator, and "
+                "other formats need PaddingCollator or PackingCollator",
+            )
         self.collator = collator
         self.collator.bind(self.tokenizer.pad_id, seq_len)
         self.train_set: ExampleDataset | CachedExampleDataset | None = None
@@ -170,17 +191,29 @@ class LMDataModule(pl.LightningDataModule):
         start = time.perf_counter()
         store, hit, examples = None, None, []
         if storage == "cache":
-            store, hit = open_or_build(self.cache_dir, self.source, self.tokenizer, self.format, self.seq_len,
-                                       self.overlong, workers=self.tokenize_workers)
+            store, hit = open_or_build(
+                self.cache_dir,
+                self.source,
+                self.tokenizer,
+                self.format,
+                self.seq_len,
+                self.overlong,
+                workers=self.tokenize_workers,
+            )
         elif self.format == "preference":
             examples = build_preference_examples(self.source, self.tokenizer, self.seq_len, self.overlong)
         else:
             examples = build_examples(self.source, self.tokenizer, self.format, self.seq_len, self.overlong)
         count = len(store) if store is not None else len(examples)
         if self.val_examples >= count:
-            raise ConfigError("data.init_args.val_examples", self.val_examples, f"hold out fewer than the {count} examples")
-        held_out = torch.randperm(count, generator=torch.Generator().manual_seed(self.seed))[: self.val_examples].tolist() \
-            if self.val_examples else []
+            raise ConfigError(
+                "data.init_args.val_examples", self.val_examples, f"hold out fewer than the {count} examples"
+            )
+        held_out = (
+            torch.randperm(count, generator=torch.Generator().manual_seed(self.seed))[: self.val_examples].tolist()
+            if self.val_examples
+            else []
+        )
         if store is not None:
             self.train_set = CachedExampleDataset(store, np.array(held_out, dtype=np.int64), keep_held_out=False)
             self.val_set = CachedExampleDataset(store, np.array(held_out, dtype=np.int64), keep_held_out=True)
@@ -189,8 +222,12 @@ class LMDataModule(pl.LightningDataModule):
             self.train_set = ExampleDataset([e for i, e in enumerate(examples) if i not in held])
             self.val_set = ExampleDataset([e for i, e in enumerate(examples) if i in held])
         seconds = time.perf_counter() - start
-        self.setup_record = chosen | {"seconds": seconds, "cache_hit": hit, "examples": count,
-                                      "cache_path": str(store.directory) if store is not None else None}
+        self.setup_record = chosen | {
+            "seconds": seconds,
+            "cache_hit": hit,
+            "examples": count,
+            "cache_path": str(store.directory) if store is not None else None,
+        }
         if store is not None or seconds >= 10:
             how = "" if store is None else f" (token cache {'hit' if hit else 'built'}: {store.directory})"
             how += f"; storage: auto: {reason}" if self.storage == "auto" else ""
@@ -229,31 +266,51 @@ class LMDataModule(pl.LightningDataModule):
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"epoch": self._epoch, "batches_consumed": self._batches_consumed, "tokenizer": self.tokenizer.spec,
-                 "seed": self.seed, "format": self.format}
+        state = {
+            "epoch": self._epoch,
+            "batches_consumed": self._batches_consumed,
+            "tokenizer": self.tokenizer.spec,
+            "seed": self.seed,
+            "format": self.format,
+        }
         if self.storage != "stream":
             return state
-        return state | {"stream_workers": self.num_workers, "stream_shuffle_buffer": self.shuffle_buffer,
-                        "stream_packing": self._stream_packing_spec(), "stream_positions": self._all_stream_positions()}
+        return state | {
+            "stream_workers": self.num_workers,
+            "stream_shuffle_buffer": self.shuffle_buffer,
+            "stream_packing": self._stream_packing_spec(),
+            "stream_positions": self._all_stream_positions(),
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume: the next training dataloader skips the batches this state had consumed."""
         if state_dict["tokenizer"] != self.tokenizer.spec:
             raise ConfigError(
-                "data.init_args.tokenizer", self.tokenizer.spec, f"the checkpoint was trained with {state_dict['tokenizer']!r}; use it"
+                "data.init_args.tokenizer",
+                self.tokenizer.spec,
+                f"the checkpoint was trained with {state_dict['tokenizer']!r}; use it",
             )
         if self.storage == "stream" and state_dict.get("stream_workers") != self.num_workers:
-            raise ConfigError("data.init_args.num_workers", self.num_workers,
-                              f"a stream resumes exactly only with the workers it was saved with: use "
-                              f"{state_dict.get('stream_workers')}")
+            raise ConfigError(
+                "data.init_args.num_workers",
+                self.num_workers,
+                f"a stream resumes exactly only with the workers it was saved with: use "
+                f"{state_dict.get('stream_workers')}",
+            )
         if self.storage == "stream" and state_dict.get("stream_shuffle_buffer", 0) != self.shuffle_buffer:
-            raise ConfigError("data.init_args.shuffle_buffer", self.shuffle_buffer,
-                              f"a stream resumes exactly only with the shuffle buffer it was saved with: use "
-                              f"{state_dict.get('stream_shuffle_buffer', 0)}")
+            raise ConfigError(
+                "data.init_args.shuffle_buffer",
+                self.shuffle_buffer,
+                f"a stream resumes exactly only with the shuffle buffer it was saved with: use "
+                f"{state_dict.get('stream_shuffle_buffer', 0)}",
+            )
         if self.storage == "stream" and state_dict.get("stream_packing") != self._stream_packing_spec():
-            raise ConfigError("data.init_args.collator", self._stream_packing_spec(),
-                              f"a stream resumes exactly only with the packing it was saved with: use "
-                              f"{state_dict.get('stream_packing')} (max_tokens, strategy, window, overlong; None: padding)")
+            raise ConfigError(
+                "data.init_args.collator",
+                self._stream_packing_spec(),
+                f"a stream resumes exactly only with the packing it was saved with: use "
+                f"{state_dict.get('stream_packing')} (max_tokens, strategy, window, overlong; None: padding)",
+            )
         self._epoch, self._batches_consumed = state_dict["epoch"], state_dict["batches_consumed"]
         self._stream_positions = dict(state_dict.get("stream_positions", {}))
         self._resume_pending = True
@@ -292,22 +349,44 @@ class LMDataModule(pl.LightningDataModule):
         skip = self._batches_consumed if self._resume_pending else 0
         self._resume_pending = False
         replicas = self._replicas()
-        dataset = StreamingBatches(self.source, self.tokenizer, self.format, self.seq_len, self.overlong, self.batch_size,
-                                    rank=replicas["rank"], num_replicas=replicas["num_replicas"], skip_batches=skip,
-                                    positions=dict(self._stream_positions) if skip else None,
-                                    shuffle_buffer=self.shuffle_buffer if self.shuffle else 0, seed=self.seed,
-                                    packing=self._stream_packing())
-        return DataLoader(dataset, batch_size=None, collate_fn=StreamBatchCollate(self.collator), num_workers=self.num_workers)
+        dataset = StreamingBatches(
+            self.source,
+            self.tokenizer,
+            self.format,
+            self.seq_len,
+            self.overlong,
+            self.batch_size,
+            rank=replicas["rank"],
+            num_replicas=replicas["num_replicas"],
+            skip_batches=skip,
+            positions=dict(self._stream_positions) if skip else None,
+            shuffle_buffer=self.shuffle_buffer if self.shuffle else 0,
+            seed=self.seed,
+            packing=self._stream_packing(),
+        )
+        return DataLoader(
+            dataset, batch_size=None, collate_fn=StreamBatchCollate(self.collator), num_workers=self.num_workers
+        )
 
     def _sampler(self, dataset: ExampleDataset, shuffle: bool, drop_last: bool) -> ShardedSampler:
         replicas = self._replicas()
         return self.collator.sampler(
-            dataset, dataset.lengths, num_replicas=replicas["num_replicas"], rank=replicas["rank"], shuffle=shuffle,
-            seed=self.seed, drop_last=drop_last, batch_size=self.batch_size,
+            dataset,
+            dataset.lengths,
+            num_replicas=replicas["num_replicas"],
+            rank=replicas["rank"],
+            shuffle=shuffle,
+            seed=self.seed,
+            drop_last=drop_last,
+            batch_size=self.batch_size,
         )
 
     def _loader(self, dataset: ExampleDataset, sampler: ShardedSampler, drop_last: bool) -> DataLoader:
         return DataLoader(
-            dataset, batch_size=self.batch_size, sampler=sampler, collate_fn=self.collator,
-            num_workers=self.num_workers, drop_last=drop_last,
+            dataset,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            collate_fn=self.collator,
+            num_workers=self.num_workers,
+            drop_last=drop_last,
         )

@@ -70,7 +70,9 @@ def fit_length(example: Example, max_tokens: int, overlong: Overlong) -> Example
     return {"input_ids": example["input_ids"][:max_tokens], "labels": labels}
 
 
-def build_examples(rows: Iterable[Row], tokenizer: Tokenizer, fmt: Format, seq_len: int, overlong: Overlong) -> list[Example]:
+def build_examples(
+    rows: Iterable[Row], tokenizer: Tokenizer, fmt: Format, seq_len: int, overlong: Overlong
+) -> list[Example]:
     """All examples of ``rows`` in ``fmt``; logs how many were too long and what happened to them."""
     if fmt == "pretrain":
         return _pretrain_windows(rows, tokenizer, seq_len)
@@ -81,7 +83,12 @@ def build_examples(rows: Iterable[Row], tokenizer: Tokenizer, fmt: Format, seq_l
 
 
 def iter_examples(
-    rows: Iterable[Row], tokenizer: Tokenizer, fmt: Format, seq_len: int, overlong: Overlong, counts: Counter[str],
+    rows: Iterable[Row],
+    tokenizer: Tokenizer,
+    fmt: Format,
+    seq_len: int,
+    overlong: Overlong,
+    counts: Counter[str],
     first_row: int = 1,
 ) -> Iterator[Example]:
     """The ``documents`` or ``sft`` examples of ``rows`` one at a time, adding to ``counts`` the rows
@@ -101,11 +108,19 @@ def iter_examples(
 def report_overlong(fmt: Format, counts: Counter[str], seq_len: int, overlong: Overlong, kept: int) -> None:
     """Log once what ``overlong`` did (``iter_examples``' counts); no example kept is a config error."""
     if counts["overlong"]:
-        log.warning("data (format=%s): %d of %d examples were longer than seq_len=%d; overlong=%s %s", fmt,
-                    counts["overlong"], counts["total"], seq_len, overlong,
-                    _overlong_outcome(overlong, counts["overlong"], counts["dropped"], seq_len))
+        log.warning(
+            "data (format=%s): %d of %d examples were longer than seq_len=%d; overlong=%s %s",
+            fmt,
+            counts["overlong"],
+            counts["total"],
+            seq_len,
+            overlong,
+            _overlong_outcome(overlong, counts["overlong"], counts["dropped"], seq_len),
+        )
     if not kept:
-        raise ConfigError("data.init_args.overlong", overlong, f"no {fmt} example fits seq_len={seq_len}; raise seq_len")
+        raise ConfigError(
+            "data.init_args.overlong", overlong, f"no {fmt} example fits seq_len={seq_len}; raise seq_len"
+        )
 
 
 def _overlong_outcome(overlong: Overlong, overlong_count: int, dropped: int, seq_len: int) -> str:
@@ -135,7 +150,9 @@ def document_ids(row: Row, tokenizer: Tokenizer) -> list[int]:
 def check_stream_length(tokens: int, seq_len: int) -> None:
     """A stream too short for one window (it needs ``seq_len + 1`` tokens) is a config error."""
     if tokens < seq_len + 1:
-        raise ConfigError("data.init_args.seq_len", seq_len, f"the corpus has only {tokens} tokens; lower seq_len or add data")
+        raise ConfigError(
+            "data.init_args.seq_len", seq_len, f"the corpus has only {tokens} tokens; lower seq_len or add data"
+        )
 
 
 def _pretrain_windows(rows: Iterable[Row], tokenizer: Tokenizer, seq_len: int) -> list[Example]:
@@ -149,11 +166,15 @@ def _pretrain_windows(rows: Iterable[Row], tokenizer: Tokenizer, seq_len: int) -
 def _document_tokens(rows: Iterable[Row], tokenizer: Tokenizer) -> Iterable[tuple[list[int], list[bool]]]:
     bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
     for row in rows:
-        ids = list(row[TOKENS_FIELD]) if TOKENS_FIELD in row else bos + tokenizer.encode(_text(row)) + [tokenizer.eos_id]
+        ids = (
+            list(row[TOKENS_FIELD]) if TOKENS_FIELD in row else bos + tokenizer.encode(_text(row)) + [tokenizer.eos_id]
+        )
         yield ids, [True] * len(ids)
 
 
-def _sft_tokens(rows: Iterable[Row], tokenizer: Tokenizer, first_row: int = 1) -> Iterable[tuple[list[int], list[bool]]]:
+def _sft_tokens(
+    rows: Iterable[Row], tokenizer: Tokenizer, first_row: int = 1
+) -> Iterable[tuple[list[int], list[bool]]]:
     """A file may mix chat rows and prompt/response rows: ``datasets`` gives every row every column,
     so the form of a row is the one whose fields are not None."""
     bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
@@ -166,22 +187,36 @@ def _sft_tokens(rows: Iterable[Row], tokenizer: Tokenizer, first_row: int = 1) -
             yield prompt + response, [False] * len(prompt) + [True] * len(response)
         else:
             present = sorted(k for k, v in row.items() if v is not None)
-            raise ConfigError(f"{SOURCE_ROWS_KEY} row {number}", present,
-                              "an sft row needs 'prompt' and 'response' strings, or 'messages'; fix or remove the row")
+            raise ConfigError(
+                f"{SOURCE_ROWS_KEY} row {number}",
+                present,
+                "an sft row needs 'prompt' and 'response' strings, or 'messages'; fix or remove the row",
+            )
 
 
 def _checked_messages(messages: object, number: int) -> list[dict[str, str]]:
     """The row's chat messages, each with a string ``role`` and ``content`` (JSON ``null`` is not text)."""
     if not isinstance(messages, list) or not messages:
-        raise ConfigError(f"{SOURCE_ROWS_KEY} row {number} messages", messages, "give a non-empty list of {role, content} messages")
+        raise ConfigError(
+            f"{SOURCE_ROWS_KEY} row {number} messages", messages, "give a non-empty list of {role, content} messages"
+        )
     for index, message in enumerate(messages):
-        if not (isinstance(message, dict) and isinstance(message.get("role"), str) and isinstance(message.get("content"), str)):
-            raise ConfigError(f"{SOURCE_ROWS_KEY} row {number} messages[{index}]", message,
-                              "every chat message needs a string 'role' and a string 'content'; fix or remove the row")
+        if not (
+            isinstance(message, dict)
+            and isinstance(message.get("role"), str)
+            and isinstance(message.get("content"), str)
+        ):
+            raise ConfigError(
+                f"{SOURCE_ROWS_KEY} row {number} messages[{index}]",
+                message,
+                "every chat message needs a string 'role' and a string 'content'; fix or remove the row",
+            )
     return messages
 
 
 def _text(row: Row) -> str:
     if not isinstance(row.get("text"), str):
-        raise ConfigError("data.init_args.format", "pretrain", f"pretraining rows need a 'text' field; got {sorted(row)}")
+        raise ConfigError(
+            "data.init_args.format", "pretrain", f"pretraining rows need a 'text' field; got {sorted(row)}"
+        )
     return row["text"]

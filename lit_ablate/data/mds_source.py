@@ -32,10 +32,35 @@ from lit_ablate.errors import ConfigError
 from lit_ablate.extras import require
 
 _KEY = "data.init_args.source.init_args"
-_SCALARS = {name: np.dtype(name) for name in (
-    "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64", "float16", "float32", "float64")}
-_NDARRAY_DTYPES = {8: "uint8", 9: "int8", 16: "uint16", 17: "int16", 18: "float16", 32: "uint32", 33: "int32",
-                   34: "float32", 64: "uint64", 65: "int64", 66: "float64"}
+_SCALARS = {
+    name: np.dtype(name)
+    for name in (
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "float16",
+        "float32",
+        "float64",
+    )
+}
+_NDARRAY_DTYPES = {
+    8: "uint8",
+    9: "int8",
+    16: "uint16",
+    17: "int16",
+    18: "float16",
+    32: "uint32",
+    33: "int32",
+    34: "float32",
+    64: "uint64",
+    65: "int64",
+    66: "float64",
+}
 """MDS's one-byte codes of an ``ndarray`` column's value dtype (when the encoding does not fix it)."""
 
 
@@ -56,8 +81,14 @@ class MDSShards(DataSource):
         max_rows: read at most this many rows (None = all).
     """
 
-    def __init__(self, path: str, text_field: str = "text", tokens_field: str | None = None,
-                 tokens_dtype: str = "int64", max_rows: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        path: str,
+        text_field: str = "text",
+        tokens_field: str | None = None,
+        tokens_dtype: str = "int64",
+        max_rows: int | None = None,
+    ) -> None:
         index_path = os.path.join(path, "index.json")
         if not os.path.isfile(index_path):
             raise ConfigError(f"{_KEY}.path", path, "no MDS index.json there: give the folder MDSWriter wrote")
@@ -66,10 +97,15 @@ class MDSShards(DataSource):
         field = tokens_field or text_field
         for shard in self.shards:
             if shard.get("format") != "mds":
-                raise ConfigError(f"{_KEY}.path", path, f"shard format {shard.get('format')!r}: only 'mds' shards are read")
+                raise ConfigError(
+                    f"{_KEY}.path", path, f"shard format {shard.get('format')!r}: only 'mds' shards are read"
+                )
             if shard.get("compression") not in (None, "zstd"):
-                raise ConfigError(f"{_KEY}.path", path, f"{shard['compression']} compression: re-write the shards "
-                                  "uncompressed or with zstd")
+                raise ConfigError(
+                    f"{_KEY}.path",
+                    path,
+                    f"{shard['compression']} compression: re-write the shards uncompressed or with zstd",
+                )
             if field not in shard["column_names"]:
                 key = "tokens_field" if tokens_field else "text_field"
                 raise ConfigError(f"{_KEY}.{key}", field, f"no such column; the shards have {shard['column_names']}")
@@ -82,8 +118,10 @@ class MDSShards(DataSource):
 
     def fingerprint(self) -> dict[str, Any]:
         """Its arguments and every shard file's name, size and modification time."""
-        stats = [(name, os.stat(p).st_size, os.stat(p).st_mtime_ns) for name, p in
-                 ((name, os.path.join(self.path, name)) for name in self._files())]
+        stats = [
+            (name, os.stat(p).st_size, os.stat(p).st_mtime_ns)
+            for name, p in ((name, os.path.join(self.path, name)) for name in self._files())
+        ]
         return {**super().fingerprint(), "files": stats}
 
     def stored_bytes(self) -> int:
@@ -137,7 +175,9 @@ class MDSShards(DataSource):
 
     def _shard_bytes(self, shard: dict[str, Any]) -> bytes:
         compressed = shard.get("compression") == "zstd"
-        with open(os.path.join(self.path, (shard["zip_data"] if compressed else shard["raw_data"])["basename"]), "rb") as f:
+        with open(
+            os.path.join(self.path, (shard["zip_data"] if compressed else shard["raw_data"])["basename"]), "rb"
+        ) as f:
             data = f.read()
         return _zstd_decompressor()(data) if compressed else data
 
@@ -179,8 +219,12 @@ def _decode(encoding: str, data: bytes) -> Any:
         return np.frombuffer(data, _SCALARS[encoding])[0].item()
     if encoding.startswith("ndarray"):
         return _decode_ndarray(encoding, data)
-    raise ConfigError(f"{_KEY}.path", encoding, "an MDS column encoding lit-ablate does not read; use str, bytes, "
-                      "int, json or ndarray for the text or token column")
+    raise ConfigError(
+        f"{_KEY}.path",
+        encoding,
+        "an MDS column encoding lit-ablate does not read; use str, bytes, "
+        "int, json or ndarray for the text or token column",
+    )
 
 
 def _decode_ndarray(encoding: str, data: bytes) -> np.ndarray:

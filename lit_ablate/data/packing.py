@@ -82,7 +82,9 @@ def pack_ffd(order: Sequence[int], lengths: Sequence[int], max_tokens: int) -> l
 PACKERS = {"ffd": pack_ffd, "greedy": pack_greedy}
 
 
-def pack(order: Sequence[int], lengths: Sequence[int], max_tokens: int, strategy: PackingStrategy, window: int) -> list[list[int]]:
+def pack(
+    order: Sequence[int], lengths: Sequence[int], max_tokens: int, strategy: PackingStrategy, window: int
+) -> list[list[int]]:
     """Rows of example indices, packing each ``window`` consecutive examples of ``order`` on its own.
 
     ``order`` and ``lengths`` may be numpy arrays (a token cache's millions of examples): each window
@@ -115,11 +117,15 @@ class StreamPacking:
         """One window's packed rows: what ``PackedSampler`` makes of the same kept examples in this
         order (``truncate`` packs an overlong example capped, alone in its row)."""
         lengths = [min(len(e["input_ids"]), self.max_tokens) for e in examples]
-        return [[examples[i] for i in row] for row in pack(range(len(examples)), lengths, self.max_tokens,
-                                                             self.strategy, max(1, len(examples)))]
+        return [
+            [examples[i] for i in row]
+            for row in pack(range(len(examples)), lengths, self.max_tokens, self.strategy, max(1, len(examples)))
+        ]
 
 
-def balance_across_ranks(rows: list[list[int]], lengths: Sequence[int], num_replicas: int, rows_per_rank: int) -> list[list[list[int]]]:
+def balance_across_ranks(
+    rows: list[list[int]], lengths: Sequence[int], num_replicas: int, rows_per_rank: int
+) -> list[list[list[int]]]:
     """Per rank, its rows: each step's ``num_replicas * rows_per_rank`` rows are dealt largest
     first to the rank with the fewest tokens so far, so no rank waits on a fuller one."""
     per_rank: list[list[list[int]]] = [[] for _ in range(num_replicas)]
@@ -152,8 +158,20 @@ class PackedSampler(ShardedSampler):
     """
 
     def __init__(
-        self, dataset: Sized, lengths: Sequence[int], max_tokens: int, strategy: PackingStrategy, window: int,
-        overlong: Overlong, *, num_replicas: int, rank: int, shuffle: bool, seed: int, drop_last: bool, batch_size: int,
+        self,
+        dataset: Sized,
+        lengths: Sequence[int],
+        max_tokens: int,
+        strategy: PackingStrategy,
+        window: int,
+        overlong: Overlong,
+        *,
+        num_replicas: int,
+        rank: int,
+        shuffle: bool,
+        seed: int,
+        drop_last: bool,
+        batch_size: int,
     ) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
         self.lengths, self.max_tokens, self.strategy, self.window = lengths, max_tokens, strategy, window
@@ -166,13 +184,19 @@ class PackedSampler(ShardedSampler):
         if too_long and rank == 0:
             log.warning(
                 "packing: %d of %d examples are longer than max_tokens=%d; overlong=%s %s them",
-                too_long, len(lengths), max_tokens, overlong, "truncates" if overlong == "truncate" else "drops",
+                too_long,
+                len(lengths),
+                max_tokens,
+                overlong,
+                "truncates" if overlong == "truncate" else "drops",
             )
 
     def epoch_rows(self) -> list[list[int]]:
         """All ranks' rows for the current epoch, before balancing: every kept example once."""
         if self.shuffle:
-            order = torch.randperm(len(self.lengths), generator=torch.Generator().manual_seed(self.seed + self.epoch)).numpy()
+            order = torch.randperm(
+                len(self.lengths), generator=torch.Generator().manual_seed(self.seed + self.epoch)
+            ).numpy()
         else:
             order = np.arange(len(self.lengths))
         if self.overlong == "reject":
@@ -219,8 +243,12 @@ class PackingCollator(Collator):
     """
 
     def __init__(
-        self, max_tokens: int | None = None, strategy: PackingStrategy = "ffd", window: int = 1000,
-        static_shape: bool = False, overlong: Overlong = "truncate",
+        self,
+        max_tokens: int | None = None,
+        strategy: PackingStrategy = "ffd",
+        window: int = 1000,
+        static_shape: bool = False,
+        overlong: Overlong = "truncate",
     ) -> None:
         if max_tokens is not None and max_tokens <= 0:
             raise ConfigError(f"{_KEY}.max_tokens", max_tokens, "use a positive row capacity (or null for seq_len)")
@@ -241,12 +269,30 @@ class PackingCollator(Collator):
         return capacity
 
     def sampler(
-        self, dataset: Sized, lengths: Sequence[int], *, num_replicas: int, rank: int, shuffle: bool, seed: int,
-        drop_last: bool, batch_size: int,
+        self,
+        dataset: Sized,
+        lengths: Sequence[int],
+        *,
+        num_replicas: int,
+        rank: int,
+        shuffle: bool,
+        seed: int,
+        drop_last: bool,
+        batch_size: int,
     ) -> PackedSampler:
         return PackedSampler(
-            dataset, lengths, self.capacity, self.strategy, self.window, self.overlong, num_replicas=num_replicas,
-            rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last, batch_size=batch_size,
+            dataset,
+            lengths,
+            self.capacity,
+            self.strategy,
+            self.window,
+            self.overlong,
+            num_replicas=num_replicas,
+            rank=rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+            batch_size=batch_size,
         )
 
     def stream_packing(self) -> StreamPacking:
@@ -274,4 +320,3 @@ class PackingCollator(Collator):
             "max_seqlen": max(doc_lengths),
             "document_lengths": [len(e["input_ids"]) for row in rows for e in row],
         }
-

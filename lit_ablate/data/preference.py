@@ -50,8 +50,10 @@ PAIR_FIELDS = ("prompt", "chosen", "rejected")
 
 def pair_example(prompt: Sequence[int], chosen: Sequence[int], rejected: Sequence[int], index: int) -> Example:
     """The pair as one example (see the module docstring); responses end with their ``eos`` if kept."""
-    sequences = [example_from_tokens([*prompt, *response], [False] * len(prompt) + [True] * len(response))
-                 for response in (chosen, rejected)]
+    sequences = [
+        example_from_tokens([*prompt, *response], [False] * len(prompt) + [True] * len(response))
+        for response in (chosen, rejected)
+    ]
     return {
         "input_ids": torch.cat([s["input_ids"] for s in sequences]),
         "labels": torch.cat([s["labels"] for s in sequences]),
@@ -64,8 +66,10 @@ def pair_example(prompt: Sequence[int], chosen: Sequence[int], rejected: Sequenc
 def split_pair(pair: Example) -> tuple[Example, Example]:
     """The chosen and the rejected sequence, each a plain example (prompt + response)."""
     cut = int(pair["chosen_tokens"])
-    return ({"input_ids": pair["input_ids"][:cut], "labels": pair["labels"][:cut]},
-            {"input_ids": pair["input_ids"][cut:], "labels": pair["labels"][cut:]})
+    return (
+        {"input_ids": pair["input_ids"][:cut], "labels": pair["labels"][:cut]},
+        {"input_ids": pair["input_ids"][cut:], "labels": pair["labels"][cut:]},
+    )
 
 
 def shared_prefix_split(pair: Example) -> tuple[int, tuple[Example, Example]]:
@@ -86,7 +90,9 @@ def shared_pair_tokens(pair: Example) -> int:
     return len(pair["input_ids"]) - max(int(pair["prompt_tokens"]) - 1, 0)
 
 
-def build_preference_examples(rows: Iterable[Row], tokenizer: Tokenizer, seq_len: int, overlong: Overlong) -> list[Example]:
+def build_preference_examples(
+    rows: Iterable[Row], tokenizer: Tokenizer, seq_len: int, overlong: Overlong
+) -> list[Example]:
     """All pairs of ``rows``; logs what overlong handling did, with counts."""
     counts: Counter[str] = Counter()
     examples = list(iter_preference_examples(rows, tokenizer, seq_len, overlong, counts))
@@ -95,7 +101,12 @@ def build_preference_examples(rows: Iterable[Row], tokenizer: Tokenizer, seq_len
 
 
 def iter_preference_examples(
-    rows: Iterable[Row], tokenizer: Tokenizer, seq_len: int, overlong: Overlong, counts: Counter[str], first_row: int = 1,
+    rows: Iterable[Row],
+    tokenizer: Tokenizer,
+    seq_len: int,
+    overlong: Overlong,
+    counts: Counter[str],
+    first_row: int = 1,
 ) -> Iterator[Example]:
     """The pairs of ``rows`` one at a time, adding what overlong handling did to ``counts``.
     ``pair_index`` counts the pairs kept from these rows; ``first_row`` numbers the rows in errors
@@ -128,10 +139,19 @@ def iter_preference_examples(
 def report_preference_overlong(counts: Counter[str], seq_len: int, overlong: Overlong, kept: int) -> None:
     """Log once what ``overlong`` did (``iter_preference_examples``' counts); no pair kept is a config error."""
     if counts["overlong"]:
-        log.warning("data (format=preference): %d of %d pairs had a sequence longer than seq_len=%d; overlong=%s: "
-                    "%d prompts cut from the start, %d pairs' responses cut at the end, %d pairs dropped as too long, "
-                    "%d dropped because their cut responses became equal", counts["overlong"], counts["total"], seq_len,
-                    overlong, counts["prompt_cut"], counts["responses_cut"], counts["rejected"], counts["equal_after_cut"])
+        log.warning(
+            "data (format=preference): %d of %d pairs had a sequence longer than seq_len=%d; overlong=%s: "
+            "%d prompts cut from the start, %d pairs' responses cut at the end, %d pairs dropped as too long, "
+            "%d dropped because their cut responses became equal",
+            counts["overlong"],
+            counts["total"],
+            seq_len,
+            overlong,
+            counts["prompt_cut"],
+            counts["responses_cut"],
+            counts["rejected"],
+            counts["equal_after_cut"],
+        )
     if not kept:
         raise ConfigError("data.init_args.seq_len", seq_len, "no preference pair fits it; raise seq_len")
 
@@ -145,44 +165,65 @@ def _pair_tokens(row: Row, number: int, tokenizer: Tokenizer) -> tuple[list[int]
         missing = [k for k in PAIR_FIELDS if not isinstance(row.get(k), str)]
         if missing:
             present = sorted(k for k, v in row.items() if v is not None)
-            raise ConfigError(where, present, f"a preference row needs 'prompt', 'chosen' and 'rejected' strings "
-                              f"(or chat message lists); {missing} missing or not text; fix or remove the row")
+            raise ConfigError(
+                where,
+                present,
+                f"a preference row needs 'prompt', 'chosen' and 'rejected' strings "
+                f"(or chat message lists); {missing} missing or not text; fix or remove the row",
+            )
         for key in ("chosen", "rejected"):
             if not row[key]:
-                raise ConfigError(f"{where} {key}", row[key], "an empty response teaches nothing; fix or remove the row")
+                raise ConfigError(
+                    f"{where} {key}", row[key], "an empty response teaches nothing; fix or remove the row"
+                )
         bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
         prompt = bos + tokenizer.encode(row["prompt"])
         chosen, rejected = (tokenizer.encode(row[k]) + [tokenizer.eos_id] for k in ("chosen", "rejected"))
     if chosen == rejected:
-        raise ConfigError(f"{where} chosen", row.get("chosen"), "chosen equals rejected: the pair states no preference; "
-                          "fix or remove the row")
+        raise ConfigError(
+            f"{where} chosen",
+            row.get("chosen"),
+            "chosen equals rejected: the pair states no preference; fix or remove the row",
+        )
     return prompt, chosen, rejected
 
 
 def _chat_pair(row: Row, where: str, tokenizer: Tokenizer) -> tuple[list[int], list[int], list[int]]:
     prefix = row.get("prompt")
     if prefix is not None and not isinstance(prefix, list):
-        raise ConfigError(f"{where} prompt", prefix, "with chat chosen/rejected lists, give the prompt as a message "
-                          "list too (or leave it out and put the whole conversation in chosen and rejected)")
+        raise ConfigError(
+            f"{where} prompt",
+            prefix,
+            "with chat chosen/rejected lists, give the prompt as a message "
+            "list too (or leave it out and put the whole conversation in chosen and rejected)",
+        )
     parts = {}
     for key in ("chosen", "rejected"):
         messages = row.get(key)
         if not isinstance(messages, list) or not messages:
             raise ConfigError(f"{where} {key}", messages, "give a non-empty message list; fix or remove the row")
         conversation = [*(prefix or []), *messages]
-        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                   for m in conversation):
+        if not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in conversation
+        ):
             raise ConfigError(f"{where} {key}", messages, "every chat message needs a string 'role' and 'content'")
         if conversation[-1]["role"] != "assistant" or not conversation[-1]["content"]:
-            raise ConfigError(f"{where} {key}", conversation[-1], "the conversation must end with a non-empty "
-                              "assistant message (the response); fix or remove the row")
+            raise ConfigError(
+                f"{where} {key}",
+                conversation[-1],
+                "the conversation must end with a non-empty assistant message (the response); fix or remove the row",
+            )
         ids, trainable = tokenizer.chat(conversation)
         start, end = _last_trainable_run(trainable)
         parts[key] = (ids[:start], ids[start:end])
     (prompt_c, chosen), (prompt_r, rejected) = parts["chosen"], parts["rejected"]
     if prompt_c != prompt_r:
-        raise ConfigError(where, _shared_messages(row), "chosen and rejected must be the same conversation up to the "
-                          "last assistant turn; fix or remove the row")
+        raise ConfigError(
+            where,
+            _shared_messages(row),
+            "chosen and rejected must be the same conversation up to the last assistant turn; fix or remove the row",
+        )
     return prompt_c, chosen, rejected
 
 

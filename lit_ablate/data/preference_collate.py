@@ -87,17 +87,27 @@ class PreferencePackingCollator(PackingCollator, PreferenceCollator):
         prefix_sharing: compute each pair's prompt once.
     """
 
-    def __init__(self, max_tokens: int | None = None, strategy: PackingStrategy = "ffd", window: int = 1000,
-                 static_shape: bool = False, within_batch: bool = False, prefix_sharing: bool = False) -> None:
+    def __init__(
+        self,
+        max_tokens: int | None = None,
+        strategy: PackingStrategy = "ffd",
+        window: int = 1000,
+        static_shape: bool = False,
+        within_batch: bool = False,
+        prefix_sharing: bool = False,
+    ) -> None:
         super().__init__(max_tokens=max_tokens, strategy=strategy, window=window, static_shape=static_shape)
         self.within_batch, self.prefix_sharing = within_batch, prefix_sharing
 
     def bind(self, pad_id: int, seq_len: int) -> None:
         super().bind(pad_id, seq_len)
         if self.max_tokens is not None and self.max_tokens < 2 * seq_len:
-            raise ConfigError(f"{_KEY}.max_tokens", self.max_tokens,
-                              f"a pair of two sequences of up to seq_len={seq_len} tokens must fit one row: use at least "
-                              f"{2 * seq_len}, or null")
+            raise ConfigError(
+                f"{_KEY}.max_tokens",
+                self.max_tokens,
+                f"a pair of two sequences of up to seq_len={seq_len} tokens must fit one row: use at least "
+                f"{2 * seq_len}, or null",
+            )
 
     @property
     def capacity(self) -> int:
@@ -109,15 +119,37 @@ class PreferencePackingCollator(PackingCollator, PreferenceCollator):
         """Tokens the pair occupies in a row under this layout."""
         return shared_pair_tokens(pair) if self.prefix_sharing else len(pair["input_ids"])
 
-    def sampler(self, dataset: Sized, lengths: Sequence[int], *, num_replicas: int, rank: int, shuffle: bool,
-                seed: int, drop_last: bool, batch_size: int) -> ShardedSampler:
+    def sampler(
+        self,
+        dataset: Sized,
+        lengths: Sequence[int],
+        *,
+        num_replicas: int,
+        rank: int,
+        shuffle: bool,
+        seed: int,
+        drop_last: bool,
+        batch_size: int,
+    ) -> ShardedSampler:
         if self.within_batch:
-            return ShardedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
-                                  drop_last=drop_last)
+            return ShardedSampler(
+                dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+            )
         lengths = [self.pair_tokens(dataset[i]) for i in range(len(dataset))]
-        return PackedSampler(dataset, lengths, self.capacity, self.strategy, self.window, "truncate",
-                             num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last,
-                             batch_size=batch_size)
+        return PackedSampler(
+            dataset,
+            lengths,
+            self.capacity,
+            self.strategy,
+            self.window,
+            "truncate",
+            num_replicas=num_replicas,
+            rank=rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+            batch_size=batch_size,
+        )
 
     def __call__(self, items: list[Any]) -> dict[str, Any]:
         if self.within_batch:  # items are pairs: pack this micro-batch's pairs into rows
@@ -145,7 +177,10 @@ class PreferencePackingCollator(PackingCollator, PreferenceCollator):
             for pair in row:
                 chosen, rejected = split_pair(pair)
                 docs += [chosen, rejected]
-                ids += [torch.full((len(chosen["input_ids"]),), p), torch.full((len(rejected["input_ids"]),), num_pairs + p)]
+                ids += [
+                    torch.full((len(chosen["input_ids"]),), p),
+                    torch.full((len(rejected["input_ids"]),), num_pairs + p),
+                ]
                 p += 1
             documents.append(docs)
             sequence_ids.append(torch.cat(ids))
@@ -161,18 +196,24 @@ class PreferencePackingCollator(PackingCollator, PreferenceCollator):
             for pair in row:
                 split, (chosen, rejected) = shared_prefix_split(pair)
                 n_c, n_r = len(chosen["input_ids"]), len(rejected["input_ids"])
-                docs.append({
-                    "input_ids": torch.cat([pair["input_ids"][:split], chosen["input_ids"], rejected["input_ids"]]),
-                    "labels": torch.cat([torch.full((split,), -100), chosen["labels"], rejected["labels"]]),
-                })
+                docs.append(
+                    {
+                        "input_ids": torch.cat([pair["input_ids"][:split], chosen["input_ids"], rejected["input_ids"]]),
+                        "labels": torch.cat([torch.full((split,), -100), chosen["labels"], rejected["labels"]]),
+                    }
+                )
                 ids.append(torch.cat([torch.full((split + n_c,), p), torch.full((n_r,), num_pairs + p)]))
-                pos.append(torch.cat([torch.arange(split), torch.arange(split, split + n_c), torch.arange(split, split + n_r)]))
-                branch.append(torch.cat([torch.zeros(split, dtype=torch.long), torch.ones(n_c, dtype=torch.long),
-                                         torch.full((n_r,), 2)]))
+                pos.append(
+                    torch.cat([torch.arange(split), torch.arange(split, split + n_c), torch.arange(split, split + n_r)])
+                )
+                branch.append(
+                    torch.cat(
+                        [torch.zeros(split, dtype=torch.long), torch.ones(n_c, dtype=torch.long), torch.full((n_r,), 2)]
+                    )
+                )
                 p += 1
             documents.append(docs)
             sequence_ids.append(torch.cat(ids))
             positions.append(torch.cat(pos))
             branches.append(torch.cat(branch))
         return documents, sequence_ids, {"position_ids": positions, "branch_ids": branches}
-

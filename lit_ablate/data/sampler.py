@@ -27,7 +27,13 @@ class ShardedSampler(DistributedSampler):
     """
 
     def __init__(
-        self, dataset: Sized, num_replicas: int = 1, rank: int = 0, shuffle: bool = True, seed: int = 0, drop_last: bool = False
+        self,
+        dataset: Sized,
+        num_replicas: int = 1,
+        rank: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
     ) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
         self._resume: tuple[int, int] | None = None
@@ -42,7 +48,9 @@ class ShardedSampler(DistributedSampler):
         ``DistributedSampler``'s order (the same permutation, padding and stride), as one int64
         array instead of Python lists: 8 bytes per example, for data sets of millions of them."""
         if self.shuffle:
-            order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + self.epoch)).numpy()
+            order = torch.randperm(
+                len(self.dataset), generator=torch.Generator().manual_seed(self.seed + self.epoch)
+            ).numpy()
         else:
             order = np.arange(len(self.dataset))
         order = np.resize(order, self.total_size)  # drop_last cuts, otherwise the order repeats to fill

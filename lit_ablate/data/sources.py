@@ -78,8 +78,10 @@ class DataSource(ABC):
         """What decides its rows, for the token cache's key: the class and its arguments (another
         source in an argument by its own fingerprint). A source whose rows depend on anything else
         (files, a server) must add it, as ``LocalFiles`` adds each file's size and modification time."""
-        return {"class": f"{type(self).__module__}.{type(self).__qualname__}",
-                "args": {k: v.fingerprint() if isinstance(v, DataSource) else v for k, v in sorted(vars(self).items())}}
+        return {
+            "class": f"{type(self).__module__}.{type(self).__qualname__}",
+            "args": {k: v.fingerprint() if isinstance(v, DataSource) else v for k, v in sorted(vars(self).items())},
+        }
 
 
 class SyntheticText(DataSource):
@@ -116,7 +118,8 @@ class SyntheticText(DataSource):
             raise ConfigError(f"{_SOURCE_KEY}.num_documents", num_documents, "use a positive number of documents")
         if median_sentences <= 0 or length_sigma < 0 or max_sentences <= 0:
             raise ConfigError(
-                f"{_SOURCE_KEY}.median_sentences", (median_sentences, length_sigma, max_sentences),
+                f"{_SOURCE_KEY}.median_sentences",
+                (median_sentences, length_sigma, max_sentences),
                 "median_sentences and max_sentences must be > 0, length_sigma >= 0",
             )
         self.num_documents, self.seed = num_documents, seed
@@ -163,7 +166,11 @@ class ArithmeticSFT(DataSource):
     _APPLY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
     def __init__(
-        self, num_examples: int = 1000, max_operand: int = 99, operators: str = "+-", seed: int = 0,
+        self,
+        num_examples: int = 1000,
+        max_operand: int = 99,
+        operators: str = "+-",
+        seed: int = 0,
         pad_operands: bool = False,
     ) -> None:
         if num_examples <= 0:
@@ -175,9 +182,12 @@ class ArithmeticSFT(DataSource):
         operators = "".join(dict.fromkeys(operators))
         problems = (max_operand + 1) ** 2 * len(operators)
         if num_examples > problems:
-            raise ConfigError(f"{_SOURCE_KEY}.num_examples", num_examples,
-                              f"max_operand={max_operand} with operators {operators!r} gives only {problems} distinct "
-                              "problems; ask for fewer or raise max_operand")
+            raise ConfigError(
+                f"{_SOURCE_KEY}.num_examples",
+                num_examples,
+                f"max_operand={max_operand} with operators {operators!r} gives only {problems} distinct "
+                "problems; ask for fewer or raise max_operand",
+            )
         self.num_examples, self.max_operand, self.operators, self.seed = num_examples, max_operand, operators, seed
         self.width = len(str(max_operand)) if pad_operands else 0
 
@@ -213,7 +223,9 @@ class LocalFiles(DataSource):
         kinds = {os.path.splitext(f)[1].lower() for f in self.files}
         if len(kinds) != 1 or not kinds <= set(_FILE_BUILDERS):
             raise ConfigError(
-                f"{_SOURCE_KEY}.path", path, f"files must all have one extension among {sorted(_FILE_BUILDERS)}, got {sorted(kinds)}"
+                f"{_SOURCE_KEY}.path",
+                path,
+                f"files must all have one extension among {sorted(_FILE_BUILDERS)}, got {sorted(kinds)}",
             )
         empty = [f for f in self.files if os.path.getsize(f) == 0]
         if empty:
@@ -273,8 +285,11 @@ class LocalFiles(DataSource):
         if kind == ".json":
             yield from super().stream_part(index, after)
             return
-        rows = parquet_rows(files, after, self.max_rows) if kind == ".parquet" else \
-            line_rows(files, kind == ".jsonl", after, self.max_rows)
+        rows = (
+            parquet_rows(files, after, self.max_rows)
+            if kind == ".parquet"
+            else line_rows(files, kind == ".jsonl", after, self.max_rows)
+        )
         try:
             for row, position in rows:
                 yield _with_text(row, self.text_field), position
@@ -374,8 +389,13 @@ class HubDataset(DataSource):
     """
 
     def __init__(
-        self, name: str, split: str = "train", subset: str | None = None, text_field: str = "text",
-        max_rows: int | None = None, revision: str | None = None,
+        self,
+        name: str,
+        split: str = "train",
+        subset: str | None = None,
+        text_field: str = "text",
+        max_rows: int | None = None,
+        revision: str | None = None,
     ) -> None:
         self.name, self.split, self.subset, self.text_field, self.max_rows = name, split, subset, text_field, max_rows
         self.revision = revision
@@ -429,7 +449,9 @@ def _streamed_rows(dataset: Any, text_field: str, max_rows: int | None) -> Itera
     Read through ``iter(batch_size=...)``: iterating the dataset itself inside a DataLoader worker
     would shard it over the workers by file (``datasets`` does that by itself), and the stream
     shards by row (``streaming.py``)."""
-    rows = (dict(zip(batch, values)) for batch in dataset.iter(batch_size=_STREAM_BATCH) for values in zip(*batch.values()))
+    rows = (
+        dict(zip(batch, values)) for batch in dataset.iter(batch_size=_STREAM_BATCH) for values in zip(*batch.values())
+    )
     yield from _renamed(rows, text_field, max_rows)
 
 

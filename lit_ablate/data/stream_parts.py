@@ -43,8 +43,9 @@ def counted_rows(rows: Iterable[Row], after: int | None) -> Iterator[tuple[Row, 
         yield row, number
 
 
-def line_rows(files: list[str], jsonl: bool, after: tuple[int, int, int, int, int] | None,
-              max_rows: int | None) -> Iterator[tuple[Row, tuple[int, int, int, int, int]]]:
+def line_rows(
+    files: list[str], jsonl: bool, after: tuple[int, int, int, int, int] | None, max_rows: int | None
+) -> Iterator[tuple[Row, tuple[int, int, int, int, int]]]:
     """JSONL objects or text lines (``{"text": line}``) of ``files`` in order. A position is
     ``(file, byte offset of a line, its line number, rows of that line already read, rows read)``:
     a text line holding lone ``\\r`` breaks is several rows."""
@@ -57,15 +58,21 @@ def line_rows(files: list[str], jsonl: bool, after: tuple[int, int, int, int, in
             for line in f:
                 end = offset + len(line)
                 if offset == 0 and line.startswith(codecs.BOM_UTF8):
-                    line = line[len(codecs.BOM_UTF8):]
-                rows = _json_row(line, files[index], line_number) if jsonl else _text_rows(line, files[index], line_number)
+                    line = line[len(codecs.BOM_UTF8) :]
+                rows = (
+                    _json_row(line, files[index], line_number) if jsonl else _text_rows(line, files[index], line_number)
+                )
                 for piece in range(done, len(rows)):
                     if max_rows is not None and count >= max_rows:
                         return
                     count += 1
                     last = piece == len(rows) - 1
-                    yield rows[piece], (index, end, line_number + 1, 0, count) if last else \
-                        (index, offset, line_number, piece + 1, count)
+                    yield (
+                        rows[piece],
+                        (index, end, line_number + 1, 0, count)
+                        if last
+                        else (index, offset, line_number, piece + 1, count),
+                    )
                 offset, line_number, done = end, line_number + 1, 0
 
 
@@ -75,8 +82,9 @@ def _json_row(line: bytes, file: str, number: int) -> list[Row]:
     try:
         row = json.loads(line)
     except ValueError as bad:  # json.JSONDecodeError, UnicodeDecodeError
-        raise UnreadableRow(f"line {number} of {file} is not valid JSON ({getattr(bad, 'msg', bad)}); "
-                            "fix or remove that line") from None
+        raise UnreadableRow(
+            f"line {number} of {file} is not valid JSON ({getattr(bad, 'msg', bad)}); fix or remove that line"
+        ) from None
     if not isinstance(row, dict):
         raise UnreadableRow(f"line {number} of {file} is a JSON {type(row).__name__}, not an object; fix or remove it")
     return [row]
@@ -93,8 +101,9 @@ def _text_rows(line: bytes, file: str, number: int) -> list[Row]:
     return [{"text": piece} for piece in pieces]
 
 
-def parquet_rows(files: list[str], after: tuple[int, int, int, int] | None,
-                 max_rows: int | None) -> Iterator[tuple[Row, tuple[int, int, int, int]]]:
+def parquet_rows(
+    files: list[str], after: tuple[int, int, int, int] | None, max_rows: int | None
+) -> Iterator[tuple[Row, tuple[int, int, int, int]]]:
     """Rows of Parquet ``files``; a position is ``(file, row group, its rows read, rows read)``."""
     import pyarrow.parquet
 
@@ -112,8 +121,9 @@ def parquet_rows(files: list[str], after: tuple[int, int, int, int] | None,
             done = 0
 
 
-def datasets_rows(dataset: Any, after: tuple[dict | None, int, int] | None, batch: int,
-                  max_rows: int | None) -> Iterator[tuple[Row, tuple[dict | None, int, int]]]:
+def datasets_rows(
+    dataset: Any, after: tuple[dict | None, int, int] | None, batch: int, max_rows: int | None
+) -> Iterator[tuple[Row, tuple[dict | None, int, int]]]:
     """Rows of a streamed ``datasets.IterableDataset``, read ``batch`` at a time through ``iter``
     (iterating the dataset itself inside a DataLoader worker would shard it over the workers); a
     position is ``(state_dict() before a batch, its rows read, rows read)``."""

@@ -58,11 +58,29 @@ class SlotStream:
     """
 
     def __init__(
-        self, source: DataSource, tokenizer: Tokenizer, fmt: Format, seq_len: int, overlong: Overlong, slot: int,
-        slots: int, reads: list[tuple[int, int, int]], *, shuffle_buffer: int = 0, seed: int = 0,
-        packing: StreamPacking | None = None, epochs: int | None = None, state: State | None = None,
+        self,
+        source: DataSource,
+        tokenizer: Tokenizer,
+        fmt: Format,
+        seq_len: int,
+        overlong: Overlong,
+        slot: int,
+        slots: int,
+        reads: list[tuple[int, int, int]],
+        *,
+        shuffle_buffer: int = 0,
+        seed: int = 0,
+        packing: StreamPacking | None = None,
+        epochs: int | None = None,
+        state: State | None = None,
     ) -> None:
-        self.source, self.tokenizer, self.format, self.seq_len, self.overlong = source, tokenizer, fmt, seq_len, overlong
+        self.source, self.tokenizer, self.format, self.seq_len, self.overlong = (
+            source,
+            tokenizer,
+            fmt,
+            seq_len,
+            overlong,
+        )
         self.slot, self.slots, self.reads = slot, slots, reads
         self.shuffle_buffer, self.seed, self.packing, self.epochs = shuffle_buffer, seed, packing, epochs
         self._resume = state
@@ -83,14 +101,26 @@ class SlotStream:
                 made += 1
                 yield item
             if not made and resume is None:
-                raise ConfigError("data.init_args.source", type(self.source).__name__,
-                                  f"stream slot {self.slot} of {self.slots} got no example in epoch {self._epoch}: "
-                                  f"the source has too few rows for {self.slots} ranks x workers")
+                raise ConfigError(
+                    "data.init_args.source",
+                    type(self.source).__name__,
+                    f"stream slot {self.slot} of {self.slots} got no example in epoch {self._epoch}: "
+                    f"the source has too few rows for {self.slots} ranks x workers",
+                )
             if examples.counts["overlong"]:
-                log.warning("data stream (format=%s, slot %d of %d, epoch %d): %d of %d examples were longer than "
-                            "seq_len=%d; overlong=%s (%d dropped)", self.format, self.slot, self.slots, self._epoch,
-                            examples.counts["overlong"], examples.counts["total"], self.seq_len, self.overlong,
-                            examples.counts["dropped"])
+                log.warning(
+                    "data stream (format=%s, slot %d of %d, epoch %d): %d of %d examples were longer than "
+                    "seq_len=%d; overlong=%s (%d dropped)",
+                    self.format,
+                    self.slot,
+                    self.slots,
+                    self._epoch,
+                    examples.counts["overlong"],
+                    examples.counts["total"],
+                    self.seq_len,
+                    self.overlong,
+                    examples.counts["dropped"],
+                )
             self._epoch, resume = self._epoch + 1, None
 
     def _pipeline(self, state: State | None) -> tuple[_Examples, _Examples | _Buffered | _Packed]:
@@ -111,8 +141,9 @@ class _Examples:
 
     def __init__(self, slot: SlotStream, state: State | None) -> None:
         self.slot = slot
-        (self.read, self.after, self.number), self.carry, self.served = \
+        (self.read, self.after, self.number), self.carry, self.served = (
             (tuple(state["rows"]), list(state["carry"]), state["served"]) if state else ((0, None, 0), [], 0)
+        )
         self.counts: Counter[str] = Counter()
         self._mark = ((self.read, self.after, self.number), self.carry, self.served)
 
@@ -127,7 +158,9 @@ class _Examples:
             examples, self.carry = self._tokenised(number, row, carry)
             for index in range(skip, len(examples)):
                 last = index == len(examples) - 1
-                self._mark = ((self.read, self.after, self.number), self.carry, 0) if last else (before, carry, index + 1)
+                self._mark = (
+                    ((self.read, self.after, self.number), self.carry, 0) if last else (before, carry, index + 1)
+                )
                 yield examples[index]
             skip = 0
 
@@ -146,8 +179,17 @@ class _Examples:
         """The row's examples and the ``pretrain`` tokens carried past it: ``seq_len`` windows of the
         slot's token stream, labels the next token (as ``pretrain``), or one ``documents``/``sft`` example."""
         if self.slot.format != "pretrain":
-            examples = list(iter_examples([row], self.slot.tokenizer, self.slot.format, self.slot.seq_len,
-                                          self.slot.overlong, self.counts, number))
+            examples = list(
+                iter_examples(
+                    [row],
+                    self.slot.tokenizer,
+                    self.slot.format,
+                    self.slot.seq_len,
+                    self.slot.overlong,
+                    self.counts,
+                    number,
+                )
+            )
             return examples, []
         stream, seq_len, windows = carry + document_ids(row, self.slot.tokenizer), self.slot.seq_len, []
         start = 0
@@ -172,8 +214,11 @@ class _Buffered:
             self.buffer, self.draining = _unpacked(state["buffer"]), state["draining"]
 
     def state(self) -> State:
-        return self.upstream.state() | {"buffer": _packed(self.buffer), "rng": self.rng.getstate(),
-                                        "draining": self.draining}
+        return self.upstream.state() | {
+            "buffer": _packed(self.buffer),
+            "rng": self.rng.getstate(),
+            "draining": self.draining,
+        }
 
     def __iter__(self) -> Iterator[Example]:
         if not self.draining:
@@ -225,14 +270,17 @@ def _packed(examples: list[Example]) -> dict[str, torch.Tensor]:
     if not examples:
         empty = torch.empty(0, dtype=torch.int32)
         return {"input_ids": empty, "labels": empty, "lengths": lengths}
-    return {key: torch.cat([e[key] for e in examples]).to(torch.int32) for key in ("input_ids", "labels")} | \
-        {"lengths": lengths}
+    return {key: torch.cat([e[key] for e in examples]).to(torch.int32) for key in ("input_ids", "labels")} | {
+        "lengths": lengths
+    }
 
 
 def _unpacked(packed: dict[str, torch.Tensor]) -> list[Example]:
     sizes = packed["lengths"].tolist()
-    return [{"input_ids": ids.long(), "labels": labels.long()}
-            for ids, labels in zip(packed["input_ids"].split(sizes), packed["labels"].split(sizes))]
+    return [
+        {"input_ids": ids.long(), "labels": labels.long()}
+        for ids, labels in zip(packed["input_ids"].split(sizes), packed["labels"].split(sizes))
+    ]
 
 
 def _tuples(value: Any) -> Any:

@@ -66,12 +66,29 @@ class StreamingExamples(IterableDataset):
     """
 
     def __init__(
-        self, source: DataSource, tokenizer: Tokenizer, fmt: Format, seq_len: int, overlong: Overlong,
-        batch_size: int, rank: int = 0, num_replicas: int = 1, skip_batches: int = 0,
-        positions: dict[int, State] | None = None, epochs: int | None = None, shuffle_buffer: int = 0, seed: int = 0,
+        self,
+        source: DataSource,
+        tokenizer: Tokenizer,
+        fmt: Format,
+        seq_len: int,
+        overlong: Overlong,
+        batch_size: int,
+        rank: int = 0,
+        num_replicas: int = 1,
+        skip_batches: int = 0,
+        positions: dict[int, State] | None = None,
+        epochs: int | None = None,
+        shuffle_buffer: int = 0,
+        seed: int = 0,
         packing: StreamPacking | None = None,
     ) -> None:
-        self.source, self.tokenizer, self.format, self.seq_len, self.overlong = source, tokenizer, fmt, seq_len, overlong
+        self.source, self.tokenizer, self.format, self.seq_len, self.overlong = (
+            source,
+            tokenizer,
+            fmt,
+            seq_len,
+            overlong,
+        )
         self.batch_size, self.rank, self.num_replicas = batch_size, rank, num_replicas
         self.skip_batches, self.positions, self.epochs = skip_batches, positions or {}, epochs
         self.shuffle_buffer, self.seed, self.packing = shuffle_buffer, seed, packing
@@ -87,12 +104,28 @@ class StreamingExamples(IterableDataset):
         slots, slot = self.num_replicas * workers, self.rank * workers + worker
         state = self.positions.get(slot)
         if state is None and worker_batches_consumed(self.skip_batches, worker, workers):
-            raise ConfigError("ckpt_path", f"slot {slot}", "the checkpoint has no position for a stream slot that "
-                              "consumed batches (saved by an older lit-ablate or with other ranks x workers): resume "
-                              "with the ranks and num_workers it was saved with, or start the run again")
-        return SlotStream(self.source, self.tokenizer, self.format, self.seq_len, self.overlong, slot, slots,
-                          slot_reads(self.source.stream_shards(), slots, slot), shuffle_buffer=self.shuffle_buffer,
-                          seed=self.seed, packing=self.packing, epochs=self.epochs, state=state)
+            raise ConfigError(
+                "ckpt_path",
+                f"slot {slot}",
+                "the checkpoint has no position for a stream slot that "
+                "consumed batches (saved by an older lit-ablate or with other ranks x workers): resume "
+                "with the ranks and num_workers it was saved with, or start the run again",
+            )
+        return SlotStream(
+            self.source,
+            self.tokenizer,
+            self.format,
+            self.seq_len,
+            self.overlong,
+            slot,
+            slots,
+            slot_reads(self.source.stream_shards(), slots, slot),
+            shuffle_buffer=self.shuffle_buffer,
+            seed=self.seed,
+            packing=self.packing,
+            epochs=self.epochs,
+            state=state,
+        )
 
 
 class StreamingBatches(StreamingExamples):
@@ -139,4 +172,3 @@ def slot_reads(shards: int, slots: int, slot: int) -> list[tuple[int, int, int]]
         return [(part, 1, 0) for part in range(slot, shards, slots)]
     part = slot % shards
     return [(part, len(range(part, slots, shards)), slot // shards)]
-

@@ -79,14 +79,24 @@ def cache_root(cache_dir: str | None) -> Path:
 
 def cache_key(source: DataSource, tokenizer: Tokenizer, fmt: str, seq_len: int, overlong: Overlong) -> tuple[str, dict]:
     """``(entry name, key inputs)``: the name changes whenever any input that decides the examples does."""
-    inputs = {"source": source.fingerprint(), "tokenizer": tokenizer.identity(), "format": fmt, "seq_len": seq_len,
-              "overlong": overlong, "lit_ablate": lit_ablate.__version__, "layout": LAYOUT_VERSION}
+    inputs = {
+        "source": source.fingerprint(),
+        "tokenizer": tokenizer.identity(),
+        "format": fmt,
+        "seq_len": seq_len,
+        "overlong": overlong,
+        "lit_ablate": lit_ablate.__version__,
+        "layout": LAYOUT_VERSION,
+    }
     try:
         text = json.dumps(inputs, sort_keys=True)
     except TypeError as err:
-        raise ConfigError("data.init_args.source", type(source).__name__,
-                          f"its arguments cannot key the token cache ({err}); give the source a fingerprint() "
-                          "of plain values, or use storage: memory") from err
+        raise ConfigError(
+            "data.init_args.source",
+            type(source).__name__,
+            f"its arguments cannot key the token cache ({err}); give the source a fingerprint() "
+            "of plain values, or use storage: memory",
+        ) from err
     return f"{fmt}-{hashlib.sha256(text.encode()).hexdigest()[:24]}", inputs
 
 
@@ -102,8 +112,11 @@ class TokenStore:
         self.meta = json.loads((directory / "meta.json").read_text())
         self.preference = self.meta["format"] == "preference"
         self.lengths = np.fromfile(directory / "lengths.bin", dtype=np.int32)
-        self.pair = {name: np.fromfile(directory / f"{name}.bin", dtype=np.int32) for name in _PAIR_FIELDS} \
-            if self.preference else {}
+        self.pair = (
+            {name: np.fromfile(directory / f"{name}.bin", dtype=np.int32) for name in _PAIR_FIELDS}
+            if self.preference
+            else {}
+        )
         self._files: dict[str, int] = {}
 
     def __len__(self) -> int:
@@ -118,8 +131,10 @@ class TokenStore:
     def example(self, index: int) -> Example:
         """The example as the in-memory path builds it (int64 tensors; pairs with their 0-d fields)."""
         start, end = (int(x) for x in self._read("offsets", np.int64, index, 2))
-        example = {name: torch.from_numpy(self._read(name, np.int32, start, end - start).astype(np.int64))
-                   for name in ("input_ids", "labels")}
+        example = {
+            name: torch.from_numpy(self._read(name, np.int32, start, end - start).astype(np.int64))
+            for name in ("input_ids", "labels")
+        }
         if self.preference:
             example |= {name: torch.tensor(int(values[index])) for name, values in self.pair.items()}
             example["pair_index"] = torch.tensor(index)
@@ -181,7 +196,12 @@ class _LazyExamples(Sequence):
 
 
 def open_or_build(
-    cache_dir: str | None, source: DataSource, tokenizer: Tokenizer, fmt: str, seq_len: int, overlong: Overlong,
+    cache_dir: str | None,
+    source: DataSource,
+    tokenizer: Tokenizer,
+    fmt: str,
+    seq_len: int,
+    overlong: Overlong,
     workers: int = 0,
 ) -> tuple[TokenStore, bool]:
     """``(store, hit)``: the entry for these settings, built first if it does not exist (``hit`` False
@@ -216,8 +236,16 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _build(entry: Path, inputs: dict, source: DataSource, tokenizer: Tokenizer, fmt: str, seq_len: int,
-           overlong: Overlong, workers: int) -> None:
+def _build(
+    entry: Path,
+    inputs: dict,
+    source: DataSource,
+    tokenizer: Tokenizer,
+    fmt: str,
+    seq_len: int,
+    overlong: Overlong,
+    workers: int,
+) -> None:
     """Tokenise ``source`` into a temporary directory next to ``entry``, then rename it into place."""
     tmp = entry.with_name(f".{entry.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     progress = BuildProgress(entry.name, source.num_rows)
@@ -242,8 +270,15 @@ def _build(entry: Path, inputs: dict, source: DataSource, tokenizer: Tokenizer, 
             report_preference_overlong(Counter(), seq_len, overlong, kept=writer.examples)
         else:
             report_overlong(fmt, Counter(), seq_len, overlong, kept=writer.examples)
-        meta = {"format": fmt, "examples": writer.examples, "tokens": writer.tokens, "counts": dict(counts),
-                "key": inputs, "built_s": progress.elapsed(), "workers": workers}
+        meta = {
+            "format": fmt,
+            "examples": writer.examples,
+            "tokens": writer.tokens,
+            "counts": dict(counts),
+            "key": inputs,
+            "built_s": progress.elapsed(),
+            "workers": workers,
+        }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
         os.rename(tmp, entry)
     finally:
@@ -274,20 +309,30 @@ def _tokenise_in_worker(job: tuple[list[Row], int]) -> dict[str, Any]:
     return _tokenise(*job, *_worker_args)
 
 
-def _tokenise(rows: list[Row], first_row: int, tokenizer: Tokenizer, fmt: str, seq_len: int,
-              overlong: Overlong) -> dict[str, Any]:
+def _tokenise(
+    rows: list[Row], first_row: int, tokenizer: Tokenizer, fmt: str, seq_len: int, overlong: Overlong
+) -> dict[str, Any]:
     """One batch of rows as numpy arrays: the token stream (``pretrain``) or the examples, with counts."""
     counts: Counter[str] = Counter()
     if fmt == "pretrain":
-        return {"stream": np.asarray(pretrain_stream(rows, tokenizer), dtype=np.int32), "rows": len(rows), "counts": counts}
+        return {
+            "stream": np.asarray(pretrain_stream(rows, tokenizer), dtype=np.int32),
+            "rows": len(rows),
+            "counts": counts,
+        }
     if fmt == "preference":
         examples = list(iter_preference_examples(rows, tokenizer, seq_len, overlong, counts, first_row))
     else:
         examples = list(iter_examples(rows, tokenizer, fmt, seq_len, overlong, counts, first_row))
-    chunk: dict[str, Any] = {"rows": len(rows), "counts": counts, "lengths": np.array([len(e["input_ids"]) for e in examples],
-                                                                                       dtype=np.int32)}
+    chunk: dict[str, Any] = {
+        "rows": len(rows),
+        "counts": counts,
+        "lengths": np.array([len(e["input_ids"]) for e in examples], dtype=np.int32),
+    }
     for name in ("input_ids", "labels"):
-        chunk[name] = np.concatenate([e[name].numpy() for e in examples]).astype(np.int32) if examples else np.zeros(0, np.int32)
+        chunk[name] = (
+            np.concatenate([e[name].numpy() for e in examples]).astype(np.int32) if examples else np.zeros(0, np.int32)
+        )
     if fmt == "preference":
         chunk |= {name: np.array([int(e[name]) for e in examples], dtype=np.int32) for name in _PAIR_FIELDS}
     return chunk
@@ -314,8 +359,11 @@ class _Writer:
             stream = np.concatenate([self._carry, chunk["stream"]])
             windows = max(0, (len(stream) - 1) // self.seq_len)
             cut = windows * self.seq_len
-            chunk = {"input_ids": stream[:cut], "labels": stream[1 : cut + 1],
-                     "lengths": np.full(windows, self.seq_len, np.int32)}
+            chunk = {
+                "input_ids": stream[:cut],
+                "labels": stream[1 : cut + 1],
+                "lengths": np.full(windows, self.seq_len, np.int32),
+            }
             self._carry = stream[cut:]
         for name, f in self.files.items():
             f.write(np.ascontiguousarray(chunk[name], dtype=np.int32).tobytes())
@@ -326,8 +374,11 @@ class _Writer:
     def close(self) -> None:
         for f in self.files.values():
             f.close()
-        lengths = np.memmap(self.directory / "lengths.bin", dtype=np.int32, mode="r", shape=(self.examples,)) \
-            if self.examples else np.zeros(0, np.int32)
+        lengths = (
+            np.memmap(self.directory / "lengths.bin", dtype=np.int32, mode="r", shape=(self.examples,))
+            if self.examples
+            else np.zeros(0, np.int32)
+        )
         offsets = np.memmap(self.directory / "offsets.bin", dtype=np.int64, mode="w+", shape=(self.examples + 1,))
         offsets[0] = 0
         np.cumsum(lengths, out=offsets[1:])

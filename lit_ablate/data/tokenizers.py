@@ -20,8 +20,15 @@ from lit_ablate.errors import ConfigError
 from lit_ablate.path_checks import looks_local
 
 TOKENIZER_KEY = "data.init_args.tokenizer"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                   "spiece.model", "sentencepiece.bpe.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
 """Files one of which a Hugging Face tokenizer folder holds (fast, config, sentencepiece, BPE, WordPiece)."""
 
 if TYPE_CHECKING:
@@ -125,9 +132,14 @@ class ByteTokenizer(Tokenizer):
         tokenizer.decoder = decoders.ByteLevel()  # invalid UTF-8 decodes to U+FFFD, as in decode()
         specials = {self.pad_id: "<pad>", self.bos_id: "<bos>", self.eos_id: "<eos>"}
         tokenizer.add_special_tokens([AddedToken(specials[i], special=True) for i in sorted(specials)])
-        tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", self.bos_id)])
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single="<bos> $A", special_tokens=[("<bos>", self.bos_id)]
+        )
         return PreTrainedTokenizerFast(
-            tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+            tokenizer_object=tokenizer,
+            pad_token="<pad>",
+            bos_token="<bos>",
+            eos_token="<eos>",
             chat_template=CHAT_TEMPLATE,
         )
 
@@ -147,12 +159,16 @@ class HFTokenizer(Tokenizer):
     def __init__(self, spec: str, key: str = TOKENIZER_KEY) -> None:
         from transformers import AutoTokenizer
 
-        fix = "give a folder saved by save_pretrained (lit-ablate export writes one), a hub name (needs network) or byte"
+        fix = (
+            "give a folder saved by save_pretrained (lit-ablate export writes one), a hub name (needs network) or byte"
+        )
         path = Path(spec).expanduser()
         if path.is_file():
             raise ConfigError(key, spec, f"a file, not a tokenizer folder; {fix}")
         if path.is_dir() and not any((path / name).exists() for name in TOKENIZER_FILES):
-            raise ConfigError(key, spec, f"the folder holds no tokenizer ({', '.join(TOKENIZER_FILES[:2])}, ...); {fix}")
+            raise ConfigError(
+                key, spec, f"the folder holds no tokenizer ({', '.join(TOKENIZER_FILES[:2])}, ...); {fix}"
+            )
         if not path.exists() and looks_local(spec):
             raise ConfigError(key, spec, f"no such folder; {fix}")
         try:
@@ -166,14 +182,20 @@ class HFTokenizer(Tokenizer):
         self.eos_id = int(self.hf.eos_token_id)
         self.bos_id = None if self.hf.bos_token_id is None else int(self.hf.bos_token_id)
         if self.hf.pad_token_id is None:
-            log.warning("tokenizer %s has no pad token: padding with eos id %d (padding is masked, never a label)", spec, self.eos_id)
+            log.warning(
+                "tokenizer %s has no pad token: padding with eos id %d (padding is masked, never a label)",
+                spec,
+                self.eos_id,
+            )
         self.pad_id = self.eos_id if self.hf.pad_token_id is None else int(self.hf.pad_token_id)
         self.vocab_size = len(self.hf)
 
     def identity(self) -> str:
         """The spec and a hash of the tokenizer's full definition (vocabulary, merges, normalizer,
         special tokens, chat template): a tokenizer retrained at the same path is another identity."""
-        definition = self.hf.backend_tokenizer.to_str() if self.hf.is_fast else repr(sorted(self.hf.get_vocab().items()))
+        definition = (
+            self.hf.backend_tokenizer.to_str() if self.hf.is_fast else repr(sorted(self.hf.get_vocab().items()))
+        )
         parts = [definition, str(self.hf.chat_template), repr((self.pad_id, self.bos_id, self.eos_id))]
         return f"{self.spec}@{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:16]}"
 
@@ -201,7 +223,9 @@ class HFTokenizer(Tokenizer):
             upto_reply = self._render(messages[: i + 1], generation_prompt=False)
             if not (upto_reply.startswith(prompt) and text.startswith(upto_reply)):
                 raise ConfigError(
-                    "data.init_args.tokenizer", self.spec, "its chat template is not prefix-stable; use prompt/response data"
+                    "data.init_args.tokenizer",
+                    self.spec,
+                    "its chat template is not prefix-stable; use prompt/response data",
                 )
             cuts += [(len(prompt), False), (len(upto_reply), True)]
         cuts.append((len(text), False))

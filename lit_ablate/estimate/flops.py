@@ -20,7 +20,6 @@ formula. Conventions (torchtitan's, stated so numbers are comparable across tech
   third of a training step: ``preference_flops_factor``); a precomputed one ran once before training.
 """
 
-
 from __future__ import annotations
 
 import copy
@@ -34,6 +33,7 @@ from transformers import PretrainedConfig
 
 SMALL_TENSOR_ELEMENTS = 4096
 """bitsandbytes' 8-bit optimizers keep the states of tensors under this many elements in fp32."""
+
 
 @dataclass(frozen=True)
 class ParameterCounts:
@@ -88,8 +88,11 @@ def count_parameters(model: nn.Module, config: PretrainedConfig, quantization: A
         quantized = sum(n for _, n in stored)
         quantized_bytes = sum(_quantized_bytes(p) for p, _ in stored)
     elif quantization is not None:  # the base layers quantize_linears replaces before adapters are injected
-        quantized = sum(model.get_submodule(n).weight.numel() for n in quantized_linear_names(model, quantization)
-                        if f"{n}.weight" not in names)  # fmt: skip
+        quantized = sum(
+            model.get_submodule(n).weight.numel()
+            for n in quantized_linear_names(model, quantization)
+            if f"{n}.weight" not in names
+        )
         quantized_bytes = int(quantized * quantization.bits_per_weight / 8)
     else:
         quantized = quantized_bytes = 0
@@ -105,15 +108,26 @@ def count_parameters(model: nn.Module, config: PretrainedConfig, quantization: A
     matmul = active - (0 if tied else embed.numel())
     trainable_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     trainable = sum(p.numel() for _, p in trainable_params)
-    trainable_matmul = matmul if trainable == total else sum(
-        p.numel() for _, p in trainable_params if p.ndim >= 2 and (tied or p is not embed)) - expert_lora + (
-        active_experts if expert_lora else 0)  # fmt: skip
+    trainable_matmul = (
+        matmul
+        if trainable == total
+        else sum(p.numel() for _, p in trainable_params if p.ndim >= 2 and (tied or p is not embed))
+        - expert_lora
+        + (active_experts if expert_lora else 0)
+    )
     return ParameterCounts(
-        total=total, embedding=embed.numel(), experts=experts, active=active, matmul=matmul, trainable=trainable,
+        total=total,
+        embedding=embed.numel(),
+        experts=experts,
+        active=active,
+        matmul=matmul,
+        trainable=trainable,
         adapter=sum(p.numel() for n, p in model.named_parameters() if n in names),
-        trainable_matmul=trainable_matmul, quantized=quantized, quantized_bytes=quantized_bytes,
+        trainable_matmul=trainable_matmul,
+        quantized=quantized,
+        quantized_bytes=quantized_bytes,
         small_trainable=sum(p.numel() for _, p in trainable_params if p.numel() < SMALL_TENSOR_ELEMENTS),
-    )  # fmt: skip
+    )
 
 
 def _expert_lora_parameters(model: nn.Module) -> int:
@@ -123,8 +137,13 @@ def _expert_lora_parameters(model: nn.Module) -> int:
     applied per token; the adapted expert weights then get a full weight gradient: 6 N on the active
     experts."""
     adapters = {id(p): p for m in model.modules() if type(m).__name__ == "ExpertLoRA" for p in m.parameters()}
-    adapters |= {id(p): p for m in model.modules() if type(m).__name__ == "ParamWrapper"
-                 for name, p in m.named_parameters() if "lora_" in name}
+    adapters |= {
+        id(p): p
+        for m in model.modules()
+        if type(m).__name__ == "ParamWrapper"
+        for name, p in m.named_parameters()
+        if "lora_" in name
+    }
     return sum(p.numel() for p in adapters.values())
 
 
@@ -137,7 +156,11 @@ def _quantized_weights(param: torch.Tensor) -> int:
 def _quantized_bytes(param: torch.Tensor) -> int:
     """Storage of a bitsandbytes parameter: packed codes, plus a 4-bit weight's scales (nested too)."""
     state = getattr(param, "quant_state", None)
-    scales = [] if state is None else [state.absmax, state.code] + ([state.state2.absmax, state.state2.code] if state.nested else [])
+    scales = (
+        []
+        if state is None
+        else [state.absmax, state.code] + ([state.state2.absmax, state.state2.code] if state.nested else [])
+    )
     return param.numel() * param.element_size() + sum(t.numel() * t.element_size() for t in scales)
 
 
@@ -196,4 +219,3 @@ def meta_model(config: PretrainedConfig) -> nn.Module:
 
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager")
-

@@ -65,8 +65,10 @@ def _wraps_in_ddp(run: RunConfig) -> bool:
 def _optimizer(run: RunConfig) -> str:
     """The estimate's name of the run's optimizer: LightningCLI's ``optimizer:`` section if the config has
     one, else the module's own (``model.init_args.optimizer``, default AdamW)."""
-    optimizer = OPTIMIZER_CLASSES.get(run.optimizer.name if run.optimizer else "",
-                                      "adamw8bit" if "8bit" in str(run.model.optimizer or "adamw") else "adamw")
+    optimizer = OPTIMIZER_CLASSES.get(
+        run.optimizer.name if run.optimizer else "",
+        "adamw8bit" if "8bit" in str(run.model.optimizer or "adamw") else "adamw",
+    )
     if optimizer == "sgd" and run.optimizer.option("momentum", 0):
         return "sgd_momentum"
     return optimizer
@@ -80,7 +82,9 @@ def training_shape_of(config: Config, optimizer: str | None = None, world_size: 
     half = precision in HALF_PRECISIONS
     loss = run.model.loss
     shape = TrainingShape(
-        micro_batch=int(_required(run.data.batch_size, "data.init_args.batch_size", "the estimate needs the micro-batch per rank")),
+        micro_batch=int(
+            _required(run.data.batch_size, "data.init_args.batch_size", "the estimate needs the micro-batch per rank")
+        ),
         seq_len=int(_required(run.data.seq_len, "data.init_args.seq_len", "the estimate needs the sequence length")),
         param_bytes=2 if precision.endswith("-true") and half else DTYPE_BYTES.get(dtype, 4),
         activation_bytes=2 if half else DTYPE_BYTES.get(dtype, 4),
@@ -93,7 +97,8 @@ def training_shape_of(config: Config, optimizer: str | None = None, world_size: 
         attention=run.model.attention,
         gradient_as_bucket_view=bool(strategy.options.get("gradient_as_bucket_view", False)),
         ddp=_wraps_in_ddp(run),
-        fp8_all_gather=isinstance(run.model.fp8_section, Mapping) and bool(run.model.fp8_section.get("fsdp_all_gather")),
+        fp8_all_gather=isinstance(run.model.fp8_section, Mapping)
+        and bool(run.model.fp8_section.get("fsdp_all_gather")),
         **dict(zip(("context_parallel", "context_parallel_impl"), context_parallel_of(run, world_size))),
         **dict(zip(("tensor_parallel", "sequence_parallel"), tensor_parallel_of(run, world_size))),
         **pipeline_of(run, world_size),
@@ -118,8 +123,11 @@ def _preference_shape(run: RunConfig, batch_size: int, seq_len: int) -> dict[str
     if backend == "liger":
         loss = {"loss": "liger_dpo", "chunk_tokens": 2 * int(logprobs_options.get("chunk_pairs", 1)) * seq_len}
     else:  # the chunked log-probs keep only the log-sum-exp and recompute chunks in the backward
-        loss = {"loss": backend, "chunk_tokens": int(logprobs_options.get("chunk_tokens", 1024)),
-                "loss_grad_in_forward": False}
+        loss = {
+            "loss": backend,
+            "chunk_tokens": int(logprobs_options.get("chunk_tokens", 1024)),
+            "loss_grad_in_forward": False,
+        }
     return {**rows, **loss, "reference": str(run.model.option("reference") or "frozen")}
 
 
@@ -154,14 +162,21 @@ def pipeline_of(config: Config, world_size: int | None = None) -> dict[str, Any]
         return {}
     sizes = strategy.requested_mesh_sizes
     if sizes.dp_shard > 1 and strategy.option("reshard_after_forward"):
-        raise ConfigError("trainer.strategy.init_args.reshard_after_forward", True,
-                          "the estimate models FSDP stages that keep their layers gathered through the step (measured "
-                          "agreement); with resharding per micro-batch it does not (estimate reshard_after_forward: false)")
+        raise ConfigError(
+            "trainer.strategy.init_args.reshard_after_forward",
+            True,
+            "the estimate models FSDP stages that keep their layers gathered through the step (measured "
+            "agreement); with resharding per micro-batch it does not (estimate reshard_after_forward: false)",
+        )
     pp = sizes.resolved(world_size or run.world_size).pp  # -1: the ranks the other sizes leave
     points = strategy.option("split_points")
-    return {"pipeline_parallel": pp, "pipeline_schedule": strategy.option("schedule"),
-            "pipeline_stages_per_rank": strategy.option("stages_per_rank"), "microbatches": strategy.option("microbatches"),
-            "split_points": None if points is None else tuple(points)}
+    return {
+        "pipeline_parallel": pp,
+        "pipeline_schedule": strategy.option("schedule"),
+        "pipeline_stages_per_rank": strategy.option("stages_per_rank"),
+        "microbatches": strategy.option("microbatches"),
+        "split_points": None if points is None else tuple(points),
+    }
 
 
 def world_size_of(config: Config) -> int:
@@ -233,7 +248,8 @@ def predicted_step_seconds(config: Config, ceiling_tflops: float, world_size: in
     counts, shape = model_of(run)
     hf_config = run.model.build_factory().hf_config()
     share = pipeline_time_share(counts, shape, training, training.seq_len, hf_config) / (
-        training.context_parallel * run.trainer.strategy.mesh_size("tp", world_size))  # fmt: skip
+        training.context_parallel * run.trainer.strategy.mesh_size("tp", world_size)
+    )
     tokens = training.micro_batch * training.seq_len * run.trainer.accumulation
     return flops_per_token(counts, hf_config, training.seq_len) * tokens * share / (ceiling_tflops * 1e12)
 
@@ -241,5 +257,3 @@ def predicted_step_seconds(config: Config, ceiling_tflops: float, world_size: in
 def smallest_world_size(fits: Callable[[int], bool], max_ranks: int) -> int | None:
     """The fewest ranks (1..max_ranks) for which ``fits`` holds, or None."""
     return next((n for n in range(1, max_ranks + 1) if fits(n)), None)
-
-

@@ -75,8 +75,10 @@ class MatmulCeiling:
     def describe(self) -> str:
         threads = f", {self.threads} thread(s)" if self.threads is not None else ""
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.measured_at))
-        return (f"{self.dtype} {'x'.join(map(str, self.shape))} matmuls on {self.device_name}{threads}, "
-                f"torch {self.torch}, measured {when}")
+        return (
+            f"{self.dtype} {'x'.join(map(str, self.shape))} matmuls on {self.device_name}{threads}, "
+            f"torch {self.torch}, measured {when}"
+        )
 
 
 def device_name(device: torch.device) -> str:
@@ -93,14 +95,20 @@ def device_name(device: torch.device) -> str:
 
 def cache_dir() -> Path:
     """Where ceilings are cached: ``$LIT_ABLATE_CACHE_DIR/matmul_ceiling``."""
-    root = os.environ.get(CACHE_DIR_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lit-ablate"
+    root = (
+        os.environ.get(CACHE_DIR_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lit-ablate"
+    )
     return Path(root) / "matmul_ceiling"
 
 
 def cache_path(device: torch.device, dtype: torch.dtype) -> Path:
     """The cache file of this device, dtype, torch version and (CPU) thread count."""
-    key = {"device_name": device_name(device), "dtype": _dtype_name(dtype), "torch": torch.__version__,
-           "threads": _threads(device)}
+    key = {
+        "device_name": device_name(device),
+        "dtype": _dtype_name(dtype),
+        "torch": torch.__version__,
+        "threads": _threads(device),
+    }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return cache_dir() / f"{device.type}-{key['dtype']}-{digest}.json"
 
@@ -120,9 +128,17 @@ def ceiling_here(device: torch.device | str, dtype: torch.dtype) -> MatmulCeilin
 def _measured(device: torch.device, dtype: torch.dtype, **budget: float) -> MatmulCeiling:
     started = time.time()
     tflops, shape = measure_matmul_ceiling(device, dtype, **budget)
-    return MatmulCeiling(tflops=tflops, device_name=device_name(device), device_type=device.type,
-                         dtype=_dtype_name(dtype), torch=torch.__version__, threads=_threads(device), shape=shape,
-                         measured_at=started, sweep_seconds=time.time() - started)  # fmt: skip
+    return MatmulCeiling(
+        tflops=tflops,
+        device_name=device_name(device),
+        device_type=device.type,
+        dtype=_dtype_name(dtype),
+        torch=torch.__version__,
+        threads=_threads(device),
+        shape=shape,
+        measured_at=started,
+        sweep_seconds=time.time() - started,
+    )
 
 
 def measured_ceiling(device: torch.device | str, dtype: torch.dtype, remeasure: bool = False) -> MatmulCeiling:
@@ -141,7 +157,9 @@ def measured_ceiling(device: torch.device | str, dtype: torch.dtype, remeasure: 
             data = json.loads(path.read_text())
             cached = MatmulCeiling(**{**data, "shape": tuple(data["shape"])})
         except (ValueError, TypeError, KeyError) as err:  # written by another lit-ablate version: measure anew
-            warnings.warn(f"{path}: unreadable cached ceiling ({type(err).__name__}: {err}); measuring again", stacklevel=2)
+            warnings.warn(
+                f"{path}: unreadable cached ceiling ({type(err).__name__}: {err}); measuring again", stacklevel=2
+            )
     if cached is not None and not remeasure:
         return cached
     ceiling = _measured(device, dtype)
@@ -155,8 +173,11 @@ def measured_ceiling(device: torch.device | str, dtype: torch.dtype, remeasure: 
 
 
 def measure_matmul_ceiling(
-    device: torch.device, dtype: torch.dtype, shapes: tuple[tuple[int, int, int], ...] | None = None,
-    seconds_per_shape: float | None = None, window_seconds: float | None = None,
+    device: torch.device,
+    dtype: torch.dtype,
+    shapes: tuple[tuple[int, int, int], ...] | None = None,
+    seconds_per_shape: float | None = None,
+    window_seconds: float | None = None,
 ) -> tuple[float, tuple[int, int, int]]:
     """``(TFLOP/s, shape)``: the best sustained rate of ``A @ B`` over ``shapes`` (``2 m k n`` FLOPs each)."""
     kind = device.type if device.type in SWEEPS else "cuda"
@@ -182,8 +203,9 @@ def measure_matmul_ceiling(
     return best, best_shape
 
 
-def _affordable(shapes: tuple[tuple[int, int, int], ...], device: torch.device, dtype: torch.dtype,
-                max_call_seconds: float) -> tuple[tuple[int, int, int], ...]:
+def _affordable(
+    shapes: tuple[tuple[int, int, int], ...], device: torch.device, dtype: torch.dtype, max_call_seconds: float
+) -> tuple[tuple[int, int, int], ...]:
     """The shapes whose one call, at the probe shape's rate, stays under ``max_call_seconds`` (the
     probe itself when none does)."""
     m, k, n = PROBE_SHAPE

@@ -76,7 +76,9 @@ def activation_bytes(shape: ModelShape, training: TrainingShape, loss_head: bool
     if training.loss == "liger_dpo":
         copies *= min(1.0, training.chunk_tokens / tokens)
     if training.loss == "chunked":
-        copies = (copies + (HALF_CHUNK_COPIES if training.activation_bytes < 4 else 0.0)) * min(1.0, training.chunk_tokens / tokens)
+        copies = (copies + (HALF_CHUNK_COPIES if training.activation_bytes < 4 else 0.0)) * min(
+            1.0, training.chunk_tokens / tokens
+        )
     head = 3 * shape.hidden * training.activation_bytes + copies * shape.vocab / training.tensor_parallel * 4
     held = loss_gradient_bytes(shape, training)
     head = head + held / tokens if loss_head else 0.0
@@ -127,8 +129,13 @@ def root_gradient_bytes(counts: ParameterCounts, shape: ModelShape, training: Tr
 
 def optimizer_state_bytes(optimizer: str, param_bytes: int) -> float:
     """Optimizer-state bytes per parameter (torch keeps Adam's moments in the parameter dtype)."""
-    return {"adamw": 2.0 * param_bytes, "adam": 2.0 * param_bytes, "sgd": 0.0,
-            "sgd_momentum": float(param_bytes), "adamw8bit": 2.0}[optimizer]  # fmt: skip
+    return {
+        "adamw": 2.0 * param_bytes,
+        "adam": 2.0 * param_bytes,
+        "sgd": 0.0,
+        "sgd_momentum": float(param_bytes),
+        "adamw8bit": 2.0,
+    }[optimizer]
 
 
 def optimizer_bytes(counts: ParameterCounts, training: TrainingShape) -> float:
@@ -139,8 +146,9 @@ def optimizer_bytes(counts: ParameterCounts, training: TrainingShape) -> float:
     return counts.trainable * optimizer_state_bytes(training.optimizer, training.param_bytes)
 
 
-def estimate_memory(counts: ParameterCounts, shape: ModelShape, training: TrainingShape,
-                    sharding: StateSharding, world_size: int) -> MemoryEstimate:  # fmt: skip
+def estimate_memory(
+    counts: ParameterCounts, shape: ModelShape, training: TrainingShape, sharding: StateSharding, world_size: int
+) -> MemoryEstimate:
     """Per-rank bytes at a step's peak under ``sharding`` (divisors of params, grads, optimizer states).
 
     Transient: a sharded strategy gathers two decoder layers at a time (the current one and the
@@ -182,7 +190,8 @@ def estimate_memory(counts: ParameterCounts, shape: ModelShape, training: Traini
         head, embedding = root_gradient_bytes(counts, shape, training)
         activations = int(head + max(activations, embedding))
     return MemoryEstimate(
-        params=int(-(-full // _state_divisor(sharding.params, sharding, counts))) + _fp8_shard_cast(shape, training, sharding),
+        params=int(-(-full // _state_divisor(sharding.params, sharding, counts)))
+        + _fp8_shard_cast(shape, training, sharding),
         grads=int(-(-trained // _state_divisor(sharding.grads, sharding, counts))),
         optimizer=int(optimizer_bytes(counts, training) / _state_divisor(sharding.optimizer, sharding, counts)),
         activations=activations,
@@ -191,9 +200,9 @@ def estimate_memory(counts: ParameterCounts, shape: ModelShape, training: Traini
     )
 
 
-
-def pipeline_stage_estimates(counts: ParameterCounts, shape: ModelShape, training: TrainingShape,
-                             sharding: StateSharding) -> list[MemoryEstimate]:  # fmt: skip
+def pipeline_stage_estimates(
+    counts: ParameterCounts, shape: ModelShape, training: TrainingShape, sharding: StateSharding
+) -> list[MemoryEstimate]:
     """Bytes of each pipeline rank at its step's peak (``estimate_memory`` takes the largest).
 
     A rank holds its stages' parameters, gradients and optimizer states, divided as the mesh strategy
@@ -228,8 +237,11 @@ def pipeline_stage_estimates(counts: ParameterCounts, shape: ModelShape, trainin
     from lit_ablate.errors import ConfigError
 
     if training.pipeline_schedule not in PIPELINE_SCHEDULES:
-        raise ConfigError("trainer.strategy.init_args.schedule", training.pipeline_schedule,
-                          f"the estimate models the {' and '.join(PIPELINE_SCHEDULES)} schedules")
+        raise ConfigError(
+            "trainer.strategy.init_args.schedule",
+            training.pipeline_schedule,
+            f"the estimate models the {' and '.join(PIPELINE_SCHEDULES)} schedules",
+        )
     m, tp = training.microbatches, training.tensor_parallel
     piece = replace(training, micro_batch=max(1, training.micro_batch // m), pipeline_parallel=1)
     tokens = piece.micro_batch * -(-piece.seq_len // piece.context_parallel)  # one piece's tokens on a rank
@@ -247,8 +259,10 @@ def pipeline_stage_estimates(counts: ParameterCounts, shape: ModelShape, trainin
     def kept(stage: int) -> float:  # bytes one piece keeps on ``stage`` until its backward
         bytes_ = stage_layers[stage] * layer_activation_elements(shape, piece) * training.activation_bytes
         if stage == last:
-            bytes_ += (3 * shape.hidden * training.activation_bytes
-                       + LOSS_LOGIT_COPIES_KEPT.get(training.loss, 0.0) * shape.vocab / tp * 4)
+            bytes_ += (
+                3 * shape.hidden * training.activation_bytes
+                + LOSS_LOGIT_COPIES_KEPT.get(training.loss, 0.0) * shape.vocab / tp * 4
+            )
             bytes_ += loss_gradient_bytes(shape, piece) / tokens
         return bytes_ * tokens + context_parallel_bytes(replace(shape, layers=stage_layers[stage]), piece)[0]
 
@@ -260,8 +274,12 @@ def pipeline_stage_estimates(counts: ParameterCounts, shape: ModelShape, trainin
             peak = max(peak, counts.embedding * training.param_bytes + boundary)
         if stage == last and training.loss == "torch":  # the LM head's backward: logits' and weight's gradients
             head = (3 * shape.hidden * training.activation_bytes + shape.vocab / tp * 4) * tokens
-            peak = max(peak, activation_bytes(stage_shape, piece, loss_head=False) + head
-                       + shape.vocab * shape.hidden / tp * training.param_bytes)
+            peak = max(
+                peak,
+                activation_bytes(stage_shape, piece, loss_head=False)
+                + head
+                + shape.vocab * shape.hidden / tp * training.param_bytes,
+            )
         return peak
 
     estimates = []
@@ -273,14 +291,18 @@ def pipeline_stage_estimates(counts: ParameterCounts, shape: ModelShape, trainin
         if sharding.params > 1 and sharding.gathered is not None:
             units = [shape.layer_params, *(stage_params[s] - stage_layers[s] * shape.layer_params for s in own)]
             largest_unit = max(units) / tp  # a decoder layer or a stage's root, as this rank holds it gathered
-            gathered = sum(states[s].gathered for s in own) * (per_parameter + trained) + largest_unit * training.param_bytes
-        estimates.append(MemoryEstimate(  # each state's bytes in the rank's share of the parameters
-            params=round(stored * per_parameter),
-            grads=round(stored * trained * gradient_copies),
-            optimizer=int(optimizer_bytes(counts, training) * stored / counts.total),
-            activations=int(sum(kept(s) for s in held) + at_backward(backward_stage)),
-            transient=int(m * boundary * sum((s != 0) + (s != last) for s in own) + gathered),
-        ))  # fmt: skip
+            gathered = (
+                sum(states[s].gathered for s in own) * (per_parameter + trained) + largest_unit * training.param_bytes
+            )
+        estimates.append(
+            MemoryEstimate(  # each state's bytes in the rank's share of the parameters
+                params=round(stored * per_parameter),
+                grads=round(stored * trained * gradient_copies),
+                optimizer=int(optimizer_bytes(counts, training) * stored / counts.total),
+                activations=int(sum(kept(s) for s in held) + at_backward(backward_stage)),
+                transient=int(m * boundary * sum((s != 0) + (s != last) for s in own) + gathered),
+            )
+        )
     return estimates
 
 
@@ -334,5 +356,3 @@ def context_parallel_bytes(shape: ModelShape, training: TrainingShape) -> tuple[
     forward = 2 * kv * local + (shape.q_dim + shape.heads) * 4 * local
     backward = 2 * kv * local + 3 * 2 * shape.kv_dim * 4 * local + shape.q_dim * 4 * local
     return 0, max(forward, backward)
-
-

@@ -25,8 +25,13 @@ def pipeline_stage_layers(counts: ParameterCounts, shape: ModelShape, training: 
     from lit_ablate.strategies.pipeline_split import balanced_split_points, check_split_points
 
     stages = training.pipeline_parallel * training.pipeline_stages_per_rank
-    points = list(training.split_points) if training.split_points is not None else balanced_split_points(
-        [shape.layer_params] * shape.layers, stages, counts.embedding, shape.vocab * shape.hidden)  # fmt: skip
+    points = (
+        list(training.split_points)
+        if training.split_points is not None
+        else balanced_split_points(
+            [shape.layer_params] * shape.layers, stages, counts.embedding, shape.vocab * shape.hidden
+        )
+    )
     check_split_points(points, shape.layers, stages)
     bounds = [0, *points, shape.layers]
     return [end - start for start, end in zip(bounds, bounds[1:], strict=False)]
@@ -40,8 +45,12 @@ def pipeline_stage_parameters(counts: ParameterCounts, shape: ModelShape, traini
     layers = pipeline_stage_layers(counts, shape, training)
     root = counts.total - shape.layers * shape.layer_params
     head_copy = shape.vocab * shape.hidden if shape.tied_embeddings and training.pipeline_parallel > 1 else 0
-    return [n * shape.layer_params + (counts.embedding if i == 0 else 0)
-            + (root - counts.embedding + head_copy if i == len(layers) - 1 else 0) for i, n in enumerate(layers)]  # fmt: skip
+    return [
+        n * shape.layer_params
+        + (counts.embedding if i == 0 else 0)
+        + (root - counts.embedding + head_copy if i == len(layers) - 1 else 0)
+        for i, n in enumerate(layers)
+    ]
 
 
 @dataclass(frozen=True)
@@ -60,8 +69,9 @@ class StageState:
     gathered: float
 
 
-def pipeline_stage_states(counts: ParameterCounts, shape: ModelShape, training: TrainingShape,
-                          sharding: StateSharding) -> list[StageState]:  # fmt: skip
+def pipeline_stage_states(
+    counts: ParameterCounts, shape: ModelShape, training: TrainingShape, sharding: StateSharding
+) -> list[StageState]:
     """``StageState`` of each stage under ``sharding`` (``training.tensor_parallel`` its tp)."""
     tp = training.tensor_parallel
     fsdp = sharding.params / tp  # dp_shard x ep x cp: the FSDP mesh of each stage
@@ -71,18 +81,21 @@ def pipeline_stage_states(counts: ParameterCounts, shape: ModelShape, training: 
     layer_replicated = 2 * shape.hidden + (2 * head_dim if shape.qk_norm else 0)  # the two RMSNorms, q/k norms
     if tp > 1 and shape.experts:
         layer_replicated += shape.hidden * shape.experts  # the router
-    experts_divisor = (sharding.expert_parallel * sharding.expert_shards if sharding.expert_shards is not None
-                       else sharding.params)  # fmt: skip
+    experts_divisor = (
+        sharding.expert_parallel * sharding.expert_shards if sharding.expert_shards is not None else sharding.params
+    )
     states = []
     for i, (n, total) in enumerate(zip(layers, pipeline_stage_parameters(counts, shape, training), strict=True)):
         experts = n * layer_experts
         replicated = n * layer_replicated + (shape.hidden if i == len(layers) - 1 else 0)  # + the final norm
         split = total - experts - replicated
-        states.append(StageState(stored=split / sharding.params + replicated / fsdp + experts / experts_divisor,
-                                 gathered=split / tp + replicated + experts / sharding.expert_parallel))
+        states.append(
+            StageState(
+                stored=split / sharding.params + replicated / fsdp + experts / experts_divisor,
+                gathered=split / tp + replicated + experts / sharding.expert_parallel,
+            )
+        )
     return states
-
-
 
 
 def pipeline_pieces_held(rank: int, training: TrainingShape) -> list[int]:
@@ -108,8 +121,9 @@ def pipeline_pieces_held(rank: int, training: TrainingShape) -> list[int]:
     return [*forwards, own[-1]]
 
 
-def pipeline_time_share(counts: ParameterCounts, shape: ModelShape, training: TrainingShape, seq_len: float,
-                        config: PretrainedConfig) -> float:  # fmt: skip
+def pipeline_time_share(
+    counts: ParameterCounts, shape: ModelShape, training: TrainingShape, seq_len: float, config: PretrainedConfig
+) -> float:
     """A pipeline step's time in units of the whole model's FLOPs on one rank: the busiest rank's share
     of the model FLOPs (its stages' matmuls and attention, the LM head on the last stage), stretched by
     the schedule's ideal idle share, ``(v m + pp - 1) / (v m)`` (``v`` stages per rank: 1 for gpipe and
@@ -121,10 +135,10 @@ def pipeline_time_share(counts: ParameterCounts, shape: ModelShape, training: Tr
     whole = flops_per_token(counts, config, seq_len)
     matmul = whole - shape.layers * attention
     root_matmul = counts.matmul - shape.layers * shape.layer_params  # the LM head and final norm
-    stages = [(n * shape.layer_params + (root_matmul if i == len(layers) - 1 else 0)) / counts.matmul * matmul
-              + n * attention for i, n in enumerate(layers)]  # fmt: skip
+    stages = [
+        (n * shape.layer_params + (root_matmul if i == len(layers) - 1 else 0)) / counts.matmul * matmul + n * attention
+        for i, n in enumerate(layers)
+    ]
     m, pp, v = training.microbatches, training.pipeline_parallel, training.pipeline_stages_per_rank
     busiest = max(sum(stages[rank::pp]) for rank in range(pp))
     return busiest / whole * (v * m + pp - 1) / (v * m)
-
-

@@ -121,8 +121,11 @@ class TrainingShape:
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError("--optimizer", self.optimizer, f"choose one of {list(OPTIMIZERS)}")
         if self.checkpointing not in CHECKPOINTING:
-            raise ConfigError("trainer.strategy.init_args.activation_checkpointing", self.checkpointing,
-                              f"choose one of {list(CHECKPOINTING)}")
+            raise ConfigError(
+                "trainer.strategy.init_args.activation_checkpointing",
+                self.checkpointing,
+                f"choose one of {list(CHECKPOINTING)}",
+            )
 
 
 @dataclass(frozen=True)
@@ -167,5 +170,3 @@ def model_shape(config: PretrainedConfig) -> ModelShape:
         tied_embeddings=model.get_output_embeddings() is not None
         and model.get_output_embeddings().weight is model.get_input_embeddings().weight,
     )
-
-

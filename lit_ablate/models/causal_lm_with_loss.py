@@ -80,7 +80,8 @@ def decoder_layers(model: CausalLMWithLoss) -> list[nn.Module]:
     layers = [m for m in model.modules() if types and isinstance(m, types)]
     if not layers:
         raise ConfigError(
-            "model", type(model.lm).__name__,
+            "model",
+            type(model.lm).__name__,
             "the model declares no decoder-layer classes (Hugging Face `_no_split_modules`); "
             "compile and the mesh strategies need them to know what to wrap",
         )

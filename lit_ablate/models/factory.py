@@ -39,9 +39,20 @@ from lit_ablate.path_checks import looks_local
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CONFIG_KEY = "model.init_args.model.config"
-SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-             "num_key_value_heads", "head_dim", "moe_intermediate_size", "num_experts", "num_local_experts",
-             "num_experts_per_tok", "max_position_embeddings")  # fmt: skip
+SIZE_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "moe_intermediate_size",
+    "num_experts",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "max_position_embeddings",
+)
 """Config sizes that must be positive integers when given: transformers accepts 0 or negative values
 and the model then fails (or trains nothing) deep inside its first step."""
 
@@ -96,28 +107,44 @@ class ModelFactory:
         if self.fp8 is not None and self.fp8.emulate is False and not torch.cuda.is_available():
             resolve_emulation(self.fp8, torch.device("cpu"))  # no fp8 kernel anywhere here: refused before any build
         if self.fp8 is not None and self.quantization is not None:
-            raise ConfigError(FP8_KEY, asdict(self.fp8), f"fp8 and {QUANTIZATION_KEY} both replace the base's linear "
-                              "layers; choose one (fp8 + LoRA trains adapters over an fp8 base)")
+            raise ConfigError(
+                FP8_KEY,
+                asdict(self.fp8),
+                f"fp8 and {QUANTIZATION_KEY} both replace the base's linear "
+                "layers; choose one (fp8 + LoRA trains adapters over an fp8 base)",
+            )
         if self.quantization is not None and self.adapter is None:
-            raise ConfigError(QUANTIZATION_KEY, asdict(self.quantization),
-                              f"quantised weights are frozen and cannot train: add an {ADAPTER_KEY} section (QLoRA), "
-                              "or drop quantization")
+            raise ConfigError(
+                QUANTIZATION_KEY,
+                asdict(self.quantization),
+                f"quantised weights are frozen and cannot train: add an {ADAPTER_KEY} section (QLoRA), "
+                "or drop quantization",
+            )
         if self.pretrained and (self.preset or self.config):
-            raise ConfigError("model.init_args.model.pretrained", self.pretrained, "give either pretrained or preset/config, not both")
+            raise ConfigError(
+                "model.init_args.model.pretrained", self.pretrained, "give either pretrained or preset/config, not both"
+            )
         if not (self.pretrained or self.preset or self.config):
             raise ConfigError("model.init_args.model", None, "set preset, config (with model_type) or pretrained")
         if self.pretrained and looks_local(self.pretrained) and not Path(self.pretrained).expanduser().is_dir():
-            raise ConfigError("model.init_args.model.pretrained", self.pretrained,
-                              "no such directory: give a local checkpoint folder (save_pretrained / lit-ablate "
-                              "export) or a hub name such as Qwen/Qwen3-0.6B")
+            raise ConfigError(
+                "model.init_args.model.pretrained",
+                self.pretrained,
+                "no such directory: give a local checkpoint folder (save_pretrained / lit-ablate "
+                "export) or a hub name such as Qwen/Qwen3-0.6B",
+            )
         if self.dtype not in DTYPES:
             raise ConfigError("model.init_args.model.dtype", self.dtype, f"choose one of {sorted(DTYPES)}")
         if self.preset is not None:
             preset_config(self.preset)  # fails early on an unknown name
-        model_type = self.config.get("model_type") or (preset_config(self.preset)["model_type"] if self.preset else None)
+        model_type = self.config.get("model_type") or (
+            preset_config(self.preset)["model_type"] if self.preset else None
+        )
         if not self.pretrained and model_type not in CONFIG_MAPPING:
             raise ConfigError(
-                "model.init_args.model.config.model_type", model_type, "use a transformers model type such as llama, qwen3, qwen3_moe, mixtral"
+                "model.init_args.model.config.model_type",
+                model_type,
+                "use a transformers model type such as llama, qwen3, qwen3_moe, mixtral",
             )
         if not self.pretrained:
             check_model_shape(model_type, self._config_values())
@@ -176,7 +203,11 @@ class ModelFactory:
                 quantize_linears(model, self.quantization)
         if self.fp8 is not None:
             if device is None:
-                device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+                device = (
+                    torch.device("cuda", torch.cuda.current_device())
+                    if torch.cuda.is_available()
+                    else torch.device("cpu")
+                )
             convert_fp8(model, self.fp8, emulate=resolve_emulation(self.fp8, device)[0])
         if self.adapter is not None and with_adapters:
             apply_adapters(model, self.adapter)
@@ -192,7 +223,9 @@ class ModelFactory:
         if self.pretrained and torch.get_default_device().type != "meta":
             with _pretrained_errors(self.pretrained):
                 model = AutoModelForCausalLM.from_pretrained(
-                    self.pretrained, dtype=self.torch_dtype, attn_implementation=self.attn_implementation,
+                    self.pretrained,
+                    dtype=self.torch_dtype,
+                    attn_implementation=self.attn_implementation,
                     use_kernels=False,
                 )
         else:
@@ -224,8 +257,9 @@ def _check_known_keys(config: PretrainedConfig, values: Mapping[str, Any]) -> No
         if key not in read:
             close = difflib.get_close_matches(key, sorted(defaults), n=1)
             hint = f"did you mean {close[0]}?" if close else f"{cls.__name__}'s keys are {sorted(defaults)}"
-            raise ConfigError(f"{CONFIG_KEY}.{key}", values[key], f"{cls.__name__} has no such key and no model code "
-                              f"reads it; {hint}")
+            raise ConfigError(
+                f"{CONFIG_KEY}.{key}", values[key], f"{cls.__name__} has no such key and no model code reads it; {hint}"
+            )
 
 
 @functools.cache
@@ -248,20 +282,32 @@ def check_model_shape(model_type: str, values: Mapping[str, Any]) -> None:
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             need = "a model needs at least 1 decoder layer" if key == "num_hidden_layers" else "use a positive integer"
             raise ConfigError(f"{CONFIG_KEY}.{key}", value, need)
-    heads, kv_heads, hidden = values.get("num_attention_heads"), values.get("num_key_value_heads"), values.get("hidden_size")
+    heads, kv_heads, hidden = (
+        values.get("num_attention_heads"),
+        values.get("num_key_value_heads"),
+        values.get("hidden_size"),
+    )
     if heads and kv_heads and heads % kv_heads:
         divisors = [d for d in range(1, heads + 1) if heads % d == 0]
-        raise ConfigError(f"{CONFIG_KEY}.num_key_value_heads", kv_heads,
-                          f"must divide num_attention_heads={heads} (each key/value head serves a group of query heads); "
-                          f"use one of {divisors}")
+        raise ConfigError(
+            f"{CONFIG_KEY}.num_key_value_heads",
+            kv_heads,
+            f"must divide num_attention_heads={heads} (each key/value head serves a group of query heads); "
+            f"use one of {divisors}",
+        )
     if heads and hidden and hidden % heads and values.get("head_dim") is None and _derives_head_dim(model_type):
-        raise ConfigError(f"{CONFIG_KEY}.hidden_size", hidden,
-                          f"must be a multiple of num_attention_heads={heads} ({model_type} uses head_dim = hidden_size / "
-                          f"heads); use {hidden - hidden % heads} or {hidden - hidden % heads + heads}, or set head_dim")
+        raise ConfigError(
+            f"{CONFIG_KEY}.hidden_size",
+            hidden,
+            f"must be a multiple of num_attention_heads={heads} ({model_type} uses head_dim = hidden_size / "
+            f"heads); use {hidden - hidden % heads} or {hidden - hidden % heads + heads}, or set head_dim",
+        )
     experts = values.get("num_experts") or values.get("num_local_experts")
     top_k = values.get("num_experts_per_tok")
     if experts and top_k and top_k > experts:
-        raise ConfigError(f"{CONFIG_KEY}.num_experts_per_tok", top_k, f"route to at most the {experts} experts there are")
+        raise ConfigError(
+            f"{CONFIG_KEY}.num_experts_per_tok", top_k, f"route to at most the {experts} experts there are"
+        )
 
 
 def _derives_head_dim(model_type: str) -> bool:
@@ -281,5 +327,8 @@ def _pretrained_errors(name: str) -> Iterator[None]:
         yield
     except (OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConfigError("model.init_args.model.pretrained", name,
-                          f"transformers could not load it ({first}); check the folder, or the network for a hub name") from err
+        raise ConfigError(
+            "model.init_args.model.pretrained",
+            name,
+            f"transformers could not load it ({first}); check the folder, or the network for a hub name",
+        ) from err

@@ -98,20 +98,34 @@ class CausalLM(LightningModule):
         if warmup_steps < 0:
             raise ConfigError("model.init_args.warmup_steps", warmup_steps, "use 0 or more warm-up steps")
         if weight_decay < 0:  # decay that grows the weights, accepted without a word
-            raise ConfigError("model.init_args.weight_decay", weight_decay, "use 0 (no decay) or a positive rate, e.g. 0.1")
+            raise ConfigError(
+                "model.init_args.weight_decay", weight_decay, "use 0 (no decay) or a positive rate, e.g. 0.1"
+            )
         check_lr_schedule(lr_schedule, min_lr_ratio, decay_fraction, decay_shape)
         LossChoice(loss, dict(loss_options or {})).build()  # bad names/options fail here, before any model is built
         check_optimizer(optimizer)  # the strategy is checked in configure_model
         check_optimizer_arguments(optimizer, betas, dict(optimizer_options or {}))
         # Plain values only, so checkpoints load with torch.load(weights_only=True). ``_class_path``
         # lets LightningCLI's ``--ckpt_path`` (test, validate, resumed fit) re-parse them.
-        self.save_hyperparameters({"_class_path": f"{type(self).__module__}.{type(self).__qualname__}",
-                                   "model": asdict(model), "loss": loss, "loss_options": dict(loss_options or {}),
-                                   "optimizer": optimizer, "optimizer_options": dict(optimizer_options or {}),
-                                   "learning_rate": learning_rate, "weight_decay": weight_decay, "betas": tuple(betas),
-                                   "warmup_steps": warmup_steps, "min_lr_ratio": min_lr_ratio,
-                                   "lr_schedule": lr_schedule, "decay_fraction": decay_fraction,
-                                   "decay_shape": decay_shape, "compile": compile})
+        self.save_hyperparameters(
+            {
+                "_class_path": f"{type(self).__module__}.{type(self).__qualname__}",
+                "model": asdict(model),
+                "loss": loss,
+                "loss_options": dict(loss_options or {}),
+                "optimizer": optimizer,
+                "optimizer_options": dict(optimizer_options or {}),
+                "learning_rate": learning_rate,
+                "weight_decay": weight_decay,
+                "betas": tuple(betas),
+                "warmup_steps": warmup_steps,
+                "min_lr_ratio": min_lr_ratio,
+                "lr_schedule": lr_schedule,
+                "decay_fraction": decay_fraction,
+                "decay_shape": decay_shape,
+                "compile": compile,
+            }
+        )
         self.factory = model
         self.optimizer_name, self.optimizer_options = optimizer, dict(optimizer_options or {})
         self.model: CausalLMWithLoss | None = None
@@ -157,7 +171,9 @@ class CausalLM(LightningModule):
                 self._fp8_emulated_because = why
         lm = self.factory.build(device=device)
         if self._fp8_emulated_because:
-            rank_zero_warn(f"fp8 is emulated in fp32 matmuls (same numerics, no speed-up): {self._fp8_emulated_because}")
+            rank_zero_warn(
+                f"fp8 is emulated in fp32 matmuls (same numerics, no speed-up): {self._fp8_emulated_because}"
+            )
         self.parameter_counts = count_parameters(lm, lm.config)
         self.model = self.trained_module(lm)
         # Which parameters decay is decided now, on the unwrapped model: sharding wrappers
@@ -176,22 +192,30 @@ class CausalLM(LightningModule):
         """A mesh strategy compiles in its own pipeline step (after activation checkpointing)."""
         strategy = self.trainer.strategy if self._trainer else None
         if self.hparams.compile and interface_of(strategy).has_compile_step:
-            raise ConfigError("model.init_args.compile", True,
-                              f"{type(strategy).__name__} has its own step: set "
-                              "trainer.strategy.init_args.compile_layers: true instead")
+            raise ConfigError(
+                "model.init_args.compile",
+                True,
+                f"{type(strategy).__name__} has its own step: set "
+                "trainer.strategy.init_args.compile_layers: true instead",
+            )
 
     def _check_vocabulary(self) -> None:
         """A tokenizer larger than the embedding table would index out of range mid-step."""
         tokenizer = getattr(self.trainer.datamodule, "tokenizer", None) if self._trainer else None
         vocab = self.factory.hf_config().vocab_size
         if tokenizer is not None and tokenizer.vocab_size > vocab:
-            raise ConfigError("model.init_args.model.config.vocab_size", vocab,
-                              f"the tokenizer has {tokenizer.vocab_size} tokens; use a vocab_size of at least that")
+            raise ConfigError(
+                "model.init_args.model.config.vocab_size",
+                vocab,
+                f"the tokenizer has {tokenizer.vocab_size} tokens; use a vocab_size of at least that",
+            )
 
     @property
     def fallbacks(self) -> list[str]:
         """Every slower path a model part took instead of the one asked for (in the run record)."""
-        emulation = [f"fp8 emulated in fp32 matmuls: {self._fp8_emulated_because}"] if self._fp8_emulated_because else []
+        emulation = (
+            [f"fp8 emulated in fp32 matmuls: {self._fp8_emulated_because}"] if self._fp8_emulated_because else []
+        )
         optimizer = [self._optimizer_fallback] if self._optimizer_fallback else []
         return (experts_fallbacks(self.model) if self.model is not None else []) + emulation + optimizer
 
@@ -215,8 +239,13 @@ class CausalLM(LightningModule):
         for name, value in aux.items():
             self.log(f"train/{name}", value.detach())
         loss = self.objective.backward_loss(loss_sum, useful, sum(aux.values(), 0.0), strategy)
-        return {"loss": loss, "loss_sum": loss_sum.detach(), "tokens": batch["input_ids"].numel(),
-                "useful_tokens": useful, "flops": batch_model_flops(batch, self.flops_per_token)}
+        return {
+            "loss": loss,
+            "loss_sum": loss_sum.detach(),
+            "tokens": batch["input_ids"].numel(),
+            "useful_tokens": useful,
+            "flops": batch_model_flops(batch, self.flops_per_token),
+        }
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
         """Rescale the step's gradients to the global token mean right after its last backward,
@@ -250,12 +279,14 @@ class CausalLM(LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
         groups = decay_groups(self.model, self._decay_names, hp.weight_decay)
-        optimizer, self._optimizer_fallback = build_optimizer(self.optimizer_name, groups, hp.learning_rate,
-                                                              hp.betas, self.optimizer_options)
+        optimizer, self._optimizer_fallback = build_optimizer(
+            self.optimizer_name, groups, hp.learning_rate, hp.betas, self.optimizer_options
+        )
         self.optimizer_implementation = implementation_of(optimizer)
         total = self.trainer.estimated_stepping_batches
-        scheduler = lr_scheduler(optimizer, hp.lr_schedule, hp.warmup_steps, int(total), hp.min_lr_ratio,
-                                 hp.decay_fraction, hp.decay_shape)
+        scheduler = lr_scheduler(
+            optimizer, hp.lr_schedule, hp.warmup_steps, int(total), hp.min_lr_ratio, hp.decay_fraction, hp.decay_shape
+        )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 

@@ -89,22 +89,41 @@ class DPO(DPOReference, CausalLM):
         **optimization: Any,
     ) -> None:
         # DPO's losses are preference losses: CausalLM's token loss is given here, so it is no DPO option
-        super().__init__(model, loss="torch", loss_options=None, learning_rate=learning_rate,
-                         weight_decay=weight_decay, **optimization)
+        super().__init__(
+            model,
+            loss="torch",
+            loss_options=None,
+            learning_rate=learning_rate,
+            weight_decay=weight_decay,
+            **optimization,
+        )
         self.preference_loss = PreferenceLoss(loss_type, beta, label_smoothing, gamma)
-        self.reference_factory = checked_reference(self.factory, reference, reference_cache, reference_model,
-                                                   self.preference_loss.reference_free, loss_type)
+        self.reference_factory = checked_reference(
+            self.factory, reference, reference_cache, reference_model, self.preference_loss.reference_free, loss_type
+        )
         # bad names/options/combinations fail before any model is built
-        self.fused_loss = liger_dpo_loss(beta, loss_type, label_smoothing, reference, **(logprobs_options or {})) \
-            if logprobs == LIGER else None
+        self.fused_loss = (
+            liger_dpo_loss(beta, loss_type, label_smoothing, reference, **(logprobs_options or {}))
+            if logprobs == LIGER
+            else None
+        )
         if self.fused_loss is None:
             logprob_backend(logprobs, **(logprobs_options or {}))
         for key in ("loss", "loss_options"):
             self.hparams.pop(key)
-        self.save_hyperparameters({
-            "loss_type": loss_type, "beta": beta, "label_smoothing": label_smoothing, "gamma": gamma,
-            "reference": reference, "reference_cache": reference_cache, "reference_model": reference_model,
-            "logprobs": logprobs, "logprobs_options": dict(logprobs_options or {})})
+        self.save_hyperparameters(
+            {
+                "loss_type": loss_type,
+                "beta": beta,
+                "label_smoothing": label_smoothing,
+                "gamma": gamma,
+                "reference": reference,
+                "reference_cache": reference_cache,
+                "reference_model": reference_model,
+                "logprobs": logprobs,
+                "logprobs_options": dict(logprobs_options or {}),
+            }
+        )
         self.reference = None
         self.memory_categories = {"reference": ["reference", *(["model.reference_head"] if self.fused_loss else [])]}
         """``MemoryMonitor`` counts the frozen reference (and Liger's copy of its head) apart from ``params``."""
@@ -127,8 +146,11 @@ class DPO(DPOReference, CausalLM):
 
     def _logprobs(self) -> TorchLogProbs:
         """The log-prob backend of a sequence module (plain torch under Liger, whose loss is fused)."""
-        return TorchLogProbs() if self.fused_loss else logprob_backend(self.hparams.logprobs,
-                                                                       **self.hparams.logprobs_options)
+        return (
+            TorchLogProbs()
+            if self.fused_loss
+            else logprob_backend(self.hparams.logprobs, **self.hparams.logprobs_options)
+        )
 
     def flops_per_pair_batch(self, batch: dict[str, Any]) -> float:
         """Policy training FLOPs of the batch's real tokens, plus the frozen reference's forward."""
@@ -145,8 +167,9 @@ class DPO(DPOReference, CausalLM):
             return self.model(batch, reference_hidden)
         result, logps, _ = self.pair_losses(batch)
         pairs = int(batch["num_pairs"])
-        return PairStep(result.losses.sum(), logps[:pairs], logps[pairs:], result.chosen_rewards,
-                        result.rejected_rewards)
+        return PairStep(
+            result.losses.sum(), logps[:pairs], logps[pairs:], result.chosen_rewards, result.rejected_rewards
+        )
 
     def pair_losses(self, batch: dict[str, Any]) -> tuple[PairLosses, Tensor, Tensor]:
         """``(pair losses and rewards, policy logps [2P], response tokens [2P])`` of a batch (the
@@ -156,8 +179,9 @@ class DPO(DPOReference, CausalLM):
         logps, tokens = self.model(batch)
         reference = self.reference_sequence_logps(batch, logps)
         pairs = int(batch["num_pairs"])
-        result = self.preference_loss(logps[:pairs], logps[pairs:], reference[:pairs], reference[pairs:],
-                                      tokens[:pairs], tokens[pairs:])
+        result = self.preference_loss(
+            logps[:pairs], logps[pairs:], reference[:pairs], reference[pairs:], tokens[:pairs], tokens[pairs:]
+        )
         return result, logps.detach(), tokens
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> StepOutput:
@@ -165,8 +189,11 @@ class DPO(DPOReference, CausalLM):
         answers = interface_of(strategy)
         if answers.runs_forward_backward:  # a pipeline: each micro-batch's pairs, on the last stage
             totals, pairs = answers.forward_backward(
-                self.model, {**batch, "reference_logps": self._pipeline_reference(batch)}, self.objective,
-                unit_loss=self._micro_batch_pair_losses)
+                self.model,
+                {**batch, "reference_logps": self._pipeline_reference(batch)},
+                self.objective,
+                unit_loss=self._micro_batch_pair_losses,
+            )
             loss_sum, statistics = totals[0], totals[1:].double()
         else:
             step = self.pair_step(batch)
@@ -176,29 +203,48 @@ class DPO(DPOReference, CausalLM):
         for name, value in aux.items():
             self.log(f"train/{name}", value.detach())
         loss = self.objective.backward_loss(loss_sum, pairs, sum(aux.values(), 0.0), strategy)
-        return {"loss": loss, "loss_sum": loss_sum.detach(), "tokens": batch["input_ids"].numel(),
-                "useful_tokens": (batch["labels"] != IGNORE_INDEX).sum(), "flops": self.flops_per_pair_batch(batch),
-                "loss_units": pairs, "preference": statistics}
+        return {
+            "loss": loss,
+            "loss_sum": loss_sum.detach(),
+            "tokens": batch["input_ids"].numel(),
+            "useful_tokens": (batch["labels"] != IGNORE_INDEX).sum(),
+            "flops": self.flops_per_pair_batch(batch),
+            "loss_units": pairs,
+            "preference": statistics,
+        }
 
     def _micro_batch_pair_losses(self, outputs: tuple[Tensor, Tensor], batch: dict[str, Any]) -> Tensor:
         """A pipeline micro-batch's ``[pair-loss sum, *PREFERENCE_STATS sums]`` from the policy's
         ``(logps, response tokens)`` of its sequences (``StrategyInterface.forward_backward``'s ``unit_loss``)."""
         logps, tokens = outputs
         pairs, reference = int(batch["num_pairs"]), batch["reference_logps"]
-        result = self.preference_loss(logps[:pairs], logps[pairs:], reference[:pairs], reference[pairs:],
-                                      tokens[:pairs], tokens[pairs:])
-        step = PairStep(result.losses.sum(), logps[:pairs].detach(), logps[pairs:].detach(), result.chosen_rewards,
-                        result.rejected_rewards)
+        result = self.preference_loss(
+            logps[:pairs], logps[pairs:], reference[:pairs], reference[pairs:], tokens[:pairs], tokens[pairs:]
+        )
+        step = PairStep(
+            result.losses.sum(),
+            logps[:pairs].detach(),
+            logps[pairs:].detach(),
+            result.chosen_rewards,
+            result.rejected_rewards,
+        )
         count = torch.tensor(pairs, device=logps.device)
         return torch.cat([step.loss_sum.reshape(1), self._statistics(step, count).to(step.loss_sum.dtype)])
 
     @staticmethod
     def _statistics(step: PairStep, pairs: Tensor) -> Tensor:
         """``PREFERENCE_STATS`` summed over the micro-batch's pairs: one small device tensor."""
-        return torch.stack([pairs.float(), step.loss_sum.detach(),
-                            (step.chosen_rewards > step.rejected_rewards).float().sum(),
-                            step.chosen_rewards.sum(), step.rejected_rewards.sum(),
-                            step.chosen_logps.sum(), step.rejected_logps.sum()]).double()
+        return torch.stack(
+            [
+                pairs.float(),
+                step.loss_sum.detach(),
+                (step.chosen_rewards > step.rejected_rewards).float().sum(),
+                step.chosen_rewards.sum(),
+                step.rejected_rewards.sum(),
+                step.chosen_logps.sum(),
+                step.rejected_logps.sum(),
+            ]
+        ).double()
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         self._log_eval("val", batch)
@@ -211,8 +257,12 @@ class DPO(DPOReference, CausalLM):
         step = self.pair_step(batch)
         pairs = int(batch["num_pairs"])
         self.log(f"{split}/loss", step.loss_sum / pairs, prog_bar=True, sync_dist=True, batch_size=pairs)
-        self.log(f"{split}/reward_margin", (step.chosen_rewards - step.rejected_rewards).mean(), sync_dist=True,
-                 batch_size=pairs)
+        self.log(
+            f"{split}/reward_margin",
+            (step.chosen_rewards - step.rejected_rewards).mean(),
+            sync_dist=True,
+            batch_size=pairs,
+        )
         self.eval_reward_accuracy.update((step.chosen_rewards > step.rejected_rewards).float())
         self.log(f"{split}/reward_accuracy", self.eval_reward_accuracy, prog_bar=True)
 

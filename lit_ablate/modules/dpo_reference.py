@@ -43,8 +43,14 @@ sums of a few hundred token log-probs in another batch layout differ by ~1e-5 at
 KEY = "model.init_args"
 
 
-def checked_reference(policy: ModelFactory, reference: str, reference_cache: str | None,
-                      reference_model: str | None, reference_free: bool, loss_type: str) -> ModelFactory | None:
+def checked_reference(
+    policy: ModelFactory,
+    reference: str,
+    reference_cache: str | None,
+    reference_model: str | None,
+    reference_free: bool,
+    loss_type: str,
+) -> ModelFactory | None:
     """Refuse, in one line, a reference mode the other options contradict; return how to build the
     separate ``reference_model`` (None: the reference is the initial policy)."""
     if reference not in REFERENCES:
@@ -52,13 +58,19 @@ def checked_reference(policy: ModelFactory, reference: str, reference_cache: str
     if reference_free and reference != "none":
         raise ConfigError(f"{KEY}.reference", reference, f"{loss_type} uses no reference model: set reference: none")
     if reference == "adapter" and policy.adapter is None:
-        raise ConfigError(f"{KEY}.reference", reference, "the adapter-disabled policy needs adapters: set "
-                          "model.init_args.model.adapter, or use reference: frozen")
+        raise ConfigError(
+            f"{KEY}.reference",
+            reference,
+            "the adapter-disabled policy needs adapters: set model.init_args.model.adapter, or use reference: frozen",
+        )
     if reference_cache is not None and reference != "precomputed":
         raise ConfigError(f"{KEY}.reference_cache", reference_cache, "only reference: precomputed uses a cache")
     if reference_model is not None and reference not in ("frozen", "precomputed"):
-        raise ConfigError(f"{KEY}.reference_model", reference_model, "only reference: frozen or precomputed "
-                          f"reads a reference checkpoint (reference is {reference})")
+        raise ConfigError(
+            f"{KEY}.reference_model",
+            reference_model,
+            f"only reference: frozen or precomputed reads a reference checkpoint (reference is {reference})",
+        )
     return reference_factory(policy, reference_model) if reference_model else None
 
 
@@ -115,10 +127,15 @@ class DPOReference:
         """The reference's ``[2P]`` log-probs of the batch, for the pipeline's last stage: looked up, or
         zeros (the stages hold one model: a frozen reference is refused by the strategy)."""
         if self.hparams.reference not in ("precomputed", "none"):
-            raise ConfigError(f"{KEY}.reference", self.hparams.reference, "pipeline stages train DPO against a "
-                              "precomputed reference (computed once through the stages) or none: use one of them")
-        return self.reference_sequence_logps(batch, batch["labels"].new_zeros(2 * int(batch["num_pairs"]),
-                                                                              dtype=torch.float32))
+            raise ConfigError(
+                f"{KEY}.reference",
+                self.hparams.reference,
+                "pipeline stages train DPO against a "
+                "precomputed reference (computed once through the stages) or none: use one of them",
+            )
+        return self.reference_sequence_logps(
+            batch, batch["labels"].new_zeros(2 * int(batch["num_pairs"]), dtype=torch.float32)
+        )
 
     # --- precomputed reference log-probs ----------------------------------------------------
     def on_fit_start(self) -> None:
@@ -150,13 +167,19 @@ class DPOReference:
         if path is not None and path.is_file():
             cached = torch.load(path, weights_only=True)
             if cached.get("pairs_sha256") != fingerprint:
-                raise ConfigError(f"{KEY}.reference_cache", str(path),
-                                  "it was computed for other preference pairs; delete it or give another path")
+                raise ConfigError(
+                    f"{KEY}.reference_cache",
+                    str(path),
+                    "it was computed for other preference pairs; delete it or give another path",
+                )
             probe = self._sequence_logps_of(reference, pairs[:1], collator, data.batch_size)
             if not torch.allclose(probe, cached["logps"][:1].to(probe), rtol=0, atol=PROBE_ATOL):
-                raise ConfigError(f"{KEY}.reference_cache", str(path),
-                                  f"its log-probs differ from this run's {self._reference_name()} (another model, "
-                                  "seed or dtype?); delete it or give another path")
+                raise ConfigError(
+                    f"{KEY}.reference_cache",
+                    str(path),
+                    f"its log-probs differ from this run's {self._reference_name()} (another model, "
+                    "seed or dtype?); delete it or give another path",
+                )
             return cached["logps"]
         logps = self._sequence_logps_of(reference, pairs, collator, data.batch_size)
         if path is not None and (self._trainer is None or self.trainer.is_global_zero):
@@ -182,8 +205,13 @@ class DPOReference:
         return reference.to(self.device)
 
     @torch.no_grad()
-    def _sequence_logps_of(self, model: SequenceLogProbs, pairs: list[dict[str, Tensor]],
-                           collator: PreferencePaddingCollator, batch_size: int) -> Tensor:
+    def _sequence_logps_of(
+        self,
+        model: SequenceLogProbs,
+        pairs: list[dict[str, Tensor]],
+        collator: PreferencePaddingCollator,
+        batch_size: int,
+    ) -> Tensor:
         """``[len(pairs), 2]`` log-probs under ``model`` (the reference).
 
         Data-parallel ranks split the pairs; all ranks run the same number of forwards (a
@@ -235,9 +263,16 @@ def reference_factory(policy: ModelFactory, path: str) -> ModelFactory:
     except ConfigError as err:
         raise ConfigError(key, path, err.fix) from err
     ours = policy.hf_config()
-    differing = [f"{name} {getattr(theirs, name, None)} (the policy's: {getattr(ours, name, None)})"
-                 for name in ("model_type", *SIZE_KEYS) if getattr(ours, name, None) != getattr(theirs, name, None)]
+    differing = [
+        f"{name} {getattr(theirs, name, None)} (the policy's: {getattr(ours, name, None)})"
+        for name in ("model_type", *SIZE_KEYS)
+        if getattr(ours, name, None) != getattr(theirs, name, None)
+    ]
     if differing:
-        raise ConfigError(key, path, f"its architecture differs from the policy's: {', '.join(differing)}; give a "
-                          "checkpoint of the policy's architecture and vocabulary")
+        raise ConfigError(
+            key,
+            path,
+            f"its architecture differs from the policy's: {', '.join(differing)}; give a "
+            "checkpoint of the policy's architecture and vocabulary",
+        )
     return factory

@@ -43,8 +43,13 @@ OPTIMIZERS: dict[str, str] = {
     "torchao_adamw8bit": "torchao.optim.AdamW8bit",
 }
 """Config name -> optimizer class. All take ``(params, lr, betas, weight_decay, ...)``."""
-STATE_BYTES_PER_PARAMETER = {"adamw": None, "bnb_adamw8bit": 2.0, "bnb_paged_adamw8bit": 2.0, "bnb_paged_adamw": 8.0,
-                             "torchao_adamw8bit": 2.0}  # fmt: skip
+STATE_BYTES_PER_PARAMETER = {
+    "adamw": None,
+    "bnb_adamw8bit": 2.0,
+    "bnb_paged_adamw8bit": 2.0,
+    "bnb_paged_adamw": 8.0,
+    "torchao_adamw8bit": 2.0,
+}
 """Optimizer-state bytes per (large enough) parameter; None: two moments in the parameter's dtype."""
 
 
@@ -64,11 +69,16 @@ def optimizer_refusal(name: str, strategy: Strategy | type | None = None, device
     library = OPTIMIZERS[name].split(".")[0]
     missing = not_installed(library, f"the {name} optimizer", extra="optim8bit") if library == "torchao" else None
     if missing or not installed(library):  # bitsandbytes is a dependency of lit-ablate itself
-        return missing or f"{library} is not installed here (a dependency of lit-ablate): pip install -e . or pip install {library}"
+        return (
+            missing
+            or f"{library} is not installed here (a dependency of lit-ablate): pip install -e . or pip install {library}"
+        )
     strategy_class = strategy if isinstance(strategy, type) or strategy is None else type(strategy)
     if library == "bitsandbytes" and strategy_class is not None and issubclass(strategy_class, ModelParallelStrategy):
-        return (f"bitsandbytes' optimizers cannot update the DTensor parameters of {strategy_class.__name__} "
-                "('mixed torch.Tensor and DTensor'); use torchao_adamw8bit, which shards its states with them")  # fmt: skip
+        return (
+            f"bitsandbytes' optimizers cannot update the DTensor parameters of {strategy_class.__name__} "
+            "('mixed torch.Tensor and DTensor'); use torchao_adamw8bit, which shards its states with them"
+        )
     if "paged" in name and device_type not in (None, "cuda"):
         return f"paged optimizers need CUDA unified memory; on {device_type} bitsandbytes would run the unpaged one: use bnb_adamw8bit"
     return None
@@ -88,24 +98,35 @@ def check_optimizer_arguments(name: str, betas: Sequence[float], options: Mappin
     and the values the class itself validates (AdamW's ``eps``), tried on a one-element parameter."""
     for index, beta in enumerate(betas):
         if not isinstance(beta, (int, float)) or isinstance(beta, bool) or not 0 <= beta < 1:
-            raise ConfigError("model.init_args.betas", list(betas), f"each beta must be in [0, 1) (index {index} is not); "
-                              "AdamW's usual are [0.9, 0.95]")
+            raise ConfigError(
+                "model.init_args.betas",
+                list(betas),
+                f"each beta must be in [0, 1) (index {index} is not); AdamW's usual are [0.9, 0.95]",
+            )
     cls = import_class(OPTIMIZERS[name])
-    accepted = [k for k, p in inspect.signature(cls.__init__).parameters.items()
-                if k not in ("self", "params", "lr", "betas") and p.kind is not p.VAR_KEYWORD]  # fmt: skip
+    accepted = [
+        k
+        for k, p in inspect.signature(cls.__init__).parameters.items()
+        if k not in ("self", "params", "lr", "betas") and p.kind is not p.VAR_KEYWORD
+    ]
     for key in options:
         if key not in accepted:
             close = difflib.get_close_matches(key, accepted, n=1)
-            raise ConfigError(f"{OPTIONS_KEY}.{key}", options[key], f"{OPTIMIZERS[name]} takes no {key}; "
-                              + (f"did you mean {close[0]}?" if close else f"it takes {accepted}"))
+            raise ConfigError(
+                f"{OPTIONS_KEY}.{key}",
+                options[key],
+                f"{OPTIMIZERS[name]} takes no {key}; "
+                + (f"did you mean {close[0]}?" if close else f"it takes {accepted}"),
+            )
     try:
         cls([torch.zeros(1, requires_grad=True)], lr=1e-3, betas=tuple(betas), **options)
     except (TypeError, ValueError) as err:
         raise ConfigError(OPTIONS_KEY, dict(options), f"{OPTIMIZERS[name]} refused them: {err}") from err
 
 
-def build_optimizer(name: str, groups: list[dict], lr: float, betas: tuple[float, float],
-                    options: dict[str, Any] | None = None) -> tuple[torch.optim.Optimizer, str | None]:  # fmt: skip
+def build_optimizer(
+    name: str, groups: list[dict], lr: float, betas: tuple[float, float], options: dict[str, Any] | None = None
+) -> tuple[torch.optim.Optimizer, str | None]:
     """Optimizer ``name`` over parameter ``groups`` (their ``weight_decay`` wins over the default),
     and the fallback it took, if any (``adamw_implementation``: warned once, for the run record).
 
@@ -153,8 +174,9 @@ def parameter_kind(param: torch.Tensor) -> ParameterKind:
     return ParameterKind(tensor, param.device.type, param.is_floating_point())
 
 
-def adamw_implementation(kinds: Collection[ParameterKind],
-                         options: Mapping[str, Any]) -> tuple[AdamWImplementation, str | None]:  # fmt: skip
+def adamw_implementation(
+    kinds: Collection[ParameterKind], options: Mapping[str, Any]
+) -> tuple[AdamWImplementation, str | None]:
     """The AdamW implementation to run over parameters of these ``kinds``, and, when it is not the
     fused one on CUDA, why (a fallback), or None.
 
@@ -182,9 +204,13 @@ def adamw_implementation(kinds: Collection[ParameterKind],
     implementation: AdamWImplementation = "foreach" if foreach_ok and options.get("foreach") is None else "for-loop"
     if options.get("fused") is False:
         return implementation, None  # the user's choice, not a fallback
-    why = ("its parameters mix DTensors and plain tensors" if tensors == {"tensor", "dtensor"}
-           else f"its parameters include {sorted(tensors - {'tensor', 'dtensor'})}" if not one_kind
-           else "some parameters are not floating point")  # fmt: skip
+    why = (
+        "its parameters mix DTensors and plain tensors"
+        if tensors == {"tensor", "dtensor"}
+        else f"its parameters include {sorted(tensors - {'tensor', 'dtensor'})}"
+        if not one_kind
+        else "some parameters are not floating point"
+    )
     return implementation, f"AdamW: the {implementation} implementation instead of fused on CUDA: {why}"
 
 
@@ -247,29 +273,45 @@ WSD_DECAY_FRACTION = 0.1
 _KEY = "model.init_args"
 
 
-def check_lr_schedule(schedule: str, min_lr_ratio: float, decay_fraction: float | None,
-                      decay_shape: str | None) -> None:  # fmt: skip
+def check_lr_schedule(
+    schedule: str, min_lr_ratio: float, decay_fraction: float | None, decay_shape: str | None
+) -> None:
     """Refuse, naming the key, what would give a wrong schedule: an unknown name, a final LR
     below 0 or above the peak, a decay fraction outside [0, 1], and wsd's options on another
     schedule (they would be silently ignored)."""
     if schedule not in LR_SCHEDULES:
         raise ConfigError(f"{_KEY}.lr_schedule", schedule, f"choose one of {list(LR_SCHEDULES)}")
     if not 0 <= min_lr_ratio <= 1:
-        raise ConfigError(f"{_KEY}.min_lr_ratio", min_lr_ratio,
-                          "the final learning rate as a fraction of learning_rate: use a value in [0, 1]")
+        raise ConfigError(
+            f"{_KEY}.min_lr_ratio",
+            min_lr_ratio,
+            "the final learning rate as a fraction of learning_rate: use a value in [0, 1]",
+        )
     for key, value in (("decay_fraction", decay_fraction), ("decay_shape", decay_shape)):
         if value is not None and schedule != "wsd":
-            raise ConfigError(f"{_KEY}.{key}", value, f"only lr_schedule: wsd has a separate decay phase "
-                              f"(lr_schedule is {schedule}); set lr_schedule: wsd or drop {key}")
+            raise ConfigError(
+                f"{_KEY}.{key}",
+                value,
+                f"only lr_schedule: wsd has a separate decay phase "
+                f"(lr_schedule is {schedule}); set lr_schedule: wsd or drop {key}",
+            )
     if decay_fraction is not None and not 0 <= decay_fraction <= 1:
-        raise ConfigError(f"{_KEY}.decay_fraction", decay_fraction,
-                          "the share of the run spent decaying: use a value in [0, 1]")
+        raise ConfigError(
+            f"{_KEY}.decay_fraction", decay_fraction, "the share of the run spent decaying: use a value in [0, 1]"
+        )
     if decay_shape is not None and decay_shape not in DECAYS:
         raise ConfigError(f"{_KEY}.decay_shape", decay_shape, f"choose one of {list(DECAYS)}")
 
 
-def lr_factor(step: int, schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float,
-              decay_fraction: float | None = None, decay_shape: str | None = None) -> float:  # fmt: skip
+def lr_factor(
+    step: int,
+    schedule: str,
+    warmup_steps: int,
+    total_steps: int,
+    min_lr_ratio: float,
+    decay_fraction: float | None = None,
+    decay_shape: str | None = None,
+) -> float:
     """The learning rate of optimizer step ``step`` (0-based) as a fraction of the peak.
 
     Every schedule warms up linearly over ``warmup_steps``: step ``s`` uses ``(s + 1) / warmup_steps``
@@ -295,17 +337,26 @@ def lr_factor(step: int, schedule: str, warmup_steps: int, total_steps: int, min
     return min_lr_ratio + (1 - min_lr_ratio) * DECAYS[shape](progress)
 
 
-def lr_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup_steps: int, total_steps: int,
-                 min_lr_ratio: float, decay_fraction: float | None = None,
-                 decay_shape: str | None = None) -> torch.optim.lr_scheduler.LambdaLR:  # fmt: skip
+def lr_scheduler(
+    optimizer: torch.optim.Optimizer,
+    schedule: str,
+    warmup_steps: int,
+    total_steps: int,
+    min_lr_ratio: float,
+    decay_fraction: float | None = None,
+    decay_shape: str | None = None,
+) -> torch.optim.lr_scheduler.LambdaLR:
     """``lr_factor`` as a torch scheduler, stepped once per optimizer step."""
     check_lr_schedule(schedule, min_lr_ratio, decay_fraction, decay_shape)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(
-        step, schedule, warmup_steps, total_steps, min_lr_ratio, decay_fraction, decay_shape))
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: lr_factor(step, schedule, warmup_steps, total_steps, min_lr_ratio, decay_fraction, decay_shape),
+    )
 
 
-def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
-                  min_lr_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:  # fmt: skip
+def warmup_cosine(
+    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: float
+) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warm-up to the base LR, then cosine decay to ``min_lr_ratio`` of it at ``total_steps``
     (``lr_schedule: cosine``, the default)."""
     return lr_scheduler(optimizer, "cosine", warmup_steps, total_steps, min_lr_ratio)

@@ -67,8 +67,11 @@ class PreferenceLoss:
         if not 0 <= self.label_smoothing < 0.5:
             raise ConfigError(f"{_KEY}.label_smoothing", self.label_smoothing, "use a value in [0, 0.5)")
         if self.label_smoothing and self.loss_type not in SMOOTHED:
-            raise ConfigError(f"{_KEY}.label_smoothing", self.label_smoothing,
-                              f"{self.loss_type} has no label smoothing; use 0 or loss_type one of {SMOOTHED}")
+            raise ConfigError(
+                f"{_KEY}.label_smoothing",
+                self.label_smoothing,
+                f"{self.loss_type} has no label smoothing; use 0 or loss_type one of {SMOOTHED}",
+            )
         if self.gamma < 0:
             raise ConfigError(f"{_KEY}.gamma", self.gamma, "use a non-negative SimPO margin, e.g. 0.5")
 
@@ -76,15 +79,24 @@ class PreferenceLoss:
     def reference_free(self) -> bool:
         return self.loss_type in REFERENCE_FREE
 
-    def __call__(self, chosen: Tensor, rejected: Tensor, ref_chosen: Tensor, ref_rejected: Tensor,
-                 chosen_tokens: Tensor, rejected_tokens: Tensor) -> PairLosses:
+    def __call__(
+        self,
+        chosen: Tensor,
+        rejected: Tensor,
+        ref_chosen: Tensor,
+        ref_rejected: Tensor,
+        chosen_tokens: Tensor,
+        rejected_tokens: Tensor,
+    ) -> PairLosses:
         """All inputs are ``[pairs]``; log-probabilities are summed over response tokens."""
         beta = self.beta
         if self.loss_type == "simpo":
             chosen_avg = chosen / chosen_tokens.clamp(min=1)
             rejected_avg = rejected / rejected_tokens.clamp(min=1)
             margin = beta * (chosen_avg - rejected_avg) - self.gamma
-            return PairLosses(self._smoothed_logsigmoid(margin), beta * chosen_avg.detach(), beta * rejected_avg.detach())
+            return PairLosses(
+                self._smoothed_logsigmoid(margin), beta * chosen_avg.detach(), beta * rejected_avg.detach()
+            )
         chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
         if self.loss_type == "sigmoid":
             losses = self._smoothed_logsigmoid(beta * (chosen_ratio - rejected_ratio))

@@ -75,8 +75,13 @@ class ContextParallelSteps(FullyShardSteps):
         **kwargs: the mesh sizes and the other steps' options (``MeshParallelStrategy``).
     """
 
-    def __init__(self, cp_impl: ContextParallelImpl = "ring", cp_layout: LayoutName = "zigzag",
-                 cp_block_kernel: BlockKernelName = "sdpa", **kwargs: Any) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cp_impl: ContextParallelImpl = "ring",
+        cp_layout: LayoutName = "zigzag",
+        cp_block_kernel: BlockKernelName = "sdpa",
+        **kwargs: Any,
+    ) -> None:
         if cp_impl not in CONTEXT_PARALLEL_BACKENDS:
             raise ConfigError(f"{STRATEGY_KEY}.cp_impl", cp_impl, f"choose one of {sorted(CONTEXT_PARALLEL_BACKENDS)}")
         if cp_layout not in LAYOUTS:
@@ -146,16 +151,22 @@ class ContextParallelSteps(FullyShardSteps):
         rank's FLOPs would be divided by ``cp`` twice.
         """
         if not isinstance(batch, dict) or batch.get("input_ids") is None or batch.get("labels") is None:
-            raise ConfigError(TRAINER_STRATEGY_KEY, type(self).__name__,
-                              "context parallelism shards batches with input_ids and (already shifted) labels, "
-                              "as lit-ablate's collators make them; use another strategy for this module")
+            raise ConfigError(
+                TRAINER_STRATEGY_KEY,
+                type(self).__name__,
+                "context parallelism shards batches with input_ids and (already shifted) labels, "
+                "as lit-ablate's collators make them; use another strategy for this module",
+            )
         rows, length = batch["input_ids"].shape
         for key, value in batch.items():
             if key not in SEQUENCE_KEYS and torch.is_tensor(value) and value.shape[:2] == (rows, length):
-                raise ConfigError(TRAINER_STRATEGY_KEY, type(self).__name__,
-                                  f"the batch has another per-token tensor, {key!r}: a module that reduces per "
-                                  "sequence (DPO's sequence log-probs) would see each rank's partial sums; context "
-                                  f"parallelism supports language-model batches ({', '.join(SEQUENCE_KEYS)})")
+                raise ConfigError(
+                    TRAINER_STRATEGY_KEY,
+                    type(self).__name__,
+                    f"the batch has another per-token tensor, {key!r}: a module that reduces per "
+                    "sequence (DPO's sequence log-probs) would see each rank's partial sums; context "
+                    f"parallelism supports language-model batches ({', '.join(SEQUENCE_KEYS)})",
+                )
         sequences = {key: batch[key] for key in SEQUENCE_KEYS if batch.get(key) is not None}
         if "position_ids" not in sequences:
             sequences["position_ids"] = torch.arange(length, device=batch["input_ids"].device).expand(rows, length)
@@ -187,8 +198,11 @@ def attention_modules(model: CausalLMWithLoss) -> list[nn.Module]:
     transformers' attention integrations read from the module they are called with."""
     modules = [m for layer in decoder_layers(model) for m in layer.modules() if hasattr(m, "is_causal")]
     if not modules:
-        raise ConfigError("model", type(model.lm).__name__,
-                          "context parallelism found no attention module (one declaring is_causal) in the decoder layers")
+        raise ConfigError(
+            "model",
+            type(model.lm).__name__,
+            "context parallelism found no attention module (one declaring is_causal) in the decoder layers",
+        )
     return modules
 
 

@@ -57,8 +57,11 @@ class DDPStrategy(LightningDDPStrategy, StrategyInterface):
         if comm_hook not in ("none", "fp16", "bf16", "powersgd"):
             raise ConfigError(f"{STRATEGY_KEY}.comm_hook", comm_hook, "choose none, fp16, bf16 or powersgd")
         if comm_hook == "powersgd" and powersgd_start_iter < 2:
-            raise ConfigError(f"{STRATEGY_KEY}.powersgd_start_iter", powersgd_start_iter,
-                              "PowerSGD with error feedback needs at least 2 plain all-reduce steps first")
+            raise ConfigError(
+                f"{STRATEGY_KEY}.powersgd_start_iter",
+                powersgd_start_iter,
+                "PowerSGD with error feedback needs at least 2 plain all-reduce steps first",
+            )
         if powersgd_rank < 1:
             raise ConfigError(f"{STRATEGY_KEY}.powersgd_rank", powersgd_rank, "use 1 or more")
         super().__init__(

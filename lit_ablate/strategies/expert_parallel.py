@@ -57,14 +57,19 @@ class ExpertParallelSteps(FullyShardSteps):
         sizes = self.requested_mesh_sizes.resolved(world_size)
         if sizes.ep == 1:
             return super().state_sharding(world_size)
-        return replace(super().state_sharding(world_size), expert_parallel=sizes.ep,
-                       expert_shards=sizes.dp_shard * sizes.cp)
+        return replace(
+            super().state_sharding(world_size), expert_parallel=sizes.ep, expert_shards=sizes.dp_shard * sizes.cp
+        )
 
     def build_mesh(self, device_type: str, world_size: int) -> DeviceMesh:
         ep = self.requested_mesh_sizes.ep
         if ep > world_size:
-            raise ConfigError(f"{STRATEGY_KEY}.ep", ep, f"ep cannot exceed the world size ({world_size} ranks = "
-                              f"devices x nodes); use ep <= {world_size}, or -1 for all ranks")
+            raise ConfigError(
+                f"{STRATEGY_KEY}.ep",
+                ep,
+                f"ep cannot exceed the world size ({world_size} ranks = "
+                f"devices x nodes); use ep <= {world_size}, or -1 for all ranks",
+            )
         return super().build_mesh(device_type, world_size)
 
     def apply_ep(self, model: CausalLMWithLoss) -> None:
@@ -113,12 +118,17 @@ class ExpertParallelSteps(FullyShardSteps):
     def _moe_blocks(self, model: CausalLMWithLoss) -> list[MoEBlock]:
         blocks = moe_blocks(model)
         if not blocks:
-            raise ConfigError(f"{OPTIONS_KEY}.experts", "hf or unset",
-                              "ExpertParallelStrategy shards lit-ablate MoE blocks: use an MoE model with "
-                              "moe.experts: grouped (or loop)")
+            raise ConfigError(
+                f"{OPTIONS_KEY}.experts",
+                "hf or unset",
+                "ExpertParallelStrategy shards lit-ablate MoE blocks: use an MoE model with "
+                "moe.experts: grouped (or loop)",
+            )
         num_experts, ep = blocks[0].gate.num_experts, self.mesh_sizes.ep
         if num_experts % ep:
-            raise ConfigError(f"{STRATEGY_KEY}.ep", ep,
-                              f"the model has {num_experts} experts per layer; use an ep that divides {num_experts}")
+            raise ConfigError(
+                f"{STRATEGY_KEY}.ep",
+                ep,
+                f"the model has {num_experts} experts per layer; use an ep that divides {num_experts}",
+            )
         return blocks
-

@@ -77,7 +77,9 @@ class FSDP1Strategy(FSDPStrategy, StrategyInterface):
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-        layer_types = {type(layer) for m in model.modules() if isinstance(m, CausalLMWithLoss) for layer in decoder_layers(m)}
+        layer_types = {
+            type(layer) for m in model.modules() if isinstance(m, CausalLMWithLoss) for layer in decoder_layers(m)
+        }
         wrapped = FullyShardedDataParallel(
             module=model,
             auto_wrap_policy=ModuleWrapPolicy(layer_types),

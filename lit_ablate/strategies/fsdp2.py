@@ -92,8 +92,9 @@ class FullyShardSteps(MeshStrategy):
 
     def fsdp_kwargs(self) -> dict:
         """The ``fully_shard`` arguments every unit gets (mesh, resharding, precision, offload)."""
-        return fsdp_arguments(self.fsdp_mesh, self.reshard_after_forward, self.param_dtype, self.reduce_dtype,
-                              self.cpu_offload)
+        return fsdp_arguments(
+            self.fsdp_mesh, self.reshard_after_forward, self.param_dtype, self.reduce_dtype, self.cpu_offload
+        )
 
     def apply_fsdp(self, model: CausalLMWithLoss) -> None:
         """Each decoder layer, then the root (``shard_layers_then_root``). ``logits`` (evaluation) is
@@ -104,8 +105,13 @@ class FullyShardSteps(MeshStrategy):
         register_fsdp_forward_method(model, "logits")
 
 
-def fsdp_arguments(mesh: DeviceMesh, reshard_after_forward: bool, param_dtype: DTypeName | None = None,
-                   reduce_dtype: DTypeName | None = None, cpu_offload: bool = False) -> dict:
+def fsdp_arguments(
+    mesh: DeviceMesh,
+    reshard_after_forward: bool,
+    param_dtype: DTypeName | None = None,
+    reduce_dtype: DTypeName | None = None,
+    cpu_offload: bool = False,
+) -> dict:
     """``fully_shard``'s keyword arguments from lit-ablate's options (shared with the pipeline's stages)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 

@@ -16,10 +16,14 @@ def check_gpu_only_options(options: Mapping[str, Any], device_type: str) -> None
         return
     if options.get("cpu_offload"):
         raise ConfigError(
-            f"{STRATEGY_KEY}.cpu_offload", True,
+            f"{STRATEGY_KEY}.cpu_offload",
+            True,
             "CPU offload moves shards from a GPU to host memory; with accelerator: cpu everything already is in host "
             "memory. Set cpu_offload: false, or train on GPUs",
         )
     if options.get("comm_hook") == "bf16":
-        raise ConfigError(f"{STRATEGY_KEY}.comm_hook", "bf16",
-                          "torch's bf16 compression hook needs NCCL (GPUs); on CPU use fp16 or powersgd")
+        raise ConfigError(
+            f"{STRATEGY_KEY}.comm_hook",
+            "bf16",
+            "torch's bf16 compression hook needs NCCL (GPUs); on CPU use fp16 or powersgd",
+        )

@@ -24,8 +24,12 @@ from torch.distributed.tensor import DTensor
 
 
 @torch.no_grad()
-def clip_grad_norm_across_meshes(parameters: Iterable[Tensor], max_norm: float,
-                                 stage_group: ProcessGroup | None = None, repeated: Iterable[Tensor] = ()) -> Tensor:
+def clip_grad_norm_across_meshes(
+    parameters: Iterable[Tensor],
+    max_norm: float,
+    stage_group: ProcessGroup | None = None,
+    repeated: Iterable[Tensor] = (),
+) -> Tensor:
     """Clip the gradients by their global L2 norm over every mesh they are sharded on and, with
     ``stage_group``, over the pipeline stages (every stage calls it, one without gradients too).
     ``repeated``: parameters among them whose gradient another stage holds too (counted there), which

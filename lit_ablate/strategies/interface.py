@@ -96,8 +96,13 @@ class StrategyInterface:
         of its stages inside one schedule); otherwise the module runs forward and Lightning backward."""
         return False
 
-    def forward_backward(self, model: CausalLMWithLoss, batch: dict[str, Any], objective: ObjectiveScale,
-                         unit_loss: UnitLoss | None = None) -> tuple[Tensor, Tensor]:
+    def forward_backward(
+        self,
+        model: CausalLMWithLoss,
+        batch: dict[str, Any],
+        objective: ObjectiveScale,
+        unit_loss: UnitLoss | None = None,
+    ) -> tuple[Tensor, Tensor]:
         """``(loss_sum, useful_tokens)`` of the batch after its forward and backward (see ``runs_forward_backward``).
 
         ``unit_loss(outputs, micro_batch)``: for a loss that is not the model's own token loss (DPO's

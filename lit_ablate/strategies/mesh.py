@@ -140,8 +140,9 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
         self.requested_mesh_sizes = MeshSizes(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, cp=cp, tp=tp)
         self._check_steps_implemented(self.requested_mesh_sizes)
         if activation_checkpointing not in ("none", "full", "selective"):
-            raise ConfigError(f"{STRATEGY_KEY}.activation_checkpointing", activation_checkpointing,
-                              "choose none, full or selective")
+            raise ConfigError(
+                f"{STRATEGY_KEY}.activation_checkpointing", activation_checkpointing, "choose none, full or selective"
+            )
         if checkpoint_every < 1:
             raise ConfigError(f"{STRATEGY_KEY}.checkpoint_every", checkpoint_every, "use 1 or more")
         self.activation_checkpointing = activation_checkpointing
@@ -233,10 +234,17 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
     def _check_steps_implemented(self, sizes: MeshSizes) -> None:
         for dim, step in (("pp", "apply_pp"), ("tp", "apply_tp"), ("ep", "apply_ep"), ("cp", "apply_cp")):
             if sizes[dim] > 1 and getattr(type(self), step) is getattr(MeshStrategy, step):
-                other = ("class_path lit_ablate.strategies.PipelineParallelStrategy (pipeline stages with every other "
-                         "dimension)" if dim == "pp" else "a strategy that implements it")
-                raise ConfigError(f"{STRATEGY_KEY}.{dim}", sizes[dim],
-                                  f"{type(self).__name__} does not implement {step}; use {dim}: 1, or {other}")
+                other = (
+                    "class_path lit_ablate.strategies.PipelineParallelStrategy (pipeline stages with every other "
+                    "dimension)"
+                    if dim == "pp"
+                    else "a strategy that implements it"
+                )
+                raise ConfigError(
+                    f"{STRATEGY_KEY}.{dim}",
+                    sizes[dim],
+                    f"{type(self).__name__} does not implement {step}; use {dim}: 1, or {other}",
+                )
 
     # ---------------------------------------------------------------- Lightning hooks
     def setup_environment(self) -> None:
@@ -276,7 +284,8 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
         targets = [m for m in self.lightning_module.modules() if isinstance(m, CausalLMWithLoss)]
         if not targets:
             raise ConfigError(
-                "model", type(self.lightning_module).__name__,
+                "model",
+                type(self.lightning_module).__name__,
                 f"{type(self).__name__} parallelises the CausalLMWithLoss a LightningModule builds in configure_model; "
                 "this module has none",
             )
@@ -440,7 +449,9 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
     def _mesh_device(self) -> torch.device:
         if self.device_mesh.device_type == "cpu":
             return torch.device("cpu")
-        return torch.device(self.device_mesh.device_type, torch.get_device_module(self.device_mesh.device_type).current_device())
+        return torch.device(
+            self.device_mesh.device_type, torch.get_device_module(self.device_mesh.device_type).current_device()
+        )
 
 
 def _rank() -> int:
@@ -453,7 +464,10 @@ def _compile_backend(backend: str | None) -> str:
         return "inductor"
     backends = torch._dynamo.list_backends(exclude_tags=())
     if backend not in backends:
-        raise ConfigError(f"{STRATEGY_KEY}.compile_backend", backend,
-                          "use inductor (what runs are measured with), aot_eager (the same tracing, eager kernels) or "
-                          "eager; torch._dynamo.list_backends(exclude_tags=()) lists every backend")
+        raise ConfigError(
+            f"{STRATEGY_KEY}.compile_backend",
+            backend,
+            "use inductor (what runs are measured with), aot_eager (the same tracing, eager kernels) or "
+            "eager; torch._dynamo.list_backends(exclude_tags=()) lists every backend",
+        )
     return backend

@@ -12,8 +12,9 @@ from torch.optim import Optimizer
 from lit_ablate.errors import ConfigError
 
 
-def load_stage_checkpoint(path: Path, model: nn.Module, optimizers: list[Optimizer],
-                          weights_only: bool | None = None) -> dict[str, Any]:
+def load_stage_checkpoint(
+    path: Path, model: nn.Module, optimizers: list[Optimizer], weights_only: bool | None = None
+) -> dict[str, Any]:
     """Load this rank's stages of ``model`` and their ``optimizers``' state from the sharded DCP folder
     ``path``; returns the checkpoint's other contents (Lightning's loop state, callbacks).
 
@@ -30,17 +31,25 @@ def load_stage_checkpoint(path: Path, model: nn.Module, optimizers: list[Optimiz
     )
 
     if not (path / _METADATA_FILENAME).is_file():
-        raise ConfigError("ckpt_path", str(path), "a pipeline-parallel run resumes from the sharded checkpoint "
-                          "folder such a run saves")
+        raise ConfigError(
+            "ckpt_path",
+            str(path),
+            "a pipeline-parallel run resumes from the sharded checkpoint folder such a run saves",
+        )
     named = {f"optimizer_{index}": optimizer for index, optimizer in enumerate(optimizers)}
     templates = {key: get_optimizer_state_dict(model, optimizer) for key, optimizer in named.items()}
-    state = {"state_dict": get_model_state_dict(model),
-             **{key: {"state": t["state"], "param_groups": t["param_groups"]} for key, t in templates.items()}}
+    state = {
+        "state_dict": get_model_state_dict(model),
+        **{key: {"state": t["state"], "param_groups": t["param_groups"]} for key, t in templates.items()},
+    }
     load(state, checkpoint_id=path)
     set_model_state_dict(model, state["state_dict"])
     for key, optimizer in named.items():
-        set_optimizer_state_dict(model, optimizer, optim_state_dict={
-            "state": state[key]["state"], "param_groups": templates[key]["param_groups"]})
+        set_optimizer_state_dict(
+            model,
+            optimizer,
+            optim_state_dict={"state": state[key]["state"], "param_groups": templates[key]["param_groups"]},
+        )
         # DCP keeps one copy of an object every rank saves under the same key (the param groups,
         # which list one stage's parameters): take only their hyperparameters (lr, betas, ...).
         for group, saved in zip(optimizer.param_groups, state[key]["param_groups"], strict=True):

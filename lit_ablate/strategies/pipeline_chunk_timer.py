@@ -40,6 +40,7 @@ class ChunkTimer:
                 return chunk(*args, **kwargs)
             finally:
                 self._seconds += time.perf_counter() - started
+
         return timed_chunk
 
     def seconds(self) -> float:

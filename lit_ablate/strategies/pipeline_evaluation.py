@@ -37,8 +37,9 @@ def evaluate_stages(stages: RankStages, model: CausalLMWithLoss, batch: dict[str
         if s > 0 and before != here:
             hidden = torch.empty(shape, dtype=dtype, device=labels.device)
             dist.recv(hidden, group=stages.group, group_src=before)
-        hidden = stages.modules[s](hidden, position_ids=batch.get("position_ids"),
-                                   attention_mask=batch.get("attention_mask"))
+        hidden = stages.modules[s](
+            hidden, position_ids=batch.get("position_ids"), attention_mask=batch.get("attention_mask")
+        )
         if s == count - 1:
             outputs = stages.last.head_loss(hidden, batch)
         elif after != here:

@@ -137,23 +137,40 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
         process_group_backend: str | None = None,
         timeout_s: float = 1800.0,
     ) -> None:
-        super().__init__(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, ep=ep, cp=cp, tp=tp, cp_impl=cp_impl,
-                         cp_layout=cp_layout, cp_block_kernel=cp_block_kernel, dispatch=dispatch,
-                         reshard_after_forward=reshard_after_forward,
-                         save_distributed_checkpoint=True,  # a full file would hold stage 0 only
-                         process_group_backend=process_group_backend, timeout_s=timeout_s)
+        super().__init__(
+            pp=pp,
+            dp_replicate=dp_replicate,
+            dp_shard=dp_shard,
+            ep=ep,
+            cp=cp,
+            tp=tp,
+            cp_impl=cp_impl,
+            cp_layout=cp_layout,
+            cp_block_kernel=cp_block_kernel,
+            dispatch=dispatch,
+            reshard_after_forward=reshard_after_forward,
+            save_distributed_checkpoint=True,  # a full file would hold stage 0 only
+            process_group_backend=process_group_backend,
+            timeout_s=timeout_s,
+        )
         if schedule not in SCHEDULES:
             raise ConfigError(f"{STRATEGY_KEY}.schedule", schedule, f"choose one of {SCHEDULES}")
         interleaved = schedule == "interleaved_1f1b"
         if not isinstance(stages_per_rank, int) or stages_per_rank < 1 or (stages_per_rank > 1) != interleaved:
-            raise ConfigError(f"{STRATEGY_KEY}.stages_per_rank", stages_per_rank,
-                              "interleaved_1f1b needs 2 or more stages per rank; gpipe and 1f1b hold 1")
+            raise ConfigError(
+                f"{STRATEGY_KEY}.stages_per_rank",
+                stages_per_rank,
+                "interleaved_1f1b needs 2 or more stages per rank; gpipe and 1f1b hold 1",
+            )
         self.stages_per_rank = stages_per_rank
         if not isinstance(microbatches, int) or microbatches < 1:
             raise ConfigError(f"{STRATEGY_KEY}.microbatches", microbatches, "use 1 or more micro-batches")
         if reshard_after_forward and dp_shard == 1:
-            raise ConfigError(f"{STRATEGY_KEY}.reshard_after_forward", True,
-                              "it frees FSDP-sharded stages' gathered layers: set dp_shard > 1, or leave it false")
+            raise ConfigError(
+                f"{STRATEGY_KEY}.reshard_after_forward",
+                True,
+                "it frees FSDP-sharded stages' gathered layers: set dp_shard > 1, or leave it false",
+            )
         self.dp_replicate = dp_replicate
         self.dp_shard = dp_shard
         self.requested_pp = pp
@@ -177,13 +194,18 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
         mesh = super().build_mesh(device_type, world_size)
         pp = self.mesh_sizes["pp"]
         if self.schedule_name == "1f1b" and self.microbatches < pp:
-            raise ConfigError(f"{STRATEGY_KEY}.microbatches", self.microbatches,
-                              f"1f1b needs at least pp={pp} micro-batches to fill the pipeline; raise it or use gpipe")
+            raise ConfigError(
+                f"{STRATEGY_KEY}.microbatches",
+                self.microbatches,
+                f"1f1b needs at least pp={pp} micro-batches to fill the pipeline; raise it or use gpipe",
+            )
         rounds = max(1, self.microbatches // pp)
         if self.schedule_name == "interleaved_1f1b" and self.microbatches % rounds:
-            raise ConfigError(f"{STRATEGY_KEY}.microbatches", self.microbatches,
-                              f"interleaved_1f1b runs rounds of pp={pp} micro-batches: use a multiple of {pp}, "
-                              f"or fewer than {pp}")
+            raise ConfigError(
+                f"{STRATEGY_KEY}.microbatches",
+                self.microbatches,
+                f"interleaved_1f1b runs rounds of pp={pp} micro-batches: use a multiple of {pp}, or fewer than {pp}",
+            )
         self.pp = pp
         self.stage_index = mesh.get_local_rank("pp")
         return mesh
@@ -219,9 +241,12 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
     # ---------------------------------------------------------------- Lightning hooks
     def setup(self, trainer: Trainer) -> None:
         if len(self.parallel_targets()) != 1:  # DPO's frozen reference: a second model
-            raise ConfigError("model.init_args.reference", "frozen",
-                              "the pipeline stages hold one model, and a frozen reference is a second one: use "
-                              "reference: precomputed (its log-probs computed once through the stages) or none")
+            raise ConfigError(
+                "model.init_args.reference",
+                "frozen",
+                "the pipeline stages hold one model, and a frozen reference is a second one: use "
+                "reference: precomputed (its log-probs computed once through the stages) or none",
+            )
         super().setup(trainer)
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -249,15 +274,23 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
         self.check_model(model)
         self._tied = tied_names(model)
         # Before any step replaces a parameter: rank 0's whole model, every other rank's shapes (on meta).
-        whole = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") if t.is_meta else t
-                 for name, t in itertools.chain(model.named_parameters(), model.named_buffers())}
+        whole = {
+            name: torch.empty(t.shape, dtype=t.dtype, device="meta") if t.is_meta else t
+            for name, t in itertools.chain(model.named_parameters(), model.named_buffers())
+        }
         self.apply_pp(model)
         self.apply_steps(model)
         self.materialize(model, whole)
         self._tied_copy = stage_copy(model, self._tied, self.device_mesh) if self._tied and self.pp > 1 else None
         group, replicas = self.gradient_mean_group
-        self._schedule = PipelineSchedule(self._stages, self.schedule_name, self.microbatches, group,
-                                          (None, 1) if self.shards_parameters else (group, replicas), self._tied_copy)
+        self._schedule = PipelineSchedule(
+            self._stages,
+            self.schedule_name,
+            self.microbatches,
+            group,
+            (None, 1) if self.shards_parameters else (group, replicas),
+            self._tied_copy,
+        )
         self._pipelined = model
         model.forward = functools.partial(self.pipeline_forward, model)  # the stage alone would compute nonsense
         model.parallelized_by = type(self).__name__
@@ -267,10 +300,17 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
         """Keep this rank's stages (``pipeline_split.keep_stages``): other stages' layers become
         pass-throughs, the embeddings stay on the first stage and the final norm and LM head on the
         last; one ``StageModule`` per stage, ``pp x stages_per_rank`` stages looped over the ranks."""
-        self.stage_layers, modules = keep_stages(model, self.pp, self.stage_index, self.stages_per_rank,
-                                                 self.split_points)
-        self._stages = RankStages(modules, self.pp, self.stage_index, self.stages_per_rank,
-                                  self.device_mesh.get_group("pp"), self._mesh_device())
+        self.stage_layers, modules = keep_stages(
+            model, self.pp, self.stage_index, self.stages_per_rank, self.split_points
+        )
+        self._stages = RankStages(
+            modules,
+            self.pp,
+            self.stage_index,
+            self.stages_per_rank,
+            self.device_mesh.get_group("pp"),
+            self._mesh_device(),
+        )
 
     def stage_modules(self) -> dict[int, StageModule]:
         return self._stages.modules
@@ -285,18 +325,29 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
     def check_model(self, model: CausalLMWithLoss) -> None:
         """Refuse what the stage split cannot hold (each with the key to change)."""
         if type(model) not in PIPELINED_MODELS:
-            raise ConfigError("model", type(model).__name__,
-                              "pipeline stages train CausalLM and DPO with logprobs torch or chunked (Liger's fused "
-                              "DPO reads the whole batch's hidden states at once); use logprobs: chunked")
+            raise ConfigError(
+                "model",
+                type(model).__name__,
+                "pipeline stages train CausalLM and DPO with logprobs torch or chunked (Liger's fused "
+                "DPO reads the whole batch's hidden states at once); use logprobs: chunked",
+            )
         config = model.lm.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError("model.init_args.model", config.model_type,
-                              f"pipeline stages are built for {', '.join(SUPPORTED_MODEL_TYPES)} models")
+            raise ConfigError(
+                "model.init_args.model",
+                config.model_type,
+                f"pipeline stages are built for {', '.join(SUPPORTED_MODEL_TYPES)} models",
+            )
         if config.num_hidden_layers < self.pp:
-            raise ConfigError(f"{STRATEGY_KEY}.pp", self.pp,
-                              f"the model has {config.num_hidden_layers} decoder layers; use at most that many stages")
+            raise ConfigError(
+                f"{STRATEGY_KEY}.pp",
+                self.pp,
+                f"the model has {config.num_hidden_layers} decoder layers; use at most that many stages",
+            )
         if self.requested_mesh_sizes["tp"] != 1 and model.lm.get_output_embeddings() is not None:
-            super().check_model(model)  # TP's (heads, vocabulary, loss backend); stages without the LM head ran it whole
+            super().check_model(
+                model
+            )  # TP's (heads, vocabulary, loss backend); stages without the LM head ran it whole
 
     def materialize(self, model: CausalLMWithLoss, source: Mapping[str, Tensor]) -> None:
         """Rank 0 built the whole model: broadcast each of its tensors (``source``: rank 0's values, every
@@ -311,11 +362,16 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
             model.to(device)
         local = dict(itertools.chain(model.named_parameters(), model.named_buffers()))
         for name, full in source.items():
-            value = torch.empty(full.shape, dtype=full.dtype, device=device) if full.is_meta else full.detach().to(device)
+            value = (
+                torch.empty(full.shape, dtype=full.dtype, device=device) if full.is_meta else full.detach().to(device)
+            )
             dist.broadcast(value, src=0)
             for target in (local[held] for held in (name, copies.get(name)) if held in local):
-                piece = (distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
-                         if isinstance(target, DTensor) else value)  # this rank's piece, no communication
+                piece = (
+                    distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
+                    if isinstance(target, DTensor)
+                    else value
+                )  # this rank's piece, no communication
                 with torch.no_grad():
                     target.copy_(piece)
 
@@ -324,8 +380,13 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
     def runs_forward_backward(self) -> bool:
         return True
 
-    def forward_backward(self, model: CausalLMWithLoss, batch: dict[str, Any], objective: ObjectiveScale,
-                         unit_loss: UnitLoss | None = None) -> tuple[Tensor, Tensor]:
+    def forward_backward(
+        self,
+        model: CausalLMWithLoss,
+        batch: dict[str, Any],
+        objective: ObjectiveScale,
+        unit_loss: UnitLoss | None = None,
+    ) -> tuple[Tensor, Tensor]:
         """Forward and backward of every micro-batch through the stages; ``(loss_sum, units)`` of the
         whole batch, the same on every rank (``CausalLM.training_step`` calls it: useful tokens). A
         preference batch (``DPO.training_step``, with its ``unit_loss``) is reordered so that every

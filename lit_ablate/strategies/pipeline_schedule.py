@@ -64,8 +64,15 @@ class PipelineSchedule:
             the other stage's copy after the schedule (``pipeline_tied_embeddings``).
     """
 
-    def __init__(self, stages: RankStages, schedule: str, microbatches: int, data_parallel_group: ProcessGroup | None,
-                 replicas: tuple[ProcessGroup | None, int], tied: StageCopy | None = None) -> None:
+    def __init__(
+        self,
+        stages: RankStages,
+        schedule: str,
+        microbatches: int,
+        data_parallel_group: ProcessGroup | None,
+        replicas: tuple[ProcessGroup | None, int],
+        tied: StageCopy | None = None,
+    ) -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         self.stages, self.microbatches = stages, microbatches
@@ -82,12 +89,14 @@ class PipelineSchedule:
         # Every rank passes the loss (only the last computes it): without one, torch runs no backward.
         # scale_grads off: StepObjective divides by the step's tokens.
         if schedule == "interleaved_1f1b":
-            self._schedule = ScheduleInterleaved1F1B(pipeline_stages, microbatches, loss_fn=self._last_stage_loss,
-                                                     scale_grads=False)
+            self._schedule = ScheduleInterleaved1F1B(
+                pipeline_stages, microbatches, loss_fn=self._last_stage_loss, scale_grads=False
+            )
         else:
             schedule_class = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-            self._schedule = schedule_class(pipeline_stages[0], microbatches, loss_fn=self._last_stage_loss,
-                                            scale_grads=False)
+            self._schedule = schedule_class(
+                pipeline_stages[0], microbatches, loss_fn=self._last_stage_loss, scale_grads=False
+            )
         self._shape: tuple[int, ...] | None = None  # the first training batch's: torch sizes the stages' buffers by it
         self._step_batch: dict[str, Any] | None = None
         self._unit_loss: UnitLoss | None = None
@@ -95,19 +104,30 @@ class PipelineSchedule:
         self._loss_scale = 1.0
         self._pending_gradients: list[tuple[nn.Parameter, Tensor]] = []
 
-    def forward_backward(self, model: CausalLMWithLoss, batch: dict[str, Any], objective: ObjectiveScale,
-                         unit_loss: UnitLoss | None = None) -> tuple[Tensor, Tensor]:
+    def forward_backward(
+        self,
+        model: CausalLMWithLoss,
+        batch: dict[str, Any],
+        objective: ObjectiveScale,
+        unit_loss: UnitLoss | None = None,
+    ) -> tuple[Tensor, Tensor]:
         """Forward and backward of every micro-batch through the stages: ``(loss_sum, units)`` of the whole
         batch, the same on every rank (``PipelineParallelStrategy.forward_backward``)."""
         batch = pipeline_batch(batch)
         if batch["labels"].shape[0] % self.microbatches:
-            raise ConfigError(f"{STRATEGY_KEY}.microbatches", self.microbatches,
-                              f"the batch has {batch['labels'].shape[0]} rows; use a divisor of the batch size")
+            raise ConfigError(
+                f"{STRATEGY_KEY}.microbatches",
+                self.microbatches,
+                f"the batch has {batch['labels'].shape[0]} rows; use a divisor of the batch size",
+            )
         shape, first = tuple(batch["input_ids"].shape), self._shape
         if first is not None and shape != first:  # torch's stages size their hand-off buffers once
-            raise ConfigError("data.init_args.collator", f"a batch of {shape} after {first}",
-                              "pipeline stages take every training batch in one shape: pad to seq_len "
-                              "(static_length: true; packing: static_shape: true) and drop a smaller last batch")
+            raise ConfigError(
+                "data.init_args.collator",
+                f"a batch of {shape} after {first}",
+                "pipeline stages take every training batch in one shape: pad to seq_len "
+                "(static_length: true; packing: static_shape: true) and drop a smaller last batch",
+            )
         self._shape = shape
         if "num_pairs" in batch:
             if unit_loss is None:
@@ -153,11 +173,14 @@ class PipelineSchedule:
         if unit_loss is not None:  # every entry unit_loss returned, summed (the loss sum first)
             # The last stage's micro-batches: the schedule's last calls (its first step's shape inference
             # calls the loss once before them, on placeholder hidden states).
-            values = self._unit_values[-self.microbatches:]
+            values = self._unit_values[-self.microbatches :]
             loss_sum = stages.from_last_stage((torch.stack(values).sum(0),) if values else None)[0]
         else:
-            loss_sum = ((torch.stack([loss.detach() for loss in losses]).sum() * objective.scale).float() if losses
-                        else torch.zeros((), device=labels.device))
+            loss_sum = (
+                (torch.stack([loss.detach() for loss in losses]).sum() * objective.scale).float()
+                if losses
+                else torch.zeros((), device=labels.device)
+            )
             dist.broadcast(loss_sum, group=stages.group, group_src=stages.pp - 1)
         self._step_batch, self._unit_loss, self._unit_values = None, None, []
         if self._moe_layers:
@@ -184,8 +207,11 @@ class PipelineSchedule:
         over ``c`` and the model's MoE layer count)."""
         inputs = {key: batch[key] for key in ("position_ids", "attention_mask") if key in batch}
         if self._moe_layers:  # a preference batch's unit is a pair: half of it on each of its two rows
-            units = (torch.full(batch["labels"].shape[:1], 0.5, device=batch["labels"].device) if "num_pairs" in batch
-                     else (batch["labels"] != IGNORE_INDEX).sum(-1).float())
+            units = (
+                torch.full(batch["labels"].shape[:1], 0.5, device=batch["labels"].device)
+                if "num_pairs" in batch
+                else (batch["labels"] != IGNORE_INDEX).sum(-1).float()
+            )
             inputs["aux_weights"] = units / (scale * self._moe_layers)
         return inputs
 
@@ -215,9 +241,8 @@ class PipelineSchedule:
                     sums[len(names) + index] = 1.0
             module.aux_sums = {}
         dist.all_reduce(sums, group=self.stages.group)
-        present = sums[len(names):].tolist()
-        values = {name: sums[index] * scale / units.clamp(min=1)
-                  for index, name in enumerate(names) if present[index]}
+        present = sums[len(names) :].tolist()
+        values = {name: sums[index] * scale / units.clamp(min=1) for index, name in enumerate(names) if present[index]}
         for module in self.stages.modules.values():
             for block in moe_blocks(module.parts):
                 block.keep_aux_losses(values)

@@ -13,15 +13,18 @@ from lit_ablate.mesh_sizes import STRATEGY_KEY
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
 from lit_ablate.strategies.pipeline_stages import PassThrough, StageModule
 
-ONE_STAGE_FIX = ("a pipeline needs 2 or more stages, on as many ranks (with one, a rank would hold the first and the "
-                 "last stage, which torch's schedules do not run); raise pp and the devices to match, or use "
-                 "trainer.strategy lit_ablate.strategies.FSDP2Strategy")
+ONE_STAGE_FIX = (
+    "a pipeline needs 2 or more stages, on as many ranks (with one, a rank would hold the first and the "
+    "last stage, which torch's schedules do not run); raise pp and the devices to match, or use "
+    "trainer.strategy lit_ablate.strategies.FSDP2Strategy"
+)
 """Why ``pp`` 1 is refused, and what to do (``keep_stages``, and before any rank starts the compatibility
 rule ``pipeline_stages_split_the_model``)."""
 
 
-def keep_stages(model: CausalLMWithLoss, pp: int, stage_index: int, stages_per_rank: int,
-                split_points: list[int] | None) -> tuple[list[int], dict[int, StageModule]]:
+def keep_stages(
+    model: CausalLMWithLoss, pp: int, stage_index: int, stages_per_rank: int, split_points: list[int] | None
+) -> tuple[list[int], dict[int, StageModule]]:
     """Keep rank ``stage_index``'s stages of ``model``: other stages' layers become pass-throughs (indices
     and names stay), the embeddings stay on the first stage and the final norm and LM head on the last.
     Returns the decoder-layer indices kept and one ``StageModule`` per stage held.
@@ -33,9 +36,16 @@ def keep_stages(model: CausalLMWithLoss, pp: int, stage_index: int, stages_per_r
         raise ConfigError(f"{STRATEGY_KEY}.pp", pp, ONE_STAGE_FIX)
     layers = decoder_layers(model)
     stages = pp * stages_per_rank
-    points = split_points if split_points is not None else balanced_split_points(
-        [_numel(layer) for layer in layers], stages,
-        _numel(model.lm.get_input_embeddings()), _numel(model.lm.get_output_embeddings()))
+    points = (
+        split_points
+        if split_points is not None
+        else balanced_split_points(
+            [_numel(layer) for layer in layers],
+            stages,
+            _numel(model.lm.get_input_embeddings()),
+            _numel(model.lm.get_output_embeddings()),
+        )
+    )
     check_split_points(points, len(layers), stages)
     bounds = [0, *points, len(layers)]
     own = range(stage_index, stages, pp)
@@ -50,8 +60,12 @@ def keep_stages(model: CausalLMWithLoss, pp: int, stage_index: int, stages_per_r
     if stage_index != pp - 1:
         decoder.norm = nn.Identity()
         model.lm.lm_head = None
-    modules = {s: StageModule(model, first=s == 0, last=s == stages - 1,
-                              layers=None if stages_per_rank == 1 else stage_layers[s]) for s in own}
+    modules = {
+        s: StageModule(
+            model, first=s == 0, last=s == stages - 1, layers=None if stages_per_rank == 1 else stage_layers[s]
+        )
+        for s in own
+    }
     return kept, modules
 
 
@@ -72,9 +86,12 @@ def check_split_points(points: list[int], num_layers: int, stages: int) -> None:
     """``stages - 1`` strictly increasing layer indices in ``1 .. num_layers - 1``."""
     inside = all(0 < p < num_layers for p in points)
     if len(points) != stages - 1 or not inside or any(b <= a for a, b in itertools.pairwise(points)):
-        raise ConfigError(f"{STRATEGY_KEY}.split_points", points,
-                          f"give {stages - 1} increasing decoder-layer indices between 1 and {num_layers - 1} "
-                          "(where stages 2.. start), or null to balance by parameter count")
+        raise ConfigError(
+            f"{STRATEGY_KEY}.split_points",
+            points,
+            f"give {stages - 1} increasing decoder-layer indices between 1 and {num_layers - 1} "
+            "(where stages 2.. start), or null to balance by parameter count",
+        )
 
 
 def balanced_split_points(layer_sizes: list[int], stages: int, head: int, tail: int) -> list[int]:
@@ -90,7 +107,9 @@ def balanced_split_points(layer_sizes: list[int], stages: int, head: int, tail: 
     def best(start: int, k: int) -> tuple[int, tuple[int, ...]]:
         if k == 1:
             return size(start, n), ()
-        return min((max(size(start, end), best(end, k - 1)[0]), (end, *best(end, k - 1)[1]))
-                   for end in range(start + 1, n - k + 2))
+        return min(
+            (max(size(start, end), best(end, k - 1)[0]), (end, *best(end, k - 1)[1]))
+            for end in range(start + 1, n - k + 2)
+        )
 
     return list(best(0, stages)[1])

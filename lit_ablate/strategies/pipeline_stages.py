@@ -32,21 +32,29 @@ class StageModule(nn.Module):
     interleaved stages is its own FSDP root. The model is referenced, not registered.
     """
 
-    def __init__(self, model: CausalLMWithLoss, first: bool, last: bool = True, layers: list[int] | None = None) -> None:
+    def __init__(
+        self, model: CausalLMWithLoss, first: bool, last: bool = True, layers: list[int] | None = None
+    ) -> None:
         super().__init__()
         object.__setattr__(self, "model", model)
         self.first, self.last = first, last
         decoder = model.lm.base_model
-        held = [index for index, layer in enumerate(decoder.layers)
-                if (index in layers if layers is not None else not isinstance(layer, PassThrough))]
+        held = [
+            index
+            for index, layer in enumerate(decoder.layers)
+            if (index in layers if layers is not None else not isinstance(layer, PassThrough))
+        ]
         ends = ([decoder.embed_tokens] if first else []) + ([decoder.norm, model.lm.lm_head] if last else [])
         self.parts = nn.ModuleList([decoder.layers[index] for index in held] + ends)
         self.aux_sums: dict[str, Tensor] = {}
         """Per auxiliary-loss name, its weighted sum over the step's micro-batches (``add_aux_gradient``)."""
         self._metadata_forward_pending = True
         # A plain list, not a ModuleList: the pass-throughs are no part of the stage.
-        self._view = None if layers is None else [
-            layer if index in layers else PassThrough() for index, layer in enumerate(decoder.layers)]
+        self._view = (
+            None
+            if layers is None
+            else [layer if index in layers else PassThrough() for index, layer in enumerate(decoder.layers)]
+        )
 
     def head_loss(self, hidden: Tensor, batch: dict[str, Any]) -> tuple[Tensor, ...]:
         """The model's outputs (``CausalLMWithLoss.head_outputs``: a token-loss sum and the useful
@@ -54,8 +62,13 @@ class StageModule(nn.Module):
         (final norm applied) of ``batch``'s rows, through the LM head."""
         return self.model.head_outputs(hidden, batch)
 
-    def forward(self, x: Tensor, position_ids: Tensor | None = None, attention_mask: Tensor | None = None,
-                aux_weights: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        position_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        aux_weights: Tensor | None = None,
+    ) -> Tensor:
         """``position_ids``: a packed micro-batch's positions (restarting at each document, from which the
         decoder keeps documents apart); ``attention_mask``: a padded one's (the padding's hidden states,
         which MoE routers see, are then one process's); every stage needs them, the schedule hands each
@@ -183,8 +196,11 @@ def pipeline_batch(batch: dict[str, Any]) -> dict[str, Any]:
     if batch.get("num_pairs") is not None:
         rows = batch["sequence_ids"]
         if "position_ids" in taken or not bool((rows == torch.arange(len(rows), device=rows.device)[:, None]).all()):
-            raise ConfigError("data.init_args.collator", "PreferencePackingCollator",
-                              "pipeline stages take preference pairs one sequence per row; use PreferencePaddingCollator")
+            raise ConfigError(
+                "data.init_args.collator",
+                "PreferencePackingCollator",
+                "pipeline stages take preference pairs one sequence per row; use PreferencePaddingCollator",
+            )
         taken.update(num_pairs=int(batch["num_pairs"]), sequence_ids=rows)
         if batch.get("reference_logps") is not None:
             taken["reference_logps"] = batch["reference_logps"]
@@ -196,9 +212,11 @@ def pair_rows(num_pairs: int, microbatches: int, device: torch.device) -> Tensor
     each of ``microbatches`` equal chunks of rows whole pairs: its pairs' chosen rows, then their
     rejected rows (so a micro-batch is itself such a batch)."""
     if num_pairs % microbatches:
-        raise ConfigError("trainer.strategy.init_args.microbatches", microbatches,
-                          f"a batch of {num_pairs} preference pairs splits into whole pairs only: use a divisor of "
-                          f"{num_pairs}")
+        raise ConfigError(
+            "trainer.strategy.init_args.microbatches",
+            microbatches,
+            f"a batch of {num_pairs} preference pairs splits into whole pairs only: use a divisor of {num_pairs}",
+        )
     pairs = torch.arange(num_pairs, device=device).view(microbatches, -1)
     return torch.cat([pairs, pairs + num_pairs], dim=1).reshape(-1)
 

@@ -83,15 +83,20 @@ class StageCopy:
         """Both copies must hold the same slice of the matrix: the same global and local shapes, the same
         placements on meshes of the same shape (each stage's DTensors live on its own sub-mesh)."""
         p = self.parameter
-        layout = (tuple(p.shape), tuple(p.to_local().shape), tuple(p.placements), tuple(p.device_mesh.shape)) \
-            if isinstance(p, DTensor) else (tuple(p.shape), tuple(p.shape), (), ())
+        layout = (
+            (tuple(p.shape), tuple(p.to_local().shape), tuple(p.placements), tuple(p.device_mesh.shape))
+            if isinstance(p, DTensor)
+            else (tuple(p.shape), tuple(p.shape), (), ())
+        )
         signature = torch.tensor([zlib.crc32(repr(layout).encode())], dtype=torch.int64, device=p.device)
         highest, lowest = signature.clone(), signature.clone()
         dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=self.group)
         dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=self.group)
         if not torch.equal(highest, lowest):
-            raise RuntimeError(f"the tied embedding's copies on the first and last stage are laid out differently "
-                               f"(this rank's: {layout}); their gradients cannot be summed shard by shard")
+            raise RuntimeError(
+                f"the tied embedding's copies on the first and last stage are laid out differently "
+                f"(this rank's: {layout}); their gradients cannot be summed shard by shard"
+            )
 
 
 def stage_copy(model: CausalLMWithLoss, names: TiedNames, mesh: DeviceMesh) -> StageCopy | None:
@@ -104,8 +109,7 @@ def stage_copy(model: CausalLMWithLoss, names: TiedNames, mesh: DeviceMesh) -> S
     held = [(parameters[name], name == names.embedding) for name in (names.embedding, names.head) if name in parameters]
     if group is None or not held:
         return None
-    (parameter, first), = held
+    ((parameter, first),) = held
     copy = StageCopy(parameter, group, counted=first)
     copy.check_matches()
     return copy
-

@@ -54,9 +54,12 @@ class _Preset(MeshParallelStrategy):
     def __init__(self, sizes: dict[str, int], options: dict[str, Any]) -> None:
         for key, value in options.items():
             if key not in self.OPTIONS.__optional_keys__:
-                raise ConfigError(f"{STRATEGY_KEY}.{key}", value,
-                                  f"{type(self).__name__} does not take {key}; use a strategy that does "
-                                  "(MeshParallelStrategy takes every mesh dimension)")  # fmt: skip
+                raise ConfigError(
+                    f"{STRATEGY_KEY}.{key}",
+                    value,
+                    f"{type(self).__name__} does not take {key}; use a strategy that does "
+                    "(MeshParallelStrategy takes every mesh dimension)",
+                )
         super().__init__(**sizes, **options)
 
 
@@ -112,8 +115,9 @@ class TensorParallelStrategy(_Preset):
 
     OPTIONS = TensorParallelOptions
 
-    def __init__(self, tp: int = -1, dp_shard: int = 1, dp_replicate: int = 1,
-                 **kwargs: Unpack[TensorParallelOptions]) -> None:  # fmt: skip
+    def __init__(
+        self, tp: int = -1, dp_shard: int = 1, dp_replicate: int = 1, **kwargs: Unpack[TensorParallelOptions]
+    ) -> None:
         super().__init__({"tp": tp, "dp_shard": dp_shard, "dp_replicate": dp_replicate}, kwargs)
 
 
@@ -134,8 +138,9 @@ class ContextParallelStrategy(_Preset):
 
     OPTIONS = ContextParallelOptions
 
-    def __init__(self, cp: int = -1, dp_shard: int = 1, dp_replicate: int = 1,
-                 **kwargs: Unpack[ContextParallelOptions]) -> None:  # fmt: skip
+    def __init__(
+        self, cp: int = -1, dp_shard: int = 1, dp_replicate: int = 1, **kwargs: Unpack[ContextParallelOptions]
+    ) -> None:
         super().__init__({"cp": cp, "dp_shard": dp_shard, "dp_replicate": dp_replicate}, kwargs)
 
 
@@ -155,8 +160,9 @@ class ExpertParallelStrategy(_Preset):
 
     OPTIONS = ExpertParallelOptions
 
-    def __init__(self, ep: int = -1, dp_shard: int = 1, dp_replicate: int = 1,
-                 **kwargs: Unpack[ExpertParallelOptions]) -> None:  # fmt: skip
+    def __init__(
+        self, ep: int = -1, dp_shard: int = 1, dp_replicate: int = 1, **kwargs: Unpack[ExpertParallelOptions]
+    ) -> None:
         super().__init__({"ep": ep, "dp_shard": dp_shard, "dp_replicate": dp_replicate}, kwargs)
 
 
@@ -173,8 +179,9 @@ class ExpertTensorParallelStrategy(_Preset):
 
     OPTIONS = ExpertTensorParallelOptions
 
-    def __init__(self, tp: int, ep: int, dp_shard: int = 1, dp_replicate: int = 1,
-                 **kwargs: Unpack[ExpertTensorParallelOptions]) -> None:  # fmt: skip
+    def __init__(
+        self, tp: int, ep: int, dp_shard: int = 1, dp_replicate: int = 1, **kwargs: Unpack[ExpertTensorParallelOptions]
+    ) -> None:
         super().__init__({"tp": tp, "ep": ep, "dp_shard": dp_shard, "dp_replicate": dp_replicate}, kwargs)
 
 
@@ -190,8 +197,9 @@ class TensorContextParallelStrategy(_Preset):
 
     OPTIONS = ContextParallelOptions
 
-    def __init__(self, tp: int, cp: int = -1, dp_shard: int = 1, dp_replicate: int = 1,
-                 **kwargs: Unpack[ContextParallelOptions]) -> None:  # fmt: skip
+    def __init__(
+        self, tp: int, cp: int = -1, dp_shard: int = 1, dp_replicate: int = 1, **kwargs: Unpack[ContextParallelOptions]
+    ) -> None:
         super().__init__({"tp": tp, "cp": cp, "dp_shard": dp_shard, "dp_replicate": dp_replicate}, kwargs)
 
 
@@ -206,6 +214,12 @@ class ExpertContextParallelStrategy(_Preset):
 
     OPTIONS = ExpertContextParallelOptions
 
-    def __init__(self, ep: int, cp: int = -1, dp_shard: int = 1, dp_replicate: int = 1,
-                 **kwargs: Unpack[ExpertContextParallelOptions]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        ep: int,
+        cp: int = -1,
+        dp_shard: int = 1,
+        dp_replicate: int = 1,
+        **kwargs: Unpack[ExpertContextParallelOptions],
+    ) -> None:
         super().__init__({"ep": ep, "cp": cp, "dp_shard": dp_shard, "dp_replicate": dp_replicate}, kwargs)

@@ -87,8 +87,14 @@ def simulated_trainer_arguments(simulation: SimulatedRank) -> dict[str, Any]:
     """The ``Trainer`` arguments that make it rank ``simulation.rank`` of the simulated job: one device per
     node, as many nodes as ranks, and the environment that says which. A simulated run trains only: its
     weights and losses are not a model's, so it validates nothing and saves no checkpoint."""
-    return {"num_nodes": simulation.world_size, "devices": 1, "plugins": [SimulatedRankEnvironment(simulation.rank)],
-            "limit_val_batches": 0, "num_sanity_val_steps": 0, "enable_checkpointing": False}
+    return {
+        "num_nodes": simulation.world_size,
+        "devices": 1,
+        "plugins": [SimulatedRankEnvironment(simulation.rank)],
+        "limit_val_batches": 0,
+        "num_sanity_val_steps": 0,
+        "enable_checkpointing": False,
+    }
 
 
 MATRIX_STD = 0.02
@@ -131,8 +137,10 @@ def mirror_next_stage_metadata() -> None:
         if current_simulation() is None:
             return received(stage, source_stage)
         if source_stage != stage.stage_index + 1:  # a later stage's inputs come from a stage no process runs
-            raise RuntimeError(f"a simulated pipeline rank holds the first stage only (stage {stage.stage_index} "
-                               f"waits for stage {source_stage}'s outputs)")
+            raise RuntimeError(
+                f"a simulated pipeline rank holds the first stage only (stage {stage.stage_index} "
+                f"waits for stage {source_stage}'s outputs)"
+            )
         return _StageBackwardMeta(backward_metas=stage._stage_meta.outputs)
 
     receive.mirrors_in_simulation = True

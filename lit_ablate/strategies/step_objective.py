@@ -58,7 +58,9 @@ class StepObjective:
         self.last_step_loss: Tensor | None = None
         """The finished step's exact loss (sum over ranks / units over ranks), for logging."""
 
-    def backward_loss(self, loss_sum: Tensor, units: Tensor, extra: Tensor | float, strategy: Strategy | None) -> Tensor:
+    def backward_loss(
+        self, loss_sum: Tensor, units: Tensor, extra: Tensor | float, strategy: Strategy | None
+    ) -> Tensor:
         """The loss to backpropagate for one micro-batch: ``(loss_sum + units * extra) / c``.
 
         ``units`` is this micro-batch's count (a tensor: it stays on the device, no host sync).
@@ -87,8 +89,9 @@ class StepObjective:
         self.scale = float(2 ** round(math.log2(max(local_units, 1))))
 
     @torch.no_grad()
-    def normalize_gradients(self, parameters: Iterable[torch.nn.Parameter], strategy: Strategy,
-                            accumulate_grad_batches: int) -> None:
+    def normalize_gradients(
+        self, parameters: Iterable[torch.nn.Parameter], strategy: Strategy, accumulate_grad_batches: int
+    ) -> None:
         """Multiply the step's gradients by ``W * A * c / N`` (see the module docstring) and reset."""
         if self._units is None:
             return  # the step backpropagated nothing (training_step returned None)
@@ -105,10 +108,13 @@ class StepObjective:
             if p.grad is not None:
                 grads.append(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
         if trainable and not grads:
-            raise ConfigError(TRAINER_STRATEGY_KEY, type(strategy).__name__,
-                              "lit-ablate rescales each step's gradients to the global token mean after backward, and "
-                              "this strategy keeps gradients outside param.grad (e.g. DeepSpeed); use DDPStrategy, "
-                              "ZeRO1Strategy, FSDP1Strategy or FSDP2Strategy")
+            raise ConfigError(
+                TRAINER_STRATEGY_KEY,
+                type(strategy).__name__,
+                "lit-ablate rescales each step's gradients to the global token mean after backward, and "
+                "this strategy keeps gradients outside param.grad (e.g. DeepSpeed); use DDPStrategy, "
+                "ZeRO1Strategy, FSDP1Strategy or FSDP2Strategy",
+            )
         for dtype_device_group in _by_dtype_and_device(grads).values():
             torch._foreach_mul_(dtype_device_group, factor.to(dtype_device_group[0].device))
         self.last_step_loss = loss_sum / units.clamp(min=1)

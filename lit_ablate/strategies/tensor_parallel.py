@@ -78,9 +78,11 @@ class TensorParallelSteps(FullyShardSteps):
         self.check_model(model)
         mesh = self.tp_mesh
         if is_fp8(model) and not self.float8_styles(model):
-            rank_zero_warn("fp8 with sequence parallelism on CPU: the converted layers are split with DTensor's plain "
-                           "styles (gloo cannot all-gather float8 tensors), so activations travel in high precision; "
-                           "the numbers are the same")  # fmt: skip
+            rank_zero_warn(
+                "fp8 with sequence parallelism on CPU: the converted layers are split with DTensor's plain "
+                "styles (gloo cannot all-gather float8 tensors), so activations travel in high precision; "
+                "the numbers are the same"
+            )
         for layer in decoder_layers(model):
             _parallelize(layer, mesh, self.layer_plan(model, layer))
         _parallelize(model.lm, mesh, self.root_plan(model))
@@ -143,9 +145,12 @@ class TensorParallelSteps(FullyShardSteps):
         tp = self.mesh_sizes.tp
         rows, length = batch["input_ids"].shape
         if length % tp:
-            raise ConfigError(f"{STRATEGY_KEY}.sequence_parallel", True,
-                              f"a batch has length {length}, not divisible by tp={tp}; pad to a multiple of {tp} "
-                              "(data.init_args.collator.init_args.pad_to_multiple_of) or set sequence_parallel: false")
+            raise ConfigError(
+                f"{STRATEGY_KEY}.sequence_parallel",
+                True,
+                f"a batch has length {length}, not divisible by tp={tp}; pad to a multiple of {tp} "
+                "(data.init_args.collator.init_args.pad_to_multiple_of) or set sequence_parallel: false",
+            )
         mask = batch.get("attention_mask")
         if mask is not None and bool(mask.all()):  # all ones: the causal mask is the same without it
             batch = {key: value for key, value in batch.items() if key != "attention_mask"}
@@ -225,8 +230,15 @@ class VocabParallelChunkedCrossEntropy:
             hidden = hidden.to_local()
         shard = weight.to_local()  # this rank's vocabulary rows (Shard(0) over tp); its gradient stays Shard(0)
         return vocabulary_parallel_chunked_cross_entropy(
-            hidden, shard, labels, self.mesh.get_local_rank() * shard.shape[0], self.mesh.get_group(),
-            self.inner.chunk_tokens, self.inner.chunk_vocab, self.inner.z_loss_weight)
+            hidden,
+            shard,
+            labels,
+            self.mesh.get_local_rank() * shard.shape[0],
+            self.mesh.get_group(),
+            self.inner.chunk_tokens,
+            self.inner.chunk_vocab,
+            self.inner.z_loss_weight,
+        )
 
 
 def tie_split_embeddings(model: CausalLMWithLoss) -> None:
@@ -258,7 +270,11 @@ def whole_sequence_masks(module: nn.Module, args: tuple, kwargs: dict[str, Any])
     builds it here from the whole ``input_ids``' shape. A sliding-window model would need a second
     mask: refused."""
     input_ids, position_ids, padding = kwargs.get("input_ids"), kwargs.get("position_ids"), kwargs.get("attention_mask")
-    if input_ids is None or position_ids is None or not (padding is None or isinstance(padding, Tensor) and padding.ndim == 2):
+    if (
+        input_ids is None
+        or position_ids is None
+        or not (padding is None or isinstance(padding, Tensor) and padding.ndim == 2)
+    ):
         return None
     from transformers.masking_utils import create_causal_mask
 
@@ -271,10 +287,15 @@ def whole_sequence_masks(module: nn.Module, args: tuple, kwargs: dict[str, Any])
     if mask is None:  # plain causal: the kernel's own causal flag sees the whole sequence
         return None
     layer_types = getattr(config, "layer_types", None) or ()
-    if any(kind != "full_attention" for kind in layer_types) or (not layer_types and getattr(config, "sliding_window", None)):
-        raise ConfigError(f"{STRATEGY_KEY}.sequence_parallel", True,
-                          "packed or padded batches on a sliding-window model need a second whole-sequence mask, "
-                          "not built; use unpacked, unpadded batches or sequence_parallel: false")
+    if any(kind != "full_attention" for kind in layer_types) or (
+        not layer_types and getattr(config, "sliding_window", None)
+    ):
+        raise ConfigError(
+            f"{STRATEGY_KEY}.sequence_parallel",
+            True,
+            "packed or padded batches on a sliding-window model need a second whole-sequence mask, "
+            "not built; use unpacked, unpadded batches or sequence_parallel: false",
+        )
     return args, {**kwargs, "attention_mask": mask}
 
 

@@ -104,9 +104,12 @@ def layer_plan_for(model_type: str):  # noqa: ANN201 (a function like LAYER_PLAN
     """The plan function of ``model_type``, with peft's LoRA layers retargeted (``adapter_plan``); an
     unknown family is refused with the known ones."""
     if model_type not in LAYER_PLANS:
-        raise ConfigError("model.init_args.model", model_type,
-                          f"tensor parallelism has plans for {sorted(LAYER_PLANS)}; add one for this family "
-                          "(override TensorParallelStrategy.layer_plan) or use tp: 1")
+        raise ConfigError(
+            "model.init_args.model",
+            model_type,
+            f"tensor parallelism has plans for {sorted(LAYER_PLANS)}; add one for this family "
+            "(override TensorParallelStrategy.layer_plan) or use tp: 1",
+        )
     family_plan = LAYER_PLANS[model_type]
 
     def plan(layer: nn.Module, sequence_parallel: bool, float8: bool = False) -> Plan:
@@ -145,21 +148,28 @@ def adapter_plan(layer: nn.Module, plan: Plan, sequence_parallel: bool = False) 
             raise ConfigError(f"{STRATEGY_KEY}.sequence_parallel", True, reason)
         out[f"{name}.base_layer"] = style
         if isinstance(style, ColwiseParallel):
-            out[f"{name}.lora_B.{ADAPTER_NAME}"] = ColwiseParallel(output_layouts=style.output_layouts[0],
-                                                                   use_local_output=style.use_local_output)
+            out[f"{name}.lora_B.{ADAPTER_NAME}"] = ColwiseParallel(
+                output_layouts=style.output_layouts[0], use_local_output=style.use_local_output
+            )
             if sequence_parallel:
                 out[f"{name}.lora_A.{ADAPTER_NAME}"] = PrepareModuleInput(
-                    input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=True)
+                    input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=True
+                )
         elif isinstance(style, RowwiseParallel):
-            out[f"{name}.lora_A.{ADAPTER_NAME}"] = RowwiseParallel(input_layouts=style.input_layouts[0],
-                                                                   output_layouts=style.output_layouts[0],
-                                                                   use_local_output=style.use_local_output)
+            out[f"{name}.lora_A.{ADAPTER_NAME}"] = RowwiseParallel(
+                input_layouts=style.input_layouts[0],
+                output_layouts=style.output_layouts[0],
+                use_local_output=style.use_local_output,
+            )
             if sequence_parallel:  # lora_B reads this rank's tokens: its weight gradient is summed over tp
                 out[f"{name}.lora_B.{ADAPTER_NAME}"] = SequenceParallel(use_local_output=True)
         else:
-            raise ConfigError(ADAPTER_OPTIONS_KEY + ".target_modules", name,
-                              f"its tensor-parallel style {type(style).__name__} has no adapter split; "
-                              "leave it out of target_modules or use tp: 1")
+            raise ConfigError(
+                ADAPTER_OPTIONS_KEY + ".target_modules",
+                name,
+                f"its tensor-parallel style {type(style).__name__} has no adapter split; "
+                "leave it out of target_modules or use tp: 1",
+            )
     return out
 
 
@@ -169,8 +179,10 @@ def sequence_parallel_adapters_refusal() -> str | None:
     (``DTENSOR_FLATTENS_SHARDED_SEQUENCES``)."""
     if DTENSOR_FLATTENS_SHARDED_SEQUENCES:
         return None
-    return (f"LoRA's lora_B under sequence parallelism is a linear layer on a sequence-sharded DTensor, which "
-            f"torch {torch.__version__} cannot compute (torch >= 2.12 can); set sequence_parallel: false, or upgrade torch")
+    return (
+        f"LoRA's lora_B under sequence parallelism is a linear layer on a sequence-sharded DTensor, which "
+        f"torch {torch.__version__} cannot compute (torch >= 2.12 can); set sequence_parallel: false, or upgrade torch"
+    )
 
 
 def _is_lora_layer(module: nn.Module) -> bool:
@@ -184,18 +196,28 @@ def _is_lora_layer(module: nn.Module) -> bool:
 def _check_not_quantized(name: str, module: nn.Module) -> None:
     weight = getattr(module, "weight", None)
     if weight is not None and is_quantized(weight):
-        raise ConfigError(QUANTIZATION_KEY, name, "tensor parallelism splits weights by rows or columns, which "
-                          "bitsandbytes' packed blocks are not built for; use tp: 1 (FSDP2 shards QLoRA)")
+        raise ConfigError(
+            QUANTIZATION_KEY,
+            name,
+            "tensor parallelism splits weights by rows or columns, which "
+            "bitsandbytes' packed blocks are not built for; use tp: 1 (FSDP2 shards QLoRA)",
+        )
 
 
 def _check_adapter_splits(module: nn.Module) -> None:
     if any(module.use_dora.values()):
-        raise ConfigError(ADAPTER_OPTIONS_KEY + ".use_dora", True, "DoRA's magnitude needs the row norms of the "
-                          "whole weight, which tensor parallelism splits; use use_dora: false or tp: 1")
+        raise ConfigError(
+            ADAPTER_OPTIONS_KEY + ".use_dora",
+            True,
+            "DoRA's magnitude needs the row norms of the "
+            "whole weight, which tensor parallelism splits; use use_dora: false or tp: 1",
+        )
     if any(isinstance(dropout, nn.Dropout) and dropout.p for dropout in module.lora_dropout.values()):
-        raise ConfigError(ADAPTER_OPTIONS_KEY + ".dropout", module.lora_dropout[ADAPTER_NAME].p,
-                          "the TP ranks would drop different inputs of the adapter they all hold whole; "
-                          "use dropout: 0 or tp: 1")
+        raise ConfigError(
+            ADAPTER_OPTIONS_KEY + ".dropout",
+            module.lora_dropout[ADAPTER_NAME].p,
+            "the TP ranks would drop different inputs of the adapter they all hold whole; use dropout: 0 or tp: 1",
+        )
 
 
 class _Styles:
@@ -245,7 +267,8 @@ def _attention_plan(styles: _Styles, sequence_parallel: bool) -> Plan:
         plan["input_layernorm"] = SequenceParallel()
         plan["self_attn"] = styles.prepare_input(
             ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-            input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            input_kwarg_layouts={"hidden_states": Shard(1)},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()},
         )
     return plan
 
@@ -259,14 +282,17 @@ def _mlp_plan(layer: nn.Module, styles: _Styles, sequence_parallel: bool) -> Pla
     dense = hasattr(layer.mlp, "gate_proj")
     if dense:
         residual = Shard(1) if sequence_parallel else Replicate()
-        plan.update({
-            "mlp.gate_proj": styles.colwise("mlp.gate_proj"),
-            "mlp.up_proj": styles.colwise("mlp.up_proj"),
-            "mlp.down_proj": styles.rowwise("mlp.down_proj", output_layouts=residual),
-        })
+        plan.update(
+            {
+                "mlp.gate_proj": styles.colwise("mlp.gate_proj"),
+                "mlp.up_proj": styles.colwise("mlp.up_proj"),
+                "mlp.down_proj": styles.rowwise("mlp.down_proj", output_layouts=residual),
+            }
+        )
         if sequence_parallel:
-            plan["mlp"] = styles.prepare_input(("mlp.gate_proj", "mlp.up_proj"),
-                                               input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            plan["mlp"] = styles.prepare_input(
+                ("mlp.gate_proj", "mlp.up_proj"), input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            )
     elif sequence_parallel:  # the whole sequence in, this rank's slice of the output back
         plan["mlp"] = (
             PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True),

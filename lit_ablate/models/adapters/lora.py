@@ -75,24 +75,35 @@ class AdapterOptions:
         if not 0 <= self.dropout < 1:
             raise ConfigError(f"{OPTIONS_KEY}.dropout", self.dropout, "use a probability in [0, 1)")
         if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
-            raise ConfigError(f"{OPTIONS_KEY}.target_modules", self.target_modules,
-                              "give a list of module names, e.g. [q_proj, v_proj], or all-linear")
+            raise ConfigError(
+                f"{OPTIONS_KEY}.target_modules",
+                self.target_modules,
+                "give a list of module names, e.g. [q_proj, v_proj], or all-linear",
+            )
         if not self.target_modules:
-            raise ConfigError(f"{OPTIONS_KEY}.target_modules", self.target_modules, "name at least one module, or all-linear")
+            raise ConfigError(
+                f"{OPTIONS_KEY}.target_modules", self.target_modules, "name at least one module, or all-linear"
+            )
         if self.experts_r is not None:
             self._check_expert_options()
 
     def _check_expert_options(self) -> None:
         key = f"{OPTIONS_KEY}.experts_r"
-        if self.experts_r != "r/top_k" and (not isinstance(self.experts_r, int) or isinstance(self.experts_r, bool)
-                                            or self.experts_r < 1):  # fmt: skip
+        if self.experts_r != "r/top_k" and (
+            not isinstance(self.experts_r, int) or isinstance(self.experts_r, bool) or self.experts_r < 1
+        ):
             raise ConfigError(key, self.experts_r, "use a positive integer rank, r/top_k, or null (no expert adapters)")
         if self.dropout:
-            raise ConfigError(f"{OPTIONS_KEY}.dropout", self.dropout, "expert adapters are added to the expert weights, "
-                              "where no activation can be dropped: use dropout 0 with experts_r")
+            raise ConfigError(
+                f"{OPTIONS_KEY}.dropout",
+                self.dropout,
+                "expert adapters are added to the expert weights, "
+                "where no activation can be dropped: use dropout 0 with experts_r",
+            )
         if self.use_dora:
-            raise ConfigError(f"{OPTIONS_KEY}.use_dora", True, "DoRA is not built for expert adapters: drop use_dora "
-                              "or experts_r")
+            raise ConfigError(
+                f"{OPTIONS_KEY}.use_dora", True, "DoRA is not built for expert adapters: drop use_dora or experts_r"
+            )
 
     def lora_config(self):  # noqa: ANN201 (peft's LoraConfig; imported lazily with peft)
         """peft's ``LoraConfig`` for these options."""
@@ -100,9 +111,14 @@ class AdapterOptions:
 
         targets = self.target_modules if isinstance(self.target_modules, str) else list(self.target_modules)
         return LoraConfig(
-            r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout, target_modules=targets,
-            modules_to_save=list(self.modules_to_save) or None, use_dora=self.use_dora, use_rslora=self.use_rslora,
-        )  # fmt: skip
+            r=self.r,
+            lora_alpha=self.alpha,
+            lora_dropout=self.dropout,
+            target_modules=targets,
+            modules_to_save=list(self.modules_to_save) or None,
+            use_dora=self.use_dora,
+            use_rslora=self.use_rslora,
+        )
 
 
 def apply_adapters(model: nn.Module, options: AdapterOptions) -> nn.Module:
@@ -117,9 +133,14 @@ def apply_adapters(model: nn.Module, options: AdapterOptions) -> nn.Module:
         inject_adapter_in_model(options.lora_config(), model, adapter_name=ADAPTER_NAME)
     except ValueError as err:
         reason = str(err).strip().splitlines()[0].rstrip(".")
-        linears = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)})
-        raise ConfigError(f"{OPTIONS_KEY}.target_modules", options.target_modules,
-                          f"peft refused it: {reason}; this model's linear layers are {linears}, or use all-linear") from err
+        linears = sorted(
+            {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+        )
+        raise ConfigError(
+            f"{OPTIONS_KEY}.target_modules",
+            options.target_modules,
+            f"peft refused it: {reason}; this model's linear layers are {linears}, or use all-linear",
+        ) from err
     if options.experts_r is not None:
         apply_expert_adapters(model, options)
     return model
@@ -134,9 +155,12 @@ def apply_expert_adapters(model: nn.Module, options: AdapterOptions) -> None:
     experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
     hf_experts = [m for m in model.modules() if not isinstance(m, RoutedExperts) and _is_stacked_experts(m)]
     if not experts and not hf_experts:
-        raise ConfigError(f"{OPTIONS_KEY}.experts_r", options.experts_r,
-                          "the model has no MoE experts with stacked weights: use an MoE model, e.g. "
-                          "model.init_args.model.moe: {experts: grouped} (or loop, hf), or drop experts_r")  # fmt: skip
+        raise ConfigError(
+            f"{OPTIONS_KEY}.experts_r",
+            options.experts_r,
+            "the model has no MoE experts with stacked weights: use an MoE model, e.g. "
+            "model.init_args.model.moe: {experts: grouped} (or loop, hf), or drop experts_r",
+        )
     r = _expert_rank(model, options)
     if hf_experts:
         _apply_hf_expert_adapters(model, options, r)
@@ -153,8 +177,11 @@ def _expert_rank(model: nn.Module, options: AdapterOptions) -> int:
         top_k = model.config.num_experts_per_tok
         r = options.r // top_k
         if r < 1:
-            raise ConfigError(f"{OPTIONS_KEY}.experts_r", "r/top_k", f"r={options.r} is below top_k={top_k}: use r >= "
-                              f"{top_k} or an integer experts_r")  # fmt: skip
+            raise ConfigError(
+                f"{OPTIONS_KEY}.experts_r",
+                "r/top_k",
+                f"r={options.r} is below top_k={top_k}: use r >= {top_k} or an integer experts_r",
+            )
     return r
 
 
@@ -171,8 +198,13 @@ def _apply_hf_expert_adapters(model: nn.Module, options: AdapterOptions, r: int)
     ``peft_config`` stays the main one (the second injection would add to it)."""
     from peft import LoraConfig, inject_adapter_in_model
 
-    config = LoraConfig(r=r, lora_alpha=options.alpha, target_modules=[], use_rslora=options.use_rslora,
-                        target_parameters=["experts.gate_up_proj", "experts.down_proj"])  # fmt: skip
+    config = LoraConfig(
+        r=r,
+        lora_alpha=options.alpha,
+        target_modules=[],
+        use_rslora=options.use_rslora,
+        target_parameters=["experts.gate_up_proj", "experts.down_proj"],
+    )
     main = model.__dict__.pop("peft_config", None)
     inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME)
     if main is not None:

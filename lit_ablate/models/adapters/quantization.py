@@ -28,7 +28,11 @@ from lit_ablate.errors import ConfigError
 OPTIONS_KEY = "model.init_args.model.quantization"
 """Where ``QuantizationOptions`` sit in a fit config (named in error messages)."""
 QUANT_TYPES = ("nf4", "fp4")
-COMPUTE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+COMPUTE_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 STORAGE_DTYPES: dict[str, torch.dtype] = {"uint8": torch.uint8, **COMPUTE_DTYPES}
 """dtypes a 4-bit weight's packed bytes may be stored as (``quant_storage``)."""
 
@@ -71,16 +75,29 @@ class QuantizationOptions:
         if self.quant_type not in QUANT_TYPES:
             raise ConfigError(f"{OPTIONS_KEY}.quant_type", self.quant_type, f"choose one of {list(QUANT_TYPES)}")
         if self.blocksize not in (32, 64, 128, 256, 512, 1024, 2048, 4096):
-            raise ConfigError(f"{OPTIONS_KEY}.blocksize", self.blocksize, "use a power of two from 32 to 4096 (64 is QLoRA's)")
+            raise ConfigError(
+                f"{OPTIONS_KEY}.blocksize", self.blocksize, "use a power of two from 32 to 4096 (64 is QLoRA's)"
+            )
         if self.compute_dtype is not None and self.compute_dtype not in COMPUTE_DTYPES:
-            raise ConfigError(f"{OPTIONS_KEY}.compute_dtype", self.compute_dtype, f"choose one of {sorted(COMPUTE_DTYPES)} or null")
+            raise ConfigError(
+                f"{OPTIONS_KEY}.compute_dtype", self.compute_dtype, f"choose one of {sorted(COMPUTE_DTYPES)} or null"
+            )
         if self.quant_storage not in STORAGE_DTYPES:
-            raise ConfigError(f"{OPTIONS_KEY}.quant_storage", self.quant_storage, f"choose one of {list(STORAGE_DTYPES)}")
+            raise ConfigError(
+                f"{OPTIONS_KEY}.quant_storage", self.quant_storage, f"choose one of {list(STORAGE_DTYPES)}"
+            )
         if self.bits == 8 and self.quant_storage != "uint8":
-            raise ConfigError(f"{OPTIONS_KEY}.quant_storage", self.quant_storage, "8-bit weights are stored as int8; "
-                              "quant_storage is for bits: 4")
+            raise ConfigError(
+                f"{OPTIONS_KEY}.quant_storage",
+                self.quant_storage,
+                "8-bit weights are stored as int8; quant_storage is for bits: 4",
+            )
         if self.outlier_threshold < 0:
-            raise ConfigError(f"{OPTIONS_KEY}.outlier_threshold", self.outlier_threshold, "use 0 or a positive threshold (6.0 is LLM.int8()'s)")
+            raise ConfigError(
+                f"{OPTIONS_KEY}.outlier_threshold",
+                self.outlier_threshold,
+                "use 0 or a positive threshold (6.0 is LLM.int8()'s)",
+            )
 
     @property
     def bits_per_weight(self) -> float:
@@ -95,8 +112,11 @@ class QuantizationOptions:
 
 def quantized_linear_names(model: nn.Module, options: QuantizationOptions) -> list[str]:
     """Names of the ``nn.Linear`` layers ``quantize_linears`` replaces."""
-    return [name for name, module in model.named_modules()
-            if type(module) is nn.Linear and not _skipped(name, options.skip_modules)]  # fmt: skip
+    return [
+        name
+        for name, module in model.named_modules()
+        if type(module) is nn.Linear and not _skipped(name, options.skip_modules)
+    ]
 
 
 def quantize_linears(model: nn.Module, options: QuantizationOptions) -> list[str]:
@@ -112,23 +132,40 @@ def quantize_linears(model: nn.Module, options: QuantizationOptions) -> list[str
     for name in names:
         linear = model.get_submodule(name)
         if linear.weight.is_meta:
-            raise ConfigError(OPTIONS_KEY, options.bits, f"{name} has no weights yet (meta device); quantise a built model")
+            raise ConfigError(
+                OPTIONS_KEY, options.bits, f"{name} has no weights yet (meta device); quantise a built model"
+            )
         if options.bits == 4:
             quantized = bnb.nn.Linear4bit(
-                linear.in_features, linear.out_features, bias=linear.bias is not None,
-                compute_dtype=COMPUTE_DTYPES.get(options.compute_dtype), compress_statistics=options.double_quant,
-                quant_type=options.quant_type, quant_storage=STORAGE_DTYPES[options.quant_storage], device="meta",
-            )  # fmt: skip
+                linear.in_features,
+                linear.out_features,
+                bias=linear.bias is not None,
+                compute_dtype=COMPUTE_DTYPES.get(options.compute_dtype),
+                compress_statistics=options.double_quant,
+                quant_type=options.quant_type,
+                quant_storage=STORAGE_DTYPES[options.quant_storage],
+                device="meta",
+            )
             quantized.weight = bnb.nn.Params4bit(
-                linear.weight.data, requires_grad=False, blocksize=options.blocksize,
-                compress_statistics=options.double_quant, quant_type=options.quant_type,
-                quant_storage=STORAGE_DTYPES[options.quant_storage], module=quantized,
-            )  # fmt: skip
+                linear.weight.data,
+                requires_grad=False,
+                blocksize=options.blocksize,
+                compress_statistics=options.double_quant,
+                quant_type=options.quant_type,
+                quant_storage=STORAGE_DTYPES[options.quant_storage],
+                module=quantized,
+            )
             quantized.support_avx512bf16_for_cpu = False  # the eval-mode in-place repack (module docstring)
             quantized.register_load_state_dict_pre_hook(_load_quant_state)
         else:
-            quantized = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                                            has_fp16_weights=False, threshold=options.outlier_threshold, device="meta")  # fmt: skip
+            quantized = bnb.nn.Linear8bitLt(
+                linear.in_features,
+                linear.out_features,
+                bias=linear.bias is not None,
+                has_fp16_weights=False,
+                threshold=options.outlier_threshold,
+                device="meta",
+            )
             quantized.weight = bnb.nn.Int8Params(linear.weight.data, requires_grad=False, has_fp16_weights=False)
         if linear.bias is not None:
             quantized.bias = nn.Parameter(linear.bias.data, requires_grad=linear.bias.requires_grad)
@@ -147,7 +184,7 @@ def _load_quant_state(module: nn.Module, state_dict: dict, prefix: str, *args: o
     from bitsandbytes.functional import QuantState
 
     start = prefix + "weight."
-    values = {key[len(start):]: state_dict.pop(key) for key in [k for k in state_dict if k.startswith(start)]}
+    values = {key[len(start) :]: state_dict.pop(key) for key in [k for k in state_dict if k.startswith(start)]}
     if not values:
         return
     state = QuantState.from_dict(values, device=values["absmax"].device)
@@ -175,7 +212,9 @@ def dequantized_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         elif isinstance(module, bnb.nn.Linear8bitLt):
             for entry in (f"{name}.SCB", f"{name}.weight_format"):
                 state.pop(entry, None)
-            scales = module.weight.SCB if module.weight.SCB is not None else module.state.SCB  # moved there by a forward
+            scales = (
+                module.weight.SCB if module.weight.SCB is not None else module.state.SCB
+            )  # moved there by a forward
             state[key] = int8_vectorwise_dequant(module.weight.data, scales)
     return state
 

@@ -23,8 +23,15 @@ from lit_ablate.models.attention.chunk_masks import ChunkMasks
 from lit_ablate.torch_versions import all_gather_autograd
 
 
-def allgather_attention(q: Tensor, k: Tensor, v: Tensor, masks: ChunkMasks, group: ProcessGroup | None,
-                        scale: float | None = None, kernel: BlockKernel = SDPA) -> Tensor:  # fmt: skip
+def allgather_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    masks: ChunkMasks,
+    group: ProcessGroup | None,
+    scale: float | None = None,
+    kernel: BlockKernel = SDPA,
+) -> Tensor:
     """Causal attention of this rank's queries over the keys of every rank of ``group``.
 
     Same contract as ``ring_attention``: ``q`` ``[B, H, T_local, D]``, ``k``/``v``

@@ -61,14 +61,18 @@ def document_ids(position_ids: Tensor) -> Tensor:
     return (position_ids == 0).cumsum(-1)
 
 
-def document_causal_mask(position_ids: Tensor | None, padding_mask: Tensor | None, batch: int, q_len: int, kv_len: int) -> Tensor:
+def document_causal_mask(
+    position_ids: Tensor | None, padding_mask: Tensor | None, batch: int, q_len: int, kv_len: int
+) -> Tensor:
     """``[B, 1, Q, KV]`` boolean mask: causal, within one document, never onto padding.
 
     Queries are the last ``q_len`` of ``kv_len`` positions (a KV cache while decoding). Documents
     are split only when queries and keys are the same tokens (training, prefill). A query that
     sees no key (left padding) sees itself, so SDPA stays finite where no label reads it.
     """
-    device = position_ids.device if position_ids is not None else padding_mask.device if padding_mask is not None else None
+    device = (
+        position_ids.device if position_ids is not None else padding_mask.device if padding_mask is not None else None
+    )
     q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
     k_pos = torch.arange(kv_len, device=device)[None, :]
     mask = (k_pos <= q_pos).expand(batch, 1, q_len, kv_len)
@@ -81,9 +85,16 @@ def document_causal_mask(position_ids: Tensor | None, padding_mask: Tensor | Non
 
 
 def sdpa_packed_attention(
-    module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
-    dropout: float = 0.0, scaling: float | None = None, position_ids: Tensor | None = None,
-    sliding_window: int | None = None, **kwargs: Any,
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    position_ids: Tensor | None = None,
+    sliding_window: int | None = None,
+    **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """``[B, H, T, D]`` inputs -> ``[B, T, H, D]`` output, as transformers' attention interface expects."""
     _no_sliding_window(sliding_window)
@@ -96,9 +107,15 @@ def sdpa_packed_attention(
 
 
 def flex_block_mask(
-    batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-    mask_function: Callable[..., Tensor] = causal_mask_function, attention_mask: Tensor | None = None,
-    device: torch.device | str = "cpu", **kwargs: Any,
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Callable[..., Tensor] = causal_mask_function,
+    attention_mask: Tensor | None = None,
+    device: torch.device | str = "cpu",
+    **kwargs: Any,
 ) -> Any:
     """The ``BlockMask`` for one forward: transformers' mask function (causal, documents from
     ``position_ids`` when packed) and the padding mask. Compiled on CUDA, eager elsewhere."""
@@ -116,15 +133,24 @@ def flex_block_mask(
 
 
 def flex_document_attention(
-    module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
-    dropout: float = 0.0, scaling: float | None = None, sliding_window: int | None = None, **kwargs: Any,
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """``flex_attention`` under the forward's ``BlockMask``; compiled once on CUDA (eager flex
     materialises scores), eager on CPU where only the forward exists."""
     _no_sliding_window(sliding_window)
     if dropout:
         raise ConfigError(f"{CONFIG_KEY}.attention_dropout", dropout, "flex attention has no dropout; set it to 0")
-    out = flex_kernel(query.device)(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    out = flex_kernel(query.device)(
+        query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -136,9 +162,17 @@ HALF_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def varlen_attention(
-    kernel: SegmentKernel, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
-    dropout: float = 0.0, scaling: float | None = None, position_ids: Tensor | None = None,
-    sliding_window: int | None = None, cu_seq_lens_q: Tensor | None = None, max_length_q: int | None = None,
+    kernel: SegmentKernel,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    position_ids: Tensor | None = None,
+    sliding_window: int | None = None,
+    cu_seq_lens_q: Tensor | None = None,
+    max_length_q: int | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """A varlen ``kernel`` over the batch's tokens flattened to ``[B*T, H, D]``: one segment per
@@ -148,9 +182,12 @@ def varlen_attention(
     if key.shape[2] != q_len:
         raise ValueError("varlen attention backends are for training: no KV cache (generate with sdpa)")
     if query.is_cuda and query.dtype not in HALF_PRECISION:
-        raise ConfigError("model.init_args.model.dtype", str(query.dtype).removeprefix("torch."),
-                          "varlen flash attention (fa_varlen, torch_varlen) computes in bfloat16 or float16 only: set "
-                          "dtype: bfloat16 or trainer.precision: bf16-mixed, or use flex or sdpa_packed")  # fmt: skip
+        raise ConfigError(
+            "model.init_args.model.dtype",
+            str(query.dtype).removeprefix("torch."),
+            "varlen flash attention (fa_varlen, torch_varlen) computes in bfloat16 or float16 only: set "
+            "dtype: bfloat16 or trainer.precision: bf16-mixed, or use flex or sdpa_packed",
+        )
     q, k, v = (t.transpose(1, 2).reshape(batch * q_len, t.shape[1], head_dim) for t in (query, key, value))
     keep = None
     if attention_mask is not None and not bool(attention_mask.all()):
@@ -168,35 +205,41 @@ def varlen_attention(
     return out.reshape(batch, q_len, heads, head_dim), None
 
 
-def fa_varlen_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
-                        attention_mask: Tensor | None, **kwargs: Any) -> tuple[Tensor, None]:
+def fa_varlen_attention(
+    module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, **kwargs: Any
+) -> tuple[Tensor, None]:
     """``varlen_attention`` through flash-attn's ``flash_attn_varlen_func``."""
     return varlen_attention(flash_attn_segments, query, key, value, attention_mask, **kwargs)
 
 
-def torch_varlen_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
-                           attention_mask: Tensor | None, **kwargs: Any) -> tuple[Tensor, None]:
+def torch_varlen_attention(
+    module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, **kwargs: Any
+) -> tuple[Tensor, None]:
     """``varlen_attention`` through torch's own ``torch.nn.attention.varlen.varlen_attn``."""
     return varlen_attention(torch_varlen_segments, query, key, value, attention_mask, **kwargs)
 
 
-def flash_attn_segments(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
-                        scaling: float | None, dropout: float) -> Tensor:
+def flash_attn_segments(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, scaling: float | None, dropout: float
+) -> Tensor:
     """A ``SegmentKernel`` from flash-attn (which takes fewer K/V heads as they are)."""
     return varlen_kernel()(
         q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p=dropout, softmax_scale=scaling, causal=True
     )
 
 
-def torch_varlen_segments(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
-                          scaling: float | None, dropout: float) -> Tensor:
+def torch_varlen_segments(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, scaling: float | None, dropout: float
+) -> Tensor:
     """A ``SegmentKernel`` from torch's varlen attention, whichever signature this torch has (read
     at call time): causal as ``window_size=(-1, 0)`` (torch 2.13) or ``is_causal=True`` (2.10);
     fewer K/V heads through ``enable_gqa`` where it exists, else repeated here as transformers'
     ``repeat_kv`` does (query head ``h`` reads K/V head ``h // groups``); without a ``scale``
     argument the queries carry a non-default scaling themselves. It has no dropout."""
     if dropout:
-        raise ConfigError(f"{CONFIG_KEY}.attention_dropout", dropout, "torch's varlen attention has no dropout; set it to 0")
+        raise ConfigError(
+            f"{CONFIG_KEY}.attention_dropout", dropout, "torch's varlen attention has no dropout; set it to 0"
+        )
     kernel = torch_varlen_kernel()
     accepts = inspect.signature(kernel).parameters
     options: dict[str, Any] = {"window_size": (-1, 0)} if "window_size" in accepts else {"is_causal": True}
@@ -274,27 +317,42 @@ def check_attention_backend(name: str, training: bool) -> None:
     """
     known = (*TRANSFORMERS_BACKENDS, *BACKENDS, *TRANSFORMERS_FLASH_BACKENDS)
     if name not in known:
-        reserved = " (transformers reserves names containing 'flash' for its own kernels: use fa_varlen)" if "flash" in name else ""
+        reserved = (
+            " (transformers reserves names containing 'flash' for its own kernels: use fa_varlen)"
+            if "flash" in name
+            else ""
+        )
         raise ConfigError(ATTENTION_KEY, name, f"choose one of {list(known)}{reserved}")
     if name == "fa_varlen" and not torch.cuda.is_available():
-        raise ConfigError(ATTENTION_KEY, name, "flash-attn varlen needs CUDA (and flash-attn: pip install "
-                          "'lit-ablate[gpu]'); on CPU use sdpa_packed")
+        raise ConfigError(
+            ATTENTION_KEY,
+            name,
+            "flash-attn varlen needs CUDA (and flash-attn: pip install 'lit-ablate[gpu]'); on CPU use sdpa_packed",
+        )
     if name == "fa_varlen" and not installed("flash_attn"):
-        raise ConfigError(ATTENTION_KEY, name, f"{not_installed('flash_attn', 'flash-attn varlen')}; on CPU use sdpa_packed")
+        raise ConfigError(
+            ATTENTION_KEY, name, f"{not_installed('flash_attn', 'flash-attn varlen')}; on CPU use sdpa_packed"
+        )
     if name == "torch_varlen":
         problem = torch_varlen_unavailable()
         if problem:
             raise ConfigError(ATTENTION_KEY, name, f"{problem}; on CPU use sdpa_packed")
     package = TRANSFORMERS_FLASH_BACKENDS.get(name)
     if package and not torch.cuda.is_available():
-        raise ConfigError(ATTENTION_KEY, name, f"transformers' {name} needs CUDA and the {package} package; "
-                          "on CPU use sdpa_packed")
+        raise ConfigError(
+            ATTENTION_KEY, name, f"transformers' {name} needs CUDA and the {package} package; on CPU use sdpa_packed"
+        )
     if package and not installed(package):
-        missing = not_installed(package, f"transformers' {name}") if package in EXTRAS else \
-            f"transformers' {name} needs the {package} package, which is not installed here"
+        missing = (
+            not_installed(package, f"transformers' {name}")
+            if package in EXTRAS
+            else f"transformers' {name} needs the {package} package, which is not installed here"
+        )
         raise ConfigError(ATTENTION_KEY, name, missing)
     if name == "flex" and training and not torch.cuda.is_available():
-        raise ConfigError(ATTENTION_KEY, name, "flex attention trains only on CUDA (CPU has its forward only); use sdpa_packed")
+        raise ConfigError(
+            ATTENTION_KEY, name, "flex attention trains only on CUDA (CPU has its forward only); use sdpa_packed"
+        )
 
 
 def torch_varlen_unavailable() -> str | None:

@@ -27,8 +27,9 @@ Pair = tuple[tuple[int, int], tuple[int, int]]
 chunk the whole sequence."""
 
 
-def block_forward(kernel: BlockKernel, q: Tensor, k: Tensor, v: Tensor, block: BlockMask,
-                  scale: float | None) -> tuple[Tensor, Tensor]:  # fmt: skip
+def block_forward(
+    kernel: BlockKernel, q: Tensor, k: Tensor, v: Tensor, block: BlockMask, scale: float | None
+) -> tuple[Tensor, Tensor]:
     """One block's ``(output, fp32 log-sum-exp)``; rows that see no key get an output of 0 and a
     log-sum-exp of -inf (kernels report 0 or NaN for them, which a merge would count as weight)."""
     out, lse = kernel.forward(q, k, v, block, scale)
@@ -42,7 +43,9 @@ def merge_block(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) 
     """In place: ``out``/``lse`` (fp32, the keys so far) become the attention over those keys and the block's."""
     merged = torch.logaddexp(lse, block_lse)
     finite = merged.masked_fill(merged == float("-inf"), 0.0)  # rows that have seen no key yet stay 0
-    out.mul_(torch.exp(lse - finite).unsqueeze(-1)).add_(block_out.float() * torch.exp(block_lse - finite).unsqueeze(-1))
+    out.mul_(torch.exp(lse - finite).unsqueeze(-1)).add_(
+        block_out.float() * torch.exp(block_lse - finite).unsqueeze(-1)
+    )
     lse.copy_(merged)
 
 
@@ -51,20 +54,40 @@ def chunk(t: Tensor, slot: int, length: int) -> Tensor:
     return t.narrow(-1 if t.dim() == 3 else -2, slot * length, length)
 
 
-def forward_blocks(kernel: BlockKernel, q: Tensor, kv: Tensor, pairs: Iterable[Pair], masks: ChunkMasks, out: Tensor,
-                   lse: Tensor, scale: float | None) -> None:  # fmt: skip
+def forward_blocks(
+    kernel: BlockKernel,
+    q: Tensor,
+    kv: Tensor,
+    pairs: Iterable[Pair],
+    masks: ChunkMasks,
+    out: Tensor,
+    lse: Tensor,
+    scale: float | None,
+) -> None:
     """Merge every pair's block into ``out``/``lse`` (fp32 accumulators shaped like ``q``)."""
     c = masks.chunk_len
     for (q_slot, q_chunk), (k_slot, k_chunk) in pairs:
         block = masks.block(q_chunk, k_chunk)
         if block is not None:
-            block_out, block_lse = block_forward(kernel, chunk(q, q_slot, c), chunk(kv[0], k_slot, c), chunk(kv[1], k_slot, c),
-                                                 block, scale)  # fmt: skip
+            block_out, block_lse = block_forward(
+                kernel, chunk(q, q_slot, c), chunk(kv[0], k_slot, c), chunk(kv[1], k_slot, c), block, scale
+            )
             merge_block(chunk(out, q_slot, c), chunk(lse, q_slot, c), block_out, block_lse)
 
 
-def backward_blocks(kernel: BlockKernel, grad_out: Tensor, q: Tensor, kv: Tensor, out: Tensor, lse: Tensor, pairs: Iterable[Pair],
-                    masks: ChunkMasks, grad_q: Tensor, grad_kv: Tensor, scale: float | None) -> None:  # fmt: skip
+def backward_blocks(
+    kernel: BlockKernel,
+    grad_out: Tensor,
+    q: Tensor,
+    kv: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    pairs: Iterable[Pair],
+    masks: ChunkMasks,
+    grad_q: Tensor,
+    grad_kv: Tensor,
+    scale: float | None,
+) -> None:
     """Add every pair's dQ into ``grad_q`` and dK/dV into ``grad_kv`` (fp32, shaped like ``q`` and ``kv``)."""
     c = masks.chunk_len
     for (q_slot, q_chunk), (k_slot, k_chunk) in pairs:
@@ -72,8 +95,14 @@ def backward_blocks(kernel: BlockKernel, grad_out: Tensor, q: Tensor, kv: Tensor
         if block is None:
             continue
         dq, dk, dv = kernel.backward(
-            chunk(grad_out, q_slot, c), chunk(q, q_slot, c), chunk(kv[0], k_slot, c), chunk(kv[1], k_slot, c),
-            chunk(out, q_slot, c), chunk(lse, q_slot, c), block, scale,
+            chunk(grad_out, q_slot, c),
+            chunk(q, q_slot, c),
+            chunk(kv[0], k_slot, c),
+            chunk(kv[1], k_slot, c),
+            chunk(out, q_slot, c),
+            chunk(lse, q_slot, c),
+            block,
+            scale,
         )
         chunk(grad_q, q_slot, c).add_(dq)
         chunk(grad_kv[0], k_slot, c).add_(dk)
@@ -82,8 +111,9 @@ def backward_blocks(kernel: BlockKernel, grad_out: Tensor, q: Tensor, kv: Tensor
 
 class _BlockAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: Tensor, kv: Tensor, masks: ChunkMasks, rank: int, scale: float | None,
-                kernel: BlockKernel) -> Tensor:  # fmt: skip
+    def forward(
+        ctx, q: Tensor, kv: Tensor, masks: ChunkMasks, rank: int, scale: float | None, kernel: BlockKernel
+    ) -> Tensor:
         pairs = _all_pairs(masks, rank)
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
@@ -98,8 +128,19 @@ class _BlockAttention(torch.autograd.Function):
         q, kv, out, lse = ctx.saved_tensors
         grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-        backward_blocks(ctx.kernel, grad_out, q, kv, out, lse, _all_pairs(ctx.masks, ctx.rank), ctx.masks, grad_q,
-                        grad_kv, ctx.scale)  # fmt: skip
+        backward_blocks(
+            ctx.kernel,
+            grad_out,
+            q,
+            kv,
+            out,
+            lse,
+            _all_pairs(ctx.masks, ctx.rank),
+            ctx.masks,
+            grad_q,
+            grad_kv,
+            ctx.scale,
+        )
         return grad_q.to(q.dtype), grad_kv.to(kv.dtype), None, None, None, None
 
 
@@ -108,8 +149,9 @@ def _all_pairs(masks: ChunkMasks, rank: int) -> list[Pair]:
     return [(q, (k, k)) for q in masks.slots(rank) for k in range(masks.layout.num_chunks)]
 
 
-def block_attention(q: Tensor, kv: Tensor, masks: ChunkMasks, rank: int, scale: float | None = None,
-                    kernel: BlockKernel = SDPA) -> Tensor:  # fmt: skip
+def block_attention(
+    q: Tensor, kv: Tensor, masks: ChunkMasks, rank: int, scale: float | None = None, kernel: BlockKernel = SDPA
+) -> Tensor:
     """Attention of ``rank``'s query chunks (``q`` ``[B, H, T_local, D]``, in layout order) over
     the whole sequence's stacked keys and values (``kv`` ``[2, B, H_kv, T, D]``, in sequence order)."""
     return _BlockAttention.apply(q, kv, masks, rank, scale, kernel)

@@ -59,8 +59,17 @@ class BlockKernel(ABC):
         """``(output, fp32 log-sum-exp)`` of the block; rows that see no key may hold anything."""
 
     @abstractmethod
-    def backward(self, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, block: BlockMask,
-                 scale: float | None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    def backward(
+        self,
+        grad_out: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        block: BlockMask,
+        scale: float | None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """``(dq, dk, dv)`` of the block, given the whole attention's output and log-sum-exp."""
 
 
@@ -73,8 +82,17 @@ class SdpaBlockKernel(BlockKernel):
     def forward(self, q: Tensor, k: Tensor, v: Tensor, block: BlockMask, scale: float | None) -> tuple[Tensor, Tensor]:
         return (self.cuda_forward if q.is_cuda else self.cpu_forward)(q, k, v, block, scale)
 
-    def backward(self, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, block: BlockMask,
-                 scale: float | None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    def backward(
+        self,
+        grad_out: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        block: BlockMask,
+        scale: float | None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
         return (self.cuda_backward if q.is_cuda else self.cpu_backward)(grad_out, q, k, v, out, lse, block, scale)
 
     @staticmethod
@@ -85,8 +103,16 @@ class SdpaBlockKernel(BlockKernel):
         return out, lse
 
     @staticmethod
-    def cpu_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, block: BlockMask,
-                     scale: float | None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    def cpu_backward(
+        grad_out: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        block: BlockMask,
+        scale: float | None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, q, k, v, out, lse, 0.0, block.causal, attn_mask=block.additive(q.dtype), scale=scale
         )
@@ -95,24 +121,48 @@ class SdpaBlockKernel(BlockKernel):
     def cuda_forward(q: Tensor, k: Tensor, v: Tensor, block: BlockMask, scale: float | None) -> tuple[Tensor, Tensor]:
         groups = q.shape[1] // k.shape[1]
         out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q.contiguous(), expand_heads(k, groups), expand_heads(v, groups), _efficient_bias(block, q, k), True,
-            0.0, block.causal, scale=scale,
-        )  # fmt: skip
+            q.contiguous(),
+            expand_heads(k, groups),
+            expand_heads(v, groups),
+            _efficient_bias(block, q, k),
+            True,
+            0.0,
+            block.causal,
+            scale=scale,
+        )
         return out, lse[..., : q.shape[-2]]
 
     @staticmethod
-    def cuda_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, block: BlockMask,
-                      scale: float | None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    def cuda_backward(
+        grad_out: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        block: BlockMask,
+        scale: float | None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
         groups = q.shape[1] // k.shape[1]
         rows = q.shape[-2]
         padded = rows if torch.version.hip else math.ceil(rows / 32) * 32
         lse = torch.nn.functional.pad(lse, (0, padded - rows))
         no_dropout = torch.zeros((), dtype=torch.long)  # seed and offset: unread without dropout
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            grad_out.contiguous(), q.contiguous(), expand_heads(k, groups), expand_heads(v, groups),
-            _efficient_bias(block, q, k), out.contiguous(), lse.contiguous(), no_dropout, no_dropout, 0.0,
-            [True, True, True, False], block.causal, scale=scale,
-        )  # fmt: skip
+            grad_out.contiguous(),
+            q.contiguous(),
+            expand_heads(k, groups),
+            expand_heads(v, groups),
+            _efficient_bias(block, q, k),
+            out.contiguous(),
+            lse.contiguous(),
+            no_dropout,
+            no_dropout,
+            0.0,
+            [True, True, True, False],
+            block.causal,
+            scale=scale,
+        )
         return dq, sum_heads(dk, groups), sum_heads(dv, groups)
 
 
@@ -149,8 +199,10 @@ class FlashAttnBlockKernel(SdpaBlockKernel):
     def fallbacks(self) -> list[str]:
         if not self.masked_blocks:
             return []
-        return [f"cp_block_kernel flash_attn: {self.masked_blocks} of {self.blocks} attention blocks had a document or "
-                "padding mask and ran on torch's memory-efficient SDPA op (flash-attn takes no mask)"]
+        return [
+            f"cp_block_kernel flash_attn: {self.masked_blocks} of {self.blocks} attention blocks had a document or "
+            "padding mask and ran on torch's memory-efficient SDPA op (flash-attn takes no mask)"
+        ]
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, block: BlockMask, scale: float | None) -> tuple[Tensor, Tensor]:
         self.blocks += 1
@@ -159,32 +211,71 @@ class FlashAttnBlockKernel(SdpaBlockKernel):
             return super().forward(q, k, v, block, scale)
         self.check_inputs(q)
         out, lse, _, _ = torch.ops.flashattn._flash_attn_forward(
-            *_flash_layout(q, k, v), dropout_p=0.0, softmax_scale=_scale(q, scale), causal=block.causal,
-            window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False,
-        )  # fmt: skip
+            *_flash_layout(q, k, v),
+            dropout_p=0.0,
+            softmax_scale=_scale(q, scale),
+            causal=block.causal,
+            window_size_left=-1,
+            window_size_right=-1,
+            softcap=0.0,
+            alibi_slopes=None,
+            return_softmax=False,
+        )
         return out.transpose(1, 2), lse
 
-    def backward(self, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, block: BlockMask,
-                 scale: float | None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    def backward(
+        self,
+        grad_out: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        block: BlockMask,
+        scale: float | None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
         if block.mask is not None:
             return super().backward(grad_out, q, k, v, out, lse, block, scale)
         q_, k_, v_ = _flash_layout(q, k, v)
         dq, dk, dv = torch.empty_like(q_), torch.empty_like(k_), torch.empty_like(v_)
         torch.ops.flashattn._flash_attn_backward(
-            *_flash_layout(grad_out), q_, k_, v_, *_flash_layout(out), lse.contiguous(), dq, dk, dv, dropout_p=0.0,
-            softmax_scale=_scale(q, scale), causal=block.causal, window_size_left=-1, window_size_right=-1,
-            softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=None,
-        )  # fmt: skip
+            *_flash_layout(grad_out),
+            q_,
+            k_,
+            v_,
+            *_flash_layout(out),
+            lse.contiguous(),
+            dq,
+            dk,
+            dv,
+            dropout_p=0.0,
+            softmax_scale=_scale(q, scale),
+            causal=block.causal,
+            window_size_left=-1,
+            window_size_right=-1,
+            softcap=0.0,
+            alibi_slopes=None,
+            deterministic=False,
+            rng_state=None,
+        )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
     def check_inputs(self, q: Tensor) -> None:
         """One line naming ``cp_block_kernel`` for queries flash-attn cannot take (dtype, head size)."""
         if q.dtype not in self.dtypes:
-            raise ConfigError(KERNEL_KEY, "flash_attn", f"flash-attn computes in fp16/bf16, these queries are {q.dtype}: "
-                              "train in bf16 (trainer.precision: bf16-mixed or bf16-true) or use cp_block_kernel: sdpa")
+            raise ConfigError(
+                KERNEL_KEY,
+                "flash_attn",
+                f"flash-attn computes in fp16/bf16, these queries are {q.dtype}: "
+                "train in bf16 (trainer.precision: bf16-mixed or bf16-true) or use cp_block_kernel: sdpa",
+            )
         if q.shape[-1] % 8 or q.shape[-1] > 256:
-            raise ConfigError(KERNEL_KEY, "flash_attn", f"flash-attn takes head dimensions that are multiples of 8 up "
-                              f"to 256, this model's is {q.shape[-1]}; use cp_block_kernel: sdpa")  # fmt: skip
+            raise ConfigError(
+                KERNEL_KEY,
+                "flash_attn",
+                f"flash-attn takes head dimensions that are multiples of 8 up "
+                f"to 256, this model's is {q.shape[-1]}; use cp_block_kernel: sdpa",
+            )
 
 
 class RecomputedBlockKernel(BlockKernel):
@@ -207,8 +298,17 @@ class RecomputedBlockKernel(BlockKernel):
             out, lse = self.attend(q.detach(), k.detach(), v.detach(), block, scale)
         return out, lse.float()
 
-    def backward(self, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, block: BlockMask,
-                 scale: float | None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    def backward(
+        self,
+        grad_out: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        block: BlockMask,
+        scale: float | None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
         inputs = tuple(t.detach().requires_grad_() for t in (q, k, v))
         with torch.enable_grad():
             block_out, block_lse = self.attend(*inputs, block, scale)
@@ -231,9 +331,14 @@ class FlexBlockKernel(RecomputedBlockKernel):
         from torch.nn.attention.flex_attention import AuxRequest
 
         out, aux = flex_kernel(q.device)(
-            q, k, v, block_mask=_flex_block_mask(block, q, k), scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+            q,
+            k,
+            v,
+            block_mask=_flex_block_mask(block, q, k),
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
             return_aux=AuxRequest(lse=True),
-        )  # fmt: skip
+        )
         return out, aux.lse
 
 
@@ -252,8 +357,11 @@ def block_kernel(name: str, device: torch.device) -> BlockKernel:
     """The kernel ``name`` for ``device``; ``ConfigError`` naming ``cp_block_kernel`` (or the
     accelerator, on a device no kernel serves) when it cannot train there."""
     if device.type not in DEVICES:
-        raise ConfigError("trainer.accelerator", device.type, f"context-parallel attention has block kernels for "
-                          f"{' and '.join(DEVICES)} devices only; use one of them")  # fmt: skip
+        raise ConfigError(
+            "trainer.accelerator",
+            device.type,
+            f"context-parallel attention has block kernels for {' and '.join(DEVICES)} devices only; use one of them",
+        )
     if name not in BLOCK_KERNELS:
         raise ConfigError(KERNEL_KEY, name, f"choose one of {list(BLOCK_KERNELS)}")
     kernel = BLOCK_KERNELS[name]()
@@ -319,7 +427,10 @@ def _flex_block_mask(block: BlockMask, q: Tensor, k: Tensor):  # noqa: ANN202 (f
     rows, keys = q.shape[-2], k.shape[-2]
     compiled = q.device.type == "cuda"
     if block.mask is None:
-        return create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, rows, keys, device=q.device, _compile=compiled)
+        return create_block_mask(
+            lambda b, h, qi, ki: qi >= ki, None, None, rows, keys, device=q.device, _compile=compiled
+        )
     mask = block.mask
-    return create_block_mask(lambda b, h, qi, ki: mask[b, 0, qi, ki], mask.shape[0], None, rows, keys, device=q.device,
-                             _compile=compiled)  # fmt: skip
+    return create_block_mask(
+        lambda b, h, qi, ki: mask[b, 0, qi, ki], mask.shape[0], None, rows, keys, device=q.device, _compile=compiled
+    )

@@ -50,7 +50,9 @@ class BlockMask:
         """The mask as 0 / -inf in ``dtype`` (the CPU flash kernel takes masks of the query's dtype)."""
         if self.mask is None:
             return None
-        return torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device).masked_fill_(~self.mask, float("-inf"))
+        return torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device).masked_fill_(
+            ~self.mask, float("-inf")
+        )
 
 
 @dataclass(frozen=True)

@@ -48,14 +48,17 @@ class ContextParallelGroup:
     rank: int = 0
     kernel: BlockKernel = SDPA
 
-    def masks(self, position_ids: Tensor | None, padding_mask: Tensor | None, batch: int, local_len: int,
-              device: torch.device) -> ChunkMasks:  # fmt: skip
+    def masks(
+        self, position_ids: Tensor | None, padding_mask: Tensor | None, batch: int, local_len: int, device: torch.device
+    ) -> ChunkMasks:
         """Every rank's token segments for this call (one all-gather of ``[B, T_local]`` integers)."""
         size = self.layout.size
         if position_ids is None:
             if size > 1:
-                raise ValueError("context-parallel attention needs explicit position_ids (each shard's own positions); "
-                                 "ContextParallelStrategy passes them")
+                raise ValueError(
+                    "context-parallel attention needs explicit position_ids (each shard's own positions); "
+                    "ContextParallelStrategy passes them"
+                )
             position_ids = torch.arange(local_len, device=device)
         indices = self.layout.token_indices(self.rank, local_len * size, device)
         segments = segment_ids(indices, position_ids.expand(batch, local_len), padding_mask).contiguous()
@@ -68,8 +71,15 @@ class ContextParallelGroup:
 
 @torch.compiler.disable
 def _attend(
-    implementation: Callable[..., Tensor], module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
-    attention_mask: Tensor | None, dropout: float, scaling: float | None, position_ids: Tensor | None,
+    implementation: Callable[..., Tensor],
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float,
+    scaling: float | None,
+    position_ids: Tensor | None,
     sliding_window: int | None,
 ) -> tuple[Tensor, None]:
     """``[B, H, T, D]`` inputs -> ``[B, T, H, D]`` output, as transformers' attention interface expects.
@@ -78,11 +88,17 @@ def _attend(
     per-block mask checks are data-dependent, so dynamo would break its graph at every block pair;
     the layer compiles its projections, norms and MLP around this one call instead."""
     if dropout:
-        raise ConfigError("model.init_args.model.config.attention_dropout", dropout,
-                          "context-parallel attention has no dropout; set attention_dropout: 0")
+        raise ConfigError(
+            "model.init_args.model.config.attention_dropout",
+            dropout,
+            "context-parallel attention has no dropout; set attention_dropout: 0",
+        )
     if sliding_window:
-        raise ConfigError("model.init_args.model.config.sliding_window", sliding_window,
-                          "context-parallel attention has no sliding window; use a model without one")
+        raise ConfigError(
+            "model.init_args.model.config.sliding_window",
+            sliding_window,
+            "context-parallel attention has no sliding window; use a model without one",
+        )
     if key.shape[2] != query.shape[2]:
         raise ValueError("ring/allgather attention are training backends: no KV cache (generate with sdpa_packed)")
     context = getattr(module, CONTEXT_PARALLEL_ATTRIBUTE, None) or ContextParallelGroup()
@@ -93,23 +109,39 @@ def _attend(
 
 
 def ring_attention_backend(
-    module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
-    dropout: float = 0.0, scaling: float | None = None, position_ids: Tensor | None = None,
-    sliding_window: int | None = None, **kwargs: Any,
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    position_ids: Tensor | None = None,
+    sliding_window: int | None = None,
+    **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """The ``ring`` backend: K/V passed around the context-parallel ranks (``ring_attention``)."""
-    return _attend(ring_attention, module, query, key, value, attention_mask, dropout, scaling, position_ids,
-                   sliding_window)  # fmt: skip
+    return _attend(
+        ring_attention, module, query, key, value, attention_mask, dropout, scaling, position_ids, sliding_window
+    )
 
 
 def allgather_attention_backend(
-    module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
-    dropout: float = 0.0, scaling: float | None = None, position_ids: Tensor | None = None,
-    sliding_window: int | None = None, **kwargs: Any,
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    position_ids: Tensor | None = None,
+    sliding_window: int | None = None,
+    **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """The ``allgather`` backend: every rank gathers all K/V (``allgather_attention``)."""
-    return _attend(allgather_attention, module, query, key, value, attention_mask, dropout, scaling, position_ids,
-                   sliding_window)  # fmt: skip
+    return _attend(
+        allgather_attention, module, query, key, value, attention_mask, dropout, scaling, position_ids, sliding_window
+    )
 
 
 CONTEXT_PARALLEL_BACKENDS: dict[str, Callable[..., tuple[Tensor, None]]] = {

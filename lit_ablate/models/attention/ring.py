@@ -42,10 +42,12 @@ class Ring:
     def pass_on(self, tensor: Tensor, tag: int) -> Callable[[], Tensor]:
         """Send ``tensor`` to the next rank, receive the previous rank's; returns a wait for it."""
         received = torch.empty_like(tensor)
-        works = dist.batch_isend_irecv([
-            dist.P2POp(dist.isend, tensor, self.next, self.group, tag),
-            dist.P2POp(dist.irecv, received, self.previous, self.group, tag),
-        ])
+        works = dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.isend, tensor, self.next, self.group, tag),
+                dist.P2POp(dist.irecv, received, self.previous, self.group, tag),
+            ]
+        )
 
         def wait() -> Tensor:
             for work in works:
@@ -61,8 +63,9 @@ class Ring:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, masks: ChunkMasks, ring: Ring, scale: float | None,
-                kernel: BlockKernel) -> Tensor:  # fmt: skip
+    def forward(
+        ctx, q: Tensor, k: Tensor, v: Tensor, masks: ChunkMasks, ring: Ring, scale: float | None, kernel: BlockKernel
+    ) -> Tensor:
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
@@ -86,8 +89,9 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             incoming = ring.pass_on(kv, KV_TAG) if step < ring.size - 1 else None
             grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-            backward_blocks(ctx.kernel, grad_out, q, kv, out, lse, ring.pairs(masks, step), masks, grad_q, grad_kv,
-                            ctx.scale)  # fmt: skip
+            backward_blocks(
+                ctx.kernel, grad_out, q, kv, out, lse, ring.pairs(masks, step), masks, grad_q, grad_kv, ctx.scale
+            )
             if partial is not None:
                 grad_kv += partial()
             # On to the next rank; after the last step that is the keys' owner (the hop home).
@@ -98,8 +102,15 @@ class _RingAttention(torch.autograd.Function):
         return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None, None
 
 
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, masks: ChunkMasks, group: ProcessGroup | None,
-                   scale: float | None = None, kernel: BlockKernel = SDPA) -> Tensor:  # fmt: skip
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    masks: ChunkMasks,
+    group: ProcessGroup | None,
+    scale: float | None = None,
+    kernel: BlockKernel = SDPA,
+) -> Tensor:
     """Causal attention of this rank's queries over the keys of every rank of ``group``.
 
     ``q``: ``[B, H, T_local, D]``; ``k``/``v``: ``[B, H_kv, T_local, D]`` (this rank's shard, in

@@ -81,14 +81,22 @@ class Fp8Options:
         if self.emulate not in ("auto", True, False):
             raise ConfigError(f"{OPTIONS_KEY}.emulate", self.emulate, "use auto, true or false")
         if self.fsdp_all_gather and self.recipe != "tensorwise":
-            raise ConfigError(f"{OPTIONS_KEY}.fsdp_all_gather", True,
-                              f"torchao gathers fp8 weights with one scale per tensor only: use recipe: tensorwise, "
-                              f"or fsdp_all_gather: false with {self.recipe}")  # fmt: skip
+            raise ConfigError(
+                f"{OPTIONS_KEY}.fsdp_all_gather",
+                True,
+                f"torchao gathers fp8 weights with one scale per tensor only: use recipe: tensorwise, "
+                f"or fsdp_all_gather: false with {self.recipe}",
+            )
         if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
-            raise ConfigError(f"{OPTIONS_KEY}.target_modules", self.target_modules,
-                              "give a list of module names, e.g. [q_proj, down_proj], or all-linear")
+            raise ConfigError(
+                f"{OPTIONS_KEY}.target_modules",
+                self.target_modules,
+                "give a list of module names, e.g. [q_proj, down_proj], or all-linear",
+            )
         if not self.target_modules:
-            raise ConfigError(f"{OPTIONS_KEY}.target_modules", self.target_modules, "name at least one module, or all-linear")
+            raise ConfigError(
+                f"{OPTIONS_KEY}.target_modules", self.target_modules, "name at least one module, or all-linear"
+            )
 
     def torchao_config(self, emulate: bool):  # noqa: ANN201 (torchao's Float8LinearConfig, imported lazily)
         """torchao's ``Float8LinearConfig`` for the recipe, emulated or not.
@@ -106,8 +114,9 @@ class Fp8Options:
         from torchao.float8 import Float8LinearConfig
 
         config = Float8LinearConfig.from_recipe_name(self.recipe)
-        return dataclasses.replace(config, emulate=emulate, enable_fsdp_float8_all_gather=self.fsdp_all_gather,
-                                   pad_inner_dim=not emulate)  # fmt: skip
+        return dataclasses.replace(
+            config, emulate=emulate, enable_fsdp_float8_all_gather=self.fsdp_all_gather, pad_inner_dim=not emulate
+        )
 
 
 def fp8_kernels_unavailable(device: torch.device) -> str | None:
@@ -127,8 +136,11 @@ def resolve_emulation(options: Fp8Options, device: torch.device) -> tuple[bool, 
     """
     unavailable = fp8_kernels_unavailable(device)
     if options.emulate is False and unavailable:
-        raise ConfigError(f"{OPTIONS_KEY}.emulate", False,
-                          f"{unavailable}; use emulate: auto (fp8 numerics emulated in fp32 matmuls here) or run on such a GPU")
+        raise ConfigError(
+            f"{OPTIONS_KEY}.emulate",
+            False,
+            f"{unavailable}; use emulate: auto (fp8 numerics emulated in fp32 matmuls here) or run on such a GPU",
+        )
     if options.emulate is True:
         return True, "emulate: true"
     return (True, unavailable) if unavailable else (False, None)
@@ -149,8 +161,11 @@ def fp8_linear_names(model: nn.Module, options: Fp8Options) -> list[str]:
             continue
         problem = _router_problem(model, name) or _alignment_problem(module.in_features, module.out_features)
         if problem and explicit:
-            raise ConfigError(f"{OPTIONS_KEY}.target_modules", options.target_modules,
-                              f"{name}: {problem}; leave it out (all-linear skips it) or add it to skip")
+            raise ConfigError(
+                f"{OPTIONS_KEY}.target_modules",
+                options.target_modules,
+                f"{name}: {problem}; leave it out (all-linear skips it) or add it to skip",
+            )
         if not problem:
             names.append(name)
     return names
@@ -182,8 +197,12 @@ def convert_fp8(model: nn.Module, options: Fp8Options, emulate: bool) -> list[st
         if explicit and not _matches(name, options.target_modules):
             continue
         if not isinstance(module, RoutedExperts):
-            raise ConfigError(MOE_KEY, None, f"{name}: transformers' own experts ({type(module).__name__}) would stay in "
-                              "high precision under fp8; set moe: {experts: loop} (or add experts to fp8 skip)")
+            raise ConfigError(
+                MOE_KEY,
+                None,
+                f"{name}: transformers' own experts ({type(module).__name__}) would stay in "
+                "high precision under fp8; set moe: {experts: loop} (or add experts to fp8 skip)",
+            )
         hidden, intermediate = module.down_proj.shape[1], module.down_proj.shape[2]
         problem = _alignment_problem(hidden, intermediate)
         if problem:
@@ -193,11 +212,16 @@ def convert_fp8(model: nn.Module, options: Fp8Options, emulate: bool) -> list[st
         elif module.implementation == "loop":
             module.linear = Fp8Matmul(config)
         else:
-            raise ConfigError(f"{MOE_KEY}.experts", module.implementation, "fp8 experts run loop or grouped; use one of them")
+            raise ConfigError(
+                f"{MOE_KEY}.experts", module.implementation, "fp8 experts run loop or grouped; use one of them"
+            )
         names.append(name)
     if not names:
-        raise ConfigError(f"{OPTIONS_KEY}.target_modules", options.target_modules,
-                          "no linear layer is left to convert (skipped, routers, or sizes not multiples of 16)")
+        raise ConfigError(
+            f"{OPTIONS_KEY}.target_modules",
+            options.target_modules,
+            "no linear layer is left to convert (skipped, routers, or sizes not multiples of 16)",
+        )
     return names
 
 
@@ -207,8 +231,12 @@ def is_fp8(module: nn.Module) -> bool:
         return False
     from torchao.float8.float8_linear import Float8Linear
 
-    return any(isinstance(m, Float8Linear) or isinstance(getattr(m, "linear", None), Fp8Matmul)
-               or getattr(m, "grouped_mm", None) is not None for m in module.modules())  # fmt: skip
+    return any(
+        isinstance(m, Float8Linear)
+        or isinstance(getattr(m, "linear", None), Fp8Matmul)
+        or getattr(m, "grouped_mm", None) is not None
+        for m in module.modules()
+    )
 
 
 def precompute_fp8_scales(module: nn.Module) -> None:
@@ -235,6 +263,8 @@ def _router_problem(model: nn.Module, name: str) -> str | None:
 
 def _alignment_problem(in_features: int, out_features: int) -> str | None:
     if in_features % ALIGNMENT or out_features % ALIGNMENT:
-        return (f"sizes {in_features} -> {out_features} are not multiples of {ALIGNMENT}, "
-                "which fp8 kernels (torch._scaled_mm) need")  # fmt: skip
+        return (
+            f"sizes {in_features} -> {out_features} are not multiples of {ALIGNMENT}, "
+            "which fp8 kernels (torch._scaled_mm) need"
+        )
     return None

@@ -57,8 +57,9 @@ def scaled_grouped_mm(a: Tensor, b_t: Tensor, offsets: Tensor) -> Tensor:
     """``a [M, K] @ b_t [E, K, N]`` per group of rows (``offsets``: group ends), in fp8 (torchao)."""
     from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
 
-    return _to_fp8_rowwise_then_scaled_grouped_mm(a, b_t, offsets, out_dtype=a.dtype,
-                                                  pad_token_groups_for_grouped_mm=False)  # fmt: skip
+    return _to_fp8_rowwise_then_scaled_grouped_mm(
+        a, b_t, offsets, out_dtype=a.dtype, pad_token_groups_for_grouped_mm=False
+    )
 
 
 def fp8_grouped_mm_experts(tokens: Tensor, counts: Tensor, gate_up: Tensor, down: Tensor, act: Activation) -> Tensor:
@@ -69,23 +70,39 @@ def fp8_grouped_mm_experts(tokens: Tensor, counts: Tensor, gate_up: Tensor, down
     return scaled_grouped_mm(act(gate) * up, down.transpose(-2, -1), offsets)[destination]
 
 
-def convert_grouped_experts(name: str, module: RoutedExperts, recipe: str, emulate: bool, config,  # noqa: ANN001
-                            options_key: str) -> None:  # fmt: skip
+def convert_grouped_experts(
+    name: str,
+    module: RoutedExperts,
+    recipe: str,
+    emulate: bool,
+    config,  # noqa: ANN001
+    options_key: str,
+) -> None:
     """Make grouped ``module`` compute in fp8 (see the module docstring), or raise ``ConfigError``
     naming ``options_key`` when the recipe or the GPU cannot. ``config``: torchao's
     ``Float8LinearConfig`` of the run (for the emulated per-expert matmul)."""
     if recipe != GROUPED_RECIPE:
-        raise ConfigError(f"{options_key}.recipe", recipe, f"{name}: torchao's scaled grouped matmul for grouped experts "
-                          f"implements the rowwise recipe only; use recipe: rowwise, or moe experts: loop for {recipe}")
+        raise ConfigError(
+            f"{options_key}.recipe",
+            recipe,
+            f"{name}: torchao's scaled grouped matmul for grouped experts "
+            f"implements the rowwise recipe only; use recipe: rowwise, or moe experts: loop for {recipe}",
+        )
     if emulate:
         module.grouped_mm = functools.partial(loop_experts, linear=Fp8Matmul(config))
-        module.grouped_mm_note = ("fp8 emulated: the grouped experts' rowwise fp8 numerics computed per expert "
-                                  "(Float8Linear's matmul), not torchao's scaled grouped matmul")  # fmt: skip
+        module.grouped_mm_note = (
+            "fp8 emulated: the grouped experts' rowwise fp8 numerics computed per expert "
+            "(Float8Linear's matmul), not torchao's scaled grouped matmul"
+        )
         return
     capability = torch.cuda.get_device_capability()
     if capability < MIN_CAPABILITY:
-        raise ConfigError(f"{options_key}.emulate", False, f"{name}: torchao's scaled grouped matmul needs compute "
-                          f"capability 9.0+ (this GPU: {capability[0]}.{capability[1]}); use moe experts: loop or "
-                          "emulate: auto")  # fmt: skip
+        raise ConfigError(
+            f"{options_key}.emulate",
+            False,
+            f"{name}: torchao's scaled grouped matmul needs compute "
+            f"capability 9.0+ (this GPU: {capability[0]}.{capability[1]}); use moe experts: loop or "
+            "emulate: auto",
+        )
     module.grouped_mm = fp8_grouped_mm_experts
     module.grouped_mm_note = None

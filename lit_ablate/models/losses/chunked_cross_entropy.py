@@ -61,7 +61,13 @@ def chunked_linear_cross_entropy(
     torch._assert_async((in_range | ~counted).all(), "chunked cross-entropy: a label is outside [0, vocab)")
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     return _ChunkedLinearCrossEntropy.apply(
-        hidden, weight, bias, labels, chunk_tokens, chunk_vocab or vocab, z_loss_weight,
+        hidden,
+        weight,
+        bias,
+        labels,
+        chunk_tokens,
+        chunk_vocab or vocab,
+        z_loss_weight,
         grad_in_forward and needs_grad,
     )
 
@@ -82,8 +88,9 @@ def target_in_chunk(labels: Tensor, v0: int, v1: int) -> tuple[Tensor, Tensor]:
     return (labels - v0).clamp(0, v1 - v0 - 1).unsqueeze(1), inside
 
 
-def token_chunk_lse(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, chunk_vocab: int,
-                    keep_softmax: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
+def token_chunk_lse(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, chunk_vocab: int, keep_softmax: bool = False
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """``(lse [n], target logit [n], softmax [n, V] or None)`` of one token chunk ``hidden`` ``[n, H]``,
     with one vocabulary chunk of fp32 logits alive at a time. ``keep_softmax`` (only meaningful when
     one chunk spans the whole vocabulary) returns that chunk's softmax, made in the logits' buffer."""
@@ -130,16 +137,30 @@ class ChunkGradients:
         self.weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs[1] else None
         self.bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if needs[2] else None
 
-    def add_token_chunk(self, probs: Tensor | None, h: Tensor, t0: int, t1: int, weight: Tensor,
-                        bias: Tensor | None, labels: Tensor, lse: Tensor, row_scale: Tensor,
-                        softmax_scale: Tensor, chunk_vocab: int) -> None:
+    def add_token_chunk(
+        self,
+        probs: Tensor | None,
+        h: Tensor,
+        t0: int,
+        t1: int,
+        weight: Tensor,
+        bias: Tensor | None,
+        labels: Tensor,
+        lse: Tensor,
+        row_scale: Tensor,
+        softmax_scale: Tensor,
+        chunk_vocab: int,
+    ) -> None:
         """Add token chunk ``[t0, t1)``'s gradients; ``probs`` is its softmax when one vocab chunk
         covers the vocabulary and the caller still has it (else the logits are recomputed)."""
         vocab = weight.shape[0]
         grad_h = None
         if self.hidden is not None:
-            grad_h = self.hidden[t0:t1].zero_() if self.hidden.dtype == torch.float32 else \
-                torch.zeros(t1 - t0, h.shape[1], dtype=torch.float32, device=h.device)
+            grad_h = (
+                self.hidden[t0:t1].zero_()
+                if self.hidden.dtype == torch.float32
+                else torch.zeros(t1 - t0, h.shape[1], dtype=torch.float32, device=h.device)
+            )
         for v0 in range(0, vocab, chunk_vocab):
             v1 = min(v0 + chunk_vocab, vocab)
             if probs is None:
@@ -189,13 +210,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         keep_softmax = grads is not None and chunk_vocab >= vocab
         for t0 in range(0, n_tokens, chunk_tokens):
             t1 = min(t0 + chunk_tokens, n_tokens)
-            lse_c, target_logit[t0:t1], softmax = token_chunk_lse(hidden[t0:t1], weight, bias, labels[t0:t1],
-                                                                  chunk_vocab, keep_softmax)
+            lse_c, target_logit[t0:t1], softmax = token_chunk_lse(
+                hidden[t0:t1], weight, bias, labels[t0:t1], chunk_vocab, keep_softmax
+            )
             lse[t0:t1] = lse_c
             if grads is not None:
                 scales = _row_scales(counted[t0:t1], lse_c, z_loss_weight, torch.ones((), device=hidden.device))
-                grads.add_token_chunk(softmax, hidden[t0:t1], t0, t1, weight, bias, labels[t0:t1], lse_c,
-                                      *scales, chunk_vocab)
+                grads.add_token_chunk(
+                    softmax, hidden[t0:t1], t0, t1, weight, bias, labels[t0:t1], lse_c, *scales, chunk_vocab
+                )
             del softmax
         per_token = lse - target_logit
         if z_loss_weight:
@@ -211,8 +234,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         not_differentiable = (None,) * 5  # labels, chunk_tokens, chunk_vocab, z_loss_weight, grad_in_forward
         if ctx.grad_in_forward:
             if ctx.grads is None:
-                raise RuntimeError("chunked cross-entropy with grad_in_forward runs backward once; "
-                                   "for retain_graph set the loss option grad_in_forward: false")
+                raise RuntimeError(
+                    "chunked cross-entropy with grad_in_forward runs backward once; "
+                    "for retain_graph set the loss option grad_in_forward: false"
+                )
             grads, ctx.grads = ctx.grads, None
             return (*grads.finished(grad_loss), *not_differentiable)
         hidden, weight, bias, labels, lse = ctx.saved_tensors
@@ -221,8 +246,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         for t0 in range(0, hidden.shape[0], ctx.chunk_tokens):
             t1 = min(t0 + ctx.chunk_tokens, hidden.shape[0])
             scales = _row_scales(counted[t0:t1], lse[t0:t1], ctx.z_loss_weight, grad_loss)
-            grads.add_token_chunk(None, hidden[t0:t1], t0, t1, weight, bias, labels[t0:t1], lse[t0:t1],
-                                  *scales, ctx.chunk_vocab)
+            grads.add_token_chunk(
+                None, hidden[t0:t1], t0, t1, weight, bias, labels[t0:t1], lse[t0:t1], *scales, ctx.chunk_vocab
+            )
         return (*grads.finished(None), *not_differentiable)
 
 

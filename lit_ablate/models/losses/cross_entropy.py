@@ -50,8 +50,9 @@ class LossBackend(Protocol):
 
 def _check_z_loss_weight(z_loss_weight: float) -> None:
     if z_loss_weight < 0:
-        raise ConfigError(f"{OPTIONS_KEY}.z_loss_weight", z_loss_weight,
-                          "use 0 (off) or a small positive weight such as 1e-4")
+        raise ConfigError(
+            f"{OPTIONS_KEY}.z_loss_weight", z_loss_weight, "use 0 (off) or a small positive weight such as 1e-4"
+        )
 
 
 def _require_kernel_package(backend: str, module: str, cpu_alternative: str) -> None:
@@ -63,10 +64,13 @@ def _require_kernel_package(backend: str, module: str, cpu_alternative: str) -> 
     if interpreted:
         triton_interpreter.enable(module)
     elif not torch.cuda.is_available():
-        raise ConfigError(LOSS_KEY, backend,
-                          f"{backend} needs CUDA (its Triton kernels fail on CPU); {cpu_alternative}; or set "
-                          f"{triton_interpreter.OPT_IN_ENV}=1 to run its kernels through Triton's interpreter "
-                          f"(tiny shapes, fp32/fp16; {triton_interpreter.INSTALL_FIX})")
+        raise ConfigError(
+            LOSS_KEY,
+            backend,
+            f"{backend} needs CUDA (its Triton kernels fail on CPU); {cpu_alternative}; or set "
+            f"{triton_interpreter.OPT_IN_ENV}=1 to run its kernels through Triton's interpreter "
+            f"(tiny shapes, fp32/fp16; {triton_interpreter.INSTALL_FIX})",
+        )
 
 
 @dataclass(frozen=True)
@@ -118,15 +122,17 @@ class ChunkedCrossEntropy:
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1:
-            raise ConfigError(f"{OPTIONS_KEY}.chunk_tokens", self.chunk_tokens,
-                              "use a positive number of tokens, e.g. 1024")
+            raise ConfigError(
+                f"{OPTIONS_KEY}.chunk_tokens", self.chunk_tokens, "use a positive number of tokens, e.g. 1024"
+            )
         if self.chunk_vocab is not None and self.chunk_vocab < 1:
             raise ConfigError(f"{OPTIONS_KEY}.chunk_vocab", self.chunk_vocab, "use a positive column count or null")
         _check_z_loss_weight(self.z_loss_weight)
 
     def __call__(self, hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None = None) -> Tensor:
-        return chunked_linear_cross_entropy(hidden, weight, labels, bias, self.chunk_tokens, self.chunk_vocab,
-                                            self.z_loss_weight, self.grad_in_forward)
+        return chunked_linear_cross_entropy(
+            hidden, weight, labels, bias, self.chunk_tokens, self.chunk_vocab, self.z_loss_weight, self.grad_in_forward
+        )
 
 
 LIGER_ACCUM_DTYPES = {"float32": torch.float32}
@@ -163,11 +169,17 @@ class LigerFusedLinearCrossEntropy:
     def __post_init__(self) -> None:
         _check_z_loss_weight(self.z_loss_weight)
         if self.chunk_tokens is not None and (self.chunk_tokens < 1 or self.chunk_tokens & (self.chunk_tokens - 1)):
-            raise ConfigError(f"{OPTIONS_KEY}.chunk_tokens", self.chunk_tokens,
-                              "Liger's chunks are powers of two: use one, e.g. 256 or 1024, or null for Liger's own")
+            raise ConfigError(
+                f"{OPTIONS_KEY}.chunk_tokens",
+                self.chunk_tokens,
+                "Liger's chunks are powers of two: use one, e.g. 256 or 1024, or null for Liger's own",
+            )
         if self.accum_dtype is not None and self.accum_dtype not in LIGER_ACCUM_DTYPES:
-            raise ConfigError(f"{OPTIONS_KEY}.accum_dtype", self.accum_dtype,
-                              "use float32 (the weight gradient summed in fp32) or null (in the weight's dtype)")
+            raise ConfigError(
+                f"{OPTIONS_KEY}.accum_dtype",
+                self.accum_dtype,
+                "use float32 (the weight gradient summed in fp32) or null (in the weight's dtype)",
+            )
         _require_kernel_package("liger", "liger_kernel", "use 'chunked' for a memory-efficient loss on CPU")
 
     def check_compute_dtype(self, dtype: torch.dtype, training: bool = True) -> None:
@@ -181,13 +193,20 @@ class LigerFusedLinearCrossEntropy:
 
         options: dict[str, Any] = {}
         if self.chunk_tokens is not None:
-            options["chunk_mem_const"] = liger_chunk_budget(hidden.shape[0], weight.shape[0], weight.shape[1],
-                                                            self.chunk_tokens)
+            options["chunk_mem_const"] = liger_chunk_budget(
+                hidden.shape[0], weight.shape[0], weight.shape[1], self.chunk_tokens
+            )
         if self.accum_dtype is not None:
             options["accum_dtype"] = LIGER_ACCUM_DTYPES[self.accum_dtype]
         return liger_fused_linear_cross_entropy(
-            hidden, weight, labels, bias, ignore_index=IGNORE_INDEX,
-            lse_square_scale=self.z_loss_weight, reduction="sum", **options,
+            hidden,
+            weight,
+            labels,
+            bias,
+            ignore_index=IGNORE_INDEX,
+            lse_square_scale=self.z_loss_weight,
+            reduction="sum",
+            **options,
         ).float()
 
 
@@ -208,9 +227,12 @@ def liger_chunk_budget(tokens: int, vocab: int, hidden: int, chunk_tokens: int) 
     budget = next(b for b in range(1, largest + 1) if liger_chunk(tokens, vocab, hidden, b) >= wanted)
     if liger_chunk(tokens, vocab, hidden, budget) != wanted:
         sizes = sorted({liger_chunk(tokens, vocab, hidden, b) for b in range(1, largest + 1)})
-        raise ConfigError(f"{OPTIONS_KEY}.chunk_tokens", chunk_tokens,
-                          f"Liger's chunks of {tokens} tokens at vocabulary {vocab} and hidden {hidden} can hold "
-                          f"{sizes} tokens (its own: {sizes[0]}); use one of these or null")
+        raise ConfigError(
+            f"{OPTIONS_KEY}.chunk_tokens",
+            chunk_tokens,
+            f"Liger's chunks of {tokens} tokens at vocabulary {vocab} and hidden {hidden} can hold "
+            f"{sizes} tokens (its own: {sizes[0]}); use one of these or null",
+        )
     return budget
 
 
@@ -233,11 +255,15 @@ class CutCrossEntropy:
         if self.impl not in ("cce", "torch_compile"):
             raise ConfigError(f"{OPTIONS_KEY}.impl", self.impl, "use 'cce' (CUDA) or 'torch_compile'")
         if self.z_loss_weight:
-            raise ConfigError(f"{OPTIONS_KEY}.z_loss_weight", self.z_loss_weight,
-                              "cce does not expose the log-sum-exp: use 0, or the chunked/liger/torch backend")
+            raise ConfigError(
+                f"{OPTIONS_KEY}.z_loss_weight",
+                self.z_loss_weight,
+                "cce does not expose the log-sum-exp: use 0, or the chunked/liger/torch backend",
+            )
         if self.impl == "cce":
-            _require_kernel_package("cce", "cut_cross_entropy",
-                                    "use 'chunked', or loss_options impl: torch_compile for CCE's CPU reference")
+            _require_kernel_package(
+                "cce", "cut_cross_entropy", "use 'chunked', or loss_options impl: torch_compile for CCE's CPU reference"
+            )
         elif not installed("cut_cross_entropy"):
             raise ConfigError(LOSS_KEY, "cce", not_installed("cut_cross_entropy", "the cce loss"))
 
@@ -248,12 +274,22 @@ class CutCrossEntropy:
         bias_kwargs = {}
         if bias is not None:
             if "bias" not in inspect.signature(linear_cross_entropy).parameters:
-                raise ConfigError(LOSS_KEY, "cce", "the installed cut-cross-entropy takes no LM-head bias; "
-                                  "use chunked or torch for a model whose lm_head has a bias")
+                raise ConfigError(
+                    LOSS_KEY,
+                    "cce",
+                    "the installed cut-cross-entropy takes no LM-head bias; "
+                    "use chunked or torch for a model whose lm_head has a bias",
+                )
             bias_kwargs["bias"] = bias
         return linear_cross_entropy(
-            hidden, weight, labels, ignore_index=IGNORE_INDEX, reduction="sum",
-            filter_eps=self.filter_eps, impl=self.impl, **bias_kwargs,
+            hidden,
+            weight,
+            labels,
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+            filter_eps=self.filter_eps,
+            impl=self.impl,
+            **bias_kwargs,
         ).float()
 
     def check_compute_dtype(self, dtype: torch.dtype, training: bool = True) -> None:
@@ -264,8 +300,12 @@ class CutCrossEntropy:
         if triton_interpreter.requested():
             triton_interpreter.refuse_bf16(dtype)
         if dtype == torch.float32 and training:
-            raise ConfigError(DTYPE_KEY, "float32", "cce's Triton backward takes only float16/bfloat16 hidden states: "
-                              "use bfloat16 (CUDA) or float16, or loss_options impl: torch_compile for float32")
+            raise ConfigError(
+                DTYPE_KEY,
+                "float32",
+                "cce's Triton backward takes only float16/bfloat16 hidden states: "
+                "use bfloat16 (CUDA) or float16, or loss_options impl: torch_compile for float32",
+            )
 
 
 LOSS_BACKENDS: dict[str, type[LossBackend]] = {
@@ -284,8 +324,15 @@ def loss_backend(name: str, **options: Any) -> LossBackend:
     return build_named(LOSS_BACKENDS, name, options, key=LOSS_KEY, options_key=OPTIONS_KEY)
 
 
-def build_named(registry: dict[str, Any], name: str, options: dict[str, Any], *, key: str, options_key: str,
-                other_choices: tuple[str, ...] = ()) -> Any:
+def build_named(
+    registry: dict[str, Any],
+    name: str,
+    options: dict[str, Any],
+    *,
+    key: str,
+    options_key: str,
+    other_choices: tuple[str, ...] = (),
+) -> Any:
     """``registry[name](**options)``, or a ``ConfigError`` naming ``key`` for an unknown name (listing
     the registry and ``other_choices``, names the caller serves elsewhere) or ``options_key`` for an
     option the class does not take, before any constructor runs."""
@@ -293,8 +340,15 @@ def build_named(registry: dict[str, Any], name: str, options: dict[str, Any], *,
     return registry[name](**options)
 
 
-def check_named(registry: dict[str, Any], name: str, options: dict[str, Any], *, key: str, options_key: str,
-                other_choices: tuple[str, ...] = ()) -> None:
+def check_named(
+    registry: dict[str, Any],
+    name: str,
+    options: dict[str, Any],
+    *,
+    key: str,
+    options_key: str,
+    other_choices: tuple[str, ...] = (),
+) -> None:
     """``build_named``'s refusals without building anything: an unknown name, an option it does not take."""
     if name not in registry:
         raise ConfigError(key, name, f"choose one of {sorted(registry) + list(other_choices)}")
@@ -316,4 +370,3 @@ def check_loss_backend(name: str, compute_dtype: str | None = None, **options: A
     check_dtype = getattr(backend, "check_compute_dtype", None)
     if check_dtype is not None and compute_dtype is not None:
         check_dtype(getattr(torch, compute_dtype))
-

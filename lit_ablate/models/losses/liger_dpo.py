@@ -41,25 +41,42 @@ LIGER = "liger"
 LIGER_LOSS_TYPES = ("sigmoid", "hinge")
 LIGER_REFERENCES = ("frozen", "none")
 _KEY = "model.init_args"
-PADDED_ONLY_FIX = ("logprobs: liger needs one sequence per row: use lit_ablate.data.PreferencePaddingCollator, or "
-                   "logprobs: chunked for packing")
+PADDED_ONLY_FIX = (
+    "logprobs: liger needs one sequence per row: use lit_ablate.data.PreferencePaddingCollator, or "
+    "logprobs: chunked for packing"
+)
 
 
 def check_liger_dpo(loss_type: str, label_smoothing: float, reference: str) -> None:
     """Raise ``ConfigError`` when ``logprobs: liger`` cannot run this configuration."""
     missing = not_installed("liger_kernel", "Liger's fused DPO loss")
     if missing:
-        raise ConfigError(f"{_KEY}.logprobs", LIGER, f"{missing} (on a machine without CUDA: 'lit-ablate[kernels-cpu]'; "
-                          "Liger's fused DPO is plain torch and runs on CPU too)")
+        raise ConfigError(
+            f"{_KEY}.logprobs",
+            LIGER,
+            f"{missing} (on a machine without CUDA: 'lit-ablate[kernels-cpu]'; "
+            "Liger's fused DPO is plain torch and runs on CPU too)",
+        )
     if loss_type not in LIGER_LOSS_TYPES:
-        raise ConfigError(f"{_KEY}.loss_type", loss_type, f"Liger's fused DPO supports {LIGER_LOSS_TYPES} here; use "
-                          "logprobs: chunked (same memory class, every loss)")
+        raise ConfigError(
+            f"{_KEY}.loss_type",
+            loss_type,
+            f"Liger's fused DPO supports {LIGER_LOSS_TYPES} here; use "
+            "logprobs: chunked (same memory class, every loss)",
+        )
     if label_smoothing:
-        raise ConfigError(f"{_KEY}.label_smoothing", label_smoothing, "Liger's fused DPO has no conservative-DPO "
-                          "smoothing: use 0, or logprobs: chunked")
+        raise ConfigError(
+            f"{_KEY}.label_smoothing",
+            label_smoothing,
+            "Liger's fused DPO has no conservative-DPO smoothing: use 0, or logprobs: chunked",
+        )
     if reference not in LIGER_REFERENCES:
-        raise ConfigError(f"{_KEY}.reference", reference, f"Liger's fused DPO takes the reference as hidden states: "
-                          f"use one of {LIGER_REFERENCES}, or logprobs: chunked")
+        raise ConfigError(
+            f"{_KEY}.reference",
+            reference,
+            f"Liger's fused DPO takes the reference as hidden states: "
+            f"use one of {LIGER_REFERENCES}, or logprobs: chunked",
+        )
 
 
 def check_padded_batch(batch: dict[str, Any]) -> None:
@@ -89,22 +106,40 @@ class LigerDPOLoss:
         if self.chunk_pairs < 1:
             raise ConfigError(f"{_KEY}.logprobs_options.chunk_pairs", self.chunk_pairs, "use a positive pair count")
 
-    def __call__(self, hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None,
-                 reference: tuple[Tensor, Tensor, Tensor | None] | None) -> PairStep:
+    def __call__(
+        self,
+        hidden: Tensor,
+        weight: Tensor,
+        labels: Tensor,
+        bias: Tensor | None,
+        reference: tuple[Tensor, Tensor, Tensor | None] | None,
+    ) -> PairStep:
         """``hidden [2P, T, H]`` and shifted ``labels [2P, T]`` (chosen rows, then rejected);
         ``reference``: its ``(hidden, head weight, head bias)`` or None (log-ratios against 0)."""
         from liger_kernel.chunked_loss.dpo_loss import LigerFusedLinearDPOFunction
 
         ref_hidden, ref_weight, ref_bias = reference if reference is not None else (None, None, None)
         loss, (chosen, rejected, _, _, _, chosen_rewards, rejected_rewards) = LigerFusedLinearDPOFunction.apply(
-            hidden, weight, labels, bias, ref_hidden, ref_weight, ref_bias, IGNORE_INDEX, self.beta,
+            hidden,
+            weight,
+            labels,
+            bias,
+            ref_hidden,
+            ref_weight,
+            ref_bias,
+            IGNORE_INDEX,
+            self.beta,
             False,  # compute_nll_loss
-            self.compile, reference is not None,
+            self.compile,
+            reference is not None,
             False,  # average_log_prob: sums over response tokens, as TRL
-            self.chunk_pairs, self.loss_type)
+            self.chunk_pairs,
+            self.loss_type,
+        )
         pairs = labels.shape[0] // 2
-        return PairStep(loss * pairs, chosen.detach(), rejected.detach(), chosen_rewards.detach(),
-                          rejected_rewards.detach())  # Liger returns the mean over the micro-batch's pairs
+        return PairStep(
+            loss * pairs, chosen.detach(), rejected.detach(), chosen_rewards.detach(), rejected_rewards.detach()
+        )  # Liger returns the mean over the micro-batch's pairs
 
 
 class LigerDPOPolicy(SequenceLogProbs):
@@ -118,8 +153,17 @@ class LigerDPOPolicy(SequenceLogProbs):
     def __init__(self, lm: PreTrainedModel, loss_fn: LigerDPOLoss, frozen_reference: bool) -> None:
         super().__init__(lm, loss_fn)
         head = lm.get_output_embeddings()
-        self.reference_head = nn.Linear(head.in_features, head.out_features, bias=head.bias is not None,
-                                        device=head.weight.device, dtype=head.weight.dtype) if frozen_reference else None
+        self.reference_head = (
+            nn.Linear(
+                head.in_features,
+                head.out_features,
+                bias=head.bias is not None,
+                device=head.weight.device,
+                dtype=head.weight.dtype,
+            )
+            if frozen_reference
+            else None
+        )
         if self.reference_head is not None:
             self.reference_head.load_state_dict(head.state_dict())
             self.reference_head.requires_grad_(False)
@@ -134,14 +178,14 @@ class LigerDPOPolicy(SequenceLogProbs):
         return self.loss_fn(hidden, head.weight, batch["labels"], head.bias, reference)
 
 
-def liger_dpo_loss(beta: float, loss_type: str, label_smoothing: float, reference: str,
-                   **options: Any) -> LigerDPOLoss:
+def liger_dpo_loss(beta: float, loss_type: str, label_smoothing: float, reference: str, **options: Any) -> LigerDPOLoss:
     """The fused loss for this configuration; ``options`` are ``logprobs_options`` (``chunk_pairs``,
     ``compile``). Anything it cannot run raises ``ConfigError`` (``check_liger_dpo``)."""
     check_liger_dpo(loss_type, label_smoothing, reference)
     accepted = ("chunk_pairs", "compile")
     unknown = sorted(set(options) - set(accepted))
     if unknown:
-        raise ConfigError(f"{_KEY}.logprobs_options", options, f"'liger' takes no option {unknown}; it takes "
-                          f"{list(accepted)}")
+        raise ConfigError(
+            f"{_KEY}.logprobs_options", options, f"'liger' takes no option {unknown}; it takes {list(accepted)}"
+        )
     return LigerDPOLoss(beta, loss_type, **options)

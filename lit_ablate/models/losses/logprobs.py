@@ -68,7 +68,9 @@ class ChunkedLogProbs:
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1:
-            raise ConfigError(f"{OPTIONS_KEY}.chunk_tokens", self.chunk_tokens, "use a positive number of tokens, e.g. 1024")
+            raise ConfigError(
+                f"{OPTIONS_KEY}.chunk_tokens", self.chunk_tokens, "use a positive number of tokens, e.g. 1024"
+            )
         if self.chunk_vocab is not None and self.chunk_vocab < 1:
             raise ConfigError(f"{OPTIONS_KEY}.chunk_vocab", self.chunk_vocab, "use a positive column count or null")
 
@@ -76,8 +78,14 @@ class ChunkedLogProbs:
         return chunked_label_logprobs(hidden, weight, labels, bias, self.chunk_tokens, self.chunk_vocab)
 
 
-def chunked_label_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None = None,
-                           chunk_tokens: int = 1024, chunk_vocab: int | None = None) -> Tensor:
+def chunked_label_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    bias: Tensor | None = None,
+    chunk_tokens: int = 1024,
+    chunk_vocab: int | None = None,
+) -> Tensor:
     """fp32 ``[N]``: ``logit[label] - logsumexp(logits)`` per counted position, 0 elsewhere.
 
     Written by hand (no maintained pure-torch library offers it): the forward keeps only the
@@ -94,8 +102,15 @@ def chunked_label_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, bias:
 
 class _ChunkedLabelLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor,
-                chunk_tokens: int, chunk_vocab: int) -> Tensor:
+    def forward(
+        ctx: Any,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        labels: Tensor,
+        chunk_tokens: int,
+        chunk_vocab: int,
+    ) -> Tensor:
         n_tokens = hidden.shape[0]
         lse = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
         target = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
@@ -114,8 +129,19 @@ class _ChunkedLabelLogProbs(torch.autograd.Function):
         scale = -(grad_logprobs.float() * (labels != IGNORE_INDEX))
         for t0 in range(0, hidden.shape[0], ctx.chunk_tokens):
             t1 = min(t0 + ctx.chunk_tokens, hidden.shape[0])
-            grads.add_token_chunk(None, hidden[t0:t1], t0, t1, weight, bias, labels[t0:t1], lse[t0:t1],
-                                  scale[t0:t1], scale[t0:t1], ctx.chunk_vocab)
+            grads.add_token_chunk(
+                None,
+                hidden[t0:t1],
+                t0,
+                t1,
+                weight,
+                bias,
+                labels[t0:t1],
+                lse[t0:t1],
+                scale[t0:t1],
+                scale[t0:t1],
+                ctx.chunk_vocab,
+            )
         return (*grads.finished(None), None, None, None)
 
 
@@ -126,5 +152,6 @@ FUSED_BACKENDS = ("liger",)
 
 def logprob_backend(name: str, **options: Any) -> LogProbBackend:
     """Build backend ``name`` with its options; unknown names or options raise ``ConfigError``."""
-    return build_named(LOGPROB_BACKENDS, name, options, key=LOGPROBS_KEY, options_key=OPTIONS_KEY,
-                       other_choices=FUSED_BACKENDS)
+    return build_named(
+        LOGPROB_BACKENDS, name, options, key=LOGPROBS_KEY, options_key=OPTIONS_KEY, other_choices=FUSED_BACKENDS
+    )

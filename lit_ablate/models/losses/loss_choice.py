@@ -72,9 +72,16 @@ def check_tensor_parallel_loss(loss: str, z_loss_weight: float = 0.0) -> None:
     """Only ``torch`` (without z-loss) and ``chunked`` compute on a vocabulary-sharded LM head. Raises
     ``ConfigError`` naming the key (the tensor-parallel step's check and the ablation runner's up-front one)."""
     if loss not in VOCABULARY_PARALLEL_LOSSES:
-        raise ConfigError(LOSS_KEY, loss, "tensor parallelism computes the loss on a vocabulary-sharded LM head, "
-                          "which only the 'torch' and 'chunked' backends do; use loss: chunked or loss: torch")
+        raise ConfigError(
+            LOSS_KEY,
+            loss,
+            "tensor parallelism computes the loss on a vocabulary-sharded LM head, "
+            "which only the 'torch' and 'chunked' backends do; use loss: chunked or loss: torch",
+        )
     if loss == "torch" and z_loss_weight:
-        raise ConfigError(f"{OPTIONS_KEY}.z_loss_weight", z_loss_weight,
-                          "z-loss needs the log-sum-exp over the whole vocabulary, which the 'torch' backend's "
-                          "loss_parallel never gathers; use loss: chunked (it all-reduces it) or 0")
+        raise ConfigError(
+            f"{OPTIONS_KEY}.z_loss_weight",
+            z_loss_weight,
+            "z-loss needs the log-sum-exp over the whole vocabulary, which the 'torch' backend's "
+            "loss_parallel never gathers; use loss: chunked (it all-reduces it) or 0",
+        )

@@ -45,8 +45,12 @@ class SequenceLogProbs(CausalLMWithLoss):
         if batch.get("branch_ids") is not None:
             backend = self.lm.config._attn_implementation
             if backend not in MASK_BACKENDS:
-                raise ConfigError(ATTENTION_KEY, backend, f"prefix sharing needs an attention backend that takes its "
-                                  f"branch mask: use one of {MASK_BACKENDS}, or prefix_sharing: false")
+                raise ConfigError(
+                    ATTENTION_KEY,
+                    backend,
+                    f"prefix sharing needs an attention backend that takes its "
+                    f"branch mask: use one of {MASK_BACKENDS}, or prefix_sharing: false",
+                )
             batch = {**batch, "attention_mask": prefix_sharing_mask(batch["position_ids"], batch["branch_ids"])}
         hidden = self.hidden_states(batch)
         if hidden_only:
@@ -62,5 +66,6 @@ class SequenceLogProbs(CausalLMWithLoss):
         count = 2 * int(batch["num_pairs"])
         logps = per_token.new_zeros(count).index_add(0, sequences, per_token)
         tokens = torch.zeros(count, dtype=torch.long, device=labels.device).index_add(
-            0, sequences, (labels != IGNORE_INDEX).long())
+            0, sequences, (labels != IGNORE_INDEX).long()
+        )
         return logps, tokens

@@ -83,8 +83,12 @@ def enable(package: str) -> None:
     require("triton", OPT_IN_ENV, "1", "Triton's interpreter")
     installed = importlib.metadata.version("triton")
     if installed != TRITON_VERSION:
-        raise ConfigError(OPT_IN_ENV, "1", f"triton {installed} is installed; the interpreter shims are checked on "
-                          f"triton {TRITON_VERSION} only: {INSTALL_FIX}")
+        raise ConfigError(
+            OPT_IN_ENV,
+            "1",
+            f"triton {installed} is installed; the interpreter shims are checked on "
+            f"triton {TRITON_VERSION} only: {INSTALL_FIX}",
+        )
     if importlib.util.find_spec("numpy") is None:
         raise ConfigError(OPT_IN_ENV, "1", f"Triton's interpreter computes with numpy (not installed): {INSTALL_FIX}")
     os.environ["TRITON_INTERPRET"] = "1"
@@ -94,9 +98,13 @@ def enable(package: str) -> None:
     kernels = (("triton", lambda: tl.cdiv), (package, lambda: getattr(importlib.import_module(module), name)))
     for owner, kernel in kernels:  # triton first: a refusal leaves the package unimported
         if not _is_interpreted(kernel()):
-            raise ConfigError(OPT_IN_ENV, "1", f"{owner} was imported before the opt-in took effect, so its kernels "
-                              f"are compiled: set {OPT_IN_ENV}=1 in the environment before Python starts and import "
-                              "lit_ablate before lightning, torch._dynamo or triton (or set TRITON_INTERPRET=1 too)")
+            raise ConfigError(
+                OPT_IN_ENV,
+                "1",
+                f"{owner} was imported before the opt-in took effect, so its kernels "
+                f"are compiled: set {OPT_IN_ENV}=1 in the environment before Python starts and import "
+                "lit_ablate before lightning, torch._dynamo or triton (or set TRITON_INTERPRET=1 too)",
+            )
     _install_libdevice_shims()
 
 
@@ -104,9 +112,12 @@ def refuse_bf16(dtype: Any) -> None:
     """Under the interpreter bf16 (``torch.bfloat16``) is silently wrong (raw 16-bit patterns: NaNs,
     gradients off by 1e37). torch is not imported here: ``import lit_ablate`` loads this module."""
     if str(dtype).removeprefix("torch.") == "bfloat16":
-        raise ConfigError("model.init_args.model.dtype", "bfloat16",
-                          f"Triton's interpreter ({OPT_IN_ENV}=1) computes bf16 wrongly without an error: "
-                          "use float32 (liger) or float16 (cce) and trainer.precision 32-true, or run bf16 on CUDA")
+        raise ConfigError(
+            "model.init_args.model.dtype",
+            "bfloat16",
+            f"Triton's interpreter ({OPT_IN_ENV}=1) computes bf16 wrongly without an error: "
+            "use float32 (liger) or float16 (cce) and trainer.precision 32-true, or run bf16 on CUDA",
+        )
 
 
 def _is_interpreted(kernel: object) -> bool:

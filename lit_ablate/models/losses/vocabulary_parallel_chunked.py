@@ -41,7 +41,13 @@ def vocabulary_parallel_chunked_cross_entropy(
         labels: ``[N]`` global target ids, already shifted (``-100``: not counted).
     """
     return _VocabularyParallelChunkedCrossEntropy.apply(
-        hidden, weight_shard, labels, vocab_start, group, chunk_tokens, chunk_vocab or weight_shard.shape[0],
+        hidden,
+        weight_shard,
+        labels,
+        vocab_start,
+        group,
+        chunk_tokens,
+        chunk_vocab or weight_shard.shape[0],
         z_loss_weight,
     )
 
@@ -57,8 +63,17 @@ def global_log_sum_exp(partial_lse: Tensor, partial_target: Tensor, group: dist.
 
 class _VocabularyParallelChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, hidden: Tensor, weight: Tensor, labels: Tensor, vocab_start: int,
-                group: dist.ProcessGroup, chunk_tokens: int, chunk_vocab: int, z_loss_weight: float) -> Tensor:
+    def forward(
+        ctx: Any,
+        hidden: Tensor,
+        weight: Tensor,
+        labels: Tensor,
+        vocab_start: int,
+        group: dist.ProcessGroup,
+        chunk_tokens: int,
+        chunk_vocab: int,
+        z_loss_weight: float,
+    ) -> Tensor:
         n_tokens = hidden.shape[0]
         counted = labels != IGNORE_INDEX
         # Targets in this rank's columns land in [0, V / tp); the others fall outside (-100 too: it
@@ -69,13 +84,19 @@ class _VocabularyParallelChunkedCrossEntropy(torch.autograd.Function):
         for t0 in range(0, n_tokens, chunk_tokens):
             t1 = min(t0 + chunk_tokens, n_tokens)
             partial_lse[t0:t1], partial_target[t0:t1], _ = token_chunk_lse(
-                hidden[t0:t1], weight, None, local_labels[t0:t1], chunk_vocab)
+                hidden[t0:t1], weight, None, local_labels[t0:t1], chunk_vocab
+            )
         lse, target = global_log_sum_exp(partial_lse, partial_target, group)
         per_token = lse - target
         if z_loss_weight:
             per_token = per_token + z_loss_weight * lse.square()
         ctx.save_for_backward(hidden, weight, local_labels, counted, lse)
-        ctx.group, ctx.chunk_tokens, ctx.chunk_vocab, ctx.z_loss_weight = group, chunk_tokens, chunk_vocab, z_loss_weight
+        ctx.group, ctx.chunk_tokens, ctx.chunk_vocab, ctx.z_loss_weight = (
+            group,
+            chunk_tokens,
+            chunk_vocab,
+            z_loss_weight,
+        )
         return torch.where(counted, per_token, 0.0).sum()
 
     @staticmethod
@@ -87,8 +108,19 @@ class _VocabularyParallelChunkedCrossEntropy(torch.autograd.Function):
             t1 = min(t0 + ctx.chunk_tokens, hidden.shape[0])
             row_scale = counted[t0:t1] * grad_loss.float()
             softmax_scale = row_scale * (1.0 + 2.0 * ctx.z_loss_weight * lse[t0:t1])
-            grads.add_token_chunk(None, hidden[t0:t1], t0, t1, weight, None, local_labels[t0:t1], lse[t0:t1],
-                                  row_scale, softmax_scale, ctx.chunk_vocab)
+            grads.add_token_chunk(
+                None,
+                hidden[t0:t1],
+                t0,
+                t1,
+                weight,
+                None,
+                local_labels[t0:t1],
+                lse[t0:t1],
+                row_scale,
+                softmax_scale,
+                ctx.chunk_vocab,
+            )
         grad_hidden, grad_weight, _ = grads.finished(None)
         if grad_hidden is not None:  # each rank's columns' share of every token's gradient
             dist.all_reduce(grad_hidden, group=ctx.group)

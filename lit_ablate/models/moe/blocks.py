@@ -85,8 +85,14 @@ class MoEBlock(nn.Module):
         layer_index: the decoder layer this block sits in (names its metrics).
     """
 
-    def __init__(self, gate: TopKRouter, experts: RoutedExperts, load_balance_weight: float = 0.0,
-                 z_loss_weight: float = 0.0, layer_index: int = 0) -> None:
+    def __init__(
+        self,
+        gate: TopKRouter,
+        experts: RoutedExperts,
+        load_balance_weight: float = 0.0,
+        z_loss_weight: float = 0.0,
+        layer_index: int = 0,
+    ) -> None:
         super().__init__()
         self.gate = gate
         self.experts = experts
@@ -108,12 +114,19 @@ class MoEBlock(nn.Module):
         balance, z = load_balancing_loss(routing.probs, routing.counts), router_z_loss(routing.logits)
         self._aux_losses = {
             name: weight * loss
-            for name, weight, loss in (("load_balance_loss", self.load_balance_weight, balance),
-                                       ("z_loss", self.z_loss_weight, z))
+            for name, weight, loss in (
+                ("load_balance_loss", self.load_balance_weight, balance),
+                ("z_loss", self.z_loss_weight, z),
+            )
             if weight > 0
         }
-        observed = torch.cat([routing.counts.double(), torch.stack([balance.detach(), z.detach()]).double(),
-                              routing.counts.new_ones(1).double()])
+        observed = torch.cat(
+            [
+                routing.counts.double(),
+                torch.stack([balance.detach(), z.detach()]).double(),
+                routing.counts.new_ones(1).double(),
+            ]
+        )
         self._load = observed if self._load is None else self._load + observed
 
     def keep_aux_losses(self, losses: dict[str, Tensor]) -> None:
@@ -132,8 +145,12 @@ class MoEBlock(nn.Module):
             return None
         values, self._load = self._load.tolist(), None
         experts, forwards = self.gate.num_experts, values[-1]
-        return ExpertLoad(torch.tensor(values[:experts], dtype=torch.int64), values[experts] / forwards,
-                          values[experts + 1] / forwards, int(forwards))
+        return ExpertLoad(
+            torch.tensor(values[:experts], dtype=torch.int64),
+            values[experts] / forwards,
+            values[experts + 1] / forwards,
+            int(forwards),
+        )
 
 
 def moe_blocks(module: nn.Module) -> list[MoEBlock]:
@@ -191,8 +208,11 @@ def apply_moe(model: nn.Module, options: MoEOptions) -> list[MoEBlock]:
         setattr(model.get_submodule(parent), attr, block)
         blocks.append(block)
     if not blocks:
-        raise ConfigError(f"{OPTIONS_KEY}.experts", options.experts, "the model has no sparse-MoE blocks; use an "
-                          "MoE model (e.g. preset tiny-qwen3-moe) or drop moe")
+        raise ConfigError(
+            f"{OPTIONS_KEY}.experts",
+            options.experts,
+            "the model has no sparse-MoE blocks; use an MoE model (e.g. preset tiny-qwen3-moe) or drop moe",
+        )
     return blocks
 
 
@@ -223,8 +243,10 @@ def _check_supported(name: str, block: nn.Module) -> None:
         problem = "its router has no top_k"
     elif getattr(block, "jitter_noise", 0.0):
         problem = "it uses router jitter noise; set router_jitter_noise: 0 in the model config"
-    elif gate_up.shape[::2] != (num_experts, hidden) or down.shape[:2] != (num_experts, hidden) or (
-        gate_up.shape[1] != 2 * down.shape[2]
+    elif (
+        gate_up.shape[::2] != (num_experts, hidden)
+        or down.shape[:2] != (num_experts, hidden)
+        or (gate_up.shape[1] != 2 * down.shape[2])
     ):
         problem = f"its expert weights have an unexpected layout {tuple(gate_up.shape)} / {tuple(down.shape)}"
     if problem:

@@ -150,8 +150,9 @@ class AllReduceDispatcher(ExpertParallelDispatcher):
         # Every rank's choices arrive here; the buffer starts as this rank's own, repeated (what a simulated
         # rank's fake exchange leaves: valid expert ids, balanced routing), and the exchange overwrites it.
         all_indices = routing.indices.repeat(-(-sum(sizes) // max(num_tokens, 1)), 1)[: sum(sizes)].contiguous()
-        dist.all_to_all_single(all_indices, routing.indices.repeat(self.size, 1), sizes, [num_tokens] * self.size,
-                               group=self.group)
+        dist.all_to_all_single(
+            all_indices, routing.indices.repeat(self.size, 1), sizes, [num_tokens] * self.size, group=self.group
+        )
 
         local = all_indices.reshape(-1) - self.first_local
         pairs = torch.nonzero((local >= 0) & (local < self.num_local)).squeeze(1)

@@ -28,8 +28,14 @@ ExpertsFn = Callable[[Tensor, Tensor, Tensor, Tensor, Activation], Tensor]
 """``(tokens sorted by expert [M, H], counts [E], gate_up [E, 2I, H], down [E, H, I], act) -> [M, H]``"""
 
 
-def loop_experts(tokens: Tensor, counts: Tensor, gate_up: Tensor, down: Tensor, act: Activation,
-                 linear: Callable[[Tensor, Tensor], Tensor] = F.linear) -> Tensor:
+def loop_experts(
+    tokens: Tensor,
+    counts: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    act: Activation,
+    linear: Callable[[Tensor, Tensor], Tensor] = F.linear,
+) -> Tensor:
     """The reference: each expert's contiguous rows through its own MLP, one matmul at a time
     (``linear``: ``F.linear``, or fp8's ``Fp8Matmul`` once ``lit_ablate.models.fp8.conversion`` converted the experts).
 
@@ -92,8 +98,10 @@ def grouped_mm_unsupported(tokens: Tensor, gate_up: Tensor, down: Tensor) -> str
     align = 16 // tokens.element_size()  # every row stride must be a multiple of 16 bytes
     hidden, intermediate = down.shape[1], down.shape[2]
     if hidden % align or intermediate % align:
-        return (f"torch._grouped_mm needs hidden ({hidden}) and expert intermediate ({intermediate}) sizes "
-                f"divisible by {align}")
+        return (
+            f"torch._grouped_mm needs hidden ({hidden}) and expert intermediate ({intermediate}) sizes "
+            f"divisible by {align}"
+        )
     return None
 
 
@@ -115,8 +123,9 @@ class RoutedExperts(nn.Module):
         implementation: ``loop`` or ``grouped``.
     """
 
-    def __init__(self, gate_up_proj: nn.Parameter, down_proj: nn.Parameter, act_fn: nn.Module,
-                 implementation: str = "grouped") -> None:
+    def __init__(
+        self, gate_up_proj: nn.Parameter, down_proj: nn.Parameter, act_fn: nn.Module, implementation: str = "grouped"
+    ) -> None:
         super().__init__()
         self.gate_up_proj = gate_up_proj
         self.down_proj = down_proj

@@ -26,4 +26,6 @@ if __name__ == "__main__":
     for folder, compression in (("plain", None), ("zstd", "zstd")):
         with MDSWriter(out=str(HERE / folder), columns=COLUMNS, compression=compression, size_limit=1500) as writer:
             for i, text in enumerate(documents()):
-                writer.write({"text": text, "tokens": np.frombuffer(text.encode(), np.uint8).astype(np.uint32), "id": i})
+                writer.write(
+                    {"text": text, "tokens": np.frombuffer(text.encode(), np.uint8).astype(np.uint32), "id": i}
+                )
