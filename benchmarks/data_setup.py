@@ -1,6 +1,7 @@
 """Data set-up at scale: time and peak memory per rank, in-memory path vs token cache vs stream.
 
-Run by hand (CI runs it only at a smoke size, tests/test_benchmarks.py):  python benchmarks/data_setup.py [--mb 16 256] [--seq-len 128] [--memory-up-to-mb 16]
+Run by hand (CI runs it only at a smoke size, tests/test_benchmarks.py):
+    python benchmarks/data_setup.py [--mb 16 256] [--seq-len 128] [--memory-up-to-mb 16]
 
 The script writes a generated JSONL corpus of each size in ``--mb`` (documents of sentences from
 ``SyntheticText``'s grammar, log-normal lengths) to a temporary directory, then runs

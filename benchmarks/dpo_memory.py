@@ -1,7 +1,9 @@
 """Peak memory of DPO's log-prob + loss computation: ``torch`` against ``chunked`` log-probs and ``liger``.
 
-Run by hand (CI runs it only at a smoke size, tests/test_benchmarks.py):  python benchmarks/dpo_memory.py [--tokens 1024] [--chunk-tokens 128] [--backends ...]
-On a GPU (the GPU lane):     python benchmarks/dpo_memory.py --tokens 15360 --chunk-tokens 1024  (--device cuda)
+Run by hand (CI runs it only at a smoke size, tests/test_benchmarks.py):
+    python benchmarks/dpo_memory.py [--tokens 1024] [--chunk-tokens 128] [--backends ...]
+On a GPU (the GPU lane):
+    python benchmarks/dpo_memory.py --tokens 15360 --chunk-tokens 1024  (--device cuda)
 
 At the LM-head sizes of the seed study (Qwen3-32B: hidden 5120, vocabulary 151,936, fp32), one
 forward + backward of: per-token label log-probs from the final hidden states and the LM-head

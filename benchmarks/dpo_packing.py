@@ -1,6 +1,7 @@
 """Useful tokens/s of DPO training steps by batch layout: padded, packed, prefix-shared.
 
-Run by hand (CI runs it only at a smoke size, tests/test_benchmarks.py):  python benchmarks/dpo_packing.py [--pairs 256] [--repeats 3]
+Run by hand (CI runs it only at a smoke size, tests/test_benchmarks.py):
+    python benchmarks/dpo_packing.py [--pairs 256] [--repeats 3]
 
 Every layout processes the very same pairs (one pass over ``--pairs`` pairs of
 ``ArithmeticPreference``), so every layout trains on the same useful tokens (response tokens of
@@ -183,7 +184,8 @@ def main() -> None:
         f"\nRESULT dpo_packing_speedup={skewed['multipacked']['useful_per_s'] / skewed['padded']['useful_per_s']:.2f}"
     )
     print(
-        f"RESULT dpo_packing_batch_speedup={skewed['packed_batch']['useful_per_s'] / skewed['padded']['useful_per_s']:.2f}"
+        "RESULT dpo_packing_batch_speedup="
+        f"{skewed['packed_batch']['useful_per_s'] / skewed['padded']['useful_per_s']:.2f}"
     )
     print(
         "RESULT dpo_prefix_sharing_speedup="

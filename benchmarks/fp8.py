@@ -1,7 +1,9 @@
 """fp8 training (torchao float8 via ``model.fp8``): numerics on any device, speed and memory on a GPU.
 
-Run by hand (CI runs it only at a smoke size, tests/test_benchmarks.py):  OMP_NUM_THREADS=1 python benchmarks/fp8.py [--steps 20] [--seq-len 2048] [--no-compile]
-The GPU lane:  python benchmarks/fp8.py --shape qwen3-8b --layers 4 --seq-len 8192 --steps 8 --recipes tensorwise rowwise
+Run by hand (CI runs it only at a smoke size, tests/test_benchmarks.py):
+    OMP_NUM_THREADS=1 python benchmarks/fp8.py [--steps 20] [--seq-len 2048] [--no-compile]
+The GPU lane:
+    python benchmarks/fp8.py --shape qwen3-8b --layers 4 --seq-len 8192 --steps 8 --recipes tensorwise rowwise
 
 1. Numerics (every device): one Qwen3-0.6B-shaped MLP projection (1024 -> 3072, ``--tokens`` rows
    of activations with a few outlier channels, as real hidden states have) in fp32, in bf16 and

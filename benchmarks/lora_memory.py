@@ -1,7 +1,8 @@
 """Per-rank training memory of full fine-tuning vs LoRA vs QLoRA: the estimate for a Qwen3-0.6B shape,
 checked against measured tiny runs.
 
-Run by hand (CI runs it only at a smoke size, tests/test_benchmarks.py):  OMP_NUM_THREADS=1 python benchmarks/lora_memory.py [--seq-len 2048]
+Run by hand (CI runs it only at a smoke size, tests/test_benchmarks.py):
+    OMP_NUM_THREADS=1 python benchmarks/lora_memory.py [--seq-len 2048]
 
 1. Measured: three short fits of ``configs/sft_lora_tiny.yaml`` (full fine-tuning, LoRA r=16 on every
    linear layer, QLoRA: the same over an NF4 base), each through ``lit-ablate fit``'s entry point in

@@ -1,6 +1,7 @@
 """Peak memory and time of one forward+backward of the loss alone, per loss backend.
 
-Run by hand (CI runs it only at a smoke size, tests/test_benchmarks.py):  python benchmarks/loss_memory.py [--full] [--dtype bfloat16]
+Run by hand (CI runs it only at a smoke size, tests/test_benchmarks.py):
+    python benchmarks/loss_memory.py [--full] [--dtype bfloat16]
 
 Memory is the peak of tensor bytes allocated during forward+backward above what existed before
 (the hidden states and LM-head weight are excluded; the gradients the loss produces are

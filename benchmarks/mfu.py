@@ -181,7 +181,7 @@ def fit_config(args: argparse.Namespace, root: str) -> dict:
     }
 
 
-def _cli(config: dict, root: str, run: bool):  # noqa: ANN202 (LitAblateCLI, imported lazily)
+def _cli(config: dict, root: str, run: bool):  # LitAblateCLI, imported lazily
     from lit_ablate.fit_cli import LitAblateCLI
 
     path = Path(root) / "fit.yaml"
@@ -360,7 +360,8 @@ def report(args: argparse.Namespace, hand: list[Side], lit: list[Side], ceilings
         mfu = flops / (peak * 1e12) if peak else None
         seed_mfu = useful * seed_flops / (peak * 1e12) if peak else None
         print(
-            f"| {label} | {useful:,.0f} | {step_s:.4f} | {_fmt(mfu)} | {_fmt(flops / (ceiling * 1e12))} | {_fmt(seed_mfu)} "
+            f"| {label} | {useful:,.0f} | {step_s:.4f} | {_fmt(mfu)} | {_fmt(flops / (ceiling * 1e12))} "
+            f"| {_fmt(seed_mfu)} "
             f"| {', '.join(f'{r.useful_per_s(measured):,.0f}' for r in runs)} |"
         )
         key = p if label.startswith("lit") else f"{p}_hand"

@@ -1,6 +1,7 @@
 """Time of one MoE layer's forward + backward, per experts implementation, side by side.
 
-Run by hand (CI runs it only at a smoke size, tests/test_benchmarks.py):  python benchmarks/moe.py [--dtype bfloat16] [--repeats N] [--device cuda]
+Run by hand (CI runs it only at a smoke size, tests/test_benchmarks.py):
+    python benchmarks/moe.py [--dtype bfloat16] [--repeats N] [--device cuda]
 
 One layer = router + top-k routing + experts + combine, as ``MoEBlock`` runs it in training
 (auxiliary losses included), on random hidden states; the gradient flows to the input, the

@@ -400,8 +400,8 @@ def main(argv: list[str]) -> None:
                 raise SystemExit(f"{name} changed torch's threads to {torch.get_num_threads()}: not the same setup")
     hand, lit, hf = runs.values()
     window = _cli(args.steps, tempfile.gettempdir()).trainer.log_every_n_steps
-    vs_hand = max(max_gap(l.losses, h.losses) for l, h in zip(lit, hand))
-    vs_hf = max(max_gap(window_means(l.losses, window), t.losses) for l, t in zip(lit, hf))
+    vs_hand = max(max_gap(ours.losses, h.losses) for ours, h in zip(lit, hand))
+    vs_hf = max(max_gap(window_means(ours.losses, window), t.losses) for ours, t in zip(lit, hf))
     print(f"\nclock: {args.clock}, torch threads: {args.threads}, {args.steps} steps, {args.repeats} runs per side")
     print(
         f"loss curves, max |difference| over all runs (tolerance {LOSS_TOLERANCE:g}): lit-ablate vs hand-written "

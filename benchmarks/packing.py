@@ -1,6 +1,7 @@
 """Useful tokens per second, padding vs packing, on a skewed length distribution.
 
-Run by hand (CI runs it only at a smoke size, tests/test_benchmarks.py):  python benchmarks/packing.py [--device cuda] [--max-len 4096]
+Run by hand (CI runs it only at a smoke size, tests/test_benchmarks.py):
+    python benchmarks/packing.py [--device cuda] [--max-len 4096]
 
 The same examples (log-normal lengths with a long tail, capped at ``--max-len``) go through one
 forward+backward of a tiny model per batch, in four layouts:
@@ -22,13 +23,13 @@ packed rows have one static shape (``--max-len`` tokens, ``static_shape``), so a
 (flex) compiles once, not once per row width; on a CPU they are as wide as their longest row
 (``--static-shape`` / ``--no-static-shape`` choose). Each layout is warmed up, measured
 ``--repeats`` times (the median counts) and its row printed at once, with a ``RESULT`` line as
-soon as the row and its baseline exist: a run cut short by a time limit keeps every row it finished. Times are wall-clock and this
-process's CPU time (robust to other jobs on a shared machine), with one torch thread by default
-(``--threads``: with two, idle threads spin while other jobs hold the cores, which adds CPU time
-that is not the layout's). The defaults (200 examples, median 64, tail to 1024: the issue's 4k
-scaled down 4x; 2 repeats) take about 45 s of CPU, under a minute on an idle 2-core machine and a
-few on a loaded one. On a GPU (bf16; speedups by wall time, since the host thread waits for the
-device) the GPU lane runs a Qwen3-0.6B shape at 8 of its layers,
+soon as the row and its baseline exist: a run cut short by a time limit keeps every row it finished.
+Times are wall-clock and this process's CPU time (robust to other jobs on a shared machine), with
+one torch thread by default (``--threads``: with two, idle threads spin while other jobs hold the
+cores, which adds CPU time that is not the layout's). The defaults (200 examples, median 64, tail to
+1024: the issue's 4k scaled down 4x; 2 repeats) take about 45 s of CPU, under a minute on an idle
+2-core machine and a few on a loaded one. On a GPU (bf16; speedups by wall time, since the host
+thread waits for the device) the GPU lane runs a Qwen3-0.6B shape at 8 of its layers,
 ``--preset qwen3-0.6b --layers 8 --examples 160 --median 400 --max-len 4096 --batch-size 4 --rows 2
 --packed-attention torch_varlen flex sdpa_packed``: each further packed backend adds an FFD row. The
 RESULT lines are ``packing_speedup=<FFD-packed over arrival-order padding, useful tokens/s>``,
@@ -216,9 +217,10 @@ def main() -> None:
     lengths = [len(e["input_ids"]) for e in examples]
     clock = "wall" if device.type == "cuda" else "CPU"  # a GPU's host thread waits in synchronize: wall time
     print(
-        f"\n{len(examples)} examples, lengths median {statistics.median(lengths):.0f} / mean {statistics.mean(lengths):.0f}"
-        f" / max {max(lengths)}, {useful} useful tokens; {args.preset} ({model['num_hidden_layers']} layers) {dtype} on "
-        f"{device.type}, {args.threads} torch thread(s); median of {args.repeats} repeats; every row's time includes its "
+        f"\n{len(examples)} examples, lengths median {statistics.median(lengths):.0f} "
+        f"/ mean {statistics.mean(lengths):.0f} / max {max(lengths)}, {useful} useful tokens; "
+        f"{args.preset} ({model['num_hidden_layers']} layers) {dtype} on {device.type}, "
+        f"{args.threads} torch thread(s); median of {args.repeats} repeats; every row's time includes its "
         "plan and collation; speedup: useful tokens/s over padding in arrival order\n",
         flush=True,
     )

@@ -242,7 +242,8 @@ def main() -> None:
     for length in args.lengths:
         ref = reference[length]
         print(
-            f"| {length} | sdpa | {ref['cpu_s']:.3f} | 1 | {ref['wall_s']:.3f} | {ref['peak_bytes'] / 2**20:.1f} | 1 | |"
+            f"| {length} | sdpa | {ref['cpu_s']:.3f} | 1 | {ref['wall_s']:.3f} | "
+            f"{ref['peak_bytes'] / 2**20:.1f} | 1 | |"
         )
         for impl, world, ranks in rows:
             per = [r[str(length)] for r in ranks]
@@ -264,7 +265,8 @@ def main() -> None:
         ref = reference[longest]
         print(f"RESULT {impl}_cp{world}_time_share_L{longest}={max(p['cpu_s'] for p in per) / ref['cpu_s']:.3f}")
         print(
-            f"RESULT {impl}_cp{world}_memory_share_L{longest}={max(p['peak_bytes'] for p in per) / ref['peak_bytes']:.3f}"
+            f"RESULT {impl}_cp{world}_memory_share_L{longest}="
+            f"{max(p['peak_bytes'] for p in per) / ref['peak_bytes']:.3f}"
         )
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 import os
 import sys
 from collections.abc import Callable
@@ -132,7 +133,7 @@ def _config_file_refusal(args: list[str]) -> str | None:
     if args[0] not in FIT_CONFIG_COMMANDS:
         return None
     values = [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
-    values += [after for before, after in zip(args, args[1:]) if before == "--config"]
+    values += [after for before, after in itertools.pairwise(args) if before == "--config"]
     for value in values:
         if any(c in value for c in "{:\n"):
             continue

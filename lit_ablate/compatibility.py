@@ -136,7 +136,8 @@ def check_cpu_ranks(trainer: TrainerSettings | Mapping[str, Any], cores: int | N
             "trainer.devices",
             devices,
             f"on CPU every rank is a process; {devices} ranks on {cores} usable cores is more than the limit of "
-            f"{limit} ({CPU_RANKS_PER_CORE} per core), past which the run waits (rank start-up, every collective) until it times out; "
+            f"{limit} ({CPU_RANKS_PER_CORE} per core), past which the run waits (rank start-up, every collective) "
+            "until it times out; "
             f"use at most {limit} devices",
         )
 
@@ -908,7 +909,8 @@ def quantization_refusal(
 
 
 def check_quantization(options: QuantizationOptions | None, strategy: object, model_dtype: str = "float32") -> None:
-    """Raise ``ConfigError`` naming ``model.init_args.model.quantization`` when ``quantization_refusal`` has a reason."""
+    """Raise ``ConfigError`` naming ``model.init_args.model.quantization`` when ``quantization_refusal``
+    has a reason."""
     reason = quantization_refusal(options, strategy, model_dtype)
     if reason:
         raise ConfigError(QUANTIZATION_KEY, {"bits": options.bits}, reason)
@@ -924,7 +926,10 @@ def fp8_refusal(options: Fp8Options | None, strategy: object) -> str | None:
     strategy_class = strategy if isinstance(strategy, type) or strategy is None else type(strategy)
     if strategy_class is None or not issubclass(strategy_class, FullyShardSteps):
         name = strategy_class.__name__ if strategy_class is not None else "no strategy"
-        return f"fp8 all-gather happens inside FSDP2's fully_shard; {name} gathers nothing: use FSDP2Strategy or fsdp_all_gather: false"
+        return (
+            f"fp8 all-gather happens inside FSDP2's fully_shard; {name} gathers nothing: "
+            "use FSDP2Strategy or fsdp_all_gather: false"
+        )
     return None
 
 

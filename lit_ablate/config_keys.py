@@ -32,7 +32,7 @@ def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
         if isinstance(node, list):
             node = node[_index(node, segment, key)]
             continue
-        below = (parents + [leaf])[index + 1]
+        below = [*parents, leaf][index + 1]
         if isinstance(node.get(segment), str) and below == "init_args":
             node[segment] = {"class_path": node[segment]}
         elif not isinstance(node.get(segment), (dict, list)):

@@ -101,7 +101,7 @@ def console_trainer_args(trainer_args: Mapping[str, Any], callbacks: list[Callba
     would add its own default bar and summary (none among ``callbacks``, not turned off, not
     ``barebones``). With our summary, Lightning's is turned off: it would log that it skips its own."""
     if trainer_args.get("barebones"):
-        return {"callbacks": callbacks + [FrozenEvalModules()]}
+        return {"callbacks": [*callbacks, FrozenEvalModules()]}
     extra: list[Callback] = []
     args: dict[str, Any] = {}
     if trainer_args.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):

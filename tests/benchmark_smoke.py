@@ -36,7 +36,7 @@ def run(script: str, argv: list[str]) -> dict:
             status = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
             if status:
                 print(f"SystemExit: {exit_.code}")
-        except BaseException:  # noqa: BLE001 (reported, not hidden: the test fails on it)
+        except BaseException:  # reported, not hidden: the test fails on it
             status = 1
             traceback.print_exc()
     text = out.getvalue()

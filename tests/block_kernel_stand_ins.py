@@ -16,7 +16,7 @@ Each stand-in computes attention in plain fp32 torch ops, so what a test compare
 from __future__ import annotations
 
 import torch
-import torch.utils.flop_counter  # noqa: F401 (registers formulas on the real aten ops before any stand-in replaces one)
+import torch.utils.flop_counter  # registers formulas on the real aten ops before any stand-in replaces one
 from torch import Tensor
 
 from lit_ablate.models.attention.block_kernels import FlashAttnBlockKernel, FlexBlockKernel, SdpaBlockKernel

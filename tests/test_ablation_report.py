@@ -307,9 +307,10 @@ def test_the_report_shows_the_ceilings_the_runs_measured_and_flags_a_move(tmp_pa
 
 
 def test_a_move_within_the_sweep_s_repeatability_is_not_flagged_against_a_tiny_speed_floor():
-    """depth_grid's quiet regeneration: six one-process ceilings 2.5% apart against a 0.1% speed noise
-    floor were flagged as a load change (and context_parallel's one-thread ranks, 6.4% apart). The floor is at least the sweep's repeatability; a move past it
-    still is. Seen failing with the floor the speed noise alone."""
+    """depth_grid's quiet regeneration: six one-process ceilings 2.5% apart against a 0.1% speed
+    noise floor were flagged as a load change (and context_parallel's one-thread ranks, 6.4% apart).
+    The floor is at least the sweep's repeatability; a move past it still is. Seen failing with the
+    floor the speed noise alone."""
     from lit_ablate.ablation.report import CEILING_REPEATABILITY
     from lit_ablate.ablation.report import _ceiling_line as line_of
 

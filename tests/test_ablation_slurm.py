@@ -267,7 +267,7 @@ def test_a_gpu_study_plans_for_slurm_on_a_login_node_without_cuda(
     fp8_runs_here's capability probe (issue 33), and a CPU partition judged by this machine's CUDA."""
     import torch
 
-    import lit_ablate.fit_cli  # noqa: F401  (libraries probe CUDA once when imported: done before the probes fail)
+    import lit_ablate.fit_cli  # libraries probe CUDA once when imported: done before the probes fail
     import lit_ablate.models.fp8.conversion  # noqa: F401
     from lit_ablate.ablation.plan import plan_study
     from lit_ablate.ablation.spec import parse_study

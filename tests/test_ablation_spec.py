@@ -41,7 +41,7 @@ def test_dotted_set_get_flatten_round_trip():
     assert tree == {"a": {"b": 1, "c": {"d": 3}}, "cb": [{"x": 1}, {"x": 5}]}
     assert get_dotted(tree, "cb.1.x") == 5 and get_dotted(tree, "a.zz", "none") == "none"
     assert flatten(tree) == {"a.b": 1, "a.c.d": 3, "cb.0.x": 1, "cb.1.x": 5}
-    with pytest.raises(KeyError, match="cb.7.x"):
+    with pytest.raises(KeyError, match=r"cb.7.x"):
         set_dotted(tree, "cb.7.x", 0)
 
 
@@ -226,6 +226,10 @@ def test_compatibility_rules_give_reasons():
 
 def test_compatibility_is_one_registry():
     config = {"x": 1}
-    rules = {"first": lambda c, l: None, "second": lambda c, l: f"x is {c['x']}", "third": lambda c, l: "not reached"}
+    rules = {
+        "first": lambda c, launch: None,
+        "second": lambda c, launch: f"x is {c['x']}",
+        "third": lambda c, launch: "not reached",
+    }
     assert compatibility.incompatibility(config, Launch(), rules) == "x is 1"
     assert set(compatibility.RULES) >= {"accelerator_present", "loss_backend_available", "strategy_accepts_cpu"}

@@ -3,10 +3,11 @@ their optimizer states and (QLoRA) the 4-bit base with its scales come back from
 in one process (a ``.ckpt`` file) and under FSDP2 on 2 ranks (a sharded DCP folder).
 
 Each run trains 2 steps and saves, then a new Trainer resumes to step 4 on the batches not yet
-seen; the reference trains 4 steps straight (constant learning rate). Equal means bit-equal adapters and step losses: the same ops on the same values. A
-resume that lost the optimizer state (Adam's moments restarting at zero) moves the adapters by
-~lr per step and fails; so does a 4-bit base whose scales were not restored (seen failing with
-``_load_quant_state`` unregistered: strict loading refuses the scale keys).
+seen; the reference trains 4 steps straight (constant learning rate). Equal means bit-equal adapters
+and step losses: the same ops on the same values. A resume that lost the optimizer state (Adam's
+moments restarting at zero) moves the adapters by ~lr per step and fails; so does a 4-bit base whose
+scales were not restored (seen failing with ``_load_quant_state`` unregistered: strict loading
+refuses the scale keys).
 """
 
 from __future__ import annotations

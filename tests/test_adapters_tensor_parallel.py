@@ -176,7 +176,7 @@ def test_tp2_splits_the_adapters_with_their_base_layer(tp2):
 @pytest.mark.parametrize("adapter", [{"use_dora": True}, {"dropout": 0.1}])
 def test_tp_refuses_dora_and_adapter_dropout(adapter):
     layer = build(**adapter).lm.model.layers[0]
-    with pytest.raises(ConfigError, match="use_dora|dropout"):
+    with pytest.raises(ConfigError, match=r"use_dora|dropout"):
         layer_plan_for("llama")(layer, False)
 
 

@@ -39,7 +39,8 @@ RUN_BLOCKS = textwrap.dedent("""
     for match in re.finditer(r"^```python\\n(.*?)^```", page, re.MULTILINE | re.DOTALL):
         line = page[: match.start()].count("\\n") + 2
         try:
-            exec(compile(match.group(1), f"docs/architecture.md (block at line {line})", "exec"), {"__name__": "__doc_block__"})
+            code = compile(match.group(1), f"docs/architecture.md (block at line {line})", "exec")
+            exec(code, {"__name__": "__doc_block__"})
         except BaseException:
             traceback.print_exc()
             sys.exit(f"the block at line {line} failed")
@@ -69,7 +70,8 @@ def test_the_layer_table_names_every_layer_the_layer_test_enforces():
     assert not enforced - named, f"docs/architecture.md's layers leave out {sorted(enforced - named)}"
 
 
-@pytest.mark.slow  # one interpreter's imports, a 3-step fit and four tiny models: ~20 s of CPU, 55 s on a loaded machine
+# one interpreter's imports, a 3-step fit and four tiny models: ~20 s of CPU, 55 s on a loaded machine
+@pytest.mark.slow
 def test_every_python_block_runs(tmp_path: Path):
     python = blocks("python")
     assert len(python) == 4

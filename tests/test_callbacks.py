@@ -82,7 +82,8 @@ def test_monitor_values_reach_the_lightning_logger_every_n_steps(tmp_path):
         enable_model_summary=False,
     )
     trainer.fit(module, DataLoader(_batches(4, 2, masked_prefix=[0]), batch_size=None))
-    rows = list(csv.DictReader(open(tmp_path / "csv" / "version_0" / "metrics.csv")))
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv") as metrics:
+        rows = list(csv.DictReader(metrics))
     logged = {
         int(r["step"]): float(r["ThroughputMonitor/step_time_s"])
         for r in rows

@@ -100,7 +100,7 @@ def test_every_command_refuses_an_abbreviated_option(argv, capsys):
         code: int | str | None = main(argv)
     except SystemExit as exit_:
         code = exit_.code
-    except Exception as err:  # noqa: BLE001 (a traceback also refuses; its one-line form is test_bad_inputs's job)
+    except Exception as err:  # a traceback also refuses; its one-line form is test_bad_inputs's job
         code = str(err)
     said = f"{code} {capsys.readouterr()}"
     assert code not in (0, None) and re.search(r"\bhel\b", said), said[-400:]

@@ -42,7 +42,8 @@ def test_help_version_and_a_missing_config_import_no_heavy_library(argv, tmp_pat
     after ``from jsonargparse import ArgumentError``."""
     probe = (
         f"import sys\nfrom lit_ablate.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit as e:\n"
-        f"    print('exit', e.code)\nprint('\\n' + __import__('json').dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))"
+        f"    print('exit', e.code)\n"
+        f"print('\\n' + __import__('json').dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))"
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -85,7 +86,8 @@ def test_report_imports_neither_torch_nor_lightning():
     transformers (it lived beside ``ablate``, whose planning imports them all: ~8 s of start-up)."""
     probe = (
         "import sys\nimport lit_ablate.commands.report\n"
-        "print('\\n' + __import__('json').dumps(sorted(m for m in ('torch', 'lightning', 'transformers') if m in sys.modules)))"
+        "print('\\n' + __import__('json').dumps("
+        "sorted(m for m in ('torch', 'lightning', 'transformers') if m in sys.modules)))"
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

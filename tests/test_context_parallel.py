@@ -429,7 +429,7 @@ def test_batches_it_cannot_shard_are_refused_naming_the_strategy():
     """A preference (DPO) batch reduces per sequence: sharded, each rank would hold partial sums."""
     batch = micro_batches("packed")[0]
     strategy = ContextParallelStrategy(cp=2)
-    with pytest.raises(ConfigError, match="'sequence_ids'.*DPO"):
+    with pytest.raises(ConfigError, match=r"'sequence_ids'.*DPO"):
         strategy.shard_batch({**batch, "sequence_ids": torch.zeros_like(batch["input_ids"])})
     with pytest.raises(ConfigError, match="input_ids and"):
         strategy.shard_batch({"chosen_input_ids": batch["input_ids"]})
@@ -474,7 +474,7 @@ def test_two_gpus_train_the_one_process_model():
 def test_a_device_without_block_kernels_is_refused_naming_the_accelerator(monkeypatch):
     """CPU and CUDA have block kernels; any other device stops at start-up with the key to change."""
     monkeypatch.setattr(ContextParallelStrategy, "root_device", property(lambda self: torch.device("mps")))
-    with pytest.raises(ConfigError, match="trainer.accelerator.*cpu and cuda"):
+    with pytest.raises(ConfigError, match=r"trainer.accelerator.*cpu and cuda"):
         ContextParallelStrategy(cp=2).setup_environment()
 
 

@@ -44,7 +44,7 @@ def test_byte_tokenizer_round_trips_unicode_and_reserves_specials():
     text = "héllo, wörld 🚀\n\ttabs"
     ids = tok.encode(text)
     assert ids == list(text.encode("utf-8")) and max(ids) < 256
-    assert tok.decode(ids + [tok.eos_id, tok.pad_id]) == text
+    assert tok.decode([*ids, tok.eos_id, tok.pad_id]) == text
     assert (tok.vocab_size, tok.pad_id, tok.bos_id, tok.eos_id) == (259, 256, 257, 258)
 
 
@@ -60,7 +60,7 @@ def test_byte_chat_template_trains_only_on_assistant_turns():
     ids, trainable = tok.chat(messages)
     assert len(ids) == len(trainable)
     trained = [i for i, t in zip(ids, trainable) if t]
-    assert trained == tok.encode("4") + [tok.eos_id] + tok.encode("6") + [tok.eos_id]
+    assert trained == [*tok.encode("4"), tok.eos_id, *tok.encode("6"), tok.eos_id]
     assert "be brief" in tok.decode(ids) and "and 3+3?" in tok.decode(ids)
 
 
@@ -80,7 +80,8 @@ def _tiny_hf_tokenizer(path) -> str:
         tokenizer_object=raw, unk_token="<unk>", pad_token="<pad>", bos_token="<s>", eos_token="</s>"
     )
     hf.chat_template = (
-        "{% for m in messages %}<|im|> {{ m['role'] }} {{ m['content'] }} {% if m['role'] == 'assistant' %}</s> {% endif %}"
+        "{% for m in messages %}<|im|> {{ m['role'] }} {{ m['content'] }} "
+        "{% if m['role'] == 'assistant' %}</s> {% endif %}"
         "{% endfor %}{% if add_generation_prompt %}<|im|> assistant {% endif %}"
     )
     hf.save_pretrained(path)
@@ -103,7 +104,7 @@ def test_hf_tokenizer_loads_offline_and_masks_chat_by_its_template(tmp_path):
 
 
 def test_unknown_tokenizer_is_a_config_error(tmp_path):
-    with pytest.raises(ConfigError, match="data.init_args.tokenizer"):
+    with pytest.raises(ConfigError, match=r"data.init_args.tokenizer"):
         load_tokenizer(str(tmp_path / "nope"))
 
 
@@ -115,7 +116,7 @@ def test_pretrain_windows_label_the_next_token_of_the_stream():
     rows = [{"text": "abc"}, {"text": "defgh"}, {"text": "ij"}]
     stream = []
     for row in rows:
-        stream += tok.encode(row["text"]) + [tok.eos_id]
+        stream += [*tok.encode(row["text"]), tok.eos_id]
     examples = build_examples(rows, tok, "pretrain", seq_len=4, overlong="truncate")
     assert len(examples) == (len(stream) - 1) // 4
     for k, e in enumerate(examples):
@@ -129,7 +130,7 @@ def test_sft_labels_only_the_response_and_eos():
     examples = build_examples(rows, tok, "sft", seq_len=64, overlong="truncate")
     assert len(examples) == len(rows)
     for row, e in zip(rows, examples):
-        response = tok.encode(row["response"]) + [tok.eos_id]
+        response = [*tok.encode(row["response"]), tok.eos_id]
         assert _targets(e) == response
         assert int((e["labels"] != IGNORE_INDEX).sum()) == len(response)
         # shifted: the label at t is the input at t+1; the prompt's positions (bar the last) have none
@@ -158,7 +159,7 @@ def test_overlong_truncate_keeps_a_prefix_and_reject_drops_with_a_logged_count(c
     assert "overlong=reject dropped" in caplog.text
     assert [e["input_ids"].tolist() for e in rejected] == [truncated[0]["input_ids"].tolist()]
     # a prompt that alone fills seq_len leaves no label: it is dropped rather than trained on nothing
-    assert build_examples(rows[:1] + [{"prompt": "x" * 40, "response": "y"}], tok, "sft", 16, "truncate")[1:] == []
+    assert build_examples([*rows[:1], {"prompt": "x" * 40, "response": "y"}], tok, "sft", 16, "truncate")[1:] == []
 
 
 def test_documents_format_keeps_each_document_whole_with_bos_and_eos():
@@ -166,7 +167,7 @@ def test_documents_format_keeps_each_document_whole_with_bos_and_eos():
     rows = list(SyntheticText(num_documents=30, seed=1))
     examples = build_examples(rows, tok, "documents", seq_len=10_000, overlong="truncate")
     for row, e in zip(rows, examples):
-        ids = [tok.bos_id] + tok.encode(row["text"]) + [tok.eos_id]
+        ids = [tok.bos_id, *tok.encode(row["text"]), tok.eos_id]
         assert e["input_ids"].tolist() == ids and _targets(e) == ids[1:]
     lengths = sorted(len(e["input_ids"]) for e in examples)
     assert lengths[-1] > 2 * lengths[len(lengths) // 2]  # log-normal: a tail well past the median

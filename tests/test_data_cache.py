@@ -17,6 +17,7 @@ import json
 import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -110,7 +111,7 @@ def test_a_mixed_sft_file_read_as_a_stream_caches_the_in_memory_examples(tmp_pat
 def test_a_bad_line_stops_the_build_naming_it(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"text": "fine"}\n{"text": oops}\n')
-    with pytest.raises(ConfigError, match="line 2 of .*bad.jsonl is not valid JSON"):
+    with pytest.raises(ConfigError, match=r"line 2 of .*bad.jsonl is not valid JSON"):
         LMDataModule(LocalFiles(str(path)), format="documents", storage="cache", cache_dir=str(tmp_path)).setup()
     assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == []  # no entry and no temporary left
 
@@ -123,7 +124,7 @@ def test_tokenize_workers_build_the_same_entry(tmp_path, monkeypatch):
     pooled = _setup(tmp_path / "b", "sft", storage="cache", tokenize_workers=2)
     for name in ("input_ids", "labels", "lengths", "offsets"):
         a, b = (os.path.join(dm.setup_record["cache_path"], f"{name}.bin") for dm in (inline, pooled))
-        assert open(a, "rb").read() == open(b, "rb").read(), name
+        assert Path(a).read_bytes() == Path(b).read_bytes(), name
 
 
 def _write_corpus(path, text: str = "alpha beta gamma delta\n") -> str:

@@ -11,11 +11,13 @@ Seen failing with a bug put in, one at a time:
   window;
 - ``StreamingBatches`` not passing the collator's packing on (``packing=None``): the exactly-once
   test fails (rows are single examples, ``position_ids`` missing);
-- ``load_state_dict`` not comparing the saved packing: ``test_a_stream_resumes_only_with_the_packing_it_was_saved_with``.
+- ``load_state_dict`` not comparing the saved packing:
+  ``test_a_stream_resumes_only_with_the_packing_it_was_saved_with``.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from collections import Counter
@@ -52,8 +54,8 @@ def _documents(batch: dict) -> list[tuple[int, ...]]:
     """The examples of a packed batch, cut where ``position_ids`` restart (padding segments dropped)."""
     docs = []
     for ids, positions, labels in zip(batch["input_ids"], batch["position_ids"], batch["labels"]):
-        starts = (positions == 0).nonzero().flatten().tolist() + [len(ids)]
-        for begin, end in zip(starts[:-1], starts[1:]):
+        starts = [*(positions == 0).nonzero().flatten().tolist(), len(ids)]
+        for begin, end in itertools.pairwise(starts):
             if (labels[begin:end] != IGNORE_INDEX).any():
                 docs.append(tuple(ids[begin:end].tolist()))
     return docs
@@ -204,6 +206,6 @@ def test_a_stream_resumes_only_with_the_packing_it_was_saved_with(tmp_path, save
         )
 
     state = data_module(saved).state_dict()
-    with pytest.raises(ConfigError, match="data.init_args.collator"):
+    with pytest.raises(ConfigError, match=r"data.init_args.collator"):
         data_module(PackingCollator(max_tokens=MAX_TOKENS, window=WINDOW)).load_state_dict(state)
     data_module(saved).load_state_dict(state)  # the same settings resume

@@ -81,7 +81,7 @@ def test_a_resumed_shuffled_stream_continues_with_the_next_examples(tmp_path):
 def test_a_shuffle_buffer_is_for_streams_only(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"text": "x"}\n')
-    with pytest.raises(ConfigError, match="data.init_args.shuffle_buffer=8"):
+    with pytest.raises(ConfigError, match=r"data.init_args.shuffle_buffer=8"):
         LMDataModule(LocalFiles(str(path)), storage="cache", shuffle_buffer=8)
 
 

@@ -157,5 +157,5 @@ def test_two_rank_lightning_resume_of_a_packed_stream_continues_exactly(tmp_path
 
 @pytest.mark.parametrize("options", [{"format": "preference"}, {"val_examples": 2}])
 def test_a_stream_refuses_what_needs_the_whole_data_set(tmp_path, options):
-    with pytest.raises(ConfigError, match="data.init_args.storage='stream'"):
+    with pytest.raises(ConfigError, match=r"data.init_args.storage='stream'"):
         LMDataModule(LocalFiles(_sft_file(tmp_path)), storage="stream", **({"format": "sft"} | options))

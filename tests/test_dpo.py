@@ -175,7 +175,7 @@ def step_pairs() -> list[list[dict]]:
     split them 3 + 1 differ in pair count and in tokens)."""
     items = sorted(pairs(4 * STEPS, seed=3), key=lambda p: -len(p["input_ids"]))
     long, short = items[: 3 * STEPS], items[3 * STEPS :]
-    return [long[3 * s : 3 * s + 3] + [short[s]] for s in range(STEPS)]
+    return [[*long[3 * s : 3 * s + 3], short[s]] for s in range(STEPS)]
 
 
 def micro_batches(variant: str, rank: int = 0) -> list[dict]:

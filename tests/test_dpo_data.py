@@ -131,9 +131,9 @@ def test_overlong_pairs_cut_the_prompt_first_then_responses_or_are_rejected(capl
 
 
 def test_collators_must_match_the_format():
-    with pytest.raises(ConfigError, match="data.init_args.collator='PackingCollator': format preference needs"):
+    with pytest.raises(ConfigError, match=r"data.init_args.collator='PackingCollator': format preference needs"):
         LMDataModule(Rows([]), format="preference", collator=PackingCollator())
-    with pytest.raises(ConfigError, match="data.init_args.collator='PreferencePaddingCollator'"):
+    with pytest.raises(ConfigError, match=r"data.init_args.collator='PreferencePaddingCollator'"):
         LMDataModule(Rows([]), format="sft", collator=PreferencePaddingCollator())
     with pytest.raises(ConfigError, match="max_tokens=100: a pair of two sequences of up to seq_len=64"):
         LMDataModule(Rows([]), format="preference", seq_len=64, collator=PreferencePackingCollator(max_tokens=100))
@@ -194,7 +194,7 @@ def test_precomputed_reference_is_cached_reused_and_checked(tmp_path):
     assert torch.allclose(first[batch["pair_index"]].t().reshape(-1), logps, rtol=0, atol=1e-5)
     modified = cache.stat().st_mtime_ns
     assert torch.equal(precomputed(0)[1], first) and cache.stat().st_mtime_ns == modified  # reused, not rewritten
-    with pytest.raises(ConfigError, match="reference_cache=.*differ from this run's initial model"):
+    with pytest.raises(ConfigError, match=r"reference_cache=.*differ from this run's initial model"):
         precomputed(1)
     other = LMDataModule(ArithmeticPreference(num_examples=24, max_operand=9, seed=5), format="preference", seq_len=32)
     other.setup()

@@ -34,7 +34,8 @@ pytestmark = pytest.mark.skipif(
 
 
 def perturbed(loss_type: str, reference: str, logprobs: str, options: dict | None = None) -> DPO:
-    """The tiny Llama policy moved 0.02 x noise away from its (frozen) initial weights (as ``tests/test_dpo.module``)."""
+    """The tiny Llama policy moved 0.02 x noise away from its (frozen) initial weights (as
+    ``tests/test_dpo.module``)."""
     torch.manual_seed(0)
     dpo = DPO(
         ModelFactory(preset="tiny-llama", attn_implementation="sdpa"),
@@ -135,7 +136,7 @@ def test_liger_refuses_what_it_cannot_compute(options: dict, key: str) -> None:
 
 def test_liger_refuses_packed_batches() -> None:
     dpo = perturbed("sigmoid", "frozen", "liger")
-    with pytest.raises(ConfigError, match="data.init_args.collator.*PreferencePaddingCollator"):
+    with pytest.raises(ConfigError, match=r"data.init_args.collator.*PreferencePaddingCollator"):
         dpo.pair_step(packed(pairs(2)))
 
 

@@ -81,7 +81,7 @@ def test_chunked_never_holds_full_logits() -> None:
 
 
 def test_backend_options_are_checked() -> None:
-    with pytest.raises(ConfigError, match="logprobs=.*choose one of"):
+    with pytest.raises(ConfigError, match=r"logprobs=.*choose one of"):
         logprob_backend("fused")
     with pytest.raises(ConfigError, match="takes no option"):
         logprob_backend("torch", chunk_tokens=4)

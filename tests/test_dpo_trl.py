@@ -12,9 +12,10 @@ What each side is configured with:
 - TRL 1.16: ``DPOTrainer(model=B, ref_model=A, processing_class=tokenizer.hf)`` with
   ``DPOConfig(loss_type=[kind], beta=0.3, max_length=None, precompute_ref_log_probs=<frozen: False,
   precomputed: True>, use_cpu=True, bf16=False)`` (TRL defaults to bf16 autocast, which its
-  accelerator applies to the reference model's forward: 3e-4 relative off fp32); each pair collated alone by TRL's own collator and passed
-  to ``trainer.compute_loss`` (what its first training step runs); the per-pair values are read
-  from ``trainer._metrics`` (means over a batch of one pair are that pair's values).
+  accelerator applies to the reference model's forward: 3e-4 relative off fp32); each pair collated
+  alone by TRL's own collator and passed to ``trainer.compute_loss`` (what its first training step
+  runs); the per-pair values are read from ``trainer._metrics`` (means over a batch of one pair are
+  that pair's values).
 - lit-ablate: ``DPO(ModelFactory(pretrained=A), loss_type=kind, beta=0.3, reference=<frozen |
   precomputed>)``, ``configure_model()`` (the frozen reference is copied from ``A``;
   ``precompute_reference`` runs with ``A``), then ``B`` loaded into the policy, then

@@ -136,7 +136,7 @@ def measured(tmp_path_factory):
 
     def run(name: str) -> dict:
         if name not in _MEASURED:
-            ranks, sizes, model, seq = RUNS[name] if name in RUNS else (1, {}, LLAMA, SEQ)
+            ranks, sizes, model, seq = RUNS.get(name, (1, {}, LLAMA, SEQ))
             run_ranks(_fit, ranks, str(root), name, sizes, model, seq, init_process_group=False, timeout_s=600)
             _MEASURED[name] = {
                 "record": json.loads((root / f"{name}.json").read_text()),

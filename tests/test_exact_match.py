@@ -154,9 +154,9 @@ def test_evaluator_refuses_data_it_cannot_score_before_training(tmp_path):
         )
         trainer.fit(CausalLM(ModelFactory(preset="tiny-qwen3")), datamodule=data)
 
-    with pytest.raises(ConfigError, match="data.init_args.format='pretrain'"):
+    with pytest.raises(ConfigError, match=r"data.init_args.format='pretrain'"):
         fit(LMDataModule(ArithmeticSFT(num_examples=40), format="pretrain", seq_len=8, val_examples=4))
-    with pytest.raises(ConfigError, match="data.init_args.val_examples=0"):
+    with pytest.raises(ConfigError, match=r"data.init_args.val_examples=0"):
         fit(LMDataModule(ArithmeticSFT(num_examples=40), format="sft", seq_len=16))
     with pytest.raises(ConfigError, match="max_examples"):
         ExactMatchEvaluator(max_examples=0)
@@ -173,7 +173,7 @@ def test_arithmetic_held_out_problems_are_never_trained_on():
         {TOK.decode(prompt_and_answer(e)[0]) for e in split.examples} for split in (data.train_set, data.val_set)
     ]
     assert len(prompts[0]) == 300 and len(prompts[1]) == 100 and not prompts[0] & prompts[1]
-    with pytest.raises(ConfigError, match="num_examples=401.*only 400 distinct problems"):
+    with pytest.raises(ConfigError, match=r"num_examples=401.*only 400 distinct problems"):
         ArithmeticSFT(num_examples=401, max_operand=19, operators="++")
 
 

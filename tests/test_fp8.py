@@ -123,7 +123,7 @@ def test_real_kernels_on_a_cpu_are_refused_and_auto_emulates():
 
 
 def test_fp8_with_quantised_weights_tensorwise_grouped_experts_or_all_gather_without_fsdp2_is_refused():
-    with pytest.raises(ConfigError, match="fp8 and model.init_args.model.quantization both replace"):
+    with pytest.raises(ConfigError, match=r"fp8 and model.init_args.model.quantization both replace"):
         ModelFactory(preset="tiny-llama", fp8={}, adapter={}, quantization={"bits": 4})
     with pytest.raises(
         ConfigError, match=r"fp8.recipe='tensorwise'.*grouped matmul.*rowwise recipe only; use recipe: rowwise"

@@ -26,7 +26,7 @@ from lit_ablate.models.fp8.conversion import Fp8Matmul, Fp8Options
 from lit_ablate.models.fp8.grouped_experts import GROUP_ALIGNMENT, fp8_grouped_mm_experts, padded_group_layout
 from lit_ablate.models.moe.experts import loop_experts
 
-E, H, I = 4, 32, 48
+E, H, FF = 4, 32, 48
 COUNTS = [3, 0, 21, 6]
 """Tokens per expert: an empty expert, groups below and above 16 rows."""
 TINY = {
@@ -58,7 +58,7 @@ def _scaled_grouped_mm_stand_in(a: torch.Tensor, b_t: torch.Tensor, offsets: tor
 def _operands(seed: int = 0) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randn(sum(COUNTS), H, generator=gen)
-    gate_up, down = torch.randn(E, 2 * I, H, generator=gen) / H**0.5, torch.randn(E, H, I, generator=gen) / I**0.5
+    gate_up, down = torch.randn(E, 2 * FF, H, generator=gen) / H**0.5, torch.randn(E, H, FF, generator=gen) / FF**0.5
     return tokens, gate_up, down
 
 

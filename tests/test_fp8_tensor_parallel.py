@@ -247,7 +247,7 @@ def test_the_estimate_takes_fp8_under_tensor_parallelism():
     from lit_ablate.estimate.shapes import model_shape
     from tests.test_estimate_memory import QUICKSTART
 
-    def estimate(gather: bool):  # noqa: ANN202
+    def estimate(gather: bool):
         strategy = {
             "class_path": "lit_ablate.strategies.TensorParallelStrategy",
             "init_args": {"tp": 2, "dp_shard": 2, "sequence_parallel": True},
@@ -285,8 +285,6 @@ def test_a_study_skips_rowwise_fp8_under_tensor_parallelism_and_fit_stops_in_one
     }
     reason = fp8_runs_here(config, Launch(devices=2, accelerator="cpu"))
     assert (reason is not None) == skipped
-    assert (
-        not skipped
-        or reason.startswith("model.init_args.model.fp8.recipe='rowwise': tp > 1")
-        and "tensorwise" in reason
+    assert not skipped or (
+        reason.startswith("model.init_args.model.fp8.recipe='rowwise': tp > 1") and "tensorwise" in reason
     )

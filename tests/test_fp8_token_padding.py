@@ -28,7 +28,7 @@ from lit_ablate.models.moe.experts import loop_experts
 
 COUNTS = [6, 13, 0, 21]
 """Tokens per expert: none a multiple of 16 but the empty expert."""
-E, H, I = len(COUNTS), 32, 48
+E, H, FF = len(COUNTS), 32, 48
 ROWS = 37
 """A dense layer's batch rows, not a multiple of 16."""
 RTOL = ATOL = 1e-5
@@ -90,7 +90,7 @@ def rows_padded_by_hand(matmul):
 def _operands() -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randn(sum(COUNTS), H, generator=gen)
-    return tokens, torch.randn(E, 2 * I, H, generator=gen) / H**0.5, torch.randn(E, H, I, generator=gen) / I**0.5
+    return tokens, torch.randn(E, 2 * FF, H, generator=gen) / H**0.5, torch.randn(E, H, FF, generator=gen) / FF**0.5
 
 
 def _experts(linear, operands) -> list[torch.Tensor]:

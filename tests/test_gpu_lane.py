@@ -204,15 +204,18 @@ def _sample_lane() -> dict:
         "at_peak": {"params": 2**20, "activations": 3 * 2**20},
         "max": {"params": 2**20, "activations": 4 * 2**20},
     }
-    step = lambda status, results, tail="": {
-        "what": "w",
-        "command": "c",
-        "timeout_s": 60,
-        "status": status,  # noqa: E731
-        "seconds": 12.5,
-        "results": results,
-        "tail": tail,
-    }
+
+    def step(status, results, tail=""):
+        return {
+            "what": "w",
+            "command": "c",
+            "timeout_s": 60,
+            "status": status,
+            "seconds": 12.5,
+            "results": results,
+            "tail": tail,
+        }
+
     return {
         "lane": {
             "budget_s": 480,

@@ -6,7 +6,8 @@ EP passes both checks (measured: gradients within 1.0e-7 of FSDP2's, losses with
 passes the loss check of the steps before routing can split (2.4e-7: Adam divides the scale out of the update)
 and fails the gradient check on the expert it scaled (9.9e-3 of its layer's largest expert norm). Seen failing
 with one norm per stacked expert tensor: the bug is still caught (2.6e-3 of the tensor's norm: one expert of
-8 carries much of it) but not located, the report naming the tensor instead of its expert 0. The dense study (DDP and FSDP2 of ``configs/fsdp2_tiny.yaml``) passes.
+8 carries much of it) but not located, the report naming the tensor instead of its expert 0. The
+dense study (DDP and FSDP2 of ``configs/fsdp2_tiny.yaml``) passes.
 """
 
 from __future__ import annotations

@@ -133,7 +133,7 @@ def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
             if own_init(node, nxt) or nxt not in graph:
                 continue
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt) :] + [nxt]
+                return [*stack[stack.index(nxt) :], nxt]
             if nxt not in state and (circle := visit(nxt)):
                 return circle
         stack.pop()

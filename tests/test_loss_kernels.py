@@ -192,7 +192,7 @@ def test_libdevice_gap_and_shim(interpreted: dict[str, Any]) -> None:
 def test_opt_in_refuses_another_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     """The shims patch interpreter internals checked on one triton version only."""
     monkeypatch.setattr(triton_interpreter.importlib.metadata, "version", lambda name: "3.10.0")
-    with pytest.raises(ConfigError, match="triton 3.10.0 is installed.*3.9.0 only"):
+    with pytest.raises(ConfigError, match=r"triton 3.10.0 is installed.*3.9.0 only"):
         triton_interpreter.enable("liger_kernel")
 
 

@@ -221,7 +221,7 @@ def test_causal_lm_with_chunked_loss_matches_torch() -> None:
 def test_loss_backend_builds_with_options_and_rejects_bad_ones() -> None:
     assert loss_backend("chunked", chunk_tokens=64) == ChunkedCrossEntropy(chunk_tokens=64)
     assert loss_backend("torch") == TorchCrossEntropy()
-    with pytest.raises(ConfigError, match="model.init_args.loss='nope'.*chunked"):
+    with pytest.raises(ConfigError, match=r"model.init_args.loss='nope'.*chunked"):
         loss_backend("nope")
     with pytest.raises(ConfigError, match="takes no option \\['chunk_tokens'\\]"):
         loss_backend("torch", chunk_tokens=64)
@@ -241,7 +241,7 @@ def test_gpu_backends_are_refused_at_startup_on_cpu(name: str, monkeypatch: pyte
 
 
 def test_cce_rejects_z_loss_and_unknown_impl() -> None:
-    with pytest.raises(ConfigError, match="z_loss_weight.*log-sum-exp"):
+    with pytest.raises(ConfigError, match=r"z_loss_weight.*log-sum-exp"):
         check_loss_backend("cce", z_loss_weight=1e-4)
     with pytest.raises(ConfigError, match="impl='triton'"):
         check_loss_backend("cce", impl="triton")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from typing import ClassVar
 
 import lightning as L
 import pytest
@@ -226,7 +227,7 @@ def test_too_few_warm_up_steps_track_nothing_and_say_so(tmp_path):
 class _WithFrozenCopy(CausalLM):
     """A policy and a frozen copy run without gradients each step, as DPO's reference model."""
 
-    memory_categories = {"reference": ["reference"]}
+    memory_categories: ClassVar[dict[str, list[str]]] = {"reference": ["reference"]}
 
     def configure_model(self) -> None:
         super().configure_model()

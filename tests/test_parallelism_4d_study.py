@@ -84,5 +84,5 @@ def test_single_variable_guard_accepts_the_study_and_would_refuse_an_undeclared_
     which only the global-batch check above makes a fair comparison)."""
     _, _, resolved = planned
     check_single_variable(resolved, ["trainer.strategy", "data.init_args.batch_size"], ignored=RUNNER_KEYS)
-    with pytest.raises(ConfigError, match="data.init_args.batch_size"):
+    with pytest.raises(ConfigError, match=r"data.init_args.batch_size"):
         check_single_variable(resolved, ["trainer.strategy"], ignored=RUNNER_KEYS)

@@ -115,7 +115,7 @@ def _pipeline_run(rank: int, world_size: int, loss_type: str, strategy_kwargs: d
         losses.append(objective.last_step_loss.item())
         statistics.append(totals[1:].double())
     with torch.no_grad():
-        logps, tokens = model(data)  # evaluation: forward only through the stages
+        logps, _tokens = model(data)  # evaluation: forward only through the stages
     return {
         "losses": losses,
         "statistics": torch.stack(statistics),
@@ -219,7 +219,7 @@ def test_liger_s_fused_policy_is_refused_naming_the_fix():
     policy = LigerDPOPolicy(
         ModelFactory(preset="tiny-llama").build(device="meta"), loss_fn=lambda *args: None, frozen_reference=False
     )
-    with pytest.raises(ConfigError, match="Liger's fused DPO .* use logprobs: chunked"):
+    with pytest.raises(ConfigError, match=r"Liger's fused DPO .* use logprobs: chunked"):
         strategy.check_model(policy)
 
 

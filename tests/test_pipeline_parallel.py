@@ -191,7 +191,7 @@ def test_pp2_x_dp_replicate2_equals_one_process(references):
 
 def test_stages_hold_the_split_layers(two_ranks):
     assert [rank["1f1b_qwen3"]["stage_layers"] for rank in two_ranks] == [[0], [1, 2, 3]]
-    assert sorted(sum((rank["gpipe_llama"]["stage_layers"] for rank in two_ranks), [])) == [0, 1, 2, 3]
+    assert sorted(layer for rank in two_ranks for layer in rank["gpipe_llama"]["stage_layers"]) == [0, 1, 2, 3]
     assert [rank["interleaved_llama"]["stage_layers"] for rank in two_ranks] == [[0, 2], [1, 3]]  # looped stages
 
 
@@ -365,12 +365,13 @@ def test_the_cli_adds_the_bubble_monitor_to_a_pipeline_run():
 
 
 def test_the_record_shows_the_pipeline_bubble(tmp_path):
-    """Every pipeline run's record holds its idle share (``lit-ablate fit`` adds PipelineBubbleMonitor to every pipeline run; here it is listed) and
-    the schedule's own bubble, (pp - 1) / (m + pp - 1). gpipe with one micro-batch leaves each stage
-    idle about half of the step whatever the load (it waits for the other's whole forward and
-    backward: measured 0.45); with four, tiny stages on gloo add their communication to the
-    schedule's 1/5 (measured 0.38 on 2 cores), which this does not assert. Seen failing with the
-    stage's chunks untimed (idle share 1.0) and with the schedule clock started after its step (0)."""
+    """Every pipeline run's record holds its idle share (``lit-ablate fit`` adds
+    PipelineBubbleMonitor to every pipeline run; here it is listed) and the schedule's own bubble,
+    (pp - 1) / (m + pp - 1). gpipe with one micro-batch leaves each stage idle about half of the
+    step whatever the load (it waits for the other's whole forward and backward: measured 0.45);
+    with four, tiny stages on gloo add their communication to the schedule's 1/5 (measured 0.38 on 2
+    cores), which this does not assert. Seen failing with the stage's chunks untimed (idle share
+    1.0) and with the schedule clock started after its step (0)."""
     run_ranks(_bubble_runs, 2, str(tmp_path), init_process_group=False, timeout_s=300)
     one, four = (read_record(tmp_path / f"m{m}.json")["summary"] for m in (1, 4))
     assert one["pipeline_bubble_theory"]["median"] == pytest.approx(1 / 2)

@@ -225,13 +225,13 @@ def _lightning_tied_pp2(rank: int, world_size: int, root: str) -> dict:
 
 def test_lightning_fit_resume_and_export_of_tied_pp2(tmp_path):
     """A Lightning fit of tied tiny Llama, pp=2 1f1b, AdamW (weight decay on the matrices, none on the
-    tied table's copy on either stage, as on one device): losses and validation loss are one device's, and a run saved after 2
-    steps and resumed for a third continues as one device does (each stage saves and reloads its copy
-    and its Adam states under its own name). The saved folder holds both copies, equal; ``lit-ablate
-    export`` writes a Hugging Face folder with ``tie_word_embeddings``, which loads tied with that matrix
-    and gives the one-device export's logits. Seen failing without the gradient sum (losses off by
-    7.7e-3 at step 2) and with the head's copy decayed (its name taken for a matrix that decays: 1.0e-4
-    at step 3)."""
+    tied table's copy on either stage, as on one device): losses and validation loss are one
+    device's, and a run saved after 2 steps and resumed for a third continues as one device does
+    (each stage saves and reloads its copy and its Adam states under its own name). The saved folder
+    holds both copies, equal; ``lit-ablate export`` writes a Hugging Face folder with
+    ``tie_word_embeddings``, which loads tied with that matrix and gives the one-device export's
+    logits. Seen failing without the gradient sum (losses off by 7.7e-3 at step 2) and with the
+    head's copy decayed (its name taken for a matrix that decays: 1.0e-4 at step 3)."""
     from transformers import AutoModelForCausalLM
 
     from lit_ablate.commands.export import export_hf_checkpoint

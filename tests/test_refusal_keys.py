@@ -215,17 +215,14 @@ def _study_key_exists(segments: list[str]) -> bool:
     if head == "launch" or (head == "variants" and rest[1:2] == ["launch"]):
         launch = rest if head == "launch" else rest[2:]
         fields = {f.name for f in dataclasses.fields(Launch)}
-        if (
-            not launch
-            or launch[0] in (ANY, *fields)
+        return not launch or (
+            launch[0] in (ANY, *fields)
             and (
                 launch[0] != "slurm"
                 or len(launch) < 2
                 or launch[1] in (ANY, *(f.name for f in dataclasses.fields(SlurmSettings)))
             )
-        ):
-            return True
-        return False
+        )
     if head == "variants":
         return not rest or rest[0] == ANY or rest[1:2] in ([], [ANY], *([k] for k in VARIANT_KEYS))
     if head in ("expect_equal_loss", "expect_equal_gradients"):

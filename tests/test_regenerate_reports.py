@@ -51,7 +51,8 @@ def test_the_shipped_reports_are_one_regeneration_at_one_commit():
     committed run of every report names one commit, and no report's environment line carries a
     warning. A study added without its report, or one report rerun at another commit alone, fails
     here: regenerate them all with ``python benchmarks/regenerate_reports.py``. Seen failing on the
-    reports as they were before the regeneration (runs from 45 commits, 29 runs without one, 14 environment lines warning)."""
+    reports as they were before the regeneration (runs from 45 commits, 29 runs without one, 14
+    environment lines warning)."""
     assert problems(studies()) == []
 
 

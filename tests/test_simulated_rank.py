@@ -307,10 +307,9 @@ def test_expert_parallel_dispatch_is_balanced_when_a_fake_exchange_leaves_its_bu
     finally:
         dist.destroy_process_group()
     assert out.shape == (tokens, 8)
-    if dispatch == "all_to_all":  # from each rank, for each of its 2 experts, what rank 0 sends that rank's
-        expected = routing.counts.view(8, 2).sum(0)
-    else:  # every rank's tokens are rank 0's: its 2 experts' copies, 8 times
-        expected = 8 * routing.counts[:2]
+    # all_to_all: from each rank, for each of its 2 experts, what rank 0 sends that rank's; all_reduce:
+    # every rank's tokens are rank 0's, so its 2 experts' copies, 8 times
+    expected = routing.counts.view(8, 2).sum(0) if dispatch == "all_to_all" else 8 * routing.counts[:2]
     assert torch.equal(seen[0], expected) and int(seen[0].sum()) > 0
 
 

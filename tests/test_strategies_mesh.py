@@ -57,7 +57,7 @@ def test_minus_one_takes_the_rest_of_the_ranks():
     ],
 )
 def test_mesh_sizes_that_cannot_make_the_world_size_are_refused(sizes, world_size, fragment):
-    with pytest.raises(ConfigError, match="trainer.strategy.init_args") as err:
+    with pytest.raises(ConfigError, match=r"trainer.strategy.init_args") as err:
         resolve_mesh_sizes(sizes, world_size)
     assert fragment in str(err.value)
 

@@ -94,7 +94,7 @@ def _tensor_parallel_run(rank: int, world_size: int, preset: str, strategy_kwarg
     if strategy.sequence_parallel:
         batch = strategy.sequence_parallel_batch(batch)
     result = train(model, batch, strategy)
-    group, group_size = strategy.gradient_mean_group
+    _group, group_size = strategy.gradient_mean_group
     result.update(
         sampler=strategy.distributed_sampler_kwargs,
         gradient_mean_size=group_size,
@@ -355,7 +355,7 @@ def strategy_on(world_size: int, **kwargs) -> TensorParallelStrategy:
 
 
 def test_what_tp_cannot_split_is_refused_naming_the_key():
-    with pytest.raises(ConfigError, match="trainer.strategy.init_args.tp"):
+    with pytest.raises(ConfigError, match=r"trainer.strategy.init_args.tp"):
         strategy_on(2).check_model(build("tiny-llama", meta=True, num_key_value_heads=1))
     for model_kwargs in ({"loss": "chunked"}, {"tie_word_embeddings": True}):  # split since issue 29
         strategy_on(2).check_model(build("tiny-llama", meta=True, **model_kwargs))
@@ -366,7 +366,7 @@ def test_fused_kernel_losses_are_refused():
     from lit_ablate.models.losses.loss_choice import check_tensor_parallel_loss
 
     for backend in ("liger", "cce"):
-        with pytest.raises(ConfigError, match="model.init_args.loss.*use loss: chunked"):
+        with pytest.raises(ConfigError, match=r"model.init_args.loss.*use loss: chunked"):
             check_tensor_parallel_loss(backend)
 
 
@@ -422,7 +422,7 @@ def test_tp2_x_cp2_gradients_equal_one_process(four_ranks):
 
 
 def test_tp_with_context_parallel_needs_a_strategy_that_takes_both():
-    with pytest.raises(ConfigError, match="trainer.strategy.init_args.cp=2: TensorParallelStrategy does not take cp"):
+    with pytest.raises(ConfigError, match=r"trainer.strategy.init_args.cp=2: TensorParallelStrategy does not take cp"):
         TensorParallelStrategy(tp=2, cp=2)
     with pytest.raises(ConfigError, match="sequence_parallel"):
         MeshParallelStrategy(tp=2, cp=2, sequence_parallel=True)

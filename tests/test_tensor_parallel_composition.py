@@ -10,8 +10,8 @@ module docstring says why not AdamW); losses within 1e-5, weights within ``PARAM
 
 Bugs these catch (each seen failing, see each test): the LM head not re-tied to the split embedding,
 the chunked loss's partial log-sum-exp left unreduced over tp, the decoder's mask built for the
-sequence-parallel slice instead of the whole packed sequence, a padding mask dropped. A Lightning fit (tp=2) runs all three
-at once through the strategy's batch handling and clipping.
+sequence-parallel slice instead of the whole packed sequence, a padding mask dropped. A Lightning
+fit (tp=2) runs all three at once through the strategy's batch handling and clipping.
 """
 
 from __future__ import annotations
@@ -219,7 +219,8 @@ def test_the_estimate_holds_no_chunked_loss_gradients_under_tp():
 def test_tp2_chunked_loss_equals_one_process(four_ranks, name):
     """The chunked backend on the vocabulary-sharded head (token and vocabulary chunks, z-loss) under
     sequence parallelism and with tied embeddings. Seen failing with the partial log-sum-exp not
-    all-reduced over tp (``global_log_sum_exp`` returning each rank's own): losses off by 0.72 and 0.70; the Lightning fit below fails too."""
+    all-reduced over tp (``global_log_sum_exp`` returning each rank's own): losses off by 0.72 and
+    0.70; the Lightning fit below fails too."""
     assert_same_training(four_ranks(name)[0], one_process(name))
 
 
@@ -257,7 +258,7 @@ def test_whole_sequence_masks_keep_packed_documents_apart_and_refuse_sliding_win
     sliding = build(
         "tiny-qwen3", layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=4, use_sliding_window=True
     ).lm.base_model
-    with pytest.raises(ConfigError, match="sequence_parallel.*sliding-window"):
+    with pytest.raises(ConfigError, match=r"sequence_parallel.*sliding-window"):
         whole_sequence_masks(sliding, (), packed)
     padding = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1]])
     _, kwargs = whole_sequence_masks(

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import lane as lane_steps  # noqa: E402 (a script beside this one, not a package)
+import lane as lane_steps  # a script beside this one, not a package
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "gpu"
 

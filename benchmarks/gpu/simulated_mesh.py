@@ -101,7 +101,7 @@ def simulate(dimension: str, device: str, precision: str) -> dict:
         try:
             LitAblateCLI(args=fit_arguments(dimension, device, precision, Path(folder)))
             record = read_record(Path(folder) / "run.json")
-        except Exception as err:  # noqa: BLE001  one layout's failure is its result, the others still run
+        except Exception as err:  # one layout's failure is its result, the others still run
             traceback.print_exc()
             return {"status": "failed", "error": f"{type(err).__name__}: {err}".splitlines()[0][:300]}
         finally:

@@ -3,7 +3,8 @@
 The device (docs/platform.md) has torch, lightning, transformers, peft, triton and
 pytest but none of the packages below; it reaches no registry, so they travel as cp312 manylinux
 wheels in ``benchmarks/gpu/wheels/`` (ignored by git), installed there with ``--no-deps`` into a
-target folder. The pins are the versions that installed together here (docs/platform.md); torchao 0.18's compiled extensions load with torch >= 2.11, the device's torch.
+target folder. The pins are the versions that installed together here (docs/platform.md); torchao 0.18's
+compiled extensions load with torch >= 2.11, the device's torch.
 
 Left out on purpose:
 

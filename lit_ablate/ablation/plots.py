@@ -15,7 +15,7 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (after choosing the headless backend)
+import matplotlib.pyplot as plt  # after choosing the headless backend
 
 DPI = 100
 LINE_STYLES = ("-", "--", ":", "-.")

@@ -2,12 +2,13 @@
 
 Each run gets ``<output_dir>/runs/<variant>/seed<k>/`` with ``config.yaml`` (what it ran),
 ``stdout.log``/``stderr.log`` and ``run.json`` (its record, written by the run's ``RunRecorder``
-and finalised by ``run_folder``, as for a run on SLURM). A run that crashes, runs out of memory or passes ``timeout_s`` is recorded
-with that status and the tail of its stderr, and the study goes on. A run is its own process
-group, so a timeout, Ctrl-C, SIGTERM or SIGHUP stops it with every rank Lightning's launcher
-started, and it never outlives the runner, even a SIGKILLed one (``run_folder_lock``); an
-interrupted run is recorded as ``interrupted`` and redone by the next invocation, while finished
-records are never touched again (unless their config changed, or ``retry_failed``).
+and finalised by ``run_folder``, as for a run on SLURM). A run that crashes, runs out of memory or
+passes ``timeout_s`` is recorded with that status and the tail of its stderr, and the study goes on.
+A run is its own process group, so a timeout, Ctrl-C, SIGTERM or SIGHUP stops it with every rank
+Lightning's launcher started, and it never outlives the runner, even a SIGKILLed one
+(``run_folder_lock``); an interrupted run is recorded as ``interrupted`` and redone by the next
+invocation, while finished records are never touched again (unless their config changed, or
+``retry_failed``).
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ The runner keeps at most ``launch.slurm.max_jobs`` jobs queued or running, submi
 finish, and shows queued / running / done / failed. Every invocation first collects what the
 scheduler finished since the last one: a rerun never submits a run whose job is still queued or
 running, keeps finished runs, resubmits pre-empted ones at once and cancelled ones on the next
-invocation (failures with ``--retry-failed``). With ``--no-wait`` it submits and returns; the same command collects later.
+invocation (failures with ``--retry-failed``). With ``--no-wait`` it submits and returns; the same
+command collects later.
 """
 
 from __future__ import annotations

@@ -78,7 +78,10 @@ class SlurmSettings:
     def partition_refusal(self, devices: int | None, num_nodes: int | None, on_gpu: bool) -> str | None:
         """Why a run with ``devices`` ranks per node on ``num_nodes`` nodes does not fit the partition."""
         if on_gpu and self.gpus_per_node is not None and (devices or 1) > self.gpus_per_node:
-            return f"asks for {devices} GPUs per node; the partition's nodes have {self.gpus_per_node} (launch.slurm.gpus_per_node)"
+            return (
+                f"asks for {devices} GPUs per node; the partition's nodes have {self.gpus_per_node} "
+                "(launch.slurm.gpus_per_node)"
+            )
         if self.max_nodes is not None and (num_nodes or 1) > self.max_nodes:
             return f"asks for {num_nodes} nodes; the partition offers {self.max_nodes} (launch.slurm.max_nodes)"
         return None

@@ -472,7 +472,7 @@ def _value_name(key: str, value: Any, index: int, single: bool) -> str:
     """A readable, path-safe name for an axis value: ``torch``, ``num_hidden_layers=2``, ``FSDP2Strategy``."""
     if isinstance(value, Mapping) and isinstance(value.get("class_path"), str):
         text = value["class_path"].rsplit(".", 1)[-1]
-    elif isinstance(value, Mapping) or isinstance(value, list):
+    elif isinstance(value, (Mapping, list)):
         text = f"{key.rsplit('.', 1)[-1]}={index}"
     elif isinstance(value, str) and single:
         text = value

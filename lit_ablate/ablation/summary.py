@@ -3,13 +3,13 @@
 Per variant: throughput, step time and MFU (against the spec peak and the measured matmul
 ceiling) as median [min, max] over every measured step of every successful seed (steps after
 warm-up), and the step time the estimator predicts at the measured ceiling; the tensor peak
-(with its categories, and the estimator's categories against them), the process peak, final loss and an evaluation's accuracy
-(``exact_match``, when the runs had an ``ExactMatchEvaluator``) as median [min, max] over seeds;
-the ratio of each to the baseline variant, with the speed ratio judged against the
-baseline's noise floor (``speed_noise``); and, where the study expects it, whether the loss
-series matches the reference's. A study-level ``problems`` list says what makes the study's
-result untrustworthy as a whole (no variant finished ok; a loss check failed or could not be
-made), and ``lit-ablate ablate``/``report`` exit non-zero on it. Everything here is plain data:
+(with its categories, and the estimator's categories against them), the process peak, final loss and
+an evaluation's accuracy (``exact_match``, when the runs had an ``ExactMatchEvaluator``) as median
+[min, max] over seeds; the ratio of each to the baseline variant, with the speed ratio judged
+against the baseline's noise floor (``speed_noise``); and, where the study expects it, whether the
+loss series matches the reference's. A study-level ``problems`` list says what makes the study's
+result untrustworthy as a whole (no variant finished ok; a loss check failed or could not be made),
+and ``lit-ablate ablate``/``report`` exit non-zero on it. Everything here is plain data:
 ``report.json`` is this dict, and the Markdown table and plots are drawn from it.
 """
 
@@ -199,7 +199,7 @@ def _estimate(
         share = _token_share(run, world_size, tracked_tokens)
     except ConfigError as err:
         return {**none, "estimate_note": str(err)}
-    except Exception as err:  # noqa: BLE001  an advisory column must never cost the report
+    except Exception as err:  # an advisory column must never cost the report
         return {**none, "estimate_note": f"estimate failed: {type(err).__name__}: {err}"}
     categories = {k: getattr(estimate, k) for k in ("params", "grads", "optimizer", "activations", "transient")}
     return {
@@ -229,7 +229,7 @@ def _predicted_step_time(record: Mapping[str, Any] | None) -> dict[str, Any]:
         }
     except ConfigError as err:
         return {"predicted_step_time_s": None, "predicted_note": str(err)}
-    except Exception as err:  # noqa: BLE001  an advisory column must never cost the report
+    except Exception as err:  # an advisory column must never cost the report
         return {"predicted_step_time_s": None, "predicted_note": f"prediction failed: {type(err).__name__}: {err}"}
 
 

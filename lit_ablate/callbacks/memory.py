@@ -91,15 +91,16 @@ class MemoryMonitor(StepMonitor):
       bytes of parameters, gradients and optimizer states this rank holds (local shards), counted
       on the first two measured steps (the optimizer creates its states in the first) and reused.
     - On the *tracked steps*, the tensor peak by category (``TensorCategoryTracker``): trainable
-      parameters (and buffers), frozen parameters (an adapter run's base), gradients, optimizer states, activations, temporaries, transient copies (gathered layers,
-      communication buffers) and any category the module declares (``memory_categories``, e.g. a
-      DPO reference model). Tracking runs a ``TorchDispatchMode`` over every operator, which slows a
-      step several-fold, so it measures only the last ``tracked_steps`` warm-up steps (never the
-      first, which creates the optimizer states), entered one step earlier (priming: buffers made
-      before training, such as DDP's gradient buckets, become known when first written): all of
-      them steps the summaries leave out. Its set-up cost is inside the priming step and its
-      tear-down is paused out of the step clock, so no timed step pays for it. With fewer than two
-      warm-up steps nothing is tracked (warned). Default warm-up 3: step 2 primes, step 3 is measured.
+      parameters (and buffers), frozen parameters (an adapter run's base), gradients, optimizer
+      states, activations, temporaries, transient copies (gathered layers, communication buffers)
+      and any category the module declares (``memory_categories``, e.g. a DPO reference model).
+      Tracking runs a ``TorchDispatchMode`` over every operator, which slows a step several-fold, so
+      it measures only the last ``tracked_steps`` warm-up steps (never the first, which creates the
+      optimizer states), entered one step earlier (priming: buffers made before training, such as
+      DDP's gradient buckets, become known when first written): all of them steps the summaries
+      leave out. Its set-up cost is inside the priming step and its tear-down is paused out of the
+      step clock, so no timed step pays for it. With fewer than two warm-up steps nothing is tracked
+      (warned). Default warm-up 3: step 2 primes, step 3 is measured.
 
     ``tensor_peak_bytes`` is the step's tensor peak: on CPU the tracker's (tracked steps only), on
     CUDA the allocator's peak allocated (every step; the tracked steps' categories then add up to

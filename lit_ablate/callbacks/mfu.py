@@ -36,11 +36,11 @@ class MFUMonitor(StepMonitor):
     ``mfu`` divides by the device's spec-sheet peak (dense bf16, ``PEAK_BF16_TFLOPS``, or
     ``peak_tflops``); ``mfu_measured`` by the measured matmul ceiling of the run's device, dtype and
     threads, measured by each rank at the run's start under the load the run sees, and recorded with
-    its time (``lit_ablate.estimate.matmul_ceiling.ceiling_here``; ``lit-ablate peak`` prints a cached best). The spec peak is the number papers quote but is unreachable in practice and
+    its time (``lit_ablate.estimate.matmul_ceiling.ceiling_here``; ``lit-ablate peak`` prints a
+    cached best). The spec peak is the number papers quote but is unreachable in practice and
     unknown for a CPU; the measured ceiling exists on every device and says how close the run gets
     to what the hardware really does, so it compares across devices. The run record names each
     denominator and its value (``summary.mfu_ceilings``).
-
     FLOPs are analytic (``lit_ablate.estimate``), never counted from kernels, so fused kernels that
     a FLOP counter cannot see do not bias a comparison. Which tokens count: every real token of
     the rank's batch (padding positions are not model FLOPs), each at its own document's

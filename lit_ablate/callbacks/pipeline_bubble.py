@@ -21,7 +21,8 @@ class PipelineBubbleMonitor(StepMonitor):
     schedule's own idle share with equal stages and free communication ((pp - 1) / (m + pp - 1)
     for gpipe and 1f1b over m micro-batches, (pp - 1) / (v m + pp - 1) interleaved with v stages per
     rank: ``PipelineParallelStrategy.schedule_bubble``), so a report shows what stage imbalance and
-    communication add to the schedule's bubble. ``lit-ablate fit`` adds one to every pipeline run; elsewhere it records nothing.
+    communication add to the schedule's bubble. ``lit-ablate fit`` adds one to every pipeline run;
+    elsewhere it records nothing.
     """
 
     def measure(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:

@@ -216,7 +216,7 @@ class TensorCategoryTracker(MemTracker):
         self._update_statistics()
 
     # --- MemTracker overrides -------------------------------------------------------------------
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (MemTracker's signature)
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # MemTracker's signature
         # An operator that writes into or views a storage nobody tracked yet: a buffer made before
         # tracking or outside operators (DDP's gradient buckets, FSDP's gathered-parameter storages
         # grown by resize_, buffers a collective's backend allocated itself).

@@ -225,7 +225,7 @@ MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "transient", "ref
 """The per-rank byte counts of one sharding, in the table's column order."""
 
 
-def _estimate_summary(config, counts, shape, training, world, rows, args) -> dict[str, Any]:  # noqa: ANN001 (estimate_main's locals)
+def _estimate_summary(config, counts, shape, training, world, rows, args) -> dict[str, Any]:  # estimate_main's locals
     """Everything ``estimate`` reports, in exact numbers: what ``--json`` prints and the table renders."""
     strategy = config.trainer.strategy.short_name
     return {
@@ -263,7 +263,8 @@ def _estimate_table(summary: dict[str, Any]) -> str:
     lines = [
         f"Model: {_count(model['parameters'])} parameters ({model['parameters']:,}), "
         f"{_count(model['active_parameters'])} active ({model['active_parameters']:,}), "
-        f"{_count(model['trainable_parameters'])} trainable, {_count(model['quantized_parameters'])} quantised, {model['layers']} layers, "
+        f"{_count(model['trainable_parameters'])} trainable, {_count(model['quantized_parameters'])} quantised, "
+        f"{model['layers']} layers, "
         f"hidden {model['hidden']}, vocab {model['vocab']}.",
         f"Run: micro-batch {training['micro_batch']} x {training['seq_len']} tokens per rank, "
         f"parameters {training['param_bytes']} B, activations {training['activation_bytes']} B, "

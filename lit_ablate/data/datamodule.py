@@ -77,11 +77,12 @@ class LMDataModule(pl.LightningDataModule):
         overlong: what to do with examples longer than ``seq_len``: ``truncate`` or ``reject``.
         storage: ``auto`` (the default: ``cache`` for a source reading ``AUTO_CACHE_BYTES`` (16 MiB) of
             files or hub data or more, or one that cannot tell its size; else ``memory``) or ``memory``
-            (tokenise in every rank, hold examples as tensors: up to tens of MB of text) or ``cache`` (tokenise once into files read with ``pread`` shared by every rank and run;
+            (tokenise in every rank, hold examples as tensors: up to tens of MB of text) or
+            ``cache`` (tokenise once into files read with ``pread`` shared by every rank and run;
             per-rank memory does not grow with the corpus beyond one int32 length per example) or
-            ``stream`` (tokenise on the fly in the ``num_workers`` DataLoader workers, endless epochs:
-            set ``trainer.max_steps``; no held-out split; each worker packs its own examples with
-            ``PackingCollator``; resumes at each worker's saved position: ``streaming.py``).
+            ``stream`` (tokenise on the fly in the ``num_workers`` DataLoader workers, endless
+            epochs: set ``trainer.max_steps``; no held-out split; each worker packs its own examples
+            with ``PackingCollator``; resumes at each worker's saved position: ``streaming.py``).
         cache_dir: where ``cache`` keeps its entries; default ``$LIT_ABLATE_DATA_CACHE``, else
             ``~/.cache/lit_ablate/data``.
         shuffle_buffer: ``stream`` only: shuffle each slot's examples through a buffer of this many

@@ -144,7 +144,7 @@ def document_ids(row: Row, tokenizer: Tokenizer) -> list[int]:
     ``input_ids`` as stored (packs written by a tokenising pipeline already hold their separators)."""
     if TOKENS_FIELD in row:
         return list(row[TOKENS_FIELD])
-    return tokenizer.encode(_text(row)) + [tokenizer.eos_id]
+    return [*tokenizer.encode(_text(row)), tokenizer.eos_id]
 
 
 def check_stream_length(tokens: int, seq_len: int) -> None:
@@ -183,7 +183,7 @@ def _sft_tokens(
             yield tokenizer.chat(_checked_messages(row["messages"], number))
         elif isinstance(row.get("prompt"), str) and isinstance(row.get("response"), str):
             prompt = bos + tokenizer.encode(row["prompt"])
-            response = tokenizer.encode(row["response"]) + [tokenizer.eos_id]
+            response = [*tokenizer.encode(row["response"]), tokenizer.eos_id]
             yield prompt + response, [False] * len(prompt) + [True] * len(response)
         else:
             present = sorted(k for k, v in row.items() if v is not None)

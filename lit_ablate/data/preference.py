@@ -178,7 +178,7 @@ def _pair_tokens(row: Row, number: int, tokenizer: Tokenizer) -> tuple[list[int]
                 )
         bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
         prompt = bos + tokenizer.encode(row["prompt"])
-        chosen, rejected = (tokenizer.encode(row[k]) + [tokenizer.eos_id] for k in ("chosen", "rejected"))
+        chosen, rejected = ([*tokenizer.encode(row[k]), tokenizer.eos_id] for k in ("chosen", "rejected"))
     if chosen == rejected:
         raise ConfigError(
             f"{where} chosen",

@@ -15,9 +15,9 @@ import math
 import os
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, ClassVar
 
 from lit_ablate.data.stream_parts import (
     Position,
@@ -163,7 +163,11 @@ class ArithmeticSFT(DataSource):
             addition in a fraction of the steps it needs to find the places of ``12+7=``.
     """
 
-    _APPLY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+    _APPLY: ClassVar[dict[str, Callable[[int, int], int]]] = {
+        "+": lambda a, b: a + b,
+        "-": lambda a, b: a - b,
+        "*": lambda a, b: a * b,
+    }
 
     def __init__(
         self,

@@ -234,10 +234,11 @@ def predicted_step_seconds(config: Config, ceiling_tflops: float, world_size: in
 
     The FLOPs are the ones ``MFUMonitor`` divides (``flops_per_token``; a rank's ``1 / cp`` and
     ``1 / tp`` share; under pipeline parallelism the largest stage's share, stretched by the
-    schedule's ideal idle time: ``pipeline_time_share``), for ``micro_batch x seq_len x accumulate_grad_batches`` tokens at the full
-    ``seq_len`` context: padded or packed data compute less, so for them the prediction is an upper
-    bound. What a measured step takes beyond it is not matmul at the ceiling: communication,
-    memory-bound kernels (norms, attention softmax, the optimizer), data and framework overhead.
+    schedule's ideal idle time: ``pipeline_time_share``), for
+    ``micro_batch x seq_len x accumulate_grad_batches`` tokens at the full ``seq_len`` context: padded
+    or packed data compute less, so for them the prediction is an upper bound. What a measured step
+    takes beyond it is not matmul at the ceiling: communication, memory-bound kernels (norms,
+    attention softmax, the optimizer), data and framework overhead.
     """
     run = RunConfig.of(config)
     module = run.model.module.class_path

@@ -156,12 +156,13 @@ def estimate_memory(
     from forward to backward (without resharding after forward, every layer's: ``gathered``);
     sharded gradients exist in full twice for the unit being reduced (its
     gradients and the reduce-scatter buffer they are copied into), the largest unit being a layer
-    or the root (both divided by tensor parallelism, whose shards FSDP gathers); replicated gradients on more than one rank (or under DDP on one) also sit in DDP's buckets unless
+    or the root (both divided by tensor parallelism, whose shards FSDP gathers); replicated
+    gradients on more than one rank (or under DDP on one) also sit in DDP's buckets unless
     ``gradient_as_bucket_view``. Measured against FSDP2/FSDP1 on 2 ranks in
-    tests/test_estimate_memory.py. Activations: what the backward's peak holds beside the states, which
-    under FSDP includes the root's unsharded gradients (``root_gradient_bytes``; measured on simulated
-    ranks of 64 in tests/test_simulated_rank.py). Under pipeline parallelism: the largest stage's
-    (``pipeline_stage_estimates``).
+    tests/test_estimate_memory.py. Activations: what the backward's peak holds beside the states,
+    which under FSDP includes the root's unsharded gradients (``root_gradient_bytes``; measured on
+    simulated ranks of 64 in tests/test_simulated_rank.py). Under pipeline parallelism: the largest
+    stage's (``pipeline_stage_estimates``).
     """
     if training.pipeline_parallel > 1:
         return max(pipeline_stage_estimates(counts, shape, training, sharding), key=lambda e: e.total)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,7 +35,7 @@ def pipeline_stage_layers(counts: ParameterCounts, shape: ModelShape, training: 
     )
     check_split_points(points, shape.layers, stages)
     bounds = [0, *points, shape.layers]
-    return [end - start for start, end in zip(bounds, bounds[1:], strict=False)]
+    return [end - start for start, end in itertools.pairwise(bounds)]
 
 
 def pipeline_stage_parameters(counts: ParameterCounts, shape: ModelShape, training: TrainingShape) -> list[int]:

@@ -71,7 +71,8 @@ def optimizer_refusal(name: str, strategy: Strategy | type | None = None, device
     if missing or not installed(library):  # bitsandbytes is a dependency of lit-ablate itself
         return (
             missing
-            or f"{library} is not installed here (a dependency of lit-ablate): pip install -e . or pip install {library}"
+            or f"{library} is not installed here (a dependency of lit-ablate): "
+            f"pip install -e . or pip install {library}"
         )
     strategy_class = strategy if isinstance(strategy, type) or strategy is None else type(strategy)
     if library == "bitsandbytes" and strategy_class is not None and issubclass(strategy_class, ModelParallelStrategy):
@@ -80,7 +81,10 @@ def optimizer_refusal(name: str, strategy: Strategy | type | None = None, device
             "('mixed torch.Tensor and DTensor'); use torchao_adamw8bit, which shards its states with them"
         )
     if "paged" in name and device_type not in (None, "cuda"):
-        return f"paged optimizers need CUDA unified memory; on {device_type} bitsandbytes would run the unpaged one: use bnb_adamw8bit"
+        return (
+            f"paged optimizers need CUDA unified memory; on {device_type} bitsandbytes would run the unpaged one: "
+            "use bnb_adamw8bit"
+        )
     return None
 
 

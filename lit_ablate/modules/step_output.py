@@ -7,10 +7,9 @@ A custom module that returns these keys gets every lit-ablate callback for free.
 
 from __future__ import annotations
 
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
 from torch import Tensor
-from typing_extensions import NotRequired  # typing has it from Python 3.11; lit-ablate supports 3.10
 
 
 class StepOutput(TypedDict):

@@ -32,6 +32,7 @@ from lit_ablate.strategies.presets import (
 from lit_ablate.strategies.zero1 import ZeRO1Strategy
 
 __all__ = [
+    "MESH_DIMS",
     "ContextParallelStrategy",
     "DDPStrategy",
     "ExpertContextParallelStrategy",
@@ -40,7 +41,6 @@ __all__ = [
     "FSDP1Strategy",
     "FSDP2Strategy",
     "HSDPStrategy",
-    "MESH_DIMS",
     "MeshParallelStrategy",
     "MeshSizes",
     "MeshStrategy",

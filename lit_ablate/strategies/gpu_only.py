@@ -11,7 +11,8 @@ from lit_ablate.strategies.mesh import STRATEGY_KEY
 
 
 def check_gpu_only_options(options: Mapping[str, Any], device_type: str) -> None:
-    """Raise ``ConfigError`` when ``options`` (a strategy's ``init_args``) need a GPU but the run is on ``device_type``."""
+    """Raise ``ConfigError`` when ``options`` (a strategy's ``init_args``) need a GPU but the run is on
+    ``device_type``."""
     if device_type == "cuda":
         return
     if options.get("cpu_offload"):

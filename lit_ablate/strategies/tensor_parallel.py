@@ -273,7 +273,7 @@ def whole_sequence_masks(module: nn.Module, args: tuple, kwargs: dict[str, Any])
     if (
         input_ids is None
         or position_ids is None
-        or not (padding is None or isinstance(padding, Tensor) and padding.ndim == 2)
+        or not (padding is None or (isinstance(padding, Tensor) and padding.ndim == 2))
     ):
         return None
     from transformers.masking_utils import create_causal_mask

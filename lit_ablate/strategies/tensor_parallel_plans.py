@@ -100,7 +100,7 @@ LAYER_PLANS = {"llama": llama_layer_plan, "qwen3": qwen3_layer_plan, "qwen3_moe"
 """Model type (HF ``config.model_type``) -> the function giving one decoder layer's plan."""
 
 
-def layer_plan_for(model_type: str):  # noqa: ANN201 (a function like LAYER_PLANS' ones)
+def layer_plan_for(model_type: str):  # a function like LAYER_PLANS' ones
     """The plan function of ``model_type``, with peft's LoRA layers retargeted (``adapter_plan``); an
     unknown family is refused with the known ones."""
     if model_type not in LAYER_PLANS:

@@ -105,7 +105,7 @@ class AdapterOptions:
                 f"{OPTIONS_KEY}.use_dora", True, "DoRA is not built for expert adapters: drop use_dora or experts_r"
             )
 
-    def lora_config(self):  # noqa: ANN201 (peft's LoraConfig; imported lazily with peft)
+    def lora_config(self):  # peft's LoraConfig; imported lazily with peft
         """peft's ``LoraConfig`` for these options."""
         from peft import LoraConfig
 

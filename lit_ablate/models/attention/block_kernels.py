@@ -186,7 +186,10 @@ class FlashAttnBlockKernel(SdpaBlockKernel):
         except (ImportError, OSError) as err:  # e.g. built for another torch or CUDA
             return f"flash-attn does not import here ({err}); reinstall it for this torch, or use cp_block_kernel: sdpa"
         if not hasattr(torch.ops.flashattn, "_flash_attn_backward"):
-            return "flash-attn is older than 2.7 (no registered _flash_attn_backward op): upgrade it or use cp_block_kernel: sdpa"
+            return (
+                "flash-attn is older than 2.7 (no registered _flash_attn_backward op): "
+                "upgrade it or use cp_block_kernel: sdpa"
+            )
         return None
 
     dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
@@ -324,7 +327,10 @@ class FlexBlockKernel(RecomputedBlockKernel):
 
     def unavailable(self, device: torch.device) -> str | None:
         if device.type != "cuda":
-            return f"flex_attention trains on CUDA only (no CPU backward), this run is on {device.type}; use cp_block_kernel: sdpa"
+            return (
+                f"flex_attention trains on CUDA only (no CPU backward), this run is on {device.type}; "
+                "use cp_block_kernel: sdpa"
+            )
         return None
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, block: BlockMask, scale: float | None) -> tuple[Tensor, Tensor]:
@@ -418,7 +424,7 @@ def _scale(q: Tensor, scale: float | None) -> float:
     return scale if scale is not None else q.shape[-1] ** -0.5
 
 
-def _flex_block_mask(block: BlockMask, q: Tensor, k: Tensor):  # noqa: ANN202 (flex's BlockMask, imported lazily)
+def _flex_block_mask(block: BlockMask, q: Tensor, k: Tensor):  # flex's BlockMask, imported lazily
     """flex's ``BlockMask`` of the block: None (every key), causal, or the block's boolean mask."""
     from torch.nn.attention.flex_attention import create_block_mask
 

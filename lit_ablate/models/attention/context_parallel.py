@@ -13,7 +13,7 @@ backend chosen by name on one process) the same code runs on one rank, which equ
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,7 +44,7 @@ class ContextParallelGroup:
     """
 
     group: ProcessGroup | None = None
-    layout: SequenceLayout = SequenceLayout()
+    layout: SequenceLayout = field(default_factory=SequenceLayout)
     rank: int = 0
     kernel: BlockKernel = SDPA
 

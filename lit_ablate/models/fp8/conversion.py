@@ -98,7 +98,7 @@ class Fp8Options:
                 f"{OPTIONS_KEY}.target_modules", self.target_modules, "name at least one module, or all-linear"
             )
 
-    def torchao_config(self, emulate: bool):  # noqa: ANN201 (torchao's Float8LinearConfig, imported lazily)
+    def torchao_config(self, emulate: bool):  # torchao's Float8LinearConfig, imported lazily
         """torchao's ``Float8LinearConfig`` for the recipe, emulated or not.
 
         Real kernels get ``pad_inner_dim``: ``torch._scaled_mm`` needs every contracted dimension to
@@ -122,7 +122,10 @@ class Fp8Options:
 def fp8_kernels_unavailable(device: torch.device) -> str | None:
     """Why real fp8 kernels cannot run on ``device``, or None when they can."""
     if device.type != "cuda":
-        return f"fp8 kernels need a CUDA GPU of compute capability 8.9+ (Ada, Hopper, Blackwell); this run is on {device.type}"
+        return (
+            "fp8 kernels need a CUDA GPU of compute capability 8.9+ (Ada, Hopper, Blackwell); "
+            f"this run is on {device.type}"
+        )
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < MIN_CAPABILITY:
         return f"{torch.cuda.get_device_name(device)} has compute capability {major}.{minor}; fp8 kernels need 8.9+"

@@ -75,7 +75,7 @@ def convert_grouped_experts(
     module: RoutedExperts,
     recipe: str,
     emulate: bool,
-    config,  # noqa: ANN001
+    config,
     options_key: str,
 ) -> None:
     """Make grouped ``module`` compute in fp8 (see the module docstring), or raise ``ConfigError``

@@ -32,7 +32,7 @@ class Fp8Matmul:
     """``F.linear(x, weight)`` (no bias) through torchao's fp8 matmul, as ``Float8Linear`` computes it:
     what loop MoE experts call per expert once converted."""
 
-    def __init__(self, config) -> None:  # noqa: ANN001 (torchao's Float8LinearConfig)
+    def __init__(self, config) -> None:  # torchao's Float8LinearConfig
         from torchao.float8.float8_linear import Float8Linear
 
         with torch.device("meta"):  # the per-gemm settings Float8Linear derives from the config
