@@ -31,6 +31,7 @@ from lit_ablate import __version__
 from lit_ablate.command_table import COMMANDS, SUMMARIES
 from lit_ablate.errors import ConfigError, quoted_refusal
 from lit_ablate.parse_errors import concise_error, missing_config
+from lit_ablate.subnormals import flush_subnormals
 
 FIT_CONFIG_COMMANDS = ("fit", "validate", "test", "estimate")
 """The commands whose ``--config`` is a run config, a path that ``_config_file_refusal`` checks first."""
@@ -85,6 +86,8 @@ def main(argv: list[str] | None = None) -> None:
 
     from lit_ablate.fit_cli import LitAblateCLI
 
+    if argv is None:  # this process's own command line: it trains, and nothing computed yet
+        flush_subnormals()
     try:
         LitAblateCLI(args=argv)
     except ArgumentError as err:

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
 
+from lit_ablate.callbacks.step_clock import RUNNING_CLOCKS
 from lit_ablate.callbacks.step_monitor import StepMonitor, batch_replicas
 from lit_ablate.errors import ConfigError
-from lit_ablate.estimate.matmul_ceiling import ceiling_here
+from lit_ablate.estimate.matmul_ceiling import MatmulCeiling, ceiling_here
 from lit_ablate.estimate.peaks import PEAK_FP8_TFLOPS, peak_tflops_of
 from lit_ablate.strategies.interface import interface_of
+
+MAX_REMEASURES = 2
+"""How often a run measures its ceiling again when it computed faster than it (each sweep under a second)."""
 
 
 def runs_in_fp8(trainer: Trainer, pl_module: LightningModule) -> bool:
@@ -89,7 +94,10 @@ class MFUMonitor(StepMonitor):
         self.ceiling_conditions: str | None = None
         """What the measured ceiling depends on besides load (device, dtype, threads): a study compares
         only ceilings measured under one condition when it looks for a load change."""
-        self._warned_low_ceiling = False
+        self.ceiling_doubt: str | None = None
+        """Why the measured ceiling may be low (``MatmulCeiling.doubt``), or None."""
+        self.remeasured = 0
+        self.above_one: dict[str, list[int]] = {"mfu": [], "mfu_measured": []}
         self._flops_share = 1.0
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -145,35 +153,73 @@ class MFUMonitor(StepMonitor):
         elif not self.measure_ceiling:
             self.ceiling, self.ceiling_source = None, "unavailable: measure_ceiling is false; set ceiling_tflops"
         else:
-            measured = ceiling_here(pl_module.device, run_dtype(trainer, pl_module))  # every rank, in its process
-            self.ceiling, self.ceiling_source = measured.tflops, f"measured: {measured.describe()}"
-            self.ceiling_measured_at, self.ceiling_sweep_seconds = measured.measured_at, measured.sweep_seconds
-            self.ceiling_conditions = measured.conditions()
+            self._use(ceiling_here(pl_module.device, run_dtype(trainer, pl_module)))  # every rank, in its process
 
-    def ceilings(self) -> dict[str, dict[str, float | str | None]]:
-        """Each MFU series' denominator (TFLOP/s) and where it came from: what the run record keeps."""
+    def _use(self, measured: MatmulCeiling) -> None:
+        self.ceiling, self.ceiling_source = measured.tflops, f"measured: {measured.describe()}"
+        self.ceiling_measured_at, self.ceiling_sweep_seconds = measured.measured_at, measured.sweep_seconds
+        self.ceiling_conditions, self.ceiling_doubt = measured.conditions(), measured.doubt()
+
+    def ceilings(self) -> dict[str, dict[str, Any]]:
+        """Each MFU series' denominator (TFLOP/s) and where it came from, and the steps whose MFU came out
+        above 1 and was left out as a measurement error: what the run record keeps."""
         return {
-            "mfu": {"tflops": self.peak_tflops, "source": self.peak_source},
+            "mfu": {"tflops": self.peak_tflops, "source": self.peak_source, "above_one_steps": self.above_one["mfu"]},
             "mfu_measured": {
                 "tflops": self.ceiling,
                 "source": self.ceiling_source,
                 "measured_at": self.ceiling_measured_at,
                 "sweep_seconds": self.ceiling_sweep_seconds,
                 "conditions": self.ceiling_conditions,
+                "doubt": self.ceiling_doubt,
+                "remeasured": self.remeasured,
+                "above_one_steps": self.above_one["mfu_measured"],
             },
         }
 
     def measure_timed(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
         t = self.totals
         flops_per_second = t.flops * self._flops_share / t.seconds
-        self.record("mfu", step, flops_per_second / (self.peak_tflops * 1e12) if self.peak_tflops else None)
-        measured = flops_per_second / (self.ceiling * 1e12) if self.ceiling else None
-        self.record("mfu_measured", step, measured)
-        if measured is not None and measured > 1.0 and not self._warned_low_ceiling:
-            self._warned_low_ceiling = True  # a ceiling measured while the device was busy: say so once
-            warnings.warn(
-                f"MFUMonitor: mfu_measured={measured:.2f} > 1: the ceiling ({self.ceiling_source}) is "
-                "below what this run reached; measure it on an idle device (`lit-ablate peak --remeasure`) "
-                "or give ceiling_tflops",
-                stacklevel=2,
-            )
+        if (
+            self.ceiling
+            and flops_per_second > self.ceiling * 1e12
+            and self.ceiling_tflops is None
+            and self.remeasured < MAX_REMEASURES
+        ):
+            self._remeasure(trainer, pl_module)
+        self._record_share("mfu", step, flops_per_second, self.peak_tflops)
+        self._record_share("mfu_measured", step, flops_per_second, self.ceiling)
+
+    def _record_share(self, name: str, step: int, flops_per_second: float, tflops: float | None) -> None:
+        """``flops_per_second`` over ``tflops``; above 1 it is a measurement error (the denominator is too
+        low), recorded as null, counted in the record and warned about once, never printed as a figure."""
+        share = flops_per_second / (tflops * 1e12) if tflops else None
+        if share is not None and share > 1.0:
+            if not self.above_one[name]:
+                warnings.warn(
+                    f"MFUMonitor: {name} came out above 1 at step {step} ({share:.2f}): its denominator "
+                    f"({self.peak_source if name == 'mfu' else self.ceiling_source}) is below what this run "
+                    "reached, a measurement error; recorded as null. Measure the ceiling on an idle device "
+                    "(`lit-ablate peak --remeasure`) or give peak_tflops / ceiling_tflops",
+                    stacklevel=2,
+                )
+            self.above_one[name].append(step)
+            share = None
+        self.record(name, step, share)
+
+    def _remeasure(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """The run computed faster than its measured ceiling: the sweep at its start was low (load). Measure
+        it again between steps (out of the step clock), keep the higher, and rescale the steps before."""
+        clock = RUNNING_CLOCKS.get(trainer)
+        if clock is not None:
+            clock.pause()
+        measured = ceiling_here(pl_module.device, run_dtype(trainer, pl_module))
+        if clock is not None:
+            clock.resume()
+        self.remeasured += 1
+        if self.ceiling is not None and measured.tflops > self.ceiling:
+            old = self.ceiling
+            self._use(measured)
+            for step, value in self.series.get("mfu_measured", {}).items():
+                if value is not None:
+                    self.series["mfu_measured"][step] = value * old / self.ceiling

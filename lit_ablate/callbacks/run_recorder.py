@@ -26,6 +26,7 @@ from lit_ablate.errors import ConfigError
 from lit_ablate.models.losses import triton_interpreter
 from lit_ablate.simulated_rank import SimulatedRank, current_simulation
 from lit_ablate.strategies.interface import interface_of
+from lit_ablate.subnormals import flushes_subnormals
 
 
 def git_commit() -> str | None:
@@ -69,6 +70,7 @@ def environment(trainer: Trainer) -> dict[str, Any]:
         "triton_kernels": triton_interpreter.kernel_mode(),
         "fp8": getattr(trainer.lightning_module, "fp8_kernels", None),  # real / emulated fp8 matmuls, or null
         "optimizer_implementation": getattr(trainer.lightning_module, "optimizer_implementation", None),
+        "flush_denormal": flushes_subnormals(),  # subnormal floats flushed to zero on the CPU (lit_ablate.subnormals)
     }
 
 

@@ -38,7 +38,7 @@ def peak_main(argv: list[str]) -> int:
     parser.add_argument(
         "--remeasure",
         action="store_true",
-        help="measure again; the cache keeps the higher of the two (a busy machine measures low)",
+        help="measure again; the cache keeps the higher of the two, and never one measured under load",
     )
     parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
     args = parser.parse_args(argv)
@@ -75,12 +75,15 @@ def peak_main(argv: list[str]) -> int:
         + (f"{spec:g} TFLOP/s" if spec else "unknown (not in the peak table; MFUMonitor's peak_tflops sets one)")
     )
     print(f"Measured ceiling: {ceiling.tflops:.4g} TFLOP/s ({ceiling.describe()})")
+    if ceiling.doubt():
+        print(f"Not cached: {ceiling.doubt()}; measure it again on an idle device (--remeasure)")
     if spec:
         print(f"Measured / spec: {ceiling.tflops / spec:.2f}")
-    print(
-        f"Cached in {cache_path(device, dtype)} (--remeasure replaces it with a higher measurement; "
-        "delete it to start over)"
-    )
+    if not ceiling.doubt():
+        print(
+            f"Cached in {cache_path(device, dtype)} (--remeasure replaces it with a higher measurement; "
+            "delete it to start over)"
+        )
     return 0
 
 

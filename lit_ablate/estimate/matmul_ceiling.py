@@ -7,10 +7,13 @@ a short sweep of a few large matmul shapes in the run's dtype, on the run's devi
 intra-op threads the process uses; the best sustained rate of any shape wins.
 
 ``MFUMonitor`` measures it at the start of every run (``ceiling_here``, a shorter sweep), in the
-run's process and threads and under the load the run itself sees, and records it with its time: a
-ceiling measured on a quiet machine and reused under load (or the reverse) makes MFU wrong by the
-ratio of the two (measured here: 22 GFLOP/s under load, 95 quiet). ``lit-ablate peak`` keeps the
-best measurement per device, dtype, torch version and threads in a cache (``measured_ceiling``).
+run's process and threads, and records it with its time: a ceiling measured on a quiet machine and
+reused under load (or the reverse) makes MFU wrong by the ratio of the two (measured here: 22 GFLOP/s
+under load, 95 quiet). Each measurement says how far it can be trusted: its two best windows must
+agree (``STABLE_WITHIN``) and other processes must not have loaded the machine meanwhile
+(``LOADED_CORES``, from ``machine_load``). A run measures again when they do not (``RUN_ATTEMPTS``);
+``lit-ablate peak`` caches the best trustworthy measurement per device, dtype, torch version and
+threads (``measured_ceiling``) and never one that is not.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from lit_ablate import machine_load
 
 CACHE_DIR_ENV = "LIT_ABLATE_CACHE_DIR"
 """Directory of lit-ablate's per-machine cache (default ``$XDG_CACHE_HOME/lit-ablate``, else
@@ -41,6 +46,14 @@ WINDOW_SECONDS = {"cpu": 0.1, "cuda": 0.05}
 """Each shape runs back-to-back windows of at least this long for ``SECONDS_PER_SHAPE``; the best
 window's rate is the shape's sustained rate (a window, not one call, so clock ramps and one slow
 call on a shared machine neither inflate nor sink it)."""
+STABLE_WITHIN = 0.05
+"""The two best windows of the best shape agree within this on a quiet device (seen: within 2% on the
+2-core VM, idle); further apart, something else was using the device."""
+LOADED_CORES = 0.25
+"""Other processes' load (cores) above which a sweep is taken as measured under load."""
+RUN_ATTEMPTS = 2
+"""Sweeps a run's start makes at most until one is trustworthy (then the best one is used, doubt recorded):
+a second sweep outlasts a burst of load, not a machine that stays busy."""
 PROBE_SHAPE = (256, 256, 256)
 MAX_CALL_SECONDS = {"cpu": 2.0, "cuda": 1.0}
 """A shape is swept only if one call of it, predicted from a small probe's rate, takes at most this
@@ -65,6 +78,18 @@ class MatmulCeiling:
     """The ``(m, k, n)`` that reached it."""
     measured_at: float
     sweep_seconds: float
+    agreement: float | None = None
+    """How far the second-best window of the best shape fell below the best one, relatively."""
+    foreign_cores: float | None = None
+    """Other processes' CPU load during the sweep, in cores (None where it cannot be read)."""
+
+    def doubt(self) -> str | None:
+        """Why this measurement cannot be trusted as the device's ceiling, or None."""
+        if self.foreign_cores is not None and self.foreign_cores > LOADED_CORES:
+            return f"other processes loaded {self.foreign_cores:.2f} cores during the sweep"
+        if self.agreement is not None and self.agreement > STABLE_WITHIN:
+            return f"its two best windows differ by {100 * self.agreement:.0f}%"
+        return None
 
     def conditions(self) -> str:
         """Device, dtype and threads: what sets the ceiling besides the machine's load (a 2-rank run on
@@ -118,16 +143,26 @@ RUN_SWEEP_SECONDS = {"cpu": (0.15, 0.05), "cuda": (0.1, 0.02)}
 
 
 def ceiling_here(device: torch.device | str, dtype: torch.dtype) -> MatmulCeiling:
-    """The ceiling measured now, in this process with its threads (no cache): what a run divides by."""
+    """The ceiling measured now, in this process with its threads (no cache): what a run divides by.
+    Measured again, up to ``RUN_ATTEMPTS`` sweeps, while it is not trustworthy; the best is kept."""
     device = torch.device(device)
     kind = device.type if device.type in RUN_SWEEP_SECONDS else "cuda"
     seconds, window = RUN_SWEEP_SECONDS[kind]
-    return _measured(device, dtype, seconds_per_shape=seconds, window_seconds=window)
+    best = None
+    for _ in range(RUN_ATTEMPTS):
+        ceiling = _measured(device, dtype, seconds_per_shape=seconds, window_seconds=window)
+        if best is None or ceiling.tflops > best.tflops:
+            best = ceiling
+        if ceiling.doubt() is None:
+            return ceiling
+    return best
 
 
 def _measured(device: torch.device, dtype: torch.dtype, **budget: float) -> MatmulCeiling:
     started = time.time()
-    tflops, shape = measure_matmul_ceiling(device, dtype, **budget)
+    before = machine_load.sample(process_groups=[os.getpgrp()])  # this run's ranks sweep too: not "other"
+    tflops, shape, runner_up = measure_matmul_ceiling(device, dtype, **budget)
+    after = machine_load.sample(process_groups=[os.getpgrp()])
     return MatmulCeiling(
         tflops=tflops,
         device_name=device_name(device),
@@ -138,17 +173,20 @@ def _measured(device: torch.device, dtype: torch.dtype, **budget: float) -> Matm
         shape=shape,
         measured_at=started,
         sweep_seconds=time.time() - started,
+        agreement=1 - runner_up / tflops if runner_up and tflops else None,
+        foreign_cores=machine_load.foreign_cores(before, after),
     )
 
 
 def measured_ceiling(device: torch.device | str, dtype: torch.dtype, remeasure: bool = False) -> MatmulCeiling:
-    """The cached ceiling of ``device`` and ``dtype`` with the current threads; measured (and
-    cached) when there is none yet, or when ``remeasure`` asks for a fresh one.
+    """The cached ceiling of ``device`` and ``dtype`` with the current threads; measured when there is
+    none yet, or when ``remeasure`` asks for a fresh one.
 
     A ceiling is a maximum, and other work on the machine can only make a sweep measure it too low
-    (on this project's shared 2-core VM: 22 GFLOP/s under load, 95 quiet, with one thread), so a
-    new measurement replaces the cached one only when it is higher; delete the cache file to start
-    over on changed hardware."""
+    (on this project's shared 2-core VM: 22 GFLOP/s under load, 95 quiet, with one thread), so only a
+    trustworthy measurement is cached (``MatmulCeiling.doubt``: none), and it replaces the cached one
+    only when it is higher; an untrustworthy one is returned, uncached, with its doubt. Delete the
+    cache file to start over on changed hardware."""
     device = torch.device(device)
     path = cache_path(device, dtype)
     cached = None
@@ -163,8 +201,8 @@ def measured_ceiling(device: torch.device | str, dtype: torch.dtype, remeasure: 
     if cached is not None and not remeasure:
         return cached
     ceiling = _measured(device, dtype)
-    if cached is not None and cached.tflops >= ceiling.tflops:
-        return cached
+    if ceiling.doubt() is not None or (cached is not None and cached.tflops >= ceiling.tflops):
+        return ceiling if ceiling.doubt() is not None else cached
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")  # atomic: ranks of one node may write it at once
     tmp.write_text(json.dumps(asdict(ceiling), indent=1) + "\n")
@@ -178,14 +216,16 @@ def measure_matmul_ceiling(
     shapes: tuple[tuple[int, int, int], ...] | None = None,
     seconds_per_shape: float | None = None,
     window_seconds: float | None = None,
-) -> tuple[float, tuple[int, int, int]]:
-    """``(TFLOP/s, shape)``: the best sustained rate of ``A @ B`` over ``shapes`` (``2 m k n`` FLOPs each)."""
+) -> tuple[float, tuple[int, int, int], float | None]:
+    """``(TFLOP/s, shape, runner-up)``: the best sustained rate of ``A @ B`` over ``shapes`` (``2 m k n``
+    FLOPs each), and the second-best window of that shape (None when it ran one window only)."""
     kind = device.type if device.type in SWEEPS else "cuda"
     shapes = shapes or SWEEPS[kind]
     budget = SECONDS_PER_SHAPE[kind] if seconds_per_shape is None else seconds_per_shape
     window = WINDOW_SECONDS[kind] if window_seconds is None else window_seconds
     shapes = _affordable(shapes, device, dtype, MAX_CALL_SECONDS[kind])
-    best, best_shape = 0.0, shapes[0]
+    best: list[float] = [0.0]
+    best_shape = shapes[0]
     for m, k, n in shapes:
         a = torch.randn(m, k, device=device, dtype=dtype)
         b = torch.randn(k, n, device=device, dtype=dtype)
@@ -194,13 +234,15 @@ def measure_matmul_ceiling(
         _timed(a, b, out, 1)  # warm-up: kernel choice, page faults
         per_call = _timed(a, b, out, 1)
         calls = max(1, int(window / max(per_call, 1e-9)))
+        rates = []
         while True:
-            rate = 2 * m * k * n * calls / _timed(a, b, out, calls) / 1e12
-            if rate > best:
-                best, best_shape = rate, (m, k, n)
-            if time.perf_counter() - start >= budget:
+            rates.append(2 * m * k * n * calls / _timed(a, b, out, calls) / 1e12)
+            if len(rates) >= 2 and time.perf_counter() - start >= budget:  # two windows: their agreement
                 break
-    return best, best_shape
+        rates.sort(reverse=True)
+        if rates[0] > best[0]:
+            best, best_shape = rates, (m, k, n)
+    return best[0], best_shape, best[1] if len(best) > 1 else None
 
 
 def _affordable(

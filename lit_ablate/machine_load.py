@@ -1,0 +1,83 @@
+"""Other processes' load on this machine: the CPU time they took while something was measured.
+
+A speed measured while another job ran is that job's effect as much as the code's. Linux counts, in
+``/proc/stat``, the CPU time every core spent busy (steal time of a virtual machine's host included),
+and in ``/proc/<pid>/stat`` each process's own (all its threads) and its reaped children's. Busy time
+minus the measured processes' own, over the wall time between two samples, is the other processes'
+load in cores. The watcher (the study's runner) counts itself too: a run that exits between two
+samples moves its time into its parent's children's time, so it is counted once either way.
+Elsewhere (no ``/proc``) the load is unknown: ``sample`` returns None and nothing is excluded for it.
+
+Linux counts in clock ticks (10 ms): the difference of every CPU's count and of every process's may be
+off by up to one tick, so an interval shorter than those ticks over ``RESOLUTION_CORES`` is too short
+to tell, and its load is unknown too (a 25 ms step of a tiny CPU model would read anywhere from 0 to
+2 cores).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+
+PROC = Path("/proc")
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_CPUS = os.cpu_count() or 1
+RESOLUTION_CORES = 0.1
+"""The coarsest load reading kept: an interval must be long enough for its ticks' error to stay under it."""
+_BUSY_FIELDS = (0, 1, 2, 5, 6, 7)
+"""user, nice, system, irq, softirq, steal of ``/proc/stat``'s ``cpu`` line (idle and iowait are not busy)."""
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    """The machine's busy CPU seconds and the watched processes' own, at one moment."""
+
+    at: float
+    busy_s: float
+    own_s: float
+    own_processes: int = 0
+    """How many processes ``own_s`` adds up (each counted in whole ticks)."""
+
+
+def sample(process_groups: Collection[int] = (), pids: Collection[int] = ()) -> CpuSample | None:
+    """Busy CPU seconds of the machine, and CPU seconds of every process in ``process_groups`` or ``pids``."""
+    try:
+        fields = (PROC / "stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return None
+    busy = sum(int(fields[i]) for i in _BUSY_FIELDS if i < len(fields)) / _TICKS
+    own, processes = _own_seconds(set(process_groups), set(pids))
+    return CpuSample(time.monotonic(), busy, own, processes)
+
+
+def _own_seconds(groups: set[int], pids: set[int]) -> tuple[float, int]:
+    if not groups and not pids:
+        return 0.0, 0
+    total = processes = 0
+    for entry in PROC.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            text = (entry / "stat").read_text()
+        except OSError:  # the process ended meanwhile
+            continue
+        after_name = text.rsplit(")", 1)[1].split()  # the command name may hold spaces and parentheses
+        pid, group = int(entry.name), int(after_name[2])
+        if group in groups or pid in pids:
+            total += sum(int(x) for x in after_name[11:15])  # utime, stime and the reaped children's
+            processes += 1
+    return total / _TICKS, processes
+
+
+def foreign_cores(start: CpuSample | None, end: CpuSample | None) -> float | None:
+    """Other processes' load between two samples, in cores (None when unknown or too short to tell)."""
+    if start is None or end is None or end.at - start.at <= 0:
+        return None
+    ticks = _CPUS + max(start.own_processes, end.own_processes)  # each difference off by under one tick
+    if ticks / _TICKS / (end.at - start.at) > RESOLUTION_CORES:
+        return None
+    foreign = (end.busy_s - start.busy_s) - (end.own_s - start.own_s)
+    return max(0.0, foreign / (end.at - start.at))
