@@ -24,6 +24,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lit_ablate.callbacks.pipeline_bubble import PipelineBubbleMonitor
 from lit_ablate.callbacks.progress_file import PROGRESS_PATH_ENV, ProgressFile
 from lit_ablate.callbacks.run_recorder import RunRecorder
+from lit_ablate.callbacks.turn_taking import TurnTaking
 from lit_ablate.checkpoint_model import check_same_model, checkpoint_model_section
 from lit_ablate.command_table import SUMMARIES
 from lit_ablate.compatibility import check_cpu_ranks, check_parts
@@ -120,6 +121,9 @@ class LitAblateCLI(LightningCLI):
             trainer.callbacks.append(PipelineBubbleMonitor())  # the bubble belongs in every pipeline run's record
         if self.subcommand == "fit" and os.environ.get(PROGRESS_PATH_ENV):  # a study's run: its live progress line
             trainer.callbacks.append(ProgressFile(os.environ[PROGRESS_PATH_ENV]))
+        turns = TurnTaking.from_environment() if self.subcommand == "fit" else None
+        if turns is not None:  # a study's run in turns: first, so it waits before any callback measures
+            trainer.callbacks.insert(0, turns)
         return trainer
 
     def _set_seed(self) -> None:

@@ -12,8 +12,9 @@ imports the other: both depend only on this module. A record is one JSON file pe
                       "triton_kernels": "compiled" | "interpreted" | null,  # interpreted: CPU opt-in
                                                 # (LIT_ABLATE_TRITON_INTERPRET=1); null: no triton
                       "fp8": "real" | "emulated" | null,  # which fp8 matmuls ran (lit_ablate.models.fp8.conversion)
-                      "optimizer_implementation": "fused" | "foreach" | "for-loop" | null},  # torch's kernels
+                      "optimizer_implementation": "fused" | "foreach" | "for-loop" | null,  # torch's kernels
                                                 # for the update (lit_ablate.modules.optim); null: another library's
+                      "flush_denormal": bool},  # subnormal floats flushed to zero on the CPU (lit_ablate.subnormals)
       "simulated": null | {"world_size": 64, "rank": 0},  # one process played this rank of a larger job
                                                 # over a fake process group (docs/simulation.md): no loss and
                                                 # no job tokens/s; memory, step time and MFU are the rank's own
@@ -38,6 +39,10 @@ imports the other: both depend only on this module. A record is one JSON file pe
                  "tensor_peak_bytes": ..., "tensor_peak_bytes_per_rank": [...],  # see below
                  "tensor_breakdown": null | {"method": ..., "rank": r, "at_peak": {category: bytes},
                                              "max": {category: bytes}, "forward_backward_max": bytes}}, ...],
+      "speed_blocks": null | {"design": "steps" | "runs", "group": "...",  # written by a study's runner:
+                      "blocks": [{"round": 1, "first_step": 4, "last_step": 5, "waited_s": ..., "seconds": ...,
+                                  "foreign_cores": ...}, ...]},  # the blocks the run's speed was measured in,
+                                                # runs of one group in turns (lit_ablate.ablation.turns)
       "summary": {
         "status": "ok" | "error" | "oom" | "timeout" | "running" | "interrupted" | "skipped",
         "message": null | "the error, one line",
@@ -48,8 +53,10 @@ imports the other: both depend only on this module. A record is one JSON file pe
         "mfu": {...} | null,                    # vs the spec peak; null when no honest peak is known
         "mfu_measured": {...} | null,           # vs the measured matmul ceiling (lit_ablate.estimate.matmul_ceiling)
         "mfu_peak": str | null,                 # where mfu's peak came from, or why there is none
-        "mfu_ceilings": null | {"mfu": {"tflops": float | null, "source": str},   # each MFU's denominator
-                                "mfu_measured": {"tflops": float | null, "source": str}},
+        "mfu_ceilings": null | {"mfu": {"tflops": float | null, "source": str,   # each MFU's denominator
+                                        "above_one_steps": [int]},  # steps whose MFU came out above 1: null
+                                "mfu_measured": {"tflops": float | null, "source": str, "doubt": str | null,
+                                                 "remeasured": int, "above_one_steps": [int], ...}},
         "peak_memory_bytes": int | null,        # the largest over steps and ranks
         "peak_memory_bytes_per_rank": [int] | null, "memory_method": str | null,
         "peak_tensor_bytes": int | null,        # the largest tensor peak over steps and ranks

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from lit_ablate import machine_load
 from lit_ablate.ablation.spec import parse_study
 from lit_ablate.commands.ablate import run_study
 from lit_ablate.errors import ConfigError
@@ -88,6 +89,8 @@ def install_fake_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[st
     monkeypatch.setenv("FAKE_LAUNCH_LOG", str(tmp_path / "launches.log"))
     monkeypatch.delenv("FAKE_HANG", raising=False)
     monkeypatch.delenv("FAKE_RANK", raising=False)
+    # the machine's load unknown: no pair left out for it, whatever else runs here (test_turns.py tests that)
+    monkeypatch.setattr(machine_load, "sample", lambda **kwargs: None)
     return [sys.executable, str(script)]
 
 
@@ -97,6 +100,8 @@ def launches(tmp_path: Path) -> list[str]:
 
 
 def make_spec(variants: list[dict], base: dict = BASE, **extra):
+    """A study of the stand-in fit; one run after another (``interleave: runs``: the stand-in does not
+    take turns; ``test_turns.py`` has one that does)."""
     raw = {
         "name": "t",
         "base": base,
@@ -104,6 +109,7 @@ def make_spec(variants: list[dict], base: dict = BASE, **extra):
         "vary": ["model.init_args", "fake"],
         "steps": 4,
         "warmup_steps": 1,
+        "speed": {"interleave": "runs"},
         **extra,
     }
     return parse_study(raw)

@@ -51,6 +51,10 @@ SMOKE: dict[str, tuple[list[str], set[str]]] = {
         {"data_setup_cache_hit_ratio"},
     ),
     "regenerate_reports.py": (["--check"], {"studies", "reports_with_problems"}),
+    "speed_verdicts.py": (
+        ["--null-studies", "1", "--known-studies", "0", "--steps", "14"],
+        {"false_speed_verdicts", "null_studies", "detected_differences", "known_studies"},
+    ),
 }
 """Per script: its arguments at smoke size, and RESULT names it must print."""
 

@@ -15,7 +15,9 @@ from typing import Any
 
 from lit_ablate.ablation.loss_divergence import loss_divergence_section
 from lit_ablate.ablation.plots import write_plots
+from lit_ablate.ablation.speed_verdict import INCONCLUSIVE
 from lit_ablate.ablation.summary import study_summary
+from lit_ablate.ablation.terminal_summary import verdict
 from lit_ablate.record import RECORD_FILENAME, read_record
 
 PLAN_FILENAME = "study.json"
@@ -93,13 +95,14 @@ def render_markdown(summary: Mapping[str, Any]) -> str:
         details.append(f"warm-up steps excluded: {study['warmup_steps']}")
     if study.get("order"):
         details.append(f"run order: {ORDER_WORDS.get(study['order'], study['order'])}")
-    noise = next((v["speed_noise"] for v in variants if v["name"] == study["baseline"]), None)
-    details.append(f"noise floor of speed × (baseline's run-to-run spread): {_noise(noise)}")
     lines += ["; ".join(details) + ".", ""]
-    if ceiling_line := _ceiling_line(summary, noise):
+    if speed_line := _speed_design_line(summary.get("speed")):
+        lines += [speed_line, ""]
+    if ceiling_line := _ceiling_line(summary):
         lines += [ceiling_line, ""]
     if summary.get("problems"):
         lines += ["**Study problems (exit code 1):**", "", *(f"- {p}" for p in summary["problems"]), ""]
+    lines += ["## Verdicts", "", *(f"- **{v['name']}**: {verdict(v, study['baseline'])}" for v in variants), ""]
     agreement = study.get("expect_equal_loss")
     header = [
         "variant",
@@ -261,19 +264,18 @@ def _pipeline_cell(variant: Mapping[str, Any]) -> str:
 CEILING_REPEATABILITY = 0.10
 """How far ceilings measured under one condition spread on a quiet machine: the sweep's own noise
 (measured on the 2-core VM: 2.5% over 6 one-process runs; up to 6.4% over the one-thread ranks of
-2- and 4-rank runs, whose sweeps share the cores). A study's speed noise floor can be far smaller
-(0.1% with one steady seed); a move within this is no evidence that the load changed."""
+2- and 4-rank runs, whose sweeps share the cores); a move within this is no evidence that the load changed."""
 
 
-def _ceiling_line(summary: Mapping[str, Any], noise: float | None) -> str | None:
+def _ceiling_line(summary: Mapping[str, Any]) -> str | None:
     """The matmul ceilings the runs measured at their start (``mfu_measured``'s denominators), their spread
     per condition (dtype, device, threads: only ceilings of one condition are comparable), and a warning
-    when one condition's moved more than the noise floor (the larger of the speed noise floor and
-    ``CEILING_REPEATABILITY``): the machine's load changed during the study."""
+    when one condition's moved more than ``CEILING_REPEATABILITY``: the machine's load changed during the
+    study (the speed verdicts judge load per block on their own)."""
     groups = summary.get("matmul_ceilings")
     if not groups:
         return None
-    floor = max(noise or 0.0, CEILING_REPEATABILITY)
+    floor = CEILING_REPEATABILITY
     parts, moved_conditions = [], []
     for group in groups:
         moved = (group["max"] - group["min"]) / group["median"]
@@ -287,9 +289,9 @@ def _ceiling_line(summary: Mapping[str, Any], noise: float | None) -> str | None
     line = "Matmul ceiling measured at each run's start, by condition: " + "; ".join(parts) + "."
     if moved_conditions:
         line += (
-            f" **Warning: under {', '.join(moved_conditions)} it moved more than the noise floor ({100 * floor:.1f}%): "
-            "the machine's load changed during the study, so MFU (measured) and speed compare runs under "
-            "different loads.**"
+            f" **Warning: under {', '.join(moved_conditions)} it moved more than {100 * floor:.0f}%: "
+            "the machine's load changed during the study, so MFU (measured) compares runs under different "
+            "loads.**"
         )
     return line
 
@@ -366,16 +368,39 @@ def _ratio(result: Mapping[str, Any]) -> str:
 
 
 def _speed_cell(variant: Mapping[str, Any], baseline: str) -> str:
-    ratio = variant["speed_ratio"]
-    if ratio is None:
-        return "—"
+    """The ratio with its interval and verdict (``speed_verdict``); the baseline's is 1 by definition."""
     if variant["name"] == baseline:
-        return f"{ratio:.2f}× ± {_noise(variant['speed_noise'])}"
-    return f"{ratio:.2f}×" + (" (within noise)" if variant["speed_within_noise"] else "")
+        return "1.00× (baseline)" if variant["status"] == "ok" else "—"
+    speed = variant.get("speed")
+    if not speed or speed.get("ratio") is None:
+        return "—" if variant["status"] != "ok" else _cell(f"inconclusive: {speed['reason']}" if speed else "—")
+    interval = f" [{speed['low']:.2f}–{speed['high']:.2f}]" if speed.get("low") is not None else ""
+    words = speed["verdict"] if speed["verdict"] != INCONCLUSIVE else f"inconclusive: {speed['reason']}"
+    return _cell(f"{speed['ratio']:.2f}×{interval} {words}")
 
 
-def _noise(relative: float | None) -> str:
-    return "n/a" if relative is None else f"{100 * relative:.1f}%"
+def _speed_design_line(speed: Mapping[str, Any] | None) -> str | None:
+    """How speed was measured and judged: the design, the interval, the threshold and the load seen."""
+    if not speed:
+        return None
+    design = speed["design"]
+    how = {
+        "steps": f"the variants of each seed took turns, {design['rounds']} blocks of steps each",
+        "runs": "one block per run, paired by seed",
+    }
+    modes = "; ".join(how.get(mode, mode) for mode in speed["interleave"])
+    load = speed.get("foreign_cores")
+    seen = (
+        f"other processes' load during the blocks: {_spread(load, lambda x: f'{x:.2f}')} cores"
+        if load
+        else "other processes' load not measured"
+    )
+    return (
+        f"Speed: {modes}; each ratio is the median of the paired blocks' ratios with its "
+        f"{design['confidence']:.0%} sign-test interval (a verdict needs {speed['needed_pairs']} pairs; pairs whose "
+        f"load differed by more than {design['load_tolerance']:g} cores are left out); within "
+        f"±{design['threshold']:.0%} is no difference; {seen}."
+    )
 
 
 def _reference_word(agreement: Mapping[str, Any]) -> str:
@@ -446,9 +471,10 @@ def _legend(
             if rss_only
             else ""
         )
-        + "; the baseline's cell gives the noise floor: its useful tokens/s medians over the first and "
-        "the second half of each ok seed's measured steps, (max − min) over the median of all its steps; a "
-        "ratio within 1 ± that floor is marked *within noise*. "
+        + "; speed × is the median over paired blocks of the variant's useful tokens/s over the baseline's in "
+        "the same round, with its interval in brackets and its verdict: *faster* or *slower* (the interval "
+        "excludes 1 and the ratio is beyond the threshold), *no difference detected* (the interval lies "
+        "within the threshold), or *inconclusive* (too few pairs, or an interval too wide to tell). "
         "MFU (spec): model FLOPs/s over the device's spec-sheet peak (n/a: none is known for this device "
         "or precision); MFU (measured): over the matmul ceiling measured on the run's device, dtype and "
         "threads (`lit-ablate peak`). Predicted step: the run config's model FLOPs per rank and step at that "

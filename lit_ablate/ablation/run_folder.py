@@ -13,7 +13,7 @@ import os
 import re
 import shutil
 import signal
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,9 +61,15 @@ def fit_arguments(run: PlannedRun, fit_command: Sequence[str]) -> list[str]:
 
 
 def finalise(
-    run: PlannedRun, returncode: int | None, status: str | None, message: str | None, tail: str
+    run: PlannedRun,
+    returncode: int | None,
+    status: str | None,
+    message: str | None,
+    tail: str,
+    speed_blocks: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The run's final record: the run's own, completed with what only the runner knows.
+    """The run's final record: the run's own, completed with what only the runner knows (and, from a
+    local runner, ``speed_blocks``: the blocks its speed was measured in, ``speed_verdict``).
 
     ``status`` given: the runner decided it (skipped/timeout/interrupted/invalid). Otherwise the
     exit code and the run's record decide: exit 0 with an ``ok`` record is ``ok``; ``oom`` when
@@ -97,6 +103,8 @@ def finalise(
                 message = f"exited 0 without finishing its run record ({message})"
             message = message or f"exit code {returncode}"
     record.update(variant=run.variant.name, seed=run.seed)
+    if speed_blocks is not None:
+        record["speed_blocks"] = dict(speed_blocks)
     summary.update(status=status, message=message, returncode=returncode, stderr_tail=None if status == "ok" else tail)
     run_record.write_record(run.run_dir / run_record.RECORD_FILENAME, record)
     return record

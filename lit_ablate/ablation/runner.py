@@ -13,7 +13,6 @@ invocation, while finished records are never touched again (unless their config 
 
 from __future__ import annotations
 
-import os
 import signal
 import statistics
 import subprocess
@@ -25,24 +24,17 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
+from lit_ablate import machine_load
+from lit_ablate.ablation.interleaving import Interleaving
+from lit_ablate.ablation.live_run import LiveRun
 from lit_ablate.ablation.plan import PlannedRun
-from lit_ablate.ablation.run_folder import (
-    finalise,
-    fit_arguments,
-    is_kept,
-    prepare,
-    previous_record,
-    run_environment,
-    stderr_tail,
-)
-from lit_ablate.ablation.run_folder_lock import GroupReaper, RunLock, die_with_runner, run_lock
+from lit_ablate.ablation.run_folder import is_kept, prepare, previous_record
+from lit_ablate.ablation.run_folder_lock import run_lock
 from lit_ablate.ablation.slurm import run_on_cluster
-from lit_ablate.callbacks.progress_file import PROGRESS_PATH_ENV, read_progress
+from lit_ablate.ablation.turns import run_in_turns
 
-STOP_GRACE_S = 10.0
 POLL_S = 0.5
 """How often the runner reads the run in flight's progress file (and checks its time limit)."""
-PROGRESS_FILENAME = "progress.json"
 Watch = Callable[[dict[str, Any] | None], None]
 """Called about every ``POLL_S`` while a run is in flight, with its latest progress (None before its first step)."""
 
@@ -58,40 +50,66 @@ def run_runs(
     retry_failed: bool = False,
     console: Console | None = None,
     wait: bool = True,
+    interleave: Interleaving | None = None,
 ) -> list[dict[str, Any]]:
-    """Run (or resume) every planned run in order; returns their records.
+    """Run (or resume) every planned run; returns their records, in ``runs``' order.
 
-    Raises ``KeyboardInterrupt`` after stopping the current run, recording it as ``interrupted``.
-    Runs with ``launch.executor: slurm`` go to the scheduler instead (``slurm.run_on_cluster``;
-    ``wait=False`` submits and returns).
+    One run after another, or with ``interleave`` in mode ``steps`` the runs of each seed together,
+    taking turns block by block (``turns``). Raises ``KeyboardInterrupt`` after stopping the runs in
+    flight, recording them as ``interrupted``. Runs with ``launch.executor: slurm`` go to the
+    scheduler instead (``slurm.run_on_cluster``; ``wait=False`` submits and returns).
     """
     fit_command = list(fit_command or default_fit_command())
     console = console or Console(stderr=True)
     if any(run.launch.executor == "slurm" for run in runs):
         with _sigterm_as_interrupt():
             return run_on_cluster(runs, fit_command, retry_failed, wait, console)
-    records = []
+    records: dict[str, dict[str, Any]] = {}
+    pending = []
+    for run in runs:
+        previous = previous_record(run)
+        if previous is not None and is_kept(previous, run, retry_failed):
+            records[run.label] = previous
+        else:
+            pending.append(run)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with _sigterm_as_interrupt(), Progress(*columns, console=console, transient=False) as progress:
         lines = LiveLines(progress, len(runs))
-        for index, run in enumerate(runs):
-            previous = previous_record(run)
-            if previous is not None and is_kept(previous, run, retry_failed):
-                outcome = f"kept ({previous['summary']['status']})"
-                records.append(previous)
-            else:
+        for run in runs:
+            if run.label in records:
+                _print_outcome(console, run, records[run.label], f"kept ({records[run.label]['summary']['status']})")
+                lines.advance()
+        if interleave is not None and interleave.mode == "steps":
+            stamp = time.strftime("%Y%m%dT%H%M%S")
+            for seed in dict.fromkeys(run.seed for run in pending):
+                group = [run for run in pending if run.seed == seed]
                 started = time.monotonic()
-                lines.start(run, index)
-                records.append(execute(run, fit_command, watch=lines.watch))
+                for run, record in zip(
+                    group,
+                    run_in_turns(group, fit_command, interleave.rounds, f"{stamp}-seed{seed}", lines.turn, lines.watch),
+                ):
+                    records[run.label] = record
+                    _print_outcome(console, run, record, f"{record['summary']['status']} (in turns)")
+                    lines.advance()
+                lines.finished((time.monotonic() - started) / len(group))
+        else:
+            for run in pending:
+                started = time.monotonic()
+                lines.start(run, runs.index(run))
+                records[run.label] = execute(run, fit_command, watch=lines.watch)
                 lines.finished(time.monotonic() - started)
-                outcome = f"{records[-1]['summary']['status']} in {time.monotonic() - started:.1f}s"
-            message = records[-1]["summary"].get("message")
-            # markup off: a run's error text is no rich markup (gloo's "[/__w/pytorch/...pair.cc:553]" is a closing tag)
-            console.print(
-                f"{run.label}: {outcome}" + (f" — {message}" if message and outcome[:2] != "ok" else ""), markup=False
-            )
-            lines.advance()
-    return records
+                outcome = f"{records[run.label]['summary']['status']} in {time.monotonic() - started:.1f}s"
+                _print_outcome(console, run, records[run.label], outcome)
+                lines.advance()
+    return [records[run.label] for run in runs]
+
+
+def _print_outcome(console: Console, run: PlannedRun, record: dict[str, Any], outcome: str) -> None:
+    message = record["summary"].get("message")
+    # markup off: a run's error text is no rich markup (gloo's "[/__w/pytorch/...pair.cc:553]" is a closing tag)
+    console.print(
+        f"{run.label}: {outcome}" + (f" — {message}" if message and outcome[:2] != "ok" else ""), markup=False
+    )
 
 
 class LiveLines:
@@ -131,6 +149,14 @@ class LiveLines:
                 self.study, description=f"study: run {self.index + 1} of {self.total}, ETA {duration(left)}"
             )
 
+    def turn(self, run: PlannedRun) -> None:
+        """``run`` trains its next block (a study in turns)."""
+        if self.run is None:
+            self.run = self.progress.add_task(run.label, total=None)
+        self.label = run.label
+        self.progress.update(self.run, description=f"  {run.label}: its turn")
+        self.progress.update(self.study, description="study: runs in turns")
+
     def finished(self, seconds: float) -> None:
         self.durations.append(seconds)
 
@@ -167,49 +193,36 @@ def _thousands(x: float) -> str:
 
 def execute(run: PlannedRun, fit_command: Sequence[str], watch: Watch | None = None) -> dict[str, Any]:
     """Run one variant × seed to its final record (skipped and invalid runs are recorded, not run);
-    ``watch`` sees its progress while it runs.
+    ``watch`` sees its progress while it runs. The run is its seed's one block of speed
+    (``interleave: runs``), with the load other processes put on the machine meanwhile.
 
     Everything happens under the run folder's lock (``single_writer``): no other runner, and no
     leftover process of an earlier run, writes into the folder meanwhile.
     """
     with run_lock(run.run_dir) as lock:
-        return _execute_locked(run, fit_command, lock, watch)
-
-
-def _execute_locked(run: PlannedRun, fit_command: Sequence[str], lock: RunLock, watch: Watch | None) -> dict[str, Any]:
-    unrunnable = prepare(run)
-    if unrunnable is not None:
-        return unrunnable
-    progress = run.run_dir / PROGRESS_FILENAME
-    progress.unlink(missing_ok=True)
-    env = {**os.environ, **run_environment(run), PROGRESS_PATH_ENV: str(progress)}
-    command = fit_arguments(run, fit_command)
-    with open(run.run_dir / "stdout.log", "w") as out, open(run.run_dir / "stderr.log", "w") as err:
-        process = subprocess.Popen(
-            command,
-            stdout=out,
-            stderr=err,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            process_group=0,
-            preexec_fn=die_with_runner(),
-        )
-        lock.started(process.pid)  # its own process group: pgid == pid
-        reaper = GroupReaper(process.pid)
+        unrunnable = prepare(run)
+        if unrunnable is not None:
+            return unrunnable
+        live = LiveRun(run, fit_command, lock)
+        start = live.cpu_sample()
         try:
-            returncode = _wait(process, run.launch.timeout_s, lambda: watch(read_progress(progress)) if watch else None)
+            _wait(live.process, run.launch.timeout_s, lambda: watch(live.progress()) if watch else None)
         except subprocess.TimeoutExpired:
-            _stop(process)
-            return finalise(
-                run, None, "timeout", f"exceeded launch.timeout_s={run.launch.timeout_s:g}", stderr_tail(run)
-            )
+            live.stop()
+            return live.finish("timeout", f"exceeded launch.timeout_s={run.launch.timeout_s:g}")
         except KeyboardInterrupt:
-            _stop(process)
-            finalise(run, None, "interrupted", "stopped by Ctrl-C / SIGTERM; redone on resume", stderr_tail(run))
+            live.stop()
+            live.finish("interrupted", "stopped by Ctrl-C / SIGTERM; redone on resume")
             raise
-        finally:
-            reaper.done()
-    return finalise(run, returncode, None, None, stderr_tail(run))
+        end = live.cpu_sample()
+        block = {
+            "round": run.seed,
+            "first_step": None,
+            "last_step": None,
+            "seconds": end.at - start.at if start and end else None,
+            "foreign_cores": machine_load.foreign_cores(start, end),
+        }
+        return live.finish(speed_blocks={"design": "runs", "group": "runs", "blocks": [block]})
 
 
 def _wait(process: subprocess.Popen, timeout_s: float, tick: Callable[[], None]) -> int:
@@ -222,20 +235,6 @@ def _wait(process: subprocess.Popen, timeout_s: float, tick: Callable[[], None])
             if time.monotonic() >= deadline:
                 raise
             tick()
-
-
-def _stop(process: subprocess.Popen) -> None:
-    """SIGTERM the run's process group (all its ranks), then SIGKILL what is left after a grace period."""
-    for sig, wait_s in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, None)):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            process.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 class _sigterm_as_interrupt:

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import yaml
 
 from lit_ablate.ablation.slurm_settings import SlurmSettings
+from lit_ablate.ablation.speed_verdict import INTERLEAVE_MODES, SpeedDesign
 from lit_ablate.config_keys import NOT_GIVEN, PairedKey, ignored_key, is_under, with_overrides
 from lit_ablate.errors import ConfigError
 from lit_ablate.run_config import RunConfig
@@ -44,6 +45,7 @@ STUDY_KEYS = (
     "expect_equal_loss",
     "expect_equal_gradients",
     "order",
+    "speed",
 )
 VARIANT_KEYS = ("name", "overrides", "launch")
 MAX_AXES = 2
@@ -230,6 +232,7 @@ class StudySpec:
     expect_equal_loss: LossAgreement | None
     order: str = RUN_ORDERS[0]
     expect_equal_gradients: GradientAgreement | None = None
+    speed: SpeedDesign = field(default_factory=SpeedDesign)
 
     def variant(self, name: str) -> Variant:
         return next(v for v in self.variants if v.name == name)
@@ -336,6 +339,7 @@ class StudySpec:
             "expect_equal_loss": vars(self.expect_equal_loss) if self.expect_equal_loss else None,
             "expect_equal_gradients": vars(self.expect_equal_gradients) if self.expect_equal_gradients else None,
             "order": self.order,
+            "speed": asdict(self.speed),
             "variants": [
                 {
                     "name": v.name,
@@ -427,7 +431,44 @@ def parse_study(raw: Any, source: Path | None = None) -> StudySpec:
         expect_equal_loss=_loss_agreement(raw.get("expect_equal_loss"), axes),
         order=order,
         expect_equal_gradients=_gradient_agreement(raw.get("expect_equal_gradients"), steps),
+        speed=_speed(raw.get("speed"), submitted),
     )
+
+
+def _speed(raw: Any, executor: str) -> SpeedDesign:
+    """The ``speed:`` block: how speed is measured (``rounds``, ``interleave``) and judged."""
+    if raw is None:
+        return SpeedDesign()
+    raw = _mapping(raw, "speed")
+    known = {f.name for f in fields(SpeedDesign)}
+    for name, value in raw.items():
+        if name not in known:
+            raise ConfigError(f"speed.{name}", value, f"the keys are {sorted(known)}")
+    design = SpeedDesign(**raw)
+    if not _positive_int(design.rounds):
+        raise ConfigError(
+            "speed.rounds", design.rounds, "give how many blocks each run is measured in: a positive integer"
+        )
+    if not _number(design.confidence) or not 0.5 < design.confidence < 1:
+        raise ConfigError("speed.confidence", design.confidence, "give a probability between 0.5 and 1, e.g. 0.95")
+    for name, least in (("threshold", "0 or more, e.g. 0.05 for 5%"), ("load_tolerance", "above 0 cores, e.g. 0.25")):
+        value = getattr(design, name)
+        if not _number(value) or value < 0 or (name == "load_tolerance" and value == 0):
+            raise ConfigError(f"speed.{name}", value, f"give a number of {least}")
+    if design.interleave not in INTERLEAVE_MODES:
+        raise ConfigError("speed.interleave", design.interleave, f"give one of {list(INTERLEAVE_MODES)}")
+    if design.interleave == "steps" and executor == "slurm":
+        raise ConfigError(
+            "speed.interleave",
+            "steps",
+            "SLURM jobs start when and where the scheduler places them, so they cannot take turns; "
+            "use runs (or auto), and seeds for the rounds",
+        )
+    return design
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _base(value: Any, source: Path | None) -> tuple[dict[str, Any], Path | None]:

@@ -5,9 +5,9 @@ ceiling) as median [min, max] over every measured step of every successful seed 
 warm-up), and the step time the estimator predicts at the measured ceiling; the tensor peak
 (with its categories, and the estimator's categories against them), the process peak, final loss and
 an evaluation's accuracy (``exact_match``, when the runs had an ``ExactMatchEvaluator``) as median
-[min, max] over seeds; the ratio of each to the baseline variant, with the speed ratio judged
-against the baseline's noise floor (``speed_noise``); and, where the study expects it, whether the
-loss series matches the reference's. A study-level ``problems`` list says what makes the study's
+[min, max] over seeds; the ratio of each to the baseline variant, the speed ratio from paired blocks
+with its interval and verdict (``speed_verdict``); and, where the study expects it, whether the loss
+series matches the reference's. A study-level ``problems`` list says what makes the study's
 result untrustworthy as a whole (no variant finished ok; a loss check failed or could not be made),
 and ``lit-ablate ablate``/``report`` exit non-zero on it. Everything here is plain data:
 ``report.json`` is this dict, and the Markdown table and plots are drawn from it.
@@ -18,15 +18,15 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from typing import Any
 
 from lit_ablate.ablation.gradient_agreement import gradient_check
 from lit_ablate.ablation.loss_divergence import loss_delta_by_step
+from lit_ablate.ablation.speed_verdict import SpeedDesign, judge_speed, min_pairs
 from lit_ablate.record import FINAL_VALUE_SERIES, SUMMARISED_SERIES, spread
 from lit_ablate.run_config import RunConfig
 
-NOISE_SERIES = "useful_tokens_per_sec"
-"""The series behind the speed ratio, and so behind its noise floor."""
 ENVIRONMENT_KEYS = (
     "device_name",
     "device_type",
@@ -54,7 +54,13 @@ def study_summary(plan: Mapping[str, Any] | None, runs: Sequence[tuple[str, Mapp
     variants = [_variant(n, by_variant.get(n, []), plan.get("warmup_steps"), axis_values.get(n, {})) for n in names]
     base = next((v for v in variants if v["name"] == baseline), None)
     agreement, gradients = plan.get("expect_equal_loss"), plan.get("expect_equal_gradients")
+    design = SpeedDesign(**(plan.get("speed") or {}))
     for variant in variants:
+        variant["speed"] = (
+            judge_speed(_ok(by_variant.get(variant["name"], [])), _ok(by_variant.get(baseline, [])), design)
+            if variant is not base
+            else None
+        )
         variant.update(_relative_to(variant, base))
         variant["loss_delta_by_step"] = loss_delta_by_step(variant, base)
         reference = _loss_reference(variant, base, variants, agreement)
@@ -91,6 +97,7 @@ def study_summary(plan: Mapping[str, Any] | None, runs: Sequence[tuple[str, Mapp
         "environment": environment,
         "environment_mismatch": mismatched,
         "matmul_ceilings": _ceilings_by_condition([r for _, r in runs if r.get("summary", {}).get("status") == "ok"]),
+        "speed": _speed_measurement(design, _ok(runs)),
         "variants": variants,
         "problems": _problems(variants),
     }
@@ -113,7 +120,6 @@ def _variant(
         "status": _status([r["summary"].get("status") for _, r in runs]),
         **{key: spread(s.get(series) for s in measured) for series, key in SUMMARISED_SERIES.items()},
         "data_wait_share": spread(r["summary"].get("data_wait_share") for r in ok),
-        "speed_noise": _noise_floor(ok, warmup),
         "peak_tensor_bytes": spread(r["summary"].get("peak_tensor_bytes") for r in ok),
         "tensor_method": ", ".join(
             sorted({r["summary"]["tensor_method"] for r in ok if r["summary"].get("tensor_method")})
@@ -255,33 +261,6 @@ def _warmup(record: Mapping[str, Any], study_warmup: int | None) -> int:
     return study_warmup if study_warmup is not None else int(record.get("warmup_steps") or 0)
 
 
-def _noise_floor(ok: Sequence[Mapping[str, Any]], study_warmup: int | None) -> float | None:
-    """The run-to-run spread of useful tokens/s, relative: what a speed ratio must exceed to mean anything.
-
-    Each ok seed's steps after warm-up are cut into a first and a second half (in step order),
-    and the median of each half taken; the floor is (max - min) of those half-run medians over
-    the median of every measured step. So it holds the drift within a run (a shared machine
-    slowing down) and, with several seeds, the differences between runs. None with fewer than
-    two halves (no ok seed with 2 measured steps).
-    """
-    pieces, pooled = [], []
-    for record in ok:
-        values = [
-            float(s[NOISE_SERIES])
-            for s in record.get("steps", [])
-            if s["step"] > _warmup(record, study_warmup)
-            and s.get(NOISE_SERIES) is not None
-            and math.isfinite(s[NOISE_SERIES])
-        ]
-        half = len(values) // 2
-        if half:
-            pieces += [statistics.median(values[:half]), statistics.median(values[half:])]
-        pooled += values
-    if len(pieces) < 2 or not statistics.median(pooled):
-        return None
-    return (max(pieces) - min(pieces)) / statistics.median(pooled)
-
-
 def _status(statuses: Sequence[str | None]) -> str:
     """``ok`` when every seed is ok, the one status they share, else counts such as ``ok 2/3, oom 1``;
     ``not run`` for a planned variant without a record (an interrupted study)."""
@@ -322,13 +301,30 @@ def _relative_to(variant: Mapping[str, Any], base: Mapping[str, Any] | None) -> 
         return mine / theirs if mine is not None and theirs else None
 
     loss, base_loss = _median(variant["final_loss"]), _median(base["final_loss"]) if base else None
-    speed, noise = ratio(NOISE_SERIES), base["speed_noise"] if base else None
+    speed = variant.get("speed")
     return {
         "loss_delta": loss - base_loss if loss is not None and base_loss is not None else None,
-        "speed_ratio": speed,
-        "speed_within_noise": None if speed is None or noise is None else abs(speed - 1) <= noise,
+        "speed_ratio": (1.0 if variant is base and base is not None else None) if speed is None else speed["ratio"],
         "memory_ratio": ratio("peak_tensor_bytes") if variant.get("peak_tensor_bytes") else None,
         "process_memory_ratio": ratio("peak_memory_bytes"),
+    }
+
+
+def _ok(runs: Sequence[tuple[str, Mapping[str, Any]]]) -> list[Mapping[str, Any]]:
+    return [record for _, record in runs if record.get("summary", {}).get("status") == "ok"]
+
+
+def _speed_measurement(design: SpeedDesign, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """How the study's speed was measured: the design asked for, the one the runs had, and the load
+    other processes put on the machine during their blocks."""
+    sections = [record.get("speed_blocks") or {} for record in records]
+    loads = [b["foreign_cores"] for s in sections for b in s.get("blocks", []) if b.get("foreign_cores") is not None]
+    return {
+        "design": asdict(design),
+        "interleave": sorted({s.get("design", "runs") for s in sections}),
+        "needed_pairs": min_pairs(design.confidence),
+        "blocks": sum(len(s.get("blocks", [])) or 1 for s in sections),
+        "foreign_cores": spread(loads),
     }
 
 

@@ -3,8 +3,9 @@
 The report (``report.md``) has a column for every measurement; on the terminal a user first wants
 to know, per variant, whether it ran, how its speed and memory compare with the baseline, how far
 its final loss moved, and one verdict in words. The verdict never claims more than the report:
-a speed ratio inside the baseline's noise floor is "same speed", a loss or gradient check is named only
-where the study asked for one (``expect_equal_loss``, ``expect_equal_gradients``).
+a speed ratio always comes with its interval and verdict (``speed_verdict.speed_words``: faster, slower,
+same speed or inconclusive, never a bare ratio), a loss or gradient check is named only where the study
+asked for one (``expect_equal_loss``, ``expect_equal_gradients``).
 """
 
 from __future__ import annotations
@@ -13,13 +14,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from lit_ablate.ablation.speed_verdict import speed_figure, speed_words
+
 SAME_MEMORY = 0.05
 """A memory ratio within 1 ± this reads as "same memory" (tensor peaks of equal models differ by a
 few buffers)."""
 MESSAGE_CHARS = 70
 
 
-def verdict(variant: Mapping[str, Any], baseline: str) -> str:
+def verdict(variant: Mapping[str, Any], baseline: str, with_figures: bool = True) -> str:
     """The variant in words: its status when not every seed ran ok, else speed, memory and the loss check."""
     status = variant["status"]
     if status != "ok":
@@ -28,12 +31,8 @@ def verdict(variant: Mapping[str, Any], baseline: str) -> str:
         message = message if len(message) <= MESSAGE_CHARS else message[: MESSAGE_CHARS - 3] + "..."
         return f"{status}: {message}" if message else status
     if variant["name"] == baseline:
-        noise = variant.get("speed_noise")
-        return "baseline" + (f" (speed noise ±{100 * noise:.1f}%)" if noise is not None else "")
-    words = []
-    speed = variant.get("speed_ratio")
-    if speed is not None:
-        words.append("same speed" if variant.get("speed_within_noise") else "faster" if speed > 1 else "slower")
+        return "baseline"
+    words = [speed_words(variant.get("speed"), with_figure=with_figures)]
     memory = variant.get("memory_ratio")
     if memory is not None:
         words.append(
@@ -62,19 +61,19 @@ def verdict(variant: Mapping[str, Any], baseline: str) -> str:
 def terminal_summary(summary: Mapping[str, Any], report: Path) -> str:
     """The rows (variant, speed ×, memory ×, Δ loss, verdict), any study problems, and where the report is."""
     baseline = summary["study"]["baseline"]
-    rows = [("variant", "speed ×", "memory ×", "Δ loss", "verdict")]
+    rows = [("variant", "speed × [interval]", "memory ×", "Δ loss", "verdict")]
     for v in summary["variants"]:
         rows.append(
             (
                 v["name"],
-                "—" if v.get("speed_ratio") is None else f"{v['speed_ratio']:.2f}",
+                "1.00×" if v["name"] == baseline and v["status"] == "ok" else speed_figure(v.get("speed")) or "—",
                 "—" if v.get("memory_ratio") is None else f"{v['memory_ratio']:.2f}",
                 "—"
                 if v.get("loss_delta") is None
                 else f"{v['loss_delta']:+.4f}"
                 if abs(v["loss_delta"]) >= 5e-5 or v["loss_delta"] == 0
                 else f"{v['loss_delta']:+.1e}",
-                verdict(v, baseline),
+                verdict(v, baseline, with_figures=False),
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(4)]

@@ -21,6 +21,7 @@ import yaml
 from rich.console import Console
 from rich.markup import escape
 
+from lit_ablate.ablation.interleaving import interleaving
 from lit_ablate.ablation.plan import PlannedRun, Resolver, describe, plan_study
 from lit_ablate.ablation.report import PLAN_FILENAME, write_report
 from lit_ablate.ablation.run_folder import is_kept, previous_record
@@ -56,8 +57,10 @@ def run_study(
         require_submitit()
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / PLAN_FILENAME).write_text(json.dumps(spec.plan(), indent=1) + "\n")
+    design = interleaving(spec.speed, runs)
+    (console or Console(stderr=True)).print(design.describe(), markup=False, highlight=False)
     try:
-        run_runs(runs, fit_command, retry_failed, console, wait)
+        run_runs(runs, fit_command, retry_failed, console, wait, design)
     finally:
         if any(output_dir.glob("runs/*/*/run.json")):
             write_report(output_dir)
@@ -177,6 +180,7 @@ def dry_run(full: StudySpec, spec: StudySpec, runs: list[PlannedRun], output_dir
         if previous is not None and is_kept(previous, run, retry_failed):
             kept[run.label] = previous["summary"]["status"]
     lines.append(describe(runs, kept))
+    lines.append(interleaving(spec.speed, runs).describe())
     counts = {
         "would run": sum(not (r.skip_reason or r.invalid or r.label in kept) for r in runs),
         "skipped": sum(bool(r.skip_reason) for r in runs),
