@@ -5,8 +5,9 @@ No parser accepts an abbreviated option (``--trainer.max_step`` is an error, not
 
 Exit status, the same for every command: 0 done; ``EXIT_USAGE`` (2) a usage or config error, refused
 in one line on stderr before the run (or, for what only a rank can see, as the run starts: then
-rank 0 alone prints it); ``EXIT_FAILURE`` (1) a failure during a run (its traceback), or a study
-whose loss check failed. ``ablate`` also returns 130 when interrupted (it resumes).
+rank 0 alone prints it); ``EXIT_FAILURE`` (1) a failure during a run (its traceback), or a study with
+a failed run or check (docs/studies.md, "Exit codes"). ``ablate`` also returns 130 when interrupted
+(it resumes).
 
 ``--help`` and ``--version`` import neither torch, Lightning nor jsonargparse (seconds at start-up): the
 command table has no imports, and the commands' modules load only once a command runs.

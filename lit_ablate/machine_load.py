@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 PROC = Path("/proc")
@@ -38,8 +38,8 @@ class CpuSample:
     at: float
     busy_s: float
     own_s: float
-    own_processes: int = 0
-    """How many processes ``own_s`` adds up (each counted in whole ticks)."""
+    own_ticks: dict[int, int] = field(default_factory=dict)
+    """Each watched process's CPU ticks: only those that changed between two samples carry a tick's error."""
 
 
 def sample(process_groups: Collection[int] = (), pids: Collection[int] = ()) -> CpuSample | None:
@@ -49,14 +49,14 @@ def sample(process_groups: Collection[int] = (), pids: Collection[int] = ()) -> 
     except OSError:
         return None
     busy = sum(int(fields[i]) for i in _BUSY_FIELDS if i < len(fields)) / _TICKS
-    own, processes = _own_seconds(set(process_groups), set(pids))
-    return CpuSample(time.monotonic(), busy, own, processes)
+    ticks = _own_ticks(set(process_groups), set(pids))
+    return CpuSample(time.monotonic(), busy, sum(ticks.values()) / _TICKS, ticks)
 
 
-def _own_seconds(groups: set[int], pids: set[int]) -> tuple[float, int]:
+def _own_ticks(groups: set[int], pids: set[int]) -> dict[int, int]:
     if not groups and not pids:
-        return 0.0, 0
-    total = processes = 0
+        return {}
+    ticks = {}
     for entry in PROC.iterdir():
         if not entry.name.isdigit():
             continue
@@ -67,17 +67,16 @@ def _own_seconds(groups: set[int], pids: set[int]) -> tuple[float, int]:
         after_name = text.rsplit(")", 1)[1].split()  # the command name may hold spaces and parentheses
         pid, group = int(entry.name), int(after_name[2])
         if group in groups or pid in pids:
-            total += sum(int(x) for x in after_name[11:15])  # utime, stime and the reaped children's
-            processes += 1
-    return total / _TICKS, processes
+            ticks[pid] = sum(int(x) for x in after_name[11:15])  # utime, stime and the reaped children's
+    return ticks
 
 
 def foreign_cores(start: CpuSample | None, end: CpuSample | None) -> float | None:
     """Other processes' load between two samples, in cores (None when unknown or too short to tell)."""
     if start is None or end is None or end.at - start.at <= 0:
         return None
-    ticks = _CPUS + max(start.own_processes, end.own_processes)  # each difference off by under one tick
-    if ticks / _TICKS / (end.at - start.at) > RESOLUTION_CORES:
+    changed = sum(start.own_ticks.get(pid) != end.own_ticks.get(pid) for pid in {*start.own_ticks, *end.own_ticks})
+    if (_CPUS + changed) / _TICKS / (end.at - start.at) > RESOLUTION_CORES:  # each difference off by under a tick
         return None
     foreign = (end.busy_s - start.busy_s) - (end.own_s - start.own_s)
     return max(0.0, foreign / (end.at - start.at))

@@ -29,6 +29,9 @@ FAKE_FIT = r"""
 import os, sys, time, yaml
 from lit_ablate import record as R
 config = yaml.safe_load(open(sys.argv[sys.argv.index("--config") + 1]))
+if "--trainer.default_root_dir" in sys.argv:  # as the real fit resolves it: the command line over the file
+    config["trainer"]["default_root_dir"] = sys.argv[sys.argv.index("--trainer.default_root_dir") + 1]
+print("recording to", os.environ[R.RECORD_PATH_ENV], file=sys.stderr)
 fake, variant, seed = config.get("fake", {}), os.environ[R.VARIANT_ENV], config["seed_everything"]
 with open(os.environ["FAKE_LAUNCH_LOG"], "a") as log:
     log.write(f"{variant} {seed}\n")
@@ -380,3 +383,32 @@ def test_seeds_run_round_robin_across_variants_by_default(tmp_path: Path, fake_f
     assert "run order: variant by variant" in (out / "report.md").read_text()
     with pytest.raises(ConfigError, match="order='random'"):
         make_spec(variants, order="random")
+
+
+def test_a_study_folder_moved_elsewhere_is_re_rendered_and_resumed_without_its_old_path(
+    tmp_path: Path, fake_fit: list[str]
+):
+    """Issue 49: 487 committed files held the absolute path of the machine that made them, so a study copied
+    elsewhere kept pointing at it. Records, configs, logs and the plan now hold paths relative to the study
+    folder: after a move, ``report`` re-renders it and ``ablate`` resumes it (nothing relaunched), and no
+    file in it names the old place. Seen failing with the trainer root absolute in ``config.yaml`` (every
+    run relaunched after the move) and with the logs kept as the runs wrote them (the old path in
+    ``stderr.log``)."""
+    import shutil
+
+    from lit_ablate.commands.report import report_main
+
+    spec = make_spec([{"name": "a"}, {"name": "b", "overrides": {"fake.speed": 2}}])
+    made = tmp_path / "made" / "study"
+    run_study(spec, made, fake_fit, fake_resolve)
+    assert record(made, "a")["config"]["trainer"]["default_root_dir"] == "runs/a/seed0/trainer"
+    moved = tmp_path / "elsewhere" / "study"
+    shutil.move(str(made), str(moved))
+    assert report_main([str(moved)]) == 0
+    run_study(spec, moved, fake_fit, fake_resolve)
+    assert launches(tmp_path) == ["a 0", "b 0"], "a moved study resumes: its finished runs are kept"
+    for path in moved.rglob("*"):
+        if path.is_file() and path.name != "run.lock":
+            text = path.read_text(errors="replace")
+            assert str(tmp_path) not in text, path
+    assert record(moved, "b")["absolute_paths"] == []

@@ -137,3 +137,48 @@ def test_one_measured_step_gives_no_verdict():
     other = [with_useful(make_record("v", 0, speed=1, peak_mib=1, losses=[1.0]), [1000])]
     variants = by_name(summarise(base + other, plan(["base", "v"], agreement=None)))
     assert variants["v"]["speed"]["verdict"] == "inconclusive" and variants["v"]["speed_ratio"] == 10.0
+
+
+def test_a_study_with_a_failed_run_exits_1_with_a_count_unless_failures_are_allowed(tmp_path: Path, capsys):
+    """Issue 49: a study where 2 of 4 variants crashed exited 0, so a script running it could not tell. A
+    failed run (error, oom, timeout) now exits 1 with one line counting them; ``--allow-failures`` keeps the
+    old tolerance for studies that expect some variants not to fit; a skipped run (it cannot run here, as
+    the plan said) is no failure. Seen failing with the old rule (exit 0: only study problems counted)."""
+    records = [make_record("a", 0, speed=1, peak_mib=1, losses=LOSSES)]
+    records += [
+        make_record(n, 0, speed=1, peak_mib=1, losses=LOSSES[:1], status=s)
+        for n, s in (("b", "error"), ("c", "oom"), ("d", "skipped"))
+    ]
+    directory = make_study(tmp_path, records, plan(["a", "b", "c", "d"], agreement=None))
+    assert report_main([str(directory)]) == 1
+    assert capsys.readouterr().err.strip() == "study failed: 2 of 4 runs failed (error 1, oom 1)"
+    assert report_main([str(directory), "--allow-failures"]) == 0
+    assert "2 of 4 runs failed (error 1, oom 1): tolerated (--allow-failures)" in capsys.readouterr().err
+    skipped_only = make_study(tmp_path / "skipped", [records[0], records[3]], plan(["a", "d"], agreement=None))
+    assert report_main([str(skipped_only)]) == 0
+
+
+def test_ablate_exits_1_when_a_variant_crashes(tmp_path: Path, monkeypatch, capsys):
+    """The same rule at the end of ``lit-ablate ablate`` (a stand-in fit: one variant raises)."""
+    from test_ablation_runner import fake_resolve, install_fake_fit
+
+    from lit_ablate.ablation import plan as planning
+    from lit_ablate.ablation import runner
+    from lit_ablate.commands.ablate import ablate_main
+
+    fit = install_fake_fit(tmp_path, monkeypatch)
+    monkeypatch.setattr(runner, "default_fit_command", lambda: fit)
+    monkeypatch.setattr(planning, "default_resolver", lambda: fake_resolve)
+    study = {
+        "name": "crash",
+        "base": {"trainer": {"max_steps": 3}, "model": {"init_args": {"lr": 0.1}}, "fake": {}},
+        "variants": [{"name": "ok"}, {"name": "crashes", "overrides": {"fake.crash": True}}],
+        "vary": ["fake"],
+        "speed": {"interleave": "runs"},
+    }
+    path = tmp_path / "crash.yaml"
+    path.write_text(json.dumps(study))
+    out = tmp_path / "out"
+    assert ablate_main(["--config", str(path), "--output_dir", str(out)]) == 1
+    assert "study failed: 1 of 2 runs failed (error 1)" in capsys.readouterr().err
+    assert ablate_main(["--config", str(path), "--output_dir", str(out), "--allow-failures"]) == 0  # a rerun

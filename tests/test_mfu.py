@@ -315,7 +315,7 @@ def test_a_ceiling_measured_under_injected_load_is_not_cached(tmp_path, monkeypa
     monkeypatch.setenv(matmul_ceiling.CACHE_DIR_ENV, str(tmp_path / "cache"))
 
     def sweep(*args, **kwargs):
-        time.sleep(0.5)  # long enough for /proc's 10 ms ticks to show the other process
+        time.sleep(0.8)  # long enough for /proc's 10 ms ticks to show the other process
         return FAKE_TFLOPS, (8, 8, 8), FAKE_TFLOPS
 
     monkeypatch.setattr(matmul_ceiling, "measure_matmul_ceiling", sweep)

@@ -26,7 +26,7 @@ from lit_ablate.ablation.speed_verdict import (
 from lit_ablate.ablation.summary import study_summary
 from lit_ablate.ablation.terminal_summary import terminal_summary
 
-DESIGN = SpeedDesign()
+DEFAULTS = SpeedDesign()
 
 
 def record(speeds: list[float], loads: list[float | None] | None = None, group: str = "g", seed: int = 0) -> dict:
@@ -77,9 +77,9 @@ def test_a_block_s_speed_is_its_tokens_over_its_seconds():
 def test_a_real_difference_is_slower_with_an_interval_that_excludes_one():
     base = record([100.0 + i for i in range(10)])
     slow = record([(100.0 + i) / 4 * (1 + 0.01 * (-1) ** i) for i in range(10)])
-    speed = judge_speed([slow], [base], DESIGN)
+    speed = judge_speed([slow], [base], DEFAULTS)
     assert speed["verdict"] == SLOWER and speed["high"] < 1 and speed["ratio"] == pytest.approx(0.25, rel=0.02)
-    assert judge_speed([base], [slow], DESIGN)["verdict"] == FASTER
+    assert judge_speed([base], [slow], DEFAULTS)["verdict"] == FASTER
 
 
 def test_equal_speeds_within_the_threshold_are_no_difference_and_noise_is_inconclusive():
@@ -87,14 +87,14 @@ def test_equal_speeds_within_the_threshold_are_no_difference_and_noise_is_inconc
     noise of ±40% is *inconclusive*, never faster or slower, although its median ratio is 1.15."""
     base = record([100.0] * 10)
     close = record([100.0 * (1 + 0.02 * math.sin(i)) for i in range(10)])
-    assert judge_speed([close], [base], DESIGN)["verdict"] == SAME
+    assert judge_speed([close], [base], DEFAULTS)["verdict"] == SAME
     noisy = record([100.0 * f for f in (1.4, 0.7, 1.3, 1.2, 0.6, 1.15, 1.35, 0.9, 1.1, 1.3)])
-    speed = judge_speed([noisy], [base], DESIGN)
+    speed = judge_speed([noisy], [base], DEFAULTS)
     assert speed["verdict"] == INCONCLUSIVE and speed["low"] < 1 < speed["high"] and "reaches beyond" in speed["reason"]
 
 
 def test_too_few_pairs_are_inconclusive_naming_how_many_are_needed():
-    speed = judge_speed([record([50.0] * 4)], [record([100.0] * 4)], DESIGN)
+    speed = judge_speed([record([50.0] * 4)], [record([100.0] * 4)], DEFAULTS)
     assert speed["verdict"] == INCONCLUSIVE and speed["ratio"] == 0.5 and speed["low"] is None
     assert speed["reason"] == "4 paired block(s), 8 needed for a 99% interval"
 
@@ -107,17 +107,17 @@ def test_pairs_measured_under_different_load_are_left_out_and_can_make_the_verdi
     base = record([100.0] * 10, loads=[0.0] * 10)
     loads = [1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0]
     variant = record([50.0 if load else 99.0 for load in loads], loads)
-    speed = judge_speed([variant], [base], DESIGN)
+    speed = judge_speed([variant], [base], DEFAULTS)
     assert speed["excluded_for_load"] == 6 and speed["pairs"] == 4 and speed["verdict"] == INCONCLUSIVE
     assert "6 left out: measured under different load" in speed["reason"]
     assert judge_speed([variant], [base], SpeedDesign(load_tolerance=100))["verdict"] == SLOWER  # the trap
     steady = record([50.0 if load else 100.0 for load in loads], [0.9] * 10)  # the same load on both sides
-    assert judge_speed([steady], [record([100.0] * 10, loads=[1.0] * 10)], DESIGN)["excluded_for_load"] == 0
+    assert judge_speed([steady], [record([100.0] * 10, loads=[1.0] * 10)], DEFAULTS)["excluded_for_load"] == 0
 
 
 def test_blocks_pair_only_within_one_group_and_round():
     """Runs measured in different invocations (a resumed study) share no round: nothing is paired."""
-    speed = judge_speed([record([50.0] * 10, group="today")], [record([100.0] * 10, group="yesterday")], DESIGN)
+    speed = judge_speed([record([50.0] * 10, group="today")], [record([100.0] * 10, group="yesterday")], DEFAULTS)
     assert speed["pairs"] == 0 and speed["unpaired"] == 20 and speed["verdict"] == INCONCLUSIVE
 
 
@@ -129,7 +129,7 @@ def test_records_without_blocks_are_one_block_each_paired_by_seed():
         return {"seed": seed, "warmup_steps": 1, "steps": steps, "summary": {"status": "ok"}}
 
     base = [plain(seed, 100.0) for seed in range(8)]
-    speed = judge_speed([plain(seed, 200.0 + seed) for seed in range(8)], base, DESIGN)
+    speed = judge_speed([plain(seed, 200.0 + seed) for seed in range(8)], base, DEFAULTS)
     assert speed["pairs"] == 8 and speed["verdict"] == FASTER and speed["low"] == pytest.approx(2.0)
 
 
@@ -142,7 +142,7 @@ def test_null_studies_under_heavy_noise_almost_never_get_a_verdict():
     for _ in range(2000):
         base = record([100.0 * math.exp(rng.uniform(-0.4, 0.4)) for _ in range(10)])
         null = record([100.0 * math.exp(rng.uniform(-0.4, 0.4)) for _ in range(10)])
-        wrong += judge_speed([null], [base], DESIGN)["verdict"] in (FASTER, SLOWER)
+        wrong += judge_speed([null], [base], DEFAULTS)["verdict"] in (FASTER, SLOWER)
     assert wrong <= 10
 
 

@@ -67,7 +67,9 @@ def run_dir(output_dir: Path, variant: Variant, seed: int) -> Path:
 
 
 def trainer_root(directory: Path) -> Path:
-    """The run's ``trainer.default_root_dir``: beside, not over, the runner's own files."""
+    """The run's ``trainer.default_root_dir``: beside, not over, the runner's own files. A planned run's
+    config (its ``config.yaml``) holds it relative to the study folder, so that the folder can move; the
+    runner gives the fit the absolute path (``run_folder.fit_arguments``)."""
     return directory / "trainer"
 
 
@@ -101,7 +103,7 @@ def plan_study(spec: StudySpec, output_dir: Path, resolve: Resolver | None = Non
         pairs = [(v, s) for v in spec.variants for s in spec.seeds]
     for variant, seed in pairs:
         directory = run_dir(output_dir, variant, seed)
-        config = spec.run_config(variant, seed, trainer_root(directory))
+        config = spec.run_config(variant, seed, trainer_root(directory).relative_to(output_dir))
         launch = variant.launch.with_config(config)
         reason = None if variant.name in invalid else _incompatibility(views[variant.name], launch)
         runs.append(PlannedRun(variant, seed, directory, config, launch, reason, invalid.get(variant.name)))

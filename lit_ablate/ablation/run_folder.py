@@ -20,7 +20,8 @@ from typing import Any
 import lit_ablate
 from lit_ablate import record as run_record
 from lit_ablate.ablation.attempts import ATTEMPTS_DIRNAME
-from lit_ablate.ablation.plan import PlannedRun, config_text, write_config
+from lit_ablate.ablation.plan import PlannedRun, config_text, trainer_root, write_config
+from lit_ablate.ablation.portable_paths import absolute_paths, make_logs_portable, portable
 
 DONE_STATUSES = ("ok", "error", "oom", "timeout")
 """A run with one of these is not launched again on resume."""
@@ -57,7 +58,15 @@ def run_environment(run: PlannedRun) -> dict[str, str]:
 
 
 def fit_arguments(run: PlannedRun, fit_command: Sequence[str]) -> list[str]:
-    return [*fit_command, "--config", str(run.run_dir / "config.yaml")]
+    """The fit command of ``run``: its ``config.yaml``, whose trainer root is relative to the study folder
+    (the folder can move), made absolute for the process wherever it starts."""
+    return [
+        *fit_command,
+        "--config",
+        str(run.run_dir / "config.yaml"),
+        "--trainer.default_root_dir",
+        str(trainer_dir(run)),
+    ]
 
 
 def finalise(
@@ -69,7 +78,8 @@ def finalise(
     speed_blocks: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The run's final record: the run's own, completed with what only the runner knows (and, from a
-    local runner, ``speed_blocks``: the blocks its speed was measured in, ``speed_verdict``).
+    local runner, ``speed_blocks``: the blocks its speed was measured in, ``speed_verdict``), its paths and
+    logs made portable (``portable_paths``: the study folder can move).
 
     ``status`` given: the runner decided it (skipped/timeout/interrupted/invalid). Otherwise the
     exit code and the run's record decide: exit 0 with an ``ok`` record is ``ok``; ``oom`` when
@@ -106,6 +116,10 @@ def finalise(
     if speed_blocks is not None:
         record["speed_blocks"] = dict(speed_blocks)
     summary.update(status=status, message=message, returncode=returncode, stderr_tail=None if status == "ok" else tail)
+    study_dir = run.run_dir.parents[2]  # <study>/runs/<variant>/seed<k>
+    record = portable(record, study_dir)
+    record["absolute_paths"] = list(absolute_paths(record.get("config") or {}))
+    make_logs_portable(run.run_dir, study_dir)
     run_record.write_record(run.run_dir / run_record.RECORD_FILENAME, record)
     return record
 
@@ -128,7 +142,7 @@ def is_kept(record: dict[str, Any], run: PlannedRun, retry_failed: bool) -> bool
 
 def trainer_dir(run: PlannedRun) -> Path:
     """The run's ``trainer.default_root_dir``: its logs and checkpoints."""
-    return Path(run.config.get("trainer", {}).get("default_root_dir", run.run_dir / "trainer"))
+    return trainer_root(run.run_dir)
 
 
 def _clear(run: PlannedRun) -> None:

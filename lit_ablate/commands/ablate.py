@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -23,12 +24,13 @@ from rich.markup import escape
 
 from lit_ablate.ablation.interleaving import interleaving
 from lit_ablate.ablation.plan import PlannedRun, Resolver, describe, plan_study
+from lit_ablate.ablation.portable_paths import portable
 from lit_ablate.ablation.report import PLAN_FILENAME, write_report
 from lit_ablate.ablation.run_folder import is_kept, previous_record
 from lit_ablate.ablation.runner import run_runs
 from lit_ablate.ablation.slurm import require_submitit
 from lit_ablate.ablation.spec import StudySpec, load_study
-from lit_ablate.commands.report import EXIT_LOSS_MISMATCH, EXIT_REFUSED, loss_mismatch, printed_summary
+from lit_ablate.commands.report import ALLOW_FAILURES_HELP, EXIT_REFUSED, printed_summary, study_exit_code
 from lit_ablate.config_keys import NOT_GIVEN, PairedKey, ignored_key
 from lit_ablate.errors import ConfigError
 from lit_ablate.path_checks import writable_dir
@@ -56,7 +58,8 @@ def run_study(
     if any(run.launch.executor == "slurm" for run in runs):
         require_submitit()
     output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / PLAN_FILENAME).write_text(json.dumps(spec.plan(), indent=1) + "\n")
+    plan = {**spec.plan(), "source": os.path.relpath(spec.source.resolve(), output_dir) if spec.source else None}
+    (output_dir / PLAN_FILENAME).write_text(json.dumps(portable(plan, output_dir), indent=1) + "\n")
     design = interleaving(spec.speed, runs)
     (console or Console(stderr=True)).print(design.describe(), markup=False, highlight=False)
     try:
@@ -125,6 +128,9 @@ def ablate_main(argv: list[str]) -> int:
         help="also redo runs that ended in error, oom or timeout (finished ok runs are kept)",
     )
     parser.add_argument(
+        "--allow-failures", "--allow_failures", dest="allow_failures", action="store_true", help=ALLOW_FAILURES_HELP
+    )
+    parser.add_argument(
         "--no-wait",
         "--no_wait",
         dest="no_wait",
@@ -155,7 +161,7 @@ def ablate_main(argv: list[str]) -> int:
         console.print("interrupted: finished runs are kept; run the same command again to resume")
         return EXIT_INTERRUPTED
     print(printed_summary(report))
-    return EXIT_LOSS_MISMATCH if loss_mismatch(report.parent) else 0
+    return study_exit_code(report.parent, args.allow_failures)
 
 
 def dry_run(full: StudySpec, spec: StudySpec, runs: list[PlannedRun], output_dir: Path, retry_failed: bool) -> str:
