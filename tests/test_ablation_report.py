@@ -313,8 +313,8 @@ def test_a_move_within_the_sweep_s_repeatability_is_not_flagged():
     noise floor were flagged as a load change (and context_parallel's one-thread ranks, 6.4% apart).
     The floor is the sweep's repeatability; a move past it still is. Seen failing with the floor the
     speed noise alone."""
-    from lit_ablate.ablation.report import CEILING_REPEATABILITY
-    from lit_ablate.ablation.report import _ceiling_line as line_of
+    from lit_ablate.ablation.report_text import CEILING_REPEATABILITY
+    from lit_ablate.ablation.report_text import ceiling_line as line_of
 
     def line(low: float) -> str:
         group = {"conditions": "float32 on cpu, 2 thread(s)", "median": 0.33, "min": low, "max": 0.33, "n": 6}
@@ -360,7 +360,7 @@ def test_an_activations_estimate_for_full_rows_is_an_upper_bound_for_shorter_one
     ×6.52 as disagreements. The estimate is an upper bound there: it agrees, marked so, when scaled
     to the step's tokens it is within the factor; not when the rows were (nearly) full. Seen failing
     with the token share ignored, and with every ratio above the factor taken as a bound (0.9)."""
-    from lit_ablate.ablation.report import _estimate_check_cell
+    from lit_ablate.ablation.report_table import estimate_check_cell as _estimate_check_cell
     from lit_ablate.estimate.agreement import compare_with_measured
     from lit_ablate.estimate.shapes import MemoryEstimate
 
@@ -447,7 +447,7 @@ def test_a_report_rendered_at_another_commit_than_its_runs_says_so(tmp_path: Pat
 def test_sizes_between_1000_and_1024_units_print_whole():
     """loss_batch_size's regenerated report printed a process peak of 1000 MiB as "1e+03 MiB". Seen
     failing with three significant digits alone."""
-    from lit_ablate.ablation.report import _bytes
+    from lit_ablate.ablation.report_table import format_bytes as _bytes
 
     assert _bytes(1000.4 * 2**20) == "1000 MiB" and _bytes(1023 * 2**30) == "1023 GiB"
     assert _bytes(999.4 * 2**20) == "999 MiB" and _bytes(1.5 * 2**30) == "1.5 GiB" and _bytes(12) == "12 B"
