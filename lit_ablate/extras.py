@@ -21,6 +21,9 @@ EXTRAS: dict[str, str] = {
     "liger_kernel": "gpu",
     "cut_cross_entropy": "gpu",
     "triton": "kernels-cpu",
+    "tensorboard": "trackers",
+    "wandb": "trackers",
+    "mlflow": "trackers",
 }
 """Each optional package (its import name) and the extra of ``pyproject.toml`` that installs it (torchao
 also comes with ``optim8bit``, liger and cce with ``kernels-cpu`` for Triton's interpreter on CPU)."""
@@ -28,6 +31,7 @@ PACKAGES: dict[str, str] = {
     "flash_attn": "flash-attn",
     "liger_kernel": "liger-kernel",
     "cut_cross_entropy": "cut-cross-entropy",
+    "mlflow": "mlflow-skinny",
 }
 """Distribution names where they differ from the import name."""
 

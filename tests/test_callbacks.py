@@ -30,10 +30,10 @@ def _batches(n: int, batch_size: int, masked_prefix: list[int]) -> list[dict]:
     return out
 
 
-def _fit(tmp_path, callbacks, batches, accumulate=1, module=None, max_steps=4, lr=3e-3):
+def _fit(tmp_path, callbacks, batches, accumulate=1, module=None, max_steps=4, lr=3e-3, recorder=None):
     L.seed_everything(0)
     module = module or CausalLM(ModelFactory(preset="tiny-llama"), learning_rate=lr, warmup_steps=0)
-    recorder = RunRecorder(path=str(tmp_path / "run.json"), warmup_steps=1)
+    recorder = recorder or RunRecorder(path=str(tmp_path / "run.json"), warmup_steps=1)
     trainer = L.Trainer(
         max_steps=max_steps,
         accelerator="cpu",

@@ -46,6 +46,8 @@ BASE_IMPORTS = {
 """The import names of ``pyproject.toml``'s dependencies: always installed."""
 TRANSITIVE_IMPORTS = {"huggingface_hub": "transformers", "pyarrow": "datasets", "typing_extensions": "torch"}
 """Packages lit-ablate imports that a dependency installs (and which one)."""
+IMPORTED_THROUGH = {"tensorboard": "torch.utils.tensorboard"}
+"""Optional packages lit-ablate uses through another package's module (which imports them)."""
 
 
 def _mds_folder(tmp: Path) -> str:
@@ -136,6 +138,15 @@ ROWS: dict[str, tuple[str, Build, tuple[str, ...], dict[str, str]]] = {
         {},
     ),
     "slurm_study": ("submitit", _slurm_study, ("launch.executor='slurm'", "pip install 'lit-ablate[slurm]'"), {}),
+    **{
+        f"{tracker}_tracker": (
+            module,
+            lambda tmp, tracker=tracker: [*FIT, "--recorder.trackers", f'["{tracker}"]'],
+            ("recorder.trackers=", f"the {tracker} tracker", "pip install 'lit-ablate[trackers]'"),
+            {},
+        )
+        for tracker, module in (("tensorboard", "tensorboard"), ("wandb", "wandb"), ("mlflow", "mlflow"))
+    },
 }
 
 REACHED_PAST: dict[str, str] = {"triton_interpreter": "liger_kernel"}
@@ -191,7 +202,7 @@ def test_every_optional_package_has_its_extra_and_a_row():
     """Every package lit-ablate imports is a dependency (or comes with one) or an optional package with its
     extra, and every optional package has a row above: a new optional import without its one-line refusal
     fails here. Seen failing with torchao left out of ``EXTRAS`` (and with a row removed)."""
-    optional = _imported_packages() - BASE_IMPORTS - set(TRANSITIVE_IMPORTS)
+    optional = (_imported_packages() | set(IMPORTED_THROUGH)) - BASE_IMPORTS - set(TRANSITIVE_IMPORTS)
     assert optional == set(extras.EXTRAS), f"imported, not a dependency: {sorted(optional - set(extras.EXTRAS))}"
     assert {package for package, *_ in ROWS.values()} == set(extras.EXTRAS)
     pyproject = (ROOT / "pyproject.toml").read_text()

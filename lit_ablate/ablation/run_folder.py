@@ -22,6 +22,7 @@ from lit_ablate import record as run_record
 from lit_ablate.ablation.attempts import ATTEMPTS_DIRNAME
 from lit_ablate.ablation.plan import PlannedRun, config_text, trainer_root, write_config
 from lit_ablate.ablation.portable_paths import absolute_paths, make_logs_portable, portable
+from lit_ablate.trackers import TRACKERS_BY_RUNNER_ENV
 
 DONE_STATUSES = ("ok", "error", "oom", "timeout")
 """A run with one of these is not launched again on resume."""
@@ -54,6 +55,7 @@ def run_environment(run: PlannedRun) -> dict[str, str]:
         run_record.VARIANT_ENV: run.variant.name,
         "PYTHONPATH": os.pathsep.join(filter(None, [package_root(), os.environ.get("PYTHONPATH")])),
         "PYTHONUNBUFFERED": "1",
+        TRACKERS_BY_RUNNER_ENV: "1",  # the runner sends the study's runs to their trackers, with the verdicts
     }
 
 

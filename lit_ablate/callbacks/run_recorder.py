@@ -27,6 +27,7 @@ from lit_ablate.models.losses import triton_interpreter
 from lit_ablate.simulated_rank import SimulatedRank, current_simulation
 from lit_ablate.strategies.interface import interface_of
 from lit_ablate.subnormals import flushes_subnormals
+from lit_ablate.trackers import TRACKERS_BY_RUNNER_ENV, Destination, check_trackers, send
 
 
 def git_commit() -> str | None:
@@ -112,13 +113,21 @@ class RunRecorder(StepMonitor):
         variant: the study variant name; default ``$LIT_ABLATE_VARIANT``.
         warmup_steps: steps excluded from the record's summary, and from the console summary of
             every monitor that does not set its own.
+        trackers: experiment trackers that get a copy of the record when the run ends (``tensorboard``,
+            ``wandb``, ``mlflow``: ``lit_ablate.trackers``; offline and local unless their environment says
+            otherwise). In a study the runner sends them instead, with the report's verdicts.
     """
 
     def __init__(
-        self, path: str | None = None, variant: str | None = None, warmup_steps: int = DEFAULT_WARMUP_STEPS
+        self,
+        path: str | None = None,
+        variant: str | None = None,
+        warmup_steps: int = DEFAULT_WARMUP_STEPS,
+        trackers: list[str] | None = None,
     ) -> None:
         if warmup_steps < 0:  # the summary said "median after -1 warm-up steps"
             raise ConfigError("recorder.warmup_steps", warmup_steps, "use 0 or more steps left out of the summary")
+        self.trackers = check_trackers(trackers or [], "recorder.trackers")
         super().__init__(warmup_steps=warmup_steps, log_to_logger=False)
         self.path = path
         self.variant = variant or os.environ.get(run_record.VARIANT_ENV)
@@ -182,9 +191,13 @@ class RunRecorder(StepMonitor):
             self._resumed_from = {"checkpoint": str(trainer.ckpt_path), "step_offset": trainer.global_step}
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._write(trainer, pl_module, "ok", None)
+        record = self._write(trainer, pl_module, "ok", None)
         if trainer.is_global_zero:
             rank_zero_info(f"run record: {self.record_path}")
+        if record is not None and self.trackers and not os.environ.get(TRACKERS_BY_RUNNER_ENV):
+            folder = self.record_path.parent
+            to = Destination(group=Path(trainer.default_root_dir).name, name=folder.name, folder=folder)
+            send(self.trackers, record, to)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         if self.record_path is None and trainer.state.fn == TrainerFn.FITTING:
@@ -215,9 +228,12 @@ class RunRecorder(StepMonitor):
         module = getattr(pl_module, "fallbacks", [])
         return [*module, *interface_of(trainer.strategy).fallbacks, *(memory.fallbacks if memory else [])]
 
-    def _write(self, trainer: Trainer, pl_module: LightningModule, status: str, message: str | None) -> None:
+    def _write(
+        self, trainer: Trainer, pl_module: LightningModule, status: str, message: str | None
+    ) -> dict[str, Any] | None:
+        """Write the record (rank 0, or a simulated rank); the record written, else None."""
         if not (trainer.is_global_zero or self._simulated) or self.record_path is None:
-            return
+            return None
         steps = self._steps(trainer)
         memory = next((c for c in trainer.callbacks if isinstance(c, MemoryMonitor)), None)
         mfu = next((c for c in trainer.callbacks if isinstance(c, MFUMonitor)), None)
@@ -231,30 +247,29 @@ class RunRecorder(StepMonitor):
         )
         counts = getattr(pl_module, "parameter_counts", None)
         sections = {c.section: c.record_section() for c in trainer.callbacks if isinstance(c, RecordSection)}
-        run_record.write_record(
-            self.record_path,
-            {
-                "schema_version": run_record.SCHEMA_VERSION,
-                "variant": self.variant,
-                "seed": (self.resolved_config or {}).get("seed_everything"),
-                "config": self.resolved_config or {"model": dict(pl_module.hparams)},
-                "environment": self._env,
-                "simulated": self._simulated.section if self._simulated else None,
-                "model": asdict(counts) if counts is not None else None,
-                "warmup_steps": self.warmup_steps,
-                "fallbacks": self._fallbacks(trainer, pl_module, memory),
-                "started_at": self._started,
-                "finished_at": None if status == "running" else time.time(),
-                "resumed_from": self._resumed_from,
-                "steps_before_resume": [
-                    {"step": s, "loss": v}
-                    for s, v in sorted(self._loss_before_resume.items())
-                    if self._resumed_from and s <= self._resumed_from["step_offset"]
-                ]
-                or None,
-                "data": getattr(trainer.datamodule, "setup_record", None),
-                "steps": steps,
-                "summary": summary,
-                **sections,
-            },
-        )
+        record = {
+            "schema_version": run_record.SCHEMA_VERSION,
+            "variant": self.variant,
+            "seed": (self.resolved_config or {}).get("seed_everything"),
+            "config": self.resolved_config or {"model": dict(pl_module.hparams)},
+            "environment": self._env,
+            "simulated": self._simulated.section if self._simulated else None,
+            "model": asdict(counts) if counts is not None else None,
+            "warmup_steps": self.warmup_steps,
+            "fallbacks": self._fallbacks(trainer, pl_module, memory),
+            "started_at": self._started,
+            "finished_at": None if status == "running" else time.time(),
+            "resumed_from": self._resumed_from,
+            "steps_before_resume": [
+                {"step": s, "loss": v}
+                for s, v in sorted(self._loss_before_resume.items())
+                if self._resumed_from and s <= self._resumed_from["step_offset"]
+            ]
+            or None,
+            "data": getattr(trainer.datamodule, "setup_record", None),
+            "steps": steps,
+            "summary": summary,
+            **sections,
+        }
+        run_record.write_record(self.record_path, record)
+        return record
