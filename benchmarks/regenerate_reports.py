@@ -6,9 +6,10 @@ deleted first; the runs already made at this commit are kept, so an interrupted 
 where it stopped (``lit-ablate ablate`` resumes a half-done study by itself). The working tree must
 be clean, or the commit the reports name would not be the code that made them.
 
-``--check`` changes nothing: it lists every study without a report, every run not at the one commit
-all reports must share, and reports whose environment line carries a warning, and exits 1 if there
-is any (what a finished regeneration must pass). ``--only a,b`` restricts either mode to some studies.
+``--check`` changes nothing: it lists every study without a report (``report.md`` and ``report.html``),
+every run not at the one commit all reports must share, reports whose environment line carries a
+warning, and files that name a path of this machine (a study folder must travel), and exits 1 if
+there is any (what a finished regeneration must pass). ``--only a,b`` restricts either mode to some studies.
 Ends with ``RESULT`` lines: the studies checked and how many of them are at one commit.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -59,9 +61,12 @@ def problems(names: list[str], results: Path = RESULTS) -> list[str]:
     found, commits = [], Counter()
     for name in names:
         directory = results / name
-        if not (directory / "report.md").exists():
-            found.append(f"{name}: no report ({directory / 'report.md'})")
+        if not (directory / "report.md").exists() or not (directory / "report.html").exists():
+            found.append(f"{name}: no report ({directory / 'report.md'}, report.html)")
             continue
+        placed = [str(p.relative_to(results)) for p in sorted(directory.rglob("*")) if _names_a_machine_path(p)]
+        if placed:
+            found.append(f"{name}: files naming a path of this machine (a study folder must travel): {placed[:3]}")
         runs = run_commits(directory)
         commits.update(c for record, c in runs.items() if started(record))
         if not runs:
@@ -75,6 +80,19 @@ def problems(names: list[str], results: Path = RESULTS) -> list[str]:
         shown = ", ".join(f"{(c or 'unknown')[:10]} ({n} runs)" for c, n in commits.most_common())
         found.append(f"runs come from {len(commits)} commits: {shown}")
     return found
+
+
+MACHINE_PATHS = tuple(str(p) for p in (ROOT, Path.home(), Path(sys.prefix)))
+"""Absolute paths a committed study must not hold: this checkout, the home folder, the Python environment."""
+ABSOLUTE_PATH = re.compile(r"""(?:^|[\s"'(=,\[])(/(?:[\w.-]+/){2,})""", re.MULTILINE)
+"""Any absolute path two folders deep, as a log line or a record holds it (another machine's checkout too)."""
+
+
+def _names_a_machine_path(path: Path) -> bool:
+    if not path.is_file() or path.suffix == ".png":
+        return False
+    text = path.read_text(errors="replace")
+    return any(f"{prefix}/" in text for prefix in MACHINE_PATHS) or ABSOLUTE_PATH.search(text) is not None
 
 
 def head_commit() -> str:

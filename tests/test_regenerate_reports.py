@@ -27,6 +27,7 @@ def _study(
             json.dumps(record if commit else {"environment": {}, "summary": {"status": "skipped"}})
         )
     (directory / "report.md").write_text(f"# {name}\n\n{environment}\n")
+    (directory / "report.html").write_text(f"<html><body>{name}</body></html>\n")
 
 
 def test_one_commit_passes_and_each_problem_is_named(tmp_path: Path):
@@ -38,6 +39,20 @@ def test_one_commit_passes_and_each_problem_is_named(tmp_path: Path):
     assert any(p.startswith("d: no report") for p in found)
     assert any(p.startswith("c: the environment line has a warning") for p in found)
     assert any(p.startswith("runs come from 2 commits") for p in found)
+
+
+def test_a_file_naming_a_path_of_this_machine_is_a_problem(tmp_path: Path):
+    """Issue 49: 487 committed files named the machine that made them. A study folder whose logs, records or
+    plan hold this checkout's, the home folder's or the Python environment's path is named (here a log line
+    of a warning from site-packages), and one whose paths are portable passes."""
+    from benchmarks.regenerate_reports import MACHINE_PATHS
+
+    _study(tmp_path, "portable", ["c1"])
+    (tmp_path / "portable" / "runs" / "v0" / "seed0" / "stderr.log").write_text("<python-env>/lib/x.py:3: Warning\n")
+    assert problems(["portable"], tmp_path) == []
+    _study(tmp_path, "placed", ["c1"])
+    (tmp_path / "placed" / "runs" / "v0" / "seed0" / "stderr.log").write_text(f"{MACHINE_PATHS[2]}/lib/x.py:3: W\n")
+    assert [p.split(":")[0] for p in problems(["placed"], tmp_path)] == ["placed"]
 
 
 def test_every_shipped_study_is_listed():
