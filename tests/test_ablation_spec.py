@@ -149,6 +149,13 @@ def test_relative_base_is_relative_to_the_study_file(tmp_path: Path):
         ({"expect_equal_loss": {"tol": 1}}, "expect_equal_loss.tol"),
         ({"expect_equal_loss": {"across": "model.init_args.lr"}}, "expect_equal_loss.across"),
         ({"name": "a b"}, "name"),
+        ({"speed": {"rounds": 0}}, "speed.rounds"),
+        ({"speed": {"confidence": 1.2}}, "speed.confidence"),
+        ({"speed": {"threshold": -0.1}}, "speed.threshold"),
+        ({"speed": {"load_tolerance": 0}}, "speed.load_tolerance"),
+        ({"speed": {"interleave": "blocks"}}, "speed.interleave"),
+        ({"speed": {"rounds": 4, "block": 2}}, "speed.block"),
+        ({"speed": {"interleave": "steps"}, "launch": {"executor": "slurm"}}, "speed.interleave"),
     ],
 )
 def test_mistakes_are_refused_naming_the_key(changes, key):
