@@ -8,8 +8,9 @@ it runs, a CPU-bound process in its own session starts and stops at random (on 1
 as another job on a shared machine would. Its verdict must be *no difference detected* or
 *inconclusive*, never *faster* or *slower*. A *known study* compares the quickstart model at 2 and 8
 decoder layers on a quiet machine (no injected load): the 8-layer one must be *slower*, its interval
-excluding 1. Every study is a real ``lit-ablate ablate`` of the quickstart config (tiny Llama, 64-token
-rows), in turns, with the shipped speed design (10 rounds, 99% interval, ±5% threshold).
+excluding 1. Every study is a real ``lit-ablate ablate`` of the quickstart config (tiny Llama, 16 rows of
+128 tokens: blocks of 6 steps last long enough for the load to be read), in turns, with the shipped speed
+design (10 rounds, 99% interval, ±5% threshold).
 
 Prints one row per study and ends with::
 
@@ -48,8 +49,8 @@ def study(name: str, key: str, values: tuple, steps: int, warmup: int) -> dict:
     """A two-variant study of the quickstart model: ``key`` at ``values[0]`` (baseline) and ``values[1]``."""
     overrides = {
         "data.init_args.source.init_args.num_documents": 400,
-        "data.init_args.seq_len": 64,
-        "data.init_args.batch_size": 8,
+        "data.init_args.seq_len": 128,
+        "data.init_args.batch_size": 16,
         "data.init_args.val_examples": 16,
         "trainer.val_check_interval": None,
         "trainer.limit_val_batches": 2,

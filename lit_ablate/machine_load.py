@@ -25,8 +25,10 @@ from pathlib import Path
 PROC = Path("/proc")
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _CPUS = os.cpu_count() or 1
-RESOLUTION_CORES = 0.1
-"""The coarsest load reading kept: an interval must be long enough for its ticks' error to stay under it."""
+RESOLUTION_CORES = 0.125
+"""The coarsest load reading kept: an interval must be long enough for its ticks' error to stay under it.
+Half a study's default ``load_tolerance`` (0.25 cores), so that two readings' errors cannot add up to a
+difference that leaves a pair out."""
 _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)
 """user, nice, system, irq, softirq, steal of ``/proc/stat``'s ``cpu`` line (idle and iowait are not busy)."""
 
