@@ -181,6 +181,7 @@ def test_report_files_and_identical_re_render(tmp_path: Path, monkeypatch):
     produced = {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file() and p.name != "study.json"}
     assert set(produced) == {
         "report.md",
+        "report.html",
         "report.json",
         "loss.png",
         "throughput.png",

@@ -69,7 +69,8 @@ def run_study(
     finally:
         if any(output_dir.glob("runs/*/*/run.json")):
             write_report(output_dir)
-    send_study(output_dir)
+    if (output_dir / "report.json").is_file():  # not before a queued SLURM study's first job finished
+        send_study(output_dir)
     return output_dir / "report.md"
 
 
