@@ -16,7 +16,7 @@ from lit_ablate.models.fp8.conversion import precompute_fp8_scales
 from lit_ablate.strategies.gpu_only import check_gpu_only_options
 from lit_ablate.strategies.mesh import (
     FSDP_SHARD_DIMS,
-    STRATEGY_KEY,
+    STRATEGY_OPTIONS_KEY,
     MeshOptions,
     MeshStrategy,
     decoder_layers,
@@ -65,7 +65,7 @@ class FullyShardSteps(MeshStrategy):
         super().__init__(**kwargs)
         for key, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
             if value is not None and value not in DTYPES:
-                raise ConfigError(f"{STRATEGY_KEY}.{key}", value, f"choose one of {sorted(DTYPES)} or null")
+                raise ConfigError(f"{STRATEGY_OPTIONS_KEY}.{key}", value, f"choose one of {sorted(DTYPES)} or null")
         self.reshard_after_forward = reshard_after_forward
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype

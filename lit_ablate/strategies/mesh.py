@@ -45,7 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.optim import Optimizer
 
 from lit_ablate.errors import ConfigError
-from lit_ablate.mesh_sizes import MESH_DIMS, STRATEGY_KEY, MeshSizes
+from lit_ablate.mesh_sizes import MESH_DIMS, STRATEGY_OPTIONS_KEY, MeshSizes
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
 from lit_ablate.simulated_rank import current_simulation
 from lit_ablate.strategies.gradient_clipping import clip_grad_norm_across_meshes
@@ -141,10 +141,12 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
         self._check_steps_implemented(self.requested_mesh_sizes)
         if activation_checkpointing not in ("none", "full", "selective"):
             raise ConfigError(
-                f"{STRATEGY_KEY}.activation_checkpointing", activation_checkpointing, "choose none, full or selective"
+                f"{STRATEGY_OPTIONS_KEY}.activation_checkpointing",
+                activation_checkpointing,
+                "choose none, full or selective",
             )
         if checkpoint_every < 1:
-            raise ConfigError(f"{STRATEGY_KEY}.checkpoint_every", checkpoint_every, "use 1 or more")
+            raise ConfigError(f"{STRATEGY_OPTIONS_KEY}.checkpoint_every", checkpoint_every, "use 1 or more")
         self.activation_checkpointing = activation_checkpointing
         self.checkpoint_every = checkpoint_every
         self.compile_layers = compile_layers
@@ -241,7 +243,7 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
                     else "a strategy that implements it"
                 )
                 raise ConfigError(
-                    f"{STRATEGY_KEY}.{dim}",
+                    f"{STRATEGY_OPTIONS_KEY}.{dim}",
                     sizes[dim],
                     f"{type(self).__name__} does not implement {step}; use {dim}: 1, or {other}",
                 )
@@ -465,7 +467,7 @@ def _compile_backend(backend: str | None) -> str:
     backends = torch._dynamo.list_backends(exclude_tags=())
     if backend not in backends:
         raise ConfigError(
-            f"{STRATEGY_KEY}.compile_backend",
+            f"{STRATEGY_OPTIONS_KEY}.compile_backend",
             backend,
             "use inductor (what runs are measured with), aot_eager (the same tracing, eager kernels) or "
             "eager; torch._dynamo.list_backends(exclude_tags=()) lists every backend",

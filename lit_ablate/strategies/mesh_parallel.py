@@ -10,7 +10,7 @@ from lit_ablate.models.attention.sequence_layout import LayoutName
 from lit_ablate.strategies.context_parallel import ContextParallelImpl, ContextParallelSteps
 from lit_ablate.strategies.expert_parallel import DispatchMode, ExpertParallelSteps
 from lit_ablate.strategies.fsdp2 import FSDPOptions
-from lit_ablate.strategies.mesh import STRATEGY_KEY
+from lit_ablate.strategies.mesh import STRATEGY_OPTIONS_KEY
 from lit_ablate.strategies.tensor_parallel import TensorParallelSteps
 
 
@@ -59,7 +59,7 @@ class MeshParallelStrategy(TensorParallelSteps, ContextParallelSteps, ExpertPara
     ) -> None:
         if sequence_parallel and cp != 1:
             raise ConfigError(
-                f"{STRATEGY_KEY}.sequence_parallel",
+                f"{STRATEGY_OPTIONS_KEY}.sequence_parallel",
                 True,
                 "context parallelism already splits the sequence over cp; use sequence_parallel: false",
             )

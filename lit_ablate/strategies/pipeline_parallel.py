@@ -44,7 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lit_ablate.errors import ConfigError
-from lit_ablate.mesh_sizes import STRATEGY_KEY
+from lit_ablate.mesh_sizes import STRATEGY_OPTIONS_KEY
 from lit_ablate.models.attention.block_kernels import BlockKernelName
 from lit_ablate.models.attention.sequence_layout import LayoutName
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
@@ -154,20 +154,20 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
             timeout_s=timeout_s,
         )
         if schedule not in SCHEDULES:
-            raise ConfigError(f"{STRATEGY_KEY}.schedule", schedule, f"choose one of {SCHEDULES}")
+            raise ConfigError(f"{STRATEGY_OPTIONS_KEY}.schedule", schedule, f"choose one of {SCHEDULES}")
         interleaved = schedule == "interleaved_1f1b"
         if not isinstance(stages_per_rank, int) or stages_per_rank < 1 or (stages_per_rank > 1) != interleaved:
             raise ConfigError(
-                f"{STRATEGY_KEY}.stages_per_rank",
+                f"{STRATEGY_OPTIONS_KEY}.stages_per_rank",
                 stages_per_rank,
                 "interleaved_1f1b needs 2 or more stages per rank; gpipe and 1f1b hold 1",
             )
         self.stages_per_rank = stages_per_rank
         if not isinstance(microbatches, int) or microbatches < 1:
-            raise ConfigError(f"{STRATEGY_KEY}.microbatches", microbatches, "use 1 or more micro-batches")
+            raise ConfigError(f"{STRATEGY_OPTIONS_KEY}.microbatches", microbatches, "use 1 or more micro-batches")
         if reshard_after_forward and dp_shard == 1:
             raise ConfigError(
-                f"{STRATEGY_KEY}.reshard_after_forward",
+                f"{STRATEGY_OPTIONS_KEY}.reshard_after_forward",
                 True,
                 "it frees FSDP-sharded stages' gathered layers: set dp_shard > 1, or leave it false",
             )
@@ -195,14 +195,14 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
         pp = self.mesh_sizes["pp"]
         if self.schedule_name == "1f1b" and self.microbatches < pp:
             raise ConfigError(
-                f"{STRATEGY_KEY}.microbatches",
+                f"{STRATEGY_OPTIONS_KEY}.microbatches",
                 self.microbatches,
                 f"1f1b needs at least pp={pp} micro-batches to fill the pipeline; raise it or use gpipe",
             )
         rounds = max(1, self.microbatches // pp)
         if self.schedule_name == "interleaved_1f1b" and self.microbatches % rounds:
             raise ConfigError(
-                f"{STRATEGY_KEY}.microbatches",
+                f"{STRATEGY_OPTIONS_KEY}.microbatches",
                 self.microbatches,
                 f"interleaved_1f1b runs rounds of pp={pp} micro-batches: use a multiple of {pp}, or fewer than {pp}",
             )
@@ -340,7 +340,7 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
             )
         if config.num_hidden_layers < self.pp:
             raise ConfigError(
-                f"{STRATEGY_KEY}.pp",
+                f"{STRATEGY_OPTIONS_KEY}.pp",
                 self.pp,
                 f"the model has {config.num_hidden_layers} decoder layers; use at most that many stages",
             )

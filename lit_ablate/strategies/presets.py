@@ -20,7 +20,7 @@ from lit_ablate.models.attention.sequence_layout import LayoutName
 from lit_ablate.strategies.context_parallel import ContextParallelImpl
 from lit_ablate.strategies.expert_parallel import DispatchMode
 from lit_ablate.strategies.fsdp2 import FSDPOptions
-from lit_ablate.strategies.mesh import STRATEGY_KEY
+from lit_ablate.strategies.mesh import STRATEGY_OPTIONS_KEY
 from lit_ablate.strategies.mesh_parallel import MeshParallelStrategy
 
 
@@ -55,7 +55,7 @@ class _Preset(MeshParallelStrategy):
         for key, value in options.items():
             if key not in self.OPTIONS.__optional_keys__:
                 raise ConfigError(
-                    f"{STRATEGY_KEY}.{key}",
+                    f"{STRATEGY_OPTIONS_KEY}.{key}",
                     value,
                     f"{type(self).__name__} does not take {key}; use a strategy that does "
                     "(MeshParallelStrategy takes every mesh dimension)",

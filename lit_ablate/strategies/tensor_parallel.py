@@ -22,7 +22,7 @@ from lit_ablate.models.losses.cross_entropy import ChunkedCrossEntropy, TorchCro
 from lit_ablate.models.losses.loss_choice import LossChoice
 from lit_ablate.models.losses.vocabulary_parallel_chunked import vocabulary_parallel_chunked_cross_entropy
 from lit_ablate.strategies.fsdp2 import FullyShardSteps
-from lit_ablate.strategies.mesh import STRATEGY_KEY
+from lit_ablate.strategies.mesh import STRATEGY_OPTIONS_KEY
 from lit_ablate.strategies.state_sharding import StateSharding
 from lit_ablate.strategies.tensor_parallel_plans import Plan, layer_plan_for, root_plan
 
@@ -124,7 +124,9 @@ class TensorParallelSteps(FullyShardSteps):
         for name in ("num_attention_heads", "num_key_value_heads", "vocab_size"):
             value = getattr(config, name)
             if value % tp:
-                raise ConfigError(f"{STRATEGY_KEY}.tp", tp, f"the model's {name} is {value}; use a tp that divides it")
+                raise ConfigError(
+                    f"{STRATEGY_OPTIONS_KEY}.tp", tp, f"the model's {name} is {value}; use a tp that divides it"
+                )
         LossChoice.of_backend(model.loss_fn).check_tensor_parallel()
         if model.lm.get_output_embeddings().bias is not None:
             raise ConfigError("model", type(model.lm).__name__, "an LM head with a bias is not split yet; use tp: 1")
@@ -146,7 +148,7 @@ class TensorParallelSteps(FullyShardSteps):
         rows, length = batch["input_ids"].shape
         if length % tp:
             raise ConfigError(
-                f"{STRATEGY_KEY}.sequence_parallel",
+                f"{STRATEGY_OPTIONS_KEY}.sequence_parallel",
                 True,
                 f"a batch has length {length}, not divisible by tp={tp}; pad to a multiple of {tp} "
                 "(data.init_args.collator.init_args.pad_to_multiple_of) or set sequence_parallel: false",
@@ -291,7 +293,7 @@ def whole_sequence_masks(module: nn.Module, args: tuple, kwargs: dict[str, Any])
         not layer_types and getattr(config, "sliding_window", None)
     ):
         raise ConfigError(
-            f"{STRATEGY_KEY}.sequence_parallel",
+            f"{STRATEGY_OPTIONS_KEY}.sequence_parallel",
             True,
             "packed or padded batches on a sliding-window model need a second whole-sequence mask, "
             "not built; use unpacked, unpadded batches or sequence_parallel: false",

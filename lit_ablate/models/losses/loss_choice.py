@@ -15,7 +15,7 @@ from lit_ablate.errors import ConfigError
 from lit_ablate.models.losses.cross_entropy import (
     LOSS_BACKENDS,
     LOSS_KEY,
-    OPTIONS_KEY,
+    LOSS_OPTIONS_KEY,
     LossBackend,
     check_loss_backend,
     check_named,
@@ -53,7 +53,7 @@ class LossChoice:
     def check_named(self) -> None:
         """Raise ``ConfigError`` for a name no backend has, or an option the backend does not take (what
         ``build`` refuses, without building it: a study checks every variant before the first runs)."""
-        check_named(LOSS_BACKENDS, self.name, dict(self.options), key=LOSS_KEY, options_key=OPTIONS_KEY)
+        check_named(LOSS_BACKENDS, self.name, dict(self.options), key=LOSS_KEY, options_key=LOSS_OPTIONS_KEY)
 
     def build(self) -> LossBackend:
         """The backend (``loss_backend``): unknown names, options or values raise ``ConfigError``."""
@@ -80,7 +80,7 @@ def check_tensor_parallel_loss(loss: str, z_loss_weight: float = 0.0) -> None:
         )
     if loss == "torch" and z_loss_weight:
         raise ConfigError(
-            f"{OPTIONS_KEY}.z_loss_weight",
+            f"{LOSS_OPTIONS_KEY}.z_loss_weight",
             z_loss_weight,
             "z-loss needs the log-sum-exp over the whole vocabulary, which the 'torch' backend's "
             "loss_parallel never gathers; use loss: chunked (it all-reduces it) or 0",
