@@ -14,14 +14,21 @@ from lit_ablate.models.adapters.quantization import QUANTIZATION_KEY, Quantizati
 from lit_ablate.rules.batch_rows import DATA_OPTIONS
 from lit_ablate.rules.registry import Scope, rule
 from lit_ablate.run_config import RunConfig, class_default
+from lit_ablate.strategies.context_parallel import ContextParallelSteps
+from lit_ablate.strategies.expert_parallel import ExpertParallelSteps
+from lit_ablate.strategies.fsdp2 import FullyShardSteps
+from lit_ablate.strategies.options import keyword_options
+from lit_ablate.strategies.pipeline_parallel import PipelineParallelStrategy
+from lit_ablate.strategies.tensor_parallel import TensorParallelSteps
 
 MESH_OPTIONS = {
-    "tp": ("sequence_parallel",),
-    "cp": ("cp_impl", "cp_layout", "cp_block_kernel"),
-    "ep": ("dispatch",),
-    "pp": ("schedule", "microbatches", "split_points", "stages_per_rank"),
+    "tp": tuple(keyword_options(TensorParallelSteps)),
+    "cp": tuple(keyword_options(ContextParallelSteps)),
+    "ep": tuple(keyword_options(ExpertParallelSteps)),
+    "pp": tuple(keyword_options(PipelineParallelStrategy, leave_out=(*MESH_DIMS, *keyword_options(FullyShardSteps)))),
 }
-"""The strategy options of one mesh dimension's step: that step runs only when its size is not 1."""
+"""The strategy options of one mesh dimension's step, as its step declares them: it runs only when its size
+is not 1."""
 PAIRED_OPTIONS: tuple[PairedKey, ...] = (
     *(
         PairedKey(f"{STRATEGY_OPTIONS_KEY}.{name}", f"{STRATEGY_OPTIONS_KEY}.{dim}", lambda size: size != 1, "not 1")

@@ -35,7 +35,7 @@ import math
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -61,20 +61,6 @@ GRADIENT_MEAN_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "ep", "cp")
 its tensor-parallel slice (``tp``), whose ranks hold other parameters or other slices of them."""
 
 ActivationCheckpointing = Literal["none", "full", "selective"]
-
-
-class MeshOptions(TypedDict, total=False):
-    """The options every mesh strategy takes beside its mesh sizes (see ``MeshStrategy``): presets
-    accept them as ``**kwargs: Unpack[...]``, so their signatures (what jsonargparse parses) list
-    exactly the dimensions they implement."""
-
-    activation_checkpointing: ActivationCheckpointing
-    checkpoint_every: int
-    compile_layers: bool
-    compile_backend: str | None
-    save_distributed_checkpoint: bool
-    process_group_backend: str | None
-    timeout_s: float
 
 
 class MeshStrategy(ModelParallelStrategy, StrategyInterface):

@@ -61,6 +61,12 @@ class TensorParallelSteps(FullyShardSteps):
 
     def __init__(self, sequence_parallel: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        if sequence_parallel and self.requested_mesh_sizes.cp != 1:
+            raise ConfigError(
+                f"{STRATEGY_OPTIONS_KEY}.sequence_parallel",
+                True,
+                "context parallelism already splits the sequence over cp; use sequence_parallel: false",
+            )
         self.sequence_parallel = sequence_parallel
 
     @property
