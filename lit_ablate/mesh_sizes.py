@@ -1,7 +1,7 @@
 """``MeshSizes``: the six sizes of the device mesh as one frozen value.
 
 A mesh strategy is built from it (``MeshStrategy.requested_mesh_sizes``), resolves it against the
-world size when its ranks start (``mesh_sizes``), and the estimator and the compatibility rules read
+world size when its ranks start (``mesh_sizes``), and the estimator and the rules read
 it from a config (``lit_ablate.run_config``) without building a strategy. It needs nothing but
 ``ConfigError``, so reading a config's sizes imports no strategy. It reads as a mapping
 ``{dim: size}`` over ``MESH_DIMS`` too, outermost first, which is how a mesh is laid out.

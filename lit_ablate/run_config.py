@@ -1,7 +1,7 @@
 """``RunConfig``: one run config, read once, as typed values.
 
 LightningCLI (jsonargparse) parses and types a ``fit`` config into ``class_path``/``init_args``
-sections. What the compatibility rules, ``lit-ablate fit``'s preflight, the estimator and the study
+sections. What the rules (``lit_ablate.rules``), the estimator and the study
 planner then need to know about the run (its strategy and mesh sizes, the loss and its options,
 precision and dtype, fp8, quantisation, the collator and data format, devices and nodes, the
 model's section, the simulated rank) is read from that dict here, into the values below, and nowhere

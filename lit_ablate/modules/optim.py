@@ -6,7 +6,7 @@ warm-up-stable-decay).
 instead of 8 in fp32); both libraries keep tensors under 4096 elements in fp32 (bitsandbytes'
 ``min_8bit_size``, torchao's fixed threshold), so small adapters barely shrink. Whether an
 optimizer can update the parameters a strategy hands it is decided before the model is built
-(``optimizer_refusal``) and by the study runner's compatibility rule, not discovered at step 1.
+(``optimizer_refusal``) and by the rule ``optimizer_runs_here``, not discovered at step 1.
 
 torch's AdamW has three implementations of one update: a Python loop over parameters, ``foreach``
 (one kernel launch per operation over a list of tensors) and ``fused`` (one kernel for the whole

@@ -1,5 +1,5 @@
 """Strategy options that need a GPU, in one place: checked by the strategies at set-up and,
-from a config alone, by the ablation runner's compatibility rules before anything launches."""
+from a config alone, by the rule ``strategy_options_run_here`` before anything launches."""
 
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ ONE_STAGE_FIX = (
     "last stage, which torch's schedules do not run); raise pp and the devices to match, or use "
     "trainer.strategy lit_ablate.strategies.FSDP2Strategy"
 )
-"""Why ``pp`` 1 is refused, and what to do (``keep_stages``, and before any rank starts the compatibility
-rule ``pipeline_stages_split_the_model``)."""
+"""Why ``pp`` 1 is refused, and what to do (``keep_stages``, and before any rank starts the rule
+``pipeline_stages_split_the_model``)."""
 
 
 def keep_stages(

@@ -365,7 +365,7 @@ def check_loss_backend(name: str, compute_dtype: str | None = None, **options: A
 
     ``compute_dtype`` (``float32`` / ``float16`` / ``bfloat16``: the dtype the hidden states will
     have) also refuses what only fails at the first step: bf16 under the interpreter, cce's kernel
-    training in float32. The ablation runner's compatibility registry calls it to mark variants
+    training in float32. The rule ``loss_backend_available`` calls it to mark variants
     that cannot run here ``skipped``; it builds nothing heavy.
     """
     backend = loss_backend(name, **options)

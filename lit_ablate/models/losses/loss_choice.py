@@ -1,7 +1,7 @@
 """``LossChoice``: a configured loss backend (``model.init_args.loss`` and ``loss_options``), judged in one place.
 
 The module builds its loss from it, the tensor-parallel step asks it whether the backend computes
-on a vocabulary-sharded LM head, and the compatibility rules ask it whether the backend runs here,
+on a vocabulary-sharded LM head, and the rules ask it whether the backend runs here,
 so what a loss name means is decided here and nowhere else.
 """
 
