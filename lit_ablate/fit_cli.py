@@ -25,6 +25,7 @@ from lit_ablate.callbacks.run_recorder import RunRecorder
 from lit_ablate.callbacks.turn_taking import TurnTaking
 from lit_ablate.checkpoint_model import check_same_model, checkpoint_model_section
 from lit_ablate.command_table import SUMMARIES
+from lit_ablate.errors import quoted_refusal
 from lit_ablate.rules import check_parts, check_run
 from lit_ablate.rules.paths import checkpoint_is_a_checkpoint
 from lit_ablate.run_config import RunConfig
@@ -200,28 +201,51 @@ def _as_list(value: Any) -> list[Any]:
 
 
 class _Resolved(Exception):
-    """Raised by ``_ResolvingCLI`` once it has parsed: the resolved config travels in it."""
+    """Raised by ``_ParsingCLI`` once it has parsed: the resolved config travels in it."""
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__("resolved")
         self.config = config
 
 
-class _ResolvingCLI(LitAblateCLI):
-    """``LitAblateCLI`` that stops once the arguments are parsed: nothing is checked, built or run."""
+class _ParsingCLI(LitAblateCLI):
+    """``LitAblateCLI`` that stops once the arguments are parsed (and, with ``construct``, every class they
+    name is made, so each constructor has judged its own arguments): no rule is judged, nothing run."""
+
+    construct = False
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         super().parse_arguments(parser, args)
+        if self.construct:
+            try:
+                parser.instantiate_classes(self.config)
+            except ValueError as err:  # jsonargparse lists each alternative's failure: a constructor's refusal
+                raise quoted_refusal(str(err)) or err from None
         raise _Resolved(yaml.safe_load(parser.dump(self.config, skip_unset=False))[self.config["subcommand"]])
+
+
+class _ConstructingCLI(_ParsingCLI):
+    construct = True
+
+
+def _parsed(cli: type[_ParsingCLI], args: list[str]) -> dict[str, Any]:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*args.*sys.argv.*")  # intentional: args are explicit
+        try:
+            cli(args=["fit", *args])
+        except _Resolved as resolved:
+            return resolved.config
+    raise AssertionError("the parser returned without resolving")  # parse_arguments always raises
 
 
 def resolve_fit_config(args: list[str]) -> dict[str, Any]:
     """The resolved config that ``lit-ablate fit <args>`` would run (every default filled in, as
     ``--print_config`` prints it), without running anything."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*args.*sys.argv.*")  # intentional: args are explicit
-        try:
-            _ResolvingCLI(args=["fit", *args])
-        except _Resolved as resolved:
-            return resolved.config
-    raise AssertionError("the parser returned without resolving")  # parse_arguments always raises
+    return _parsed(_ParsingCLI, args)
+
+
+def construct_fit_parts(args: list[str]) -> None:
+    """Make every class ``lit-ablate fit <args>`` would make (the module, the data module, the strategy,
+    the callbacks; no model is built): ``ConfigError`` for a value a constructor refuses, as ``fit`` refuses
+    it once its rules have passed."""
+    _parsed(_ConstructingCLI, args)

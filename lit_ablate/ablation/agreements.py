@@ -46,7 +46,7 @@ class GradientAgreement:
 _Agreement = TypeVar("_Agreement", LossAgreement, GradientAgreement)
 
 
-def loss_agreement(raw: Any, axes: Mapping[str, list[Any]]) -> LossAgreement | None:
+def loss_agreement(raw: Any, axes: Mapping[str, list[Any]], steps: int | None) -> LossAgreement | None:
     agreement = _agreement(raw, "expect_equal_loss", LossAgreement, ("rtol", "atol"))
     if agreement is None:
         return None
@@ -54,6 +54,7 @@ def loss_agreement(raw: Any, axes: Mapping[str, list[Any]]) -> LossAgreement | N
         raise ConfigError(
             "expect_equal_loss.steps", agreement.steps, "give a positive integer (or leave it out: all steps)"
         )
+    check_within_steps(agreement, steps)
     if agreement.across is not None and agreement.across not in axes:
         raise ConfigError(
             "expect_equal_loss.across",
@@ -67,14 +68,33 @@ def gradient_agreement(raw: Any, steps: int | None) -> GradientAgreement | None:
     agreement = _agreement(raw, "expect_equal_gradients", GradientAgreement, ("rtol",))
     if agreement is None:
         return None
-    if not positive_int(agreement.step) or (steps is not None and agreement.step > steps):
+    if not positive_int(agreement.step):
         raise ConfigError(
             "expect_equal_gradients.step",
             agreement.step,
-            "give the optimizer step whose gradients are compared: a positive integer"
-            + (f" of at most steps ({steps})" if steps is not None else ""),
+            "give the optimizer step whose gradients are compared: a positive integer",
         )
+    check_within_steps(agreement, steps)
     return agreement
+
+
+def check_within_steps(agreement: LossAgreement | GradientAgreement, steps: int | None) -> None:
+    """Refuse a check of more steps than the runs train (``steps``; None: not known yet): it would run every
+    variant and then report the steps that never came as a difference."""
+    if steps is None:
+        return
+    if isinstance(agreement, LossAgreement) and agreement.steps is not None and agreement.steps > steps:
+        raise ConfigError(
+            "expect_equal_loss.steps",
+            agreement.steps,
+            f"the runs train {steps} steps; compare at most {steps} (or leave it out: all steps)",
+        )
+    if isinstance(agreement, GradientAgreement) and agreement.step > steps:
+        raise ConfigError(
+            "expect_equal_gradients.step",
+            agreement.step,
+            f"give the optimizer step whose gradients are compared: a positive integer of at most steps ({steps})",
+        )
 
 
 def _agreement(raw: Any, key: str, kind: type[_Agreement], tolerances: tuple[str, ...]) -> _Agreement | None:

@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from lit_ablate.ablation.agreements import check_within_steps
 from lit_ablate.ablation.launch import Launch
 from lit_ablate.ablation.single_variable import check_single_variable
 from lit_ablate.ablation.spec import RUNNER_KEYS, StudySpec, Variant
@@ -32,6 +33,8 @@ from lit_ablate.run_config import RunConfig
 
 Resolver = Callable[[list[str]], dict[str, Any]]
 """``(fit args) -> resolved config``: what ``lit-ablate fit <args>`` would run, without running it."""
+Constructor = Callable[[list[str]], None]
+"""``(fit args) -> None``: make the classes ``lit-ablate fit <args>`` makes (``ConfigError`` for a refused value)."""
 RESOLVE_ERRORS = (ValueError, TypeError, KeyError, argparse.ArgumentError, SystemExit)
 """What a resolver raises for a config it rejects (jsonargparse exits unless built not to)."""
 
@@ -68,6 +71,13 @@ def default_resolver() -> Resolver:
     return resolve_fit_config
 
 
+def default_constructor() -> Constructor:
+    """The CLI's constructor of a config's classes (imported late, as the resolver)."""
+    from lit_ablate.fit_cli import construct_fit_parts
+
+    return construct_fit_parts
+
+
 def run_dir(output_dir: Path, variant: Variant, seed: int) -> Path:
     return output_dir / "runs" / variant.name / f"seed{seed}"
 
@@ -79,34 +89,51 @@ def trainer_root(directory: Path) -> Path:
     return directory / "trainer"
 
 
-def plan_study(spec: StudySpec, output_dir: Path, resolve: Resolver | None = None) -> list[PlannedRun]:
+def plan_study(
+    spec: StudySpec, output_dir: Path, resolve: Resolver | None = None, construct: Constructor | None = None
+) -> list[PlannedRun]:
     """All runs of the study in the order they run (``spec.order``: round-robin over variants by
-    default); raises ``ConfigError`` on a second variable."""
-    resolve = resolve or default_resolver()
+    default); raises ``ConfigError`` on a second variable. A variant every rule passes has its classes
+    made (``construct``; by default with the default resolver), so a value only a constructor refuses
+    (a negative ``seq_len``) refuses the study before its first run, as it refuses ``fit``."""
+    if resolve is None:
+        resolve, construct = default_resolver(), construct or default_constructor()
     output_dir = output_dir.resolve()
     resolved: dict[str, dict[str, Any]] = {}
     invalid: dict[str, str] = {}
+    skipped: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="lit-ablate-plan-") as tmp:
+        paths = {variant.name: Path(tmp) / f"{variant.name}.yaml" for variant in spec.variants}
         for variant in spec.variants:
             seed = spec.seeds[0]
-            path = Path(tmp) / f"{variant.name}.yaml"
-            write_config(path, spec.fit_config(variant, seed, trainer_root(run_dir(output_dir, variant, seed))))
-            outcome = _resolve(resolve, path)
+            write_config(
+                paths[variant.name], spec.fit_config(variant, seed, trainer_root(run_dir(output_dir, variant, seed)))
+            )
+            outcome = _resolve(resolve, paths[variant.name])
             if isinstance(outcome, str):
                 invalid[variant.name] = outcome
             else:
                 resolved[variant.name] = outcome
-    check_single_variable(resolved, spec.variables, ignored=RUNNER_KEYS)
-    views = {name: RunConfig.of(config) for name, config in resolved.items()}  # each variant's config, read once
-    check_losses_are_a_model_s(spec, views)
-    skipped: dict[str, str] = {}
-    for variant in spec.variants:
-        if variant.name in views:
+        check_single_variable(resolved, spec.variables, ignored=RUNNER_KEYS)
+        views = {name: RunConfig.of(config) for name, config in resolved.items()}  # each variant's, read once
+        check_losses_are_a_model_s(spec, views)
+        if spec.steps is None:  # the runs train the steps their base config sets
+            for view in views.values():
+                steps = view.trainer.max_steps
+                for check in (spec.expect_equal_loss, spec.expect_equal_gradients):
+                    if check is not None and isinstance(steps, int) and steps > 0:
+                        check_within_steps(check, steps)
+        for variant in spec.variants:
+            if variant.name not in views:
+                continue
             view, launch = RunConfig.of(views[variant.name], executor=variant.launch.executor), variant.launch
             mistake = first_refusal(_where(view, launch), *_scopes(launch), skips_variant=False)
+            skip = None if mistake else first_refusal(_where(view, launch), *_scopes(launch), skips_variant=True)
+            if not mistake and not skip and construct is not None:  # what only a constructor judges
+                mistake = _constructed(construct, paths[variant.name])
             if mistake:
                 invalid[variant.name] = f"config refused: {mistake}"
-            elif skip := first_refusal(_where(view, launch), *_scopes(launch), skips_variant=True):
+            elif skip:
                 skipped[variant.name] = skip
     runs = []
     pairs = [(v, s) for s in spec.seeds for v in spec.variants]
@@ -156,6 +183,15 @@ def check_losses_are_a_model_s(spec: StudySpec, views: Mapping[str, RunConfig]) 
                 f"the variants {simulated} are simulated ranks (simulate), whose "
                 f"{what} are no model's; drop {key}, or the simulation",
             )
+
+
+def _constructed(construct: Constructor, path: Path) -> str | None:
+    """Why a constructor refuses a value of the config at ``path``, or None once every class is made."""
+    try:
+        construct(["--config", str(path)])
+    except ConfigError as err:
+        return str(err)
+    return None
 
 
 def _resolve(resolve: Resolver, path: Path) -> dict[str, Any] | str:
