@@ -94,8 +94,9 @@ def plan_study(
 ) -> list[PlannedRun]:
     """All runs of the study in the order they run (``spec.order``: round-robin over variants by
     default); raises ``ConfigError`` on a second variable. A variant every rule passes has its classes
-    made (``construct``; by default with the default resolver), so a value only a constructor refuses
-    (a negative ``seq_len``) refuses the study before its first run, as it refuses ``fit``."""
+    made here (``construct``; by default with the default resolver) when it runs on this machine, so a
+    value only a constructor refuses (a negative ``seq_len``) refuses the study before its first run, as it
+    refuses ``fit``; a SLURM job's start-up makes them on its node."""
     if resolve is None:
         resolve, construct = default_resolver(), construct or default_constructor()
     output_dir = output_dir.resolve()
@@ -129,8 +130,8 @@ def plan_study(
             view, launch = RunConfig.of(views[variant.name], executor=variant.launch.executor), variant.launch
             mistake = first_refusal(_where(view, launch), *_scopes(launch), skips_variant=False)
             skip = None if mistake else first_refusal(_where(view, launch), *_scopes(launch), skips_variant=True)
-            if not mistake and not skip and construct is not None:  # what only a constructor judges
-                mistake = _constructed(construct, paths[variant.name])
+            if not mistake and not skip and construct is not None and launch.executor == "local":
+                mistake = _constructed(construct, paths[variant.name])  # a job's start-up makes them on its node
             if mistake:
                 invalid[variant.name] = f"config refused: {mistake}"
             elif skip:

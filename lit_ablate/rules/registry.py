@@ -10,6 +10,7 @@ anywhere else is registered when its module is imported (as a ``class_path`` imp
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 from collections.abc import Callable, Mapping
@@ -56,15 +57,13 @@ def rule(*scopes: Scope, skips_variant: bool = False) -> Callable[[Callable[...,
         raise TypeError("a rule names at least one Scope")
 
     def register(judge: Callable[..., Refusal | None]) -> Callable[..., Refusal | None]:
-        if Scope.BUILT_PARTS in scopes:
-            called = judge
-        else:
+        called = judge
+        if Scope.BUILT_PARTS not in scopes:
 
+            @functools.wraps(judge)
             def called(run: RunConfig | Mapping[str, Any]) -> Refusal | None:
                 return judge(RunConfig.of(run))
 
-            called.__name__, called.__qualname__, called.__doc__ = judge.__name__, judge.__qualname__, judge.__doc__
-            called.__module__, called.__wrapped__ = judge.__module__, judge  # type: ignore[attr-defined]
         RULES[judge.__name__] = Rule(called, frozenset(scopes), skips_variant)
         return called
 
