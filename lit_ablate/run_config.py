@@ -45,7 +45,6 @@ MISSING: Any = object()
 """An argument that neither the config nor the class gives a value."""
 MODEL_DTYPES = ("float32", "float16", "bfloat16")
 GPU_ACCELERATORS = ("gpu", "cuda")
-SUBCOMMANDS = ("fit", "validate", "test")
 EXECUTORS = ("local", "slurm")
 """How a study starts its runs: ``local`` (a process of its runner each) or ``slurm`` (a job each)."""
 

@@ -55,15 +55,13 @@ def experts_split_over_ep(run: RunConfig) -> Refusal | None:
 
 @rule(Scope.CONFIG, skips_variant=True)
 def tensor_parallel_splits_the_model(run: RunConfig) -> Refusal | None:
-    """Tensor parallelism splits the attention heads, the key/value heads and the vocabulary over ``tp``
-    ranks: ``tp`` must divide each (what the tensor-parallel step checks once the model is built)."""
+    """Tensor parallelism splits the heads, the key/value heads, the vocabulary and the dense MLP's width over
+    ``tp`` ranks: ``tp`` must divide each (``tensor_parallel_shape_refusal``, what the strategy checks once
+    the model is built)."""
+    from lit_ablate.strategies.tensor_parallel import tensor_parallel_shape_refusal
+
     tp = run.mesh_size("tp")
-    config = run.model.hf_config if tp != 1 else None
-    for name in ("num_attention_heads", "num_key_value_heads", "vocab_size"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value % tp:
-            return Refusal(f"{STRATEGY_OPTIONS_KEY}.tp", tp, f"the model's {name} is {value}; use a tp that divides it")
-    return None
+    return None if tp == 1 or run.model.hf_config is None else tensor_parallel_shape_refusal(run.model.hf_config, tp)
 
 
 @rule(Scope.CONFIG, skips_variant=True)
