@@ -2,7 +2,7 @@
 
 Raised at construction or set-up time, before any training work, with a message that names the
 config key, the offending value and the fix, so a user never has to read a torch stack trace to
-find a typo in their YAML. A compatibility rule that judges a config without raising returns the
+find a typo in their YAML. A rule (``lit_ablate.rules``) that judges a config without raising returns the
 same three parts as a ``Refusal``: a study shows it as the variant's skip reason, ``lit-ablate fit``
 raises it as a ``ConfigError``, and neither reads the other's text back.
 """
@@ -59,7 +59,7 @@ class ConfigError(ValueError):
 
     @property
     def refusal(self) -> Refusal:
-        """The same key, value and fix as a ``Refusal`` (what a compatibility rule returns)."""
+        """The same key, value and fix as a ``Refusal`` (what a rule returns)."""
         return Refusal(self.key, self.value, self.fix)
 
 

@@ -8,8 +8,6 @@ studies and ``lit-ablate estimate`` read).
 
 from __future__ import annotations
 
-import contextlib
-import io
 import logging
 import os
 import warnings
@@ -27,8 +25,9 @@ from lit_ablate.callbacks.run_recorder import RunRecorder
 from lit_ablate.callbacks.turn_taking import TurnTaking
 from lit_ablate.checkpoint_model import check_same_model, checkpoint_model_section
 from lit_ablate.command_table import SUMMARIES
-from lit_ablate.compatibility import check_cpu_ranks, check_parts
-from lit_ablate.preflight import check_ckpt_path, check_run_config, check_simulation
+from lit_ablate.errors import quoted_refusal
+from lit_ablate.rules import check_parts, check_run
+from lit_ablate.rules.paths import checkpoint_is_a_checkpoint
 from lit_ablate.run_config import RunConfig
 from lit_ablate.simulated_rank import SIMULATE_KEY, SIMULATE_RANK_KEY, SimulatedRank
 from lit_ablate.strategies.pipeline_parallel import PipelineParallelStrategy
@@ -145,24 +144,21 @@ class LitAblateCLI(LightningCLI):
         as parsed (``lit_ablate.checkpoint_model``)."""
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
-        check_ckpt_path(ckpt_path)
+        refusal = checkpoint_is_a_checkpoint(self.config[subcommand]) if ckpt_path else None
+        if refusal:
+            raise refusal.error()
         section = checkpoint_model_section(ckpt_path) if ckpt_path else None
         if section is not None:
             theirs = self.parser.parse_object({subcommand: {"model": section}}, self.config)[subcommand].model
             check_same_model(self.config[subcommand].model.as_dict(), theirs.as_dict(), ckpt_path)
 
     def before_instantiate_classes(self) -> None:
-        """Refuse a run this machine cannot start (far more CPU ranks than cores) before any rank launches,
-        and values or paths that cannot run (``check_run_config``) before anything is built. A simulated
-        rank (``check_simulation``) is one process: it joins its fake process group here, before Lightning
-        sets up, which then finds it and launches nothing."""
+        """Refuse, before anything is built or any rank launches, what the rules of the config and of this
+        machine refuse (``lit_ablate.rules``). A simulated rank is one process: it joins its fake process
+        group here, before Lightning sets up, which then finds it and launches nothing."""
         if self.subcommand is not None:
-            namespace = self.config[self.subcommand]
-            run = RunConfig.of(namespace)  # the parsed config, read once
-            check_simulation(self.subcommand, run, namespace.get("ckpt_path"))
-            if run.simulation is None:
-                check_cpu_ranks(run.trainer)
-            check_run_config(self.subcommand, run)
+            run = RunConfig.of(self.config[self.subcommand], subcommand=self.subcommand)  # read once
+            check_run(run, self.subcommand)
             if run.simulation is not None:
                 start_fake_process_group(run.simulation)
                 self.simulation = run.simulation
@@ -178,7 +174,7 @@ class LitAblateCLI(LightningCLI):
         self.config = self.parser.parse_object({self.subcommand: section}, self.config)
 
     def before_fit(self) -> None:
-        """The built parts' combination rules (``check_parts``), before the strategy starts any rank."""
+        """The built parts' rules (``Scope.BUILT_PARTS``), before the strategy starts any rank."""
         check_parts(self.model, self.trainer.strategy)
 
     def after_fit(self) -> None:
@@ -204,10 +200,52 @@ def _as_list(value: Any) -> list[Any]:
     return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def resolve_fit_config(args: list[str]) -> dict:
-    """The resolved config that ``lit-ablate fit <args>`` would run, without running anything."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit), warnings.catch_warnings():
+class _Resolved(Exception):
+    """Raised by ``_ParsingCLI`` once it has parsed: the resolved config travels in it."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__("resolved")
+        self.config = config
+
+
+class _ParsingCLI(LitAblateCLI):
+    """``LitAblateCLI`` that stops once the arguments are parsed (and, with ``construct``, every class they
+    name is made, so each constructor has judged its own arguments): no rule is judged, nothing run."""
+
+    construct = False
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        super().parse_arguments(parser, args)
+        if self.construct:
+            try:
+                parser.instantiate_classes(self.config)
+            except ValueError as err:  # jsonargparse lists each alternative's failure: a constructor's refusal
+                raise quoted_refusal(str(err)) or err from None
+        raise _Resolved(yaml.safe_load(parser.dump(self.config, skip_unset=False))[self.config["subcommand"]])
+
+
+class _ConstructingCLI(_ParsingCLI):
+    construct = True
+
+
+def _parsed(cli: type[_ParsingCLI], args: list[str]) -> dict[str, Any]:
+    with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*args.*sys.argv.*")  # intentional: args are explicit
-        LitAblateCLI(args=["fit", *args, "--print_config"])
-    return yaml.safe_load(out.getvalue())
+        try:
+            cli(args=["fit", *args])
+        except _Resolved as resolved:
+            return resolved.config
+    raise AssertionError("the parser returned without resolving")  # parse_arguments always raises
+
+
+def resolve_fit_config(args: list[str]) -> dict[str, Any]:
+    """The resolved config that ``lit-ablate fit <args>`` would run (every default filled in, as
+    ``--print_config`` prints it), without running anything."""
+    return _parsed(_ParsingCLI, args)
+
+
+def construct_fit_parts(args: list[str]) -> None:
+    """Make every class ``lit-ablate fit <args>`` would make (the module, the data module, the strategy,
+    the callbacks; no model is built): ``ConfigError`` for a value a constructor refuses, as ``fit`` refuses
+    it once its rules have passed."""
+    _parsed(_ConstructingCLI, args)

@@ -1,7 +1,7 @@
 """``MeshSizes``: the six sizes of the device mesh as one frozen value.
 
 A mesh strategy is built from it (``MeshStrategy.requested_mesh_sizes``), resolves it against the
-world size when its ranks start (``mesh_sizes``), and the estimator and the compatibility rules read
+world size when its ranks start (``mesh_sizes``), and the estimator and the rules read
 it from a config (``lit_ablate.run_config``) without building a strategy. It needs nothing but
 ``ConfigError``, so reading a config's sizes imports no strategy. It reads as a mapping
 ``{dim: size}`` over ``MESH_DIMS`` too, outermost first, which is how a mesh is laid out.
@@ -18,7 +18,7 @@ from lit_ablate.errors import ConfigError
 
 MESH_DIMS: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
 """The mesh dimensions, outermost first."""
-STRATEGY_KEY = f"{TRAINER_STRATEGY_KEY}.init_args"
+STRATEGY_OPTIONS_KEY = f"{TRAINER_STRATEGY_KEY}.init_args"
 """Where a config sets a strategy's options, the mesh sizes among them."""
 
 
@@ -42,11 +42,13 @@ class MeshSizes(Mapping[str, int]):
         for dim, size in self.items():
             if not isinstance(size, int) or (size < 1 and size != -1):
                 raise ConfigError(
-                    f"{STRATEGY_KEY}.{dim}", size, "use a positive integer, or -1 for 'the rest of the ranks'"
+                    f"{STRATEGY_OPTIONS_KEY}.{dim}", size, "use a positive integer, or -1 for 'the rest of the ranks'"
                 )
         if sum(size == -1 for size in self.values()) > 1:
             raise ConfigError(
-                STRATEGY_KEY, self.shown, "at most one mesh size may be -1 (the rest); give the others explicitly"
+                STRATEGY_OPTIONS_KEY,
+                self.shown,
+                "at most one mesh size may be -1 (the rest); give the others explicitly",
             )
 
     @classmethod
@@ -97,7 +99,7 @@ class MeshSizes(Mapping[str, int]):
         for dim, size in self.items():  # named on its own: "the sizes multiply to 8" hides which one is wrong
             if size > world_size:
                 raise ConfigError(
-                    f"{STRATEGY_KEY}.{dim}",
+                    f"{STRATEGY_OPTIONS_KEY}.{dim}",
                     size,
                     f"{dim} cannot exceed the world size ({world_size} ranks = "
                     f"devices x nodes); use {dim} <= {world_size}, or -1 for the ranks the others leave",
@@ -108,7 +110,7 @@ class MeshSizes(Mapping[str, int]):
         if rest:
             if world_size % known:
                 raise ConfigError(
-                    f"{STRATEGY_KEY}.{rest[0]}",
+                    f"{STRATEGY_OPTIONS_KEY}.{rest[0]}",
                     -1,
                     f"the other mesh sizes {self.shown} multiply to {known}, which does not divide the world size "
                     f"{world_size}; change them or the number of devices",
@@ -117,7 +119,7 @@ class MeshSizes(Mapping[str, int]):
         sizes = MeshSizes(**resolved)
         if sizes.world_size != world_size:
             raise ConfigError(
-                STRATEGY_KEY,
+                STRATEGY_OPTIONS_KEY,
                 sizes.shown,
                 f"the mesh sizes multiply to {sizes.world_size} but the world size (devices x nodes) is "
                 f"{world_size}; make them multiply to {world_size}, or set one of them to -1",

@@ -1,7 +1,7 @@
 """``RunConfig``: one run config, read once, as typed values.
 
 LightningCLI (jsonargparse) parses and types a ``fit`` config into ``class_path``/``init_args``
-sections. What the compatibility rules, ``lit-ablate fit``'s preflight, the estimator and the study
+sections. What the rules (``lit_ablate.rules``), the estimator and the study
 planner then need to know about the run (its strategy and mesh sizes, the loss and its options,
 precision and dtype, fp8, quantisation, the collator and data format, devices and nodes, the
 model's section, the simulated rank) is read from that dict here, into the values below, and nowhere
@@ -12,6 +12,10 @@ variant's merged YAML before it is resolved, or a run record's: what it leaves o
 default the named class takes (``ClassChoice.option``). Classes (and torch) are imported on first
 use, so ``RunConfig.of`` is cheap and a study spec can read it; a ``class_path`` that does not import
 reads as no class (the run reports it itself when it builds).
+
+The world size and the mesh sizes are resolved here and nowhere else (``RunConfig.world_size``,
+``RunConfig.mesh_sizes``): a study's launch is part of the config it merges, and a simulated rank's job
+is read with it, so every rule judges a simulated run as it judges a real one.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +44,9 @@ if TYPE_CHECKING:
 MISSING: Any = object()
 """An argument that neither the config nor the class gives a value."""
 MODEL_DTYPES = ("float32", "float16", "bfloat16")
+GPU_ACCELERATORS = ("gpu", "cuda")
+EXECUTORS = ("local", "slurm")
+"""How a study starts its runs: ``local`` (a process of its runner each) or ``slurm`` (a job each)."""
 
 
 def class_default(cls: type, name: str) -> Any:
@@ -318,9 +325,14 @@ class TrainerSettings:
         return int(self.num_nodes or 1)
 
     @property
-    def world_size(self) -> int:
-        """Ranks: devices per node (``auto`` counts as 1) x nodes."""
-        return (self.devices_per_node or 1) * self.nodes
+    def device_type(self) -> str:
+        """``cuda`` or ``cpu``: where the ranks compute (``auto`` is CUDA when this machine has it)."""
+        accelerator = self.accelerator_name
+        if accelerator == "auto":
+            import torch
+
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return "cuda" if accelerator in GPU_ACCELERATORS else accelerator
 
     @property
     def accumulation(self) -> int:
@@ -399,6 +411,15 @@ class ModelSettings:
 
         return _options(self.fp8_section, Fp8Options)
 
+    @cached_property
+    def hf_config(self) -> Any | None:
+        """The Hugging Face config of the model, as ``ModelFactory`` builds it (from a preset, a config or a
+        pretrained folder's ``config.json``, no weights); None for a model section the run itself refuses."""
+        try:
+            return self.build_factory().hf_config()
+        except (ConfigError, TypeError, OSError):
+            return None
+
     def build_factory(self) -> ModelFactory:
         """The ``ModelFactory`` of ``init_args.model`` (which validates it); ``ConfigError`` when there is none."""
         from lit_ablate.models.factory import ModelFactory
@@ -462,7 +483,8 @@ class RunConfig(Mapping[str, Any]):
     """A run config read once: its typed parts, and the config itself as a read-only mapping (what a
     run record keeps)."""
 
-    resolved: Mapping[str, Any]
+    given: Mapping[str, Any]
+    """The config as ``of`` was given it: a parser's resolved config, or a study's merged YAML."""
     trainer: TrainerSettings
     model: ModelSettings
     data: DataSettings
@@ -472,45 +494,84 @@ class RunConfig(Mapping[str, Any]):
     """``recorder.path``: where the run record goes."""
     simulation: SimulatedRank | None = None
     """``simulate`` / ``simulate_rank``: the one rank of a larger job this run plays (docs/simulation.md)."""
+    subcommand: str = "fit"
+    """What runs the config: ``fit``, or ``validate``/``test`` (which train nothing and write nothing)."""
+    executor: str | None = None
+    """The study executor that starts the run (``EXECUTORS``); None for a command the user runs."""
 
     @classmethod
-    def of(cls, config: RunConfig | Mapping[str, Any]) -> RunConfig:
-        """The view of ``config`` (a dict, a jsonargparse ``Namespace`` or already a view)."""
+    def of(cls, config: RunConfig | Mapping[str, Any], **launch: Any) -> RunConfig:
+        """The view of ``config`` (a dict, a jsonargparse ``Namespace`` or already a view); ``launch`` sets
+        how it runs (``subcommand``, ``executor``)."""
         if isinstance(config, RunConfig):
-            return config
+            return replace(config, **launch) if launch else config
         tree = config.as_dict() if hasattr(config, "as_dict") else dict(config)
         module = ClassChoice.of(get_dotted(tree, "model")) or ClassChoice(
             "", dict(get_dotted(tree, "model.init_args") or {})
         )  # a bare model section (tests, partial configs)
         return cls(
-            resolved=tree,
+            given=tree,
             trainer=TrainerSettings.of(get_dotted(tree, "trainer") or {}),
             model=ModelSettings(module, get_dotted(tree, "model.init_args.model")),
             data=DataSettings.of(get_dotted(tree, "data")),
             optimizer=ClassChoice.of(get_dotted(tree, "optimizer")),
             record_path=get_dotted(tree, "recorder.path"),
             simulation=_simulation(tree),
+            **launch,
         )
 
     @property
     def ckpt_path(self) -> str | None:
         """``--ckpt_path``: the checkpoint the run resumes or evaluates (None: none)."""
-        path = self.resolved.get("ckpt_path")
+        path = self.given.get("ckpt_path")
         return None if path is None else str(path)
 
+    @property
+    def fits(self) -> bool:
+        """Whether the run trains (``fit``): validate and test train nothing and write nothing."""
+        return self.subcommand == "fit"
+
     def __getitem__(self, key: str) -> Any:
-        return self.resolved[key]
+        return self.given[key]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.resolved)
+        return iter(self.given)
 
     def __len__(self) -> int:
-        return len(self.resolved)
+        return len(self.given)
 
     @property
     def world_size(self) -> int:
-        """The job's ranks: the simulated job's under ``simulate``, else devices x nodes."""
-        return self.simulation.world_size if self.simulation else self.trainer.world_size
+        """The job's ranks: the simulated job's under ``simulate``, else devices per node (``auto``
+        counts as 1) x nodes. The one place a run's world size is computed."""
+        if self.simulation is not None:
+            return self.simulation.world_size
+        return (self.trainer.devices_per_node or 1) * self.trainer.nodes
+
+    @property
+    def devices_started(self) -> int | None:
+        """The processes the run starts per node: one for a simulated rank, else ``trainer.devices`` (None:
+        Lightning counts them, ``auto``)."""
+        return 1 if self.simulation is not None else self.trainer.devices_per_node
+
+    @property
+    def nodes_started(self) -> int:
+        """The nodes the run starts processes on: one for a simulated rank."""
+        return 1 if self.simulation is not None else self.trainer.nodes
+
+    @cached_property
+    def mesh_sizes(self) -> MeshSizes | None:
+        """The mesh sizes on the run's ``world_size`` ranks (a ``-1`` resolved); None for a strategy without
+        a mesh, or sizes that do not lay out on those ranks (``mesh_lays_out`` refuses them)."""
+        try:
+            requested = self.trainer.strategy.requested_mesh_sizes
+            return None if requested is None else requested.resolved(self.world_size)
+        except ConfigError:
+            return None
+
+    def mesh_size(self, dim: str) -> int:
+        """The size of mesh dimension ``dim`` on the run's ranks; 1 where ``mesh_sizes`` is None."""
+        return 1 if self.mesh_sizes is None else self.mesh_sizes[dim]
 
     @property
     def compute_dtype(self) -> str | None:
@@ -522,3 +583,10 @@ class RunConfig(Mapping[str, Any]):
         if precision.startswith("16"):
             return "float16"
         return self.model.dtype if self.model.dtype in MODEL_DTYPES else None
+
+
+def on_ranks(run: RunConfig, world_size: int) -> RunConfig:
+    """``run`` on ``world_size`` ranks of one node (``lit-ablate estimate --world_size``), simulated or not."""
+    if run.simulation is not None:
+        return replace(run, simulation=replace(run.simulation, world_size=world_size))
+    return replace(run, trainer=replace(run.trainer, devices=world_size, num_nodes=1))

@@ -79,7 +79,7 @@ def test_shortened_steps_replace_a_study_max_steps_override():
     raw = {k: v for k, v in grid_study().items() if k != "steps"} | {"overrides": {"trainer.max_steps": 50}}
     spec = parse_study(raw)
     short = spec.shortened(steps=6)
-    assert short.run_config(short.variants[0], 0, "/x")["trainer"]["max_steps"] == 6
+    assert short.fit_config(short.variants[0], 0, "/x")["trainer"]["max_steps"] == 6
 
 
 @pytest.mark.parametrize(

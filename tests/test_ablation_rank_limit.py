@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from lit_ablate import compatibility
-from lit_ablate.ablation.spec import Launch
 from lit_ablate.cli import main
-from lit_ablate.compatibility import CPU_RANKS_PER_CORE, check_cpu_ranks, usable_cpu_cores
 from lit_ablate.errors import ConfigError
+from lit_ablate.rules import Scope, first_refusal
+from lit_ablate.rules.devices import CPU_RANKS_PER_CORE, check_cpu_ranks, usable_cpu_cores
 
 QUICKSTART = str(Path(__file__).parents[1] / "configs" / "quickstart.yaml")
 
@@ -30,9 +29,10 @@ def test_limit_is_ranks_per_core_times_usable_cores():
 
 def test_study_variant_with_too_many_cpu_ranks_is_skipped_with_the_numbers():
     too_many = CPU_RANKS_PER_CORE * usable_cpu_cores() + 1
-    reason = compatibility.incompatibility({"trainer": {"accelerator": "cpu", "devices": 1}}, Launch(devices=too_many))
+    here = (Scope.CONFIG, Scope.MACHINE)
+    reason = first_refusal({"trainer": {"accelerator": "cpu", "devices": too_many}}, *here, skips_variant=True)
     assert reason is not None and reason.startswith(f"trainer.devices={too_many}: on CPU every rank is a process")
-    assert compatibility.incompatibility({"trainer": {"accelerator": "cpu"}}, Launch(devices=2)) is None
+    assert first_refusal({"trainer": {"accelerator": "cpu", "devices": 2}}, *here) is None
 
 
 def test_fit_refuses_before_any_rank_starts(tmp_path: Path, capsys):

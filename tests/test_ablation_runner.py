@@ -236,16 +236,18 @@ def test_skipped_variant_gets_a_record_and_is_rechecked_on_resume(tmp_path: Path
 def test_failure_that_a_rule_now_explains_becomes_skipped(tmp_path: Path, fake_fit: list[str], monkeypatch):
     """A run that crashed before a compatibility rule knew why is recorded as skipped on resume;
     a finished ok run is kept even if it could not run here any more."""
-    from lit_ablate import compatibility
+    from lit_ablate.errors import Refusal
+    from lit_ablate.rules import Rule, Scope, registry
 
     spec = make_spec([{"name": "good"}, {"name": "crash", "overrides": {"fake.crash": True}}])
     out = tmp_path / "study"
     run_study(spec, out, fake_fit, fake_resolve)
     assert record(out, "crash")["summary"]["status"] == "error"
-    monkeypatch.setitem(compatibility.RULES, "test_rule", lambda config, launch: "needs a GPU")
+    needs_a_gpu = Rule(lambda run: Refusal("fake", None, "needs a GPU"), frozenset({Scope.MACHINE}), True)
+    monkeypatch.setitem(registry.RULES, "test_rule", needs_a_gpu)
     run_study(spec, out, fake_fit, fake_resolve)
     crash = record(out, "crash")["summary"]
-    assert (crash["status"], crash["message"]) == ("skipped", "needs a GPU")
+    assert (crash["status"], crash["message"]) == ("skipped", "fake=None: needs a GPU")
     assert record(out, "good")["summary"]["status"] == "ok" and launches(tmp_path) == ["good 0", "crash 0"]
 
 
@@ -281,9 +283,9 @@ from pathlib import Path
 signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {tests!r})
 from test_ablation_runner import fake_resolve, make_spec
-from lit_ablate import compatibility
+from lit_ablate.rules import registry
 from lit_ablate.commands.ablate import run_study
-compatibility.RULES.clear()  # the stand-in runs need no pre-check; spares this process importing transformers
+registry._imported = True  # the stand-in runs need no rules; spares this process importing transformers
 spec = make_spec([{{"name": "first"}}, {{"name": "second", "overrides": {{"model.init_args.lr": 0.2}}}}])
 run_study(spec, Path({out!r}), [sys.executable, {fake!r}], fake_resolve)
 """

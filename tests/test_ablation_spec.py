@@ -7,12 +7,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lit_ablate import compatibility
+from lit_ablate.ablation.launch import Launch
 from lit_ablate.ablation.plan import plan_study
 from lit_ablate.ablation.single_variable import check_single_variable
-from lit_ablate.ablation.spec import Launch, load_study, parse_study
+from lit_ablate.ablation.spec import load_study, parse_study
 from lit_ablate.config_keys import flatten, get_dotted, set_dotted, with_overrides
-from lit_ablate.errors import ConfigError
+from lit_ablate.errors import ConfigError, Refusal
+from lit_ablate.rules import Scope, first_refusal, registry, rule
+from lit_ablate.run_config import RunConfig
 
 BASE = {
     "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 100},
@@ -90,11 +92,11 @@ def test_explicit_variants_with_vary_and_per_variant_launch():
     )
     two = spec.variant("two")
     assert two.launch == Launch(devices=2, accelerator="cpu", timeout_s=60.0)
-    config = spec.run_config(two, seed=3, root_dir="/r")
+    config = spec.fit_config(two, seed=3, root_dir="/r")
     assert config["trainer"]["devices"] == 2 and config["data"]["init_args"]["batch_size"] == 4
     assert config["seed_everything"] == 3 and config["trainer"]["max_steps"] == 5
     assert config["trainer"]["default_root_dir"] == "/r"
-    assert spec.run_config(spec.variant("one"), 0, "/r")["trainer"]["devices"] == 1
+    assert spec.fit_config(spec.variant("one"), 0, "/r")["trainer"]["devices"] == 1
 
 
 def test_precedence_base_study_launch_variant_runner():
@@ -111,9 +113,9 @@ def test_precedence_base_study_launch_variant_runner():
             ],
         )
     )
-    devices = {v.name: spec.run_config(v, 0, "/r")["trainer"]["devices"] for v in spec.variants}
+    devices = {v.name: spec.fit_config(v, 0, "/r")["trainer"]["devices"] for v in spec.variants}
     assert devices == {"a": 4, "b": 2, "c": 3}
-    assert spec.run_config(spec.variants[0], 0, "/r")["trainer"]["max_epochs"] == 1
+    assert spec.fit_config(spec.variants[0], 0, "/r")["trainer"]["max_epochs"] == 1
 
 
 def test_relative_base_is_relative_to_the_study_file(tmp_path: Path):
@@ -179,7 +181,7 @@ def test_variants_need_vary_and_every_override_under_it():
 
 def test_max_steps_override_is_allowed_for_the_study_without_steps():
     spec = parse_study(study(steps=None, overrides={"trainer.max_steps": 9}))
-    assert spec.run_config(spec.variants[0], 0, "/r")["trainer"]["max_steps"] == 9
+    assert spec.fit_config(spec.variants[0], 0, "/r")["trainer"]["max_steps"] == 9
 
 
 # --- single-variable check ---------------------------------------------------------------------
@@ -211,32 +213,48 @@ def test_plan_refuses_a_difference_that_only_appears_after_resolution(tmp_path: 
 
 
 # --- compatibility -----------------------------------------------------------------------------
+def skip_reason(config: dict, **trainer: object) -> str | None:
+    """Why a local study skips a variant of ``config`` (``trainer`` values as its launch sets them)."""
+    config = with_overrides(config, {f"trainer.{key}": value for key, value in trainer.items()})
+    view = RunConfig.of(config, executor="local")
+    return first_refusal(view, Scope.CONFIG, Scope.MACHINE, skips_variant=True)
+
+
 def test_compatibility_rules_give_reasons():
-    cpu = Launch(accelerator="cpu")
-    assert "refuses CPU" in compatibility.incompatibility({"trainer": {"strategy": "fsdp"}}, cpu)
-    assert compatibility.incompatibility({"trainer": {"strategy": "ddp"}}, cpu) is None
-    assert "multi-node" not in (compatibility.incompatibility({}, Launch(num_nodes=1)) or "")
-    assert "torchrun" in compatibility.incompatibility({}, Launch(num_nodes=2))
+    cpu = {"accelerator": "cpu"}
+    assert "refuses CPU" in skip_reason({"trainer": {"strategy": "fsdp"}}, **cpu)
+    assert skip_reason({"trainer": {"strategy": "ddp"}}, **cpu) is None
+    assert "multi-node" not in (skip_reason({}, num_nodes=1) or "")
+    assert "torchrun" in skip_reason({}, num_nodes=2)
     if not __import__("torch").cuda.is_available():
-        assert "no CUDA device" in compatibility.incompatibility({}, Launch(accelerator="gpu"))
-        reason = compatibility.incompatibility({"model": {"init_args": {"loss": "liger"}}}, cpu)
+        assert "no CUDA device" in skip_reason({}, accelerator="gpu")
+        reason = skip_reason({"model": {"init_args": {"loss": "liger"}}}, **cpu)
         assert reason.startswith("model.init_args.loss='liger'")
-    assert compatibility.incompatibility({"model": {"init_args": {"loss": "chunked"}}}, cpu) is None
+    assert skip_reason({"model": {"init_args": {"loss": "chunked"}}}, **cpu) is None
     flex = {"model": {"init_args": {"model": {"attn_implementation": "flex"}}}}
     if not __import__("torch").cuda.is_available():
-        assert "flex attention trains only on CUDA" in compatibility.incompatibility(flex, cpu)
+        assert "flex attention trains only on CUDA" in skip_reason(flex, **cpu)
         fa2 = {"model": {"init_args": {"model": {"attn_implementation": "flash_attention_2"}}}}
-        assert "needs CUDA" in compatibility.incompatibility(fa2, cpu)
+        assert "needs CUDA" in skip_reason(fa2, **cpu)
     # an unknown name is the run's own error (recorded failed), not a property of this machine
-    assert compatibility.incompatibility({"model": {"init_args": {"loss": "nonexistent"}}}, cpu) is None
+    assert skip_reason({"model": {"init_args": {"loss": "nonexistent"}}}, **cpu) is None
 
 
-def test_compatibility_is_one_registry():
-    config = {"x": 1}
-    rules = {
-        "first": lambda c, launch: None,
-        "second": lambda c, launch: f"x is {c['x']}",
-        "third": lambda c, launch: "not reached",
-    }
-    assert compatibility.incompatibility(config, Launch(), rules) == "x is 1"
-    assert set(compatibility.RULES) >= {"accelerator_present", "loss_backend_available", "strategy_accepts_cpu"}
+def test_compatibility_is_one_registry(monkeypatch):
+    registry.rules_for(Scope.CONFIG)  # the package's rules, registered
+    assert set(registry.RULES) >= {"accelerator_present", "loss_backend_available", "strategy_accepts_cpu"}
+    monkeypatch.setattr(registry, "RULES", {})
+
+    @rule(Scope.CONFIG, skips_variant=True)
+    def first(run):
+        return None
+
+    @rule(Scope.CONFIG, skips_variant=True)
+    def second(run):
+        return Refusal("x", run["x"], "is 1")
+
+    @rule(Scope.CONFIG, skips_variant=True)
+    def third(run):
+        return Refusal("x", run["x"], "not reached")
+
+    assert first_refusal({"x": 1}, Scope.CONFIG) == "x=1: is 1"

@@ -169,6 +169,7 @@ def test_ablate_exits_1_when_a_variant_crashes(tmp_path: Path, monkeypatch, caps
     fit = install_fake_fit(tmp_path, monkeypatch)
     monkeypatch.setattr(runner, "default_fit_command", lambda: fit)
     monkeypatch.setattr(planning, "default_resolver", lambda: fake_resolve)
+    monkeypatch.setattr(planning, "default_constructor", lambda: None)  # the stand-in configs name no class
     study = {
         "name": "crash",
         "base": {"trainer": {"max_steps": 3}, "model": {"init_args": {"lr": 0.1}}, "fake": {}},

@@ -11,14 +11,14 @@ from bitsandbytes.functional import dequantize_4bit, get_4bit_type
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader
 
-from lit_ablate import compatibility
-from lit_ablate.compatibility import check_quantization, quantization_runs_under_strategy
 from lit_ablate.errors import ConfigError
 from lit_ablate.estimate.flops import count_parameters
 from lit_ablate.models.adapters.lora import AdapterOptions, adapter_parameter_names
 from lit_ablate.models.adapters.quantization import QuantizationOptions
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.modules import CausalLM
+from lit_ablate.rules import sharded_weights
+from lit_ablate.rules.sharded_weights import check_quantization, quantization_runs_under_strategy
 from lit_ablate.strategies import DDPStrategy, FSDP1Strategy, FSDP2Strategy
 from tests.test_step_objective import micro_batches
 
@@ -236,7 +236,7 @@ def test_packed_uint8_weights_under_fsdp2_are_refused_where_torch_cannot_shard_t
     """torch 2.11's ``fully_shard`` fails on a uint8 parameter ("only Tensors of floating point dtype can
     require gradients", seen in every FSDP2 QLoRA test under 2.11): refused there before any work, with
     the fix that works on every torch (the model's dtype as storage); QLoRA under FSDP2 is fine otherwise."""
-    monkeypatch.setattr(compatibility, "FSDP2_SHARDS_INTEGER_WEIGHTS", shards_integers)
+    monkeypatch.setattr(sharded_weights, "FSDP2_SHARDS_INTEGER_WEIGHTS", shards_integers)
     if shards_integers:
         check_quantization(QuantizationOptions(bits=4), FSDP2Strategy)
     else:
@@ -267,7 +267,7 @@ def test_the_study_rule_reads_the_model_dtype_for_fsdp1_qlora(dtype, storage, re
         "model": {"init_args": {"model": {"dtype": dtype, "quantization": {"bits": 4, "quant_storage": storage}}}},
         "trainer": {"strategy": {"class_path": "lit_ablate.strategies.FSDP1Strategy"}},
     }
-    reason = quantization_runs_under_strategy(config, None)
+    reason = quantization_runs_under_strategy(config)
     assert (reason is not None) == refused, reason
     if refused:
         assert f"set quant_storage: {dtype}" in reason

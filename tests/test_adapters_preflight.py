@@ -1,5 +1,5 @@
-"""``lit-ablate fit`` runs the study compatibility rules about a run's own parts before any rank starts
-(``lit_ablate.preflight.check_parts_compatible``): an adapter/optimizer/strategy combination that
+"""``lit-ablate fit`` runs the rules about a run's own parts before any rank starts (``lit_ablate.rules``,
+the same a study judges its variants by): an adapter/optimizer/strategy combination that
 cannot run is one stderr line naming the key and the fix, not a traceback at step 1 (before this
 check, torchao's AdamW8bit under the default MemoryMonitor crashed inside torch.compile at the first
 step, and an FSDP1 QLoRA run failed in FSDP's flattening after the ranks had started)."""

@@ -195,7 +195,7 @@ def test_lora_under_sequence_parallelism_is_refused_before_any_rank_where_torch_
     inside torch). Such a config is refused before any rank starts, naming the key and a fix that
     passes; the plan refuses the same for a model parallelised from Python."""
     from lit_ablate.fit_cli import resolve_fit_config
-    from lit_ablate.preflight import check_run_config
+    from lit_ablate.rules import check_run
     from lit_ablate.strategies import tensor_parallel_plans
 
     monkeypatch.setattr(tensor_parallel_plans, "DTENSOR_FLATTENS_SHARDED_SEQUENCES", False)
@@ -214,8 +214,8 @@ def test_lora_under_sequence_parallelism_is_refused_before_any_rank_where_torch_
         match=r"^trainer\.strategy\.init_args\.sequence_parallel=True: LoRA's lora_B .*"
         r"cannot compute \(torch >= 2\.12 can\); set sequence_parallel: false",
     ):
-        check_run_config("fit", resolve_fit_config([*args, "--trainer.strategy.init_args.sequence_parallel", "true"]))
-    check_run_config("fit", resolve_fit_config([*args, "--trainer.strategy.init_args.sequence_parallel", "false"]))
+        check_run(resolve_fit_config([*args, "--trainer.strategy.init_args.sequence_parallel", "true"]))
+    check_run(resolve_fit_config([*args, "--trainer.strategy.init_args.sequence_parallel", "false"]))
     with pytest.raises(ConfigError, match="sequence_parallel=True: LoRA's lora_B"):
         layer_plan_for("llama")(build(meta=True).lm.model.layers[0], True)
     layer_plan_for("llama")(build(meta=True).lm.model.layers[0], False)

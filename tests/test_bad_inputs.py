@@ -29,8 +29,8 @@ from lit_ablate.cli import EXIT_FAILURE, EXIT_USAGE, main
 from lit_ablate.command_table import SUMMARIES
 from lit_ablate.data import LocalFiles, build_examples, load_tokenizer
 from lit_ablate.errors import ConfigError
-from lit_ablate.preflight import NODE_LAUNCH_ENV
 from lit_ablate.record import read_record
+from lit_ablate.rules.devices import NODE_LAUNCH_ENV
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 QUICKSTART = str(CONFIGS / "quickstart.yaml")
@@ -1080,7 +1080,7 @@ def test_the_fix_of_sequence_parallelism_s_refusal_is_accepted() -> None:
     (``data.init_args.collator``) and a value that passes every check: the same config with it set is not
     refused again. Seen failing while the fix named ``data pad_to_multiple_of`` (no such key)."""
     from lit_ablate.fit_cli import resolve_fit_config
-    from lit_ablate.preflight import check_run_config
+    from lit_ablate.rules import check_run
 
     tensor_parallel = [
         "--config",
@@ -1093,9 +1093,9 @@ def test_the_fix_of_sequence_parallelism_s_refusal_is_accepted() -> None:
         "true",
     ]
     with pytest.raises(ConfigError, match=r"data\.init_args\.collator=None: .*pad_to_multiple_of: 2"):
-        check_run_config("fit", resolve_fit_config(tensor_parallel))
+        check_run(resolve_fit_config(tensor_parallel))
     fixed = '{"class_path": "lit_ablate.data.PaddingCollator", "init_args": {"pad_to_multiple_of": 2}}'
-    check_run_config("fit", resolve_fit_config([*tensor_parallel, "--data.init_args.collator", fixed]))
+    check_run(resolve_fit_config([*tensor_parallel, "--data.init_args.collator", fixed]))
 
 
 def test_a_study_skips_a_variant_the_model_s_shape_refuses(tmp_path: Path) -> None:
@@ -1124,15 +1124,3 @@ def test_a_study_skips_a_variant_the_model_s_shape_refuses(tmp_path: Path) -> No
     assert runs["tp2"].skip_reason == (
         "trainer.strategy.init_args.tp=2: the model's num_key_value_heads is 1; use a tp that divides it"
     )
-
-
-def test_fit_applies_every_compatibility_rule_but_those_about_the_launch() -> None:
-    """``fit`` applies the studies' rules through its own list (``FIT_RULES``): a rule added to ``RULES``
-    alone skips a study's variant but lets ``fit`` start its ranks, to fail inside them. Seen twice: the
-    pipeline objective rule, and the sequence-parallel adapters rule (torch 2.11 refused it deep in
-    DTensor). Left out on purpose: the devices, nodes and accelerator, which fit's launcher judges."""
-    from lit_ablate.compatibility import RULES
-    from lit_ablate.preflight import FIT_RULES
-
-    assert set(RULES) - set(FIT_RULES) == {"accelerator_present", "enough_devices", "cpu_ranks_fit", "single_node"}
-    assert set(FIT_RULES) <= set(RULES)

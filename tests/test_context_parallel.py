@@ -47,9 +47,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
-from lit_ablate.ablation.spec import Launch
 from lit_ablate.callbacks import MFUMonitor, ThroughputMonitor
-from lit_ablate.compatibility import cp_block_kernel_runs_here
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.attention.block_kernels import BLOCK_KERNELS
 from lit_ablate.models.attention.sequence_layout import SequenceLayout
@@ -57,6 +55,7 @@ from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX
 from lit_ablate.models.moe.blocks import MoEOptions
 from lit_ablate.modules import CausalLM
+from lit_ablate.rules.kernels import cp_block_kernel_runs_here
 from lit_ablate.strategies import ContextParallelStrategy, ExpertContextParallelStrategy
 from tests.block_kernel_stand_ins import FlexOnCpu
 from tests.distributed import run_ranks
@@ -444,13 +443,15 @@ def test_gpu_block_kernels_are_refused_on_cpu_at_start_up(monkeypatch, kernel, r
     config = {
         "trainer": {
             "accelerator": "cpu",
+            "devices": 2,
+            "num_nodes": 1,
             "strategy": {
                 "class_path": "lit_ablate.strategies.ContextParallelStrategy",
                 "init_args": {"cp": 2, "cp_block_kernel": kernel},
             },
         }
     }
-    assert reason in cp_block_kernel_runs_here(config, Launch(devices=2, num_nodes=1, accelerator="cpu"))
+    assert reason in cp_block_kernel_runs_here(config)
 
 
 def _two_gpus(rank: int, world_size: int) -> dict:

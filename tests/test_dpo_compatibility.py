@@ -1,4 +1,4 @@
-"""The compatibility rule of DPO's parts (``lit_ablate.compatibility.preference_parts_fit``): the
+"""The rule of DPO's parts (``lit_ablate.rules.part_pairs.preference_parts_fit``): the
 shipped DPO configs pass it, and each invalid combination is refused with the key and the fix
 (prefix sharing under an attention backend that cannot take its branch mask, Liger's fused DPO on
 packed rows, DPO on token data and a token model on preference data); DPO is known by its type, so a
@@ -15,11 +15,11 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from lit_ablate.compatibility import RULES, incompatibility, preference_parts_fit
 from lit_ablate.modules import DPO, CausalLM
+from lit_ablate.rules import Scope, rules_for
+from lit_ablate.rules.part_pairs import preference_parts_fit
 
 CONFIGS = Path(__file__).parent.parent / "configs"
-LAUNCH = SimpleNamespace(devices=None, num_nodes=None, accelerator=None)
 
 
 def config(name: str, **changes: object) -> dict:
@@ -34,9 +34,9 @@ def config(name: str, **changes: object) -> dict:
 
 
 def test_shipped_dpo_configs_pass() -> None:
-    assert "preference_parts_fit" in RULES
+    assert "preference_parts_fit" in {registered.name for registered in rules_for(Scope.CONFIG)}
     for name in ("dpo_tiny.yaml", "dpo_multipack.yaml"):
-        assert preference_parts_fit(config(name), LAUNCH) is None, name
+        assert preference_parts_fit(config(name)) is None, name
 
 
 @pytest.mark.parametrize(
@@ -53,7 +53,7 @@ def test_shipped_dpo_configs_pass() -> None:
     ],
 )
 def test_invalid_dpo_combinations_are_refused(name: str, changes: dict, expected: str) -> None:
-    reason = incompatibility(config(name, **changes), LAUNCH, {"preference_parts_fit": preference_parts_fit})
+    reason = preference_parts_fit(config(name, **changes))
     assert reason is not None
     assert re.search(expected, reason), reason
 
@@ -66,11 +66,11 @@ def test_prefix_sharing_under_sdpa_passes() -> None:
             "model.init_args.model.attn_implementation": "sdpa",
         },
     )
-    assert preference_parts_fit(tree, LAUNCH) is None
+    assert preference_parts_fit(tree) is None
 
 
 def test_fit_refuses_them_in_one_line_naming_the_rule_s_own_key(tmp_path: Path, capsys) -> None:
-    """``fit``'s preflight runs the same rule before any rank starts; the key comes from the reason
+    """``fit`` runs the same rule before any rank starts; the key comes from the reason
     (before, prefix sharing under sdpa_packed failed at the first training step)."""
     from tests.test_bad_inputs import _stderr_lines
 
@@ -118,6 +118,6 @@ def test_the_rule_knows_dpo_by_type_not_by_name(
     on preference pairs was refused as training on tokens, and the token model named DPO was let through."""
     monkeypatch.setitem(sys.modules, "research_code", SimpleNamespace(DPO=TokenModelNamedDPO))
     reason = preference_parts_fit(
-        config("dpo_tiny.yaml", **{"model.class_path": class_path, "data.init_args.format": data_format}), LAUNCH
+        config("dpo_tiny.yaml", **{"model.class_path": class_path, "data.init_args.format": data_format})
     )
     assert (reason is None) if expected is None else re.search(expected, reason or ""), reason

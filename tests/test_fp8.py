@@ -27,12 +27,12 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lit_ablate.callbacks.mfu import MFUMonitor
-from lit_ablate.compatibility import check_parts
 from lit_ablate.errors import ConfigError
 from lit_ablate.estimate.peaks import PEAK_BF16_TFLOPS
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.fp8.conversion import Fp8Options, convert_fp8, fp8_linear_names, resolve_emulation
 from lit_ablate.modules import CausalLM
+from lit_ablate.rules import check_parts
 from tests.test_step_objective import StepLosses, micro_batches
 
 TINY = {
@@ -288,18 +288,21 @@ def test_the_run_record_says_which_fp8_ran(tmp_path):
 
 
 def test_a_study_skips_fp8_without_kernels_or_fp8_all_gather_without_fsdp2():
-    from lit_ablate.compatibility import incompatibility
+    from lit_ablate.rules import Scope, first_refusal
 
-    launch = SimpleNamespace(devices=1, num_nodes=1, accelerator="cpu")
-    config = {"trainer": {"accelerator": "cpu"}, "model": {"init_args": {"model": {"fp8": {"emulate": False}}}}}
-    assert incompatibility(config, launch).startswith(
-        "model.init_args.model.fp8.emulate=False: fp8 kernels need a CUDA GPU"
-    )
+    def incompatibility(config: dict) -> str | None:
+        return first_refusal(config, Scope.CONFIG, Scope.MACHINE, skips_variant=True)
+
+    config = {
+        "trainer": {"accelerator": "cpu", "devices": 1, "num_nodes": 1},
+        "model": {"init_args": {"model": {"fp8": {"emulate": False}}}},
+    }
+    assert incompatibility(config).startswith("model.init_args.model.fp8.emulate=False: fp8 kernels need a CUDA GPU")
     config["model"]["init_args"]["model"]["fp8"] = {"fsdp_all_gather": True}
     config["trainer"]["strategy"] = "ddp"
-    assert "fp8 all-gather happens inside FSDP2" in incompatibility(config, launch)
+    assert "fp8 all-gather happens inside FSDP2" in incompatibility(config)
     config["trainer"]["strategy"] = {"class_path": "lit_ablate.strategies.FSDP2Strategy"}
-    assert incompatibility(config, launch) is None
+    assert incompatibility(config) is None
 
 
 @pytest.mark.parametrize(

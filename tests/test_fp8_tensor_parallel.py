@@ -41,11 +41,11 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from lit_ablate.compatibility import check_fp8
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.losses.cross_entropy import loss_backend
+from lit_ablate.rules.sharded_weights import check_fp8
 from lit_ablate.strategies import TensorParallelStrategy
 from lit_ablate.strategies.tensor_parallel import _parallelize
 from lit_ablate.strategies.tensor_parallel_plans import llama_layer_plan
@@ -272,18 +272,18 @@ def test_the_estimate_takes_fp8_under_tensor_parallelism():
 @pytest.mark.parametrize(("recipe", "skipped"), [("rowwise", True), ("tensorwise", False)])
 def test_a_study_skips_rowwise_fp8_under_tensor_parallelism_and_fit_stops_in_one_line(recipe, skipped):
     """The compatibility rule judges the config as the strategy will, before any rank starts: a
-    study skips the variant with the reason, ``fit``'s preflight refuses it in one line."""
-    from lit_ablate.ablation.spec import Launch
-    from lit_ablate.compatibility import fp8_runs_here
+    study skips the variant with the reason, ``fit`` refuses it in one line."""
+    from lit_ablate.rules.sharded_weights import fp8_runs_under_strategy
 
     config = {
         "trainer": {
             "accelerator": "cpu",
+            "devices": 2,
             "strategy": {"class_path": "lit_ablate.strategies.TensorParallelStrategy", "init_args": {"tp": 2}},
         },
         "model": {"init_args": {"model": {"fp8": {"recipe": recipe}}}},
     }
-    reason = fp8_runs_here(config, Launch(devices=2, accelerator="cpu"))
+    reason = fp8_runs_under_strategy(config)
     assert (reason is not None) == skipped
     assert not skipped or (
         reason.startswith("model.init_args.model.fp8.recipe='rowwise': tp > 1") and "tensorwise" in reason

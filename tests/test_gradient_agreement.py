@@ -138,7 +138,7 @@ STUDY = {
 def test_every_variant_gets_the_callback_at_the_check_s_step():
     spec = parse_study({**STUDY, "expect_equal_gradients": {"rtol": 1e-5, "step": 2}})
     for variant in spec.variants:
-        callbacks = spec.run_config(variant, 0, "/tmp/x")["trainer"]["callbacks"]
+        callbacks = spec.fit_config(variant, 0, "/tmp/x")["trainer"]["callbacks"]
         assert callbacks == [
             {"class_path": "lit_ablate.callbacks.ThroughputMonitor"},
             {"class_path": GRADIENT_CALLBACK, "init_args": {"step": 2}},
@@ -147,7 +147,7 @@ def test_every_variant_gets_the_callback_at_the_check_s_step():
     assert spec.shortened(steps=1).expect_equal_gradients.step == 1  # a first try compares the last step it runs
     unchecked = parse_study(STUDY)
     assert (
-        unchecked.run_config(unchecked.variants[0], 0, "/tmp/x")["trainer"]["callbacks"]
+        unchecked.fit_config(unchecked.variants[0], 0, "/tmp/x")["trainer"]["callbacks"]
         == STUDY["base"]["trainer"]["callbacks"]
     )
 
@@ -171,7 +171,7 @@ def test_a_study_that_lists_the_callback_itself_is_refused():
     fingerprint = {"class_path": GRADIENT_CALLBACK, "init_args": {"step": 3}}
     spec = parse_study({**STUDY, "base": {"trainer": {"callbacks": [fingerprint]}}, "expect_equal_gradients": {}})
     with pytest.raises(ConfigError, match=r"trainer.callbacks\[GradientFingerprint\]=.*expect_equal_gradients adds it"):
-        spec.run_config(spec.variants[0], 0, "/tmp/x")
+        spec.fit_config(spec.variants[0], 0, "/tmp/x")
 
 
 def test_the_report_json_holds_the_verdict_not_the_norms(tmp_path: Path):

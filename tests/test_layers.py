@@ -5,11 +5,11 @@ Layers, top to bottom (a module may import its own layer and the layers below it
 - ``cli``, ``commands/``: the ``lit-ablate`` commands;
 - ``ablation/``: study spec, plan, runner, report;
 - ``fit_cli``: the LightningCLI of ``fit``/``validate``/``test`` (studies resolve their configs through it);
-- ``compatibility``, ``preflight``, ``checkpoint_model``: rules and checks over a run's parts;
+- ``rules``, ``checkpoint_model``: every check of a run, in one registry, and a checkpoint against the config's model;
 - ``modules/``: the LightningModules;
 - ``callbacks/``: measurement (they read FLOPs and peaks from ``estimate/``);
 - ``estimate/``: the analytic model (its memory model reads how strategies shard);
-- ``run_config``: the typed view of a run config, what compatibility, preflight, the estimator and the
+- ``run_config``: the typed view of a run config, what the rules, the estimator and the
   study planner read (it reads mesh sizes and options off the strategy classes);
 - ``strategies/``;
 - ``data/``;
@@ -61,7 +61,7 @@ LAYERS: list[tuple[str, ...]] = [  # bottom first
     ("lit_ablate.estimate",),
     ("lit_ablate.callbacks",),
     ("lit_ablate.modules",),
-    ("lit_ablate.compatibility", "lit_ablate.preflight", "lit_ablate.checkpoint_model"),
+    ("lit_ablate.rules", "lit_ablate.checkpoint_model"),
     ("lit_ablate.fit_cli",),
     ("lit_ablate.ablation",),
     ("lit_ablate.cli", "lit_ablate.commands"),
@@ -190,7 +190,7 @@ def raw_config_reads(source: str) -> list[str]:
 
 
 def test_only_the_config_view_reads_the_config_dict():
-    """A run config is read once, by ``lit_ablate.run_config``: compatibility rules, preflight, the estimator
+    """A run config is read once, by ``lit_ablate.run_config``: the rules, the estimator
     and the study planner read its typed values, never the dict by dotted key. Seen failing on the 28
     ``get_dotted`` calls of ``compatibility.py`` and the 29 of ``estimate/from_config.py`` the house had."""
     readers = {
@@ -209,7 +209,7 @@ def test_only_the_config_view_reads_the_config_dict():
         ('get_dotted(config, "trainer.devices")', 1),
         ('config_keys.get_dotted(config, "x")', 1),
         ('raise ConfigError("trainer.strategy", name, "fix")', 1),
-        ('key = f"{STRATEGY_KEY}.tp"; other = "trainer.strategy.init_args"', 0),
+        ('key = f"{STRATEGY_OPTIONS_KEY}.tp"; other = "trainer.strategy.init_args"', 0),
     ],
 )
 def test_the_raw_read_finder_finds_raw_reads(source, found):

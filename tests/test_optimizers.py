@@ -256,14 +256,17 @@ def test_unknown_optimizer_options_name_their_key():
     ],
 )
 def test_studies_skip_optimizers_and_quantization_the_strategy_cannot_run(config, reason):
-    from lit_ablate import compatibility
-    from lit_ablate.ablation.spec import Launch
+    from lit_ablate.rules.part_pairs import optimizer_runs_here
+    from lit_ablate.rules.sharded_weights import quantization_runs_under_strategy
 
-    rules = {k: compatibility.RULES[k] for k in ("optimizer_runs_here", "quantization_runs_under_strategy")}
-    assert reason in compatibility.incompatibility(config, Launch(accelerator="cpu"), rules)
+    def incompatibility(config: dict) -> str | None:
+        config["trainer"]["accelerator"] = "cpu"
+        return optimizer_runs_here(config) or quantization_runs_under_strategy(config)
+
+    assert reason in incompatibility(config)
     if "paged" not in reason:  # the others run under DDP (paged ones need a GPU whatever the strategy)
         config["trainer"]["strategy"] = "ddp"
-        assert compatibility.incompatibility(config, Launch(accelerator="cpu"), rules) is None
+        assert incompatibility(config) is None
 
 
 @needs_torchao

@@ -59,7 +59,7 @@ def test_study_plans_five_runnable_layouts_on_eight_ranks(planned):
     assert list(spec.variables) == ["trainer.strategy", "data.init_args.batch_size"]
     assert [r.variant.name for r in runs] == ["fsdp2", "tp2_fsdp4", "pp2_fsdp4", "pp2_tp2_fsdp2", "cp2_tp2_fsdp2"]
     assert [(r.variant.name, r.invalid, r.skip_reason) for r in runs if r.invalid or r.skip_reason] == []
-    assert {r.launch.devices for r in runs} == {WORLD}
+    assert {r.view.world_size for r in runs} == {WORLD}
 
 
 def test_every_layout_fills_the_world_and_reads_the_same_global_batch(planned):

@@ -327,20 +327,19 @@ PIPELINE = ("--trainer.devices", "2", "--trainer.strategy.class_path", "lit_abla
     ],
 )
 def test_what_the_stages_cannot_train_is_refused_before_any_rank_starts(options, named):
-    """A frozen reference, Liger's fused DPO and packed pairs under pp are refused by ``lit-ablate fit``'s
-    preflight in one line naming the key and the fix, before any class is built (the compatibility rule
-    ``pipeline_stages_train_the_objective``, which studies apply to their variants too); a precomputed
-    reference passes (with its pairs padded to one shape: ``pipeline_stages_fit``). Seen failing with the rule
-    left out of ``FIT_RULES`` (no refusal: the ranks would start and refuse it at set-up)."""
+    """A frozen reference, Liger's fused DPO and packed pairs under pp are refused by ``lit-ablate fit`` in one
+    line naming the key and the fix, before any class is built (the rule ``pipeline_stages_train_the_objective``,
+    which studies apply to their variants too); a precomputed reference passes (with its pairs padded to one
+    shape: ``pipeline_stages_fit``). Seen failing with the rule left out of fit's hand-written list, which the
+    registry has since replaced (no refusal: the ranks would start and refuse it at set-up)."""
     from lit_ablate.fit_cli import resolve_fit_config
-    from lit_ablate.preflight import check_run_config
+    from lit_ablate.rules import check_run
 
     with pytest.raises(ConfigError) as refusal:
-        check_run_config("fit", resolve_fit_config(["--config", str(DPO_TINY), *PIPELINE, *options]))
+        check_run(resolve_fit_config(["--config", str(DPO_TINY), *PIPELINE, *options]))
     message = str(refusal.value)
     assert "\n" not in message and message.startswith(named) and "pp: 1" in message, message
-    check_run_config(
-        "fit",
+    check_run(
         resolve_fit_config(
             [
                 "--config",

@@ -269,14 +269,7 @@ def test_the_pieces_held_follow_torch_s_interleaved_schedule(pp, stages_per_rank
 def test_fit_preflight_leaves_the_stages_to_the_strategy():
     """``lit-ablate fit``'s mesh check counted only the mesh dimensions (all 1 here) against 2 devices and
     refused every pipeline run before it started (seen failing: "the mesh sizes multiply to 1")."""
-    from lit_ablate.preflight import check_mesh
+    from lit_ablate.rules.mesh_shape import mesh_lays_out
 
-    check_mesh(
-        {
-            "devices": 2,
-            "strategy": {
-                "class_path": "lit_ablate.strategies.PipelineParallelStrategy",
-                "init_args": {"pp": -1, "dp_shard": 1, "tp": 1},
-            },
-        }
-    )
+    strategy = {"class_path": "lit_ablate.strategies.PipelineParallelStrategy", "init_args": {"pp": -1, "dp_shard": 1}}
+    assert mesh_lays_out({"trainer": {"devices": 2, "strategy": strategy}}) is None

@@ -323,12 +323,12 @@ QUICKSTART = Path(__file__).parents[1] / "configs" / "quickstart.yaml"
 
 def _fit_refusal(*options: str) -> str:
     """The one-line refusal ``lit-ablate fit`` prints for the quickstart on 2 devices with ``options``:
-    ``check_run_config``, which ``LitAblateCLI`` runs before it instantiates any class."""
+    ``check_run``, which ``LitAblateCLI`` runs before it instantiates any class."""
     from lit_ablate.fit_cli import resolve_fit_config
-    from lit_ablate.preflight import check_run_config
+    from lit_ablate.rules import check_run
 
     with pytest.raises(ConfigError) as refusal:
-        check_run_config("fit", resolve_fit_config(["--config", str(QUICKSTART), "--trainer.devices", "2", *options]))
+        check_run(resolve_fit_config(["--config", str(QUICKSTART), "--trainer.devices", "2", *options]))
     message = str(refusal.value)
     assert "\n" not in message, message
     return message

@@ -262,11 +262,10 @@ def test_tied_embeddings_pass_and_one_stage_is_refused_before_any_rank_starts():
     backstop. Seen failing with the rule returning nothing and with the split's check left out (no
     refusal)."""
     from lit_ablate.fit_cli import resolve_fit_config
-    from lit_ablate.preflight import check_run_config
+    from lit_ablate.rules import check_run
 
     pipeline = ("--trainer.strategy.class_path", "lit_ablate.strategies.PipelineParallelStrategy")
-    check_run_config(
-        "fit",
+    check_run(
         resolve_fit_config(
             [
                 "--config",

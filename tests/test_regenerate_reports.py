@@ -82,7 +82,7 @@ def test_every_shipped_study_tracks_tensor_memory():
     for name in studies():
         spec = load_study(Path(__file__).parents[1] / "configs" / "studies" / f"{name}.yaml")
         for variant in spec.variants:
-            callbacks = spec.run_config(variant, spec.seeds[0], "/tmp/unused")["trainer"].get("callbacks") or []
+            callbacks = spec.fit_config(variant, spec.seeds[0], "/tmp/unused")["trainer"].get("callbacks") or []
             memory = [
                 c for c in callbacks if isinstance(c, dict) and str(c.get("class_path", "")).endswith("MemoryMonitor")
             ]

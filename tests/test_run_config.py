@@ -1,5 +1,5 @@
 """The typed view of a run config (``lit_ablate.run_config``), the mesh sizes as one value (``MeshSizes``) and
-refusals as data (``Refusal``): what compatibility rules, preflight, the estimator and the study planner read.
+refusals as data (``Refusal``): what the rules, the estimator and the study planner read.
 
 - The view reads the mesh sizes a strategy will be built with off its class, without building it: the
   same as the built strategy's ``requested_mesh_sizes`` for every shipped mesh strategy, with and
@@ -7,7 +7,7 @@ refusals as data (``Refusal``): what compatibility rules, preflight, the estimat
 - What a config leaves out reads as the named class's default: the raw YAML and the config
   ``lit-ablate fit`` resolves read the same.
 - The estimator learns sizes and options without building a strategy.
-- A rule's refusal is raised by ``fit``'s preflight as it is (key, value, fix), and shown by a study
+- A rule's refusal is raised by ``fit`` as it is (key, value, fix), and shown by a study
   as the same line.
 """
 
@@ -129,14 +129,14 @@ def test_the_raw_yaml_and_the_resolved_config_read_the_same():
         strategy = run.trainer.strategy
         return (
             strategy.requested_mesh_sizes,
-            strategy.mesh_size("cp", run.trainer.world_size),
+            strategy.mesh_size("cp", run.world_size),
             strategy.option("cp_impl"),
             strategy.option("cp_block_kernel"),
             strategy.short_name,
             run.model.loss,
             run.compute_dtype,
             run.model.attention,
-            run.trainer.world_size,
+            run.world_size,
             run.trainer.accumulation,
             run.data.seq_len,
             run.model.module.class_path,
@@ -191,13 +191,13 @@ def test_fit_raises_a_rule_s_refusal_as_it_is(monkeypatch):
     the value sits in the config and the fix holds a ``key=value:`` of its own. Seen failing with the old
     preflight, which parsed the rule's message back with a regular expression and re-read the value from the
     config: the value read None, and the fix began with the value's own ``'rowwise'}:``."""
-    from lit_ablate import compatibility
-    from lit_ablate.preflight import check_parts_compatible
+    from lit_ablate.rules import Rule, Scope, check_run, registry
 
     refusal = Refusal("model.init_args.model.fp8", {"recipe": "rowwise"}, "trainer.devices=2: use 1 device, or tp: 1")
-    monkeypatch.setitem(compatibility.RULES, "fp8_runs_here", lambda config, launch: refusal)
+    registry.rules_for(Scope.CONFIG)  # the package's rules, registered
+    monkeypatch.setitem(registry.RULES, "fp8_runs_here", Rule(lambda run: refusal, frozenset({Scope.MACHINE}), True))
     with pytest.raises(ConfigError) as error:
-        check_parts_compatible({"trainer": {"accelerator": "cpu"}})
+        check_run({"trainer": {"accelerator": "cpu"}})
     assert (error.value.key, error.value.value, error.value.fix) == (refusal.key, refusal.value, refusal.fix)
 
 

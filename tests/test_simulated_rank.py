@@ -354,7 +354,8 @@ def test_a_study_s_launch_simulates_every_run_as_one_process(tmp_path):
     spec = parse_study({**_study(), "base": base})
     runs = plan_study(spec, tmp_path, resolve=lambda args: yaml.safe_load(Path(args[1]).read_text()))
     assert [run.config["simulate"] for run in runs] == [64, 64]
-    assert all((run.launch.devices, run.launch.num_nodes, run.launch.simulate) == (1, 1, 64) for run in runs)
+    view = [(run.view.devices_started, run.view.nodes_started, run.view.simulation.world_size) for run in runs]
+    assert view == [(1, 1, 64), (1, 1, 64)]
     assert all(run.skip_reason is None and run.invalid is None for run in runs)
 
 

@@ -462,9 +462,9 @@ def test_a_config_s_tensor_parallelism_reaches_the_estimate():
 
 
 def test_a_study_skips_tensor_parallelism_with_a_fused_loss_up_front():
-    """The ablation runner's compatibility check gives the strategy's own one-line reason."""
-    from lit_ablate import compatibility
-    from lit_ablate.ablation.spec import Launch
+    """The study's rules give the strategy's own one-line reason."""
+    from lit_ablate.rules import Scope, first_refusal
+    from lit_ablate.rules.part_pairs import tensor_parallel_loss_fits
 
     def config(loss: str, tp: int = 2) -> dict:
         return {
@@ -476,9 +476,9 @@ def test_a_study_skips_tensor_parallelism_with_a_fused_loss_up_front():
             "model": {"init_args": {"loss": loss}},
         }
 
-    launch = Launch(devices=2, accelerator="cpu")
-    reason = compatibility.tensor_parallel_loss_fits(config("liger"), launch)  # the rule alone: liger needs CUDA
+    here = (Scope.CONFIG, Scope.MACHINE)
+    reason = tensor_parallel_loss_fits(config("liger"))  # the rule alone: liger needs CUDA
     assert "model.init_args.loss" in reason and "use loss: chunked" in reason
-    assert compatibility.incompatibility(config("torch"), launch) is None
-    assert compatibility.incompatibility(config("chunked"), launch) is None
-    assert compatibility.tensor_parallel_loss_fits(config("liger", tp=1), launch) is None
+    assert first_refusal(config("torch"), *here) is None
+    assert first_refusal(config("chunked"), *here) is None
+    assert tensor_parallel_loss_fits(config("liger", tp=1)) is None

@@ -71,7 +71,7 @@ def interleaving(design: SpeedDesign, runs: Sequence[PlannedRun]) -> Interleavin
     as_steps = Interleaving("steps", "", design.rounds, needed, measured)
     if design.interleave == "steps":
         return _with(as_steps, f"speed.interleave: steps; {resident} processes resident at once")
-    if any((run.launch.accelerator or "cpu") not in ("cpu",) for run in runs):
+    if any(run.view.trainer.device_type != "cpu" for run in runs):
         return _with(
             as_runs,
             "variants on an accelerator would share its memory while they wait; set speed.interleave: steps "
@@ -100,10 +100,7 @@ def _measured_steps(run: PlannedRun) -> int | None:
 
 
 def _processes(run: PlannedRun) -> int:
-    launch = run.launch
-    if launch.simulate:
-        return 1
-    return (launch.devices if isinstance(launch.devices, int) else 1) * (launch.num_nodes or 1)
+    return (run.view.devices_started or 1) * run.view.nodes_started
 
 
 def _available_bytes() -> int | None:

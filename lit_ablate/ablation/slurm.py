@@ -57,6 +57,7 @@ from lit_ablate.ablation.slurm_settings import SlurmSettings
 from lit_ablate.ablation.slurm_task import FIT_EXITED, SUBMITIT_DIRNAME, FitTask
 from lit_ablate.errors import ConfigError
 from lit_ablate.extras import require
+from lit_ablate.run_config import GPU_ACCELERATORS
 
 JOB_FILENAME = "job.json"
 QUEUED_STATES = (
@@ -88,8 +89,8 @@ SCHEDULER_STATUSES = {
 def on_gpu(run: PlannedRun) -> bool:
     """Whether the run's job gets GPUs: a GPU accelerator, or ``auto`` on a partition with GPUs."""
     settings = run.launch.slurm or SlurmSettings()
-    accelerator = run.launch.accelerator or "auto"
-    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and bool(settings.gpus_per_node))
+    accelerator = run.view.trainer.accelerator_name
+    return accelerator in GPU_ACCELERATORS or (accelerator == "auto" and bool(settings.gpus_per_node))
 
 
 def sbatch_parameters(run: PlannedRun) -> dict[str, Any]:
@@ -99,7 +100,7 @@ def sbatch_parameters(run: PlannedRun) -> dict[str, Any]:
     ``devices`` GPUs per node on GPUs, the run's ``timeout_s`` as the time limit.
     """
     settings = run.launch.slurm or SlurmSettings()
-    devices, nodes = run.launch.devices or 1, run.launch.num_nodes or 1
+    devices, nodes = run.view.devices_started or 1, run.view.nodes_started
     parameters: dict[str, Any] = {
         "job_name": f"lit-ablate.{run.variant.name}.seed{run.seed}",
         "time": max(1, math.ceil(run.launch.timeout_s / 60)),
@@ -143,13 +144,14 @@ def check_cluster_runs(runs: Sequence[PlannedRun]) -> None:
         if run.skip_reason or run.invalid:
             continue
         settings = run.launch.slurm or SlurmSettings()
-        reason = settings.partition_refusal(run.launch.devices, run.launch.num_nodes, on_gpu(run))
-        if reason is None and settings.cluster == "local" and (run.launch.num_nodes or 1) > 1:
+        devices, nodes = run.view.devices_started, run.view.nodes_started
+        reason = settings.partition_refusal(devices, nodes, on_gpu(run))
+        if reason is None and settings.cluster == "local" and nodes > 1:
             reason = "asks for several nodes; launch.slurm.cluster=local runs on this one machine"
         if reason:
             raise ConfigError(
                 f"variants.{run.variant.name}.launch",
-                {"devices": run.launch.devices, "num_nodes": run.launch.num_nodes},
+                {"devices": devices, "num_nodes": nodes},
                 f"{reason}; nothing was submitted",
             )
 

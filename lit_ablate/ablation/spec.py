@@ -19,16 +19,21 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import yaml
 
-from lit_ablate.ablation.slurm_settings import SlurmSettings
+from lit_ablate.ablation.agreements import (
+    GradientAgreement,
+    LossAgreement,
+    gradient_agreement,
+    loss_agreement,
+    positive_int,
+)
+from lit_ablate.ablation.launch import LAUNCH_CONFIG_KEYS, SLURM_BLOCK, Launch, mapping_at
 from lit_ablate.ablation.speed_verdict import INTERLEAVE_MODES, SpeedDesign
 from lit_ablate.config_keys import NOT_GIVEN, PairedKey, ignored_key, is_under, with_overrides
 from lit_ablate.errors import ConfigError
-from lit_ablate.run_config import RunConfig
-from lit_ablate.simulated_rank import SIMULATE_KEY, SIMULATE_RANK_KEY
 
 STUDY_KEYS = (
     "name",
@@ -49,151 +54,14 @@ STUDY_KEYS = (
 )
 VARIANT_KEYS = ("name", "overrides", "launch")
 MAX_AXES = 2
-LAUNCH_CONFIG_KEYS = {
-    "devices": "trainer.devices",
-    "num_nodes": "trainer.num_nodes",
-    "accelerator": "trainer.accelerator",
-    SIMULATE_KEY: SIMULATE_KEY,
-    SIMULATE_RANK_KEY: SIMULATE_RANK_KEY,
-}
-"""``launch`` fields that are run-config keys (so they land in the run's config and are diffed): the trainer's
-ranks, nodes and accelerator, and a simulated rank's job (``lit-ablate fit --simulate``)."""
 RUNNER_KEYS = ("trainer.max_steps", "seed_everything", "trainer.default_root_dir", "recorder.warmup_steps")
 """Keys the runner sets for every run: never a study variable, never a single-variable violation.
 (``recorder`` is the CLI's ``RunRecorder``: the study's warm-up is also the record's.)"""
-DEFAULT_TIMEOUT_S = 3600.0
 RUN_ORDERS = ("round_robin", "by_variant")
 """``round_robin`` (default): the first seed of every variant, then the second of every variant, ...
 so slow drift of a shared machine spreads over all variants instead of landing on the last ones;
 ``by_variant``: every seed of one variant, then the next variant."""
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._=,+-]")
-
-
-EXECUTORS = ("local", "slurm")
-"""``local``: each run a subprocess of the runner; ``slurm``: each run one job (``SlurmSettings``)."""
-SLURM_BLOCK = PairedKey("launch.slurm", "launch.executor", lambda executor: executor == "slurm", "'slurm'")
-"""A ``launch.slurm`` block describes the cluster the runs are submitted to: without ``executor: slurm``
-the study ran locally and ignored it without a word."""
-
-
-@dataclass(frozen=True)
-class Launch:
-    """How one run is started: ranks per node, nodes, accelerator, its wall-clock limit, and where.
-
-    ``None`` leaves the base config's trainer value; ``timeout_s`` bounds a run so one hung
-    variant cannot stall the study (on SLURM it is the job's time limit). ``executor: slurm``
-    submits each run as a job with the ``slurm`` settings (a variant's ``launch.slurm`` keys
-    override the study's, key by key). ``simulate: W`` runs one process that plays rank
-    ``simulate_rank`` (default 0) of the configured mesh on W ranks over a fake process group: a layout
-    larger than this machine, measured per rank (docs/simulation.md).
-    """
-
-    devices: int | None = None
-    num_nodes: int | None = None
-    accelerator: str | None = None
-    timeout_s: float = DEFAULT_TIMEOUT_S
-    executor: str = EXECUTORS[0]
-    slurm: SlurmSettings | None = None
-    simulate: int | None = None
-    simulate_rank: int | None = None
-
-    def config_overrides(self) -> dict[str, Any]:
-        """The dotted config keys this launch sets."""
-        return {LAUNCH_CONFIG_KEYS[f]: getattr(self, f) for f in LAUNCH_CONFIG_KEYS if getattr(self, f) is not None}
-
-    def updated(self, values: Mapping[str, Any], key: str) -> Launch:
-        """This launch with ``values`` (a ``launch:`` mapping found at study key ``key``) applied."""
-        known = {f.name for f in fields(self)}
-        for name, value in values.items():
-            if name not in known:
-                raise ConfigError(f"{key}.{name}", value, f"launch keys are {sorted(known)}")
-        devices, nodes = values.get("devices", self.devices), values.get("num_nodes", self.num_nodes)
-        simulate = values.get(SIMULATE_KEY, self.simulate)
-        simulate_rank = values.get(SIMULATE_RANK_KEY, self.simulate_rank)
-        for name, value, least in (
-            ("devices", devices, 1),
-            ("num_nodes", nodes, 1),
-            (SIMULATE_KEY, simulate, 2),
-            (SIMULATE_RANK_KEY, simulate_rank, 0),
-        ):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
-                raise ConfigError(
-                    f"{key}.{name}",
-                    value,
-                    "give a positive integer" if least == 1 else f"give an integer of {least} or more",
-                )
-        timeout = values.get("timeout_s", self.timeout_s)
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-            raise ConfigError(f"{key}.timeout_s", timeout, "give a positive number of seconds")
-        accelerator = values.get("accelerator", self.accelerator)
-        if accelerator is not None and not isinstance(accelerator, str):
-            raise ConfigError(
-                f"{key}.accelerator", accelerator, "give a Lightning accelerator name: cpu, gpu, cuda, auto"
-            )
-        executor = values.get("executor", self.executor)
-        if executor not in EXECUTORS:
-            raise ConfigError(f"{key}.executor", executor, f"give one of {list(EXECUTORS)}")
-        slurm = self.slurm
-        if "slurm" in values:
-            slurm = (slurm or SlurmSettings()).updated(_mapping(values["slurm"], f"{key}.slurm"), f"{key}.slurm")
-        if executor == "slurm" and slurm is None:
-            slurm = SlurmSettings()
-        return Launch(devices, nodes, accelerator, float(timeout), executor, slurm, simulate, simulate_rank)
-
-    def with_config(self, config: Mapping[str, Any]) -> Launch:
-        """This launch with the ranks, nodes and accelerator a merged run config describes (what
-        the compatibility rules judge and the executor requests): a simulated rank is one process."""
-        run = RunConfig.of(config)
-        trainer, simulation = run.trainer, run.simulation
-        accelerator = trainer.accelerator if isinstance(trainer.accelerator, str) else None
-        if simulation is not None:
-            return replace(
-                self,
-                devices=1,
-                num_nodes=1,
-                accelerator=accelerator,
-                simulate=simulation.world_size,
-                simulate_rank=simulation.rank,
-            )
-        return replace(
-            self,
-            devices=trainer.devices_per_node,
-            num_nodes=trainer.num_nodes if isinstance(trainer.num_nodes, int) else None,
-            accelerator=accelerator,
-        )
-
-
-@dataclass(frozen=True)
-class LossAgreement:
-    """``expect_equal_loss``: variants' loss series must match a reference's over the first ``steps``.
-
-    Passes at a step when ``|loss - reference_loss| <= atol + rtol * |reference_loss|``. The
-    reference is the baseline, or with ``across: AXIS_KEY`` (grids) the variant that differs only
-    in that axis and holds the baseline's value of it: in a loss-backend × dtype grid,
-    ``across: model.init_args.loss`` compares backends within each dtype, since a dtype is
-    expected to change the loss.
-    """
-
-    rtol: float = 1e-4
-    atol: float = 1e-5
-    steps: int | None = None
-    across: str | None = None
-
-
-@dataclass(frozen=True)
-class GradientAgreement:
-    """``expect_equal_gradients``: at optimizer step ``step``, every parameter's gradient norm (one per expert
-    for stacked expert weights) must match the baseline's, seed by seed (``GradientFingerprint`` records them).
-
-    Passes when every ``|norm - baseline_norm| <= rtol * largest``, ``largest`` being the tensor's largest
-    norm in the baseline (its largest expert's, for stacked experts). Gradients before any update compare the
-    layouts of one model where a loss curve cannot: a float32 MoE's top-k routing may split near-ties
-    differently per layout once the weights have moved, after which no loss tolerance tells rounding from a
-    bug, and Adam hides a gradient's scale from the loss (docs/moe.md#studies).
-    """
-
-    rtol: float = 1e-5
-    step: int = 1
 
 
 GRADIENT_CALLBACK = "lit_ablate.callbacks.GradientFingerprint"
@@ -237,18 +105,30 @@ class StudySpec:
     def variant(self, name: str) -> Variant:
         return next(v for v in self.variants if v.name == name)
 
-    def run_config(self, variant: Variant, seed: int, root_dir: str | Path) -> dict[str, Any]:
-        """The complete ``fit`` config of one run, in the documented precedence order."""
+    def fit_config(self, variant: Variant, seed: int, root_dir: str | Path) -> dict[str, Any]:
+        """The ``fit`` config of one run as the study file merges it (not yet resolved), in the documented
+        precedence order."""
+        config = with_overrides(
+            self.base,
+            {
+                **self.overrides,
+                **self.launch_overrides,
+                **variant.overrides,
+                **variant.launch_overrides,
+                **self.runner_overrides(seed, root_dir),
+            },
+        )
+        return self._with_gradient_fingerprint(config, variant)
+
+    def runner_overrides(self, seed: int, root_dir: str | Path) -> dict[str, Any]:
+        """What the runner sets in every run's config (``RUNNER_KEYS``): the seed, the output folder, the
+        study's steps and warm-up."""
         runner: dict[str, Any] = {"seed_everything": seed, "trainer.default_root_dir": str(root_dir)}
         if self.steps is not None:
             runner["trainer.max_steps"] = self.steps
         if self.warmup_steps is not None:
             runner["recorder.warmup_steps"] = self.warmup_steps
-        config = with_overrides(
-            self.base,
-            {**self.overrides, **self.launch_overrides, **variant.overrides, **variant.launch_overrides, **runner},
-        )
-        return self._with_gradient_fingerprint(config, variant)
+        return runner
 
     def _with_gradient_fingerprint(self, config: dict[str, Any], variant: Variant) -> dict[str, Any]:
         """``config`` with the callback that records what ``expect_equal_gradients`` compares, at its step,
@@ -285,7 +165,7 @@ class StudySpec:
         """
         spec = self
         if steps is not None:
-            if not _positive_int(steps):
+            if not positive_int(steps):
                 raise ConfigError("--steps", steps, "give a positive integer number of optimizer steps")
             if self.warmup_steps is not None and self.warmup_steps >= steps:
                 raise ConfigError(
@@ -304,7 +184,7 @@ class StudySpec:
                 spec, steps=steps, overrides=overrides, expect_equal_loss=agreement, expect_equal_gradients=gradients
             )
         if seeds is not None:
-            if not _positive_int(seeds):
+            if not positive_int(seeds):
                 raise ConfigError("--seeds", seeds, "give how many seeds to run: a positive integer")
             kept = list(self.seeds[:seeds])
             kept += range(max(self.seeds) + 1, max(self.seeds) + 1 + seeds - len(kept))
@@ -375,10 +255,10 @@ def parse_study(raw: Any, source: Path | None = None) -> StudySpec:
     if not isinstance(name, str) or not name or _SAFE_NAME.search(name):
         raise ConfigError("name", name, "give a name of letters, digits, '.', '_', '-' (it names the output folder)")
     base, base_path = _base(raw.get("base"), source)
-    overrides = _dotted_mapping(raw.get("overrides", {}), "overrides", study_level=True)
+    overrides = _dottedmapping_at(raw.get("overrides", {}), "overrides", study_level=True)
     if "steps" in raw and "trainer.max_steps" in overrides:
         raise ConfigError("overrides.trainer.max_steps", overrides["trainer.max_steps"], "set steps: or this, not both")
-    launch = Launch().updated(_mapping(raw.get("launch", {}), "launch"), "launch")
+    launch = Launch().updated(mapping_at(raw.get("launch", {}), "launch"), "launch")
     launch_overrides = launch.config_overrides()
     if ("axes" in raw) == ("variants" in raw):
         raise ConfigError(
@@ -403,7 +283,7 @@ def parse_study(raw: Any, source: Path | None = None) -> StudySpec:
         raise ConfigError("variants", duplicates, "variant names must be unique")
     baseline = _baseline(raw.get("baseline", names[0]), variants)
     steps = raw.get("steps")
-    if steps is not None and not _positive_int(steps):
+    if steps is not None and not positive_int(steps):
         raise ConfigError("steps", steps, "give a positive integer number of optimizer steps")
     warmup = raw.get("warmup_steps")
     if warmup is not None and (
@@ -428,9 +308,9 @@ def parse_study(raw: Any, source: Path | None = None) -> StudySpec:
         warmup_steps=warmup,
         launch=launch,
         launch_overrides=launch_overrides,
-        expect_equal_loss=_loss_agreement(raw.get("expect_equal_loss"), axes),
+        expect_equal_loss=loss_agreement(raw.get("expect_equal_loss"), axes, steps),
         order=order,
-        expect_equal_gradients=_gradient_agreement(raw.get("expect_equal_gradients"), steps),
+        expect_equal_gradients=gradient_agreement(raw.get("expect_equal_gradients"), steps),
         speed=_speed(raw.get("speed"), submitted),
     )
 
@@ -439,13 +319,13 @@ def _speed(raw: Any, executor: str) -> SpeedDesign:
     """The ``speed:`` block: how speed is measured (``rounds``, ``interleave``) and judged."""
     if raw is None:
         return SpeedDesign()
-    raw = _mapping(raw, "speed")
+    raw = mapping_at(raw, "speed")
     known = {f.name for f in fields(SpeedDesign)}
     for name, value in raw.items():
         if name not in known:
             raise ConfigError(f"speed.{name}", value, f"the keys are {sorted(known)}")
     design = SpeedDesign(**raw)
-    if not _positive_int(design.rounds):
+    if not positive_int(design.rounds):
         raise ConfigError(
             "speed.rounds", design.rounds, "give how many blocks each run is measured in: a positive integer"
         )
@@ -495,7 +375,7 @@ def _base(value: Any, source: Path | None) -> tuple[dict[str, Any], Path | None]
 
 
 def _expand_axes(raw: Any, launch: Launch) -> tuple[dict[str, list[Any]], list[Variant]]:
-    axes = _dotted_mapping(raw, "axes")
+    axes = _dottedmapping_at(raw, "axes")
     if not 1 <= len(axes) <= MAX_AXES:
         raise ConfigError("axes", raw, f"declare 1 axis, or {MAX_AXES} for a grid")
     for key, values in axes.items():
@@ -528,14 +408,14 @@ def _explicit_variants(raw: Any, launch: Launch) -> list[Variant]:
     variants = []
     for i, item in enumerate(raw):
         key = f"variants[{i}]"
-        item = _mapping(item, key)
+        item = mapping_at(item, key)
         for k in item:
             if k not in VARIANT_KEYS:
                 raise ConfigError(f"{key}.{k}", item[k], f"a variant has the keys {list(VARIANT_KEYS)}")
         name = item.get("name")
         if not isinstance(name, str) or not name or _SAFE_NAME.search(name):
             raise ConfigError(f"{key}.name", name, "give a name of letters, digits, '.', '_', '-', '=', ','")
-        variant_launch_raw = _mapping(item.get("launch", {}), f"{key}.launch")
+        variant_launch_raw = mapping_at(item.get("launch", {}), f"{key}.launch")
         variant_launch = launch.updated(variant_launch_raw, f"{key}.launch")
         _check_paired(
             replace(SLURM_BLOCK, key=f"{key}.launch.slurm", partner=f"{key}.launch.executor"),
@@ -545,7 +425,7 @@ def _explicit_variants(raw: Any, launch: Launch) -> list[Variant]:
         launch_overrides = {
             LAUNCH_CONFIG_KEYS[f]: variant_launch_raw[f] for f in LAUNCH_CONFIG_KEYS if f in variant_launch_raw
         }
-        overrides = _dotted_mapping(item.get("overrides", {}), f"{key}.overrides")
+        overrides = _dottedmapping_at(item.get("overrides", {}), f"{key}.overrides")
         variants.append(Variant(name, overrides, variant_launch, launch_overrides))
     return variants
 
@@ -601,66 +481,9 @@ def _seeds(raw: Any) -> tuple[int, ...]:
     return tuple(raw)
 
 
-_Agreement = TypeVar("_Agreement", LossAgreement, GradientAgreement)
-
-
-def _loss_agreement(raw: Any, axes: Mapping[str, list[Any]]) -> LossAgreement | None:
-    agreement = _agreement(raw, "expect_equal_loss", LossAgreement, ("rtol", "atol"))
-    if agreement is None:
-        return None
-    if agreement.steps is not None and not _positive_int(agreement.steps):
-        raise ConfigError(
-            "expect_equal_loss.steps", agreement.steps, "give a positive integer (or leave it out: all steps)"
-        )
-    if agreement.across is not None and agreement.across not in axes:
-        raise ConfigError(
-            "expect_equal_loss.across",
-            agreement.across,
-            f"name one of the study's axes {list(axes)} (it needs axes:, not variants:)",
-        )
-    return agreement
-
-
-def _gradient_agreement(raw: Any, steps: int | None) -> GradientAgreement | None:
-    agreement = _agreement(raw, "expect_equal_gradients", GradientAgreement, ("rtol",))
-    if agreement is None:
-        return None
-    if not _positive_int(agreement.step) or (steps is not None and agreement.step > steps):
-        raise ConfigError(
-            "expect_equal_gradients.step",
-            agreement.step,
-            "give the optimizer step whose gradients are compared: a positive integer"
-            + (f" of at most steps ({steps})" if steps is not None else ""),
-        )
-    return agreement
-
-
-def _agreement(raw: Any, key: str, kind: type[_Agreement], tolerances: tuple[str, ...]) -> _Agreement | None:
-    """A study's ``expect_equal_*`` block as its dataclass: only its own keys, tolerances non-negative numbers."""
-    if raw is None:
-        return None
-    raw = _mapping(raw, key)
-    known = {f.name for f in fields(kind)}
-    for name, value in raw.items():
-        if name not in known:
-            raise ConfigError(f"{key}.{name}", value, f"the keys are {sorted(known)}")
-    agreement = kind(**raw)
-    for name in tolerances:
-        value = getattr(agreement, name)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-            raise ConfigError(f"{key}.{name}", value, "give a non-negative number")
-    return agreement
-
-
-def _mapping(value: Any, key: str) -> dict[str, Any]:
-    if not isinstance(value, Mapping):
-        raise ConfigError(key, value, "give a mapping")
-    return dict(value)
-
-
-def _dotted_mapping(value: Any, key: str, study_level: bool = False) -> dict[str, Any]:
+def _dottedmapping_at(value: Any, key: str, study_level: bool = False) -> dict[str, Any]:
     """Dotted overrides; runner keys are refused, except ``trainer.max_steps`` for the whole study."""
-    mapping = _mapping(value, key)
+    mapping = mapping_at(value, key)
     for dotted in mapping:
         if not isinstance(dotted, str) or not dotted or any(not s for s in dotted.split(".")):
             raise ConfigError(
@@ -687,7 +510,3 @@ def _variant_names(text: str, names: Sequence[str]) -> list[str]:
     if not chosen:
         raise ConfigError("--only", text, f"name variants, comma-separated; the variants: {list(names)}")
     return chosen
-
-
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0

@@ -25,7 +25,8 @@ from lit_ablate.estimate.from_config import (
 )
 from lit_ablate.estimate.memory import estimate_memory
 from lit_ablate.estimate.shapes import GIB, OPTIMIZERS, MemoryEstimate
-from lit_ablate.run_config import RunConfig
+from lit_ablate.rules import Scope, check
+from lit_ablate.run_config import RunConfig, on_ranks
 
 
 def estimate_main(argv: list[str]) -> int:
@@ -74,6 +75,7 @@ def estimate_main(argv: list[str]) -> int:
         world = args.world_size or world_size_of(config)
         if world < 1:
             raise ConfigError("trainer.devices", config.trainer.devices, "use a positive number of devices per node")
+        check(config if args.world_size is None else on_ranks(config, world), Scope.CONFIG)  # what no machine runs
         training = training_shape_of(config, args.optimizer, world)
         counts, shape = model_of(config)
         configured_sharding(config, world)  # the configured mesh must lay out on the ranks asked for

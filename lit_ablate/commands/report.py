@@ -1,7 +1,7 @@
 """``lit-ablate report DIR``: re-render a study directory's report from its run records.
 
 Its own module, apart from ``ablate``, so that it starts without what planning and running a study
-import (Lightning, the strategies, preflight): re-rendering reads JSON and draws plots.
+import (Lightning, the strategies, the rules): re-rendering reads JSON and draws plots.
 """
 
 from __future__ import annotations

@@ -27,12 +27,9 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 import lit_ablate.models.attention.backends  # noqa: F401  (registers our attention backends with transformers)
 from lit_ablate.errors import ConfigError
-from lit_ablate.models.adapters.lora import OPTIONS_KEY as ADAPTER_KEY
-from lit_ablate.models.adapters.lora import AdapterOptions, apply_adapters
-from lit_ablate.models.adapters.quantization import OPTIONS_KEY as QUANTIZATION_KEY
-from lit_ablate.models.adapters.quantization import QuantizationOptions, quantize_linears
-from lit_ablate.models.fp8.conversion import OPTIONS_KEY as FP8_KEY
-from lit_ablate.models.fp8.conversion import Fp8Options, convert_fp8, resolve_emulation
+from lit_ablate.models.adapters.lora import ADAPTER_KEY, AdapterOptions, apply_adapters
+from lit_ablate.models.adapters.quantization import QUANTIZATION_KEY, QuantizationOptions, quantize_linears
+from lit_ablate.models.fp8.conversion import FP8_KEY, Fp8Options, convert_fp8, resolve_emulation
 from lit_ablate.models.moe.blocks import MoEOptions, apply_moe
 from lit_ablate.models.presets import preset_config
 from lit_ablate.path_checks import looks_local

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.parsing import collect_init_args
 from transformers import PreTrainedModel
 
 from lit_ablate.class_paths import import_class
@@ -105,26 +107,16 @@ class CausalLM(LightningModule):
         LossChoice(loss, dict(loss_options or {})).build()  # bad names/options fail here, before any model is built
         check_optimizer(optimizer)  # the strategy is checked in configure_model
         check_optimizer_arguments(optimizer, betas, dict(optimizer_options or {}))
-        # Plain values only, so checkpoints load with torch.load(weights_only=True). ``_class_path``
-        # lets LightningCLI's ``--ckpt_path`` (test, validate, resumed fit) re-parse them.
+        # Every argument of the __init__ chain (a subclass's too, as its frame holds it), the model as plain
+        # values, so checkpoints load with torch.load(weights_only=True). ``_class_path`` lets
+        # LightningCLI's ``--ckpt_path`` (test, validate, resumed fit) re-parse them.
+        arguments = {
+            k: v
+            for frame in collect_init_args(inspect.currentframe(), [], classes=(CausalLM,))
+            for k, v in frame.items()
+        }
         self.save_hyperparameters(
-            {
-                "_class_path": f"{type(self).__module__}.{type(self).__qualname__}",
-                "model": asdict(model),
-                "loss": loss,
-                "loss_options": dict(loss_options or {}),
-                "optimizer": optimizer,
-                "optimizer_options": dict(optimizer_options or {}),
-                "learning_rate": learning_rate,
-                "weight_decay": weight_decay,
-                "betas": tuple(betas),
-                "warmup_steps": warmup_steps,
-                "min_lr_ratio": min_lr_ratio,
-                "lr_schedule": lr_schedule,
-                "decay_fraction": decay_fraction,
-                "decay_shape": decay_shape,
-                "compile": compile,
-            }
+            {"_class_path": f"{type(self).__module__}.{type(self).__qualname__}", **arguments, "model": asdict(model)}
         )
         self.factory = model
         self.optimizer_name, self.optimizer_options = optimizer, dict(optimizer_options or {})
@@ -186,7 +178,7 @@ class CausalLM(LightningModule):
     def trained_module(self, lm: PreTrainedModel) -> CausalLMWithLoss:
         """The module training runs and strategies parallelise, around the freshly built ``lm``
         (a hook: ``DPO`` returns sequence log-probabilities instead of a token loss)."""
-        return CausalLMWithLoss(lm, LossChoice(self.hparams.loss, self.hparams.loss_options).build())
+        return CausalLMWithLoss(lm, LossChoice(self.hparams.loss, self.hparams.loss_options or {}).build())
 
     def _check_compile_step(self) -> None:
         """A mesh strategy compiles in its own pipeline step (after activation checkpointing)."""

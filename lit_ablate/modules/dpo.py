@@ -109,21 +109,8 @@ class DPO(DPOReference, CausalLM):
         )
         if self.fused_loss is None:
             logprob_backend(logprobs, **(logprobs_options or {}))
-        for key in ("loss", "loss_options"):
+        for key in ("loss", "loss_options"):  # saved with every argument by CausalLM: no DPO options
             self.hparams.pop(key)
-        self.save_hyperparameters(
-            {
-                "loss_type": loss_type,
-                "beta": beta,
-                "label_smoothing": label_smoothing,
-                "gamma": gamma,
-                "reference": reference,
-                "reference_cache": reference_cache,
-                "reference_model": reference_model,
-                "logprobs": logprobs,
-                "logprobs_options": dict(logprobs_options or {}),
-            }
-        )
         self.reference = None
         self.memory_categories = {"reference": ["reference", *(["model.reference_head"] if self.fused_loss else [])]}
         """``MemoryMonitor`` counts the frozen reference (and Liger's copy of its head) apart from ``params``."""
@@ -149,7 +136,7 @@ class DPO(DPOReference, CausalLM):
         return (
             TorchLogProbs()
             if self.fused_loss
-            else logprob_backend(self.hparams.logprobs, **self.hparams.logprobs_options)
+            else logprob_backend(self.hparams.logprobs, **(self.hparams.logprobs_options or {}))
         )
 
     def flops_per_pair_batch(self, batch: dict[str, Any]) -> float:

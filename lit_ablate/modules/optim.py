@@ -6,7 +6,7 @@ warm-up-stable-decay).
 instead of 8 in fp32); both libraries keep tensors under 4096 elements in fp32 (bitsandbytes'
 ``min_8bit_size``, torchao's fixed threshold), so small adapters barely shrink. Whether an
 optimizer can update the parameters a strategy hands it is decided before the model is built
-(``optimizer_refusal``) and by the study runner's compatibility rule, not discovered at step 1.
+(``optimizer_refusal``) and by the rule ``optimizer_runs_here``, not discovered at step 1.
 
 torch's AdamW has three implementations of one update: a Python loop over parameters, ``foreach``
 (one kernel launch per operation over a list of tensors) and ``fused`` (one kernel for the whole
@@ -34,7 +34,7 @@ from lit_ablate.errors import ConfigError
 from lit_ablate.extras import installed, not_installed
 
 OPTIMIZER_KEY = "model.init_args.optimizer"
-OPTIONS_KEY = "model.init_args.optimizer_options"
+OPTIMIZER_OPTIONS_KEY = "model.init_args.optimizer_options"
 OPTIMIZERS: dict[str, str] = {
     "adamw": "torch.optim.AdamW",
     "bnb_adamw8bit": "bitsandbytes.optim.AdamW8bit",
@@ -117,7 +117,7 @@ def check_optimizer_arguments(name: str, betas: Sequence[float], options: Mappin
         if key not in accepted:
             close = difflib.get_close_matches(key, accepted, n=1)
             raise ConfigError(
-                f"{OPTIONS_KEY}.{key}",
+                f"{OPTIMIZER_OPTIONS_KEY}.{key}",
                 options[key],
                 f"{OPTIMIZERS[name]} takes no {key}; "
                 + (f"did you mean {close[0]}?" if close else f"it takes {accepted}"),
@@ -125,7 +125,7 @@ def check_optimizer_arguments(name: str, betas: Sequence[float], options: Mappin
     try:
         cls([torch.zeros(1, requires_grad=True)], lr=1e-3, betas=tuple(betas), **options)
     except (TypeError, ValueError) as err:
-        raise ConfigError(OPTIONS_KEY, dict(options), f"{OPTIMIZERS[name]} refused them: {err}") from err
+        raise ConfigError(OPTIMIZER_OPTIONS_KEY, dict(options), f"{OPTIMIZERS[name]} refused them: {err}") from err
 
 
 def build_optimizer(
@@ -150,7 +150,7 @@ def build_optimizer(
     try:
         return cls(groups, lr=lr, betas=betas, **options), fallback
     except TypeError as err:
-        raise ConfigError(OPTIONS_KEY, given, f"{OPTIMIZERS[name]} refused them: {err}") from err
+        raise ConfigError(OPTIMIZER_OPTIONS_KEY, given, f"{OPTIMIZERS[name]} refused them: {err}") from err
 
 
 AdamWImplementation = Literal["fused", "foreach", "for-loop"]

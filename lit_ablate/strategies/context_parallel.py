@@ -27,7 +27,7 @@ from lit_ablate.models.attention.sequence_layout import LAYOUTS, LayoutName, Seq
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
 from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX
 from lit_ablate.strategies.fsdp2 import FullyShardSteps
-from lit_ablate.strategies.mesh import STRATEGY_KEY
+from lit_ablate.strategies.mesh import STRATEGY_OPTIONS_KEY
 
 ContextParallelImpl = Literal["ring", "allgather"]
 SEQUENCE_KEYS = ("input_ids", "labels", "position_ids", "attention_mask")
@@ -83,9 +83,11 @@ class ContextParallelSteps(FullyShardSteps):
         **kwargs: Any,
     ) -> None:
         if cp_impl not in CONTEXT_PARALLEL_BACKENDS:
-            raise ConfigError(f"{STRATEGY_KEY}.cp_impl", cp_impl, f"choose one of {sorted(CONTEXT_PARALLEL_BACKENDS)}")
+            raise ConfigError(
+                f"{STRATEGY_OPTIONS_KEY}.cp_impl", cp_impl, f"choose one of {sorted(CONTEXT_PARALLEL_BACKENDS)}"
+            )
         if cp_layout not in LAYOUTS:
-            raise ConfigError(f"{STRATEGY_KEY}.cp_layout", cp_layout, f"choose one of {list(LAYOUTS)}")
+            raise ConfigError(f"{STRATEGY_OPTIONS_KEY}.cp_layout", cp_layout, f"choose one of {list(LAYOUTS)}")
         if cp_block_kernel not in BLOCK_KERNELS:
             raise ConfigError(KERNEL_KEY, cp_block_kernel, f"choose one of {list(BLOCK_KERNELS)}")
         super().__init__(**kwargs)

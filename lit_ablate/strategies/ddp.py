@@ -15,7 +15,7 @@ from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from lit_ablate.errors import ConfigError
 from lit_ablate.strategies.gpu_only import check_gpu_only_options
 from lit_ablate.strategies.interface import StrategyInterface
-from lit_ablate.strategies.mesh import STRATEGY_KEY
+from lit_ablate.strategies.mesh import STRATEGY_OPTIONS_KEY
 from lit_ablate.strategies.state_sharding import REPLICATED, StateSharding
 
 CommHook = Literal["none", "fp16", "bf16", "powersgd"]
@@ -55,15 +55,15 @@ class DDPStrategy(LightningDDPStrategy, StrategyInterface):
         timeout_s: float = 1800.0,
     ) -> None:
         if comm_hook not in ("none", "fp16", "bf16", "powersgd"):
-            raise ConfigError(f"{STRATEGY_KEY}.comm_hook", comm_hook, "choose none, fp16, bf16 or powersgd")
+            raise ConfigError(f"{STRATEGY_OPTIONS_KEY}.comm_hook", comm_hook, "choose none, fp16, bf16 or powersgd")
         if comm_hook == "powersgd" and powersgd_start_iter < 2:
             raise ConfigError(
-                f"{STRATEGY_KEY}.powersgd_start_iter",
+                f"{STRATEGY_OPTIONS_KEY}.powersgd_start_iter",
                 powersgd_start_iter,
                 "PowerSGD with error feedback needs at least 2 plain all-reduce steps first",
             )
         if powersgd_rank < 1:
-            raise ConfigError(f"{STRATEGY_KEY}.powersgd_rank", powersgd_rank, "use 1 or more")
+            raise ConfigError(f"{STRATEGY_OPTIONS_KEY}.powersgd_rank", powersgd_rank, "use 1 or more")
         super().__init__(
             process_group_backend=process_group_backend,
             timeout=timedelta(seconds=timeout_s),

@@ -11,10 +11,10 @@ from torch.distributed.tensor import DTensor, Shard
 
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
-from lit_ablate.models.moe.blocks import OPTIONS_KEY, MoEBlock, moe_blocks
+from lit_ablate.models.moe.blocks import MOE_KEY, MoEBlock, moe_blocks
 from lit_ablate.models.moe.dispatch import DISPATCH_MODES
 from lit_ablate.strategies.fsdp2 import FullyShardSteps
-from lit_ablate.strategies.mesh import STRATEGY_KEY
+from lit_ablate.strategies.mesh import STRATEGY_OPTIONS_KEY
 from lit_ablate.strategies.state_sharding import StateSharding
 
 DispatchMode = Literal["all_to_all", "all_reduce"]
@@ -46,7 +46,7 @@ class ExpertParallelSteps(FullyShardSteps):
 
     def __init__(self, dispatch: DispatchMode = "all_to_all", **kwargs: Any) -> None:
         if dispatch not in DISPATCH_MODES:
-            raise ConfigError(f"{STRATEGY_KEY}.dispatch", dispatch, f"choose one of {sorted(DISPATCH_MODES)}")
+            raise ConfigError(f"{STRATEGY_OPTIONS_KEY}.dispatch", dispatch, f"choose one of {sorted(DISPATCH_MODES)}")
         super().__init__(**kwargs)
         self.dispatch = dispatch
 
@@ -65,7 +65,7 @@ class ExpertParallelSteps(FullyShardSteps):
         ep = self.requested_mesh_sizes.ep
         if ep > world_size:
             raise ConfigError(
-                f"{STRATEGY_KEY}.ep",
+                f"{STRATEGY_OPTIONS_KEY}.ep",
                 ep,
                 f"ep cannot exceed the world size ({world_size} ranks = "
                 f"devices x nodes); use ep <= {world_size}, or -1 for all ranks",
@@ -119,7 +119,7 @@ class ExpertParallelSteps(FullyShardSteps):
         blocks = moe_blocks(model)
         if not blocks:
             raise ConfigError(
-                f"{OPTIONS_KEY}.experts",
+                f"{MOE_KEY}.experts",
                 "hf or unset",
                 "ExpertParallelStrategy shards lit-ablate MoE blocks: use an MoE model with "
                 "moe.experts: grouped (or loop)",
@@ -127,7 +127,7 @@ class ExpertParallelSteps(FullyShardSteps):
         num_experts, ep = blocks[0].gate.num_experts, self.mesh_sizes.ep
         if num_experts % ep:
             raise ConfigError(
-                f"{STRATEGY_KEY}.ep",
+                f"{STRATEGY_OPTIONS_KEY}.ep",
                 ep,
                 f"the model has {num_experts} experts per layer; use an ep that divides {num_experts}",
             )

@@ -11,29 +11,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lit_ablate.errors import ConfigError
+from lit_ablate.mesh_sizes import MESH_DIMS
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.models.fp8.conversion import precompute_fp8_scales
 from lit_ablate.strategies.gpu_only import check_gpu_only_options
-from lit_ablate.strategies.mesh import (
-    FSDP_SHARD_DIMS,
-    STRATEGY_KEY,
-    MeshOptions,
-    MeshStrategy,
-    decoder_layers,
-)
+from lit_ablate.strategies.mesh import FSDP_SHARD_DIMS, STRATEGY_OPTIONS_KEY, MeshStrategy, decoder_layers
+from lit_ablate.strategies.options import keyword_options, options_type
 from lit_ablate.strategies.state_sharding import StateSharding
 
 DTypeName = Literal["float32", "bfloat16", "float16"]
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class FSDPOptions(MeshOptions, total=False):
-    """``FullyShardSteps``' options beside the mesh's (see its docstring)."""
-
-    reshard_after_forward: bool
-    param_dtype: DTypeName | None
-    reduce_dtype: DTypeName | None
-    cpu_offload: bool
 
 
 class FullyShardSteps(MeshStrategy):
@@ -61,11 +48,11 @@ class FullyShardSteps(MeshStrategy):
         reduce_dtype: DTypeName | None = None,
         cpu_offload: bool = False,
         **kwargs: Any,
-    ) -> None:  # the mesh sizes and MeshOptions
+    ) -> None:
         super().__init__(**kwargs)
         for key, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
             if value is not None and value not in DTYPES:
-                raise ConfigError(f"{STRATEGY_KEY}.{key}", value, f"choose one of {sorted(DTYPES)} or null")
+                raise ConfigError(f"{STRATEGY_OPTIONS_KEY}.{key}", value, f"choose one of {sorted(DTYPES)} or null")
         self.reshard_after_forward = reshard_after_forward
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
@@ -136,3 +123,9 @@ def shard_layers_then_root(layers: Iterable[nn.Module], root: nn.Module, kwargs:
     for layer in layers:
         fully_shard(layer, **kwargs)
     fully_shard(root, **kwargs)
+
+
+FSDPOptions = options_type(
+    "FSDPOptions", keyword_options(FullyShardSteps), keyword_options(MeshStrategy, leave_out=MESH_DIMS)
+)
+"""The options every mesh strategy takes beside its mesh sizes: FSDP2's and the mesh's."""

@@ -1,5 +1,5 @@
 """Strategy options that need a GPU, in one place: checked by the strategies at set-up and,
-from a config alone, by the ablation runner's compatibility rules before anything launches."""
+from a config alone, by the rule ``strategy_options_run_here`` before anything launches."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lit_ablate.errors import ConfigError
-from lit_ablate.strategies.mesh import STRATEGY_KEY
+from lit_ablate.strategies.mesh import STRATEGY_OPTIONS_KEY
 
 
 def check_gpu_only_options(options: Mapping[str, Any], device_type: str) -> None:
@@ -17,14 +17,14 @@ def check_gpu_only_options(options: Mapping[str, Any], device_type: str) -> None
         return
     if options.get("cpu_offload"):
         raise ConfigError(
-            f"{STRATEGY_KEY}.cpu_offload",
+            f"{STRATEGY_OPTIONS_KEY}.cpu_offload",
             True,
             "CPU offload moves shards from a GPU to host memory; with accelerator: cpu everything already is in host "
             "memory. Set cpu_offload: false, or train on GPUs",
         )
     if options.get("comm_hook") == "bf16":
         raise ConfigError(
-            f"{STRATEGY_KEY}.comm_hook",
+            f"{STRATEGY_OPTIONS_KEY}.comm_hook",
             "bf16",
             "torch's bf16 compression hook needs NCCL (GPUs); on CPU use fp16 or powersgd",
         )

@@ -35,7 +35,7 @@ import math
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -45,7 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.optim import Optimizer
 
 from lit_ablate.errors import ConfigError
-from lit_ablate.mesh_sizes import MESH_DIMS, STRATEGY_KEY, MeshSizes
+from lit_ablate.mesh_sizes import MESH_DIMS, STRATEGY_OPTIONS_KEY, MeshSizes
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
 from lit_ablate.simulated_rank import current_simulation
 from lit_ablate.strategies.gradient_clipping import clip_grad_norm_across_meshes
@@ -61,20 +61,6 @@ GRADIENT_MEAN_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "ep", "cp")
 its tensor-parallel slice (``tp``), whose ranks hold other parameters or other slices of them."""
 
 ActivationCheckpointing = Literal["none", "full", "selective"]
-
-
-class MeshOptions(TypedDict, total=False):
-    """The options every mesh strategy takes beside its mesh sizes (see ``MeshStrategy``): presets
-    accept them as ``**kwargs: Unpack[...]``, so their signatures (what jsonargparse parses) list
-    exactly the dimensions they implement."""
-
-    activation_checkpointing: ActivationCheckpointing
-    checkpoint_every: int
-    compile_layers: bool
-    compile_backend: str | None
-    save_distributed_checkpoint: bool
-    process_group_backend: str | None
-    timeout_s: float
 
 
 class MeshStrategy(ModelParallelStrategy, StrategyInterface):
@@ -141,10 +127,12 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
         self._check_steps_implemented(self.requested_mesh_sizes)
         if activation_checkpointing not in ("none", "full", "selective"):
             raise ConfigError(
-                f"{STRATEGY_KEY}.activation_checkpointing", activation_checkpointing, "choose none, full or selective"
+                f"{STRATEGY_OPTIONS_KEY}.activation_checkpointing",
+                activation_checkpointing,
+                "choose none, full or selective",
             )
         if checkpoint_every < 1:
-            raise ConfigError(f"{STRATEGY_KEY}.checkpoint_every", checkpoint_every, "use 1 or more")
+            raise ConfigError(f"{STRATEGY_OPTIONS_KEY}.checkpoint_every", checkpoint_every, "use 1 or more")
         self.activation_checkpointing = activation_checkpointing
         self.checkpoint_every = checkpoint_every
         self.compile_layers = compile_layers
@@ -241,7 +229,7 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
                     else "a strategy that implements it"
                 )
                 raise ConfigError(
-                    f"{STRATEGY_KEY}.{dim}",
+                    f"{STRATEGY_OPTIONS_KEY}.{dim}",
                     sizes[dim],
                     f"{type(self).__name__} does not implement {step}; use {dim}: 1, or {other}",
                 )
@@ -465,7 +453,7 @@ def _compile_backend(backend: str | None) -> str:
     backends = torch._dynamo.list_backends(exclude_tags=())
     if backend not in backends:
         raise ConfigError(
-            f"{STRATEGY_KEY}.compile_backend",
+            f"{STRATEGY_OPTIONS_KEY}.compile_backend",
             backend,
             "use inductor (what runs are measured with), aot_eager (the same tracing, eager kernels) or "
             "eager; torch._dynamo.list_backends(exclude_tags=()) lists every backend",

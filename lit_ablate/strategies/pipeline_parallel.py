@@ -42,17 +42,18 @@ from lightning.pytorch import Trainer
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
+from typing_extensions import Unpack
 
 from lit_ablate.errors import ConfigError
-from lit_ablate.mesh_sizes import STRATEGY_KEY
-from lit_ablate.models.attention.block_kernels import BlockKernelName
-from lit_ablate.models.attention.sequence_layout import LayoutName
+from lit_ablate.mesh_sizes import STRATEGY_OPTIONS_KEY
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.models.losses.sequence_logprobs import SequenceLogProbs
-from lit_ablate.strategies.context_parallel import ContextParallelImpl
-from lit_ablate.strategies.expert_parallel import DispatchMode
+from lit_ablate.strategies.context_parallel import ContextParallelSteps
+from lit_ablate.strategies.expert_parallel import ExpertParallelSteps
 from lit_ablate.strategies.interface import ObjectiveScale, UnitLoss
+from lit_ablate.strategies.mesh import MeshStrategy
 from lit_ablate.strategies.mesh_parallel import MeshParallelStrategy
+from lit_ablate.strategies.options import check_options, keyword_options, options_type
 from lit_ablate.strategies.pipeline_checkpoint import load_stage_checkpoint
 from lit_ablate.strategies.pipeline_evaluation import evaluate_stages
 from lit_ablate.strategies.pipeline_schedule import PipelineSchedule
@@ -69,6 +70,13 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe")
 """Families whose decoder takes ``inputs_embeds`` unchanged (Gemma, for one, rescales them)."""
 PIPELINED_MODELS = (CausalLMWithLoss, SequenceLogProbs)
 """What the stages train: CausalLM's token loss and DPO's sequence log-probs (not Liger's fused DPO policy)."""
+PipelineOptions = options_type(
+    "PipelineOptions",
+    keyword_options(ContextParallelSteps),
+    keyword_options(ExpertParallelSteps),
+    keyword_options(MeshStrategy, only=("process_group_backend", "timeout_s")),
+)
+"""The options a pipeline takes besides its own: context and expert parallelism's, and the process group's."""
 
 
 class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
@@ -112,9 +120,9 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
             all-gather per step, the stage's full parameters held during the step).
         tp, ep, cp: tensor-, expert- and context-parallel ranks inside each stage (``MeshParallelStrategy``);
             with any of them or ``dp_shard`` above 1 each stage is an FSDP2 root (``StageSharding``).
-        cp_impl, cp_layout, cp_block_kernel, dispatch: context and expert parallelism's options.
-        process_group_backend, timeout_s: see ``MeshStrategy``. Checkpoints are sharded DCP folders
-            (each stage writes its own weights and optimizer state).
+        **kwargs: context and expert parallelism's options (``cp_impl``, ``cp_layout``, ``cp_block_kernel``,
+            ``dispatch``), ``process_group_backend`` and ``timeout_s`` (``MeshStrategy``). Checkpoints are
+            sharded DCP folders (each stage writes its own weights and optimizer state).
     """
 
     def __init__(
@@ -130,13 +138,9 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
         tp: int = 1,
         ep: int = 1,
         cp: int = 1,
-        cp_impl: ContextParallelImpl = "ring",
-        cp_layout: LayoutName = "zigzag",
-        cp_block_kernel: BlockKernelName = "sdpa",
-        dispatch: DispatchMode = "all_to_all",
-        process_group_backend: str | None = None,
-        timeout_s: float = 1800.0,
+        **kwargs: Unpack[PipelineOptions],
     ) -> None:
+        check_options(type(self).__name__, PipelineOptions, kwargs)
         super().__init__(
             pp=pp,
             dp_replicate=dp_replicate,
@@ -144,30 +148,25 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
             ep=ep,
             cp=cp,
             tp=tp,
-            cp_impl=cp_impl,
-            cp_layout=cp_layout,
-            cp_block_kernel=cp_block_kernel,
-            dispatch=dispatch,
             reshard_after_forward=reshard_after_forward,
             save_distributed_checkpoint=True,  # a full file would hold stage 0 only
-            process_group_backend=process_group_backend,
-            timeout_s=timeout_s,
+            **kwargs,
         )
         if schedule not in SCHEDULES:
-            raise ConfigError(f"{STRATEGY_KEY}.schedule", schedule, f"choose one of {SCHEDULES}")
+            raise ConfigError(f"{STRATEGY_OPTIONS_KEY}.schedule", schedule, f"choose one of {SCHEDULES}")
         interleaved = schedule == "interleaved_1f1b"
         if not isinstance(stages_per_rank, int) or stages_per_rank < 1 or (stages_per_rank > 1) != interleaved:
             raise ConfigError(
-                f"{STRATEGY_KEY}.stages_per_rank",
+                f"{STRATEGY_OPTIONS_KEY}.stages_per_rank",
                 stages_per_rank,
                 "interleaved_1f1b needs 2 or more stages per rank; gpipe and 1f1b hold 1",
             )
         self.stages_per_rank = stages_per_rank
         if not isinstance(microbatches, int) or microbatches < 1:
-            raise ConfigError(f"{STRATEGY_KEY}.microbatches", microbatches, "use 1 or more micro-batches")
+            raise ConfigError(f"{STRATEGY_OPTIONS_KEY}.microbatches", microbatches, "use 1 or more micro-batches")
         if reshard_after_forward and dp_shard == 1:
             raise ConfigError(
-                f"{STRATEGY_KEY}.reshard_after_forward",
+                f"{STRATEGY_OPTIONS_KEY}.reshard_after_forward",
                 True,
                 "it frees FSDP-sharded stages' gathered layers: set dp_shard > 1, or leave it false",
             )
@@ -195,14 +194,14 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
         pp = self.mesh_sizes["pp"]
         if self.schedule_name == "1f1b" and self.microbatches < pp:
             raise ConfigError(
-                f"{STRATEGY_KEY}.microbatches",
+                f"{STRATEGY_OPTIONS_KEY}.microbatches",
                 self.microbatches,
                 f"1f1b needs at least pp={pp} micro-batches to fill the pipeline; raise it or use gpipe",
             )
         rounds = max(1, self.microbatches // pp)
         if self.schedule_name == "interleaved_1f1b" and self.microbatches % rounds:
             raise ConfigError(
-                f"{STRATEGY_KEY}.microbatches",
+                f"{STRATEGY_OPTIONS_KEY}.microbatches",
                 self.microbatches,
                 f"interleaved_1f1b runs rounds of pp={pp} micro-batches: use a multiple of {pp}, or fewer than {pp}",
             )
@@ -340,7 +339,7 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
             )
         if config.num_hidden_layers < self.pp:
             raise ConfigError(
-                f"{STRATEGY_KEY}.pp",
+                f"{STRATEGY_OPTIONS_KEY}.pp",
                 self.pp,
                 f"the model has {config.num_hidden_layers} decoder layers; use at most that many stages",
             )

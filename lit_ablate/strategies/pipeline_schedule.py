@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from lit_ablate.errors import ConfigError
-from lit_ablate.mesh_sizes import STRATEGY_KEY
+from lit_ablate.mesh_sizes import STRATEGY_OPTIONS_KEY
 from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX
 from lit_ablate.models.moe.blocks import moe_blocks
 from lit_ablate.strategies.interface import ObjectiveScale, UnitLoss
@@ -116,7 +116,7 @@ class PipelineSchedule:
         batch = pipeline_batch(batch)
         if batch["labels"].shape[0] % self.microbatches:
             raise ConfigError(
-                f"{STRATEGY_KEY}.microbatches",
+                f"{STRATEGY_OPTIONS_KEY}.microbatches",
                 self.microbatches,
                 f"the batch has {batch['labels'].shape[0]} rows; use a divisor of the batch size",
             )

@@ -9,7 +9,7 @@ import itertools
 from torch import nn
 
 from lit_ablate.errors import ConfigError
-from lit_ablate.mesh_sizes import STRATEGY_KEY
+from lit_ablate.mesh_sizes import STRATEGY_OPTIONS_KEY
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
 from lit_ablate.strategies.pipeline_stages import PassThrough, StageModule
 
@@ -18,8 +18,8 @@ ONE_STAGE_FIX = (
     "last stage, which torch's schedules do not run); raise pp and the devices to match, or use "
     "trainer.strategy lit_ablate.strategies.FSDP2Strategy"
 )
-"""Why ``pp`` 1 is refused, and what to do (``keep_stages``, and before any rank starts the compatibility
-rule ``pipeline_stages_split_the_model``)."""
+"""Why ``pp`` 1 is refused, and what to do (``keep_stages``, and before any rank starts the rule
+``pipeline_stages_split_the_model``)."""
 
 
 def keep_stages(
@@ -33,7 +33,7 @@ def keep_stages(
     stages ``r, r + pp, r + 2 pp, ...``, so the first stage (embeddings) is on rank 0 and the last
     (norm, LM head, loss) on rank ``pp - 1``, as without interleaving."""
     if pp == 1:
-        raise ConfigError(f"{STRATEGY_KEY}.pp", pp, ONE_STAGE_FIX)
+        raise ConfigError(f"{STRATEGY_OPTIONS_KEY}.pp", pp, ONE_STAGE_FIX)
     layers = decoder_layers(model)
     stages = pp * stages_per_rank
     points = (
@@ -87,7 +87,7 @@ def check_split_points(points: list[int], num_layers: int, stages: int) -> None:
     inside = all(0 < p < num_layers for p in points)
     if len(points) != stages - 1 or not inside or any(b <= a for a, b in itertools.pairwise(points)):
         raise ConfigError(
-            f"{STRATEGY_KEY}.split_points",
+            f"{STRATEGY_OPTIONS_KEY}.split_points",
             points,
             f"give {stages - 1} increasing decoder-layer indices between 1 and {num_layers - 1} "
             "(where stages 2.. start), or null to balance by parameter count",

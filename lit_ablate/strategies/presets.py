@@ -1,69 +1,83 @@
 """The named mesh strategies: presets of ``MeshParallelStrategy`` that accept only their own dimensions.
 
 Each is what a config names by ``class_path`` (``lit_ablate.strategies.TensorParallelStrategy``) to
-ablate one technique; its signature is its schema, so a dimension it does not take (``tp`` for
-``FSDP2Strategy``) is refused by the parser in one line, and by the constructor when called from
-Python. A technique's own options come as ``**kwargs`` typed by its options (``ContextParallelOptions``:
-``cp_impl``, ``cp_layout``, ``cp_block_kernel``; with FSDP2's and the mesh's), which the parser reads.
+ablate one technique. A preset declares the mesh sizes it takes, with their defaults (``DIMENSIONS``),
+and the steps whose options it takes besides FSDP2's and the mesh's (``STEPS``); its ``__init__`` is made
+from them, so its signature, the schema jsonargparse parses, lists exactly those: a dimension or an option
+it does not take (``tp`` for ``FSDP2Strategy``) is refused by the parser in one line, and by the constructor
+when called from Python. Each option keeps its one declaration, in its step (``strategies.options``).
 Presets add no behaviour: everything they do is ``MeshParallelStrategy``'s steps at the sizes they set.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from typing_extensions import Unpack
 
-from lit_ablate.errors import ConfigError
-from lit_ablate.models.attention.block_kernels import BlockKernelName
-from lit_ablate.models.attention.sequence_layout import LayoutName
-from lit_ablate.strategies.context_parallel import ContextParallelImpl
-from lit_ablate.strategies.expert_parallel import DispatchMode
-from lit_ablate.strategies.fsdp2 import FSDPOptions
-from lit_ablate.strategies.mesh import STRATEGY_KEY
+from lit_ablate.mesh_sizes import MESH_DIMS
+from lit_ablate.strategies.context_parallel import ContextParallelSteps
+from lit_ablate.strategies.expert_parallel import ExpertParallelSteps
+from lit_ablate.strategies.fsdp2 import FullyShardSteps
+from lit_ablate.strategies.mesh import MeshStrategy
 from lit_ablate.strategies.mesh_parallel import MeshParallelStrategy
+from lit_ablate.strategies.options import check_options, keyword_options, options_type
+from lit_ablate.strategies.tensor_parallel import TensorParallelSteps
 
-
-class TensorParallelOptions(FSDPOptions, total=False):
-    sequence_parallel: bool
-
-
-class ContextParallelOptions(FSDPOptions, total=False):
-    cp_impl: ContextParallelImpl
-    cp_layout: LayoutName
-    cp_block_kernel: BlockKernelName
-
-
-class ExpertParallelOptions(FSDPOptions, total=False):
-    dispatch: DispatchMode
-
-
-class ExpertTensorParallelOptions(TensorParallelOptions, ExpertParallelOptions, total=False):
-    pass
-
-
-class ExpertContextParallelOptions(ContextParallelOptions, ExpertParallelOptions, total=False):
-    pass
+REQUIRED = inspect.Parameter.empty
+"""A preset dimension without a default: the config must give it."""
 
 
 class _Preset(MeshParallelStrategy):
-    """A preset: the mesh sizes it sets and the options its ``OPTIONS`` allow, passed on to the one strategy."""
+    """A preset, declared by its class keywords: ``dimensions``, the mesh sizes it takes (name -> default,
+    ``REQUIRED`` for none), and ``steps``, those whose options it takes; a subclass of a preset (research
+    code's) declares nothing and keeps its preset's arguments."""
 
-    OPTIONS: type = FSDPOptions
-
-    def __init__(self, sizes: dict[str, int], options: dict[str, Any]) -> None:
-        for key, value in options.items():
-            if key not in self.OPTIONS.__optional_keys__:
-                raise ConfigError(
-                    f"{STRATEGY_KEY}.{key}",
-                    value,
-                    f"{type(self).__name__} does not take {key}; use a strategy that does "
-                    "(MeshParallelStrategy takes every mesh dimension)",
-                )
-        super().__init__(**sizes, **options)
+    def __init_subclass__(
+        cls, dimensions: dict[str, Any] | None = None, steps: tuple[type, ...] = (), **kwargs: Any
+    ) -> None:
+        super().__init_subclass__(**kwargs)
+        if dimensions is not None:
+            cls.__init__ = _preset_init(cls, dimensions, steps)
 
 
-class FSDP2Strategy(_Preset):
+def _preset_init(preset: type[_Preset], dimensions: dict[str, Any], steps: tuple[type, ...]) -> Any:
+    """The ``__init__`` of ``preset``: its dimensions as arguments (in their order), and its steps', FSDP2's
+    and the mesh's options as ``**kwargs`` typed by them."""
+    options = options_type(
+        f"{preset.__name__}Options",
+        *(keyword_options(step) for step in (*steps, FullyShardSteps)),
+        keyword_options(MeshStrategy, leave_out=MESH_DIMS),
+    )
+    parameter = inspect.Parameter
+    signature = inspect.Signature(
+        [
+            parameter("self", parameter.POSITIONAL_OR_KEYWORD),
+            *(
+                parameter(dim, parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=int)
+                for dim, default in dimensions.items()
+            ),
+            parameter("kwargs", parameter.VAR_KEYWORD, annotation=Unpack[options]),
+        ],
+        return_annotation=None,
+    )
+
+    def __init__(self: _Preset, *args: Any, **kwargs: Any) -> None:
+        arguments = signature.bind(self, *args, **kwargs)
+        arguments.apply_defaults()
+        given = dict(arguments.arguments)
+        check_options(type(self).__name__, options, given["kwargs"])
+        MeshParallelStrategy.__init__(self, **{dim: given[dim] for dim in dimensions}, **given["kwargs"])
+
+    __init__.__signature__ = signature
+    __init__.__qualname__ = f"{preset.__qualname__}.__init__"
+    __init__.__module__ = preset.__module__
+    __init__.__doc__ = preset.__doc__
+    return __init__
+
+
+class FSDP2Strategy(_Preset, dimensions={"dp_shard": -1, "dp_replicate": 1}):
     """Fully sharded data parallelism (FSDP2, ``fully_shard``): each decoder layer, then the root.
 
     Choose it to train a model whose parameters, gradients and optimizer states do not fit one
@@ -76,11 +90,8 @@ class FSDP2Strategy(_Preset):
         **kwargs: FSDP2's and the mesh's options (``FullyShardSteps``, ``MeshStrategy``).
     """
 
-    def __init__(self, dp_shard: int = -1, dp_replicate: int = 1, **kwargs: Unpack[FSDPOptions]) -> None:
-        super().__init__({"dp_shard": dp_shard, "dp_replicate": dp_replicate}, kwargs)
 
-
-class HSDPStrategy(_Preset):
+class HSDPStrategy(_Preset, dimensions={"dp_replicate": 2, "dp_shard": -1}):
     """FSDP2 on a 2-D mesh: shard within each of ``dp_replicate`` groups, replicate across them.
 
     Choose it when the all-gathers of plain FSDP over every rank are too slow for the links
@@ -93,11 +104,10 @@ class HSDPStrategy(_Preset):
         **kwargs: FSDP2's and the mesh's options.
     """
 
-    def __init__(self, dp_replicate: int = 2, dp_shard: int = -1, **kwargs: Unpack[FSDPOptions]) -> None:
-        super().__init__({"dp_replicate": dp_replicate, "dp_shard": dp_shard}, kwargs)
 
-
-class TensorParallelStrategy(_Preset):
+class TensorParallelStrategy(
+    _Preset, dimensions={"tp": -1, "dp_shard": 1, "dp_replicate": 1}, steps=(TensorParallelSteps,)
+):
     """Tensor parallelism (Megatron's layout through DTensor's ``parallelize_module``), optionally
     sequence parallel (``sequence_parallel: true``), with FSDP2 over ``dp_shard`` beside it.
 
@@ -113,15 +123,10 @@ class TensorParallelStrategy(_Preset):
         **kwargs: ``sequence_parallel``, FSDP2's and the mesh's options.
     """
 
-    OPTIONS = TensorParallelOptions
 
-    def __init__(
-        self, tp: int = -1, dp_shard: int = 1, dp_replicate: int = 1, **kwargs: Unpack[TensorParallelOptions]
-    ) -> None:
-        super().__init__({"tp": tp, "dp_shard": dp_shard, "dp_replicate": dp_replicate}, kwargs)
-
-
-class ContextParallelStrategy(_Preset):
+class ContextParallelStrategy(
+    _Preset, dimensions={"cp": -1, "dp_shard": 1, "dp_replicate": 1}, steps=(ContextParallelSteps,)
+):
     """Context parallelism: the ``cp`` ranks share each batch, each holding a slice of every sequence.
 
     Choose it when one sequence's activations do not fit a device (long context): activations and
@@ -136,15 +141,10 @@ class ContextParallelStrategy(_Preset):
         **kwargs: ``cp_impl``, ``cp_layout``, ``cp_block_kernel``, FSDP2's and the mesh's options.
     """
 
-    OPTIONS = ContextParallelOptions
 
-    def __init__(
-        self, cp: int = -1, dp_shard: int = 1, dp_replicate: int = 1, **kwargs: Unpack[ContextParallelOptions]
-    ) -> None:
-        super().__init__({"cp": cp, "dp_shard": dp_shard, "dp_replicate": dp_replicate}, kwargs)
-
-
-class ExpertParallelStrategy(_Preset):
+class ExpertParallelStrategy(
+    _Preset, dimensions={"ep": -1, "dp_shard": 1, "dp_replicate": 1}, steps=(ExpertParallelSteps,)
+):
     """Expert parallelism (torchtitan's): each ``ep`` rank holds ``num_experts / ep`` experts.
 
     Choose it when the experts' weights dominate memory, or to ablate all-to-all dispatch against the
@@ -158,15 +158,12 @@ class ExpertParallelStrategy(_Preset):
         **kwargs: ``dispatch``, FSDP2's and the mesh's options.
     """
 
-    OPTIONS = ExpertParallelOptions
 
-    def __init__(
-        self, ep: int = -1, dp_shard: int = 1, dp_replicate: int = 1, **kwargs: Unpack[ExpertParallelOptions]
-    ) -> None:
-        super().__init__({"ep": ep, "dp_shard": dp_shard, "dp_replicate": dp_replicate}, kwargs)
-
-
-class ExpertTensorParallelStrategy(_Preset):
+class ExpertTensorParallelStrategy(
+    _Preset,
+    dimensions={"tp": REQUIRED, "ep": REQUIRED, "dp_shard": 1, "dp_replicate": 1},
+    steps=(TensorParallelSteps, ExpertParallelSteps),
+):
     """An MoE whose dense matrices are split over ``tp`` ranks and whose experts over ``ep`` ranks: the
     "TP vs TP + EP" ablation of a large MoE. The plan keeps MoE blocks whole, so the ``tp`` peers of
     an ``ep`` rank compute the same expert work.
@@ -177,15 +174,10 @@ class ExpertTensorParallelStrategy(_Preset):
         **kwargs: ``dispatch``, ``sequence_parallel``, FSDP2's and the mesh's options.
     """
 
-    OPTIONS = ExpertTensorParallelOptions
 
-    def __init__(
-        self, tp: int, ep: int, dp_shard: int = 1, dp_replicate: int = 1, **kwargs: Unpack[ExpertTensorParallelOptions]
-    ) -> None:
-        super().__init__({"tp": tp, "ep": ep, "dp_shard": dp_shard, "dp_replicate": dp_replicate}, kwargs)
-
-
-class TensorContextParallelStrategy(_Preset):
+class TensorContextParallelStrategy(
+    _Preset, dimensions={"tp": REQUIRED, "cp": -1, "dp_shard": 1, "dp_replicate": 1}, steps=(ContextParallelSteps,)
+):
     """Long sequences on a model split by matrices: ``cp`` ranks share each sequence, and inside each
     ``cp`` rank ``tp`` ranks split every matrix. No sequence parallelism: ``cp`` splits the sequence.
 
@@ -195,15 +187,12 @@ class TensorContextParallelStrategy(_Preset):
         **kwargs: ``cp_impl``, ``cp_layout``, ``cp_block_kernel``, FSDP2's and the mesh's options.
     """
 
-    OPTIONS = ContextParallelOptions
 
-    def __init__(
-        self, tp: int, cp: int = -1, dp_shard: int = 1, dp_replicate: int = 1, **kwargs: Unpack[ContextParallelOptions]
-    ) -> None:
-        super().__init__({"tp": tp, "cp": cp, "dp_shard": dp_shard, "dp_replicate": dp_replicate}, kwargs)
-
-
-class ExpertContextParallelStrategy(_Preset):
+class ExpertContextParallelStrategy(
+    _Preset,
+    dimensions={"ep": REQUIRED, "cp": -1, "dp_shard": 1, "dp_replicate": 1},
+    steps=(ContextParallelSteps, ExpertParallelSteps),
+):
     """A long-context MoE: experts split over ``ep`` ranks, every sequence over ``cp`` ranks.
 
     Args:
@@ -211,15 +200,3 @@ class ExpertContextParallelStrategy(_Preset):
         dp_shard, dp_replicate: data-parallel ranks beside them.
         **kwargs: ``cp_impl``, ``cp_layout``, ``cp_block_kernel``, ``dispatch``, FSDP2's and the mesh's options.
     """
-
-    OPTIONS = ExpertContextParallelOptions
-
-    def __init__(
-        self,
-        ep: int,
-        cp: int = -1,
-        dp_shard: int = 1,
-        dp_replicate: int = 1,
-        **kwargs: Unpack[ExpertContextParallelOptions],
-    ) -> None:
-        super().__init__({"ep": ep, "cp": cp, "dp_shard": dp_shard, "dp_replicate": dp_replicate}, kwargs)

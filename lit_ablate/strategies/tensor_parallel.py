@@ -15,14 +15,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
-from lit_ablate.errors import ConfigError
+from lit_ablate.errors import ConfigError, Refusal
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
 from lit_ablate.models.fp8.conversion import is_fp8, precompute_fp8_scales
 from lit_ablate.models.losses.cross_entropy import ChunkedCrossEntropy, TorchCrossEntropy
 from lit_ablate.models.losses.loss_choice import LossChoice
 from lit_ablate.models.losses.vocabulary_parallel_chunked import vocabulary_parallel_chunked_cross_entropy
 from lit_ablate.strategies.fsdp2 import FullyShardSteps
-from lit_ablate.strategies.mesh import STRATEGY_KEY
+from lit_ablate.strategies.mesh import STRATEGY_OPTIONS_KEY
 from lit_ablate.strategies.state_sharding import StateSharding
 from lit_ablate.strategies.tensor_parallel_plans import Plan, layer_plan_for, root_plan
 
@@ -61,6 +61,12 @@ class TensorParallelSteps(FullyShardSteps):
 
     def __init__(self, sequence_parallel: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        if sequence_parallel and self.requested_mesh_sizes.cp != 1:
+            raise ConfigError(
+                f"{STRATEGY_OPTIONS_KEY}.sequence_parallel",
+                True,
+                "context parallelism already splits the sequence over cp; use sequence_parallel: false",
+            )
         self.sequence_parallel = sequence_parallel
 
     @property
@@ -118,13 +124,11 @@ class TensorParallelSteps(FullyShardSteps):
         return root_plan(self.sequence_parallel)
 
     def check_model(self, model: CausalLMWithLoss) -> None:
-        """Refuse what this layout cannot split, naming the key: head counts, vocabulary, a loss
-        backend that needs the whole LM-head weight."""
-        config, tp = model.lm.config, self.mesh_sizes.tp
-        for name in ("num_attention_heads", "num_key_value_heads", "vocab_size"):
-            value = getattr(config, name)
-            if value % tp:
-                raise ConfigError(f"{STRATEGY_KEY}.tp", tp, f"the model's {name} is {value}; use a tp that divides it")
+        """Refuse what this layout cannot split, naming the key: a dimension ``tp`` does not divide
+        (``tensor_parallel_shape_refusal``), a loss backend that needs the whole LM-head weight."""
+        refusal = tensor_parallel_shape_refusal(model.lm.config, self.mesh_sizes.tp)
+        if refusal:
+            raise refusal.error()
         LossChoice.of_backend(model.loss_fn).check_tensor_parallel()
         if model.lm.get_output_embeddings().bias is not None:
             raise ConfigError("model", type(model.lm).__name__, "an LM head with a bias is not split yet; use tp: 1")
@@ -146,7 +150,7 @@ class TensorParallelSteps(FullyShardSteps):
         rows, length = batch["input_ids"].shape
         if length % tp:
             raise ConfigError(
-                f"{STRATEGY_KEY}.sequence_parallel",
+                f"{STRATEGY_OPTIONS_KEY}.sequence_parallel",
                 True,
                 f"a batch has length {length}, not divisible by tp={tp}; pad to a multiple of {tp} "
                 "(data.init_args.collator.init_args.pad_to_multiple_of) or set sequence_parallel: false",
@@ -291,7 +295,7 @@ def whole_sequence_masks(module: nn.Module, args: tuple, kwargs: dict[str, Any])
         not layer_types and getattr(config, "sliding_window", None)
     ):
         raise ConfigError(
-            f"{STRATEGY_KEY}.sequence_parallel",
+            f"{STRATEGY_OPTIONS_KEY}.sequence_parallel",
             True,
             "packed or padded batches on a sliding-window model need a second whole-sequence mask, "
             "not built; use unpacked, unpadded batches or sequence_parallel: false",
@@ -315,3 +319,23 @@ def _parallelize(module: nn.Module, mesh: DeviceMesh, plan: Plan) -> None:
     for name, p in module.named_parameters():
         if name in frozen:
             p.requires_grad_(False)
+
+
+SPLIT_DIMENSIONS = ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size")
+"""What the plan splits over ``tp`` ranks: the query and key/value heads, the embedding's and the LM head's
+vocabulary, and the dense MLP's width (MoE blocks stay whole)."""
+
+
+def tensor_parallel_shape_refusal(config: Any, tp: int) -> Refusal | None:
+    """Why a model of Hugging Face ``config`` cannot be split over ``tp`` ranks (a ``SPLIT_DIMENSIONS`` entry
+    ``tp`` does not divide), or None: what the strategy checks once the model is built, and a rule before
+    any rank starts."""
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    every_layer_moe = (
+        experts and not getattr(config, "mlp_only_layers", None) and getattr(config, "decoder_sparse_step", 1) == 1
+    )
+    for name in SPLIT_DIMENSIONS:
+        value = None if name == "intermediate_size" and every_layer_moe else getattr(config, name, None)
+        if isinstance(value, int) and value % tp:
+            return Refusal(f"{STRATEGY_OPTIONS_KEY}.tp", tp, f"the model's {name} is {value}; use a tp that divides it")
+    return None

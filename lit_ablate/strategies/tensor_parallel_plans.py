@@ -49,11 +49,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lit_ablate.errors import ConfigError
-from lit_ablate.mesh_sizes import STRATEGY_KEY
-from lit_ablate.models.adapters.lora import ADAPTER_NAME
-from lit_ablate.models.adapters.lora import OPTIONS_KEY as ADAPTER_OPTIONS_KEY
-from lit_ablate.models.adapters.quantization import OPTIONS_KEY as QUANTIZATION_KEY
-from lit_ablate.models.adapters.quantization import is_quantized
+from lit_ablate.mesh_sizes import STRATEGY_OPTIONS_KEY
+from lit_ablate.models.adapters.lora import ADAPTER_KEY, ADAPTER_NAME
+from lit_ablate.models.adapters.quantization import QUANTIZATION_KEY, is_quantized
 from lit_ablate.torch_versions import DTENSOR_FLATTENS_SHARDED_SEQUENCES
 
 Plan = dict[str, ParallelStyle | tuple[ParallelStyle, ...]]
@@ -145,7 +143,7 @@ def adapter_plan(layer: nn.Module, plan: Plan, sequence_parallel: bool = False) 
             continue
         _check_adapter_splits(module)
         if sequence_parallel and (reason := sequence_parallel_adapters_refusal()):
-            raise ConfigError(f"{STRATEGY_KEY}.sequence_parallel", True, reason)
+            raise ConfigError(f"{STRATEGY_OPTIONS_KEY}.sequence_parallel", True, reason)
         out[f"{name}.base_layer"] = style
         if isinstance(style, ColwiseParallel):
             out[f"{name}.lora_B.{ADAPTER_NAME}"] = ColwiseParallel(
@@ -165,7 +163,7 @@ def adapter_plan(layer: nn.Module, plan: Plan, sequence_parallel: bool = False) 
                 out[f"{name}.lora_B.{ADAPTER_NAME}"] = SequenceParallel(use_local_output=True)
         else:
             raise ConfigError(
-                ADAPTER_OPTIONS_KEY + ".target_modules",
+                ADAPTER_KEY + ".target_modules",
                 name,
                 f"its tensor-parallel style {type(style).__name__} has no adapter split; "
                 "leave it out of target_modules or use tp: 1",
@@ -207,14 +205,14 @@ def _check_not_quantized(name: str, module: nn.Module) -> None:
 def _check_adapter_splits(module: nn.Module) -> None:
     if any(module.use_dora.values()):
         raise ConfigError(
-            ADAPTER_OPTIONS_KEY + ".use_dora",
+            ADAPTER_KEY + ".use_dora",
             True,
             "DoRA's magnitude needs the row norms of the "
             "whole weight, which tensor parallelism splits; use use_dora: false or tp: 1",
         )
     if any(isinstance(dropout, nn.Dropout) and dropout.p for dropout in module.lora_dropout.values()):
         raise ConfigError(
-            ADAPTER_OPTIONS_KEY + ".dropout",
+            ADAPTER_KEY + ".dropout",
             module.lora_dropout[ADAPTER_NAME].p,
             "the TP ranks would drop different inputs of the adapter they all hold whole; use dropout: 0 or tp: 1",
         )

@@ -24,7 +24,7 @@ from torch import nn
 
 from lit_ablate.errors import ConfigError
 
-OPTIONS_KEY = "model.init_args.model.adapter"
+ADAPTER_KEY = "model.init_args.model.adapter"
 """Where ``AdapterOptions`` sit in a fit config (named in error messages)."""
 ADAPTER_NAME = "default"
 """peft's adapter name: the one adapter a run trains."""
@@ -67,42 +67,42 @@ class AdapterOptions:
 
     def __post_init__(self) -> None:
         if self.method != "lora":
-            raise ConfigError(f"{OPTIONS_KEY}.method", self.method, "use lora (DoRA and rsLoRA: use_dora, use_rslora)")
+            raise ConfigError(f"{ADAPTER_KEY}.method", self.method, "use lora (DoRA and rsLoRA: use_dora, use_rslora)")
         if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r < 1:
-            raise ConfigError(f"{OPTIONS_KEY}.r", self.r, "use a positive integer rank, e.g. 8")
+            raise ConfigError(f"{ADAPTER_KEY}.r", self.r, "use a positive integer rank, e.g. 8")
         if not self.alpha > 0:
-            raise ConfigError(f"{OPTIONS_KEY}.alpha", self.alpha, "use a positive scale, e.g. 2 * r")
+            raise ConfigError(f"{ADAPTER_KEY}.alpha", self.alpha, "use a positive scale, e.g. 2 * r")
         if not 0 <= self.dropout < 1:
-            raise ConfigError(f"{OPTIONS_KEY}.dropout", self.dropout, "use a probability in [0, 1)")
+            raise ConfigError(f"{ADAPTER_KEY}.dropout", self.dropout, "use a probability in [0, 1)")
         if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
             raise ConfigError(
-                f"{OPTIONS_KEY}.target_modules",
+                f"{ADAPTER_KEY}.target_modules",
                 self.target_modules,
                 "give a list of module names, e.g. [q_proj, v_proj], or all-linear",
             )
         if not self.target_modules:
             raise ConfigError(
-                f"{OPTIONS_KEY}.target_modules", self.target_modules, "name at least one module, or all-linear"
+                f"{ADAPTER_KEY}.target_modules", self.target_modules, "name at least one module, or all-linear"
             )
         if self.experts_r is not None:
             self._check_expert_options()
 
     def _check_expert_options(self) -> None:
-        key = f"{OPTIONS_KEY}.experts_r"
+        key = f"{ADAPTER_KEY}.experts_r"
         if self.experts_r != "r/top_k" and (
             not isinstance(self.experts_r, int) or isinstance(self.experts_r, bool) or self.experts_r < 1
         ):
             raise ConfigError(key, self.experts_r, "use a positive integer rank, r/top_k, or null (no expert adapters)")
         if self.dropout:
             raise ConfigError(
-                f"{OPTIONS_KEY}.dropout",
+                f"{ADAPTER_KEY}.dropout",
                 self.dropout,
                 "expert adapters are added to the expert weights, "
                 "where no activation can be dropped: use dropout 0 with experts_r",
             )
         if self.use_dora:
             raise ConfigError(
-                f"{OPTIONS_KEY}.use_dora", True, "DoRA is not built for expert adapters: drop use_dora or experts_r"
+                f"{ADAPTER_KEY}.use_dora", True, "DoRA is not built for expert adapters: drop use_dora or experts_r"
             )
 
     def lora_config(self):  # peft's LoraConfig; imported lazily with peft
@@ -137,7 +137,7 @@ def apply_adapters(model: nn.Module, options: AdapterOptions) -> nn.Module:
             {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)}
         )
         raise ConfigError(
-            f"{OPTIONS_KEY}.target_modules",
+            f"{ADAPTER_KEY}.target_modules",
             options.target_modules,
             f"peft refused it: {reason}; this model's linear layers are {linears}, or use all-linear",
         ) from err
@@ -156,7 +156,7 @@ def apply_expert_adapters(model: nn.Module, options: AdapterOptions) -> None:
     hf_experts = [m for m in model.modules() if not isinstance(m, RoutedExperts) and _is_stacked_experts(m)]
     if not experts and not hf_experts:
         raise ConfigError(
-            f"{OPTIONS_KEY}.experts_r",
+            f"{ADAPTER_KEY}.experts_r",
             options.experts_r,
             "the model has no MoE experts with stacked weights: use an MoE model, e.g. "
             "model.init_args.model.moe: {experts: grouped} (or loop, hf), or drop experts_r",
@@ -178,7 +178,7 @@ def _expert_rank(model: nn.Module, options: AdapterOptions) -> int:
         r = options.r // top_k
         if r < 1:
             raise ConfigError(
-                f"{OPTIONS_KEY}.experts_r",
+                f"{ADAPTER_KEY}.experts_r",
                 "r/top_k",
                 f"r={options.r} is below top_k={top_k}: use r >= {top_k} or an integer experts_r",
             )

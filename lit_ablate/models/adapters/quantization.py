@@ -25,7 +25,7 @@ from torch import nn
 
 from lit_ablate.errors import ConfigError
 
-OPTIONS_KEY = "model.init_args.model.quantization"
+QUANTIZATION_KEY = "model.init_args.model.quantization"
 """Where ``QuantizationOptions`` sit in a fit config (named in error messages)."""
 QUANT_TYPES = ("nf4", "fp4")
 COMPUTE_DTYPES: dict[str, torch.dtype] = {
@@ -71,30 +71,32 @@ class QuantizationOptions:
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
-            raise ConfigError(f"{OPTIONS_KEY}.bits", self.bits, "use 4 (NF4/FP4, QLoRA) or 8 (LLM.int8())")
+            raise ConfigError(f"{QUANTIZATION_KEY}.bits", self.bits, "use 4 (NF4/FP4, QLoRA) or 8 (LLM.int8())")
         if self.quant_type not in QUANT_TYPES:
-            raise ConfigError(f"{OPTIONS_KEY}.quant_type", self.quant_type, f"choose one of {list(QUANT_TYPES)}")
+            raise ConfigError(f"{QUANTIZATION_KEY}.quant_type", self.quant_type, f"choose one of {list(QUANT_TYPES)}")
         if self.blocksize not in (32, 64, 128, 256, 512, 1024, 2048, 4096):
             raise ConfigError(
-                f"{OPTIONS_KEY}.blocksize", self.blocksize, "use a power of two from 32 to 4096 (64 is QLoRA's)"
+                f"{QUANTIZATION_KEY}.blocksize", self.blocksize, "use a power of two from 32 to 4096 (64 is QLoRA's)"
             )
         if self.compute_dtype is not None and self.compute_dtype not in COMPUTE_DTYPES:
             raise ConfigError(
-                f"{OPTIONS_KEY}.compute_dtype", self.compute_dtype, f"choose one of {sorted(COMPUTE_DTYPES)} or null"
+                f"{QUANTIZATION_KEY}.compute_dtype",
+                self.compute_dtype,
+                f"choose one of {sorted(COMPUTE_DTYPES)} or null",
             )
         if self.quant_storage not in STORAGE_DTYPES:
             raise ConfigError(
-                f"{OPTIONS_KEY}.quant_storage", self.quant_storage, f"choose one of {list(STORAGE_DTYPES)}"
+                f"{QUANTIZATION_KEY}.quant_storage", self.quant_storage, f"choose one of {list(STORAGE_DTYPES)}"
             )
         if self.bits == 8 and self.quant_storage != "uint8":
             raise ConfigError(
-                f"{OPTIONS_KEY}.quant_storage",
+                f"{QUANTIZATION_KEY}.quant_storage",
                 self.quant_storage,
                 "8-bit weights are stored as int8; quant_storage is for bits: 4",
             )
         if self.outlier_threshold < 0:
             raise ConfigError(
-                f"{OPTIONS_KEY}.outlier_threshold",
+                f"{QUANTIZATION_KEY}.outlier_threshold",
                 self.outlier_threshold,
                 "use 0 or a positive threshold (6.0 is LLM.int8()'s)",
             )
@@ -128,12 +130,14 @@ def quantize_linears(model: nn.Module, options: QuantizationOptions) -> list[str
 
     names = quantized_linear_names(model, options)
     if not names:
-        raise ConfigError(f"{OPTIONS_KEY}.skip_modules", options.skip_modules, "no linear layer is left to quantise")
+        raise ConfigError(
+            f"{QUANTIZATION_KEY}.skip_modules", options.skip_modules, "no linear layer is left to quantise"
+        )
     for name in names:
         linear = model.get_submodule(name)
         if linear.weight.is_meta:
             raise ConfigError(
-                OPTIONS_KEY, options.bits, f"{name} has no weights yet (meta device); quantise a built model"
+                QUANTIZATION_KEY, options.bits, f"{name} has no weights yet (meta device); quantise a built model"
             )
         if options.bits == 4:
             quantized = bnb.nn.Linear4bit(

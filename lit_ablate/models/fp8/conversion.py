@@ -43,7 +43,7 @@ from lit_ablate.errors import ConfigError
 from lit_ablate.extras import require
 from lit_ablate.models.fp8.matmul import ALIGNMENT, Fp8Matmul, cast_input_as_autocast
 
-OPTIONS_KEY = "model.init_args.model.fp8"
+FP8_KEY = "model.init_args.model.fp8"
 """Where ``Fp8Options`` sit in a fit config (named in error messages)."""
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 """torchao's ``Float8LinearRecipeName`` values."""
@@ -77,25 +77,25 @@ class Fp8Options:
 
     def __post_init__(self) -> None:
         if self.recipe not in RECIPES:
-            raise ConfigError(f"{OPTIONS_KEY}.recipe", self.recipe, f"choose one of {list(RECIPES)}")
+            raise ConfigError(f"{FP8_KEY}.recipe", self.recipe, f"choose one of {list(RECIPES)}")
         if self.emulate not in ("auto", True, False):
-            raise ConfigError(f"{OPTIONS_KEY}.emulate", self.emulate, "use auto, true or false")
+            raise ConfigError(f"{FP8_KEY}.emulate", self.emulate, "use auto, true or false")
         if self.fsdp_all_gather and self.recipe != "tensorwise":
             raise ConfigError(
-                f"{OPTIONS_KEY}.fsdp_all_gather",
+                f"{FP8_KEY}.fsdp_all_gather",
                 True,
                 f"torchao gathers fp8 weights with one scale per tensor only: use recipe: tensorwise, "
                 f"or fsdp_all_gather: false with {self.recipe}",
             )
         if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
             raise ConfigError(
-                f"{OPTIONS_KEY}.target_modules",
+                f"{FP8_KEY}.target_modules",
                 self.target_modules,
                 "give a list of module names, e.g. [q_proj, down_proj], or all-linear",
             )
         if not self.target_modules:
             raise ConfigError(
-                f"{OPTIONS_KEY}.target_modules", self.target_modules, "name at least one module, or all-linear"
+                f"{FP8_KEY}.target_modules", self.target_modules, "name at least one module, or all-linear"
             )
 
     def torchao_config(self, emulate: bool):  # torchao's Float8LinearConfig, imported lazily
@@ -140,7 +140,7 @@ def resolve_emulation(options: Fp8Options, device: torch.device) -> tuple[bool, 
     unavailable = fp8_kernels_unavailable(device)
     if options.emulate is False and unavailable:
         raise ConfigError(
-            f"{OPTIONS_KEY}.emulate",
+            f"{FP8_KEY}.emulate",
             False,
             f"{unavailable}; use emulate: auto (fp8 numerics emulated in fp32 matmuls here) or run on such a GPU",
         )
@@ -165,7 +165,7 @@ def fp8_linear_names(model: nn.Module, options: Fp8Options) -> list[str]:
         problem = _router_problem(model, name) or _alignment_problem(module.in_features, module.out_features)
         if problem and explicit:
             raise ConfigError(
-                f"{OPTIONS_KEY}.target_modules",
+                f"{FP8_KEY}.target_modules",
                 options.target_modules,
                 f"{name}: {problem}; leave it out (all-linear skips it) or add it to skip",
             )
@@ -181,11 +181,11 @@ def convert_fp8(model: nn.Module, options: Fp8Options, emulate: bool) -> list[st
     Call it on the built model before adapters are injected and before any sharding (the ``meta``
     device is fine: conversion reuses the parameters).
     """
-    require("torchao", OPTIONS_KEY, asdict(options), "fp8 training (torchao float8)")
+    require("torchao", FP8_KEY, asdict(options), "fp8 training (torchao float8)")
     from torchao.float8 import convert_to_float8_training
 
     from lit_ablate.models.fp8.grouped_experts import convert_grouped_experts
-    from lit_ablate.models.moe.blocks import OPTIONS_KEY as MOE_KEY
+    from lit_ablate.models.moe.blocks import MOE_KEY
     from lit_ablate.models.moe.experts import RoutedExperts
 
     names = fp8_linear_names(model, options)
@@ -209,9 +209,9 @@ def convert_fp8(model: nn.Module, options: Fp8Options, emulate: bool) -> list[st
         hidden, intermediate = module.down_proj.shape[1], module.down_proj.shape[2]
         problem = _alignment_problem(hidden, intermediate)
         if problem:
-            raise ConfigError(OPTIONS_KEY, options.target_modules, f"{name}: {problem}; add experts to fp8 skip")
+            raise ConfigError(FP8_KEY, options.target_modules, f"{name}: {problem}; add experts to fp8 skip")
         if module.implementation == "grouped":
-            convert_grouped_experts(name, module, options.recipe, emulate, config, OPTIONS_KEY)
+            convert_grouped_experts(name, module, options.recipe, emulate, config, FP8_KEY)
         elif module.implementation == "loop":
             module.linear = Fp8Matmul(config)
         else:
@@ -221,7 +221,7 @@ def convert_fp8(model: nn.Module, options: Fp8Options, emulate: bool) -> list[st
         names.append(name)
     if not names:
         raise ConfigError(
-            f"{OPTIONS_KEY}.target_modules",
+            f"{FP8_KEY}.target_modules",
             options.target_modules,
             "no linear layer is left to convert (skipped, routers, or sizes not multiples of 16)",
         )

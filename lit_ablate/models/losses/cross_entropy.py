@@ -38,7 +38,7 @@ from lit_ablate.models.losses import triton_interpreter
 from lit_ablate.models.losses.chunked_cross_entropy import IGNORE_INDEX, chunked_linear_cross_entropy
 
 LOSS_KEY = "model.init_args.loss"
-OPTIONS_KEY = "model.init_args.loss_options"
+LOSS_OPTIONS_KEY = "model.init_args.loss_options"
 DTYPE_KEY = "model.init_args.model.dtype"
 
 
@@ -51,7 +51,7 @@ class LossBackend(Protocol):
 def _check_z_loss_weight(z_loss_weight: float) -> None:
     if z_loss_weight < 0:
         raise ConfigError(
-            f"{OPTIONS_KEY}.z_loss_weight", z_loss_weight, "use 0 (off) or a small positive weight such as 1e-4"
+            f"{LOSS_OPTIONS_KEY}.z_loss_weight", z_loss_weight, "use 0 (off) or a small positive weight such as 1e-4"
         )
 
 
@@ -123,10 +123,12 @@ class ChunkedCrossEntropy:
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1:
             raise ConfigError(
-                f"{OPTIONS_KEY}.chunk_tokens", self.chunk_tokens, "use a positive number of tokens, e.g. 1024"
+                f"{LOSS_OPTIONS_KEY}.chunk_tokens", self.chunk_tokens, "use a positive number of tokens, e.g. 1024"
             )
         if self.chunk_vocab is not None and self.chunk_vocab < 1:
-            raise ConfigError(f"{OPTIONS_KEY}.chunk_vocab", self.chunk_vocab, "use a positive column count or null")
+            raise ConfigError(
+                f"{LOSS_OPTIONS_KEY}.chunk_vocab", self.chunk_vocab, "use a positive column count or null"
+            )
         _check_z_loss_weight(self.z_loss_weight)
 
     def __call__(self, hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -170,13 +172,13 @@ class LigerFusedLinearCrossEntropy:
         _check_z_loss_weight(self.z_loss_weight)
         if self.chunk_tokens is not None and (self.chunk_tokens < 1 or self.chunk_tokens & (self.chunk_tokens - 1)):
             raise ConfigError(
-                f"{OPTIONS_KEY}.chunk_tokens",
+                f"{LOSS_OPTIONS_KEY}.chunk_tokens",
                 self.chunk_tokens,
                 "Liger's chunks are powers of two: use one, e.g. 256 or 1024, or null for Liger's own",
             )
         if self.accum_dtype is not None and self.accum_dtype not in LIGER_ACCUM_DTYPES:
             raise ConfigError(
-                f"{OPTIONS_KEY}.accum_dtype",
+                f"{LOSS_OPTIONS_KEY}.accum_dtype",
                 self.accum_dtype,
                 "use float32 (the weight gradient summed in fp32) or null (in the weight's dtype)",
             )
@@ -228,7 +230,7 @@ def liger_chunk_budget(tokens: int, vocab: int, hidden: int, chunk_tokens: int) 
     if liger_chunk(tokens, vocab, hidden, budget) != wanted:
         sizes = sorted({liger_chunk(tokens, vocab, hidden, b) for b in range(1, largest + 1)})
         raise ConfigError(
-            f"{OPTIONS_KEY}.chunk_tokens",
+            f"{LOSS_OPTIONS_KEY}.chunk_tokens",
             chunk_tokens,
             f"Liger's chunks of {tokens} tokens at vocabulary {vocab} and hidden {hidden} can hold "
             f"{sizes} tokens (its own: {sizes[0]}); use one of these or null",
@@ -253,10 +255,10 @@ class CutCrossEntropy:
 
     def __post_init__(self) -> None:
         if self.impl not in ("cce", "torch_compile"):
-            raise ConfigError(f"{OPTIONS_KEY}.impl", self.impl, "use 'cce' (CUDA) or 'torch_compile'")
+            raise ConfigError(f"{LOSS_OPTIONS_KEY}.impl", self.impl, "use 'cce' (CUDA) or 'torch_compile'")
         if self.z_loss_weight:
             raise ConfigError(
-                f"{OPTIONS_KEY}.z_loss_weight",
+                f"{LOSS_OPTIONS_KEY}.z_loss_weight",
                 self.z_loss_weight,
                 "cce does not expose the log-sum-exp: use 0, or the chunked/liger/torch backend",
             )
@@ -321,7 +323,7 @@ def loss_backend(name: str, **options: Any) -> LossBackend:
 
     Building also checks the backend can run here (``liger``/``cce`` need CUDA and their package).
     """
-    return build_named(LOSS_BACKENDS, name, options, key=LOSS_KEY, options_key=OPTIONS_KEY)
+    return build_named(LOSS_BACKENDS, name, options, key=LOSS_KEY, options_key=LOSS_OPTIONS_KEY)
 
 
 def build_named(
@@ -363,7 +365,7 @@ def check_loss_backend(name: str, compute_dtype: str | None = None, **options: A
 
     ``compute_dtype`` (``float32`` / ``float16`` / ``bfloat16``: the dtype the hidden states will
     have) also refuses what only fails at the first step: bf16 under the interpreter, cce's kernel
-    training in float32. The ablation runner's compatibility registry calls it to mark variants
+    training in float32. The rule ``loss_backend_available`` calls it to mark variants
     that cannot run here ``skipped``; it builds nothing heavy.
     """
     backend = loss_backend(name, **options)

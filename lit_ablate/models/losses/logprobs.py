@@ -29,7 +29,7 @@ from lit_ablate.models.losses.chunked_cross_entropy import IGNORE_INDEX, ChunkGr
 from lit_ablate.models.losses.cross_entropy import build_named
 
 LOGPROBS_KEY = "model.init_args.logprobs"
-OPTIONS_KEY = "model.init_args.logprobs_options"
+LOGPROBS_OPTIONS_KEY = "model.init_args.logprobs_options"
 
 
 class LogProbBackend(Protocol):
@@ -69,10 +69,12 @@ class ChunkedLogProbs:
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1:
             raise ConfigError(
-                f"{OPTIONS_KEY}.chunk_tokens", self.chunk_tokens, "use a positive number of tokens, e.g. 1024"
+                f"{LOGPROBS_OPTIONS_KEY}.chunk_tokens", self.chunk_tokens, "use a positive number of tokens, e.g. 1024"
             )
         if self.chunk_vocab is not None and self.chunk_vocab < 1:
-            raise ConfigError(f"{OPTIONS_KEY}.chunk_vocab", self.chunk_vocab, "use a positive column count or null")
+            raise ConfigError(
+                f"{LOGPROBS_OPTIONS_KEY}.chunk_vocab", self.chunk_vocab, "use a positive column count or null"
+            )
 
     def __call__(self, hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None = None) -> Tensor:
         return chunked_label_logprobs(hidden, weight, labels, bias, self.chunk_tokens, self.chunk_vocab)
@@ -153,5 +155,10 @@ FUSED_BACKENDS = ("liger",)
 def logprob_backend(name: str, **options: Any) -> LogProbBackend:
     """Build backend ``name`` with its options; unknown names or options raise ``ConfigError``."""
     return build_named(
-        LOGPROB_BACKENDS, name, options, key=LOGPROBS_KEY, options_key=OPTIONS_KEY, other_choices=FUSED_BACKENDS
+        LOGPROB_BACKENDS,
+        name,
+        options,
+        key=LOGPROBS_KEY,
+        options_key=LOGPROBS_OPTIONS_KEY,
+        other_choices=FUSED_BACKENDS,
     )

@@ -1,7 +1,7 @@
 """``LossChoice``: a configured loss backend (``model.init_args.loss`` and ``loss_options``), judged in one place.
 
 The module builds its loss from it, the tensor-parallel step asks it whether the backend computes
-on a vocabulary-sharded LM head, and the compatibility rules ask it whether the backend runs here,
+on a vocabulary-sharded LM head, and the rules ask it whether the backend runs here,
 so what a loss name means is decided here and nowhere else.
 """
 
@@ -15,7 +15,7 @@ from lit_ablate.errors import ConfigError
 from lit_ablate.models.losses.cross_entropy import (
     LOSS_BACKENDS,
     LOSS_KEY,
-    OPTIONS_KEY,
+    LOSS_OPTIONS_KEY,
     LossBackend,
     check_loss_backend,
     check_named,
@@ -53,7 +53,7 @@ class LossChoice:
     def check_named(self) -> None:
         """Raise ``ConfigError`` for a name no backend has, or an option the backend does not take (what
         ``build`` refuses, without building it: a study checks every variant before the first runs)."""
-        check_named(LOSS_BACKENDS, self.name, dict(self.options), key=LOSS_KEY, options_key=OPTIONS_KEY)
+        check_named(LOSS_BACKENDS, self.name, dict(self.options), key=LOSS_KEY, options_key=LOSS_OPTIONS_KEY)
 
     def build(self) -> LossBackend:
         """The backend (``loss_backend``): unknown names, options or values raise ``ConfigError``."""
@@ -80,7 +80,7 @@ def check_tensor_parallel_loss(loss: str, z_loss_weight: float = 0.0) -> None:
         )
     if loss == "torch" and z_loss_weight:
         raise ConfigError(
-            f"{OPTIONS_KEY}.z_loss_weight",
+            f"{LOSS_OPTIONS_KEY}.z_loss_weight",
             z_loss_weight,
             "z-loss needs the log-sum-exp over the whole vocabulary, which the 'torch' backend's "
             "loss_parallel never gathers; use loss: chunked (it all-reduces it) or 0",

@@ -26,7 +26,7 @@ from lit_ablate.models.moe.dispatch import LocalDispatcher
 from lit_ablate.models.moe.experts import RoutedExperts
 from lit_ablate.models.moe.router import Routing, TopKRouter, load_balancing_loss, router_z_loss
 
-OPTIONS_KEY = "model.init_args.model.moe"
+MOE_KEY = "model.init_args.model.moe"
 """Where ``MoEOptions`` sit in a fit config (named in error messages)."""
 
 EXPERTS_IMPLEMENTATIONS: tuple[str, ...] = ("loop", "grouped", "hf")
@@ -55,11 +55,11 @@ class MoEOptions:
 
     def __post_init__(self) -> None:
         if self.experts not in EXPERTS_IMPLEMENTATIONS:
-            raise ConfigError(f"{OPTIONS_KEY}.experts", self.experts, f"choose one of {list(EXPERTS_IMPLEMENTATIONS)}")
+            raise ConfigError(f"{MOE_KEY}.experts", self.experts, f"choose one of {list(EXPERTS_IMPLEMENTATIONS)}")
         for key in ("load_balance_weight", "z_loss_weight"):
             value = getattr(self, key)
             if value is not None and value < 0:
-                raise ConfigError(f"{OPTIONS_KEY}.{key}", value, "use a weight >= 0 (0 disables the loss)")
+                raise ConfigError(f"{MOE_KEY}.{key}", value, "use a weight >= 0 (0 disables the loss)")
 
 
 class ExpertLoad(NamedTuple):
@@ -209,7 +209,7 @@ def apply_moe(model: nn.Module, options: MoEOptions) -> list[MoEBlock]:
         blocks.append(block)
     if not blocks:
         raise ConfigError(
-            f"{OPTIONS_KEY}.experts",
+            f"{MOE_KEY}.experts",
             options.experts,
             "the model has no sparse-MoE blocks; use an MoE model (e.g. preset tiny-qwen3-moe) or drop moe",
         )
@@ -250,4 +250,4 @@ def _check_supported(name: str, block: nn.Module) -> None:
     ):
         problem = f"its expert weights have an unexpected layout {tuple(gate_up.shape)} / {tuple(down.shape)}"
     if problem:
-        raise ConfigError(f"{OPTIONS_KEY}.experts", type(block).__name__, f"{name}: {problem}; or use experts: hf")
+        raise ConfigError(f"{MOE_KEY}.experts", type(block).__name__, f"{name}: {problem}; or use experts: hf")

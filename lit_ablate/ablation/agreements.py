@@ -1,0 +1,118 @@
+"""A study's checks that its variants train the same model: ``expect_equal_loss`` and ``expect_equal_gradients``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
+
+from lit_ablate.ablation.launch import mapping_at
+from lit_ablate.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class LossAgreement:
+    """``expect_equal_loss``: variants' loss series must match a reference's over the first ``steps``.
+
+    Passes at a step when ``|loss - reference_loss| <= atol + rtol * |reference_loss|``. The
+    reference is the baseline, or with ``across: AXIS_KEY`` (grids) the variant that differs only
+    in that axis and holds the baseline's value of it: in a loss-backend × dtype grid,
+    ``across: model.init_args.loss`` compares backends within each dtype, since a dtype is
+    expected to change the loss.
+    """
+
+    rtol: float = 1e-4
+    atol: float = 1e-5
+    steps: int | None = None
+    across: str | None = None
+
+
+@dataclass(frozen=True)
+class GradientAgreement:
+    """``expect_equal_gradients``: at optimizer step ``step``, every parameter's gradient norm (one per expert
+    for stacked expert weights) must match the baseline's, seed by seed (``GradientFingerprint`` records them).
+
+    Passes when every ``|norm - baseline_norm| <= rtol * largest``, ``largest`` being the tensor's largest
+    norm in the baseline (its largest expert's, for stacked experts). Gradients before any update compare the
+    layouts of one model where a loss curve cannot: a float32 MoE's top-k routing may split near-ties
+    differently per layout once the weights have moved, after which no loss tolerance tells rounding from a
+    bug, and Adam hides a gradient's scale from the loss (docs/moe.md#studies).
+    """
+
+    rtol: float = 1e-5
+    step: int = 1
+
+
+_Agreement = TypeVar("_Agreement", LossAgreement, GradientAgreement)
+
+
+def loss_agreement(raw: Any, axes: Mapping[str, list[Any]], steps: int | None) -> LossAgreement | None:
+    agreement = _agreement(raw, "expect_equal_loss", LossAgreement, ("rtol", "atol"))
+    if agreement is None:
+        return None
+    if agreement.steps is not None and not positive_int(agreement.steps):
+        raise ConfigError(
+            "expect_equal_loss.steps", agreement.steps, "give a positive integer (or leave it out: all steps)"
+        )
+    check_within_steps(agreement, steps)
+    if agreement.across is not None and agreement.across not in axes:
+        raise ConfigError(
+            "expect_equal_loss.across",
+            agreement.across,
+            f"name one of the study's axes {list(axes)} (it needs axes:, not variants:)",
+        )
+    return agreement
+
+
+def gradient_agreement(raw: Any, steps: int | None) -> GradientAgreement | None:
+    agreement = _agreement(raw, "expect_equal_gradients", GradientAgreement, ("rtol",))
+    if agreement is None:
+        return None
+    if not positive_int(agreement.step):
+        raise ConfigError(
+            "expect_equal_gradients.step",
+            agreement.step,
+            "give the optimizer step whose gradients are compared: a positive integer",
+        )
+    check_within_steps(agreement, steps)
+    return agreement
+
+
+def check_within_steps(agreement: LossAgreement | GradientAgreement, steps: int | None) -> None:
+    """Refuse a check of more steps than the runs train (``steps``; None: not known yet): it would run every
+    variant and then report the steps that never came as a difference."""
+    if steps is None:
+        return
+    if isinstance(agreement, LossAgreement) and agreement.steps is not None and agreement.steps > steps:
+        raise ConfigError(
+            "expect_equal_loss.steps",
+            agreement.steps,
+            f"the runs train {steps} steps; compare at most {steps} (or leave it out: all steps)",
+        )
+    if isinstance(agreement, GradientAgreement) and agreement.step > steps:
+        raise ConfigError(
+            "expect_equal_gradients.step",
+            agreement.step,
+            f"give the optimizer step whose gradients are compared: a positive integer of at most steps ({steps})",
+        )
+
+
+def _agreement(raw: Any, key: str, kind: type[_Agreement], tolerances: tuple[str, ...]) -> _Agreement | None:
+    """A study's ``expect_equal_*`` block as its dataclass: only its own keys, tolerances non-negative numbers."""
+    if raw is None:
+        return None
+    raw = mapping_at(raw, key)
+    known = {f.name for f in fields(kind)}
+    for name, value in raw.items():
+        if name not in known:
+            raise ConfigError(f"{key}.{name}", value, f"the keys are {sorted(known)}")
+    agreement = kind(**raw)
+    for name in tolerances:
+        value = getattr(agreement, name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"{key}.{name}", value, "give a non-negative number")
+    return agreement
+
+
+def positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
