@@ -13,6 +13,7 @@ import io
 import logging
 import os
 import warnings
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -25,6 +26,7 @@ from lit_ablate.callbacks.pipeline_bubble import PipelineBubbleMonitor
 from lit_ablate.callbacks.progress_file import PROGRESS_PATH_ENV, ProgressFile
 from lit_ablate.callbacks.run_recorder import RunRecorder
 from lit_ablate.callbacks.turn_taking import TurnTaking
+from lit_ablate.checkpoint_layout import check_resume_layout
 from lit_ablate.checkpoint_model import check_same_model, checkpoint_model_section
 from lit_ablate.command_table import SUMMARIES
 from lit_ablate.compatibility import check_cpu_ranks, check_parts
@@ -33,6 +35,7 @@ from lit_ablate.run_config import RunConfig
 from lit_ablate.simulated_rank import SIMULATE_KEY, SIMULATE_RANK_KEY, SimulatedRank
 from lit_ablate.strategies.pipeline_parallel import PipelineParallelStrategy
 from lit_ablate.strategies.simulation import simulated_trainer_arguments, start_fake_process_group
+from lit_ablate.strategies.whole_checkpoint import WholeCheckpointIO
 from lit_ablate.terminal import console_trainer_args, silence_noise
 
 SEED_LOGGER = "lightning.fabric.utilities.seed"
@@ -107,6 +110,8 @@ class LitAblateCLI(LightningCLI):
             callbacks = [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
             kwargs.update(simulated_trainer_arguments(self.simulation))
             kwargs["plugins"] = [*_as_list(trainer_args.get("plugins")), *kwargs["plugins"]]
+        if self._reads_sharded_folder_whole(trainer_args.get("strategy")):
+            kwargs["plugins"] = [*_as_list(kwargs.get("plugins", trainer_args.get("plugins"))), WholeCheckpointIO()]
         if self.subcommand in ("validate", "test"):
             self.save_config_callback = None
             if trainer_args.get("logger") is None:
@@ -125,6 +130,16 @@ class LitAblateCLI(LightningCLI):
         if turns is not None:  # a study's run in turns: first, so it waits before any callback measures
             trainer.callbacks.insert(0, turns)
         return trainer
+
+    def _reads_sharded_folder_whole(self, strategy: Any) -> bool:
+        """Whether ``--ckpt_path`` is a sharded folder that ``strategy`` reads as one file (one process, DDP):
+        it then gets ``WholeCheckpointIO``, which reads the folder whole. Mesh strategies and FSDP1 read
+        their shards of it themselves."""
+        from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+
+        ckpt_path = self.config[self.subcommand].get("ckpt_path") if self.subcommand else None
+        reads_shards = isinstance(strategy, (ModelParallelStrategy, FSDPStrategy, DeepSpeedStrategy))
+        return bool(ckpt_path) and Path(ckpt_path).is_dir() and not reads_shards
 
     def _set_seed(self) -> None:
         """Lightning's seeding without its "Seed set to N" log line: the seed is in the config and the
@@ -160,6 +175,7 @@ class LitAblateCLI(LightningCLI):
             namespace = self.config[self.subcommand]
             run = RunConfig.of(namespace)  # the parsed config, read once
             check_simulation(self.subcommand, run, namespace.get("ckpt_path"))
+            check_resume_layout(self.subcommand, run)
             if run.simulation is None:
                 check_cpu_ranks(run.trainer)
             check_run_config(self.subcommand, run)

@@ -5,7 +5,7 @@ Layers, top to bottom (a module may import its own layer and the layers below it
 - ``cli``, ``commands/``: the ``lit-ablate`` commands;
 - ``ablation/``: study spec, plan, runner, report;
 - ``fit_cli``: the LightningCLI of ``fit``/``validate``/``test`` (studies resolve their configs through it);
-- ``compatibility``, ``preflight``, ``checkpoint_model``: rules and checks over a run's parts;
+- ``compatibility``, ``preflight``, ``checkpoint_model``, ``checkpoint_layout``: rules and checks over a run's parts;
 - ``modules/``: the LightningModules;
 - ``callbacks/``: measurement (they read FLOPs and peaks from ``estimate/``);
 - ``estimate/``: the analytic model (its memory model reads how strategies shard);
@@ -60,7 +60,7 @@ LAYERS: list[tuple[str, ...]] = [  # bottom first
     ("lit_ablate.estimate",),
     ("lit_ablate.callbacks",),
     ("lit_ablate.modules",),
-    ("lit_ablate.compatibility", "lit_ablate.preflight", "lit_ablate.checkpoint_model"),
+    ("lit_ablate.compatibility", "lit_ablate.preflight", "lit_ablate.checkpoint_model", "lit_ablate.checkpoint_layout"),
     ("lit_ablate.fit_cli",),
     ("lit_ablate.ablation",),
     ("lit_ablate.cli", "lit_ablate.commands"),

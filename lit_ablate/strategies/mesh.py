@@ -61,6 +61,8 @@ GRADIENT_MEAN_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "ep", "cp")
 its tensor-parallel slice (``tp``), whose ranks hold other parameters or other slices of them."""
 
 ActivationCheckpointing = Literal["none", "full", "selective"]
+MESH_LAYOUT_KEY = "mesh_sizes"
+"""Checkpoint entry: the mesh sizes that wrote it (a quantised base resumes only on the same mesh)."""
 
 
 class MeshOptions(TypedDict, total=False):
@@ -290,6 +292,15 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
                 "this module has none",
             )
         return targets
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Lightning's sharded (DCP) or full save, with the mesh sizes that wrote it (``MESH_LAYOUT_KEY``).
+
+        A DCP folder names every tensor and records where each shard of it lies, so any other mesh, or one
+        process, reads it back resharded (``whole_checkpoint``); the sizes are kept only for what cannot
+        reshard (``checkpoint_layout``)."""
+        checkpoint[MESH_LAYOUT_KEY] = dict(self.mesh_sizes)
+        super().save_checkpoint(checkpoint, filepath, storage_options)
 
     # ---------------------------------------------------------------- the steps
     def parallelize(self, model: CausalLMWithLoss) -> CausalLMWithLoss:
