@@ -21,6 +21,7 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities import rank_zero_info
 
 from lit_ablate.callbacks.pipeline_bubble import PipelineBubbleMonitor
 from lit_ablate.callbacks.progress_file import PROGRESS_PATH_ENV, ProgressFile
@@ -182,6 +183,7 @@ class LitAblateCLI(LightningCLI):
             if run.simulation is not None:
                 start_fake_process_group(run.simulation)
                 self.simulation = run.simulation
+                rank_zero_info(run.simulation.first_line)
             if run.trainer.strategy.names_a_class:
                 self._strategy_as_section(run.trainer.strategy.section.class_path)
 

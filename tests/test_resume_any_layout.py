@@ -266,3 +266,26 @@ def test_export_and_generate_read_every_layout_s_checkpoint(runs, root, tmp_path
         torch.testing.assert_close(
             logits[name], logits["fsdp2x4"], rtol=0, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}"
         )
+
+
+def test_saving_last_ckpt_again_warns_of_no_existing_checkpoint(tmp_path, recwarn):
+    """A run's mesh strategy saves ``last.ckpt`` at every checkpoint: each save after the first replaces the
+    run's own folder, where DCP warned on every rank of "an existing checkpoint, overwriting" (twice in a
+    fresh 2-rank DPO run: as if an older run had been overwritten). Seen failing with the save written over
+    the folder (the warning once, on one rank)."""
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=FSDP2Strategy(),
+        max_steps=2,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=1)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
+    data = LMDataModule(SyntheticText(num_documents=20), seq_len=16, batch_size=2)
+    trainer.fit(CausalLM(factory("llama")), data)
+    assert (tmp_path / "last.ckpt" / "meta.pt").is_file()
+    assert not [w for w in recwarn if "existing checkpoint" in str(w.message)]

@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import itertools
 import math
+import shutil
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal, TypedDict
 
 import torch
@@ -300,7 +302,14 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
         process, reads it back resharded (``whole_checkpoint``); the sizes are kept only for what cannot
         reshard (``checkpoint_layout``)."""
         checkpoint[MESH_LAYOUT_KEY] = dict(self.mesh_sizes)
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        path = Path(self.broadcast(filepath))
+        if self._save_distributed_checkpoint and path.is_dir():
+            # The run's own earlier save under this name (last.ckpt at each save): written anew, not over it,
+            # where DCP would warn on every rank of "an existing checkpoint" and leave a former save's extra shards.
+            if self.global_rank == 0:
+                shutil.rmtree(path)
+            self.barrier("replace_checkpoint")
+        super().save_checkpoint(checkpoint, path, storage_options)
 
     # ---------------------------------------------------------------- the steps
     def parallelize(self, model: CausalLMWithLoss) -> CausalLMWithLoss:
