@@ -303,9 +303,10 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
         reshard (``checkpoint_layout``)."""
         checkpoint[MESH_LAYOUT_KEY] = dict(self.mesh_sizes)
         path = Path(self.broadcast(filepath))
-        if self._save_distributed_checkpoint and path.is_dir():
-            # The run's own earlier save under this name (last.ckpt at each save): written anew, not over it,
-            # where DCP would warn on every rank of "an existing checkpoint" and leave a former save's extra shards.
+        # The run's own earlier save under this name (last.ckpt at each save) is written anew, not over: DCP
+        # would warn on every rank of "an existing checkpoint" and leave a former save's extra shards. Rank 0
+        # decides for all: another rank could see the folder a faster rank already began to write.
+        if self._save_distributed_checkpoint and self.broadcast(path.is_dir()):
             if self.global_rank == 0:
                 shutil.rmtree(path)
             self.barrier("replace_checkpoint")
