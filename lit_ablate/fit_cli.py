@@ -112,7 +112,7 @@ class LitAblateCLI(LightningCLI):
             kwargs.update(simulated_trainer_arguments(self.simulation))
             kwargs["plugins"] = [*_as_list(trainer_args.get("plugins")), *kwargs["plugins"]]
         if self._reads_sharded_folder_whole(trainer_args.get("strategy")):
-            kwargs["plugins"] = [*_as_list(kwargs.get("plugins", trainer_args.get("plugins"))), WholeCheckpointIO()]
+            kwargs["plugins"] = [*_as_list(trainer_args.get("plugins")), WholeCheckpointIO()]
         if self.subcommand in ("validate", "test"):
             self.save_config_callback = None
             if trainer_args.get("logger") is None:
@@ -140,7 +140,7 @@ class LitAblateCLI(LightningCLI):
 
         ckpt_path = self.config[self.subcommand].get("ckpt_path") if self.subcommand else None
         reads_shards = isinstance(strategy, (ModelParallelStrategy, FSDPStrategy, DeepSpeedStrategy))
-        return bool(ckpt_path) and Path(ckpt_path).is_dir() and not reads_shards
+        return bool(ckpt_path) and Path(ckpt_path).expanduser().is_dir() and not reads_shards
 
     def _set_seed(self) -> None:
         """Lightning's seeding without its "Seed set to N" log line: the seed is in the config and the

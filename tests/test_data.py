@@ -345,6 +345,16 @@ def test_a_position_saved_on_two_ranks_continues_on_one_with_the_same_items(coll
         _datamodule(batch_size=2, collator=collator).load_state_dict(state)
 
 
+def test_a_position_saved_per_rank_before_it_was_global_resumes_on_its_own_layout():
+    """A checkpoint written before the position was global (``batches_consumed``: one rank's micro-batches)
+    continues where it stopped on the layout that saved it."""
+    reference = [b["input_ids"] for b in _datamodule().train_dataloader()]
+    resumed = _datamodule()
+    resumed.load_state_dict({"epoch": 0, "batches_consumed": 3, "tokenizer": "byte", "seed": 0, "format": "pretrain"})
+    after = [b["input_ids"] for b in resumed.train_dataloader()]
+    assert len(after) == len(reference) - 3 and all(torch.equal(a, r) for a, r in zip(after, reference[3:]))
+
+
 def test_resume_rejects_a_different_tokenizer(tmp_path):
     dm = _datamodule(tokenizer=_tiny_hf_tokenizer(tmp_path / "tok"), source=SyntheticText(num_documents=400))
     with pytest.raises(ConfigError, match="trained with 'byte'"):

@@ -74,8 +74,13 @@ def check_resumable(saved: Mapping[str, Any], layout: DataLayout, stream: bool) 
 
 
 def rank_items_consumed(saved: Mapping[str, Any], layout: DataLayout) -> int:
-    """How many of its items each of ``layout``'s data-parallel ranks skips to continue ``saved``'s epoch."""
-    items = int(saved["items_consumed"])
+    """How many of its items each of ``layout``'s data-parallel ranks skips to continue ``saved``'s epoch
+    (a checkpoint from before the position was global counted one rank's micro-batches: it resumes on the
+    layout that saved it, as it always did)."""
+    if "items_consumed" in saved:
+        items = int(saved["items_consumed"])
+    else:
+        items = int(saved["batches_consumed"]) * layout.batch_size * layout.data_parallel_size
     if items % (layout.data_parallel_size * layout.batch_size):
         raise ConfigError(
             "data.init_args.batch_size",
