@@ -63,7 +63,6 @@ def assert_printed_figures_are_the_record_s(text: str, record: dict) -> dict[str
     return medians
 
 
-@pytest.mark.slow
 def test_a_run_prints_its_record_s_figures(tmp_path: Path, capfd, caplog) -> None:
     text, record = fit(tmp_path, capfd, caplog, "--config", str(CONFIGS / "quickstart.yaml"))
     medians = assert_printed_figures_are_the_record_s(text, record)
@@ -72,7 +71,6 @@ def test_a_run_prints_its_record_s_figures(tmp_path: Path, capfd, caplog) -> Non
     assert loss == f"{record['steps'][-1]['loss']:.3f}"
 
 
-@pytest.mark.slow
 def test_a_simulated_rank_says_so_first_and_prints_only_what_its_record_holds(tmp_path: Path, capfd, caplog) -> None:
     text, record = fit(tmp_path, capfd, caplog, "--config", str(CONFIGS / "fsdp2_tiny.yaml"), "--simulate", "64")
     first = next(line for line in text.splitlines() if line.strip())
