@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -18,6 +19,7 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities import rank_zero_info
 
 from lit_ablate.callbacks.pipeline_bubble import PipelineBubbleMonitor
 from lit_ablate.callbacks.progress_file import PROGRESS_PATH_ENV, ProgressFile
@@ -32,6 +34,7 @@ from lit_ablate.run_config import RunConfig
 from lit_ablate.simulated_rank import SIMULATE_KEY, SIMULATE_RANK_KEY, SimulatedRank
 from lit_ablate.strategies.pipeline_parallel import PipelineParallelStrategy
 from lit_ablate.strategies.simulation import simulated_trainer_arguments, start_fake_process_group
+from lit_ablate.strategies.whole_checkpoint import WholeCheckpointIO
 from lit_ablate.terminal import console_trainer_args, silence_noise
 
 SEED_LOGGER = "lightning.fabric.utilities.seed"
@@ -106,6 +109,8 @@ class LitAblateCLI(LightningCLI):
             callbacks = [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
             kwargs.update(simulated_trainer_arguments(self.simulation))
             kwargs["plugins"] = [*_as_list(trainer_args.get("plugins")), *kwargs["plugins"]]
+        if self._reads_sharded_folder_whole(trainer_args.get("strategy")):
+            kwargs["plugins"] = [*_as_list(trainer_args.get("plugins")), WholeCheckpointIO()]
         if self.subcommand in ("validate", "test"):
             self.save_config_callback = None
             if trainer_args.get("logger") is None:
@@ -124,6 +129,16 @@ class LitAblateCLI(LightningCLI):
         if turns is not None:  # a study's run in turns: first, so it waits before any callback measures
             trainer.callbacks.insert(0, turns)
         return trainer
+
+    def _reads_sharded_folder_whole(self, strategy: Any) -> bool:
+        """Whether ``--ckpt_path`` is a sharded folder that ``strategy`` reads as one file (one process, DDP):
+        it then gets ``WholeCheckpointIO``, which reads the folder whole. Mesh strategies and FSDP1 read
+        their shards of it themselves."""
+        from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+
+        ckpt_path = self.config[self.subcommand].get("ckpt_path") if self.subcommand else None
+        reads_shards = isinstance(strategy, (ModelParallelStrategy, FSDPStrategy, DeepSpeedStrategy))
+        return bool(ckpt_path) and Path(ckpt_path).expanduser().is_dir() and not reads_shards
 
     def _set_seed(self) -> None:
         """Lightning's seeding without its "Seed set to N" log line: the seed is in the config and the
@@ -162,6 +177,7 @@ class LitAblateCLI(LightningCLI):
             if run.simulation is not None:
                 start_fake_process_group(run.simulation)
                 self.simulation = run.simulation
+                rank_zero_info(run.simulation.first_line)
             if run.trainer.strategy.names_a_class:
                 self._strategy_as_section(run.trainer.strategy.section.class_path)
 

@@ -17,6 +17,8 @@ from lit_ablate.errors import ConfigError
 
 SHARDED_METADATA_FILENAME = "meta.pt"
 """Lightning's name for the non-tensor part of a sharded (DCP folder) checkpoint."""
+DEEPSPEED_TAG_FILENAME = "latest"
+"""What DeepSpeed writes into a checkpoint folder of its own format (the tag of its newest save)."""
 
 
 def writable_dir(key: str, path: str | Path) -> Path:
@@ -59,6 +61,15 @@ def checkpoint_path(key: str, path: str | Path) -> Path:
     checkpoint = Path(path).expanduser()
     fix = "give a .ckpt file or sharded checkpoint folder written by lit-ablate fit (e.g. .../checkpoints/last.ckpt)"
     if checkpoint.is_dir():
+        if (checkpoint / DEEPSPEED_TAG_FILENAME).is_file() and not (checkpoint / SHARDED_METADATA_FILENAME).is_file():
+            raise ConfigError(
+                key,
+                str(path),
+                "a DeepSpeed checkpoint (ZeRO's own per-rank partitions), which does not reshard and which "
+                "lit-ablate does not read; turn it into one file with lightning.pytorch.utilities.deepspeed."
+                "convert_zero_checkpoint_to_fp32_state_dict (weights and loop state, for export, generate or "
+                "evaluation; the optimizer's state stays behind)",
+            )
         if not (checkpoint / SHARDED_METADATA_FILENAME).is_file():
             raise ConfigError(
                 key, str(path), f"a folder without {SHARDED_METADATA_FILENAME} is not a sharded checkpoint; {fix}"

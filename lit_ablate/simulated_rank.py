@@ -19,6 +19,10 @@ SIMULATE_RANK_KEY = "simulate_rank"
 """The fit config's key giving which of its ranks this process plays."""
 FAKE_BACKEND = "fake"
 """torch's process-group backend whose collectives move nothing."""
+NOT_SIMULATED = ("loss", "tokens_per_sec", "useful_tokens_per_sec")
+"""Figures a simulated rank does not measure, recorded as null and never printed: the loss (collectives
+moved no data, so its numbers are no model's) and the job's tokens/s (no other rank's tokens were
+counted). Per-device throughput, step time, MFU and memory are this rank's own."""
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,15 @@ class SimulatedRank:
             raise ConfigError(SIMULATE_KEY, self.world_size, "give the simulated job's world size, 2 or more ranks")
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or not 0 <= self.rank < self.world_size:
             raise ConfigError(SIMULATE_RANK_KEY, self.rank, f"give a rank from 0 to {self.world_size - 1}")
+
+    @property
+    def first_line(self) -> str:
+        """What a simulated run prints first, before any figure."""
+        return (
+            f"simulated: this process plays rank {self.rank} of a {self.world_size}-rank job over a fake process "
+            "group (collectives move no data); its memory, step time, per-device tokens/s and MFU are that "
+            f"rank's, and it measures no {', no '.join(NOT_SIMULATED)} (docs/simulation.md)"
+        )
 
     @property
     def section(self) -> dict[str, int]:

@@ -35,6 +35,8 @@ from lightning.pytorch.callbacks import ModelSummary, ProgressBar, RichModelSumm
 from lightning.pytorch.utilities.model_summary.model_summary import get_formatted_model_size, get_human_readable_count
 from torch import nn
 
+from lit_ablate.simulated_rank import NOT_SIMULATED, current_simulation
+
 TIP_PREFIX = "💡 Tip"
 ABSENT_DEVICE_LINE = re.compile(r"^(GPU|TPU|HPU) available: False\b")
 RANK_ZERO_LOGGER = "lightning.pytorch.utilities.rank_zero"
@@ -52,6 +54,8 @@ class QuietProgressBar(RichProgressBar):
     def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
         items = super().get_metrics(trainer, pl_module)
         items.pop("v_num", None)
+        if current_simulation() is not None:  # its loss is no model's: the record holds none either
+            items = {k: v for k, v in items.items() if k.rsplit("/", 1)[-1] not in NOT_SIMULATED}
         return items
 
     def _get_train_description(self, current_epoch: int) -> str:

@@ -35,31 +35,41 @@ environment (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``LOCAL_RANK``, ``WORLD
 ``NODE_RANK``) is set either way, so Lightning sees an externally launched job (as under
 torchrun) and creates the process group itself. Use strategy ``ddp``, never ``ddp_fork``/
 ``ddp_spawn``, which would start processes from the test process itself.
+
+The rendezvous store is this process's, bound before any rank starts, as torchrun's agent hosts it: a
+port chosen free and bound later by rank 0 could be taken by another process in between (``EADDRINUSE``,
+seen in CI between two fits of one test). Every process group a rank creates, a second fit's included,
+rendezvous there under a prefix of its own (``_rendezvous_in``): a group made again after
+``destroy_process_group`` gets the group names of the first, whose addresses would still be in the store.
 """
 
 from __future__ import annotations
 
 import contextlib
 import faulthandler
+import functools
+import itertools
 import multiprocessing
 import os
 import pickle
 import signal
-import socket
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from datetime import timedelta
 from multiprocessing import forkserver
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 from unittest import mock
+from urllib.parse import parse_qsl, urlparse
 
 import torch
 import torch.distributed as dist
+from torch.distributed.rendezvous import _rendezvous_handlers
 
 from lit_ablate.models.presets import PRESETS
 
@@ -83,13 +93,6 @@ STACK_SIGNAL = signal.SIGUSR1
 STACK_WAIT_S = 5.0  # a rank writes its stack within milliseconds of the signal unless it is stopped
 
 
-def free_port() -> int:
-    """A TCP port that was free a moment ago (each test gets its own rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -99,7 +102,8 @@ def run_ranks(
 ) -> list[Any]:
     """``[fn(0, world_size, *args), ..., fn(world_size - 1, world_size, *args)]``, each on its own rank."""
     context = _forkserver()
-    port = free_port()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # bound here, before any rank
+    port = store.port
     with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
         out = Path(tmp)
         processes = [
@@ -226,6 +230,7 @@ def _rank_main(
         GROUP_RANK="0",
     )
     torch.set_num_threads(1)  # the ranks share two cores; oversubscription only slows them down
+    _rendezvous_handlers["env"] = functools.partial(_rendezvous_in, port, itertools.count())
     try:
         if init_process_group:
             dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -237,3 +242,17 @@ def _rank_main(
         if dist.is_initialized():
             dist.destroy_process_group()
     torch.save(result, Path(out) / f"{rank}.pt")
+
+
+def _rendezvous_in(
+    port: int, groups: Iterator[int], url: str, timeout: timedelta = timedelta(minutes=30), **kwargs: Any
+) -> Iterator[tuple[dist.Store, int, int]]:
+    """torch's ``env://`` rendezvous through the test process's store (``run_ranks``), each process group
+    under a prefix of its own: every rank counts its groups alike, so they agree on it. (torch registers
+    one handler per scheme and has no public way to replace one: its handler table is set directly.)"""
+    query = dict(parse_qsl(urlparse(url).query))
+    rank = int(query.get("rank", os.environ["RANK"]))
+    world_size = int(query.get("world_size", os.environ["WORLD_SIZE"]))
+    client = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+    yield dist.PrefixStore(f"group{next(groups)}/", client), rank, world_size
+    raise RuntimeError("a rendezvous of run_ranks is not made again: start another run_ranks call")

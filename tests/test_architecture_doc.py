@@ -74,7 +74,7 @@ def test_the_layer_table_names_every_layer_the_layer_test_enforces():
 @pytest.mark.slow
 def test_every_python_block_runs(tmp_path: Path):
     python = blocks("python")
-    assert len(python) == 4
+    assert len(python) == 5
     done = subprocess.run(
         [sys.executable, "-c", RUN_BLOCKS, str(PAGE)], cwd=tmp_path, capture_output=True, text=True, timeout=600
     )

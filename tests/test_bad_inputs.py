@@ -19,6 +19,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -115,11 +116,21 @@ def _fake_checkpoint(tmp: Path, hyper_parameters: bool = True) -> str:
     return str(path)
 
 
-def _sharded_folder(tmp: Path) -> str:
-    """A folder in the layout of a sharded checkpoint (``meta.pt`` beside the shards), no hyper-parameters."""
+def _sharded_folder(tmp: Path, **metadata: Any) -> str:
+    """A folder in the layout of a sharded checkpoint (``meta.pt`` beside the shards), no hyper-parameters,
+    with ``metadata`` in its ``meta.pt``."""
     folder = tmp / "last.ckpt"
     folder.mkdir()
-    torch.save({"state_dict": {}}, folder / "meta.pt")
+    torch.save({"state_dict": {}, **metadata}, folder / "meta.pt")
+    return str(folder)
+
+
+def _deepspeed_folder(tmp: Path) -> str:
+    """A folder in DeepSpeed's own checkpoint layout (its ``latest`` tag beside the per-rank partitions)."""
+    folder = tmp / "ds.ckpt"
+    (folder / "checkpoint").mkdir(parents=True)
+    (folder / "latest").write_text("checkpoint")
+    torch.save({}, folder / "checkpoint" / "mp_rank_00_model_states.pt")
     return str(folder)
 
 
@@ -349,14 +360,48 @@ ROWS: dict[str, tuple[Build, tuple[str, ...]]] = {
         ],
         ("model.init_args.reference_cache=", "ref.pt", "does not load as plain tensors", "delete it"),
     ),
-    "sharded_folder_resumed_on_one_device": (
-        lambda tmp: [*FIT, "--trainer.default_root_dir", str(tmp), "--ckpt_path", _sharded_folder(tmp)],
-        (
-            "--ckpt_path=",
-            "a sharded checkpoint folder",
-            "'auto' would open as one file",
-            "resume with the strategy (and ranks) that wrote it",
-        ),
+    # a sharded checkpoint resumes on any layout (tests/test_resume_any_layout.py), with its global batch
+    "sharded_folder_resumed_with_another_global_batch": (
+        lambda tmp: [
+            *FIT,
+            "--trainer.default_root_dir",
+            str(tmp),
+            "--ckpt_path",
+            _sharded_folder(tmp, LMDataModule={"epoch": 0, "items_consumed": 48, "global_batch": 16}),
+        ],
+        ("data.init_args.batch_size=8: use 16 to keep the checkpoint's global batch of 16 items per optimizer step",),
+    ),
+    "stream_resumed_on_other_ranks": (
+        lambda tmp: [
+            *FIT,
+            "--trainer.default_root_dir",
+            str(tmp),
+            "--data.init_args.storage",
+            "stream",
+            "--data.init_args.val_examples",
+            "0",
+            "--ckpt_path",
+            _sharded_folder(
+                tmp, LMDataModule={"epoch": 0, "items_consumed": 16, "global_batch": 8, "data_parallel_size": 2}
+            ),
+        ],
+        ("data.init_args.storage='stream': a stream resumes each rank's own position, saved on 2",),
+    ),
+    "quantised_base_resumed_on_another_mesh": (
+        lambda tmp: [
+            *FIT,
+            "--trainer.default_root_dir",
+            str(tmp),
+            "--model.init_args.model.quantization",
+            "{bits: 4}",
+            "--ckpt_path",
+            _sharded_folder(tmp, mesh_sizes={"pp": 1, "dp_replicate": 1, "dp_shard": 2, "ep": 1, "cp": 1, "tp": 1}),
+        ],
+        ("--ckpt_path=", "a sharded checkpoint of a quantised base", "do not reshard; resume on the mesh"),
+    ),
+    "deepspeed_folder": (
+        lambda tmp: [*FIT, "--trainer.default_root_dir", str(tmp), "--ckpt_path", _deepspeed_folder(tmp)],
+        ("--ckpt_path=", "a DeepSpeed checkpoint", "does not reshard", "convert_zero_checkpoint_to_fp32_state_dict"),
     ),
     "pipeline_resumed_from_a_file": (
         lambda tmp: [

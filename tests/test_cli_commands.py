@@ -28,6 +28,7 @@ from lit_ablate.models.factory import ModelFactory
 from lit_ablate.record import write_record
 
 QUICKSTART = str(Path(__file__).parents[1] / "configs" / "quickstart.yaml")
+FSDP2_TINY = str(Path(__file__).parents[1] / "configs" / "fsdp2_tiny.yaml")
 TEXTS = ["12+7=", "héllo wörld ✓ 🤖", " two  spaces\n\ttab", "<eos> is text here", ""]
 
 UMASK = 0o007  # differs from the usual 0o022, and from mkstemp's owner-only 0o600
@@ -237,7 +238,24 @@ def test_estimate_prints_the_exact_parameter_count_and_the_same_numbers_as_json(
             float(c) for c in cells[: len(MEMORY_KINDS)]
         ]  # cells are rounded to 0.1 MiB or 2 significant digits
         assert table_mib == pytest.approx([row["bytes_per_rank"][k] / unit for k in MEMORY_KINDS], rel=0.05, abs=0.05)
-        assert cells[-1] == (str(row["gpus_needed"]) if row["gpus_needed"] else "none up to 8")
+        need, there = row["gpus_needed"], row["total_bytes_per_rank_at_gpus_needed"]
+        if need is None:
+            assert cells[-1] == "none up to 8"
+        else:  # the count, and each rank's total at that count, which fits the budget
+            count, total = re.fullmatch(r"(\d+) \(([0-9.e-]+)\)", cells[-1]).groups()
+            assert int(count) == need and float(total) == pytest.approx(there / unit, rel=0.05, abs=0.05)
+            assert there <= 0.05 * 0.9 * GIB
+
+
+def test_the_configured_strategy_and_its_row_agree_on_the_gpus_it_needs(capsys):
+    """``estimate`` of ``fsdp2_tiny.yaml`` (FSDP2Strategy): the configured row and the ``fsdp2`` row are one
+    layout, so at every count they hold the same bytes and need the same GPUs. Seen failing with the
+    ``fsdp2`` row counting no FSDP gathers on one rank (a Qwen3-8B shape: the configured FSDP2 needed 2 GPUs,
+    the fsdp2 row 1; here the fsdp2 row's total on its one GPU 36.9 MiB against the configured 40.4)."""
+    assert estimate_main(["--config", FSDP2_TINY, "--json"]) == 0
+    rows = {row["sharding"]: row for row in json.loads(capsys.readouterr().out)["shardings"]}
+    assert rows["configured"] == {**rows["fsdp2"], "sharding": "configured"}
+    assert rows["fsdp2"]["gpus_needed"] == 1
 
 
 def test_fit_prints_no_noise_and_keeps_what_informs(fit_run):

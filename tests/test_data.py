@@ -17,6 +17,7 @@ from lit_ablate.data import (
     ByteTokenizer,
     LMDataModule,
     LocalFiles,
+    PackingCollator,
     PaddingCollator,
     SyntheticText,
     build_examples,
@@ -28,7 +29,7 @@ from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX
 
 def _fake_trainer(num_replicas: int, rank: int, training: bool = True, epoch: int = 0) -> SimpleNamespace:
     strategy = Mock(spec=ParallelStrategy, distributed_sampler_kwargs={"num_replicas": num_replicas, "rank": rank})
-    return SimpleNamespace(strategy=strategy, training=training, current_epoch=epoch)
+    return SimpleNamespace(strategy=strategy, training=training, current_epoch=epoch, accumulate_grad_batches=1)
 
 
 def _targets(example: dict[str, torch.Tensor]) -> list[int]:
@@ -290,7 +291,15 @@ def test_resume_skips_exactly_the_consumed_batches_without_loading_them():
     dm.trainer.training = False  # validation batches are not training progress
     dm.on_before_batch_transfer(batch, 0)
     state = dm.state_dict()
-    assert state == {"epoch": 0, "batches_consumed": 3, "tokenizer": "byte", "seed": 0, "format": "pretrain"}
+    assert state == {
+        "epoch": 0,
+        "items_consumed": 12,
+        "global_batch": 4,
+        "data_parallel_size": 1,
+        "tokenizer": "byte",
+        "seed": 0,
+        "format": "pretrain",
+    }
 
     resumed = _datamodule()
     resumed.load_state_dict(state)
@@ -310,10 +319,46 @@ def test_resume_skips_exactly_the_consumed_batches_without_loading_them():
     assert len(list(resumed.train_dataloader())) == len(reference)
 
 
+@pytest.mark.parametrize("collator", [None, PackingCollator(max_tokens=32)], ids=["padded", "packed"])
+def test_a_position_saved_on_two_ranks_continues_on_one_with_the_same_items(collator):
+    """Two ranks of batch 2 stop after 3 micro-batches; one process of batch 4 continues with exactly the
+    items the two ranks would have read next (per step, as a set), and a batch that changes the global
+    batch is refused naming the batch size that keeps it. Seen failing with the position saved per rank
+    (items of one rank, as the old ``batches_consumed`` counted: 6 items saved for the 12 consumed)."""
+    ranks = [_datamodule(batch_size=2, collator=collator) for _ in range(2)]
+    batches = []
+    for rank, dm in enumerate(ranks):
+        dm.trainer = _fake_trainer(2, rank)
+        batches.append(list(dm.train_dataloader()))
+        for batch in batches[rank][:3]:
+            dm.on_before_batch_transfer(batch, 0)
+    state = ranks[0].state_dict()
+    assert (state["items_consumed"], state["global_batch"]) == (12, 4)
+
+    one = _datamodule(batch_size=4, collator=collator)
+    one.load_state_dict(state)
+    continued = [_rows(b) for b in one.train_dataloader()]
+    two_ranks = [_rows(b0) | _rows(b1) for b0, b1 in zip(batches[0][3:], batches[1][3:])]
+    assert continued == two_ranks and continued
+
+    with pytest.raises(ConfigError, match=r"data\.init_args\.batch_size=2: use 4 to keep the checkpoint's global"):
+        _datamodule(batch_size=2, collator=collator).load_state_dict(state)
+
+
+def test_a_position_saved_per_rank_before_it_was_global_resumes_on_its_own_layout():
+    """A checkpoint written before the position was global (``batches_consumed``: one rank's micro-batches)
+    continues where it stopped on the layout that saved it."""
+    reference = [b["input_ids"] for b in _datamodule().train_dataloader()]
+    resumed = _datamodule()
+    resumed.load_state_dict({"epoch": 0, "batches_consumed": 3, "tokenizer": "byte", "seed": 0, "format": "pretrain"})
+    after = [b["input_ids"] for b in resumed.train_dataloader()]
+    assert len(after) == len(reference) - 3 and all(torch.equal(a, r) for a, r in zip(after, reference[3:]))
+
+
 def test_resume_rejects_a_different_tokenizer(tmp_path):
     dm = _datamodule(tokenizer=_tiny_hf_tokenizer(tmp_path / "tok"), source=SyntheticText(num_documents=400))
     with pytest.raises(ConfigError, match="trained with 'byte'"):
-        dm.load_state_dict({"epoch": 0, "batches_consumed": 1, "tokenizer": "byte", "seed": 0})
+        dm.load_state_dict({"epoch": 0, "items_consumed": 4, "global_batch": 4, "tokenizer": "byte", "seed": 0})
 
 
 class _BatchRecorder(pl.LightningModule):
@@ -353,7 +398,7 @@ def test_lightning_resume_mid_epoch_continues_with_the_next_batch(tmp_path):
     uninterrupted = _fit(tmp_path / "a", max_steps=7)
     _fit(tmp_path / "b", max_steps=3)
     (checkpoint,) = (tmp_path / "b").glob("*.ckpt")
-    assert torch.load(checkpoint, weights_only=False)["LMDataModule"]["batches_consumed"] == 3
+    assert torch.load(checkpoint, weights_only=False)["LMDataModule"]["items_consumed"] == 6
     resumed = _fit(tmp_path / "c", max_steps=7, ckpt_path=str(checkpoint))
     assert len(resumed) == 4
     assert all(torch.equal(a, b) for a, b in zip(resumed, uninterrupted[3:]))

@@ -7,8 +7,10 @@ assertions check the error's text, never how long it took (the machine is shared
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
+import socket
 import time
 
 import pytest
@@ -47,12 +49,54 @@ def _one_rank_dies(rank: int, world_size: int) -> None:
     dist.barrier()
 
 
+def _port_taken(rank: int, world_size: int) -> bool:
+    """Whether the rendezvous port is already bound as the ranks start (before any process group)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("127.0.0.1", int(os.environ["MASTER_PORT"])))
+        except OSError as error:
+            return error.errno == errno.EADDRINUSE
+    return False
+
+
+GROUPS_MADE_AGAIN = 8
+
+
+def _process_groups_made_again(rank: int, world_size: int) -> list[float]:
+    """A process group, destroyed, then another in the same ranks (as two CLI fits in one rank make), and
+    again: a stale address is read only when a rank comes first to a key the other has not yet rewritten."""
+    sums = []
+    for value in range(1, GROUPS_MADE_AGAIN + 1):
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        t = torch.tensor([value * (rank + 1)])
+        dist.all_reduce(t)
+        sums.append(t.item())
+        dist.destroy_process_group()
+    return sums
+
+
 def _compiled_square(rank: int, world_size: int, salt: int) -> float:
     return torch.compile(lambda x: x * x + salt)(torch.tensor([rank + 2.0])).item()
 
 
 def test_results_come_back_in_rank_order():
     assert run_ranks(_rank_sum, 2, 1.5) == [4.5, 4.5]
+
+
+def test_the_rendezvous_port_is_held_before_any_rank_starts():
+    """The port the ranks rendezvous on is bound by the test process before they start, so no other
+    process can take it in between (``EADDRINUSE``, seen in CI). Seen failing with the port chosen free and
+    left for rank 0 to bind (the ranks found it free)."""
+    assert run_ranks(_port_taken, 2, init_process_group=False) == [True, True]
+
+
+def test_a_process_group_made_again_in_the_same_ranks_rendezvous_afresh():
+    """Each process group a rank makes rendezvous under a prefix of its own in the one store: a group made
+    again after ``destroy_process_group`` takes the first one's names. Seen failing with one prefix for
+    every group (a later group read an earlier one's addresses, ``Connection refused``: 7 calls of this
+    test in 8; with the prefixes, none in 8)."""
+    sums = [3.0 * value for value in range(1, GROUPS_MADE_AGAIN + 1)]
+    assert run_ranks(_process_groups_made_again, 2, init_process_group=False, timeout_s=120) == [sums, sums]
 
 
 def test_a_hanging_rank_times_out_with_every_rank_stack():

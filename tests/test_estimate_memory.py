@@ -111,7 +111,9 @@ def test_sharding_divides_state_and_adds_the_transients():
     assert shape.layer_params == sum(p.numel() for p in model.lm.model.layers[0].parameters())
     no_reshard = estimate_memory(counts, shape, training, canonical_sharding("fsdp2_no_reshard", 4), 4)
     assert no_reshard.params == full // 4 and no_reshard.transient == full + 2 * max(shape.layer_params, root) * 4
-    assert canonical_sharding("hsdp", 16, gpus_per_node=8) == StateSharding(params=8, grads=8, optimizer=8)
+    assert canonical_sharding("hsdp", 16, gpus_per_node=8) == StateSharding(
+        params=8, grads=8, optimizer=8, fsdp_units=True
+    )
     # the smallest count whose per-rank total fits a budget between the 2- and 3-rank totals
     totals = {n: estimate_memory(counts, shape, training, canonical_sharding("fsdp2", n), n).total for n in (2, 3)}
     budget = (totals[2] + totals[3]) / 2

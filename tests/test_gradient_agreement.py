@@ -94,6 +94,28 @@ def test_rounding_passes_and_one_expert_scaled_by_1_01_fails(tmp_path: Path):
     assert "|norm − baseline's| ≤ 1e-05·(the tensor's largest norm in the baseline)" in text
 
 
+@pytest.mark.parametrize(
+    ("tensor", "index", "factor", "passed"),
+    [
+        (EXPERTS, 1, 0.9, True),  # the quiet expert (0.001): within rtol of its tensor's largest norm (0.5)
+        (EXPERTS, 1, 1.1, False),
+        (ROUTER, 0, 0.9, True),  # a tensor whose own norm (0.04) is small beside the experts' (0.5)
+        (ROUTER, 0, 1.1, False),
+    ],
+)
+def test_the_bound_is_rtol_times_the_tensor_s_own_largest_norm(tensor, index, factor, passed):
+    """A norm off by 0.9 x rtol of its tensor's largest norm passes, by 1.1 x fails, for the quiet expert and
+    for a small tensor alike. Seen failing with the tolerance 10x looser (1.1 x rtol passed) and with the
+    differences scaled by the largest norm of all tensors (the router's 1.1 x rtol of its own 0.04 read as
+    8.8e-7 of the experts' 0.5, and passed)."""
+    norms = {name: list(values) for name, values in NORMS.items()}
+    norms[tensor][index] += factor * CHECK["rtol"] * max(NORMS[tensor])
+    records, plan = gradient_study({"fsdp2": NORMS, "variant": norms})
+    check = summarise(records, plan)["variants"][1]["gradient_agreement"]
+    assert check["passed"] is passed
+    assert check["max_rel_diff"] == pytest.approx(factor * CHECK["rtol"], rel=1e-6)
+
+
 def test_a_baseline_without_an_ok_run_or_a_record_leaves_the_check_incomplete():
     records, plan = gradient_study({"fsdp2": None, "ep": NORMS})
     check = summarise(records, plan)["variants"][1]["gradient_agreement"]

@@ -179,6 +179,39 @@ def test_liger_chunk_budget_at_the_seed_shape() -> None:
 
 
 @pytest.mark.slow
+def test_liger_s_options_reach_its_kernel_call_without_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where neither liger-kernel nor a GPU is (most CI machines), ``chunk_tokens``, ``accum_dtype`` and
+    ``z_loss_weight`` still reach the call of Liger's function, here a stand-in module that records it:
+    the budget whose chunks hold the asked tokens, fp32 accumulation, the z-loss as ``lse_square_scale``, a
+    summed loss. Seen failing with ``accum_dtype`` not passed (no ``accum_dtype`` in the call) and with
+    ``chunk_tokens`` dropped (no ``chunk_mem_const``)."""
+    import types
+
+    from lit_ablate.models.losses import cross_entropy
+
+    calls: list[dict[str, Any]] = []
+
+    def liger_fused_linear_cross_entropy(hidden, weight, labels, bias, **options):
+        calls.append(options)
+        return (hidden @ weight.t()).sum()
+
+    functional = types.ModuleType("liger_kernel.transformers.functional")
+    functional.liger_fused_linear_cross_entropy = liger_fused_linear_cross_entropy
+    for name, module in (
+        ("liger_kernel", types.ModuleType("liger_kernel")),
+        ("liger_kernel.transformers", types.ModuleType("liger_kernel.transformers")),
+        ("liger_kernel.transformers.functional", functional),
+    ):
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(cross_entropy, "_require_kernel_package", lambda *args: None)  # no package, no GPU here
+    tokens, vocab, hidden = 37, 101, 24
+    backend = loss_backend("liger", chunk_tokens=16, accum_dtype="float32", z_loss_weight=1e-4)
+    backend(torch.randn(tokens, hidden), torch.randn(vocab, hidden), torch.zeros(tokens, dtype=torch.long))
+    (options,) = calls
+    assert liger_chunk(tokens, vocab, hidden, options.pop("chunk_mem_const")) == 16
+    assert options == {"ignore_index": -100, "lse_square_scale": 1e-4, "reduction": "sum", "accum_dtype": torch.float32}
+
+
 @needs_kernels
 def test_libdevice_gap_and_shim(interpreted: dict[str, Any]) -> None:
     """While triton's interpreter returns None for ``libdevice.log1p`` the shim is needed and must be

@@ -27,10 +27,12 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 from transformers import optimization as hf
 
+from lit_ablate.callbacks import RunRecorder
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.modules import DPO, CausalLM
 from lit_ablate.modules.optim import lr_factor, lr_scheduler
+from lit_ablate.record import read_record
 from tests.test_step_objective import STEPS, micro_batches
 
 TOTAL, WARMUP = 60, 7
@@ -142,9 +144,11 @@ class LearningRates(Callback):
         self.rates.append(trainer.optimizers[0].param_groups[0]["lr"])
 
 
-def test_a_fit_steps_the_configured_schedule() -> None:
+def test_a_fit_steps_the_configured_schedule(tmp_path) -> None:
     """A Lightning fit applies ``lr_schedule`` (here wsd, half of the run decaying linearly) at
-    every optimizer step: the LR each step trains with is the peak times ``lr_factor``."""
+    every optimizer step: the LR each step trains with is the peak times ``lr_factor``, and the run
+    record's ``steps[].lr`` is that rate. Seen failing with the record reading the rate at the step's end,
+    after Lightning stepped the scheduler: each step showed the next one's (step 3: 6.7e-3 for 1e-2)."""
     pl.seed_everything(0, verbose=False)
     module = CausalLM(
         ModelFactory(preset="tiny-llama"),
@@ -156,11 +160,12 @@ def test_a_fit_steps_the_configured_schedule() -> None:
         decay_shape="linear",
     )
     seen = LearningRates()
+    recorder = RunRecorder(path=str(tmp_path / "run.json"), warmup_steps=0)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
         max_steps=STEPS,
-        callbacks=[seen],
+        callbacks=[seen, recorder],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -170,6 +175,7 @@ def test_a_fit_steps_the_configured_schedule() -> None:
     trainer.fit(module, DataLoader(micro_batches("reference"), batch_size=None))
     expected = [1e-2 * lr_factor(s, "wsd", 1, STEPS, 0.0, 0.6, "linear") for s in range(STEPS)]
     assert seen.rates == pytest.approx(expected, rel=1e-12)
+    assert [step["lr"] for step in read_record(tmp_path / "run.json")["steps"]] == pytest.approx(expected, rel=1e-12)
     assert expected == pytest.approx([1e-2, 1e-2, 1e-2, 1e-2 * 2 / 3, 1e-2 / 3])  # warm-up, stable, decay
 
 

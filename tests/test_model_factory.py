@@ -90,3 +90,79 @@ def test_config_keys_the_class_consumes_or_model_code_reads_are_kept_and_a_typo_
         ConfigError, match=r"config\.num_hidden_layer=2: Qwen3MoeConfig has no such key.*num_hidden_layers"
     ):
         ModelFactory(preset="tiny-qwen3-moe", config={"num_hidden_layer": 2})
+
+
+ARCHITECTURE = {  # a config.json as save_pretrained writes it for a user's own shape
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 320,
+}
+
+
+def test_a_config_json_builds_its_architecture_with_random_weights_and_trains(tmp_path):
+    """``model.init_args.model.config: path/to/config.json`` (or its folder) builds that architecture, drawn
+    from the seed, and ``lit-ablate fit`` trains it. Seen failing with ``config`` typed as a mapping only
+    (the parser: "Expected a <class 'dict'>. Got value: .../arch")."""
+    from transformers import AutoConfig
+
+    from lit_ablate.cli import main
+    from lit_ablate.record import read_record
+
+    AutoConfig.for_model("qwen3", **ARCHITECTURE).save_pretrained(tmp_path / "arch")
+    for path in (tmp_path / "arch", tmp_path / "arch" / "config.json"):
+        config = ModelFactory(config=str(path)).hf_config()
+        assert (config.model_type, config.hidden_size, config.num_hidden_layers) == ("qwen3", 64, 2)
+    torch.manual_seed(0)
+    first = ModelFactory(config=str(tmp_path / "arch")).build()
+    torch.manual_seed(0)
+    again = ModelFactory(config=str(tmp_path / "arch")).build()
+    assert type(first).__name__ == "Qwen3ForCausalLM"
+    assert all(torch.equal(a, b) for a, b in zip(first.parameters(), again.parameters()))  # the seed's draw
+    quickstart = str(Path(__file__).parents[1] / "configs" / "quickstart.yaml")
+    main(
+        [
+            "fit",
+            "--config",
+            quickstart,
+            "--model.init_args.model.preset",
+            "null",
+            "--model.init_args.model.config",
+            str(tmp_path / "arch"),
+            "--trainer.max_steps",
+            "3",
+            "--trainer.default_root_dir",
+            str(tmp_path / "run"),
+            "--recorder.path",
+            str(tmp_path / "run.json"),
+        ]
+    )
+    record = read_record(tmp_path / "run.json")
+    assert record["summary"]["status"] == "ok"
+    assert record["model"]["total"] == sum(p.numel() for p in first.parameters())
+    losses = [step["loss"] for step in record["steps"]]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"config": "{tmp}/missing.json"}, "missing.json': no such file; give a Hugging Face config.json"),
+        ({"config": "{tmp}"}, "no such file; give a Hugging Face config.json, or a folder holding one"),
+        ({"config": "{root}/bad.json"}, "transformers could not read it"),
+        ({"config": "{arch}", "preset": "tiny-llama"}, "a config file is a whole architecture"),
+    ],
+)
+def test_a_config_file_that_builds_nothing_is_one_line_naming_the_key(tmp_path, kwargs, message):
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("qwen3", **ARCHITECTURE).save_pretrained(tmp_path / "arch")
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "empty").mkdir()
+    kwargs = {k: v.format(tmp=tmp_path / "empty", root=tmp_path, arch=tmp_path / "arch") for k, v in kwargs.items()}
+    with pytest.raises(ConfigError, match=r"^model\.init_args\.model\.config=") as info:
+        ModelFactory(**kwargs)
+    assert message in str(info.value)

@@ -208,3 +208,33 @@ def test_every_optional_package_has_its_extra_and_a_row():
     pyproject = (ROOT / "pyproject.toml").read_text()
     for extra in set(extras.EXTRAS.values()):
         assert f"\n{extra} = [" in pyproject, f"no [{extra}] extra in pyproject.toml"
+
+
+@pytest.mark.parametrize(
+    ("module", "extra", "line"),
+    [
+        ("torchao", None, "torchao, which is not installed here: pip install 'lit-ablate[fp8]'"),
+        ("liger_kernel", None, "liger-kernel, which is not installed here: pip install 'lit-ablate[gpu]'"),
+        (
+            "liger_kernel",
+            "kernels-cpu",
+            "liger-kernel, which is not installed here: pip install 'lit-ablate[kernels-cpu]'",
+        ),
+    ],
+)
+def test_require_names_the_key_the_package_and_its_extra(monkeypatch, module: str, extra: str | None, line: str):
+    """``require`` alone: a missing package is one ``ConfigError`` naming the key and value that chose the
+    feature, the distribution's name and the extra (the one given, else its own); an installed one passes.
+    Seen failing with ``require`` gutted (nothing raised: only 2 of the command rows above caught it), the
+    extra given ignored, and the import name shown for the distribution (``liger_kernel``)."""
+    monkeypatch.setattr(extras, "installed", lambda name: name != module)
+    with pytest.raises(extras.ConfigError) as refused:
+        extras.require(module, "model.init_args.loss", "liger", "the liger loss", extra)
+    assert str(refused.value) == f"model.init_args.loss='liger': the liger loss needs {line}"
+    extras.require("torch", "model.init_args.loss", "torch", "the torch loss")  # installed: nothing to say
+
+
+def test_installed_asks_without_importing_and_never_raises() -> None:
+    assert extras.installed("json") and not extras.installed("lit_ablate_no_such_package")
+    assert not extras.installed("lit_ablate_no_such_package.sub")  # a missing parent: False, not ImportError
+    assert "zstandard" in extras.EXTRAS and extras.installed("lit_ablate") and "lit_ablate.extras" in sys.modules

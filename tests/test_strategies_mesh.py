@@ -283,3 +283,37 @@ def test_state_sharding_per_strategy():
 def test_export_refuses_a_path_that_is_not_a_checkpoint(tmp_path, capsys):
     assert export_main(["--ckpt_path", str(tmp_path), "--output_dir", str(tmp_path / "hf")]) == 2
     assert "meta.pt" in capsys.readouterr().err
+
+
+COMPILED_GRAPHS: list[object] = []
+
+
+def _counting_backend(graph, example_inputs):
+    """A ``torch.compile`` backend that counts the graphs it is given and runs them eagerly."""
+    COMPILED_GRAPHS.append(graph)
+    return graph.forward
+
+
+def test_compile_backend_reaches_torch_compile():
+    """``compile_layers`` compiles each decoder layer with the configured ``compile_backend``: a backend of
+    the test's own receives the layers' graphs when the model runs (``aot_eager`` silently replaced by
+    ``inductor`` would otherwise pass, only slower). Seen failing with ``apply_compile`` calling
+    ``layer.compile()`` without the backend (no graph reached it)."""
+    import torch
+    from torch._dynamo import list_backends, register_backend
+
+    from lit_ablate.models.losses.cross_entropy import loss_backend
+    from lit_ablate.strategies import decoder_layers
+
+    if "lit_ablate_counting" not in list_backends(exclude_tags=()):
+        register_backend(_counting_backend, name="lit_ablate_counting")
+    COMPILED_GRAPHS.clear()
+    strategy = FSDP2Strategy(compile_layers=True, compile_backend="lit_ablate_counting")
+    model = CausalLMWithLoss(ModelFactory(preset="tiny-llama").build(), loss_backend("torch"))
+    strategy.apply_compile(model)
+    tokens = torch.randint(0, 320, (1, 9))
+    try:
+        model({"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]})
+    finally:
+        torch._dynamo.reset()
+    assert COMPILED_GRAPHS and all(layer._compiled_call_impl is not None for layer in decoder_layers(model))

@@ -1,4 +1,5 @@
-"""docs/user-guide.md works as written: every ``bash`` block runs, in order, as a user would paste it.
+"""docs/user-guide.md works as written after the README's set-up: every ``bash`` block runs, in order, as a
+user would paste it.
 
 The blocks run with ``bash -e`` in a temporary folder holding a copy of ``configs/`` (the guide's
 commands use paths relative to the repository root, and their outputs must not land in the
@@ -6,14 +7,17 @@ checkout), with this interpreter's ``bin/`` first on PATH (``lit-ablate``, ``pyt
 block's exit code, the test checks what the guide promises: the run record's path, transformers'
 text equal to ``lit-ablate generate``'s, a dry run that runs nothing, and a study summary whose
 chunked row passes the loss check. Seen failing with the guide's transformers block printing only the
-continuation (``out[0, prompt_length:]``: 'the the ...' against generate's 'The the the ...'), and with
-``--only`` split at every comma in ``StudySpec.shortened`` (the grid variant's name: the dry run exits 1).
+continuation (``out[0, prompt_length:]``: 'the the ...' against generate's 'The the the ...'), with
+``--only`` split at every comma in ``StudySpec.shortened`` (the grid variant's name: the dry run exits 1),
+and with the guide's fit writing where the README's set-up had trained (its run took ``version_1`` and the
+blocks read the set-up's ``version_0``).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -26,11 +30,19 @@ from lit_ablate.record import read_record
 
 REPOSITORY = Path(__file__).parents[1]
 GUIDE = REPOSITORY / "docs" / "user-guide.md"
+README = REPOSITORY / "README.md"
 
 
 def bash_blocks(markdown: str) -> list[str]:
     """The guide's fenced ``bash`` blocks, in order (``text`` blocks show output and are not run)."""
     return re.findall(r"^```bash\n(.*?)^```$", markdown, flags=re.MULTILINE | re.DOTALL)
+
+
+def readme_set_up_fit() -> list[str]:
+    """The arguments of the ``lit-ablate fit`` the README's set-up runs after installing."""
+    block = re.search(r"^## Set up\n.*?^```bash\n(.*?)^```$", README.read_text(), re.MULTILINE | re.DOTALL).group(1)
+    commands = [part.strip() for part in block.replace("\n", "&&").split("&&")]
+    return shlex.split(next(c for c in commands if c.startswith("lit-ablate fit")))[1:]
 
 
 def test_the_guide_has_its_commands():
@@ -49,8 +61,11 @@ def test_the_guide_has_its_commands():
 
 
 @pytest.mark.slow
-def test_the_user_guide_runs_as_written(tmp_path, capsys):
+def test_the_user_guide_runs_as_written(tmp_path, capsys, monkeypatch):
     shutil.copytree(REPOSITORY / "configs", tmp_path / "configs")
+    monkeypatch.chdir(tmp_path)  # the README's set-up first, where the guide runs (one step: what it leaves)
+    main([*readme_set_up_fit(), "--trainer.max_steps", "1"])
+    assert (tmp_path / "runs" / "quickstart" / "lightning_logs" / "version_0" / "run.json").is_file()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     before = {p.name for p in REPOSITORY.iterdir()}
@@ -70,7 +85,7 @@ def test_the_user_guide_runs_as_written(tmp_path, capsys):
     def output_of(command: str) -> tuple[str, str]:
         return next((out, err) for block, out, err in outputs if command in block)
 
-    assert "run record: runs/quickstart/lightning_logs/version_0/run.json" in output_of("lit-ablate fit")[1]
+    assert "run record: runs/guide/lightning_logs/version_0/run.json" in output_of("lit-ablate fit")[1]
     assert output_of("json.load")[0].startswith("status: ok | final loss:")
     sampled = output_of("lit-ablate generate")[0].splitlines()[-1]
     assert sampled.startswith("The ") and len(sampled) > len("The ")
@@ -92,7 +107,7 @@ def the_guide_s_run_tests_and_resumes(folder: Path, capsys: pytest.CaptureFixtur
     ``lit-ablate test`` on its last checkpoint; a fit resumed from it that records only the new steps and
     where it resumed from; Lightning's own loader. The guide's blocks ran the console script; these run
     its ``main`` in this process (~8 s of imports fewer each)."""
-    run = folder / "runs" / "quickstart" / "lightning_logs" / "version_0"
+    run = folder / "runs" / "guide" / "lightning_logs" / "version_0"
     record = read_record(run / "run.json")
     assert [s["step"] for s in record["steps"]] == list(range(1, 21))
     assert (

@@ -24,7 +24,7 @@ from lit_ablate.callbacks.record_section import RecordSection
 from lit_ablate.callbacks.step_monitor import DEFAULT_WARMUP_STEPS, StepMonitor
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.losses import triton_interpreter
-from lit_ablate.simulated_rank import SimulatedRank, current_simulation
+from lit_ablate.simulated_rank import NOT_SIMULATED, SimulatedRank, current_simulation
 from lit_ablate.strategies.interface import interface_of
 from lit_ablate.subnormals import flushes_subnormals
 from lit_ablate.trackers import TRACKERS_BY_RUNNER_ENV, Destination, check_trackers, send
@@ -78,11 +78,6 @@ def environment(trainer: Trainer) -> dict[str, Any]:
 _DEVICE_ERRORS = tuple(e for e in (getattr(torch, "AcceleratorError", None),) if e is not None)
 """A failed device (torch >= 2.8 raises CUDA errors as ``AcceleratorError``) answers no more events:
 the steps whose time was still on it are left out of the record of such a failure."""
-
-NOT_SIMULATED = ("loss", "tokens_per_sec", "useful_tokens_per_sec")
-"""Series a simulated rank does not record: the loss (collectives moved no data, so its numbers are no
-model's) and the job's tokens/s (no other rank's tokens were counted). Per-device throughput, step time,
-MFU and memory are this rank's own and are recorded."""
 
 LOSS_CHECKPOINT_KEY = "lit_ablate_loss_by_step"
 """Where a checkpoint carries the loss of every step before it (``RunRecorder.on_save_checkpoint``)."""
@@ -138,6 +133,7 @@ class RunRecorder(StepMonitor):
         self._resumed_from: dict[str, Any] | None = None
         self._loss_before_resume: dict[int, float | None] = {}
         self._simulated: SimulatedRank | None = None
+        self._step_lr: float | None = None
 
     def _target(self, trainer: Trainer) -> Path:
         path = self.path or os.environ.get(run_record.RECORD_PATH_ENV)
@@ -146,8 +142,12 @@ class RunRecorder(StepMonitor):
         return Path(trainer.log_dir or trainer.default_root_dir) / run_record.RECORD_FILENAME
 
     # --- measurement ---------------------------------------------------------------------------
+    def start_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # The rate this step trains with: Lightning steps the scheduler before the step's end is seen.
+        self._step_lr = trainer.optimizers[0].param_groups[0]["lr"]
+
     def measure(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
-        self.series.setdefault("lr", {})[step] = trainer.optimizers[0].param_groups[0]["lr"]
+        self.series.setdefault("lr", {})[step] = self._step_lr
 
     def measure_timed(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
         self.series.setdefault("_loss_sum", {})[step] = self.totals.loss_sum

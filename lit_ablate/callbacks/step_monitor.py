@@ -20,7 +20,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_ablate.callbacks.step_clock import RUNNING_CLOCKS, StepTotals, clock_for
-from lit_ablate.simulated_rank import current_simulation
+from lit_ablate.simulated_rank import NOT_SIMULATED, current_simulation
 from lit_ablate.strategies.interface import interface_of
 
 DEFAULT_WARMUP_STEPS = 3
@@ -168,11 +168,13 @@ class StepMonitor(Callback):
             rank_zero_info(self.summary_line())
 
     def summary_line(self) -> str:
-        """One line: each public series' median over the steps after warm-up."""
+        """One line: each public series' median over the steps after warm-up (a simulated rank's: only
+        what it measures, as its run record holds it)."""
         medians = []
+        unmeasured = NOT_SIMULATED if current_simulation() is not None else ()
         for name, values in sorted(self.series.items()):
             measured = [v for s, v in values.items() if s > self.warmup_steps and isinstance(v, (int, float))]
-            if measured and not name.startswith("_"):
+            if measured and not name.startswith("_") and name not in unmeasured:
                 medians.append(f"{name}={statistics.median(measured):.4g}")
         return f"{self.log_prefix} (median after {self.warmup_steps} warm-up steps): {' '.join(medians) or 'n/a'}"
 

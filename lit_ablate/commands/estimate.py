@@ -108,7 +108,7 @@ def estimate_main(argv: list[str]) -> int:
             fewest = smallest_world_size(
                 lambda n, kind=kind: (e := at(kind, n)) is not None and e.total <= budget, args.max_gpus
             )
-            rows.append((kind, here, fewest))
+            rows.append((kind, here, fewest, at(kind, fewest) if fewest else None))
         if args.measure:
             _check_measure_arguments(world, args.simulate_rank)
     except ConfigError as err:
@@ -252,8 +252,9 @@ def _estimate_summary(config, counts, shape, training, world, rows, args) -> dic
                 "sharding": kind,
                 "bytes_per_rank": {k: getattr(e, k) for k in MEMORY_KINDS} if e else None,
                 "gpus_needed": fewest,
+                "total_bytes_per_rank_at_gpus_needed": there.total if there else None,
             }
-            for kind, e, fewest in rows
+            for kind, e, fewest, there in rows
         ],
     }
 
@@ -283,22 +284,29 @@ def _estimate_table(summary: dict[str, Any]) -> str:
         "",
         f"Per rank at {summary['world_size']} rank(s), {unit}; last column: smallest number of "
         f"{summary['gpu_memory_gib']:g} GiB GPUs that fit ({summary['usable_fraction']:.0%} usable, HSDP shards "
-        f"within {summary['gpus_per_node']}).",
+        f"within {summary['gpus_per_node']}), with the total per rank at that number.",
         "",
-        "| sharding | " + " | ".join(MEMORY_KINDS) + " | GPUs needed |",
+        "| sharding | " + " | ".join(MEMORY_KINDS) + f" | GPUs needed (total per rank, {unit}) |",
         "|---" * (len(MEMORY_KINDS) + 2) + "|",
     ]
     for row in shardings:
         name = f"configured ({summary['strategy']})" if row["sharding"] == "configured" else row["sharding"]
         memory = row["bytes_per_rank"]
         cells = [_memory_cell(memory[k], scale) for k in MEMORY_KINDS] if memory else ["—"] * len(MEMORY_KINDS)
-        need = str(row["gpus_needed"]) if row["gpus_needed"] else f"none up to {summary['max_gpus']}"
+        need = (
+            f"{row['gpus_needed']} ({_memory_cell(row['total_bytes_per_rank_at_gpus_needed'], scale)})"
+            if row["gpus_needed"]
+            else f"none up to {summary['max_gpus']}"
+        )
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {need} |")
     lines += [
         "",
         "Activations are per rank and not divided by data parallelism: lower the micro-batch or "
         "checkpoint activations when they dominate. 'none': replicated state (or HSDP's node-sized "
-        "shards) plus activations exceed a GPU at any count.",
+        "shards) plus activations exceed a GPU at any count. A row's total at the GPUs it needs differs "
+        f"from its total at {summary['world_size']} rank(s): sharded state divides by the number of ranks, and "
+        "one rank of a data-parallel layout (ddp, zero1, zero2) all-reduces nothing, so it keeps no DDP "
+        "gradient buckets (unless the config wraps it in DDP); FSDP2 gathers each layer even on one rank.",
     ]
     if "measured" in summary:
         lines += ["", *_measured_table(summary["measured"], unit, scale)]

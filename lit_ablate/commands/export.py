@@ -1,10 +1,11 @@
 """``lit-ablate export``: a training checkpoint -> one Hugging Face model folder (safetensors).
 
-Reads either checkpoint layout Lightning writes: a sharded DCP folder (mesh strategies, FSDP1
-``sharded``; the shards are re-assembled here, in one process, without a process group) or a
-single ``.ckpt`` file (DDP, ZeRO-1, single device). The model is rebuilt from the checkpoint's
-hyper-parameters (``CausalLM.from_hparams``), so nothing but the checkpoint is needed, and saved
-with ``save_pretrained``: ``AutoModelForCausalLM.from_pretrained(output_dir)`` loads it offline.
+Reads either checkpoint layout Lightning writes: a sharded DCP folder (mesh strategies on any mesh,
+pipelines included, FSDP1 ``sharded``; read whole here, in one process, without a process group:
+``strategies.whole_checkpoint``) or a single ``.ckpt`` file (DDP, ZeRO-1, single device). The model
+is rebuilt from the checkpoint's hyper-parameters (``CausalLM.from_hparams``), so nothing but the
+checkpoint is needed, and saved with ``save_pretrained``: ``AutoModelForCausalLM.from_pretrained(output_dir)``
+loads it offline.
 The tokenizer the run trained with (recorded in the checkpoint by the data module) is saved beside
 it, and its special ids go into the model's config and generation config, so
 ``AutoTokenizer.from_pretrained`` + ``generate`` work on the folder alone.
@@ -31,7 +32,6 @@ import argparse
 import dataclasses
 import os
 import sys
-import warnings
 from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
@@ -57,12 +57,11 @@ def export_hf_checkpoint(
     ``tokenizer`` overrides the one the checkpoint recorded (``"byte"`` or an HF path). ``merge``:
     an adapter run as one model with merged weights instead of a peft adapter folder.
     """
-    from lit_ablate.commands.generate import load_checkpoint, recorded_tokenizer
+    from lit_ablate.commands.generate import load_checkpoint, model_weights, recorded_tokenizer
     from lit_ablate.data import load_tokenizer
     from lit_ablate.modules import CausalLM
 
     ckpt_path, output_dir = Path(ckpt_path), Path(output_dir)
-    sharded = ckpt_path.is_dir()
     checkpoint: dict[str, Any] = load_checkpoint(ckpt_path)
     writable_dir("--output_dir", output_dir)
     spec = tokenizer or recorded_tokenizer(checkpoint)
@@ -72,17 +71,7 @@ def export_hf_checkpoint(
     module = CausalLM.from_hparams(checkpoint["hyper_parameters"], inference=True)
     _check_merge(module, merge)
     module.configure_model()
-    state = module.state_dict()
-    if sharded:
-        import torch.distributed.checkpoint as dcp
-
-        # Fills ``state`` in place (model keys only: optimizer shards are not read), in this one
-        # process by design; torch warns about the missing process group even with no_dist=True.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-            dcp.load({"state_dict": state}, checkpoint_id=ckpt_path, no_dist=True)
-    else:
-        state = checkpoint["state_dict"]
+    state = model_weights(ckpt_path, checkpoint)  # a sharded folder whatever layout wrote it
     adapter_only = FINGERPRINT_KEY in checkpoint
     if adapter_only and not module.factory.pretrained:
         raise ConfigError(

@@ -15,7 +15,8 @@ from lit_ablate.path_checks import SHARDED_METADATA_FILENAME, checkpoint_path
 
 def load_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
     """A ``fit`` checkpoint read with ``weights_only=True``: the ``.ckpt`` file, or a sharded folder's
-    ``meta.pt`` (hyper-parameters and data state, no weights). Anything else is a one-line error."""
+    ``meta.pt`` (hyper-parameters and data state, no weights: ``model_weights``). Anything else is a
+    one-line error."""
     path = checkpoint_path("--ckpt_path", ckpt_path)
     try:
         checkpoint = torch.load(
@@ -35,6 +36,14 @@ def load_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
             "it holds no hyper_parameters; give a checkpoint of lit_ablate.modules.CausalLM written by lit-ablate fit",
         )
     return checkpoint
+
+
+def model_weights(ckpt_path: str | Path, checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The model's whole tensors: a ``.ckpt`` file's ``state_dict`` (``checkpoint``, as loaded), or read
+    from a sharded folder whatever layout wrote it (``read_whole``; the optimizer's shards are not read)."""
+    from lit_ablate.strategies.whole_checkpoint import MODEL_KEY, read_whole
+
+    return read_whole(ckpt_path, optimizer=False)[MODEL_KEY] if Path(ckpt_path).is_dir() else checkpoint[MODEL_KEY]
 
 
 def recorded_tokenizer(checkpoint: dict[str, Any]) -> str | None:
@@ -73,13 +82,6 @@ def generate(
     from lit_ablate.modules import CausalLM
 
     check_sampling(prompt, max_new_tokens, temperature, top_k)
-    if checkpoint_path("--ckpt_path", ckpt_path).is_dir():  # a folder that is no checkpoint: export's words too
-        raise ConfigError(
-            "--ckpt_path",
-            ckpt_path,
-            "generate reads a single-file .ckpt; turn a sharded folder into "
-            "a model folder with lit-ablate export and sample from that with transformers",
-        )
     checkpoint = load_checkpoint(ckpt_path)
     spec = tokenizer or recorded_tokenizer(checkpoint)
     if spec is None:
@@ -89,7 +91,7 @@ def generate(
         raise ConfigError("--prompt", prompt, "it encodes to no tokens; give text to continue")
     module = CausalLM.from_hparams(checkpoint["hyper_parameters"], inference=True)
     module.configure_model()
-    module.load_state_dict(checkpoint["state_dict"])
+    module.load_state_dict(model_weights(ckpt_path, checkpoint))
     lm = module.model.lm.eval()
     torch.manual_seed(seed)
     input_ids = torch.tensor([prompt_ids(tok, prompt, checkpoint)])

@@ -28,6 +28,7 @@ from lit_ablate.data.formats import OVERLONG_CHOICES, Example, Format, Overlong,
 from lit_ablate.data.packing import PackingCollator, StreamPacking
 from lit_ablate.data.preference import PreferenceFormat, build_preference_examples
 from lit_ablate.data.preference_collate import PreferenceCollator, PreferencePaddingCollator
+from lit_ablate.data.resume_position import DataLayout, check_resumable, rank_items_consumed
 from lit_ablate.data.sampler import ShardedSampler
 from lit_ablate.data.sources import DataSource
 from lit_ablate.data.storage_choice import choose_storage
@@ -177,7 +178,8 @@ class LMDataModule(pl.LightningDataModule):
         """How set-up went (``storage`` as chosen, ``storage_requested``, ``storage_reason``, ``seconds``,
         ``cache_hit``, ``cache_path``, ``examples``): the run record's ``data``."""
         self._epoch, self._batches_consumed = 0, 0
-        self._resume_pending = False
+        self._resumed: dict[str, Any] | None = None
+        """The data state a checkpoint saved, until the next training dataloader continues from it."""
         self._stream_positions: dict[int, Any] = {}
         """Each stream slot's state after its last consumed batch (``STREAM_STATE``), for checkpoints."""
 
@@ -238,9 +240,8 @@ class LMDataModule(pl.LightningDataModule):
         if self.storage == "stream":
             return self._stream_loader()
         sampler = self._sampler(self.train_set, shuffle=self.shuffle, drop_last=True)
-        if self._resume_pending:
-            sampler.resume(self._epoch, self._batches_consumed * self.batch_size)
-            self._resume_pending = False
+        if self._resumed is not None:
+            sampler.resume(self._epoch, self._resume_items())
         return self._loader(self.train_set, sampler, drop_last=True)
 
     def val_dataloader(self) -> DataLoader | list:
@@ -266,10 +267,20 @@ class LMDataModule(pl.LightningDataModule):
                 self._stream_positions[slot] = state
         return batch
 
+    def layout(self) -> DataLayout:
+        """This run's data-parallel ranks, micro-batch and accumulation (``resume_position``)."""
+        accumulation = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
+        return DataLayout(self._replicas()["num_replicas"], self.batch_size, accumulation)
+
     def state_dict(self) -> dict[str, Any]:
+        """The data position in global terms (items of the epoch consumed over every data-parallel rank)
+        and the global batch, so a run on another layout continues it (``resume_position``)."""
+        layout = self.layout()
         state = {
             "epoch": self._epoch,
-            "batches_consumed": self._batches_consumed,
+            "items_consumed": self._batches_consumed * self.batch_size * layout.data_parallel_size,
+            "global_batch": layout.global_batch,
+            "data_parallel_size": layout.data_parallel_size,
             "tokenizer": self.tokenizer.spec,
             "seed": self.seed,
             "format": self.format,
@@ -312,9 +323,15 @@ class LMDataModule(pl.LightningDataModule):
                 f"a stream resumes exactly only with the packing it was saved with: use "
                 f"{state_dict.get('stream_packing')} (max_tokens, strategy, window, overlong; None: padding)",
             )
-        self._epoch, self._batches_consumed = state_dict["epoch"], state_dict["batches_consumed"]
+        check_resumable(state_dict, self.layout(), stream=self.storage == "stream")
+        self._epoch, self._resumed = state_dict["epoch"], dict(state_dict)
         self._stream_positions = dict(state_dict.get("stream_positions", {}))
-        self._resume_pending = True
+
+    def _resume_items(self) -> int:
+        """This rank's items to skip in the resumed epoch (once), counting its micro-batches from there."""
+        items = rank_items_consumed(self._resumed, self.layout())
+        self._batches_consumed, self._resumed = items // self.batch_size, None
+        return items
 
     def _stream_packing(self) -> StreamPacking | None:
         """How each stream slot packs (None: one example per row): the collator's settings."""
@@ -347,8 +364,7 @@ class LMDataModule(pl.LightningDataModule):
         max_steps = getattr(self.trainer, "max_steps", None)
         if max_steps is not None and max_steps < 0:
             raise ConfigError("trainer.max_steps", max_steps, "a stream has no epoch end: set trainer.max_steps")
-        skip = self._batches_consumed if self._resume_pending else 0
-        self._resume_pending = False
+        skip = self._resume_items() // self.batch_size if self._resumed is not None else 0
         replicas = self._replicas()
         dataset = StreamingBatches(
             self.source,

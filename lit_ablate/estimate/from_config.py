@@ -39,14 +39,19 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 def canonical_sharding(kind: str, world_size: int, gpus_per_node: int = 8) -> StateSharding:
     """The divisors of one of ``SHARDINGS`` on ``world_size`` ranks (HSDP shards within a node)."""
     import math
+    from dataclasses import replace
 
     from lit_ablate.strategies.state_sharding import StateSharding, deepspeed_sharding
 
+    # FSDP2 (FSDP2Strategy, HSDP) wraps each layer and the root even on one rank: its gathers and gradient
+    # copies exist at every count, as in the configured strategy's own answer (``fsdp_units``).
     if kind == "fsdp2_no_reshard":
-        return StateSharding(params=world_size, grads=world_size, optimizer=world_size, gathered=1)
+        return StateSharding(params=world_size, grads=world_size, optimizer=world_size, gathered=1, fsdp_units=True)
     if kind == "hsdp":
-        return deepspeed_sharding(3, math.gcd(world_size, gpus_per_node))
-    return deepspeed_sharding({"ddp": 0, "zero1": 1, "zero2": 2, "fsdp2": 3}[kind], world_size)
+        return replace(deepspeed_sharding(3, math.gcd(world_size, gpus_per_node)), fsdp_units=True)
+    if kind == "fsdp2":
+        return replace(deepspeed_sharding(3, world_size), fsdp_units=True)
+    return deepspeed_sharding({"ddp": 0, "zero1": 1, "zero2": 2}[kind], world_size)
 
 
 def _required(value: Any, key: str, fix: str) -> Any:

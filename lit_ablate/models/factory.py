@@ -61,7 +61,9 @@ class ModelFactory:
     Args:
         preset: a named tiny shape from ``lit_ablate.models.presets`` (e.g. ``tiny-qwen3``).
         config: a Hugging Face config mapping (``model_type`` and sizes); with a preset, its keys
-            override the preset's.
+            override the preset's. Or the path of a ``config.json`` (or of a folder holding one, as
+            ``save_pretrained`` and hub checkpoints lay it out): that architecture with random weights,
+            "bring your own architecture" without pasting it inline.
         pretrained: a local checkpoint directory (works offline) or a hub name (needs network);
             excludes ``preset``/``config``.
         dtype: parameter dtype: ``float32``, ``bfloat16`` or ``float16``.
@@ -79,7 +81,7 @@ class ModelFactory:
     """
 
     preset: str | None = None
-    config: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] | str = field(default_factory=dict)
     pretrained: str | None = None
     dtype: str = "float32"
     attn_implementation: str = "sdpa"
@@ -134,9 +136,14 @@ class ModelFactory:
             raise ConfigError("model.init_args.model.dtype", self.dtype, f"choose one of {sorted(DTYPES)}")
         if self.preset is not None:
             preset_config(self.preset)  # fails early on an unknown name
-        model_type = self.config.get("model_type") or (
-            preset_config(self.preset)["model_type"] if self.preset else None
-        )
+        if isinstance(self.config, str) and self.preset is not None:
+            raise ConfigError(
+                CONFIG_KEY,
+                self.config,
+                "a config file is a whole architecture, which a preset's keys would not override: set "
+                "model.init_args.model.preset: null",
+            )
+        model_type = self._config_values().get("model_type")
         if not self.pretrained and model_type not in CONFIG_MAPPING:
             raise ConfigError(
                 "model.init_args.model.config.model_type",
@@ -165,6 +172,8 @@ class ModelFactory:
         if self.pretrained:
             with _pretrained_errors(self.pretrained):
                 config = AutoConfig.from_pretrained(self.pretrained)
+        elif isinstance(self.config, str):
+            config = config_file(self.config)
         else:
             values = self._config_values()
             model_type = values.pop("model_type")
@@ -178,7 +187,9 @@ class ModelFactory:
         return config
 
     def _config_values(self) -> dict[str, Any]:
-        """The preset's config mapping with ``config`` applied over it."""
+        """The preset's config mapping with ``config`` applied over it, or the config file's."""
+        if isinstance(self.config, str):
+            return config_file(self.config).to_dict()
         return {**(preset_config(self.preset) if self.preset else {}), **self.config}
 
     def build(self, with_adapters: bool = True, device: torch.device | None = None) -> PreTrainedModel:
@@ -315,6 +326,22 @@ def _derives_head_dim(model_type: str) -> bool:
     if not dataclasses.is_dataclass(config_class):
         return True
     return next((f.default for f in dataclasses.fields(config_class) if f.name == "head_dim"), None) is None
+
+
+def config_file(path: str) -> PretrainedConfig:
+    """The architecture a ``config.json`` file, or a folder holding one, describes (read by transformers'
+    ``AutoConfig``, as ``from_pretrained`` reads it); ``ConfigError`` naming ``CONFIG_KEY`` otherwise."""
+    file = Path(path).expanduser()
+    if file.is_dir():
+        file = file / "config.json"
+    fix = "give a Hugging Face config.json, or a folder holding one (save_pretrained writes it), or a mapping"
+    if not file.is_file():
+        raise ConfigError(CONFIG_KEY, path, f"no such file; {fix}")
+    try:
+        return AutoConfig.from_pretrained(file)
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(CONFIG_KEY, path, f"transformers could not read it ({first[:200]}); {fix}") from err
 
 
 @contextmanager

@@ -13,6 +13,7 @@ from lightning.pytorch.utilities.parsing import collect_init_args
 from transformers import PreTrainedModel
 
 from lit_ablate.class_paths import import_class
+from lit_ablate.data.resume_position import continue_unfinished_epoch
 from lit_ablate.errors import ConfigError
 from lit_ablate.estimate.flops import ParameterCounts, batch_model_flops, count_parameters, flops_per_token
 from lit_ablate.models.attention.backends import check_attention_backend
@@ -36,6 +37,10 @@ from lit_ablate.modules.optim import (
 from lit_ablate.modules.step_output import StepOutput
 from lit_ablate.strategies.interface import interface_of
 from lit_ablate.strategies.step_objective import StepObjective
+from lit_ablate.strategies.whole_checkpoint import by_position, keyed_by_name
+
+OBJECTIVE_KEY = "step_objective"
+"""Checkpoint entry: the step objective's run constant (``StepObjective.scale``), kept across a resume."""
 
 
 class CausalLM(LightningModule):
@@ -267,6 +272,29 @@ class CausalLM(LightningModule):
         summed loss over its useful tokens (per rank), not a mean of batch means."""
         loss_sum, useful = self.model(batch)
         self.log(name, loss_sum / useful.clamp(min=1), prog_bar=True, sync_dist=True, batch_size=int(useful))
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint[OBJECTIVE_KEY] = {"scale": self.objective.scale}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Resume the step objective's run constant, the epoch a ``max_steps`` stop left unfinished
+        (``continue_unfinished_epoch``), and take an optimizer state keyed by parameter name (a sharded folder
+        read whole by a strategy that holds whole tensors: ``WholeCheckpointIO``) in the order of this
+        module's optimizer."""
+        continue_unfinished_epoch(checkpoint)
+        self.objective.scale = (checkpoint.get(OBJECTIVE_KEY) or {}).get("scale")
+        states = checkpoint.get("optimizer_states") or []
+        if any(keyed_by_name(state) for state in states):
+            names = self.optimizer_parameter_names()
+            checkpoint["optimizer_states"] = [by_position(state, names) for state in states]
+
+    def optimizer_parameter_names(self) -> list[list[str]]:
+        """Each group of the optimizer ``configure_optimizers`` builds, as its parameters' names in this module."""
+        names = {id(p): name for name, p in self.named_parameters()}
+        return [
+            [names[id(p)] for p in group["params"]]
+            for group in decay_groups(self.model, self._decay_names, self.hparams.weight_decay)
+        ]
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams

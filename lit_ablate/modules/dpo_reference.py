@@ -146,10 +146,12 @@ class DPOReference:
             self.reference_logps = self.reference_logps.to(self.device)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
         if self.reference_logps is not None:  # a resumed fit's policy is no longer the reference
             checkpoint["dpo_reference_logps"] = self.reference_logps.cpu()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
         if "dpo_reference_logps" in checkpoint:
             self.reference_logps = checkpoint["dpo_reference_logps"]
 

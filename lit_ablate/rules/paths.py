@@ -79,26 +79,16 @@ def checkpoint_is_a_checkpoint(run: RunConfig) -> Refusal | None:
 
 @rule(Scope.MACHINE, Scope.CLUSTER)
 def checkpoint_layout_fits_strategy(run: RunConfig) -> Refusal | None:
-    """``--ckpt_path`` in the layout the run's strategy reads: a sharded folder only by a strategy that loads
-    shards (mesh strategies, FSDP, DeepSpeed; on one device it was opened as a file: ``IsADirectoryError``),
-    a single file not by the pipeline strategy, which resumes from its own sharded folder."""
-    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
-
+    """``--ckpt_path`` in a layout the run's strategy reads: every strategy reads a sharded folder (mesh
+    strategies their shards of it, the others the folder whole: ``WholeCheckpointIO``), and the pipeline
+    strategy, whose ranks each load their stages, resumes from such a folder only."""
     from lit_ablate.strategies.pipeline_parallel import PipelineParallelStrategy
 
     path = run.ckpt_path
     if not path or path in LIGHTNING_CKPT_NAMES or path.startswith("registry"):
         return None
     strategy = run.trainer.strategy
-    if Path(path).expanduser().is_dir():
-        if not any(strategy.is_a(cls) for cls in (ModelParallelStrategy, FSDPStrategy, DeepSpeedStrategy)):
-            return Refusal(
-                "--ckpt_path",
-                path,
-                f"a sharded checkpoint folder, which trainer.strategy {strategy.short_name!r} would open as one "
-                "file; resume with the strategy (and ranks) that wrote it, or from a single-file .ckpt",
-            )
-    elif strategy.is_a(PipelineParallelStrategy):
+    if not Path(path).expanduser().is_dir() and strategy.is_a(PipelineParallelStrategy):
         return Refusal(
             "--ckpt_path",
             path,

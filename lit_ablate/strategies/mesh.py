@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import itertools
 import math
+import shutil
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -61,6 +63,8 @@ GRADIENT_MEAN_DIMS: tuple[str, ...] = ("dp_replicate", "dp_shard", "ep", "cp")
 its tensor-parallel slice (``tp``), whose ranks hold other parameters or other slices of them."""
 
 ActivationCheckpointing = Literal["none", "full", "selective"]
+MESH_LAYOUT_KEY = "mesh_sizes"
+"""Checkpoint entry: the mesh sizes that wrote it (a quantised base resumes only on the same mesh)."""
 
 
 class MeshStrategy(ModelParallelStrategy, StrategyInterface):
@@ -278,6 +282,23 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
                 "this module has none",
             )
         return targets
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Lightning's sharded (DCP) or full save, with the mesh sizes that wrote it (``MESH_LAYOUT_KEY``).
+
+        A DCP folder names every tensor and records where each shard of it lies, so any other mesh, or one
+        process, reads it back resharded (``whole_checkpoint``); the sizes are kept only for what cannot
+        reshard (``checkpoint_layout``)."""
+        checkpoint[MESH_LAYOUT_KEY] = dict(self.mesh_sizes)
+        path = Path(self.broadcast(filepath))
+        # The run's own earlier save under this name (last.ckpt at each save) is written anew, not over: DCP
+        # would warn on every rank of "an existing checkpoint" and leave a former save's extra shards. Rank 0
+        # decides for all: another rank could see the folder a faster rank already began to write.
+        if self._save_distributed_checkpoint and self.broadcast(path.is_dir()):
+            if self.global_rank == 0:
+                shutil.rmtree(path)
+            self.barrier("replace_checkpoint")
+        super().save_checkpoint(checkpoint, path, storage_options)
 
     # ---------------------------------------------------------------- the steps
     def parallelize(self, model: CausalLMWithLoss) -> CausalLMWithLoss:
