@@ -492,6 +492,8 @@ class RunConfig(Mapping[str, Any]):
     """LightningCLI's own ``optimizer:`` section, when the config has one."""
     record_path: str | None
     """``recorder.path``: where the run record goes."""
+    trackers: tuple[str, ...] = ()
+    """``recorder.trackers``: the experiment trackers that get a copy of the record (``lit_ablate.trackers``)."""
     simulation: SimulatedRank | None = None
     """``simulate`` / ``simulate_rank``: the one rank of a larger job this run plays (docs/simulation.md)."""
     subcommand: str = "fit"
@@ -516,6 +518,7 @@ class RunConfig(Mapping[str, Any]):
             data=DataSettings.of(get_dotted(tree, "data")),
             optimizer=ClassChoice.of(get_dotted(tree, "optimizer")),
             record_path=get_dotted(tree, "recorder.path"),
+            trackers=tuple(get_dotted(tree, "recorder.trackers") or ()),
             simulation=_simulation(tree),
             **launch,
         )

@@ -30,12 +30,11 @@ from lit_ablate.ablation.run_folder import is_kept, previous_record
 from lit_ablate.ablation.runner import run_runs
 from lit_ablate.ablation.slurm import require_submitit
 from lit_ablate.ablation.spec import StudySpec, load_study
-from lit_ablate.ablation.study_trackers import send_study, trackers_of
+from lit_ablate.ablation.study_trackers import send_study
 from lit_ablate.commands.report import ALLOW_FAILURES_HELP, EXIT_REFUSED, printed_summary, study_exit_code
 from lit_ablate.config_keys import NOT_GIVEN, PairedKey, ignored_key
 from lit_ablate.errors import ConfigError
 from lit_ablate.path_checks import writable_dir
-from lit_ablate.trackers import check_trackers
 
 NO_WAIT = PairedKey("--no-wait", "launch.executor", lambda executor: executor == "slurm", "'slurm'")
 """``--no-wait`` returns once the jobs are queued; a local study has no queue (it ran to the end)."""
@@ -93,8 +92,6 @@ def check_every_variant_resolves(runs: list[PlannedRun]) -> list[PlannedRun]:
             f"{which}, nothing ran ({bad[0][0]}: {bad[0][1]}); fix the variant's "
             "overrides, or the base config (--dry-run lists every variant's problem)",
         )
-    for run in runs:  # the runner sends them: a missing package is refused before any run
-        check_trackers(trackers_of(run.config), "recorder.trackers")
     return runs
 
 
