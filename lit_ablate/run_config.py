@@ -20,6 +20,7 @@ is read with it, so every rule judges a simulated run as it judges a real one.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 from collections.abc import Iterator, Mapping
@@ -150,11 +151,17 @@ def strategy_class_path(name: str) -> str | None:
         named = None
     if isinstance(named, type) and issubclass(named, Strategy):
         return path
+    short = name.rsplit(".", 1)[-1]
+    close = difflib.get_close_matches(short, ours, n=1) or difflib.get_close_matches(
+        name.lower(), lightning_strategy_names(), n=1
+    )
+    if close:
+        raise ConfigError(TRAINER_STRATEGY_KEY, name, f"not a strategy; did you mean {close[0]}?")
     raise ConfigError(
         TRAINER_STRATEGY_KEY,
         name,
-        f"not a strategy; give one of Lightning's names {lightning_strategy_names()}, "
-        f"a lit-ablate strategy {ours} (or its lit_ablate.strategies.<Name> path), or a class_path",
+        f"not a strategy; give a lit-ablate strategy {ours} (or its lit_ablate.strategies.<Name> path), a "
+        "class_path, or a name Lightning knows (lightning.pytorch.strategies.StrategyRegistry: ddp, fsdp, ...)",
     )
 
 

@@ -472,7 +472,7 @@ ROWS: dict[str, tuple[Build, tuple[str, ...]]] = {
     ),
     "unknown_optimizer_option": (
         _fit("--model.init_args.optimizer_options", '{"epss": 1e-8}'),
-        ("model.init_args.optimizer_options.epss=", "did you mean eps"),
+        ("model.init_args.optimizer_options.epss=", "did you mean model.init_args.optimizer_options.eps"),
     ),
     "optimizer_option_the_class_refuses": (
         _fit("--model.init_args.optimizer_options", '{"eps": -1}'),

@@ -220,7 +220,7 @@ def test_unknown_optimizer_options_name_their_key():
     with pytest.raises(
         ConfigError,
         match=r"model\.init_args\.optimizer_options\.min_8bit=0: bitsandbytes\.optim\."
-        r"AdamW8bit takes no min_8bit; did you mean min_8bit_size\?",
+        r"AdamW8bit takes no min_8bit; did you mean model\.init_args\.optimizer_options\.min_8bit_size\?",
     ):
         fit("bnb_adamw8bit", {"min_8bit": 0})
 

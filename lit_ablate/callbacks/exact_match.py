@@ -25,6 +25,7 @@ from lit_ablate.data.formats import Example, build_examples
 from lit_ablate.data.sources import DataSource
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX
+from lit_ablate.strategies.interface import interface_of
 
 _KEY = "trainer.callbacks[ExactMatchEvaluator].init_args"
 SERIES = "exact_match"
@@ -48,8 +49,15 @@ def prompt_and_answer(example: Example) -> PromptAnswer:
     return example["input_ids"][: first + 1].tolist(), labels[first:end]
 
 
-def greedy_continuation(logits_of: Callable[[Tensor], Tensor], prompts: Tensor, new_tokens: int) -> Tensor:
+def greedy_continuation(
+    logits_of: Callable[..., Tensor], prompts: Tensor, new_tokens: int, multiple: int = 1
+) -> Tensor:
     """``[B, new_tokens]``: the argmax next token, appended ``new_tokens`` times.
+
+    Under a strategy whose forward takes only rows of a ``multiple`` of tokens (sequence parallelism's
+    tp), each forward's rows are padded on the right to it and the next token is read at the last real
+    position: attention is causal, so what follows a position does not change its logits. The positions
+    are given, as sequence parallelism needs (each rank's slice would number its own from 0).
 
     Written here rather than calling transformers' ``generate``: that calls the bare HF model
     (under FSDP2 the root's embedding and head stay sharded unless the call goes through the
@@ -59,16 +67,20 @@ def greedy_continuation(logits_of: Callable[[Tensor], Tensor], prompts: Tensor, 
     """
     ids = prompts
     for _ in range(new_tokens):
-        ids = torch.cat([ids, logits_of(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
+        length = ids.shape[1]
+        padded = torch.nn.functional.pad(ids, (0, -length % multiple))
+        positions = torch.arange(padded.shape[1], device=ids.device).expand_as(padded)  # a slice numbers its own
+        ids = torch.cat([ids, logits_of(padded, position_ids=positions)[:, length - 1].argmax(-1, keepdim=True)], 1)
     return ids[:, prompts.shape[1] :]
 
 
 def exact_match(
-    logits_of: Callable[[Tensor], Tensor],
+    logits_of: Callable[..., Tensor],
     pairs: Sequence[PromptAnswer],
     batch_size: int,
     num_classes: int,
     device: torch.device | str = "cpu",
+    multiple: int = 1,
 ) -> float:
     """Fraction of ``pairs`` whose greedy continuation starts with the whole reference answer.
 
@@ -85,7 +97,7 @@ def exact_match(
             new_tokens = max(len(answer) for _, answer in batch)
             prompts = torch.tensor([prompt for prompt, _ in batch], device=device)
             targets = torch.tensor([answer + [IGNORE_INDEX] * (new_tokens - len(answer)) for _, answer in batch])
-            metric.update(greedy_continuation(logits_of, prompts, new_tokens).cpu(), targets)
+            metric.update(greedy_continuation(logits_of, prompts, new_tokens, multiple).cpu(), targets)
     return float(metric.compute())
 
 
@@ -165,7 +177,10 @@ class ExactMatchEvaluator(StepMonitor):
         pl_module.eval()
         try:
             model = pl_module.model
-            value = exact_match(model.logits, self.pairs, self.batch_size, model.lm.config.vocab_size, pl_module.device)
+            multiple = interface_of(trainer.strategy).sequence_multiple  # sequence parallelism's tp
+            value = exact_match(
+                model.logits, self.pairs, self.batch_size, model.lm.config.vocab_size, pl_module.device, multiple
+            )
         finally:
             pl_module.train(was_training)
         self.record(SERIES, step, value)

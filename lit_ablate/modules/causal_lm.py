@@ -33,6 +33,7 @@ from lit_ablate.modules.optim import (
     decay_names,
     implementation_of,
     lr_scheduler,
+    module_arguments,
 )
 from lit_ablate.modules.step_output import StepOutput
 from lit_ablate.strategies.interface import interface_of
@@ -111,7 +112,7 @@ class CausalLM(LightningModule):
         check_lr_schedule(lr_schedule, min_lr_ratio, decay_fraction, decay_shape)
         LossChoice(loss, dict(loss_options or {})).build()  # bad names/options fail here, before any model is built
         check_optimizer(optimizer)  # the strategy is checked in configure_model
-        check_optimizer_arguments(optimizer, betas, dict(optimizer_options or {}))
+        check_optimizer_arguments(optimizer, betas, dict(optimizer_options or {}), module_arguments(type(self)))
         # Every argument of the __init__ chain (a subclass's too, as its frame holds it), the model as plain
         # values, so checkpoints load with torch.load(weights_only=True). ``_class_path`` lets
         # LightningCLI's ``--ckpt_path`` (test, validate, resumed fit) re-parse them.

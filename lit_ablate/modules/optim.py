@@ -95,11 +95,37 @@ def check_optimizer(name: str, strategy: Strategy | type | None = None, device_t
         raise ConfigError(OPTIMIZER_KEY, name, reason)
 
 
-def check_optimizer_arguments(name: str, betas: Sequence[float], options: Mapping[str, Any]) -> None:
+def module_arguments(module_class: type) -> set[str]:
+    """The named arguments of ``module_class``'s ``__init__`` chain (a DPO module's ``beta`` with CausalLM's
+    ``learning_rate``): keys a user may have meant when they put them in ``optimizer_options``."""
+    names = set()
+    for cls in module_class.__mro__:
+        init = cls.__dict__.get("__init__")
+        if init is None or cls.__module__.startswith(("lightning", "torch")):
+            continue
+        names |= {
+            k
+            for k, p in inspect.signature(init).parameters.items()
+            if k != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+        }
+    return names - {"optimizer", "optimizer_options", "model"}
+
+
+GOVERNED_OPTIONS = {"lr": "learning_rate", "betas": "betas", "weight_decay": "weight_decay"}
+"""Optimizer keywords the module sets itself (the learning rate and its schedule, the betas, the decay per
+parameter group, which wins over the optimizer's default): an ``optimizer_options`` entry would be refused
+by the optimizer (a second value) or ignored, so it is refused naming the module's argument that governs it."""
+
+
+def check_optimizer_arguments(
+    name: str, betas: Sequence[float], options: Mapping[str, Any], module_arguments: Collection[str] = ()
+) -> None:
     """``betas`` and ``optimizer_options`` as optimizer ``name``'s class will take them, checked at
     construction (before any rank starts, and for every variant of a study) instead of when the
-    optimizer is built after the model: each beta in [0, 1), every option a keyword of the class,
-    and the values the class itself validates (AdamW's ``eps``), tried on a one-element parameter."""
+    optimizer is built after the model: each beta in [0, 1), every option a keyword of the class the
+    module does not set itself, and the values the class itself validates (AdamW's ``eps``), tried on a
+    one-element parameter. An option that is one of the module's own arguments (``module_arguments``, e.g.
+    DPO's ``beta``), or close to one, is refused naming that argument's key."""
     for index, beta in enumerate(betas):
         if not isinstance(beta, (int, float)) or isinstance(beta, bool) or not 0 <= beta < 1:
             raise ConfigError(
@@ -111,16 +137,28 @@ def check_optimizer_arguments(name: str, betas: Sequence[float], options: Mappin
     accepted = [
         k
         for k, p in inspect.signature(cls.__init__).parameters.items()
-        if k not in ("self", "params", "lr", "betas") and p.kind is not p.VAR_KEYWORD
+        if k not in ("self", "params", *GOVERNED_OPTIONS) and p.kind is not p.VAR_KEYWORD
     ]
+    own = {argument: argument for argument in module_arguments} | GOVERNED_OPTIONS
     for key in options:
+        if key in own:
+            raise ConfigError(
+                f"{OPTIMIZER_OPTIONS_KEY}.{key}",
+                options[key],
+                f"{key} is set by the module itself: set model.init_args.{own[key]} instead",
+            )
         if key not in accepted:
-            close = difflib.get_close_matches(key, accepted, n=1)
+            close = difflib.get_close_matches(key, [*accepted, *own], n=1)
+            where = (
+                (f"model.init_args.{own[close[0]]}" if close[0] in own else f"{OPTIMIZER_OPTIONS_KEY}.{close[0]}")
+                if close
+                else None
+            )
             raise ConfigError(
                 f"{OPTIMIZER_OPTIONS_KEY}.{key}",
                 options[key],
                 f"{OPTIMIZERS[name]} takes no {key}; "
-                + (f"did you mean {close[0]}?" if close else f"it takes {accepted}"),
+                + (f"did you mean {where}?" if where else f"it takes {accepted}"),
             )
     try:
         cls([torch.zeros(1, requires_grad=True)], lr=1e-3, betas=tuple(betas), **options)

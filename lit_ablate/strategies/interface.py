@@ -86,6 +86,12 @@ class StrategyInterface:
         return {"num_replicas": 1, "rank": 0}
 
     @property
+    def sequence_multiple(self) -> int:
+        """What every row's length must be a multiple of for a forward to run (1: any length); a forward of
+        the callbacks' own (greedy generation) pads its rows to it."""
+        return 1
+
+    @property
     def has_compile_step(self) -> bool:
         """Whether the strategy compiles layers in its own pipeline step (then the module must not)."""
         return False

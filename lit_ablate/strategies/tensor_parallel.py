@@ -140,6 +140,11 @@ class TensorParallelSteps(FullyShardSteps):
             batch = self.sequence_parallel_batch(batch)
         return batch
 
+    @property
+    def sequence_multiple(self) -> int:
+        """Sequence parallelism splits each row over the tp ranks: its length must be a multiple of tp."""
+        return self.mesh_sizes.tp if self.sequence_parallel else 1
+
     def sequence_parallel_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
         """The batch with explicit ``position_ids`` and without an all-ones ``attention_mask``: under
         sequence parallelism the decoder sees only this rank's slice of the embeddings and would
