@@ -130,7 +130,7 @@ def measure_stream(path: str, seq_len: int, batches: int) -> dict[str, float]:
     read_s = time.perf_counter() - start
     following = next(loader)
     state = first.state_dict() | {
-        "batches_consumed": batches,
+        "items_consumed": batches * first.batch_size,
         "stream_positions": positions,
     }  # as a checkpoint holds it
     start = time.perf_counter()

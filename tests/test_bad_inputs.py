@@ -508,7 +508,7 @@ ROWS: dict[str, tuple[Build, tuple[str, ...]]] = {
     ),
     "unknown_strategy_name": (
         _fit("--trainer.strategy", "lit_ablate.strategies.FSDP3Strategy"),
-        ("trainer.strategy='lit_ablate.strategies.FSDP3Strategy'", "not a strategy", "'ddp'", "'FSDP2Strategy'"),
+        ("trainer.strategy='lit_ablate.strategies.FSDP3Strategy'", "not a strategy", "did you mean FSDP2Strategy?"),
     ),
     "strategy_refusal_inside_a_union": (
         _args(

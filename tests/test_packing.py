@@ -222,7 +222,7 @@ def test_datamodule_packs_sft_rows_full_with_every_response_labelled():
 def test_datamodule_resume_skips_consumed_rows():
     reference = [b["input_ids"] for b in _packed_datamodule().train_dataloader()]
     dm = _packed_datamodule()
-    dm.trainer = SimpleNamespace(training=True, current_epoch=0, strategy=SimpleNamespace())
+    dm.trainer = SimpleNamespace(training=True, current_epoch=0, accumulate_grad_batches=1, strategy=SimpleNamespace())
     for batch in list(dm.train_dataloader())[:4]:
         dm.on_before_batch_transfer(batch, 0)
     resumed = _packed_datamodule()

@@ -103,7 +103,10 @@ def test_the_view_reads_the_class_a_string_names() -> None:
         strategy("lit_ablate.strategies.FSDP3Strategy").check_name()
     line = str(refused.value)
     assert line.startswith("trainer.strategy='lit_ablate.strategies.FSDP3Strategy': not a strategy")
-    assert "'ddp'" in line and "'FSDP2Strategy'" in line and "\n" not in line
+    assert line.endswith("did you mean FSDP2Strategy?") and "\n" not in line
+    with pytest.raises(ConfigError) as refused:
+        strategy("zzz").check_name()  # close to nothing: both lists
+    assert "'FSDP2Strategy'" in str(refused.value) and "ddp" in str(refused.value)
     with pytest.raises(ConfigError):
         strategy("lit_ablate.run_config.RunConfig").check_name()  # imports, but is no strategy
 
