@@ -62,6 +62,7 @@ from lit_ablate.data.collate import Collator
 from lit_ablate.fit_cli import LitAblateCLI
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.modules.optim import decay_groups, decay_names, warmup_cosine
+from lit_ablate.strategies.step_objective import StepObjective
 
 QUICKSTART = str(Path(__file__).parents[1] / "configs" / "quickstart.yaml")
 WARMUP = 5
@@ -293,7 +294,7 @@ COMPUTE = (
     "LR schedule",
     "data: DataLoader + collate",
 )
-REST = "the rest: loop code, hook dispatch"
+REST = "the rest: loop code"
 CLOSURE = "optimizer closure's own code (a module's gradient rescale, Lightning's plumbing)"
 profiler: ExclusiveTimes | None = None
 
@@ -322,14 +323,16 @@ def install_profiler() -> ExclusiveTimes:
         (_LoggerConnector, "on_batch_end", "Lightning: logger connector"),
         (_LoggerConnector, "update_train_step_metrics", "Lightning: logger connector"),
         (Closure, "__call__", REST),
+        (StepObjective, "normalize_gradients", "StepObjective: the gradients rescaled to the step's token mean"),
         (CallbackHandler, "call_event", "Trainer: callbacks (progress bar, printer)"),
         (Trainer, "_maybe_log_save_evaluate", "Trainer: logging"),
         (Trainer, "training_step", "Trainer: training_step, compute_loss"),
         (Trainer, "get_batch_samples", "Trainer: batch fetch, token count"),
     ):
         times.patch(owner, name, label)
-    for name in ("_call_callback_hooks", "_call_lightning_module_hook", "_call_strategy_hook"):
-        times.patch(lightning_call, name, REST)
+    times.patch(lightning_call, "_call_callback_hooks", "Lightning: dispatching callback hooks")
+    for name in ("_call_lightning_module_hook", "_call_strategy_hook"):
+        times.patch(lightning_call, name, "Lightning: dispatching module and strategy hooks")
     return times
 
 

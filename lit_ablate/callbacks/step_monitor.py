@@ -107,6 +107,17 @@ class StepMonitor(Callback):
     def log_prefix(self) -> str:
         return type(self).__name__
 
+    @staticmethod
+    def progress_bar_items(trainer: Trainer) -> dict[str, float]:
+        """What the progress bar shows of the run (``QuietProgressBar`` asks the first callback that
+        answers): this rank's loss of the newest step the clock has read, a step late, so that drawing
+        it never waits for the device."""
+        clock = RUNNING_CLOCKS.get(trainer)
+        latest = clock.latest() if clock is not None else None
+        if latest is None or not latest.loss_units:
+            return {}
+        return {"train/loss": latest.loss_sum / latest.loss_units}
+
     # --- Lightning hooks ----------------------------------------------------------------------
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._seen_step = trainer.global_step
