@@ -53,9 +53,12 @@ SYNC_OPS = frozenset(
 READ_INTO_PYTHON = "aten::resolve_conj"
 """What ``.tolist()``/``.numpy()`` of a CPU tensor leave in a profile, with no operator above it."""
 TOLIST = "Tensor.tolist/numpy"
-DEVICE_SIDE_ON_CUDA = frozenset({"aten::_assert_async", "aten::_grouped_mm"})
+DEVICE_SIDE_ON_CUDA = frozenset(
+    {"aten::_assert_async", "aten::_grouped_mm", "aten::_fused_adamw_", "aten::_fused_adam_"}
+)
 """Operators whose CPU kernel reads a value (``.item()`` inside) while the CUDA kernel does not:
-``_assert_async`` checks on the device, ``_grouped_mm`` takes its group offsets on the device."""
+``_assert_async`` checks on the device, ``_grouped_mm`` takes its group offsets on the device, fused
+Adam(W) its step counts."""
 DATA_LOADER = "enumerate(DataLoader)"
 """The profiler range of a ``DataLoader`` fetch (torch names it ``enumerate(DataLoader)#...``)."""
 COMPILE_WORK = "(dynamo_timed)"

@@ -16,6 +16,7 @@ from lit_ablate.errors import ConfigError
 from lit_ablate.estimate.flops import ParameterCounts, batch_model_flops, count_parameters, flops_per_token
 from lit_ablate.models.attention.backends import check_attention_backend
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
+from lit_ablate.models.compiled_layers import compile_decoder_layers
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.fp8.conversion import resolve_emulation
 from lit_ablate.models.losses.loss_choice import LossChoice
@@ -182,8 +183,7 @@ class CausalLM(LightningModule):
         # (FSDP1's flat views) change shapes, so a later ndim test would see only vectors.
         self._decay_names = decay_names(self.model, lm.get_input_embeddings().weight)
         if self.hparams.compile:
-            for layer in decoder_layers(self.model):
-                layer.compile()
+            compile_decoder_layers(decoder_layers(self.model), self.model.lm.base_model)
 
     def trained_module(self, lm: PreTrainedModel) -> CausalLMWithLoss:
         """The module training runs and strategies parallelise, around the freshly built ``lm``
