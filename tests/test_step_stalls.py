@@ -245,3 +245,26 @@ def test_the_liger_step_has_only_liger_s_own_host_syncs(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert_no_stall(json.loads(result.stdout.splitlines()[-1]), LIGER_SYNCS)
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e3])  # clipping bites; clipping does not
+def test_clipping_across_meshes_reads_nothing_back_and_clips_as_torch_does(max_norm):
+    """A mesh strategy's clipping (``clip_grad_norm_across_meshes``; here one process's plain gradients)
+    keeps the norm and the scale on the device and scales as torch's ``clip_grad_norm_`` does (within one
+    float rounding: the squares add up in another order). Seen failing with the scale decided on the
+    host (``float(total)``: ``{'aten::item': 1}``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from lit_ablate.callbacks.host_syncs import count_host_syncs
+    from lit_ablate.strategies.gradient_clipping import clip_grad_norm_across_meshes
+
+    ours, theirs = ([torch.nn.Parameter(torch.ones(3, 4)), torch.nn.Parameter(torch.ones(5))] for _ in range(2))
+    for mine, reference in zip(ours, theirs):
+        mine.grad = reference.grad = torch.randn(mine.shape, generator=torch.Generator().manual_seed(mine.numel()))
+        reference.grad = reference.grad.clone()
+    with profile(activities=[ProfilerActivity.CPU]) as window:
+        norm = clip_grad_norm_across_meshes(ours, max_norm)
+    assert count_host_syncs(window.events()).by_operator == {}
+    torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(theirs, max_norm), rtol=1e-6, atol=0)
+    for mine, reference in zip(ours, theirs):
+        torch.testing.assert_close(mine.grad, reference.grad, rtol=1e-6, atol=0)
