@@ -45,14 +45,15 @@ class QuietProgressBar(RichProgressBar):
     """Lightning's rich progress bar without the logger version and without a negative epoch count,
     redrawn ``refresh_rate`` times a second, its metrics gathered no more often than it redraws.
     Lightning's default of 100 wakes the redraw thread 100 times a second: about 1.6 ms of CPU per
-    step on the quickstart, 1.5 % of its step; at 4, about 0.5 ms (benchmarks/README.md, overhead).
+    step on the quickstart, 1.5 % of its step; at 4, about 0.25-0.5 ms; at 2, the default here, about
+    half that (benchmarks/README.md, overhead).
 
     It shows what the first callback with a ``progress_bar_items(trainer)`` method gives (lit-ablate's
     ``StepMonitor``: the loss of the newest step the step clock has read), beside Lightning's
     ``prog_bar`` metrics: a value Lightning holds on the device would be read into Python, making the
     host wait for the device, at every step."""
 
-    def __init__(self, refresh_rate: int = 4, **kwargs: Any) -> None:
+    def __init__(self, refresh_rate: int = 2, **kwargs: Any) -> None:
         super().__init__(refresh_rate=refresh_rate, **kwargs)
         self._metrics_due = 0.0
 

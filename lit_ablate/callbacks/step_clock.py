@@ -52,15 +52,17 @@ class StepTotals:
 
     def add(self, outputs: Any, extra_keys: tuple[str, ...] = ()) -> None:
         if isinstance(outputs, dict) and "tokens" in outputs:
+            first = self.micro_batches == 0  # the first micro-batch's tensors are taken as they are: no add
             self.tokens += int(outputs["tokens"])
-            self.useful_tokens = self.useful_tokens + outputs["useful_tokens"]
-            self.loss_units = self.loss_units + outputs.get("loss_units", outputs["useful_tokens"])
+            units = outputs.get("loss_units", outputs["useful_tokens"])
+            self.useful_tokens = outputs["useful_tokens"] if first else self.useful_tokens + outputs["useful_tokens"]
+            self.loss_units = units if first else self.loss_units + units
             self.flops += float(outputs["flops"])
-            self.loss_sum = self.loss_sum + outputs["loss_sum"]
+            self.loss_sum = outputs["loss_sum"] if first else self.loss_sum + outputs["loss_sum"]
         if isinstance(outputs, dict):
             for key in extra_keys:
                 if key in outputs:
-                    self.extra[key] = self.extra.get(key, 0.0) + outputs[key]
+                    self.extra[key] = outputs[key] if key not in self.extra else self.extra[key] + outputs[key]
         self.micro_batches += 1
 
     def close(self, clock: StepClock) -> None:
