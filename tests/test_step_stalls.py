@@ -106,7 +106,7 @@ def step_counts(tmp_path: Path, module: CausalLM, data: LMDataModule, precision:
         precision=precision,
         gradient_clip_val=1.0,
         limit_val_batches=0,
-        logger=False,
+        logger=False,  # a logger adds Lightning's read of the logged loss, once every log_every_n_steps
         enable_checkpointing=False,
         enable_model_summary=False,
         callbacks=[
