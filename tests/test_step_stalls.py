@@ -268,3 +268,39 @@ def test_clipping_across_meshes_reads_nothing_back_and_clips_as_torch_does(max_n
     torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(theirs, max_norm), rtol=1e-6, atol=0)
     for mine, reference in zip(ours, theirs):
         torch.testing.assert_close(mine.grad, reference.grad, rtol=1e-6, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_the_dense_packed_step_makes_the_host_wait_only_for_a_step_the_device_finished(tmp_path):
+    """On CUDA (eager layers: a cold compile would not fit the lane's limit): no operator that syncs,
+    the one declared read per step, and of CUDA's own waits at most one event wait per step (the step
+    clock's, should the profiler not place it inside its declared range) and the profiler's own device
+    synchronisation at the window's end; never a stream synchronisation or a blocking copy (what a
+    ``.item()`` or a ``.tolist()`` of a device tensor costs)."""
+    module = CausalLM(ModelFactory(config=QWEN3, attn_implementation="sdpa_packed"), loss="chunked", warmup_steps=0)
+    L.seed_everything(0)
+    trainer = L.Trainer(
+        max_steps=WARMUP + 10,
+        accelerator="gpu",
+        devices=1,
+        gradient_clip_val=1.0,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+        callbacks=[
+            ThroughputMonitor(),
+            MFUMonitor(ceiling_tflops=1.0),
+            MemoryMonitor(),
+            KernelProfile(start_step=WARMUP + 1, num_steps=10),
+            RunRecorder(path=str(tmp_path / "run.json"), warmup_steps=WARMUP),
+        ],
+    )
+    trainer.fit(module, datamodule=packed_documents())
+    profile = json.loads((tmp_path / "run.json").read_text())["profile"]
+    assert (profile["sync_ops_per_step"], profile["host_reads_per_step"]) == ({}, ONE_READ)
+    waits = profile["host_syncs_per_step"]
+    assert set(waits) <= {"cudaEventSynchronize", "cudaDeviceSynchronize"}, waits
+    assert waits.get("cudaEventSynchronize", 0) <= 1 and waits.get("cudaDeviceSynchronize", 0) <= 0.1, waits
