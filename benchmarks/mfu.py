@@ -14,9 +14,10 @@ same work gives the same losses (exactly on CPU in fp32; within bf16 rounding on
 Both sides are timed the same way: a step runs from the end of the previous optimizer step to the
 end of this one (data included); medians over the steps after ``--warmup``. `lit-ablate fit`'s
 figures are its run record's (``ThroughputMonitor``, ``MFUMonitor``); the hand loop times its steps
-with CUDA events on a GPU (read after the run: no synchronisation inside a step) and with the wall
-clock on a CPU, and counts FLOPs with the same ``batch_model_flops`` (per-document causal
-attention, the LM head counted).
+and reads its loss sums with the same step clock (``lit_ablate.callbacks.step_clock``: CUDA events on
+a GPU, each step read at the next step's end, never waiting for the device; the wall clock on a CPU),
+and counts FLOPs with the same ``batch_model_flops`` (per-document causal attention, the LM head
+counted).
 
 MFU is printed two ways, labelled: ours (``mfu``: FLOPs as above over the device's spec peak;
 ``mfu_measured``: over the bf16/fp32 matmul ceiling measured before each run, the best one of the
@@ -29,7 +30,9 @@ Shapes (``benchmarks/model_shapes.py``):
 
 - default ``cpu-35m``: a Llama-shaped 35.7M model (8 layers, hidden 512, vocabulary 8192, untied)
   that is matmul-bound on a CPU; fp32, 4 rows of 512 tokens packed from synthetic documents,
-  ``sdpa_packed``, the ``torch`` loss. Under a few minutes on 2 cores.
+  ``sdpa_packed``, the ``torch`` loss, each decoder layer compiled as on a GPU (inductor's C++ fuses
+  the norms, rotary embeddings and activations: in CPU time, about 8% of a step; ``--no-compile``
+  runs them eagerly). Under a few minutes on 2 cores.
 - ``qwen3-0.6b``: the seed study's dense model on a GPU: bf16 weights and matmuls, each decoder
   layer compiled, the fastest packed attention that trains here (``fa_varlen``, ``torch_varlen``,
   ``flex``, else ``sdpa_packed``) and Liger's fused linear cross-entropy where it runs.
@@ -38,7 +41,11 @@ Shapes (``benchmarks/model_shapes.py``):
 Rows are packed first-fit-decreasing into a static ``--seq-len`` (one compiled shape);
 ``--rows`` rows per micro-batch and ``--accumulate`` micro-batches per optimizer step (the seed
 trains 32 x 10,240 = 327,680 tokens per optimizer step). ``--profile`` adds lit-ablate's
-``KernelProfile`` callback to the lit run and prints its top kernels, graph breaks and recompiles.
+``KernelProfile`` callback to the lit run and prints its top kernels, torch.compile's compiles,
+recompiles and graph breaks over the fit, and per profiled step its host synchronisations: the
+operators that make the host wait for the device on CUDA (``sync_ops_per_step``, counted on every
+device), CUDA's own waits (``host_syncs_per_step``) and the reads lit-ablate makes on purpose
+(``host_reads_per_step``: the step clock's, once per optimizer step); docs/profiling.md reads them.
 
     python benchmarks/mfu.py [--steps 8] [--warmup 3] [--repeats 1] [--threads N]
     python benchmarks/mfu.py --shape qwen3-0.6b --vocab 217473 --seq-len 10240 --accumulate 8 --steps 8 --warmup 3
@@ -54,7 +61,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -212,6 +218,7 @@ def hand_loop_run(args: argparse.Namespace) -> Side:
     """The same module and data in a plain PyTorch loop (see the module docstring)."""
     from lightning.pytorch import seed_everything
 
+    from lit_ablate.callbacks.step_clock import clock_for
     from lit_ablate.estimate.flops import batch_model_flops
     from lit_ablate.modules.optim import build_optimizer, decay_groups, decay_names, lr_scheduler
 
@@ -240,55 +247,41 @@ def hand_loop_run(args: argparse.Namespace) -> Side:
         hp.decay_fraction,
         hp.decay_shape,
     )
-    clock = _Clock(device)
-    side, losses = Side(), []
+    side = Side()
     batches = iter(data.train_dataloader())
     model.train()
-    clock.mark()
-    for _ in range(args.steps):
+    clock = clock_for(device, first=None, last=None)  # lit-ablate's step clock, started now: both sides time alike
+    for step in range(1, args.steps + 1):
         micro = [next(batches) for _ in range(args.accumulate)]
-        useful = sum(int((b["labels"] != -100).sum()) for b in micro)  # host tensors: no device sync
-        loss = 0.0
-        for batch in micro:
+        counted = [int((b["labels"] != -100).sum()) for b in micro]  # host tensors: no device sync
+        useful = sum(counted)
+        for batch, count in zip(micro, counted):
             batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
             loss_sum, _ = model(batch)
             (loss_sum / useful).backward()
-            loss = loss + loss_sum.detach()
+            clock.add(
+                {
+                    "tokens": batch["input_ids"].numel(),
+                    "useful_tokens": count,
+                    "flops": 0.0,
+                    "loss_sum": loss_sum.detach(),
+                }
+            )
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        clock.mark()
-        losses.append(loss / useful)
+        clock.close(step)  # its time and loss read at the next step's end, as lit-ablate's monitors read them
         side.useful.append(useful)
         side.tokens.append(sum(b["input_ids"].numel() for b in micro))
         side.flops.append(sum(batch_model_flops(b, module.flops_per_token) for b in micro))
         side.document_lengths += [n for b in micro for n in b["document_lengths"]]
-    side.seconds = clock.intervals()
-    side.losses = [float(x) for x in losses]
+    clock.finish()
+    for step in range(1, args.steps + 1):
+        totals = clock.timing(step)
+        side.seconds.append(totals.seconds)
+        side.losses.append(totals.loss_sum / totals.useful_tokens)
     return side
-
-
-class _Clock:
-    """Step boundaries: CUDA events on a GPU (read once, after the run), the wall clock on a CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.marks: list[Any] = []
-
-    def mark(self) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def intervals(self) -> list[float]:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
-        return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
 
 def seed_formula_flops_per_token(hf_config: Any, seq_len: int) -> float:
@@ -409,13 +402,25 @@ def report(args: argparse.Namespace, hand: list[Side], lit: list[Side], ceilings
 
 
 def print_profile(profile: dict[str, Any]) -> None:
-    """``KernelProfile``'s record section: where the profiled steps' time went."""
+    """``KernelProfile``'s record section: where the profiled steps' time went, and what stalled them."""
     compiled = profile.get("compile") or {}
     print(
         f"\nprofile of steps {profile.get('steps')} ({profile.get('kind')}): wall {_fmt(profile.get('wall_ms'))} ms, "
-        f"device {_fmt(profile.get('device_ms'))} ms; host syncs per step {_fmt(profile.get('host_syncs_per_step'))}; "
-        f"graph breaks {_fmt(compiled.get('graph_breaks'))}, recompiles {_fmt(compiled.get('recompiles'))}"
+        f"device {_fmt(profile.get('device_ms'))} ms"
     )
+    print(
+        f"torch.compile over the fit: {_fmt(compiled.get('compiles'))} compiles, "
+        f"{_fmt(compiled.get('recompiles'))} recompiles, {_fmt(compiled.get('graph_breaks'))} graph breaks"
+    )
+    for reason in [*(compiled.get("graph_break_reasons") or []), *(compiled.get("recompile_reasons") or [])]:
+        print(f"  {reason['count']} x {reason['reason']}")
+    for key, what in (
+        ("sync_ops_per_step", "operators that make the host wait for the device on CUDA"),
+        ("host_syncs_per_step", "CUDA's waits outside lit-ablate's own reads"),
+        ("host_reads_per_step", "lit-ablate's reads on purpose"),
+    ):
+        counts = profile.get(key) or {}
+        print(f"per step, {what}: {', '.join(f'{n} x {c:g}' for n, c in counts.items()) or 'none'}")
     print("\n| kernel | ms | calls | share |\n|---|---|---|---|")
     for row in profile.get("top") or []:
         print(f"| {row['name'][:90]} | {row['time_ms']:.2f} | {row['calls']} | {row['share']:.1%} |")
@@ -444,7 +449,7 @@ def main() -> int:
     parser.add_argument("--loss", help="loss backend (default: liger where it runs, else torch)")
     parser.add_argument("--loss-options", type=json.loads, default=None, help="the loss backend's options as JSON")
     parser.add_argument(
-        "--no-compile", dest="compile", action="store_false", help="eager decoder layers (default: compiled on CUDA)"
+        "--no-compile", dest="compile", action="store_false", help="eager decoder layers (default: compiled)"
     )
     parser.add_argument("--no-hand-loop", dest="hand_loop", action="store_false", help="lit-ablate's run only")
     parser.add_argument(
@@ -452,7 +457,6 @@ def main() -> int:
     )
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--name", help="prefix of the RESULT names (default: cpu on the CPU shape, else dense)")
-    parser.set_defaults(compile=None)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -461,7 +465,6 @@ def main() -> int:
     args.precision = args.precision or ("bf16-true" if args.device == "cuda" else "32-true")
     args.seq_len = args.seq_len or (512 if cpu_shape else 8192)
     args.rows = args.rows or (4 if cpu_shape else 1)
-    args.compile = args.device == "cuda" if args.compile is None else args.compile
     args.attention = args.attention or fastest_packed_attention()
     args.loss = args.loss or memory_efficient_loss()
     args.name = args.name or ("cpu" if cpu_shape else "dense")

@@ -1,7 +1,8 @@
 """Framework overhead: the same training in a hand-written loop, `lit-ablate fit` and transformers' `Trainer`.
 
 All three train the quickstart model (tiny-llama, 8 x 128 tokens) on the same batches in the
-same order, with the same optimizer (torch AdamW, lit-ablate's decay groups), schedule (linear
+same order, with the same optimizer (torch AdamW with lit-ablate's decay groups and its choice of
+kernels, ``build_optimizer``: fused on the CPU as on a GPU), schedule (linear
 warm-up + cosine to ``min_lr_ratio``, ``lit_ablate.modules.optim.warmup_cosine``), gradient
 clipping at 1.0 and number of steps. Each is timed the same way: the interval between the
 starts of consecutive steps, so data loading, logging, the progress bar and every callback are
@@ -61,7 +62,8 @@ from transformers.trainer_callback import CallbackHandler
 from lit_ablate.data.collate import Collator
 from lit_ablate.fit_cli import LitAblateCLI
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
-from lit_ablate.modules.optim import decay_groups, decay_names, warmup_cosine
+from lit_ablate.modules.optim import build_optimizer, decay_groups, decay_names, warmup_cosine
+from lit_ablate.strategies.step_objective import StepObjective
 
 QUICKSTART = str(Path(__file__).parents[1] / "configs" / "quickstart.yaml")
 WARMUP = 5
@@ -150,10 +152,12 @@ def _built(steps: int):
     module.configure_model()
     data.setup("fit")
     model, hp = module.model, module.hparams
-    optimizer = torch.optim.AdamW(
+    optimizer, _ = build_optimizer(  # lit-ablate's choice of kernels too (fused AdamW): the same update
+        module.optimizer_name,
         decay_groups(model, decay_names(model, model.lm.get_input_embeddings().weight), hp.weight_decay),
-        lr=hp.learning_rate,
-        betas=hp.betas,
+        hp.learning_rate,
+        hp.betas,
+        module.optimizer_options,
     )
     return module, data, optimizer, warmup_cosine(optimizer, hp.warmup_steps, steps, hp.min_lr_ratio), cli
 
@@ -293,7 +297,7 @@ COMPUTE = (
     "LR schedule",
     "data: DataLoader + collate",
 )
-REST = "the rest: loop code, hook dispatch"
+REST = "the rest: loop code"
 CLOSURE = "optimizer closure's own code (a module's gradient rescale, Lightning's plumbing)"
 profiler: ExclusiveTimes | None = None
 
@@ -322,14 +326,16 @@ def install_profiler() -> ExclusiveTimes:
         (_LoggerConnector, "on_batch_end", "Lightning: logger connector"),
         (_LoggerConnector, "update_train_step_metrics", "Lightning: logger connector"),
         (Closure, "__call__", REST),
+        (StepObjective, "normalize_gradients", "StepObjective: the gradients rescaled to the step's token mean"),
         (CallbackHandler, "call_event", "Trainer: callbacks (progress bar, printer)"),
         (Trainer, "_maybe_log_save_evaluate", "Trainer: logging"),
         (Trainer, "training_step", "Trainer: training_step, compute_loss"),
         (Trainer, "get_batch_samples", "Trainer: batch fetch, token count"),
     ):
         times.patch(owner, name, label)
-    for name in ("_call_callback_hooks", "_call_lightning_module_hook", "_call_strategy_hook"):
-        times.patch(lightning_call, name, REST)
+    times.patch(lightning_call, "_call_callback_hooks", "Lightning: dispatching callback hooks")
+    for name in ("_call_lightning_module_hook", "_call_strategy_hook"):
+        times.patch(lightning_call, name, "Lightning: dispatching module and strategy hooks")
     return times
 
 

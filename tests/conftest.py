@@ -75,6 +75,7 @@ LONGEST_FILES = (
     "tests/test_examples.py",
     "tests/test_estimate_composition.py",
     "tests/test_context_parallel.py",
+    "tests/test_step_stalls.py",
     "tests/test_bad_inputs.py",
     "tests/test_tensor_parallel.py",
     "tests/test_pipeline_mesh.py",

@@ -293,7 +293,10 @@ PLAIN_CUDA, DTENSOR_CUDA = ParameterKind("tensor", "cuda", True), ParameterKind(
     [
         ({PLAIN_CUDA}, {}, "fused", None),
         ({DTENSOR_CUDA}, {}, "fused", None),  # FSDP2, TP: every parameter a DTensor
-        ({ParameterKind("tensor", "cpu", True)}, {}, "for-loop", None),  # torch's default on CPU, numerics unchanged
+        ({ParameterKind("tensor", "cpu", True)}, {}, "fused", None),  # torch's CPU kernel: one pass per parameter
+        ({ParameterKind("dtensor", "cpu", True)}, {}, "fused", None),
+        ({ParameterKind("tensor", "cpu", True), ParameterKind("dtensor", "cpu", True)}, {}, "for-loop", "mix"),
+        ({ParameterKind("tensor", "cpu", True)}, {"fused": False}, "for-loop", None),  # no foreach kernels on CPU
         ({PLAIN_CUDA, DTENSOR_CUDA}, {}, "for-loop", "mix DTensors and plain tensors"),
         (
             {PLAIN_CUDA, ParameterKind("WeightWithDynamicFloat8CastTensor", "cuda", True)},
@@ -308,11 +311,13 @@ PLAIN_CUDA, DTENSOR_CUDA = ParameterKind("tensor", "cuda", True), ParameterKind(
         ({ParameterKind("tensor", "cpu", True)}, {"fused": True}, "fused", None),
     ],
 )
-def test_adamw_is_fused_on_cuda_unless_the_parameters_or_the_user_rule_it_out(kinds, options, implementation, fallback):
+def test_adamw_is_fused_where_torch_has_the_kernel_unless_the_parameters_or_the_user_rule_it_out(
+    kinds, options, implementation, fallback
+):
     """The choice on plain descriptions of the parameters (no GPU needed). Seen failing with the
     mixed check dropped (mixed DTensor/plain CUDA parameters got ``fused``, which fails at the first
-    step: ``test_fused_and_foreach_refuse_a_mix_of_dtensor_and_plain_parameters``) and with fused as
-    the default on CPU too (the CPU case got ``fused``)."""
+    step: ``test_fused_and_foreach_refuse_a_mix_of_dtensor_and_plain_parameters``) and with fused on
+    CUDA only (the CPU cases got the for-loop)."""
     chosen, why = adamw_implementation(kinds, options)
     assert chosen == implementation
     assert (why is None) if fallback is None else (fallback in why and implementation in why)

@@ -10,6 +10,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from torch.profiler import ProfilerActivity
 
+from lit_ablate.callbacks.host_syncs import count_host_syncs
 from lit_ablate.callbacks.record_section import RecordSection
 from lit_ablate.errors import ConfigError
 
@@ -30,7 +31,14 @@ class KernelProfile(RecordSection):
     - ``profiled_steps`` and the steps, ``wall_ms`` (host time of the window), ``device_ms`` (all
       kernels' summed time: idle gaps show as ``device_ms`` well below ``wall_ms``);
     - ``host_syncs_per_step``: on CUDA, how often the host waited for the device (``HOST_SYNCS``),
-      per profiled step (the profiler's own synchronisation at its stop may count as one);
+      per profiled step, outside the reads lit-ablate declares (the profiler's own synchronisation at
+      its stop may count as one);
+    - ``sync_ops_per_step``: on every device, the operators that make the host wait for the device on
+      CUDA (``lit_ablate.callbacks.host_syncs``: ``.item()``, ``bool()`` of a tensor, boolean indexing,
+      ``nonzero``, ``.tolist()``...), by the operator that asked, per profiled step: what a CPU run
+      shows of a GPU step's stalls;
+    - ``host_reads_per_step``: the reads of device values a step makes on purpose (``host_read``), by
+      name, per profiled step (the step clock's read of the step before, once per optimizer step);
     - ``compile``: over the whole fit (compiles happen in the first steps), torch.compile's graph
       breaks (count and the most frequent reasons), graphs compiled, compiles, and recompiles (count
       and the guard failures that caused them; null on a torch whose compile callbacks pass no
@@ -108,7 +116,7 @@ class KernelProfile(RecordSection):
     def _stop(self) -> None:
         self._profiler.stop()  # torch's profiler synchronises the device before it stops
         wall_ms = (time.perf_counter() - self._started_at) * 1e3
-        events, self._profiler = self._profiler.key_averages(), None
+        events, self._profiler = self._profiler.events(), None
         self._kernels = {"wall_ms": wall_ms, **self._summarise(events)}
 
     # --- what the record gets -------------------------------------------------------------------
@@ -126,13 +134,14 @@ class KernelProfile(RecordSection):
     def _summarise(self, events: Any) -> dict[str, Any]:
         """The top kernels (CUDA) or CPU operators (elsewhere), their shares, and the host's waits."""
         cuda = self._device.type == "cuda"
+        averages = events.key_averages()
         if cuda:
-            timed = [(e.key, e.self_device_time_total, e.count) for e in events if e.device_type.name == "CUDA"]
+            timed = [(e.key, e.self_device_time_total, e.count) for e in averages if e.device_type.name == "CUDA"]
         else:
-            timed = [(e.key, e.self_cpu_time_total, e.count) for e in events if e.device_type.name == "CPU"]
+            timed = [(e.key, e.self_cpu_time_total, e.count) for e in averages if e.device_type.name == "CPU"]
         total_us = sum(us for _, us, _ in timed)
         top = sorted((t for t in timed if t[1] > 0), key=lambda t: t[1], reverse=True)[: self.top]
-        syncs = collections.Counter({e.key: e.count for e in events if e.key in HOST_SYNCS})
+        syncs = count_host_syncs(events, HOST_SYNCS if cuda else ())
         steps = max(1, len(self._steps))
         return {
             "kind": "cuda_kernels" if cuda else "cpu_operators",
@@ -146,7 +155,9 @@ class KernelProfile(RecordSection):
                 }
                 for name, us, calls in top
             ],
-            "host_syncs_per_step": {name: count / steps for name, count in sorted(syncs.items())},
+            "host_syncs_per_step": _per_step(syncs.runtime_waits, steps),
+            "sync_ops_per_step": _per_step(syncs.by_operator, steps),
+            "host_reads_per_step": _per_step(syncs.declared, steps),
         }
 
     def _compile_started(self, args: Any = None) -> None:
@@ -178,6 +189,10 @@ class KernelProfile(RecordSection):
             "recompiles": recompiles,
             "recompile_reasons": [{"reason": r, "count": c} for r, c in failures.most_common(self.top_reasons)],
         }
+
+
+def _per_step(counts: collections.Counter[str], steps: int) -> dict[str, float]:
+    return {name: count / steps for name, count in sorted(counts.items())}
 
 
 def _callback_handler() -> Any:

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
 from lightning.pytorch import LightningModule, Trainer
 
-from lit_ablate.callbacks.step_clock import HostValue, step_clock
+from lit_ablate.callbacks.step_clock import step_clock
 from lit_ablate.callbacks.step_monitor import StepMonitor
 from lit_ablate.record import PREFERENCE_STATS
 
@@ -20,6 +17,8 @@ MEANS = {
     "logps_rejected": "logps_rejected",
 }
 """Series recorded per step: the mean over the step's pairs of each of ``PREFERENCE_STATS``."""
+OUTPUT_KEY = "preference"
+"""What ``DPO.training_step`` returns its per-micro-batch sums of ``PREFERENCE_STATS`` under."""
 
 
 class PreferenceMonitor(StepMonitor):
@@ -28,35 +27,21 @@ class PreferenceMonitor(StepMonitor):
     exact pair-mean loss of every optimizer step, into the run record and the loggers.
 
     Use it with ``DPO``, which reports per-pair sums with each micro-batch (``outputs["preference"]``).
-    Values are exact means over the step's pairs: summed over micro-batches, and over ranks once
+    Values are exact means over the step's pairs: summed over micro-batches (by the step clock, which
+    reads them with the step's other sums, a step late), and over ranks once
     at the end of training (during training the loggers get this rank's values), as
     ``ThroughputMonitor`` does. Reward accuracy above 0.5 on data with a checkable preference
     (``ArithmeticPreference``) is the sign that preference training works.
     """
 
-    def __init__(self, warmup_steps: int | None = None, log_to_logger: bool = True) -> None:
-        super().__init__(warmup_steps=warmup_steps, log_to_logger=log_to_logger)
-        self._sums: Any = 0.0
-        self._copies: dict[int, HostValue] = {}  # step -> its sums, read in measure_timed
-
-    def start_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._sums = 0.0
-
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if isinstance(outputs, dict) and "preference" in outputs:
-            self._sums = self._sums + outputs["preference"]
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-
-    def measure(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
-        if isinstance(self._sums, torch.Tensor):  # else the module reported none (not a DPO module)
-            self._copies[step] = step_clock(trainer).read_later(self._sums)
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        step_clock(trainer).sum_outputs(OUTPUT_KEY)
 
     def measure_timed(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
-        if step not in self._copies:
+        if OUTPUT_KEY not in self.totals.extra:  # the module reported none (not a DPO module)
             return
-        sums = dict(zip(PREFERENCE_STATS, self._copies.pop(step).get().tolist()))
+        sums = dict(zip(PREFERENCE_STATS, self.totals.extra[OUTPUT_KEY]))
         for name, value in sums.items():
             self.series.setdefault(f"_{name}", {})[step] = value
         self._record_means(step, sums)

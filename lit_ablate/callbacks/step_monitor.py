@@ -1,8 +1,8 @@
 """``StepMonitor``: the base of every per-optimizer-step measurement callback.
 
 It finds optimizer-step boundaries (a step spans ``accumulate_grad_batches`` micro-batches),
-reads the step's seconds from a clock shared by all monitors, sums what the module reported
-(``StepOutput``), and keeps one value per step for each metric it records. Subclasses override
+reads the step's seconds and what the module reported (``StepOutput``, summed once per step) from a
+clock shared by all monitors, and keeps one value per step for each metric it records. Subclasses override
 ``measure(trainer, pl_module, step)`` (at the step's end: what exists only then) and
 ``measure_timed(trainer, pl_module, step)`` (once the step's seconds and device sums are known)
 and call ``record``; ``RunRecorder`` collects the series of every ``StepMonitor`` on the trainer
@@ -51,7 +51,7 @@ class StepMonitor(Callback):
         self.totals = StepTotals()
         self._open = False
         self._seen_step = 0
-        self._untimed: dict[int, StepTotals] = {}  # closed steps not yet given to measure_timed
+        self._untimed: set[int] = set()  # closed steps not yet given to measure_timed
         self._logging_step = 0
         self._to_log: dict[int, dict[str, float]] = {}
 
@@ -107,6 +107,17 @@ class StepMonitor(Callback):
     def log_prefix(self) -> str:
         return type(self).__name__
 
+    @staticmethod
+    def progress_bar_items(trainer: Trainer) -> dict[str, float]:
+        """What the progress bar shows of the run (``QuietProgressBar`` asks the first callback that
+        answers): this rank's loss of the newest step the clock has read, a step late, so that drawing
+        it never waits for the device."""
+        clock = RUNNING_CLOCKS.get(trainer)
+        latest = clock.latest() if clock is not None else None
+        if latest is None or not latest.loss_units:
+            return {}
+        return {"train/loss": latest.loss_sum / latest.loss_units}
+
     # --- Lightning hooks ----------------------------------------------------------------------
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._seen_step = trainer.global_step
@@ -122,19 +133,20 @@ class StepMonitor(Callback):
             clock.batch_started()
         if not self._open:
             self._open = True
-            self.totals = StepTotals()
+            self.totals = clock.totals
             self.start_step(trainer, pl_module)
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         clock = RUNNING_CLOCKS[trainer]
-        self.totals.add(outputs)
+        if clock.first is self:
+            clock.add(outputs)
         step = trainer.global_step
         if step != self._seen_step:  # an optimizer step just finished
             clock.close(step)
-            self.totals.close(clock)
-            self._untimed[step] = self.totals
+            self.totals = clock.totals_of(step)
+            self._untimed.add(step)
             self._seen_step, self._open, self._logging_step = step, False, step
             self.measure(trainer, pl_module, step)
             self._measure_timed_before(trainer, pl_module, step)
@@ -145,8 +157,8 @@ class StepMonitor(Callback):
         """``measure_timed`` for each closed step before ``step`` (None: all), oldest first."""
         clock = RUNNING_CLOCKS[trainer]
         for closed in sorted(s for s in self._untimed if step is None or s < step):
-            self.totals = self._untimed.pop(closed)
-            self.totals.finish(*clock.timing(closed))
+            self._untimed.discard(closed)
+            self.totals = clock.timing(closed)
             self._logging_step = closed
             self.measure_timed(trainer, pl_module, closed)
         self.send_logs(trainer)

@@ -15,6 +15,8 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from lit_ablate.errors import ConfigError
+from lit_ablate.models.attention.backends import PREPARED_MASKS
+from lit_ablate.models.compiled_layers import SEQUENCE_DIM, mark_sequence_dynamic
 from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX, LossBackend
 
 # Batch keys the decoder consumes; everything else in a batch is bookkeeping (labels, counts).
@@ -60,11 +62,21 @@ class CausalLMWithLoss(nn.Module):
         return loss_sum, (labels != IGNORE_INDEX).sum()
 
     def hidden_states(self, batch: dict[str, Any]) -> Tensor:
-        """The decoder's last hidden states ``[B, T, H]`` for the batch's model inputs."""
+        """The decoder's last hidden states ``[B, T, H]`` for the batch's model inputs; with a backend of
+        ``PREPARED_MASKS``, under the batch's mask built once here (the sequence dimensions of the
+        positions and mask marked dynamic for compiled layers: ``compiled_layers``)."""
         inputs = {k: batch[k] for k in MODEL_INPUT_KEYS if batch.get(k) is not None}
+        prepare = PREPARED_MASKS.get(self.lm.config._attn_implementation)
+        if prepare is not None:
+            rows, length = batch["input_ids"].shape
+            positions = inputs.get("position_ids")
+            mask = prepare(positions, inputs.get("attention_mask"), rows, length, batch["input_ids"].device)
+            inputs["attention_mask"] = mark_sequence_dynamic(mask, 2, 3) if isinstance(mask, Tensor) else mask
+            if positions is not None:
+                mark_sequence_dynamic(positions, SEQUENCE_DIM)
         if batch.get("cu_seqlens") is not None and self.lm.config._attn_implementation in SEGMENT_BACKENDS:
             # The packer's document boundaries, so the kernel need not find them (a host sync).
-            cu, longest = batch["cu_seqlens"], int(batch["max_seqlen"])
+            cu, longest = mark_sequence_dynamic(batch["cu_seqlens"], 0), int(batch["max_seqlen"])
             inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
         return self.lm.base_model(**inputs, use_cache=False).last_hidden_state
 

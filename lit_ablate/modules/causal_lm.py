@@ -7,9 +7,10 @@ from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
-from lightning.pytorch import LightningModule
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.parsing import collect_init_args
+from torch import Tensor
 from transformers import PreTrainedModel
 
 from lit_ablate.class_paths import import_class
@@ -18,10 +19,11 @@ from lit_ablate.errors import ConfigError
 from lit_ablate.estimate.flops import ParameterCounts, batch_model_flops, count_parameters, flops_per_token
 from lit_ablate.models.attention.backends import check_attention_backend
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
+from lit_ablate.models.compiled_layers import compile_decoder_layers
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.fp8.conversion import resolve_emulation
 from lit_ablate.models.losses.loss_choice import LossChoice
-from lit_ablate.models.moe.blocks import collect_aux_losses, experts_fallbacks
+from lit_ablate.models.moe.blocks import collect_aux_losses, experts_fallbacks, moe_blocks
 from lit_ablate.modules.optim import (
     DecayShape,
     LrSchedule,
@@ -62,8 +64,8 @@ class CausalLM(LightningModule):
             (bitsandbytes) or ``torchao_adamw8bit`` (``lit_ablate.modules.optim``); one that cannot
             run under the run's strategy is refused before the model is built.
         optimizer_options: the optimizer class's own extra arguments (e.g. ``{min_8bit_size: 0}``);
-            for ``adamw``, ``fused``/``foreach`` choose its implementation (default: fused on CUDA
-            where the parameters allow it, ``lit_ablate.modules.optim.adamw_implementation``).
+            for ``adamw``, ``fused``/``foreach`` choose its implementation (default: fused where torch
+            has the kernel and the parameters allow it, ``lit_ablate.modules.optim.adamw_implementation``).
         learning_rate: peak learning rate, reached after ``warmup_steps``.
         weight_decay: decoupled decay on matrices only (not norms, biases, embeddings).
         betas: AdamW betas.
@@ -134,6 +136,7 @@ class CausalLM(LightningModule):
         """``real`` or ``emulated`` once an fp8 model is built (in the run record's environment), else None."""
         self._fp8_emulated_because: str | None = None
         self._optimizer_fallback: str | None = None
+        self._routes_experts: bool | None = None  # whether the model has MoE blocks (router losses), found once
         self.optimizer_implementation: str | None = None
         """The update's kernels once the optimizer is built (``fused``/``foreach``/``for-loop``; None:
         another library's optimizer), in the run record's environment."""
@@ -178,8 +181,7 @@ class CausalLM(LightningModule):
         # (FSDP1's flat views) change shapes, so a later ndim test would see only vectors.
         self._decay_names = decay_names(self.model, lm.get_input_embeddings().weight)
         if self.hparams.compile:
-            for layer in decoder_layers(self.model):
-                layer.compile()
+            compile_decoder_layers(decoder_layers(self.model), self.model.lm.base_model)
 
     def trained_module(self, lm: PreTrainedModel) -> CausalLMWithLoss:
         """The module training runs and strategies parallelise, around the freshly built ``lm``
@@ -233,9 +235,7 @@ class CausalLM(LightningModule):
             loss_sum, useful = answers.forward_backward(self.model, batch, self.objective)
         else:
             loss_sum, useful = self.model(batch)
-        aux = collect_aux_losses(self.model)  # MoE router losses: trained on, logged apart
-        for name, value in aux.items():
-            self.log(f"train/{name}", value.detach())
+        aux = self.router_losses()  # MoE router losses: trained on, logged apart
         loss = self.objective.backward_loss(loss_sum, useful, sum(aux.values(), 0.0), strategy)
         return {
             "loss": loss,
@@ -257,10 +257,21 @@ class CausalLM(LightningModule):
 
         optimizer.step(closure=closure)
 
+    def router_losses(self) -> dict[str, Tensor]:
+        """The MoE router losses of the last forward (``collect_aux_losses``; none for a dense model,
+        found once), each logged as ``train/<name>`` on the steps that reach the loggers."""
+        if self._routes_experts is None:
+            self._routes_experts = bool(moe_blocks(self.model))
+        aux = collect_aux_losses(self.model) if self._routes_experts else {}
+        if aux and self._trainer and logs_step(self.trainer, self.trainer.global_step + 1):
+            for name, value in aux.items():
+                self.log(f"train/{name}", value.detach())
+        return aux
+
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self.objective.last_step_loss is not None:  # an optimizer step just finished
-            self.log("train/loss", self.objective.last_step_loss, prog_bar=True)
-            self.objective.last_step_loss = None
+        loss, self.objective.last_step_loss = self.objective.last_step_loss, None
+        if loss is not None and logs_step(self.trainer, self.trainer.global_step):  # an optimizer step just finished
+            self.log("train/loss", loss)
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         self._log_eval_loss("val/loss", batch)
@@ -309,6 +320,16 @@ class CausalLM(LightningModule):
             optimizer, hp.lr_schedule, hp.warmup_steps, int(total), hp.min_lr_ratio, hp.decay_fraction, hp.decay_shape
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def logs_step(trainer: Trainer, step: int) -> bool:
+    """Whether optimizer step ``step``'s values reach Lightning's loggers (every ``log_every_n_steps``,
+    and the last step): only then is a value given to ``LightningModule.log``, whose bookkeeping costs
+    about half a millisecond of host time per call. Its values reach ``trainer.callback_metrics`` on
+    those steps; the progress bar shows the run's loss from the step clock instead
+    (``StepMonitor.progress_bar_items``), read a step late, never waiting for the device."""
+    every = trainer.log_every_n_steps
+    return (every > 0 and step % every == 0) or trainer.should_stop or step == trainer.max_steps
 
 
 def _saved_class(path: str | None) -> type[CausalLM] | None:

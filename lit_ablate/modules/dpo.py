@@ -17,7 +17,6 @@ from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX
 from lit_ablate.models.losses.liger_dpo import LIGER, PADDED_ONLY_FIX, LigerDPOPolicy, liger_dpo_loss
 from lit_ablate.models.losses.logprobs import TorchLogProbs, logprob_backend
 from lit_ablate.models.losses.sequence_logprobs import PairStep, SequenceLogProbs
-from lit_ablate.models.moe.blocks import collect_aux_losses
 from lit_ablate.modules.causal_lm import CausalLM
 from lit_ablate.modules.dpo_reference import DPOReference, Reference, checked_reference
 from lit_ablate.modules.preference_loss import LossType, PairLosses, PreferenceLoss
@@ -184,11 +183,9 @@ class DPO(DPOReference, CausalLM):
             loss_sum, statistics = totals[0], totals[1:].double()
         else:
             step = self.pair_step(batch)
-            pairs = torch.tensor(int(batch["num_pairs"]), device=step.loss_sum.device)
+            pairs = torch.full((), int(batch["num_pairs"]), device=step.loss_sum.device)  # no copy from the host
             loss_sum, statistics = step.loss_sum, self._statistics(step, pairs)
-        aux = collect_aux_losses(self.model)  # MoE router losses: trained on, logged apart
-        for name, value in aux.items():
-            self.log(f"train/{name}", value.detach())
+        aux = self.router_losses()  # MoE router losses: trained on, logged apart
         loss = self.objective.backward_loss(loss_sum, pairs, sum(aux.values(), 0.0), strategy)
         return {
             "loss": loss,

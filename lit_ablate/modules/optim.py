@@ -10,8 +10,10 @@ optimizer can update the parameters a strategy hands it is decided before the mo
 
 torch's AdamW has three implementations of one update: a Python loop over parameters, ``foreach``
 (one kernel launch per operation over a list of tensors) and ``fused`` (one kernel for the whole
-update). ``adamw_implementation`` picks fused on CUDA, where it saves most launches per step, unless
-the parameters rule it out or ``optimizer_options`` choose; the run record names the one that ran.
+update). ``adamw_implementation`` picks fused wherever torch has the kernel (CUDA, where it saves
+most launches per step and keeps the step counts on the device; the CPU, where it reads and writes
+each parameter's states once instead of in about ten passes), unless the parameters rule it out or
+``optimizer_options`` choose; the run record names the one that ran.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices, _get_fused_kernels_supported_devices
 
 from lit_ablate.class_paths import import_class
 from lit_ablate.errors import ConfigError
@@ -219,33 +222,37 @@ def parameter_kind(param: torch.Tensor) -> ParameterKind:
 def adamw_implementation(
     kinds: Collection[ParameterKind], options: Mapping[str, Any]
 ) -> tuple[AdamWImplementation, str | None]:
-    """The AdamW implementation to run over parameters of these ``kinds``, and, when it is not the
-    fused one on CUDA, why (a fallback), or None.
+    """The AdamW implementation to run over parameters of these ``kinds``, and, when the parameters
+    ruled out the fused one, why (a fallback), or None.
 
     - ``fused: true`` / ``foreach: true`` in ``options`` are the user's choice and win (torch checks
       them); ``fused: false`` / ``foreach: false`` rule that one out and the best other one runs;
       ``differentiable: true`` takes the for-loop (torch has neither kernel for it).
-    - On CUDA, fused when every parameter is a floating plain tensor, or every one a DTensor over
-      one (torch's DTensor shards the fused op like any pointwise op); else foreach under the same
-      condition without the dtype; else the for-loop. A mix of DTensors and plain tensors (a
-      parameter a sharding strategy left whole) takes the for-loop: one op over a list holding
-      both fails ("mixed torch.Tensor and DTensor"), and torch's own default would pick foreach.
-    - Elsewhere (CPU) the for-loop, torch's default there, so CPU numerics do not change.
+    - Else fused where torch has a fused AdamW kernel for the parameters' device (CUDA, and the CPU:
+      one pass over each parameter and its states instead of about ten), when every parameter is a
+      floating plain tensor or every one a DTensor over one (torch's DTensor shards the fused op like
+      any pointwise op); else foreach under the same condition without the dtype, where the device
+      has foreach kernels (CUDA); else the for-loop. A mix of DTensors and plain tensors (a parameter a
+      sharding strategy left whole) takes the for-loop: one op over a list holding both fails ("mixed
+      torch.Tensor and DTensor"), and torch's own default would pick foreach.
     """
     if options.get("fused"):
         return "fused", None
     if options.get("foreach"):
         return "foreach", None
-    if options.get("differentiable") or not kinds or any(k.device != "cuda" for k in kinds):
+    devices = {k.device for k in kinds}
+    if options.get("differentiable") or len(devices) != 1:
         return "for-loop", None
+    (device,) = devices
     tensors = {k.tensor for k in kinds}
     one_kind = tensors in ({"tensor"}, {"dtensor"})
-    fused_ok, foreach_ok = one_kind and all(k.floating for k in kinds), one_kind
+    fused_ok = one_kind and all(k.floating for k in kinds) and device in _get_fused_kernels_supported_devices()
+    foreach_ok = one_kind and device in _get_foreach_kernels_supported_devices()
     if fused_ok and options.get("fused") is None:
         return "fused", None
     implementation: AdamWImplementation = "foreach" if foreach_ok and options.get("foreach") is None else "for-loop"
-    if options.get("fused") is False:
-        return implementation, None  # the user's choice, not a fallback
+    if options.get("fused") is False or device not in _get_fused_kernels_supported_devices():
+        return implementation, None  # the user's choice, or no fused kernel to fall back from
     why = (
         "its parameters mix DTensors and plain tensors"
         if tensors == {"tensor", "dtensor"}
@@ -253,7 +260,7 @@ def adamw_implementation(
         if not one_kind
         else "some parameters are not floating point"
     )
-    return implementation, f"AdamW: the {implementation} implementation instead of fused on CUDA: {why}"
+    return implementation, f"AdamW: the {implementation} implementation instead of fused on {device}: {why}"
 
 
 def implementation_of(optimizer: torch.optim.Optimizer) -> str | None:

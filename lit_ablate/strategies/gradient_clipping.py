@@ -7,7 +7,7 @@ which DTensor's redistribution refuses), and under a pipeline each rank holds on
 would clip every stage by its own, larger scale. Here each rank sums its gradients' local squares
 per kind of shard (mesh and placements), over the mesh dimensions each kind is sharded on; the
 kinds add up, the stages add theirs over the pipeline group, and every rank scales by the one global
-norm as torch scales (``max_norm / (norm + 1e-6)``, only when below 1). A matrix two stages hold
+norm as torch scales (``max_norm / (norm + 1e-6)``, clamped at 1, on the device: no host read). A matrix two stages hold
 (tied embeddings: ``pipeline_tied_embeddings``) is counted once: its second copy is scaled, not counted.
 """
 
@@ -33,7 +33,11 @@ def clip_grad_norm_across_meshes(
     """Clip the gradients by their global L2 norm over every mesh they are sharded on and, with
     ``stage_group``, over the pipeline stages (every stage calls it, one without gradients too).
     ``repeated``: parameters among them whose gradient another stage holds too (counted there), which
-    are scaled but not counted. Returns that pre-clip norm (fp32, on the host)."""
+    are scaled but not counted. Returns that pre-clip norm (fp32, on the gradients' device).
+
+    Nothing is read back to the host: the scale ``min(1, max_norm / (norm + 1e-6))`` stays a device
+    tensor and every gradient is multiplied by it, as torch's ``clip_grad_norm_`` does (by 1 when the
+    norm is below ``max_norm``), so clipping never makes the host wait for the device."""
     kinds: dict[tuple, list[Tensor]] = {}  # one all-reduce per kind of shard, not per gradient
     uncounted = {id(p) for p in repeated}
     scaled_only = []
@@ -43,18 +47,16 @@ def clip_grad_norm_across_meshes(
         elif p.grad is not None:
             key = (p.grad.device_mesh, tuple(p.grad.placements)) if isinstance(p.grad, DTensor) else (None, ())
             kinds.setdefault(key, []).append(p.grad)
-    squares = [_squared_norm(grads, mesh, placements).cpu() for (mesh, placements), grads in kinds.items()]
-    square = torch.stack(squares).sum() if squares else torch.zeros(())
+    device = next(iter(kinds.values()))[0].device if kinds else torch.device("cpu")
+    squares = [_squared_norm(grads, mesh, placements).to(device) for (mesh, placements), grads in kinds.items()]
+    square = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
     if stage_group is not None:
-        device = next(iter(kinds.values()))[0].device if kinds else torch.device("cpu")
-        stages = square.to(device)
-        dist.all_reduce(stages, group=stage_group)
-        square = stages.cpu()
+        dist.all_reduce(square, group=stage_group)
     total = square.sqrt()
-    coef = max_norm / (float(total) + 1e-6)
-    if coef < 1.0:
-        for grads in [*kinds.values(), *([grad] for grad in scaled_only)]:
-            torch._foreach_mul_(grads, coef)
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for grads in [*kinds.values(), *([grad] for grad in scaled_only)]:
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]  # a plain scale on the shards
+        torch._foreach_mul_(local, coef.to(local[0].device))
     return total
 
 

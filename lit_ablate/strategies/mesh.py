@@ -49,6 +49,7 @@ from torch.optim import Optimizer
 from lit_ablate.errors import ConfigError
 from lit_ablate.mesh_sizes import MESH_DIMS, STRATEGY_OPTIONS_KEY, MeshSizes
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss, decoder_layers
+from lit_ablate.models.compiled_layers import compile_decoder_layers
 from lit_ablate.simulated_rank import current_simulation
 from lit_ablate.strategies.gradient_clipping import clip_grad_norm_across_meshes
 from lit_ablate.strategies.interface import StrategyInterface
@@ -369,8 +370,7 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
     def apply_compile(self, model: CausalLMWithLoss) -> None:
         """``torch.compile`` each decoder layer in place (the same graph for every layer compiles once)."""
         if self.compile_layers:
-            for layer in decoder_layers(model):
-                layer.compile(backend=self.compile_backend)
+            compile_decoder_layers(decoder_layers(model), model.lm.base_model, self.compile_backend)
 
     def apply_fsdp(self, model: CausalLMWithLoss) -> None:
         """Shard each decoder layer, then the root, over ``fsdp_mesh`` (a subclass's step)."""

@@ -11,6 +11,11 @@ model code is unchanged. Importing this module registers the names:
   trains everywhere, CPU included; independent of the cache.
 - ``flex``: ``flex_attention`` under a document ``BlockMask`` built once per forward. The
   forward runs anywhere; training needs CUDA (CPU has no flex backward).
+
+For these two, lit-ablate's training step builds the mask of the whole batch once per forward
+(``PREPARED_MASKS``) and hands it to the model as a prepared 4-D mask, which transformers passes to
+every layer as it is: no layer builds its own, and transformers' own mask preprocessing, whose
+detection of packed rows reads a value back to the host (a stall on a GPU), does not run.
 - ``ring`` / ``allgather``: context-parallel attention over a sequence sharded across ranks
   (``lit_ablate.models.attention.context_parallel``; ``ContextParallelStrategy`` selects them
   during its steps). On one process they equal ``sdpa_packed``. Their block kernels: torch's SDPA
@@ -99,7 +104,10 @@ def sdpa_packed_attention(
     """``[B, H, T, D]`` inputs -> ``[B, T, H, D]`` output, as transformers' attention interface expects."""
     _no_sliding_window(sliding_window)
     batch, q_len, kv_len = query.shape[0], query.shape[2], key.shape[2]
-    mask = document_causal_mask(position_ids, attention_mask, batch, q_len, kv_len)
+    if attention_mask is not None and attention_mask.ndim == 4:
+        mask = attention_mask  # prepared once per forward (PREPARED_MASKS)
+    else:
+        mask = document_causal_mask(position_ids, attention_mask, batch, q_len, kv_len)
     out = F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
     )
@@ -130,6 +138,24 @@ def flex_block_mask(
     return create_block_mask(
         mask_mod, batch_size, None, q_length, kv_length, device=device, _compile=torch.device(device).type == "cuda"
     )
+
+
+def flex_document_mask(
+    position_ids: Tensor | None, padding_mask: Tensor | None, batch: int, length: int, device: torch.device
+) -> Any:
+    """The ``BlockMask`` of a batch of ``length`` tokens per row: causal, within one document (from
+    ``position_ids``, as ``document_causal_mask``), never onto padding. Compiled on CUDA, eager elsewhere."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    positions = position_ids if position_ids is not None else torch.arange(length, device=device)[None]
+    docs = document_ids(positions.expand(batch, -1))
+    padding = padding_mask.bool() if padding_mask is not None else None
+
+    def mask_mod(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        allowed = (q >= kv) & (docs[b, q] == docs[b, kv])
+        return allowed & padding[b, kv] if padding is not None else allowed
+
+    return create_block_mask(mask_mod, batch, None, length, length, device=device, _compile=device.type == "cuda")
 
 
 def flex_document_attention(
@@ -303,6 +329,15 @@ BACKENDS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
     "allgather": (allgather_attention_backend, _passthrough_padding_mask),
 }
 """Our backends: name -> (attention function, the once-per-forward mask function)."""
+
+PREPARED_MASKS: dict[str, Callable[[Tensor | None, Tensor | None, int, int, torch.device], Any]] = {
+    "sdpa_packed": lambda positions, padding, batch, length, device: document_causal_mask(
+        positions, padding, batch, length, length
+    ),
+    "flex": flex_document_mask,
+}
+"""Backends whose mask of a whole batch is built once per forward, ``(position_ids, padding mask, rows,
+length, device) -> mask``, and handed to the model as a prepared 4-D mask (see the module docstring)."""
 
 for _name, (_attention, _mask) in BACKENDS.items():
     AttentionInterface.register(_name, _attention)

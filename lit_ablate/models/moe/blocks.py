@@ -9,7 +9,10 @@ experts compute them (``moe_experts``: ``loop`` or ``grouped``).
 
 Auxiliary losses (load balancing, router z-loss) are stashed by each block during a training
 forward; the training step adds ``collect_aux_losses(model)`` to its loss. Per-expert token
-counts accumulate for ``ExpertLoadMonitor`` until it reads them.
+counts accumulate for ``ExpertLoadMonitor`` until it reads them: each training forward only writes
+its own (a compiled decoder layer that read the running sums would be compiled again whenever they
+were reset), which are added to the sums outside the layers: before the model's next forward (a
+forward pre-hook ``apply_moe`` installs) or when the sums are read.
 """
 
 from __future__ import annotations
@@ -102,6 +105,7 @@ class MoEBlock(nn.Module):
         self.dispatcher = LocalDispatcher()
         self._aux_losses: dict[str, Tensor] = {}
         self._load: Tensor | None = None  # fp64 sums since last read: [counts..., balance, z, forwards]
+        self._observed: Tensor | None = None  # the last training forward's, not yet in _load
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
@@ -127,7 +131,7 @@ class MoEBlock(nn.Module):
                 routing.counts.new_ones(1).double(),
             ]
         )
-        self._load = observed if self._load is None else self._load + observed
+        self._observed = observed  # written, never read, inside the (compiled) layer
 
     def keep_aux_losses(self, losses: dict[str, Tensor]) -> None:
         """Hold auxiliary losses computed elsewhere until ``pop_aux_losses`` (a pipeline's stages
@@ -141,6 +145,7 @@ class MoEBlock(nn.Module):
 
     def pop_load(self) -> ExpertLoad | None:
         """Token counts and mean aux losses since the last call (None when no training forward ran)."""
+        self.add_observed()
         if self._load is None:
             return None
         values, self._load = self._load.tolist(), None
@@ -151,6 +156,12 @@ class MoEBlock(nn.Module):
             values[experts + 1] / forwards,
             int(forwards),
         )
+
+    def add_observed(self) -> None:
+        """Add the last training forward's counts and losses to the sums ``pop_load`` reads."""
+        if self._observed is not None:
+            self._load = self._observed if self._load is None else self._load + self._observed
+            self._observed = None
 
 
 def moe_blocks(module: nn.Module) -> list[MoEBlock]:
@@ -213,7 +224,15 @@ def apply_moe(model: nn.Module, options: MoEOptions) -> list[MoEBlock]:
             options.experts,
             "the model has no sparse-MoE blocks; use an MoE model (e.g. preset tiny-qwen3-moe) or drop moe",
         )
+    getattr(model, "base_model", model).register_forward_pre_hook(_add_observed_before_forward)
     return blocks
+
+
+def _add_observed_before_forward(decoder: nn.Module, args: tuple) -> None:
+    """Before each forward of the decoder (eager: its layers may be compiled), the last forward's counts
+    go into the sums (``MoEBlock.add_observed``)."""
+    for block in moe_blocks(decoder):
+        block.add_observed()
 
 
 def _is_hf_moe_block(module: nn.Module) -> bool:
