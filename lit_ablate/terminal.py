@@ -58,12 +58,13 @@ class QuietProgressBar(RichProgressBar):
     def __init__(self, refresh_rate: int = 2, **kwargs: Any) -> None:
         super().__init__(refresh_rate=refresh_rate, **kwargs)
         self._metrics_due = 0.0
+        self._final_line = False
 
     def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
         items = super().get_metrics(trainer, pl_module)
         items.pop("v_num", None)
         source = next((c for c in trainer.callbacks if hasattr(c, "progress_bar_items")), None)
-        items = {**(source.progress_bar_items(trainer) if source is not None else {}), **items}
+        items = {**(source.progress_bar_items(trainer, final=self._final_line) if source is not None else {}), **items}
         if current_simulation() is not None:  # its loss is no model's: the record holds none either
             items = {k: v for k, v in items.items() if k.rsplit("/", 1)[-1] not in NOT_SIMULATED}
         return items
@@ -76,8 +77,9 @@ class QuietProgressBar(RichProgressBar):
             super()._update_metrics(trainer, pl_module)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._metrics_due = 0.0  # the epoch's last line shows its newest figures
+        self._metrics_due, self._final_line = 0.0, True  # the epoch's last line shows its last step
         super().on_train_epoch_end(trainer, pl_module)
+        self._final_line = False
 
     def _get_train_description(self, current_epoch: int) -> str:
         # Lightning's only hook for this text is this private method.

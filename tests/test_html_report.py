@@ -24,6 +24,7 @@ from lit_ablate.ablation.report import write_report
 from lit_ablate.ablation.summary import study_summary
 
 REQUIRE_ENV = "LIT_ABLATE_REQUIRE_CHROMIUM"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def chromium() -> str:
@@ -120,3 +121,37 @@ def test_a_study_summary_renders_without_optional_parts():
     html = render_html(summary)
     assert "Useful tokens/s (median" not in html and "Peak tensor memory per rank" not in html
     assert "Runs that did not finish ok" in html and html.endswith("</html>\n")
+
+
+def render_all(pages: list[Path], tmp_path: Path) -> tuple[int, list[str]]:
+    """Every page in one Chromium (one launch, not one per page): each in a frame of a wrapper page whose
+    script, once all have loaded, counts the frames whose rendered document leads with "The answer".
+    Returns that count and the console lines of every frame."""
+    frames = "".join(f'<iframe src="{page.as_uri()}"></iframe>' for page in pages)
+    wrapper = tmp_path / "all_reports.html"
+    wrapper.write_text(
+        f"<!doctype html><html><body>{frames}<script>"
+        'window.addEventListener("load", function () {'
+        '  var frames = Array.prototype.slice.call(document.querySelectorAll("iframe"));'
+        "  var answered = frames.filter(function (f) {"
+        '    var h = f.contentDocument && f.contentDocument.querySelector("h2");'
+        '    return h !== null && h.textContent.indexOf("The answer") === 0; });'
+        '  document.body.setAttribute("data-answered", String(answered.length)); });'
+        "</script></body></html>"
+    )
+    shown = browse(wrapper, tmp_path, "--dump-dom", "--allow-file-access-from-files", "--virtual-time-budget=20000")
+    found = re.search(r'data-answered="(\d+)"', shown.stdout)
+    assert found, shown.stderr[-2000:]
+    return int(found.group(1)), console_lines(shown.stderr)
+
+
+def test_every_shipped_report_renders_in_chromium_without_a_console_message(tmp_path: Path):
+    """Each study's committed ``benchmarks/results/<study>/report.html`` is what a user opens first: every
+    one renders in a real browser, leads with its answer and prints nothing on the console. Seen failing
+    with one report's script cut short (a console SyntaxError) and with a page whose first heading was not
+    the answer (one frame fewer counted)."""
+    studies = sorted(p.stem for p in (ROOT / "configs" / "studies").glob("*.yaml"))
+    pages = [ROOT / "benchmarks" / "results" / name / "report.html" for name in studies]
+    assert [p.parent.name for p in pages if not p.exists()] == []
+    answered, console = render_all(pages, tmp_path)
+    assert console == [] and answered == len(pages)

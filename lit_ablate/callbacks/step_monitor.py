@@ -108,11 +108,14 @@ class StepMonitor(Callback):
         return type(self).__name__
 
     @staticmethod
-    def progress_bar_items(trainer: Trainer) -> dict[str, float]:
+    def progress_bar_items(trainer: Trainer, final: bool = False) -> dict[str, float]:
         """What the progress bar shows of the run (``QuietProgressBar`` asks the first callback that
         answers): this rank's loss of the newest step the clock has read, a step late, so that drawing
-        it never waits for the device."""
+        it never waits for the device; ``final`` (an epoch's last line) reads the last step too, waiting
+        for the device once, so the line left on the screen is the record's last loss."""
         clock = RUNNING_CLOCKS.get(trainer)
+        if final and clock is not None:
+            clock.finish()
         latest = clock.latest() if clock is not None else None
         if latest is None or not latest.loss_units:
             return {}
