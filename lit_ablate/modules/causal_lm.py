@@ -27,6 +27,7 @@ from lit_ablate.models.moe.blocks import collect_aux_losses, experts_fallbacks, 
 from lit_ablate.modules.optim import (
     DecayShape,
     LrSchedule,
+    amp_clipping_rules_out_fused,
     build_optimizer,
     check_lr_schedule,
     check_optimizer,
@@ -311,8 +312,9 @@ class CausalLM(LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
         groups = decay_groups(self.model, self._decay_names, hp.weight_decay)
+        not_fused = amp_clipping_rules_out_fused(str(self.trainer.precision), self.trainer.gradient_clip_val)
         optimizer, self._optimizer_fallback = build_optimizer(
-            self.optimizer_name, groups, hp.learning_rate, hp.betas, self.optimizer_options
+            self.optimizer_name, groups, hp.learning_rate, hp.betas, self.optimizer_options, not_fused
         )
         self.optimizer_implementation = implementation_of(optimizer)
         total = self.trainer.estimated_stepping_batches

@@ -170,21 +170,29 @@ def check_optimizer_arguments(
 
 
 def build_optimizer(
-    name: str, groups: list[dict], lr: float, betas: tuple[float, float], options: dict[str, Any] | None = None
+    name: str,
+    groups: list[dict],
+    lr: float,
+    betas: tuple[float, float],
+    options: dict[str, Any] | None = None,
+    not_fused: str | None = None,
 ) -> tuple[torch.optim.Optimizer, str | None]:
     """Optimizer ``name`` over parameter ``groups`` (their ``weight_decay`` wins over the default),
     and the fallback it took, if any (``adamw_implementation``: warned once, for the run record).
 
     ``options`` are the class's own extra arguments (e.g. bitsandbytes' ``min_8bit_size``,
     torchao's ``block_size``, AdamW's ``fused``/``foreach``); an unknown one is refused naming
-    ``model.init_args.optimizer_options``.
+    ``model.init_args.optimizer_options``. ``not_fused``: why the run cannot take a fused AdamW
+    (``amp_clipping_rules_out_fused``), or None.
     """
     cls = import_class(OPTIMIZERS[name])
     given = options = dict(options or {})
     fallback = None
     if name == "adamw":
+        if not_fused is not None and options.get("fused"):
+            raise ConfigError(f"{OPTIMIZER_OPTIONS_KEY}.fused", True, f"{not_fused}: remove it")
         kinds = {parameter_kind(p) for group in groups for p in group["params"]}
-        implementation, fallback = adamw_implementation(kinds, options)
+        implementation, fallback = adamw_implementation(kinds, options, not_fused)
         options = {"fused": implementation == "fused", "foreach": implementation == "foreach", **options}
         if fallback:
             rank_zero_warn(fallback)
@@ -219,8 +227,21 @@ def parameter_kind(param: torch.Tensor) -> ParameterKind:
     return ParameterKind(tensor, param.device.type, param.is_floating_point())
 
 
+def amp_clipping_rules_out_fused(precision: str, gradient_clip_val: float | None) -> str | None:
+    """Why a run at ``precision`` clipping at ``gradient_clip_val`` cannot take a fused AdamW, or None:
+    Lightning's mixed-precision plugin (``16-mixed``, ``bf16-mixed``) refuses to clip gradients for an
+    optimizer that unscales them itself, which a fused AdamW declares it does, bf16's unscaled gradients
+    included ("does not allow for gradient clipping"), at the first step."""
+    if precision.endswith("-mixed") and gradient_clip_val:
+        return (
+            f"trainer.precision {precision} with trainer.gradient_clip_val {gradient_clip_val}: Lightning's "
+            "mixed-precision plugin refuses to clip for a fused optimizer"
+        )
+    return None
+
+
 def adamw_implementation(
-    kinds: Collection[ParameterKind], options: Mapping[str, Any]
+    kinds: Collection[ParameterKind], options: Mapping[str, Any], not_fused: str | None = None
 ) -> tuple[AdamWImplementation, str | None]:
     """The AdamW implementation to run over parameters of these ``kinds``, and, when the parameters
     ruled out the fused one, why (a fallback), or None.
@@ -235,6 +256,7 @@ def adamw_implementation(
       has foreach kernels (CUDA); else the for-loop. A mix of DTensors and plain tensors (a parameter a
       sharding strategy left whole) takes the for-loop: one op over a list holding both fails ("mixed
       torch.Tensor and DTensor"), and torch's own default would pick foreach.
+    - ``not_fused`` (a reason) rules the fused one out as the parameters can, and is the fallback's why.
     """
     if options.get("fused"):
         return "fused", None
@@ -246,15 +268,18 @@ def adamw_implementation(
     (device,) = devices
     tensors = {k.tensor for k in kinds}
     one_kind = tensors in ({"tensor"}, {"dtensor"})
-    fused_ok = one_kind and all(k.floating for k in kinds) and device in _get_fused_kernels_supported_devices()
+    fused_kernel = device in _get_fused_kernels_supported_devices()
+    fused_ok = not_fused is None and one_kind and all(k.floating for k in kinds) and fused_kernel
     foreach_ok = one_kind and device in _get_foreach_kernels_supported_devices()
     if fused_ok and options.get("fused") is None:
         return "fused", None
     implementation: AdamWImplementation = "foreach" if foreach_ok and options.get("foreach") is None else "for-loop"
-    if options.get("fused") is False or device not in _get_fused_kernels_supported_devices():
+    if options.get("fused") is False or not fused_kernel:
         return implementation, None  # the user's choice, or no fused kernel to fall back from
     why = (
-        "its parameters mix DTensors and plain tensors"
+        not_fused
+        if not_fused is not None
+        else "its parameters mix DTensors and plain tensors"
         if tensors == {"tensor", "dtensor"}
         else f"its parameters include {sorted(tensors - {'tensor', 'dtensor'})}"
         if not one_kind
