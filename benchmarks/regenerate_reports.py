@@ -64,7 +64,7 @@ def problems(names: list[str], results: Path = RESULTS) -> list[str]:
         if not (directory / "report.md").exists() or not (directory / "report.html").exists():
             found.append(f"{name}: no report ({directory / 'report.md'}, report.html)")
             continue
-        placed = [str(p.relative_to(results)) for p in sorted(directory.rglob("*")) if _names_a_machine_path(p)]
+        placed = [str(p.relative_to(results)) for p in committable(directory) if _names_a_machine_path(p)]
         if placed:
             found.append(f"{name}: files naming a path of this machine (a study folder must travel): {placed[:3]}")
         runs = run_commits(directory)
@@ -86,12 +86,30 @@ MACHINE_PATHS = tuple(str(p) for p in (ROOT, Path.home(), Path(sys.prefix)))
 """Absolute paths a committed study must not hold: this checkout, the home folder, the Python environment."""
 ABSOLUTE_PATH = re.compile(r"""(?:^|[\s"'(=,\[])(/(?:[\w.-]+/){2,})""", re.MULTILINE)
 """Any absolute path two folders deep, as a log line or a record holds it (another machine's checkout too)."""
+BUILD_LOCATION = re.compile(r"Triggered internally at /\S+")
+"""Where in its C++ sources torch raised a warning (``/__w/pytorch/pytorch/...``, its build machine's
+folder): part of torch's message, naming no machine a study ran on."""
+
+
+def committable(directory: Path) -> list[Path]:
+    """The files under ``directory`` that git would commit (tracked, or untracked and not ignored): what
+    travels with the study. A run's ``trainer/lightning_logs`` (ignored) stays on the machine that made it.
+    Outside a git checkout, every file."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=directory,
+        capture_output=True,
+        text=True,
+    )
+    if listed.returncode != 0:  # not a git checkout
+        return sorted(p for p in directory.rglob("*") if p.is_file())
+    return sorted(directory / name for name in listed.stdout.split("\0") if name and (directory / name).is_file())
 
 
 def _names_a_machine_path(path: Path) -> bool:
     if not path.is_file() or path.suffix == ".png":
         return False
-    text = path.read_text(errors="replace")
+    text = BUILD_LOCATION.sub("", path.read_text(errors="replace"))
     return any(f"{prefix}/" in text for prefix in MACHINE_PATHS) or ABSOLUTE_PATH.search(text) is not None
 
 
