@@ -207,7 +207,7 @@ class TensorCategoryTracker(MemTracker):
                     self._update_and_maybe_create_winfos(
                         p, extra or (("frozen_params" if frozen else owned) if own else "transient")
                     )
-                    grad = getattr(p, "grad", None)
+                    grad = p.grad if p.is_leaf else None  # a non-leaf's (FSDP1's views) has none, and asking warns
                     if grad is not None:
                         self._update_and_maybe_create_winfos(grad, extra or ("grads" if own else "transient"))
         for optimizer in self.optimizers:
