@@ -133,12 +133,10 @@ def lightning_strategy_names() -> list[str]:
 
 
 def strategy_class_path(name: str) -> str | None:
-    """The class a ``trainer.strategy`` string names, as a ``class_path``: a dotted path to a Lightning
-    ``Strategy`` class (``lit_ablate.strategies.DDPStrategy``, the README's own form) or the short name of
-    a lit-ablate strategy (``FSDP2Strategy``); None for a name Lightning resolves itself (``auto``, ``ddp``,
-    compared as Lightning compares them, case-insensitively). Lightning itself takes a string only as a
-    registry name (``invalid strategy name: 'lit_ablate.strategies.ddpstrategy'``), so the CLI builds the
-    class from this path. Raises ``ConfigError`` naming both lists for anything else."""
+    """The class a ``trainer.strategy`` string names, as a ``class_path`` (a dotted path to a Lightning
+    ``Strategy`` class, or a lit-ablate strategy's short name: Lightning takes a string only as a registry
+    name, so the CLI builds the class from this path); None for a name Lightning resolves itself (``auto``,
+    ``ddp``, case-insensitively). Raises ``ConfigError`` with the closest name, or both lists."""
     from lightning.pytorch.strategies import Strategy
 
     if name.lower() in lightning_strategy_names():

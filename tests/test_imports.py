@@ -18,3 +18,15 @@ print("LOADED", loaded)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "LOADED []" in out.stdout
+
+
+def test_no_module_is_over_600_lines():
+    """One concept per file: a module past 600 lines holds more than one (issue 51 split ``compatibility.py``,
+    1,400 lines, into the rule registry); ``run_config.py`` was 602 lines when this test was written."""
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1] / "lit_ablate"
+    long = {
+        str(p.relative_to(package)): n for p in package.rglob("*.py") if (n := len(p.read_text().splitlines())) > 600
+    }
+    assert long == {}
