@@ -506,6 +506,17 @@ ROWS: dict[str, tuple[Build, tuple[str, ...]]] = {
         ),
         ("trainer.strategy.init_args.ep=4", "cannot exceed the world size (2 ranks"),
     ),
+    "fused_adamw_clipped_in_mixed_precision": (
+        _fit(
+            "--trainer.precision",
+            "bf16-mixed",
+            "--trainer.gradient_clip_val",
+            "1.0",
+            "--model.init_args.optimizer_options",
+            "{fused: true}",
+        ),
+        ("model.init_args.optimizer_options.fused=True", "refuses to clip for a fused optimizer"),
+    ),
     "unknown_strategy_name": (
         _fit("--trainer.strategy", "lit_ablate.strategies.FSDP3Strategy"),
         ("trainer.strategy='lit_ablate.strategies.FSDP3Strategy'", "not a strategy", "did you mean FSDP2Strategy?"),

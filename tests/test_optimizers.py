@@ -392,6 +392,17 @@ def test_mixed_precision_with_clipping_takes_the_best_unfused_adamw_and_says_why
     assert any("mixed-precision plugin refuses to clip" in f for f in record["fallbacks"]), record["fallbacks"]
     with pytest.raises(ConfigError, match=r"optimizer_options\.fused=True.*gradient_clip_val 1\.0"):
         fit("adamw", {"fused": True}, steps=1, precision="bf16-mixed")
+    # and from the config alone, before any rank starts (the registry's rule; seen failing with the rule
+    # removed, as did tests/test_bad_inputs.py's row: the refusal then came from a started run)
+    from lit_ablate.rules.registry import check_run
+
+    config = {
+        "trainer": {"precision": "bf16-mixed", "gradient_clip_val": 1.0},
+        "model": {"class_path": "lit_ablate.modules.CausalLM", "init_args": {"optimizer_options": {"fused": True}}},
+    }
+    with pytest.raises(ConfigError, match=r"optimizer_options\.fused=True"):
+        check_run(config)
+    check_run({**config, "trainer": {"precision": "bf16-mixed", "gradient_clip_val": None}})
 
 
 @pytest.mark.gpu

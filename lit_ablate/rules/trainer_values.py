@@ -86,6 +86,24 @@ def training_runs(run: RunConfig) -> Refusal | None:
 
 
 @rule(Scope.CONFIG)
+def fused_adamw_is_not_clipped_in_mixed_precision(run: RunConfig) -> Refusal | None:
+    """``optimizer_options: {fused: true}`` with a mixed precision that clips: Lightning refuses to clip for a
+    fused optimizer at the first step (``amp_clipping_rules_out_fused``); refused here before any rank starts."""
+    from lit_ablate.modules.optim import OPTIMIZER_OPTIONS_KEY, amp_clipping_rules_out_fused
+
+    options = run.model.option("optimizer_options") or {}
+    why = amp_clipping_rules_out_fused(run.trainer.precision, run.trainer.gradient_clip_val)
+    if (
+        why is None
+        or not isinstance(options, dict)
+        or not options.get("fused")
+        or run.model.optimizer not in (None, "adamw")
+    ):
+        return None
+    return Refusal(f"{OPTIMIZER_OPTIONS_KEY}.fused", True, f"{why}: remove it")
+
+
+@rule(Scope.CONFIG)
 def loss_backend_is_named(run: RunConfig) -> Refusal | None:
     """A loss backend's name and options (what the module's construction refuses, before a trainer exists)."""
     if run.model.module.init_args.get("loss") is None:
