@@ -33,8 +33,9 @@ if "--trainer.default_root_dir" in sys.argv:  # as the real fit resolves it: the
     config["trainer"]["default_root_dir"] = sys.argv[sys.argv.index("--trainer.default_root_dir") + 1]
 print("recording to", os.environ[R.RECORD_PATH_ENV], file=sys.stderr)
 fake, variant, seed = config.get("fake", {}), os.environ[R.VARIANT_ENV], config["seed_everything"]
+resumed = sys.argv[sys.argv.index("--ckpt_path") + 1] if "--ckpt_path" in sys.argv else None
 with open(os.environ["FAKE_LAUNCH_LOG"], "a") as log:
-    log.write(f"{variant} {seed}\n")
+    log.write(f"{variant} {seed}" + (f" from {os.path.basename(resumed)}" if resumed else "") + "\n")
 def write(status, steps, message=None):
     summary = R.summarize_steps(steps, 1)
     summary.update(status=status, message=message, memory_method="fake")
@@ -51,6 +52,10 @@ if os.environ.get("FAKE_RANK") and os.environ.get("FAKE_HANG") == variant:  # a 
 with open(os.environ[R.RECORD_PATH_ENV] + ".pid", "w") as pid:
     pid.write(str(os.getpid()))
 if os.environ.get("FAKE_HANG") == variant:
+    if os.environ.get("FAKE_CHECKPOINT"):  # a run that saved a checkpoint before it hung
+        folder = os.path.join(config["trainer"]["default_root_dir"], "checkpoints")
+        os.makedirs(folder, exist_ok=True)
+        open(os.path.join(folder, "step=2.ckpt"), "w").close()
     time.sleep(60)
 if fake.get("crash"):
     raise RuntimeError("fake crash in " + variant)
@@ -92,6 +97,7 @@ def install_fake_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[st
     monkeypatch.setenv("FAKE_LAUNCH_LOG", str(tmp_path / "launches.log"))
     monkeypatch.delenv("FAKE_HANG", raising=False)
     monkeypatch.delenv("FAKE_RANK", raising=False)
+    monkeypatch.delenv("FAKE_CHECKPOINT", raising=False)
     # the machine's load unknown: no pair left out for it, whatever else runs here (test_turns.py tests that)
     monkeypatch.setattr(machine_load, "sample", lambda **kwargs: None)
     return [sys.executable, str(script)]
@@ -116,6 +122,22 @@ def make_spec(variants: list[dict], base: dict = BASE, **extra):
         **extra,
     }
     return parse_study(raw)
+
+
+def kill_when_started(pid_file: Path) -> threading.Thread:
+    """A thread that SIGKILLs the stand-in fit whose pid ``pid_file`` will hold once it started (as the OOM
+    killer, a user or a pre-empted node would)."""
+
+    def kill() -> None:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+    killer = threading.Thread(target=kill)
+    killer.start()
+    return killer
 
 
 def record(out: Path, variant: str, seed: int = 0) -> dict:
@@ -325,17 +347,7 @@ def test_run_killed_by_a_signal_is_redone_on_resume(
     """A run killed from outside (SIGKILL, as the OOM killer or a user would) is interrupted, not failed."""
     monkeypatch.setenv("FAKE_HANG", "victim")
     out = tmp_path / "study"
-    pid_file = out / "runs" / "victim" / "seed0" / "run.json.pid"
-
-    def kill_when_started() -> None:
-        deadline = time.monotonic() + 60
-        while not pid_file.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.2)
-        os.kill(int(pid_file.read_text()), signal.SIGKILL)
-
-    killer = threading.Thread(target=kill_when_started)
-    killer.start()
+    killer = kill_when_started(out / "runs" / "victim" / "seed0" / "run.json.pid")
     spec = make_spec([{"name": "victim"}, {"name": "next", "overrides": {"model.init_args.lr": 0.2}}])
     run_study(spec, out, fake_fit, fake_resolve)
     killer.join()

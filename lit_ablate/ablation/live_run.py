@@ -14,6 +14,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from lit_ablate import machine_load
@@ -27,19 +28,30 @@ PROGRESS_FILENAME = "progress.json"
 
 
 class LiveRun:
-    """Starts ``run``'s fit process (``run`` prepared, its folder's ``lock`` held) with ``environment`` added."""
+    """Starts ``run``'s fit process (``run`` prepared, its folder's ``lock`` held) with ``environment`` added;
+    from its checkpoint ``resume_from``, appending to the earlier attempt's logs."""
 
     def __init__(
-        self, run: PlannedRun, fit_command: Sequence[str], lock: RunLock, environment: Mapping[str, str] | None = None
+        self,
+        run: PlannedRun,
+        fit_command: Sequence[str],
+        lock: RunLock,
+        environment: Mapping[str, str] | None = None,
+        resume_from: Path | None = None,
     ) -> None:
         self.run = run
         self.progress_path = run.run_dir / PROGRESS_FILENAME
         self.progress_path.unlink(missing_ok=True)
         env = {**os.environ, **run_environment(run), PROGRESS_PATH_ENV: str(self.progress_path), **(environment or {})}
         self.started = time.monotonic()
-        with open(run.run_dir / "stdout.log", "w") as out, open(run.run_dir / "stderr.log", "w") as err:
+        mode = "w" if resume_from is None else "a"
+        with open(run.run_dir / "stdout.log", mode) as out, open(run.run_dir / "stderr.log", mode) as err:
+            if resume_from is not None:
+                for log in (out, err):
+                    log.write(f"--- resuming from {resume_from} ---\n")
+                    log.flush()
             self.process = subprocess.Popen(  # the child holds its own copies of the logs
-                fit_arguments(run, fit_command),
+                fit_arguments(run, fit_command, resume_from),
                 stdout=out,
                 stderr=err,
                 stdin=subprocess.DEVNULL,

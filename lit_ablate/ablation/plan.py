@@ -223,13 +223,15 @@ def config_text(config: dict[str, Any]) -> str:
     return yaml.safe_dump(config, sort_keys=False)
 
 
-def describe(runs: Sequence[PlannedRun], kept: Mapping[str, str] | None = None) -> str:
+def describe(
+    runs: Sequence[PlannedRun], kept: Mapping[str, str] | None = None, resumes: Mapping[str, str] | None = None
+) -> str:
     """The plan as a table, one row per run (``--dry-run``): its ranks (devices x nodes) and
     accelerator, what it changes from the base config, and what will happen to it: ``run``,
     ``skip: why`` (its parts cannot run, together or there), ``fails: why`` (its config does not resolve,
-    or a rule finds a mistake in it) or ``done`` (``kept``: label -> status of a finished record that a
-    resume keeps)."""
-    kept = kept or {}
+    or a rule finds a mistake in it), ``done`` (``kept``: label -> status of a finished record that a
+    resume keeps) or ``resume from`` (``resumes``: label -> the checkpoint an unfinished run continues from)."""
+    kept, resumes = kept or {}, resumes or {}
     rows = [("run", "ranks", "device", "changes from the base config", "plan")]
     for run in runs:
         trainer, simulation = run.view.trainer, run.view.simulation
@@ -246,6 +248,8 @@ def describe(runs: Sequence[PlannedRun], kept: Mapping[str, str] | None = None) 
             if run.invalid
             else f"done ({kept[run.label]}, kept)"
             if run.label in kept
+            else f"resume from {resumes[run.label]}"
+            if run.label in resumes
             else "run"
         )
         rows.append((run.label, ranks, trainer.accelerator_name, overrides or "(base config)", state))

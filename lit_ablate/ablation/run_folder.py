@@ -17,9 +17,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 import lit_ablate
 from lit_ablate import record as run_record
-from lit_ablate.ablation.attempts import ATTEMPTS_DIRNAME
+from lit_ablate.ablation.attempts import ATTEMPTS_DIRNAME, keep_attempt, newest_checkpoint
+from lit_ablate.ablation.layout_change import trains_the_same
 from lit_ablate.ablation.plan import PlannedRun, config_text, trainer_root, write_config
 from lit_ablate.ablation.portable_paths import absolute_paths, make_logs_portable, portable
 from lit_ablate.trackers import TRACKERS_BY_RUNNER_ENV
@@ -31,14 +34,21 @@ FAILED_STATUSES = ("error", "oom", "timeout")
 RUNNER_STATUSES = ("timeout", "skipped", "interrupted", "preempted")
 """Statuses only the runner writes (a run cannot know it was skipped, timed out, interrupted or
 pre-empted by a scheduler). ``interrupted`` and ``preempted`` runs are redone on resume."""
+UNFINISHED_STATUSES = ("interrupted", "preempted", "running")
+"""A run stopped before its end (``running``: its runner died with it): the next invocation continues it
+from its newest checkpoint, if it wrote one."""
 OOM_PATTERN = re.compile(r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory|HIP out of memory")
 STDERR_TAIL_LINES = 40
 
 
-def prepare(run: PlannedRun) -> dict[str, Any] | None:
-    """Clear what an earlier attempt left and write the run's config; a run that cannot start
-    (skipped or invalid) gets its final record here, which is returned."""
-    _clear(run)
+def prepare(run: PlannedRun, resume_from: Path | None = None) -> dict[str, Any] | None:
+    """Clear what an earlier attempt left (or, for a run resuming from its checkpoint ``resume_from``,
+    keep its checkpoints and the attempt's record, ``attempts``) and write the run's config; a run that
+    cannot start (skipped or invalid) gets its final record here, which is returned."""
+    if resume_from is None:
+        _clear(run)
+    else:
+        keep_attempt(run.run_dir)
     write_config(run.run_dir / "config.yaml", run.config)
     if run.skip_reason or run.invalid:
         (run.run_dir / "stderr.log").write_text((run.invalid or "") + "\n")
@@ -59,15 +69,16 @@ def run_environment(run: PlannedRun) -> dict[str, str]:
     }
 
 
-def fit_arguments(run: PlannedRun, fit_command: Sequence[str]) -> list[str]:
+def fit_arguments(run: PlannedRun, fit_command: Sequence[str], resume_from: Path | None = None) -> list[str]:
     """The fit command of ``run``: its ``config.yaml``, whose trainer root is relative to the study folder
-    (the folder can move), made absolute for the process wherever it starts."""
+    (the folder can move), made absolute for the process wherever it starts; ``resume_from`` its checkpoint."""
     return [
         *fit_command,
         "--config",
         str(run.run_dir / "config.yaml"),
         "--trainer.default_root_dir",
         str(trainer_dir(run)),
+        *(["--ckpt_path", str(resume_from)] if resume_from is not None else []),
     ]
 
 
@@ -127,11 +138,24 @@ def finalise(
 
 
 def previous_record(run: PlannedRun) -> dict[str, Any] | None:
-    """The record of an earlier invocation of this exact run (same config), if there is one."""
+    """The record of an earlier invocation of this run, if there is one: of the same config, or of one that
+    trains the same on another layout (``layout_change``: a study started again on fewer ranks)."""
     config = run.run_dir / "config.yaml"
-    if not config.is_file() or config.read_text() != config_text(run.config):
+    if not config.is_file():
+        return None
+    text = config.read_text()
+    if text != config_text(run.config) and not trains_the_same(yaml.safe_load(text) or {}, run.config):
         return None
     return _read(run.run_dir / run_record.RECORD_FILENAME)
+
+
+def checkpoint_to_resume(run: PlannedRun) -> Path | None:
+    """The newest complete checkpoint of an earlier invocation of ``run`` that stopped before its end, to
+    continue from on this invocation's layout; None: the run starts from its first step."""
+    previous = previous_record(run)
+    if previous is None or previous.get("summary", {}).get("status") not in UNFINISHED_STATUSES:
+        return None
+    return newest_checkpoint(trainer_dir(run))
 
 
 def is_kept(record: dict[str, Any], run: PlannedRun, retry_failed: bool) -> bool:

@@ -6,9 +6,10 @@ and finalised by ``run_folder``, as for a run on SLURM). A run that crashes, run
 passes ``timeout_s`` is recorded with that status and the tail of its stderr, and the study goes on.
 A run is its own process group, so a timeout, Ctrl-C, SIGTERM or SIGHUP stops it with every rank
 Lightning's launcher started, and it never outlives the runner, even a SIGKILLed one
-(``run_folder_lock``); an interrupted run is recorded as ``interrupted`` and redone by the next
-invocation, while finished records are never touched again (unless their config changed, or
-``retry_failed``).
+(``run_folder_lock``); an interrupted run is recorded as ``interrupted`` and continued by the next
+invocation from its newest checkpoint (from its first step if it wrote none; runs measured in turns
+start their seed's turns over), while finished records are never touched again (unless their config
+changed other than in its layout, ``layout_change``, or ``retry_failed``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from lit_ablate import machine_load
 from lit_ablate.ablation.interleaving import Interleaving
 from lit_ablate.ablation.live_run import LiveRun
 from lit_ablate.ablation.plan import PlannedRun
-from lit_ablate.ablation.run_folder import is_kept, prepare, previous_record
+from lit_ablate.ablation.run_folder import checkpoint_to_resume, is_kept, prepare, previous_record
 from lit_ablate.ablation.run_folder_lock import run_lock
 from lit_ablate.ablation.slurm import run_on_cluster
 from lit_ablate.ablation.turns import run_in_turns
@@ -95,6 +96,9 @@ def run_runs(
         else:
             for run in pending:
                 started = time.monotonic()
+                checkpoint = checkpoint_to_resume(run)
+                if checkpoint is not None:
+                    console.print(f"{run.label}: resumes from {checkpoint}", markup=False)
                 lines.start(run, runs.index(run))
                 records[run.label] = execute(run, fit_command, watch=lines.watch)
                 lines.finished(time.monotonic() - started)
@@ -196,14 +200,17 @@ def execute(run: PlannedRun, fit_command: Sequence[str], watch: Watch | None = N
     ``watch`` sees its progress while it runs. The run is its seed's one block of speed
     (``interleave: runs``), with the load other processes put on the machine meanwhile.
 
-    Everything happens under the run folder's lock (``single_writer``): no other runner, and no
-    leftover process of an earlier run, writes into the folder meanwhile.
+    A run an earlier invocation left unfinished continues from its newest checkpoint, on this
+    invocation's layout (``layout_change``). Everything happens under the run folder's lock
+    (``single_writer``): no other runner, and no leftover process of an earlier run, writes into the
+    folder meanwhile.
     """
     with run_lock(run.run_dir) as lock:
-        unrunnable = prepare(run)
+        resume_from = None if run.skip_reason or run.invalid else checkpoint_to_resume(run)
+        unrunnable = prepare(run, resume_from)
         if unrunnable is not None:
             return unrunnable
-        live = LiveRun(run, fit_command, lock)
+        live = LiveRun(run, fit_command, lock, resume_from=resume_from)
         start = live.cpu_sample()
         try:
             _wait(live.process, run.launch.timeout_s, lambda: watch(live.progress()) if watch else None)
@@ -212,7 +219,7 @@ def execute(run: PlannedRun, fit_command: Sequence[str], watch: Watch | None = N
             return live.finish("timeout", f"exceeded launch.timeout_s={run.launch.timeout_s:g}")
         except KeyboardInterrupt:
             live.stop()
-            live.finish("interrupted", "stopped by Ctrl-C / SIGTERM; redone on resume")
+            live.finish("interrupted", "stopped by Ctrl-C / SIGTERM; continued on resume")
             raise
         end = live.cpu_sample()
         block = {

@@ -26,6 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lit_ablate.ablation.layout_change import ranks
+
 FASTER, SLOWER, SAME, INCONCLUSIVE = "faster", "slower", "no difference detected", "inconclusive"
 VERDICTS = (FASTER, SLOWER, SAME, INCONCLUSIVE)
 SPEED_SERIES = "useful_tokens_per_sec"
@@ -110,8 +112,9 @@ def block_speed(record: Mapping[str, Any], block: Mapping[str, Any]) -> float | 
 
 
 def blocks_of(record: Mapping[str, Any]) -> dict[tuple[str, int], dict[str, Any]]:
-    """The record's measured blocks keyed by ``(group, round)``, each with its ``speed``. A record
-    without blocks (a SLURM job, an older record) is one block of its seed, like ``interleave: runs``."""
+    """The record's measured blocks keyed by ``(group, round)``, each with its ``speed`` and the ``ranks``
+    it ran on. A record without blocks (a SLURM job, an older record) is one block of its seed, like
+    ``interleave: runs``."""
     section = record.get("speed_blocks") or {
         "group": "runs",
         "blocks": [{"round": record.get("seed") or 0, "first_step": None, "last_step": None}],
@@ -120,20 +123,30 @@ def blocks_of(record: Mapping[str, Any]) -> dict[tuple[str, int], dict[str, Any]
     for block in section.get("blocks", []):
         speed = block_speed(record, block)
         if speed is not None:
-            keyed[(section.get("group", ""), block["round"])] = {**block, "speed": speed}
+            keyed[(section.get("group", ""), block["round"])] = {**block, "speed": speed, "ranks": ranks(record)}
     return keyed
 
 
 def judge_speed(
-    variant_records: Sequence[Mapping[str, Any]], baseline_records: Sequence[Mapping[str, Any]], design: SpeedDesign
+    variant_records: Sequence[Mapping[str, Any]],
+    baseline_records: Sequence[Mapping[str, Any]],
+    design: SpeedDesign,
+    same_ranks: bool = True,
 ) -> dict[str, Any]:
-    """The variant's speed ratio to the baseline, its interval and verdict, and what was left out."""
+    """The variant's speed ratio to the baseline, its interval and verdict, and what was left out.
+
+    ``same_ranks``: the study runs the two variants on as many ranks, so a pair measured on different
+    numbers (a study started again on another layout, ``layout_change``) compares layouts, and is left out.
+    """
     mine = {key: block for record in variant_records for key, block in blocks_of(record).items()}
     theirs = {key: block for record in baseline_records for key, block in blocks_of(record).items()}
     paired = sorted(set(mine) & set(theirs), key=lambda key: (key[0], key[1]))
-    ratios, loaded = [], 0
+    ratios, loaded, other_layout = [], 0, 0
     for key in paired:
         a, b = mine[key], theirs[key]
+        if same_ranks and a["ranks"] != b["ranks"]:
+            other_layout += 1
+            continue
         load_a, load_b = a.get("foreign_cores"), b.get("foreign_cores")
         if load_a is not None and load_b is not None and abs(load_a - load_b) > design.load_tolerance:
             loaded += 1
@@ -146,6 +159,7 @@ def judge_speed(
         "confidence": None,
         "pairs": len(ratios),
         "excluded_for_load": loaded,
+        "excluded_for_layout": other_layout,
         "unpaired": len(set(mine) ^ set(theirs)),
     }
     needed = min_pairs(design.confidence)
@@ -154,6 +168,8 @@ def judge_speed(
         reason = f"{len(ratios)} paired block(s), {needed} needed for a {design.confidence:.0%} interval"
         if loaded:
             reason += f" ({loaded} left out: measured under different load from other processes)"
+        if other_layout:
+            reason += f" ({other_layout} left out: measured on different numbers of ranks)"
         return {**result, "verdict": INCONCLUSIVE, "reason": reason}
     low, high, achieved = interval
     result.update(low=low, high=high, confidence=achieved)

@@ -39,6 +39,8 @@ ENVIRONMENT_KEYS = (
     "triton_kernels",
 )
 """Environment fields that must agree for records to be comparable (world size may vary by design)."""
+RANK_KEYS = ("trainer.devices", "trainer.num_nodes", "trainer")
+"""A study variable among these varies its runs' ranks by design (their speeds are then compared across them)."""
 
 
 def study_summary(plan: Mapping[str, Any] | None, runs: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str, Any]:
@@ -55,9 +57,16 @@ def study_summary(plan: Mapping[str, Any] | None, runs: Sequence[tuple[str, Mapp
     base = next((v for v in variants if v["name"] == baseline), None)
     agreement, gradients = plan.get("expect_equal_loss"), plan.get("expect_equal_gradients")
     design = SpeedDesign(**(plan.get("speed") or {}))
+    launches = {v["name"]: _ranks_asked(v.get("launch") or {}) for v in plan.get("variants", [])}
+    ranks_vary = any(key in RANK_KEYS for key in plan.get("variables", []))
     for variant in variants:
         variant["speed"] = (
-            judge_speed(_ok(by_variant.get(variant["name"], [])), _ok(by_variant.get(baseline, [])), design)
+            judge_speed(
+                _ok(by_variant.get(variant["name"], [])),
+                _ok(by_variant.get(baseline, [])),
+                design,
+                same_ranks=not ranks_vary and launches.get(variant["name"]) == launches.get(baseline),
+            )
             if variant is not base
             else None
         )
@@ -308,6 +317,11 @@ def _relative_to(variant: Mapping[str, Any], base: Mapping[str, Any] | None) -> 
         "memory_ratio": ratio("peak_tensor_bytes") if variant.get("peak_tensor_bytes") else None,
         "process_memory_ratio": ratio("peak_memory_bytes"),
     }
+
+
+def _ranks_asked(launch: Mapping[str, Any]) -> tuple[Any, ...]:
+    """The ranks a variant's ``launch`` asks for (None: its config's)."""
+    return tuple(launch.get(key) for key in ("devices", "num_nodes", "simulate"))
 
 
 def _ok(runs: Sequence[tuple[str, Mapping[str, Any]]]) -> list[Mapping[str, Any]]:

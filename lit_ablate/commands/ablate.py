@@ -26,7 +26,7 @@ from lit_ablate.ablation.interleaving import interleaving
 from lit_ablate.ablation.plan import PlannedRun, Resolver, describe, plan_study
 from lit_ablate.ablation.portable_paths import portable
 from lit_ablate.ablation.report import PLAN_FILENAME, write_report
-from lit_ablate.ablation.run_folder import is_kept, previous_record
+from lit_ablate.ablation.run_folder import checkpoint_to_resume, is_kept, previous_record
 from lit_ablate.ablation.runner import run_runs
 from lit_ablate.ablation.slurm import require_submitit
 from lit_ablate.ablation.spec import StudySpec, load_study
@@ -188,10 +188,16 @@ def dry_run(full: StudySpec, spec: StudySpec, runs: list[PlannedRun], output_dir
         previous = previous_record(run)
         if previous is not None and is_kept(previous, run, retry_failed):
             kept[run.label] = previous["summary"]["status"]
-    lines.append(describe(runs, kept))
+    resumes = {
+        run.label: os.path.relpath(checkpoint, output_dir)
+        for run in runs
+        if run.label not in kept and (checkpoint := checkpoint_to_resume(run)) is not None
+    }
+    lines.append(describe(runs, kept, resumes))
     lines.append(interleaving(spec.speed, runs).describe())
     counts = {
-        "would run": sum(not (r.skip_reason or r.invalid or r.label in kept) for r in runs),
+        "would run": sum(not (r.skip_reason or r.invalid or r.label in kept or r.label in resumes) for r in runs),
+        "would resume from a checkpoint": len(resumes),
         "skipped": sum(bool(r.skip_reason) for r in runs),
         "would fail (bad config)": sum(bool(r.invalid) for r in runs),
         "already done (kept)": len(kept),
