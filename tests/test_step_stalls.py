@@ -54,6 +54,11 @@ WARMUP, STEPS, PROFILED = 3, 50, 10
 a sync a step makes shows in every step, and reading the profile back costs about 0.2 s of CPU per
 profiled step here (10 s of the test at 50), so the profile covers the last ten. Compiles, recompiles
 and graph breaks are counted over the whole fit."""
+LIGER_STEPS = 20
+"""The Liger step's: each runs Liger's kernels in Triton's interpreter, one program at a time in Python
+(~0.45 s a step: 50 steps cost its test 42 s, 20 cost 28). Its rows are packed from shorter documents
+over smaller windows (``packed_documents``), so these steps still bring a new width nearly every step (11
+in 23); the dense, MoE and DPO steps are checked over ``STEPS``."""
 QWEN3 = {
     "model_type": "qwen3",
     "vocab_size": 320,
@@ -83,12 +88,14 @@ counted labels in its forward (``.item()``) and compares the incoming gradient w
 (``torch.equal``). Not lit-ablate's to remove; named so that any other shows."""
 
 
-def packed_documents(rows: int = 2, seq_len: int = 128, static_shape: bool = False) -> LMDataModule:
-    """``rows`` rows of at most ``seq_len`` tokens per batch, packed first-fit-decreasing from synthetic
-    documents of log-normal lengths; each batch as wide as its longest row, or ``seq_len`` wide with
-    ``static_shape``."""
-    source = SyntheticText(num_documents=600, seed=0, median_sentences=2.0, length_sigma=1.0)
-    collator = PackingCollator(strategy="ffd", window=64, static_shape=static_shape)
+def packed_documents(
+    rows: int = 2, seq_len: int = 128, static_shape: bool = False, window: int = 64, median_sentences: float = 2.0
+) -> LMDataModule:
+    """``rows`` rows of at most ``seq_len`` tokens per batch, packed first-fit-decreasing (over ``window``
+    documents at a time) from synthetic documents of log-normal lengths; each batch as wide as its longest
+    row, or ``seq_len`` wide with ``static_shape``."""
+    source = SyntheticText(num_documents=600, seed=0, median_sentences=median_sentences, length_sigma=1.0)
+    collator = PackingCollator(strategy="ffd", window=window, static_shape=static_shape)
     return LMDataModule(source, format="documents", seq_len=seq_len, batch_size=rows, collator=collator)
 
 
@@ -98,15 +105,17 @@ def packed_pairs() -> LMDataModule:
     return LMDataModule(source, format="preference", seq_len=64, batch_size=1, collator=collator)
 
 
-def step_counts(tmp_path: Path, module: CausalLM, data: LMDataModule, precision: str = "32-true") -> dict[str, Any]:
-    """``STEPS`` steps after ``WARMUP`` of ``module`` on ``data``, the last ``PROFILED`` profiled: the run
+def step_counts(
+    tmp_path: Path, module: CausalLM, data: LMDataModule, precision: str = "32-true", steps: int = STEPS
+) -> dict[str, Any]:
+    """``steps`` steps after ``WARMUP`` of ``module`` on ``data``, the last ``PROFILED`` profiled: the run
     record's ``profile`` and its per-step tokens (how many distinct row widths the steps had). Compiled
     code of earlier fits in this process is forgotten first: a layer class compiled before would make
     this fit's first compile of the same frame count as a recompile."""
     torch._dynamo.reset()
     L.seed_everything(0)
     trainer = L.Trainer(
-        max_steps=WARMUP + STEPS,
+        max_steps=WARMUP + steps,
         accelerator="cpu",
         precision=precision,
         gradient_clip_val=1.0,
@@ -119,7 +128,7 @@ def step_counts(tmp_path: Path, module: CausalLM, data: LMDataModule, precision:
             MFUMonitor(ceiling_tflops=1.0),  # given: no sweep before the first step, no re-measure inside one
             MemoryMonitor(),
             QuietProgressBar(),
-            KernelProfile(start_step=WARMUP + STEPS - PROFILED + 1, num_steps=PROFILED),
+            KernelProfile(start_step=WARMUP + steps - PROFILED + 1, num_steps=PROFILED),
             RunRecorder(path=str(tmp_path / "run.json"), warmup_steps=WARMUP),
         ],
     )
@@ -223,12 +232,13 @@ import lit_ablate  # first: under the opt-in it sets TRITON_INTERPRET before tri
 import functools, json, sys, pathlib
 from lit_ablate.models import compiled_layers
 from lit_ablate.modules import causal_lm
-from tests.test_step_stalls import QWEN3, packed_documents, step_counts
+from tests.test_step_stalls import LIGER_STEPS, QWEN3, packed_documents, step_counts
 from lit_ablate.models.factory import ModelFactory
 causal_lm.compile_decoder_layers = functools.partial(compiled_layers.compile_decoder_layers, backend="aot_eager")
 module = causal_lm.CausalLM(ModelFactory(config=QWEN3, attn_implementation="sdpa_packed"), loss="liger",
                             compile=True, warmup_steps=0)
-print(json.dumps(step_counts(pathlib.Path(sys.argv[1]), module, packed_documents(rows=1, seq_len=64))))
+data = packed_documents(rows=1, seq_len=64, window=8, median_sentences=1.0)  # 11 widths in 23 steps
+print(json.dumps(step_counts(pathlib.Path(sys.argv[1]), module, data, steps=LIGER_STEPS)))
 """
 
 
