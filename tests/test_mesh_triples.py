@@ -20,6 +20,7 @@ from lit_ablate.models.moe.blocks import collect_aux_losses
 from lit_ablate.strategies import MeshParallelStrategy
 from lit_ablate.strategies.step_objective import StepObjective
 from tests.distributed import run_ranks
+from tests.shards import local_parts
 from tests.test_pipeline_mesh import (
     BATCHES,
     assert_trains_one_process_model,
@@ -74,10 +75,7 @@ def _mesh_run(rank: int, world_size: int, model_name: str, batch_name: str, size
         "losses": losses,
         "eval": (sums[0] / sums[1]).item(),
         "local_numel": sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters()),
-        "weights": {
-            k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-            for k, v in model.state_dict().items()
-        },
+        "weights": local_parts(model.state_dict()),
     }
 
 

@@ -31,6 +31,7 @@ from lit_ablate.strategies import MeshParallelStrategy
 from lit_ablate.strategies.pipeline_parallel import PipelineParallelStrategy
 from lit_ablate.strategies.step_objective import StepObjective
 from tests.distributed import run_ranks
+from tests.shards import local_parts, whole_weights
 from tests.test_pipeline_parallel import (
     ATOL,
     LR,
@@ -179,10 +180,7 @@ def _mesh_pipeline_run(
         "batch_replicas": strategy.batch_replicas,
         "sampler": strategy.distributed_sampler_kwargs,
         "local_numel": sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters()),
-        "weights": {
-            k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-            for k, v in model.state_dict().items()
-        },
+        "weights": local_parts(model.state_dict()),
     }
 
 
@@ -192,7 +190,9 @@ def assert_trains_one_process_model(
     """Every rank's losses and evaluation are one process's; every weight is held by the ``holders``
     ranks of its stage, each equal to one process's; the ranks hold ``split`` copies of the model
     between them (1: every element on one rank; replicated norms and biases add under 1%), routed
-    experts ``expert_copies`` times (tensor parallelism keeps them whole on each tp rank)."""
+    experts ``expert_copies`` times (tensor parallelism keeps them whole on each tp rank). The ranks' weights
+    are their local parts (``shards.local_parts``), put together here."""
+    ranks = whole_weights(ranks)
     whole = sum(w.numel() for w in reference["weights"].values())
     experts = sum(w.numel() for name, w in reference["weights"].items() if ".mlp.experts." in name)
     expected = split * (whole + (expert_copies - 1) * experts)

@@ -82,12 +82,13 @@ def reference() -> dict:
 def assert_copies_equal(ranks: list[dict]) -> None:
     """The embedding's copy (first stage) and the LM head's (last stage) hold the same values, bit for
     bit: they started from one matrix and took the same updates. The first stage's ranks come first (pp
-    outermost), and each holds the embedding at the same mesh coordinate as its last-stage peer."""
+    outermost), and each holds its part of the embedding at the same mesh coordinate as its last-stage peer
+    (``shards.local_parts``: the part, its global shape and offset)."""
     firsts = [r["weights"][EMBEDDING] for r in ranks if EMBEDDING in r["weights"]]
     lasts = [r["weights"][HEAD] for r in ranks if HEAD in r["weights"]]
     assert firsts and len(firsts) == len(lasts)
-    for embedding, head in zip(firsts, lasts, strict=True):
-        assert torch.equal(embedding, head)
+    for (embedding, *where), (head, *head_where) in zip(firsts, lasts, strict=True):
+        assert torch.equal(embedding, head) and where == head_where
 
 
 @pytest.mark.parametrize("run", list(TWO_RANKS))

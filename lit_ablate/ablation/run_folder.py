@@ -21,7 +21,7 @@ import yaml
 
 import lit_ablate
 from lit_ablate import record as run_record
-from lit_ablate.ablation.attempts import ATTEMPTS_DIRNAME, keep_attempt, newest_checkpoint
+from lit_ablate.ablation.attempts import ATTEMPTS_DIRNAME, keep_attempt, newest_checkpoint, stitched_steps
 from lit_ablate.ablation.layout_change import trains_the_same
 from lit_ablate.ablation.plan import PlannedRun, config_text, trainer_root, write_config
 from lit_ablate.ablation.portable_paths import absolute_paths, make_logs_portable, portable
@@ -94,6 +94,9 @@ def finalise(
     local runner, ``speed_blocks``: the blocks its speed was measured in, ``speed_verdict``), its paths and
     logs made portable (``portable_paths``: the study folder can move).
 
+    A run resumed from a checkpoint gets one loss curve: the steps its checkpoint carried, then its own
+    (``attempts.stitched_steps``).
+
     ``status`` given: the runner decided it (skipped/timeout/interrupted/invalid). Otherwise the
     exit code and the run's record decide: exit 0 with an ``ok`` record is ``ok``; ``oom`` when
     the record or stderr shows an out-of-memory error; ``interrupted`` (redone on resume) when a
@@ -125,7 +128,7 @@ def finalise(
             if returncode == 0:
                 message = f"exited 0 without finishing its run record ({message})"
             message = message or f"exit code {returncode}"
-    record.update(variant=run.variant.name, seed=run.seed)
+    record.update(variant=run.variant.name, seed=run.seed, steps=stitched_steps(record))
     if speed_blocks is not None:
         record["speed_blocks"] = dict(speed_blocks)
     summary.update(status=status, message=message, returncode=returncode, stderr_tail=None if status == "ok" else tail)

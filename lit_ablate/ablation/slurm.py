@@ -36,7 +36,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from lit_ablate import record as run_record
-from lit_ablate.ablation.attempts import restarts, stitched_steps
+from lit_ablate.ablation.attempts import restarts
 from lit_ablate.ablation.job_states import GONE, job_states
 from lit_ablate.ablation.plan import PlannedRun, config_text
 from lit_ablate.ablation.run_folder import (
@@ -371,7 +371,6 @@ def _collect(run: PlannedRun, job: Any, state: str) -> dict[str, Any]:
         reason = (own.get("status") in FAILED_STATUSES and own.get("message")) or last_line(tail) or detail
         status, message = "error", f"{ended}: {reason or 'it ended without its result'}"
     record = finalise(run, returncode, status, message, tail or detail)
-    record["steps"] = stitched_steps(record)
     ranks = sorted(
         (json.loads(p.read_text()) for p in (run.run_dir / SUBMITIT_DIRNAME).glob("rank*.json")),
         key=lambda placement: placement["rank"],
