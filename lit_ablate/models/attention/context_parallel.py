@@ -108,40 +108,44 @@ def _attend(
     return out.transpose(1, 2).contiguous(), None
 
 
-def ring_attention_backend(
-    module: nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attention_mask: Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    position_ids: Tensor | None = None,
-    sliding_window: int | None = None,
-    **kwargs: Any,
-) -> tuple[Tensor, None]:
-    """The ``ring`` backend: K/V passed around the context-parallel ranks (``ring_attention``)."""
-    return _attend(
-        ring_attention, module, query, key, value, attention_mask, dropout, scaling, position_ids, sliding_window
-    )
+class ContextParallelBackend:
+    """A context-parallel attention backend in transformers' attention interface: ``[B, H, T, D]`` inputs ->
+    ``[B, T, H, D]`` output, this rank's queries attending over the keys of every rank of its group by
+    ``implementation`` (``ring_attention``: K/V passed around the ranks; ``allgather_attention``: every rank
+    gathers all K/V)."""
+
+    def __init__(self, implementation: Callable[..., Tensor]) -> None:
+        self.implementation = implementation
+
+    def __call__(
+        self,
+        module: nn.Module,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        position_ids: Tensor | None = None,
+        sliding_window: int | None = None,
+        **kwargs: Any,
+    ) -> tuple[Tensor, None]:
+        return _attend(
+            self.implementation,
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout,
+            scaling,
+            position_ids,
+            sliding_window,
+        )
 
 
-def allgather_attention_backend(
-    module: nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attention_mask: Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    position_ids: Tensor | None = None,
-    sliding_window: int | None = None,
-    **kwargs: Any,
-) -> tuple[Tensor, None]:
-    """The ``allgather`` backend: every rank gathers all K/V (``allgather_attention``)."""
-    return _attend(
-        allgather_attention, module, query, key, value, attention_mask, dropout, scaling, position_ids, sliding_window
-    )
+ring_attention_backend = ContextParallelBackend(ring_attention)
+allgather_attention_backend = ContextParallelBackend(allgather_attention)
 
 
 CONTEXT_PARALLEL_BACKENDS: dict[str, Callable[..., tuple[Tensor, None]]] = {
