@@ -220,7 +220,7 @@ def hand_loop_run(args: argparse.Namespace) -> Side:
 
     from lit_ablate.callbacks.step_clock import clock_for
     from lit_ablate.estimate.flops import batch_model_flops
-    from lit_ablate.modules.optim import build_optimizer, decay_groups, decay_names, lr_scheduler
+    from lit_ablate.modules.optim import build_optimizer, decay_groups, decay_names
 
     device = torch.device(args.device)
     with tempfile.TemporaryDirectory() as root:
@@ -238,15 +238,7 @@ def hand_loop_run(args: argparse.Namespace) -> Side:
         hp.betas,
         module.optimizer_options,
     )
-    scheduler = lr_scheduler(
-        optimizer,
-        hp.lr_schedule,
-        hp.warmup_steps,
-        scheduled_steps(args),
-        hp.min_lr_ratio,
-        hp.decay_fraction,
-        hp.decay_shape,
-    )
+    scheduler = module.learning_rate_schedule.scheduler(optimizer, scheduled_steps(args))
     side = Side()
     batches = iter(data.train_dataloader())
     model.train()

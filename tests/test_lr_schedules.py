@@ -31,7 +31,7 @@ from lit_ablate.callbacks import RunRecorder
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.modules import DPO, CausalLM
-from lit_ablate.modules.optim import lr_factor, lr_scheduler
+from lit_ablate.modules.optim import LRSchedule
 from lit_ablate.record import read_record
 from tests.test_step_objective import STEPS, micro_batches
 
@@ -66,7 +66,7 @@ def _decay_after_warmup(shape: str, ratio: float):
     return lambda opt, warmup: _wsd(shape, 1 - warmup / TOTAL, ratio)(opt, warmup)
 
 
-# name: (lit-ablate's lr_factor arguments, transformers' schedule (optimizer, warm-up steps), whether
+# name: (lit-ablate's LRSchedule arguments, transformers' schedule (optimizer, warm-up steps), whether
 # its warm-up starts at LR 0 like lit-ablate's)
 CASES = {
     "linear": (
@@ -109,7 +109,7 @@ CASES = {
 def test_each_schedule_equals_transformers_over_every_step(case: str, warmup: int) -> None:
     options, make, same_warmup = CASES[case]
     theirs = _theirs(lambda opt: make(opt, warmup))
-    ours = [lr_factor(step, warmup_steps=warmup, total_steps=TOTAL, **options) for step in range(TOTAL)]
+    ours = [LRSchedule(warmup_steps=warmup, **options).factor(step, TOTAL) for step in range(TOTAL)]
     for step, factor in enumerate(ours):
         if step < warmup:
             if same_warmup:
@@ -133,7 +133,7 @@ def test_the_default_is_the_warmup_cosine_of_before() -> None:
     assert (module.hparams.lr_schedule, module.hparams.min_lr_ratio, module.hparams.warmup_steps) == ("cosine", 0.1, 10)
     for warmup, total in ((10, 100), (0, 17), (5, 3)):
         for step in range(total + 3):
-            assert lr_factor(step, "cosine", warmup, total, 0.1) == before(step, warmup, total, 0.1)
+            assert LRSchedule("cosine", warmup, 0.1).factor(step, total) == before(step, warmup, total, 0.1)
 
 
 class LearningRates(Callback):
@@ -146,7 +146,7 @@ class LearningRates(Callback):
 
 def test_a_fit_steps_the_configured_schedule(tmp_path) -> None:
     """A Lightning fit applies ``lr_schedule`` (here wsd, half of the run decaying linearly) at
-    every optimizer step: the LR each step trains with is the peak times ``lr_factor``, and the run
+    every optimizer step: the LR each step trains with is the peak times ``LRSchedule.factor``, and the run
     record's ``steps[].lr`` is that rate. Seen failing with the record reading the rate at the step's end,
     after Lightning stepped the scheduler: each step showed the next one's (step 3: 6.7e-3 for 1e-2)."""
     pl.seed_everything(0, verbose=False)
@@ -173,7 +173,7 @@ def test_a_fit_steps_the_configured_schedule(tmp_path) -> None:
         num_sanity_val_steps=0,
     )
     trainer.fit(module, DataLoader(micro_batches("reference"), batch_size=None))
-    expected = [1e-2 * lr_factor(s, "wsd", 1, STEPS, 0.0, 0.6, "linear") for s in range(STEPS)]
+    expected = [1e-2 * LRSchedule("wsd", 1, 0.0, 0.6, "linear").factor(s, STEPS) for s in range(STEPS)]
     assert seen.rates == pytest.approx(expected, rel=1e-12)
     assert [step["lr"] for step in read_record(tmp_path / "run.json")["steps"]] == pytest.approx(expected, rel=1e-12)
     assert expected == pytest.approx([1e-2, 1e-2, 1e-2, 1e-2 * 2 / 3, 1e-2 / 3])  # warm-up, stable, decay
@@ -211,16 +211,7 @@ def test_dpo_takes_the_schedule_keys() -> None:
         min_lr_ratio=0.0,
         warmup_steps=0,
     )
-    hp = dpo.hparams
-    scheduler = lr_scheduler(
-        torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0),
-        hp.lr_schedule,
-        hp.warmup_steps,
-        10,
-        hp.min_lr_ratio,
-        hp.decay_fraction,
-        hp.decay_shape,
-    )
+    scheduler = dpo.learning_rate_schedule.scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), 10)
     factors = []
     for _ in range(10):
         factors.append(scheduler.get_last_lr()[0])

@@ -26,16 +26,15 @@ from lit_ablate.models.losses.loss_choice import LossChoice
 from lit_ablate.models.moe.blocks import collect_aux_losses, experts_fallbacks, moe_blocks
 from lit_ablate.modules.optim import (
     DecayShape,
+    LRSchedule,
     LrSchedule,
     amp_clipping_rules_out_fused,
     build_optimizer,
-    check_lr_schedule,
     check_optimizer,
     check_optimizer_arguments,
     decay_groups,
     decay_names,
     implementation_of,
-    lr_scheduler,
     module_arguments,
 )
 from lit_ablate.modules.step_output import StepOutput
@@ -76,7 +75,7 @@ class CausalLM(LightningModule):
         lr_schedule: after the warm-up, ``cosine`` decay to ``min_lr_ratio`` over the run (the
             default), ``linear`` decay (the HF Trainer's and TRL's default), ``constant``, or ``wsd``:
             warm-up, stable at the peak, then a decay over the run's last ``decay_fraction``
-            (``lit_ablate.modules.optim.lr_factor``).
+            (``lit_ablate.modules.optim.LRSchedule``).
         decay_fraction: ``wsd`` only: the share of the run's steps spent decaying (default 0.1).
         decay_shape: ``wsd`` only: ``cosine`` (default), ``linear`` or ``sqrt`` (1 - sqrt(progress)).
         compile: ``torch.compile`` each decoder layer (one graph, compiled once, reused by every
@@ -112,7 +111,7 @@ class CausalLM(LightningModule):
             raise ConfigError(
                 "model.init_args.weight_decay", weight_decay, "use 0 (no decay) or a positive rate, e.g. 0.1"
             )
-        check_lr_schedule(lr_schedule, min_lr_ratio, decay_fraction, decay_shape)
+        self.learning_rate_schedule = LRSchedule(lr_schedule, warmup_steps, min_lr_ratio, decay_fraction, decay_shape)
         LossChoice(loss, dict(loss_options or {})).build()  # bad names/options fail here, before any model is built
         check_optimizer(optimizer)  # the strategy is checked in configure_model
         check_optimizer_arguments(optimizer, betas, dict(optimizer_options or {}), module_arguments(type(self)))
@@ -318,9 +317,7 @@ class CausalLM(LightningModule):
         )
         self.optimizer_implementation = implementation_of(optimizer)
         total = self.trainer.estimated_stepping_batches
-        scheduler = lr_scheduler(
-            optimizer, hp.lr_schedule, hp.warmup_steps, int(total), hp.min_lr_ratio, hp.decay_fraction, hp.decay_shape
-        )
+        scheduler = self.learning_rate_schedule.scheduler(optimizer, int(total))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 

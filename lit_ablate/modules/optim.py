@@ -347,46 +347,11 @@ WSD_DECAY_FRACTION = 0.1
 _KEY = "model.init_args"
 
 
-def check_lr_schedule(
-    schedule: str, min_lr_ratio: float, decay_fraction: float | None, decay_shape: str | None
-) -> None:
-    """Refuse, naming the key, what would give a wrong schedule: an unknown name, a final LR
-    below 0 or above the peak, a decay fraction outside [0, 1], and wsd's options on another
-    schedule (they would be silently ignored)."""
-    if schedule not in LR_SCHEDULES:
-        raise ConfigError(f"{_KEY}.lr_schedule", schedule, f"choose one of {list(LR_SCHEDULES)}")
-    if not 0 <= min_lr_ratio <= 1:
-        raise ConfigError(
-            f"{_KEY}.min_lr_ratio",
-            min_lr_ratio,
-            "the final learning rate as a fraction of learning_rate: use a value in [0, 1]",
-        )
-    for key, value in (("decay_fraction", decay_fraction), ("decay_shape", decay_shape)):
-        if value is not None and schedule != "wsd":
-            raise ConfigError(
-                f"{_KEY}.{key}",
-                value,
-                f"only lr_schedule: wsd has a separate decay phase "
-                f"(lr_schedule is {schedule}); set lr_schedule: wsd or drop {key}",
-            )
-    if decay_fraction is not None and not 0 <= decay_fraction <= 1:
-        raise ConfigError(
-            f"{_KEY}.decay_fraction", decay_fraction, "the share of the run spent decaying: use a value in [0, 1]"
-        )
-    if decay_shape is not None and decay_shape not in DECAYS:
-        raise ConfigError(f"{_KEY}.decay_shape", decay_shape, f"choose one of {list(DECAYS)}")
-
-
-def lr_factor(
-    step: int,
-    schedule: str,
-    warmup_steps: int,
-    total_steps: int,
-    min_lr_ratio: float,
-    decay_fraction: float | None = None,
-    decay_shape: str | None = None,
-) -> float:
-    """The learning rate of optimizer step ``step`` (0-based) as a fraction of the peak.
+@dataclass(frozen=True)
+class LRSchedule:
+    """The learning rate of each optimizer step as a fraction of the peak: the run's schedule keys
+    (``model.init_args.lr_schedule``, ``warmup_steps``, ``min_lr_ratio``, ``decay_fraction``,
+    ``decay_shape``), checked once when made.
 
     Every schedule warms up linearly over ``warmup_steps``: step ``s`` uses ``(s + 1) / warmup_steps``
     (the first step already learns; transformers' schedules use ``s / warmup_steps``, a first step
@@ -395,37 +360,63 @@ def lr_factor(
     ``decay_fraction`` of ``total_steps`` (fewer steps when the warm-up leaves fewer) and decays
     to ``min_lr_ratio`` over them in ``decay_shape``. Past ``total_steps`` it stays at the end value.
     """
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if schedule == "constant":
-        return 1.0
-    if schedule == "wsd":
-        fraction = WSD_DECAY_FRACTION if decay_fraction is None else decay_fraction
-        decay_steps = min(round(fraction * total_steps), max(0, total_steps - warmup_steps))
-        decay_start, shape = total_steps - decay_steps, decay_shape or "cosine"
-        if step < decay_start:
+
+    schedule: str
+    warmup_steps: int
+    min_lr_ratio: float
+    decay_fraction: float | None = None
+    decay_shape: str | None = None
+
+    def __post_init__(self) -> None:
+        """Refuse, naming the key, what would give a wrong schedule: an unknown name, a final LR
+        below 0 or above the peak, a decay fraction outside [0, 1], and wsd's options on another
+        schedule (they would be silently ignored)."""
+        if self.schedule not in LR_SCHEDULES:
+            raise ConfigError(f"{_KEY}.lr_schedule", self.schedule, f"choose one of {list(LR_SCHEDULES)}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(
+                f"{_KEY}.min_lr_ratio",
+                self.min_lr_ratio,
+                "the final learning rate as a fraction of learning_rate: use a value in [0, 1]",
+            )
+        for key, value in (("decay_fraction", self.decay_fraction), ("decay_shape", self.decay_shape)):
+            if value is not None and self.schedule != "wsd":
+                raise ConfigError(
+                    f"{_KEY}.{key}",
+                    value,
+                    f"only lr_schedule: wsd has a separate decay phase "
+                    f"(lr_schedule is {self.schedule}); set lr_schedule: wsd or drop {key}",
+                )
+        if self.decay_fraction is not None and not 0 <= self.decay_fraction <= 1:
+            raise ConfigError(
+                f"{_KEY}.decay_fraction",
+                self.decay_fraction,
+                "the share of the run spent decaying: use a value in [0, 1]",
+            )
+        if self.decay_shape is not None and self.decay_shape not in DECAYS:
+            raise ConfigError(f"{_KEY}.decay_shape", self.decay_shape, f"choose one of {list(DECAYS)}")
+
+    def factor(self, step: int, total_steps: int) -> float:
+        """The learning rate of optimizer step ``step`` (0-based) of a run of ``total_steps``, as a fraction
+        of the peak."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.schedule == "constant":
             return 1.0
-    else:
-        decay_start, decay_steps, shape = warmup_steps, total_steps - warmup_steps, schedule
-    progress = min(1.0, (step - decay_start) / max(1, decay_steps))
-    return min_lr_ratio + (1 - min_lr_ratio) * DECAYS[shape](progress)
+        if self.schedule == "wsd":
+            fraction = WSD_DECAY_FRACTION if self.decay_fraction is None else self.decay_fraction
+            decay_steps = min(round(fraction * total_steps), max(0, total_steps - self.warmup_steps))
+            decay_start, shape = total_steps - decay_steps, self.decay_shape or "cosine"
+            if step < decay_start:
+                return 1.0
+        else:
+            decay_start, decay_steps, shape = self.warmup_steps, total_steps - self.warmup_steps, self.schedule
+        progress = min(1.0, (step - decay_start) / max(1, decay_steps))
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * DECAYS[shape](progress)
 
-
-def lr_scheduler(
-    optimizer: torch.optim.Optimizer,
-    schedule: str,
-    warmup_steps: int,
-    total_steps: int,
-    min_lr_ratio: float,
-    decay_fraction: float | None = None,
-    decay_shape: str | None = None,
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """``lr_factor`` as a torch scheduler, stepped once per optimizer step."""
-    check_lr_schedule(schedule, min_lr_ratio, decay_fraction, decay_shape)
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda step: lr_factor(step, schedule, warmup_steps, total_steps, min_lr_ratio, decay_fraction, decay_shape),
-    )
+    def scheduler(self, optimizer: torch.optim.Optimizer, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+        """``factor`` as a torch scheduler, stepped once per optimizer step."""
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: self.factor(step, total_steps))
 
 
 def warmup_cosine(
@@ -433,4 +424,4 @@ def warmup_cosine(
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warm-up to the base LR, then cosine decay to ``min_lr_ratio`` of it at ``total_steps``
     (``lr_schedule: cosine``, the default)."""
-    return lr_scheduler(optimizer, "cosine", warmup_steps, total_steps, min_lr_ratio)
+    return LRSchedule("cosine", warmup_steps, min_lr_ratio).scheduler(optimizer, total_steps)
