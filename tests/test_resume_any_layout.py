@@ -2,12 +2,14 @@
 or on one process, and its loss curve goes on as the uninterrupted one-process run's.
 
 Chains, each resumed run taking the checkpoint of the one before (the global batch of 4 kept: 4 ranks
-x 1, 2 ranks x 2, one process x 4; pipeline and tensor-parallel ranks share their batch):
+x 1, 2 ranks x 2, one process x 4; pipeline, tensor- and context-parallel ranks share their batch):
 
     FSDP2 x 4 (steps 1-3) -> FSDP2 x 2 (steps 4-5) -> one process (steps 6-7)
     TP2 x FSDP2 (steps 1-3) -> FSDP2 x 4 (steps 4-5)
     EP2, the tiny Qwen3-MoE in float64 (steps 1-3) -> one process (steps 4-5)
     PP2 (steps 1-3) -> one process (steps 4-5)
+    HSDP, 2 replicas x FSDP2 over 2 (steps 1-3) -> one process (steps 4-5)
+    CP2, each row's tokens split over 2 ranks (steps 1-3) -> one process (steps 4-5)
 
 Every step's loss (the global token mean) must equal the uninterrupted one-process run's within the
 suite's tolerance for N ranks against one process (``LOSS_ATOL``, as ``test_step_objective.py``).
@@ -18,7 +20,8 @@ normalisation by the wrong count would show. The EP pair trains in float64 witho
 Seen failing with the optimizer state dropped on resume (the mesh strategies' loader given no optimizer,
 the one-process optimizer given empty states: losses 0.38 off after FSDP2 x 4 -> FSDP2 x 2 and
 TP2 x FSDP2 -> FSDP2 x 4, 0.17 after -> one process, 0.51 EP2 -> one, 0.50 PP2 -> one) and with the data
-position dropped (every resumed run reading its epoch from the start: 0.10, 0.06, 0.10, 0.078, 0.10).
+position dropped (every resumed run reading its epoch from the start: 0.10, 0.06, 0.10, 0.078, 0.10; the
+HSDP and CP chains, added later, were seen failing with it too).
 """
 
 from __future__ import annotations
@@ -38,7 +41,14 @@ from lit_ablate.fit_cli import LitAblateCLI
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.models.moe.blocks import MoEOptions
 from lit_ablate.modules import CausalLM
-from lit_ablate.strategies import ExpertParallelStrategy, FSDP2Strategy, MeshParallelStrategy, PipelineParallelStrategy
+from lit_ablate.strategies import (
+    ContextParallelStrategy,
+    ExpertParallelStrategy,
+    FSDP2Strategy,
+    HSDPStrategy,
+    MeshParallelStrategy,
+    PipelineParallelStrategy,
+)
 from lit_ablate.strategies.whole_checkpoint import WholeCheckpointIO
 from tests.distributed import run_ranks
 from tests.test_moe_expert_parallel import Float64ModelFactory
@@ -119,6 +129,7 @@ def _four_ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:
     runs = {
         "fsdp2x4": fit(root / "fsdp2x4", FSDP2Strategy(), 4, 4, 3),
         "tp2xfsdp2": fit(root / "tp2xfsdp2", MeshParallelStrategy(tp=2, dp_shard=2), 4, 2, 3),
+        "hsdp2x2": fit(root / "hsdp2x2", HSDPStrategy(dp_replicate=2, dp_shard=2), 4, 4, 3),
         "tp2xfsdp2->fsdp2x4": fit(
             root / "tp2xfsdp2-fsdp2x4", FSDP2Strategy(), 4, 4, 5, resume_from=root / "tp2xfsdp2" / "step=3.ckpt"
         ),
@@ -148,6 +159,7 @@ def _two_ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:
         ),
         "ep2": fit(root / "ep2", ExpertParallelStrategy(ep=2), 2, 2, 3, model="moe"),
         "pp2": fit(root / "pp2", PipelineParallelStrategy(pp=2), 2, 1, 3),
+        "cp2": fit(root / "cp2", ContextParallelStrategy(cp=2), 2, 1, 3),
     }
 
 
@@ -165,6 +177,8 @@ def runs(root) -> dict[str, Any]:
         "fsdp2x4->fsdp2x2->one": fit(root / "x2-one", "auto", 1, 1, 7, resume_from=root / "fsdp2x2" / "step=5.ckpt"),
         "ep2->one": fit(root / "ep2-one", "auto", 1, 1, 5, model="moe", resume_from=root / "ep2" / "step=3.ckpt"),
         "pp2->one": fit(root / "pp2-one", "auto", 1, 1, 5, resume_from=root / "pp2" / "step=3.ckpt"),
+        "hsdp2x2->one": fit(root / "hsdp-one", "auto", 1, 1, 5, resume_from=root / "hsdp2x2" / "step=3.ckpt"),
+        "cp2->one": fit(root / "cp2-one", "auto", 1, 1, 5, resume_from=root / "cp2" / "step=3.ckpt"),
     }
     return {**losses, **resumed, **{f"one-{name}": series for name, series in one.items()}}
 
@@ -193,6 +207,10 @@ def assert_continues(resumed: dict[int, float], uninterrupted: dict[int, float])
         ("ep2->one", "moe", [4, 5]),
         ("pp2", "llama", [1, 2, 3]),
         ("pp2->one", "llama", [4, 5]),
+        ("hsdp2x2", "llama", [1, 2, 3]),
+        ("hsdp2x2->one", "llama", [4, 5]),
+        ("cp2", "llama", [1, 2, 3]),
+        ("cp2->one", "llama", [4, 5]),
     ],
 )
 def test_each_layout_continues_the_one_process_loss_curve(runs, chain, model, steps):
