@@ -6,7 +6,9 @@ fake with a known value, which is also what lets the tests check which denominat
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import subprocess
 import sys
 import time
@@ -331,3 +333,30 @@ def test_a_ceiling_measured_under_injected_load_is_not_cached(tmp_path, monkeypa
     assert not path.exists()
     monkeypatch.setattr(matmul_ceiling.machine_load, "sample", lambda **kwargs: None)
     assert matmul_ceiling.measured_ceiling("cpu", torch.float32).doubt() is None and path.is_file()
+
+
+@pytest.mark.parametrize("gflops", [5.0, 50.0])
+def test_a_runs_start_spends_about_a_second_on_its_ceiling_on_a_slow_or_a_loaded_device(monkeypatch, gflops):
+    """The run-start sweep keeps to ``RUN_BUDGET_SECONDS``, its attempts included, overrunning it by one
+    shape's least cost at the most: on a device that runs the sweep's dtype at 5 GFLOP/s, and on a fast
+    one (50 GFLOP/s) whose windows disagree (load), where every sweep is in doubt. Simulated clock and
+    matmuls, so the machine running the test does not matter. Seen failing without the deadline (8.6 s
+    of simulated sweep at 5 GFLOP/s, 2.8 s in two sweeps at 50: each rank of every fit paid that at its
+    start, most of a multi-rank test's CPU)."""
+    now = [0.0]
+    windows = itertools.count()
+
+    def timed(a, b, out, repeats):
+        slower = 1.5 if next(windows) % 2 and gflops > 10 else 1.0  # every other window slower: doubt
+        seconds = repeats * 2 * a.shape[0] * a.shape[1] * b.shape[1] / (gflops * 1e9) * slower
+        now[0] += seconds
+        return seconds
+
+    monkeypatch.setattr(matmul_ceiling, "clock", lambda: now[0])
+    monkeypatch.setattr(matmul_ceiling, "_timed", timed)
+    monkeypatch.setattr(matmul_ceiling.machine_load, "sample", lambda **kwargs: None)
+    measured = matmul_ceiling.ceiling_here("cpu", torch.float32)
+    first_shape = matmul_ceiling.SWEEPS["cpu"][0]
+    least_cost = matmul_ceiling.LEAST_CALLS * 2 * math.prod(first_shape) / (gflops * 1e9) * 1.5
+    assert 0 < now[0] <= matmul_ceiling.RUN_BUDGET_SECONDS + least_cost
+    assert measured.tflops == pytest.approx(gflops / 1e3)

@@ -16,7 +16,8 @@ from lit_ablate.estimate.peaks import PEAK_FP8_TFLOPS, peak_tflops_of
 from lit_ablate.strategies.interface import interface_of
 
 MAX_REMEASURES = 2
-"""How often a run measures its ceiling again when it computed faster than it (each sweep under a second)."""
+"""How often a run measures its ceiling again when it computed faster than it (each within
+``RUN_BUDGET_SECONDS``)."""
 
 
 def runs_in_fp8(trainer: Trainer, pl_module: LightningModule) -> bool:
@@ -62,7 +63,7 @@ class MFUMonitor(StepMonitor):
             to get ``mfu`` on CPU or under fp8: give the peak of the precision the run computes in).
         ceiling_tflops: the ceiling to divide ``mfu_measured`` by instead of measuring one (e.g. what
             ``lit-ablate peak`` printed on a node like this one).
-        measure_ceiling: measure the ceiling when ``ceiling_tflops`` is not given (under a second, at
+        measure_ceiling: measure the ceiling when ``ceiling_tflops`` is not given (about a second, at
             every run's start, before the first step, never timed). ``false``: ``mfu_measured`` is null.
     """
 

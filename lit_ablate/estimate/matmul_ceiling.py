@@ -139,26 +139,35 @@ def cache_path(device: torch.device, dtype: torch.dtype) -> Path:
 
 
 RUN_SWEEP_SECONDS = {"cpu": (0.15, 0.05), "cuda": (0.1, 0.02)}
-"""``(seconds per shape, window seconds)`` of the sweep at a run's start: a second or less in all."""
+"""``(seconds per shape, window seconds)`` of the sweep at a run's start."""
+RUN_BUDGET_SECONDS = 1.0
+"""What a run's start (or a re-measure between steps) may spend on its ceiling, every attempt included: a
+shape is swept only while its least cost (``LEAST_CALLS`` calls at the probe's rate) fits in what is left.
+Without it a loaded CPU, or one slow in the run's dtype, spent 3 s and more per rank on every fit start
+(four calls of each large shape, twice: a loaded machine makes the first sweep doubtful)."""
+LEAST_CALLS = 4
+"""A swept shape's calls at the least: a warm-up, one timed call that sizes the windows, two windows."""
 
 
 def ceiling_here(device: torch.device | str, dtype: torch.dtype) -> MatmulCeiling:
     """The ceiling measured now, in this process with its threads (no cache): what a run divides by.
-    Measured again, up to ``RUN_ATTEMPTS`` sweeps, while it is not trustworthy; the best is kept."""
+    Measured again, up to ``RUN_ATTEMPTS`` sweeps, while it is not trustworthy and ``RUN_BUDGET_SECONDS``
+    has time left; the best is kept."""
     device = torch.device(device)
     kind = device.type if device.type in RUN_SWEEP_SECONDS else "cuda"
     seconds, window = RUN_SWEEP_SECONDS[kind]
+    deadline = clock() + RUN_BUDGET_SECONDS
     best = None
     for _ in range(RUN_ATTEMPTS):
-        ceiling = _measured(device, dtype, seconds_per_shape=seconds, window_seconds=window)
+        ceiling = _measured(device, dtype, seconds_per_shape=seconds, window_seconds=window, deadline=deadline)
         if best is None or ceiling.tflops > best.tflops:
             best = ceiling
-        if ceiling.doubt() is None:
-            return ceiling
+        if ceiling.doubt() is None or clock() >= deadline:
+            return ceiling if ceiling.doubt() is None else best
     return best
 
 
-def _measured(device: torch.device, dtype: torch.dtype, **budget: float) -> MatmulCeiling:
+def _measured(device: torch.device, dtype: torch.dtype, **budget: float | None) -> MatmulCeiling:
     started = time.time()
     before = machine_load.sample(process_groups=[os.getpgrp()])  # this run's ranks sweep too: not "other"
     tflops, shape, runner_up = measure_matmul_ceiling(device, dtype, **budget)
@@ -216,56 +225,68 @@ def measure_matmul_ceiling(
     shapes: tuple[tuple[int, int, int], ...] | None = None,
     seconds_per_shape: float | None = None,
     window_seconds: float | None = None,
+    deadline: float | None = None,
 ) -> tuple[float, tuple[int, int, int], float | None]:
     """``(TFLOP/s, shape, runner-up)``: the best sustained rate of ``A @ B`` over ``shapes`` (``2 m k n``
-    FLOPs each), and the second-best window of that shape (None when it ran one window only)."""
+    FLOPs each), and the second-best window of that shape (None when it ran one window only). With a
+    ``deadline`` (a ``clock()`` time) a shape whose least cost would pass it is left out, the first one
+    swept excepted: there is always a rate."""
     kind = device.type if device.type in SWEEPS else "cuda"
-    shapes = shapes or SWEEPS[kind]
     budget = SECONDS_PER_SHAPE[kind] if seconds_per_shape is None else seconds_per_shape
     window = WINDOW_SECONDS[kind] if window_seconds is None else window_seconds
-    shapes = _affordable(shapes, device, dtype, MAX_CALL_SECONDS[kind])
+    rate = _probe_rate(device, dtype)
+    affordable = [s for s in shapes or SWEEPS[kind] if _flops(s) / rate <= MAX_CALL_SECONDS[kind]] or [PROBE_SHAPE]
     best: list[float] = [0.0]
-    best_shape = shapes[0]
-    for m, k, n in shapes:
-        a = torch.randn(m, k, device=device, dtype=dtype)
-        b = torch.randn(k, n, device=device, dtype=dtype)
-        out = torch.empty(m, n, device=device, dtype=dtype)
-        start = time.perf_counter()
+    best_shape = affordable[0]
+    for shape in affordable:
+        if deadline is not None and best[0] > 0 and clock() + LEAST_CALLS * _flops(shape) / rate > deadline:
+            continue
+        a = torch.randn(shape[0], shape[1], device=device, dtype=dtype)
+        b = torch.randn(shape[1], shape[2], device=device, dtype=dtype)
+        out = torch.empty(shape[0], shape[2], device=device, dtype=dtype)
+        start = clock()
         _timed(a, b, out, 1)  # warm-up: kernel choice, page faults
         per_call = _timed(a, b, out, 1)
         calls = max(1, int(window / max(per_call, 1e-9)))
         rates = []
         while True:
-            rates.append(2 * m * k * n * calls / _timed(a, b, out, calls) / 1e12)
-            if len(rates) >= 2 and time.perf_counter() - start >= budget:  # two windows: their agreement
-                break
+            rates.append(_flops(shape) * calls / _timed(a, b, out, calls) / 1e12)
+            now = clock()
+            if len(rates) >= 2 and (now - start >= budget or (deadline is not None and now >= deadline)):
+                break  # two windows at the least: their agreement
         rates.sort(reverse=True)
+        rate = min(rate, rates[-1] * 1e12)  # the slowest seen predicts the next shape's cost: load varies
         if rates[0] > best[0]:
-            best, best_shape = rates, (m, k, n)
+            best, best_shape = rates, shape
     return best[0], best_shape, best[1] if len(best) > 1 else None
 
 
-def _affordable(
-    shapes: tuple[tuple[int, int, int], ...], device: torch.device, dtype: torch.dtype, max_call_seconds: float
-) -> tuple[tuple[int, int, int], ...]:
-    """The shapes whose one call, at the probe shape's rate, stays under ``max_call_seconds`` (the
-    probe itself when none does)."""
-    m, k, n = PROBE_SHAPE
-    a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
-    out = torch.empty(m, n, device=device, dtype=dtype)
+def _probe_rate(device: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s of ``PROBE_SHAPE``, below the large shapes' on a quiet device: what predicts their calls' cost."""
+    a = torch.randn(PROBE_SHAPE[0], PROBE_SHAPE[1], device=device, dtype=dtype)
+    b = torch.randn(PROBE_SHAPE[1], PROBE_SHAPE[2], device=device, dtype=dtype)
+    out = torch.empty(PROBE_SHAPE[0], PROBE_SHAPE[2], device=device, dtype=dtype)
     _timed(a, b, out, 1)
-    rate = 2 * m * k * n / max(_timed(a, b, out, 2) / 2, 1e-9)
-    return tuple(s for s in shapes if 2 * s[0] * s[1] * s[2] / rate <= max_call_seconds) or (PROBE_SHAPE,)
+    return _flops(PROBE_SHAPE) / max(_timed(a, b, out, 2) / 2, 1e-9)
+
+
+def _flops(shape: tuple[int, int, int]) -> int:
+    return 2 * shape[0] * shape[1] * shape[2]
+
+
+def clock() -> float:
+    """The sweep's clock (``time.perf_counter``), one name for every reading of it."""
+    return time.perf_counter()
 
 
 def _timed(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, repeats: int) -> float:
     """Seconds of ``repeats`` back-to-back ``a @ b`` (the device drained before and after)."""
     _synchronize(a.device)
-    start = time.perf_counter()
+    start = clock()
     for _ in range(repeats):
         torch.matmul(a, b, out=out)
     _synchronize(a.device)
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def _synchronize(device: torch.device) -> None:
