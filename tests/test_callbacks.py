@@ -1,7 +1,9 @@
 """Measurement callbacks and the run record, on a tiny model with an in-memory loader."""
 
+import gc
 import json
 import time
+import weakref
 
 import lightning as L
 import pytest
@@ -284,3 +286,21 @@ def test_memory_peak_is_the_largest_over_ranks_and_each_rank_is_kept(tmp_path):
         assert rank1 > rank0 + 200 * 2**20  # the ballast is seen on rank 1 ...
         assert s["memory_peak_bytes"] == rank1  # ... and is the step's peak, though rank 0 writes the record
     assert record["summary"]["peak_memory_bytes"] == max(record["summary"]["peak_memory_bytes_per_rank"])
+
+
+def test_a_finished_fit_leaves_neither_its_trainer_alive_nor_the_heap_frozen(tmp_path):
+    """Once a fit is over and its objects dropped, a collection frees the trainer (and with it the
+    model and any process groups: left to the interpreter's shutdown, gloo's threads aborted a rank
+    that had finished), and ``MemoryMonitor``'s tensor tracking left nothing frozen (``gc.freeze``
+    around it keeps its collection small). Seen failing with the step clock holding its monitors
+    strongly (``RUNNING_CLOCKS``' value reached its own key: clock, monitor, module, trainer), and with
+    the freeze not undone."""
+    recorder = RunRecorder(path=str(tmp_path / "run.json"), warmup_steps=3)
+    monitors = [ThroughputMonitor(), MemoryMonitor()]
+    record, module = _fit(tmp_path, monitors, _batches(4, 2, [0]), recorder=recorder)
+    assert "_tracked_peak" in monitors[1].series and record["summary"]["status"] == "ok"  # a step was tracked
+    assert gc.get_freeze_count() == 0
+    trainer = weakref.ref(module.trainer)
+    del module, monitors, recorder
+    gc.collect()
+    assert trainer() is None

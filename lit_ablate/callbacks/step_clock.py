@@ -113,7 +113,12 @@ class StepClock:
     """
 
     def __init__(self, first: Callback | None = None, last: Callback | None = None) -> None:
-        self.first, self.last = first, last  # the monitors whose hooks mark micro-batch start and end
+        # The monitors whose hooks mark micro-batch start and end, held weakly: ``RUNNING_CLOCKS`` holds the
+        # clock as long as its trainer lives, and a monitor reaching the trainer (through the module) would
+        # keep the trainer, its model and process groups alive until the interpreter's shutdown, where gloo's
+        # threads, torn down with them, aborted a rank that had finished ("terminate called without an active
+        # exception").
+        self._first, self._last = (weakref.ref(m) if m is not None else None for m in (first, last))
         self.batch_ended = time.perf_counter()
         self.data_wait = 0.0
         self._pause_start: float | None = None
@@ -127,6 +132,14 @@ class StepClock:
         self._unread: dict[int, tuple[Any, Any, list[tuple[Any, Any]], float]] = {}  # step -> marks, pauses, wait
         self._closed: dict[int, StepTotals] = {}
         self._newest_read: int | None = None
+
+    @property
+    def first(self) -> Callback | None:
+        return self._first() if self._first is not None else None
+
+    @property
+    def last(self) -> Callback | None:
+        return self._last() if self._last is not None else None
 
     # --- what an implementation provides ------------------------------------------------------
     def mark(self) -> Any:
