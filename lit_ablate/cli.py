@@ -32,6 +32,7 @@ from lit_ablate import __version__
 from lit_ablate.command_table import COMMANDS, SUMMARIES
 from lit_ablate.errors import ConfigError, quoted_refusal
 from lit_ablate.parse_errors import concise_error, missing_config
+from lit_ablate.process_exit import exit_without_finalization
 from lit_ablate.subnormals import flush_subnormals
 
 FIT_CONFIG_COMMANDS = ("fit", "validate", "test", "estimate")
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     if argv is None:  # this process's own command line: it trains, and nothing computed yet
         flush_subnormals()
     try:
-        LitAblateCLI(args=argv)
+        cli = LitAblateCLI(args=argv)
     except ArgumentError as err:
         _refuse("lit-ablate", concise_error(str(err)))
     except MisconfigurationException as err:  # Lightning's own "this trainer setting cannot work"
@@ -103,6 +104,8 @@ def main(argv: list[str] | None = None) -> None:
         if line is None:
             raise
         _refuse("lit-ablate", str(line))
+    if argv is None and cli.left_process_group:  # this process's own run, done: see lit_ablate.process_exit
+        exit_without_finalization(0)
 
 
 def _refuse(command: str, message: str) -> NoReturn:

@@ -54,6 +54,9 @@ class LitAblateCLI(LightningCLI):
 
     simulation: SimulatedRank | None = None
     """The rank this run plays when ``simulate`` is set."""
+    left_process_group = False
+    """Whether the run joined a process group (and left it, ``after_fit``): its process then exits without
+    the interpreter's finalization (``lit_ablate.process_exit``)."""
 
     def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
         super().__init__(
@@ -197,11 +200,13 @@ class LitAblateCLI(LightningCLI):
         """Each rank leaves the process group before its process exits, as torch asks of a normal exit:
         left to interpreter shutdown, gloo's threads aborted a rank ("terminate called without an active
         exception", exit code -6) after its run had finished and its record was written. Every
-        collective of the run (the records' gathers included) is over when ``fit`` returns."""
+        collective of the run (the records' gathers included) is over when ``fit`` returns. The groups'
+        C++ objects outlive this call all the same: ``main`` ends such a process without finalization."""
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+            self.left_process_group = True
 
     after_validate = after_test = after_fit
 
