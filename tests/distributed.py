@@ -88,6 +88,11 @@ PRELOAD = [
     "lit_ablate.data",
     "lit_ablate.modules",
     "lit_ablate.strategies",
+    # imported by the code ranks run, not at lit_ablate's import: each rank paid ~1-2 s of CPU for them
+    "peft",
+    "torch.distributed.pipelining",
+    "torch.distributed.optim",
+    "torch.distributed.checkpoint.state_dict",
 ]
 STACK_SIGNAL = signal.SIGUSR1
 STACK_WAIT_S = 5.0  # a rank writes its stack within milliseconds of the signal unless it is stopped
