@@ -37,11 +37,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch import Trainer
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, distribute_tensor
 from typing_extensions import Unpack
 
 from lit_ablate.errors import ConfigError
@@ -51,7 +49,7 @@ from lit_ablate.models.losses.sequence_logprobs import SequenceLogProbs
 from lit_ablate.strategies.context_parallel import ContextParallelSteps
 from lit_ablate.strategies.expert_parallel import ExpertParallelSteps
 from lit_ablate.strategies.interface import ObjectiveScale, UnitLoss
-from lit_ablate.strategies.mesh import MeshStrategy
+from lit_ablate.strategies.mesh import MeshStrategy, whole_tensors
 from lit_ablate.strategies.mesh_parallel import MeshParallelStrategy
 from lit_ablate.strategies.options import check_options, keyword_options, options_type
 from lit_ablate.strategies.pipeline_checkpoint import load_stage_checkpoint
@@ -272,11 +270,7 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
         """
         self.check_model(model)
         self._tied = tied_names(model)
-        # Before any step replaces a parameter: rank 0's whole model, every other rank's shapes (on meta).
-        whole = {
-            name: torch.empty(t.shape, dtype=t.dtype, device="meta") if t.is_meta else t
-            for name, t in itertools.chain(model.named_parameters(), model.named_buffers())
-        }
+        whole = whole_tensors(model)  # before any step replaces a parameter
         self.apply_pp(model)
         self.apply_steps(model)
         self.materialize(model, whole)
@@ -348,31 +342,20 @@ class PipelineParallelStrategy(MeshParallelStrategy, StageSharding):
                 model
             )  # TP's (heads, vocabulary, loss backend); stages without the LM head ran it whole
 
-    def materialize(self, model: CausalLMWithLoss, source: Mapping[str, Tensor]) -> None:
-        """Rank 0 built the whole model: broadcast each of its tensors (``source``: rank 0's values, every
-        other rank's shapes on ``meta``); each rank keeps those of its stage (its own slice of them:
-        FSDP's shard over ``dp_shard x ep x cp``, TP's over ``tp``, EP's experts), a tied matrix's values
-        in the embedding's copy (first stage) and the LM head's (last)."""
-        copies = {self._tied.embedding: self._tied.head} if self._tied is not None else {}
-        device = self._mesh_device()
-        if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
-            model.to_empty(device=device)
-        else:  # rank 0 built it in host memory
-            model.to(device)
-        local = dict(itertools.chain(model.named_parameters(), model.named_buffers()))
-        for name, full in source.items():
-            value = (
-                torch.empty(full.shape, dtype=full.dtype, device=device) if full.is_meta else full.detach().to(device)
-            )
-            dist.broadcast(value, src=0)
-            for target in (local[held] for held in (name, copies.get(name)) if held in local):
-                piece = (
-                    distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
-                    if isinstance(target, DTensor)
-                    else value
-                )  # this rank's piece, no communication
-                with torch.no_grad():
-                    target.copy_(piece)
+    def materialize(
+        self,
+        model: CausalLMWithLoss,
+        source: Mapping[str, Tensor],
+        copies: Mapping[str, str] | None = None,
+        every_tensor_held: bool = False,
+    ) -> None:
+        """``MeshStrategy.materialize`` for a stage: each rank keeps the tensors of its stage (its own slice
+        of them: FSDP's shard over ``dp_shard x ep x cp``, TP's over ``tp``, EP's experts), a tied matrix's
+        values in the embedding's copy (first stage) and the LM head's (last)."""
+        if not any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
+            model.to(self._mesh_device())  # rank 0 built it in host memory
+        tied = {self._tied.embedding: self._tied.head} if self._tied is not None else {}
+        super().materialize(model, source, {**tied, **(copies or {})}, every_tensor_held)
 
     # ---------------------------------------------------------------- one step
     @property
