@@ -23,9 +23,7 @@ from typing import NoReturn
 
 def exit_without_finalization(status: int) -> NoReturn:
     """Exit with ``status`` after what a normal exit runs first (threads, ``atexit``, stream flushes)."""
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    threading._shutdown()  # as the interpreter's exit: threading's exit hooks (idle pool workers leave), then joins
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # closed or gone: nothing left to flush
