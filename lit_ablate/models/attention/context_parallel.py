@@ -69,45 +69,6 @@ class ContextParallelGroup:
         return ChunkMasks(self.layout, gathered.view(size, batch, local_len))
 
 
-@torch.compiler.disable
-def _attend(
-    implementation: Callable[..., Tensor],
-    module: nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attention_mask: Tensor | None,
-    dropout: float,
-    scaling: float | None,
-    position_ids: Tensor | None,
-    sliding_window: int | None,
-) -> tuple[Tensor, None]:
-    """``[B, H, T, D]`` inputs -> ``[B, T, H, D]`` output, as transformers' attention interface expects.
-
-    Runs eagerly inside a compiled decoder layer (``compile_layers``): the exchange and the
-    per-block mask checks are data-dependent, so dynamo would break its graph at every block pair;
-    the layer compiles its projections, norms and MLP around this one call instead."""
-    if dropout:
-        raise ConfigError(
-            "model.init_args.model.config.attention_dropout",
-            dropout,
-            "context-parallel attention has no dropout; set attention_dropout: 0",
-        )
-    if sliding_window:
-        raise ConfigError(
-            "model.init_args.model.config.sliding_window",
-            sliding_window,
-            "context-parallel attention has no sliding window; use a model without one",
-        )
-    if key.shape[2] != query.shape[2]:
-        raise ValueError("ring/allgather attention are training backends: no KV cache (generate with sdpa_packed)")
-    context = getattr(module, CONTEXT_PARALLEL_ATTRIBUTE, None) or ContextParallelGroup()
-    batch, _, local_len, _ = query.shape
-    masks = context.masks(position_ids, attention_mask, batch, local_len, query.device)
-    out = implementation(query, key, value, masks, context.group, scaling, context.kernel)
-    return out.transpose(1, 2).contiguous(), None
-
-
 class ContextParallelBackend:
     """A context-parallel attention backend in transformers' attention interface: ``[B, H, T, D]`` inputs ->
     ``[B, T, H, D]`` output, this rank's queries attending over the keys of every rank of its group by
@@ -117,6 +78,7 @@ class ContextParallelBackend:
     def __init__(self, implementation: Callable[..., Tensor]) -> None:
         self.implementation = implementation
 
+    @torch.compiler.disable
     def __call__(
         self,
         module: nn.Module,
@@ -130,18 +92,28 @@ class ContextParallelBackend:
         sliding_window: int | None = None,
         **kwargs: Any,
     ) -> tuple[Tensor, None]:
-        return _attend(
-            self.implementation,
-            module,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout,
-            scaling,
-            position_ids,
-            sliding_window,
-        )
+        """Runs eagerly inside a compiled decoder layer (``compile_layers``): the exchange and the
+        per-block mask checks are data-dependent, so dynamo would break its graph at every block pair;
+        the layer compiles its projections, norms and MLP around this one call instead."""
+        if dropout:
+            raise ConfigError(
+                "model.init_args.model.config.attention_dropout",
+                dropout,
+                "context-parallel attention has no dropout; set attention_dropout: 0",
+            )
+        if sliding_window:
+            raise ConfigError(
+                "model.init_args.model.config.sliding_window",
+                sliding_window,
+                "context-parallel attention has no sliding window; use a model without one",
+            )
+        if key.shape[2] != query.shape[2]:
+            raise ValueError("ring/allgather attention are training backends: no KV cache (generate with sdpa_packed)")
+        context = getattr(module, CONTEXT_PARALLEL_ATTRIBUTE, None) or ContextParallelGroup()
+        batch, _, local_len, _ = query.shape
+        masks = context.masks(position_ids, attention_mask, batch, local_len, query.device)
+        out = self.implementation(query, key, value, masks, context.group, scaling, context.kernel)
+        return out.transpose(1, 2).contiguous(), None
 
 
 ring_attention_backend = ContextParallelBackend(ring_attention)
