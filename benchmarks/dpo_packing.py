@@ -54,6 +54,7 @@ from lit_ablate.data import (
     LMDataModule,
     PreferencePackingCollator,
     PreferencePaddingCollator,
+    Sharding,
 )
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.modules import DPO
@@ -92,16 +93,8 @@ def layouts(pairs: list[dict]) -> dict[str, list[dict]]:
         collator = PreferencePackingCollator(max_tokens=MAX_TOKENS, prefix_sharing=shared)
         collator.bind(256, SEQ_LEN)
         dataset = ExampleDataset(pairs)
-        rows = collator.sampler(
-            dataset,
-            dataset.lengths,
-            num_replicas=1,
-            rank=0,
-            shuffle=False,
-            seed=0,
-            drop_last=False,
-            batch_size=ROWS_PER_STEP,
-        ).rank_items()
+        sharding = Sharding(shuffle=False, batch_size=ROWS_PER_STEP)
+        rows = collator.sampler(dataset, dataset.lengths, sharding).rank_items()
         batches[name] = [
             collator([dataset[row] for row in rows[i : i + ROWS_PER_STEP]]) for i in range(0, len(rows), ROWS_PER_STEP)
         ]

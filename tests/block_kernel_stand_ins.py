@@ -19,8 +19,12 @@ import torch
 import torch.utils.flop_counter  # registers formulas on the real aten ops before any stand-in replaces one
 from torch import Tensor
 
-from lit_ablate.models.attention.block_kernels import FlashAttnBlockKernel, FlexBlockKernel, SdpaBlockKernel
-from lit_ablate.models.attention.chunk_masks import BlockMask
+from lit_ablate.models.attention.block_kernels import (
+    BlockInputs,
+    FlashAttnBlockKernel,
+    FlexBlockKernel,
+    SdpaBlockKernel,
+)
 
 
 def _scale(q: Tensor, scale: float | None) -> float:
@@ -35,9 +39,10 @@ def _causal(scores: Tensor) -> Tensor:
     return scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
 
 
-def math_attention(q: Tensor, k: Tensor, v: Tensor, block: BlockMask, scale: float | None) -> tuple[Tensor, Tensor]:
+def math_attention(x: BlockInputs) -> tuple[Tensor, Tensor]:
     """``(output, log-sum-exp)`` of one block in plain ops, differentiable in both; rows that see
     no key: 0 and -inf (their scores replaced by zeros first, so no NaN reaches autograd)."""
+    q, k, v, block, scale = x
     k, v = _repeat_heads(k, q.shape[1]), _repeat_heads(v, q.shape[1])
     scores = q @ k.transpose(-1, -2) * _scale(q, scale)
     if block.causal:
@@ -57,20 +62,20 @@ class FlexOnCpu(FlexBlockKernel):
     def unavailable(self, device: torch.device) -> str | None:
         return None
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, block: BlockMask, scale: float | None) -> tuple[Tensor, Tensor]:
+    def attend(self, x: BlockInputs) -> tuple[Tensor, Tensor]:
         if torch.is_grad_enabled():
-            return math_attention(q, k, v, block, scale)
-        return super().attend(q, k, v, block, scale)
+            return math_attention(x)
+        return super().attend(x)
 
 
 class CudaSdpaOnCpu(SdpaBlockKernel):
     """``sdpa``'s CUDA path, on CPU tensors."""
 
-    def forward(self, q, k, v, block, scale):
-        return self.cuda_forward(q, k, v, block, scale)
+    def forward(self, x):
+        return self.cuda_forward(x)
 
-    def backward(self, grad_out, q, k, v, out, lse, block, scale):
-        return self.cuda_backward(grad_out, q, k, v, out, lse, block, scale)
+    def backward(self, x, out, lse, grad_out):
+        return self.cuda_backward(x, out, lse, grad_out)
 
 
 class FlashAttnOnCpu(FlashAttnBlockKernel):

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader
 
 from lit_ablate.data import LocalFiles, PackingCollator, build_examples
 from lit_ablate.data.datamodule import ExampleDataset
+from lit_ablate.data.sampler import Sharding
 from lit_ablate.data.stream_slot import SlotStream
 from lit_ablate.data.streaming import STREAM_STATE, StreamBatchCollate, StreamingBatches, slot_reads
 from lit_ablate.data.tokenizers import ByteTokenizer
@@ -113,9 +114,7 @@ def test_a_slot_packs_its_examples_as_the_in_memory_packer_does(tmp_path, strate
     for slot in range(4):
         examples = _slot_examples(source, slot, 4)
         dataset = ExampleDataset(examples)
-        sampler = collator.sampler(
-            dataset, dataset.lengths, num_replicas=1, rank=0, shuffle=False, seed=0, drop_last=False, batch_size=2
-        )
+        sampler = collator.sampler(dataset, dataset.lengths, Sharding(shuffle=False, batch_size=2))
         in_memory = [[examples[i] for i in row] for row in sampler.epoch_rows()]
         streamed = list(
             SlotStream(

@@ -26,6 +26,7 @@ from lit_ablate.data import (
     pack_greedy,
 )
 from lit_ablate.data.packing import PackedSampler, balance_across_ranks
+from lit_ablate.data.sampler import Sharding
 from lit_ablate.models.attention.backends import document_ids
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
 from lit_ablate.models.factory import ModelFactory
@@ -82,10 +83,9 @@ def test_rows_are_balanced_by_tokens_across_ranks():
 
 
 def _sampler(lengths, epoch=0, **kwargs) -> PackedSampler:
-    options = {"num_replicas": 1, "rank": 0, "shuffle": True, "seed": 0, "drop_last": False, "batch_size": 2, **kwargs}
-    sampler = PackedSampler(
-        list(range(len(lengths))), lengths, 256, "ffd", 100, options.pop("overlong", "truncate"), **options
-    )
+    overlong = kwargs.pop("overlong", "truncate")
+    sharding = Sharding(**{"batch_size": 2, **kwargs})
+    sampler = PackedSampler(list(range(len(lengths))), lengths, 256, "ffd", 100, overlong, sharding)
     sampler.set_epoch(epoch)
     return sampler
 

@@ -10,7 +10,7 @@ from lit_ablate.data.formats import Example, build_examples, example_from_tokens
 from lit_ablate.data.mds_source import MDSShards
 from lit_ablate.data.packing import PackedSampler, PackingCollator, pack, pack_ffd, pack_greedy
 from lit_ablate.data.preference_collate import PreferencePackingCollator, PreferencePaddingCollator
-from lit_ablate.data.sampler import ShardedSampler
+from lit_ablate.data.sampler import ShardedSampler, Sharding
 from lit_ablate.data.sources import ArithmeticSFT, DataSource, HubDataset, LocalFiles, SyntheticText
 from lit_ablate.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
@@ -33,6 +33,7 @@ __all__ = [
     "PreferencePackingCollator",
     "PreferencePaddingCollator",
     "ShardedSampler",
+    "Sharding",
     "SyntheticText",
     "Tokenizer",
     "build_examples",

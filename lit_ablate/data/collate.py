@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from lit_ablate.data.formats import Example
-from lit_ablate.data.sampler import ShardedSampler
+from lit_ablate.data.sampler import ShardedSampler, Sharding
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX
 
@@ -39,22 +39,9 @@ class Collator(ABC):
     def bind(self, pad_id: int, seq_len: int) -> None:
         self.pad_id, self.seq_len = pad_id, seq_len
 
-    def sampler(
-        self,
-        dataset: Sized,
-        lengths: Sequence[int],
-        *,
-        num_replicas: int,
-        rank: int,
-        shuffle: bool,
-        seed: int,
-        drop_last: bool,
-        batch_size: int,
-    ) -> ShardedSampler:
+    def sampler(self, dataset: Sized, lengths: Sequence[int], sharding: Sharding) -> ShardedSampler:
         """The sampler whose items ``__call__`` receives; by default one example index per item."""
-        return ShardedSampler(
-            dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
-        )
+        return ShardedSampler(dataset, sharding)
 
     @abstractmethod
     def __call__(self, items: list[Any]) -> dict[str, Any]: ...

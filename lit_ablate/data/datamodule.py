@@ -29,7 +29,7 @@ from lit_ablate.data.packing import PackingCollator, StreamPacking
 from lit_ablate.data.preference import PreferenceFormat, build_preference_examples
 from lit_ablate.data.preference_collate import PreferenceCollator, PreferencePaddingCollator
 from lit_ablate.data.resume_position import DataLayout, check_resumable, rank_items_consumed
-from lit_ablate.data.sampler import ShardedSampler
+from lit_ablate.data.sampler import ShardedSampler, Sharding
 from lit_ablate.data.sources import DataSource
 from lit_ablate.data.storage_choice import choose_storage
 from lit_ablate.data.streaming import STREAM_STATE, StreamBatchCollate, StreamingBatches
@@ -386,17 +386,10 @@ class LMDataModule(pl.LightningDataModule):
         )
 
     def _sampler(self, dataset: ExampleDataset, shuffle: bool, drop_last: bool) -> ShardedSampler:
-        replicas = self._replicas()
-        return self.collator.sampler(
-            dataset,
-            dataset.lengths,
-            num_replicas=replicas["num_replicas"],
-            rank=replicas["rank"],
-            shuffle=shuffle,
-            seed=self.seed,
-            drop_last=drop_last,
-            batch_size=self.batch_size,
+        sharding = Sharding(
+            **self._replicas(), shuffle=shuffle, seed=self.seed, drop_last=drop_last, batch_size=self.batch_size
         )
+        return self.collator.sampler(dataset, dataset.lengths, sharding)
 
     def _loader(self, dataset: ExampleDataset, sampler: ShardedSampler, drop_last: bool) -> DataLoader:
         return DataLoader(

@@ -26,7 +26,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lit_ablate.data.collate import Collator
 from lit_ablate.data.formats import OVERLONG_CHOICES, Example, Overlong, fit_length
-from lit_ablate.data.sampler import ShardedSampler
+from lit_ablate.data.sampler import ShardedSampler, Sharding
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX
 
@@ -165,23 +165,17 @@ class PackedSampler(ShardedSampler):
         strategy: PackingStrategy,
         window: int,
         overlong: Overlong,
-        *,
-        num_replicas: int,
-        rank: int,
-        shuffle: bool,
-        seed: int,
-        drop_last: bool,
-        batch_size: int,
+        sharding: Sharding,
     ) -> None:
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        super().__init__(dataset, sharding)
         self.lengths, self.max_tokens, self.strategy, self.window = lengths, max_tokens, strategy, window
-        self.overlong, self.batch_size = overlong, batch_size
+        self.overlong = overlong
         self._capped = np.minimum(np.asarray(lengths, dtype=np.int64), max_tokens)  # a truncated example's length
         self._rows_epoch: int | None = None
         self._rows: list[tuple[int, ...]] = []
         self.efficiency = 0.0
         too_long = int((np.asarray(lengths) > max_tokens).sum())
-        if too_long and rank == 0:
+        if too_long and self.rank == 0:
             log.warning(
                 "packing: %d of %d examples are longer than max_tokens=%d; overlong=%s %s them",
                 too_long,
@@ -268,32 +262,8 @@ class PackingCollator(Collator):
             raise ValueError("PackingCollator needs max_tokens or bind(pad_id, seq_len) before use")
         return capacity
 
-    def sampler(
-        self,
-        dataset: Sized,
-        lengths: Sequence[int],
-        *,
-        num_replicas: int,
-        rank: int,
-        shuffle: bool,
-        seed: int,
-        drop_last: bool,
-        batch_size: int,
-    ) -> PackedSampler:
-        return PackedSampler(
-            dataset,
-            lengths,
-            self.capacity,
-            self.strategy,
-            self.window,
-            self.overlong,
-            num_replicas=num_replicas,
-            rank=rank,
-            shuffle=shuffle,
-            seed=seed,
-            drop_last=drop_last,
-            batch_size=batch_size,
-        )
+    def sampler(self, dataset: Sized, lengths: Sequence[int], sharding: Sharding) -> PackedSampler:
+        return PackedSampler(dataset, lengths, self.capacity, self.strategy, self.window, self.overlong, sharding)
 
     def stream_packing(self) -> StreamPacking:
         """These settings for ``storage: stream``, where each slot packs its own examples."""

@@ -27,7 +27,7 @@ from lit_ablate.data.collate import Collator, PaddingCollator
 from lit_ablate.data.formats import Example
 from lit_ablate.data.packing import PackedSampler, PackingCollator, PackingStrategy, pack_ffd
 from lit_ablate.data.preference import shared_pair_tokens, shared_prefix_split, split_pair
-from lit_ablate.data.sampler import ShardedSampler
+from lit_ablate.data.sampler import ShardedSampler, Sharding
 from lit_ablate.errors import ConfigError
 
 _KEY = "data.init_args.collator.init_args"
@@ -119,37 +119,11 @@ class PreferencePackingCollator(PackingCollator, PreferenceCollator):
         """Tokens the pair occupies in a row under this layout."""
         return shared_pair_tokens(pair) if self.prefix_sharing else len(pair["input_ids"])
 
-    def sampler(
-        self,
-        dataset: Sized,
-        lengths: Sequence[int],
-        *,
-        num_replicas: int,
-        rank: int,
-        shuffle: bool,
-        seed: int,
-        drop_last: bool,
-        batch_size: int,
-    ) -> ShardedSampler:
+    def sampler(self, dataset: Sized, lengths: Sequence[int], sharding: Sharding) -> ShardedSampler:
         if self.within_batch:
-            return ShardedSampler(
-                dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
-            )
+            return ShardedSampler(dataset, sharding)
         lengths = [self.pair_tokens(dataset[i]) for i in range(len(dataset))]
-        return PackedSampler(
-            dataset,
-            lengths,
-            self.capacity,
-            self.strategy,
-            self.window,
-            "truncate",
-            num_replicas=num_replicas,
-            rank=rank,
-            shuffle=shuffle,
-            seed=seed,
-            drop_last=drop_last,
-            batch_size=batch_size,
-        )
+        return PackedSampler(dataset, lengths, self.capacity, self.strategy, self.window, "truncate", sharding)
 
     def __call__(self, items: list[Any]) -> dict[str, Any]:
         if self.within_batch:  # items are pairs: pack this micro-batch's pairs into rows

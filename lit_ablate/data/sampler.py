@@ -12,11 +12,26 @@ An item is an example index, or a tuple of indices (a packed row: see ``packing.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence, Sized
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import DistributedSampler
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """What every sampler is built from: this rank's place among the data-parallel replicas, the
+    epoch's order (shuffled by seed and epoch, or not), whether a last partial share is cut, and
+    the items per rank per step (which packed samplers balance rows by)."""
+
+    num_replicas: int = 1
+    rank: int = 0
+    shuffle: bool = True
+    seed: int = 0
+    drop_last: bool = False
+    batch_size: int = 1
 
 
 class ShardedSampler(DistributedSampler):
@@ -26,16 +41,16 @@ class ShardedSampler(DistributedSampler):
     items at the index level: nothing skipped is loaded or tokenised.
     """
 
-    def __init__(
-        self,
-        dataset: Sized,
-        num_replicas: int = 1,
-        rank: int = 0,
-        shuffle: bool = True,
-        seed: int = 0,
-        drop_last: bool = False,
-    ) -> None:
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    def __init__(self, dataset: Sized, sharding: Sharding = Sharding()) -> None:
+        super().__init__(
+            dataset,
+            num_replicas=sharding.num_replicas,
+            rank=sharding.rank,
+            shuffle=sharding.shuffle,
+            seed=sharding.seed,
+            drop_last=sharding.drop_last,
+        )
+        self.batch_size = sharding.batch_size
         self._resume: tuple[int, int] | None = None
 
     def resume(self, epoch: int, items: int) -> None:

@@ -14,28 +14,27 @@ Written by hand because torch's ``context_parallel`` has no CPU path for any SDP
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import Tensor
 
-from lit_ablate.models.attention.block_kernels import SDPA, BlockKernel
-from lit_ablate.models.attention.chunk_masks import BlockMask, ChunkMasks
+from lit_ablate.models.attention.block_kernels import SDPA, BlockInputs, BlockKernel
+from lit_ablate.models.attention.chunk_masks import ChunkMasks
 
 Pair = tuple[tuple[int, int], tuple[int, int]]
 """``((query slot, query chunk), (key slot, key chunk))``: a slot indexes the tensor at hand, a
 chunk the whole sequence."""
 
 
-def block_forward(
-    kernel: BlockKernel, q: Tensor, k: Tensor, v: Tensor, block: BlockMask, scale: float | None
-) -> tuple[Tensor, Tensor]:
+def block_forward(kernel: BlockKernel, x: BlockInputs) -> tuple[Tensor, Tensor]:
     """One block's ``(output, fp32 log-sum-exp)``; rows that see no key get an output of 0 and a
     log-sum-exp of -inf (kernels report 0 or NaN for them, which a merge would count as weight)."""
-    out, lse = kernel.forward(q, k, v, block, scale)
-    if block.rows is not None:
-        out = out.masked_fill(~block.rows[..., None], 0.0)
-        lse = lse.masked_fill(~block.rows, float("-inf"))
+    out, lse = kernel.forward(x)
+    rows = x.block.rows
+    if rows is not None:
+        out = out.masked_fill(~rows[..., None], 0.0)
+        lse = lse.masked_fill(~rows, float("-inf"))
     return out, lse
 
 
@@ -54,6 +53,18 @@ def chunk(t: Tensor, slot: int, length: int) -> Tensor:
     return t.narrow(-1 if t.dim() == 3 else -2, slot * length, length)
 
 
+def blocks(
+    pairs: Iterable[Pair], masks: ChunkMasks, q: Tensor, kv: Tensor, scale: float | None
+) -> Iterator[tuple[int, int, BlockInputs]]:
+    """``(query slot, key slot, block)`` of every pair in which some query sees some key."""
+    c = masks.chunk_len
+    for (q_slot, q_chunk), (k_slot, k_chunk) in pairs:
+        block = masks.block(q_chunk, k_chunk)
+        if block is not None:
+            x = BlockInputs(chunk(q, q_slot, c), chunk(kv[0], k_slot, c), chunk(kv[1], k_slot, c), block, scale)
+            yield q_slot, k_slot, x
+
+
 def forward_blocks(
     kernel: BlockKernel,
     q: Tensor,
@@ -66,13 +77,9 @@ def forward_blocks(
 ) -> None:
     """Merge every pair's block into ``out``/``lse`` (fp32 accumulators shaped like ``q``)."""
     c = masks.chunk_len
-    for (q_slot, q_chunk), (k_slot, k_chunk) in pairs:
-        block = masks.block(q_chunk, k_chunk)
-        if block is not None:
-            block_out, block_lse = block_forward(
-                kernel, chunk(q, q_slot, c), chunk(kv[0], k_slot, c), chunk(kv[1], k_slot, c), block, scale
-            )
-            merge_block(chunk(out, q_slot, c), chunk(lse, q_slot, c), block_out, block_lse)
+    for q_slot, _, x in blocks(pairs, masks, q, kv, scale):
+        block_out, block_lse = block_forward(kernel, x)
+        merge_block(chunk(out, q_slot, c), chunk(lse, q_slot, c), block_out, block_lse)
 
 
 def backward_blocks(
@@ -90,20 +97,8 @@ def backward_blocks(
 ) -> None:
     """Add every pair's dQ into ``grad_q`` and dK/dV into ``grad_kv`` (fp32, shaped like ``q`` and ``kv``)."""
     c = masks.chunk_len
-    for (q_slot, q_chunk), (k_slot, k_chunk) in pairs:
-        block = masks.block(q_chunk, k_chunk)
-        if block is None:
-            continue
-        dq, dk, dv = kernel.backward(
-            chunk(grad_out, q_slot, c),
-            chunk(q, q_slot, c),
-            chunk(kv[0], k_slot, c),
-            chunk(kv[1], k_slot, c),
-            chunk(out, q_slot, c),
-            chunk(lse, q_slot, c),
-            block,
-            scale,
-        )
+    for q_slot, k_slot, x in blocks(pairs, masks, q, kv, scale):
+        dq, dk, dv = kernel.backward(x, chunk(out, q_slot, c), chunk(lse, q_slot, c), chunk(grad_out, q_slot, c))
         chunk(grad_q, q_slot, c).add_(dq)
         chunk(grad_kv[0], k_slot, c).add_(dk)
         chunk(grad_kv[1], k_slot, c).add_(dv)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -37,6 +37,21 @@ KERNEL_KEY = "trainer.strategy.init_args.cp_block_kernel"
 DEVICES = ("cpu", "cuda")
 """Device types with block kernels (``sdpa`` serves both)."""
 BlockKernelName = Literal["sdpa", "flash_attn", "flex"]
+
+
+class BlockInputs(NamedTuple):
+    """One block's queries, keys and values, its mask and the softmax scale (None: ``D ** -0.5``)."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    block: BlockMask
+    scale: float | None
+
+    def detached(self, requires_grad: bool = False) -> BlockInputs:
+        """The same block on detached ``q``/``k``/``v`` (leaves of a recomputation when ``requires_grad``)."""
+        q, k, v = (t.detach().requires_grad_(requires_grad) for t in self[:3])
+        return self._replace(q=q, k=k, v=v)
 
 
 class BlockKernel(ABC):
@@ -55,21 +70,11 @@ class BlockKernel(ABC):
         return []
 
     @abstractmethod
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, block: BlockMask, scale: float | None) -> tuple[Tensor, Tensor]:
+    def forward(self, x: BlockInputs) -> tuple[Tensor, Tensor]:
         """``(output, fp32 log-sum-exp)`` of the block; rows that see no key may hold anything."""
 
     @abstractmethod
-    def backward(
-        self,
-        grad_out: Tensor,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        out: Tensor,
-        lse: Tensor,
-        block: BlockMask,
-        scale: float | None,
-    ) -> tuple[Tensor, Tensor, Tensor]:
+    def backward(self, x: BlockInputs, out: Tensor, lse: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``(dq, dk, dv)`` of the block, given the whole attention's output and log-sum-exp."""
 
 
@@ -79,46 +84,30 @@ class SdpaBlockKernel(BlockKernel):
     ``[B, H, Q, K]`` bias with 16-element aligned rows; a log-sum-exp padded to a multiple of 32
     queries, except on ROCm, cut back)."""
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, block: BlockMask, scale: float | None) -> tuple[Tensor, Tensor]:
-        return (self.cuda_forward if q.is_cuda else self.cpu_forward)(q, k, v, block, scale)
+    def forward(self, x: BlockInputs) -> tuple[Tensor, Tensor]:
+        return (self.cuda_forward if x.q.is_cuda else self.cpu_forward)(x)
 
-    def backward(
-        self,
-        grad_out: Tensor,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        out: Tensor,
-        lse: Tensor,
-        block: BlockMask,
-        scale: float | None,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        return (self.cuda_backward if q.is_cuda else self.cpu_backward)(grad_out, q, k, v, out, lse, block, scale)
+    def backward(self, x: BlockInputs, out: Tensor, lse: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return (self.cuda_backward if x.q.is_cuda else self.cpu_backward)(x, out, lse, grad_out)
 
     @staticmethod
-    def cpu_forward(q: Tensor, k: Tensor, v: Tensor, block: BlockMask, scale: float | None) -> tuple[Tensor, Tensor]:
+    def cpu_forward(x: BlockInputs) -> tuple[Tensor, Tensor]:
+        q, k, v, block, scale = x
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, block.causal, attn_mask=block.additive(q.dtype), scale=scale
         )
         return out, lse
 
     @staticmethod
-    def cpu_backward(
-        grad_out: Tensor,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        out: Tensor,
-        lse: Tensor,
-        block: BlockMask,
-        scale: float | None,
-    ) -> tuple[Tensor, Tensor, Tensor]:
+    def cpu_backward(x: BlockInputs, out: Tensor, lse: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v, block, scale = x
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, q, k, v, out, lse, 0.0, block.causal, attn_mask=block.additive(q.dtype), scale=scale
         )
 
     @staticmethod
-    def cuda_forward(q: Tensor, k: Tensor, v: Tensor, block: BlockMask, scale: float | None) -> tuple[Tensor, Tensor]:
+    def cuda_forward(x: BlockInputs) -> tuple[Tensor, Tensor]:
+        q, k, v, block, scale = x
         groups = q.shape[1] // k.shape[1]
         out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
             q.contiguous(),
@@ -133,16 +122,8 @@ class SdpaBlockKernel(BlockKernel):
         return out, lse[..., : q.shape[-2]]
 
     @staticmethod
-    def cuda_backward(
-        grad_out: Tensor,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        out: Tensor,
-        lse: Tensor,
-        block: BlockMask,
-        scale: float | None,
-    ) -> tuple[Tensor, Tensor, Tensor]:
+    def cuda_backward(x: BlockInputs, out: Tensor, lse: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v, block, scale = x
         groups = q.shape[1] // k.shape[1]
         rows = q.shape[-2]
         padded = rows if torch.version.hip else math.ceil(rows / 32) * 32
@@ -207,57 +188,33 @@ class FlashAttnBlockKernel(SdpaBlockKernel):
             "padding mask and ran on torch's memory-efficient SDPA op (flash-attn takes no mask)"
         ]
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, block: BlockMask, scale: float | None) -> tuple[Tensor, Tensor]:
+    def forward(self, x: BlockInputs) -> tuple[Tensor, Tensor]:
         self.blocks += 1
-        if block.mask is not None:
+        if x.block.mask is not None:
             self.masked_blocks += 1
-            return super().forward(q, k, v, block, scale)
-        self.check_inputs(q)
+            return super().forward(x)
+        self.check_inputs(x.q)
         out, lse, _, _ = torch.ops.flashattn._flash_attn_forward(
-            *_flash_layout(q, k, v),
-            dropout_p=0.0,
-            softmax_scale=_scale(q, scale),
-            causal=block.causal,
-            window_size_left=-1,
-            window_size_right=-1,
-            softcap=0.0,
-            alibi_slopes=None,
-            return_softmax=False,
+            *_flash_layout(x.q, x.k, x.v), **_flash_options(x), return_softmax=False
         )
         return out.transpose(1, 2), lse
 
-    def backward(
-        self,
-        grad_out: Tensor,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        out: Tensor,
-        lse: Tensor,
-        block: BlockMask,
-        scale: float | None,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        if block.mask is not None:
-            return super().backward(grad_out, q, k, v, out, lse, block, scale)
-        q_, k_, v_ = _flash_layout(q, k, v)
-        dq, dk, dv = torch.empty_like(q_), torch.empty_like(k_), torch.empty_like(v_)
+    def backward(self, x: BlockInputs, out: Tensor, lse: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        if x.block.mask is not None:
+            return super().backward(x, out, lse, grad_out)
+        q, k, v = _flash_layout(x.q, x.k, x.v)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         torch.ops.flashattn._flash_attn_backward(
             *_flash_layout(grad_out),
-            q_,
-            k_,
-            v_,
+            q,
+            k,
+            v,
             *_flash_layout(out),
             lse.contiguous(),
             dq,
             dk,
             dv,
-            dropout_p=0.0,
-            softmax_scale=_scale(q, scale),
-            causal=block.causal,
-            window_size_left=-1,
-            window_size_right=-1,
-            softcap=0.0,
-            alibi_slopes=None,
+            **_flash_options(x),
             deterministic=False,
             rng_state=None,
         )
@@ -293,33 +250,23 @@ class RecomputedBlockKernel(BlockKernel):
     """
 
     @abstractmethod
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, block: BlockMask, scale: float | None) -> tuple[Tensor, Tensor]:
+    def attend(self, x: BlockInputs) -> tuple[Tensor, Tensor]:
         """The block's ``(output, log-sum-exp)``, differentiable in both; rows without a key: 0 and -inf."""
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, block: BlockMask, scale: float | None) -> tuple[Tensor, Tensor]:
+    def forward(self, x: BlockInputs) -> tuple[Tensor, Tensor]:
         with torch.no_grad():  # detached too: flex refuses inputs that require grad where it has no backward
-            out, lse = self.attend(q.detach(), k.detach(), v.detach(), block, scale)
+            out, lse = self.attend(x.detached())
         return out, lse.float()
 
-    def backward(
-        self,
-        grad_out: Tensor,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        out: Tensor,
-        lse: Tensor,
-        block: BlockMask,
-        scale: float | None,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        inputs = tuple(t.detach().requires_grad_() for t in (q, k, v))
+    def backward(self, x: BlockInputs, out: Tensor, lse: Tensor, grad_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        x = x.detached(requires_grad=True)
         with torch.enable_grad():
-            block_out, block_lse = self.attend(*inputs, block, scale)
+            block_out, block_lse = self.attend(x)
         weight = torch.exp(block_lse.float() - lse)  # 0 for rows that see no key of the block
         grad_o = grad_out.float()
         grad_lse = weight * ((grad_o * block_out.float()).sum(-1) - (grad_o * out.float()).sum(-1))
         grad_block_out = (grad_o * weight[..., None]).to(block_out.dtype)
-        return torch.autograd.grad((block_out, block_lse), inputs, (grad_block_out, grad_lse.to(block_lse.dtype)))
+        return torch.autograd.grad((block_out, block_lse), x[:3], (grad_block_out, grad_lse.to(block_lse.dtype)))
 
 
 class FlexBlockKernel(RecomputedBlockKernel):
@@ -333,9 +280,10 @@ class FlexBlockKernel(RecomputedBlockKernel):
             )
         return None
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, block: BlockMask, scale: float | None) -> tuple[Tensor, Tensor]:
+    def attend(self, x: BlockInputs) -> tuple[Tensor, Tensor]:
         from torch.nn.attention.flex_attention import AuxRequest
 
+        q, k, v, block, scale = x
         out, aux = flex_kernel(q.device)(
             q,
             k,
@@ -420,8 +368,19 @@ def _flash_layout(*tensors: Tensor) -> tuple[Tensor, ...]:
     return tuple(t.transpose(1, 2).contiguous() for t in tensors)
 
 
-def _scale(q: Tensor, scale: float | None) -> float:
-    return scale if scale is not None else q.shape[-1] ** -0.5
+def _flash_options(x: BlockInputs) -> dict[str, object]:
+    """What flash-attn's forward and backward ops both take besides tensors: no dropout, window,
+    softcap or ALiBi; the block's scale and causality."""
+    scale = x.scale if x.scale is not None else x.q.shape[-1] ** -0.5
+    return {
+        "dropout_p": 0.0,
+        "softmax_scale": scale,
+        "causal": x.block.causal,
+        "window_size_left": -1,
+        "window_size_right": -1,
+        "softcap": 0.0,
+        "alibi_slopes": None,
+    }
 
 
 def _flex_block_mask(block: BlockMask, q: Tensor, k: Tensor):  # flex's BlockMask, imported lazily
