@@ -112,6 +112,19 @@ def token_chunk_lse(
     return lse, target, softmax
 
 
+def chunked_lse(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, chunk_tokens: int, chunk_vocab: int
+) -> tuple[Tensor, Tensor]:
+    """``(lse [N], target logit [N])`` of every token, ``chunk_tokens`` at a time (``token_chunk_lse``)."""
+    n_tokens = hidden.shape[0]
+    lse = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
+    target = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
+    for t0 in range(0, n_tokens, chunk_tokens):
+        t1 = min(t0 + chunk_tokens, n_tokens)
+        lse[t0:t1], target[t0:t1], _ = token_chunk_lse(hidden[t0:t1], weight, bias, labels[t0:t1], chunk_vocab)
+    return lse, target
+
+
 def _add_matmul(accumulator: Tensor, a: Tensor, b: Tensor) -> None:
     """``accumulator += a @ b``; in place when dtypes agree, else via one product (fp32 sums of bf16)."""
     if accumulator.dtype == a.dtype:
@@ -180,6 +193,27 @@ class ChunkGradients:
         if grad_h is not None and grad_h.dtype != self.hidden.dtype:
             self.hidden[t0:t1] = grad_h
 
+    def add_every_token(
+        self,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        labels: Tensor,
+        lse: Tensor,
+        scales: tuple[Tensor, Tensor],
+        chunk_tokens: int,
+        chunk_vocab: int,
+    ) -> None:
+        """``add_token_chunk`` over every token, ``chunk_tokens`` at a time, each chunk's logits
+        recomputed; ``scales`` is ``(row_scale, softmax_scale)`` of every token."""
+        for t0 in range(0, hidden.shape[0], chunk_tokens):
+            t1 = min(t0 + chunk_tokens, hidden.shape[0])
+            chunk = (s[t0:t1] for s in (hidden, labels, lse, *scales))
+            h, chunk_labels, chunk_lse, row_scale, softmax_scale = chunk
+            self.add_token_chunk(
+                None, h, t0, t1, weight, bias, chunk_labels, chunk_lse, row_scale, softmax_scale, chunk_vocab
+            )
+
     def finished(self, grad_loss: Tensor | None) -> tuple[Tensor | None, ...]:
         """The gradients in the inputs' dtypes, times ``grad_loss`` if given (in place)."""
         grads = (self.hidden, self.weight, self.bias)
@@ -215,7 +249,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             )
             lse[t0:t1] = lse_c
             if grads is not None:
-                scales = _row_scales(counted[t0:t1], lse_c, z_loss_weight, torch.ones((), device=hidden.device))
+                scales = row_scales(counted[t0:t1], lse_c, z_loss_weight, torch.ones((), device=hidden.device))
                 grads.add_token_chunk(
                     softmax, hidden[t0:t1], t0, t1, weight, bias, labels[t0:t1], lse_c, *scales, chunk_vocab
                 )
@@ -242,17 +276,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             return (*grads.finished(grad_loss), *not_differentiable)
         hidden, weight, bias, labels, lse = ctx.saved_tensors
         grads = ChunkGradients(hidden, weight, bias, ctx.needs_input_grad[:3])
-        counted = labels != IGNORE_INDEX
-        for t0 in range(0, hidden.shape[0], ctx.chunk_tokens):
-            t1 = min(t0 + ctx.chunk_tokens, hidden.shape[0])
-            scales = _row_scales(counted[t0:t1], lse[t0:t1], ctx.z_loss_weight, grad_loss)
-            grads.add_token_chunk(
-                None, hidden[t0:t1], t0, t1, weight, bias, labels[t0:t1], lse[t0:t1], *scales, ctx.chunk_vocab
-            )
+        scales = row_scales(labels != IGNORE_INDEX, lse, ctx.z_loss_weight, grad_loss)
+        grads.add_every_token(hidden, weight, bias, labels, lse, scales, ctx.chunk_tokens, ctx.chunk_vocab)
         return (*grads.finished(None), *not_differentiable)
 
 
-def _row_scales(counted: Tensor, lse: Tensor, z_loss_weight: float, grad_loss: Tensor) -> tuple[Tensor, Tensor]:
+def row_scales(counted: Tensor, lse: Tensor, z_loss_weight: float, grad_loss: Tensor) -> tuple[Tensor, Tensor]:
     """Per row: the onehot's scale (``grad_loss`` if counted, else 0) and the softmax's
     (that times ``1 + 2 z lse``, the z-loss derivative)."""
     row_scale = counted.float() * grad_loss.float()

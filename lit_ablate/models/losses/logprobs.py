@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lit_ablate.errors import ConfigError
-from lit_ablate.models.losses.chunked_cross_entropy import IGNORE_INDEX, ChunkGradients, token_chunk_lse
+from lit_ablate.models.losses.chunked_cross_entropy import IGNORE_INDEX, ChunkGradients, chunked_lse
 from lit_ablate.models.losses.cross_entropy import build_named
 
 LOGPROBS_KEY = "model.init_args.logprobs"
@@ -113,12 +113,7 @@ class _ChunkedLabelLogProbs(torch.autograd.Function):
         chunk_tokens: int,
         chunk_vocab: int,
     ) -> Tensor:
-        n_tokens = hidden.shape[0]
-        lse = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
-        target = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
-        for t0 in range(0, n_tokens, chunk_tokens):
-            t1 = min(t0 + chunk_tokens, n_tokens)
-            lse[t0:t1], target[t0:t1], _ = token_chunk_lse(hidden[t0:t1], weight, bias, labels[t0:t1], chunk_vocab)
+        lse, target = chunked_lse(hidden, weight, bias, labels, chunk_tokens, chunk_vocab)
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
         ctx.chunk_tokens, ctx.chunk_vocab = chunk_tokens, chunk_vocab
         return torch.where(labels != IGNORE_INDEX, target - lse, 0.0)
@@ -129,21 +124,7 @@ class _ChunkedLabelLogProbs(torch.autograd.Function):
         grads = ChunkGradients(hidden, weight, bias, ctx.needs_input_grad[:3])
         # d logp / d logits = onehot - softmax: the cross-entropy gradient with both scales negated.
         scale = -(grad_logprobs.float() * (labels != IGNORE_INDEX))
-        for t0 in range(0, hidden.shape[0], ctx.chunk_tokens):
-            t1 = min(t0 + ctx.chunk_tokens, hidden.shape[0])
-            grads.add_token_chunk(
-                None,
-                hidden[t0:t1],
-                t0,
-                t1,
-                weight,
-                bias,
-                labels[t0:t1],
-                lse[t0:t1],
-                scale[t0:t1],
-                scale[t0:t1],
-                ctx.chunk_vocab,
-            )
+        grads.add_every_token(hidden, weight, bias, labels, lse, (scale, scale), ctx.chunk_tokens, ctx.chunk_vocab)
         return (*grads.finished(None), None, None, None)
 
 

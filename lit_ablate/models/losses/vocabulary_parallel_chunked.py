@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lit_ablate.models.losses.chunked_cross_entropy import IGNORE_INDEX, ChunkGradients, token_chunk_lse
+from lit_ablate.models.losses.chunked_cross_entropy import IGNORE_INDEX, ChunkGradients, chunked_lse, row_scales
 
 
 def vocabulary_parallel_chunked_cross_entropy(
@@ -74,18 +74,11 @@ class _VocabularyParallelChunkedCrossEntropy(torch.autograd.Function):
         chunk_vocab: int,
         z_loss_weight: float,
     ) -> Tensor:
-        n_tokens = hidden.shape[0]
         counted = labels != IGNORE_INDEX
         # Targets in this rank's columns land in [0, V / tp); the others fall outside (-100 too: it
         # may equal another rank's shifted label, so ``counted`` is kept apart).
         local_labels = torch.where(counted, labels - vocab_start, -1)
-        partial_lse = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
-        partial_target = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
-        for t0 in range(0, n_tokens, chunk_tokens):
-            t1 = min(t0 + chunk_tokens, n_tokens)
-            partial_lse[t0:t1], partial_target[t0:t1], _ = token_chunk_lse(
-                hidden[t0:t1], weight, None, local_labels[t0:t1], chunk_vocab
-            )
+        partial_lse, partial_target = chunked_lse(hidden, weight, None, local_labels, chunk_tokens, chunk_vocab)
         lse, target = global_log_sum_exp(partial_lse, partial_target, group)
         per_token = lse - target
         if z_loss_weight:
@@ -103,24 +96,8 @@ class _VocabularyParallelChunkedCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad_loss: Tensor) -> tuple[Tensor | None, ...]:
         hidden, weight, local_labels, counted, lse = ctx.saved_tensors
         grads = ChunkGradients(hidden, weight, None, (*ctx.needs_input_grad[:2], False))
-        counted = counted.float()
-        for t0 in range(0, hidden.shape[0], ctx.chunk_tokens):
-            t1 = min(t0 + ctx.chunk_tokens, hidden.shape[0])
-            row_scale = counted[t0:t1] * grad_loss.float()
-            softmax_scale = row_scale * (1.0 + 2.0 * ctx.z_loss_weight * lse[t0:t1])
-            grads.add_token_chunk(
-                None,
-                hidden[t0:t1],
-                t0,
-                t1,
-                weight,
-                None,
-                local_labels[t0:t1],
-                lse[t0:t1],
-                row_scale,
-                softmax_scale,
-                ctx.chunk_vocab,
-            )
+        scales = row_scales(counted, lse, ctx.z_loss_weight, grad_loss)
+        grads.add_every_token(hidden, weight, None, local_labels, lse, scales, ctx.chunk_tokens, ctx.chunk_vocab)
         grad_hidden, grad_weight, _ = grads.finished(None)
         if grad_hidden is not None:  # each rank's columns' share of every token's gradient
             dist.all_reduce(grad_hidden, group=ctx.group)
