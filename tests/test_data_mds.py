@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lit_ablate.data import LMDataModule, LocalFiles, MDSShards, PaddingCollator, build_examples
+from lit_ablate.data.stream_slot import StreamRecipe
 from lit_ablate.data.streaming import StreamingExamples
 from lit_ablate.data.token_cache import cache_key
 from lit_ablate.data.tokenizers import ByteTokenizer
@@ -65,18 +66,9 @@ def test_two_ranks_of_two_workers_see_every_row_once_per_epoch():
     collator = PaddingCollator()
     collator.bind(256, 64)
     seen = Counter()
+    recipe = StreamRecipe(MDSShards(str(FIXTURES / "plain")), ByteTokenizer(), "documents", 64, "truncate", epochs=1)
     for rank in range(2):
-        dataset = StreamingExamples(
-            MDSShards(str(FIXTURES / "plain")),
-            ByteTokenizer(),
-            "documents",
-            64,
-            "truncate",
-            1,
-            rank=rank,
-            num_replicas=2,
-            epochs=1,
-        )
+        dataset = StreamingExamples(recipe, 1, rank=rank, num_replicas=2)
         seen.update(_sequences(DataLoader(dataset, batch_size=1, collate_fn=collator, num_workers=2)))
     reference = build_examples(MDSShards(str(FIXTURES / "plain")), ByteTokenizer(), "documents", 64, "truncate")
     assert seen == Counter(tuple(e["input_ids"].tolist()) for e in reference)

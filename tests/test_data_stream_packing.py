@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 from lit_ablate.data import LocalFiles, PackingCollator, build_examples
 from lit_ablate.data.datamodule import ExampleDataset
 from lit_ablate.data.sampler import Sharding
-from lit_ablate.data.stream_slot import SlotStream
+from lit_ablate.data.stream_slot import SlotStream, StreamRecipe
 from lit_ablate.data.streaming import STREAM_STATE, StreamBatchCollate, StreamingBatches, slot_reads
 from lit_ablate.data.tokenizers import ByteTokenizer
 from lit_ablate.models.losses.cross_entropy import IGNORE_INDEX
@@ -43,6 +43,10 @@ def _corpus(tmp_path, files: int = 1, rows: int = 60) -> str:
         lines = [json.dumps({"text": f"doc {f}.{r} " + "ab" * rng.randint(0, 30)}) + "\n" for r in range(rows)]
         (tmp_path / f"docs{f}.jsonl").write_text("".join(lines))
     return str(tmp_path / "docs*.jsonl")
+
+
+def _recipe(source, **options) -> StreamRecipe:
+    return StreamRecipe(source, ByteTokenizer(), "documents", SEQ_LEN, "truncate", **options)
 
 
 def _collator(strategy: str = "ffd", overlong: str = "truncate") -> PackingCollator:
@@ -67,18 +71,8 @@ def test_two_ranks_of_two_workers_pack_every_example_once(tmp_path):
     collator = _collator()
     seen: Counter = Counter()
     for rank in range(2):
-        dataset = StreamingBatches(
-            LocalFiles(path),
-            ByteTokenizer(),
-            "documents",
-            SEQ_LEN,
-            "truncate",
-            2,
-            rank=rank,
-            num_replicas=2,
-            epochs=1,
-            packing=collator.stream_packing(),
-        )
+        recipe = _recipe(LocalFiles(path), epochs=1, packing=collator.stream_packing())
+        dataset = StreamingBatches(recipe, 2, rank=rank, num_replicas=2)
         for batch in DataLoader(dataset, batch_size=None, collate_fn=StreamBatchCollate(collator), num_workers=2):
             assert batch["input_ids"].shape[1] <= MAX_TOKENS
             seen.update(_documents(batch))
@@ -89,15 +83,10 @@ def test_two_ranks_of_two_workers_pack_every_example_once(tmp_path):
 def _slot_examples(source, slot: int, slots: int) -> list[dict]:
     return list(
         SlotStream(
-            source,
-            ByteTokenizer(),
-            "documents",
-            SEQ_LEN,
-            "truncate",
+            _recipe(source, epochs=1),
             slot,
             slots,
             slot_reads(source.stream_shards(), slots, slot),
-            epochs=1,
         )
     )
 
@@ -118,16 +107,10 @@ def test_a_slot_packs_its_examples_as_the_in_memory_packer_does(tmp_path, strate
         in_memory = [[examples[i] for i in row] for row in sampler.epoch_rows()]
         streamed = list(
             SlotStream(
-                source,
-                ByteTokenizer(),
-                "documents",
-                SEQ_LEN,
-                "truncate",
+                _recipe(source, packing=collator.stream_packing(), epochs=1),
                 slot,
                 4,
                 slot_reads(1, 4, slot),
-                packing=collator.stream_packing(),
-                epochs=1,
             )
         )
         assert [_tokens(r) for r in streamed] == [_tokens(r) for r in in_memory] and len(in_memory) > WINDOW // 2
@@ -149,20 +132,14 @@ def test_a_resumed_packed_stream_continues_exactly(tmp_path, shuffle_buffer):
     collator = _collator()
 
     def stream(skip: int = 0, positions=None) -> StreamingBatches:
-        return StreamingBatches(
+        recipe = _recipe(
             source,
-            ByteTokenizer(),
-            "documents",
-            SEQ_LEN,
-            "truncate",
-            2,
-            skip_batches=skip,
-            positions=positions,
             epochs=2,
             shuffle_buffer=shuffle_buffer,
             seed=1,
             packing=collator.stream_packing(),
         )
+        return StreamingBatches(recipe, 2, skip_batches=skip, positions=positions)
 
     whole = [collator(items) for items, _ in stream()]
     assert len(whole) > 8
@@ -178,16 +155,7 @@ def test_a_resumed_packed_stream_continues_exactly(tmp_path, shuffle_buffer):
 
 def test_a_packed_batch_carries_its_slot_state(tmp_path):
     collator = _collator()
-    dataset = StreamingBatches(
-        LocalFiles(_corpus(tmp_path)),
-        ByteTokenizer(),
-        "documents",
-        SEQ_LEN,
-        "truncate",
-        2,
-        epochs=1,
-        packing=collator.stream_packing(),
-    )
+    dataset = StreamingBatches(_recipe(LocalFiles(_corpus(tmp_path)), epochs=1, packing=collator.stream_packing()), 2)
     batch = next(iter(DataLoader(dataset, batch_size=None, collate_fn=StreamBatchCollate(collator))))
     slot, state = batch[STREAM_STATE]
     assert slot == 0 and state["epoch"] == 0 and state["items"]["rows_served"] == 2  # two rows of the first window

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from lit_ablate.data import HubDataset, LocalFiles, PackingCollator, PaddingCollator, sources, stream_parts
+from lit_ablate.data.stream_slot import StreamRecipe
 from lit_ablate.data.streaming import StreamingBatches
 from lit_ablate.data.tokenizers import ByteTokenizer
 
@@ -101,22 +102,18 @@ def test_a_resumed_stream_reads_only_what_remains(tmp_path, monkeypatch, case):
     tokenizer = _CountingTokenizer()
 
     def stream(skip: int = 0, positions=None) -> StreamingBatches:  # one slot of 2 ranks: rank 1's
-        return StreamingBatches(
+        recipe = StreamRecipe(
             source,
             tokenizer,
             fmt,
             SEQ_LEN,
             "truncate",
-            2,
-            rank=1,
-            num_replicas=2,
-            skip_batches=skip,
-            positions=positions,
             epochs=1,
             shuffle_buffer=buffer,
             seed=2,
             packing=collator.stream_packing() if packed else None,
         )
+        return StreamingBatches(recipe, 2, rank=1, num_replicas=2, skip_batches=skip, positions=positions)
 
     whole, read_by = [], []  # the batches, and the rows read when each was made
     for items, _ in stream():

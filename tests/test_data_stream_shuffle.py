@@ -17,19 +17,18 @@ import json
 import pytest
 
 from lit_ablate.data import LMDataModule, LocalFiles, SyntheticText
-from lit_ablate.data.stream_slot import SlotStream
+from lit_ablate.data.stream_slot import SlotStream, StreamRecipe
 from lit_ablate.data.streaming import StreamingBatches
 from lit_ablate.data.tokenizers import load_tokenizer
 from lit_ablate.errors import ConfigError
 
 
-def _stream(tmp_path, **kwargs) -> StreamingBatches:
+def _stream(tmp_path, skip_batches: int = 0, positions=None, **recipe) -> StreamingBatches:
     path = tmp_path / "docs.jsonl"
     if not path.exists():
         path.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(40)))
-    return StreamingBatches(
-        LocalFiles(str(path)), load_tokenizer("byte"), "documents", 32, "truncate", batch_size=2, **kwargs
-    )
+    recipe = StreamRecipe(LocalFiles(str(path)), load_tokenizer("byte"), "documents", 32, "truncate", **recipe)
+    return StreamingBatches(recipe, batch_size=2, skip_batches=skip_batches, positions=positions)
 
 
 def _ids(stream: StreamingBatches) -> list[tuple[int, ...]]:
@@ -58,7 +57,10 @@ def test_the_buffer_holds_at_most_its_size():
     source.stream_part = lambda index, after=None: ((pulled.append(row) or row, p) for row, p in rows(index, after))
     stream = iter(
         SlotStream(
-            source, load_tokenizer("byte"), "documents", 4096, "truncate", 0, 1, [(0, 1, 0)], shuffle_buffer=5, epochs=1
+            StreamRecipe(source, load_tokenizer("byte"), "documents", 4096, "truncate", shuffle_buffer=5, epochs=1),
+            0,
+            1,
+            [(0, 1, 0)],
         )
     )
     first = next(stream)
@@ -66,7 +68,9 @@ def test_the_buffer_holds_at_most_its_size():
     everything = [first, *stream]
     assert sorted(tuple(e["input_ids"].tolist()) for e in everything) == sorted(
         tuple(e["input_ids"].tolist())
-        for e in SlotStream(source, load_tokenizer("byte"), "documents", 4096, "truncate", 0, 1, [(0, 1, 0)], epochs=1)
+        for e in SlotStream(
+            StreamRecipe(source, load_tokenizer("byte"), "documents", 4096, "truncate", epochs=1), 0, 1, [(0, 1, 0)]
+        )
     )
 
 
@@ -93,4 +97,4 @@ def test_the_data_module_gives_its_stream_the_buffer_and_seed(tmp_path, shuffle,
         LocalFiles(str(path)), format="documents", storage="stream", shuffle_buffer=8, seed=3, shuffle=shuffle
     )
     dataset = dm.train_dataloader().dataset
-    assert (dataset.shuffle_buffer, dataset.seed) == (buffer, 3)
+    assert (dataset.recipe.shuffle_buffer, dataset.recipe.seed) == (buffer, 3)

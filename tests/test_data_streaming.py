@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lit_ablate.data import ArithmeticSFT, LMDataModule, LocalFiles, PackingCollator, PaddingCollator, build_examples
+from lit_ablate.data.stream_slot import StreamRecipe
 from lit_ablate.data.streaming import STREAM_STATE, StreamBatchCollate, StreamingBatches, worker_batches_consumed
 from lit_ablate.data.tokenizers import ByteTokenizer
 from lit_ablate.errors import ConfigError
@@ -36,19 +37,8 @@ def _sft_file(tmp_path, rows: int = 45) -> str:
 def _loader(
     path: str, rank: int, *, workers: int = 2, skip: int = 0, positions=None, epochs: int | None = 1, batch: int = 2
 ) -> DataLoader:
-    dataset = StreamingBatches(
-        LocalFiles(path),
-        ByteTokenizer(),
-        "sft",
-        32,
-        "truncate",
-        batch,
-        rank=rank,
-        num_replicas=2,
-        skip_batches=skip,
-        positions=positions,
-        epochs=epochs,
-    )
+    recipe = StreamRecipe(LocalFiles(path), ByteTokenizer(), "sft", 32, "truncate", epochs=epochs)
+    dataset = StreamingBatches(recipe, batch, rank=rank, num_replicas=2, skip_batches=skip, positions=positions)
     collator = PaddingCollator()
     collator.bind(256, 32)
     return DataLoader(dataset, batch_size=None, collate_fn=StreamBatchCollate(collator), num_workers=workers)

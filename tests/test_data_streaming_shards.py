@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from lit_ablate.data import HubDataset, LocalFiles, streaming
+from lit_ablate.data.stream_slot import StreamRecipe
 from lit_ablate.data.streaming import StreamingExamples, slot_reads
 from lit_ablate.data.tokenizers import load_tokenizer
 
@@ -61,9 +62,8 @@ def test_two_ranks_of_two_workers_read_only_their_own_files(files, reads, tmp_pa
 
     def examples(rank: int, ranks: int, worker: int, workers: int) -> list[tuple[int, ...]]:
         monkeypatch.setattr(streaming, "get_worker_info", lambda: SimpleNamespace(id=worker, num_workers=workers))
-        dataset = StreamingExamples(
-            source, tokenizer, "documents", 64, "truncate", batch_size=1, rank=rank, num_replicas=ranks, epochs=1
-        )
+        recipe = StreamRecipe(source, tokenizer, "documents", 64, "truncate", epochs=1)
+        dataset = StreamingExamples(recipe, batch_size=1, rank=rank, num_replicas=ranks)
         return [tuple(e["input_ids"].tolist()) for e in dataset]
 
     every_row = Counter(examples(0, 1, 0, 1))  # one slot reads all parts

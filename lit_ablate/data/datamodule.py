@@ -32,6 +32,7 @@ from lit_ablate.data.resume_position import DataLayout, check_resumable, rank_it
 from lit_ablate.data.sampler import ShardedSampler, Sharding
 from lit_ablate.data.sources import DataSource
 from lit_ablate.data.storage_choice import choose_storage
+from lit_ablate.data.stream_slot import StreamRecipe
 from lit_ablate.data.streaming import STREAM_STATE, StreamBatchCollate, StreamingBatches
 from lit_ablate.data.token_cache import CachedExampleDataset, open_or_build
 from lit_ablate.data.tokenizers import load_tokenizer
@@ -365,22 +366,18 @@ class LMDataModule(pl.LightningDataModule):
         if max_steps is not None and max_steps < 0:
             raise ConfigError("trainer.max_steps", max_steps, "a stream has no epoch end: set trainer.max_steps")
         skip = self._resume_items() // self.batch_size if self._resumed is not None else 0
-        replicas = self._replicas()
-        dataset = StreamingBatches(
+        recipe = StreamRecipe(
             self.source,
             self.tokenizer,
             self.format,
             self.seq_len,
             self.overlong,
-            self.batch_size,
-            rank=replicas["rank"],
-            num_replicas=replicas["num_replicas"],
-            skip_batches=skip,
-            positions=dict(self._stream_positions) if skip else None,
             shuffle_buffer=self.shuffle_buffer if self.shuffle else 0,
             seed=self.seed,
             packing=self._stream_packing(),
         )
+        positions = dict(self._stream_positions) if skip else None
+        dataset = StreamingBatches(recipe, self.batch_size, **self._replicas(), skip_batches=skip, positions=positions)
         return DataLoader(
             dataset, batch_size=None, collate_fn=StreamBatchCollate(self.collator), num_workers=self.num_workers
         )

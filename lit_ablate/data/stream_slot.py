@@ -27,6 +27,7 @@ import logging
 import random
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,45 +45,43 @@ Item = Example | list[Example]
 State = dict[str, Any]
 
 
+@dataclass(frozen=True)
+class StreamRecipe:
+    """What every slot of a stream reads and makes of it.
+
+    Args:
+        source, tokenizer, format, seq_len, overlong: the rows and how they become examples (as in memory).
+        shuffle_buffer: shuffle each slot's examples through a buffer of this many (0 or 1: source order),
+            seeded by ``seed``, the epoch and the slot.
+        packing: pack each slot's examples into rows (``PackingCollator.stream_packing``); None: one example
+            per item.
+        epochs: stop after epoch ``epochs - 1`` (None: never; tests read exactly one epoch).
+    """
+
+    source: DataSource
+    tokenizer: Tokenizer
+    format: Format
+    seq_len: int
+    overlong: Overlong
+    shuffle_buffer: int = 0
+    seed: int = 0
+    packing: StreamPacking | None = None
+    epochs: int | None = None
+
+
 class SlotStream:
-    """Slot ``slot`` of ``slots``: its examples, or packed rows, epoch after epoch.
+    """Slot ``slot`` of ``slots`` of the stream ``recipe``: its examples, or packed rows, epoch after epoch.
 
     Args:
         reads: the slot's ``(part, every, first)`` reads of the source (``streaming.slot_reads``).
-        shuffle_buffer: shuffle the examples through a buffer of this many (0 or 1: source order),
-            seeded by ``seed``, the epoch and the slot.
-        packing: pack the examples into rows (``PackingCollator.stream_packing``); None: one example per item.
-        epochs: stop after epoch ``epochs - 1`` (None: never).
         state: where a previous read of this slot stopped (``state()`` after the last item it
             served); None: the start of epoch 0.
     """
 
     def __init__(
-        self,
-        source: DataSource,
-        tokenizer: Tokenizer,
-        fmt: Format,
-        seq_len: int,
-        overlong: Overlong,
-        slot: int,
-        slots: int,
-        reads: list[tuple[int, int, int]],
-        *,
-        shuffle_buffer: int = 0,
-        seed: int = 0,
-        packing: StreamPacking | None = None,
-        epochs: int | None = None,
-        state: State | None = None,
+        self, recipe: StreamRecipe, slot: int, slots: int, reads: list[tuple[int, int, int]], state: State | None = None
     ) -> None:
-        self.source, self.tokenizer, self.format, self.seq_len, self.overlong = (
-            source,
-            tokenizer,
-            fmt,
-            seq_len,
-            overlong,
-        )
-        self.slot, self.slots, self.reads = slot, slots, reads
-        self.shuffle_buffer, self.seed, self.packing, self.epochs = shuffle_buffer, seed, packing, epochs
+        self.recipe, self.slot, self.slots, self.reads = recipe, slot, slots, reads
         self._resume = state
         self._epoch = state["epoch"] if state else 0
         self._items: _Examples | _Buffered | _Packed | None = None
@@ -94,7 +93,8 @@ class SlotStream:
 
     def __iter__(self) -> Iterator[Item]:
         resume = self._resume["items"] if self._resume else None
-        while self.epochs is None or self._epoch < self.epochs:
+        recipe = self.recipe
+        while recipe.epochs is None or self._epoch < recipe.epochs:
             examples, self._items = self._pipeline(resume)
             made = 0
             for item in self._items:
@@ -103,7 +103,7 @@ class SlotStream:
             if not made and resume is None:
                 raise ConfigError(
                     "data.init_args.source",
-                    type(self.source).__name__,
+                    type(recipe.source).__name__,
                     f"stream slot {self.slot} of {self.slots} got no example in epoch {self._epoch}: "
                     f"the source has too few rows for {self.slots} ranks x workers",
                 )
@@ -111,28 +111,29 @@ class SlotStream:
                 log.warning(
                     "data stream (format=%s, slot %d of %d, epoch %d): %d of %d examples were longer than "
                     "seq_len=%d; overlong=%s (%d dropped)",
-                    self.format,
+                    recipe.format,
                     self.slot,
                     self.slots,
                     self._epoch,
                     examples.counts["overlong"],
                     examples.counts["total"],
-                    self.seq_len,
-                    self.overlong,
+                    recipe.seq_len,
+                    recipe.overlong,
                     examples.counts["dropped"],
                 )
             self._epoch, resume = self._epoch + 1, None
 
     def _pipeline(self, state: State | None) -> tuple[_Examples, _Examples | _Buffered | _Packed]:
         """This epoch's stages, each resumed from its part of ``state``."""
-        upstream_state = state["window"] if state and self.packing else state
+        recipe = self.recipe
+        upstream_state = state["window"] if state and recipe.packing else state
         examples = _Examples(self, upstream_state)
         items: _Examples | _Buffered | _Packed = examples
-        if self.shuffle_buffer > 1:
-            seed = f"{self.seed}/{self._epoch}/{self.slot}"  # a str seed is hashed the same in every process
-            items = _Buffered(examples, self.shuffle_buffer, seed, upstream_state)
-        if self.packing is not None:
-            items = _Packed(items, self.packing, state)
+        if recipe.shuffle_buffer > 1:
+            seed = f"{recipe.seed}/{self._epoch}/{self.slot}"  # a str seed is hashed the same in every process
+            items = _Buffered(examples, recipe.shuffle_buffer, seed, upstream_state)
+        if recipe.packing is not None:
+            items = _Packed(items, recipe.packing, state)
         return examples, items
 
 
@@ -168,7 +169,7 @@ class _Examples:
         """``(position before it, its number from 1 in its part, row)`` for each of the slot's rows."""
         while self.read < len(self.slot.reads):
             part, every, first = self.slot.reads[self.read]
-            for row, after in self.slot.source.stream_part(part, self.after):
+            for row, after in self.slot.recipe.source.stream_part(part, self.after):
                 before = (self.read, self.after, self.number)
                 self.after, self.number = after, self.number + 1
                 if (self.number - 1) % every == first:
@@ -178,20 +179,13 @@ class _Examples:
     def _tokenised(self, number: int, row: Row, carry: list[int]) -> tuple[list[Example], list[int]]:
         """The row's examples and the ``pretrain`` tokens carried past it: ``seq_len`` windows of the
         slot's token stream, labels the next token (as ``pretrain``), or one ``documents``/``sft`` example."""
-        if self.slot.format != "pretrain":
-            examples = list(
-                iter_examples(
-                    [row],
-                    self.slot.tokenizer,
-                    self.slot.format,
-                    self.slot.seq_len,
-                    self.slot.overlong,
-                    self.counts,
-                    number,
-                )
+        recipe = self.slot.recipe
+        if recipe.format != "pretrain":
+            examples = iter_examples(
+                [row], recipe.tokenizer, recipe.format, recipe.seq_len, recipe.overlong, self.counts, number
             )
-            return examples, []
-        stream, seq_len, windows = carry + document_ids(row, self.slot.tokenizer), self.slot.seq_len, []
+            return list(examples), []
+        stream, seq_len, windows = carry + document_ids(row, recipe.tokenizer), recipe.seq_len, []
         start = 0
         while len(stream) - start >= seq_len + 1:
             window = torch.tensor(stream[start : start + seq_len + 1], dtype=torch.long)

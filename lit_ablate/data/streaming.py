@@ -36,11 +36,7 @@ from typing import Any
 from torch.utils.data import IterableDataset, get_worker_info
 
 from lit_ablate.data.collate import Collator
-from lit_ablate.data.formats import Format, Overlong
-from lit_ablate.data.packing import StreamPacking
-from lit_ablate.data.sources import DataSource
-from lit_ablate.data.stream_slot import Item, SlotStream, State
-from lit_ablate.data.tokenizers import Tokenizer
+from lit_ablate.data.stream_slot import Item, SlotStream, State, StreamRecipe
 from lit_ablate.errors import ConfigError
 
 STREAM_STATE = "stream_state"
@@ -53,45 +49,26 @@ def worker_batches_consumed(batches: int, worker: int, workers: int) -> int:
 
 
 class StreamingExamples(IterableDataset):
-    """This rank's examples (or packed rows), slot by slot over the DataLoader's workers, epoch after epoch.
+    """This rank's examples (or packed rows) of the stream ``recipe``, slot by slot over the DataLoader's
+    workers, epoch after epoch.
 
     Args:
         batch_size: the DataLoader's batch size (with ``skip_batches``, which worker's turn it is).
         skip_batches: batches this rank already consumed (resume): which worker's turn it is.
         positions: each slot's state after its last consumed batch (resume; ``STREAM_STATE``).
-        epochs: stop after this many epochs (None: never; tests read exactly one epoch).
-        shuffle_buffer: shuffle each slot's examples through a buffer of this many (0 or 1: source order).
-        seed: the shuffle's seed; with the epoch and the slot it seeds each slot's shuffle of each epoch.
-        packing: pack each slot's examples into rows (``PackingCollator.stream_packing()``).
     """
 
     def __init__(
         self,
-        source: DataSource,
-        tokenizer: Tokenizer,
-        fmt: Format,
-        seq_len: int,
-        overlong: Overlong,
+        recipe: StreamRecipe,
         batch_size: int,
         rank: int = 0,
         num_replicas: int = 1,
         skip_batches: int = 0,
         positions: dict[int, State] | None = None,
-        epochs: int | None = None,
-        shuffle_buffer: int = 0,
-        seed: int = 0,
-        packing: StreamPacking | None = None,
     ) -> None:
-        self.source, self.tokenizer, self.format, self.seq_len, self.overlong = (
-            source,
-            tokenizer,
-            fmt,
-            seq_len,
-            overlong,
-        )
-        self.batch_size, self.rank, self.num_replicas = batch_size, rank, num_replicas
-        self.skip_batches, self.positions, self.epochs = skip_batches, positions or {}, epochs
-        self.shuffle_buffer, self.seed, self.packing = shuffle_buffer, seed, packing
+        self.recipe, self.batch_size, self.rank, self.num_replicas = recipe, batch_size, rank, num_replicas
+        self.skip_batches, self.positions = skip_batches, positions or {}
 
     def __iter__(self) -> Iterator[Item]:
         return iter(self._slot_stream())
@@ -111,21 +88,7 @@ class StreamingExamples(IterableDataset):
                 "consumed batches (saved by an older lit-ablate or with other ranks x workers): resume "
                 "with the ranks and num_workers it was saved with, or start the run again",
             )
-        return SlotStream(
-            self.source,
-            self.tokenizer,
-            self.format,
-            self.seq_len,
-            self.overlong,
-            slot,
-            slots,
-            slot_reads(self.source.stream_shards(), slots, slot),
-            shuffle_buffer=self.shuffle_buffer,
-            seed=self.seed,
-            packing=self.packing,
-            epochs=self.epochs,
-            state=state,
-        )
+        return SlotStream(self.recipe, slot, slots, slot_reads(self.recipe.source.stream_shards(), slots, slot), state)
 
 
 class StreamingBatches(StreamingExamples):
