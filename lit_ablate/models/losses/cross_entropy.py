@@ -323,10 +323,10 @@ def loss_backend(name: str, **options: Any) -> LossBackend:
 
     Building also checks the backend can run here (``liger``/``cce`` need CUDA and their package).
     """
-    return build_named(LOSS_BACKENDS, name, options, key=LOSS_KEY, options_key=LOSS_OPTIONS_KEY)
+    return named_class(LOSS_BACKENDS, name, options, key=LOSS_KEY, options_key=LOSS_OPTIONS_KEY)(**options)
 
 
-def build_named(
+def named_class(
     registry: dict[str, Any],
     name: str,
     options: dict[str, Any],
@@ -335,29 +335,16 @@ def build_named(
     options_key: str,
     other_choices: tuple[str, ...] = (),
 ) -> Any:
-    """``registry[name](**options)``, or a ``ConfigError`` naming ``key`` for an unknown name (listing
-    the registry and ``other_choices``, names the caller serves elsewhere) or ``options_key`` for an
-    option the class does not take, before any constructor runs."""
-    check_named(registry, name, options, key=key, options_key=options_key, other_choices=other_choices)
-    return registry[name](**options)
-
-
-def check_named(
-    registry: dict[str, Any],
-    name: str,
-    options: dict[str, Any],
-    *,
-    key: str,
-    options_key: str,
-    other_choices: tuple[str, ...] = (),
-) -> None:
-    """``build_named``'s refusals without building anything: an unknown name, an option it does not take."""
+    """``registry[name]``, the class to build with ``options``, or a ``ConfigError`` before any
+    constructor runs: naming ``key`` for an unknown name (listing the registry and ``other_choices``,
+    names the caller serves elsewhere), or ``options_key`` for an option the class does not take."""
     if name not in registry:
         raise ConfigError(key, name, f"choose one of {sorted(registry) + list(other_choices)}")
     accepted = inspect.signature(registry[name]).parameters
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         raise ConfigError(options_key, options, f"'{name}' takes no option {unknown}; it takes {sorted(accepted)}")
+    return registry[name]
 
 
 def check_loss_backend(name: str, compute_dtype: str | None = None, **options: Any) -> None:

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from lit_ablate.errors import ConfigError
 from lit_ablate.models.losses.chunked_cross_entropy import IGNORE_INDEX, ChunkGradients, chunked_lse
-from lit_ablate.models.losses.cross_entropy import build_named
+from lit_ablate.models.losses.cross_entropy import named_class
 
 LOGPROBS_KEY = "model.init_args.logprobs"
 LOGPROBS_OPTIONS_KEY = "model.init_args.logprobs_options"
@@ -135,11 +135,5 @@ FUSED_BACKENDS = ("liger",)
 
 def logprob_backend(name: str, **options: Any) -> LogProbBackend:
     """Build backend ``name`` with its options; unknown names or options raise ``ConfigError``."""
-    return build_named(
-        LOGPROB_BACKENDS,
-        name,
-        options,
-        key=LOGPROBS_KEY,
-        options_key=LOGPROBS_OPTIONS_KEY,
-        other_choices=FUSED_BACKENDS,
-    )
+    keys = {"key": LOGPROBS_KEY, "options_key": LOGPROBS_OPTIONS_KEY}
+    return named_class(LOGPROB_BACKENDS, name, options, **keys, other_choices=FUSED_BACKENDS)(**options)

@@ -18,8 +18,8 @@ from lit_ablate.models.losses.cross_entropy import (
     LOSS_OPTIONS_KEY,
     LossBackend,
     check_loss_backend,
-    check_named,
     loss_backend,
+    named_class,
 )
 
 VOCABULARY_PARALLEL_LOSSES = ("torch", "chunked")
@@ -53,7 +53,7 @@ class LossChoice:
     def check_named(self) -> None:
         """Raise ``ConfigError`` for a name no backend has, or an option the backend does not take (what
         ``build`` refuses, without building it: a study checks every variant before the first runs)."""
-        check_named(LOSS_BACKENDS, self.name, dict(self.options), key=LOSS_KEY, options_key=LOSS_OPTIONS_KEY)
+        named_class(LOSS_BACKENDS, self.name, dict(self.options), key=LOSS_KEY, options_key=LOSS_OPTIONS_KEY)
 
     def build(self) -> LossBackend:
         """The backend (``loss_backend``): unknown names, options or values raise ``ConfigError``."""
