@@ -8,6 +8,7 @@ from dataclasses import asdict
 from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.parsing import collect_init_args
 from torch import Tensor
@@ -235,14 +236,21 @@ class CausalLM(LightningModule):
             loss_sum, useful = answers.forward_backward(self.model, batch, self.objective)
         else:
             loss_sum, useful = self.model(batch)
-        aux = self.router_losses()  # MoE router losses: trained on, logged apart
-        loss = self.objective.backward_loss(loss_sum, useful, sum(aux.values(), 0.0), strategy)
+        return self.step_output(batch, loss_sum, useful, strategy, batch_model_flops(batch, self.flops_per_token))
+
+    def step_output(
+        self, batch: dict[str, Any], loss_sum: Tensor, units: Tensor, strategy: Strategy | None, flops: float
+    ) -> StepOutput:
+        """What the step's callbacks read, with the loss to backpropagate: ``loss_sum`` over ``units``
+        (useful tokens; DPO: pairs, and it says its useful tokens) as the step objective scales it,
+        plus the MoE router losses."""
+        aux = self.router_losses()  # trained on, logged apart
         return {
-            "loss": loss,
+            "loss": self.objective.backward_loss(loss_sum, units, sum(aux.values(), 0.0), strategy),
             "loss_sum": loss_sum.detach(),
             "tokens": batch["input_ids"].numel(),
-            "useful_tokens": useful,
-            "flops": batch_model_flops(batch, self.flops_per_token),
+            "useful_tokens": units,
+            "flops": flops,
         }
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:

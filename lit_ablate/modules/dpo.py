@@ -185,14 +185,9 @@ class DPO(DPOReference, CausalLM):
             step = self.pair_step(batch)
             pairs = torch.full((), int(batch["num_pairs"]), device=step.loss_sum.device)  # no copy from the host
             loss_sum, statistics = step.loss_sum, self._statistics(step, pairs)
-        aux = self.router_losses()  # MoE router losses: trained on, logged apart
-        loss = self.objective.backward_loss(loss_sum, pairs, sum(aux.values(), 0.0), strategy)
         return {
-            "loss": loss,
-            "loss_sum": loss_sum.detach(),
-            "tokens": batch["input_ids"].numel(),
+            **self.step_output(batch, loss_sum, pairs, strategy, self.flops_per_pair_batch(batch)),
             "useful_tokens": (batch["labels"] != IGNORE_INDEX).sum(),
-            "flops": self.flops_per_pair_batch(batch),
             "loss_units": pairs,
             "preference": statistics,
         }
