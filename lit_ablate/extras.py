@@ -24,6 +24,7 @@ EXTRAS: dict[str, str] = {
     "tensorboard": "trackers",
     "wandb": "trackers",
     "mlflow": "trackers",
+    "deepspeed": "deepspeed",
 }
 """Each optional package (its import name) and the extra of ``pyproject.toml`` that installs it (torchao
 also comes with ``optim8bit``, liger and cce with ``kernels-cpu`` for Triton's interpreter on CPU)."""

@@ -56,6 +56,7 @@ from lit_ablate.models.moe.blocks import MoEOptions
 from lit_ablate.modules import CausalLM
 from lit_ablate.strategies import (
     DDPStrategy,
+    DeepSpeedStrategy,
     ExpertParallelStrategy,
     FSDP1Strategy,
     FSDP2Strategy,
@@ -185,9 +186,20 @@ def fit(variant: str, strategy="auto", devices: int = 1, rank: int = 0, old: boo
         num_sanity_val_steps=0,
     )
     trainer.fit(module, DataLoader(micro_batches(variant, rank), batch_size=None))
-    # The strategy's root (DDP/FSDP1 wrap the whole LightningModule), gathered whole on every rank.
+    return {"losses": losses.losses, "weights": full_weights(trainer)}
+
+
+def full_weights(trainer: pl.Trainer) -> dict[str, torch.Tensor]:
+    """Every weight whole, on every rank: from the strategy's root (DDP/FSDP1 wrap the whole LightningModule),
+    or under DeepSpeed from the module with ZeRO-3's partitions gathered for the while."""
+    if isinstance(trainer.strategy, DeepSpeedStrategy):
+        import deepspeed
+
+        module = trainer.lightning_module
+        with deepspeed.zero.GatheredParameters(list(module.parameters())):
+            return {k: v.detach().clone() for k, v in module.state_dict().items()}
     weights = get_model_state_dict(trainer.strategy.model, options=StateDictOptions(full_state_dict=True))
-    return {"losses": losses.losses, "weights": {k: v.detach().clone() for k, v in weights.items()}}
+    return {k: v.detach().clone() for k, v in weights.items()}
 
 
 STRATEGIES = {

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.modules import CausalLM
-from lit_ablate.strategies import DDPStrategy, HSDPStrategy, ZeRO1Strategy
+from lit_ablate.strategies import DDPStrategy, HSDPStrategy, ZeRO1Strategy, interface_of
 from tests.distributed import run_ranks
 from tests.test_step_objective import micro_batches
 
@@ -50,11 +50,12 @@ class FirstStepGradients(Callback):
         self.grads: dict[str, torch.Tensor] = {}
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if trainer.global_step == 0:
-            self.grads = {
-                name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
-                for name, p in pl_module.model.named_parameters()
-            }
+        if trainer.global_step == 0 and interface_of(trainer.strategy).ends_optimizer_step():
+            with interface_of(trainer.strategy).gradients_in_full():
+                self.grads = {
+                    name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+                    for name, p in pl_module.model.named_parameters()
+                }
 
 
 def first_step_gradients(variant: str, strategy="auto", devices: int = 1, rank: int = 0) -> dict[str, torch.Tensor]:

@@ -304,8 +304,11 @@ def implementation_of(optimizer: torch.optim.Optimizer) -> str | None:
 
 def decay_names(model: nn.Module, embedding: nn.Parameter) -> set[str]:
     """Names of the parameters that decay: matrices, except the input embedding. Call it on the
-    unwrapped model; sharding wrappers may flatten shapes."""
-    return {name for name, p in model.named_parameters() if p.ndim >= 2 and p is not embedding}
+    unwrapped model; sharding wrappers may flatten shapes (DeepSpeed's ZeRO-3 partitions parameters as it
+    creates them and keeps their shape as ``ds_shape``)."""
+    return {
+        name for name, p in model.named_parameters() if len(getattr(p, "ds_shape", p.shape)) >= 2 and p is not embedding
+    }
 
 
 def decay_groups(model: nn.Module, decaying: set[str], weight_decay: float) -> list[dict]:

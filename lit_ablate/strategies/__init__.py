@@ -5,7 +5,7 @@
 ``ContextParallelStrategy``, ``ExpertParallelStrategy`` and the pairs are its presets, each accepting
 only its own dimensions. ``PipelineParallelStrategy`` is it with the pipeline step: layers split into
 stages, every other dimension applied to each stage. ``DDPStrategy``, ``ZeRO1Strategy`` and
-``FSDP1Strategy`` are the data-parallel baselines.
+``FSDP1Strategy`` are the data-parallel baselines, ``DeepSpeedStrategy`` DeepSpeed's ZeRO beside them.
 Every one answers ``StrategyInterface`` (what modules and callbacks may ask a strategy).
 
 Configs select them by ``class_path`` (``lit_ablate.strategies.FSDP2Strategy``); research code
@@ -14,6 +14,7 @@ subclasses one and overrides one ``apply_*`` step.
 
 from lit_ablate.mesh_sizes import MESH_DIMS, MeshSizes, resolve_mesh_sizes
 from lit_ablate.strategies.ddp import DDPStrategy
+from lit_ablate.strategies.deepspeed import DeepSpeedStrategy
 from lit_ablate.strategies.fsdp1 import FSDP1Strategy
 from lit_ablate.strategies.interface import StrategyInterface, interface_of
 from lit_ablate.strategies.mesh import MeshStrategy, decoder_layers
@@ -35,6 +36,7 @@ __all__ = [
     "MESH_DIMS",
     "ContextParallelStrategy",
     "DDPStrategy",
+    "DeepSpeedStrategy",
     "ExpertContextParallelStrategy",
     "ExpertParallelStrategy",
     "ExpertTensorParallelStrategy",

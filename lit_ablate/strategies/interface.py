@@ -11,7 +11,7 @@ A custom strategy implements this interface by inheriting it next to its Lightni
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -19,7 +19,10 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import FSDPStrategy, ParallelStrategy, Strategy
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
+from lit_ablate.config_keys import TRAINER_STRATEGY_KEY
+from lit_ablate.errors import ConfigError
 from lit_ablate.strategies.state_sharding import REPLICATED, StateSharding, lightning_state_sharding
 
 UnitLoss = Callable[[tuple[Tensor, ...], dict[str, Any]], Tensor]
@@ -136,6 +139,35 @@ class StrategyInterface:
     def state_sharding(self, world_size: int) -> StateSharding:
         """How the strategy divides training state over ``world_size`` ranks (the memory estimate)."""
         return REPLICATED
+
+    def ends_optimizer_step(self) -> bool:
+        """Whether the backward just run was its optimizer step's last. Lightning calls the optimizer step
+        once per step, except for a strategy that accumulates micro-batches itself (DeepSpeed), which it
+        calls after every micro-batch: that one answers for each."""
+        return True
+
+    @torch.no_grad()
+    def scale_gradients(self, parameters: Iterable[nn.Parameter], factor: Tensor) -> None:
+        """Multiply the step's gradients by ``factor`` (the step objective's, a device scalar) before clipping
+        and the optimizer: on ``param.grad`` (a DTensor's local shard), where they live by default."""
+        grads, trainable = [], False
+        for p in parameters:
+            trainable |= p.requires_grad
+            if p.grad is not None:
+                grads.append(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
+        if trainable and not grads:
+            raise ConfigError(
+                TRAINER_STRATEGY_KEY,
+                type(self.strategy).__name__,
+                "lit-ablate rescales each step's gradients to the global token mean after backward, and this "
+                "strategy keeps them outside param.grad without saying how to scale them (StrategyInterface."
+                "scale_gradients); use a lit-ablate strategy (lit_ablate.strategies.DeepSpeedStrategy for DeepSpeed)",
+            )
+        groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+        for grad in grads:
+            groups.setdefault((grad.dtype, grad.device), []).append(grad)
+        for same_kind in groups.values():
+            torch._foreach_mul_(same_kind, factor.to(same_kind[0].device))
 
     def gradients_in_full(self) -> AbstractContextManager:
         """A context in which every parameter's ``.grad`` is its whole gradient, or a DTensor of it (whose

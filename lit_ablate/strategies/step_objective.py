@@ -36,10 +36,7 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import Strategy
 from torch import Tensor
 from torch.distributed import ProcessGroup
-from torch.distributed.tensor import DTensor
 
-from lit_ablate.config_keys import TRAINER_STRATEGY_KEY
-from lit_ablate.errors import ConfigError
 from lit_ablate.strategies.interface import interface_of
 
 
@@ -95,36 +92,16 @@ class StepObjective:
         self, parameters: Iterable[torch.nn.Parameter], strategy: Strategy, accumulate_grad_batches: int
     ) -> None:
         """Multiply the step's gradients by ``W * A * c / N`` (see the module docstring) and reset."""
-        if self._units is None:
-            return  # the step backpropagated nothing (training_step returned None)
-        group, size = interface_of(strategy).gradient_mean_group
+        answers = interface_of(strategy)
+        if self._units is None or not answers.ends_optimizer_step():
+            return  # the step backpropagated nothing (training_step returned None), or is still accumulating
+        group, size = answers.gradient_mean_group
         # float64: exact unit counts far beyond the 2^24 tokens per step where float32 would round.
         totals = torch.stack([self._units.double(), self._loss_sum.double()])
         if group is not None:
             dist.all_reduce(totals, group=group)
         units, loss_sum = totals[0], totals[1]
         factor = ((size * accumulate_grad_batches * self.scale) / units.clamp(min=1)).float()
-        grads, trainable = [], False
-        for p in parameters:
-            trainable |= p.requires_grad
-            if p.grad is not None:
-                grads.append(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
-        if trainable and not grads:
-            raise ConfigError(
-                TRAINER_STRATEGY_KEY,
-                type(strategy).__name__,
-                "lit-ablate rescales each step's gradients to the global token mean after backward, and "
-                "this strategy keeps gradients outside param.grad (e.g. DeepSpeed); use DDPStrategy, "
-                "ZeRO1Strategy, FSDP1Strategy or FSDP2Strategy",
-            )
-        for dtype_device_group in _by_dtype_and_device(grads).values():
-            torch._foreach_mul_(dtype_device_group, factor.to(dtype_device_group[0].device))
+        answers.scale_gradients(parameters, factor)
         self.last_step_loss = loss_sum / units.clamp(min=1)
         self._units = self._loss_sum = None
-
-
-def _by_dtype_and_device(tensors: list[Tensor]) -> dict[tuple, list[Tensor]]:
-    groups: dict[tuple, list[Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.dtype, t.device), []).append(t)
-    return groups

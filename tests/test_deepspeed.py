@@ -1,0 +1,178 @@
+"""DeepSpeed's ZeRO as a study variant (``lit_ablate.strategies.DeepSpeedStrategy``), on 2 CPU ranks.
+
+Under ZeRO-1, 2, 3 and ZeRO-2 with the optimizer offloaded, every rank's gradient of the first step
+equals one process's over the same four rows (rank 0 reads the long rows, rank 1 the short: 53 against
+2 useful tokens), read where clipping and the optimizer read it (``DeepSpeedStrategy.gradients_in_full``:
+DeepSpeed's partitions, divided by its loss scale); and ZeRO-2 with accumulation and ZeRO-3 train the
+reference model over 5 AdamW steps with clipping (``test_step_objective``'s data and tolerances).
+
+Seen failing (by hand, once each): ``scale_gradients`` doing nothing (DeepSpeed's own averaging, a
+mean of rank means: kept below as ``UnscaledDeepSpeed``); the backward dividing by the accumulation
+count a second time (``scale_wrt_gas`` left to DeepSpeed: the accumulate run's step losses off by 4e-3);
+ZeRO-3's model built inside ``deepspeed.zero.Init`` (Lightning's way: Hugging Face's initialisation runs
+on empty shards, gradients off by 0.23).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lit_ablate.errors import ConfigError
+from lit_ablate.rules.registry import Scope, first_refusal
+from lit_ablate.strategies import DeepSpeedStrategy
+from lit_ablate.strategies.deepspeed_config import RunValues, contradiction, engine_config
+from tests.distributed import run_ranks
+from tests.test_step_objective import assert_same_training, fit
+from tests.test_step_objective import reference as reference
+from tests.test_step_objective_per_rank import GRAD_ATOL, first_step_gradients
+
+REPOSITORY = Path(__file__).parents[1]
+QUICKSTART = REPOSITORY / "configs" / "quickstart.yaml"
+DEEPSPEED_CONFIGS = REPOSITORY / "configs" / "deepspeed"
+ZERO = {
+    "zero1": {"stage": 1},
+    "zero2": {"stage": 2},
+    "zero3": {"stage": 3},
+    "zero2_offload": {"stage": 2, "offload_optimizer": True},
+}
+
+
+class UnscaledDeepSpeed(DeepSpeedStrategy):
+    """The planted bug: the step objective's factor never reaches DeepSpeed's partitions."""
+
+    def scale_gradients(self, parameters, factor) -> None:
+        pass
+
+
+def _two_ranks(rank: int, world_size: int) -> dict:
+    runs = {name: first_step_gradients("ranks", DeepSpeedStrategy(**keys), 2, rank) for name, keys in ZERO.items()}
+    runs["unscaled"] = first_step_gradients("ranks", UnscaledDeepSpeed(stage=2), 2, rank)
+    runs["zero2_accumulate"] = fit("ddp_accumulate", DeepSpeedStrategy(stage=2), 2, rank)
+    runs["zero3_steps"] = fit("ranks", DeepSpeedStrategy(stage=3), 2, rank)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def one_process_gradients() -> dict[str, torch.Tensor]:
+    return first_step_gradients("reference")
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return run_ranks(_two_ranks, 2, init_process_group=False, timeout_s=400)
+
+
+def _largest_difference(run: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    assert sorted(run) == sorted(reference)
+    return max(float((run[name] - grad).abs().max()) for name, grad in reference.items())
+
+
+@pytest.mark.parametrize("name", list(ZERO))
+def test_every_rank_s_first_gradient_equals_one_process_s(one_process_gradients, two_ranks, name):
+    assert max(g.abs().max() for g in one_process_gradients.values()) > 0.1, "gradients too small to show a scale"
+    for rank, runs in enumerate(two_ranks):
+        assert _largest_difference(runs[name], one_process_gradients) <= GRAD_ATOL, f"rank {rank}"
+
+
+def test_deepspeed_s_own_averaging_fails_that_check(one_process_gradients, two_ranks):
+    """The regression guard: DeepSpeed's mean over ranks of rank means (the factor not applied) is not it."""
+    assert _largest_difference(two_ranks[0]["unscaled"], one_process_gradients) > 100 * GRAD_ATOL
+
+
+@pytest.mark.parametrize("name", ["zero2_accumulate", "zero3_steps"])
+def test_zero_trains_the_reference_model(reference, two_ranks, name):
+    for runs in two_ranks:
+        assert_same_training(runs[name], reference)
+
+
+# --- the DeepSpeed config beside the run config ------------------------------------------------------
+
+RUN = RunValues(
+    micro_batch_size=2,
+    accumulation=1,
+    data_parallel_size=2,
+    gradient_clip_val=1.0,
+    precision="32-true",
+    optimizer="adamw",
+    learning_rate=1e-3,
+    weight_decay=0.1,
+    betas=(0.9, 0.95),
+)
+
+
+@pytest.mark.parametrize(
+    ("ds", "named"),
+    [
+        ({"gradient_accumulation_steps": 4}, "trainer.accumulate_grad_batches 1"),
+        ({"train_micro_batch_size_per_gpu": 8}, "data.init_args.batch_size 2"),
+        ({"train_batch_size": 64}, "data.init_args.batch_size x accumulate_grad_batches x ranks 4"),
+        ({"gradient_clipping": 0.5}, "trainer.gradient_clip_val 1.0"),
+        ({"bf16": {"enabled": True}}, "trainer.precision '32-true'"),
+        ({"optimizer": {"type": "AdamW", "params": {"lr": 2e-5}}}, "model.init_args.learning_rate 0.001"),
+        ({"optimizer": {"type": "SGD"}}, "model.init_args.optimizer 'adamw'"),
+    ],
+)
+def test_a_json_value_that_contradicts_the_run_is_refused_naming_both_keys(ds, named):
+    refusal = contradiction(ds, RUN, "ds.json")
+    assert refusal is not None and named in refusal.fix and "ds.json: " in refusal
+    assert "\n" not in refusal
+
+
+def test_auto_and_equal_values_take_the_run_s_and_the_engine_gets_deepspeed_s_own_keys():
+    ds = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": 4,
+        "gradient_clipping": "auto",
+        "fp16": {"enabled": False},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": 0.1, "betas": [0.9, 0.95]}},
+        "zero_optimization": {"stage": 2, "overlap_comm": True},
+    }
+    assert contradiction(ds, RUN) is None
+    engine = engine_config(ds, RUN)
+    assert engine["zero_optimization"] == ds["zero_optimization"] and engine["train_micro_batch_size_per_gpu"] == 2
+    assert not {"gradient_accumulation_steps", "train_batch_size", "gradient_clipping", "fp16", "optimizer"} & set(
+        engine
+    )
+
+
+def test_a_key_that_contradicts_the_json_is_refused(tmp_path):
+    path = tmp_path / "ds_z1_config.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 1}}))
+    with pytest.raises(ConfigError, match=r"stage.*contradicts the DeepSpeed config's zero_optimization.stage 1"):
+        DeepSpeedStrategy(config=str(path), stage=2)
+    assert DeepSpeedStrategy(config=str(path)).config["zero_optimization"]["stage"] == 1
+
+
+def test_the_run_config_is_refused_before_any_rank_starts(tmp_path):
+    path = tmp_path / "ds_z2_config.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 8}))
+    config = {
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": 2,
+            "accumulate_grad_batches": 2,
+            "strategy": {"class_path": "lit_ablate.strategies.DeepSpeedStrategy", "init_args": {"config": str(path)}},
+        },
+        "model": {"class_path": "lit_ablate.modules.CausalLM", "init_args": {"model": {"preset": "tiny-llama"}}},
+    }
+    refusal = first_refusal(config, Scope.CONFIG)
+    assert refusal is not None and refusal.key == "trainer.strategy.init_args.config"
+    assert "ds_z2_config.json: gradient_accumulation_steps 8" in refusal
+    assert "trainer.accumulate_grad_batches 2" in refusal
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in DEEPSPEED_CONFIGS.glob("*.json")))
+def test_every_shipped_deepspeed_config_agrees_with_the_quickstart(name):
+    config = yaml.safe_load(QUICKSTART.read_text())
+    config["trainer"]["strategy"] = {
+        "class_path": "lit_ablate.strategies.DeepSpeedStrategy",
+        "init_args": {"config": str(DEEPSPEED_CONFIGS / name)},
+    }
+    assert first_refusal(config, Scope.CONFIG) is None
+    assert DeepSpeedStrategy(config=str(DEEPSPEED_CONFIGS / name)).config["zero_optimization"]["stage"] in (1, 2)
