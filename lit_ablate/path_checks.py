@@ -19,6 +19,20 @@ SHARDED_METADATA_FILENAME = "meta.pt"
 """Lightning's name for the non-tensor part of a sharded (DCP folder) checkpoint."""
 DEEPSPEED_TAG_FILENAME = "latest"
 """What DeepSpeed writes into a checkpoint folder of its own format (the tag of its newest save)."""
+DEEPSPEED_STATES_FILENAME = "mp_rank_00_model_states.pt"
+"""The file of a DeepSpeed checkpoint's tag folder that holds Lightning's loop, data and module state."""
+
+
+def is_deepspeed_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is a checkpoint folder in DeepSpeed's own format (``DeepSpeedStrategy`` writes them)."""
+    folder = Path(path).expanduser()
+    return (folder / DEEPSPEED_TAG_FILENAME).is_file() and not (folder / SHARDED_METADATA_FILENAME).is_file()
+
+
+def deepspeed_states_file(path: str | Path) -> Path:
+    """The newest save's states file of a DeepSpeed checkpoint folder (its ``latest`` tag)."""
+    folder = Path(path).expanduser()
+    return folder / (folder / DEEPSPEED_TAG_FILENAME).read_text().strip() / DEEPSPEED_STATES_FILENAME
 
 
 def writable_dir(key: str, path: str | Path) -> Path:
@@ -55,20 +69,23 @@ def _check_creatable(key: str, given: str | Path, folder: Path, fix: str) -> Non
         raise ConfigError(key, str(given), f"cannot write there ({err.strerror or err}); {fix}") from err
 
 
-def checkpoint_path(key: str, path: str | Path) -> Path:
+def checkpoint_path(key: str, path: str | Path, deepspeed: bool = False) -> Path:
     """``path`` as a Lightning checkpoint: a ``torch.save`` file (a zip archive) or a sharded folder
-    holding ``meta.pt``. Cheap: only the archive's directory is read, never the tensors."""
+    holding ``meta.pt``, or with ``deepspeed`` (a ``DeepSpeedStrategy`` run reads it) a DeepSpeed folder.
+    Cheap: only the archive's directory is read, never the tensors."""
     checkpoint = Path(path).expanduser()
     fix = "give a .ckpt file or sharded checkpoint folder written by lit-ablate fit (e.g. .../checkpoints/last.ckpt)"
     if checkpoint.is_dir():
-        if (checkpoint / DEEPSPEED_TAG_FILENAME).is_file() and not (checkpoint / SHARDED_METADATA_FILENAME).is_file():
+        if is_deepspeed_checkpoint(checkpoint):
+            if deepspeed and deepspeed_states_file(checkpoint).is_file():
+                return checkpoint
             raise ConfigError(
                 key,
                 str(path),
-                "a DeepSpeed checkpoint (ZeRO's own per-rank partitions), which does not reshard and which "
-                "lit-ablate does not read; turn it into one file with lightning.pytorch.utilities.deepspeed."
-                "convert_zero_checkpoint_to_fp32_state_dict (weights and loop state, for export, generate or "
-                "evaluation; the optimizer's state stays behind)",
+                "a DeepSpeed checkpoint (ZeRO's own per-rank partitions), which does not reshard and which only "
+                "lit_ablate.strategies.DeepSpeedStrategy reads; resume with it, or turn the folder into one file "
+                "with lightning.pytorch.utilities.deepspeed.convert_zero_checkpoint_to_fp32_state_dict (weights and "
+                "loop state, for export, generate or evaluation; the optimizer's state stays behind)",
             )
         if not (checkpoint / SHARDED_METADATA_FILENAME).is_file():
             raise ConfigError(

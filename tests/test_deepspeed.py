@@ -10,7 +10,8 @@ Seen failing (by hand, once each): ``scale_gradients`` doing nothing (DeepSpeed'
 mean of rank means: kept below as ``UnscaledDeepSpeed``); the backward dividing by the accumulation
 count a second time (``scale_wrt_gas`` left to DeepSpeed: the accumulate run's step losses off by 4e-3);
 ZeRO-3's model built inside ``deepspeed.zero.Init`` (Lightning's way: Hugging Face's initialisation runs
-on empty shards, gradients off by 0.23).
+on empty shards, gradients off by 0.23); a resume that leaves the optimizer's state behind (the resumed
+losses off by 0.18).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from tests.distributed import run_ranks
 from tests.test_step_objective import assert_same_training, fit
 from tests.test_step_objective import reference as reference
 from tests.test_step_objective_per_rank import GRAD_ATOL, first_step_gradients
+from tests.test_strategies_trainer import CHECKPOINT_STEP, RESUME_ATOL, STEPS
+from tests.test_strategies_trainer import fit as trainer_fit
 
 REPOSITORY = Path(__file__).parents[1]
 QUICKSTART = REPOSITORY / "configs" / "quickstart.yaml"
@@ -49,11 +52,15 @@ class UnscaledDeepSpeed(DeepSpeedStrategy):
         pass
 
 
-def _two_ranks(rank: int, world_size: int) -> dict:
+def _two_ranks(rank: int, world_size: int, root: str) -> dict:
+    root = Path(root)
     runs = {name: first_step_gradients("ranks", DeepSpeedStrategy(**keys), 2, rank) for name, keys in ZERO.items()}
     runs["unscaled"] = first_step_gradients("ranks", UnscaledDeepSpeed(stage=2), 2, rank)
     runs["zero2_accumulate"] = fit("ddp_accumulate", DeepSpeedStrategy(stage=2), 2, rank)
     runs["zero3_steps"] = fit("ranks", DeepSpeedStrategy(stage=3), 2, rank)
+    runs["zero2_series"], _ = trainer_fit(DeepSpeedStrategy(stage=2), root / "zero2")
+    resumed_from = root / "zero2" / f"step={CHECKPOINT_STEP}.ckpt"
+    runs["zero2_resumed"], _ = trainer_fit(DeepSpeedStrategy(stage=2), root / "resumed", resume_from=resumed_from)
     return runs
 
 
@@ -63,8 +70,13 @@ def one_process_gradients() -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def two_ranks() -> list[dict]:
-    return run_ranks(_two_ranks, 2, init_process_group=False, timeout_s=400)
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("deepspeed")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(root) -> list[dict]:
+    return run_ranks(_two_ranks, 2, str(root), init_process_group=False, timeout_s=400)
 
 
 def _largest_difference(run: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
@@ -88,6 +100,34 @@ def test_deepspeed_s_own_averaging_fails_that_check(one_process_gradients, two_r
 def test_zero_trains_the_reference_model(reference, two_ranks, name):
     for runs in two_ranks:
         assert_same_training(runs[name], reference)
+
+
+def test_a_deepspeed_checkpoint_resumes_to_the_uninterrupted_losses(two_ranks):
+    """DeepSpeed's own folder (each rank its partitions of the optimizer) with Lightning's loop and data state
+    in it: the resumed steps equal the uninterrupted run's (an LMDataModule resumes mid-epoch)."""
+    for runs in two_ranks:
+        assert len(runs["zero2_series"]) == STEPS and len(runs["zero2_resumed"]) == STEPS - CHECKPOINT_STEP
+        torch.testing.assert_close(
+            torch.tensor(runs["zero2_resumed"]),
+            torch.tensor(runs["zero2_series"][CHECKPOINT_STEP:]),
+            rtol=0,
+            atol=RESUME_ATOL,
+        )
+
+
+def test_lit_ablate_resumes_a_deepspeed_folder_with_deepspeed_only_and_on_its_ranks(two_ranks, root):
+    folder = str(root / "zero2" / f"step={CHECKPOINT_STEP}.ckpt")
+    config = yaml.safe_load(QUICKSTART.read_text())
+    config["trainer"].update(accelerator="cpu", devices=2)
+    config["trainer"]["strategy"] = {"class_path": "lit_ablate.strategies.DeepSpeedStrategy"}
+    config["ckpt_path"] = folder
+    config["data"]["init_args"]["batch_size"] = 2
+    assert first_refusal(config, Scope.CONFIG, Scope.MACHINE) is None
+    config["trainer"]["devices"] = 4
+    assert "DeepSpeed wrote it on 2 ranks" in first_refusal(config, Scope.CONFIG, Scope.MACHINE)
+    config["trainer"].update(devices=2, strategy={"class_path": "lit_ablate.strategies.DDPStrategy"})
+    refusal = first_refusal(config, Scope.CONFIG, Scope.MACHINE)
+    assert refusal.key == "--ckpt_path" and "only lit_ablate.strategies.DeepSpeedStrategy reads" in refusal
 
 
 # --- the DeepSpeed config beside the run config ------------------------------------------------------

@@ -8,7 +8,13 @@ from pathlib import Path
 
 from lit_ablate import record as run_record
 from lit_ablate.errors import Refusal
-from lit_ablate.path_checks import checkpoint_path, saved_file, writable_dir, writable_file
+from lit_ablate.path_checks import (
+    checkpoint_path,
+    is_deepspeed_checkpoint,
+    saved_file,
+    writable_dir,
+    writable_file,
+)
 from lit_ablate.rules.registry import Scope, refusal_of, rule
 from lit_ablate.run_config import RunConfig
 
@@ -71,17 +77,21 @@ def reference_cache_loads(run: RunConfig) -> Refusal | None:
 def checkpoint_is_a_checkpoint(run: RunConfig) -> Refusal | None:
     """``--ckpt_path`` is a checkpoint Lightning wrote, or a name Lightning resolves itself (``last``, ``best``,
     ``hpc``, ``registry...``); ``LitAblateCLI`` asks this before it reads the checkpoint's model."""
+    from lit_ablate.strategies.deepspeed import DeepSpeedStrategy
+
     path = run.ckpt_path
     if not path or path in LIGHTNING_CKPT_NAMES or path.startswith("registry"):
         return None
-    return refusal_of(checkpoint_path, "--ckpt_path", path)
+    return refusal_of(checkpoint_path, "--ckpt_path", path, run.trainer.strategy.is_a(DeepSpeedStrategy))
 
 
 @rule(Scope.MACHINE, Scope.CLUSTER)
 def checkpoint_layout_fits_strategy(run: RunConfig) -> Refusal | None:
     """``--ckpt_path`` in a layout the run's strategy reads: every strategy reads a sharded folder (mesh
     strategies their shards of it, the others the folder whole: ``WholeCheckpointIO``), and the pipeline
-    strategy, whose ranks each load their stages, resumes from such a folder only."""
+    strategy, whose ranks each load their stages, resumes from such a folder only; DeepSpeed's engine reads
+    only its own folders."""
+    from lit_ablate.strategies.deepspeed import DeepSpeedStrategy
     from lit_ablate.strategies.pipeline_parallel import PipelineParallelStrategy
 
     path = run.ckpt_path
@@ -93,5 +103,9 @@ def checkpoint_layout_fits_strategy(run: RunConfig) -> Refusal | None:
             "--ckpt_path",
             path,
             "a pipeline-parallel run resumes from the sharded checkpoint folder such a run saves; give that folder",
+        )
+    if strategy.is_a(DeepSpeedStrategy) and not is_deepspeed_checkpoint(path):
+        return Refusal(
+            "--ckpt_path", path, "DeepSpeedStrategy resumes from the DeepSpeed checkpoint folder such a run saves"
         )
     return None

@@ -6,7 +6,7 @@ data-parallel ranks (``data/resume_position.py``). What cannot continue is refus
 checkpoint's metadata alone, in one line: a global batch other than the checkpoint's (naming the key
 and the value that keep it), a stream on other data-parallel ranks, and a quantised base's shards on
 another mesh (bitsandbytes packs each weight whole, its quantisation state beside it, and DCP can cut
-neither). DeepSpeed's own folder format is refused with the path (``path_checks``).
+neither), and a DeepSpeed folder on another number of ranks (its engine reads each rank's own partitions).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from lit_ablate.data.resume_position import DataLayout, check_resumable
 from lit_ablate.errors import ConfigError, Refusal
-from lit_ablate.path_checks import SHARDED_METADATA_FILENAME
+from lit_ablate.path_checks import SHARDED_METADATA_FILENAME, deepspeed_states_file, is_deepspeed_checkpoint
 from lit_ablate.rules.registry import Scope, refusal_of, rule
 from lit_ablate.run_config import RunConfig
 from lit_ablate.strategies.mesh import DATA_PARALLEL_DIMS, MESH_LAYOUT_KEY
@@ -37,6 +37,14 @@ def check_resume_layout(subcommand: str, run: RunConfig) -> None:
     metadata = checkpoint_metadata(run.ckpt_path) if run.ckpt_path else None
     if metadata is None:
         return
+    saved_ranks = metadata.get(DEEPSPEED_RANKS_KEY)
+    if saved_ranks is not None and saved_ranks != run.world_size:
+        raise ConfigError(
+            "--ckpt_path",
+            run.ckpt_path,
+            f"DeepSpeed wrote it on {saved_ranks} ranks, each its own partitions, and this run has "
+            f"{run.world_size}: resume on {saved_ranks} ranks",
+        )
     saved_mesh, mesh = metadata.get(MESH_LAYOUT_KEY), mesh_layout(run)
     if Path(run.ckpt_path).is_dir() and run.model.quantization_section is not None and saved_mesh != mesh:
         raise ConfigError(
@@ -52,16 +60,24 @@ def check_resume_layout(subcommand: str, run: RunConfig) -> None:
         check_resumable(saved_data, data_layout(run), stream=run.data.module.option("storage") == "stream")
 
 
+DEEPSPEED_RANKS_KEY = "dp_world_size"
+"""A DeepSpeed checkpoint's data-parallel ranks (each saved its own partitions)."""
+
+
 def checkpoint_metadata(ckpt_path: str | Path) -> dict[str, Any] | None:
-    """Everything but the tensors of a checkpoint: a sharded folder's ``meta.pt``, or a ``.ckpt`` file
-    mapped into memory (its tensors are not read); None for a name Lightning resolves (``last``)."""
+    """Everything but the tensors of a checkpoint: a sharded folder's ``meta.pt``, or a ``.ckpt`` file (or a
+    DeepSpeed folder's states file) mapped into memory (its tensors are not read); None for a name Lightning
+    resolves (``last``)."""
     path = Path(ckpt_path)
-    if path.is_dir():
+    if path.is_dir() and is_deepspeed_checkpoint(path):
+        path = deepspeed_states_file(path)
+    elif path.is_dir():
         return torch.load(path / SHARDED_METADATA_FILENAME, map_location="cpu", weights_only=True)
     if not path.is_file():
         return None
     checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    return {key: value for key, value in checkpoint.items() if key not in ("state_dict", "optimizer_states")}
+    tensors = ("state_dict", "optimizer_states", "module", "optimizer")
+    return {key: value for key, value in checkpoint.items() if key not in tensors}
 
 
 def mesh_layout(run: RunConfig) -> dict[str, int] | None:
