@@ -39,14 +39,19 @@ from lit_ablate.modules import CausalLM
 from tests.distributed import run_ranks
 from tests.test_callbacks import _batches
 
-STRATEGIES = ("ddp", "zero1", "fsdp2", "fsdp1", "fsdp2_checkpointed")
+STRATEGIES = ("ddp", "zero1", "fsdp2", "fsdp1", "fsdp2_checkpointed", "deepspeed_zero2", "deepspeed_zero3")
+DEEPSPEED_BUCKET = 100_000
+"""Elements of DeepSpeed's gradient buckets here (its default, 5e8, is 2 GB of fp32 per rank)."""
 STATE = ("params", "grads", "optimizer")
 
 
 def _strategy(name: str):
-    from lit_ablate.strategies import DDPStrategy, FSDP1Strategy, FSDP2Strategy, ZeRO1Strategy
+    from lit_ablate.strategies import DDPStrategy, DeepSpeedStrategy, FSDP1Strategy, FSDP2Strategy, ZeRO1Strategy
 
+    buckets = {"reduce_bucket_size": DEEPSPEED_BUCKET, "allgather_bucket_size": DEEPSPEED_BUCKET}
     return {
+        "deepspeed_zero2": lambda: DeepSpeedStrategy({"zero_optimization": {"stage": 2, **buckets}}),
+        "deepspeed_zero3": lambda: DeepSpeedStrategy({"zero_optimization": {"stage": 3, **buckets}}),
         "ddp": DDPStrategy,
         "zero1": ZeRO1Strategy,
         "fsdp2": FSDP2Strategy,
@@ -118,6 +123,20 @@ def test_zero1_halves_the_optimizer_states_only(two_rank_records):
     ddp, zero1 = _maxima(two_rank_records["ddp"]), _maxima(two_rank_records["zero1"])
     assert zero1["optimizer"] / ddp["optimizer"] == pytest.approx(0.5, abs=0.05)
     assert zero1["params"] == ddp["params"] and zero1["grads"] == ddp["grads"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_s_partitions_are_counted_in_their_categories(two_rank_records, stage):
+    """DeepSpeed keeps its state outside ``param.grad`` and the optimizer's ``state``
+    (``DeepSpeedStrategy.held_tensors``): its fp32 master partition (half the fp32 parameters) is optimizer
+    state beside Adam's half of the moments, its gradient partition (half) and one bucket are gradients, and
+    ZeRO-3 holds half the parameters. Seen failing without ``held_tensors`` (optimizer 0.5 of DDP's: Adam's moments only)."""
+    ddp, ds = _maxima(two_rank_records["ddp"]), _maxima(two_rank_records[f"deepspeed_zero{stage}"])
+    assert ds["optimizer"] / ddp["optimizer"] == pytest.approx(0.75, rel=0.02)
+    bucket = 4 * DEEPSPEED_BUCKET
+    assert 0.5 * ddp["grads"] <= ds["grads"] <= 0.5 * ddp["grads"] + 2 * bucket
+    assert ds["params"] / ddp["params"] == pytest.approx(0.5 if stage == 3 else 1.0, rel=0.02)
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ from lit_ablate.callbacks.step_clock import step_clock
 from lit_ablate.callbacks.step_monitor import StepMonitor, gathered_ranks
 from lit_ablate.callbacks.tensor_categories import CATEGORIES, TensorCategoryTracker, optimizer_states
 from lit_ablate.errors import ConfigError
+from lit_ablate.strategies.interface import interface_of
 
 _STATUS = "/proc/self/status"
 _CLEAR_REFS = "/proc/self/clear_refs"
@@ -193,7 +194,8 @@ class MemoryMonitor(StepMonitor):
             extra = declared_categories(pl_module)
             self._categories = (*CATEGORIES, *extra)
             gc.freeze()  # what lives now is not the tracker's: the collection after tracking skips it
-            self._tracker = TensorCategoryTracker(pl_module, trainer.optimizers, pl_module.device, extra)
+            held = interface_of(trainer.strategy).held_tensors
+            self._tracker = TensorCategoryTracker(pl_module, trainer.optimizers, pl_module.device, extra, held)
             self._tracker.enter()
         if self._tracker is not None and step in tracked:
             self._tracker.start_measuring()

@@ -13,7 +13,8 @@ step or a sharding strategy, so this subclass assigns them itself:
   views refuse, and it never sees FSDP2's sharded gradients (assigned after the reduce-scatter,
   not accumulated). Here roles are *claimed* from what the rank holds at each module's forward,
   after each module's backward and before the update: the storages of registered parameters, of
-  their ``.grad`` and of the optimizer states.
+  their ``.grad``, of the optimizer states and of what the strategy says it holds besides
+  (``StrategyInterface.held_tensors``: DeepSpeed's partitions).
 
 A parameter storage the rank held when tracking began (its shard under FSDP, the whole tensor
 under DDP) is ``params``; one that appears during the step (a layer's gathered parameters under
@@ -40,7 +41,7 @@ CUDA the allocator's peak includes them; the difference is reported as ``untrack
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -123,8 +124,10 @@ class TensorCategoryTracker(MemTracker):
         optimizers: Sequence[Optimizer],
         device: torch.device,
         extra: Mapping[str, Sequence[nn.Module]] | None = None,
+        held: Callable[[], Mapping[str, Sequence[torch.Tensor]]] | None = None,
     ) -> None:
         super().__init__()
+        self.held = held or dict
         self._mod_tracker = _DistinctNamesModTracker()
         extra = dict(extra or {})
         self.module, self.optimizers, self.device = module, list(optimizers), device
@@ -213,6 +216,9 @@ class TensorCategoryTracker(MemTracker):
         for optimizer in self.optimizers:
             for state in optimizer_states(optimizer):
                 self._update_and_maybe_create_winfos(state, "optimizer")
+        for category, tensors in self.held().items():
+            for tensor in tensors:
+                self._update_and_maybe_create_winfos(tensor, category)
         self._update_statistics()
 
     # --- MemTracker overrides -------------------------------------------------------------------

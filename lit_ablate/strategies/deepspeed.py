@@ -189,6 +189,19 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy, StrategyInterface):
     def state_sharding(self, world_size: int) -> StateSharding:
         return deepspeed_sharding(zero_stage(self.config), world_size)
 
+    def held_tensors(self) -> dict[str, list[Tensor]]:
+        """DeepSpeed's partitions by memory category, from its optimizer's attributes (stage 1/2 and 3 name
+        them differently): its fp32 master partitions are ``optimizer`` state, its reduced and bucketed
+        gradients ``grads``, ZeRO-3's parameter partitions ``params``."""
+        optimizer = self.deepspeed_engine.optimizer
+        held = {
+            category: [t for name in names for t in _tensors_in(getattr(optimizer, name, None))]
+            for category, names in HELD_ATTRIBUTES.items()
+        }
+        held["params"] += [p.ds_tensor for p in self.lightning_module.parameters() if hasattr(p, "ds_tensor")]
+        held["grads"] += [t.grad for t in held["optimizer"] if t.grad is not None]
+        return held
+
     @contextmanager
     def gradients_in_full(self) -> Iterator[None]:
         """Each parameter whole, with the step's whole gradient as ``.grad`` (DeepSpeed's
@@ -209,6 +222,31 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy, StrategyInterface):
             finally:
                 for p, grad in zip(parameters, saved):
                     p.grad = grad
+
+
+HELD_ATTRIBUTES: dict[str, tuple[str, ...]] = {
+    "params": ("fp16_partitioned_groups_flat",),
+    "grads": (
+        "averaged_gradients",
+        "grads_in_partition",
+        "ipg_buffer",
+        "accumulated_grads_in_cpu",
+        "grad_partitions_flat_buffer",
+        "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition",
+    ),
+    "optimizer": ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"),
+}
+"""The attributes of DeepSpeed's ZeRO optimizers (stage 1/2, stage 3) that hold training state."""
+
+
+def _tensors_in(value: Any) -> list[Tensor]:
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors_in(item)]
+    return []
 
 
 def with_keys(

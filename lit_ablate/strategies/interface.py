@@ -169,6 +169,12 @@ class StrategyInterface:
         for same_kind in groups.values():
             torch._foreach_mul_(same_kind, factor.to(same_kind[0].device))
 
+    def held_tensors(self) -> dict[str, list[Tensor]]:
+        """What the strategy keeps for training besides the module's parameters, their ``.grad`` and the
+        optimizer's state, by memory category (``params``, ``grads``, ``optimizer``): the tensors
+        ``MemoryMonitor`` counts there. None by default; DeepSpeed's partitions."""
+        return {}
+
     def gradients_in_full(self) -> AbstractContextManager:
         """A context in which every parameter's ``.grad`` is its whole gradient, or a DTensor of it (whose
         reductions span its shards), on every rank that holds the parameter (``GradientFingerprint``):
