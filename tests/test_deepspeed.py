@@ -23,6 +23,7 @@ import pytest
 import torch
 import yaml
 
+from lit_ablate.commands.export import export_hf_checkpoint
 from lit_ablate.errors import ConfigError
 from lit_ablate.rules.registry import Scope, first_refusal
 from lit_ablate.strategies import DeepSpeedStrategy
@@ -31,7 +32,7 @@ from tests.distributed import run_ranks
 from tests.test_step_objective import assert_same_training, fit
 from tests.test_step_objective import reference as reference
 from tests.test_step_objective_per_rank import GRAD_ATOL, first_step_gradients
-from tests.test_strategies_trainer import CHECKPOINT_STEP, RESUME_ATOL, STEPS
+from tests.test_strategies_trainer import CHECKPOINT_STEP, PROBE, RESUME_ATOL, STEPS
 from tests.test_strategies_trainer import fit as trainer_fit
 
 REPOSITORY = Path(__file__).parents[1]
@@ -58,7 +59,9 @@ def _two_ranks(rank: int, world_size: int, root: str) -> dict:
     runs["unscaled"] = first_step_gradients("ranks", UnscaledDeepSpeed(stage=2), 2, rank)
     runs["zero2_accumulate"] = fit("ddp_accumulate", DeepSpeedStrategy(stage=2), 2, rank)
     runs["zero3_steps"] = fit("ranks", DeepSpeedStrategy(stage=3), 2, rank)
-    runs["zero2_series"], _ = trainer_fit(DeepSpeedStrategy(stage=2), root / "zero2")
+    runs["zero2_series"], module = trainer_fit(DeepSpeedStrategy(stage=2), root / "zero2")
+    module.trainer.save_checkpoint(root / "zero2-final")
+    runs["logits"] = module.model.logits(PROBE)
     resumed_from = root / "zero2" / f"step={CHECKPOINT_STEP}.ckpt"
     runs["zero2_resumed"], _ = trainer_fit(DeepSpeedStrategy(stage=2), root / "resumed", resume_from=resumed_from)
     return runs
@@ -113,6 +116,16 @@ def test_a_deepspeed_checkpoint_resumes_to_the_uninterrupted_losses(two_ranks):
             rtol=0,
             atol=RESUME_ATOL,
         )
+
+
+def test_a_deepspeed_folder_exports_to_a_hugging_face_model_with_the_trained_logits(two_ranks, root, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = export_hf_checkpoint(root / "zero2-final", tmp_path / "hf")
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        logits = reloaded(input_ids=PROBE, use_cache=False).logits
+    torch.testing.assert_close(logits, two_ranks[0]["logits"], rtol=0, atol=1e-5)
 
 
 def test_lit_ablate_resumes_a_deepspeed_folder_with_deepspeed_only_and_on_its_ranks(two_ranks, root):

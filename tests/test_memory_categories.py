@@ -131,7 +131,8 @@ def test_deepspeed_s_partitions_are_counted_in_their_categories(two_rank_records
     """DeepSpeed keeps its state outside ``param.grad`` and the optimizer's ``state``
     (``DeepSpeedStrategy.held_tensors``): its fp32 master partition (half the fp32 parameters) is optimizer
     state beside Adam's half of the moments, its gradient partition (half) and one bucket are gradients, and
-    ZeRO-3 holds half the parameters. Seen failing without ``held_tensors`` (optimizer 0.5 of DDP's: Adam's moments only)."""
+    ZeRO-3 holds half the parameters. Seen failing without ``held_tensors`` (optimizer 0.5 of DDP's: Adam's
+    moments only)."""
     ddp, ds = _maxima(two_rank_records["ddp"]), _maxima(two_rank_records[f"deepspeed_zero{stage}"])
     assert ds["optimizer"] / ddp["optimizer"] == pytest.approx(0.75, rel=0.02)
     bucket = 4 * DEEPSPEED_BUCKET

@@ -10,18 +10,26 @@ import torch
 from jsonargparse import ArgumentParser
 
 from lit_ablate.errors import ConfigError
-from lit_ablate.path_checks import SHARDED_METADATA_FILENAME, checkpoint_path
+from lit_ablate.extras import require
+from lit_ablate.path_checks import (
+    SHARDED_METADATA_FILENAME,
+    checkpoint_path,
+    deepspeed_states_file,
+    is_deepspeed_checkpoint,
+)
 
 
 def load_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
-    """A ``fit`` checkpoint read with ``weights_only=True``: the ``.ckpt`` file, or a sharded folder's
-    ``meta.pt`` (hyper-parameters and data state, no weights: ``model_weights``). Anything else is a
-    one-line error."""
-    path = checkpoint_path("--ckpt_path", ckpt_path)
+    """A ``fit`` checkpoint read with ``weights_only=True``: the ``.ckpt`` file, a sharded folder's
+    ``meta.pt`` or a DeepSpeed folder's states file (hyper-parameters and data state; the weights:
+    ``model_weights``). Anything else is a one-line error."""
+    path = checkpoint_path("--ckpt_path", ckpt_path, deepspeed=True)
+    if is_deepspeed_checkpoint(path):
+        states = deepspeed_states_file(path)
+    else:
+        states = path / SHARDED_METADATA_FILENAME if path.is_dir() else path
     try:
-        checkpoint = torch.load(
-            path / SHARDED_METADATA_FILENAME if path.is_dir() else path, map_location="cpu", weights_only=True
-        )
+        checkpoint = torch.load(states, map_location="cpu", weights_only=True, mmap=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError) as err:  # a zip torch.save did not write, or a cut one
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(
@@ -39,9 +47,16 @@ def load_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
 
 
 def model_weights(ckpt_path: str | Path, checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The model's whole tensors: a ``.ckpt`` file's ``state_dict`` (``checkpoint``, as loaded), or read
-    from a sharded folder whatever layout wrote it (``read_whole``; the optimizer's shards are not read)."""
+    """The model's whole tensors: a ``.ckpt`` file's ``state_dict`` (``checkpoint``, as loaded), read from
+    a sharded folder whatever layout wrote it (``read_whole``; the optimizer's shards are not read), or
+    from a DeepSpeed folder its fp32 partitions joined (DeepSpeed's ``zero_to_fp32``; any ZeRO stage)."""
     from lit_ablate.strategies.whole_checkpoint import MODEL_KEY, read_whole
+
+    if is_deepspeed_checkpoint(ckpt_path):
+        require("deepspeed", "--ckpt_path", str(ckpt_path), "reading a DeepSpeed checkpoint")
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_path))
 
     return read_whole(ckpt_path, optimizer=False)[MODEL_KEY] if Path(ckpt_path).is_dir() else checkpoint[MODEL_KEY]
 
