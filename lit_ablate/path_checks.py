@@ -82,10 +82,9 @@ def checkpoint_path(key: str, path: str | Path, deepspeed: bool = False) -> Path
             raise ConfigError(
                 key,
                 str(path),
-                "a DeepSpeed checkpoint (ZeRO's own per-rank partitions), which does not reshard and which only "
-                "lit_ablate.strategies.DeepSpeedStrategy reads; resume with it, or turn the folder into one file "
-                "with lightning.pytorch.utilities.deepspeed.convert_zero_checkpoint_to_fp32_state_dict (weights and "
-                "loop state, for export, generate or evaluation; the optimizer's state stays behind)",
+                "a DeepSpeed checkpoint (ZeRO's own per-rank partitions), which does not reshard and from which only "
+                "lit_ablate.strategies.DeepSpeedStrategy resumes; resume with it on the ranks that wrote it "
+                "(lit-ablate export and generate read the folder as it is)",
             )
         if not (checkpoint / SHARDED_METADATA_FILENAME).is_file():
             raise ConfigError(

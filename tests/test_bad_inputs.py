@@ -401,7 +401,7 @@ ROWS: dict[str, tuple[Build, tuple[str, ...]]] = {
     ),
     "deepspeed_folder": (
         lambda tmp: [*FIT, "--trainer.default_root_dir", str(tmp), "--ckpt_path", _deepspeed_folder(tmp)],
-        ("--ckpt_path=", "a DeepSpeed checkpoint", "does not reshard", "convert_zero_checkpoint_to_fp32_state_dict"),
+        ("--ckpt_path=", "a DeepSpeed checkpoint", "does not reshard", "only lit_ablate.strategies.DeepSpeedStrategy"),
     ),
     "pipeline_resumed_from_a_file": (
         lambda tmp: [
