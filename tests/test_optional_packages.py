@@ -138,6 +138,12 @@ ROWS: dict[str, tuple[str, Build, tuple[str, ...], dict[str, str]]] = {
         {},
     ),
     "slurm_study": ("submitit", _slurm_study, ("launch.executor='slurm'", "pip install 'lit-ablate[slurm]'"), {}),
+    "deepspeed_strategy": (
+        "deepspeed",
+        lambda tmp: [*FIT, "--trainer.strategy", "lit_ablate.strategies.DeepSpeedStrategy"],
+        ("trainer.strategy='DeepSpeedStrategy'", "pip install 'lit-ablate[deepspeed]'"),
+        {},
+    ),
     **{
         f"{tracker}_tracker": (
             module,
