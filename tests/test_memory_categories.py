@@ -34,10 +34,14 @@ from torch.utils.data import DataLoader
 
 from lit_ablate.callbacks import MemoryMonitor, RunRecorder
 from lit_ablate.callbacks.memory import declared_categories
+from lit_ablate.estimate.flops import count_parameters
+from lit_ablate.estimate.memory import estimate_memory
+from lit_ablate.estimate.shapes import TrainingShape, model_shape
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.modules import CausalLM
 from tests.distributed import run_ranks
 from tests.test_callbacks import _batches
+from tests.test_estimate_memory import build as build_model
 
 STRATEGIES = ("ddp", "zero1", "fsdp2", "fsdp1", "fsdp2_checkpointed", "deepspeed_zero2", "deepspeed_zero3")
 DEEPSPEED_BUCKET = 100_000
@@ -138,6 +142,13 @@ def test_deepspeed_s_partitions_are_counted_in_their_categories(two_rank_records
     bucket = 4 * DEEPSPEED_BUCKET
     assert 0.5 * ddp["grads"] <= ds["grads"] <= 0.5 * ddp["grads"] + 2 * bucket
     assert ds["params"] / ddp["params"] == pytest.approx(0.5 if stage == 3 else 1.0, rel=0.02)
+    # the estimate knows it: the master copy beside the states, the partitions, one bucket
+    model = build_model("tiny-llama")
+    counts, shape = count_parameters(model.lm, model.lm.config), model_shape(model.lm.config)
+    sharding = _strategy(f"deepspeed_zero{stage}").state_sharding(2)
+    estimate = estimate_memory(counts, shape, TrainingShape(micro_batch=4, seq_len=16), sharding, 2)
+    for category in STATE:
+        assert abs(getattr(estimate, category) - ds[category]) <= 0.02 * ds[category] + bucket, category
 
 
 @pytest.mark.slow

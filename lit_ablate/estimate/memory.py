@@ -193,8 +193,13 @@ def estimate_memory(
     return MemoryEstimate(
         params=int(-(-full // _state_divisor(sharding.params, sharding, counts)))
         + _fp8_shard_cast(shape, training, sharding),
-        grads=int(-(-trained // _state_divisor(sharding.grads, sharding, counts))),
-        optimizer=int(optimizer_bytes(counts, training) / _state_divisor(sharding.optimizer, sharding, counts)),
+        grads=int(-(-trained // _state_divisor(sharding.grads, sharding, counts))) + sharding.gradient_buckets,
+        optimizer=0
+        if sharding.optimizer_on_host
+        else int(
+            (optimizer_bytes(counts, training) + 4 * counts.trainable * sharding.master_copy)
+            / _state_divisor(sharding.optimizer, sharding, counts)
+        ),
         activations=activations,
         transient=transient + context_parallel_bytes(shape, training)[1],
         reference=reference_bytes(shape, training, full, sharding.params),

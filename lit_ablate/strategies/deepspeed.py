@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import importlib
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -187,7 +188,14 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy, StrategyInterface):
 
     # ------------------------------------------------------------------ answers
     def state_sharding(self, world_size: int) -> StateSharding:
-        return deepspeed_sharding(zero_stage(self.config), world_size)
+        """ZeRO's divisions, its fp32 master partition beside the optimizer states (on the host when
+        offloaded) and, from stage 2, its reduce bucket (``reduce_bucket_size`` fp32 elements, 5e8 unless
+        the config says otherwise)."""
+        stage, zero = zero_stage(self.config), self.config.get("zero_optimization") or {}
+        offloaded = (zero.get("offload_optimizer") or {}).get("device", "none") not in ("none", None)
+        bucket = 4 * int(float(zero.get("reduce_bucket_size", 5e8))) if stage >= 2 else 0
+        sharding = deepspeed_sharding(stage, world_size)
+        return replace(sharding, master_copy=True, optimizer_on_host=offloaded, gradient_buckets=bucket)
 
     def held_tensors(self) -> dict[str, list[Tensor]]:
         """DeepSpeed's partitions by memory category, from its optimizer's attributes (stage 1/2 and 3 name

@@ -36,6 +36,15 @@ class StateSharding:
     run measured a 2.7 MiB transient that a replicated one has not)."""
     expert_parallel: int = 1
     """Ranks the routed experts are split over (``ep``): each holds and computes only its experts."""
+    master_copy: bool = False
+    """An fp32 copy of the trained parameters kept with the optimizer states and divided like them
+    (DeepSpeed's ZeRO keeps one whatever the training precision)."""
+    optimizer_on_host: bool = False
+    """The optimizer states (and the master copy) live in host memory: none on the device (DeepSpeed's
+    optimizer offload)."""
+    gradient_buckets: int = 0
+    """Bytes of gradient buffers the strategy allocates whole whatever the model (DeepSpeed's reduce
+    buckets: ``reduce_bucket_size`` elements)."""
     expert_shards: int | None = None
     """The ranks FSDP shards each rank's routed experts over (``dp_shard x cp``) when that differs
     from the dense parameters' division: under tensor parallelism (which keeps experts whole) and
