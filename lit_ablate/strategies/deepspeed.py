@@ -175,7 +175,7 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy, StrategyInterface):
                 "trainer.precision",
                 str(self.precision_plugin.precision),
                 f"DeepSpeed's {type(optimizer).__name__} keeps gradients where lit-ablate cannot rescale them "
-                "to the step's token mean; use ZeRO stage 2 or 3, or 32-true",
+                "to the step's token mean; use ZeRO stage 2 or 3, or 32-true",  # its BF16_Optimizer: no loss scale
             )
         optimizer.override_loss_scale(1.0 / float(factor))
 
