@@ -140,7 +140,7 @@ def test_lit_ablate_resumes_a_deepspeed_folder_with_deepspeed_only_and_on_its_ra
     assert "DeepSpeed wrote it on 2 ranks" in first_refusal(config, Scope.CONFIG, Scope.MACHINE)
     config["trainer"].update(devices=2, strategy={"class_path": "lit_ablate.strategies.DDPStrategy"})
     refusal = first_refusal(config, Scope.CONFIG, Scope.MACHINE)
-    assert refusal.key == "--ckpt_path" and "only lit_ablate.strategies.DeepSpeedStrategy reads" in refusal
+    assert refusal.key == "--ckpt_path" and "only lit_ablate.strategies.DeepSpeedStrategy resumes" in refusal
 
 
 # --- the DeepSpeed config beside the run config ------------------------------------------------------
