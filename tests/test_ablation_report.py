@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from lit_ablate.ablation.report import render_markdown, write_report
-from lit_ablate.ablation.summary import study_summary
+from lit_ablate.ablation.summary import APPROXIMATE, study_summary
 from lit_ablate.commands.report import report_main
 from lit_ablate.record import SCHEMA_VERSION, summarize_steps, write_record
 
@@ -134,6 +134,31 @@ def test_loss_agreement_within_tolerance_passes_and_outside_fails():
     assert by_name["close"]["passed"] is True and by_name["close"]["max_abs_diff"] == pytest.approx(4 * 5e-5)
     assert by_name["far"]["passed"] is False and by_name["far"]["reason"].startswith("seed 0, step 2")
     assert by_name["late"]["passed"] is True
+
+
+def test_a_variant_approximate_by_design_is_shown_not_checked(tmp_path: Path):
+    """``approximate: [compressed]``: the exact variant is still checked (and fails when it differs), the
+    approximate one says why it is not, and its Δ loss stays in the table."""
+    base = [4.0, 3.0, 2.0]
+    plan = {
+        "name": "eq",
+        "baseline": "ddp",
+        "expect_equal_loss": {"rtol": 1e-4, "atol": 1e-6, "steps": None, "approximate": ["compressed"]},
+        "variants": [{"name": n} for n in ("ddp", "exact", "compressed")],
+    }
+    records = [
+        make_record("ddp", 0, speed=1, peak_mib=1, losses=base),
+        make_record("exact", 0, speed=1, peak_mib=1, losses=[4.0, 3.0, 2.1]),
+        make_record("compressed", 0, speed=1, peak_mib=1, losses=[4.0, 3.01, 2.02]),
+    ]
+    summary = study_summary(plan, [(f"runs/{r['variant']}/seed0/run.json", r) for r in records])
+    by_name = {v["name"]: v for v in summary["variants"]}
+    assert by_name["exact"]["loss_agreement"]["passed"] is False
+    assert by_name["compressed"]["loss_agreement"] == {"passed": None, "incomplete": False, "reason": APPROXIMATE}
+    assert by_name["compressed"]["loss_delta"] == pytest.approx(0.02)
+    text = write_report(make_study(tmp_path, records, plan)).read_text()
+    assert f"n/a: {APPROXIMATE}" in text
+    assert "not checked for the variants that approximate it by design: compressed" in text
 
 
 def test_loss_agreement_across_one_axis_compares_within_the_other(tmp_path: Path):

@@ -150,6 +150,8 @@ def test_relative_base_is_relative_to_the_study_file(tmp_path: Path):
         ({"expect_equal_loss": {"rtol": -1}}, "expect_equal_loss.rtol"),
         ({"expect_equal_loss": {"tol": 1}}, "expect_equal_loss.tol"),
         ({"expect_equal_loss": {"across": "model.init_args.lr"}}, "expect_equal_loss.across"),
+        ({"expect_equal_loss": {"approximate": ["nope"]}}, "expect_equal_loss.approximate"),
+        ({"expect_equal_loss": {"approximate": "nope"}}, "expect_equal_loss.approximate"),
         ({"name": "a b"}, "name"),
         ({"speed": {"rounds": 0}}, "speed.rounds"),
         ({"speed": {"confidence": 1.2}}, "speed.confidence"),

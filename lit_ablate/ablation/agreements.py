@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields, replace
 from typing import Any, TypeVar
 
 from lit_ablate.ablation.launch import mapping_at
@@ -18,13 +18,16 @@ class LossAgreement:
     reference is the baseline, or with ``across: AXIS_KEY`` (grids) the variant that differs only
     in that axis and holds the baseline's value of it: in a loss-backend × dtype grid,
     ``across: model.init_args.loss`` compares backends within each dtype, since a dtype is
-    expected to change the loss.
+    expected to change the loss. ``approximate`` names variants that approximate the reference by
+    design (compressed gradient communication): their Δ loss is shown and not checked, so one study
+    asserts the exact variants and shows how far the approximate ones go.
     """
 
     rtol: float = 1e-4
     atol: float = 1e-5
     steps: int | None = None
     across: str | None = None
+    approximate: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -46,10 +49,18 @@ class GradientAgreement:
 _Agreement = TypeVar("_Agreement", LossAgreement, GradientAgreement)
 
 
-def loss_agreement(raw: Any, axes: Mapping[str, list[Any]], steps: int | None) -> LossAgreement | None:
+def loss_agreement(
+    raw: Any, axes: Mapping[str, list[Any]], steps: int | None, variants: Sequence[str]
+) -> LossAgreement | None:
     agreement = _agreement(raw, "expect_equal_loss", LossAgreement, ("rtol", "atol"))
     if agreement is None:
         return None
+    approximate = agreement.approximate
+    if not isinstance(approximate, (list, tuple)) or not set(approximate) <= set(variants):
+        raise ConfigError(
+            "expect_equal_loss.approximate", approximate, f"give a list of the study's variants: {list(variants)}"
+        )
+    agreement = replace(agreement, approximate=tuple(approximate))
     if agreement.steps is not None and not positive_int(agreement.steps):
         raise ConfigError(
             "expect_equal_loss.steps", agreement.steps, "give a positive integer (or leave it out: all steps)"

@@ -262,6 +262,8 @@ def loss_check_legend(agreement: Mapping[str, Any]) -> str:
             f"; the reference of a variant differs from it only in `{agreement['across']}`, holding the "
             "baseline's value"
         )
+    if agreement.get("approximate"):
+        text += f"; not checked for the variants that approximate it by design: {', '.join(agreement['approximate'])}"
     return text
 
 
