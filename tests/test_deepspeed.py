@@ -232,6 +232,8 @@ def test_every_shipped_deepspeed_config_agrees_with_the_quickstart(name):
 
 
 def test_the_estimate_keeps_an_offloaded_optimizer_off_the_device_and_counts_the_buckets():
+    from dataclasses import replace
+
     from lit_ablate.estimate.flops import count_parameters
     from lit_ablate.estimate.memory import estimate_memory
     from lit_ablate.estimate.shapes import TrainingShape, model_shape
@@ -240,10 +242,11 @@ def test_the_estimate_keeps_an_offloaded_optimizer_off_the_device_and_counts_the
     model = build("tiny-llama")
     counts, shape = count_parameters(model.lm, model.lm.config), model_shape(model.lm.config)
     training = TrainingShape(micro_batch=1, seq_len=8)
-    kept, offloaded = (
-        estimate_memory(counts, shape, training, DeepSpeedStrategy(stage=2, **keys).state_sharding(2), 2)
-        for keys in ({}, {"offload_optimizer": True})
-    )
+    offloaded_sharding = DeepSpeedStrategy(stage=2, offload_optimizer=True).state_sharding(2)
+    kept = estimate_memory(counts, shape, training, DeepSpeedStrategy(stage=2).state_sharding(2), 2)
+    offloaded = estimate_memory(counts, shape, training, offloaded_sharding, 2)
     full = 4 * counts.total
     assert kept.optimizer == (2 * full + full) // 2 and offloaded.optimizer == 0  # Adam's moments + master copy
+    host = estimate_memory(counts, shape, replace(training, on_host=True), offloaded_sharding, 2)
+    assert host.optimizer == kept.optimizer  # on a CPU the host is where the rank computes
     assert kept.grads == offloaded.grads == full // 2 + 4 * int(5e8)  # DeepSpeed's default reduce bucket

@@ -108,6 +108,7 @@ def training_shape_of(config: Config, optimizer: str | None = None, world_size: 
         **dict(zip(("tensor_parallel", "sequence_parallel"), tensor_parallel_of(run, world_size))),
         **pipeline_of(run, world_size),
         accumulate_grad_batches=run.trainer.accumulation,
+        on_host=run.trainer.device_type == "cpu",
     )
     if run.model.module.class_path.endswith("DPO"):
         shape = replace(shape, **_preference_shape(run, shape.micro_batch, shape.seq_len))

@@ -195,7 +195,7 @@ def estimate_memory(
         + _fp8_shard_cast(shape, training, sharding),
         grads=int(-(-trained // _state_divisor(sharding.grads, sharding, counts))) + sharding.gradient_buckets,
         optimizer=0
-        if sharding.optimizer_on_host
+        if sharding.optimizer_on_host and not training.on_host
         else int(
             (optimizer_bytes(counts, training) + 4 * counts.trainable * sharding.master_copy)
             / _state_divisor(sharding.optimizer, sharding, counts)

@@ -87,6 +87,7 @@ class TrainingShape:
         accumulate_grad_batches: batches per optimizer step. A pipeline stage that FSDP does not shard
             keeps the step's earlier batches' gradients beside the ones its schedule forms: one more
             gradient copy from a step's second batch on.
+        on_host: the ranks compute on the host (CPU): what a strategy offloads to host memory stays with them.
     """
 
     micro_batch: int
@@ -114,6 +115,7 @@ class TrainingShape:
     microbatches: int = 1
     split_points: tuple[int, ...] | None = None
     accumulate_grad_batches: int = 1
+    on_host: bool = False
 
     def __post_init__(self) -> None:
         from lit_ablate.errors import ConfigError

@@ -40,8 +40,8 @@ class StateSharding:
     """An fp32 copy of the trained parameters kept with the optimizer states and divided like them
     (DeepSpeed's ZeRO keeps one whatever the training precision)."""
     optimizer_on_host: bool = False
-    """The optimizer states (and the master copy) live in host memory: none on the device (DeepSpeed's
-    optimizer offload)."""
+    """The optimizer states (and the master copy) live in host memory: none on a GPU (DeepSpeed's optimizer
+    offload; ranks that compute on the host keep them, ``TrainingShape.on_host``)."""
     gradient_buckets: int = 0
     """Bytes of gradient buffers the strategy allocates whole whatever the model (DeepSpeed's reduce
     buckets: ``reduce_bucket_size`` elements)."""
