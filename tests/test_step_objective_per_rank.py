@@ -58,12 +58,14 @@ class FirstStepGradients(Callback):
                 }
 
 
-def first_step_gradients(variant: str, strategy="auto", devices: int = 1, rank: int = 0) -> dict[str, torch.Tensor]:
+def first_step_gradients(
+    variant: str, strategy="auto", devices: int = 1, rank: int = 0, accelerator: str = "cpu"
+) -> dict[str, torch.Tensor]:
     pl.seed_everything(0, verbose=False)
     module = CausalLM(ModelFactory(preset="tiny-llama"), learning_rate=1e-2, warmup_steps=0, weight_decay=0.1)
     grads = FirstStepGradients()
     trainer = pl.Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=devices,
         strategy=strategy,
         max_steps=1,

@@ -1,15 +1,30 @@
-"""DeepSpeed's config against the run config, and DeepSpeed itself installed: judged before any rank starts."""
+"""DeepSpeed's config against the run config, and DeepSpeed runnable here: judged before any rank starts."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from lit_ablate.config_keys import TRAINER_STRATEGY_KEY
 from lit_ablate.errors import ConfigError, Refusal
 from lit_ablate.extras import not_installed
-from lit_ablate.rules.registry import Scope, rule
+from lit_ablate.rules.registry import Scope, refusal_of, rule
 from lit_ablate.run_config import RunConfig
 from lit_ablate.strategies.deepspeed_config import RunValues, contradiction, load_deepspeed_config
+
+KEYS = ("stage", "offload_optimizer", "offload_parameters", "communication_data_type", "quantized_gradients")
+"""``DeepSpeedStrategy``'s keys that write into its DeepSpeed config."""
+
+
+def deepspeed_config(run: RunConfig) -> dict[str, Any] | None:
+    """The DeepSpeed config a ``DeepSpeedStrategy`` run gets from its JSON and keys (None for another
+    strategy); ``ConfigError`` when the file is missing or a key contradicts it."""
+    from lit_ablate.strategies.deepspeed import DeepSpeedStrategy, with_keys
+
+    strategy = run.trainer.strategy
+    if not strategy.is_a(DeepSpeedStrategy):
+        return None
+    return with_keys(load_deepspeed_config(strategy.option("config")), **{k: strategy.option(k) for k in KEYS})
 
 
 @rule(Scope.CONFIG)
@@ -17,23 +32,12 @@ def deepspeed_config_agrees(run: RunConfig) -> Refusal | None:
     """A ``DeepSpeedStrategy``'s JSON file exists, its keys agree with the strategy's own, and the keys it
     shares with the run config (micro-batch, accumulation, clipping, precision, optimizer) agree or are
     ``auto``: a study's variants differ only in what they vary (``deepspeed_config``)."""
-    from lit_ablate.strategies.deepspeed import DeepSpeedStrategy, with_keys
-
-    strategy = run.trainer.strategy
-    if not strategy.is_a(DeepSpeedStrategy):
-        return None
-    option = strategy.option
-    config = option("config")
     try:
-        ds = with_keys(
-            load_deepspeed_config(config),
-            option("stage"),
-            option("offload_optimizer"),
-            option("offload_parameters"),
-            option("communication_data_type"),
-        )
+        ds = deepspeed_config(run)
     except ConfigError as err:
         return err.refusal
+    if ds is None:
+        return None
     model = run.model
     values = RunValues(
         micro_batch_size=run.data.batch_size,
@@ -46,15 +50,24 @@ def deepspeed_config_agrees(run: RunConfig) -> Refusal | None:
         weight_decay=model.option("weight_decay"),
         betas=model.option("betas"),
     )
+    config = run.trainer.strategy.option("config")
     return contradiction(ds, values, Path(config).name if isinstance(config, str) else "the DeepSpeed config")
 
 
 @rule(Scope.MACHINE, Scope.CLUSTER, skips_variant=True)
-def deepspeed_installed(run: RunConfig) -> Refusal | None:
-    """A ``DeepSpeedStrategy`` run needs the ``deepspeed`` package where it runs."""
-    from lit_ablate.strategies.deepspeed import DeepSpeedStrategy
+def deepspeed_runs_here(run: RunConfig) -> Refusal | None:
+    """A ``DeepSpeedStrategy`` run needs the ``deepspeed`` package where it runs, and a GPU for what only
+    DeepSpeed's CUDA ops do (ZeRO++'s quantised gradients, from its keys or its JSON)."""
+    from lit_ablate.strategies.gpu_only import check_gpu_only_options
 
-    if not run.trainer.strategy.is_a(DeepSpeedStrategy):
+    try:
+        ds = deepspeed_config(run)
+    except ConfigError:
+        return None  # the config rule's refusal
+    if ds is None:
         return None
     missing = not_installed("deepspeed", "DeepSpeedStrategy")
-    return Refusal(TRAINER_STRATEGY_KEY, "DeepSpeedStrategy", missing) if missing else None
+    if missing:
+        return Refusal(TRAINER_STRATEGY_KEY, "DeepSpeedStrategy", missing)
+    quantized = ds["zero_optimization"].get("zero_quantized_gradients")
+    return refusal_of(check_gpu_only_options, {"quantized_gradients": quantized}, run.trainer.device_type)

@@ -42,6 +42,7 @@ from lit_ablate.strategies.deepspeed_config import (
     load_deepspeed_config,
     zero_stage,
 )
+from lit_ablate.strategies.gpu_only import check_gpu_only_options
 from lit_ablate.strategies.interface import StrategyInterface
 from lit_ablate.strategies.state_sharding import StateSharding, deepspeed_sharding
 
@@ -65,6 +66,7 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy, StrategyInterface):
         offload_optimizer: keep the optimizer states and step on the host (ZeRO-Offload).
         offload_parameters: keep the parameters on the host (stage 3).
         communication_data_type: the dtype gradients are reduced in (``fp16``/``bf16``: half the bytes).
+        quantized_gradients: ZeRO++'s gradients quantised to int4 for their reduce-scatter (stage 3, CUDA).
         process_group_backend: ``gloo``/``nccl``; by default the device's.
         timeout_s: collective timeout.
     """
@@ -76,20 +78,28 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy, StrategyInterface):
         offload_optimizer: bool | None = None,
         offload_parameters: bool | None = None,
         communication_data_type: CommunicationDataType | None = None,
+        quantized_gradients: bool | None = None,
         process_group_backend: str | None = None,
         timeout_s: float = 1800.0,
     ) -> None:
         missing = not_installed("deepspeed", "DeepSpeedStrategy")
         if missing:
             raise ConfigError(TRAINER_STRATEGY_KEY, "DeepSpeedStrategy", missing)
-        ds = with_keys(
-            load_deepspeed_config(config), stage, offload_optimizer, offload_parameters, communication_data_type
-        )
+        keys = {
+            "stage": stage,
+            "offload_optimizer": offload_optimizer,
+            "offload_parameters": offload_parameters,
+            "communication_data_type": communication_data_type,
+            "quantized_gradients": quantized_gradients,
+        }
+        ds = with_keys(load_deepspeed_config(config), **keys)
         self.source = Path(config).name if isinstance(config, (str, Path)) else "the DeepSpeed config"
         super().__init__(config=ds, process_group_backend=process_group_backend, timeout=timedelta(seconds=timeout_s))
 
     # ------------------------------------------------------------------ start-up on any device
     def setup_environment(self) -> None:
+        quantized = (self.config.get("zero_optimization") or {}).get("zero_quantized_gradients")
+        check_gpu_only_options({"quantized_gradients": quantized}, self.root_device.type)
         if self.root_device.type == "cuda":
             super().setup_environment()
         else:  # Lightning's check allows CUDA only; the engine runs on DeepSpeed's CPU accelerator
@@ -263,6 +273,7 @@ def with_keys(
     offload_optimizer: bool | None,
     offload_parameters: bool | None,
     communication_data_type: str | None,
+    quantized_gradients: bool | None = None,
 ) -> dict[str, Any]:
     """The DeepSpeed config with the strategy's keys applied; a key that contradicts the JSON is refused."""
     zero = dict(ds.get("zero_optimization") or {})
@@ -283,6 +294,11 @@ def with_keys(
             communication_data_type,
             ds.get("communication_data_type"),
         ),
+        "quantized_gradients": (
+            ("zero_optimization", "zero_quantized_gradients"),
+            quantized_gradients,
+            zero.get("zero_quantized_gradients"),
+        ),
     }
     for name, (path, value, in_json) in given.items():
         if value is not None and in_json is not None and value != in_json:
@@ -302,6 +318,12 @@ def with_keys(
                 f"{STRATEGY_OPTIONS_KEY}.offload_parameters", True, "DeepSpeed offloads parameters at stage 3 only"
             )
         zero["offload_param"] = {"device": "cpu"}
+    if quantized_gradients:
+        zero["zero_quantized_gradients"] = True
+    if zero.get("zero_quantized_gradients") and zero["stage"] != 3:
+        raise ConfigError(
+            f"{STRATEGY_OPTIONS_KEY}.quantized_gradients", True, "ZeRO++ quantises gradients at stage 3 only"
+        )
     config = {**ds, "zero_optimization": zero}
     if communication_data_type is not None:
         config["communication_data_type"] = communication_data_type

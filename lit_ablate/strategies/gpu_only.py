@@ -22,6 +22,13 @@ def check_gpu_only_options(options: Mapping[str, Any], device_type: str) -> None
             "CPU offload moves shards from a GPU to host memory; with accelerator: cpu everything already is in host "
             "memory. Set cpu_offload: false, or train on GPUs",
         )
+    if options.get("quantized_gradients"):
+        raise ConfigError(
+            f"{STRATEGY_OPTIONS_KEY}.quantized_gradients",
+            True,
+            "ZeRO++'s quantised gradients need DeepSpeed's CUDA quantizer (GPUs); on CPU reduce gradients in "
+            "half precision with communication_data_type: fp16",
+        )
     if options.get("comm_hook") == "bf16":
         raise ConfigError(
             f"{STRATEGY_OPTIONS_KEY}.comm_hook",
