@@ -16,7 +16,7 @@ import pytest
 from test_ablation_report import make_record, make_study
 
 from lit_ablate.ablation.spec import GRADIENT_CALLBACK, parse_study
-from lit_ablate.ablation.summary import study_summary
+from lit_ablate.ablation.summary import APPROXIMATE, study_summary
 from lit_ablate.ablation.terminal_summary import verdict
 from lit_ablate.commands.report import report_main
 from lit_ablate.errors import ConfigError
@@ -174,6 +174,18 @@ def test_every_variant_gets_the_callback_at_the_check_s_step():
     )
 
 
+def test_a_variant_approximate_by_design_is_shown_not_checked():
+    """``approximate: [compressed]``: its gradients (fp16 communication: 1e-4 off) are not checked and it
+    says why; the exact variant beside it is still checked."""
+    compressed = {EXPERTS: [0.2 * 1.0001, 0.001, 0.5, 0.3], ROUTER: [0.04]}
+    records, plan = gradient_study(
+        {"ddp": NORMS, "exact": compressed, "compressed": compressed}, check={**CHECK, "approximate": ["compressed"]}
+    )
+    checks = {v["name"]: v["gradient_agreement"] for v in summarise(records, plan)["variants"]}
+    assert checks["exact"]["passed"] is False
+    assert checks["compressed"] == {"passed": None, "incomplete": False, "reason": APPROXIMATE}
+
+
 @pytest.mark.parametrize(
     ("check", "key"),
     [
@@ -181,6 +193,7 @@ def test_every_variant_gets_the_callback_at_the_check_s_step():
         ({"steps": 1}, "expect_equal_gradients.steps"),
         ({"step": 5}, "expect_equal_gradients.step"),
         ({"step": 0}, "expect_equal_gradients.step"),
+        ({"approximate": ["nope"]}, "expect_equal_gradients.approximate"),
     ],
 )
 def test_a_bad_gradient_check_is_refused_naming_its_key(check, key):

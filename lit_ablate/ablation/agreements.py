@@ -44,6 +44,8 @@ class GradientAgreement:
 
     rtol: float = 1e-5
     step: int = 1
+    approximate: tuple[str, ...] = ()
+    """As ``LossAgreement.approximate``: variants whose gradients differ by design, shown, not checked."""
 
 
 _Agreement = TypeVar("_Agreement", LossAgreement, GradientAgreement)
@@ -52,15 +54,9 @@ _Agreement = TypeVar("_Agreement", LossAgreement, GradientAgreement)
 def loss_agreement(
     raw: Any, axes: Mapping[str, list[Any]], steps: int | None, variants: Sequence[str]
 ) -> LossAgreement | None:
-    agreement = _agreement(raw, "expect_equal_loss", LossAgreement, ("rtol", "atol"))
+    agreement = _agreement(raw, "expect_equal_loss", LossAgreement, ("rtol", "atol"), variants)
     if agreement is None:
         return None
-    approximate = agreement.approximate
-    if not isinstance(approximate, (list, tuple)) or not set(approximate) <= set(variants):
-        raise ConfigError(
-            "expect_equal_loss.approximate", approximate, f"give a list of the study's variants: {list(variants)}"
-        )
-    agreement = replace(agreement, approximate=tuple(approximate))
     if agreement.steps is not None and not positive_int(agreement.steps):
         raise ConfigError(
             "expect_equal_loss.steps", agreement.steps, "give a positive integer (or leave it out: all steps)"
@@ -75,8 +71,8 @@ def loss_agreement(
     return agreement
 
 
-def gradient_agreement(raw: Any, steps: int | None) -> GradientAgreement | None:
-    agreement = _agreement(raw, "expect_equal_gradients", GradientAgreement, ("rtol",))
+def gradient_agreement(raw: Any, steps: int | None, variants: Sequence[str]) -> GradientAgreement | None:
+    agreement = _agreement(raw, "expect_equal_gradients", GradientAgreement, ("rtol",), variants)
     if agreement is None:
         return None
     if not positive_int(agreement.step):
@@ -108,8 +104,11 @@ def check_within_steps(agreement: LossAgreement | GradientAgreement, steps: int 
         )
 
 
-def _agreement(raw: Any, key: str, kind: type[_Agreement], tolerances: tuple[str, ...]) -> _Agreement | None:
-    """A study's ``expect_equal_*`` block as its dataclass: only its own keys, tolerances non-negative numbers."""
+def _agreement(
+    raw: Any, key: str, kind: type[_Agreement], tolerances: tuple[str, ...], variants: Sequence[str]
+) -> _Agreement | None:
+    """A study's ``expect_equal_*`` block as its dataclass: only its own keys, tolerances non-negative numbers,
+    ``approximate`` some of the study's ``variants``."""
     if raw is None:
         return None
     raw = mapping_at(raw, key)
@@ -122,7 +121,19 @@ def _agreement(raw: Any, key: str, kind: type[_Agreement], tolerances: tuple[str
         value = getattr(agreement, name)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
             raise ConfigError(f"{key}.{name}", value, "give a non-negative number")
-    return agreement
+    approximate = agreement.approximate
+    if not isinstance(approximate, (list, tuple)) or not set(approximate) <= set(variants):
+        raise ConfigError(f"{key}.approximate", approximate, f"give a list of the study's variants: {list(variants)}")
+    return replace(agreement, approximate=tuple(approximate))
+
+
+def planned(agreement: LossAgreement | GradientAgreement | None) -> dict[str, Any] | None:
+    """A check as a study's plan records it: its keys, ``approximate`` only when it names variants (a plan
+    written before it existed reads the same)."""
+    if agreement is None:
+        return None
+    keys = vars(agreement)
+    return keys if agreement.approximate else {k: v for k, v in keys.items() if k != "approximate"}
 
 
 def positive_int(value: Any) -> bool:

@@ -28,6 +28,7 @@ from lit_ablate.ablation.agreements import (
     LossAgreement,
     gradient_agreement,
     loss_agreement,
+    planned,
     positive_int,
 )
 from lit_ablate.ablation.launch import LAUNCH_CONFIG_KEYS, SLURM_BLOCK, Launch, mapping_at
@@ -216,8 +217,8 @@ class StudySpec:
             "seeds": list(self.seeds),
             "steps": self.steps,
             "warmup_steps": self.warmup_steps,
-            "expect_equal_loss": vars(self.expect_equal_loss) if self.expect_equal_loss else None,
-            "expect_equal_gradients": vars(self.expect_equal_gradients) if self.expect_equal_gradients else None,
+            "expect_equal_loss": planned(self.expect_equal_loss),
+            "expect_equal_gradients": planned(self.expect_equal_gradients),
             "order": self.order,
             "speed": asdict(self.speed),
             "variants": [
@@ -310,7 +311,7 @@ def parse_study(raw: Any, source: Path | None = None) -> StudySpec:
         launch_overrides=launch_overrides,
         expect_equal_loss=loss_agreement(raw.get("expect_equal_loss"), axes, steps, [v.name for v in variants]),
         order=order,
-        expect_equal_gradients=gradient_agreement(raw.get("expect_equal_gradients"), steps),
+        expect_equal_gradients=gradient_agreement(raw.get("expect_equal_gradients"), steps, [v.name for v in variants]),
         speed=_speed(raw.get("speed"), submitted),
     )
 
