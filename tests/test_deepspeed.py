@@ -17,6 +17,7 @@ losses off by 0.18).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,7 @@ def _two_ranks(rank: int, world_size: int, root: str) -> dict:
     runs["zero2_series"], module = trainer_fit(DeepSpeedStrategy(stage=2), root / "zero2")
     module.trainer.save_checkpoint(root / "zero2-final")
     runs["logits"] = module.model.logits(PROBE)
+    runs["extensions"] = os.environ.get("TORCH_EXTENSIONS_DIR")
     resumed_from = root / "zero2" / f"step={CHECKPOINT_STEP}.ckpt"
     runs["zero2_resumed"], _ = trainer_fit(DeepSpeedStrategy(stage=2), root / "resumed", resume_from=resumed_from)
     return runs
@@ -117,6 +119,26 @@ def test_a_deepspeed_checkpoint_resumes_to_the_uninterrupted_losses(two_ranks):
             rtol=0,
             atol=RESUME_ATOL,
         )
+
+
+def test_ops_build_once_per_machine_and_a_failed_build_is_one_line(two_ranks, monkeypatch):
+    """DeepSpeed's ops build into the machine cache (every run, test and study reuses them), and a build that
+    fails is one line naming the compiler's first error, not torch's extension traceback (simulated: no op
+    builds on a CPU)."""
+    import deepspeed
+
+    assert all(runs["extensions"].endswith("torch_extensions") for runs in two_ranks)
+    output = "Error building extension 'quantizer': [1/2] nvcc -c quantizer.cu\nquantizer.cu(12): error: bad\nninja"
+
+    def fails(**kwargs):
+        raise RuntimeError(output)
+
+    monkeypatch.setattr(deepspeed, "initialize", fails)
+    strategy = DeepSpeedStrategy(stage=3)
+    strategy.parallel_devices = [torch.device("cpu")]
+    with pytest.raises(ConfigError) as refused:
+        strategy._setup_model_and_optimizer(torch.nn.Linear(2, 2), None)
+    assert "quantizer.cu(12): error: bad" in str(refused.value) and "\n" not in str(refused.value)
 
 
 def test_a_deepspeed_folder_exports_to_a_hugging_face_model_with_the_trained_logits(two_ranks, root, tmp_path):

@@ -23,6 +23,7 @@ from lit_ablate.callbacks.mfu import run_dtype
 from lit_ablate.commands.peak import peak_main
 from lit_ablate.errors import ConfigError
 from lit_ablate.estimate import matmul_ceiling
+from lit_ablate.machine_cache import CACHE_DIR_ENV
 from tests.test_callbacks import SEQ, _batches, _fit
 
 FAKE_TFLOPS = 50.0
@@ -31,7 +32,7 @@ FAKE_TFLOPS = 50.0
 
 def _fake_measurement(tmp_path, monkeypatch) -> list[tuple[str, torch.dtype, int]]:
     """A fresh cache dir and a fake sweep returning ``FAKE_TFLOPS``; the list of what it measured."""
-    monkeypatch.setenv(matmul_ceiling.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
     calls = []
 
     def fake(device, dtype, *args, **kwargs):
@@ -314,7 +315,7 @@ def test_a_ceiling_measured_under_injected_load_is_not_cached(tmp_path, monkeypa
     With a CPU-bound process in its own session during the sweep, ``lit-ablate peak``'s measurement says so
     (``doubt``) and leaves the cache empty; the same sweep with the load unknown is cached. Seen failing with
     the doubt ignored by ``measured_ceiling`` (cached under load)."""
-    monkeypatch.setenv(matmul_ceiling.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
 
     def sweep(*args, **kwargs):
         time.sleep(0.8)  # long enough for /proc's 10 ms ticks to show the other process

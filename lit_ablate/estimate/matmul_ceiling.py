@@ -30,10 +30,7 @@ from pathlib import Path
 import torch
 
 from lit_ablate import machine_load
-
-CACHE_DIR_ENV = "LIT_ABLATE_CACHE_DIR"
-"""Directory of lit-ablate's per-machine cache (default ``$XDG_CACHE_HOME/lit-ablate``, else
-``~/.cache/lit-ablate``); the ceilings live in its ``matmul_ceiling/`` folder."""
+from lit_ablate.machine_cache import machine_cache
 
 SWEEPS: dict[str, tuple[tuple[int, int, int], ...]] = {
     "cpu": ((1024, 1024, 1024), (2048, 2048, 2048), (4096, 512, 2048)),
@@ -119,11 +116,8 @@ def device_name(device: torch.device) -> str:
 
 
 def cache_dir() -> Path:
-    """Where ceilings are cached: ``$LIT_ABLATE_CACHE_DIR/matmul_ceiling``."""
-    root = (
-        os.environ.get(CACHE_DIR_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lit-ablate"
-    )
-    return Path(root) / "matmul_ceiling"
+    """Where ceilings are cached: the per-machine cache's ``matmul_ceiling`` folder."""
+    return machine_cache("matmul_ceiling")
 
 
 def cache_path(device: torch.device, dtype: torch.dtype) -> Path:

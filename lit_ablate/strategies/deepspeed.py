@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
@@ -34,6 +35,7 @@ from torch import Tensor
 from lit_ablate.config_keys import TRAINER_STRATEGY_KEY
 from lit_ablate.errors import ConfigError
 from lit_ablate.extras import not_installed
+from lit_ablate.machine_cache import machine_cache
 from lit_ablate.mesh_sizes import STRATEGY_OPTIONS_KEY
 from lit_ablate.strategies.deepspeed_config import (
     RunValues,
@@ -50,6 +52,9 @@ if TYPE_CHECKING:
     from collections.abc import Iterable, Iterator
 
 CommunicationDataType = Literal["fp32", "fp16", "bf16"]
+EXTENSIONS_DIR_ENV = "TORCH_EXTENSIONS_DIR"
+"""Where torch builds C++/CUDA ops (DeepSpeed's too): the machine cache's ``torch_extensions`` unless set, so
+an op is built once per machine and every run, test and study reuses it."""
 
 
 class DeepSpeedStrategy(LightningDeepSpeedStrategy, StrategyInterface):
@@ -98,6 +103,7 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy, StrategyInterface):
 
     # ------------------------------------------------------------------ start-up on any device
     def setup_environment(self) -> None:
+        os.environ.setdefault(EXTENSIONS_DIR_ENV, str(machine_cache("torch_extensions")))
         quantized = (self.config.get("zero_optimization") or {}).get("zero_quantized_gradients")
         check_gpu_only_options({"quantized_gradients": quantized}, self.root_device.type)
         if self.root_device.type == "cuda":
@@ -120,15 +126,25 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy, StrategyInterface):
         import deepspeed
 
         device_rank = self.root_device.index if self.root_device.type == "cuda" else self.local_rank
-        engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
-            args=argparse.Namespace(device_rank=device_rank),
-            config=self.config,
-            model=model,
-            model_parameters=[p for p in model.parameters() if p.requires_grad],
-            optimizer=optimizer,
-            lr_scheduler=lr_scheduler,
-            dist_init_required=False,
-        )
+        try:
+            engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
+                args=argparse.Namespace(device_rank=device_rank),
+                config=self.config,
+                model=model,
+                model_parameters=[p for p in model.parameters() if p.requires_grad],
+                optimizer=optimizer,
+                lr_scheduler=lr_scheduler,
+                dist_init_required=False,
+            )
+        except RuntimeError as err:
+            if "Error building extension" not in str(err):
+                raise
+            raise ConfigError(
+                TRAINER_STRATEGY_KEY,
+                "DeepSpeedStrategy",
+                f"DeepSpeed could not build one of its C++/CUDA ops ({first_compiler_error(str(err))}); fix the "
+                f"compiler or CUDA toolkit it names, or pre-build the ops (docs/deepspeed.md)",
+            ) from None
         return engine, deepspeed_optimizer
 
     @contextmanager
@@ -328,6 +344,12 @@ def with_keys(
     if communication_data_type is not None:
         config["communication_data_type"] = communication_data_type
     return config
+
+
+def first_compiler_error(message: str) -> str:
+    """The first line of a failed op build's output that says ``error`` (else the message's first line)."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    return next((line for line in lines if "error" in line.lower() and "Error building" not in line), lines[0])
 
 
 def _offloaded(section: Any) -> bool | None:
