@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from lit_ablate.config_keys import TRAINER_STRATEGY_KEY
@@ -10,7 +9,7 @@ from lit_ablate.errors import ConfigError, Refusal
 from lit_ablate.extras import not_installed
 from lit_ablate.rules.registry import Scope, refusal_of, rule
 from lit_ablate.run_config import RunConfig
-from lit_ablate.strategies.deepspeed_config import RunValues, contradiction, load_deepspeed_config
+from lit_ablate.strategies.deepspeed_config import RunValues, config_source, contradiction, load_deepspeed_config
 
 KEYS = ("stage", "offload_optimizer", "offload_parameters", "communication_data_type", "quantized_gradients")
 """``DeepSpeedStrategy``'s keys that write into its DeepSpeed config."""
@@ -50,8 +49,7 @@ def deepspeed_config_agrees(run: RunConfig) -> Refusal | None:
         weight_decay=model.option("weight_decay"),
         betas=model.option("betas"),
     )
-    config = run.trainer.strategy.option("config")
-    return contradiction(ds, values, Path(config).name if isinstance(config, str) else "the DeepSpeed config")
+    return contradiction(ds, values, config_source(run.trainer.strategy.option("config")))
 
 
 @rule(Scope.MACHINE, Scope.CLUSTER, skips_variant=True)

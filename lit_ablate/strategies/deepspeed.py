@@ -24,7 +24,6 @@ import os
 from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -39,6 +38,7 @@ from lit_ablate.machine_cache import machine_cache
 from lit_ablate.mesh_sizes import STRATEGY_OPTIONS_KEY
 from lit_ablate.strategies.deepspeed_config import (
     RunValues,
+    config_source,
     contradiction,
     engine_config,
     load_deepspeed_config,
@@ -98,7 +98,7 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy, StrategyInterface):
             "quantized_gradients": quantized_gradients,
         }
         ds = with_keys(load_deepspeed_config(config), **keys)
-        self.source = Path(config).name if isinstance(config, (str, Path)) else "the DeepSpeed config"
+        self.source = config_source(config)
         super().__init__(config=ds, process_group_backend=process_group_backend, timeout=timedelta(seconds=timeout_s))
 
     # ------------------------------------------------------------------ start-up on any device
@@ -200,8 +200,8 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy, StrategyInterface):
             raise ConfigError(
                 "trainer.precision",
                 str(self.precision_plugin.precision),
-                f"DeepSpeed's {type(optimizer).__name__} keeps gradients where lit-ablate cannot rescale them "
-                "to the step's token mean; use ZeRO stage 2 or 3, or 32-true",  # its BF16_Optimizer: no loss scale
+                f"DeepSpeed chose its {type(optimizer).__name__}, which has no loss scale to rescale gradients "
+                "to the step's token mean by; train in 32-true, or in bf16 at another ZeRO stage",
             )
         optimizer.override_loss_scale(1.0 / float(factor))
 
@@ -218,7 +218,7 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy, StrategyInterface):
         offloaded) and, from stage 2, its reduce bucket (``reduce_bucket_size`` fp32 elements, 5e8 unless
         the config says otherwise)."""
         stage, zero = zero_stage(self.config), self.config.get("zero_optimization") or {}
-        offloaded = (zero.get("offload_optimizer") or {}).get("device", "none") not in ("none", None)
+        offloaded = bool(_offloaded(zero.get("offload_optimizer")))
         bucket = 4 * int(float(zero.get("reduce_bucket_size", 5e8))) if stage >= 2 else 0
         sharding = deepspeed_sharding(stage, world_size)
         return replace(sharding, master_copy=True, optimizer_on_host=offloaded, gradient_buckets=bucket)

@@ -126,6 +126,11 @@ def engine_config(ds: Mapping[str, Any], run: RunValues) -> dict[str, Any]:
     return config
 
 
+def config_source(config: Any) -> str:
+    """How refusals name a config: its file's name, or ``the DeepSpeed config`` for one given inline."""
+    return Path(config).name if isinstance(config, (str, Path)) else "the DeepSpeed config"
+
+
 def zero_stage(ds: Mapping[str, Any]) -> int:
     """The config's ZeRO stage (0 without ``zero_optimization``)."""
     return int((ds.get("zero_optimization") or {}).get("stage", 0))
