@@ -311,3 +311,14 @@ def test_zero_plus_plus_first_gradients_are_close_to_one_process_s(one_process_g
         assert (
             _largest_difference({k: v.cpu() for k, v in runs_of_rank.items()}, one_process_gradients) <= 0.1 * largest
         )
+
+
+@pytest.mark.parametrize(
+    "strategy", ["deepspeed_stage_2", {"class_path": "lightning.pytorch.strategies.DeepSpeedStrategy"}]
+)
+def test_lightning_s_own_deepspeed_is_refused_before_any_rank(strategy):
+    """It would stop at its first optimizer step (gradients outside ``param.grad``): the config decides it."""
+    config = yaml.safe_load(QUICKSTART.read_text())
+    config["trainer"]["strategy"] = strategy
+    refusal = first_refusal(config, Scope.CONFIG)
+    assert refusal is not None and refusal.key == "trainer.strategy" and DEEPSPEED in refusal

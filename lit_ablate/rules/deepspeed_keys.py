@@ -27,6 +27,25 @@ def deepspeed_config(run: RunConfig) -> dict[str, Any] | None:
 
 
 @rule(Scope.CONFIG)
+def deepspeed_is_lit_ablates(run: RunConfig) -> Refusal | None:
+    """Lightning's own DeepSpeed strategy (by ``class_path`` or a ``deepspeed*`` name) keeps gradients outside
+    ``param.grad`` without saying how to scale them: every step would stop at its first optimizer step."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeedStrategy
+
+    from lit_ablate.strategies.deepspeed import DeepSpeedStrategy
+
+    strategy = run.trainer.strategy
+    if not strategy.is_a(LightningDeepSpeedStrategy) or strategy.is_a(DeepSpeedStrategy):
+        return None
+    return Refusal(
+        TRAINER_STRATEGY_KEY,
+        strategy.name,
+        "Lightning's DeepSpeed strategy cannot train lit-ablate's step objective (its gradients live outside "
+        "param.grad); use lit_ablate.strategies.DeepSpeedStrategy (stage, config: the same DeepSpeed options)",
+    )
+
+
+@rule(Scope.CONFIG)
 def deepspeed_config_agrees(run: RunConfig) -> Refusal | None:
     """A ``DeepSpeedStrategy``'s JSON file exists, its keys agree with the strategy's own, and the keys it
     shares with the run config (micro-batch, accumulation, clipping, precision, optimizer) agree or are
