@@ -292,6 +292,56 @@ def test_zero_plus_plus_quantised_gradients_are_a_gpu_option_refused_on_cpu_befo
         assert refusal.key.endswith("quantized_gradients") and "CUDA quantizer" in refusal, init_args
 
 
+FAILED_BUILD = """
+import sys
+print("[1/2] c++ -c deepspeed_aio_common.cpp -o deepspeed_aio_common.o")
+print("deepspeed_aio_common.cpp:12:10: fatal error: libaio.h: No such file or directory")
+print("ninja: build stopped: subcommand failed.")
+sys.exit("subprocess.CalledProcessError: Command ninja returned 1\\nRuntimeError: Error building extension 'async_io'")
+"""
+BUILT = """
+import os, sys
+from pathlib import Path
+folder = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+folder.mkdir(parents=True)
+(folder / sys.argv[1]).touch()
+"""
+
+
+def test_the_ops_a_config_needs_build_before_any_rank_starts_and_a_failed_build_is_one_line(tmp_path, monkeypatch):
+    """ZeRO++'s quantizer and NVMe offload's I/O op are built by the rule registry, on this machine, before any
+    rank starts (into the machine cache, where the ranks find them built); a build that fails refuses the run
+    (a study: the variant) in one line naming the compiler's first error and the key that needs the op.
+    Simulated: the child that builds prints what a failed build prints (no op builds on a CPU). Seen failing
+    with the rule unregistered (the failure then came at the engine's start, after the ranks started)."""
+    from lit_ablate.rules import RULES, check_run
+    from lit_ablate.strategies import deepspeed_ops
+
+    assert deepspeed_ops.ops_needed({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}) == {}
+    assert deepspeed_ops.ops_needed({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}) == {
+        "QuantizerBuilder": "zero_optimization.zero_quantized_weights"
+    }
+    nvme = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}}
+    assert deepspeed_ops.ops_needed(nvme) == {"AsyncIOBuilder": "zero_optimization.offload_param.device nvme"}
+    config = yaml.safe_load(QUICKSTART.read_text())
+    config["trainer"].update(accelerator="cpu", devices=2)
+    config["trainer"]["strategy"] = {"class_path": DEEPSPEED, "init_args": {"config": nvme}}
+
+    monkeypatch.setattr(deepspeed_ops, "LOAD_OP", FAILED_BUILD)
+    refusal = first_refusal(config, Scope.CONFIG, Scope.MACHINE)
+    assert refusal is not None and "\n" not in refusal and RULES["deepspeed_ops_build_here"].skips_variant
+    assert "offload_param.device nvme needs DeepSpeed's AsyncIOBuilder op" in refusal
+    assert "fatal error: libaio.h: No such file or directory" in refusal
+    with pytest.raises(ConfigError, match="libaio.h"):
+        check_run(config)  # what lit-ablate fit judges before anything is built
+
+    monkeypatch.setattr(deepspeed_ops, "LOAD_OP", BUILT)
+    monkeypatch.setenv("LIT_ABLATE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    assert first_refusal(config, Scope.CONFIG, Scope.MACHINE) is None
+    assert (tmp_path / "cache" / "torch_extensions" / "AsyncIOBuilder").exists()
+
+
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 
 

@@ -10,6 +10,7 @@ from lit_ablate.extras import not_installed
 from lit_ablate.rules.registry import Scope, refusal_of, rule
 from lit_ablate.run_config import RunConfig
 from lit_ablate.strategies.deepspeed_config import RunValues, config_source, contradiction, load_deepspeed_config
+from lit_ablate.strategies.deepspeed_ops import build_op, ops_needed
 
 KEYS = ("stage", "offload_optimizer", "offload_parameters", "communication_data_type", "quantized_gradients")
 """``DeepSpeedStrategy``'s keys that write into its DeepSpeed config."""
@@ -88,3 +89,27 @@ def deepspeed_runs_here(run: RunConfig) -> Refusal | None:
         return Refusal(TRAINER_STRATEGY_KEY, "DeepSpeedStrategy", missing)
     quantized = ds["zero_optimization"].get("zero_quantized_gradients")
     return refusal_of(check_gpu_only_options, {"quantized_gradients": quantized}, run.trainer.device_type)
+
+
+@rule(Scope.MACHINE, skips_variant=True)
+def deepspeed_ops_build_here(run: RunConfig) -> Refusal | None:
+    """The C++/CUDA ops the DeepSpeed config needs (ZeRO++'s quantizer, NVMe offload's I/O) build on this
+    machine, or are built: once, before any rank starts, into the machine cache the ranks load them from
+    (``deepspeed_ops``). Judged after ``deepspeed_runs_here``, so only where the run can go."""
+    try:
+        ds = deepspeed_config(run)
+    except ConfigError:
+        return None  # the config rule's refusal
+    if ds is None or not_installed("deepspeed", "DeepSpeedStrategy"):
+        return None
+    for name, needed_by in ops_needed(ds).items():
+        error = build_op(name)
+        if error:
+            return Refusal(
+                TRAINER_STRATEGY_KEY,
+                "DeepSpeedStrategy",
+                f"{needed_by} needs DeepSpeed's {name} op, which does not build on this machine ({error}); fix "
+                "what it names (the compiler, the CUDA toolkit, libaio), pre-build the ops (docs/deepspeed.md), "
+                f"or leave {needed_by.split()[0]} out",
+            )
+    return None

@@ -34,7 +34,6 @@ from torch import Tensor
 from lit_ablate.config_keys import TRAINER_STRATEGY_KEY
 from lit_ablate.errors import ConfigError
 from lit_ablate.extras import not_installed
-from lit_ablate.machine_cache import machine_cache
 from lit_ablate.mesh_sizes import STRATEGY_OPTIONS_KEY
 from lit_ablate.strategies.deepspeed_config import (
     RunValues,
@@ -44,6 +43,7 @@ from lit_ablate.strategies.deepspeed_config import (
     load_deepspeed_config,
     zero_stage,
 )
+from lit_ablate.strategies.deepspeed_ops import EXTENSIONS_DIR_ENV, extensions_dir, first_compiler_error
 from lit_ablate.strategies.gpu_only import check_gpu_only_options
 from lit_ablate.strategies.interface import StrategyInterface
 from lit_ablate.strategies.state_sharding import StateSharding, deepspeed_sharding
@@ -52,9 +52,6 @@ if TYPE_CHECKING:
     from collections.abc import Iterable, Iterator
 
 CommunicationDataType = Literal["fp32", "fp16", "bf16"]
-EXTENSIONS_DIR_ENV = "TORCH_EXTENSIONS_DIR"
-"""Where torch builds C++/CUDA ops (DeepSpeed's too): the machine cache's ``torch_extensions`` unless set, so
-an op is built once per machine and every run, test and study reuses it."""
 
 
 class DeepSpeedStrategy(LightningDeepSpeedStrategy, StrategyInterface):
@@ -103,7 +100,7 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy, StrategyInterface):
 
     # ------------------------------------------------------------------ start-up on any device
     def setup_environment(self) -> None:
-        os.environ.setdefault(EXTENSIONS_DIR_ENV, str(machine_cache("torch_extensions")))
+        os.environ[EXTENSIONS_DIR_ENV] = extensions_dir()  # where the ops were built before the ranks started
         quantized = (self.config.get("zero_optimization") or {}).get("zero_quantized_gradients")
         check_gpu_only_options({"quantized_gradients": quantized}, self.root_device.type)
         if self.root_device.type == "cuda":
@@ -344,12 +341,6 @@ def with_keys(
     if communication_data_type is not None:
         config["communication_data_type"] = communication_data_type
     return config
-
-
-def first_compiler_error(message: str) -> str:
-    """The first line of a failed op build's output that says ``error`` (else the message's first line)."""
-    lines = [line.strip() for line in message.splitlines() if line.strip()]
-    return next((line for line in lines if "error" in line.lower() and "Error building" not in line), lines[0])
 
 
 def _offloaded(section: Any) -> bool | None:
