@@ -43,7 +43,16 @@ from tests.distributed import run_ranks
 from tests.test_callbacks import _batches
 from tests.test_estimate_memory import build as build_model
 
-STRATEGIES = ("ddp", "zero1", "fsdp2", "fsdp1", "fsdp2_checkpointed", "deepspeed_zero2", "deepspeed_zero3")
+STRATEGIES = (
+    "ddp",
+    "zero1",
+    "fsdp2",
+    "fsdp1",
+    "fsdp2_checkpointed",
+    "deepspeed_zero2",
+    "deepspeed_zero3",
+    "deepspeed_zero2_bf16",
+)
 DEEPSPEED_BUCKET = 100_000
 """Elements of DeepSpeed's gradient buckets here (its default, 5e8, is 2 GB of fp32 per rank)."""
 STATE = ("params", "grads", "optimizer")
@@ -56,6 +65,7 @@ def _strategy(name: str):
     return {
         "deepspeed_zero2": lambda: DeepSpeedStrategy({"zero_optimization": {"stage": 2, **buckets}}),
         "deepspeed_zero3": lambda: DeepSpeedStrategy({"zero_optimization": {"stage": 3, **buckets}}),
+        "deepspeed_zero2_bf16": lambda: DeepSpeedStrategy({"zero_optimization": {"stage": 2, **buckets}}),
         "ddp": DDPStrategy,
         "zero1": ZeRO1Strategy,
         "fsdp2": FSDP2Strategy,
@@ -82,6 +92,7 @@ def _fit(
         accelerator="cpu",
         devices=devices,
         strategy=_strategy(name) if devices > 1 else "auto",
+        precision="bf16-mixed" if name.endswith("_bf16") else "32-true",
         use_distributed_sampler=False,
         callbacks=[monitor or MemoryMonitor(), RunRecorder(path=path, warmup_steps=warmup)],
         logger=False,
@@ -149,6 +160,24 @@ def test_deepspeed_s_partitions_are_counted_in_their_categories(two_rank_records
     estimate = estimate_memory(counts, shape, TrainingShape(micro_batch=4, seq_len=16), sharding, 2)
     for category in STATE:
         assert abs(getattr(estimate, category) - ds[category]) <= 0.02 * ds[category] + bucket, category
+
+
+@pytest.mark.slow
+def test_deepspeed_s_bf16_weights_are_counted_and_estimated(two_rank_records):
+    """Under ``bf16-mixed`` DeepSpeed casts the module to bf16 (its fp32 master partition is the optimizer's),
+    where every other strategy keeps fp32 weights and autocasts: ZeRO-2's parameters are half DDP's fp32
+    bytes, its optimizer state as in fp32 (Adam's moments and the master copy, in fp32), and the estimate
+    knows it (``StateSharding.half_weights``). Seen failing without it (the estimate's parameters 2x)."""
+    ddp, ds = _maxima(two_rank_records["ddp"]), _maxima(two_rank_records["deepspeed_zero2_bf16"])
+    assert ds["params"] / ddp["params"] == pytest.approx(0.5, rel=0.02)
+    assert ds["optimizer"] / ddp["optimizer"] == pytest.approx(0.75, rel=0.02)
+    model = build_model("tiny-llama")
+    counts, shape = count_parameters(model.lm, model.lm.config), model_shape(model.lm.config)
+    sharding = _strategy("deepspeed_zero2_bf16").state_sharding(2)
+    training = TrainingShape(micro_batch=4, seq_len=16, activation_bytes=2)
+    estimate = estimate_memory(counts, shape, training, sharding, 2)
+    for category in STATE:
+        assert abs(getattr(estimate, category) - ds[category]) <= 0.02 * ds[category] + 4 * DEEPSPEED_BUCKET, category
 
 
 @pytest.mark.slow

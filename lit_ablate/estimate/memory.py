@@ -166,9 +166,12 @@ def estimate_memory(
     """
     if training.pipeline_parallel > 1:
         return max(pipeline_stage_estimates(counts, shape, training, sharding), key=lambda e: e.total)
-    full = (counts.total - counts.quantized) * training.param_bytes + counts.quantized_bytes
+    weight_bytes = training.param_bytes  # weights and gradients; the optimizer's states stay in param_bytes
+    if sharding.half_weights:  # a mixed run's half dtype (activation_bytes): DeepSpeed's cast module
+        weight_bytes = min(weight_bytes, training.activation_bytes)
+    full = (counts.total - counts.quantized) * weight_bytes + counts.quantized_bytes
     stored = full / counts.total  # bytes per parameter: quantised base weights pack tighter
-    trained = counts.trainable * training.param_bytes  # a frozen base has no gradients or optimizer states
+    trained = counts.trainable * weight_bytes  # a frozen base has no gradients or optimizer states
     root = max(0, counts.total - shape.layers * shape.layer_params)
     gathered_layer = shape.layer_params
     if sharding.expert_parallel > 1:  # a layer gathers only this rank's experts, over their own FSDP ranks
@@ -183,7 +186,7 @@ def estimate_memory(
         layer_bytes = 1 if training.fp8_all_gather else stored
         transient += int(2 * gathered_layer * layer_bytes + root * stored)
     if sharding.grads > 1 or sharding.fsdp_units:
-        transient += int(2 * max(gathered_layer, root) * training.param_bytes * counts.trainable / counts.total)
+        transient += int(2 * max(gathered_layer, root) * weight_bytes * counts.trainable / counts.total)
     elif (world_size > 1 or training.ddp) and not training.gradient_as_bucket_view:
         transient += trained
     activations = activation_bytes(shape, training) + context_parallel_bytes(shape, training)[0]
@@ -193,7 +196,8 @@ def estimate_memory(
     return MemoryEstimate(
         params=int(-(-full // _state_divisor(sharding.params, sharding, counts)))
         + _fp8_shard_cast(shape, training, sharding),
-        grads=int(-(-trained // _state_divisor(sharding.grads, sharding, counts))) + sharding.gradient_buckets,
+        grads=int(-(-trained // _state_divisor(sharding.grads, sharding, counts)))
+        + sharding.gradient_bucket_elements * weight_bytes,
         optimizer=0
         if sharding.optimizer_on_host and not training.on_host
         else int(

@@ -212,13 +212,18 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy, StrategyInterface):
     # ------------------------------------------------------------------ answers
     def state_sharding(self, world_size: int) -> StateSharding:
         """ZeRO's divisions, its fp32 master partition beside the optimizer states (on the host when
-        offloaded) and, from stage 2, its reduce bucket (``reduce_bucket_size`` fp32 elements, 5e8 unless
-        the config says otherwise)."""
+        offloaded), the module's weights in a mixed run's half dtype and, from stage 2, its reduce bucket
+        (``reduce_bucket_size`` elements, 5e8 unless the config says otherwise)."""
         stage, zero = zero_stage(self.config), self.config.get("zero_optimization") or {}
         offloaded = bool(_offloaded(zero.get("offload_optimizer")))
-        bucket = 4 * int(float(zero.get("reduce_bucket_size", 5e8))) if stage >= 2 else 0
-        sharding = deepspeed_sharding(stage, world_size)
-        return replace(sharding, master_copy=True, optimizer_on_host=offloaded, gradient_buckets=bucket)
+        bucket = int(float(zero.get("reduce_bucket_size", 5e8))) if stage >= 2 else 0
+        return replace(
+            deepspeed_sharding(stage, world_size),
+            master_copy=True,
+            optimizer_on_host=offloaded,
+            gradient_bucket_elements=bucket,
+            half_weights=True,
+        )
 
     def held_tensors(self) -> dict[str, list[Tensor]]:
         """DeepSpeed's partitions by memory category, from its optimizer's attributes (stage 1/2 and 3 name

@@ -42,9 +42,13 @@ class StateSharding:
     optimizer_on_host: bool = False
     """The optimizer states (and the master copy) live in host memory: none on a GPU (DeepSpeed's optimizer
     offload; ranks that compute on the host keep them, ``TrainingShape.on_host``)."""
-    gradient_buckets: int = 0
-    """Bytes of gradient buffers the strategy allocates whole whatever the model (DeepSpeed's reduce
-    buckets: ``reduce_bucket_size`` elements)."""
+    gradient_bucket_elements: int = 0
+    """Elements of gradient buffers the strategy allocates whole whatever the model, in the gradients'
+    dtype (DeepSpeed's reduce bucket: ``reduce_bucket_size``)."""
+    half_weights: bool = False
+    """Under a mixed half precision (``bf16-mixed``, ``16-mixed``) the module's weights and gradients are
+    stored in the half dtype, the fp32 copy being the master copy: DeepSpeed casts the module when its
+    ``bf16`` or ``fp16`` is enabled, where other strategies keep fp32 weights and autocast."""
     expert_shards: int | None = None
     """The ranks FSDP shards each rank's routed experts over (``dp_shard x cp``) when that differs
     from the dense parameters' division: under tensor parallelism (which keeps experts whole) and
