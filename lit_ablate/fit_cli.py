@@ -19,7 +19,7 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_ablate.callbacks.pipeline_bubble import PipelineBubbleMonitor
 from lit_ablate.callbacks.progress_file import PROGRESS_PATH_ENV, ProgressFile
@@ -27,6 +27,7 @@ from lit_ablate.callbacks.run_recorder import RunRecorder
 from lit_ablate.callbacks.turn_taking import TurnTaking
 from lit_ablate.checkpoint_model import check_same_model, checkpoint_model_section
 from lit_ablate.command_table import SUMMARIES
+from lit_ablate.cpu_half_matmuls import slow_bf16_matmuls
 from lit_ablate.errors import quoted_refusal
 from lit_ablate.rules import check_parts, check_run
 from lit_ablate.rules.paths import checkpoint_is_a_checkpoint
@@ -177,6 +178,9 @@ class LitAblateCLI(LightningCLI):
         if self.subcommand is not None:
             run = RunConfig.of(self.config[self.subcommand], subcommand=self.subcommand)  # read once
             check_run(run, self.subcommand)
+            slow = slow_bf16_matmuls(run.compute_dtype, run.trainer.device_type)
+            if slow:
+                rank_zero_warn(f"trainer.precision={run.trainer.precision!r}: {slow}")
             if run.simulation is not None:
                 start_fake_process_group(run.simulation)
                 self.simulation = run.simulation

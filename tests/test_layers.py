@@ -16,7 +16,8 @@ Layers, top to bottom (a module may import its own layer and the layers below it
 - ``models/``;
 - the ground floor: ``errors``, ``record``, ``terminal``, ``import_warnings``, ``config_keys``,
   ``path_checks``, ``parse_errors``, ``command_table``, ``class_paths``, ``mesh_sizes``, ``simulated_rank``, ``extras``,
-  ``torch_versions``, ``machine_load``, ``machine_cache``, ``subnormals``, ``trackers``, ``process_exit``.
+  ``torch_versions``, ``machine_load``, ``machine_cache``, ``cpu_half_matmuls``, ``subnormals``, ``trackers``,
+  ``process_exit``.
 
 Imports under ``if TYPE_CHECKING:`` count like any other: an annotation that names a module above, or
 one that imports this module back, is a dependency a reader follows all the same.
@@ -50,6 +51,7 @@ GROUND = (
     "torch_versions",
     "machine_load",
     "machine_cache",
+    "cpu_half_matmuls",
     "subnormals",
     "trackers",
     "process_exit",

@@ -33,6 +33,7 @@ from lit_ablate.ablation.spec import StudySpec, load_study
 from lit_ablate.ablation.study_trackers import send_study
 from lit_ablate.commands.report import ALLOW_FAILURES_HELP, EXIT_REFUSED, printed_summary, study_exit_code
 from lit_ablate.config_keys import NOT_GIVEN, PairedKey, ignored_key
+from lit_ablate.cpu_half_matmuls import slow_bf16_matmuls
 from lit_ablate.errors import ConfigError
 from lit_ablate.path_checks import writable_dir
 
@@ -62,7 +63,8 @@ def run_study(
     plan = {**spec.plan(), "source": os.path.relpath(spec.source.resolve(), output_dir) if spec.source else None}
     (output_dir / PLAN_FILENAME).write_text(json.dumps(portable(plan, output_dir), indent=1) + "\n")
     design = interleaving(spec.speed, runs)
-    (console or Console(stderr=True)).print(design.describe(), markup=False, highlight=False)
+    for line in filter(None, (design.describe(), slow_bf16_line(runs))):
+        (console or Console(stderr=True)).print(line, markup=False, highlight=False)
     try:
         run_runs(runs, fit_command, retry_failed, console, wait, design)
     finally:
@@ -71,6 +73,18 @@ def run_study(
     if (output_dir / "report.json").is_file():  # not before a queued SLURM study's first job finished
         send_study(output_dir)
     return output_dir / "report.md"
+
+
+def slow_bf16_line(runs: list[PlannedRun]) -> str | None:
+    """The plan's line naming the variants that compute in bf16 on a CPU without bf16 matrix kernels (they
+    run, about 100x slower), or None."""
+    slow = {
+        run.variant.name: why
+        for run in runs
+        if not (run.skip_reason or run.invalid) and run.launch.executor == "local"
+        if (why := slow_bf16_matmuls(run.view.compute_dtype, run.view.trainer.device_type))
+    }
+    return f"variants computing in bf16 ({', '.join(slow)}): {next(iter(slow.values()))}" if slow else None
 
 
 def check_every_variant_resolves(runs: list[PlannedRun]) -> list[PlannedRun]:
@@ -195,6 +209,7 @@ def dry_run(full: StudySpec, spec: StudySpec, runs: list[PlannedRun], output_dir
     }
     lines.append(describe(runs, kept, resumes))
     lines.append(interleaving(spec.speed, runs).describe())
+    lines.extend(filter(None, [slow_bf16_line(runs)]))
     counts = {
         "would run": sum(not (r.skip_reason or r.invalid or r.label in kept or r.label in resumes) for r in runs),
         "would resume from a checkpoint": len(resumes),
