@@ -102,14 +102,14 @@ def deepspeed_ops_build_here(run: RunConfig) -> Refusal | None:
         return None  # the config rule's refusal
     if ds is None or not_installed("deepspeed", "DeepSpeedStrategy"):
         return None
-    for name, needed_by in ops_needed(ds).items():
+    for name, need in ops_needed(ds).items():
         error = build_op(name)
         if error:
             return Refusal(
                 TRAINER_STRATEGY_KEY,
                 "DeepSpeedStrategy",
-                f"{needed_by} needs DeepSpeed's {name} op, which does not build on this machine ({error}); fix "
-                "what it names (the compiler, the CUDA toolkit, libaio), pre-build the ops (docs/deepspeed.md), "
-                f"or leave {needed_by.split()[0]} out",
+                f"{need.key} {need.value!r} needs DeepSpeed's {name} op, which does not build on this machine "
+                f"({error}); fix what it names (the compiler, the CUDA toolkit, libaio), pre-build the ops "
+                f"(docs/deepspeed.md), or {need.instead}",
             )
     return None

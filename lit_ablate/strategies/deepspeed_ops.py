@@ -17,7 +17,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from lit_ablate.machine_cache import machine_cache
 
@@ -31,17 +31,25 @@ def extensions_dir() -> str:
     return os.environ.get(EXTENSIONS_DIR_ENV) or str(machine_cache("torch_extensions"))
 
 
-def ops_needed(ds: Mapping[str, Any]) -> dict[str, str]:
-    """DeepSpeed's op builders a run of config ``ds`` loads once it has started, each with the key of
-    ``zero_optimization`` that needs it."""
+class OpNeed(NamedTuple):
+    """The DeepSpeed key whose value needs an op, and what to set instead where the op cannot build."""
+
+    key: str
+    value: Any
+    instead: str
+
+
+def ops_needed(ds: Mapping[str, Any]) -> dict[str, OpNeed]:
+    """DeepSpeed's op builders a run of config ``ds`` loads once it has started, each with the key that
+    needs it."""
     zero = ds.get("zero_optimization") or {}
     needed = {}
     for key in ("zero_quantized_gradients", "zero_quantized_weights"):
         if zero.get(key):
-            needed.setdefault("QuantizerBuilder", f"zero_optimization.{key}")
+            needed.setdefault("QuantizerBuilder", OpNeed(f"zero_optimization.{key}", zero[key], "set it to false"))
     for key in ("offload_optimizer", "offload_param"):
         if isinstance(zero.get(key), Mapping) and zero[key].get("device") == "nvme":
-            needed.setdefault("AsyncIOBuilder", f"zero_optimization.{key}.device nvme")
+            needed.setdefault("AsyncIOBuilder", OpNeed(f"zero_optimization.{key}.device", "nvme", "offload to cpu"))
     return needed
 
 
