@@ -77,7 +77,7 @@ def run_study(
 
 def slow_bf16_line(runs: list[PlannedRun]) -> str | None:
     """The plan's line naming the variants that compute in bf16 on a CPU without bf16 matrix kernels (they
-    run, about 100x slower), or None."""
+    run, far slower), or None."""
     slow = {
         run.variant.name: why
         for run in runs
