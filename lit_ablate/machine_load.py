@@ -8,7 +8,7 @@ load in cores. The watcher (the study's runner) counts itself too: a run that ex
 samples moves its time into its parent's children's time, so it is counted once either way. A watched
 process whose parent is not watched, or ended too, may take its time out of the count when it ends: a
 rank still running when its run's first rank exits is re-parented and reaped by init, and its whole
-life's CPU time would read as other processes' load (seen: 50 "cores" on a 2-core machine, in the last
+life's CPU time would read as other processes' load (seen: 20.8 "cores" on a 2-core machine, in the last
 block of a run). The load of such an interval is unknown.
 Elsewhere (no ``/proc``) the load is unknown: ``sample`` returns None and nothing is excluded for it.
 
