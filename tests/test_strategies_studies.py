@@ -18,18 +18,20 @@ from lit_ablate.fit_cli import resolve_fit_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
-pytestmark = pytest.mark.slow  # ~25 config resolutions through LightningCLI: ~20-40 s on 2 loaded cores
+pytestmark = pytest.mark.slow  # ~35 config resolutions through LightningCLI: ~20-40 s on 2 loaded cores
 
 
 @pytest.mark.parametrize(
     ("study", "variables", "variants"),
     [
         ("fsdp2_vs_hsdp", ["trainer.strategy"], 3),
-        ("zero_stages", ["trainer.strategy", "trainer.accumulate_grad_batches", "data.init_args.batch_size"], 10),
+        ("zero_stages", ["trainer.strategy", "trainer.accumulate_grad_batches", "data.init_args.batch_size"], 14),
+        ("ml815_deepspeed", ["trainer.strategy", "trainer.accumulate_grad_batches", "data.init_args.batch_size"], 7),
         ("dp_scaling", ["trainer.strategy", "trainer.devices", "data.init_args.seq_len"], 12),
     ],
 )
-def test_study_plans_with_every_variant_resolved(study, variables, variants, tmp_path):
+def test_study_plans_with_every_variant_resolved(study, variables, variants, tmp_path, monkeypatch):
+    monkeypatch.chdir(CONFIGS.parent)  # a study's file paths (ml815_deepspeed's JSON files) are the repository root's
     spec = load_study(CONFIGS / "studies" / f"{study}.yaml")
     assert list(spec.variables) == variables
     runs = plan_study(spec, tmp_path)
