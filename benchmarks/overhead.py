@@ -6,10 +6,20 @@ kernels, ``build_optimizer``: fused on the CPU as on a GPU), schedule (linear
 warm-up + cosine to ``min_lr_ratio``, ``lit_ablate.modules.optim.warmup_cosine``), gradient
 clipping at 1.0 and number of steps. Each is timed the same way: the interval between the
 starts of consecutive steps, so data loading, logging, the progress bar and every callback are
-inside the window. Runs alternate (hand, lit, Trainer, hand, ...) to spread machine noise
-evenly, and the headline ratios compare each side's best run (its lowest median step): noise
-from other jobs on a shared machine only ever adds time, so the best run is the closest to the
-real cost.
+inside the window.
+
+The three run side by side, in lockstep: each in a thread of its own, one step at a time in turn
+(hand, lit-ablate, Trainer, hand, ...; backwards in every other round, so each side follows each
+other side equally often), each clock counting only its own turns (``Lockstep``), each side
+setting up alone in its first turn. So step k of every side runs within a fraction of a second of
+the others', and a drift of the machine's speed (on a shared VM the same loop's steps moved by
+30 % between runs a minute apart) hits all three alike. Each step after warm-up gives one paired
+ratio per comparison (lit-ablate ÷ hand, lit-ablate ÷ Trainer); the headline ratios are the
+medians of the pairs of all rounds, with the sign test's 99 % interval
+(``lit_ablate.ablation.speed_verdict.sign_interval``, as a study judges speed): a ratio whose
+interval contains 1 is no difference. What runs outside the turns is charged to whoever holds the
+turn: lit-ablate's progress-bar thread (2 redraws a second, ~0.3 ms of CPU per step) is partly
+charged to the other two.
 
 `lit-ablate fit` and `Trainer` run as users run them: progress bar on, logging every
 ``log_every_n_steps`` (5) steps (lit-ablate: its rich progress bar, the quickstart's callbacks
@@ -46,7 +56,9 @@ import functools
 import statistics
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,6 +71,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import CallbackHandler
 
+from lit_ablate.ablation.speed_verdict import sign_interval
 from lit_ablate.data.collate import Collator
 from lit_ablate.fit_cli import LitAblateCLI
 from lit_ablate.models.causal_lm_with_loss import CausalLMWithLoss
@@ -84,8 +97,55 @@ class Run:
     losses: list[float] = field(default_factory=list)
 
     @property
-    def median_step(self) -> float:
-        return statistics.median(b - a for a, b in zip(self.times[WARMUP:], self.times[WARMUP + 1 :]))
+    def steps(self) -> list[float]:
+        """Each step's time after warm-up: the intervals between step starts."""
+        return [b - a for a, b in zip(self.times[WARMUP:], self.times[WARMUP + 1 :])]
+
+
+class Lockstep:
+    """Runs the sides one step at a time, in turn, each in a thread named after it. ``mark`` is their
+    clock: at a step start it ends the caller's turn, waits for its next one and returns the caller's
+    own time, the sum of its turns, so the time the other sides ran is never counted."""
+
+    def __init__(self, order: list[str], clock: Callable[[], float]) -> None:
+        self.order, self.clock = list(order), clock
+        self.turn = self.order[0]
+        self.own = dict.fromkeys(order, 0.0)
+        self.since: dict[str, float] = {}  # the side holding the turn: its clock when the turn began
+        self.condition = threading.Condition()
+
+    def begin(self) -> None:
+        """Wait for the caller's first turn: it sets up (seeds, builds its model) with no other side running,
+        which would draw from the same global random generator; its clock starts at its first step."""
+        side = threading.current_thread().name
+        with self.condition:
+            self.condition.wait_for(lambda: self.turn == side)
+
+    def mark(self) -> float:
+        side = threading.current_thread().name
+        with self.condition:
+            self._end_turn(side)
+            self.condition.wait_for(lambda: self.turn == side)
+            self.since[side] = self.clock()
+            return self.own[side]
+
+    def leave(self) -> None:
+        """The caller's run ended (or failed): its last turn ends and the others go on without it."""
+        side = threading.current_thread().name
+        with self.condition:
+            if side not in self.since and self.turn == side:  # it failed before its first step
+                self._pass(side)
+            self._end_turn(side)
+            self.order.remove(side)
+
+    def _end_turn(self, side: str) -> None:
+        if side in self.since:
+            self.own[side] += self.clock() - self.since.pop(side)
+            self._pass(side)
+
+    def _pass(self, side: str) -> None:
+        self.turn = self.order[(self.order.index(side) + 1) % len(self.order)]
+        self.condition.notify_all()
 
 
 class LightningRecorder(L.Callback):
@@ -399,31 +459,92 @@ def main(argv: list[str]) -> None:
         "transformers Trainer": hf_trainer_run,
     }
     runs: dict[str, list[Run]] = {name: [] for name in sides}
-    for _ in range(args.repeats):
-        for name, run in sides.items():
-            runs[name].append(run(args.steps))
-            if torch.get_num_threads() != args.threads:
-                raise SystemExit(f"{name} changed torch's threads to {torch.get_num_threads()}: not the same setup")
+    for round_ in range(args.repeats):
+        for name, run in lockstep_round(sides, turn_order(list(sides), round_), args.steps).items():
+            runs[name].append(run)
+        if torch.get_num_threads() != args.threads:
+            raise SystemExit(f"a side changed torch's threads to {torch.get_num_threads()}: not the same setup")
     hand, lit, hf = runs.values()
     window = _cli(args.steps, tempfile.gettempdir()).trainer.log_every_n_steps
     vs_hand = max(max_gap(ours.losses, h.losses) for ours, h in zip(lit, hand))
     vs_hf = max(max_gap(window_means(ours.losses, window), t.losses) for ours, t in zip(lit, hf))
-    print(f"\nclock: {args.clock}, torch threads: {args.threads}, {args.steps} steps, {args.repeats} runs per side")
+    print(
+        f"\nclock: {args.clock}, torch threads: {args.threads}, {args.steps} steps, {args.repeats} lockstep "
+        "round(s) of the three sides"
+    )
     print(
         f"loss curves, max |difference| over all runs (tolerance {LOSS_TOLERANCE:g}): lit-ablate vs hand-written "
         f"{vs_hand:.2e} per step; lit-ablate vs Trainer {vs_hf:.2e} per {window}-step logging window"
     )
-    print("\n| loop | best median step (ms) | median of runs (ms) | runs (ms) |\n|---|---|---|---|")
-    best = {}
+    print("\n| loop | median step (ms), all rounds | per round (ms) |\n|---|---|---|")
     for name, side in runs.items():
-        steps = [r.median_step for r in side]
-        best[name] = min(steps)
-        shown = ", ".join(f"{x * 1e3:.2f}" for x in steps)
-        print(f"| {name} | {best[name] * 1e3:.2f} | {statistics.median(steps) * 1e3:.2f} | {shown} |")
+        steps = [s for r in side for s in r.steps]
+        shown = ", ".join(f"{statistics.median(r.steps) * 1e3:.2f}" for r in side)
+        print(f"| {name} | {statistics.median(steps) * 1e3:.2f} | {shown} |")
     if max(vs_hand, vs_hf) > LOSS_TOLERANCE:
         raise SystemExit("loss curves differ beyond the tolerance: the loops did not do the same work")
-    print(f"\nRESULT overhead_ratio={best['lit-ablate fit'] / best['hand-written PyTorch']:.3f}")
-    print(f"RESULT vs_hf_trainer_ratio={best['lit-ablate fit'] / best['transformers Trainer']:.3f}")
+    print("\n| ratio | median of paired steps | 99% interval | pairs | reading |\n|---|---|---|---|---|")
+    results = {}
+    for result, label, base in (
+        ("overhead_ratio", "lit-ablate ÷ hand-written", hand),
+        ("vs_hf_trainer_ratio", "lit-ablate ÷ Trainer", hf),
+    ):
+        ratios = paired_ratios(lit, base)
+        results[result] = statistics.median(ratios)
+        interval = sign_interval(ratios, 0.99)
+        if interval is None:
+            print(f"| {label} | {results[result]:.3f} | too few pairs | {len(ratios)} | n/a |")
+            continue
+        results[f"{result}_low"], results[f"{result}_high"] = interval[:2]
+        reading = "no difference" if interval[0] <= 1 <= interval[1] else ("slower" if interval[0] > 1 else "faster")
+        print(f"| {label} | {results[result]:.3f} | {interval[0]:.3f}–{interval[1]:.3f} | {len(ratios)} | {reading} |")
+    print()
+    for name, value in results.items():
+        print(f"RESULT {name}={value:.3f}")
+
+
+def turn_order(names: list[str], round_: int) -> list[str]:
+    """The order of the turns in round ``round_``: forwards and backwards in alternate rounds, so that each side
+    follows each other side (whose step leaves the caches full of its own data) equally often, and starting
+    from the next side every second round."""
+    ordered = names if round_ % 2 == 0 else names[::-1]
+    first = (round_ // 2) % len(names)
+    return ordered[first:] + ordered[:first]
+
+
+def lockstep_round(sides: dict[str, Callable[[int], Run]], order: list[str], steps: int) -> dict[str, Run]:
+    """One run of each side, in lockstep (``Lockstep``) in ``order``: their runs by name."""
+    global clock
+    lockstep = Lockstep(order, clock)
+    runs: dict[str, Run] = {}
+    failures: dict[str, BaseException] = {}
+
+    def side(name: str) -> None:
+        try:
+            lockstep.begin()
+            runs[name] = sides[name](steps)
+        except BaseException as failure:  # re-raised in the main thread below
+            failures[name] = failure
+        finally:
+            lockstep.leave()
+
+    threads = [threading.Thread(target=side, args=(name,), name=name) for name in order]
+    clock, own_clock = lockstep.mark, clock
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        clock = own_clock
+    for name, failure in failures.items():
+        raise RuntimeError(f"{name} failed") from failure
+    return runs
+
+
+def paired_ratios(ours: list[Run], base: list[Run]) -> list[float]:
+    """Step k of ours over step k of the base, each round's steps after warm-up."""
+    return [a / b for o, r in zip(ours, base) for a, b in zip(o.steps, r.steps)]
 
 
 if __name__ == "__main__":
