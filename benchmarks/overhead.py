@@ -528,7 +528,7 @@ def lockstep_round(sides: dict[str, Callable[[int], Run]], order: list[str], ste
         finally:
             lockstep.leave()
 
-    threads = [threading.Thread(target=side, args=(name,), name=name) for name in order]
+    threads = [threading.Thread(target=side, args=(name,), name=name, daemon=True) for name in order]
     clock, own_clock = lockstep.mark, clock
     try:
         for thread in threads:
