@@ -7,9 +7,20 @@ PyTorch loop over that ``nn.Module``: it fetches an optimizer step's micro-batch
 micro-batch's token-loss sum by the step's useful tokens (the objective `lit-ablate fit` trains),
 backward, clip, AdamW, schedule; no Lightning, no callbacks. So ``lit ÷ hand`` is what the
 framework costs (its loop, hooks, step objective and measurement), measured side by side in one
-process: runs alternate (hand, lit, hand, lit, ...) and each side's best run counts (load from
-other jobs only ever adds time). The per-step loss curves of the two sides are compared too: the
-same work gives the same losses (exactly on CPU in fp32; within bf16 rounding on a GPU).
+process. The per-step loss curves of the two sides are compared too: the same work gives the same
+losses (exactly on CPU in fp32; within bf16 rounding on a GPU).
+
+The two sides and the matmul ceiling run in lockstep (``benchmarks/lockstep.py``): each in a thread,
+one optimizer step (or one ceiling sweep) at a time, in turn. So step k of each side runs within
+seconds of the other's, and next to a ceiling measured between them: on a shared VM the same loop's
+step moved by 30 % between runs a minute apart, and the ceiling by 22 % within one run, which a
+ratio of runs made one after the other (or of a step median over a ceiling measured minutes before)
+cannot tell from the framework's cost. ``lit ÷ hand`` is the median of the paired steps' useful
+tokens/s ratios, with the sign test's 99 % interval (as a study's speed verdict); each step's MFU
+divides its FLOPs by the best ceiling of the three sweeps nearest it (its turn's cycle and the two
+beside), the medians over the steps after ``--warmup`` are the figures. ``--repeats`` runs more
+rounds, the turn order reversed every other round. Each side's step clock is paused while the
+others take their turns.
 
 Both sides are timed the same way: a step runs from the end of the previous optimizer step to the
 end of this one (data included); medians over the steps after ``--warmup``. `lit-ablate fit`'s
@@ -20,8 +31,8 @@ and counts FLOPs with the same ``batch_model_flops`` (per-document causal attent
 counted).
 
 MFU is printed two ways, labelled: ours (``mfu``: FLOPs as above over the device's spec peak;
-``mfu_measured``: over the bf16/fp32 matmul ceiling measured before each run, the best one of the
-whole benchmark) and the seed study's formula (``mfu_seed_formula``:
+``mfu_measured``: over the bf16/fp32 matmul ceiling measured beside each step, as above) and the
+seed study's formula (``mfu_seed_formula``:
 ``(6 (N - N_emb) + 12 L H d seq) / peak`` per token, which counts attention over the whole packed
 row as if it were one non-causal document and leaves the embedding/head out). Compare tokens/s on
 the same shape, never an MFU of one formula with one of the other.
@@ -47,7 +58,7 @@ operators that make the host wait for the device on CUDA (``sync_ops_per_step``,
 device), CUDA's own waits (``host_syncs_per_step``) and the reads lit-ablate makes on purpose
 (``host_reads_per_step``: the step clock's, once per optimizer step); docs/profiling.md reads them.
 
-    python benchmarks/mfu.py [--steps 8] [--warmup 3] [--repeats 1] [--threads N]
+    python benchmarks/mfu.py [--steps 12] [--warmup 3] [--repeats 1] [--threads N]
     python benchmarks/mfu.py --shape qwen3-0.6b --vocab 217473 --seq-len 10240 --accumulate 8 --steps 8 --warmup 3
 
 The RESULT names start with ``--name`` (default ``cpu`` for the CPU default, else ``dense``).
@@ -61,6 +72,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,7 +82,11 @@ from unittest import mock
 import torch
 import yaml
 from kernels_here import fastest_packed_attention, memory_efficient_loss
+from lightning.pytorch import Callback
+from lockstep import Lockstep, run_in_turns, turn_order
 from model_shapes import model_config
+
+from lit_ablate.callbacks.step_clock import RUNNING_CLOCKS, StepClock
 
 CPU_SHAPE = "cpu-35m"
 PROFILED_STEPS = 2
@@ -83,24 +99,29 @@ the hand loop, after it in lit-ablate's step objective): rounding, ~1e-6 over 8 
 
 @dataclass
 class Side:
-    """One run of one side: per optimizer step its seconds, tokens, useful tokens, FLOPs and loss."""
+    """One run of one side: per optimizer step its seconds, tokens, useful tokens, FLOPs, loss and the matmul
+    ceiling (TFLOP/s) measured beside it."""
 
     seconds: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     useful: list[int] = field(default_factory=list)
     flops: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
+    ceilings: list[float] = field(default_factory=list)
     document_lengths: list[int] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
 
-    def median(self, per_step: list[float], steps: range) -> float:
-        return statistics.median(per_step[steps.start - 1 : steps.stop - 1])
-
-    def useful_per_s(self, steps: range) -> float:
-        return self.median([u / s for u, s in zip(self.useful, self.seconds)], steps)
-
-    def flops_per_s(self, steps: range) -> float:
-        return self.median([f / s for f, s in zip(self.flops, self.seconds)], steps)
+    def per_step(self, steps: range) -> list[dict[str, float]]:
+        """The measured steps' useful tokens/s, seconds, FLOP/s and MFU over the ceiling beside each."""
+        return [
+            {
+                "useful_per_s": self.useful[i] / self.seconds[i],
+                "seconds": self.seconds[i],
+                "flops_per_s": self.flops[i] / self.seconds[i],
+                "mfu_measured": self.flops[i] / self.seconds[i] / (self.ceilings[i] * 1e12),
+            }
+            for i in range(steps.start - 1, steps.stop - 1)
+        ]
 
 
 def scheduled_steps(args: argparse.Namespace) -> int:
@@ -197,10 +218,32 @@ def _cli(config: dict, root: str, run: bool):  # LitAblateCLI, imported lazily
         return LitAblateCLI(args=["fit", "--config", str(path)] if run else ["--config", str(path)], run=run)
 
 
-def lit_ablate_run(args: argparse.Namespace) -> Side:
+def wait_for_turn(clock: StepClock, lockstep: Lockstep) -> None:
+    """The other sides' turns, paused out of this side's step clock (on CUDA: the device time between two
+    events, the other sides' kernels in the same stream included)."""
+    clock.pause()
+    lockstep.mark()
+    clock.resume()
+
+
+class TakesTurns(Callback):
+    """`lit-ablate fit`'s side of the lockstep: one turn per optimizer step, taken at its first micro-batch."""
+
+    def __init__(self, lockstep: Lockstep) -> None:
+        self.lockstep, self.step = lockstep, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step != self.step:
+            self.step = trainer.global_step
+            wait_for_turn(RUNNING_CLOCKS[trainer], self.lockstep)
+
+
+def lit_ablate_run(args: argparse.Namespace, lockstep: Lockstep) -> Side:
     """``lit-ablate fit`` of the config in this process; its run record's per-step figures."""
     with tempfile.TemporaryDirectory() as root:
-        _cli(fit_config(args, root), root, run=True)
+        cli = _cli(fit_config(args, root), root, run=False)
+        cli.trainer.callbacks.append(TakesTurns(lockstep))
+        cli.trainer.fit(cli.model, cli.datamodule)
         record = json.loads((Path(root) / "run.json").read_text())
     side = Side(summary={**record["summary"], "profile": record.get("profile")})
     ceiling = record["summary"]["mfu_ceilings"]["mfu_measured"]["tflops"]  # what its mfu_measured divides by
@@ -214,7 +257,7 @@ def lit_ablate_run(args: argparse.Namespace) -> Side:
     return side
 
 
-def hand_loop_run(args: argparse.Namespace) -> Side:
+def hand_loop_run(args: argparse.Namespace, lockstep: Lockstep) -> Side:
     """The same module and data in a plain PyTorch loop (see the module docstring)."""
     from lightning.pytorch import seed_everything
 
@@ -244,6 +287,7 @@ def hand_loop_run(args: argparse.Namespace) -> Side:
     model.train()
     clock = clock_for(device, first=None, last=None)  # lit-ablate's step clock, started now: both sides time alike
     for step in range(1, args.steps + 1):
+        wait_for_turn(clock, lockstep)
         micro = [next(batches) for _ in range(args.accumulate)]
         counted = [int((b["labels"] != -100).sum()) for b in micro]  # host tensors: no device sync
         useful = sum(counted)
@@ -287,11 +331,45 @@ def seed_formula_flops_per_token(hf_config: Any, seq_len: int) -> float:
 
 
 def ceiling_now(args: argparse.Namespace) -> float:
-    """The matmul ceiling (TFLOP/s) in the run's compute dtype, measured now."""
+    """The matmul ceiling (TFLOP/s) in the run's compute dtype, measured now (as a run's start measures it)."""
     from lit_ablate.estimate.matmul_ceiling import ceiling_here
 
     dtype = torch.bfloat16 if args.precision == "bf16-true" else torch.float32
     return ceiling_here(torch.device(args.device), dtype).tflops
+
+
+def ceiling_turns(args: argparse.Namespace, lockstep: Lockstep) -> list[float]:
+    """The ceiling side of the lockstep: a sweep in each of its turns, the first (beside the others' set-ups)
+    and one per cycle of the measured steps (turn k beside step k), never beside a profiled step."""
+    ceilings = [ceiling_now(args)]
+    while len(ceilings) <= args.steps and lockstep.others_running():
+        lockstep.mark()
+        ceilings.append(ceiling_now(args))
+    return ceilings
+
+
+def ceilings_beside(ceilings: list[float], steps: int) -> list[float]:
+    """Step k's ceiling: the best of the sweeps of its cycle and the two beside it (a low sweep only lowers
+    MFU's denominator if all three were low)."""
+    return [max(ceilings[max(k - 1, 0) : k + 2]) for k in range(1, steps + 1)]
+
+
+def lockstep_round(args: argparse.Namespace, round_: int) -> tuple[Side | None, Side, list[float]]:
+    """One run of each side and the ceiling's sweeps, in lockstep: ``(hand, lit, ceilings)``."""
+    names = [*(["hand"] if args.hand_loop else []), "lit", "ceiling"]
+    lockstep = Lockstep(turn_order(names, round_), time.perf_counter)
+    runs = run_in_turns(
+        lockstep,
+        {
+            "hand": lambda: hand_loop_run(args, lockstep),
+            "lit": lambda: lit_ablate_run(args, lockstep),
+            "ceiling": lambda: ceiling_turns(args, lockstep),
+        },
+    )
+    for side in (runs.get("hand"), runs["lit"]):
+        if side is not None:
+            side.ceilings = ceilings_beside(runs["ceiling"], args.steps)
+    return runs.get("hand"), runs["lit"], runs["ceiling"]
 
 
 def _fmt(value: Any) -> str:
@@ -306,6 +384,7 @@ def report(args: argparse.Namespace, hand: list[Side], lit: list[Side], ceilings
     """The table and the RESULT lines; returns the results."""
     from transformers import AutoConfig
 
+    from lit_ablate.ablation.speed_verdict import sign_interval
     from lit_ablate.estimate.matmul_ceiling import device_name
     from lit_ablate.estimate.peaks import peak_tflops_of
 
@@ -314,40 +393,39 @@ def report(args: argparse.Namespace, hand: list[Side], lit: list[Side], ceilings
     config = fit_config(args, "/unused")["model"]["init_args"]["model"]["config"]
     hf_config = AutoConfig.for_model(**config)
     peak = peak_tflops_of(device_name(torch.device(args.device))) if args.device == "cuda" else None
-    ceiling = max(ceilings)
+    beside = [c for run in lit for c in run.ceilings[measured.start - 1 : measured.stop - 1]]
     results: dict[str, Any] = {}
     p = args.name
-    rows = []
-    for label, runs in (("hand-written PyTorch loop", hand), ("lit-ablate fit", lit)):
-        if not runs:
-            continue
-        best = max(runs, key=lambda s: s.useful_per_s(measured))
-        rows.append((label, best, best.useful_per_s(measured), best.flops_per_s(measured)))
     seed_flops = seed_formula_flops_per_token(hf_config, args.seq_len)
     print(
         f"\n{args.shape} ({hf_config.num_hidden_layers} layers, vocabulary {hf_config.vocab_size}), {args.rows} x "
         f"{args.seq_len} packed tokens per micro-batch, {args.accumulate} per optimizer step, {args.precision}, "
         f"attention {args.attention}, loss {args.loss} {args.loss_options or ''}, compile {args.compile}, "
-        f"{args.device} ({device_name(torch.device(args.device))}); medians of steps {w + 1}-{args.steps}, "
-        f"best of {args.repeats} run(s) per side"
+        f"{args.device} ({device_name(torch.device(args.device))}); {args.repeats} lockstep round(s), medians of "
+        f"steps {w + 1}-{args.steps} of every round"
     )
     print(
-        f"matmul ceilings measured before each run (TFLOP/s): {', '.join(f'{c:.4g}' for c in ceilings)}; "
-        f"spec peak {_fmt(peak)}"
+        f"matmul ceilings (TFLOP/s) measured beside the measured steps: median {statistics.median(beside):.4g} "
+        f"[{min(beside):.4g}-{max(beside):.4g}], {len(ceilings)} sweeps in all; spec peak {_fmt(peak)}"
     )
     print(
-        "\n| loop | useful tokens/s | step (s) | MFU (ours, spec peak) | MFU (ours, best measured ceiling) "
-        "| seed-formula MFU (spec peak) | runs: useful tokens/s |\n|---|---|---|---|---|---|---|"
+        "\n| loop | useful tokens/s | step (s) | MFU (ours, spec peak) | MFU (ours, ceiling beside each step) "
+        "| seed-formula MFU (spec peak) | per round: useful tokens/s |\n|---|---|---|---|---|---|---|"
     )
-    for label, best, useful, flops in rows:
-        runs = hand if label.startswith("hand") else lit
-        step_s = best.median(best.seconds, measured)
+    for label, runs in (("hand-written PyTorch loop", hand), ("lit-ablate fit", lit)):
+        if not runs:
+            continue
+        steps = [step for run in runs for step in run.per_step(measured)]
+        useful, step_s, flops, mfu_measured = (
+            statistics.median(step[key] for step in steps)
+            for key in ("useful_per_s", "seconds", "flops_per_s", "mfu_measured")
+        )
         mfu = flops / (peak * 1e12) if peak else None
         seed_mfu = useful * seed_flops / (peak * 1e12) if peak else None
+        per_round = (statistics.median(step["useful_per_s"] for step in run.per_step(measured)) for run in runs)
         print(
-            f"| {label} | {useful:,.0f} | {step_s:.4f} | {_fmt(mfu)} | {_fmt(flops / (ceiling * 1e12))} "
-            f"| {_fmt(seed_mfu)} "
-            f"| {', '.join(f'{r.useful_per_s(measured):,.0f}' for r in runs)} |"
+            f"| {label} | {useful:,.0f} | {step_s:.4f} | {_fmt(mfu)} | {_fmt(mfu_measured)} | {_fmt(seed_mfu)} "
+            f"| {', '.join(f'{r:,.0f}' for r in per_round)} |"
         )
         key = p if label.startswith("lit") else f"{p}_hand"
         results.update(
@@ -355,20 +433,31 @@ def report(args: argparse.Namespace, hand: list[Side], lit: list[Side], ceilings
                 f"{key}_useful_tokens_per_s": useful,
                 f"{key}_step_s": step_s,
                 f"{key}_mfu": mfu,
-                f"{key}_mfu_measured": flops / (ceiling * 1e12),
+                f"{key}_mfu_measured": mfu_measured,
                 f"{key}_mfu_seed_formula": seed_mfu,
             }
         )
     if hand and lit:
-        h, lt = rows[0][2], rows[1][2]
-        diff = max(abs(a - b) for a, b in zip(hand[0].losses[: args.steps], lit[0].losses[: args.steps]))
-        results[f"{p}_lit_vs_hand"] = lt / h
+        ratios = [
+            ours["useful_per_s"] / theirs["useful_per_s"]
+            for h, lt in zip(hand, lit)
+            for ours, theirs in zip(lt.per_step(measured), h.per_step(measured))
+        ]
+        diff = max(abs(a - b) for h, lt in zip(hand, lit) for a, b in zip(h.losses, lt.losses[: args.steps]))
+        results[f"{p}_lit_vs_hand"] = statistics.median(ratios)
+        interval = sign_interval(ratios, 0.99)
+        if interval is not None:
+            results[f"{p}_lit_vs_hand_low"], results[f"{p}_lit_vs_hand_high"] = interval[:2]
         results[f"{p}_loss_max_abs_diff"] = diff
-        print(f"\nlit-ablate / hand loop, useful tokens/s: {lt / h:.3f}; largest per-step loss difference {diff:.3g}")
+        shown = f"99% interval {interval[0]:.3f}-{interval[1]:.3f}" if interval else "too few pairs for an interval"
+        print(
+            f"\nlit-ablate / hand loop, useful tokens/s: median of {len(ratios)} paired steps "
+            f"{results[f'{p}_lit_vs_hand']:.3f} ({shown}); largest per-step loss difference {diff:.3g}"
+        )
     if hand and hand[0].document_lengths:
         lengths = hand[0].document_lengths
         results[f"{p}_mean_document_tokens"] = sum(lengths) / len(lengths)
-    summary = rows[-1][1].summary
+    summary = lit[-1].summary
     results.update(
         {
             f"{p}_tokens_per_step": args.rows * args.seq_len * args.accumulate,
@@ -379,7 +468,7 @@ def report(args: argparse.Namespace, hand: list[Side], lit: list[Side], ceilings
             f"{p}_loss": args.loss,
             f"{p}_compile": args.compile,
             f"{p}_spec_peak_tflops": peak,
-            f"{p}_ceiling_tflops": ceiling,
+            f"{p}_ceiling_tflops": statistics.median(beside),
             f"{p}_final_loss": summary.get("final_loss"),
         }
     )
@@ -428,9 +517,11 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, help="tokens per packed row (default 512 on the CPU shape, else 8192)")
     parser.add_argument("--rows", type=int, help="rows per micro-batch (default 4 on the CPU shape, else 1)")
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
-    parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run")
+    parser.add_argument(
+        "--steps", type=int, default=12, help="optimizer steps per run (8 after warm-up give the ratio an interval)"
+    )
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of the medians")
-    parser.add_argument("--repeats", type=int, default=1, help="runs per side (alternating); the best counts")
+    parser.add_argument("--repeats", type=int, default=1, help="lockstep rounds (the turn order reversed every other)")
     parser.add_argument(
         "--device", choices=["cpu", "cuda"], help="default: cuda if present, on shapes other than the CPU one"
     )
@@ -466,12 +557,11 @@ def main() -> int:
         tempfile.TemporaryDirectory(prefix="mfu-ceiling-") as cache,
         mock.patch.dict(os.environ, LIT_ABLATE_CACHE_DIR=cache),
     ):
-        for _ in range(args.repeats):
-            if args.hand_loop:
-                ceilings.append(ceiling_now(args))
-                hand.append(hand_loop_run(args))
-            ceilings.append(ceiling_now(args))
-            lit.append(lit_ablate_run(args))
+        for round_ in range(args.repeats):
+            hand_run, lit_run, sweeps = lockstep_round(args, round_)
+            hand += [hand_run] if hand_run is not None else []
+            lit.append(lit_run)
+            ceilings += sweeps
     results = report(args, hand, lit, ceilings)
     if hand and args.device == "cpu" and args.precision == "32-true":
         diff = results[f"{args.name}_loss_max_abs_diff"]

@@ -56,7 +56,6 @@ import functools
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -67,6 +66,7 @@ import torch
 from lightning.pytorch.loops.optimization.automatic import Closure
 from lightning.pytorch.trainer import call as lightning_call
 from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
+from lockstep import Lockstep, run_in_turns, turn_order
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import CallbackHandler
@@ -100,52 +100,6 @@ class Run:
     def steps(self) -> list[float]:
         """Each step's time after warm-up: the intervals between step starts."""
         return [b - a for a, b in zip(self.times[WARMUP:], self.times[WARMUP + 1 :])]
-
-
-class Lockstep:
-    """Runs the sides one step at a time, in turn, each in a thread named after it. ``mark`` is their
-    clock: at a step start it ends the caller's turn, waits for its next one and returns the caller's
-    own time, the sum of its turns, so the time the other sides ran is never counted."""
-
-    def __init__(self, order: list[str], clock: Callable[[], float]) -> None:
-        self.order, self.clock = list(order), clock
-        self.turn = self.order[0]
-        self.own = dict.fromkeys(order, 0.0)
-        self.since: dict[str, float] = {}  # the side holding the turn: its clock when the turn began
-        self.condition = threading.Condition()
-
-    def begin(self) -> None:
-        """Wait for the caller's first turn: it sets up (seeds, builds its model) with no other side running,
-        which would draw from the same global random generator; its clock starts at its first step."""
-        side = threading.current_thread().name
-        with self.condition:
-            self.condition.wait_for(lambda: self.turn == side)
-
-    def mark(self) -> float:
-        side = threading.current_thread().name
-        with self.condition:
-            self._end_turn(side)
-            self.condition.wait_for(lambda: self.turn == side)
-            self.since[side] = self.clock()
-            return self.own[side]
-
-    def leave(self) -> None:
-        """The caller's run ended (or failed): its last turn ends and the others go on without it."""
-        side = threading.current_thread().name
-        with self.condition:
-            if side not in self.since and self.turn == side:  # it failed before its first step
-                self._pass(side)
-            self._end_turn(side)
-            self.order.remove(side)
-
-    def _end_turn(self, side: str) -> None:
-        if side in self.since:
-            self.own[side] += self.clock() - self.since.pop(side)
-            self._pass(side)
-
-    def _pass(self, side: str) -> None:
-        self.turn = self.order[(self.order.index(side) + 1) % len(self.order)]
-        self.condition.notify_all()
 
 
 class LightningRecorder(L.Callback):
@@ -503,43 +457,16 @@ def main(argv: list[str]) -> None:
         print(f"RESULT {name}={value:.3f}")
 
 
-def turn_order(names: list[str], round_: int) -> list[str]:
-    """The order of the turns in round ``round_``: forwards and backwards in alternate rounds, so that each side
-    follows each other side (whose step leaves the caches full of its own data) equally often, and starting
-    from the next side every second round."""
-    ordered = names if round_ % 2 == 0 else names[::-1]
-    first = (round_ // 2) % len(names)
-    return ordered[first:] + ordered[:first]
-
-
 def lockstep_round(sides: dict[str, Callable[[int], Run]], order: list[str], steps: int) -> dict[str, Run]:
-    """One run of each side, in lockstep (``Lockstep``) in ``order``: their runs by name."""
+    """One run of each side, in lockstep (``Lockstep``) in ``order``: their runs by name. The recorders read
+    the module's ``clock``, which is the lockstep's own-turn clock meanwhile."""
     global clock
     lockstep = Lockstep(order, clock)
-    runs: dict[str, Run] = {}
-    failures: dict[str, BaseException] = {}
-
-    def side(name: str) -> None:
-        try:
-            lockstep.begin()
-            runs[name] = sides[name](steps)
-        except BaseException as failure:  # re-raised in the main thread below
-            failures[name] = failure
-        finally:
-            lockstep.leave()
-
-    threads = [threading.Thread(target=side, args=(name,), name=name, daemon=True) for name in order]
     clock, own_clock = lockstep.mark, clock
     try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        return run_in_turns(lockstep, {name: functools.partial(sides[name], steps) for name in order})
     finally:
         clock = own_clock
-    for name, failure in failures.items():
-        raise RuntimeError(f"{name} failed") from failure
-    return runs
 
 
 def paired_ratios(ours: list[Run], base: list[Run]) -> list[float]:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-NOT_BENCHMARKS = {"model_shapes.py", "kernels_here.py"}
+NOT_BENCHMARKS = {"model_shapes.py", "kernels_here.py", "lockstep.py"}
 """Modules the benchmarks import, not scripts."""
 
 SMOKE: dict[str, tuple[list[str], set[str]]] = {

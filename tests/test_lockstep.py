@@ -1,5 +1,6 @@
-"""``benchmarks/overhead.py`` runs its three loops in lockstep (``Lockstep``): one step each, in strict turns,
-each side's clock counting its own turns only. A paired ratio of two sides' steps is only their own work's
+"""``benchmarks/overhead.py`` and ``benchmarks/mfu.py`` run their sides in lockstep
+(``benchmarks/lockstep.py``): one step each, in strict turns, each side's clock counting its own turns
+only. A paired ratio of two sides' steps is only their own work's
 ratio if no side's clock ever counts another side's step, which is what these tests pin."""
 
 from __future__ import annotations
@@ -9,8 +10,7 @@ import threading
 
 import pytest
 
-from benchmarks import overhead
-from benchmarks.overhead import Lockstep, lockstep_round, turn_order
+from benchmarks.lockstep import Lockstep, run_in_turns, turn_order
 
 WORK = {"hand": 1.0, "lit": 10.0, "trainer": 100.0}
 """Each side's step, in seconds of a fake clock that only the side holding the turn advances."""
@@ -57,26 +57,25 @@ def test_every_side_follows_every_other_side_equally_often() -> None:
     assert sorted(follows) == sorted(itertools.permutations(names, 2))
 
 
-def test_a_side_that_fails_while_setting_up_leaves_the_others_to_finish(monkeypatch) -> None:
-    """A side that raises before its first step hands its turn on: the others finish their runs and the
-    round raises naming it, instead of waiting forever for its turn. Seen failing (deadlocked) with
-    ``leave`` passing on only a turn that had started."""
-    monkeypatch.setattr(overhead, "clock", lambda: 0.0)
+def test_a_side_that_fails_while_setting_up_leaves_the_others_to_finish() -> None:
+    """A side that raises before its first step hands its turn on: the others finish their runs and
+    ``run_in_turns`` raises naming it, instead of waiting forever for its turn. Seen failing (deadlocked)
+    with ``leave`` passing on only a turn that had started."""
+    lockstep = Lockstep(["hand", "lit", "trainer"], clock=lambda: 0.0)
 
-    def fails(steps: int) -> overhead.Run:
+    def fails() -> int:
         raise ValueError("set-up failed")
 
-    def runs(steps: int) -> overhead.Run:
-        run = overhead.Run()
-        for _ in range(steps):
-            run.times.append(overhead.clock())
-        return run
+    def runs() -> int:
+        for _ in range(3):
+            lockstep.mark()
+        return 3
 
     done: list[BaseException] = []
 
     def round_() -> None:
         try:
-            lockstep_round({"hand": fails, "lit": runs, "trainer": runs}, ["hand", "lit", "trainer"], 3)
+            run_in_turns(lockstep, {"hand": fails, "lit": runs, "trainer": runs})
         except BaseException as error:
             done.append(error)
 
@@ -87,3 +86,34 @@ def test_a_side_that_fails_while_setting_up_leaves_the_others_to_finish(monkeypa
     with pytest.raises(RuntimeError, match="hand failed"):
         raise done[0]
     assert isinstance(done[0].__cause__, ValueError)
+
+
+def test_a_serving_side_stops_when_the_sides_it_serves_have_left() -> None:
+    """A side that only serves the others (``mfu.py``'s ceiling probe) takes turns while another side runs
+    and stops after the last one left, having taken one turn per step of the longest side. Seen failing with
+    ``others_running`` counting the caller (the probe went on taking turns alone, never returning)."""
+    lockstep = Lockstep(["hand", "lit", "probe"], clock=lambda: 0.0)
+    steps = {"hand": 2, "lit": 4}
+
+    def side(name: str):
+        def run() -> int:
+            for _ in range(steps[name]):
+                lockstep.mark()
+            return steps[name]
+
+        return run
+
+    def probe() -> int:
+        turns = 0
+        while lockstep.others_running():
+            lockstep.mark()
+            turns += 1
+        return turns
+
+    results: dict[str, int] = {}
+    sides = {"hand": side("hand"), "lit": side("lit"), "probe": probe}
+    thread = threading.Thread(target=lambda: results.update(run_in_turns(lockstep, sides)), daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "the serving side never stopped"
+    assert results == {"hand": 2, "lit": 4, "probe": 4}
