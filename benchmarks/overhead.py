@@ -45,7 +45,14 @@ step; about 2 us of timer per call), the time of other threads (progress-bar red
 rest (the loop's own code and Lightning's hook dispatch).
 
     python benchmarks/overhead.py [--steps 60] [--repeats 3] [--clock cpu|wall] [--threads 1]
+``--count`` runs each side twice and prints, per step, what each does instead of how long it takes:
+the ATen operators it dispatches (forward, backward and optimizer; on a GPU each one or more kernel
+launches) and the Python functions and builtins its main thread calls. Counts do not drift with the
+machine's speed: the same code gives the same counts on any CPU, so they show a difference of a few
+operators or a few hundred calls that no timing on a shared VM resolves.
+
     python benchmarks/overhead.py --profile [--steps 200]
+    python benchmarks/overhead.py --count [--steps 25]
 """
 
 from __future__ import annotations
@@ -67,6 +74,7 @@ from lightning.pytorch.loops.optimization.automatic import Closure
 from lightning.pytorch.trainer import call as lightning_call
 from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
 from lockstep import Lockstep, run_in_turns, turn_order
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import CallbackHandler
@@ -237,6 +245,13 @@ def hf_trainer_run(steps: int) -> Run:
     return recorder.run
 
 
+SIDES: dict[str, Callable[[int], Run]] = {
+    "hand-written PyTorch": hand_written_run,
+    "lit-ablate fit": lit_ablate_run,
+    "transformers Trainer": hf_trainer_run,
+}
+
+
 class ExclusiveTimes:
     """Main-thread CPU time inside wrapped functions, each net of the wrapped functions it calls, so
     that the parts add up to the step. Not cProfile: its per-call cost would inflate exactly the
@@ -358,11 +373,7 @@ def profile(steps: int) -> None:
     profiler = install_profiler()
     clock = profiler.mark
     columns = {}
-    for name, run in (
-        ("hand-written", hand_written_run),
-        ("lit-ablate fit", lit_ablate_run),
-        ("Trainer", hf_trainer_run),
-    ):
+    for name, run in SIDES.items():
         profiler.marks, profiler.totals = [], collections.Counter()
         run(steps)
         columns[name] = profiler.per_step()
@@ -394,6 +405,73 @@ def max_gap(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b))
 
 
+class StepCounts:
+    """The per-step count of ATen operators (``"ops"``: a ``TorchDispatchMode``, backward included: on a CPU
+    the autograd engine runs it in the caller's thread) or of the main thread's Python calls (``"calls"``:
+    ``sys.setprofile``, a Python function's call or a builtin's each), between step starts ``first`` and
+    ``last`` (``mark`` is the sides' clock meanwhile)."""
+
+    def __init__(self, what: str, first: int, last: int) -> None:
+        self.what, self.first, self.last = what, first, last
+        self.marks, self.total = 0, 0
+        self.mode = _OperatorCount(self) if what == "ops" else None
+
+    def mark(self) -> float:
+        self.marks += 1
+        if self.marks == self.first:
+            self.mode.__enter__() if self.mode else sys.setprofile(self._call)
+        elif self.marks == self.last:
+            self.mode.__exit__(None, None, None) if self.mode else sys.setprofile(None)
+        return time.perf_counter()
+
+    def per_step(self) -> float:
+        if self.marks < self.last:
+            raise SystemExit(f"a side took {self.marks} steps, fewer than the {self.last} counted: raise --steps")
+        return self.total / (self.last - self.first)
+
+    def _call(self, frame, event: str, arg) -> None:
+        if event in ("call", "c_call"):
+            self.total += 1
+
+
+class _OperatorCount(TorchDispatchMode):
+    def __init__(self, counts: StepCounts) -> None:
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts.total += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count(steps: int) -> None:
+    """``--count``: each side's ATen operators and Python calls per step, beside the hand loop's."""
+    global clock
+    own_clock, rows = clock, {}
+    for what in ("ops", "calls"):
+        for name, run in SIDES.items():
+            counts = StepCounts(what, WARMUP + 1, steps)
+            clock = counts.mark
+            try:
+                run(steps)
+            finally:
+                clock = own_clock
+            rows.setdefault(name, {})[what] = counts.per_step()
+    hand = rows["hand-written PyTorch"]
+    print(f"\nper step, steps {WARMUP + 1}-{steps - 1}, main thread\n")
+    print("| loop | ATen operators | beyond the hand loop | Python calls | beyond the hand loop |")
+    print("|---|---|---|---|---|")
+    for name, row in rows.items():
+        print(
+            f"| {name} | {row['ops']:.1f} | {row['ops'] - hand['ops']:+.1f} | {row['calls']:,.0f} "
+            f"| {row['calls'] - hand['calls']:+,.0f} |"
+        )
+    print()
+    for key, name in (("lit", "lit-ablate fit"), ("trainer", "transformers Trainer")):
+        print(f"RESULT {key}_extra_ops_per_step={rows[name]['ops'] - hand['ops']:.1f}")
+        print(f"RESULT {key}_extra_calls_per_step={rows[name]['calls'] - hand['calls']:.0f}")
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60)
@@ -401,20 +479,18 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--profile", action="store_true", help="where each side's step time goes (one run each)")
+    parser.add_argument("--count", action="store_true", help="each side's ATen operators and Python calls per step")
     args = parser.parse_args(argv)
     global clock
     clock = CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
     if args.profile:
         return profile(args.steps)
-    sides = {
-        "hand-written PyTorch": hand_written_run,
-        "lit-ablate fit": lit_ablate_run,
-        "transformers Trainer": hf_trainer_run,
-    }
-    runs: dict[str, list[Run]] = {name: [] for name in sides}
+    if args.count:
+        return count(args.steps)
+    runs: dict[str, list[Run]] = {name: [] for name in SIDES}
     for round_ in range(args.repeats):
-        for name, run in lockstep_round(sides, turn_order(list(sides), round_), args.steps).items():
+        for name, run in lockstep_round(SIDES, turn_order(list(SIDES), round_), args.steps).items():
             runs[name].append(run)
         if torch.get_num_threads() != args.threads:
             raise SystemExit(f"a side changed torch's threads to {torch.get_num_threads()}: not the same setup")
