@@ -24,7 +24,8 @@ others take their turns.
 
 Both sides are timed the same way: a step runs from the end of the previous optimizer step to the
 end of this one (data included); medians over the steps after ``--warmup``. `lit-ablate fit`'s
-figures are its run record's (``ThroughputMonitor``, ``MFUMonitor``); the hand loop times its steps
+times, tokens and losses are its run record's (``ThroughputMonitor``), its FLOPs its step clock's
+sums (what ``MFUMonitor`` divides); the hand loop times its steps
 and reads its loss sums with the same step clock (``lit_ablate.callbacks.step_clock``: CUDA events on
 a GPU, each step read at the next step's end, never waiting for the device; the wall clock on a CPU),
 and counts FLOPs with the same ``batch_model_flops`` (per-document causal attention, the LM head
@@ -227,32 +228,40 @@ def wait_for_turn(clock: StepClock, lockstep: Lockstep) -> None:
 
 
 class TakesTurns(Callback):
-    """`lit-ablate fit`'s side of the lockstep: one turn per optimizer step, taken at its first micro-batch."""
+    """`lit-ablate fit`'s side of the lockstep: one turn per optimizer step, taken at its first micro-batch. At
+    the end it keeps each step's FLOPs as the step clock summed them (``batch_model_flops`` of every
+    micro-batch, what the run's MFU divides): known for every step, where the record leaves a step's MFU
+    null when it came out above 1 (a ceiling measured while the machine was slower)."""
 
     def __init__(self, lockstep: Lockstep) -> None:
         self.lockstep, self.step = lockstep, None
+        self.flops: list[float] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step != self.step:
             self.step = trainer.global_step
             wait_for_turn(RUNNING_CLOCKS[trainer], self.lockstep)
 
+    def on_train_end(self, trainer, pl_module) -> None:
+        clock = RUNNING_CLOCKS[trainer]
+        clock.finish()
+        self.flops = [clock.timing(step).flops for step in range(1, trainer.global_step + 1)]
+
 
 def lit_ablate_run(args: argparse.Namespace, lockstep: Lockstep) -> Side:
     """``lit-ablate fit`` of the config in this process; its run record's per-step figures."""
     with tempfile.TemporaryDirectory() as root:
         cli = _cli(fit_config(args, root), root, run=False)
-        cli.trainer.callbacks.append(TakesTurns(lockstep))
+        turns = TakesTurns(lockstep)
+        cli.trainer.callbacks.append(turns)
         cli.trainer.fit(cli.model, cli.datamodule)
         record = json.loads((Path(root) / "run.json").read_text())
-    side = Side(summary={**record["summary"], "profile": record.get("profile")})
-    ceiling = record["summary"]["mfu_ceilings"]["mfu_measured"]["tflops"]  # what its mfu_measured divides by
+    side = Side(summary={**record["summary"], "profile": record.get("profile")}, flops=turns.flops)
     for step in record["steps"]:
         seconds = step["step_time_s"]
         side.seconds.append(seconds)
         side.useful.append(round(step["useful_tokens_per_sec"] * seconds))
         side.tokens.append(round(step["tokens_per_sec"] * seconds))
-        side.flops.append(step["mfu_measured"] * ceiling * 1e12 * seconds)
         side.losses.append(step["loss"])
     return side
 
