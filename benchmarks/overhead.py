@@ -47,9 +47,10 @@ rest (the loop's own code and Lightning's hook dispatch).
     python benchmarks/overhead.py [--steps 60] [--repeats 3] [--clock cpu|wall] [--threads 1]
 ``--count`` runs each side twice and prints, per step, what each does instead of how long it takes:
 the ATen operators it dispatches (forward, backward and optimizer; on a GPU each one or more kernel
-launches) and the Python functions and builtins its main thread calls. Counts do not drift with the
-machine's speed: the same code gives the same counts on any CPU, so they show a difference of a few
-operators or a few hundred calls that no timing on a shared VM resolves.
+launches) and the Python functions and builtins its main thread calls. Counts hardly move with the
+machine's speed (the operators not at all; lit-ablate's calls by a few per step, its progress bar
+refreshing on a timer), so they show a difference of a few operators or a few hundred calls that no
+timing on a shared VM resolves.
 
     python benchmarks/overhead.py --profile [--steps 200]
     python benchmarks/overhead.py --count [--steps 25]
@@ -412,17 +413,25 @@ class StepCounts:
     ``last`` (``mark`` is the sides' clock meanwhile)."""
 
     def __init__(self, what: str, first: int, last: int) -> None:
-        self.what, self.first, self.last = what, first, last
+        self.first, self.last = first, last
         self.marks, self.total = 0, 0
         self.mode = _OperatorCount(self) if what == "ops" else None
 
     def mark(self) -> float:
         self.marks += 1
         if self.marks == self.first:
-            self.mode.__enter__() if self.mode else sys.setprofile(self._call)
+            self._count(True)
         elif self.marks == self.last:
-            self.mode.__exit__(None, None, None) if self.mode else sys.setprofile(None)
+            self._count(False)
         return time.perf_counter()
+
+    def _count(self, on: bool) -> None:
+        if self.mode is None:
+            sys.setprofile(self._call if on else None)
+        elif on:
+            self.mode.__enter__()
+        else:
+            self.mode.__exit__(None, None, None)
 
     def per_step(self) -> float:
         if self.marks < self.last:
