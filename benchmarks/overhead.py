@@ -54,6 +54,15 @@ timing on a shared VM resolves.
 
     python benchmarks/overhead.py --profile [--steps 200]
     python benchmarks/overhead.py --count [--steps 25]
+
+``--shape dispatch`` (any mode) runs the quickstart's layers, heads and operators at hidden size 8 on
+1 x 8 tokens: the same ATen operators and Python calls per step as the quickstart, with kernels of
+microseconds, so each loop's step is mostly dispatch, and what a loop adds beyond the hand loop's is
+a large part of its step instead of 1-3 % inside the kernels' noise: the framework's cost per step,
+measured in milliseconds with an interval (``RESULT *_extra_ms``, the median of the paired steps'
+differences).
+
+    python benchmarks/overhead.py --shape dispatch [--profile --steps 400]
 """
 
 from __future__ import annotations
@@ -96,6 +105,22 @@ WARMUP = 5
 LOSS_TOLERANCE = 1e-3
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 clock = CLOCKS["cpu"]
+SHAPES = {
+    "quickstart": [],
+    # The quickstart's layers, heads and operators at about no arithmetic: each step dispatches the same
+    # ATen operators and Python calls (``--count`` says so), its kernels take microseconds, so what the loops
+    # add beyond the hand loop is most of the difference between their steps and no longer lost in the
+    # kernels' noise.
+    "dispatch": [
+        "--model.init_args.model.config",
+        '{"hidden_size": 8, "intermediate_size": 8, "num_attention_heads": 2, "num_key_value_heads": 1}',
+        "--data.init_args.seq_len",
+        "8",
+        "--data.init_args.batch_size",
+        "1",
+    ],
+}
+shape_args = SHAPES["quickstart"]
 
 
 @dataclass
@@ -161,6 +186,7 @@ def _cli(steps: int, root: str) -> LitAblateCLI:
             root,
             "--trainer.limit_val_batches",
             "0",
+            *shape_args,
         ],
         run=False,
     )
@@ -487,11 +513,12 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--shape", choices=list(SHAPES), default="quickstart", help="quickstart's, or dispatch-bound")
     parser.add_argument("--profile", action="store_true", help="where each side's step time goes (one run each)")
     parser.add_argument("--count", action="store_true", help="each side's ATen operators and Python calls per step")
     args = parser.parse_args(argv)
-    global clock
-    clock = CLOCKS[args.clock]
+    global clock, shape_args
+    clock, shape_args = CLOCKS[args.clock], SHAPES[args.shape]
     torch.set_num_threads(args.threads)
     if args.profile:
         return profile(args.steps)
@@ -537,6 +564,15 @@ def main(argv: list[str]) -> None:
         results[f"{result}_low"], results[f"{result}_high"] = interval[:2]
         reading = "no difference" if interval[0] <= 1 <= interval[1] else ("slower" if interval[0] > 1 else "faster")
         print(f"| {label} | {results[result]:.3f} | {interval[0]:.3f}–{interval[1]:.3f} | {len(ratios)} | {reading} |")
+    print("\n| beyond the hand loop | ms per step, median of paired steps | 99% interval | pairs |\n|---|---|---|---|")
+    for result, label, side in (("lit_extra_ms", "lit-ablate fit", lit), ("trainer_extra_ms", "Trainer", hf)):
+        differences = [(a - b) * 1e3 for o, r in zip(side, hand) for a, b in zip(o.steps, r.steps)]
+        results[result] = statistics.median(differences)
+        interval = sign_interval(differences, 0.99)
+        shown = f"{interval[0]:.3f}–{interval[1]:.3f}" if interval else "too few pairs"
+        print(f"| {label} | {results[result]:.3f} | {shown} | {len(differences)} |")
+        if interval:
+            results[f"{result}_low"], results[f"{result}_high"] = interval[:2]
     print()
     for name, value in results.items():
         print(f"RESULT {name}={value:.3f}")

@@ -29,6 +29,7 @@ from lit_ablate.checkpoint_model import check_same_model, checkpoint_model_secti
 from lit_ablate.command_table import SUMMARIES
 from lit_ablate.cpu_half_matmuls import slow_bf16_matmuls
 from lit_ablate.errors import quoted_refusal
+from lit_ablate.no_profiler import NoProfiler
 from lit_ablate.rules import check_parts, check_run
 from lit_ablate.rules.paths import checkpoint_is_a_checkpoint
 from lit_ablate.run_config import RunConfig
@@ -104,6 +105,7 @@ class LitAblateCLI(LightningCLI):
         (Lightning's own choice without TensorBoard, made explicit so it does not warn about it);
         validate and test print their metrics and write nothing (no logger, no saved config), so
         evaluating a checkpoint adds no ``lightning_logs/version_N`` beside the run that wrote it.
+        Where it leaves ``trainer.profiler`` unset: ``NoProfiler`` (Lightning's default, minus its cost per hook).
         """
         silence_noise()
         trainer_args = {**self._get(self.config_init, "trainer", default={}), **kwargs}
@@ -119,9 +121,11 @@ class LitAblateCLI(LightningCLI):
             self.save_config_callback = None
             if trainer_args.get("logger") is None:
                 kwargs["logger"] = False
-        elif trainer_args.get("logger") is None:
+        elif trainer_args.get("logger") is None and not trainer_args.get("barebones"):  # barebones: no logger
             kwargs["logger"] = CSVLogger(save_dir=trainer_args.get("default_root_dir") or os.getcwd())
         kwargs.update(console_trainer_args(trainer_args, callbacks))
+        if trainer_args.get("profiler") is None and not trainer_args.get("barebones"):
+            kwargs["profiler"] = NoProfiler()
         trainer = super().instantiate_trainer(**kwargs)
         if isinstance(trainer.strategy, PipelineParallelStrategy) and not any(
             isinstance(c, PipelineBubbleMonitor) for c in trainer.callbacks

@@ -39,7 +39,10 @@ SMOKE: dict[str, tuple[list[str], set[str]]] = {
         ],
         {"cpu_mfu_measured", "cpu_lit_vs_hand", "cpu_useful_tokens_per_s"},
     ),
-    "overhead.py": (["--steps", "8", "--repeats", "1"], {"overhead_ratio", "vs_hf_trainer_ratio"}),
+    "overhead.py": (
+        ["--steps", "8", "--repeats", "1", "--shape", "dispatch"],
+        {"overhead_ratio", "vs_hf_trainer_ratio", "lit_extra_ms", "trainer_extra_ms"},
+    ),
     "packing.py": (
         ["--examples", "16", "--median", "16", "--max-len", "64", "--repeats", "1"],
         {"packing_speedup", "packing_speedup_vs_grouped"},

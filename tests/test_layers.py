@@ -55,6 +55,7 @@ GROUND = (
     "subnormals",
     "trackers",
     "process_exit",
+    "no_profiler",
 )
 LAYERS: list[tuple[str, ...]] = [  # bottom first
     tuple(f"lit_ablate.{name}" for name in GROUND),
