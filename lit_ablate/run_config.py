@@ -266,6 +266,20 @@ class StrategyChoice:
         return instantiate_class((), self.section.section)
 
 
+BAREBONES_OFF = (
+    "enable_checkpointing",
+    "logger",
+    "enable_progress_bar",
+    "log_every_n_steps",
+    "enable_model_summary",
+    "num_sanity_val_steps",
+    "fast_dev_run",
+    "detect_anomaly",
+    "profiler",
+)
+"""The ``trainer`` keys whose features ``barebones: true`` (Lightning's mode for timing its own loop) turns off."""
+
+
 @dataclass(frozen=True)
 class TrainerSettings:
     """``trainer``: where and how the run runs, as the config gives it (``None``: left to Lightning)."""
@@ -285,6 +299,9 @@ class TrainerSettings:
     strategy: StrategyChoice = field(default_factory=StrategyChoice)
     callbacks: tuple[str, ...] = ()
     """The ``class_path`` of each configured callback."""
+    barebones: bool = False
+    barebones_off: Mapping[str, Any] = field(default_factory=dict)
+    """The value the config gives each key of ``BAREBONES_OFF`` (absent: left unset)."""
 
     @classmethod
     def of(cls, trainer: Mapping[str, Any]) -> TrainerSettings:
@@ -307,6 +324,8 @@ class TrainerSettings:
                 for c in _as_list(trainer.get("callbacks"))
                 if isinstance(c, Mapping) and isinstance(c.get("class_path"), str)
             ),
+            barebones=bool(trainer.get("barebones")),
+            barebones_off={key: trainer[key] for key in BAREBONES_OFF if trainer.get(key) is not None},
         )
 
     @property

@@ -433,6 +433,15 @@ ROWS: dict[str, tuple[Build, tuple[str, ...]]] = {
     # --- trainer ----------------------------------------------------------------------------------
     "accumulate_zero_batches": (_fit("--trainer.accumulate_grad_batches", "0"), ("trainer.accumulate_grad_batches=0",)),
     "zero_max_steps": (_fit("--trainer.max_steps", "0"), ("trainer.max_steps=0", "at least 1 step")),
+    # Lightning raised both from inside Trainer (a stack trace), the second at the fit's start
+    "barebones_with_logging": (
+        _fit("--trainer.barebones", "true"),
+        ("trainer.log_every_n_steps=5", "trainer.barebones turns it off"),
+    ),
+    "barebones_with_a_checkpoint_callback": (
+        _fit("--trainer.barebones", "true", "--trainer.log_every_n_steps", "null"),
+        ("trainer.callbacks='lightning.pytorch.callbacks.ModelCheckpoint'", "turns checkpointing off"),
+    ),
     "gpu_accelerator_without_gpu": (
         _fit("--trainer.accelerator", "gpu"),
         ("trainer.accelerator='gpu'", "no CUDA device"),

@@ -335,6 +335,8 @@ def logs_step(trainer: Trainer, step: int) -> bool:
     about half a millisecond of host time per call. Its values reach ``trainer.callback_metrics`` on
     those steps; the progress bar shows the run's loss from the step clock instead
     (``StepMonitor.progress_bar_items``), read a step late, never waiting for the device."""
+    if trainer.barebones:  # Lightning's mode without logging: a logged value only brings its warning
+        return False
     every = trainer.log_every_n_steps
     return (every > 0 and step % every == 0) or trainer.should_stop or step == trainer.max_steps
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lit_ablate.class_paths import import_class
 from lit_ablate.errors import Refusal
 from lit_ablate.rules.registry import Scope, refusal_of, rule
 from lit_ablate.run_config import GPU_ACCELERATORS, RunConfig
@@ -82,6 +83,31 @@ def training_runs(run: RunConfig) -> Refusal | None:
             trainer.val_check_interval,
             "use a positive count of training batches, or a fraction of the epoch up to 1.0",
         )
+    return None
+
+
+@rule(Scope.CONFIG)
+def barebones_asks_for_nothing_it_turns_off(run: RunConfig) -> Refusal | None:
+    """``trainer.barebones`` turns off checkpointing, logging, the progress bar, the model summary, sanity
+    checks, ``fast_dev_run``, anomaly detection and profiling, and Lightning raises from inside ``Trainer``
+    (a stack trace) on a key that asks for one, the quickstart's ``log_every_n_steps: 5`` among them, or at
+    the fit's start on a checkpoint callback."""
+    trainer = run.trainer
+    if not trainer.barebones:
+        return None
+    fix = "trainer.barebones turns it off: set it to null (or trainer.barebones to false)"
+    for key, value in trainer.barebones_off.items():
+        if value is not False and value != 0:
+            return Refusal(f"trainer.{key}", value, fix)
+    from lightning.pytorch.callbacks import Checkpoint
+
+    for class_path in trainer.callbacks:
+        try:
+            callback = import_class(class_path)
+        except ImportError:
+            continue  # named in its own refusal
+        if isinstance(callback, type) and issubclass(callback, Checkpoint):
+            return Refusal("trainer.callbacks", class_path, "trainer.barebones turns checkpointing off: remove it")
     return None
 
 
