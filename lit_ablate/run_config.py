@@ -266,18 +266,19 @@ class StrategyChoice:
         return instantiate_class((), self.section.section)
 
 
-BAREBONES_OFF = (
-    "enable_checkpointing",
-    "logger",
-    "enable_progress_bar",
-    "log_every_n_steps",
-    "enable_model_summary",
-    "num_sanity_val_steps",
-    "fast_dev_run",
-    "detect_anomaly",
-    "profiler",
-)
-"""The ``trainer`` keys whose features ``barebones: true`` (Lightning's mode for timing its own loop) turns off."""
+BAREBONES_OFF: dict[str, Any] = {
+    "enable_checkpointing": False,
+    "logger": False,
+    "enable_progress_bar": False,
+    "log_every_n_steps": 0,
+    "enable_model_summary": False,
+    "num_sanity_val_steps": 0,
+    "fast_dev_run": False,
+    "detect_anomaly": False,
+    "profiler": None,
+}
+"""The ``trainer`` keys whose features ``barebones: true`` (Lightning's mode for timing its own loop) turns off,
+each with the value that asks for nothing (null also does, where the key takes it)."""
 
 
 @dataclass(frozen=True)

@@ -436,10 +436,10 @@ ROWS: dict[str, tuple[Build, tuple[str, ...]]] = {
     # Lightning raised both from inside Trainer (a stack trace), the second at the fit's start
     "barebones_with_logging": (
         _fit("--trainer.barebones", "true"),
-        ("trainer.log_every_n_steps=5", "trainer.barebones turns it off"),
+        ("trainer.log_every_n_steps=5", "trainer.barebones turns it off: set it to 0"),
     ),
     "barebones_with_a_checkpoint_callback": (
-        _fit("--trainer.barebones", "true", "--trainer.log_every_n_steps", "null"),
+        _fit("--trainer.barebones", "true", "--trainer.log_every_n_steps", "0"),  # the row above's fix
         ("trainer.callbacks='lightning.pytorch.callbacks.ModelCheckpoint'", "turns checkpointing off"),
     ),
     "gpu_accelerator_without_gpu": (

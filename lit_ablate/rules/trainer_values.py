@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import yaml
+
 from lit_ablate.class_paths import import_class
 from lit_ablate.errors import Refusal
 from lit_ablate.rules.registry import Scope, refusal_of, rule
-from lit_ablate.run_config import GPU_ACCELERATORS, RunConfig
+from lit_ablate.run_config import BAREBONES_OFF, GPU_ACCELERATORS, RunConfig
 
 
 @rule(Scope.CONFIG)
@@ -95,10 +97,10 @@ def barebones_asks_for_nothing_it_turns_off(run: RunConfig) -> Refusal | None:
     trainer = run.trainer
     if not trainer.barebones:
         return None
-    fix = "trainer.barebones turns it off: set it to null (or trainer.barebones to false)"
     for key, value in trainer.barebones_off.items():
-        if value is not False and value != 0:
-            return Refusal(f"trainer.{key}", value, fix)
+        if value != BAREBONES_OFF[key]:
+            off = yaml.safe_dump(BAREBONES_OFF[key]).split("\n", 1)[0]
+            return Refusal(f"trainer.{key}", value, f"trainer.barebones turns it off: set it to {off}")
     from lightning.pytorch.callbacks import Checkpoint
 
     for class_path in trainer.callbacks:
