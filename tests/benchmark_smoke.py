@@ -3,7 +3,8 @@ once rather than once per script (each import costs ~8 s on 2 cores); ``tests/te
 
     python tests/benchmark_smoke.py OUT_JSON SCRIPT_JSON
 
-``SCRIPT_JSON``: ``{"mfu.py": ["--steps", "3"], ...}``. Each script runs as ``__main__`` with its own
+``SCRIPT_JSON``: ``{"mfu.py": ["--steps", "3"], ...}``; a key ``script.py:mode`` runs the script once more
+with other arguments (``overhead.py:count``). Each script runs as ``__main__`` with its own
 ``sys.argv`` (``benchmarks/`` on ``sys.path``, as when it is run by hand), its output captured; one
 failing script does not stop the others. ``OUT_JSON`` gets per script its exit status, seconds, the
 ``RESULT`` lines parsed and the tail of its output.
@@ -25,7 +26,8 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 RESULT_LINE = re.compile(r"^RESULT (\S+?)=(.*)$", re.MULTILINE)
 
 
-def run(script: str, argv: list[str]) -> dict:
+def run(case: str, argv: list[str]) -> dict:
+    script = case.split(":", 1)[0]
     out = io.StringIO()
     started, status = time.perf_counter(), 0
     sys.argv = [str(BENCHMARKS / script), *argv]
@@ -51,7 +53,7 @@ def run(script: str, argv: list[str]) -> dict:
 def main() -> None:
     out, scripts = Path(sys.argv[1]), json.loads(sys.argv[2])
     sys.path.insert(0, str(BENCHMARKS))
-    results = {script: run(script, argv) for script, argv in scripts.items()}
+    results = {case: run(case, argv) for case, argv in scripts.items()}
     out.write_text(json.dumps(results, indent=1))
 
 

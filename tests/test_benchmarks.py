@@ -20,6 +20,12 @@ ROOT = Path(__file__).resolve().parents[1]
 NOT_BENCHMARKS = {"model_shapes.py", "kernels_here.py", "lockstep.py"}
 """Modules the benchmarks import, not scripts."""
 
+COUNTED_BUDGETS = {"lit_extra_ops_per_step": 36, "lit_extra_calls_per_step": 2200}
+"""What ``lit-ablate fit`` may do per step beyond the hand-written loop in the smoke's window (``overhead.py
+--count --shape dispatch --steps 9``: steps 6-8, none of them a logging step), measured at 34.0 ATen operators
+and 1,902 main-thread Python calls. Over 25 steps, logging steps included: 35.2 and 2,272
+(benchmarks/README.md, *overhead*)."""
+
 SMOKE: dict[str, tuple[list[str], set[str]]] = {
     "mfu.py": (  # eager layers: inductor's cold compile would add ~20 s here (compiled layers are tested elsewhere)
         [
@@ -43,6 +49,7 @@ SMOKE: dict[str, tuple[list[str], set[str]]] = {
         ["--steps", "8", "--repeats", "1", "--shape", "dispatch"],
         {"overhead_ratio", "vs_hf_trainer_ratio", "lit_extra_ms", "trainer_extra_ms"},
     ),
+    "overhead.py:count": (["--count", "--shape", "dispatch", "--steps", "9"], set(COUNTED_BUDGETS)),
     "packing.py": (
         ["--examples", "16", "--median", "16", "--max-len", "64", "--repeats", "1"],
         {"packing_speedup", "packing_speedup_vs_grouped"},
@@ -78,7 +85,8 @@ SMOKE: dict[str, tuple[list[str], set[str]]] = {
 
 def test_every_benchmark_has_a_smoke_case():
     scripts = {p.name for p in (ROOT / "benchmarks").glob("*.py")} - NOT_BENCHMARKS
-    assert scripts == set(SMOKE), f"benchmarks without a smoke case: {sorted(scripts - set(SMOKE))}"
+    cases = {case.split(":", 1)[0] for case in SMOKE}
+    assert scripts == cases, f"benchmarks without a smoke case: {sorted(scripts - cases)}"
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +128,14 @@ def test_lora_memory_s_state_estimate_equals_the_measured_bytes(smoke_runs):
     results = smoke_runs["lora_memory.py"]["results"]
     for setup in ("full", "lora", "qlora"):
         assert float(results[f"tiny_{setup}_state_estimate_over_measured"]) == pytest.approx(1.0, abs=0.01), results
+
+
+@pytest.mark.slow
+def test_the_framework_s_work_per_step_stays_within_its_budget(smoke_runs):
+    """Operators and Python calls per step are counted, not timed: the same on any machine and load (the
+    operators exactly, the calls within a few per step). Seen failing with Lightning's default profiler in
+    place of ``NoProfiler`` (2,526 calls per step) and with the step clock cloning its sums before the copy
+    (37 operators)."""
+    results = smoke_runs["overhead.py:count"]["results"]
+    over = {name: float(results[name]) for name, budget in COUNTED_BUDGETS.items() if float(results[name]) > budget}
+    assert not over, f"over the budget {COUNTED_BUDGETS}: {over}"
