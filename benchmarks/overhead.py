@@ -55,12 +55,12 @@ timing on a shared VM resolves.
     python benchmarks/overhead.py --profile [--steps 200]
     python benchmarks/overhead.py --count [--steps 25]
 
-``--shape dispatch`` (any mode) runs the quickstart's layers, heads and operators at hidden size 8 on
-1 x 8 tokens: the same ATen operators and Python calls per step as the quickstart, with kernels of
-microseconds, so each loop's step is mostly dispatch, and what a loop adds beyond the hand loop's is
-a large part of its step instead of 1-3 % inside the kernels' noise: the framework's cost per step,
-measured in milliseconds with an interval (``RESULT *_extra_ms``, the median of the paired steps'
-differences).
+``--shape dispatch`` (any mode) runs the quickstart's layers and heads at hidden size 8 on 1 x 8 tokens:
+nearly the same ATen operators per step as the quickstart (a few fewer in attention and the loss) and
+the same work of each loop beyond the hand loop's (``--count`` says so), with kernels of microseconds:
+each loop's step is mostly dispatch, and what a loop adds beyond the hand loop's is a large part of its
+step instead of 1-3 % inside the kernels' noise: the framework's cost per step, measured in milliseconds
+with an interval (``RESULT *_extra_ms``, the median of the paired steps' differences).
 
     python benchmarks/overhead.py --shape dispatch [--profile --steps 400]
 """
@@ -107,10 +107,9 @@ CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 clock = CLOCKS["cpu"]
 SHAPES = {
     "quickstart": [],
-    # The quickstart's layers, heads and operators at about no arithmetic: each step dispatches the same
-    # ATen operators and Python calls (``--count`` says so), its kernels take microseconds, so what the loops
-    # add beyond the hand loop is most of the difference between their steps and no longer lost in the
-    # kernels' noise.
+    # The quickstart's layers and heads at about no arithmetic: nearly its operators, the same work of each
+    # loop beyond the hand loop's (``--count`` says so), kernels of microseconds, so what the loops add is a
+    # large part of their steps and no longer lost in the kernels' noise.
     "dispatch": [
         "--model.init_args.model.config",
         '{"hidden_size": 8, "intermediate_size": 8, "num_attention_heads": 2, "num_key_value_heads": 1}',
