@@ -62,7 +62,7 @@ LAYERS: list[tuple[str, ...]] = [  # bottom first
     ("lit_ablate.models",),
     ("lit_ablate.data",),
     ("lit_ablate.strategies",),
-    ("lit_ablate.run_config",),
+    ("lit_ablate.run_config", "lit_ablate.strategy_choice", "lit_ablate.class_choice"),
     ("lit_ablate.estimate",),
     ("lit_ablate.callbacks",),
     ("lit_ablate.modules",),

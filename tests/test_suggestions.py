@@ -22,7 +22,7 @@ from lit_ablate.errors import ConfigError
 from lit_ablate.models.factory import ModelFactory
 from lit_ablate.modules.causal_lm import CausalLM
 from lit_ablate.modules.dpo import DPO
-from lit_ablate.run_config import strategy_class_path
+from lit_ablate.strategy_choice import strategy_class_path
 
 SUGGESTED_KEY = re.compile(r"(?:did you mean|set) (model\.init_args\.[\w.]+)")
 

@@ -7,13 +7,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from lit_ablate.class_choice import class_default
 from lit_ablate.config_keys import NOT_GIVEN, PairedKey, ignored_key
 from lit_ablate.errors import ConfigError, Refusal
 from lit_ablate.mesh_sizes import MESH_DIMS, STRATEGY_OPTIONS_KEY
 from lit_ablate.models.adapters.quantization import QUANTIZATION_KEY, QuantizationOptions
 from lit_ablate.rules.batch_rows import DATA_OPTIONS
 from lit_ablate.rules.registry import Scope, rule
-from lit_ablate.run_config import RunConfig, class_default
+from lit_ablate.run_config import RunConfig
 from lit_ablate.strategies.context_parallel import ContextParallelSteps
 from lit_ablate.strategies.expert_parallel import ExpertParallelSteps
 from lit_ablate.strategies.fsdp2 import FullyShardSteps
