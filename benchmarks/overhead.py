@@ -385,6 +385,7 @@ def install_profiler() -> ExclusiveTimes:
         (CallbackHandler, "call_event", "Trainer: callbacks (progress bar, printer)"),
         (Trainer, "_maybe_log_save_evaluate", "Trainer: logging"),
         (Trainer, "training_step", "Trainer: training_step, compute_loss"),
+        (Trainer, "_clip_grad_norm", "clip_grad_norm_"),  # accelerate clips with its own function, not torch's
         (Trainer, "get_batch_samples", "Trainer: batch fetch, token count"),
     ):
         times.patch(owner, name, label)
