@@ -70,6 +70,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import operator
 import statistics
 import sys
 import tempfile
@@ -107,9 +108,6 @@ CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 clock = CLOCKS["cpu"]
 SHAPES = {
     "quickstart": [],
-    # The quickstart's layers and heads at about no arithmetic: nearly its operators, the same work of each
-    # loop beyond the hand loop's (``--count`` says so), kernels of microseconds, so what the loops add is a
-    # large part of their steps and no longer lost in the kernels' noise.
     "dispatch": [
         "--model.init_args.model.config",
         '{"hidden_size": 8, "intermediate_size": 8, "num_attention_heads": 2, "num_key_value_heads": 1}',
@@ -555,7 +553,7 @@ def main(argv: list[str]) -> None:
         ("overhead_ratio", "lit-ablate ÷ hand-written", hand),
         ("vs_hf_trainer_ratio", "lit-ablate ÷ Trainer", hf),
     ):
-        ratios = paired_ratios(lit, base)
+        ratios = paired(lit, base, operator.truediv)
         results[result] = statistics.median(ratios)
         interval = sign_interval(ratios, 0.99)
         if interval is None:
@@ -566,7 +564,7 @@ def main(argv: list[str]) -> None:
         print(f"| {label} | {results[result]:.3f} | {interval[0]:.3f}–{interval[1]:.3f} | {len(ratios)} | {reading} |")
     print("\n| beyond the hand loop | ms per step, median of paired steps | 99% interval | pairs |\n|---|---|---|---|")
     for result, label, side in (("lit_extra_ms", "lit-ablate fit", lit), ("trainer_extra_ms", "Trainer", hf)):
-        differences = [(a - b) * 1e3 for o, r in zip(side, hand) for a, b in zip(o.steps, r.steps)]
+        differences = paired(side, hand, lambda a, b: (a - b) * 1e3)
         results[result] = statistics.median(differences)
         interval = sign_interval(differences, 0.99)
         shown = f"{interval[0]:.3f}–{interval[1]:.3f}" if interval else "too few pairs"
@@ -590,9 +588,10 @@ def lockstep_round(sides: dict[str, Callable[[int], Run]], order: list[str], ste
         clock = own_clock
 
 
-def paired_ratios(ours: list[Run], base: list[Run]) -> list[float]:
-    """Step k of ours over step k of the base, each round's steps after warm-up."""
-    return [a / b for o, r in zip(ours, base) for a, b in zip(o.steps, r.steps)]
+def paired(ours: list[Run], base: list[Run], combine: Callable[[float, float], float]) -> list[float]:
+    """``combine`` of step k of ours and step k of the base (their ratio, their difference), each round's
+    steps after warm-up: a pair ran beside each other, so the machine's drift cancels in it."""
+    return [combine(a, b) for o, r in zip(ours, base) for a, b in zip(o.steps, r.steps)]
 
 
 if __name__ == "__main__":
