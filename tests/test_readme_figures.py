@@ -2,9 +2,11 @@
 
 A headline row is ``| `study` | finding |`` (or ``| `gpu/<kind>-<date>` | ... |``, a GPU lane run, whose
 report is that folder's README.md); each decimal figure of the finding (``9.54e-07``, ``39.7``,
-``1.89×``, ``95.3%``) must appear in ``benchmarks/results/<study>/report.md``, written the same way up to
-the multiplication sign (reports write ``x``). Seen failing on the README as it was: ``liger_vs_cce``'s
-``9.6e-04``, a rounding of the report's 9.56e-04.
+``1.89×``, ``95.3%``) and each whole percentage (``48%``) must appear in
+``benchmarks/results/<study>/report.md``, written the same way up to the multiplication sign (reports
+write ``x``). Seen failing on the README as it was: ``liger_vs_cce``'s
+``9.6e-04``, a rounding of the report's 9.56e-04; and, once whole percentages counted, the H200 lane's
+row quoting the seed's MFU as ``60-62%`` where the lane's report writes 0.60-0.62.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import pytest
 
 ROOT = Path(__file__).parents[1]
 ROW = re.compile(r"^\| `([\w/-]+)` \| (.+) \|$", re.MULTILINE)
-FIGURE = re.compile(r"(?<![\w.])\d+\.\d+(?:e[-+]\d+)?")
+FIGURE = re.compile(r"(?<![\w.])\d+\.\d+(?:e[-+]\d+)?|(?<![\w.])\d+%")
+"""A decimal figure, or a whole percentage with its sign (``48%``: a share of step time, of tokens)."""
 
 
 def headline_rows() -> list[tuple[str, str]]:
