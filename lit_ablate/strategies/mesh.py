@@ -410,13 +410,12 @@ class MeshStrategy(ModelParallelStrategy, StrategyInterface):
             if every_tensor_held and not targets:
                 raise RuntimeError(f"{type(self).__name__}: no parameter or buffer {name!r} after the steps")
             for target in targets:
-                piece = (
-                    distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
-                    if isinstance(target, DTensor)
-                    else value
-                )
                 with torch.no_grad():
-                    target.copy_(piece)
+                    if isinstance(target, DTensor):  # local to local: DTensor's copy_ would plan a sharding per tensor
+                        piece = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
+                        target.to_local().copy_(piece.to_local())
+                    else:
+                        target.copy_(value)
 
     # ---------------------------------------------------------------- around a step
     def step_context(self) -> ExitStack:
