@@ -41,13 +41,13 @@ CUDA the allocator's peak includes them; the difference is reported as ``untrack
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
 from torch import nn
 from torch.distributed._tools.common_utils import get_untyped_storages
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _UpdateType
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _UpdateType, _WeakRefInfo
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_flatten
@@ -71,11 +71,19 @@ _ALLOCATIONS = {
 copy-in operators, which make them ``transient``)."""
 
 
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
 def compiled_graphs() -> int:
     """Graphs ``torch.compile`` has made in this process so far (0: no compiled code to run eagerly)."""
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+def _storages(t: torch.Tensor) -> Iterable[torch.UntypedStorage]:
+    """A tensor's storages: a plain tensor's one, or each inner tensor's of a subclass (DTensor, NF4)."""
+    return (t.untyped_storage(),) if type(t) in _PLAIN else get_untyped_storages(t)
 
 
 def optimizer_states(optimizer: Optimizer) -> list[torch.Tensor]:
@@ -134,6 +142,7 @@ class TensorCategoryTracker(MemTracker):
         self.categories: tuple[str, ...] = (*CATEGORIES, *extra)
         self._ref_class = self.categories  # MemTracker keys its running totals by these
         self._extra_of = {id(m): name for name, tops in extra.items() for top in tops for m in top.modules()}
+        self._modules_and_extras: list[tuple[nn.Module, str | None]] = []
         self._own: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._frozen: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._untracked_is_transient = False
@@ -148,6 +157,7 @@ class TensorCategoryTracker(MemTracker):
     # --- the caller's interface -----------------------------------------------------------------
     def enter(self) -> None:
         """Start counting: what the rank holds now is its own state (parameters, gradients, optimizer)."""
+        self._modules_and_extras = [(m, self._extra_of.get(id(m))) for m in self.module.modules()]
         for p in [*self.module.parameters(), *self.module.buffers()]:
             for storage in get_untyped_storages(p):
                 self._own[storage] = True
@@ -196,30 +206,45 @@ class TensorCategoryTracker(MemTracker):
         self.claim()
 
     def claim(self) -> None:
-        """Re-categorise what the rank holds now: parameters, their gradients, optimizer states."""
-        for module in self.module.modules():
-            extra = self._extra_of.get(id(module))
-            for tensors, owned in (
-                (module.parameters(recurse=False), "params"),
-                (module.buffers(recurse=False), "params"),
-            ):
+        """Re-categorise what the rank holds now: parameters, their gradients, optimizer states.
+
+        Called at every module's first forward and after every module's backward, so it reads the
+        modules' own parameter and buffer tables (whatever a strategy registered there now) and each
+        plain tensor's one storage directly: torch's generic walk made it a third of a tracked step."""
+        for module, extra in self._modules_and_extras:
+            for tensors in (module._parameters.values(), module._buffers.values()):
                 for p in tensors:
-                    storages = get_untyped_storages(p)
+                    if p is None:
+                        continue
+                    storages = _storages(p)
                     own = any(s in self._own for s in storages)
-                    frozen = any(s in self._frozen for s in storages)
-                    self._update_and_maybe_create_winfos(
-                        p, extra or (("frozen_params" if frozen else owned) if own else "transient")
+                    frozen = own and any(s in self._frozen for s in storages)
+                    self._assign(
+                        storages, p.device, extra or (("frozen_params" if frozen else "params") if own else "transient")
                     )
                     grad = p.grad if p.is_leaf else None  # a non-leaf's (FSDP1's views) has none, and asking warns
                     if grad is not None:
-                        self._update_and_maybe_create_winfos(grad, extra or ("grads" if own else "transient"))
+                        self._assign(_storages(grad), grad.device, extra or ("grads" if own else "transient"))
         for optimizer in self.optimizers:
             for state in optimizer_states(optimizer):
-                self._update_and_maybe_create_winfos(state, "optimizer")
+                self._assign(_storages(state), state.device, "optimizer")
         for category, tensors in self.held().items():
             for tensor in tensors:
-                self._update_and_maybe_create_winfos(tensor, category)
+                self._assign(_storages(tensor), tensor.device, category)
         self._update_statistics()
+
+    def _assign(self, storages: Iterable[torch.UntypedStorage], device: torch.device, category: str) -> None:
+        """``MemTracker._update_and_maybe_create_winfos`` on storages already found: each takes ``category``."""
+        for storage in storages:
+            winfo, _ = self._WINFO.get(storage, (None, None))
+            if winfo is None:
+                winfo, ref = _WeakRefInfo.create_winfo(storage, device, category, self._delete_callback)
+                self._WINFO[storage] = (winfo, ref)
+                if winfo.mem_consumed > 0:
+                    self._update_snap(_UpdateType.ADD, winfo)
+            elif winfo.reftype != category:
+                old, winfo.reftype = winfo.reftype, category
+                self._update_snap(_UpdateType.REF, winfo, old_reftype=old)
 
     # --- MemTracker overrides -------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # MemTracker's signature
