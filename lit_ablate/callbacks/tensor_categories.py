@@ -49,7 +49,9 @@ from torch import nn
 from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _UpdateType, _WeakRefInfo
 from torch.distributed._tools.mod_tracker import ModTracker
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -82,8 +84,13 @@ def compiled_graphs() -> int:
 
 
 def _storages(t: torch.Tensor) -> Iterable[torch.UntypedStorage]:
-    """A tensor's storages: a plain tensor's one, or each inner tensor's of a subclass (DTensor, NF4)."""
-    return (t.untyped_storage(),) if type(t) in _PLAIN else get_untyped_storages(t)
+    """A tensor's storages: its own one, a DTensor's local tensor's, or each inner tensor's of another
+    wrapper subclass (NF4). The first two directly: torch's generic walk takes 7 us for a DTensor."""
+    while type(t) is DTensor:
+        t = t._local_tensor
+    if type(t) in _PLAIN or not is_traceable_wrapper_subclass(t):
+        return (t.untyped_storage(),)
+    return get_untyped_storages(t)
 
 
 def optimizer_states(optimizer: Optimizer) -> list[torch.Tensor]:
