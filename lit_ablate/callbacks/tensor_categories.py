@@ -166,7 +166,7 @@ class TensorCategoryTracker(MemTracker):
         """Start counting: what the rank holds now is its own state (parameters, gradients, optimizer)."""
         self._modules_and_extras = [(m, self._extra_of.get(id(m))) for m in self.module.modules()]
         for p in [*self.module.parameters(), *self.module.buffers()]:
-            for storage in get_untyped_storages(p):
+            for storage in _storages(p):
                 self._own[storage] = True
                 if isinstance(p, nn.Parameter) and not p.requires_grad:
                     self._frozen[storage] = True
